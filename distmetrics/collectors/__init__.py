@@ -1,0 +1,1 @@
+"""Per-rank collectors: each measures and hands the reducer samples at a log step."""

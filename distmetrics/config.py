@@ -1,0 +1,306 @@
+"""Configuration: one dataclass tree, from keyword arguments or YAML.
+
+Field names follow Megatron's ``LoggerConfig`` where the meaning is the same, so a Megatron
+user recognises them. Every field is checked at construction: an unknown key, a wrong type or
+an impossible value raises ``ValueError`` naming the key, the value given and what is
+accepted, before any collective is issued, so no rank can hang on a typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+__all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A configuration key, type or value that is not accepted."""
+
+
+@dataclass(kw_only=True)
+class TensorInspectConfig:
+    """Tensor statistics selected by an nvdlfw-inspect features file (mirrors Megatron-Bridge)."""
+
+    enabled: bool = False
+    """Turn tensor inspection on."""
+    features: Optional[Union[str, dict]] = None
+    """Path of a YAML features file, or the same content inline as a mapping."""
+    feature_dirs: Optional[list] = None
+    """Folders of feature definitions; default: TransformerEngine's when installed, else ours."""
+    allow_custom_feature_dirs: bool = False
+    """Custom feature folders run code: they are refused unless this is true."""
+    log_dir: Optional[str] = None
+    """Where nvdlfw-inspect writes its own logs (default: ``{output_dir}/tensor_inspect``)."""
+    init_training_step: int = 0
+    """The training step the inspector starts counting from (set it when resuming)."""
+
+    def __post_init__(self) -> None:
+        _check_types(self, "tensor_inspect.")
+        if self.init_training_step < 0:
+            raise ConfigError(
+                f"tensor_inspect.init_training_step={self.init_training_step!r}: "
+                "accepted values are integers >= 0"
+            )
+        if self.enabled and self.features is None:
+            raise ConfigError(
+                "tensor_inspect.features=None while tensor_inspect.enabled=True: "
+                "give a features YAML path or an inline mapping"
+            )
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Everything the monitor does, in one place. Units are in the field names or docs."""
+
+    # --- where and how often -------------------------------------------------------------
+    log_interval: int = 10
+    """Reduce and write every this many optimizer steps (Megatron's ``log_interval``)."""
+    output_dir: str = "runs/default"
+    """Folder for ``metrics.jsonl``, ``progress.txt`` and (by default) TensorBoard events."""
+    writer_rank: Literal["first", "last"] = "first"
+    """Which rank writes: ``first`` (rank 0) or ``last`` (world-1, where Megatron's loss lives)."""
+    json_log: bool = True
+    """Write ``{output_dir}/metrics.jsonl``, one JSON object per record."""
+    console: bool = True
+    """Write one line per log step through Python ``logging`` (logger ``distmetrics``)."""
+    verbosity: int = 0
+    """Console detail: -1 eval lines only, 0 one line per log step, 1 adds telemetry."""
+    log_progress: bool = True
+    """Append Megatron-format lines to ``{output_dir}/progress.txt``."""
+    total_steps: Optional[int] = None
+    """Planned optimizer steps, for progress percentage and ETA."""
+
+    # --- TensorBoard / W&B ---------------------------------------------------------------
+    tensorboard: bool = True
+    """Write TensorBoard event files (needs the ``tensorboard`` package)."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard folder; default ``{output_dir}/tensorboard``."""
+    wandb_project: Optional[str] = None
+    """W&B project; W&B is used only when this is set."""
+    wandb_exp_name: Optional[str] = None
+    """W&B run name."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)."""
+    wandb_save_dir: Optional[str] = None
+    """Folder for W&B files; default ``{output_dir}``."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """W&B mode; ``offline`` writes a local run that ``wandb sync`` uploads later."""
+
+    # --- timers --------------------------------------------------------------------------
+    timing_log_level: int = 0
+    """-1 off, 0 iteration time only, 1 coarse timers, 2 fine timers (Megatron's levels)."""
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    """How timers are reduced across ranks (Megatron's option names)."""
+    log_timers_to_tensorboard: bool = True
+    """Send timer values to TensorBoard/W&B too (they always go to JSONL)."""
+    barrier_with_L1_time: bool = True
+    """Level-1 timers pass ``barrier=True`` in Megatron code; honour it (a real barrier)."""
+
+    # --- norms ---------------------------------------------------------------------------
+    log_grad_norm: bool = True
+    """Log the total gradient norm (pre-clip) and ``grad_clip_ratio``."""
+    log_grad_norm_per_module: bool = True
+    """Log ``grad_norm/<module>`` (Megatron's ``log_l2_norm_grad_to_tensorboard``)."""
+    module_norm_depth: Optional[int] = None
+    """Per-module norms down to this many name levels; None: every module owning parameters."""
+    log_params_norm: bool = False
+    """Log ``param_norm`` and ``param_norm/<module>`` on log steps."""
+    log_update_norm: bool = False
+    """Log ``update_norm``, ``relative_update_norm``, ``effective_lr_ratio`` on log steps."""
+    update_norm_snapshot: Literal["device", "cpu"] = "device"
+    """Where the pre-step copy of local shards lives on log steps."""
+
+    # --- throughput, hardware ------------------------------------------------------------
+    log_throughput: bool = True
+    """Log tokens/s, step time, TFLOP/s/GPU, MFU and ETA."""
+    flops_per_token: Optional[float] = None
+    """Training FLOPs per token (forward+backward); enables TFLOP/s and MFU."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one GPU for MFU; default looked up for the detected GPU."""
+    dtype: Literal["bf16", "fp16", "tf32", "fp32", "fp8"] = "bf16"
+    """Math precision, selecting the peak used for MFU."""
+    log_memory: bool = True
+    """Log host RSS and CUDA memory statistics (max across ranks, with the rank)."""
+    log_energy: bool = False
+    """Log GPU energy (NVML counters) and power."""
+    log_gpu_telemetry: bool = False
+    """Log GPU clocks, temperature, utilisation and throttle reasons on log steps."""
+
+    # --- health and eval -----------------------------------------------------------------
+    spike_factor: float = 5.0
+    """A value above this many times its moving average is a spike."""
+    log_validation_ppl_to_tensorboard: bool = True
+    """Write ``eval/ppl`` = exp(eval loss) with eval records."""
+
+    tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
+    """Tensor statistics from an nvdlfw-inspect features file."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_inspect, dict):
+            self.tensor_inspect = _build(TensorInspectConfig, self.tensor_inspect, "tensor_inspect.")
+        _check_types(self, "")
+        _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
+        _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")
+        _require(self, "timing_log_level", self.timing_log_level in (-1, 0, 1, 2), "-1, 0, 1 or 2")
+        _require(self, "total_steps", self.total_steps is None or self.total_steps >= 1,
+                 "None or integers >= 1")
+        _require(self, "module_norm_depth", self.module_norm_depth is None or self.module_norm_depth >= 1,
+                 "None or integers >= 1")
+        _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
+        for name in ("flops_per_token", "peak_tflops"):
+            value = getattr(self, name)
+            _require(self, name, value is None or value > 0, "None or numbers > 0")
+        _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
+
+    # --- construction --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict, overrides: Optional[list[str]] = None) -> "MetricsConfig":
+        """Build from a mapping (as read from YAML), then apply ``key=value`` overrides."""
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
+        merged = _apply_overrides(dict(values), overrides or [])
+        return _build(cls, merged, "")
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path], overrides: Optional[list[str]] = None) -> "MetricsConfig":
+        """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"metrics config file {str(path)!r} does not exist")
+        try:
+            values = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"metrics config file {str(path)!r} is not valid YAML: {err}") from None
+        return cls.from_dict(values or {}, overrides)
+
+    def replace(self, **changes: Any) -> "MetricsConfig":
+        """A copy with some keys changed (checked like the constructor)."""
+        values = self.to_dict()
+        values.update(changes)
+        return MetricsConfig.from_dict(values)
+
+    def to_dict(self, redact: bool = False) -> dict:
+        """Plain mapping of every key; ``redact`` hides values whose key looks secret."""
+        values = dataclasses.asdict(self)
+        return _redact(values) if redact else values
+
+    @property
+    def resolved_tensorboard_dir(self) -> str:
+        """The TensorBoard folder actually used."""
+        return self.tensorboard_dir or str(Path(self.output_dir) / "tensorboard")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["a=1", "tensor_inspect.enabled=true"]`` → nested mapping with YAML-typed values."""
+    return _apply_overrides({}, items)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+_SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def _redact(values: Any) -> Any:
+    if isinstance(values, dict):
+        out = {}
+        for k, v in values.items():
+            secret = any(word in str(k).lower() for word in _SECRET_WORDS) and v is not None
+            out[k] = "***" if secret and not isinstance(v, dict) else _redact(v)
+        return out
+    return values
+
+
+def _apply_overrides(values: dict, items: list[str]) -> dict:
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        value = yaml.safe_load(raw) if raw.strip() else None
+        target = values
+        parts = key.split(".")
+        for part in parts[:-1]:
+            existing = target.get(part)
+            if existing is None:
+                existing = target[part] = {}
+            elif dataclasses.is_dataclass(existing):
+                existing = target[part] = dataclasses.asdict(existing)
+            elif not isinstance(existing, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            target = existing
+        target[parts[-1]] = value
+    return values
+
+
+def _build(cls: type, values: dict, prefix: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown config key {prefix}{key!r} (value {values[key]!r}){hint} "
+                f"Accepted keys: {', '.join(sorted(known))}"
+            )
+    return cls(**values)
+
+
+def _require(obj: Any, name: str, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={getattr(obj, name)!r}: accepted values are {accepted}")
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        expected = hints[f.name]
+        if not _matches(value, expected):
+            raise ConfigError(
+                f"{prefix}{f.name}={value!r} has type {type(value).__name__}; "
+                f"accepted: {_describe(expected)}"
+            )
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    if expected is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(expected))
+    if origin is Literal:
+        return value in typing.get_args(expected)
+    if expected is type(None):
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, expected)
+
+
+def _describe(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(expected))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(expected))
+    if expected is type(None):
+        return "None"
+    return getattr(expected, "__name__", str(expected))

@@ -1,0 +1,125 @@
+"""Accumulating values over the steps of one log interval, on device, with no host sync.
+
+Between log steps a value is only added into a running tensor (or a Python float when the
+user passed numbers): no ``.item()``, no comparison that would force the host to wait for
+the device. At the log step :meth:`IntervalStats.samples` hands the reducer one
+:class:`~distmetrics.reduce.Sample` per name and the interval starts again.
+
+Interval semantics per reduce kind: ``mean`` is Σ value·weight / Σ weight over steps (and then
+ranks); ``sum`` is the total; ``max``/``min``/``minmax`` the extremes over steps; ``all`` each
+rank's mean over its steps. ``last=True`` keeps only the latest value (the learning rate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .reduce import Sample, check_reduce
+
+__all__ = ["IntervalStats"]
+
+Number = Union[int, float, torch.Tensor]
+
+
+@dataclass
+class _Slot:
+    reduce: str
+    last: bool
+    value: Optional[Number] = None  # Σ v·w (mean/all), Σ v (sum), running max (max/minmax)
+    weight: Number = 0.0  # Σ w (mean), count (all)
+    low: Optional[Number] = None  # running min (min/minmax)
+
+
+class IntervalStats:
+    """Per-name accumulators for one log interval."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, _Slot] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slots and self._slots[name].value is not None
+
+    def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0,
+               last: bool = False) -> None:
+        """Add one step's value. Tensors are detached and kept on their device."""
+        check_reduce(name, reduce)
+        slot = self._slots.get(name)
+        if slot is None:
+            slot = self._slots[name] = _Slot(reduce, last)
+        elif slot.reduce != reduce:
+            raise ValueError(
+                f"metric {name!r} was recorded with reduce={slot.reduce!r}, now reduce={reduce!r}; "
+                "a name keeps one reduce kind"
+            )
+        value = _detach(value)
+        weight = _detach(weight)
+        if slot.last:
+            slot.value, slot.weight, slot.low = value, 1.0, value
+            return
+        if reduce == "mean":
+            slot.value = _add(slot.value, value * weight)
+            slot.weight = _add(slot.weight, weight)
+        elif reduce == "all":
+            slot.value = _add(slot.value, value)
+            slot.weight = _add(slot.weight, 1.0)
+        elif reduce == "sum":
+            slot.value = _add(slot.value, value)
+        else:
+            if reduce in ("max", "minmax"):
+                slot.value = _extreme(slot.value, value, torch.maximum, max)
+            if reduce in ("min", "minmax"):
+                slot.low = _extreme(slot.low, value, torch.minimum, min)
+                if reduce == "min":
+                    slot.value = slot.low
+
+    def samples(self) -> list[Sample]:
+        """This interval's samples (one per name recorded since the last call); then reset."""
+        out: list[Sample] = []
+        for name, slot in self._slots.items():
+            if slot.value is None:
+                continue
+            if slot.last:
+                out.append(Sample(name, slot.value, slot.reduce))
+            elif slot.reduce == "mean":
+                out.append(Sample(name, slot.value, "mean", weight=slot.weight, summed=True))
+            elif slot.reduce == "all":
+                out.append(Sample(name, slot.value / slot.weight, "all"))
+            elif slot.reduce == "min":
+                out.append(Sample(name, slot.low, "min"))
+            elif slot.reduce == "minmax":
+                out.append(Sample(name, slot.value, "minmax", low=slot.low))
+            else:
+                out.append(Sample(name, slot.value, slot.reduce))
+        self._slots = {n: _Slot(s.reduce, s.last) for n, s in self._slots.items()}
+        return out
+
+
+def _detach(v: Number) -> Number:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"expected a number or a 1-element tensor, got a tensor of shape {tuple(v.shape)}")
+        # float64 so that token counts and long sums stay exact.
+        return v.detach().reshape(()).to(torch.float64)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"expected a number or a 1-element tensor, got {type(v).__name__}: {v!r}")
+    return float(v)
+
+
+def _add(total: Optional[Number], v: Number) -> Number:
+    return v if total is None else total + v
+
+
+def _extreme(current: Optional[Number], v: Number, tensor_op, number_op) -> Number:
+    if current is None:
+        return v
+    if isinstance(current, torch.Tensor) or isinstance(v, torch.Tensor):
+        a = current if isinstance(current, torch.Tensor) else torch.full_like(v, current)
+        b = v if isinstance(v, torch.Tensor) else torch.full_like(a, v)
+        return tensor_op(a, b.to(a.device))
+    if math.isnan(current) or math.isnan(v):
+        return math.nan  # NaN is never hidden by an extreme
+    return number_op(current, v)

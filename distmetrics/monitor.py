@@ -1,0 +1,282 @@
+"""The Monitor: what a training loop calls once per optimizer step.
+
+::
+
+    monitor = dm.Monitor(dm.MetricsConfig.from_yaml("configs/metrics.yaml"), model=model, optimizer=opt)
+    for step in range(1, total_steps + 1):
+        loss = train_one_step(...)
+        monitor.step(step, loss=loss, tokens=n_tokens, lr=lr)
+    monitor.close()
+
+Every rank calls every method. Between log steps the monitor only adds into device tensors:
+no ``.item()``, no collective. At a log step (``step % log_interval == 0``) each collector
+hands over its samples, the reducer combines all of them in at most one collective per
+reduce kind, and the writer rank (first or last) sends the result to the sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .collectors.throughput import ThroughputCollector
+from .collectors.timers import TimerCollector, Timers
+from .config import MetricsConfig
+from .interval import IntervalStats
+from .parallel import Layout, RankInfo, detect_layout
+from .reduce import Reducer, Sample, check_reduce
+from .sinks import SinkSet
+from .sinks.console import ConsoleSink
+from .sinks.jsonl import JsonlSink
+from .sinks.progress import ProgressSink
+
+__all__ = ["Monitor"]
+
+logger = logging.getLogger("distmetrics")
+Number = Union[int, float, torch.Tensor]
+
+
+class Monitor:
+    """Collects, reduces and writes the metrics of a (distributed) training run.
+
+    Args:
+        config: a :class:`MetricsConfig` (or a mapping of its keys).
+        model: the model (for norms); optional.
+        optimizer: the optimizer (for update norms); optional.
+        group: process group to reduce over (default: the world).
+        device_mesh: the user's ``DeviceMesh``, to read tensor/pipeline coordinates from
+            its dimension names when Megatron's ``parallel_state`` is not in use.
+        sinks: extra sink objects (``log(metrics, step, kind)``/``close()``, plus ``name`` and
+            ``fix`` strings), used on the writer rank beside the configured ones.
+    """
+
+    def __init__(self, config: Union[MetricsConfig, dict, None] = None, model: Optional[torch.nn.Module] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, group: Any = None,
+                 device_mesh: Any = None, sinks: tuple = ()) -> None:
+        if config is None:
+            config = MetricsConfig()
+        elif isinstance(config, dict):
+            config = MetricsConfig.from_dict(config)
+        elif not isinstance(config, MetricsConfig):
+            raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}")
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.layout: Layout = detect_layout(device_mesh)
+        self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        writer = 0 if config.writer_rank == "first" else self.world_size - 1
+        self.writer_rank = writer
+        self.is_writer = self.rank == writer
+        self._group = group
+        self._train_reducer = Reducer(group)
+        self._eval_reducer = Reducer(group)
+        self._stats = IntervalStats()
+        self._steps_in_interval = 0
+        self._last_step: Optional[int] = None
+        self._closed = False
+        self.last_metrics: dict[str, Any] = {}
+        self._train_loss_since_eval: list[tuple[float, float]] = []
+
+        self.hosts = self._gather_hosts()
+        self.timers = Timers(config.timing_log_level, config.timing_log_option,
+                             barrier_with_L1_time=config.barrier_with_L1_time)
+        self._timer_collector = TimerCollector(self.timers, config.timing_log_option, self.hosts)
+        self._step_timer = self.timers("step", log_level=0) if config.timing_log_level >= 0 else None
+        self._throughput = ThroughputCollector(self.world_size, config.flops_per_token,
+                                               config.peak_tflops, config.total_steps)
+        self.sinks = SinkSet()
+        if self.is_writer:
+            self._open_sinks(sinks)
+
+    # --- the per-step API ----------------------------------------------------------------
+    def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
+             lr: Optional[Number] = None, **scalars: Number) -> Optional[dict[str, Any]]:
+        """Record one optimizer step; on a log step reduce and write, returning the metrics.
+
+        ``loss`` is averaged across ranks and the interval's steps weighted by ``tokens``
+        (weight 1 when ``tokens`` is None); a rank passing ``loss=None`` (a pipeline stage
+        without the loss) does not count. ``tokens`` are the tokens this rank processed in the
+        step (its data-parallel share). Extra ``scalars`` are interval means under ``train/``.
+        Returns the reduced metrics (on every rank) at a log step, else None.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r}: accepted values are integers >= 0")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
+        self._last_step = step
+        if loss is not None:
+            self._stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
+        if tokens is not None:
+            self._stats.record("train/_tokens", tokens if self.layout.is_data_representative else 0.0, "sum")
+        if lr is not None:
+            self._stats.record("train/lr", lr, "mean", last=True)
+        for name, value in scalars.items():
+            self._stats.record(name if "/" in name else f"train/{name}", value, "mean")
+        if self._step_timer is not None:
+            if self._step_timer._started:
+                self._step_timer.stop()
+            self._step_timer.start()
+        self._steps_in_interval += 1
+        if step % self.config.log_interval == 0:
+            return self._log(step)
+        return None
+
+    def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
+        """Record a value for this interval, reduced across ranks as ``reduce``.
+
+        ``reduce`` is one of sum, mean, max, min, minmax, all. Over the interval's steps a
+        mean is averaged (weighted by ``weight``), a sum added, max/min kept extreme, and
+        ``all`` averaged per rank. The name is used as given (e.g. ``train/grad_scale``).
+        """
+        self._check_open()
+        check_reduce(name, reduce)
+        self._stats.record(name, value, reduce, weight=weight)
+
+    def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
+                 **scalars: Number) -> dict[str, Any]:
+        """Reduce evaluation results now and write an ``eval`` record (every rank calls this).
+
+        ``loss`` is token-weighted across ranks (ranks with ``loss=None`` don't count);
+        ``eval/ppl`` = exp(loss) and ``eval/gap`` = eval loss − train loss since the last eval.
+        """
+        self._check_open()
+        samples = []
+        if loss is not None:
+            samples.append(Sample("eval/loss", _as_number(loss), "mean",
+                                  weight=1.0 if tokens is None else _as_number(tokens)))
+        for name, value in scalars.items():
+            samples.append(Sample(name if "/" in name else f"eval/{name}", _as_number(value), "mean"))
+        reduced = self._eval_reducer.reduce(samples)
+        metrics = reduced.to_metrics()
+        eval_loss = metrics.get("eval/loss")
+        if isinstance(eval_loss, float):
+            if self.config.log_validation_ppl_to_tensorboard:
+                metrics["eval/ppl"] = math.exp(min(eval_loss, 700.0))
+            total_w = sum(w for _, w in self._train_loss_since_eval)
+            if total_w > 0:
+                train_mean = sum(v * w for v, w in self._train_loss_since_eval) / total_w
+                metrics["eval/gap"] = eval_loss - train_mean
+        self._train_loss_since_eval = []
+        self._write(metrics, step, "eval")
+        self._throughput.restart_clock()  # eval time is not training time
+        return metrics
+
+    def close(self) -> None:
+        """Write the unfinished interval (a collective: every rank calls it), then close sinks."""
+        if self._closed:
+            return
+        try:
+            if self._steps_in_interval > 0 and self._last_step is not None:
+                self._log(self._last_step)
+        finally:
+            self._closed = True
+            self.sinks.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # another rank may be gone: no collective, just close the files
+            self._closed = True
+            self.sinks.close()
+
+    # --- the log step --------------------------------------------------------------------
+    def _log(self, step: int) -> dict[str, Any]:
+        steps = self._steps_in_interval
+        samples = self._stats.samples()
+        samples += self._timer_collector.samples(steps)
+        if self.config.log_throughput:
+            samples += self._throughput.samples(steps)
+        reduced = self._train_reducer.reduce(samples)
+        metrics = reduced.to_metrics()
+        self._timer_collector.finalize(metrics)
+        if self.config.log_throughput:
+            self._throughput.finalize(metrics, step)
+        if "timers/step" in metrics and "train/step_time_ms" not in metrics:
+            metrics["train/step_time_ms"] = metrics["timers/step"]
+        tokens = metrics.pop("train/_tokens", None)
+        loss = metrics.get("train/loss")
+        if isinstance(loss, float):
+            self._train_loss_since_eval.append((loss, tokens if tokens else 1.0))
+        metrics = {k: v for k, v in metrics.items() if "/_" not in k}
+        self._steps_in_interval = 0
+        self._write(metrics, step, "train")
+        self.last_metrics = metrics
+        return metrics
+
+    def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        if self.is_writer:
+            self.sinks.log(metrics, step, kind)
+
+    # --- set-up --------------------------------------------------------------------------
+    def _gather_hosts(self) -> list[RankInfo]:
+        mine = RankInfo(self.rank, socket.gethostname(), self.layout.local_rank, os.getpid())
+        if self.world_size == 1 or not dist.is_initialized():
+            return [mine]
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, mine)
+        return rows
+
+    def _open_sinks(self, extra: tuple) -> None:
+        cfg = self.config
+        out = Path(cfg.output_dir)
+        if cfg.json_log:
+            self.sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), "jsonl", JsonlSink.fix)
+        if cfg.console:
+            self.sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), "console", ConsoleSink.fix)
+        if cfg.log_progress:
+            self.sinks.add(lambda: ProgressSink(out / "progress.txt", self.world_size), "progress",
+                           ProgressSink.fix)
+        if cfg.tensorboard:
+            from .sinks.tensorboard import TensorBoardSink
+
+            self.sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, cfg.log_timers_to_tensorboard),
+                           "tensorboard", TensorBoardSink.fix)
+        if cfg.wandb_project and cfg.wandb_mode != "disabled":
+            from .sinks.wandb import WandbSink
+
+            self.sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,
+                                             cfg.wandb_save_dir or str(out), cfg.wandb_mode,
+                                             cfg.to_dict(redact=True), cfg.log_timers_to_tensorboard),
+                           "wandb", WandbSink.fix)
+        self.sinks.sinks.extend(extra)
+        self.sinks.log(self._run_record(), 0, "run")
+
+    def _run_record(self) -> dict[str, Any]:
+        from . import __version__
+
+        return {
+            "world_size": self.world_size,
+            "writer_rank": self.writer_rank,
+            "hosts": sorted({h.hostname for h in self.hosts}),
+            "ranks": [{"rank": h.rank, "host": h.hostname, "local_rank": h.local_rank} for h in self.hosts],
+            "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "layout": self.layout.source,
+            "torch_version": torch.__version__,
+            "distmetrics_version": __version__,
+            "python_version": platform.python_version(),
+            "argv": sys.argv,
+            "config": self.config.to_dict(redact=True),
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Monitor is closed; create a new one to record more")
+
+
+def _as_number(v: Number) -> Number:
+    if isinstance(v, torch.Tensor):
+        return v.detach().reshape(()).to(torch.float64)
+    return v

@@ -1,0 +1,89 @@
+"""Sinks: where the writer rank sends reduced metrics.
+
+A sink is a small class with one verb and a close: ``log(metrics, step, kind)`` and
+``close()``. :class:`SinkSet` fans out to the enabled ones; a sink that raises (package
+missing, network down, disk full) is reported once with the fix and dropped, and the others
+go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Protocol
+
+from ..reduce import PerRank
+
+__all__ = ["Sink", "SinkSet", "numeric_items"]
+
+logger = logging.getLogger("distmetrics")
+
+
+class Sink(Protocol):
+    """What every sink implements."""
+
+    name: str
+    """Short name used in warnings (``jsonl``, ``tensorboard``, ...)."""
+    fix: str
+    """What to do when it fails, e.g. ``pip install distmetrics[wandb]``."""
+
+    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SinkSet:
+    """The writer rank's sinks. A failing sink warns once, naming itself and the fix."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+        self.sinks: list[Sink] = list(sinks)
+        self.failed: dict[str, str] = {}
+
+    def add(self, factory, name: str, fix: str) -> None:
+        """Create a sink; if creating it raises, warn once and go on without it."""
+        try:
+            self.sinks.append(factory())
+        except Exception as err:  # noqa: BLE001 - any failure of an optional sink is survivable
+            self._fail(name, fix, err)
+
+    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.log(metrics, step, kind)
+            except Exception as err:  # noqa: BLE001
+                self.sinks.remove(sink)
+                self._fail(sink.name, sink.fix, err)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001
+                self._fail(sink.name, sink.fix, err)
+        self.sinks = []
+
+    def _fail(self, name: str, fix: str, err: BaseException) -> None:
+        if name in self.failed:
+            return
+        self.failed[name] = f"{type(err).__name__}: {err}"
+        logger.warning("distmetrics: the %s sink failed (%s: %s) and is off for the rest of the run; "
+                       "the other sinks go on. Fix: %s", name, type(err).__name__, err, fix)
+
+
+def numeric_items(metrics: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """(name, value) for scalar numbers and :class:`PerRank` vectors; strings and flags skipped."""
+    for name, value in metrics.items():
+        if isinstance(value, bool):
+            yield name, float(value)
+        elif isinstance(value, (int, float)):
+            yield name, value
+        elif isinstance(value, PerRank):
+            yield name, value
+
+
+def per_rank_summary(values: PerRank) -> dict[str, float]:
+    """max/min/mean of the ranks that have a value (what TensorBoard and W&B get for ``all``)."""
+    present = [v for v in values.present() if not math.isnan(v)]
+    if not present:
+        return {}
+    return {"max": max(present), "min": min(present), "mean": sum(present) / len(present)}

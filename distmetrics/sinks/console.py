@@ -1,0 +1,153 @@
+"""Console sink: one plain-text line per log step through Python ``logging`` on the writer rank.
+
+::
+
+    :: step 100/8000 [ 1.2%] \\ loss 2.3456 | norm 0.1234 | 125.3k tok/s | 156 ms | mfu 41.2 | eta 02h15m
+    >> eval step 500 | loss 2.1234 | gap +0.0123 | ppl 8.36
+
+``\\`` or ``/``: the loss fell or rose since the last log step; ``!`` before the norm: a
+gradient spike (``health/grad_spike``). Fields that were not measured are left out. Under
+``timing_log_option`` minmax/all a Megatron-style block follows::
+
+    (min, max) time across ranks (ms):
+        forward-backward ...............................: (10.12, 30.54)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Any, Optional
+
+__all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
+
+LOGGER_NAME = "distmetrics.console"
+
+
+class ConsoleSink:
+    name = "console"
+    fix = "check the logging configuration"
+
+    def __init__(self, verbosity: int = 0, total_steps: Optional[int] = None) -> None:
+        self.verbosity = verbosity
+        self.total_steps = total_steps
+        self.logger = logging.getLogger(LOGGER_NAME)
+        if self.logger.level == logging.NOTSET:
+            self.logger.setLevel(logging.INFO)
+        if not self.logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            self.logger.addHandler(handler)
+        self._last_loss: Optional[float] = None
+
+    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        if kind == "train" and self.verbosity >= 0:
+            loss = metrics.get("train/loss")
+            self.logger.info(format_train_line(metrics, step, self.total_steps, self._last_loss,
+                                               telemetry=self.verbosity >= 1))
+            if isinstance(loss, float) and math.isfinite(loss):
+                self._last_loss = loss
+            block = format_timer_block(metrics)
+            if block:
+                self.logger.info(block)
+        elif kind == "eval":
+            self.logger.info(format_eval_line(metrics, step))
+        elif kind == "alert":
+            self.logger.warning("!! step %d: %s", step, metrics.get("message", metrics))
+
+    def close(self) -> None:
+        pass
+
+
+def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,
+                      last_loss: Optional[float] = None, telemetry: bool = False) -> str:
+    """The one-line summary of a train record."""
+    head = f":: step {step}"
+    if total_steps:
+        head += f"/{total_steps} [{100.0 * step / total_steps:4.1f}%]"
+    loss = m.get("train/loss")
+    trend = " "
+    if isinstance(loss, float) and last_loss is not None and math.isfinite(loss):
+        trend = "\\" if loss < last_loss else ("/" if loss > last_loss else "=")
+    fields = []
+    if loss is not None:
+        fields.append(f"loss {_num(loss, '.4f')}")
+    if "grad_norm" in m:
+        spike = "!" if m.get("health/grad_spike") else ""
+        fields.append(f"norm {spike}{_num(m['grad_norm'], '.4f')}")
+    if "train/tokens_per_sec" in m:
+        fields.append(f"{_si(m['train/tokens_per_sec'])} tok/s")
+    if "train/step_time_ms" in m:
+        fields.append(f"{m['train/step_time_ms']:.0f} ms")
+    if "train/mfu_pct" in m:
+        fields.append(f"mfu {m['train/mfu_pct']:.1f}")
+    if "moe/aux_loss" in m:
+        fields.append(f"aux {_num(m['moe/aux_loss'], '.4f')}")
+    if "moe/load_imbalance" in m:
+        fields.append(f"imbal {_num(m['moe/load_imbalance'], '.2f')}")
+    if "train/eta_s" in m:
+        fields.append(f"eta {format_duration(m['train/eta_s'])}")
+    if telemetry:
+        for key in ("memory/max_allocated_gib", "memory/host_rss_gib", "power/mean_w", "gpu/temperature_c"):
+            if key in m:
+                fields.append(f"{key.split('/', 1)[1]} {_num(m[key], '.1f')}")
+    return f"{head} {trend} " + " | ".join(fields)
+
+
+def format_eval_line(m: dict[str, Any], step: int) -> str:
+    """The one-line summary of an eval record."""
+    fields = [f">> eval step {step}"]
+    if "eval/loss" in m:
+        fields.append(f"loss {_num(m['eval/loss'], '.4f')}")
+    if "eval/gap" in m:
+        fields.append(f"gap {m['eval/gap']:+.4f}")
+    if "eval/ppl" in m:
+        fields.append(f"ppl {_num(m['eval/ppl'], '.2f')}")
+    if "eval/tokens_per_sec" in m:
+        fields.append(f"{_si(m['eval/tokens_per_sec'])} tok/s")
+    if "eval/time_ms" in m:
+        fields.append(f"{m['eval/time_ms']:.0f} ms")
+    return " | ".join(fields)
+
+
+def format_timer_block(m: dict[str, Any]) -> str:
+    """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``."""
+    rows = []
+    for key, value in m.items():
+        if key.startswith("timers/") and key.endswith("/min"):
+            name = key[len("timers/"):-len("/min")]
+            high = m.get(f"timers/{name}")
+            if isinstance(high, (int, float)):
+                rows.append(f"    {name} {'.' * max(1, 48 - len(name))}: ({value:.2f}, {high:.2f})")
+    if not rows:
+        return ""
+    return "(min, max) time across ranks (ms):\n" + "\n".join(rows)
+
+
+def format_duration(seconds: float) -> str:
+    """``02h15m`` / ``3d04h`` / ``45s``."""
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours:02d}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes:02d}m{s:02d}s"
+    return f"{s}s"
+
+
+def _num(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else str(v)
+
+
+def _si(v: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.1f}{unit}"
+    return f"{v:.1f}"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a virtual environment with everything distmetrics, its tests and its demos need.
+# Idempotent: a second run only checks. torch is pinned to the CPU build that these machines
+# install from a local file (any other spec downloads GBs of CUDA packages); on a GPU machine
+# set DISTMETRICS_TORCH to the torch spec you want.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DISTMETRICS_VENV:-.venv}
+TORCH_SPEC=${DISTMETRICS_TORCH:-torch==2.13.0}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch, distmetrics, tensorboard, wandb, megatron.core, nvdlfw_inspect, pytest" 2>/dev/null; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "$TORCH_SPEC"
+  "$PY" -m pip install -q -e ".[all,dev]"
+fi
+"$PY" -c "import torch, distmetrics; print(f'distmetrics {distmetrics.__version__}, torch {torch.__version__}')"

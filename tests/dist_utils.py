@@ -1,0 +1,114 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each returns.
+
+Every scenario of a test module runs inside one spawn where it can (2 cores here), and the
+parent kills the workers after a timeout, so a hang fails a test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, env: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env or {}), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results[rank] = value
+    except Exception as err:  # queue.Empty: some rank hung
+        errors.append(f"timed out after {timeout}s waiting for ranks ({type(err).__name__}); "
+                      f"finished: {sorted(results)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives and Tensor.item() calls (patched at the module
+    boundary the library calls through)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+             "all_gather_single", "broadcast", "barrier", "reduce_scatter_tensor", "gather", "scatter",
+             "all_to_all", "reduce", "broadcast_object_list", "gather_object")
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.items = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> "CollectiveCounter":
+        import torch
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def wrapper(*a, __orig=original, **k):
+                self.collectives += 1
+                return __orig(*a, **k)
+
+            setattr(dist, name, wrapper)
+        original_item = torch.Tensor.item
+        self._saved["item"] = original_item
+
+        def item(t, __orig=original_item):
+            self.items += 1
+            return __orig(t)
+
+        torch.Tensor.item = item
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            if name == "item":
+                torch.Tensor.item = original
+            else:
+                setattr(dist, name, original)

@@ -1,0 +1,208 @@
+"""The Monitor on 3 real gloo ranks: loss weighting, writer rank, sinks read back, no
+collective or host sync on non-log steps, and a failing sink that does not stop the run."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import CollectiveCounter, run_ranks
+
+WORLD = 3
+INTERVAL = 4
+STEPS = 8
+
+
+def loss_of(rank: int, step: int):
+    """Rank 2 is a pipeline stage without the loss."""
+    return None if rank == 2 else 1.0 + 0.1 * rank + 0.01 * step * step
+
+
+def tokens_of(rank: int, step: int) -> int:
+    return 10 * (rank + 1) + step
+
+
+class BrokenSink:
+    name = "broken"
+    fix = "nothing: this sink always fails"
+
+    def log(self, metrics, step, kind):
+        raise OSError("disk full")
+
+    def close(self):
+        pass
+
+
+def _train(rank: int, world: int, root: str) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    out: dict = {}
+    cfg = dm.MetricsConfig(output_dir=f"{root}/first/rank{rank}", log_interval=INTERVAL, timing_log_level=-1,
+                           wandb_project="distmetrics-test", wandb_mode="offline",
+                           wandb_save_dir=f"{root}/first/rank{rank}", wandb_exp_name="core-test", total_steps=STEPS)
+    monitor = dm.Monitor(cfg, sinks=(BrokenSink(),))
+    logs = {}
+    counts = []
+    for step in range(1, STEPS + 1):
+        loss = loss_of(rank, step)
+        if rank == 1 and step == 6:
+            loss = math.nan  # a NaN must reach the JSONL file and be read back as NaN
+        with CollectiveCounter() as counter:
+            monitor.record("probe/max", float(10 * rank + step), reduce="max")
+            m = monitor.step(step, loss=None if loss is None else torch.tensor(loss),
+                             tokens=torch.tensor(tokens_of(rank, step)), lr=0.001 * step,
+                             grad_scale=float(rank))
+        counts.append((step, counter.collectives, counter.items))
+        if m is not None:
+            logs[step] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+    out["logs"] = logs
+    out["counts"] = counts
+    eval_metrics = monitor.log_eval(STEPS, loss=torch.tensor(2.0 + rank), tokens=100 * (rank + 1))
+    out["eval"] = eval_metrics
+    out["failed_sinks"] = dict(monitor.sinks.failed)
+    monitor.close()
+
+    # writer_rank: last
+    with dm.Monitor(dm.MetricsConfig(output_dir=f"{root}/last/rank{rank}", writer_rank="last",
+                                     log_interval=2, tensorboard=False)) as last:
+        for step in (1, 2):
+            last.step(step, loss=1.0)
+        out["last_is_writer"] = last.is_writer
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("monitor")
+    results = run_ranks(_train, WORLD, str(root))
+    return root, results
+
+
+def expected_loss(steps) -> float:
+    num = den = 0.0
+    for step in steps:
+        for rank in range(WORLD):
+            loss = loss_of(rank, step)
+            if loss is None:
+                continue
+            num += loss * tokens_of(rank, step)
+            den += tokens_of(rank, step)
+    return num / den
+
+
+def test_train_loss_is_the_token_weighted_mean_over_ranks_and_steps(run):
+    _, results = run
+    logs = results[0]["logs"]
+    assert set(logs) == {4, 8}
+    assert logs[4]["train/loss"] == pytest.approx(expected_loss(range(1, 5)), rel=1e-7)  # inputs are float32 tensors
+    assert all(r["logs"][4]["train/loss"] == logs[4]["train/loss"] for r in results)
+
+
+def test_nan_loss_on_one_rank_makes_the_interval_nan(run):
+    _, results = run
+    assert math.isnan(results[0]["logs"][8]["train/loss"])
+
+
+def test_lr_is_the_last_value_and_scalars_are_interval_means(run):
+    _, results = run
+    logs = results[0]["logs"]
+    assert logs[4]["train/lr"] == pytest.approx(0.004)
+    assert logs[4]["train/grad_scale"] == pytest.approx((0 + 1 + 2) / 3)
+    assert logs[8]["probe/max"] == 28.0 and logs[8]["probe/max/max_rank"] == 2
+
+
+def test_tokens_per_second_counts_every_rank_once(run):
+    _, results = run
+    logs = results[0]["logs"]
+    tokens = sum(tokens_of(r, s) for r in range(WORLD) for s in range(1, 5))
+    assert logs[4]["train/consumed_tokens"] == tokens
+    assert logs[8]["train/consumed_tokens"] == sum(tokens_of(r, s) for r in range(WORLD) for s in range(1, 9))
+
+
+def test_no_collective_and_no_item_on_non_log_steps(run):
+    _, results = run
+    for r in results:
+        for step, collectives, items in r["counts"]:
+            if step % INTERVAL:
+                assert (collectives, items) == (0, 0), f"step {step}"
+            else:
+                assert collectives <= 3 + (1 if step == INTERVAL else 0), f"step {step}: {collectives}"
+
+
+def test_only_the_writer_rank_creates_files(run):
+    root, results = run
+    assert sorted(p.name for p in (root / "first" / "rank0").iterdir()) == \
+        ["metrics.jsonl", "progress.txt", "tensorboard", "wandb"]
+    assert not (root / "first" / "rank1").exists() and not (root / "first" / "rank2").exists()
+    assert [r["last_is_writer"] for r in results] == [False, False, True]
+    assert (root / "last" / "rank2" / "metrics.jsonl").exists()
+    assert not (root / "last" / "rank0").exists() and not (root / "last" / "rank1").exists()
+
+
+def test_jsonl_parses_line_by_line_and_keeps_nan(run):
+    root, _ = run
+    import distmetrics as dm
+
+    lines = (root / "first" / "rank0" / "metrics.jsonl").read_text().splitlines()
+    raw = [json.loads(line) for line in lines]  # strict JSON: every line parses on its own
+    assert [r["kind"] for r in raw] == ["run", "train", "train", "eval", "train"] or \
+        [r["kind"] for r in raw] == ["run", "train", "train", "eval"]
+    assert raw[0]["world_size"] == WORLD and raw[0]["config"]["log_interval"] == INTERVAL
+    records = list(dm.read_jsonl(root / "first" / "rank0" / "metrics.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[0]["step"] == 4 and train[0]["train/loss"] == pytest.approx(expected_loss(range(1, 5)))
+    assert math.isnan(train[1]["train/loss"])
+
+
+def test_tensorboard_events_read_back_with_the_jsonl_tags(run):
+    root, _ = run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root / "first" / "rank0" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "eval/loss", "eval/ppl"} <= tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [4, 8]
+    assert loss[0].value == pytest.approx(expected_loss(range(1, 5)), rel=1e-6)
+
+
+def test_wandb_offline_run_reads_back(run):
+    root, _ = run
+    from tests.wandb_reader import read_offline_run
+
+    wb = read_offline_run(str(root / "first" / "rank0"))
+    assert wb["run_name"] == "core-test"
+    assert wb["config"]["log_interval"] == INTERVAL
+    rows = [row for row in wb["history"] if "train/loss" in row]
+    assert [row["_step"] for row in rows] == [4, 8]
+    assert rows[0]["train/loss"] == pytest.approx(expected_loss(range(1, 5)))
+    assert math.isnan(rows[1]["train/loss"])
+
+
+def test_progress_txt_has_megatrons_format(run):
+    root, _ = run
+    line = (root / "first" / "rank0" / "progress.txt").read_text().splitlines()[0]
+    timestamp, job, gpus, message = line.split("\t")
+    assert len(timestamp) == 19 and job.startswith("Job ID: ") and gpus == f"# GPUs: {WORLD}"
+    assert message == "Starting job"
+
+
+def test_a_failing_sink_warns_once_and_the_others_go_on(run):
+    root, results = run
+    assert "broken" in results[0]["failed_sinks"] and "disk full" in results[0]["failed_sinks"]["broken"]
+    records = list((root / "first" / "rank0" / "metrics.jsonl").read_text().splitlines())
+    assert len(records) >= 4  # run + 2 train + eval were all written after the failure
+
+
+def test_eval_is_token_weighted_with_ppl_and_gap(run):
+    _, results = run
+    ev = results[0]["eval"]
+    expected = sum((2.0 + r) * 100 * (r + 1) for r in range(WORLD)) / sum(100 * (r + 1) for r in range(WORLD))
+    assert ev["eval/loss"] == pytest.approx(expected)
+    assert ev["eval/ppl"] == pytest.approx(math.exp(expected))
+    # the gap is to the train loss since the last eval, whose second interval is NaN
+    assert math.isnan(ev["eval/gap"])

@@ -1,0 +1,148 @@
+"""The reducer on 4 real gloo ranks: every reduce kind against values computed by hand, ranks
+holding different names, and the collective count (≤ 1 per kind in steady state)."""
+
+import math
+
+import pytest
+
+from tests.dist_utils import run_ranks
+
+WORLD = 4
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    import torch
+
+    from distmetrics.reduce import Reducer, Sample
+
+    out = {}
+    # 1. one of each kind; values known per rank.
+    r = Reducer()
+    samples = [
+        Sample("s", float(rank + 1), "sum"),
+        Sample("m", torch.tensor(10.0 * rank), "mean", weight=rank + 1),
+        Sample("hi", float([3, 9, 1, 9][rank]), "max"),
+        Sample("lo", float([3, -2, 5, 7][rank]), "min"),
+        Sample("mm", float([4, 8, -6, 0][rank]), "minmax"),
+        Sample("every", 1.5 * rank, "all"),
+    ]
+    res = r.reduce(samples)
+    out["kinds"] = (res.values, res.maxima, res.minima, {k: list(v) for k, v in res.per_rank.items()})
+    out["first_collectives"] = r.collectives
+    before = r.collectives
+    r.reduce(samples)
+    out["steady_collectives"] = r.collectives - before
+    out["negotiations_after_two"] = r.negotiations
+
+    # 2. ranks hold different names: rank 2 alone has "only2"; rank 0 lacks "m"; later a new name.
+    r2 = Reducer()
+    mine = [Sample("shared", 1.0, "sum"), Sample("w", float(rank), "mean", weight=0.0 if rank == 3 else 1.0)]
+    if rank == 2:
+        mine.append(Sample("only2", 42.0, "max"))
+    if rank != 0:
+        mine.append(Sample("m", float(rank), "mean"))
+        mine.append(Sample("g", float(rank), "all"))
+    res2 = r2.reduce(mine)
+    out["union"] = (res2.values, res2.maxima, {k: list(v) for k, v in res2.per_rank.items()})
+    before = r2.collectives
+    if rank == 1:
+        mine.append(Sample("late", -5.0, "min"))
+    res3 = r2.reduce(mine)
+    out["late"] = (res3.minima.get("late"), res3.values["shared"], r2.collectives - before, r2.negotiations)
+    # 3. a name that disappears everywhere is simply absent, without renegotiating.
+    before = r2.collectives
+    res4 = r2.reduce([s for s in mine if s.name != "only2"])
+    out["dropped"] = ("only2" in res4.maxima, r2.collectives - before)
+
+    # 4. NaN on one rank wins both extremes; the rank is reported.
+    r3 = Reducer()
+    res = r3.reduce([Sample("n", math.nan if rank == 3 else float(rank), "minmax")])
+    out["nan"] = (res.maxima["n"], res.minima["n"])
+
+    # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
+    r4 = Reducer()
+    try:
+        r4.reduce([Sample("c", 1.0, "sum" if rank == 0 else "mean")])
+        out["conflict"] = None
+    except ValueError as err:
+        out["conflict"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_scenarios, WORLD)
+
+
+def test_each_reduce_kind_matches_hand_computed_values(results):
+    values, maxima, minima, per_rank = results[0]["kinds"]
+    assert values["s"] == 1 + 2 + 3 + 4
+    # mean weighted by rank+1: Σ 10r(r+1) / Σ (r+1)
+    assert values["m"] == pytest.approx(sum(10 * r * (r + 1) for r in range(4)) / sum(r + 1 for r in range(4)))
+    assert maxima["hi"] == (9.0, 1)  # tie between ranks 1 and 3: the lowest rank is named
+    assert minima["lo"] == (-2.0, 1)
+    assert maxima["mm"] == (8.0, 1) and minima["mm"] == (-6.0, 2)
+    assert per_rank["every"] == [0.0, 1.5, 3.0, 4.5]
+
+
+def test_every_rank_gets_the_same_result(results):
+    assert all(r["kinds"] == results[0]["kinds"] for r in results)
+
+
+def test_steady_state_issues_one_collective_per_kind(results):
+    # MAX pack (max/min/minmax + control lanes), SUM pack (sum/mean), ALL gather: three kinds.
+    assert results[0]["steady_collectives"] == 3
+    # the first reduction adds one negotiation (all_gather_object of the names)
+    assert results[0]["first_collectives"] == 4
+    assert results[0]["negotiations_after_two"] == 1
+
+
+def test_ranks_with_different_names_get_the_union_without_mixing(results):
+    values, maxima, per_rank = results[0]["union"]
+    assert values["shared"] == 4.0
+    assert values["w"] == pytest.approx((0 + 1 + 2) / 3)  # rank 3 has weight 0
+    assert values["m"] == pytest.approx((1 + 2 + 3) / 3)  # rank 0 has no "m"
+    assert maxima["only2"] == (42.0, 2)
+    assert per_rank["g"] == [None, 1.0, 2.0, 3.0]
+
+
+def test_a_new_name_on_one_rank_renegotiates_once(results):
+    late_min, shared, collectives, negotiations = results[0]["late"]
+    assert late_min == (-5.0, 1)
+    assert shared == 4.0
+    # MAX pack raises the flag → negotiation → MAX again → SUM → ALL
+    assert collectives == 5 and negotiations == 2
+
+
+def test_a_name_gone_everywhere_is_absent_without_renegotiation(results):
+    present, collectives = results[0]["dropped"]
+    assert not present and collectives == 3
+
+
+def test_nan_on_one_rank_is_never_hidden(results):
+    (high, high_rank), (low, low_rank) = results[0]["nan"]
+    assert math.isnan(high) and math.isnan(low) and high_rank == 3 and low_rank == 3
+
+
+def test_conflicting_kinds_raise_on_every_rank(results):
+    for r in results:
+        assert r["conflict"] is not None and "'c'" in r["conflict"] and "same reduce kind" in r["conflict"]
+
+
+def test_single_process_reduction_needs_no_process_group():
+    import torch
+
+    from distmetrics.reduce import Reducer, Sample
+
+    res = Reducer().reduce([Sample("a", torch.tensor(2.0), "mean", weight=3.0), Sample("b", 1.0, "minmax"),
+                            Sample("c", 4.0, "all"), Sample("z", 5.0, "mean", weight=0.0)])
+    assert res.values == {"a": 2.0}
+    assert res.maxima["b"] == (1.0, 0) and res.minima["b"] == (1.0, 0)
+    assert list(res.per_rank["c"]) == [4.0]
+
+
+def test_unknown_reduce_kind_is_rejected():
+    from distmetrics.reduce import Sample
+
+    with pytest.raises(ValueError, match="reduce='median' is not one of sum, mean, max, min, minmax, all"):
+        Sample("x", 1.0, "median")
