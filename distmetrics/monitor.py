@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .collectors.norms import NormCollector
 from .collectors.throughput import ThroughputCollector
 from .collectors.timers import TimerCollector, Timers
 from .config import MetricsConfig
@@ -93,6 +94,17 @@ class Monitor:
         self._step_timer = self.timers("step", log_level=0) if config.timing_log_level >= 0 else None
         self._throughput = ThroughputCollector(self.world_size, config.flops_per_token,
                                                config.peak_tflops, config.total_steps)
+        self._norms: Optional[NormCollector] = None
+        if model is not None:
+            self._norms = NormCollector(
+                model, self.layout, group, depth=config.module_norm_depth,
+                per_module=config.log_grad_norm_per_module, log_grad_norm=config.log_grad_norm,
+                log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
+                snapshot=config.update_norm_snapshot)
+        self._hooks = []
+        if optimizer is not None and self._norms is not None and config.log_update_norm:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
         self.sinks = SinkSet()
         if self.is_writer:
             self._open_sinks(sinks)
@@ -117,7 +129,7 @@ class Monitor:
         if loss is not None:
             self._stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
         if tokens is not None:
-            self._stats.record("train/_tokens", tokens if self.layout.is_data_representative else 0.0, "sum")
+            self._stats.record("_train/tokens", tokens if self.layout.is_data_representative else 0.0, "sum")
         if lr is not None:
             self._stats.record("train/lr", lr, "mean", last=True)
         for name, value in scalars.items():
@@ -141,6 +153,35 @@ class Monitor:
         self._check_open()
         check_reduce(name, reduce)
         self._stats.record(name, value, reduce, weight=weight)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Drop-in for ``torch.nn.utils.clip_grad_norm_``, exact under every parallel layout.
+
+        Returns the pre-clip total norm (a 0-d tensor, the same on every rank) and scales the
+        gradients in place by ``min(1, max_norm / norm)``. ``max_norm=inf`` only measures.
+        Costs one all-reduce of one number (clipping needs the global norm); the per-module
+        norms ride the log step's SUM pack.
+        """
+        self._check_open()
+        if self._norms is None:
+            raise ValueError("clip_grad_norm_ needs the model: pass model= to Monitor(...)")
+        max_norm = float(max_norm)
+        if not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm!r}: accepted values are numbers > 0 (inf to only measure)")
+        return self._norms.measure(norm_type, max_norm)
+
+    def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Measure gradient norms without clipping (for code that clips elsewhere).
+
+        Does nothing on a step that will not be logged (``step``, default the last step + 1)
+        and returns None; on a log step returns the total norm.
+        """
+        self._check_open()
+        if self._norms is None:
+            raise ValueError("measure_grad_norms needs the model: pass model= to Monitor(...)")
+        if not self._is_log_step(step):
+            return None
+        return self._norms.measure(norm_type, None)
 
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:
@@ -180,6 +221,8 @@ class Monitor:
                 self._log(self._last_step)
         finally:
             self._closed = True
+            for hook in self._hooks:
+                hook.remove()
             self.sinks.close()
 
     def __enter__(self) -> "Monitor":
@@ -199,22 +242,39 @@ class Monitor:
         samples += self._timer_collector.samples(steps)
         if self.config.log_throughput:
             samples += self._throughput.samples(steps)
+        if self._norms is not None:
+            samples += self._norms.samples()
         reduced = self._train_reducer.reduce(samples)
         metrics = reduced.to_metrics()
         self._timer_collector.finalize(metrics)
+        if self._norms is not None:
+            self._norms.finalize(metrics)
         if self.config.log_throughput:
             self._throughput.finalize(metrics, step)
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:
             metrics["train/step_time_ms"] = metrics["timers/step"]
-        tokens = metrics.pop("train/_tokens", None)
+        tokens = metrics.get("_train/tokens")
         loss = metrics.get("train/loss")
         if isinstance(loss, float):
             self._train_loss_since_eval.append((loss, tokens if tokens else 1.0))
-        metrics = {k: v for k, v in metrics.items() if "/_" not in k}
+        metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         self.last_metrics = metrics
         return metrics
+
+    def _is_log_step(self, step: Optional[int] = None) -> bool:
+        if step is None:
+            step = (self._last_step or 0) + 1
+        return step % self.config.log_interval == 0
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._norms is not None and self._is_log_step():
+            self._norms.snapshot()
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._norms is not None:
+            self._norms.diff()
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer:

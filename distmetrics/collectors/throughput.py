@@ -41,12 +41,11 @@ class ThroughputCollector:
         now = time.perf_counter()
         seconds, self._t0 = now - self._t0, now
         self._steps = steps
-        return [Sample("train/_interval_s", seconds, "max")]
+        return [Sample("_train/interval_s", seconds, "max")]
 
     def finalize(self, metrics: dict[str, Any], step: int) -> None:
-        seconds = metrics.pop("train/_interval_s", None)
-        metrics.pop("train/_interval_s/max_rank", None)
-        tokens = metrics.pop("train/_tokens", None)
+        seconds = metrics.get("_train/interval_s")
+        tokens = metrics.get("_train/tokens")
         if not seconds or seconds <= 0 or self._steps <= 0:
             return
         step_s = seconds / self._steps

@@ -1,0 +1,73 @@
+"""Running Megatron-Core on a CPU-only machine (gloo): the three narrow adaptations.
+
+1. A no-op RNG tracker instead of CUDA RNG states
+   (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``).
+2. ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU instead of the current CUDA device.
+3. ``Tensor.cuda()`` is the identity while a model is built: with pipeline parallelism and tied
+   embeddings, Megatron moves the shared weight to CUDA before all-reducing it across stages.
+
+Nothing here is needed (or applied) when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def apply_cpu_adaptations(seed: int = 1234) -> None:
+    """Seed like Megatron's ``_set_random_seed`` (the same on TP and DP peers, offset per
+    pipeline stage), then adaptations 1 and 2. Call after ``initialize_model_parallel``."""
+    from megatron.core import parallel_state as ps
+
+    torch.manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.random.model_parallel_cuda_manual_seed(seed)
+        return
+    import megatron.core.utils as mutils
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.random.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+    mutils.GlobalMemoryBuffer.get_tensor = get_tensor
+
+
+@contextlib.contextmanager
+def cpu_model_construction():
+    """Adaptation 3, only around model construction."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int = 64, seq: int = 16,
+              tp: int = 1, pp: int = 1, tied: bool = True, use_te: bool = False):
+    """A Megatron-Core GPTModel for this rank's pipeline stage (local spec on CPU)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec as spec_fn
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as spec_fn
+    config = TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
+                               use_cpu_initialization=not torch.cuda.is_available(),
+                               pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
+    with cpu_model_construction():
+        return GPTModel(config=config, transformer_layer_spec=spec_fn(), vocab_size=vocab,
+                        max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
+                        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied)

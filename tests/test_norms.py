@@ -1,0 +1,455 @@
+"""Grad, param and update norms on real gloo ranks, against float64 ground truth computed from
+the full, unsharded tensors (DTensor ``full_tensor()``, Megatron TP all-gather along
+``partition_dim``), never from the ownership weights under test.
+
+Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh (4 ranks, one spawn);
+Megatron-Core TP=2 × DP=2 with ``main_grad`` and Megatron PP=2 × TP=2 with a tied embedding
+(4 ranks, one spawn).
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 1e-6
+MAX_NORM = 0.05  # small, so clipping really scales
+
+
+# --- a small model for the DTensor layouts -----------------------------------------------------
+
+def _net():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.fc1 = nn.Linear(d, 2 * d)
+            self.fc2 = nn.Linear(2 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+    class Net(nn.Module):
+        def __init__(self, d=16, n=3):
+            super().__init__()
+            self.inp = nn.Linear(8, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+            self.out = nn.Linear(d, 3)  # 3 rows over 4 shards: one rank holds an empty shard
+
+        def forward(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_fsdp_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def _full(t):
+    import torch
+
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().to(torch.float64).clone()
+
+
+def _truth(named: dict) -> dict:
+    """{"total": ‖·‖, "modules": {module: ‖·‖}} from full float64 tensors keyed by global name."""
+    modules: dict = {}
+    for name, t in named.items():
+        module = name.rsplit(".", 1)[0] if "." in name else "model"
+        modules[module] = modules.get(module, 0.0) + float(t.pow(2).sum())
+    return {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+
+
+def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
+    """One real step; returns truth and what the monitor reported, for rank 0 to compare."""
+    import torch
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir="unused", log_interval=1, json_log=False, console=False,
+                           log_progress=False, tensorboard=False, log_params_norm=True, log_update_norm=True,
+                           timing_log_level=-1, log_throughput=False)
+    monitor = dm.Monitor(cfg, model=model, optimizer=optimizer, device_mesh=mesh)
+    loss = model(data).pow(2).mean()
+    loss.backward()
+    grads = {_strip(n): _full(p.grad) for n, p in model.named_parameters()}
+    before = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    truth_grad = _truth(grads)
+    total = monitor.clip_grad_norm_(MAX_NORM)
+    coef = min(1.0, MAX_NORM / (truth_grad["total"] + 1e-6))
+    clipped = {_strip(n): _full(p.grad) for n, p in model.named_parameters()}
+    clip_error = max(float((clipped[n] - grads[n] * coef).abs().max()) for n in grads)
+    optimizer.step()
+    after = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    metrics = monitor.step(1, loss=loss.detach())
+    monitor.close()
+    return {
+        "grad": truth_grad,
+        "param": _truth(after),
+        "update": _truth({n: after[n] - before[n] for n in after}),
+        "returned_total": float(total),
+        "clip_error": clip_error,
+        "clip_scale": max(float(g.abs().max()) for g in grads.values()) * coef,
+        "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))},
+    }
+
+
+def _dtensor_layouts(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    gen = torch.Generator().manual_seed(100 + rank)
+    data = torch.randn(6, 8, generator=gen)
+
+    # DDP: replicated gradients, counted once.
+    model = DistributedDataParallel(_net())
+    out["ddp"] = _measure_layout(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+
+    # FSDP2 on a 1-D mesh of 4.
+    mesh = init_device_mesh("cpu", (world,))
+    model = _net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out["fsdp2"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
+
+    # HSDP: replicate × shard.
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh2)
+    fully_shard(model, mesh=mesh2)
+    out["hsdp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
+
+    # FSDP2 + TP on a dp × tp mesh; LayerNorms are replicated over tp.
+    mesh_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _net()
+    for block in model.blocks:
+        parallelize_module(block, mesh_tp["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh_tp["dp"])
+    fully_shard(model, mesh=mesh_tp["dp"])
+    dp_rank = mesh_tp.get_local_rank("dp")
+    tp_data = torch.randn(6, 8, generator=torch.Generator().manual_seed(200 + dp_rank))
+    out["fsdp2_tp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), tp_data,
+                                      mesh=mesh_tp)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dtensor_results():
+    return run_ranks(_dtensor_layouts, 4, timeout=300)
+
+
+def _check(result: dict, per_module_names: set | None = None) -> None:
+    m = result["metrics"]
+    assert m["grad_norm"] == pytest.approx(result["grad"]["total"], rel=REL)
+    assert result["returned_total"] == pytest.approx(result["grad"]["total"], rel=REL)
+    for module, value in result["grad"]["modules"].items():
+        assert m[f"grad_norm/{module}"] == pytest.approx(value, rel=REL, abs=1e-12), module
+    assert m["param_norm"] == pytest.approx(result["param"]["total"], rel=REL)
+    for module, value in result["param"]["modules"].items():
+        assert m[f"param_norm/{module}"] == pytest.approx(value, rel=REL), module
+    assert m["update_norm"] == pytest.approx(result["update"]["total"], rel=REL)
+    for module, value in result["update"]["modules"].items():
+        assert m[f"update_norm/{module}"] == pytest.approx(value, rel=1e-5, abs=1e-12), module
+    assert m["relative_update_norm"] == pytest.approx(result["update"]["total"] / result["param"]["total"], rel=1e-5)
+    clipped_total = min(result["grad"]["total"], MAX_NORM)
+    assert m["effective_lr_ratio"] == pytest.approx(result["update"]["total"] / clipped_total, rel=1e-4)
+    assert m["grad_clip_ratio"] == pytest.approx(result["grad"]["total"] / MAX_NORM, rel=REL)
+    assert m["grad_nonfinite"] == 0
+    # clipping left the same gradients as clipping the full model (relative to their scale)
+    assert result["clip_error"] <= 1e-6 * result["clip_scale"]
+    reported = {k.split("/", 1)[1] for k in m if k.startswith("grad_norm/")}
+    assert reported == set(result["grad"]["modules"])
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp", "fsdp2_tp"])
+def test_norms_are_exact_under_dtensor_and_ddp_layouts(dtensor_results, layout):
+    for rank_result in dtensor_results:
+        _check(rank_result[layout])
+
+
+# --- Megatron-Core ------------------------------------------------------------------------------
+
+def _megatron_layouts(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    from megatron.core import parallel_state as ps
+    from megatron_cpu import apply_cpu_adaptations, build_gpt
+
+    import distmetrics as dm
+
+    out = {}
+    cfg = dm.MetricsConfig(output_dir="unused", log_interval=1, json_log=False, console=False, log_progress=False,
+                           tensorboard=False, log_params_norm=True, timing_log_level=-1, log_throughput=False)
+
+    def full_megatron(named_params, grads: bool) -> dict:
+        """Gather TP-partitioned tensors along partition_dim; keep one copy of the rest."""
+        tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        out_ = {}
+        for name, p in named_params:
+            t = (p.main_grad if grads else p).detach().to(torch.float64)
+            if getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=p.partition_dim)
+            out_[name] = t
+        return out_
+
+    # --- TP=2 × DP=2, a real forward/backward, gradients in main_grad (Megatron DDP's buffer)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    apply_cpu_adaptations()
+    model = build_gpt(num_layers=2, tp=2, pp=1, tied=True)
+    dp_rank = ps.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(300 + dp_rank)
+    tokens = torch.randint(0, 64, (2, 16), generator=gen)
+    position_ids = torch.arange(16).unsqueeze(0).expand(2, 16)
+    mask = torch.tril(torch.ones(16, 16, dtype=torch.bool)).logical_not().view(1, 1, 16, 16)
+    loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).mean()
+    loss.backward()
+    for p in model.parameters():  # what Megatron's DDP does: average over DP into main_grad
+        grad = p.grad.detach().clone()
+        dist.all_reduce(grad, group=ps.get_data_parallel_group())
+        p.main_grad = grad / ps.get_data_parallel_world_size()
+        p.grad = None
+    monitor = dm.Monitor(cfg, model=model)
+    truth = _truth(full_megatron(model.named_parameters(), grads=True))
+    total = monitor.measure_grad_norms(step=1)
+    metrics = monitor.step(1, loss=loss.detach())
+    monitor.close()
+    out["tp2"] = {"truth": truth, "returned": float(total), "metrics": metrics,
+                  "layernorm_is_duplicated": not getattr(
+                      dict(model.named_parameters())["decoder.layers.0.input_layernorm.weight"],
+                      "tensor_model_parallel", False)}
+    ps.destroy_model_parallel()
+
+    # --- PP=2 × TP=2, a tied embedding across stages, gradients set per layout rules:
+    # TP-partitioned pieces differ per TP rank, duplicated params are equal on TP peers, and the
+    # two copies of the tied embedding hold the same (all-reduced) gradient, as Megatron leaves them.
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    apply_cpu_adaptations()
+    model = build_gpt(num_layers=4, tp=2, pp=2, tied=True)
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    for index, (name, p) in enumerate(model.named_parameters()):
+        seed = 1000 * pp_rank + index
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            seed = 999_999  # the tied pair: same gradient on both stages
+        if getattr(p, "tensor_model_parallel", False):
+            seed += 100_000 * (tp_rank + 1)
+        p.main_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+    layers_per_stage = 2
+    named = []
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:  # global layer index from the stage offset
+            parts[2] = str(int(parts[2]) + pp_rank * layers_per_stage)
+        if name == "output_layer.weight":
+            parts = ["embedding", "word_embeddings", "weight"]  # the same global parameter
+        named.append((".".join(parts), p))
+    stage_truth = full_megatron(named, grads=True)
+    squares = {n: float(t.pow(2).sum()) for n, t in stage_truth.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, squares)
+    merged = {}
+    for rank_squares in gathered:
+        merged.update(rank_squares)  # a name seen twice (tied embedding, TP peers) counts once
+    modules = {}
+    for name, sq in merged.items():
+        module = name.rsplit(".", 1)[0]
+        modules[module] = modules.get(module, 0.0) + sq
+    truth = {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+    monitor = dm.Monitor(cfg, model=model)
+    total = monitor.clip_grad_norm_(math.inf)
+    metrics = monitor.step(1)
+    monitor.close()
+    out["pp2"] = {"truth": truth, "returned": float(total), "metrics": metrics}
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_results():
+    return run_ranks(_megatron_layouts, 4, timeout=300)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_norms_are_exact_under_megatron_layouts(megatron_results, layout):
+    for rank_result in megatron_results:
+        r = rank_result[layout]
+        m = r["metrics"]
+        assert r["returned"] == pytest.approx(r["truth"]["total"], rel=REL)
+        assert m["grad_norm"] == pytest.approx(r["truth"]["total"], rel=REL)
+        for module, value in r["truth"]["modules"].items():
+            assert m[f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
+        assert {k.split("/", 1)[1] for k in m if k.startswith("grad_norm/")} == set(r["truth"]["modules"])
+
+
+def test_megatron_tp_model_has_a_tp_duplicated_layernorm(megatron_results):
+    assert megatron_results[0]["tp2"]["layernorm_is_duplicated"]
+
+
+def test_pipeline_stages_report_global_layer_names(megatron_results):
+    names = {k for k in megatron_results[0]["pp2"]["metrics"] if k.startswith("grad_norm/decoder.layers.")}
+    layers = {k.split(".")[2] for k in names}
+    assert layers == {"0", "1", "2", "3"}
+
+
+# --- single-process behaviour ------------------------------------------------------------------
+
+def _plain_monitor(model, **cfg):
+    import distmetrics as dm
+
+    base = dict(output_dir="unused", log_interval=1, json_log=False, console=False, log_progress=False,
+                tensorboard=False, timing_log_level=-1, log_throughput=False)
+    base.update(cfg)
+    return dm.Monitor(dm.MetricsConfig(**base), model=model)
+
+
+def test_inf_norm_is_the_largest_element():
+    import torch
+
+    model = _net()
+    model(torch.randn(4, 8)).sum().backward()
+    truth = max(float(p.grad.abs().max()) for p in model.parameters())
+    monitor = _plain_monitor(model)
+    assert float(monitor.clip_grad_norm_(math.inf, norm_type=math.inf)) == pytest.approx(truth, rel=REL)
+    assert monitor.step(1)["grad_norm"] == pytest.approx(truth, rel=REL)
+
+
+def test_other_norm_types_are_refused():
+    import torch
+
+    model = _net()
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ValueError, match="norm_type=1.0: accepted values are 2 and inf"):
+        _plain_monitor(model).clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def test_params_without_grad_are_skipped_and_counted_and_unfreezing_replans():
+    import torch
+
+    model = _net()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    model.out.bias.requires_grad_(True)
+    monitor = _plain_monitor(model)
+    model(torch.randn(4, 8)).sum().backward()
+    model.inp.bias.grad = None  # a trainable parameter without a gradient
+    monitor.clip_grad_norm_(math.inf)
+    m = monitor.step(1)
+    assert m["grad_missing_params"] == 1
+    assert "grad_norm/blocks.0.fc1" not in m
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(True)
+    model.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    truth = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+    assert float(monitor.clip_grad_norm_(math.inf)) == pytest.approx(truth, rel=REL)
+    m = monitor.step(2)
+    assert "grad_norm/blocks.0.fc1" in m and monitor._norms.replans == 1
+
+
+def test_nonfinite_gradients_name_their_modules():
+    import torch
+
+    model = _net()
+    model(torch.randn(4, 8)).sum().backward()
+    model.blocks[1].fc2.weight.grad[0, 0] = float("nan")
+    monitor = _plain_monitor(model)
+    monitor.clip_grad_norm_(1.0)
+    m = monitor.step(1)
+    assert m["grad_nonfinite"] == 1
+    assert m["grad_nonfinite_modules"] == "blocks.1.fc2"
+    assert math.isnan(m["grad_norm"])
+
+
+def test_module_norm_depth_groups_by_name_prefix():
+    import torch
+
+    model = _net()
+    model(torch.randn(4, 8)).sum().backward()
+    truth = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.blocks[2].parameters()))
+    monitor = _plain_monitor(model, module_norm_depth=2)
+    monitor.clip_grad_norm_(math.inf)
+    m = monitor.step(1)
+    assert m["grad_norm/blocks.2"] == pytest.approx(truth, rel=REL)
+    assert not any(k.startswith("grad_norm/blocks.2.") for k in m)
+
+
+def test_partial_placement_is_refused_naming_the_parameter():
+    import torch
+    from torch.distributed.tensor import DTensor, Partial
+
+    from distmetrics.collectors.norms import _weight
+
+    class FakeMesh:
+        def get_coordinate(self):
+            return [0]
+
+    class FakeGrad:  # the minimal DTensor surface the rule reads; a real Partial needs a mesh
+        placements = (Partial(),)
+        device_mesh = FakeMesh()
+
+        def to_local(self):
+            return torch.zeros(1)
+
+    with pytest.raises(ValueError, match=r"parameter 'blocks.0.fc1.weight' has a Partial placement"):
+        _weight(FakeGrad(), None, "blocks.0.fc1.weight", None, None)
+    assert DTensor is not None
+
+
+def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
+    import torch
+
+    model = _net()
+    monitor = _plain_monitor(model, log_interval=5)
+    model(torch.randn(4, 8)).sum().backward()
+    assert monitor.measure_grad_norms() is None  # next step is 1: not a log step
+    assert monitor.measure_grad_norms(step=5) is not None
+
+
+def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():
+    import torch
+
+    from distmetrics.collectors.norms import module_name_map
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number):
+            super().__init__()
+            self.layer_number = number
+            self.fc = torch.nn.Linear(2, 2)
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(3), Layer(4)])  # a second pipeline stage
+
+    wrapper = torch.nn.Module()
+    wrapper.module = torch.nn.Module()
+    wrapper.module._orig_mod = Stage()
+    names = module_name_map(wrapper)
+    assert names["module._orig_mod.layers.0"] == "layers.2"
+    assert names["module._orig_mod.layers.1"] == "layers.3"
