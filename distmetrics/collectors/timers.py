@@ -78,6 +78,10 @@ class Timer:
         self._used = False  # started at least once this interval
         self.spans = 0  # start/stop pairs completed this interval
 
+    def set_barrier_group(self, barrier_group: Any) -> None:
+        """The process group that ``barrier=True`` waits for (default: the world)."""
+        self._group = barrier_group
+
     def start(self, barrier: bool = False) -> None:
         """Start timing. ``barrier=True`` first waits for every rank (a real barrier)."""
         if self._started:
@@ -129,6 +133,11 @@ class Timer:
         if running:
             self.start(barrier=barrier)
         return seconds
+
+    def set_elapsed(self, value: float) -> None:
+        """Set the time since the last reset to ``value`` seconds (e.g. a start-up time)."""
+        self._pending.clear()
+        self._elapsed_ns = int(value * 1e9)
 
     def active_time(self) -> float:
         """Seconds this timer has been running since it was created."""

@@ -20,6 +20,8 @@ import math
 import sys
 from typing import Any, Optional
 
+from ..reduce import PerRank
+
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
 LOGGER_NAME = "distmetrics.console"
@@ -115,11 +117,15 @@ def format_timer_block(m: dict[str, Any]) -> str:
     """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``."""
     rows = []
     for key, value in m.items():
+        low = high = None
         if key.startswith("timers/") and key.endswith("/min"):
             name = key[len("timers/"):-len("/min")]
-            high = m.get(f"timers/{name}")
-            if isinstance(high, (int, float)):
-                rows.append(f"    {name} {'.' * max(1, 48 - len(name))}: ({value:.2f}, {high:.2f})")
+            low, high = value, m.get(f"timers/{name}")
+        elif key.startswith("timers/") and isinstance(value, PerRank) and value.present():
+            name = key[len("timers/"):]
+            low, high = min(value.present()), max(value.present())
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+            rows.append(f"    {name} {'.' * max(1, 48 - len(name))}: ({low:.2f}, {high:.2f})")
     if not rows:
         return ""
     return "(min, max) time across ranks (ms):\n" + "\n".join(rows)

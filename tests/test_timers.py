@@ -1,0 +1,251 @@
+"""Timers on 4 real gloo ranks: ranks sleep different, known amounts inside timers."""
+
+import inspect
+import logging
+import time
+
+import pytest
+
+from tests.dist_utils import CollectiveCounter, run_ranks
+
+WORLD = 4
+SLEEP_MS = {0: 20, 1: 60, 2: 40, 3: 30}  # rank 1 is the straggler
+SLACK_MS = 60  # sleep() never returns early; a loaded 2-core machine may return late
+
+
+def _base_config(option: str, **extra):
+    import distmetrics as dm
+
+    cfg = dict(output_dir="unused", log_interval=2, json_log=False, console=False, log_progress=False,
+               tensorboard=False, timing_log_level=1, timing_log_option=option, log_throughput=False)
+    cfg.update(extra)
+    return dm.MetricsConfig(**cfg)
+
+
+def _timed_run(rank: int, option: str, extra_timers: int = 0, with_loss: bool = True) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(_base_config(option))
+    counts = []
+    metrics = None
+    for step in (1, 2, 3, 4):  # two log steps: the second is steady state (no negotiation)
+        with monitor.timers("forward-backward", log_level=1):
+            time.sleep(SLEEP_MS[rank] / 1000)
+        if rank in (2, 3):  # e.g. the last pipeline stages only
+            with monitor.timers("loss-compute", log_level=1):
+                time.sleep(0.005 * (rank - 1))
+        for i in range(extra_timers):
+            with monitor.timers(f"extra-{i}", log_level=1):
+                pass
+        monitor.timers("fine", log_level=2).start()  # above the level: a no-op
+        monitor.timers("fine", log_level=2).stop()
+        with CollectiveCounter() as counter:
+            metrics = monitor.step(step, loss=1.0 if with_loss else None)
+        counts.append(counter.collectives)
+    monitor.close()
+    return metrics, counts
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    out = {}
+    for option in ("max", "minmax", "all"):
+        metrics, counts = _timed_run(rank, option)
+        out[option] = {k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()}
+        out[f"{option}_counts"] = counts
+    _, out["counts_50_timers"] = _timed_run(rank, "minmax", extra_timers=50)
+
+    # A Megatron-style block through our Timers.log (a collective: every rank calls it).
+    import distmetrics as dm
+
+    monitor = dm.Monitor(_base_config("minmax"))
+    with monitor.timers("optimizer", log_level=1):
+        time.sleep(0.001 * (rank + 1))
+    out["megatron_block"] = monitor.timers.get_all_timers_string(["optimizer"])
+    monitor.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_scenarios, WORLD, timeout=300)
+
+
+def test_max_option_reports_the_slowest_rank_per_step(results):
+    m = results[0]["max"]
+    assert SLEEP_MS[1] <= m["timers/forward-backward"] < SLEEP_MS[1] + SLACK_MS
+    assert m["timers/forward-backward/max_rank"] == 1
+    assert "timers/forward-backward/min" not in m
+    assert "stragglers/forward-backward/rank" not in m  # the report comes with minmax/all
+
+
+def test_minmax_reports_both_extremes_their_ranks_and_the_straggler(results):
+    m = results[0]["minmax"]
+    assert SLEEP_MS[1] <= m["timers/forward-backward"] < SLEEP_MS[1] + SLACK_MS
+    assert SLEEP_MS[0] <= m["timers/forward-backward/min"] < SLEEP_MS[0] + SLACK_MS
+    assert m["timers/forward-backward/max_rank"] == 1 and m["timers/forward-backward/min_rank"] == 0
+    assert m["stragglers/forward-backward/rank"] == 1
+    import socket
+
+    assert m["stragglers/forward-backward/host"] == socket.gethostname()
+    assert m["stragglers/forward-backward/local_rank"] == 1
+    mean = sum(SLEEP_MS.values()) / WORLD
+    assert m["stragglers/forward-backward/max_over_mean"] == pytest.approx(SLEEP_MS[1] / mean, rel=0.5)
+
+
+def test_all_reports_every_ranks_value_and_the_median_ratio(results):
+    m = results[0]["all"]
+    per_rank = m["timers/forward-backward"]
+    assert len(per_rank) == WORLD
+    for rank, value in enumerate(per_rank):
+        assert SLEEP_MS[rank] <= value < SLEEP_MS[rank] + SLACK_MS
+    assert m["stragglers/forward-backward/rank"] == 1
+    median = sorted(SLEEP_MS.values())[1:3]
+    assert m["stragglers/forward-backward/max_over_median"] == pytest.approx(SLEEP_MS[1] / (sum(median) / 2), rel=0.5)
+
+
+def test_a_timer_run_on_some_ranks_only_is_left_out_of_the_min(results):
+    m = results[0]["minmax"]
+    assert m["timers/loss-compute/min_rank"] == 2 and m["timers/loss-compute/max_rank"] == 3
+    assert m["timers/loss-compute/min"] >= 5.0  # ranks 0 and 1 did not count as 0
+    per_rank = results[0]["all"]["timers/loss-compute"]
+    assert per_rank[0] is None and per_rank[1] is None and per_rank[2] >= 5.0
+
+
+def test_levels_gate_which_timers_exist(results):
+    for option in ("max", "minmax", "all"):
+        m = results[0][option]
+        assert not any(k.startswith("timers/fine") for k in m)
+        assert "timers/step" in m or "timers/step/min" in m or isinstance(m.get("timers/step"), list)
+
+
+def test_one_collective_carries_every_timer(results):
+    # Log step 4: the MAX pack (all timers, any number) and the SUM pack (loss, timer means).
+    assert results[0]["minmax_counts"][3] == 2
+    assert results[0]["counts_50_timers"][3] == 2
+    assert results[0]["minmax_counts"][2] == 0  # step 3 is not a log step
+
+
+def test_megatron_text_block(results):
+    block = results[-1]["megatron_block"]
+    lines = block.splitlines()
+    assert lines[0] == "(min, max) time across ranks (ms):"
+    name, values = lines[1].split(":")
+    assert name.strip().startswith("optimizer ....")
+    low, high = (float(v) for v in values.strip(" ()").split(","))
+    assert 1.0 <= low < high and high >= 4.0
+
+
+# --- single-process behaviour ------------------------------------------------------------------
+
+def _timers(level=2, option="minmax"):
+    from distmetrics.collectors.timers import Timers
+
+    return Timers(level, option, use_cuda=False)
+
+
+def test_repeated_start_stop_accumulates_like_megatron():
+    timers = _timers()
+    t = timers("x", log_level=1)
+    for _ in range(3):
+        t.start()
+        time.sleep(0.01)
+        t.stop()
+    first = t.elapsed(reset=False)
+    assert 0.03 <= first < 0.03 + SLACK_MS / 1000
+    assert t.elapsed(reset=True) >= first  # reset after reading
+    assert t.elapsed() == 0.0
+    assert t.active_time() >= 0.03  # active time survives resets
+
+
+def test_elapsed_on_a_running_timer_keeps_it_running():
+    timers = _timers()
+    t = timers("x", log_level=0)
+    t.start()
+    time.sleep(0.01)
+    assert t.elapsed() >= 0.01
+    time.sleep(0.01)
+    t.stop()
+    assert t.elapsed() >= 0.01
+
+
+def test_nested_timers_contain_each_other():
+    timers = _timers()
+    with timers("outer", log_level=1):
+        with timers("inner", log_level=2):
+            time.sleep(0.01)
+    assert timers("outer").elapsed() >= timers("inner").elapsed() >= 0.01
+
+
+def test_stop_without_start_raises_a_clear_error():
+    timers = _timers()
+    with pytest.raises(RuntimeError, match="timer 'x' was stopped without being started"):
+        timers("x", log_level=1).stop()
+    timers("y", log_level=1).start()
+    with pytest.raises(RuntimeError, match="timer 'y' has already been started"):
+        timers("y").start()
+
+
+def test_a_disabled_timer_is_the_shared_dummy():
+    from distmetrics.collectors.timers import DummyTimer
+
+    timers = _timers(level=0)
+    assert isinstance(timers("x", log_level=1), DummyTimer)
+    assert timers("x", log_level=2) is timers("y", log_level=1)
+    with timers("x", log_level=1):
+        pass
+
+
+def test_log_level_mismatch_and_bad_options_are_refused():
+    timers = _timers()
+    timers("x", log_level=1)
+    with pytest.raises(ValueError, match="created with log_level=1"):
+        timers("x", log_level=2)
+    with pytest.raises(ValueError, match="timing_log_option='median'"):
+        _timers(option="median")
+
+
+def test_same_interface_as_megatron_core_timers():
+    """Every public method of Megatron-Core's Timers and Timer takes the same parameters here."""
+    from megatron.core import timers as megatron
+
+    from distmetrics.collectors import timers as ours
+
+    for theirs, mine in ((megatron.Timers, ours.Timers), (megatron.Timer, ours.Timer)):
+        for name, method in inspect.getmembers(theirs, inspect.isfunction):
+            if name.startswith("_") and name != "__call__":
+                continue
+            assert hasattr(mine, name), f"{mine.__name__}.{name} is missing"
+            their_params = [p for p in inspect.signature(method).parameters if p != "self"]
+            my_params = [p for p in inspect.signature(getattr(mine, name)).parameters if p != "self"]
+            assert my_params[: len(their_params)] == their_params, f"{name}: {my_params} vs {their_params}"
+
+
+def test_write_sends_megatron_tags_to_a_writer():
+    class Writer:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+    timers = _timers()
+    with timers("optimizer", log_level=1):
+        time.sleep(0.002)
+    writer = Writer()
+    timers.write(["optimizer"], writer, 7)
+    assert writer.scalars[0][0] == "optimizer-time" and writer.scalars[0][2] == 7
+    assert writer.scalars[0][1] >= 2.0
+
+
+def test_console_prints_megatrons_min_max_block(caplog, tmp_path):
+    import distmetrics as dm
+
+    caplog.set_level(logging.INFO, logger="distmetrics.console")
+    monitor = dm.Monitor(_base_config("minmax", console=True, output_dir=str(tmp_path), log_interval=1))
+    with monitor.timers("forward-backward", log_level=1):
+        time.sleep(0.002)
+    monitor.step(1, loss=1.0)
+    monitor.close()
+    text = caplog.text
+    assert "(min, max) time across ranks (ms):" in text
+    assert "    forward-backward ......" in text
