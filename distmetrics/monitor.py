@@ -16,12 +16,14 @@ reduce kind, and the writer rank (first or last) sends the result to the sinks.
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import math
 import os
 import platform
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -86,6 +88,8 @@ class Monitor:
         self._closed = False
         self.last_metrics: dict[str, Any] = {}
         self._train_loss_since_eval: list[tuple[float, float]] = []
+        self._job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
+        self._job_start = time.time()
 
         self.hosts = self._gather_hosts()
         self.timers = Timers(config.timing_log_level, config.timing_log_option,
@@ -128,8 +132,9 @@ class Monitor:
         self._last_step = step
         if loss is not None:
             self._stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
-        if tokens is not None:
-            self._stats.record("_train/tokens", tokens if self.layout.is_data_representative else 0.0, "sum")
+        if tokens is not None and self.layout.is_data_representative:
+            self._stats.record("_train/tokens", tokens, "sum")
+            self._job_tokens = self._job_tokens + _as_number(tokens)
         if lr is not None:
             self._stats.record("train/lr", lr, "mean", last=True)
         for name, value in scalars.items():
@@ -211,6 +216,42 @@ class Monitor:
         self._write(metrics, step, "eval")
         self._throughput.restart_clock()  # eval time is not training time
         return metrics
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Record a saved checkpoint: a Megatron "Saved checkpoint" line in progress.txt with
+        job and cumulative TFLOP/s/GPU, floating-point operations and tokens so far (cumulative
+        across restarts with the same world size, read back from the file as Megatron does).
+        A collective (one all-reduce of the token count): every rank calls it.
+        """
+        self._check_open()
+        tokens = torch.as_tensor(_to_host(self._job_tokens), dtype=torch.float64).reshape(1)
+        if self.world_size > 1 and dist.is_initialized():
+            tokens = tokens.to(self._train_reducer.device)
+            dist.all_reduce(tokens, group=self._group)
+        job_tokens = float(tokens.cpu()[0])
+        if not self.is_writer:
+            return
+        progress = next((s for s in self.sinks.sinks if getattr(s, "name", "") == "progress"), None)
+        resumed = progress.resumed if progress is not None else {}
+        flops_per_token = self._throughput.flops_per_token or 0.0
+        start_flops = resumed.get("last_flops", 0.0)
+        flops = start_flops + job_tokens * flops_per_token
+        now = time.time()
+        job_tflops = (flops - start_flops) / max(now - self._job_start, 1e-9) / 1e12 / self.world_size
+        first_start = resumed.get("start_time")
+        first_flops = resumed.get("start_flops")
+        if first_start is None:
+            first_start, first_flops = _dt.datetime.fromtimestamp(self._job_start), start_flops
+        elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
+        cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / self.world_size
+        total_tokens = resumed.get("last_tokens", 0.0) + job_tokens
+        from .sinks.progress import checkpoint_message
+
+        record = {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, total_tokens),
+                  "checkpoint/job_tflops_per_gpu": job_tflops,
+                  "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
+                  "checkpoint/floating_point_operations": flops, "checkpoint/tokens": total_tokens}
+        self.sinks.log(record, step, "progress")
 
     def close(self) -> None:
         """Write the unfinished interval (a collective: every rank calls it), then close sinks."""
@@ -334,6 +375,10 @@ class Monitor:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
+
+
+def _to_host(v: Number) -> float:
+    return float(v.detach().cpu()) if isinstance(v, torch.Tensor) else float(v)
 
 
 def _as_number(v: Number) -> Number:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["ProgressSink", "progress_line"]
+__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message"]
 
 
 def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.datetime = None) -> str:
@@ -28,6 +28,7 @@ class ProgressSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
+        self.resumed = read_progress(self.path, world_size)  # before our own "Starting job"
         self.write("Starting job")
 
     def write(self, message: str) -> None:
@@ -40,3 +41,44 @@ class ProgressSink:
 
     def close(self) -> None:
         pass
+
+
+def read_progress(path: Union[str, Path], world_size: int) -> dict:
+    """What Megatron reads back from progress.txt on a restart.
+
+    ``start_time``/``start_flops``: when the earliest run of the current streak of runs with
+    this world size started, and the floating-point operations done by then; ``last_flops``
+    and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts).
+    """
+    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0}
+    path = Path(path)
+    if not path.exists():
+        return state
+    for line in path.read_text(encoding="utf-8").splitlines():
+        fields = line.strip().split("\t")
+        if len(fields) < 4:
+            continue
+        try:
+            world_in_line = int(fields[2].split(": ")[1])
+        except (IndexError, ValueError):
+            continue
+        if fields[3] == "Saved checkpoint" and len(fields) >= 9:
+            state["last_flops"] = float(fields[7].split(": ")[1])
+            state["last_tokens"] = float(fields[8].split(": ")[1]) * 1e9
+        if world_in_line != world_size:  # a different world size restarts the streak
+            state["start_time"] = state["start_flops"] = None
+            continue
+        if fields[3] == "Starting job" and state["start_time"] is None:
+            state["start_time"] = _dt.datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
+            state["start_flops"] = state["last_flops"]
+    return state
+
+
+def checkpoint_message(iteration: int, job_tflops: float, cumulative_tflops: float, flops: float,
+                       tokens: float) -> str:
+    """Megatron's "Saved checkpoint" message (the fields its tools parse)."""
+    return (f"Saved checkpoint\tIteration: {iteration}\t"
+            f"Job throughput: {job_tflops:.1f} TFLOP/s/GPU\t"
+            f"Cumulative throughput: {cumulative_tflops:.1f} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops:.2e}\t"
+            f"Tokens (in billions): {tokens / 10**9:.2f}")

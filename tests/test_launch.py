@@ -1,0 +1,153 @@
+"""The launchers and trainers as a user runs them: real torchrun processes on CPU (gloo).
+
+Each parallel layout's grad norms and losses are compared with an unsharded single-process
+run of the same trainer on the same seed and data (the independent ground truth here).
+The SLURM script is checked with ``bash -n`` and a dry run whose ``srun`` is a stub that
+prints what it would run: SLURM cannot run on this machine, and that stub is the only one.
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import distmetrics as dm
+from tests.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.pop("SLURM_JOB_ID", None)
+    env.update(extra)
+    return env
+
+
+def _torchrun(script: str, nproc: int, args: list, env: dict | None = None, timeout: int = 240) -> None:
+    env = env or _env()
+    env.update({"NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())})
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), str(ROOT / "launch" / script), *args],
+                         env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def _single(script: str, args: list, timeout: int = 240) -> None:
+    env = _env()
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / script), *args], env=env,
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def _train_records(out: Path) -> list[dict]:
+    return [r for r in dm.read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+COMMON = ["--steps", str(STEPS), "--eval-every", "0", "--save-every", "0"]
+METRICS = ["log_interval=1", "console=false", "tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_ref")
+    _single("train_fsdp.py", COMMON + ["--micro-batch", "8"] + METRICS + [f"output_dir={out}"])
+    return _train_records(out)
+
+
+@pytest.mark.parametrize("layout,nproc,flags", [
+    ("fsdp2", 2, ["--micro-batch", "4"]),
+    ("hsdp", 4, ["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch", "2"]),
+    ("fsdp2_tp", 4, ["--dp-shard", "2", "--tp", "2", "--micro-batch", "4"]),
+])
+def test_fsdp_trainer_norms_match_an_unsharded_run(fsdp_reference, tmp_path, layout, nproc, flags):
+    # The global batch is 8 sequences in every layout (micro-batch × data-parallel ranks).
+    _torchrun("train_fsdp.py", nproc, COMMON + flags + METRICS + [f"output_dir={tmp_path}"])
+    records = _train_records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for ours, ref in zip(records, fsdp_reference):
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), layout
+        assert ours["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5), layout
+    per_module = {k for k in records[0] if k.startswith("grad_norm/")}
+    assert per_module == {k for k in fsdp_reference[0] if k.startswith("grad_norm/")}
+    for key in per_module:
+        assert records[0][key] == pytest.approx(fsdp_reference[0][key], rel=1e-4), key
+
+
+def test_megatron_trainer_tp2_pp2_matches_an_unsharded_run(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "tp2pp2"
+    _single("train_megatron.py", ["--steps", str(STEPS)] + METRICS + [f"output_dir={ref}"])
+    _torchrun("train_megatron.py", 4, ["--tp", "2", "--pp", "2", "--steps", str(STEPS)] + METRICS
+              + [f"output_dir={out}", "timing_log_level=2"])
+    reference, records = _train_records(ref), _train_records(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for ours, theirs in zip(records, reference):
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert ours["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5)
+    layers = {k for k in records[0] if k.startswith("grad_norm/decoder.layers.")}
+    assert layers == {k for k in reference[0] if k.startswith("grad_norm/decoder.layers.")}
+    assert "timers/forward-recv" in records[0]  # our timers ran inside the pipeline code
+    run = next(dm.read_jsonl(out / "metrics.jsonl"))
+    assert run["layout"] == "megatron" and run["writer_rank"] == 3
+
+
+def test_two_simulated_nodes_write_one_set_of_files(tmp_path):
+    """Two torchrun agents (2 ranks each) meet on loopback through c10d rendezvous."""
+    port = str(free_port())
+    out = tmp_path / "run"
+    procs = []
+    for node in (0, 1):
+        env = _env(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="2", MASTER_PORT=port,
+                   RDZV_ID=f"test-{port}", SLURM_JOB_ID="777")
+        procs.append(subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "torchrun.sh"), str(ROOT / "launch" / "train_fsdp.py"),
+             "--steps", "4", "--eval-every", "0", "--save-every", "4", "log_interval=2", "console=false",
+             f"output_dir={out}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output[-5000:]
+    records = list(dm.read_jsonl(out / "metrics.jsonl"))
+    assert [r["kind"] for r in records] == ["run", "train", "train", "progress"]
+    assert records[-1]["checkpoint/tokens"] == 4 * 4 * 4 * 32  # steps × ranks × micro-batch × seq
+    assert records[0]["world_size"] == 4
+    assert sorted(r["local_rank"] for r in records[0]["ranks"]) == [0, 0, 1, 1]
+    lines = (out / "progress.txt").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.split("\t")[1:3] == ["Job ID: 777", "# GPUs: 4"]
+    assert lines[0].endswith("Starting job") and "\tSaved checkpoint\tIteration: 4\t" in lines[1]
+    assert len(list((out / "tensorboard").iterdir())) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "progress.txt", "tensorboard"]
+
+
+def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path):
+    script = ROOT / "launch" / "slurm.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "srun").write_text('#!/usr/bin/env bash\necho "srun $*"\n')
+    (stub / "srun").chmod(0o755)
+    env = _env(PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_ID="9001", SLURM_JOB_NUM_NODES="4",
+               SLURM_JOB_NODELIST="gpu[07-10]", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(ROOT),
+               PYTHON="python3")
+    run = subprocess.run(["bash", str(script), "launch/train_fsdp.py", "--steps", "10"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    line = run.stdout.strip()
+    assert line.startswith("srun --kill-on-bad-exit=1 --ntasks-per-node=1 python3 -m torch.distributed.run")
+    assert "--nnodes 4 --nproc-per-node 8" in line
+    assert "--rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 9001" in line
+    assert line.endswith("launch/train_fsdp.py --steps 10")
+
+
+def test_demo_config_loads():
+    cfg = dm.MetricsConfig.from_yaml(ROOT / "configs" / "demo.yaml")
+    assert cfg.timing_log_level == 1 and cfg.output_dir == "runs/demo"
+    assert math.isfinite(cfg.spike_factor)
