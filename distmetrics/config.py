@@ -127,6 +127,18 @@ class MetricsConfig:
     """Peak dense TFLOP/s of one GPU for MFU; default looked up for the detected GPU."""
     dtype: Literal["bf16", "fp16", "tf32", "fp32", "fp8"] = "bf16"
     """Math precision, selecting the peak used for MFU."""
+    num_params: Optional[float] = None
+    """Model parameters, to derive ``flops_per_token`` = 6·N + 12·L·h·s when it is not given."""
+    num_active_params: Optional[float] = None
+    """Parameters active per token (MoE: shared + routed experts); default ``num_params``."""
+    num_layers: Optional[int] = None
+    """Transformer layers (attention term of the FLOPs formula)."""
+    hidden_size: Optional[int] = None
+    """Hidden size (attention term of the FLOPs formula)."""
+    seq_length: Optional[int] = None
+    """Sequence length (attention term of the FLOPs formula)."""
+    sol_step_time_ms: Optional[float] = None
+    """Speed-of-light time of one step (from a roofline model); gives ``train/sol_pct``."""
     log_memory: bool = True
     """Log host RSS and CUDA memory statistics (max across ranks, with the rank)."""
     log_energy: bool = False
@@ -155,7 +167,8 @@ class MetricsConfig:
         _require(self, "module_norm_depth", self.module_norm_depth is None or self.module_norm_depth >= 1,
                  "None or integers >= 1")
         _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
-        for name in ("flops_per_token", "peak_tflops"):
+        for name in ("flops_per_token", "peak_tflops", "num_params", "num_active_params", "num_layers",
+                     "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)
             _require(self, name, value is None or value > 0, "None or numbers > 0")
         _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
@@ -193,6 +206,16 @@ class MetricsConfig:
         """Plain mapping of every key; ``redact`` hides values whose key looks secret."""
         values = dataclasses.asdict(self)
         return _redact(values) if redact else values
+
+    @property
+    def resolved_flops_per_token(self) -> Optional[float]:
+        """``flops_per_token``, or the one derived from the model description."""
+        if self.flops_per_token is not None or self.num_params is None:
+            return self.flops_per_token
+        from .collectors.throughput import model_flops_per_token
+
+        return model_flops_per_token(self.num_params, self.num_layers, self.hidden_size, self.seq_length,
+                                     self.num_active_params)
 
     @property
     def resolved_tensorboard_dir(self) -> str:

@@ -30,6 +30,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .collectors.energy import EnergyCollector, TelemetryCollector, gpu_model_info
+from .collectors.memory import MemoryCollector
 from .collectors.norms import NormCollector
 from .collectors.throughput import ThroughputCollector
 from .collectors.timers import TimerCollector, Timers
@@ -96,8 +98,13 @@ class Monitor:
                              barrier_with_L1_time=config.barrier_with_L1_time)
         self._timer_collector = TimerCollector(self.timers, config.timing_log_option, self.hosts)
         self._step_timer = self.timers("step", log_level=0) if config.timing_log_level >= 0 else None
-        self._throughput = ThroughputCollector(self.world_size, config.flops_per_token,
-                                               config.peak_tflops, config.total_steps)
+        self._throughput = ThroughputCollector(self.world_size, config.resolved_flops_per_token,
+                                               self._peak_tflops(), config.total_steps, config.sol_step_time_ms)
+        self._memory = MemoryCollector() if config.log_memory else None
+        self._energy = EnergyCollector(self.world_size) if config.log_energy else None
+        self._telemetry = (TelemetryCollector() if config.log_gpu_telemetry or config.verbosity >= 1
+                           and torch.cuda.is_available() else None)
+        gpus = self._gather_gpu_models()
         self._norms: Optional[NormCollector] = None
         if model is not None:
             self._norms = NormCollector(
@@ -112,6 +119,8 @@ class Monitor:
         self.sinks = SinkSet()
         if self.is_writer:
             self._open_sinks(sinks)
+            if gpus:
+                self.sinks.log({"ranks": gpus}, 0, "gpu_model")
 
     # --- the per-step API ----------------------------------------------------------------
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
@@ -214,8 +223,20 @@ class Monitor:
                 metrics["eval/gap"] = eval_loss - train_mean
         self._train_loss_since_eval = []
         self._write(metrics, step, "eval")
-        self._throughput.restart_clock()  # eval time is not training time
         return metrics
+
+    def pause(self) -> None:
+        """Stop the training clock and the energy count (before evaluation or a checkpoint save),
+        so tokens/s, MFU and energy per token describe training alone. Local: no collective."""
+        self._throughput.pause()
+        if self._energy is not None:
+            self._energy.pause()
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause`."""
+        self._throughput.resume()
+        if self._energy is not None:
+            self._energy.resume()
 
     def checkpoint_saved(self, step: int) -> None:
         """Record a saved checkpoint: a Megatron "Saved checkpoint" line in progress.txt with
@@ -285,6 +306,11 @@ class Monitor:
             samples += self._throughput.samples(steps)
         if self._norms is not None:
             samples += self._norms.samples()
+        for collector in (self._memory, self._telemetry):
+            if collector is not None:
+                samples += collector.samples()
+        if self._energy is not None:
+            samples += self._energy.samples(steps)
         reduced = self._train_reducer.reduce(samples)
         metrics = reduced.to_metrics()
         self._timer_collector.finalize(metrics)
@@ -292,6 +318,8 @@ class Monitor:
             self._norms.finalize(metrics)
         if self.config.log_throughput:
             self._throughput.finalize(metrics, step)
+        if self._energy is not None:
+            self._energy.finalize(metrics, metrics.get("_train/tokens"))
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:
             metrics["train/step_time_ms"] = metrics["timers/step"]
         tokens = metrics.get("_train/tokens")
@@ -324,6 +352,30 @@ class Monitor:
     # --- set-up --------------------------------------------------------------------------
     def _gather_hosts(self) -> list[RankInfo]:
         mine = RankInfo(self.rank, socket.gethostname(), self.layout.local_rank, os.getpid())
+        if self.world_size == 1 or not dist.is_initialized():
+            return [mine]
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, mine)
+        return rows
+
+    def _peak_tflops(self) -> Optional[float]:
+        if self.config.peak_tflops is not None:
+            return self.config.peak_tflops
+        if not torch.cuda.is_available():
+            return None
+        from .collectors.throughput import peak_tflops_for
+
+        name = torch.cuda.get_device_name()
+        peak = peak_tflops_for(name, self.config.dtype)
+        if peak is None and self.rank == 0 and self.config.resolved_flops_per_token:
+            logger.warning("distmetrics: no peak TFLOP/s known for %r in %s; set peak_tflops for MFU",
+                           name, self.config.dtype)
+        return peak
+
+    def _gather_gpu_models(self) -> list:
+        if not torch.cuda.is_available():
+            return []
+        mine = gpu_model_info(self.rank)
         if self.world_size == 1 or not dist.is_initialized():
             return [mine]
         rows: list[Any] = [None] * self.world_size

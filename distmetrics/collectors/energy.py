@@ -1,0 +1,195 @@
+"""GPU energy, power and telemetry from NVML (``pip install distmetrics[nvml]``).
+
+Each rank opens the NVML handle of *its own* GPU by UUID, taken from
+``torch.cuda.get_device_properties``: an index-based lookup would follow NVML's enumeration,
+which ignores ``CUDA_VISIBLE_DEVICES`` and may order GPUs differently from CUDA, and so can
+read a neighbour's counters. Energy comes from ``nvmlDeviceGetTotalEnergyConsumption``
+deltas (millijoules since the driver loaded), not from instantaneous power samples; it is read
+on log steps and at ``pause()``/``resume()``, nowhere else. A GPU without the counter or a
+machine without NVML gives one warning and no energy metrics — never zeros that look measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from ..reduce import Sample
+
+__all__ = ["EnergyCollector", "TelemetryCollector", "cuda_device_uuid", "open_nvml_handle", "gpu_model_info"]
+
+logger = logging.getLogger("distmetrics")
+_COUNTER_RANGE = 2 ** 64  # the energy counter is an unsigned 64-bit number of mJ
+
+
+def cuda_device_uuid(index: Optional[int] = None) -> str:
+    """NVML-style UUID (``GPU-…``) of a CUDA device as CUDA numbers it (after remapping)."""
+    index = torch.cuda.current_device() if index is None else index
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def open_nvml_handle(uuid: str) -> tuple[Any, Any]:
+    """(pynvml module, handle of the GPU with this UUID); raises if NVML is unusable."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid.encode() if isinstance(uuid, str) else uuid)
+
+
+class EnergyCollector:
+    """Energy deltas per log interval → energy/*, power/* samples."""
+
+    def __init__(self, world_size: int, uuid: Optional[str] = None) -> None:
+        self.world_size = world_size
+        self.enabled = False
+        self.job_mj = 0.0  # this rank's energy since the start, pauses excluded
+        self._paused_mj = 0
+        self._paused_s = 0.0
+        self._pause_start: Optional[tuple[float, float]] = None
+        try:
+            if uuid is None:
+                if not torch.cuda.is_available():
+                    raise RuntimeError("no CUDA device on this rank")
+                uuid = cuda_device_uuid()
+            self._nvml, self._handle = open_nvml_handle(uuid)
+            self._last_mj = self._read()
+        except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once
+            logger.warning("distmetrics: GPU energy is not measured (%s: %s); log_energy has no effect. "
+                           "Needs an NVIDIA GPU with an energy counter (Volta or newer) and "
+                           "`pip install distmetrics[nvml]`.", type(err).__name__, err)
+            return
+        self.uuid = uuid
+        self._last_t = time.perf_counter()
+        self.enabled = True
+
+    def _read(self) -> int:
+        return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+
+    def _delta(self, now_mj: int, before_mj: int) -> int:
+        # Integers: near 2**64 a float would lose the low digits. The counter is unsigned 64-bit,
+        # so a smaller reading means it wrapped around.
+        return now_mj - before_mj if now_mj >= before_mj else now_mj + _COUNTER_RANGE - before_mj
+
+    def pause(self) -> None:
+        """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""
+        if self.enabled and self._pause_start is None:
+            self._pause_start = (self._read(), time.perf_counter())
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause`; the paused energy and time are left out."""
+        if self.enabled and self._pause_start is not None:
+            mj, t = self._pause_start
+            self._paused_mj += self._delta(self._read(), mj)
+            self._paused_s += time.perf_counter() - t
+            self._pause_start = None
+
+    def samples(self, steps: int) -> list[Sample]:
+        if not self.enabled:
+            return []
+        if self._pause_start is not None:
+            self.resume()
+        now_mj, now_t = self._read(), time.perf_counter()
+        joules = max(0.0, self._delta(now_mj, self._last_mj) - self._paused_mj) / 1000.0
+        seconds = max(1e-9, now_t - self._last_t - self._paused_s)
+        self._last_mj, self._last_t, self._paused_mj, self._paused_s = now_mj, now_t, 0, 0.0
+        self.job_mj += joules * 1000.0
+        self._steps = steps
+        return [Sample("energy/total_j", joules, "sum"),
+                Sample("energy/job_total_j", self.job_mj / 1000.0, "sum"),
+                Sample("power/w", joules / seconds, "minmax"),
+                Sample("_energy/seconds", seconds, "max")]
+
+    def finalize(self, metrics: dict[str, Any], tokens: Optional[float]) -> None:
+        if "energy/total_j" not in metrics:
+            return
+        total = metrics["energy/total_j"]
+        # the record's own interval (as in train/step_time_ms) when throughput is measured
+        seconds = metrics.get("_train/interval_s") or metrics.get("_energy/seconds") or 0.0
+        steps = max(getattr(self, "_steps", 1), 1)
+        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / steps
+        if tokens:
+            metrics["energy/j_per_token"] = total / tokens
+        if seconds > 0:
+            metrics["power/mean_w"] = total / seconds / self.world_size
+        for end in ("max", "min"):
+            if f"power/w/{end}" in metrics:
+                metrics[f"power/{end}_w"] = metrics.pop(f"power/w/{end}")
+                metrics[f"power/{end}_w_rank"] = metrics.pop(f"power/w/{end}_rank")
+
+
+class TelemetryCollector:
+    """Clocks, temperature, utilisation, PCIe, fan and throttle reasons, min/max with ranks."""
+
+    def __init__(self, uuid: Optional[str] = None) -> None:
+        self.enabled = False
+        try:
+            if uuid is None:
+                if not torch.cuda.is_available():
+                    raise RuntimeError("no CUDA device on this rank")
+                uuid = cuda_device_uuid()
+            self._nvml, self._handle = open_nvml_handle(uuid)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("distmetrics: GPU telemetry is not collected (%s: %s); log_gpu_telemetry has "
+                           "no effect.", type(err).__name__, err)
+            return
+        self.enabled = True
+        self._broken: set[str] = set()
+
+    def samples(self) -> list[Sample]:
+        if not self.enabled:
+            return []
+        n, h = self._nvml, self._handle
+        readers = {
+            "gpu/sm_clock_mhz": lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
+            "gpu/max_sm_clock_mhz": lambda: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM),
+            "gpu/temperature_c": lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
+            "gpu/slowdown_temperature_c": lambda: n.nvmlDeviceGetTemperatureThreshold(
+                h, n.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+            "gpu/utilization_pct": lambda: n.nvmlDeviceGetUtilizationRates(h).gpu,
+            "gpu/memory_utilization_pct": lambda: n.nvmlDeviceGetUtilizationRates(h).memory,
+            "gpu/pcie_rx_mib_s": lambda: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) / 1024.0,
+            "gpu/pcie_tx_mib_s": lambda: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) / 1024.0,
+            "gpu/fan_pct": lambda: n.nvmlDeviceGetFanSpeed(h),
+            "gpu/throttle_reasons": lambda: _throttle_reasons(n, h),
+        }
+        out = []
+        for name, read in readers.items():
+            if name in self._broken:
+                continue
+            try:
+                out.append(Sample(name, float(read()), "minmax"))
+            except Exception:  # noqa: BLE001 - e.g. no fan on a passively cooled board
+                self._broken.add(name)  # not supported here: stop asking, report nothing
+        return out
+
+    def finalize(self, metrics: dict[str, Any]) -> None:
+        return None
+
+
+def _throttle_reasons(n: Any, h: Any) -> int:
+    """The clock throttle bitmask, without the 'GPU idle' bit (idle is not a slowdown)."""
+    getter = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+    idle = getattr(n, "nvmlClocksEventReasonGpuIdle", getattr(n, "nvmlClocksThrottleReasonGpuIdle", 1))
+    return int(getter(h)) & ~int(idle)
+
+
+def gpu_model_info(rank: int) -> dict:
+    """This rank's GPU: name, SMs, capability, memory, UUID, driver, CUDA runtime."""
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    info = {"rank": rank, "device": index, "name": props.name, "sm_count": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}", "memory_gib": props.total_memory / 1024 ** 3,
+            "uuid": cuda_device_uuid(index), "cuda_runtime": torch.version.cuda}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:  # noqa: BLE001
+        info["driver"] = None
+    return info

@@ -1,0 +1,47 @@
+"""Memory: host RSS on every machine; CUDA allocator statistics where there is a GPU.
+
+Read on log steps only (host-side counters: no device sync). Every value is reduced as a max
+across ranks with the rank that holds it, so the report is the worst rank's, not the writer's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..reduce import Sample
+
+__all__ = ["MemoryCollector"]
+
+GIB = 1024 ** 3
+
+_CUDA_STATS = {
+    "memory/allocated_gib": ("allocated_bytes.all.current", GIB),
+    "memory/max_allocated_gib": ("allocated_bytes.all.peak", GIB),
+    "memory/reserved_gib": ("reserved_bytes.all.current", GIB),
+    "memory/max_reserved_gib": ("reserved_bytes.all.peak", GIB),
+    "memory/alloc_retries": ("num_alloc_retries", 1),
+    "memory/ooms": ("num_ooms", 1),
+}
+
+
+class MemoryCollector:
+    """Samples of host and device memory for the log step's MAX pack."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._cuda = torch.cuda.is_available()
+
+    def samples(self) -> list[Sample]:
+        out = [Sample("memory/host_rss_gib", self._process.memory_info().rss / GIB, "max")]
+        if self._cuda:
+            stats = torch.cuda.memory_stats()
+            for name, (key, scale) in _CUDA_STATS.items():
+                out.append(Sample(name, float(stats.get(key, 0)) / scale, "max"))
+        return out
+
+    def finalize(self, metrics: dict[str, Any]) -> None:
+        return None

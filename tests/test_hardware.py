@@ -1,0 +1,250 @@
+"""Hardware and throughput metrics.
+
+NVML cannot exist on this CPU machine: a fake ``pynvml`` module (tests/fake_pynvml.py) is put in
+``sys.modules`` at the import boundary, and that is the only thing mocked. torch reports no CUDA
+device here, so the energy collector is given the UUID torch would report for the rank's device
+(the ``uuid`` argument); reading that UUID from ``torch.cuda.get_device_properties`` runs only on
+a GPU machine. Host memory, throughput, MFU, SOL, ETA and progress.txt are real.
+"""
+
+import datetime as dt
+import logging
+import math
+import sys
+
+import pytest
+
+from tests import fake_pynvml
+from tests.dist_utils import run_ranks
+
+GPUS = {"GPU-0000": [], "GPU-1111": [], "GPU-2222": [], "GPU-3333": []}
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    def install(**kwargs):
+        module = fake_pynvml.make(**kwargs)
+        monkeypatch.setitem(sys.modules, "pynvml", module)
+        return module
+    return install
+
+
+def _monitor(**cfg):
+    import distmetrics as dm
+
+    base = dict(output_dir="unused", log_interval=2, json_log=False, console=False, log_progress=False,
+                tensorboard=False, timing_log_level=-1)
+    base.update(cfg)
+    return dm.Monitor(dm.MetricsConfig(**base))
+
+
+def test_energy_opens_the_ranks_own_gpu_by_uuid_under_remapped_visible_devices(nvml, monkeypatch):
+    # CUDA_VISIBLE_DEVICES=2,3: this rank's CUDA device 1 is physical GPU 3. NVML's index 1 is a
+    # neighbour (GPU-1111) whose counter runs at a different rate: reading it would be wrong.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    fake = nvml(devices={"GPU-0000": [0], "GPU-1111": [0, 999_000], "GPU-2222": [0], "GPU-3333": [5_000, 25_000]})
+    from distmetrics.collectors.energy import EnergyCollector
+
+    energy = EnergyCollector(world_size=1, uuid="GPU-3333")
+    assert energy.enabled
+    assert ("nvmlDeviceGetHandleByUUID", "GPU-3333") in fake.calls
+    assert not any(c[0] == "nvmlDeviceGetHandleByIndex" for c in fake.calls)
+    samples = {s.name: s.value for s in energy.samples(steps=4)}
+    assert samples["energy/total_j"] == pytest.approx(20.0)  # (25000 - 5000) mJ
+
+
+def test_energy_metrics_from_counter_deltas(nvml):
+    nvml(devices={"GPU-0000": [1_000_000, 1_050_000, 1_130_000]})  # start, log step 2, log step 4
+    from distmetrics.collectors.energy import EnergyCollector
+
+    import time
+
+    monitor = _monitor()
+    monitor._energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    monitor.step(1, tokens=100)
+    m = monitor.step(2, tokens=100)
+    assert m["energy/total_j"] == pytest.approx(50.0)
+    assert m["energy/j_per_gpu_per_step"] == pytest.approx(25.0)
+    assert m["energy/j_per_token"] == pytest.approx(50.0 / 200)
+    assert m["power/max_w"] == pytest.approx(m["power/min_w"]) and m["power/max_w_rank"] == 0
+    for step in (3, 4):  # both clocks restarted at step 2's log: power = energy / the same interval
+        time.sleep(0.05)
+        m = monitor.step(step, tokens=100)
+    assert m["energy/total_j"] == pytest.approx(80.0)
+    assert m["energy/job_total_j"] == pytest.approx(130.0)
+    seconds = m["train/step_time_ms"] * 2 / 1000
+    assert m["power/mean_w"] == pytest.approx(80.0 / seconds, rel=0.05)
+
+
+def test_counter_wrap_is_a_small_delta(nvml):
+    top = 2 ** 64
+    nvml(devices={"GPU-0000": [top - 4_000, 6_000]})
+    from distmetrics.collectors.energy import EnergyCollector
+
+    energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    assert {s.name: s.value for s in energy.samples(1)}["energy/total_j"] == pytest.approx(10.0)
+
+
+def test_pause_leaves_evaluation_energy_out(nvml):
+    # readings: start, pause, resume, log step
+    nvml(devices={"GPU-0000": [0, 10_000, 70_000, 75_000]})
+    from distmetrics.collectors.energy import EnergyCollector
+
+    energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    energy.pause()
+    energy.resume()
+    assert {s.name: s.value for s in energy.samples(1)}["energy/total_j"] == pytest.approx(15.0)
+
+
+def test_not_supported_warns_once_and_reports_nothing(nvml, caplog):
+    nvml(devices={"GPU-0000": [0]}, unsupported_energy=True)
+    from distmetrics.collectors.energy import EnergyCollector
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    monitor = _monitor()
+    monitor._energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    for step in (1, 2, 3, 4):
+        m = monitor.step(step, tokens=10) or m if step > 1 else monitor.step(step, tokens=10)
+    assert not any(k.startswith(("energy/", "power/")) for k in m)
+    warnings = [r for r in caplog.records if "energy is not measured" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_no_nvml_or_no_gpu_warns_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    monitor = _monitor(log_energy=True)
+    m = None
+    for step in (1, 2):
+        m = monitor.step(step, tokens=10)
+    assert not any(k.startswith(("energy/", "power/")) for k in m)
+    assert len([r for r in caplog.records if "energy is not measured" in r.getMessage()]) == 1
+
+
+def test_telemetry_min_max_with_ranks_and_unsupported_fields_skipped(nvml):
+    nvml(devices=dict(GPUS), unsupported={"nvmlDeviceGetFanSpeed"})
+    from distmetrics.collectors.energy import TelemetryCollector
+
+    monitor = _monitor()
+    monitor._telemetry = TelemetryCollector(uuid="GPU-3333")
+    monitor.step(1)
+    m = monitor.step(2)
+    assert m["gpu/sm_clock_mhz/max"] == 1530 and m["gpu/temperature_c/min"] == 63
+    assert m["gpu/utilization_pct/max"] == 93 and m["gpu/pcie_rx_mib_s/max"] == 2.0
+    assert m["gpu/throttle_reasons/max"] == 0x20  # the idle bit is not a slowdown
+    assert not any(k.startswith("gpu/fan_pct") for k in m)
+
+
+def _memory_and_energy(rank: int, world: int) -> dict:
+    import psutil
+    import torch
+
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 1000 * (rank + 1) * 10]})
+    from distmetrics.collectors.energy import EnergyCollector
+
+    ballast = torch.ones(300 * 1024 * 1024 // 8, dtype=torch.float64) if rank == 1 else None  # ~300 MiB
+    monitor = _monitor(log_interval=1)
+    monitor._energy = EnergyCollector(world_size=world, uuid=f"GPU-{rank}")
+    m = monitor.step(1, tokens=50)
+    own_rss = psutil.Process().memory_info().rss / 1024 ** 3
+    monitor.close()
+    del ballast
+    return {"metrics": {k: v for k, v in m.items() if isinstance(v, (int, float))}, "rss": own_rss}
+
+
+def test_host_memory_and_energy_across_ranks():
+    results = run_ranks(_memory_and_energy, 2)
+    m = results[0]["metrics"]
+    assert m["memory/host_rss_gib/max_rank"] == 1
+    assert m["memory/host_rss_gib"] == pytest.approx(results[1]["rss"], rel=0.05)
+    assert m["memory/host_rss_gib"] > results[0]["rss"] + 0.2
+    assert m["energy/total_j"] == pytest.approx(10.0 + 20.0)
+    assert m["power/max_w_rank"] == 1 and m["power/min_w_rank"] == 0
+    assert m["energy/j_per_token"] == pytest.approx(30.0 / 100)
+
+
+# --- throughput arithmetic ---------------------------------------------------------------------
+
+def test_throughput_mfu_sol_eta_against_hand_computation(caplog):
+    from distmetrics.collectors.throughput import ThroughputCollector
+
+    t = ThroughputCollector(world_size=4, flops_per_token=6e9, peak_tflops=989.0, total_steps=100,
+                            sol_step_time_ms=100.0)
+    t._steps = 10
+    m = {"_train/interval_s": 2.0, "_train/tokens": 1e6}
+    t.finalize(m, step=10)
+    assert m["train/step_time_ms"] == pytest.approx(200.0)
+    assert m["train/tokens_per_sec"] == pytest.approx(5e5)
+    assert m["train/tokens_per_sec_per_gpu"] == pytest.approx(1.25e5)
+    assert m["train/tflops_per_gpu"] == pytest.approx(1e6 * 6e9 / 2.0 / 4 / 1e12)
+    assert m["train/mfu_pct"] == pytest.approx(100 * 750.0 / 989.0)
+    assert m["train/sol_pct"] == pytest.approx(50.0)
+    assert m["train/eta_s"] == pytest.approx(90 * 0.2)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    t.peak_tflops = 500.0
+    t.finalize({"_train/interval_s": 2.0, "_train/tokens": 1e6}, step=20)
+    assert any("above 100%" in r.getMessage() for r in caplog.records)
+
+
+def test_flops_per_token_from_a_model_description():
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(num_params=7e9, num_layers=32, hidden_size=4096, seq_length=4096)
+    assert cfg.resolved_flops_per_token == pytest.approx(6 * 7e9 + 12 * 32 * 4096 * 4096)
+    moe = dm.MetricsConfig(num_params=47e9, num_active_params=13e9)
+    assert moe.resolved_flops_per_token == pytest.approx(6 * 13e9)
+    assert dm.MetricsConfig(flops_per_token=1.0, num_params=5.0).resolved_flops_per_token == 1.0
+
+
+def test_peak_lookup_by_gpu_name_and_dtype():
+    from distmetrics.collectors.throughput import peak_tflops_for
+
+    assert peak_tflops_for("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops_for("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops_for("NVIDIA H200", "fp8") == 1979.0
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
+    assert peak_tflops_for("Some Future GPU", "bf16") is None
+
+
+# --- progress.txt -----------------------------------------------------------------------------
+
+def test_progress_txt_is_cumulative_across_a_restart_with_the_same_world_size(tmp_path):
+    import distmetrics as dm
+    from distmetrics.sinks.progress import progress_line
+
+    now = dt.datetime.now().replace(microsecond=0)
+    first_start = now - dt.timedelta(hours=2)
+    old = [
+        progress_line("Starting job", 8, "1", first_start - dt.timedelta(hours=5)),  # other world size
+        progress_line("Saved checkpoint\tIteration: 50\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative throughput: "
+                      "1.0 TFLOP/s/GPU\tFloating-point operations: 1.00e+15\tTokens (in billions): 0.20",
+                      8, "1", first_start - dt.timedelta(hours=4)),
+        progress_line("Starting job", 1, "2", first_start),
+        progress_line("Saved checkpoint\tIteration: 100\tJob throughput: 2.0 TFLOP/s/GPU\tCumulative throughput: "
+                      "2.0 TFLOP/s/GPU\tFloating-point operations: 3.60e+15\tTokens (in billions): 0.50",
+                      1, "2", now - dt.timedelta(hours=1)),
+    ]
+    (tmp_path / "progress.txt").write_text("".join(old))
+    flops_per_token = 1e9
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False,
+                                          tensorboard=False, flops_per_token=flops_per_token, timing_log_level=-1))
+    for step in (101, 102, 103, 104):
+        monitor.step(step, loss=1.0, tokens=1000)
+    monitor.checkpoint_saved(104)
+    monitor.close()
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert lines[-2].endswith("# GPUs: 1\tStarting job")
+    fields = lines[-1].split("\t")
+    assert fields[1:5] == ["Job ID: ", "# GPUs: 1", "Saved checkpoint", "Iteration: 104"]
+    flops = 3.6e15 + 4000 * flops_per_token
+    assert float(fields[7].split(": ")[1]) == pytest.approx(flops, rel=5e-3)
+    assert fields[8] == f"Tokens (in billions): {(0.5e9 + 4000) / 1e9:.2f}"
+    # cumulative: flops since the first start of this world size's streak (which began at
+    # 1.00e+15 flops, the last checkpoint before it), over the time since then
+    cumulative = float(fields[6].split(": ")[1].split()[0])
+    expected = (flops - 1.0e15) / (2 * 3600) / 1e12
+    assert cumulative == pytest.approx(expected, abs=0.06)
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"][0]
+    assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
+    assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
+    assert math.isfinite(record["checkpoint/job_tflops_per_gpu"])
