@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .collectors.health import CategoryLosses, HealthCollector, MoECollector
 from .collectors.energy import EnergyCollector, TelemetryCollector, gpu_model_info
 from .collectors.memory import MemoryCollector
 from .collectors.norms import NormCollector
@@ -104,6 +105,9 @@ class Monitor:
         self._energy = EnergyCollector(self.world_size) if config.log_energy else None
         self._telemetry = (TelemetryCollector() if config.log_gpu_telemetry or config.verbosity >= 1
                            and torch.cuda.is_available() else None)
+        self._health = HealthCollector(config.spike_factor)
+        self._categories = {"train": CategoryLosses("train/loss"), "eval": CategoryLosses("eval/loss")}
+        self._moe = MoECollector(counts_tokens=self.layout.tp_rank == 0 and self.layout.cp_rank == 0)
         gpus = self._gather_gpu_models()
         self._norms: Optional[NormCollector] = None
         if model is not None:
@@ -124,13 +128,14 @@ class Monitor:
 
     # --- the per-step API ----------------------------------------------------------------
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
-             lr: Optional[Number] = None, **scalars: Number) -> Optional[dict[str, Any]]:
+             lr: Optional[Number] = None, skipped: bool = False, **scalars: Number) -> Optional[dict[str, Any]]:
         """Record one optimizer step; on a log step reduce and write, returning the metrics.
 
         ``loss`` is averaged across ranks and the interval's steps weighted by ``tokens``
         (weight 1 when ``tokens`` is None); a rank passing ``loss=None`` (a pipeline stage
         without the loss) does not count. ``tokens`` are the tokens this rank processed in the
-        step (its data-parallel share). Extra ``scalars`` are interval means under ``train/``.
+        step (its data-parallel share). ``skipped=True`` reports a step the optimizer skipped
+        (loss-scale overflow). Extra ``scalars`` are interval means under ``train/``.
         Returns the reduced metrics (on every rank) at a log step, else None.
         """
         self._check_open()
@@ -146,6 +151,7 @@ class Monitor:
             self._job_tokens = self._job_tokens + _as_number(tokens)
         if lr is not None:
             self._stats.record("train/lr", lr, "mean", last=True)
+        self._health.record_step(loss, skipped)
         for name, value in scalars.items():
             self._stats.record(name if "/" in name else f"train/{name}", value, "mean")
         if self._step_timer is not None:
@@ -167,6 +173,30 @@ class Monitor:
         self._check_open()
         check_reduce(name, reduce)
         self._stats.record(name, value, reduce, weight=weight)
+
+    def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,
+                      names=None, split: str = "train") -> None:
+        """Per-sample losses (``reduction='none'``) with a category per sample.
+
+        ``categories`` is a list of names (or ids mapped by ``names``) or an integer tensor with
+        ``names`` (list or dict id → name). Accumulated on device over the interval (``train``)
+        or until :meth:`log_eval` (``eval``); written as ``<split>/loss/<category>``, the mean per
+        sample, or per token when ``weights`` are token counts. Categories may differ across
+        ranks and appear late.
+        """
+        self._check_open()
+        if split not in self._categories:
+            raise ValueError(f"record_losses: split={split!r}; accepted values are 'train', 'eval'")
+        self._categories[split].record(per_sample_loss, categories, weights, names)
+
+    def record_moe(self, aux_loss: Optional[Number] = None, z_loss: Optional[Number] = None,
+                   tokens_per_expert: Optional[torch.Tensor] = None, layer_numbers=None) -> None:
+        """MoE router statistics for this step: ``moe/aux_loss``, ``moe/z_loss`` (means) and, from
+        ``tokens_per_expert`` (``[layers, experts]``, global expert ids), ``moe/expert_utilization``
+        (fraction of experts receiving tokens) and ``moe/load_imbalance`` (max / mean tokens per
+        expert, worst layer), summed over the ranks that see distinct tokens."""
+        self._check_open()
+        self._moe.record(aux_loss, z_loss, tokens_per_expert, layer_numbers, stats=self._stats)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Drop-in for ``torch.nn.utils.clip_grad_norm_``, exact under every parallel layout.
@@ -209,10 +239,16 @@ class Monitor:
         if loss is not None:
             samples.append(Sample("eval/loss", _as_number(loss), "mean",
                                   weight=1.0 if tokens is None else _as_number(tokens)))
+        if tokens is not None:
+            samples.append(Sample("_eval/tokens", _as_number(tokens), "sum"))
         for name, value in scalars.items():
             samples.append(Sample(name if "/" in name else f"eval/{name}", _as_number(value), "mean"))
+        samples += self._categories["eval"].samples()
         reduced = self._eval_reducer.reduce(samples)
         metrics = reduced.to_metrics()
+        if metrics.get("_eval/tokens") and metrics.get("eval/time_ms"):
+            metrics["eval/tokens_per_sec"] = metrics["_eval/tokens"] / (metrics["eval/time_ms"] / 1000.0)
+        metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}
         eval_loss = metrics.get("eval/loss")
         if isinstance(eval_loss, float):
             if self.config.log_validation_ppl_to_tensorboard:
@@ -311,6 +347,7 @@ class Monitor:
                 samples += collector.samples()
         if self._energy is not None:
             samples += self._energy.samples(steps)
+        samples += self._health.samples() + self._categories["train"].samples() + self._moe.samples()
         reduced = self._train_reducer.reduce(samples)
         metrics = reduced.to_metrics()
         self._timer_collector.finalize(metrics)
@@ -320,6 +357,9 @@ class Monitor:
             self._throughput.finalize(metrics, step)
         if self._energy is not None:
             self._energy.finalize(metrics, metrics.get("_train/tokens"))
+        self._moe.finalize(metrics)
+        order = self._norms.module_order if self._norms is not None else []
+        alerts = self._health.finalize(metrics, step, order)
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:
             metrics["train/step_time_ms"] = metrics["timers/step"]
         tokens = metrics.get("_train/tokens")
@@ -329,6 +369,8 @@ class Monitor:
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
+        for alert in alerts:
+            self._write(alert, step, "alert")
         self.last_metrics = metrics
         return metrics
 

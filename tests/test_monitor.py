@@ -148,8 +148,8 @@ def test_jsonl_parses_line_by_line_and_keeps_nan(run):
 
     lines = (root / "first" / "rank0" / "metrics.jsonl").read_text().splitlines()
     raw = [json.loads(line) for line in lines]  # strict JSON: every line parses on its own
-    assert [r["kind"] for r in raw] == ["run", "train", "train", "eval", "train"] or \
-        [r["kind"] for r in raw] == ["run", "train", "train", "eval"]
+    assert [r["kind"] for r in raw] == ["run", "train", "train", "alert", "eval"]
+    assert raw[3]["alert"] == "nonfinite_loss" and raw[3]["step"] == 8  # the NaN loss of step 6
     assert raw[0]["world_size"] == WORLD and raw[0]["config"]["log_interval"] == INTERVAL
     records = list(dm.read_jsonl(root / "first" / "rank0" / "metrics.jsonl"))
     train = [r for r in records if r["kind"] == "train"]

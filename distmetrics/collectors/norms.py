@@ -90,7 +90,7 @@ class NormCollector:
             return _all_reduce_total(torch.zeros((), dtype=torch.float64), norm_type, self.group)
         locals_ = [_local(g) for g in grads]
         device = locals_[0].device
-        owned, bucket_idx, owned_buckets = self._grad_routing(plan, grads, index, device)
+        owned, bucket_idx, owned_buckets, local_buckets = self._grad_routing(plan, grads, index, device)
         norms = torch.stack(torch._foreach_norm(locals_, norm_type)).to(torch.float64)
         zeros = torch.zeros(len(plan.buckets), dtype=torch.float64, device=device)
         if norm_type == 2.0:
@@ -101,12 +101,14 @@ class NormCollector:
             contrib = torch.where(owned, norms, torch.zeros_like(norms))
             buckets = zeros.index_reduce(0, bucket_idx, contrib, "amax", include_self=True)
             local_total = contrib.max()
-        nonfinite = (~torch.isfinite(norms) & owned).to(torch.float64)
+        # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption
+        # of one GPU) must not hide behind the copy on the owning rank.
+        nonfinite = (~torch.isfinite(norms)).to(torch.float64)
         total = _all_reduce_total(local_total, norm_type, self.group)
         self._grad = {"norm_type": norm_type, "buckets": buckets, "local_total": local_total,
                       "nonfinite": nonfinite.sum(), "bad_buckets": zeros.index_add(0, bucket_idx, nonfinite),
                       "missing": float(missing), "max_norm": max_norm, "coef": None,
-                      "owned_buckets": owned_buckets}
+                      "owned_buckets": owned_buckets, "local_buckets": local_buckets}
         if max_norm is not None and math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             self._grad["coef"] = coef
@@ -124,7 +126,8 @@ class NormCollector:
             # Buckets this rank owns nothing of are not sent: a bucket nobody owns (the last
             # stage's copy of a tied embedding) does not appear at all.
             owned_buckets = sorted({int(plan.bucket_of[i]) for i, w in zip(index, weights) if w})
-            cached = plan.routing[key] = (owned, bucket_idx, owned_buckets)
+            local_buckets = sorted({int(plan.bucket_of[i]) for i in index})
+            cached = plan.routing[key] = (owned, bucket_idx, owned_buckets, local_buckets)
         return cached
 
     # --- optimizer hooks for update norms -------------------------------------------------
@@ -163,9 +166,8 @@ class NormCollector:
             out.append(Sample("grad_nonfinite", grad["nonfinite"], "sum"))
             out.append(Sample("grad_missing_params", grad["missing"], "max"))
             if self.per_module:
-                owned = grad["owned_buckets"]
-                out += _bucket_samples("grad_norm", plan.buckets, grad["buckets"], kind, owned)
-                out += _bucket_samples("_grad_bad", plan.buckets, grad["bad_buckets"], "sum", owned)
+                out += _bucket_samples("grad_norm", plan.buckets, grad["buckets"], kind, grad["owned_buckets"])
+            out += _bucket_samples("_grad_bad", plan.buckets, grad["bad_buckets"], "sum", grad["local_buckets"])
         update, self._update = self._update, None
         if (self.log_params_norm or update is not None) and plan is not None:
             sq = self._bucket_squares(plan, [_local(p.detach()) for p in plan.params])
@@ -214,6 +216,11 @@ class NormCollector:
             g = metrics.get(f"grad_norm{suffix}")
             if g:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
+
+    @property
+    def module_order(self) -> list[str]:
+        """Module (bucket) names in the model's order."""
+        return list(self._plan.buckets) if self._plan is not None else []
 
     # --- planning ------------------------------------------------------------------------
     def _current_plan(self) -> _Plan:

@@ -1,0 +1,238 @@
+"""Training health: spikes and trend on scripted sequences, a NaN injected on one rank named at
+the writer, loss by category and MoE statistics across real gloo ranks against hand
+computations, and the console line checked field by field."""
+
+import logging
+import math
+
+import pytest
+
+from tests.dist_utils import run_ranks
+
+
+def _config(tmp, **extra):
+    import distmetrics as dm
+
+    cfg = dict(output_dir=str(tmp), log_interval=1, tensorboard=False, timing_log_level=-1, log_progress=False)
+    cfg.update(extra)
+    return dm.MetricsConfig(**cfg)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.extend(record.getMessage().splitlines())
+
+
+def _capture():
+    handler = _Lines()
+    logger = logging.getLogger("distmetrics.console")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+def _model_with_grad_norm(model, norm):
+    """Gradients whose total 2-norm is exactly ``norm``."""
+    import torch
+
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    for p in params:
+        p.grad = torch.full_like(p, norm / math.sqrt(total))
+
+
+def test_spikes_and_trend_on_scripted_sequences(tmp_path):
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 4)
+    losses = [2.0, 1.9, 1.8, 1.9, 1.7, 1.6, 1.7, 1.5, 1.6, 1.4, 1.5, 9.0, 1.3]
+    norms = [1.0] * 10 + [1.2, 1.0, 7.0]
+    handler = _capture()
+    monitor = dm.Monitor(_config(tmp_path, total_steps=100, spike_factor=5.0), model=model)
+    records = []
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        _model_with_grad_norm(model, norm)
+        monitor.clip_grad_norm_(math.inf)
+        records.append(monitor.step(step, loss=loss, tokens=10))
+    monitor.close()
+    logging.getLogger("distmetrics.console").removeHandler(handler)
+    # loss 9.0 at step 12 is 6× the average of the 11 before it: a spike; before 10 values, none
+    assert [r["health/loss_spike"] for r in records] == [0] * 11 + [1, 0]
+    average = sum(losses[:11]) / 11
+    assert records[11]["health/loss_spike_factor"] == pytest.approx(9.0 / average)
+    assert [r["health/grad_spike"] for r in records] == [0] * 12 + [1]
+    lines = [line for line in handler.lines if line.startswith(":: step")]
+    assert len(lines) == 13
+    # trend: '\' fell, '/' rose since the last log step; the first line has none
+    assert lines[0].startswith(":: step 1/100 [ 1.0%]   loss 2.0000")
+    assert lines[1].startswith(":: step 2/100 [ 2.0%] \\ loss 1.9000")
+    assert lines[3].startswith(":: step 4/100 [ 4.0%] / loss 1.9000")
+    fields = lines[12].split(" | ")
+    assert fields[0] == ":: step 13/100 [13.0%] \\ loss 1.3000"
+    assert fields[1] == "norm !7.0000"
+    assert fields[2].endswith(" tok/s") and fields[3].endswith(" ms") and fields[4].startswith("eta ")
+    assert "norm 1.0000" in lines[11]
+
+
+def test_skipped_steps_are_counted(tmp_path):
+    import distmetrics as dm
+
+    monitor = dm.Monitor(_config(tmp_path, log_interval=4, console=False))
+    m = None
+    for step in range(1, 5):
+        m = monitor.step(step, loss=1.0, skipped=step in (2, 3))
+    assert m["health/skipped_steps"] == 2
+    assert "health/skipped_steps/max_rank" not in m
+
+
+def _nan_scenario(rank: int, world: int, root: str) -> dict:
+    import torch
+
+    import distmetrics as dm
+    from tests.test_norms import _net
+
+    model = _net()
+    handler = _capture()
+    monitor = dm.Monitor(_config(f"{root}/r{rank}", console=True), model=model)
+    seen = []
+    for step in range(1, 6):
+        model.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+        if rank == 1 and step in (2, 3, 5):  # one replica goes bad, recovers, goes bad again
+            model.blocks[1].fc2.weight.grad[0, 0] = math.nan
+            model.blocks[2].fc1.bias.grad[0] = math.inf
+        monitor.clip_grad_norm_(1.0)
+        m = monitor.step(step, loss=1.0)
+        seen.append({k: m.get(k) for k in ("grad_nonfinite", "grad_nonfinite_modules", "health/first_nonfinite_module")})
+    monitor.close()
+    return {"seen": seen, "console": [l for l in handler.lines if l.startswith("!!")]}
+
+
+def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
+    import distmetrics as dm
+
+    results = run_ranks(_nan_scenario, 2, str(tmp_path))
+    seen = results[0]["seen"]
+    assert [s["grad_nonfinite"] for s in seen] == [0, 2, 2, 0, 2]
+    assert seen[1]["grad_nonfinite_modules"] == "blocks.1.fc2,blocks.2.fc1"
+    assert seen[1]["health/first_nonfinite_module"] == "blocks.1.fc2"
+    assert seen[2]["health/first_nonfinite_module"] is None  # the same event: no new alert
+    assert seen[4]["health/first_nonfinite_module"] == "blocks.1.fc2"  # a new event after recovery
+    alerts = [r for r in dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl") if r["kind"] == "alert"]
+    assert [a["step"] for a in alerts] == [2, 5]
+    assert alerts[0]["first_module"] == "blocks.1.fc2" and alerts[0]["modules"] == ["blocks.1.fc2", "blocks.2.fc1"]
+    assert len(results[0]["console"]) == 2 and "blocks.1.fc2" in results[0]["console"][0]
+    assert not (tmp_path / "r1").exists()
+
+
+def _categories_and_moe(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir="unused", log_interval=2, json_log=False, console=False,
+                                          log_progress=False, tensorboard=False, timing_log_level=-1))
+    for step in (1, 2):
+        losses, cats, weights = CATEGORY_DATA[(rank, step)]
+        monitor.record_losses(torch.tensor(losses), cats, weights=torch.tensor(weights))
+        monitor.record_moe(aux_loss=0.1 * (rank + 1), tokens_per_expert=torch.tensor(MOE_COUNTS[(rank, step)]))
+        m = monitor.step(step, loss=1.0)
+    # eval categories reach log_eval; integer categories with a name map
+    monitor.record_losses(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 1, 1]), names=["web", "code"], split="eval")
+    ev = monitor.log_eval(2, loss=torch.tensor(2.0), tokens=10)
+    monitor.close()
+    return {"train": {k: v for k, v in m.items() if isinstance(v, float)}, "eval": ev}
+
+
+# (rank, step) → per-sample losses, categories, token weights; "math" appears only on rank 2, late
+CATEGORY_DATA = {
+    (0, 1): ([1.0, 2.0], ["web", "code"], [10, 20]),
+    (0, 2): ([3.0], ["web"], [5]),
+    (1, 1): ([4.0], ["code"], [10]),
+    (1, 2): ([0.5, 1.5], ["web", "web"], [1, 1]),
+    (2, 1): ([2.0], ["web"], [2]),
+    (2, 2): ([7.0, 1.0], ["math", "code"], [3, 4]),
+}
+# (rank, step) → tokens per expert [layers=2, experts=4]
+MOE_COUNTS = {
+    (0, 1): [[5, 0, 3, 0], [1, 1, 1, 1]], (0, 2): [[5, 0, 1, 0], [0, 0, 4, 0]],
+    (1, 1): [[0, 0, 2, 0], [2, 2, 0, 0]], (1, 2): [[1, 0, 0, 0], [0, 0, 0, 8]],
+    (2, 1): [[0, 0, 0, 0], [0, 0, 0, 0]], (2, 2): [[3, 0, 0, 0], [1, 0, 0, 0]],
+}
+
+
+@pytest.fixture(scope="module")
+def category_results():
+    return run_ranks(_categories_and_moe, 3)
+
+
+def test_loss_by_category_is_the_weighted_mean_over_ranks_and_steps(category_results):
+    sums, weights = {}, {}
+    for (_, _), (losses, cats, ws) in CATEGORY_DATA.items():
+        for loss, cat, w in zip(losses, cats, ws):
+            sums[cat] = sums.get(cat, 0.0) + loss * w
+            weights[cat] = weights.get(cat, 0.0) + w
+    m = category_results[0]["train"]
+    for cat in ("web", "code", "math"):
+        assert m[f"train/loss/{cat}"] == pytest.approx(sums[cat] / weights[cat]), cat
+
+
+def test_eval_loss_by_category_with_integer_ids(category_results):
+    ev = category_results[0]["eval"]
+    # every rank recorded web: [1.0], code: [2.0, 4.0]
+    assert ev["eval/loss/web"] == pytest.approx(1.0)
+    assert ev["eval/loss/code"] == pytest.approx(3.0)
+    assert ev["eval/ppl"] == pytest.approx(math.exp(2.0))
+
+
+def test_moe_utilization_and_imbalance_against_hand_computation(category_results):
+    m = category_results[0]["train"]
+    totals = [[0] * 4 for _ in range(2)]
+    for counts in MOE_COUNTS.values():
+        for layer in range(2):
+            for expert in range(4):
+                totals[layer][expert] += counts[layer][expert]
+    used = [sum(1 for c in row if c > 0) / 4 for row in totals]
+    imbalance = [max(row) / (sum(row) / 4) for row in totals]
+    assert m["moe/expert_utilization"] == pytest.approx(sum(used) / 2)
+    assert m["moe/load_imbalance"] == pytest.approx(max(imbalance))
+    assert m["moe/load_imbalance/layer0"] == pytest.approx(imbalance[0])
+    assert m["moe/aux_loss"] == pytest.approx((0.1 + 0.2 + 0.3) / 3)
+
+
+def test_eval_gap_is_to_the_train_loss_since_the_last_eval(tmp_path):
+    import distmetrics as dm
+
+    handler = _capture()
+    monitor = dm.Monitor(_config(tmp_path, log_interval=2))
+    for step, loss in enumerate([3.0, 2.0, 2.0, 1.0], start=1):
+        monitor.step(step, loss=loss, tokens=100)
+    ev = monitor.log_eval(4, loss=2.5, tokens=50, time_ms=100.0)
+    monitor.close()
+    logging.getLogger("distmetrics.console").removeHandler(handler)
+    assert ev["eval/gap"] == pytest.approx(2.5 - 2.0)  # train mean over steps 1-4 is 2.0
+    assert ev["eval/ppl"] == pytest.approx(math.exp(2.5))
+    assert ev["eval/tokens_per_sec"] == pytest.approx(500.0)
+    line = [l for l in handler.lines if l.startswith(">> eval")][0]
+    assert line.split(" | ")[:4] == [">> eval step 4", "loss 2.5000", "gap +0.5000", "ppl 12.18"]
+
+
+def test_record_losses_input_errors():
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir="unused", json_log=False, console=False, log_progress=False,
+                                          tensorboard=False))
+    with pytest.raises(ValueError, match="2 losses but 1 categories"):
+        monitor.record_losses(torch.tensor([1.0, 2.0]), ["a"])
+    with pytest.raises(ValueError, match="need names="):
+        monitor.record_losses(torch.tensor([1.0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="split='test'"):
+        monitor.record_losses(torch.tensor([1.0]), ["a"], split="test")
