@@ -5,6 +5,7 @@ per reduce kind; one rank (first or last) writes JSONL, console, TensorBoard, W&
 Megatron-style ``progress.txt``.
 """
 
+from . import inspect
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .monitor import Monitor
 from .reduce import PerRank, Reduced, Reducer, Sample

@@ -120,6 +120,7 @@ class Monitor:
         if optimizer is not None and self._norms is not None and config.log_update_norm:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._inspector = self._start_inspection(model) if config.tensor_inspect.enabled else None
         self.sinks = SinkSet()
         if self.is_writer:
             self._open_sinks(sinks)
@@ -159,6 +160,10 @@ class Monitor:
                 self._step_timer.stop()
             self._step_timer.start()
         self._steps_in_interval += 1
+        if self._inspector is not None:
+            stats = self._inspector.end_step()  # a collective only on steps the features YAML selects
+            if stats:
+                self._write(stats, step, "tensor_stats")
         if step % self.config.log_interval == 0:
             return self._log(step)
         return None
@@ -321,6 +326,7 @@ class Monitor:
             self._closed = True
             for hook in self._hooks:
                 hook.remove()
+            self._close_inspection()
             self.sinks.close()
 
     def __enter__(self) -> "Monitor":
@@ -331,6 +337,7 @@ class Monitor:
             self.close()
         else:  # another rank may be gone: no collective, just close the files
             self._closed = True
+            self._close_inspection()
             self.sinks.close()
 
     # --- the log step --------------------------------------------------------------------
@@ -348,6 +355,8 @@ class Monitor:
         if self._energy is not None:
             samples += self._energy.samples(steps)
         samples += self._health.samples() + self._categories["train"].samples() + self._moe.samples()
+        if self._inspector is not None:
+            samples += self._inspector.take_forwarded()
         reduced = self._train_reducer.reduce(samples)
         metrics = reduced.to_metrics()
         self._timer_collector.finalize(metrics)
@@ -399,6 +408,25 @@ class Monitor:
         rows: list[Any] = [None] * self.world_size
         dist.all_gather_object(rows, mine)
         return rows
+
+    def _start_inspection(self, model):
+        from . import inspect as dm_inspect
+
+        inspector = dm_inspect.current()
+        if inspector is None:
+            inspector = dm_inspect.initialize(self.config, model=model, layout=self.layout)
+        elif model is not None:
+            inspector.layout = self.layout
+            inspector.attach(model)
+        return inspector
+
+    def _close_inspection(self) -> None:
+        if self._inspector is not None:
+            from . import inspect as dm_inspect
+
+            self._inspector.close()
+            dm_inspect._release(self._inspector)
+            self._inspector = None
 
     def _peak_tflops(self) -> Optional[float]:
         if self.config.peak_tflops is not None:

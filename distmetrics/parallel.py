@@ -41,6 +41,8 @@ class Layout:
     pp_rank: int = 0
     pp_size: int = 1
     cp_rank: int = 0
+    dp_rank: int = 0
+    """Data-parallel rank within this model-parallel slice (Megatron: within the stage)."""
     source: str = "data-parallel"
     """``megatron``, ``device_mesh`` or ``data-parallel``."""
     tp_group: Any = None
@@ -68,6 +70,7 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
     if dist.is_available() and dist.is_initialized():
         layout.rank = dist.get_rank()
         layout.world_size = dist.get_world_size()
+        layout.dp_rank = layout.rank
     ps = _megatron_parallel_state()
     if ps is not None:
         layout.source = "megatron"
@@ -76,6 +79,7 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
         layout.pp_rank = ps.get_pipeline_model_parallel_rank()
         layout.pp_size = ps.get_pipeline_model_parallel_world_size()
         layout.cp_rank = ps.get_context_parallel_rank()
+        layout.dp_rank = ps.get_data_parallel_rank()
         layout.tp_group = ps.get_tensor_model_parallel_group()
         layout.pp_group = ps.get_pipeline_model_parallel_group()
         layout.dp_group = ps.get_data_parallel_group()
@@ -86,6 +90,12 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
     elif device_mesh is not None:
         layout.source = "device_mesh"
         names = tuple(device_mesh.mesh_dim_names or ())
+        coords = device_mesh.get_coordinate() or []
+        dp_rank = 0
+        for dim, name in enumerate(names):  # every dimension that is not tp/cp/pp is data parallel
+            if name not in ("tp", "cp", "pp"):
+                dp_rank = dp_rank * device_mesh.size(dim) + coords[dim]
+        layout.dp_rank = dp_rank
         for dim_name, attr in (("tp", "tp"), ("cp", "cp"), ("pp", "pp")):
             if dim_name in names:
                 coordinate = device_mesh.get_local_rank(dim_name)

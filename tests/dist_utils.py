@@ -36,7 +36,9 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tup
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank."""
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank.
+
+    Results travel through a multiprocessing queue: return plain Python values, not tensors."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -23,7 +23,7 @@ class TensorBoardSink:
         self.include_timers = include_timers
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        if kind not in ("train", "eval"):
+        if kind not in ("train", "eval", "tensor_stats"):
             return
         for name, value in numeric_items(metrics):
             if not self.include_timers and name.startswith("timers/"):

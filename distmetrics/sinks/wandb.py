@@ -24,7 +24,7 @@ class WandbSink:
                               config=config, reinit="create_new")
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        if kind not in ("train", "eval"):
+        if kind not in ("train", "eval", "tensor_stats"):
             return
         row: dict[str, Any] = {}
         for name, value in numeric_items(metrics):

@@ -1,0 +1,368 @@
+"""Tensor statistics selected by an nvdlfw-inspect features YAML, into every sink.
+
+Two paths, one features file:
+
+* ``distmetrics:`` sections (any PyTorch module, CPU or GPU): module hooks call our feature
+  namespace (``distmetrics/inspect_features``) on the steps the YAML selects; it keeps
+  on-device partials (n, mean, M2, min, max, Σ|x|, Σx², min |x|>0) merged across micro-batches
+  with Chan's pairwise formula. At the end of such a step every rank's partials for every layer
+  travel in **one** all-gather (the reducer's ``all`` pack, so pipeline stages holding different
+  layers agree on a layout) and are merged pairwise again: the variance is exact, not the
+  sign-flipped between-group term of TransformerEngine's cross-rank std.
+* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's bare ``base`` features:
+  their values arrive through a :class:`ForwardingLogger` and reach the writer at the next log
+  step (riding the MAX pack).
+
+TP/CP peers see the same activations, and data-parallel replicas hold the same weights: only
+the rank that represents them contributes, so counts and norms are not multiplied.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import yaml
+
+from ..config import ConfigError
+from ..reduce import PerRank, Reducer, Sample
+
+__all__ = ["TensorInspector", "load_features", "accumulate", "SUPPORTED_STATS", "TENSORS"]
+
+logger = logging.getLogger("distmetrics")
+
+SUPPORTED_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
+TENSORS = ("activation", "input", "weight", "gradient")
+FEATURES_DIR = str(Path(__file__).resolve().parents[1] / "inspect_features")
+_PARTS = ("n", "mean", "m2", "min", "max", "l1", "sumsq", "minabs")
+_SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
+_FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
+
+_ACTIVE: Optional["TensorInspector"] = None  # the inspector that the feature file reports to
+
+
+def accumulate(layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
+    """Called by the feature: merge this tensor's statistics into the step's partials."""
+    if _ACTIVE is not None:
+        _ACTIVE.add(layer, tensor_name, tensor, stats)
+
+
+def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -> dict:
+    """Read and check a features YAML (path or mapping) before anything runs.
+
+    Errors name the file and the key: a missing or unparsable file, a section without layer
+    selectors, an unknown namespace, feature or statistic, the TE namespace without TE.
+    """
+    source = spec if isinstance(spec, str) else "<inline features>"
+    if isinstance(spec, str):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"tensor_inspect.features: file {spec!r} does not exist")
+        try:
+            spec = yaml.safe_load(Path(spec).read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"tensor_inspect.features: {source!r} is not valid YAML: {err}") from None
+    if not isinstance(spec, dict) or not spec:
+        raise ConfigError(f"{source}: a features file is a mapping of sections, got {spec!r}")
+    if te_available is None:
+        te_available = importlib.util.find_spec("transformer_engine") is not None
+    for section, body in spec.items():
+        where = f"{source}: section {section!r}"
+        if not isinstance(body, dict) or "enabled" not in body:
+            raise ConfigError(f"{where} needs 'enabled' and 'layers'")
+        layers = body.get("layers")
+        if not isinstance(layers, dict) or not any(k in layers for k in _SELECTORS):
+            raise ConfigError(f"{where}: 'layers' needs one of {', '.join(_SELECTORS)}")
+        for key, value in body.items():
+            if key in ("enabled", "layers"):
+                continue
+            if key == "transformer_engine":
+                if not te_available:
+                    raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU); "
+                                      "use the 'distmetrics' namespace for plain PyTorch modules")
+            elif key == "distmetrics":
+                _check_our_features(where, value)
+            elif key != "LogTensorStats":  # nvdlfw's own base-namespace feature
+                raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
+                                  "or nvdlfw's base feature 'LogTensorStats'")
+    return spec
+
+
+def _check_our_features(where: str, features: Any) -> None:
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where}: 'distmetrics' must map feature names to settings")
+    for name, cfg in features.items():
+        if name != "LogTensorStats":
+            raise ConfigError(f"{where}: unknown feature 'distmetrics.{name}'; accepted: LogTensorStats")
+        unknown = set(cfg) - _FEATURE_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
+                              f"accepted: {sorted(_FEATURE_KEYS)}")
+        entries = cfg.get("tensors_struct") or [dict(cfg, tensor=t) for t in cfg.get("tensors", [])]
+        if not entries:
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
+        for entry in entries:
+            tensor = entry.get("tensor")
+            if tensor not in TENSORS:
+                raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(TENSORS)}")
+            for stat in entry.get("stats", cfg.get("stats", [])):
+                if stat not in SUPPORTED_STATS:
+                    raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(SUPPORTED_STATS)}")
+            if int(entry.get("freq", cfg.get("freq", 1))) < 1:
+                raise ConfigError(f"{where}: freq must be >= 1")
+
+
+class ForwardingLogger:
+    """nvdlfw-inspect statistics logger that hands values to the monitor (TE and base features).
+
+    Built lazily as a ``BaseLogger`` subclass so nvdlfw-inspect stays an optional import."""
+
+    def __new__(cls, inspector: "TensorInspector"):
+        from nvdlfw_inspect.logging import BaseLogger
+
+        class _Logger(BaseLogger):
+            def log_scalar(self, name, value, iteration, **kwargs):
+                inspector.forwarded[_metric_name(name)] = value
+
+        return _Logger()
+
+
+class TensorInspector:
+    """Runs nvdlfw-inspect for one model: names, hooks, per-step reduction, forwarding."""
+
+    def __init__(self, spec: dict, model: Optional[torch.nn.Module], layout: Any, log_dir: str,
+                 init_training_step: int, feature_dirs: Optional[list], group: Any = None) -> None:
+        global _ACTIVE
+        import nvdlfw_inspect.api as debug_api
+
+        self.debug_api = debug_api
+        self.spec = spec
+        self.layout = layout
+        self.forwarded: dict[str, Any] = {}
+        self.partials: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self.requested: dict[tuple[str, str], list] = {}
+        self.reducer = Reducer(group)
+        self.iteration = init_training_step
+        self._hooks: list = []
+        os.makedirs(log_dir, exist_ok=True)
+        _reset_nvdlfw()
+        debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=ForwardingLogger(self),
+                             log_dir=log_dir, init_training_step=init_training_step)
+        if layout.dp_group is not None:
+            debug_api.set_tensor_reduction_group(layout.dp_group)
+        _ACTIVE = self
+        self.selected: dict[str, list[str]] = {}
+        if model is not None:
+            self.attach(model)
+        self.active = self._stats_step(self.iteration)
+
+    # --- model ---------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> None:
+        """Name the layers (``model.<path>``) and hook the ones our sections select."""
+        from nvdlfw_inspect.config_manager import ConfigManager
+
+        self.debug_api.infer_and_assign_layer_names(model)
+        for module in model.modules():
+            name = getattr(module, "name", None)
+            if not isinstance(name, str):
+                continue
+            cfg = ConfigManager.get_config_for_layer(name)
+            if cfg:
+                self.selected[name] = list(cfg)
+            ours = cfg.get("distmetrics", {}).get("LogTensorStats")
+            if ours and ours.get("enabled", False):
+                tensors = [e["tensor"] for e in ours.get("tensors_struct", [])] or list(ours.get("tensors", []))
+                self._hook(module, name, tensors)
+        ours_wanted = any("distmetrics" in body for body in self.spec.values() if body.get("enabled"))
+        if ours_wanted and not self._hooks:
+            raise ConfigError("tensor_inspect.features: no layer of the model matches the 'distmetrics' sections' "
+                              f"layer selectors (layer names look like {_example_names(model)})")
+
+    def _hook(self, module: torch.nn.Module, name: str, tensors: list) -> None:
+        api = self.debug_api
+
+        def call(tensor_name: str, tensor: torch.Tensor) -> None:
+            api.distmetrics.log_tensor_stats(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
+
+        def forward_hook(mod, inputs, output):
+            if not self.active:
+                return
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if "activation" in tensors and isinstance(out, torch.Tensor):
+                call("activation", out)
+            if "input" in tensors and inputs and isinstance(inputs[0], torch.Tensor):
+                call("input", inputs[0])
+            if "weight" in tensors and isinstance(getattr(mod, "weight", None), torch.Tensor) \
+                    and (name, "weight") not in self.partials:  # once per step, not per micro-batch
+                call("weight", mod.weight)
+            if "gradient" in tensors and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: call("gradient", grad))
+
+        self._hooks.append(module.register_forward_hook(forward_hook))
+
+    # --- accumulation (called through the feature) ----------------------------------------
+    def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
+        if tensor_name == "weight" and not self._counts_weights():
+            return  # a replica of a weight another rank reports
+        if tensor_name != "weight" and not self._counts_activations():
+            return  # a tensor-/context-parallel peer: the same activations as its rank 0
+        x = tensor.detach()
+        x = x.to_local() if hasattr(x, "to_local") else x
+        x = x.reshape(-1).to(torch.float64)
+        if x.numel() == 0:
+            return
+        mean = x.mean()
+        nonzero = x.abs()[x != 0]
+        batch = {"n": torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), "mean": mean,
+                 "m2": (x - mean).pow(2).sum(), "min": x.min(), "max": x.max(), "l1": x.abs().sum(),
+                 "sumsq": x.pow(2).sum(),
+                 "minabs": nonzero.min() if nonzero.numel() else torch.tensor(math.inf, dtype=torch.float64,
+                                                                               device=x.device)}
+        key = (layer, tensor_name)
+        self.requested[key] = list(stats)
+        self.partials[key] = batch if key not in self.partials else merge(self.partials[key], batch)
+
+    def _counts_activations(self) -> bool:
+        return self.layout.tp_rank == 0 and self.layout.cp_rank == 0
+
+    def _counts_weights(self) -> bool:
+        return self._counts_activations() and getattr(self.layout, "dp_rank", 0) == 0
+
+    # --- per step ------------------------------------------------------------------------
+    def end_step(self) -> Optional[dict]:
+        """After a training step: reduce this step's statistics (every rank, one collective on
+        steps the YAML selects, none otherwise); returns ``tensor_stats/...`` metrics."""
+        metrics = None
+        if self.active:
+            samples = []
+            for (layer, tensor_name), parts in self.partials.items():
+                stats = ",".join(self.requested[(layer, tensor_name)])
+                for part in _PARTS:
+                    samples.append(Sample(f"{layer}|{tensor_name}|{stats}|{part}", parts[part], "all"))
+            metrics = self._combine(self.reducer.reduce(samples).per_rank)
+            self.partials = {}
+        self.debug_api.step()
+        self.iteration += 1
+        self.active = self._stats_step(self.iteration)
+        return metrics
+
+    def take_forwarded(self) -> list[Sample]:
+        """TE / base-feature values logged since the last log step, for the MAX pack."""
+        out = [Sample(name, float(value), "max") for name, value in self.forwarded.items()]
+        self.forwarded = {}
+        return out
+
+    def close(self) -> None:
+        global _ACTIVE
+        for hook in self._hooks:
+            hook.remove()
+        self.debug_api.end_debug()
+        _reset_nvdlfw()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def _stats_step(self, iteration: int) -> bool:
+        """Does any enabled 'distmetrics' feature log at this iteration? Read from the YAML alone,
+        so every rank (also one holding none of the selected layers) agrees."""
+        from nvdlfw_inspect.logging import enable_logging_at_current_step
+
+        for body in self.spec.values():
+            cfg = (body.get("distmetrics") or {}).get("LogTensorStats") if body.get("enabled") else None
+            if not cfg or not cfg.get("enabled"):
+                continue
+            for entry in cfg.get("tensors_struct") or [cfg]:
+                merged = dict(cfg, **entry)
+                if enable_logging_at_current_step(iteration, int(merged.get("freq", 1)), merged.get("start_step", 0),
+                                                  merged.get("end_step", -1), merged.get("start_end_list")):
+                    return True
+        return False
+
+    @staticmethod
+    def _combine(per_rank: dict[str, PerRank]) -> dict:
+        groups: dict[tuple, dict[str, list]] = {}
+        for name, values in per_rank.items():
+            layer, tensor_name, stats, part = name.split("|")
+            groups.setdefault((layer, tensor_name, stats), {})[part] = values
+        out = {}
+        for (layer, tensor_name, stats), parts in sorted(groups.items()):
+            merged = None
+            for rank in range(len(parts["n"])):
+                if parts["n"][rank] is None:
+                    continue
+                one = {p: torch.tensor(parts[p][rank], dtype=torch.float64) for p in _PARTS}
+                merged = one if merged is None else merge(merged, one)
+            if merged is None:
+                continue
+            values = {k: float(v) for k, v in merged.items()}
+            prefix = f"tensor_stats/{_strip_model(layer)}/{tensor_name}"
+            for stat in stats.split(","):
+                out[f"{prefix}/{stat}"] = _stat(stat, values)
+        return out
+
+
+def merge(a: dict, b: dict) -> dict:
+    """Chan et al.'s pairwise combination of (n, mean, M2) plus extremes and sums."""
+    n = a["n"] + b["n"]
+    delta = b["mean"] - a["mean"]
+    return {"n": n, "mean": a["mean"] + delta * b["n"] / n,
+            "m2": a["m2"] + b["m2"] + delta * delta * a["n"] * b["n"] / n,
+            "min": torch.minimum(a["min"], b["min"]), "max": torch.maximum(a["max"], b["max"]),
+            "l1": a["l1"] + b["l1"], "sumsq": a["sumsq"] + b["sumsq"],
+            "minabs": torch.minimum(a["minabs"], b["minabs"])}
+
+
+def _stat(stat: str, v: dict) -> float:
+    amax = max(abs(v["min"]), abs(v["max"]))
+    if stat == "std":
+        return math.sqrt(v["m2"] / (v["n"] - 1)) if v["n"] > 1 else math.nan  # torch.std's correction
+    if stat == "l2_norm":
+        return math.sqrt(v["sumsq"])
+    if stat == "l1_norm":
+        return v["l1"]
+    if stat == "cur_amax":
+        return amax
+    if stat == "dynamic_range":
+        return math.log2(amax) - math.log2(v["minabs"]) if amax > 0 and math.isfinite(v["minabs"]) else 0.0
+    return v[stat]  # min, max, mean
+
+
+def _metric_name(name: str) -> str:
+    """TE's ``<layer>_<tensor>_<stat>`` → ``tensor_stats/<layer>/<tensor>/<stat>``."""
+    for tensor_name in ("activation", "gradient", "weight", "wgrad", "dgrad", "output", "input"):
+        marker = f"_{tensor_name}_"
+        if marker in name:
+            layer, stat = name.split(marker, 1)
+            return f"tensor_stats/{_strip_model(layer)}/{tensor_name}/{stat}"
+    return f"tensor_stats/{name}"
+
+
+def _strip_model(layer: str) -> str:
+    return layer[len("model."):] if layer.startswith("model.") else layer
+
+
+def _example_names(model: torch.nn.Module) -> list:
+    names = [getattr(m, "name", None) for m in model.modules()]
+    return [n for n in names if isinstance(n, str)][:4]
+
+
+def _reset_nvdlfw() -> None:
+    """nvdlfw-inspect keeps registries in class attributes; start from a clean slate."""
+    import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.config_manager import ConfigManager
+    from nvdlfw_inspect.logging import MetricLogger
+    from nvdlfw_inspect.registry import Registry
+
+    if debug_api.DEBUG_MANAGER is not None:
+        debug_api.end_debug()
+    ConfigManager.reset()
+    Registry.reset()
+    MetricLogger.enabled_loggers.clear()
+    for name in ("nvdlfw_inspect", "Default Statistics"):  # its file loggers add a handler per start
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+            handler.close()

@@ -1,0 +1,77 @@
+"""Tensor inspection set-up: ``distmetrics.inspect.initialize(config)``.
+
+The :class:`~distmetrics.Monitor` does all of this when ``tensor_inspect.enabled`` is true. Call
+it yourself only when TransformerEngine layers must see nvdlfw-inspect initialised *before*
+they are built (TE decides at construction whether a layer is debuggable)::
+
+    import distmetrics as dm
+    config = dm.MetricsConfig.from_yaml("configs/metrics.yaml")
+    dm.inspect.initialize(config)          # 1. before the model
+    model = build_model_with_te_layers()   # 2. the model
+    monitor = dm.Monitor(config, model=model)   # 3. names layers, hooks, step(), end_debug()
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .config import ConfigError, MetricsConfig, TensorInspectConfig
+
+__all__ = ["initialize", "current", "feature_dirs_for"]
+
+_CURRENT = None
+
+
+def current():
+    """The inspector initialised by :func:`initialize` and not yet closed, or None."""
+    return _CURRENT
+
+
+def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = None, layout: Any = None,
+               output_dir: Optional[str] = None):
+    """Check the features file and start nvdlfw-inspect (every rank; no collective)."""
+    global _CURRENT
+    from .collectors.tensor_inspect import TensorInspector, load_features
+    from .parallel import detect_layout
+
+    if isinstance(config, MetricsConfig):
+        output_dir = output_dir or config.output_dir
+        config = config.tensor_inspect
+    if not config.enabled:
+        raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
+    spec = load_features(config.features)
+    dirs = feature_dirs_for(config, spec)
+    log_dir = config.log_dir or str(Path(output_dir or ".") / "tensor_inspect")
+    if _CURRENT is not None:
+        _CURRENT.close()
+    _CURRENT = TensorInspector(spec, model, layout or detect_layout(), log_dir, config.init_training_step, dirs)
+    return _CURRENT
+
+
+def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
+    """Our feature namespace, TransformerEngine's when the YAML uses it, and custom folders
+    only when ``allow_custom_feature_dirs`` is true (they run code)."""
+    from .collectors.tensor_inspect import FEATURES_DIR
+
+    dirs = [FEATURES_DIR]
+    if any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
+        te = importlib.util.find_spec("transformer_engine")
+        dirs.append(os.path.join(list(te.submodule_search_locations)[0], "debug", "features"))
+    if config.feature_dirs:
+        if not config.allow_custom_feature_dirs:
+            raise ConfigError(f"tensor_inspect.feature_dirs={config.feature_dirs!r}: custom feature folders run "
+                              "code; set tensor_inspect.allow_custom_feature_dirs: true to allow them")
+        for folder in config.feature_dirs:
+            if not os.path.isdir(folder):
+                raise ConfigError(f"tensor_inspect.feature_dirs: {folder!r} is not a folder")
+        dirs += list(config.feature_dirs)
+    return dirs
+
+
+def _release(inspector) -> None:
+    global _CURRENT
+    if _CURRENT is inspector:
+        _CURRENT = None

@@ -1,0 +1,302 @@
+"""Tensor statistics through the real nvdlfw-inspect (0.2.2) on 2 gloo ranks, compared with
+statistics computed independently in float64 on the full tensors (all micro-batches of all
+ranks gathered), and read back from JSONL, TensorBoard and a W&B offline run."""
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_ranks
+
+FEATURES = textwrap.dedent("""
+    fc_stats:
+      enabled: true
+      layers:
+        layer_name_regex_pattern: "fc1$"
+      distmetrics:
+        LogTensorStats:
+          enabled: true
+          tensors_struct:
+            - tensor: activation
+              stats: [min, max, mean, std, l1_norm, l2_norm, cur_amax, dynamic_range]
+              freq: 2
+              start_step: 2
+              end_step: 6
+            - tensor: gradient
+              stats: [mean, std, l2_norm]
+              freq: 2
+              start_step: 2
+              end_step: 6
+            - tensor: weight
+              stats: [std, l2_norm]
+              freq: 2
+              start_step: 2
+              end_step: 6
+""")
+STEPS = 8
+MICRO = 2
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(6, 12)
+            self.fc2 = nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    return Net()
+
+
+def _train(rank: int, world: int, root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    features = Path(root) / "features.yaml"
+    if rank == 0:
+        features.write_text(FEATURES)
+    dist.barrier()
+    model = _model()
+    captured = {"activation": [], "gradient": []}
+
+    def spy(mod, inputs, output):  # the test's own capture: ground truth
+        captured["activation"].append(output.detach().clone())
+        output.register_hook(lambda g: captured["gradient"].append(g.detach().clone()))
+
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", log_interval=4, console=False, timing_log_level=-1,
+                           wandb_project="inspect-test", wandb_mode="offline",
+                           tensor_inspect={"enabled": True, "features": str(features)})
+    monitor = dm.Monitor(cfg, model=model)
+    truth = {}
+    for step in range(1, STEPS + 1):
+        iteration = step - 1
+        handle = model.fc1.register_forward_hook(spy)
+        for micro in range(MICRO):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            x = torch.randn(5 + rank, 6, generator=g)  # ranks hold different batch sizes
+            model(x).pow(2).mean().backward()
+        handle.remove()
+        weight = model.fc1.weight.detach().clone()
+        if iteration in (2, 4, 6):
+            truth[step] = {name: _gather(torch.cat([t.reshape(-1) for t in ts])) for name, ts in captured.items()}
+            truth[step]["weight"] = weight.reshape(-1).to(torch.float64)
+        captured = {"activation": [], "gradient": []}
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+        monitor.step(step, loss=1.0)
+    monitor.close()
+    import nvdlfw_inspect.api as debug_api
+
+    # plain lists: tensors would travel through shared memory that dies with this process
+    truth = {step: {name: t.tolist() for name, t in tensors.items()} for step, tensors in truth.items()}
+    return {"truth": truth, "closed": debug_api.DEBUG_MANAGER is None}
+
+
+def _gather(t):
+    import torch
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()  # ranks hold different sizes: gather as objects
+    dist.all_gather_object(parts, t)
+    return torch.cat(parts).to(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inspect")
+    return root, run_ranks(_train, 2, str(root), timeout=240)
+
+
+def _expected(values, stat):
+    import torch
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if stat == "std":
+        return float(t.std())
+    if stat == "l1_norm":
+        return float(t.abs().sum())
+    if stat == "l2_norm":
+        return float(t.pow(2).sum().sqrt())
+    if stat == "cur_amax":
+        return float(t.abs().max())
+    if stat == "dynamic_range":
+        nonzero = t.abs()[t != 0]
+        return math.log2(float(nonzero.max())) - math.log2(float(nonzero.min()))
+    return float(getattr(torch, stat)(t))
+
+
+def test_statistics_equal_those_of_the_full_tensors(run):
+    import distmetrics as dm
+
+    root, results = run
+    records = {r["step"]: r for r in dm.read_jsonl(root / "out0" / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+    truth = results[0]["truth"]
+    for step, tensors in truth.items():
+        record = records[step]
+        for tensor_name, stats in (("activation", ["min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax",
+                                                   "dynamic_range"]),
+                                   ("gradient", ["mean", "std", "l2_norm"]), ("weight", ["std", "l2_norm"])):
+            for stat in stats:
+                got = record[f"tensor_stats/fc1/{tensor_name}/{stat}"]
+                assert got == pytest.approx(_expected(tensors[tensor_name], stat), rel=1e-9, abs=1e-12), \
+                    (step, tensor_name, stat)
+
+
+def test_freq_start_and_end_are_respected(run):
+    import distmetrics as dm
+
+    root, _ = run
+    steps = [r["step"] for r in dm.read_jsonl(root / "out0" / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert steps == [3, 5, 7]  # iterations 2, 4, 6 (the first step is iteration 0)
+
+
+def test_every_sink_receives_the_statistics(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.wandb_reader import read_offline_run
+
+    root, _ = run
+    acc = EventAccumulator(str(root / "out0" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("tensor_stats/fc1/activation/std")] == [3, 5, 7]
+    wb = read_offline_run(str(root / "out0"))
+    rows = [row for row in wb["history"] if "tensor_stats/fc1/gradient/l2_norm" in row]
+    assert [row["_step"] for row in rows] == [3, 5, 7]
+    # only the writer writes metrics; nvdlfw-inspect keeps its own per-rank debug log in log_dir
+    assert [p.relative_to(root / "out1").as_posix() for p in (root / "out1").rglob("*") if p.is_file()] == \
+        ["tensor_inspect/nvdlfw_inspect_logs/nvdlfw_inspect_globalrank-1.log"]
+
+
+def test_nvdlfw_is_shut_down_at_close(run):
+    _, results = run
+    assert all(r["closed"] for r in results)
+
+
+# --- pipeline stages: each stage's layers reach the writer ------------------------------------
+
+STAGE_FEATURES = {"all_linear": {"enabled": True, "layers": {"layer_name_regex_pattern": r"layers\.\d+\.proj$"},
+                                 "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                                     "stats": ["mean"], "freq": 1}}}}
+
+
+def _stages(rank: int, world: int, root: str) -> dict:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    class Layer(nn.Module):
+        def __init__(self, number):
+            super().__init__()
+            self.layer_number = number  # global, as Megatron numbers them
+            self.proj = nn.Linear(4, 4)
+
+    class Stage(nn.Module):
+        def __init__(self, numbers):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer(n) for n in numbers)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer.proj(x)
+            return x
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    model = Stage([1, 2] if rank == 0 else [3, 4])
+    cfg = dm.MetricsConfig(output_dir=f"{root}/stages", writer_rank="last", log_interval=1, console=False,
+                           tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": STAGE_FEATURES})
+    monitor = dm.Monitor(cfg, model=model, device_mesh=mesh)
+    model(torch.ones(2, 4))
+    monitor.step(1)
+    monitor.close()
+    return {}
+
+
+def test_statistics_of_every_pipeline_stage_reach_the_writer(tmp_path):
+    import distmetrics as dm
+
+    run_ranks(_stages, 2, str(tmp_path))
+    record = [r for r in dm.read_jsonl(tmp_path / "stages" / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    layers = sorted(k for k in record if k.startswith("tensor_stats/"))
+    assert layers == [f"tensor_stats/layers.{n}.proj/activation/mean" for n in (1, 2, 3, 4)]
+
+
+# --- bad input: clear errors before training, never SystemExit -------------------------------
+
+def _monitor_with(features, tmp_path, **extra):
+    import distmetrics as dm
+
+    ti = {"enabled": True, "features": features}
+    ti.update(extra)
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), json_log=False, console=False, log_progress=False,
+                           tensorboard=False, tensor_inspect=ti)
+    return dm.Monitor(cfg, model=_model())
+
+
+@pytest.mark.parametrize("features,message", [
+    ("/nonexistent/features.yaml", "file '/nonexistent/features.yaml' does not exist"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "nothing-matches"},
+            "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}},
+     "no layer of the model matches"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+            "distmetrics": {"LogHistogram": {"enabled": True}}}}, "unknown feature 'distmetrics.LogHistogram'"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+            "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["median"]}}}},
+     "stat 'median' is not one of"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+            "transformer_engine": {"LogFp8TensorStats": {"enabled": True}}}},
+     "key 'transformer_engine' needs TransformerEngine"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"}, "Bogus": {}}}, "unknown key 'Bogus'"),
+    ({"s": {"enabled": True}}, "'layers' needs one of"),
+])
+def test_bad_features_fail_before_training_with_a_clear_error(tmp_path, features, message):
+    import nvdlfw_inspect.api as debug_api
+
+    with pytest.raises(ValueError, match=message):
+        _monitor_with(features, tmp_path)
+    from distmetrics.collectors.tensor_inspect import _reset_nvdlfw
+
+    _reset_nvdlfw()
+    assert debug_api.DEBUG_MANAGER is None
+
+
+def test_unparsable_features_file_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("s: [unclosed\n")
+    with pytest.raises(ValueError, match=f"'{bad}' is not valid YAML"):
+        _monitor_with(str(bad), tmp_path)
+
+
+def test_custom_feature_dirs_are_refused_unless_allowed(tmp_path):
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["mean"]}}}}
+    with pytest.raises(ValueError, match="custom feature folders run code"):
+        _monitor_with(features, tmp_path, feature_dirs=[str(tmp_path)])
+    monitor = _monitor_with(features, tmp_path, feature_dirs=[str(tmp_path)], allow_custom_feature_dirs=True)
+    monitor.close()
+
+
+def test_shipped_feature_files_validate():
+    from distmetrics.collectors.tensor_inspect import load_features
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    load_features(str(root / "tensor_stats_cpu.yaml"))
+    load_features(str(root / "fp8_tensor_stats.yaml"), te_available=True)
+    with pytest.raises(ValueError, match="transformer_engine"):
+        load_features(str(root / "fp8_tensor_stats.yaml"), te_available=False)
