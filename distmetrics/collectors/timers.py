@@ -203,6 +203,8 @@ class Timers:
                 raise ValueError(f"timer {name!r} was created with log_level={self._log_levels[name]}, "
                                  f"now asked for with log_level={log_level}")
             return timer
+        if log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL:
+            return self._dummy  # the disabled path: a lookup and two comparisons
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
         if log_level not in (0, 1, 2):

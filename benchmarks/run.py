@@ -1,0 +1,401 @@
+"""The overhead budget, measured against baselines in the same run.
+
+    python -m benchmarks                 # full (several minutes on 2 CPU cores)
+    python -m benchmarks --quick         # fewer repeats and sizes
+    python -m benchmarks --out runs/benchmarks.json
+
+Every figure is the median of repeated runs with baseline and candidate interleaved in the same
+process, printed as a ratio. Wall-clock numbers are for reading, not for asserting: the tests
+never time anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+
+
+def median_pair(baseline: Callable, candidate: Callable, repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of baseline and candidate, run alternately."""
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    base, cand = [], []
+    for _ in range(repeats):
+        t = time.perf_counter(); baseline(); base.append(time.perf_counter() - t)
+        t = time.perf_counter(); candidate(); cand.append(time.perf_counter() - t)
+    return statistics.median(base), statistics.median(cand)
+
+
+def _quiet_config(**extra):
+    import distmetrics as dm
+
+    cfg = dict(output_dir="runs/benchmarks/unused", json_log=False, console=False, log_progress=False,
+               tensorboard=False, timing_log_level=-1, log_throughput=False, log_memory=False)
+    cfg.update(extra)
+    return dm.MetricsConfig(**cfg)
+
+
+# --- 1. per-module grad norms + clipping ---------------------------------------------------------
+
+def stack_model(modules: int, params: float) -> torch.nn.Module:
+    d = int(math.sqrt(params / modules))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(modules)])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return model
+
+
+def naive_per_module(model: torch.nn.Module) -> dict:
+    """The common recipe: a norm per parameter, .item() each, summed per module in Python."""
+    sums: dict = {}
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        sums[module] = sums.get(module, 0.0) + p.grad.norm().item() ** 2
+    return {m: math.sqrt(v) for m, v in sums.items()}
+
+
+def bench_norms(sizes, repeats: int) -> list[dict]:
+    import distmetrics as dm
+
+    rows = []
+    for modules, params in sizes:
+        model = stack_model(modules, params)
+        grads = [p.grad.clone() for p in model.parameters()]
+        plist = list(model.parameters())
+        monitor = dm.Monitor(_quiet_config(log_interval=10**9), model=model)
+        huge = 1e9  # clipping math runs, scaling is by 1.0: repeats see the same gradients
+
+        def torch_clip():
+            torch.nn.utils.clip_grad_norm_(plist, huge)
+
+        def ours():
+            monitor.clip_grad_norm_(huge)
+
+        def naive():
+            naive_per_module(model)
+            torch.nn.utils.clip_grad_norm_(plist, huge)
+
+        base, cand = median_pair(torch_clip, ours, repeats)
+        naive_t, cand2 = median_pair(naive, ours, repeats)
+        monitor.close()
+        for p, g in zip(plist, grads):
+            p.grad = g
+        n_params = sum(p.numel() for p in plist)
+        rows.append({"modules": modules, "params_m": round(n_params / 1e6, 1), "torch_clip_ms": base * 1e3,
+                     "ours_ms": cand * 1e3, "ours_vs_torch_clip": cand / base,
+                     "naive_ms": naive_t * 1e3, "naive_vs_ours": naive_t / cand2})
+    return rows
+
+
+# --- 2 and 4b. collectives per log step, on 4 gloo ranks ---------------------------------------
+
+def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
+    import torch.distributed as dist
+
+    from distmetrics.collectors.timers import TimerCollector, Timers
+    from distmetrics.reduce import Reducer, Sample
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {"reduce": [], "timers": []}
+    for n in sizes:
+        samples = [Sample(f"m{i}", torch.tensor(float(rank + i)), "mean") for i in range(n)]
+        reducer = Reducer()
+        reducer.reduce(samples)  # negotiation, once
+
+        def packed():
+            reducer.reduce(samples)
+
+        def per_key():
+            for s in samples:
+                t = torch.tensor([float(s.value) * 1.0, 1.0], dtype=torch.float64)
+                dist.all_reduce(t)
+
+        before = reducer.collectives
+        base, cand = median_pair(per_key, packed, repeats)
+        per_log = (reducer.collectives - before) / (repeats + 2)
+        layout = reducer._layout
+        packed_bytes = 8 * (layout.n_sum + layout.n_max + 3)
+        out["reduce"].append({"names": n, "collectives_ours": per_log, "collectives_per_key": n,
+                              "bytes_ours": packed_bytes, "bytes_per_key": 16 * n,
+                              "per_key_ms": base * 1e3, "ours_ms": cand * 1e3, "per_key_vs_ours": base / cand})
+    for n_timers in (10, 200):
+        timers = Timers(2, "minmax", use_cuda=False)
+        collector = TimerCollector(timers, "minmax", hosts=[])
+        reducer = Reducer()
+
+        def log_step():
+            for i in range(n_timers):
+                t = timers(f"t{i}", log_level=1)
+                t.start(); t.stop()
+            samples = collector.samples(1)
+            reducer.reduce(samples)
+
+        log_step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); log_step(); times.append(time.perf_counter() - t0)
+        out["timers"].append({"timers": n_timers, "log_step_ms": statistics.median(times) * 1e3,
+                              "collectives": reducer.collectives})
+    dist.barrier()
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_reducer_worker, args=(r, world, port, sizes, repeats, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=900)
+    for p in procs:
+        p.join()
+    return result
+
+
+# --- 3. non-log-step overhead of a small FSDP2 training step (2 ranks) -------------------------
+
+class _Counter:
+    def __init__(self):
+        self.collectives = 0
+        self.items = 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._saved = {}
+        for name in ("all_reduce", "all_gather", "all_gather_object", "all_gather_single",
+                     "all_gather_into_tensor", "broadcast", "barrier", "reduce_scatter_tensor"):
+            original = getattr(dist, name, None)
+            if original is not None:
+                self._saved[name] = original
+                setattr(dist, name, self._wrap(original, "collectives"))
+        self._item = torch.Tensor.item
+        torch.Tensor.item = self._wrap(self._item, "items")
+        return self
+
+    def _wrap(self, original, field):
+        def wrapper(*args, **kwargs):
+            setattr(self, field, getattr(self, field) + 1)
+            return original(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        torch.Tensor.item = self._item
+
+
+def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+    from train_fsdp import GPT, MarkovData
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(128, 128, 2, 4, 64)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = dm.Monitor(_quiet_config(log_interval=10, timing_log_level=1, log_throughput=True, log_memory=True),
+                         model=model, optimizer=opt)
+    data = MarkovData(128, 0)
+    batch = data.batch(rank, 8, 64)
+    step_no = [0]
+
+    def train_step(with_monitor: bool):
+        timers = monitor.timers
+        if with_monitor:
+            timers("forward-backward", log_level=1).start()
+        loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, 128), batch[:, 1:].reshape(-1))
+        loss.backward()
+        if with_monitor:
+            timers("forward-backward").stop()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad()
+        if with_monitor:
+            step_no[0] += 1
+            if step_no[0] % 10 == 0:  # keep the measured steps non-log steps
+                step_no[0] += 1
+            monitor.step(step_no[0], loss=loss.detach(), tokens=8 * 64, lr=1e-3)
+
+    off, on = [], []
+    counts = {"collectives": 0, "items": 0}
+    for i in range(steps + 3):
+        dist.barrier()
+        t = time.perf_counter(); train_step(False); a = time.perf_counter() - t
+        dist.barrier()
+        # count what the monitor itself does on a non-log step: only its own calls
+        t = time.perf_counter()
+        with _Counter() as counter:
+            timers = monitor.timers
+            timers("probe", log_level=1).start(); timers("probe").stop()
+            step_no[0] += 1
+            if step_no[0] % 10 == 0:
+                step_no[0] += 1
+            monitor.step(step_no[0], loss=torch.tensor(1.0), tokens=512, lr=1e-3)
+        counts["collectives"] += counter.collectives
+        counts["items"] += counter.items
+        dist.barrier()
+        t = time.perf_counter(); train_step(True); b = time.perf_counter() - t
+        if i >= 3:
+            off.append(a); on.append(b)
+    monitor.close()
+    if rank == 0:
+        queue.put({"step_off_ms": statistics.median(off) * 1e3, "step_on_ms": statistics.median(on) * 1e3,
+                   "overhead_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
+                   "non_log_collectives": counts["collectives"], "non_log_items": counts["items"],
+                   "non_log_steps_counted": steps + 3})
+    dist.destroy_process_group()
+
+
+def bench_training(steps: int, world: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_training_worker, args=(r, world, port, steps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=900)
+    for p in procs:
+        p.join()
+    return result
+
+
+# --- 4a. timer start/stop cost ----------------------------------------------------------------
+
+def bench_timer_pairs(pairs: int, repeats: int) -> dict:
+    from distmetrics.collectors.timers import Timers
+
+    timers = Timers(1, "minmax", use_cuda=False)
+
+    def enabled():
+        for _ in range(pairs):
+            t = timers("fwd", log_level=1)
+            t.start(); t.stop()
+
+    def disabled():
+        for _ in range(pairs):
+            t = timers("fine", log_level=2)
+            t.start(); t.stop()
+
+    def empty():
+        for _ in range(pairs):
+            pass
+
+    base, on = median_pair(empty, enabled, repeats)
+    _, off = median_pair(empty, disabled, repeats)
+    return {"enabled_pair_us": (on - base) / pairs * 1e6, "disabled_pair_us": (off - base) / pairs * 1e6}
+
+
+# --- 5. update norms --------------------------------------------------------------------------
+
+def bench_update_norms(params: float, repeats: int) -> dict:
+    """optimizer.step() on log steps (snapshot before, diff after) vs non-log steps (nothing)."""
+    import distmetrics as dm
+
+    model = stack_model(50, params)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = dm.Monitor(_quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=opt)
+    times = {True: [], False: []}
+    for step in range(1, 2 * (repeats + 2) + 1):
+        t = time.perf_counter()
+        opt.step()  # the pre/post hooks snapshot and diff only when `step` will be logged
+        if step > 4:
+            times[step % 2 == 0].append(time.perf_counter() - t)
+        monitor.step(step)  # untimed: on log steps it reduces and writes
+    snapshot_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    monitor.close()
+    base, cand = statistics.median(times[False]), statistics.median(times[True])
+    return {"params_m": round(snapshot_bytes / 4 / 1e6, 1), "non_log_step_ms": base * 1e3, "log_step_ms": cand * 1e3,
+            "log_vs_non_log": cand / base, "snapshot_mib": snapshot_bytes / 2**20}
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
+    p.add_argument("--out", default="runs/benchmarks.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    repeats = 5 if args.quick else 15
+    norm_sizes = [(50, 20e6), (200, 20e6), (1000, 20e6)] + ([] if args.quick else [(200, 100e6)])
+    results = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                           "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}}
+    print("1. clip_grad_norm_ with per-module norms", flush=True)
+    results["norms"] = bench_norms(norm_sizes, repeats)
+    for r in results["norms"]:
+        print(f"   {r['modules']:5d} modules {r['params_m']:6.1f}M params: torch clip {r['torch_clip_ms']:8.2f} ms | "
+              f"ours {r['ours_ms']:8.2f} ms = {r['ours_vs_torch_clip']:.3f}x (target <= 1.10) | "
+              f"naive loop {r['naive_ms']:8.2f} ms = {r['naive_vs_ours']:.2f}x ours (target >= 20 at 200)", flush=True)
+    print("2. collectives per log step, 4 gloo ranks (and 4b. timers at a log step)", flush=True)
+    coll = bench_collectives([10, 200, 1000] if not args.quick else [10, 200], repeats)
+    results["collectives"] = coll["reduce"]
+    results["timer_log_step"] = coll["timers"]
+    for r in coll["reduce"]:
+        print(f"   {r['names']:5d} names: ours {r['collectives_ours']:.0f} collectives, {r['bytes_ours']} B | "
+              f"per-key {r['collectives_per_key']} collectives, {r['bytes_per_key']} B | "
+              f"per-key {r['per_key_ms']:.2f} ms vs ours {r['ours_ms']:.2f} ms = {r['per_key_vs_ours']:.1f}x", flush=True)
+    for r in coll["timers"]:
+        print(f"   log step with {r['timers']:4d} timers: {r['log_step_ms']:.2f} ms", flush=True)
+    print("3. non-log-step overhead, FSDP2 step on 2 ranks, log_interval=10", flush=True)
+    results["training"] = bench_training(20 if args.quick else 60)
+    t = results["training"]
+    print(f"   off {t['step_off_ms']:.2f} ms | on {t['step_on_ms']:.2f} ms = {t['overhead_pct']:+.2f}% (target <= 1%) | "
+          f"{t['non_log_collectives']} collectives, {t['non_log_items']} .item() in {t['non_log_steps_counted']} "
+          "non-log monitor steps", flush=True)
+    print("4. timers", flush=True)
+    results["timers"] = bench_timer_pairs(20000 if args.quick else 100000, repeats)
+    print(f"   start+stop: enabled {results['timers']['enabled_pair_us']:.2f} us (target <= 2) | "
+          f"disabled {results['timers']['disabled_pair_us']:.3f} us (target <= 0.3)", flush=True)
+    print("5. update norms", flush=True)
+    results["update_norms"] = bench_update_norms(20e6, repeats)
+    u = results["update_norms"]
+    print(f"   optimizer.step on a log step {u['log_step_ms']:.2f} ms vs non-log {u['non_log_step_ms']:.2f} ms = "
+          f"{u['log_vs_non_log']:.2f}x; snapshot {u['snapshot_mib']:.0f} MiB on log steps only", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"written: {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
