@@ -102,7 +102,7 @@ class MetricsConfig:
     log_timers_to_tensorboard: bool = True
     """Send timer values to TensorBoard/W&B too (they always go to JSONL)."""
     barrier_with_L1_time: bool = True
-    """Level-1 timers pass ``barrier=True`` in Megatron code; honour it (a real barrier)."""
+    """Honour ``barrier=True`` passed to timers (a real barrier); false turns those barriers off."""
 
     # --- norms ---------------------------------------------------------------------------
     log_grad_norm: bool = True

@@ -61,12 +61,13 @@ class Timer:
 
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event",
                  "_elapsed_ns", "_pending", "_active_ns", "_interval_ns", "_interval_pending", "_used",
-                 "spans")
+                 "spans", "_barriers")
 
-    def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None) -> None:
+    def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name
         self._use_cuda = use_cuda
         self._group = barrier_group
+        self._barriers = barriers  # barrier_with_L1_time: False turns barrier=True requests off
         self._started = False
         self._start_ns = 0
         self._start_event = None
@@ -86,7 +87,7 @@ class Timer:
         """Start timing. ``barrier=True`` first waits for every rank (a real barrier)."""
         if self._started:
             raise RuntimeError(f"timer {self.name!r} has already been started; stop() it first")
-        if barrier and dist.is_available() and dist.is_initialized():
+        if barrier and self._barriers and dist.is_available() and dist.is_initialized():
             dist.barrier(group=self._group)
         if self._use_cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
@@ -100,7 +101,7 @@ class Timer:
         """Stop timing and add the span to the interval."""
         if not self._started:
             raise RuntimeError(f"timer {self.name!r} was stopped without being started; call start() first")
-        if barrier and dist.is_available() and dist.is_initialized():
+        if barrier and self._barriers and dist.is_available() and dist.is_initialized():
             dist.barrier(group=self._group)
         if self._use_cuda:
             end = torch.cuda.Event(enable_timing=True)
@@ -211,7 +212,7 @@ class Timers:
             raise ValueError(f"timer {name!r}: log_level={log_level!r}; accepted values are 0, 1, 2")
         if log_level > self._log_level:
             return self._dummy
-        timer = self._timers[name] = Timer(name, self._use_cuda, self._group)
+        timer = self._timers[name] = Timer(name, self._use_cuda, self._group, self._barrier_ok)
         self._log_levels[name] = log_level
         return timer
 
