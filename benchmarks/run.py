@@ -159,7 +159,8 @@ def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue
     dist.destroy_process_group()
 
 
-def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
+def spawn_ranks(worker: Callable, world: int, *args) -> dict:
+    """Run ``worker(rank, world, port, *args, queue)`` on gloo ranks; return what rank 0 puts."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -167,13 +168,17 @@ def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_reducer_worker, args=(r, world, port, sizes, repeats, queue)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get(timeout=900)
     for p in procs:
         p.join()
     return result
+
+
+def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
+    return spawn_ranks(_reducer_worker, world, sizes, repeats)
 
 
 # --- 3. non-log-step overhead of a small FSDP2 training step (2 ranks) -------------------------
@@ -282,20 +287,7 @@ def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> Non
 
 
 def bench_training(steps: int, world: int = 2) -> dict:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_training_worker, args=(r, world, port, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=900)
-    for p in procs:
-        p.join()
-    return result
+    return spawn_ranks(_training_worker, world, steps)
 
 
 # --- 4a. timer start/stop cost ----------------------------------------------------------------

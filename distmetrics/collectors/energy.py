@@ -40,6 +40,15 @@ def open_nvml_handle(uuid: str) -> tuple[Any, Any]:
     return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid.encode() if isinstance(uuid, str) else uuid)
 
 
+def _own_gpu(uuid: Optional[str]) -> tuple[str, tuple[Any, Any]]:
+    """(UUID, (pynvml, handle)) of this rank's GPU, or of ``uuid`` when given."""
+    if uuid is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device on this rank")
+        uuid = cuda_device_uuid()
+    return uuid, open_nvml_handle(uuid)
+
+
 class EnergyCollector:
     """Energy deltas per log interval → energy/*, power/* samples."""
 
@@ -51,11 +60,7 @@ class EnergyCollector:
         self._paused_s = 0.0
         self._pause_start: Optional[tuple[float, float]] = None
         try:
-            if uuid is None:
-                if not torch.cuda.is_available():
-                    raise RuntimeError("no CUDA device on this rank")
-                uuid = cuda_device_uuid()
-            self._nvml, self._handle = open_nvml_handle(uuid)
+            uuid, (self._nvml, self._handle) = _own_gpu(uuid)
             self._last_mj = self._read()
         except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once
             logger.warning("distmetrics: GPU energy is not measured (%s: %s); log_energy has no effect. "
@@ -127,11 +132,7 @@ class TelemetryCollector:
     def __init__(self, uuid: Optional[str] = None) -> None:
         self.enabled = False
         try:
-            if uuid is None:
-                if not torch.cuda.is_available():
-                    raise RuntimeError("no CUDA device on this rank")
-                uuid = cuda_device_uuid()
-            self._nvml, self._handle = open_nvml_handle(uuid)
+            _, (self._nvml, self._handle) = _own_gpu(uuid)
         except Exception as err:  # noqa: BLE001
             logger.warning("distmetrics: GPU telemetry is not collected (%s: %s); log_gpu_telemetry has "
                            "no effect.", type(err).__name__, err)
