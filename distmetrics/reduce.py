@@ -250,7 +250,8 @@ class Reducer:
         assert layout is not None
         rank = dist.get_rank()
         stale = not _subset(local, layout)
-        control = torch.tensor([int(stale), layout.digest, -layout.digest], dtype=torch.int64)
+        device = self.device
+        control = torch.tensor([int(stale), layout.digest, -layout.digest], dtype=torch.int64).to(device)
         names, values, negate = [], [], []
         for name, s in local.items():
             if s.reduce in ("max", "minmax", "min") and name in layout.max_index:
@@ -260,12 +261,12 @@ class Reducer:
                 if s.reduce in ("min", "minmax"):
                     names.append(base + (1 if s.reduce == "minmax" else 0))
                     values.append(s.value if s.low is None else s.low); negate.append(True)
-        lanes = torch.full((layout.n_max,), _INT64_MIN, dtype=torch.int64)
+        lanes = torch.full((layout.n_max,), _INT64_MIN, dtype=torch.int64, device=device)
         if names:
-            v = _stack(values, torch.float32)
-            sign = torch.tensor([-1.0 if n else 1.0 for n in negate], dtype=torch.float32)
-            lanes[torch.tensor(names)] = _encode(v * sign, rank)
-        pack = torch.cat([control, lanes]).to(self.device)
+            v = _stack(values, torch.float32, device)
+            sign = torch.tensor([-1.0 if n else 1.0 for n in negate], dtype=torch.float32).to(device)
+            lanes[torch.tensor(names, device=device)] = _encode(v * sign, rank)
+        pack = torch.cat([control, lanes])
         dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
         self.collectives += 1
         pack = pack.cpu()
@@ -306,10 +307,9 @@ class Reducer:
                 num, den = _mean_parts(s)
                 base = layout.sum_index[name]
                 index += [base, base + 1]; values += [num, den]
-        pack = torch.zeros(layout.n_sum, dtype=torch.float64)
+        pack = torch.zeros(layout.n_sum, dtype=torch.float64, device=self.device)
         if index:
-            pack[torch.tensor(index)] = _stack(values, torch.float64)
-        pack = pack.to(self.device)
+            pack[torch.tensor(index, device=self.device)] = _stack(values, torch.float64, self.device)
         dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=self.group)
         self.collectives += 1
         totals = pack.cpu().tolist()
@@ -329,16 +329,15 @@ class Reducer:
         n = layout.n_all
         if n == 0:
             return
-        row = torch.zeros(2 * n, dtype=torch.float64)
+        row = torch.zeros(2 * n, dtype=torch.float64, device=self.device)
         index, values = [], []
         for name, s in local.items():
             if s.reduce == "all":
                 index.append(layout.all_index[name]); values.append(s.value)
         if index:
-            idx = torch.tensor(index)
-            row[idx] = _stack(values, torch.float64)
+            idx = torch.tensor(index, device=self.device)
+            row[idx] = _stack(values, torch.float64, self.device)
             row[idx + n] = 1.0
-        row = row.to(self.device)
         world = dist.get_world_size(self.group)
         out = torch.empty(world * 2 * n, dtype=torch.float64, device=self.device)
         _gather_single()(out, row, group=self.group)
@@ -378,19 +377,22 @@ def _round_f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
-def _stack(values: list[Number], dtype: torch.dtype) -> torch.Tensor:
-    """Values (numbers and 0-d tensors on any device) → one CPU tensor, one copy per device."""
-    out = torch.empty(len(values), dtype=dtype)
+def _stack(values: list[Number], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Values (numbers and 0-d tensors on any device) → one tensor on ``device``; tensors are
+    stacked where they live and moved once, so device values never round-trip through the host
+    when the pack lives on the same device (NCCL)."""
+    out = torch.empty(len(values), dtype=dtype, device=device)
     numbers = [(i, float(v)) for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
     if numbers:
-        out[torch.tensor([i for i, _ in numbers])] = torch.tensor([v for _, v in numbers], dtype=dtype)
+        index = torch.tensor([i for i, _ in numbers], device=device)
+        out[index] = torch.tensor([v for _, v in numbers], dtype=dtype).to(device)
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(i)
     for _, idx in by_device.items():
         stacked = torch.stack([values[i].detach().reshape(()).to(dtype) for i in idx])
-        out[torch.tensor(idx)] = stacked.cpu()
+        out[torch.tensor(idx, device=device)] = stacked.to(device)
     return out
 
 
