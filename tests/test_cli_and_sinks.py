@@ -103,3 +103,59 @@ def test_barrier_with_l1_time_false_turns_timer_barriers_off():
     fast = run_ranks(_barrier_waits, 2)[0]
     assert fast[True] >= 0.4  # waited for the slow rank
     assert fast[False] < 0.1
+
+
+def _all_timers_to_tensorboard(rank: int, world: int, root: str) -> dict:
+    import time
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, timing_log_level=1,
+                           timing_log_option="all")
+    with dm.Monitor(cfg) as monitor:
+        with monitor.timers("fwd", log_level=1):
+            time.sleep(0.01 * (rank + 1))
+        monitor.step(1)
+    return {}
+
+
+def test_all_option_timers_reach_tensorboard_as_summary_and_histogram(tmp_path):
+    """4,096 ranks must not become 4,096 tags: TensorBoard gets max/min/mean and a histogram,
+    JSONL every rank's value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_all_timers_to_tensorboard, 3, str(tmp_path))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    assert {"timers/fwd/max", "timers/fwd/min", "timers/fwd/mean"} <= scalars
+    assert not any("rank1" in tag for tag in scalars)
+    histogram = acc.Histograms("timers/fwd")[0].histogram_value
+    assert histogram.num == 3 and histogram.min >= 10.0 and histogram.max >= 30.0
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][0]
+    assert record["timers/fwd/rank0"] < record["timers/fwd/rank1"] < record["timers/fwd/rank2"]
+
+
+def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):
+    import distmetrics as dm
+
+    lines = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Capture()
+    logging.getLogger("distmetrics.console").addHandler(handler)
+    try:
+        cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, verbosity=-1, tensorboard=False,
+                               timing_log_level=1)
+        with dm.Monitor(cfg) as monitor:
+            monitor.step(1, loss=2.0)
+            monitor.log_eval(1, loss=1.5)
+    finally:
+        logging.getLogger("distmetrics.console").removeHandler(handler)
+    assert len(lines) == 1 and lines[0].startswith(">> eval step 1 | loss 1.5000")
