@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 
-__all__ = ["initialize", "current", "feature_dirs_for"]
+__all__ = ["initialize", "current", "feature_dirs_for", "start_for_monitor", "shutdown"]
 
 _CURRENT = None
 
@@ -71,7 +71,20 @@ def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
     return dirs
 
 
-def _release(inspector) -> None:
+def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
+    """The Monitor's entry: attach to an inspector the user started early, or start one."""
+    inspector = current()
+    if inspector is None:
+        return initialize(config, model=model, layout=layout)
+    inspector.layout = layout
+    if model is not None:
+        inspector.attach(model)
+    return inspector
+
+
+def shutdown(inspector) -> None:
+    """``end_debug()`` and handler clean-up; the next initialize starts fresh."""
     global _CURRENT
+    inspector.close()
     if _CURRENT is inspector:
         _CURRENT = None

@@ -16,7 +16,6 @@ reduce kind, and the writer rank (first or last) sends the result to the sinks.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import math
 import os
@@ -24,7 +23,6 @@ import platform
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -34,16 +32,15 @@ from .collectors.health import CategoryLosses, HealthCollector, MoECollector
 from .collectors.energy import EnergyCollector, TelemetryCollector, gpu_model_info
 from .collectors.memory import MemoryCollector
 from .collectors.norms import NormCollector
-from .collectors.throughput import ThroughputCollector
+from . import inspect as dm_inspect
+from .collectors.throughput import ThroughputCollector, resolve_peak_tflops
 from .collectors.timers import TimerCollector, Timers
 from .config import MetricsConfig
 from .interval import IntervalStats
 from .parallel import Layout, RankInfo, detect_layout
 from .reduce import Reducer, Sample, check_reduce
-from .sinks import SinkSet
-from .sinks.console import ConsoleSink
-from .sinks.jsonl import JsonlSink
-from .sinks.progress import ProgressSink
+from .sinks import SinkSet, open_sinks
+from .sinks.progress import checkpoint_record
 
 __all__ = ["Monitor"]
 
@@ -94,13 +91,14 @@ class Monitor:
         self._job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
         self._job_start = time.time()
 
-        self.hosts = self._gather_hosts()
+        self.hosts = self._gather_ranks()
         self.timers = Timers(config.timing_log_level, config.timing_log_option,
                              barrier_with_L1_time=config.barrier_with_L1_time)
         self._timer_collector = TimerCollector(self.timers, config.timing_log_option, self.hosts)
         self._step_timer = self.timers("step", log_level=0) if config.timing_log_level >= 0 else None
         self._throughput = ThroughputCollector(self.world_size, config.resolved_flops_per_token,
-                                               self._peak_tflops(), config.total_steps, config.sol_step_time_ms)
+                                               resolve_peak_tflops(config, self.rank), config.total_steps,
+                                               config.sol_step_time_ms)
         self._memory = MemoryCollector() if config.log_memory else None
         self._energy = EnergyCollector(self.world_size) if config.log_energy else None
         self._telemetry = (TelemetryCollector() if config.log_gpu_telemetry or config.verbosity >= 1
@@ -108,7 +106,6 @@ class Monitor:
         self._health = HealthCollector(config.spike_factor)
         self._categories = {"train": CategoryLosses("train/loss"), "eval": CategoryLosses("eval/loss")}
         self._moe = MoECollector(counts_tokens=self.layout.tp_rank == 0 and self.layout.cp_rank == 0)
-        gpus = self._gather_gpu_models()
         self._norms: Optional[NormCollector] = None
         if model is not None:
             self._norms = NormCollector(
@@ -120,10 +117,13 @@ class Monitor:
         if optimizer is not None and self._norms is not None and config.log_update_norm:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-        self._inspector = self._start_inspection(model) if config.tensor_inspect.enabled else None
+        self._inspector = dm_inspect.start_for_monitor(config, model, self.layout) if config.tensor_inspect.enabled \
+            else None
         self.sinks = SinkSet()
         if self.is_writer:
-            self._open_sinks(sinks)
+            self.sinks = open_sinks(config, self.world_size, sinks)
+            self.sinks.log(self._run_record(), 0, "run")
+            gpus = [h.gpu for h in self.hosts if h.gpu is not None]
             if gpus:
                 self.sinks.log({"ranks": gpus}, 0, "gpu_model")
 
@@ -294,25 +294,8 @@ class Monitor:
         if not self.is_writer:
             return
         progress = next((s for s in self.sinks.sinks if getattr(s, "name", "") == "progress"), None)
-        resumed = progress.resumed if progress is not None else {}
-        flops_per_token = self._throughput.flops_per_token or 0.0
-        start_flops = resumed.get("last_flops", 0.0)
-        flops = start_flops + job_tokens * flops_per_token
-        now = time.time()
-        job_tflops = (flops - start_flops) / max(now - self._job_start, 1e-9) / 1e12 / self.world_size
-        first_start = resumed.get("start_time")
-        first_flops = resumed.get("start_flops")
-        if first_start is None:
-            first_start, first_flops = _dt.datetime.fromtimestamp(self._job_start), start_flops
-        elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
-        cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / self.world_size
-        total_tokens = resumed.get("last_tokens", 0.0) + job_tokens
-        from .sinks.progress import checkpoint_message
-
-        record = {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, total_tokens),
-                  "checkpoint/job_tflops_per_gpu": job_tflops,
-                  "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
-                  "checkpoint/floating_point_operations": flops, "checkpoint/tokens": total_tokens}
+        record = checkpoint_record(step, progress.resumed if progress is not None else {}, self._job_start,
+                                   job_tokens, self._throughput.flops_per_token or 0.0, self.world_size)
         self.sinks.log(record, step, "progress")
 
     def close(self) -> None:
@@ -323,11 +306,7 @@ class Monitor:
             if self._steps_in_interval > 0 and self._last_step is not None:
                 self._log(self._last_step)
         finally:
-            self._closed = True
-            for hook in self._hooks:
-                hook.remove()
-            self._close_inspection()
-            self.sinks.close()
+            self._shutdown()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -336,9 +315,17 @@ class Monitor:
         if exc_type is None:
             self.close()
         else:  # another rank may be gone: no collective, just close the files
-            self._closed = True
-            self._close_inspection()
-            self.sinks.close()
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._inspector is not None:
+            dm_inspect.shutdown(self._inspector)
+            self._inspector = None
+        self.sinks.close()
 
     # --- the log step --------------------------------------------------------------------
     def _log(self, step: int) -> dict[str, Any]:
@@ -401,81 +388,15 @@ class Monitor:
             self.sinks.log(metrics, step, kind)
 
     # --- set-up --------------------------------------------------------------------------
-    def _gather_hosts(self) -> list[RankInfo]:
-        mine = RankInfo(self.rank, socket.gethostname(), self.layout.local_rank, os.getpid())
+    def _gather_ranks(self) -> list[RankInfo]:
+        """Every rank's host, local rank and GPU, in one all_gather_object at start."""
+        gpu = gpu_model_info(self.rank) if torch.cuda.is_available() else None
+        mine = RankInfo(self.rank, socket.gethostname(), self.layout.local_rank, os.getpid(), gpu)
         if self.world_size == 1 or not dist.is_initialized():
             return [mine]
         rows: list[Any] = [None] * self.world_size
         dist.all_gather_object(rows, mine)
         return rows
-
-    def _start_inspection(self, model):
-        from . import inspect as dm_inspect
-
-        inspector = dm_inspect.current()
-        if inspector is None:
-            inspector = dm_inspect.initialize(self.config, model=model, layout=self.layout)
-        elif model is not None:
-            inspector.layout = self.layout
-            inspector.attach(model)
-        return inspector
-
-    def _close_inspection(self) -> None:
-        if self._inspector is not None:
-            from . import inspect as dm_inspect
-
-            self._inspector.close()
-            dm_inspect._release(self._inspector)
-            self._inspector = None
-
-    def _peak_tflops(self) -> Optional[float]:
-        if self.config.peak_tflops is not None:
-            return self.config.peak_tflops
-        if not torch.cuda.is_available():
-            return None
-        from .collectors.throughput import peak_tflops_for
-
-        name = torch.cuda.get_device_name()
-        peak = peak_tflops_for(name, self.config.dtype)
-        if peak is None and self.rank == 0 and self.config.resolved_flops_per_token:
-            logger.warning("distmetrics: no peak TFLOP/s known for %r in %s; set peak_tflops for MFU",
-                           name, self.config.dtype)
-        return peak
-
-    def _gather_gpu_models(self) -> list:
-        if not torch.cuda.is_available():
-            return []
-        mine = gpu_model_info(self.rank)
-        if self.world_size == 1 or not dist.is_initialized():
-            return [mine]
-        rows: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rows, mine)
-        return rows
-
-    def _open_sinks(self, extra: tuple) -> None:
-        cfg = self.config
-        out = Path(cfg.output_dir)
-        if cfg.json_log:
-            self.sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), "jsonl", JsonlSink.fix)
-        if cfg.console:
-            self.sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), "console", ConsoleSink.fix)
-        if cfg.log_progress:
-            self.sinks.add(lambda: ProgressSink(out / "progress.txt", self.world_size), "progress",
-                           ProgressSink.fix)
-        if cfg.tensorboard:
-            from .sinks.tensorboard import TensorBoardSink
-
-            self.sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, cfg.log_timers_to_tensorboard),
-                           "tensorboard", TensorBoardSink.fix)
-        if cfg.wandb_project and cfg.wandb_mode != "disabled":
-            from .sinks.wandb import WandbSink
-
-            self.sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,
-                                             cfg.wandb_save_dir or str(out), cfg.wandb_mode,
-                                             cfg.to_dict(redact=True), cfg.log_timers_to_tensorboard),
-                           "wandb", WandbSink.fix)
-        self.sinks.sinks.extend(extra)
-        self.sinks.log(self._run_record(), 0, "run")
 
     def _run_record(self) -> dict[str, Any]:
         from . import __version__

@@ -26,6 +26,8 @@ class RankInfo:
     hostname: str
     local_rank: int
     pid: int
+    gpu: Optional[dict] = None
+    """The rank's GPU (name, SMs, capability, memory, UUID, driver, CUDA runtime), if any."""
 
 
 @dataclass

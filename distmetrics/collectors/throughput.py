@@ -9,13 +9,15 @@ and summed, so tensor- and pipeline-parallel peers do not count a batch twice.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Optional
 
 from ..reduce import Sample
 
-__all__ = ["ThroughputCollector", "mfu_pct", "peak_tflops_for", "model_flops_per_token", "PEAK_TFLOPS"]
+__all__ = ["ThroughputCollector", "mfu_pct", "peak_tflops_for", "resolve_peak_tflops", "model_flops_per_token",
+           "PEAK_TFLOPS"]
 
 # Dense peak TFLOP/s of one GPU by math precision (no structured sparsity), from the vendors'
 # data sheets. Matched against torch.cuda.get_device_name() in order: the first key contained
@@ -39,6 +41,22 @@ def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
         if key in device_name:
             return peaks.get(dtype)
     return None
+
+
+def resolve_peak_tflops(config: Any, rank: int = 0) -> Optional[float]:
+    """``peak_tflops`` from the config, else the table's value for this GPU and ``dtype``."""
+    import torch
+
+    if config.peak_tflops is not None:
+        return config.peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    peak = peak_tflops_for(name, config.dtype)
+    if peak is None and rank == 0 and config.resolved_flops_per_token:
+        logging.getLogger("distmetrics").warning(
+            "distmetrics: no peak TFLOP/s known for %r in %s; set peak_tflops for MFU", name, config.dtype)
+    return peak
 
 
 def model_flops_per_token(num_params: float, num_layers: Optional[int] = None, hidden_size: Optional[int] = None,
@@ -113,8 +131,6 @@ class ThroughputCollector:
                 mfu = mfu_pct(tflops, self.peak_tflops)
                 metrics["train/mfu_pct"] = mfu
                 if mfu > 100.0 and not self._mfu_warned:
-                    import logging
-
                     self._mfu_warned = True
                     logging.getLogger("distmetrics").warning(
                         "distmetrics: MFU %.1f%% is above 100%%: peak_tflops=%.1f or flops_per_token=%.3g "

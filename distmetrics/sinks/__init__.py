@@ -14,7 +14,7 @@ from typing import Any, Iterable, Protocol
 
 from ..reduce import PerRank
 
-__all__ = ["Sink", "SinkSet", "numeric_items"]
+__all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -68,6 +68,37 @@ class SinkSet:
         self.failed[name] = f"{type(err).__name__}: {err}"
         logger.warning("distmetrics: the %s sink failed (%s: %s) and is off for the rest of the run; "
                        "the other sinks go on. Fix: %s", name, type(err).__name__, err, fix)
+
+
+def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> SinkSet:
+    """The writer rank's sinks for a MetricsConfig (only the writer calls this)."""
+    from pathlib import Path
+
+    from .console import ConsoleSink
+    from .jsonl import JsonlSink
+    from .progress import ProgressSink
+
+    cfg, out = config, Path(config.output_dir)
+    sinks = SinkSet()
+    if cfg.json_log:
+        sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), "jsonl", JsonlSink.fix)
+    if cfg.console:
+        sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), "console", ConsoleSink.fix)
+    if cfg.log_progress:
+        sinks.add(lambda: ProgressSink(out / "progress.txt", world_size), "progress", ProgressSink.fix)
+    if cfg.tensorboard:
+        from .tensorboard import TensorBoardSink
+
+        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, cfg.log_timers_to_tensorboard),
+                  "tensorboard", TensorBoardSink.fix)
+    if cfg.wandb_project and cfg.wandb_mode != "disabled":
+        from .wandb import WandbSink
+
+        sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,
+                                    cfg.wandb_save_dir or str(out), cfg.wandb_mode, cfg.to_dict(redact=True),
+                                    cfg.log_timers_to_tensorboard), "wandb", WandbSink.fix)
+    sinks.sinks.extend(extra)
+    return sinks
 
 
 def numeric_items(metrics: dict[str, Any]) -> Iterable[tuple[str, Any]]:
