@@ -354,6 +354,8 @@ class Monitor:
         if self._energy is not None:
             self._energy.finalize(metrics, metrics.get("_train/tokens"))
         self._moe.finalize(metrics)
+        if self._inspector is not None:
+            self._inspector.finalize(metrics)
         order = self._norms.module_order if self._norms is not None else []
         alerts = self._health.finalize(metrics, step, order)
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:

@@ -300,3 +300,39 @@ def test_shipped_feature_files_validate():
     load_features(str(root / "fp8_tensor_stats.yaml"), te_available=True)
     with pytest.raises(ValueError, match="transformer_engine"):
         load_features(str(root / "fp8_tensor_stats.yaml"), te_available=False)
+
+
+# --- values logged by nvdlfw-inspect's own features (as TransformerEngine's are) ---------------
+
+def test_values_logged_through_nvdlfw_metric_logger_reach_the_sinks(tmp_path):
+    """nvdlfw-inspect's base-namespace LogTensorStats reports through MetricLogger, exactly as
+    TransformerEngine's features do; its values ride the next log step to every sink."""
+    import torch
+    import nvdlfw_inspect.api as debug_api
+
+    import distmetrics as dm
+
+    features = {"base_stats": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                               "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean", "max"],
+                                                  "freq": 1}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    x = torch.arange(12.0).reshape(2, 6)
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2):
+            debug_api.log_tensor_stats("model.fc1", tensor=x * step, tensor_name="activation", skip_reduction=True)
+            monitor.step(step)
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][0]
+    assert record["tensor_stats/fc1/activation/mean"] == pytest.approx(float((x * 2).mean()))
+    assert record["tensor_stats/fc1/activation/max"] == pytest.approx(22.0)
+    assert not any(k.endswith("max_rank") for k in record if k.startswith("tensor_stats/"))
+
+
+def test_transformer_engine_metric_names_map_to_ours():
+    from distmetrics.collectors.tensor_inspect import _metric_name
+
+    assert _metric_name("model.decoder.layers.1.self_attention.linear_qkv_activation_underflows%") == \
+        "tensor_stats/decoder.layers.1.self_attention.linear_qkv/activation/underflows%"
+    assert _metric_name("model.layers.0.mlp.linear_fc1_gradient_mxfp8_scale_inv_min") == \
+        "tensor_stats/layers.0.mlp.linear_fc1/gradient/mxfp8_scale_inv_min"

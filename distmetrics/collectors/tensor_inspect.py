@@ -256,6 +256,12 @@ class TensorInspector:
         self.forwarded = {}
         return out
 
+    @staticmethod
+    def finalize(metrics: dict) -> None:
+        """Forwarded values travel as 'max' from the one rank that logged them: drop the rank."""
+        for key in [k for k in metrics if k.startswith("tensor_stats/") and k.endswith("/max_rank")]:
+            del metrics[key]
+
     def close(self) -> None:
         global _ACTIVE
         for hook in self._hooks:
