@@ -131,7 +131,7 @@ def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue
         base, cand = median_pair(per_key, packed, repeats)
         per_log = (reducer.collectives - before) / (repeats + 2)
         layout = reducer._layout
-        packed_bytes = 8 * (layout.n_sum + layout.n_max + 3)
+        packed_bytes = 8 * (layout.n_sum + layout.n_max + 5)  # + control lanes
         out["reduce"].append({"names": n, "collectives_ours": per_log, "collectives_per_key": n,
                               "bytes_ours": packed_bytes, "bytes_per_key": 16 * n,
                               "per_key_ms": base * 1e3, "ours_ms": cand * 1e3, "per_key_vs_ours": base / cand})

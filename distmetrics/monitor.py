@@ -249,7 +249,7 @@ class Monitor:
         for name, value in scalars.items():
             samples.append(Sample(name if "/" in name else f"eval/{name}", _as_number(value), "mean"))
         samples += self._categories["eval"].samples()
-        reduced = self._eval_reducer.reduce(samples)
+        reduced = self._eval_reducer.reduce(samples, tag=step)
         metrics = reduced.to_metrics()
         if metrics.get("_eval/tokens") and metrics.get("eval/time_ms"):
             metrics["eval/tokens_per_sec"] = metrics["_eval/tokens"] / (metrics["eval/time_ms"] / 1000.0)
@@ -344,7 +344,7 @@ class Monitor:
         samples += self._health.samples() + self._categories["train"].samples() + self._moe.samples()
         if self._inspector is not None:
             samples += self._inspector.take_forwarded()
-        reduced = self._train_reducer.reduce(samples)
+        reduced = self._train_reducer.reduce(samples, tag=step)
         metrics = reduced.to_metrics()
         self._timer_collector.finalize(metrics)
         if self._norms is not None:

@@ -13,8 +13,8 @@ A :class:`Sample` is ``(name, value, reduce)``. At a log step :meth:`Reducer.red
 
 Ranks may hold different names (pipeline stages own different layers). The packed layout is
 the union of names, agreed once with ``all_gather_object`` and cached. The MAX pack always goes
-first and carries two control lanes: "my names are not all in the cached layout" and a hash of
-the layout. When any rank raises the flag, every rank learns it from the same collective,
+first and carries control lanes: "my names are not all in the cached layout", a hash of the
+layout, and the step (ranks out of step raise instead of mixing steps). When any rank raises the flag, every rank learns it from the same collective,
 renegotiates and repeats the MAX pack; in steady state no extra collective is issued. Absent
 names are filled with the identity of their reduction (0 value and 0 weight for sum/mean, the
 lowest key for max, a cleared mask for all), so a missing metric never hangs nor mixes values.
@@ -166,17 +166,22 @@ class Reducer:
                 self._device = torch.device("cpu")
         return self._device
 
-    def reduce(self, samples: Sequence[Sample]) -> Reduced:
-        """Reduce this rank's samples with every other rank's; all ranks must call it together."""
+    def reduce(self, samples: Sequence[Sample], tag: int = 0) -> Reduced:
+        """Reduce this rank's samples with every other rank's; all ranks must call it together.
+
+        ``tag`` (the step number) must be equal on every rank: it travels in the MAX pack's
+        control lanes, and a mismatch (ranks out of step) raises on every rank instead of
+        mixing values of different steps.
+        """
         local = self._check(samples)
         if not self.distributed:
             return self._reduce_local(local)
         if self._layout is None:
             self._negotiate(local)
-        max_lanes = self._all_reduce_max(local)
+        max_lanes = self._all_reduce_max(local, tag)
         if max_lanes is None:  # some rank holds a name the cached layout lacks
             self._negotiate(local)
-            max_lanes = self._all_reduce_max(local)
+            max_lanes = self._all_reduce_max(local, tag)
             assert max_lanes is not None
         result = Reduced(kinds=dict(self._layout.entries))
         self._decode_max(max_lanes, result)
@@ -245,13 +250,13 @@ class Reducer:
         self._layout = _Layout(sorted(union.items()))
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
-    def _all_reduce_max(self, local: dict[str, Sample]) -> Optional[torch.Tensor]:
+    def _all_reduce_max(self, local: dict[str, Sample], tag: int = 0) -> Optional[torch.Tensor]:
         layout = self._layout
         assert layout is not None
         rank = dist.get_rank()
         stale = not _subset(local, layout)
         device = self.device
-        control = torch.tensor([int(stale), layout.digest, -layout.digest], dtype=torch.int64).to(device)
+        control = torch.tensor([int(stale), layout.digest, -layout.digest, tag, -tag], dtype=torch.int64).to(device)
         names, values, negate = [], [], []
         for name, s in local.items():
             if s.reduce in ("max", "minmax", "min") and name in layout.max_index:
@@ -277,7 +282,13 @@ class Reducer:
                 "distmetrics: ranks reduced with different metric layouts; this is a bug, "
                 "please report it with the metric names in use"
             )
-        return pack[3:]
+        if int(pack[3]) != tag or int(pack[4]) != -tag:
+            raise RuntimeError(
+                f"distmetrics: ranks are out of step: this reduction was called at steps "
+                f"{-int(pack[4])}..{int(pack[3])} on different ranks; every rank must call "
+                "monitor.step with the same step numbers"
+            )
+        return pack[5:]
 
     def _decode_max(self, lanes: torch.Tensor, result: Reduced) -> None:
         layout = self._layout

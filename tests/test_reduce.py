@@ -59,6 +59,15 @@ def _scenarios(rank: int, world: int) -> dict:
     res = r3.reduce([Sample("n", math.nan if rank == 3 else float(rank), "minmax")])
     out["nan"] = (res.maxima["n"], res.minima["n"])
 
+    # 5b. ranks out of step raise on every rank instead of mixing steps.
+    r5 = Reducer()
+    r5.reduce([Sample("x", 1.0, "sum")], tag=10)
+    try:
+        r5.reduce([Sample("x", 1.0, "sum")], tag=20 if rank == 2 else 30)
+        out["out_of_step"] = None
+    except RuntimeError as err:
+        out["out_of_step"] = str(err)
+
     # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
     r4 = Reducer()
     try:
@@ -127,6 +136,11 @@ def test_nan_on_one_rank_is_never_hidden(results):
 def test_conflicting_kinds_raise_on_every_rank(results):
     for r in results:
         assert r["conflict"] is not None and "'c'" in r["conflict"] and "same reduce kind" in r["conflict"]
+
+
+def test_ranks_out_of_step_raise_on_every_rank(results):
+    for r in results:
+        assert r["out_of_step"] is not None and "out of step" in r["out_of_step"] and "20..30" in r["out_of_step"]
 
 
 def test_single_process_reduction_needs_no_process_group():
