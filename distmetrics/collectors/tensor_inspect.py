@@ -216,12 +216,13 @@ class TensorInspector:
         if x.numel() == 0:
             return
         mean = x.mean()
-        nonzero = x.abs()[x != 0]
-        batch = {"n": torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), "mean": mean,
-                 "m2": (x - mean).pow(2).sum(), "min": x.min(), "max": x.max(), "l1": x.abs().sum(),
+        magnitude = x.abs()
+        # torch.where/amin and full(): no boolean-mask indexing or host scalar copy, so the
+        # host never waits for the device inside a hook (the step's one wait is at end_step).
+        batch = {"n": torch.full((), float(x.numel()), dtype=torch.float64, device=x.device), "mean": mean,
+                 "m2": (x - mean).pow(2).sum(), "min": x.min(), "max": x.max(), "l1": magnitude.sum(),
                  "sumsq": x.pow(2).sum(),
-                 "minabs": nonzero.min() if nonzero.numel() else torch.tensor(math.inf, dtype=torch.float64,
-                                                                               device=x.device)}
+                 "minabs": torch.where(x != 0, magnitude, torch.full_like(magnitude, math.inf)).amin()}
         key = (layer, tensor_name)
         self.requested[key] = list(stats)
         self.partials[key] = batch if key not in self.partials else merge(self.partials[key], batch)
