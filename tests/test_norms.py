@@ -125,21 +125,18 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
     model = DistributedDataParallel(_net())
     out["ddp"] = _measure_layout(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
 
-    # FSDP2 on a 1-D mesh of 4.
-    mesh = init_device_mesh("cpu", (world,))
-    model = _net()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    out["fsdp2"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
+    def sharded(mesh):
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
 
-    # HSDP: replicate × shard.
-    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _net()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh2)
-    fully_shard(model, mesh=mesh2)
-    out["hsdp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
+    # FSDP2 on a 1-D mesh of 4; HSDP on replicate × shard.
+    for layout, mesh in (("fsdp2", init_device_mesh("cpu", (world,))),
+                         ("hsdp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))):
+        model = sharded(mesh)
+        out[layout] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
 
     # FSDP2 + TP on a dp × tp mesh; LayerNorms are replicated over tp.
     mesh_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
