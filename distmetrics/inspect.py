@@ -42,7 +42,10 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
         config = config.tensor_inspect
     if not config.enabled:
         raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
-    spec = load_features(config.features)
+    # Feature folders of the user's own may register the transformer_engine namespace (an
+    # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
+    _check_custom_dirs(config)
+    spec = load_features(config.features, te_available=True if config.feature_dirs else None)
     dirs = feature_dirs_for(config, spec)
     log_dir = config.log_dir or str(Path(output_dir or ".") / "tensor_inspect")
     if _CURRENT is not None:
@@ -57,18 +60,24 @@ def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
     from .collectors.tensor_inspect import FEATURES_DIR
 
     dirs = [FEATURES_DIR]
-    if any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
-        te = importlib.util.find_spec("transformer_engine")
+    te = importlib.util.find_spec("transformer_engine")
+    if te is not None and any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
         dirs.append(os.path.join(list(te.submodule_search_locations)[0], "debug", "features"))
     if config.feature_dirs:
-        if not config.allow_custom_feature_dirs:
-            raise ConfigError(f"tensor_inspect.feature_dirs={config.feature_dirs!r}: custom feature folders run "
-                              "code; set tensor_inspect.allow_custom_feature_dirs: true to allow them")
-        for folder in config.feature_dirs:
-            if not os.path.isdir(folder):
-                raise ConfigError(f"tensor_inspect.feature_dirs: {folder!r} is not a folder")
+        _check_custom_dirs(config)
         dirs += list(config.feature_dirs)
     return dirs
+
+
+def _check_custom_dirs(config: TensorInspectConfig) -> None:
+    if not config.feature_dirs:
+        return
+    if not config.allow_custom_feature_dirs:
+        raise ConfigError(f"tensor_inspect.feature_dirs={config.feature_dirs!r}: custom feature folders run "
+                          "code; set tensor_inspect.allow_custom_feature_dirs: true to allow them")
+    for folder in config.feature_dirs:
+        if not os.path.isdir(folder):
+            raise ConfigError(f"tensor_inspect.feature_dirs: {folder!r} is not a folder")
 
 
 def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
@@ -76,7 +85,7 @@ def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
     inspector = current()
     if inspector is None:
         return initialize(config, model=model, layout=layout)
-    inspector.layout = layout
+    inspector.set_layout(layout)
     if model is not None:
         inspector.attach(model)
     return inspector

@@ -51,6 +51,7 @@ class Layout:
     pp_group: Any = None
     dp_group: Any = None
     expert_group: Any = None
+    device_mesh: Any = None
 
     @property
     def is_data_representative(self) -> bool:
@@ -91,6 +92,7 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
             layout.expert_group = None
     elif device_mesh is not None:
         layout.source = "device_mesh"
+        layout.device_mesh = device_mesh
         names = tuple(device_mesh.mesh_dim_names or ())
         coords = device_mesh.get_coordinate() or []
         dp_rank = 0
@@ -106,6 +108,26 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
                     setattr(layout, f"{attr}_size", device_mesh.size(names.index(dim_name)))
                     setattr(layout, f"{attr}_group", device_mesh.get_group(dim_name))
     return layout
+
+
+def data_parallel_group(layout: Layout) -> Any:
+    """The process group of this rank's data-parallel peers (``None``: the whole world).
+
+    Megatron's comes from ``parallel_state``. A DeviceMesh's is its one data-parallel
+    dimension, its data-parallel dimensions flattened (HSDP), or a group of this rank alone
+    when every dimension is tp/cp/pp. Made on first use and kept; every rank must ask
+    (flattening a mesh creates groups)."""
+    if layout.dp_group is not None or layout.device_mesh is None:
+        return layout.dp_group
+    mesh = layout.device_mesh
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in ("tp", "cp", "pp"))
+    if not names:
+        layout.dp_group = dist.new_group([layout.rank], use_local_synchronization=True)
+    elif len(names) == 1:
+        layout.dp_group = mesh.get_group(names[0])
+    else:
+        layout.dp_group = mesh[names]._flatten().get_group()
+    return layout.dp_group
 
 
 def _megatron_parallel_state():

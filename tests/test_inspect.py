@@ -306,27 +306,39 @@ def test_shipped_feature_files_validate():
 
 def test_values_logged_through_nvdlfw_metric_logger_reach_the_sinks(tmp_path):
     """nvdlfw-inspect's base-namespace LogTensorStats reports through MetricLogger, exactly as
-    TransformerEngine's features do; its values ride the next log step to every sink."""
+    TransformerEngine's features do: on the steps its YAML selects, its values are written with
+    that step's tensor_stats record; a value logged on any other step rides the next log step."""
     import torch
     import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.logging import MetricLogger
 
     import distmetrics as dm
 
     features = {"base_stats": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
                                "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean", "max"],
-                                                  "freq": 1}}}
+                                                  "freq": 2}}}
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, timing_log_level=-1,
                            tensor_inspect={"enabled": True, "features": features})
     model = _model()
     x = torch.arange(12.0).reshape(2, 6)
     with dm.Monitor(cfg, model=model) as monitor:
-        for step in (1, 2):
-            debug_api.log_tensor_stats("model.fc1", tensor=x * step, tensor_name="activation", skip_reduction=True)
+        for step in (1, 2, 3, 4):
+            if step % 2 == 1:  # iterations 0 and 2: the YAML's stats steps
+                debug_api.log_tensor_stats("model.fc1", tensor=x * step, tensor_name="activation",
+                                           skip_reduction=True)
+            if step == 2:      # iteration 1: not a stats step of any feature
+                MetricLogger.log_scalar("model.fc2_weight_custom", torch.tensor(7.5), 1)
             monitor.step(step)
-    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][0]
-    assert record["tensor_stats/fc1/activation/mean"] == pytest.approx(float((x * 2).mean()))
-    assert record["tensor_stats/fc1/activation/max"] == pytest.approx(22.0)
-    assert not any(k.endswith("max_rank") for k in record if k.startswith("tensor_stats/"))
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    stats = {r["step"]: r for r in records if r["kind"] == "tensor_stats"}
+    assert sorted(stats) == [1, 3]
+    for step in (1, 3):
+        assert stats[step]["tensor_stats/fc1/activation/mean"] == pytest.approx(float((x * step).mean()))
+        assert stats[step]["tensor_stats/fc1/activation/max"] == pytest.approx(11.0 * step)
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert train[2]["tensor_stats/fc2/weight/custom"] == 7.5
+    assert not any(k.startswith("tensor_stats/fc1") for k in train[2])
+    assert not any(k.endswith("max_rank") for r in records for k in r if k.startswith("tensor_stats/"))
 
 
 def test_transformer_engine_metric_names_map_to_ours():
@@ -336,3 +348,10 @@ def test_transformer_engine_metric_names_map_to_ours():
         "tensor_stats/decoder.layers.1.self_attention.linear_qkv/activation/underflows%"
     assert _metric_name("model.layers.0.mlp.linear_fc1_gradient_mxfp8_scale_inv_min") == \
         "tensor_stats/layers.0.mlp.linear_fc1/gradient/mxfp8_scale_inv_min"
+    # A layer whose own name holds a tensor name is split at the known layer, not inside it.
+    layers = {"model.pre_weight_proj", "model.pre_weight_proj.inner"}
+    assert _metric_name("model.pre_weight_proj_activation_fp8_current_scaling_mse", layers) == \
+        "tensor_stats/pre_weight_proj/activation/fp8_current_scaling_mse"
+    assert _metric_name("model.pre_weight_proj.inner_gradient_underflows%", layers) == \
+        "tensor_stats/pre_weight_proj.inner/gradient/underflows%"
+    assert _metric_name("model.pre_weight_proj_activation_mse") == "tensor_stats/pre_weight_proj/activation/mse"

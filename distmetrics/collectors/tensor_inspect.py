@@ -10,8 +10,10 @@ Two paths, one features file:
   layers agree on a layout) and are merged pairwise again: the variance is exact, not the
   sign-flipped between-group term of TransformerEngine's cross-rank std.
 * ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's bare ``base`` features:
-  their values arrive through a :class:`ForwardingLogger` and reach the writer at the next log
-  step (riding the MAX pack).
+  TE computes and reduces these itself and logs them when ``debug_api.step()`` runs; they
+  arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
+  selects (every rank reads that from the YAML, so pipeline stages without selected layers
+  join too). A value logged on any other step rides the next log step's MAX pack.
 
 TP/CP peers see the same activations, and data-parallel replicas hold the same weights: only
 the rank that represents them contributes, so counts and norms are not multiplied.
@@ -42,6 +44,9 @@ FEATURES_DIR = str(Path(__file__).resolve().parents[1] / "inspect_features")
 _PARTS = ("n", "mean", "m2", "min", "max", "l1", "sumsq", "minabs")
 _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
+
+_TE_TENSORS = ("activation", "gradient", "weight", "output", "wgrad", "dgrad", "input")
+_FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
 
 _ACTIVE: Optional["TensorInspector"] = None  # the inspector that the feature file reports to
 
@@ -82,8 +87,9 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -
                 continue
             if key == "transformer_engine":
                 if not te_available:
-                    raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU); "
-                                      "use the 'distmetrics' namespace for plain PyTorch modules")
+                    raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU) or "
+                                      "a feature folder in tensor_inspect.feature_dirs that registers that "
+                                      "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
             elif key == "distmetrics":
                 _check_our_features(where, value)
             elif key != "LogTensorStats":  # nvdlfw's own base-namespace feature
@@ -126,7 +132,7 @@ class ForwardingLogger:
 
         class _Logger(BaseLogger):
             def log_scalar(self, name, value, iteration, **kwargs):
-                inspector.forwarded[_metric_name(name)] = value
+                inspector.forwarded[inspector.metric_name(name)] = value
 
         return _Logger()
 
@@ -141,24 +147,38 @@ class TensorInspector:
 
         self.debug_api = debug_api
         self.spec = spec
-        self.layout = layout
         self.forwarded: dict[str, Any] = {}
         self.partials: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self.requested: dict[tuple[str, str], list] = {}
         self.reducer = Reducer(group)
         self.iteration = init_training_step
         self._hooks: list = []
+        self.layer_names: set[str] = set()
         os.makedirs(log_dir, exist_ok=True)
         _reset_nvdlfw()
-        debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=ForwardingLogger(self),
-                             log_dir=log_dir, init_training_step=init_training_step)
-        if layout.dp_group is not None:
-            debug_api.set_tensor_reduction_group(layout.dp_group)
+        try:
+            debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=ForwardingLogger(self),
+                                 log_dir=log_dir, init_training_step=init_training_step)
+        except (SystemExit, AssertionError, ValueError, TypeError) as err:
+            _reset_nvdlfw()
+            raise ConfigError(f"tensor_inspect.features: nvdlfw-inspect rejected the features ({err}); feature "
+                              f"folders searched: {feature_dirs}") from None
+        self.set_layout(layout)
         _ACTIVE = self
         self.selected: dict[str, list[str]] = {}
         if model is not None:
             self.attach(model)
-        self.active = self._stats_step(self.iteration)
+        self.active = self._stats_step(self.iteration, own_only=True)
+
+    def set_layout(self, layout: Any) -> None:
+        """TE's features reduce over nvdlfw-inspect's tensor reduction group: the data-parallel
+        peers (pipeline stages and tensor-parallel ranks hold different layers or shards)."""
+        from ..parallel import data_parallel_group
+
+        self.layout = layout
+        group = data_parallel_group(layout)
+        if group is not None:
+            self.debug_api.set_tensor_reduction_group(group)
 
     # --- model ---------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
@@ -170,6 +190,7 @@ class TensorInspector:
             name = getattr(module, "name", None)
             if not isinstance(name, str):
                 continue
+            self.layer_names.add(name)
             cfg = ConfigManager.get_config_for_layer(name)
             if cfg:
                 self.selected[name] = list(cfg)
@@ -204,6 +225,10 @@ class TensorInspector:
 
         self._hooks.append(module.register_forward_hook(forward_hook))
 
+    def metric_name(self, logged: str) -> str:
+        """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
+        return _metric_name(logged, self.layer_names)
+
     # --- accumulation (called through the feature) ----------------------------------------
     def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
         if tensor_name == "weight" and not self._counts_weights():
@@ -237,22 +262,28 @@ class TensorInspector:
     def end_step(self) -> Optional[dict]:
         """After a training step: reduce this step's statistics (every rank, one collective on
         steps the YAML selects, none otherwise); returns ``tensor_stats/...`` metrics."""
+        gather = self._stats_step(self.iteration)
+        # TE's features log (and reduce among themselves) inside step(): run it first so their
+        # values of this step travel with ours.
+        self.debug_api.step()
         metrics = None
-        if self.active:
+        if gather:
             samples = []
             for (layer, tensor_name), parts in self.partials.items():
                 stats = ",".join(self.requested[(layer, tensor_name)])
                 for part in _PARTS:
                     samples.append(Sample(f"{layer}|{tensor_name}|{stats}|{part}", parts[part], "all"))
+            samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
             metrics = self._combine(self.reducer.reduce(samples).per_rank)
             self.partials = {}
-        self.debug_api.step()
+            self.forwarded = {}
         self.iteration += 1
-        self.active = self._stats_step(self.iteration)
+        self.active = self._stats_step(self.iteration, own_only=True)
         return metrics
 
     def take_forwarded(self) -> list[Sample]:
-        """TE / base-feature values logged since the last log step, for the MAX pack."""
+        """Values logged outside the YAML's stats steps (e.g. a user's own
+        ``debug_api.log_tensor_stats`` call), for the log step's MAX pack."""
         out = [Sample(name, float(value), "max") for name, value in self.forwarded.items()]
         self.forwarded = {}
         return out
@@ -272,29 +303,37 @@ class TensorInspector:
         if _ACTIVE is self:
             _ACTIVE = None
 
-    def _stats_step(self, iteration: int) -> bool:
-        """Does any enabled 'distmetrics' feature log at this iteration? Read from the YAML alone,
-        so every rank (also one holding none of the selected layers) agrees."""
-        from nvdlfw_inspect.logging import enable_logging_at_current_step
-
+    def _stats_step(self, iteration: int, own_only: bool = False) -> bool:
+        """Does any enabled feature log at this iteration? Read from the YAML alone, so every
+        rank (also one holding none of the selected layers) agrees. ``own_only``: only our
+        namespace (whose hooks must fire)."""
         for body in self.spec.values():
-            cfg = (body.get("distmetrics") or {}).get("LogTensorStats") if body.get("enabled") else None
-            if not cfg or not cfg.get("enabled"):
+            if not body.get("enabled"):
                 continue
-            for entry in cfg.get("tensors_struct") or [cfg]:
-                merged = dict(cfg, **entry)
-                if enable_logging_at_current_step(iteration, int(merged.get("freq", 1)), merged.get("start_step", 0),
-                                                  merged.get("end_step", -1), merged.get("start_end_list")):
-                    return True
+            features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats"))]
+            if not own_only:
+                features.append(("base", body.get("LogTensorStats")))
+                features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
+            for namespace, cfg in features:
+                if not isinstance(cfg, dict) or not cfg.get("enabled"):
+                    continue
+                for entry in cfg.get("tensors_struct") or [cfg]:
+                    if _logs_at(namespace, dict(cfg, **entry), iteration):
+                        return True
         return False
 
     @staticmethod
     def _combine(per_rank: dict[str, PerRank]) -> dict:
         groups: dict[tuple, dict[str, list]] = {}
+        out = {}
         for name, values in per_rank.items():
+            if name.startswith(_FORWARDED):
+                # Reduced by TE over its group already; where ranks still differ (weights, which
+                # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
+                out[name[len(_FORWARDED):]] = values.present()[0]
+                continue
             layer, tensor_name, stats, part = name.split("|")
             groups.setdefault((layer, tensor_name, stats), {})[part] = values
-        out = {}
         for (layer, tensor_name, stats), parts in sorted(groups.items()):
             merged = None
             for rank in range(len(parts["n"])):
@@ -337,14 +376,36 @@ def _stat(stat: str, v: dict) -> float:
     return v[stat]  # min, max, mean
 
 
-def _metric_name(name: str) -> str:
-    """TE's ``<layer>_<tensor>_<stat>`` → ``tensor_stats/<layer>/<tensor>/<stat>``."""
-    for tensor_name in ("activation", "gradient", "weight", "wgrad", "dgrad", "output", "input"):
-        marker = f"_{tensor_name}_"
-        if marker in name:
-            layer, stat = name.split(marker, 1)
-            return f"tensor_stats/{_strip_model(layer)}/{tensor_name}/{stat}"
+def _metric_name(name: str, layers: Any = ()) -> str:
+    """TE's ``<layer>_<tensor>_<stat>`` → ``tensor_stats/<layer>/<tensor>/<stat>``.
+
+    The longest known layer name that prefixes ``name`` wins, so a layer whose own name holds
+    ``_weight_`` or ``_input_`` is not split there; without a known layer, the last
+    ``_<tensor>_`` (stat names hold none)."""
+    for layer in sorted(layers, key=len, reverse=True):
+        if name.startswith(layer + "_"):
+            tensor_name, _, stat = name[len(layer) + 1:].partition("_")
+            if stat:
+                return f"tensor_stats/{_strip_model(layer)}/{tensor_name}/{stat}"
+    hits = [(name.rfind(f"_{t}_"), t) for t in _TE_TENSORS if f"_{t}_" in name]
+    if hits:
+        at, tensor_name = max(hits)
+        return f"tensor_stats/{_strip_model(name[:at])}/{tensor_name}/{name[at + len(tensor_name) + 2:]}"
     return f"tensor_stats/{name}"
+
+
+def _logs_at(namespace: str, cfg: dict, iteration: int) -> bool:
+    """A feature entry's freq/start_step/end_step/start_end_list at ``iteration``, with the
+    namespace's own convention (TE's ends are inclusive, nvdlfw's end_step -1 is open)."""
+    freq = int(cfg.get("freq", 1))
+    if namespace == "transformer_engine":
+        intervals = cfg.get("start_end_list") or [(cfg.get("start_step") or 0,
+                                                   math.inf if cfg.get("end_step") is None else cfg["end_step"])]
+        return iteration % freq == 0 and any(s <= iteration <= e for s, e in intervals)
+    from nvdlfw_inspect.logging import enable_logging_at_current_step
+
+    return enable_logging_at_current_step(iteration, freq, cfg.get("start_step", 0), cfg.get("end_step", -1),
+                                          cfg.get("start_end_list"))
 
 
 def _strip_model(layer: str) -> str:
