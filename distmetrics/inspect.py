@@ -87,7 +87,11 @@ def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
         return initialize(config, model=model, layout=layout)
     inspector.set_layout(layout)
     if model is not None:
-        inspector.attach(model)
+        try:
+            inspector.attach(model)
+        except Exception:
+            shutdown(inspector)
+            raise
     return inspector
 
 

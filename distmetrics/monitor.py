@@ -113,12 +113,13 @@ class Monitor:
                 per_module=config.log_grad_norm_per_module, log_grad_norm=config.log_grad_norm,
                 log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
                 snapshot=config.update_norm_snapshot)
+        # Before anything attaches to the user's objects: a rejected features file leaves none.
+        self._inspector = dm_inspect.start_for_monitor(config, model, self.layout) if config.tensor_inspect.enabled \
+            else None
         self._hooks = []
         if optimizer is not None and self._norms is not None and config.log_update_norm:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-        self._inspector = dm_inspect.start_for_monitor(config, model, self.layout) if config.tensor_inspect.enabled \
-            else None
         self.sinks = SinkSet()
         if self.is_writer:
             self.sinks = open_sinks(config, self.world_size, sinks)

@@ -217,23 +217,62 @@ def _stages(rank: int, world: int, root: str) -> dict:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     model = Stage([1, 2] if rank == 0 else [3, 4])
-    cfg = dm.MetricsConfig(output_dir=f"{root}/stages", writer_rank="last", log_interval=1, console=False,
-                           tensorboard=False, timing_log_level=-1,
-                           tensor_inspect={"enabled": True, "features": STAGE_FEATURES})
-    monitor = dm.Monitor(cfg, model=model, device_mesh=mesh)
-    model(torch.ones(2, 4))
-    monitor.step(1)
-    monitor.close()
-    return {}
+
+    def run(features, out):
+        cfg = dm.MetricsConfig(output_dir=f"{root}/{out}", writer_rank="last", log_interval=1, console=False,
+                               tensorboard=False, timing_log_level=-1,
+                               tensor_inspect={"enabled": True, "features": features})
+        try:
+            monitor = dm.Monitor(cfg, model=model, device_mesh=mesh)
+        except ValueError as err:
+            return str(err)
+        model(torch.ones(2, 4))
+        monitor.step(1)
+        monitor.close()
+        return None
+
+    return {"all": run(STAGE_FEATURES, "stages"), "first_only": run(FIRST_STAGE_ONLY, "first_only"),
+            "nowhere": run(dict(FIRST_STAGE_ONLY, **NOWHERE), "nowhere")}
 
 
-def test_statistics_of_every_pipeline_stage_reach_the_writer(tmp_path):
+FIRST_STAGE_ONLY = {"first": {"enabled": True, "layers": {"layer_name_regex_pattern": r"layers\.1\.proj$"},
+                              "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                                  "stats": ["mean"], "freq": 1}}}}
+NOWHERE = {"typo": {"enabled": True, "layers": {"layer_name_regex_pattern": r"layers\.1\.porj$"},
+                    "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"]}}}}
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    return root, run_ranks(_stages, 2, str(root))
+
+
+def test_statistics_of_every_pipeline_stage_reach_the_writer(stages):
     import distmetrics as dm
 
-    run_ranks(_stages, 2, str(tmp_path))
-    record = [r for r in dm.read_jsonl(tmp_path / "stages" / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    root, results = stages
+    assert results[0]["all"] is None and results[1]["all"] is None
+    record = [r for r in dm.read_jsonl(root / "stages" / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
     layers = sorted(k for k in record if k.startswith("tensor_stats/"))
     assert layers == [f"tensor_stats/layers.{n}.proj/activation/mean" for n in (1, 2, 3, 4)]
+
+
+def test_a_section_selecting_layers_of_one_stage_only_is_fine(stages):
+    """The last stage holds no layer the section selects; it must neither raise nor hang, and
+    the first stage's statistics reach the writer on the last rank."""
+    import distmetrics as dm
+
+    root, results = stages
+    assert results[0]["first_only"] is None and results[1]["first_only"] is None
+    record = [r for r in dm.read_jsonl(root / "first_only" / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    assert sorted(k for k in record if k.startswith("tensor_stats/")) == ["tensor_stats/layers.1.proj/activation/mean"]
+
+
+def test_a_section_selecting_no_layer_on_any_rank_raises_on_every_rank(stages):
+    _, results = stages
+    for rank in (0, 1):
+        assert "section(s) ['typo'] select no layer of the model on any rank" in results[rank]["nowhere"]
 
 
 # --- bad input: clear errors before training, never SystemExit -------------------------------
@@ -252,7 +291,7 @@ def _monitor_with(features, tmp_path, **extra):
     ("/nonexistent/features.yaml", "file '/nonexistent/features.yaml' does not exist"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "nothing-matches"},
             "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}},
-     "no layer of the model matches"),
+     "select no layer of the model on any rank"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
             "distmetrics": {"LogHistogram": {"enabled": True}}}}, "unknown feature 'distmetrics.LogHistogram'"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
@@ -263,16 +302,16 @@ def _monitor_with(features, tmp_path, **extra):
      "key 'transformer_engine' needs TransformerEngine"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"}, "Bogus": {}}}, "unknown key 'Bogus'"),
     ({"s": {"enabled": True}}, "'layers' needs one of"),
+    ({name: {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+             "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}
+      for name in ("a", "b")}, "multiple debug configs targeting the same layer"),
 ])
 def test_bad_features_fail_before_training_with_a_clear_error(tmp_path, features, message):
     import nvdlfw_inspect.api as debug_api
 
     with pytest.raises(ValueError, match=message):
         _monitor_with(features, tmp_path)
-    from distmetrics.collectors.tensor_inspect import _reset_nvdlfw
-
-    _reset_nvdlfw()
-    assert debug_api.DEBUG_MANAGER is None
+    assert debug_api.DEBUG_MANAGER is None  # nothing left running
 
 
 def test_unparsable_features_file_is_named(tmp_path):

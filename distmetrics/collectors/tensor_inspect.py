@@ -167,7 +167,11 @@ class TensorInspector:
         _ACTIVE = self
         self.selected: dict[str, list[str]] = {}
         if model is not None:
-            self.attach(model)
+            try:
+                self.attach(model)
+            except Exception:
+                self.close()  # end_debug and handlers: the next initialize starts clean
+                raise
         self.active = self._stats_step(self.iteration, own_only=True)
 
     def set_layout(self, layout: Any) -> None:
@@ -182,26 +186,48 @@ class TensorInspector:
 
     # --- model ---------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
-        """Name the layers (``model.<path>``) and hook the ones our sections select."""
-        from nvdlfw_inspect.config_manager import ConfigManager
+        """Name the layers (``model.<path>``) and hook the ones our sections select.
+
+        Every enabled section must select a layer on *some* rank (under pipeline parallelism a
+        stage may hold none of them): one small all-reduce decides, so a bad selector — or a
+        layer two sections target — raises on every rank together instead of leaving the
+        others waiting."""
+        from nvdlfw_inspect.config_manager import ConfigManager, is_layer_in_cfg
 
         self.debug_api.infer_and_assign_layer_names(model)
-        for module in model.modules():
-            name = getattr(module, "name", None)
-            if not isinstance(name, str):
-                continue
-            self.layer_names.add(name)
-            cfg = ConfigManager.get_config_for_layer(name)
+        modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
+        self.layer_names.update(name for _, name in modules)
+        sections = [name for name, body in self.spec.items() if body.get("enabled")]
+        specs = list(ConfigManager.configs)  # nvdlfw keeps the enabled sections in file order
+        matched = [any(is_layer_in_cfg(name, spec) for _, name in modules) for spec in specs]
+        error = None
+        for module, name in modules:
+            try:
+                cfg = ConfigManager.get_config_for_layer(name)
+            except ValueError as err:  # two sections target one layer
+                error = f"tensor_inspect.features: {err}"
+                break
             if cfg:
                 self.selected[name] = list(cfg)
             ours = cfg.get("distmetrics", {}).get("LogTensorStats")
             if ours and ours.get("enabled", False):
                 tensors = [e["tensor"] for e in ours.get("tensors_struct", [])] or list(ours.get("tensors", []))
                 self._hook(module, name, tensors)
-        ours_wanted = any("distmetrics" in body for body in self.spec.values() if body.get("enabled"))
-        if ours_wanted and not self._hooks:
-            raise ConfigError("tensor_inspect.features: no layer of the model matches the 'distmetrics' sections' "
-                              f"layer selectors (layer names look like {_example_names(model)})")
+        flags = self._any_rank(matched + [error is not None])
+        if flags[-1]:
+            raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
+        unmatched = [section for section, hit in zip(sections, flags[:-1]) if not hit]
+        if unmatched:
+            raise ConfigError(f"tensor_inspect.features: section(s) {unmatched} select no layer of the model on any "
+                              f"rank (layer names look like {_example_names(model)})")
+
+    def _any_rank(self, flags: list) -> list:
+        """Element-wise OR of ``flags`` over the reducer's ranks (one all-reduce)."""
+        if not self.reducer.distributed:
+            return [bool(f) for f in flags]
+        packed = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64, device=self.reducer.device)
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.reducer.group)
+        return [bool(v) for v in packed.tolist()]
 
     def _hook(self, module: torch.nn.Module, name: str, tensors: list) -> None:
         api = self.debug_api
