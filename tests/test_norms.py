@@ -3,12 +3,13 @@ the full, unsharded tensors (DTensor ``full_tensor()``, Megatron TP all-gather a
 ``partition_dim``), never from the ownership weights under test.
 
 Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh (4 ranks, one spawn);
-Megatron-Core TP=2 × DP=2 with ``main_grad`` and Megatron PP=2 × TP=2 with a tied embedding
-(4 ranks, one spawn).
+Megatron-Core TP=2 × DP=2 with ``main_grad``, Megatron PP=2 × TP=2 with a tied embedding, and
+mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn).
 """
 
 import math
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,25 @@ def _megatron_layouts(rank: int, world: int) -> dict:
             out_[name] = t
         return out_
 
+    def measure_against(squares: dict, model) -> dict:
+        """Truth from every rank's {(global name, partition): ‖piece‖²}, each key counted once
+        (replicas and tied copies carry the same key and value); then what the monitor says."""
+        gathered = [None] * world
+        dist.all_gather_object(gathered, squares)
+        merged = {}
+        for rank_squares in gathered:
+            merged.update(rank_squares)
+        modules = {}
+        for (name, _), sq in merged.items():
+            module = name.rsplit(".", 1)[0]
+            modules[module] = modules.get(module, 0.0) + sq
+        truth = {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+        monitor = dm.Monitor(cfg, model=model)
+        total = monitor.clip_grad_norm_(math.inf)
+        metrics = monitor.step(1)
+        monitor.close()
+        return {"truth": truth, "returned": float(total), "metrics": metrics}
+
     # --- TP=2 × DP=2, a real forward/backward, gradients in main_grad (Megatron DDP's buffer)
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     apply_cpu_adaptations()
@@ -267,23 +287,38 @@ def _megatron_layouts(rank: int, world: int) -> dict:
             parts = ["embedding", "word_embeddings", "weight"]  # the same global parameter
         named.append((".".join(parts), p))
     stage_truth = full_megatron(named, grads=True)
-    squares = {n: float(t.pow(2).sum()) for n, t in stage_truth.items()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, squares)
-    merged = {}
-    for rank_squares in gathered:
-        merged.update(rank_squares)  # a name seen twice (tied embedding, TP peers) counts once
-    modules = {}
-    for name, sq in merged.items():
-        module = name.rsplit(".", 1)[0]
-        modules[module] = modules.get(module, 0.0) + sq
-    truth = {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
-    monitor = dm.Monitor(cfg, model=model)
-    total = monitor.clip_grad_norm_(math.inf)
-    metrics = monitor.step(1)
-    monitor.close()
-    out["pp2"] = {"truth": truth, "returned": float(total), "metrics": metrics}
+    squares = {(n, 0): float(t.pow(2).sum()) for n, t in stage_truth.items()}
+    out["pp2"] = measure_against(squares, model)
     ps.destroy_model_parallel()
+
+    # --- mixture of experts: 4 experts per layer over EP=2, (a) TP=1, so each expert has two
+    # expert-data-parallel replicas, (b) TP=2 with experts split over expert-TP=2 (no expert
+    # replica). Megatron's MoE forward needs CUDA, so gradients are set per layout rules: a
+    # dense parameter's are equal on its data-parallel replicas, an expert's depend on its
+    # global expert index (equal on its expert-data-parallel replicas), and a TP-partitioned
+    # piece's on its partition. The truth counts each (global name, partition) once.
+    for key, tp, etp in (("ep2", 1, 1), ("ep2_tp2", 2, 2)):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=2,
+                                     expert_tensor_parallel_size=etp)
+        apply_cpu_adaptations()
+        model = build_gpt(num_layers=2, tp=tp, pp=1, tied=True, experts=4, ep=2, etp=etp)
+        ep_rank = ps.get_expert_model_parallel_rank()
+        squares = {}
+        for index, (name, p) in enumerate(model.named_parameters()):
+            expert = not getattr(p, "allreduce", True)
+            parts = name.split(".")
+            if expert:  # decoder.layers.L.mlp.experts.local_experts.I.…: global index from the EP rank
+                at = parts.index("local_experts") + 1
+                parts[at] = str(ep_rank * 2 + int(parts[at]))
+            global_name = ".".join(parts)
+            partition = 0
+            if getattr(p, "tensor_model_parallel", False):
+                partition = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+            seed = zlib.crc32(f"{global_name}|{partition}".encode())
+            p.main_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            squares[(global_name, partition)] = float(p.main_grad.to(torch.float64).pow(2).sum())
+        out[key] = measure_against(squares, model)
+        ps.destroy_model_parallel()
     return out
 
 
@@ -292,7 +327,7 @@ def megatron_results():
     return run_ranks(_megatron_layouts, 4, timeout=300)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "ep2_tp2"])
 def test_norms_are_exact_under_megatron_layouts(megatron_results, layout):
     for rank_result in megatron_results:
         r = rank_result[layout]
@@ -312,6 +347,13 @@ def test_pipeline_stages_report_global_layer_names(megatron_results):
     names = {k for k in megatron_results[0]["pp2"]["metrics"] if k.startswith("grad_norm/decoder.layers.")}
     layers = {k.split(".")[2] for k in names}
     assert layers == {"0", "1", "2", "3"}
+
+
+def test_experts_are_named_by_their_global_index(megatron_results):
+    for layout in ("ep2", "ep2_tp2"):
+        names = {k for k in megatron_results[0][layout]["metrics"] if ".local_experts." in k}
+        experts = {k.split(".local_experts.")[1].split(".")[0] for k in names}
+        assert experts == {"0", "1", "2", "3"}, layout
 
 
 # --- single-process behaviour ------------------------------------------------------------------

@@ -266,18 +266,25 @@ class NormCollector:
 
 def module_name_map(model: torch.nn.Module) -> dict[str, str]:
     """Module path → user-facing name: wrapper levels dropped, Megatron's stage-local layer
-    index replaced by the global ``layer_number - 1`` (so names match an unpipelined run)."""
+    index replaced by the global ``layer_number - 1`` (so names match an unpipelined run), and
+    an expert's rank-local index in ``local_experts`` by its global expert index (the MoE
+    layer's ``local_expert_indices``), so each expert has one name on every expert-parallel rank."""
     out = {"": ""}
+    experts: dict[str, list] = {"": []}  # the nearest MoE layer's global expert indices
     for name, module in model.named_modules():
         if not name:
             continue
         parent, _, leaf = name.rpartition(".")
         base = out.get(parent, strip_wrappers(parent))
+        indices = getattr(module, "local_expert_indices", None)
+        experts[name] = list(indices) if isinstance(indices, (list, tuple)) else experts.get(parent, [])
         number = getattr(module, "layer_number", None)
         if leaf in _WRAPPER_LEVELS:
             clean = base
         elif isinstance(number, int) and leaf.isdigit() and parent.split(".")[-1] == "layers":
             clean = f"{base}.{number - 1}" if base else str(number - 1)
+        elif leaf.isdigit() and parent.split(".")[-1] == "local_experts" and int(leaf) < len(experts[parent]):
+            clean = f"{base}.{experts[parent][int(leaf)]}"
         else:
             clean = f"{base}.{leaf}" if base else leaf
         out[name] = clean
