@@ -1,7 +1,7 @@
 """``distmetrics`` command line: check configs and features files, summarise a run.
 
     distmetrics check-config configs/metrics.yaml [key=value ...]
-    distmetrics check-features configs/tensor_stats_cpu.yaml
+    distmetrics check-features configs/tensor_stats_cpu.yaml [--feature-dir DIR ...]
     distmetrics summary runs/demo/metrics.jsonl
 """
 
@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     check.add_argument("overrides", nargs="*")
     features = sub.add_parser("check-features", help="validate an nvdlfw-inspect features YAML")
     features.add_argument("path")
+    features.add_argument("--feature-dir", action="append", default=[], metavar="DIR",
+                          help="a feature folder to load as well (runs its code); may register the "
+                               "transformer_engine namespace where TransformerEngine is not installed")
     summary = sub.add_parser("summary", help="first/last train record, evals and alerts of a metrics.jsonl")
     summary.add_argument("path")
     args = parser.parse_args(argv)
@@ -38,9 +41,7 @@ def main(argv=None) -> int:
             print(f"ok: {args.path} (log_interval={cfg.log_interval}, writer_rank={cfg.writer_rank}, "
                   f"output_dir={cfg.output_dir})")
         elif args.command == "check-features":
-            from .collectors.tensor_inspect import load_features
-
-            spec = load_features(args.path)
+            spec = check_features(args.path, args.feature_dir)
             print(f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})")
         else:
             print(summarise(args.path))
@@ -48,6 +49,37 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_features(path: str, feature_dirs: list) -> dict:
+    """Our checks of a features YAML, then nvdlfw-inspect's own (every feature it names must be
+    registered by the folders that would be loaded) when nvdlfw-inspect is installed."""
+    import importlib.util
+    import tempfile
+
+    from .collectors.tensor_inspect import _reset_nvdlfw, load_features
+    from .config import TensorInspectConfig
+    from .inspect import feature_dirs_for
+
+    config = TensorInspectConfig(enabled=True, features=path, feature_dirs=list(feature_dirs) or None,
+                                 allow_custom_feature_dirs=True)
+    spec = load_features(path, te_available=True if feature_dirs else None)
+    dirs = feature_dirs_for(config, spec)
+    if importlib.util.find_spec("nvdlfw_inspect") is None:
+        return spec
+    import nvdlfw_inspect.api as debug_api
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        _reset_nvdlfw()
+        try:
+            debug_api.initialize(config_file=spec, feature_dirs=dirs, log_dir=log_dir)
+        except (SystemExit, AssertionError, ValueError, TypeError) as err:
+            raise ConfigError(f"{path}: nvdlfw-inspect rejected the features ({err}); feature folders: {dirs}") from None
+        finally:
+            if debug_api.DEBUG_MANAGER is not None:
+                debug_api.end_debug()
+            _reset_nvdlfw()
+    return spec
 
 
 def summarise(path: str) -> str:

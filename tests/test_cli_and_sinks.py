@@ -29,6 +29,24 @@ def test_check_features_validates_the_shipped_cpu_file():
     assert ok.returncode == 0 and "mlp_activations" in ok.stdout
 
 
+def test_check_features_runs_nvdlfw_validation_with_the_given_folders(tmp_path):
+    """The shipped TE file: refused without TE or a folder; accepted with a folder that
+    registers the namespace (the CPU stand-in for TE's features, tests/te_cpu_features); a TE
+    feature that folder does not register is refused by nvdlfw-inspect's own check, as a
+    clear error and exit status 2."""
+    folder = str(ROOT / "tests" / "te_cpu_features")
+    bare = _run("check-features", "configs/fp8_tensor_stats.yaml")
+    assert bare.returncode == 2 and "needs TransformerEngine" in bare.stderr
+    ok = _run("check-features", "configs/fp8_tensor_stats.yaml", "--feature-dir", folder)
+    assert ok.returncode == 0 and "fp8_linear_stats" in ok.stdout, ok.stderr
+    unknown = tmp_path / "nvfp4.yaml"
+    unknown.write_text("s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n"
+                       "  transformer_engine:\n    LogNvfp4TensorStats: {enabled: true, tensors: [activation]}\n")
+    bad = _run("check-features", str(unknown), "--feature-dir", folder)
+    assert bad.returncode == 2 and "nvdlfw-inspect rejected the features" in bad.stderr
+    assert "LogNvfp4TensorStats" in bad.stderr
+
+
 def test_summary_reads_a_run_back(tmp_path):
     import distmetrics as dm
 
