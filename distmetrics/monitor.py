@@ -53,7 +53,10 @@ class Monitor:
 
     Args:
         config: a :class:`MetricsConfig` (or a mapping of its keys).
-        model: the model (for norms); optional.
+        model: the model (for norms); optional. Or a factory: a callable with no arguments
+            that builds the model, or a ``(model, optimizer)`` pair. The Monitor then starts
+            nvdlfw-inspect *before* calling it, as TransformerEngine layers need; the result is
+            ``monitor.model`` (and ``monitor.optimizer``).
         optimizer: the optimizer (for update norms); optional.
         group: process group to reduce over (default: the world).
         device_mesh: the user's ``DeviceMesh``, to read tensor/pipeline coordinates from
@@ -72,9 +75,11 @@ class Monitor:
         elif not isinstance(config, MetricsConfig):
             raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}")
         self.config = config
+        self.layout: Layout = detect_layout(device_mesh)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            model, optimizer = self._build(model, optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.layout: Layout = detect_layout(device_mesh)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         writer = 0 if config.writer_rank == "first" else self.world_size - 1
         self.writer_rank = writer
@@ -127,6 +132,26 @@ class Monitor:
             gpus = [h.gpu for h in self.hosts if h.gpu is not None]
             if gpus:
                 self.sinks.log({"ranks": gpus}, 0, "gpu_model")
+
+    def _build(self, factory: Any, optimizer: Any) -> tuple:
+        """Start tensor inspection (if enabled), then build the model with ``factory``."""
+        if not callable(factory):
+            raise TypeError(f"model must be a torch.nn.Module or a callable that builds one, got {type(factory).__name__}")
+        started = None
+        if self.config.tensor_inspect.enabled and dm_inspect.current() is None:
+            started = dm_inspect.initialize(self.config, layout=self.layout)
+        try:
+            built = factory()
+            if isinstance(built, tuple) and len(built) == 2:
+                built, optimizer = built
+            if not isinstance(built, torch.nn.Module):
+                raise TypeError(f"the model factory returned {type(built).__name__}; accepted: a torch.nn.Module "
+                                "or a (module, optimizer) pair")
+        except BaseException:
+            if started is not None:
+                dm_inspect.shutdown(started)
+            raise
+        return built, optimizer
 
     # --- the per-step API ----------------------------------------------------------------
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,

@@ -273,3 +273,39 @@ def test_transformer_engine_key_needs_te_or_a_folder_that_registers_it(tmp_path)
     import nvdlfw_inspect.api as debug_api
 
     assert debug_api.DEBUG_MANAGER is None
+
+
+def test_a_model_factory_is_built_after_inspection_starts(tmp_path):
+    """Given a factory, the Monitor starts nvdlfw-inspect first (TE decides at construction
+    whether a layer is inspected), then builds the model and optimizer; one process."""
+    import torch
+    import nvdlfw_inspect.api as debug_api
+
+    import distmetrics as dm
+    from tests.te_cpu import FEATURES_DIR
+
+    def factory():
+        assert debug_api.DEBUG_MANAGER is not None, "inspection must be running before the layers are built"
+        model = _model()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, log_update_norm=True,
+                           tensor_inspect={"enabled": True, "features": STAGE_FEATURES, "feature_dirs": [FEATURES_DIR],
+                                           "allow_custom_feature_dirs": True})
+    x = torch.randn(3, 8)
+    with dm.Monitor(cfg, model=factory) as monitor:
+        assert isinstance(monitor.optimizer, torch.optim.SGD)
+        monitor.model(x).sum().backward()
+        monitor.optimizer.step()
+        monitor.step(1)
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    assert record["tensor_stats/mlp.linear_fc1/activation/fp8_current_scaling_mse"] == \
+        pytest.approx(_fp8([x.reshape(-1).tolist()], "mse"), rel=1e-9)
+    train = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][0]
+    assert train["update_norm"] > 0  # the optimizer the factory returned is hooked
+    assert debug_api.DEBUG_MANAGER is None
+
+    with pytest.raises(TypeError, match="the model factory returned str"):
+        dm.Monitor(cfg, model=lambda: "not a model")
+    assert debug_api.DEBUG_MANAGER is None  # the failed build left nothing running
