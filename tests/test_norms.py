@@ -410,6 +410,26 @@ def test_params_without_grad_are_skipped_and_counted_and_unfreezing_replans():
     m = monitor.step(2)
     assert "grad_norm/blocks.0.fc1" in m and monitor._norms.replans == 1
 
+    def measured_vs_truth(step):
+        model.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        if hasattr(model, "extra"):  # not in forward: its gradient by hand
+            model.extra(torch.ones(1, 1)).sum().backward()
+        truth = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+        return float(monitor.clip_grad_norm_(math.inf)), truth, monitor.step(step)
+
+    # A parameter replaced through setattr, one written straight into _parameters (no hook
+    # fires), and a module added after the plan was made: each is seen on the next call.
+    model.out.weight = torch.nn.Parameter(torch.randn_like(model.out.weight) * 10)
+    got, truth, _ = measured_vs_truth(3)
+    assert got == pytest.approx(truth, rel=REL) and monitor._norms.replans == 2
+    model.out._parameters["bias"] = torch.nn.Parameter(torch.randn_like(model.out.bias) * 10)
+    got, truth, _ = measured_vs_truth(4)
+    assert got == pytest.approx(truth, rel=REL) and monitor._norms.replans == 3
+    model.extra = torch.nn.Linear(1, 1)
+    got, truth, m = measured_vs_truth(5)
+    assert got == pytest.approx(truth, rel=REL) and "grad_norm/extra" in m and monitor._norms.replans == 4
+
 
 def test_nonfinite_gradients_name_their_modules():
     import torch

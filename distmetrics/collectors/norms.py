@@ -46,6 +46,32 @@ class _Plan:
     routing: dict = field(default_factory=dict)  # cached ownership/bucket tensors per grad set
     param_owned: Optional[torch.Tensor] = None  # ownership of the params themselves
     param_owned_buckets: list = field(default_factory=list)
+    slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
+    generation: int = -1  # _REGISTRATIONS when the slots were read
+
+
+# Parameters or modules registered anywhere in the process since start: a plan made before
+# the last registration is checked again.
+_REGISTRATIONS = [0]
+
+
+def _registered(*args: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def _param_slots(model: torch.nn.Module) -> list:
+    """Where each parameter lives, in ``named_parameters`` order (shared ones once)."""
+    seen, slots = set(), []
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                slots.append((module, key, param, param.requires_grad))
+    return slots
 
 
 class NormCollector:
@@ -224,11 +250,21 @@ class NormCollector:
 
     # --- planning ------------------------------------------------------------------------
     def _current_plan(self) -> _Plan:
+        """The bucket plan, rebuilt when the model's parameters changed: a parameter registered
+        anywhere (torch's global registration hooks), one replaced in its module or frozen or
+        unfrozen (a check of each cached slot: far cheaper than walking ``named_parameters``)."""
+        plan = self._plan
+        if plan is not None and plan.generation == _REGISTRATIONS[0] and all(
+                module._parameters.get(key) is param and param.requires_grad == grad
+                for module, key, param, grad in plan.slots):
+            return plan
+        slots = _param_slots(self.model)
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         signature = tuple(id(p) for _, p in params)
-        if self._plan is None or self._plan.signature != signature:
-            self._plan = self._build_plan(params, signature)
-        return self._plan
+        if plan is None or plan.signature != signature:
+            plan = self._plan = self._build_plan(params, signature)
+        plan.slots, plan.generation = slots, _REGISTRATIONS[0]
+        return plan
 
     def _build_plan(self, params: list, signature: tuple) -> _Plan:
         if self._plan is not None:
