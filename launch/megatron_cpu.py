@@ -54,13 +54,14 @@ def cpu_model_construction():
 
 def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int = 64, seq: int = 16,
               tp: int = 1, pp: int = 1, tied: bool = True, use_te: bool = False, experts: int = 0, ep: int = 1,
-              etp: int | None = None):
+              etp: int | None = None, fp8: str | None = None, fp8_recipe: str = "delayed"):
     """A Megatron-Core GPTModel for this rank's pipeline stage (local spec on CPU).
 
     ``experts`` > 0 makes every MLP a mixture of experts (top-2 router, experts in a
     SequentialMLP), split over ``ep`` expert-parallel ranks and ``etp`` expert-tensor-parallel
     ranks (default: ``tp``). On CPU such a model builds but its forward does not run (the MoE
-    path calls CUDA)."""
+    path calls CUDA). ``fp8`` (``e4m3``/``hybrid``, with ``use_te``) trains the TE layers in FP8
+    with ``fp8_recipe``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -69,15 +70,15 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec as spec_fn
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as spec_fn
-    moe = {}
+    extra = {"fp8": fp8, "fp8_recipe": fp8_recipe} if fp8 else {}
     if experts:
-        moe = {"num_moe_experts": experts, "moe_router_topk": 2, "expert_model_parallel_size": ep,
+        extra |= {"num_moe_experts": experts, "moe_router_topk": 2, "expert_model_parallel_size": ep,
                "expert_tensor_parallel_size": tp if etp is None else etp, "moe_token_dispatcher_type": "allgather",
                "add_bias_linear": False}  # Megatron: no bias in experts split over expert-TP
     config = TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
                                use_cpu_initialization=not torch.cuda.is_available(),
                                pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **moe)
+                               pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, **extra)
     spec = spec_fn(num_experts=experts, moe_grouped_gemm=False) if experts else spec_fn()
     with cpu_model_construction():
         return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,

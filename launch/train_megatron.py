@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--te", action="store_true", help="TransformerEngine layer spec (GPU)")
+    p.add_argument("--fp8", choices=("e4m3", "hybrid"), default=None,
+                   help="FP8 training with TransformerEngine (needs --te and a GPU); pair with "
+                        "tensor_inspect.features=configs/fp8_tensor_stats.yaml for FP8 statistics")
+    p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed")
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
     return p.parse_args(argv)
 
@@ -136,6 +140,8 @@ def finalize_grads(model: torch.nn.Module) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.fp8 and not args.te:
+        raise SystemExit("--fp8 needs --te (TransformerEngine layers, on a GPU)")
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -148,11 +154,13 @@ def main(argv=None) -> dict:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     apply_cpu_adaptations(args.seed)
-    model = build_gpt(args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.tp, args.pp,
-                      tied=True, use_te=args.te)
     layer_offset = ps.get_pipeline_model_parallel_rank() * (args.layers // args.pp)
-    init_by_global_name(model, args.seed, layer_offset)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    def build():
+        model = build_gpt(args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.tp, args.pp,
+                          tied=True, use_te=args.te, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+        init_by_global_name(model, args.seed, layer_offset)
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     n_params = 12 * args.layers * args.hidden ** 2 + args.vocab * args.hidden
     overrides = [f"total_steps={args.steps}", f"writer_rank=last",
@@ -160,7 +168,9 @@ def main(argv=None) -> dict:
     overrides += args.overrides
     config = (dm.MetricsConfig.from_yaml(args.config, overrides) if args.config
               else dm.MetricsConfig.from_dict({}, overrides))
-    monitor = dm.Monitor(config, model=model, optimizer=optimizer)  # reads Megatron's parallel_state
+    # A factory: tensor inspection (if configured) starts before TE layers are built.
+    monitor = dm.Monitor(config, model=build)  # reads Megatron's parallel_state
+    model, optimizer = monitor.model, monitor.optimizer
     timers = monitor.timers
     model.config.timers = timers  # Megatron code that reads config.timers now uses ours
 
