@@ -29,15 +29,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
 
-def median_pair(baseline: Callable, candidate: Callable, repeats: int, warmup: int = 2) -> tuple[float, float]:
-    """Median seconds of baseline and candidate, run alternately."""
+def median_pair(baseline: Callable, candidate: Callable, repeats: int, warmup: int = 2,
+                sync: Callable = lambda: None) -> tuple[float, float]:
+    """Median seconds of baseline and candidate, run alternately; ``sync`` waits for the
+    device after each call (``torch.cuda.synchronize`` on a GPU), so queued work counts."""
     for _ in range(warmup):
         baseline()
         candidate()
+    sync()
     base, cand = [], []
     for _ in range(repeats):
-        t = time.perf_counter(); baseline(); base.append(time.perf_counter() - t)
-        t = time.perf_counter(); candidate(); cand.append(time.perf_counter() - t)
+        t = time.perf_counter(); baseline(); sync(); base.append(time.perf_counter() - t)
+        t = time.perf_counter(); candidate(); sync(); cand.append(time.perf_counter() - t)
     return statistics.median(base), statistics.median(cand)
 
 
@@ -52,10 +55,10 @@ def _quiet_config(**extra):
 
 # --- 1. per-module grad norms + clipping ---------------------------------------------------------
 
-def stack_model(modules: int, params: float) -> torch.nn.Module:
+def stack_model(modules: int, params: float, device: str = "cpu") -> torch.nn.Module:
     d = int(math.sqrt(params / modules))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(modules)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(modules)]).to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return model
@@ -70,12 +73,13 @@ def naive_per_module(model: torch.nn.Module) -> dict:
     return {m: math.sqrt(v) for m, v in sums.items()}
 
 
-def bench_norms(sizes, repeats: int) -> list[dict]:
+def bench_norms(sizes, repeats: int, device: str = "cpu") -> list[dict]:
     import distmetrics as dm
 
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = []
     for modules, params in sizes:
-        model = stack_model(modules, params)
+        model = stack_model(modules, params, device)
         grads = [p.grad.clone() for p in model.parameters()]
         plist = list(model.parameters())
         monitor = dm.Monitor(_quiet_config(log_interval=10**9), model=model)
@@ -94,9 +98,9 @@ def bench_norms(sizes, repeats: int) -> list[dict]:
         def naive_loop_only():
             naive_per_module(model)
 
-        base, cand = median_pair(torch_clip, ours, repeats)
-        naive_t, cand2 = median_pair(naive, ours, repeats)
-        _, naive_loop_t = median_pair(torch_clip, naive_loop_only, repeats)
+        base, cand = median_pair(torch_clip, ours, repeats, sync=sync)
+        naive_t, cand2 = median_pair(naive, ours, repeats, sync=sync)
+        _, naive_loop_t = median_pair(torch_clip, naive_loop_only, repeats, sync=sync)
         monitor.close()
         for p, g in zip(plist, grads):
             p.grad = g
@@ -350,14 +354,16 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
     p.add_argument("--out", default="runs/benchmarks.json")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the norm benchmark's model and gradients live (default: cuda when there is one)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     repeats = 5 if args.quick else 15
     norm_sizes = [(50, 20e6), (200, 20e6), (1000, 20e6)] + ([] if args.quick else [(200, 100e6)])
     results = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                           "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}}
-    print("1. clip_grad_norm_ with per-module norms", flush=True)
-    results["norms"] = bench_norms(norm_sizes, repeats)
+                           "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "norms_device": args.device}}
+    print(f"1. clip_grad_norm_ with per-module norms ({args.device})", flush=True)
+    results["norms"] = bench_norms(norm_sizes, repeats, args.device)
     for r in results["norms"]:
         print(f"   {r['modules']:5d} modules {r['params_m']:6.1f}M params: torch clip {r['torch_clip_ms']:8.2f} ms | "
               f"ours {r['ours_ms']:8.2f} ms = {r['ours_vs_torch_clip']:.3f}x (target <= 1.10) | "
