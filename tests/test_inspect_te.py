@@ -309,3 +309,28 @@ def test_a_model_factory_is_built_after_inspection_starts(tmp_path):
     with pytest.raises(TypeError, match="the model factory returned str"):
         dm.Monitor(cfg, model=lambda: "not a model")
     assert debug_api.DEBUG_MANAGER is None  # the failed build left nothing running
+
+
+def _groups(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distmetrics.parallel import data_parallel_group, detect_layout
+
+    out = {}
+    for key, shape, names in (("dp_tp", (2, 2), ("dp", "tp")), ("hsdp", (2, 2), ("dp_replicate", "dp_shard")),
+                              ("pp_tp", (2, 2), ("pp", "tp"))):
+        group = data_parallel_group(detect_layout(init_device_mesh("cpu", shape, mesh_dim_names=names)))
+        out[key] = dist.get_process_group_ranks(group)
+    out["no_mesh"] = data_parallel_group(detect_layout())
+    return out
+
+
+def test_the_reduction_group_is_the_data_parallel_peers():
+    """What the Monitor hands nvdlfw-inspect as the tensor reduction group, on 4 ranks."""
+    results = run_ranks(_groups, 4)
+    for rank, r in enumerate(results):
+        assert r["dp_tp"] == [rank % 2, rank % 2 + 2]   # mesh [[0, 1], [2, 3]]: dp is the column
+        assert r["hsdp"] == [0, 1, 2, 3]                # both dp dimensions, flattened
+        assert r["pp_tp"] == [rank]                     # no data parallelism: the rank alone
+        assert r["no_mesh"] is None                     # plain data parallelism: the world
