@@ -57,7 +57,7 @@ def check_features(path: str, feature_dirs: list) -> dict:
     import importlib.util
     import tempfile
 
-    from .collectors.tensor_inspect import _reset_nvdlfw, load_features
+    from .collectors.tensor_inspect import _reset_nvdlfw, load_features, start_nvdlfw
     from .config import TensorInspectConfig
     from .inspect import feature_dirs_for
 
@@ -70,15 +70,9 @@ def check_features(path: str, feature_dirs: list) -> dict:
     import nvdlfw_inspect.api as debug_api
 
     with tempfile.TemporaryDirectory() as log_dir:
+        start_nvdlfw(spec, dirs, log_dir, source=path)
+        debug_api.end_debug()
         _reset_nvdlfw()
-        try:
-            debug_api.initialize(config_file=spec, feature_dirs=dirs, log_dir=log_dir)
-        except (SystemExit, AssertionError, ValueError, TypeError) as err:
-            raise ConfigError(f"{path}: nvdlfw-inspect rejected the features ({err}); feature folders: {dirs}") from None
-        finally:
-            if debug_api.DEBUG_MANAGER is not None:
-                debug_api.end_debug()
-            _reset_nvdlfw()
     return spec
 
 

@@ -32,7 +32,8 @@ def current():
 
 def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = None, layout: Any = None,
                output_dir: Optional[str] = None):
-    """Check the features file and start nvdlfw-inspect (every rank; no collective)."""
+    """Check the features file and start nvdlfw-inspect (every rank). With ``model``, the layers
+    are named and hooked at once, which costs one small all-reduce (see ``attach``)."""
     global _CURRENT
     from .collectors.tensor_inspect import TensorInspector, load_features
     from .parallel import detect_layout

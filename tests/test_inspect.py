@@ -394,3 +394,24 @@ def test_transformer_engine_metric_names_map_to_ours():
     assert _metric_name("model.pre_weight_proj.inner_gradient_underflows%", layers) == \
         "tensor_stats/pre_weight_proj.inner/gradient/underflows%"
     assert _metric_name("model.pre_weight_proj_activation_mse") == "tensor_stats/pre_weight_proj/activation/mse"
+
+
+def test_a_model_given_to_initialize_and_to_the_monitor_is_hooked_once(tmp_path):
+    """Hooked twice, every activation would count twice and the std would come out wrong."""
+    import torch
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["std"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    dm.inspect.initialize(cfg, model=model)
+    x = torch.randn(5, 6)
+    with dm.Monitor(cfg, model=model) as monitor:
+        activation = model.fc1(x).detach()
+        monitor.step(1)
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    assert record["tensor_stats/fc1/activation/std"] == pytest.approx(float(activation.double().std()), rel=1e-12)

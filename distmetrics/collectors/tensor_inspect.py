@@ -122,6 +122,23 @@ def _check_our_features(where: str, features: Any) -> None:
                 raise ConfigError(f"{where}: freq must be >= 1")
 
 
+def start_nvdlfw(spec: dict, feature_dirs: list, log_dir: str, statistics_logger: Any = None,
+                 init_training_step: int = 0, source: str = "tensor_inspect.features") -> None:
+    """``debug_api.initialize`` from a clean slate; its rejection of the features (an
+    assertion, or ``SystemExit`` from a feature folder that fails to load) becomes a
+    ``ConfigError`` naming ``source`` and the folders, with nothing left running."""
+    import nvdlfw_inspect.api as debug_api
+
+    _reset_nvdlfw()
+    try:
+        debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=statistics_logger,
+                             log_dir=log_dir, init_training_step=init_training_step)
+    except (SystemExit, AssertionError, ValueError, TypeError) as err:
+        _reset_nvdlfw()
+        raise ConfigError(f"{source}: nvdlfw-inspect rejected the features ({err}); feature folders searched: "
+                          f"{feature_dirs}") from None
+
+
 class ForwardingLogger:
     """nvdlfw-inspect statistics logger that hands values to the monitor (TE and base features).
 
@@ -153,16 +170,10 @@ class TensorInspector:
         self.reducer = Reducer(group)
         self.iteration = init_training_step
         self._hooks: list = []
+        self._models: list = []
         self.layer_names: set[str] = set()
         os.makedirs(log_dir, exist_ok=True)
-        _reset_nvdlfw()
-        try:
-            debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=ForwardingLogger(self),
-                                 log_dir=log_dir, init_training_step=init_training_step)
-        except (SystemExit, AssertionError, ValueError, TypeError) as err:
-            _reset_nvdlfw()
-            raise ConfigError(f"tensor_inspect.features: nvdlfw-inspect rejected the features ({err}); feature "
-                              f"folders searched: {feature_dirs}") from None
+        start_nvdlfw(spec, feature_dirs, log_dir, ForwardingLogger(self), init_training_step)
         self.set_layout(layout)
         _ACTIVE = self
         self.selected: dict[str, list[str]] = {}
@@ -194,6 +205,9 @@ class TensorInspector:
         others waiting."""
         from nvdlfw_inspect.config_manager import ConfigManager, is_layer_in_cfg
 
+        if any(m is model for m in self._models):
+            return  # initialize(config, model=...) then Monitor(config, model=...): hooks once
+        self._models.append(model)
         self.debug_api.infer_and_assign_layer_names(model)
         modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
         self.layer_names.update(name for _, name in modules)
@@ -310,7 +324,7 @@ class TensorInspector:
     def take_forwarded(self) -> list[Sample]:
         """Values logged outside the YAML's stats steps (e.g. a user's own
         ``debug_api.log_tensor_stats`` call), for the log step's MAX pack."""
-        out = [Sample(name, float(value), "max") for name, value in self.forwarded.items()]
+        out = [Sample(name, value, "max") for name, value in self.forwarded.items()]
         self.forwarded = {}
         return out
 
