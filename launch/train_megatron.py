@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_cpu import apply_cpu_adaptations, build_gpt  # noqa: E402
-from train_fsdp import MarkovData, lr_at  # noqa: E402
+from train_fsdp import MarkovData, exit_after_teardown, lr_at  # noqa: E402
 
 import distmetrics as dm  # noqa: E402
 
@@ -207,3 +207,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_after_teardown()  # see train_fsdp.exit_after_teardown
