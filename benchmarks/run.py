@@ -16,17 +16,14 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 
 def median_pair(baseline: Callable, candidate: Callable, repeats: int, warmup: int = 2,
@@ -42,15 +39,6 @@ def median_pair(baseline: Callable, candidate: Callable, repeats: int, warmup: i
         t = time.perf_counter(); baseline(); sync(); base.append(time.perf_counter() - t)
         t = time.perf_counter(); candidate(); sync(); cand.append(time.perf_counter() - t)
     return statistics.median(base), statistics.median(cand)
-
-
-def _quiet_config(**extra):
-    import distmetrics as dm
-
-    cfg = dict(output_dir="runs/benchmarks/unused", json_log=False, console=False, log_progress=False,
-               tensorboard=False, timing_log_level=-1, log_throughput=False, log_memory=False)
-    cfg.update(extra)
-    return dm.MetricsConfig(**cfg)
 
 
 # --- 1. per-module grad norms + clipping ---------------------------------------------------------
@@ -82,7 +70,7 @@ def bench_norms(sizes, repeats: int, device: str = "cpu") -> list[dict]:
         model = stack_model(modules, params, device)
         grads = [p.grad.clone() for p in model.parameters()]
         plist = list(model.parameters())
-        monitor = dm.Monitor(_quiet_config(log_interval=10**9), model=model)
+        monitor = dm.Monitor(quiet_config(log_interval=10**9), model=model)
         huge = 1e9  # clipping math runs, scaling is by 1.0: repeats see the same gradients
 
         def torch_clip():
@@ -114,14 +102,13 @@ def bench_norms(sizes, repeats: int, device: str = "cpu") -> list[dict]:
 
 # --- 2 and 4b. collectives per log step, on 4 gloo ranks ---------------------------------------
 
-def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue) -> None:
+def _reducer_worker(rank: int, world: int, sizes, repeats: int) -> dict:
     import torch.distributed as dist
 
+    from distmetrics.collectors.base import LogContext
     from distmetrics.collectors.timers import TimerCollector, Timers
     from distmetrics.reduce import Reducer, Sample
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {"reduce": [], "timers": []}
     for n in sizes:
         samples = [Sample(f"m{i}", torch.tensor(float(rank + i)), "mean") for i in range(n)]
@@ -146,14 +133,15 @@ def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue
                               "per_key_ms": base * 1e3, "ours_ms": cand * 1e3, "per_key_vs_ours": base / cand})
     for n_timers in (10, 200):
         timers = Timers(2, "minmax", use_cuda=False)
-        collector = TimerCollector(timers, "minmax", hosts=[])
+        collector = TimerCollector(timers, "minmax")
         reducer = Reducer()
+        ctx = LogContext(step=1, steps=1, layout=None)
 
         def log_step():
             for i in range(n_timers):
                 t = timers(f"t{i}", log_level=1)
                 t.start(); t.stop()
-            samples = collector.samples(1)
+            samples = collector.take_samples(ctx)
             reducer.reduce(samples)
 
         log_step()
@@ -163,79 +151,24 @@ def _reducer_worker(rank: int, world: int, port: int, sizes, repeats: int, queue
         out["timers"].append({"timers": n_timers, "log_step_ms": statistics.median(times) * 1e3,
                               "collectives": reducer.collectives})
     dist.barrier()
-    if rank == 0:
-        queue.put(out)
-    dist.destroy_process_group()
-
-
-def spawn_ranks(worker: Callable, world: int, *args) -> dict:
-    """Run ``worker(rank, world, port, *args, queue)`` on gloo ranks; return what rank 0 puts."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=900)
-    for p in procs:
-        p.join()
-    return result
+    return out
 
 
 def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
-    return spawn_ranks(_reducer_worker, world, sizes, repeats)
+    return run_ranks(_reducer_worker, world, sizes, repeats, timeout=900)[0]
 
 
 # --- 3. non-log-step overhead of a small FSDP2 training step (2 ranks) -------------------------
 
-class _Counter:
-    def __init__(self):
-        self.collectives = 0
-        self.items = 0
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self._saved = {}
-        for name in ("all_reduce", "all_gather", "all_gather_object", "all_gather_single",
-                     "all_gather_into_tensor", "broadcast", "barrier", "reduce_scatter_tensor"):
-            original = getattr(dist, name, None)
-            if original is not None:
-                self._saved[name] = original
-                setattr(dist, name, self._wrap(original, "collectives"))
-        self._item = torch.Tensor.item
-        torch.Tensor.item = self._wrap(self._item, "items")
-        return self
-
-    def _wrap(self, original, field):
-        def wrapper(*args, **kwargs):
-            setattr(self, field, getattr(self, field) + 1)
-            return original(*args, **kwargs)
-        return wrapper
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        torch.Tensor.item = self._item
-
-
-def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> None:
+def _training_worker(rank: int, world: int, steps: int) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import distmetrics as dm
-    from train_fsdp import GPT, MarkovData
+    from launch.common import GPT, MarkovData
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = GPT(128, 128, 2, 4, 64)
     mesh = init_device_mesh("cpu", (world,))
@@ -243,7 +176,7 @@ def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> Non
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = dm.Monitor(_quiet_config(log_interval=10, timing_log_level=1, log_throughput=True, log_memory=True),
+    monitor = dm.Monitor(quiet_config(log_interval=10, timing_log_level=1, log_throughput=True, log_memory=True),
                          model=model, optimizer=opt)
     data = MarkovData(128, 0)
     batch = data.batch(rank, 8, 64)
@@ -273,7 +206,7 @@ def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> Non
         dist.barrier()
         # count what the monitor itself does on a non-log step: only its own calls
         t = time.perf_counter()
-        with _Counter() as counter:
+        with CollectiveCounter() as counter:
             timers = monitor.timers
             timers("probe", log_level=1).start(); timers("probe").stop()
             step_no[0] += 1
@@ -287,16 +220,14 @@ def _training_worker(rank: int, world: int, port: int, steps: int, queue) -> Non
         if i >= 3:
             off.append(a); on.append(b)
     monitor.close()
-    if rank == 0:
-        queue.put({"step_off_ms": statistics.median(off) * 1e3, "step_on_ms": statistics.median(on) * 1e3,
-                   "overhead_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
-                   "non_log_collectives": counts["collectives"], "non_log_items": counts["items"],
-                   "non_log_steps_counted": steps + 3})
-    dist.destroy_process_group()
+    return {"step_off_ms": statistics.median(off) * 1e3, "step_on_ms": statistics.median(on) * 1e3,
+            "overhead_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
+            "non_log_collectives": counts["collectives"], "non_log_items": counts["items"],
+            "non_log_steps_counted": steps + 3}
 
 
 def bench_training(steps: int, world: int = 2) -> dict:
-    return spawn_ranks(_training_worker, world, steps)
+    return run_ranks(_training_worker, world, steps, timeout=900)[0]
 
 
 # --- 4a. timer start/stop cost ----------------------------------------------------------------
@@ -333,7 +264,7 @@ def bench_update_norms(params: float, repeats: int) -> dict:
 
     model = stack_model(50, params)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = dm.Monitor(_quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=opt)
+    monitor = dm.Monitor(quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=opt)
     times = {True: [], False: []}
     for step in range(1, 2 * (repeats + 2) + 1):
         t = time.perf_counter()

@@ -5,13 +5,20 @@ per reduce kind; one rank (first or last) writes JSONL, console, TensorBoard, W&
 Megatron-style ``progress.txt``.
 """
 
-from . import inspect
+import sys as _sys
+
+from . import tensor_stats
+from .collectors.base import Alert, Collector, LogContext
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .monitor import Monitor
 from .reduce import PerRank, Reduced, Reducer, Sample
 from .sinks.jsonl import read_jsonl
 
+# The earlier name of the tensor statistics module: ``dm.inspect.initialize(config)`` keeps working.
+inspect = tensor_stats
+_sys.modules[__name__ + ".inspect"] = tensor_stats
+
 __version__ = "0.1.0"
 
 __all__ = ["Monitor", "MetricsConfig", "TensorInspectConfig", "ConfigError", "Sample", "Reducer",
-           "Reduced", "PerRank", "read_jsonl", "__version__"]
+           "Reduced", "PerRank", "Collector", "LogContext", "Alert", "read_jsonl", "tensor_stats", "__version__"]

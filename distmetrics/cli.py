@@ -21,6 +21,7 @@ _SUMMARY_KEYS = ("train/loss", "grad_norm", "train/lr", "train/tokens_per_sec", 
 
 
 def main(argv=None) -> int:
+    """Run one command; returns the exit status (0 ok, 2 a bad file or argument)."""
     parser = argparse.ArgumentParser(prog="distmetrics", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,9 +58,9 @@ def check_features(path: str, feature_dirs: list) -> dict:
     import importlib.util
     import tempfile
 
-    from .collectors.tensor_inspect import _reset_nvdlfw, load_features, start_nvdlfw
     from .config import TensorInspectConfig
-    from .inspect import feature_dirs_for
+    from .tensor_stats.features import feature_dirs_for, load_features
+    from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     config = TensorInspectConfig(enabled=True, features=path, feature_dirs=list(feature_dirs) or None,
                                  allow_custom_feature_dirs=True)
@@ -72,11 +73,12 @@ def check_features(path: str, feature_dirs: list) -> dict:
     with tempfile.TemporaryDirectory() as log_dir:
         start_nvdlfw(spec, dirs, log_dir, source=path)
         debug_api.end_debug()
-        _reset_nvdlfw()
+        reset_nvdlfw()
     return spec
 
 
 def summarise(path: str) -> str:
+    """A few lines about a metrics.jsonl: runs, first/last train record, last eval, alerts."""
     records = list(read_jsonl(path))
     runs = [r for r in records if r.get("kind") == "run"]
     train = [r for r in records if r.get("kind") == "train"]

@@ -18,6 +18,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .flops import model_flops_per_token
+
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides"]
 
 
@@ -175,6 +177,17 @@ class MetricsConfig:
 
     # --- construction --------------------------------------------------------------------
     @classmethod
+    def coerce(cls, config: Union["MetricsConfig", dict, None]) -> "MetricsConfig":
+        """A MetricsConfig as given, the defaults for None, or one built from a mapping."""
+        if config is None:
+            return cls()
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}")
+        return config
+
+    @classmethod
     def from_dict(cls, values: dict, overrides: Optional[list[str]] = None) -> "MetricsConfig":
         """Build from a mapping (as read from YAML), then apply ``key=value`` overrides."""
         if values is None:
@@ -212,8 +225,6 @@ class MetricsConfig:
         """``flops_per_token``, or the one derived from the model description."""
         if self.flops_per_token is not None or self.num_params is None:
             return self.flops_per_token
-        from .collectors.throughput import model_flops_per_token
-
         return model_flops_per_token(self.num_params, self.num_layers, self.hidden_size, self.seq_length,
                                      self.num_active_params)
 

@@ -2,7 +2,7 @@
 
 Between log steps a value is only added into a running tensor (or a Python float when the
 user passed numbers): no ``.item()``, no comparison that would force the host to wait for
-the device. At the log step :meth:`IntervalStats.samples` hands the reducer one
+the device. At the log step :meth:`IntervalStats.take_samples` hands the reducer one
 :class:`~distmetrics.reduce.Sample` per name and the interval starts again.
 
 Interval semantics per reduce kind: ``mean`` is Σ value·weight / Σ weight over steps (and then
@@ -76,8 +76,9 @@ class IntervalStats:
                 if reduce == "min":
                     slot.value = slot.low
 
-    def samples(self) -> list[Sample]:
-        """This interval's samples (one per name recorded since the last call); then reset."""
+    def take_samples(self) -> list[Sample]:
+        """This interval's samples (one per name recorded since the last call); the interval
+        starts again."""
         out: list[Sample] = []
         for name, slot in self._slots.items():
             if slot.value is None:

@@ -1,8 +1,18 @@
-"""Where this rank sits: world, data/tensor/pipeline/context-parallel coordinates.
+"""Where this rank sits, and what it counts: the one place of the ownership rule.
 
-Read from Megatron-Core's ``parallel_state`` when it is initialised, else from a user's
-``DeviceMesh`` (dimension names ``tp``, ``cp``, ``pp``; every other dimension is data
+The layout is read from Megatron-Core's ``parallel_state`` when it is initialised, else from a
+user's ``DeviceMesh`` (dimension names ``tp``, ``cp``, ``pp``; every other dimension is data
 parallel), else everything is data parallel.
+
+Every metric that sums over ranks must count each token, activation or tensor element once.
+Who does is decided here and nowhere else:
+
+* :func:`sees_distinct_tokens` — tensor- and context-parallel peers see the same tokens and
+  activations; their rank 0 counts them (MoE routing counts, activation statistics);
+* :func:`counts_batch_tokens` — that, on the last pipeline stage (throughput's tokens);
+* :func:`holds_first_replica` — that, on data-parallel rank 0 (weight statistics);
+* :func:`owns_local_piece` — the norm rule: does this rank's local piece of a parameter (or of
+  its gradient) count, so that Σ over ranks of w·‖local‖² counts every element once.
 """
 
 from __future__ import annotations
@@ -13,9 +23,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Layout", "detect_layout", "RankInfo"]
+__all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
+           "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "local_tensor", "is_dtensor"]
 
 
 @dataclass
@@ -54,16 +66,8 @@ class Layout:
     device_mesh: Any = None
 
     @property
-    def is_data_representative(self) -> bool:
-        """True on one rank per data-parallel replica of a batch: the one that counts its tokens.
-
-        Tensor- and context-parallel peers see the same tokens; only their rank 0 counts them.
-        Every pipeline stage sees the batch; the last stage (which holds the loss) counts it.
-        """
-        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
-
-    @property
     def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (the one holding the loss)."""
         return self.pp_rank == self.pp_size - 1
 
 
@@ -142,3 +146,111 @@ def _megatron_parallel_state():
         return ps if ps.model_parallel_is_initialized() else None
     except Exception:  # noqa: BLE001
         return None
+
+
+# --- the ownership rule -----------------------------------------------------------------------
+
+def sees_distinct_tokens(layout: Layout) -> bool:
+    """False on tensor- and context-parallel peers other than rank 0: they see the same tokens."""
+    return layout.tp_rank == 0 and layout.cp_rank == 0
+
+
+def counts_batch_tokens(layout: Layout) -> bool:
+    """True on one rank per data-parallel replica of a batch: the one that counts its tokens.
+    Every pipeline stage sees the batch; the last stage (which holds the loss) counts it."""
+    return sees_distinct_tokens(layout) and layout.is_last_stage
+
+
+def holds_first_replica(layout: Layout) -> bool:
+    """True where this rank's weights are the copy that counts (data-parallel rank 0, TP/CP rank 0)."""
+    return sees_distinct_tokens(layout) and layout.dp_rank == 0
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (checked by shape of the API, not by import)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: ``t.to_local()`` for a DTensor, else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, group: Any = None) -> bool:
+    """Does this rank's local piece of ``t`` (a parameter or its gradient) count toward a norm?
+
+    * DTensor (FSDP2, HSDP, TP, FSDP2+TP): yes iff the mesh coordinate is 0 on every mesh
+      dimension whose placement is ``Replicate`` (``Shard`` dimensions count everywhere), and
+      0 on the root mesh's other dimensions holding copies; ``Partial`` is refused.
+    * Megatron-Core: ``tensor_model_parallel`` params count on every TP rank, others on TP rank 0;
+      ``shared`` (the last stage's copy of a tied embedding) never; data-parallel replicas once;
+      expert params once per expert-data-parallel group.
+    * Anything else (DDP, no wrapper): replicas count on rank 0 of ``group`` only.
+    """
+    if is_dtensor(t):
+        return _owns_dtensor_piece(t, name)
+    if layout.source == "megatron":
+        return _megatron_owns(param, layout)
+    return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0) == 0
+
+
+def _owns_dtensor_piece(t: Any, name: str) -> bool:
+    mesh = t.device_mesh
+    coords = mesh.get_coordinate()
+    if coords is None:  # this rank is not in the tensor's mesh
+        return False
+    for dim, placement in enumerate(t.placements):
+        kind = type(placement).__name__
+        if placement.is_replicate():
+            if coords[dim] != 0:
+                return False
+        elif placement.is_shard() or "Shard" in kind:  # Shard, _StridedShard (FSDP2 over TP)
+            continue
+        else:
+            raise ValueError(
+                f"parameter {name!r} has a {kind} placement on mesh dimension {dim}; norms are defined "
+                "for Shard and Replicate placements only (reduce the gradient before measuring)"
+            )
+    return _first_copy_outside(mesh)
+
+
+_PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
+
+
+def _first_copy_outside(mesh: Any) -> bool:
+    """A DTensor on a sub-mesh (e.g. FSDP2's dp mesh inside a dp × tp mesh) has copies along the
+    root mesh's other dimensions; only coordinate 0 there counts. Pipeline dimensions hold
+    different layers, not copies."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    if root is None or root is mesh or root.mesh.numel() == mesh.mesh.numel():
+        return True
+    mine = root.get_coordinate()
+    if mine is None:
+        return False
+    positions = torch.isin(root.mesh, mesh.mesh.flatten()).nonzero()  # root coordinates of the sub-mesh
+    names = root.mesh_dim_names or ()
+    for dim in range(root.mesh.ndim):
+        outside = positions[:, dim].unique().numel() == 1
+        name = names[dim] if dim < len(names) else ""
+        if outside and name not in _PIPELINE_DIMS and mine[dim] != 0:
+            return False
+    return True
+
+
+def _megatron_owns(p: Any, layout: Layout) -> bool:
+    from megatron.core import parallel_state as ps
+
+    if getattr(p, "shared", False):
+        return False  # the last stage's copy of a tied embedding; the first stage counts it
+    tensor_parallel = bool(getattr(p, "tensor_model_parallel", False))
+    if not getattr(p, "allreduce", True):  # an expert parameter
+        try:
+            if ps.get_expert_data_parallel_rank() != 0:
+                return False
+            return tensor_parallel or ps.get_expert_tensor_parallel_rank() == 0
+        except (AttributeError, AssertionError):
+            pass
+    if ps.get_data_parallel_rank() != 0 or layout.cp_rank != 0:
+        return False
+    return tensor_parallel or layout.tp_rank == 0

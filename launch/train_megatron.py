@@ -16,16 +16,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_cpu import apply_cpu_adaptations, build_gpt  # noqa: E402
-from train_fsdp import MarkovData, exit_after_teardown, lr_at  # noqa: E402
-
-import distmetrics as dm  # noqa: E402
+import distmetrics as dm
+from common import MarkovData, exit_after_teardown, lr_at, metrics_config
+from megatron_cpu import apply_cpu_adaptations, build_gpt
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -163,11 +160,10 @@ def main(argv=None) -> dict:
         return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     n_params = 12 * args.layers * args.hidden ** 2 + args.vocab * args.hidden
-    overrides = [f"total_steps={args.steps}", f"writer_rank=last",
+    overrides = [f"total_steps={args.steps}", "writer_rank=last",
                  f"flops_per_token={6.0 * n_params + 12.0 * args.layers * args.hidden * args.seq_len}"]
     overrides += args.overrides
-    config = (dm.MetricsConfig.from_yaml(args.config, overrides) if args.config
-              else dm.MetricsConfig.from_dict({}, overrides))
+    config = metrics_config(args.config, overrides)
     # A factory: tensor inspection (if configured) starts before TE layers are built.
     monitor = dm.Monitor(config, model=build)  # reads Megatron's parallel_state
     model, optimizer = monitor.model, monitor.optimizer
@@ -207,4 +203,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-    exit_after_teardown()  # see train_fsdp.exit_after_teardown
+    exit_after_teardown()  # see common.exit_after_teardown

@@ -1,4 +1,6 @@
-"""Run a function on N real gloo ranks (spawned processes) and collect what each returns.
+"""Helpers shared by the tests and the benchmarks: run a function on N real gloo ranks
+(spawned processes) and collect what each returns; count collectives and host syncs; a
+config with every sink off.
 
 Every scenario of a test module runs inside one spawn where it can (2 cores here), and the
 parent kills the workers after a timeout, so a hang fails a test instead of stalling CI.
@@ -114,3 +116,14 @@ class CollectiveCounter:
                 torch.Tensor.item = original
             else:
                 setattr(dist, name, original)
+
+
+def quiet_config(**extra: Any):
+    """A MetricsConfig with every sink, timer and host-side collector off; ``extra`` turns
+    things back on (e.g. ``log_interval=1, json_log=True``)."""
+    import distmetrics as dm
+
+    cfg = dict(output_dir="unused", json_log=False, console=False, log_progress=False, tensorboard=False,
+               timing_log_level=-1, log_throughput=False, log_memory=False)
+    cfg.update(extra)
+    return dm.MetricsConfig(**cfg)

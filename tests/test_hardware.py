@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests import fake_pynvml
-from tests.dist_utils import run_ranks
+from tests.dist_utils import quiet_config, run_ranks
 
 GPUS = {"GPU-0000": [], "GPU-1111": [], "GPU-2222": [], "GPU-3333": []}
 
@@ -29,13 +29,17 @@ def nvml(monkeypatch):
     return install
 
 
-def _monitor(**cfg):
+def _monitor(collectors=(), **cfg):
     import distmetrics as dm
 
-    base = dict(output_dir="unused", log_interval=2, json_log=False, console=False, log_progress=False,
-                tensorboard=False, timing_log_level=-1)
-    base.update(cfg)
-    return dm.Monitor(dm.MetricsConfig(**base))
+    return dm.Monitor(quiet_config(**{"log_interval": 2, "log_throughput": True, "log_memory": True, **cfg}),
+                      collectors=collectors)
+
+
+def _ctx(steps=1):
+    from distmetrics.collectors.base import LogContext
+
+    return LogContext(step=steps, steps=steps, layout=None)
 
 
 def test_energy_opens_the_ranks_own_gpu_by_uuid_under_remapped_visible_devices(nvml, monkeypatch):
@@ -43,24 +47,23 @@ def test_energy_opens_the_ranks_own_gpu_by_uuid_under_remapped_visible_devices(n
     # neighbour (GPU-1111) whose counter runs at a different rate: reading it would be wrong.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     fake = nvml(devices={"GPU-0000": [0], "GPU-1111": [0, 999_000], "GPU-2222": [0], "GPU-3333": [5_000, 25_000]})
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     energy = EnergyCollector(world_size=1, uuid="GPU-3333")
     assert energy.enabled
     assert ("nvmlDeviceGetHandleByUUID", "GPU-3333") in fake.calls
     assert not any(c[0] == "nvmlDeviceGetHandleByIndex" for c in fake.calls)
-    samples = {s.name: s.value for s in energy.samples(steps=4)}
+    samples = {s.name: s.value for s in energy.take_samples(_ctx(4))}
     assert samples["energy/total_j"] == pytest.approx(20.0)  # (25000 - 5000) mJ
 
 
 def test_energy_metrics_from_counter_deltas(nvml):
     nvml(devices={"GPU-0000": [1_000_000, 1_050_000, 1_130_000]})  # start, log step 2, log step 4
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     import time
 
-    monitor = _monitor()
-    monitor._energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
     monitor.step(1, tokens=100)
     m = monitor.step(2, tokens=100)
     assert m["energy/total_j"] == pytest.approx(50.0)
@@ -79,32 +82,31 @@ def test_energy_metrics_from_counter_deltas(nvml):
 def test_counter_wrap_is_a_small_delta(nvml):
     top = 2 ** 64
     nvml(devices={"GPU-0000": [top - 4_000, 6_000]})
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     energy = EnergyCollector(world_size=1, uuid="GPU-0000")
-    assert {s.name: s.value for s in energy.samples(1)}["energy/total_j"] == pytest.approx(10.0)
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(10.0)
 
 
 def test_pause_leaves_evaluation_energy_out(nvml):
     # readings: start, pause, resume, log step
     nvml(devices={"GPU-0000": [0, 10_000, 70_000, 75_000]})
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     energy = EnergyCollector(world_size=1, uuid="GPU-0000")
     energy.pause()
     energy.resume()
-    assert {s.name: s.value for s in energy.samples(1)}["energy/total_j"] == pytest.approx(15.0)
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(15.0)
 
 
 def test_not_supported_warns_once_and_reports_nothing(nvml, caplog):
     nvml(devices={"GPU-0000": [0]}, unsupported_energy=True)
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     caplog.set_level(logging.WARNING, logger="distmetrics")
-    monitor = _monitor()
-    monitor._energy = EnergyCollector(world_size=1, uuid="GPU-0000")
-    for step in (1, 2, 3, 4):
-        m = monitor.step(step, tokens=10) or m if step > 1 else monitor.step(step, tokens=10)
+    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+    logged = [monitor.step(step, tokens=10) for step in (1, 2, 3, 4)]
+    m = logged[-1]
     assert not any(k.startswith(("energy/", "power/")) for k in m)
     warnings = [r for r in caplog.records if "energy is not measured" in r.getMessage()]
     assert len(warnings) == 1
@@ -123,10 +125,9 @@ def test_no_nvml_or_no_gpu_warns_once(monkeypatch, caplog):
 
 def test_telemetry_min_max_with_ranks_and_unsupported_fields_skipped(nvml):
     nvml(devices=dict(GPUS), unsupported={"nvmlDeviceGetFanSpeed"})
-    from distmetrics.collectors.energy import TelemetryCollector
+    from distmetrics.collectors.nvml import TelemetryCollector
 
-    monitor = _monitor()
-    monitor._telemetry = TelemetryCollector(uuid="GPU-3333")
+    monitor = _monitor(collectors=[TelemetryCollector(uuid="GPU-3333")])
     monitor.step(1)
     m = monitor.step(2)
     assert m["gpu/sm_clock_mhz/max"] == 1530 and m["gpu/temperature_c/min"] == 63
@@ -140,11 +141,10 @@ def _memory_and_energy(rank: int, world: int) -> dict:
     import torch
 
     sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 1000 * (rank + 1) * 10]})
-    from distmetrics.collectors.energy import EnergyCollector
+    from distmetrics.collectors.nvml import EnergyCollector
 
     ballast = torch.ones(300 * 1024 * 1024 // 8, dtype=torch.float64) if rank == 1 else None  # ~300 MiB
-    monitor = _monitor(log_interval=1)
-    monitor._energy = EnergyCollector(world_size=world, uuid=f"GPU-{rank}")
+    monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
     m = monitor.step(1, tokens=50)
     own_rss = psutil.Process().memory_info().rss / 1024 ** 3
     monitor.close()
@@ -168,11 +168,12 @@ def test_host_memory_and_energy_across_ranks():
 def test_throughput_mfu_sol_eta_against_hand_computation(caplog):
     from distmetrics.collectors.throughput import ThroughputCollector
 
+    from distmetrics.collectors.base import LogContext
+
     t = ThroughputCollector(world_size=4, flops_per_token=6e9, peak_tflops=989.0, total_steps=100,
                             sol_step_time_ms=100.0)
-    t._steps = 10
-    m = {"_train/interval_s": 2.0, "_train/tokens": 1e6}
-    t.finalize(m, step=10)
+    m = {}
+    t.finalize(m, LogContext(step=10, steps=10, layout=None, interval_s=2.0, tokens=1e6))
     assert m["train/step_time_ms"] == pytest.approx(200.0)
     assert m["train/tokens_per_sec"] == pytest.approx(5e5)
     assert m["train/tokens_per_sec_per_gpu"] == pytest.approx(1.25e5)
@@ -182,7 +183,7 @@ def test_throughput_mfu_sol_eta_against_hand_computation(caplog):
     assert m["train/eta_s"] == pytest.approx(90 * 0.2)
     caplog.set_level(logging.WARNING, logger="distmetrics")
     t.peak_tflops = 500.0
-    t.finalize({"_train/interval_s": 2.0, "_train/tokens": 1e6}, step=20)
+    t.finalize({}, LogContext(step=20, steps=10, layout=None, interval_s=2.0, tokens=1e6))
     assert any("above 100%" in r.getMessage() for r in caplog.records)
 
 

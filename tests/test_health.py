@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import quiet_config, run_ranks
 
 
 def _config(tmp, **extra):
@@ -136,8 +136,7 @@ def _categories_and_moe(rank: int, world: int) -> dict:
 
     import distmetrics as dm
 
-    monitor = dm.Monitor(dm.MetricsConfig(output_dir="unused", log_interval=2, json_log=False, console=False,
-                                          log_progress=False, tensorboard=False, timing_log_level=-1))
+    monitor = dm.Monitor(quiet_config(log_interval=2, log_throughput=True, log_memory=True))
     for step in (1, 2):
         losses, cats, weights = CATEGORY_DATA[(rank, step)]
         monitor.record_losses(torch.tensor(losses), cats, weights=torch.tensor(weights))
@@ -228,8 +227,7 @@ def test_record_losses_input_errors():
 
     import distmetrics as dm
 
-    monitor = dm.Monitor(dm.MetricsConfig(output_dir="unused", json_log=False, console=False, log_progress=False,
-                                          tensorboard=False))
+    monitor = dm.Monitor(quiet_config())
     with pytest.raises(ValueError, match="2 losses but 1 categories"):
         monitor.record_losses(torch.tensor([1.0, 2.0]), ["a"])
     with pytest.raises(ValueError, match="need names="):

@@ -332,7 +332,7 @@ def test_custom_feature_dirs_are_refused_unless_allowed(tmp_path):
 
 
 def test_shipped_feature_files_validate():
-    from distmetrics.collectors.tensor_inspect import load_features
+    from distmetrics.tensor_stats import load_features
 
     root = Path(__file__).resolve().parents[1] / "configs"
     load_features(str(root / "tensor_stats_cpu.yaml"))
@@ -381,7 +381,7 @@ def test_values_logged_through_nvdlfw_metric_logger_reach_the_sinks(tmp_path):
 
 
 def test_transformer_engine_metric_names_map_to_ours():
-    from distmetrics.collectors.tensor_inspect import _metric_name
+    from distmetrics.tensor_stats.te_names import metric_name as _metric_name
 
     assert _metric_name("model.decoder.layers.1.self_attention.linear_qkv_activation_underflows%") == \
         "tensor_stats/decoder.layers.1.self_attention.linear_qkv/activation/underflows%"

@@ -8,13 +8,12 @@ mixtures of experts over EP=2 with and without expert tensor parallelism (4 rank
 """
 
 import math
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import quiet_config, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-6
@@ -78,13 +77,9 @@ def _truth(named: dict) -> dict:
 
 def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
     """One real step; returns truth and what the monitor reported, for rank 0 to compare."""
-    import torch
-
     import distmetrics as dm
 
-    cfg = dm.MetricsConfig(output_dir="unused", log_interval=1, json_log=False, console=False,
-                           log_progress=False, tensorboard=False, log_params_norm=True, log_update_norm=True,
-                           timing_log_level=-1, log_throughput=False)
+    cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=model, optimizer=optimizer, device_mesh=mesh)
     loss = model(data).pow(2).mean()
     loss.backward()
@@ -194,15 +189,14 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "launch"))
     from megatron.core import parallel_state as ps
-    from megatron_cpu import apply_cpu_adaptations, build_gpt
+
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt
 
     import distmetrics as dm
 
     out = {}
-    cfg = dm.MetricsConfig(output_dir="unused", log_interval=1, json_log=False, console=False, log_progress=False,
-                           tensorboard=False, log_params_norm=True, timing_log_level=-1, log_throughput=False)
+    cfg = quiet_config(log_interval=1, log_params_norm=True)
 
     def full_megatron(named_params, grads: bool) -> dict:
         """Gather TP-partitioned tensors along partition_dim; keep one copy of the rest."""
@@ -361,10 +355,7 @@ def test_experts_are_named_by_their_global_index(megatron_results):
 def _plain_monitor(model, **cfg):
     import distmetrics as dm
 
-    base = dict(output_dir="unused", log_interval=1, json_log=False, console=False, log_progress=False,
-                tensorboard=False, timing_log_level=-1, log_throughput=False)
-    base.update(cfg)
-    return dm.Monitor(dm.MetricsConfig(**base), model=model)
+    return dm.Monitor(quiet_config(**{"log_interval": 1, **cfg}), model=model)
 
 
 def test_inf_norm_is_the_largest_element():
@@ -408,7 +399,7 @@ def test_params_without_grad_are_skipped_and_counted_and_unfreezing_replans():
     truth = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
     assert float(monitor.clip_grad_norm_(math.inf)) == pytest.approx(truth, rel=REL)
     m = monitor.step(2)
-    assert "grad_norm/blocks.0.fc1" in m and monitor._norms.replans == 1
+    assert "grad_norm/blocks.0.fc1" in m and monitor._by_name['norms'].replans == 1
 
     def measured_vs_truth(step):
         model.zero_grad()
@@ -422,13 +413,13 @@ def test_params_without_grad_are_skipped_and_counted_and_unfreezing_replans():
     # fires), and a module added after the plan was made: each is seen on the next call.
     model.out.weight = torch.nn.Parameter(torch.randn_like(model.out.weight) * 10)
     got, truth, _ = measured_vs_truth(3)
-    assert got == pytest.approx(truth, rel=REL) and monitor._norms.replans == 2
+    assert got == pytest.approx(truth, rel=REL) and monitor._by_name['norms'].replans == 2
     model.out._parameters["bias"] = torch.nn.Parameter(torch.randn_like(model.out.bias) * 10)
     got, truth, _ = measured_vs_truth(4)
-    assert got == pytest.approx(truth, rel=REL) and monitor._norms.replans == 3
+    assert got == pytest.approx(truth, rel=REL) and monitor._by_name['norms'].replans == 3
     model.extra = torch.nn.Linear(1, 1)
     got, truth, m = measured_vs_truth(5)
-    assert got == pytest.approx(truth, rel=REL) and "grad_norm/extra" in m and monitor._norms.replans == 4
+    assert got == pytest.approx(truth, rel=REL) and "grad_norm/extra" in m and monitor._by_name['norms'].replans == 4
 
 
 def test_nonfinite_gradients_name_their_modules():
@@ -462,7 +453,7 @@ def test_partial_placement_is_refused_naming_the_parameter():
     import torch
     from torch.distributed.tensor import DTensor, Partial
 
-    from distmetrics.collectors.norms import _weight
+    from distmetrics.parallel import owns_local_piece
 
     class FakeMesh:
         def get_coordinate(self):
@@ -476,7 +467,7 @@ def test_partial_placement_is_refused_naming_the_parameter():
             return torch.zeros(1)
 
     with pytest.raises(ValueError, match=r"parameter 'blocks.0.fc1.weight' has a Partial placement"):
-        _weight(FakeGrad(), None, "blocks.0.fc1.weight", None, None)
+        owns_local_piece(FakeGrad(), None, "blocks.0.fc1.weight", None, None)
     assert DTensor is not None
 
 
@@ -493,7 +484,7 @@ def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
 def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():
     import torch
 
-    from distmetrics.collectors.norms import module_name_map
+    from distmetrics.naming import module_name_map
 
     class Layer(torch.nn.Module):
         def __init__(self, number):

@@ -68,6 +68,37 @@ def _scenarios(rank: int, world: int) -> dict:
     except RuntimeError as err:
         out["out_of_step"] = str(err)
 
+    # 6. vectors (one name per element) give what the same values as scalars give; ranks 0/1
+    # and 2/3 hold different element names.
+    names = ("v/a", "v/b", "v/c") if rank < 2 else ("v/b", "v/d")
+    values = torch.tensor([10.0 * rank + i for i in range(len(names))], dtype=torch.float64)
+    weights = torch.tensor([1.0 + rank + i for i in range(len(names))], dtype=torch.float64)
+    vector, scalar = {}, {}
+    for kind in ("sum", "mean", "max", "min", "minmax", "all"):
+        low = values - 100.0 if kind == "minmax" else None
+        vec = [Sample(kind, values, kind, weight=weights, low=low, names=tuple(f"{kind}/{n}" for n in names))]
+        sca = [Sample(f"{kind}/{n}", values[i], kind, weight=weights[i], low=None if low is None else low[i])
+               for i, n in enumerate(names)]
+        for store, samples in ((vector, vec), (scalar, sca)):
+            res = Reducer().reduce(samples)
+            store[kind] = {k: list(v) if isinstance(v, list) else v for k, v in res.to_metrics().items()}
+    out["vector"], out["scalar"] = vector, scalar
+
+    # 7. a sum nobody sent this time is absent (not 0).
+    r6 = Reducer()
+    r6.reduce([Sample("gone", 1.0, "sum"), Sample("here", 1.0, "sum")])
+    out["absent_sum"] = r6.reduce([Sample("here", 1.0, "sum")]).values
+
+    # 8. negotiation bytes grow with the number of distinct name sets, not with the world.
+    received = {}
+    for distinct in (1, 2, 4):
+        set_id = rank % distinct
+        samples = [Sample(f"layer{set_id}/module{i:04d}", 1.0, "sum") for i in range(200)]
+        r7 = Reducer()
+        r7.reduce(samples)
+        received[distinct] = r7.negotiation_bytes
+    out["negotiation_bytes"] = received
+
     # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
     r4 = Reducer()
     try:
@@ -101,8 +132,9 @@ def test_every_rank_gets_the_same_result(results):
 def test_steady_state_issues_one_collective_per_kind(results):
     # MAX pack (max/min/minmax + control lanes), SUM pack (sum/mean), ALL gather: three kinds.
     assert results[0]["steady_collectives"] == 3
-    # the first reduction adds one negotiation (all_gather_object of the names)
-    assert results[0]["first_collectives"] == 4
+    # the first reduction adds one negotiation: a gather of digests, one broadcast of the one
+    # name set every rank holds
+    assert results[0]["first_collectives"] == 3 + 2
     assert results[0]["negotiations_after_two"] == 1
 
 
@@ -119,13 +151,38 @@ def test_a_new_name_on_one_rank_renegotiates_once(results):
     late_min, shared, collectives, negotiations = results[0]["late"]
     assert late_min == (-5.0, 1)
     assert shared == 4.0
-    # MAX pack raises the flag → negotiation → MAX again → SUM → ALL
-    assert collectives == 5 and negotiations == 2
+    # MAX pack raises the flag → negotiation (digest gather + one broadcast per distinct name
+    # set: the 4 ranks hold 4 different sets) → MAX again → SUM → ALL
+    assert collectives == 1 + (1 + 4) + 3 and negotiations == 2
 
 
 def test_a_name_gone_everywhere_is_absent_without_renegotiation(results):
     present, collectives = results[0]["dropped"]
     assert not present and collectives == 3
+
+
+def test_vector_samples_reduce_like_the_same_values_as_scalars(results):
+    for r in results:
+        assert r["vector"] == r["scalar"]
+    vector = results[0]["vector"]
+    assert vector["sum"]["sum/v/b"] == 1 + 11 + 20 + 30  # element 1 on ranks 0/1, element 0 on 2/3
+    assert vector["max"]["max/v/d"] == 31.0 and vector["max"]["max/v/d/max_rank"] == 3
+    assert vector["all"]["all/v/a"] == [0.0, 10.0, None, None]
+
+
+def test_a_sum_no_rank_sent_is_absent_not_zero(results):
+    assert results[0]["absent_sum"] == {"here": 4.0}
+
+
+def test_negotiation_bytes_grow_with_distinct_name_sets_not_world_size(results):
+    received = results[0]["negotiation_bytes"]
+    head = 4 * 16  # every rank's digest and payload size
+    one_set = received[1] - head
+    assert one_set > 0
+    assert received[2] - head == pytest.approx(2 * one_set, rel=0.01)
+    assert received[4] - head == pytest.approx(4 * one_set, rel=0.01)
+    for r in results:
+        assert r["negotiation_bytes"] == received
 
 
 def test_nan_on_one_rank_is_never_hidden(results):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.dist_utils import CollectiveCounter, run_ranks
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 WORLD = 4
 SLEEP_MS = {0: 20, 1: 60, 2: 40, 3: 30}  # rank 1 is the straggler
@@ -14,12 +14,8 @@ SLACK_MS = 60  # sleep() never returns early; a loaded 2-core machine may return
 
 
 def _base_config(option: str, **extra):
-    import distmetrics as dm
-
-    cfg = dict(output_dir="unused", log_interval=2, json_log=False, console=False, log_progress=False,
-               tensorboard=False, timing_log_level=1, timing_log_option=option, log_throughput=False)
-    cfg.update(extra)
-    return dm.MetricsConfig(**cfg)
+    return quiet_config(**{"log_interval": 2, "timing_log_level": 1, "timing_log_option": option,
+                           "log_memory": True, **extra})
 
 
 def _timed_run(rank: int, option: str, extra_timers: int = 0, with_loss: bool = True) -> tuple:

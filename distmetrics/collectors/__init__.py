@@ -1,1 +1,54 @@
-"""Per-rank collectors: each measures and hands the reducer samples at a log step."""
+"""Collectors: each measures on its rank and hands the log step samples (see :mod:`.base`).
+
+:func:`build_collectors` makes the built-in ones a config asks for; a user's own are passed as
+``Monitor(..., collectors=[...])``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .base import Alert, Collector, LogContext, Sample, finalize_order
+
+__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Sample", "finalize_order"]
+
+
+def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, optimizer: Optional[Any] = None,
+                     group: Any = None) -> list:
+    """The built-in collectors for a :class:`~distmetrics.MetricsConfig`, in finalize order.
+
+    ``model`` enables norms, ``optimizer`` update norms (the Monitor attaches them). Tensor
+    statistics come from :func:`distmetrics.tensor_stats.lifecycle.collectors_for`."""
+    import torch
+
+    from ..parallel import sees_distinct_tokens
+    from .health import HealthCollector
+    from .losses import LossCollector
+    from .memory import MemoryCollector
+    from .moe import MoECollector
+    from .norms import NormCollector
+    from .nvml import EnergyCollector, TelemetryCollector
+    from .steps import StepValues
+    from .throughput import ThroughputCollector, resolve_peak_tflops
+    from .timers import TimerCollector, Timers
+
+    out: list = [StepValues(layout)]
+    timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time)
+    out.append(TimerCollector(timers, config.timing_log_option))
+    if config.log_throughput:
+        out.append(ThroughputCollector(layout.world_size, config.resolved_flops_per_token,
+                                       resolve_peak_tflops(config, layout.rank), config.total_steps,
+                                       config.sol_step_time_ms))
+    if config.log_memory:
+        out.append(MemoryCollector())
+    if config.log_energy:
+        out.append(EnergyCollector(layout.world_size))
+    if config.log_gpu_telemetry or (config.verbosity >= 1 and torch.cuda.is_available()):
+        out.append(TelemetryCollector())
+    if model is not None:
+        out.append(NormCollector(model, layout, group, depth=config.module_norm_depth,
+                                 per_module=config.log_grad_norm_per_module, log_grad_norm=config.log_grad_norm,
+                                 log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
+                                 snapshot=config.update_norm_snapshot))
+    out += [HealthCollector(config.spike_factor), LossCollector(), MoECollector(sees_distinct_tokens(layout))]
+    return finalize_order(out)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..reduce import Sample
+from .base import Alert, LogContext, Sample
 
 __all__ = ["MemoryCollector"]
 
@@ -29,13 +29,17 @@ _CUDA_STATS = {
 class MemoryCollector:
     """Samples of host and device memory for the log step's MAX pack."""
 
+    name = "memory"
+    after = ()
+
     def __init__(self) -> None:
         import psutil
 
         self._process = psutil.Process()
         self._cuda = torch.cuda.is_available()
 
-    def samples(self) -> list[Sample]:
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """Current host RSS and CUDA allocator statistics (host-side counters, no device sync)."""
         out = [Sample("memory/host_rss_gib", self._process.memory_info().rss / GIB, "max")]
         if self._cuda:
             stats = torch.cuda.memory_stats()
@@ -43,5 +47,9 @@ class MemoryCollector:
                 out.append(Sample(name, float(stats.get(key, 0)) / scale, "max"))
         return out
 
-    def finalize(self, metrics: dict[str, Any]) -> None:
-        return None
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
+        """Nothing to derive."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""

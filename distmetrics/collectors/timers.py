@@ -21,7 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..reduce import PerRank, Sample
+from ..reduce import PerRank
+from .base import Alert, LogContext, Sample
 
 __all__ = ["Timer", "DummyTimer", "Timers", "TimerCollector"]
 
@@ -35,18 +36,20 @@ class DummyTimer:
     name = "dummy"
 
     def start(self, barrier: bool = False) -> None:
-        return
+        """Nothing."""
 
     def stop(self, barrier: bool = False) -> None:
-        return
+        """Nothing."""
 
     def reset(self) -> None:
-        return
+        """Nothing."""
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
+        """Not available: a disabled timer measures nothing."""
         raise RuntimeError("elapsed() is not available on a timer above timing_log_level (a DummyTimer)")
 
     def active_time(self) -> float:
+        """Not available: a disabled timer measures nothing."""
         raise RuntimeError("active_time() is not available on a timer above timing_log_level (a DummyTimer)")
 
     def __enter__(self) -> "DummyTimer":
@@ -218,6 +221,7 @@ class Timers:
 
     @property
     def names(self) -> list[str]:
+        """Names of the enabled timers, in creation order."""
         return list(self._timers)
 
     # --- Megatron's reporting API, for code written against it -------------------------
@@ -281,19 +285,31 @@ class Timers:
 
 
 class TimerCollector:
-    """Feeds every timer's per-step milliseconds into the log step's one reduction."""
+    """Feeds every timer's per-step milliseconds into the log step's one reduction, names the
+    straggler, and times whole steps (``timers/step``, from one ``monitor.step`` to the next)."""
 
-    def __init__(self, timers: Timers, option: str, hosts: list[Any]) -> None:
+    name = "timers"
+    after = ("throughput",)  # train/step_time_ms from the step timer only where throughput has none
+
+    def __init__(self, timers: Timers, option: str) -> None:
         self.timers = timers
         self.option = option
-        self.hosts = hosts  # RankInfo per global rank
+        self._step_timer = timers("step", log_level=0) if timers._log_level >= 0 else None
 
-    def samples(self, steps: int) -> list[Sample]:
+    def mark_step(self) -> None:
+        """A step ended and the next begins (called by ``monitor.step``)."""
+        if self._step_timer is not None:
+            if self._step_timer._started:
+                self._step_timer.stop()
+            self._step_timer.start()
+
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """``timers/<name>``: this rank's milliseconds per step over the interval."""
         out = []
         kind = self.option
         for name, timer in self.timers._timers.items():
             # The step timer runs from one monitor.step to the next: average over its spans.
-            divisor = timer.spans if name == "step" else steps
+            divisor = timer.spans if name == "step" else ctx.steps
             ms = timer.take_interval_ms()
             if ms is None or divisor == 0:
                 continue
@@ -303,7 +319,7 @@ class TimerCollector:
                 out.append(Sample(f"timers/{name}/mean", per_step, "mean"))
         return out
 
-    def finalize(self, metrics: dict[str, Any]) -> None:
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and the straggler report."""
         if self.option == "minmax":
             names = [k[len("timers/"):-len("/max")] for k in list(metrics)
@@ -311,21 +327,28 @@ class TimerCollector:
             for name in names:
                 base = f"timers/{name}"
                 slowest = metrics[base] = metrics.pop(f"{base}/max")
-                self._straggler(metrics, name, slowest, metrics[f"{base}/max_rank"],
+                self._straggler(metrics, ctx, name, slowest, metrics[f"{base}/max_rank"],
                                 "max_over_mean", metrics.get(f"{base}/mean"))
         elif self.option == "all":
             for key, value in list(metrics.items()):
                 if key.startswith("timers/") and isinstance(value, PerRank) and value.present():
                     slowest, rank = max((v, r) for r, v in enumerate(value) if v is not None)
-                    self._straggler(metrics, key[len("timers/"):], slowest, rank,
+                    self._straggler(metrics, ctx, key[len("timers/"):], slowest, rank,
                                     "max_over_median", statistics.median(value.present()))
+        if "timers/step" in metrics and "train/step_time_ms" not in metrics:
+            metrics["train/step_time_ms"] = metrics["timers/step"]
+        return []
 
-    def _straggler(self, metrics: dict[str, Any], name: str, slowest: float, rank: int,
+    def close(self) -> None:
+        """Nothing to release."""
+
+    @staticmethod
+    def _straggler(metrics: dict[str, Any], ctx: LogContext, name: str, slowest: float, rank: int,
                    ratio_name: str, typical: Optional[float]) -> None:
         prefix = f"stragglers/{name}"
         metrics[f"{prefix}/rank"] = rank
-        if rank < len(self.hosts):
-            metrics[f"{prefix}/host"] = self.hosts[rank].hostname
-            metrics[f"{prefix}/local_rank"] = self.hosts[rank].local_rank
+        if rank < len(ctx.hosts):
+            metrics[f"{prefix}/host"] = ctx.hosts[rank].hostname
+            metrics[f"{prefix}/local_rank"] = ctx.hosts[rank].local_rank
         if typical:
             metrics[f"{prefix}/{ratio_name}"] = slowest / typical

@@ -4,17 +4,26 @@ A sink is a small class with one verb and a close: ``log(metrics, step, kind)`` 
 ``close()``. :class:`SinkSet` fans out to the enabled ones; a sink that raises (package
 missing, network down, disk full) is reported once with the fix and dropped, and the others
 go on.
+
+Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a summary and a
+histogram rather than one curve per rank: a sink that defines ``log_view(view, step)`` gets a
+:class:`ScalarView` instead, made once per record by the SinkSet (train, eval and tensor_stats
+records; timers unless ``log_timers_to_tensorboard`` is false).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable, Protocol
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Protocol
 
 from ..reduce import PerRank
 
-__all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items"]
+__all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items", "ScalarView", "scalar_view", "DASHBOARD_KINDS"]
+
+DASHBOARD_KINDS = ("train", "eval", "tensor_stats")
+"""Record kinds that dashboards plot."""
 
 logger = logging.getLogger("distmetrics")
 
@@ -27,17 +36,47 @@ class Sink(Protocol):
     fix: str
     """What to do when it fails, e.g. ``pip install distmetrics[wandb]``."""
 
-    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None: ...
+    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Flush and release files and connections."""
+
+
+@dataclass
+class ScalarView:
+    """A record as dashboards take it: numbers by name, and every rank's values of ``all``
+    metrics (summarised in ``scalars`` as ``<name>/max``, ``/min``, ``/mean``)."""
+
+    scalars: dict[str, float]
+    histograms: dict[str, list[float]]
+
+
+def scalar_view(metrics: dict[str, Any], kind: str, include_timers: bool = True) -> Optional[ScalarView]:
+    """The dashboard view of a record, or None for kinds dashboards do not plot."""
+    if kind not in DASHBOARD_KINDS:
+        return None
+    view = ScalarView({}, {})
+    for name, value in numeric_items(metrics):
+        if not include_timers and name.startswith("timers/"):
+            continue
+        if isinstance(value, PerRank):
+            for stat, v in per_rank_summary(value).items():
+                view.scalars[f"{name}/{stat}"] = v
+            if value.present():
+                view.histograms[name] = value.present()
+        else:
+            view.scalars[name] = value
+    return view
 
 
 class SinkSet:
     """The writer rank's sinks. A failing sink warns once, naming itself and the fix."""
 
-    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+    def __init__(self, sinks: Iterable[Sink] = (), include_timers: bool = True) -> None:
         self.sinks: list[Sink] = list(sinks)
         self.failed: dict[str, str] = {}
+        self.include_timers = include_timers
 
     def add(self, factory, name: str, fix: str) -> None:
         """Create a sink; if creating it raises, warn once and go on without it."""
@@ -47,14 +86,23 @@ class SinkSet:
             self._fail(name, fix, err)
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Hand one record to every sink (dashboards get its :class:`ScalarView`)."""
+        view: Any = False  # made on first need, once
         for sink in list(self.sinks):
             try:
-                sink.log(metrics, step, kind)
+                if hasattr(sink, "log_view"):
+                    if view is False:
+                        view = scalar_view(metrics, kind, self.include_timers)
+                    if view is not None:
+                        sink.log_view(view, step)
+                else:
+                    sink.log(metrics, step, kind)
             except Exception as err:  # noqa: BLE001
                 self.sinks.remove(sink)
                 self._fail(sink.name, sink.fix, err)
 
     def close(self) -> None:
+        """Close every sink (a failure warns once)."""
         for sink in self.sinks:
             try:
                 sink.close()
@@ -79,7 +127,7 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     from .progress import ProgressSink
 
     cfg, out = config, Path(config.output_dir)
-    sinks = SinkSet()
+    sinks = SinkSet(include_timers=cfg.log_timers_to_tensorboard)
     if cfg.json_log:
         sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), "jsonl", JsonlSink.fix)
     if cfg.console:
@@ -89,14 +137,13 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     if cfg.tensorboard:
         from .tensorboard import TensorBoardSink
 
-        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, cfg.log_timers_to_tensorboard),
-                  "tensorboard", TensorBoardSink.fix)
+        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir), "tensorboard", TensorBoardSink.fix)
     if cfg.wandb_project and cfg.wandb_mode != "disabled":
         from .wandb import WandbSink
 
         sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,
-                                    cfg.wandb_save_dir or str(out), cfg.wandb_mode, cfg.to_dict(redact=True),
-                                    cfg.log_timers_to_tensorboard), "wandb", WandbSink.fix)
+                                    cfg.wandb_save_dir or str(out), cfg.wandb_mode, cfg.to_dict(redact=True)),
+                  "wandb", WandbSink.fix)
     sinks.sinks.extend(extra)
     return sinks
 

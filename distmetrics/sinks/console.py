@@ -28,6 +28,8 @@ LOGGER_NAME = "distmetrics.console"
 
 
 class ConsoleSink:
+    """One line per train and eval record, a timer block, alerts as warnings."""
+
     name = "console"
     fix = "check the logging configuration"
 
@@ -44,6 +46,7 @@ class ConsoleSink:
         self._last_loss: Optional[float] = None
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Print a train or eval line (and the timer block), or an alert."""
         if kind == "train" and self.verbosity >= 0:
             loss = metrics.get("train/loss")
             self.logger.info(format_train_line(metrics, step, self.total_steps, self._last_loss,
@@ -59,7 +62,7 @@ class ConsoleSink:
             self.logger.warning("!! step %d: %s", step, metrics.get("message", metrics))
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""
 
 
 def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,

@@ -23,6 +23,8 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 class JsonlSink:
+    """Every record as one line of strict JSON, flushed when written."""
+
     name = "jsonl"
     fix = "check that output_dir is writable and the disk has room"
 
@@ -39,6 +41,7 @@ class JsonlSink:
                 self._file.write("\n")
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
         record: dict[str, Any] = {"kind": kind, "step": step,
                                   "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")}
         for name, value in metrics.items():
@@ -52,6 +55,7 @@ class JsonlSink:
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 

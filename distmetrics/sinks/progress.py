@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import time
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message", "checkpoint_record"]
+__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message"]
 
 
 def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.datetime = None) -> str:
@@ -22,6 +21,8 @@ def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.da
 
 
 class ProgressSink:
+    """Megatron's progress.txt: "Starting job" at start, ``progress`` records' messages after."""
+
     name = "progress"
     fix = "check that output_dir is writable and the disk has room"
 
@@ -29,19 +30,20 @@ class ProgressSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
-        self.resumed = read_progress(self.path, world_size)  # before our own "Starting job"
         self.write("Starting job")
 
     def write(self, message: str) -> None:
+        """Append one line with ``message``."""
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(progress_line(message, self.world_size))
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Write ``progress`` records (e.g. "Saved checkpoint" lines); ignore the rest."""
         if kind == "progress":
             self.write(metrics["message"])
 
     def close(self) -> None:
-        pass
+        """Nothing to release (each line is written and closed)."""
 
 
 def read_progress(path: Union[str, Path], world_size: int) -> dict:
@@ -83,25 +85,3 @@ def checkpoint_message(iteration: int, job_tflops: float, cumulative_tflops: flo
             f"Cumulative throughput: {cumulative_tflops:.1f} TFLOP/s/GPU\t"
             f"Floating-point operations: {flops:.2e}\t"
             f"Tokens (in billions): {tokens / 10**9:.2f}")
-
-
-def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float, flops_per_token: float,
-                      world_size: int) -> dict:
-    """The "Saved checkpoint" message and its numbers, as Megatron computes them.
-
-    Job throughput counts this job's FLOPs over its own time; cumulative throughput counts the
-    FLOPs since the first run of the current same-world-size streak (``resumed``, read back
-    from progress.txt) over the time since that run started.
-    """
-    start_flops = resumed.get("last_flops", 0.0)
-    flops = start_flops + job_tokens * flops_per_token
-    job_tflops = (flops - start_flops) / max(time.time() - job_start, 1e-9) / 1e12 / world_size
-    first_start, first_flops = resumed.get("start_time"), resumed.get("start_flops")
-    if first_start is None:
-        first_start, first_flops = _dt.datetime.fromtimestamp(job_start), start_flops
-    elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
-    cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / world_size
-    tokens = resumed.get("last_tokens", 0.0) + job_tokens
-    return {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, tokens),
-            "checkpoint/job_tflops_per_gpu": job_tflops, "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
-            "checkpoint/floating_point_operations": flops, "checkpoint/tokens": tokens}

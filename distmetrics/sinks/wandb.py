@@ -4,40 +4,32 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import numeric_items, per_rank_summary
-from ..reduce import PerRank
+from . import ScalarView
 
 __all__ = ["WandbSink"]
 
 
 class WandbSink:
+    """One W&B row per train, eval and tensor_stats record; ``all`` metrics as histograms."""
+
     name = "wandb"
     fix = "pip install distmetrics[wandb], check the network or set wandb_mode: offline"
 
     def __init__(self, project: str, name: Optional[str], entity: Optional[str], save_dir: str,
-                 mode: str, config: dict, include_timers: bool = True) -> None:
+                 mode: str, config: dict) -> None:
         import wandb  # optional dependency, imported only when W&B is asked for
 
         self._wandb = wandb
-        self.include_timers = include_timers
         self.run = wandb.init(project=project, name=name, entity=entity, dir=save_dir, mode=mode,
                               config=config, reinit="create_new")
 
-    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        if kind not in ("train", "eval", "tensor_stats"):
-            return
-        row: dict[str, Any] = {}
-        for name, value in numeric_items(metrics):
-            if not self.include_timers and name.startswith("timers/"):
-                continue
-            if isinstance(value, PerRank):
-                for stat, v in per_rank_summary(value).items():
-                    row[f"{name}/{stat}"] = v
-                if value.present():
-                    row[name] = self._wandb.Histogram(value.present())
-            else:
-                row[name] = value
+    def log_view(self, view: ScalarView, step: int) -> None:
+        """Log one record's scalars and histograms as one row at ``step``."""
+        row: dict[str, Any] = dict(view.scalars)
+        for name, values in view.histograms.items():
+            row[name] = self._wandb.Histogram(values)
         self.run.log(row, step=step)
 
     def close(self) -> None:
+        """Finish the run."""
         self.run.finish()

@@ -1,4 +1,4 @@
-"""GPU energy, power and telemetry from NVML (``pip install distmetrics[nvml]``).
+"""GPU energy, power, telemetry and identity from NVML (``pip install distmetrics[nvml]``).
 
 Each rank opens the NVML handle of *its own* GPU by UUID, taken from
 ``torch.cuda.get_device_properties``: an index-based lookup would follow NVML's enumeration,
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..reduce import Sample
+from .base import Alert, LogContext, Sample
 
 __all__ = ["EnergyCollector", "TelemetryCollector", "cuda_device_uuid", "open_nvml_handle", "gpu_model_info"]
 
@@ -51,6 +51,9 @@ def _own_gpu(uuid: Optional[str]) -> tuple[str, tuple[Any, Any]]:
 
 class EnergyCollector:
     """Energy deltas per log interval → energy/*, power/* samples."""
+
+    name = "energy"
+    after = ()
 
     def __init__(self, world_size: int, uuid: Optional[str] = None) -> None:
         self.world_size = world_size
@@ -92,7 +95,8 @@ class EnergyCollector:
             self._paused_s += time.perf_counter() - t
             self._pause_start = None
 
-    def samples(self, steps: int) -> list[Sample]:
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """This rank's energy since the last log step and its mean power (pauses left out)."""
         if not self.enabled:
             return []
         if self._pause_start is not None:
@@ -102,32 +106,35 @@ class EnergyCollector:
         seconds = max(1e-9, now_t - self._last_t - self._paused_s)
         self._last_mj, self._last_t, self._paused_mj, self._paused_s = now_mj, now_t, 0, 0.0
         self.job_mj += joules * 1000.0
-        self._steps = steps
         return [Sample("energy/total_j", joules, "sum"),
                 Sample("energy/job_total_j", self.job_mj / 1000.0, "sum"),
-                Sample("power/w", joules / seconds, "minmax"),
-                Sample("_energy/seconds", seconds, "max")]
+                Sample("power/w", joules / seconds, "minmax")]
 
-    def finalize(self, metrics: dict[str, Any], tokens: Optional[float]) -> None:
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
+        """Energy per GPU per step and per token, mean power over the record's interval."""
         if "energy/total_j" not in metrics:
-            return
+            return []
         total = metrics["energy/total_j"]
-        # the record's own interval (as in train/step_time_ms) when throughput is measured
-        seconds = metrics.get("_train/interval_s") or metrics.get("_energy/seconds") or 0.0
-        steps = max(getattr(self, "_steps", 1), 1)
-        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / steps
-        if tokens:
-            metrics["energy/j_per_token"] = total / tokens
-        if seconds > 0:
-            metrics["power/mean_w"] = total / seconds / self.world_size
+        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(ctx.steps, 1)
+        if ctx.tokens:
+            metrics["energy/j_per_token"] = total / ctx.tokens
+        if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
+            metrics["power/mean_w"] = total / ctx.interval_s / self.world_size
         for end in ("max", "min"):
             if f"power/w/{end}" in metrics:
                 metrics[f"power/{end}_w"] = metrics.pop(f"power/w/{end}")
                 metrics[f"power/{end}_w_rank"] = metrics.pop(f"power/w/{end}_rank")
+        return []
+
+    def close(self) -> None:
+        """Nothing to release (NVML stays initialised for the process)."""
 
 
 class TelemetryCollector:
     """Clocks, temperature, utilisation, PCIe, fan and throttle reasons, min/max with ranks."""
+
+    name = "gpu_telemetry"
+    after = ()
 
     def __init__(self, uuid: Optional[str] = None) -> None:
         self.enabled = False
@@ -140,7 +147,8 @@ class TelemetryCollector:
         self.enabled = True
         self._broken: set[str] = set()
 
-    def samples(self) -> list[Sample]:
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """Current readings (a reading this GPU does not support is skipped from then on)."""
         if not self.enabled:
             return []
         n, h = self._nvml, self._handle
@@ -167,8 +175,12 @@ class TelemetryCollector:
                 self._broken.add(name)  # not supported here: stop asking, report nothing
         return out
 
-    def finalize(self, metrics: dict[str, Any]) -> None:
-        return None
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
+        """Nothing to derive."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def _throttle_reasons(n: Any, h: Any) -> int:

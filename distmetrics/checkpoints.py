@@ -1,0 +1,65 @@
+"""Saved checkpoints: Megatron's "Saved checkpoint" arithmetic (job and cumulative TFLOP/s/GPU,
+floating-point operations, tokens), cumulative across restarts with the same world size by
+reading ``progress.txt`` back, as Megatron does."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .sinks.progress import checkpoint_message, read_progress
+
+__all__ = ["CheckpointLog", "checkpoint_record"]
+
+
+class CheckpointLog:
+    """What a job knows about its checkpoints: where the streak of runs started (read from
+    ``progress.txt`` on the writer rank, before this job's "Starting job" line) and when this
+    job started."""
+
+    def __init__(self, config: Any, world_size: int, is_writer: bool) -> None:
+        self.world_size = world_size
+        self.job_start = time.time()
+        path = Path(config.output_dir) / "progress.txt"
+        self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
+
+    def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
+              device: torch.device, is_writer: bool) -> Optional[dict]:
+        """Sum this job's tokens over ranks (one all-reduce; every rank calls this) and, on the
+        writer, return the ``progress`` record of a checkpoint saved at ``step``."""
+        value = job_tokens.detach().cpu() if isinstance(job_tokens, torch.Tensor) else job_tokens
+        tokens = torch.as_tensor(float(value), dtype=torch.float64).reshape(1)
+        if self.world_size > 1 and dist.is_initialized():
+            tokens = tokens.to(device)
+            dist.all_reduce(tokens, group=group)
+        if not is_writer:
+            return None
+        return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token or 0.0,
+                                 self.world_size)
+
+
+def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float, flops_per_token: float,
+                      world_size: int) -> dict:
+    """The "Saved checkpoint" message and its numbers, as Megatron computes them.
+
+    Job throughput counts this job's FLOPs over its own time; cumulative throughput counts the
+    FLOPs since the first run of the current same-world-size streak (``resumed``, read back
+    from progress.txt) over the time since that run started.
+    """
+    start_flops = resumed.get("last_flops", 0.0)
+    flops = start_flops + job_tokens * flops_per_token
+    job_tflops = (flops - start_flops) / max(time.time() - job_start, 1e-9) / 1e12 / world_size
+    first_start, first_flops = resumed.get("start_time"), resumed.get("start_flops")
+    if first_start is None:
+        first_start, first_flops = _dt.datetime.fromtimestamp(job_start), start_flops
+    elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
+    cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / world_size
+    tokens = resumed.get("last_tokens", 0.0) + job_tokens
+    return {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, tokens),
+            "checkpoint/job_tflops_per_gpu": job_tflops, "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
+            "checkpoint/floating_point_operations": flops, "checkpoint/tokens": tokens}

@@ -1,0 +1,127 @@
+"""The one contract every collector implements, and what a log step passes to it.
+
+A collector measures on its rank between log steps (adding into device tensors: no host sync,
+no collective) and, at a log step, hands over what it measured::
+
+    class QueueDepth:
+        name = "queue"
+        after = ()                                   # collectors whose results finalize() reads
+
+        def take_samples(self, ctx):                 # hands over the interval and resets it
+            return [Sample("data/queue_depth", self.depth, "max")]
+
+        def finalize(self, metrics, ctx):            # derived values, alerts (after the reduction)
+            return []
+
+        def close(self):
+            pass
+
+The Monitor's log step is a loop: ``take_samples`` from every collector → one reduction (at
+most one collective per reduce kind, whatever the number of collectors and names) →
+``finalize`` in dependency order (``after``) on the reduced metrics, which are the same on
+every rank → write. What several collectors need (the step, the interval's steps, its wall
+time and tokens, the layout, the model's module order) comes in :class:`LogContext`, computed
+once; a collector never reads another collector's attributes, only the metric names of the
+collectors it declares in ``after``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from ..reduce import Sample
+
+__all__ = ["Collector", "LogContext", "Alert", "Sample", "finalize_order"]
+
+
+@dataclass
+class LogContext:
+    """What a log step knows, passed to every collector."""
+
+    step: int
+    """The optimizer step being logged."""
+    steps: int
+    """Optimizer steps in this interval (``monitor.step`` calls since the last log step)."""
+    layout: Any
+    """This rank's :class:`~distmetrics.parallel.Layout`."""
+    hosts: Sequence[Any] = ()
+    """Every rank's :class:`~distmetrics.parallel.RankInfo` (host, local rank, GPU), by rank."""
+    module_order: Sequence[str] = ()
+    """The model's module names in model order (the first is nearest the input)."""
+    local_interval_s: float = 0.0
+    """This rank's wall time of the interval in seconds (pauses excluded), before the reduction."""
+    interval_s: Optional[float] = None
+    """After the reduction: the slowest rank's wall time of the interval, seconds."""
+    tokens: Optional[float] = None
+    """After the reduction: the tokens of the interval, counted once per data-parallel replica."""
+    kind: str = "train"
+    """The record being made: ``train`` (a log step)."""
+
+
+@dataclass
+class Alert:
+    """Something an engineer must see: written as an ``alert`` record and a console warning."""
+
+    alert: str
+    """A short machine-readable kind, e.g. ``nonfinite_grad``."""
+    message: str
+    """One line for people."""
+    details: dict = field(default_factory=dict)
+    """Extra fields of the record (e.g. ``first_module``)."""
+
+    def to_record(self) -> dict:
+        """The fields of the JSONL ``alert`` record."""
+        return {"message": self.message, "alert": self.alert, **self.details}
+
+
+@runtime_checkable
+class Collector(Protocol):
+    """What every collector implements (see the module docstring)."""
+
+    name: str
+    """Unique among a Monitor's collectors; what others name in ``after``."""
+    after: tuple
+    """Names of the collectors whose results :meth:`finalize` reads (run after them)."""
+
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """This interval's samples on this rank; the interval starts again."""
+        ...
+
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
+        """Derive values in ``metrics`` (the reduced result, the same on every rank); return alerts."""
+        ...
+
+    def close(self) -> None:
+        """Release what the collector holds (hooks, handles)."""
+        ...
+
+
+def finalize_order(collectors: Sequence[Any]) -> list[Any]:
+    """The collectors ordered so that each comes after those it names in ``after``.
+
+    Raises ``ValueError`` for a duplicate name or a cycle; names of collectors that are not
+    there (e.g. norms without a model) are ignored."""
+    by_name: dict[str, Any] = {}
+    for c in collectors:
+        if c.name in by_name:
+            raise ValueError(f"two collectors are named {c.name!r}; collector names must be unique")
+        by_name[c.name] = c
+    ordered: list[Any] = []
+    state: dict[str, str] = {}
+
+    def visit(c: Any, path: tuple) -> None:
+        if state.get(c.name) == "done":
+            return
+        if state.get(c.name) == "visiting":
+            raise ValueError(f"collectors depend on each other in a circle: {' -> '.join(path + (c.name,))}")
+        state[c.name] = "visiting"
+        for dep in getattr(c, "after", ()):
+            if dep in by_name:
+                visit(by_name[dep], path + (c.name,))
+        state[c.name] = "done"
+        ordered.append(c)
+
+    for c in collectors:
+        visit(c, ())
+    return ordered

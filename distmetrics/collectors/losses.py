@@ -1,0 +1,106 @@
+"""Loss by category: per-sample losses with a category per sample (a data source, a language,
+a task), accumulated on device and written as ``<split>/loss/<category>``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .base import Alert, LogContext, Sample
+
+__all__ = ["CategoryLosses", "LossCollector"]
+
+
+class CategoryLosses:
+    """Per-category sums and weights of per-sample losses, on device, for one split."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix  # "train/loss" or "eval/loss"
+        self.names: list[str] = []
+        self._index: dict[str, int] = {}
+        self._sums: Optional[torch.Tensor] = None
+        self._weights: Optional[torch.Tensor] = None
+
+    def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
+               weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
+        """Add per-sample ``losses`` under their categories (see ``Monitor.record_losses``)."""
+        losses = losses.detach().reshape(-1).to(torch.float64)
+        n = losses.numel()
+        w = torch.ones_like(losses) if weights is None else torch.as_tensor(weights).detach().reshape(-1).to(
+            device=losses.device, dtype=torch.float64)
+        if w.numel() != n:
+            raise ValueError(f"record_losses: {n} losses but {w.numel()} weights")
+        if isinstance(categories, torch.Tensor):
+            if categories.numel() != n:
+                raise ValueError(f"record_losses: {n} losses but {categories.numel()} categories")
+            if names is None:
+                raise ValueError("record_losses: integer category tensors need names= (a list or dict id → name), "
+                                 "so the monitor knows every category without reading the tensor")
+            table = dict(enumerate(names)) if not isinstance(names, dict) else dict(names)
+            ids = torch.tensor([self._slot(table[i]) for i in sorted(table)], dtype=torch.long)
+            index = _to_device(ids, losses.device)[categories.reshape(-1).to(device=losses.device, dtype=torch.long)]
+        else:
+            categories = list(categories)
+            if len(categories) != n:
+                raise ValueError(f"record_losses: {n} losses but {len(categories)} categories")
+            labels = [str(c) if names is None else str(names[c]) for c in categories]
+            index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
+        self._grow(losses.device)
+        self._sums.index_add_(0, index, losses * w)
+        self._weights.index_add_(0, index, w)
+
+    def take_samples(self) -> list[Sample]:
+        """One vector sample of every category's (Σ loss·w, Σ w); then start again."""
+        if self._sums is None:
+            return []
+        names = tuple(f"{self.prefix}/{name}" for name in self.names)
+        out = [Sample(self.prefix, self._sums, "mean", weight=self._weights, summed=True, names=names)]
+        self._sums = self._weights = None
+        return out
+
+    def _slot(self, name: str) -> int:
+        if name not in self._index:
+            if "/" in name:
+                raise ValueError(f"record_losses: category {name!r} may not contain '/'")
+            self._index[name] = len(self.names)
+            self.names.append(name)
+        return self._index[name]
+
+    def _grow(self, device: torch.device) -> None:
+        size = len(self.names)
+        if self._sums is None:
+            self._sums = torch.zeros(size, dtype=torch.float64, device=device)
+            self._weights = torch.zeros(size, dtype=torch.float64, device=device)
+        elif self._sums.numel() < size:
+            pad = torch.zeros(size - self._sums.numel(), dtype=torch.float64, device=device)
+            self._sums = torch.cat([self._sums, pad])
+            self._weights = torch.cat([self._weights, pad])
+
+
+class LossCollector:
+    """Training loss by category (``train/loss/<category>``), one vector per log step."""
+
+    name = "losses"
+    after = ()
+
+    def __init__(self) -> None:
+        self.train = CategoryLosses("train/loss")
+
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """The interval's per-category sums."""
+        return self.train.take_samples()
+
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
+        """Nothing to derive: the reduction already gives each category's mean."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host index → device without making the host wait for queued device work."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

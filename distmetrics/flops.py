@@ -1,0 +1,49 @@
+"""FLOPs arithmetic: training FLOPs per token from a model description, GPU peaks, MFU.
+
+Pure arithmetic (no torch): the config derives ``flops_per_token`` from it, the throughput
+collector turns it into TFLOP/s per GPU and MFU, checkpoints into cumulative FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+__all__ = ["PEAK_TFLOPS", "peak_tflops_for", "model_flops_per_token", "mfu_pct"]
+
+# Dense peak TFLOP/s of one GPU by math precision (no structured sparsity), from the vendors'
+# data sheets. Matched against torch.cuda.get_device_name() in order: the first key contained
+# in the name wins, so the more specific names come first.
+PEAK_TFLOPS = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0, "fp8": 4500.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6, "fp8": 733.0},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+}
+
+
+def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
+    """The peak for a GPU name and precision, or None when the table does not know it."""
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in device_name:
+            return peaks.get(dtype)
+    return None
+
+
+def model_flops_per_token(num_params: float, num_layers: Optional[int] = None, hidden_size: Optional[int] = None,
+                          seq_length: Optional[int] = None, num_active_params: Optional[float] = None) -> float:
+    """Training FLOPs per token: 6·N (N = parameters active per token, for MoE the routed
+    subset) plus attention's 12·L·h·s (QKᵀ and AV, forward and backward)."""
+    active = num_active_params if num_active_params else num_params
+    attention = 12.0 * num_layers * hidden_size * seq_length if num_layers and hidden_size and seq_length else 0.0
+    return 6.0 * active + attention
+
+
+def mfu_pct(tflops_per_gpu: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation in percent."""
+    return 100.0 * tflops_per_gpu / peak_tflops if peak_tflops > 0 else math.nan

@@ -1,0 +1,65 @@
+"""User-facing module and parameter names, the same on every rank and every layout.
+
+Wrapper levels (DDP's ``module.``, FSDP1's ``_fsdp_wrapped_module.``, ``torch.compile``'s
+``_orig_mod.``, activation checkpointing's wrapper) are dropped; Megatron's stage-local layer
+index becomes the global ``layer_number - 1`` (so names match an unpipelined run), and an
+expert's rank-local index in ``local_experts`` its global expert index.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
+           "ROOT_MODULE"]
+
+WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+_WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
+ROOT_MODULE = "model"
+"""The name of the root module's own parameters (``grad_norm/model``)."""
+
+
+def module_name_map(model: torch.nn.Module) -> dict[str, str]:
+    """Module path → user-facing name (see the module docstring); the root maps to ``""``."""
+    out = {"": ""}
+    experts: dict[str, list] = {"": []}  # the nearest MoE layer's global expert indices
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        base = out.get(parent, strip_wrappers(parent))
+        indices = getattr(module, "local_expert_indices", None)
+        experts[name] = list(indices) if isinstance(indices, (list, tuple)) else experts.get(parent, [])
+        number = getattr(module, "layer_number", None)
+        if leaf in _WRAPPER_LEVELS:
+            clean = base
+        elif isinstance(number, int) and leaf.isdigit() and parent.split(".")[-1] == "layers":
+            clean = f"{base}.{number - 1}" if base else str(number - 1)
+        elif leaf.isdigit() and parent.split(".")[-1] == "local_experts" and int(leaf) < len(experts[parent]):
+            clean = f"{base}.{experts[parent][int(leaf)]}"
+        else:
+            clean = f"{base}.{leaf}" if base else leaf
+        out[name] = clean
+    return out
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop wrapper levels (``module.``, ``_fsdp_wrapped_module.``, ...) from a dotted name."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
+
+
+def global_param_name(raw: str, rename: dict[str, str]) -> str:
+    """A parameter's name from ``named_parameters`` → its global, wrapper-free name."""
+    module, _, leaf = raw.rpartition(".")
+    base = rename.get(module, strip_wrappers(module))
+    return f"{base}.{leaf}" if base else leaf
+
+
+def module_order(model: Optional[torch.nn.Module]) -> list[str]:
+    """The model's module names in model order (nearest the input first), the root's own
+    parameters (:data:`ROOT_MODULE`) before all."""
+    if model is None:
+        return []
+    return [ROOT_MODULE] + list(dict.fromkeys(name for name in module_name_map(model).values() if name))

@@ -1,0 +1,233 @@
+"""How values sit in the reducer's packs: the agreed layout of names, the order-preserving
+int64 keys of the MAX pack (float32 value in the high 32 bits, rank in the low 32), and the
+assembly of one pack from scalar and vector samples with one index tensor and one value tensor.
+
+Knows tensors, not process groups: :mod:`distmetrics.reduce` issues the collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
+           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "gather_single", "global_rank", "INT64_MIN",
+           "CONTROL_LANES"]
+
+Number = Union[int, float, torch.Tensor]
+INT64_MIN = -(2**63)
+"""The empty MAX lane (no rank sent the name)."""
+_LOW32 = 2**32 - 1
+CONTROL_LANES = 5
+"""MAX-pack lanes before the values: stale flag, digest, -digest, step, -step."""
+
+
+class PackLayout:
+    """Where every agreed name sits in the three packs (identical on every rank)."""
+
+    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+        self.entries = sorted(entries)
+        self.kinds = dict(self.entries)
+        self.sum_index: dict[str, int] = {}  # two lanes each: value·weight, weight
+        self.max_index: dict[str, int] = {}  # one lane (two for minmax)
+        self.all_index: dict[str, int] = {}
+        self.n_sum = self.n_max = self.n_all = 0
+        for name, kind in self.entries:
+            if kind in ("sum", "mean"):
+                self.sum_index[name] = self.n_sum
+                self.n_sum += 2
+            elif kind in ("max", "min", "minmax"):
+                self.max_index[name] = self.n_max
+                self.n_max += 2 if kind == "minmax" else 1
+            else:
+                self.all_index[name] = self.n_all
+                self.n_all += 1
+        self.digest = digest(encode_entries(self.entries))
+        self._vectors: dict[tuple, Optional[dict]] = {}  # (names, reduce) → positions per (offset, device)
+
+    def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
+        """Cached pack positions of a vector's names (None: not all of them are in this layout
+        with this reduce kind)."""
+        key = (names, reduce)
+        if key not in self._vectors:
+            if any(self.kinds.get(name) != reduce for name in names):
+                return None
+            table = {"sum": self.sum_index, "mean": self.sum_index, "all": self.all_index}.get(reduce, self.max_index)
+            self._vectors[key] = {(0, None): torch.tensor([table[name] for name in names], dtype=torch.long)}
+        return self._vectors[key]
+
+    def positions(self, names: tuple, reduce: str, offset: int, device: torch.device) -> torch.Tensor:
+        """The pack positions of a vector's elements plus ``offset`` (the second lane of a mean or
+        minmax, the mask half of the ALL pack), as an index tensor on ``device``."""
+        cache = self.vector_base(names, reduce)
+        if (offset, device) not in cache:
+            cache[(offset, device)] = (cache[(0, None)] + offset).to(device)
+        return cache[(offset, device)]
+
+
+class Pieces:
+    """Positions and values of one pack, gathered from scalars and vectors, assembled into one
+    index tensor and one value tensor on the pack's device (tensors are moved once per pack)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.scalar_index: list[int] = []
+        self.scalar_values: list[Number] = []
+        self.vectors: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add_scalar(self, position: int, value: Number, negate: bool = False) -> None:
+        """One value (a number or a 0-d tensor) at ``position``."""
+        self.scalar_index.append(position)
+        self.scalar_values.append(-value if negate else value)
+
+    def add_vector(self, positions: torch.Tensor, values: Number, negate: bool = False) -> None:
+        """A tensor of values (or one number for all) at ``positions``."""
+        if not isinstance(values, torch.Tensor):
+            values = torch.full((positions.numel(),), float(values), dtype=self.dtype, device=self.device)
+        values = values.detach().to(device=self.device, dtype=self.dtype)
+        self.vectors.append((positions, -values if negate else values))
+
+    def assemble(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(index, values) of everything added, on the pack's device; (None, None) if nothing."""
+        index = [p for p, _ in self.vectors]
+        values = [v for _, v in self.vectors]
+        if self.scalar_index:
+            index.append(torch.tensor(self.scalar_index, dtype=torch.long).to(self.device))
+            values.append(_stack(self.scalar_values, self.dtype, self.device))
+        if not index:
+            return None, None
+        return torch.cat(index), torch.cat(values)
+
+
+def entries_of(samples: list) -> list[tuple[str, str]]:
+    """(name, reduce) of every element of the samples."""
+    out = []
+    for s in samples:
+        if s.names is None:
+            out.append((s.name, s.reduce))
+        else:
+            out.extend((name, s.reduce) for name in s.names)
+    return out
+
+
+def encode_entries(entries: Sequence[tuple[str, str]]) -> bytes:
+    """Sorted (name, reduce) pairs → the bytes ranks exchange while negotiating."""
+    return json.dumps([list(e) for e in entries]).encode() if entries else b""
+
+
+def decode_entries(payload: bytes) -> list[tuple[str, str]]:
+    """The inverse of :func:`encode_entries`."""
+    return [tuple(e) for e in json.loads(payload)] if payload else []
+
+
+def digest(payload: bytes) -> int:
+    """A 56-bit digest of a name set (fits an int64 lane with its negation)."""
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=7).digest(), "little")
+
+
+def value_device(samples: list) -> torch.device:
+    """Where a single process builds its packs: the device of its first tensor value, so a
+    GPU's values are copied to the host once per pack, not once per value."""
+    for s in samples:
+        if isinstance(s.value, torch.Tensor):
+            return s.value.device
+    return torch.device("cpu")
+
+
+def mean_parts(s: Any) -> tuple[Number, Number]:
+    """The two SUM-pack lanes of a sum or mean sample: (value·weight, weight)."""
+    if s.reduce == "sum":
+        return s.value, 1.0
+    if s.summed:
+        return s.value, s.weight
+    return s.value * s.weight, s.weight
+
+
+def _stack(values: list[Number], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Numbers and 0-d tensors on any device → one tensor on ``device``; tensors are stacked
+    where they live and moved once per device."""
+    out = torch.empty(len(values), dtype=dtype, device=device)
+    numbers = [(i, float(v)) for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    if numbers:
+        out[torch.tensor([i for i, _ in numbers], device=device)] = torch.tensor(
+            [v for _, v in numbers], dtype=dtype).to(device)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for _, idx in by_device.items():
+        stacked = torch.stack([values[i].detach().reshape(()).to(dtype) for i in idx])
+        out[torch.tensor(idx, device=device)] = stacked.to(device)
+    return out
+
+
+def decode_max(layout: PackLayout, lanes: torch.Tensor, result: Any) -> None:
+    """MAX-pack lanes → ``result.maxima``/``minima`` as (value, rank)."""
+    values, ranks, present = _decode_keys(lanes.cpu())
+    for name, base in layout.max_index.items():
+        kind = layout.kinds[name]
+        if kind != "min" and present[base]:
+            result.maxima[name] = (values[base], ranks[base])
+        low = base + 1 if kind == "minmax" else base
+        if kind != "max" and present[low]:
+            result.minima[name] = (-values[low] if not math.isnan(values[low]) else values[low], ranks[low])
+
+
+def decode_sum(layout: PackLayout, totals: list[float], result: Any) -> None:
+    """SUM-pack totals → ``result.values`` (a name no rank sent, or only with weight 0, is absent)."""
+    for name, base in layout.sum_index.items():
+        weight = totals[base + 1]
+        if weight == 0:
+            continue  # no rank sent it (sum), or all with weight 0 (mean)
+        result.values[name] = totals[base] if layout.kinds[name] == "sum" else totals[base] / weight
+
+
+def decode_all(layout: PackLayout, table: torch.Tensor, ranks: list[int], size: int) -> dict[str, list]:
+    """``[world, 2n]`` gathered rows (values, presence mask) → every rank's value by global rank
+    (``None`` where a rank sent none), for the names some rank sent."""
+    n = layout.n_all
+    vals, mask = table[:, :n].tolist(), table[:, n:].tolist()
+    out = {}
+    for name, idx in layout.all_index.items():
+        per: list = [None] * size
+        seen = False
+        for r in range(len(ranks)):
+            if mask[r][idx] > 0:
+                per[ranks[r]] = vals[r][idx]
+                seen = True
+        if seen:
+            out[name] = per
+    return out
+
+
+def encode_keys(values: torch.Tensor, rank: int) -> torch.Tensor:
+    """float32 values → int64 keys ordered like the floats, with the rank in the low bits."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    bits = torch.where(torch.isnan(values), torch.full_like(bits, 0x7FFFFFFF), bits)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return key * (2**32) + (_LOW32 - rank)
+
+
+def _decode_keys(lanes: torch.Tensor) -> tuple[list[float], list[int], list[bool]]:
+    present = (lanes != INT64_MIN).tolist()
+    key = lanes >> 32
+    ranks = (_LOW32 - (lanes & _LOW32)).tolist()
+    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
+    values = bits.view(torch.float32).tolist()
+    return values, ranks, present
+
+
+def gather_single():
+    """``all_gather_into_tensor`` (named ``all_gather_single`` in newer torch)."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; same collective.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """A group rank → the global rank."""
+    return rank if group is None else dist.get_global_rank(group, rank)

@@ -1,0 +1,147 @@
+"""Features files: reading and checking a YAML before anything runs, the feature folders to
+load, and which steps a file selects (read from the YAML alone, so every rank agrees).
+
+Errors name the file and the key: a missing or unparsable file, a section without layer
+selectors, an unknown namespace, feature or statistic, the TE namespace without TE, custom
+feature folders without ``allow_custom_feature_dirs``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from ..config import ConfigError, TensorInspectConfig
+from .statistics import SUPPORTED_STATS
+
+__all__ = ["load_features", "feature_dirs_for", "check_custom_dirs", "stats_step", "FEATURES_DIR", "TENSORS"]
+
+TENSORS = ("activation", "input", "weight", "gradient")
+FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
+"""Our nvdlfw-inspect feature folder (the ``distmetrics`` namespace)."""
+_SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
+_FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
+
+
+def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -> dict:
+    """Read and check a features YAML (path or mapping); returns the mapping."""
+    source = spec if isinstance(spec, str) else "<inline features>"
+    if isinstance(spec, str):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"tensor_inspect.features: file {spec!r} does not exist")
+        try:
+            spec = yaml.safe_load(Path(spec).read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"tensor_inspect.features: {source!r} is not valid YAML: {err}") from None
+    if not isinstance(spec, dict) or not spec:
+        raise ConfigError(f"{source}: a features file is a mapping of sections, got {spec!r}")
+    if te_available is None:
+        te_available = importlib.util.find_spec("transformer_engine") is not None
+    for section, body in spec.items():
+        where = f"{source}: section {section!r}"
+        if not isinstance(body, dict) or "enabled" not in body:
+            raise ConfigError(f"{where} needs 'enabled' and 'layers'")
+        layers = body.get("layers")
+        if not isinstance(layers, dict) or not any(k in layers for k in _SELECTORS):
+            raise ConfigError(f"{where}: 'layers' needs one of {', '.join(_SELECTORS)}")
+        for key, value in body.items():
+            if key in ("enabled", "layers"):
+                continue
+            if key == "transformer_engine":
+                if not te_available:
+                    raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU) or "
+                                      "a feature folder in tensor_inspect.feature_dirs that registers that "
+                                      "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
+            elif key == "distmetrics":
+                _check_our_features(where, value)
+            elif key != "LogTensorStats":  # nvdlfw's own base-namespace feature
+                raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
+                                  "or nvdlfw's base feature 'LogTensorStats'")
+    return spec
+
+
+def _check_our_features(where: str, features: Any) -> None:
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where}: 'distmetrics' must map feature names to settings")
+    for name, cfg in features.items():
+        if name != "LogTensorStats":
+            raise ConfigError(f"{where}: unknown feature 'distmetrics.{name}'; accepted: LogTensorStats")
+        unknown = set(cfg) - _FEATURE_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
+                              f"accepted: {sorted(_FEATURE_KEYS)}")
+        entries = cfg.get("tensors_struct") or [dict(cfg, tensor=t) for t in cfg.get("tensors", [])]
+        if not entries:
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
+        for entry in entries:
+            tensor = entry.get("tensor")
+            if tensor not in TENSORS:
+                raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(TENSORS)}")
+            for stat in entry.get("stats", cfg.get("stats", [])):
+                if stat not in SUPPORTED_STATS:
+                    raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(SUPPORTED_STATS)}")
+            if int(entry.get("freq", cfg.get("freq", 1))) < 1:
+                raise ConfigError(f"{where}: freq must be >= 1")
+
+
+def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
+    """Our feature namespace, TransformerEngine's when the YAML uses it, and custom folders
+    only when ``allow_custom_feature_dirs`` is true (they run code)."""
+    dirs = [FEATURES_DIR]
+    te = importlib.util.find_spec("transformer_engine")
+    if te is not None and any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
+        dirs.append(os.path.join(list(te.submodule_search_locations)[0], "debug", "features"))
+    if config.feature_dirs:
+        check_custom_dirs(config)
+        dirs += list(config.feature_dirs)
+    return dirs
+
+
+def check_custom_dirs(config: TensorInspectConfig) -> None:
+    """Custom feature folders run code: refused unless allowed, and each must be a folder."""
+    if not config.feature_dirs:
+        return
+    if not config.allow_custom_feature_dirs:
+        raise ConfigError(f"tensor_inspect.feature_dirs={config.feature_dirs!r}: custom feature folders run "
+                          "code; set tensor_inspect.allow_custom_feature_dirs: true to allow them")
+    for folder in config.feature_dirs:
+        if not os.path.isdir(folder):
+            raise ConfigError(f"tensor_inspect.feature_dirs: {folder!r} is not a folder")
+
+
+def stats_step(spec: dict, iteration: int, own_only: bool = False) -> bool:
+    """Does any enabled feature log at this iteration? ``own_only``: only our namespace (whose
+    hooks must fire); otherwise also nvdlfw's base and TE's features."""
+    for body in spec.values():
+        if not body.get("enabled"):
+            continue
+        features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats"))]
+        if not own_only:
+            features.append(("base", body.get("LogTensorStats")))
+            features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
+        for namespace, cfg in features:
+            if not isinstance(cfg, dict) or not cfg.get("enabled"):
+                continue
+            for entry in cfg.get("tensors_struct") or [cfg]:
+                if _logs_at(namespace, dict(cfg, **entry), iteration):
+                    return True
+    return False
+
+
+def _logs_at(namespace: str, cfg: dict, iteration: int) -> bool:
+    """A feature entry's freq/start_step/end_step/start_end_list at ``iteration``, with the
+    namespace's own convention (TE's ends are inclusive, nvdlfw's end_step -1 is open)."""
+    freq = int(cfg.get("freq", 1))
+    if namespace == "transformer_engine":
+        intervals = cfg.get("start_end_list") or [(cfg.get("start_step") or 0,
+                                                   math.inf if cfg.get("end_step") is None else cfg["end_step"])]
+        return iteration % freq == 0 and any(s <= iteration <= e for s, e in intervals)
+    from nvdlfw_inspect.logging import enable_logging_at_current_step
+
+    return enable_logging_at_current_step(iteration, freq, cfg.get("start_step", 0), cfg.get("end_step", -1),
+                                          cfg.get("start_end_list"))

@@ -1,0 +1,265 @@
+"""The inspector: runs a features file for one model — names and hooks its layers, reduces each
+selected step's statistics in one collective, forwards TransformerEngine's values.
+
+Two paths, one features file:
+
+* ``distmetrics:`` sections (any PyTorch module, CPU or GPU): module hooks call our feature
+  namespace on the steps the YAML selects; it keeps on-device partials merged across
+  micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
+  rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
+  ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
+  pairwise again.
+* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's bare ``base`` features:
+  TE computes and reduces these itself and logs them when ``debug_api.step()`` runs; they
+  arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
+  selects (every rank reads that from the YAML, so pipeline stages without selected layers
+  join too). A value logged on any other step rides the next log step's MAX pack.
+
+TP/CP peers see the same activations, and data-parallel replicas hold the same weights: only
+the rank that represents them contributes (:mod:`distmetrics.parallel`), so counts and norms
+are not multiplied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..config import ConfigError
+from ..parallel import data_parallel_group, holds_first_replica, local_tensor, sees_distinct_tokens
+from ..reduce import PerRank, Reducer
+from ..collectors.base import Alert, LogContext, Sample
+from .features import stats_step
+from .statistics import PARTS, merge, partials, stat_value
+from .te_names import metric_name, strip_model
+
+__all__ = ["TensorInspector", "ForwardingLogger"]
+
+_FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
+
+
+class ForwardingLogger:
+    """nvdlfw-inspect statistics logger that hands values to the inspector (TE and base features).
+
+    Built lazily as a ``BaseLogger`` subclass so nvdlfw-inspect stays an optional import."""
+
+    def __new__(cls, inspector: "TensorInspector"):
+        from nvdlfw_inspect.logging import BaseLogger
+
+        class _Logger(BaseLogger):
+            def log_scalar(self, name, value, iteration, **kwargs):
+                inspector.forwarded[inspector.metric_name(name)] = value
+
+        return _Logger()
+
+
+class TensorInspector:
+    """Tensor statistics of one run; a collector (``tensor_stats``) of the Monitor.
+
+    Made by :func:`distmetrics.tensor_stats.initialize`, which starts nvdlfw-inspect for it."""
+
+    name = "tensor_stats"
+    after = ()
+
+    def __init__(self, spec: dict, init_training_step: int = 0, group: Any = None) -> None:
+        import nvdlfw_inspect.api as debug_api
+
+        self.debug_api = debug_api
+        self.spec = spec
+        self.forwarded: dict[str, Any] = {}
+        self.partials: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self.requested: dict[tuple[str, str], list] = {}
+        self.reducer = Reducer(group)
+        self.iteration = init_training_step
+        self.layout: Any = None
+        self.selected: dict[str, list[str]] = {}
+        self.layer_names: set[str] = set()
+        self._hooks: list = []
+        self._models: list = []
+        self._vector_names: dict[tuple, tuple] = {}
+        self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
+        self.active = stats_step(spec, self.iteration, own_only=True)
+
+    def set_layout(self, layout: Any) -> None:
+        """TE's features reduce over nvdlfw-inspect's tensor reduction group: the data-parallel
+        peers (pipeline stages and tensor-parallel ranks hold different layers or shards)."""
+        self.layout = layout
+        group = data_parallel_group(layout)
+        if group is not None:
+            self.debug_api.set_tensor_reduction_group(group)
+
+    # --- model ---------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> None:
+        """Name the layers (``model.<path>``) and hook the ones our sections select.
+
+        Every enabled section must select a layer on *some* rank (under pipeline parallelism a
+        stage may hold none of them): one small all-reduce decides, so a bad selector — or a
+        layer two sections target — raises on every rank together instead of leaving the
+        others waiting."""
+        from nvdlfw_inspect.config_manager import ConfigManager, is_layer_in_cfg
+
+        if any(m is model for m in self._models):
+            return  # initialize(config, model=...) then Monitor(config, model=...): hooks once
+        self._models.append(model)
+        self.debug_api.infer_and_assign_layer_names(model)
+        modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
+        self.layer_names.update(name for _, name in modules)
+        sections = [name for name, body in self.spec.items() if body.get("enabled")]
+        matched = [any(is_layer_in_cfg(name, spec) for _, name in modules) for spec in ConfigManager.configs]
+        error = None
+        for module, name in modules:
+            try:
+                cfg = ConfigManager.get_config_for_layer(name)
+            except ValueError as err:  # two sections target one layer
+                error = f"tensor_inspect.features: {err}"
+                break
+            if cfg:
+                self.selected[name] = list(cfg)
+            ours = cfg.get("distmetrics", {}).get("LogTensorStats")
+            if ours and ours.get("enabled", False):
+                tensors = [e["tensor"] for e in ours.get("tensors_struct", [])] or list(ours.get("tensors", []))
+                self._hook(module, name, tensors)
+        flags = self._any_rank(matched + [error is not None])
+        if flags[-1]:
+            raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
+        unmatched = [section for section, hit in zip(sections, flags[:-1]) if not hit]
+        if unmatched:
+            raise ConfigError(f"tensor_inspect.features: section(s) {unmatched} select no layer of the model on any "
+                              f"rank (layer names look like {_example_names(model)})")
+
+    def _any_rank(self, flags: list) -> list:
+        """Element-wise OR of ``flags`` over the reducer's ranks (one all-reduce)."""
+        if not self.reducer.distributed:
+            return [bool(f) for f in flags]
+        packed = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64, device=self.reducer.device)
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.reducer.group)
+        return [bool(v) for v in packed.tolist()]
+
+    def _hook(self, module: torch.nn.Module, name: str, tensors: list) -> None:
+        api = self.debug_api
+
+        def call(tensor_name: str, tensor: torch.Tensor) -> None:
+            api.distmetrics.log_tensor_stats(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
+
+        def forward_hook(mod, inputs, output):
+            if not self.active:
+                return
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if "activation" in tensors and isinstance(out, torch.Tensor):
+                call("activation", out)
+            if "input" in tensors and inputs and isinstance(inputs[0], torch.Tensor):
+                call("input", inputs[0])
+            if "weight" in tensors and isinstance(getattr(mod, "weight", None), torch.Tensor) \
+                    and (name, "weight") not in self.partials:  # once per step, not per micro-batch
+                call("weight", mod.weight)
+            if "gradient" in tensors and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: call("gradient", grad))
+
+        self._hooks.append(module.register_forward_hook(forward_hook))
+
+    def metric_name(self, logged: str) -> str:
+        """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
+        return metric_name(logged, self.layer_names)
+
+    # --- accumulation (called through the feature) ----------------------------------------
+    def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
+        """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
+        if tensor_name == "weight" and not holds_first_replica(self.layout):
+            return  # a replica of a weight another rank reports
+        if tensor_name != "weight" and not sees_distinct_tokens(self.layout):
+            return  # a tensor-/context-parallel peer: the same activations as its rank 0
+        x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
+        if x.numel() == 0:
+            return
+        batch = partials(x)
+        key = (layer, tensor_name)
+        self.requested[key] = list(stats)
+        self.partials[key] = batch if key not in self.partials else merge(self.partials[key], batch)
+
+    # --- per step ------------------------------------------------------------------------
+    def end_step(self) -> Optional[dict]:
+        """After a training step: reduce this step's statistics (every rank, one collective on
+        steps the YAML selects, none otherwise); returns ``tensor_stats/...`` metrics."""
+        gather = stats_step(self.spec, self.iteration)
+        # TE's features log (and reduce among themselves) inside step(): run it first so their
+        # values of this step travel with ours.
+        self.debug_api.step()
+        metrics = None
+        if gather:
+            samples = []
+            if self.partials:
+                keys = tuple(sorted(self.partials))
+                names = self._vector_names.get(keys)
+                if names is None:
+                    names = self._vector_names[keys] = tuple(
+                        f"{layer}|{tensor_name}|{','.join(self.requested[(layer, tensor_name)])}|{part}"
+                        for layer, tensor_name in keys for part in PARTS)
+                values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
+                samples.append(Sample("tensor_stats", values, "all", names=names))
+            samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
+            metrics = _combine(self.reducer.reduce(samples).per_rank)
+            self.partials = {}
+            self.forwarded = {}
+        self.iteration += 1
+        self.active = stats_step(self.spec, self.iteration, own_only=True)
+        return metrics
+
+    # --- the collector contract -----------------------------------------------------------
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """Values logged outside the YAML's stats steps (e.g. a user's own
+        ``debug_api.log_tensor_stats`` call), for the log step's MAX pack."""
+        out = [Sample(name, value, "max") for name, value in self.forwarded.items()]
+        self.forwarded = {}
+        return out
+
+    def finalize(self, metrics: dict, ctx: LogContext) -> list[Alert]:
+        """Forwarded values travel as 'max' from the one rank that logged them: drop the rank."""
+        for key in [k for k in metrics if k.startswith("tensor_stats/") and k.endswith("/max_rank")]:
+            del metrics[key]
+        return []
+
+    def close(self) -> None:
+        """Remove the hooks and end nvdlfw-inspect (``end_debug``) if this inspector runs it."""
+        self.remove_hooks()
+        if self.on_close is not None:
+            self.on_close()
+
+    def remove_hooks(self) -> None:
+        """Take the forward hooks off the model's layers."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _combine(per_rank: dict[str, PerRank]) -> dict:
+    """Every rank's partials → merged statistics; forwarded values → the lowest rank's."""
+    groups: dict[tuple, dict[str, list]] = {}
+    out = {}
+    for name, values in per_rank.items():
+        if name.startswith(_FORWARDED):
+            # Reduced by TE over its group already; where ranks still differ (weights, which
+            # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
+            out[name[len(_FORWARDED):]] = values.present()[0]
+            continue
+        layer, tensor_name, stats, part = name.split("|")
+        groups.setdefault((layer, tensor_name, stats), {})[part] = values
+    for (layer, tensor_name, stats), parts in sorted(groups.items()):
+        merged = None
+        for rank in range(len(parts["n"])):
+            if parts["n"][rank] is None:
+                continue
+            one = {p: torch.tensor(parts[p][rank], dtype=torch.float64) for p in PARTS}
+            merged = one if merged is None else merge(merged, one)
+        if merged is None:
+            continue
+        values = {k: float(v) for k, v in merged.items()}
+        prefix = f"tensor_stats/{strip_model(layer)}/{tensor_name}"
+        for stat in stats.split(","):
+            out[f"{prefix}/{stat}"] = stat_value(stat, values)
+    return out
+
+
+def _example_names(model: torch.nn.Module) -> list:
+    names = [getattr(m, "name", None) for m in model.modules()]
+    return [n for n in names if isinstance(n, str)][:4]

@@ -1,0 +1,172 @@
+"""nvdlfw-inspect's life in this process: one running inspector at a time, started from a clean
+slate, ended with ``end_debug()`` and its registries and log handlers cleared.
+
+nvdlfw-inspect keeps its state in module and class attributes, so there is one state here too:
+the inspector that is running, which our feature reports to (:func:`accumulate`), which
+:func:`current` returns and which the Monitor attaches to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..config import ConfigError, MetricsConfig, TensorInspectConfig
+from .features import check_custom_dirs, feature_dirs_for, load_features
+
+__all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
+           "accumulate"]
+
+
+class _State:
+    inspector: Any = None
+    """The running :class:`~distmetrics.tensor_stats.inspector.TensorInspector`, or None."""
+
+
+_STATE = _State()
+
+
+def current():
+    """The running inspector (started by :func:`initialize` or a Monitor and not yet closed), or None."""
+    return _STATE.inspector
+
+
+def accumulate(layer: str, tensor_name: str, tensor: Any, stats: list) -> None:
+    """Called by our nvdlfw-inspect feature: merge a tensor's statistics into the running
+    inspector's partials for this step."""
+    if _STATE.inspector is not None:
+        _STATE.inspector.add(layer, tensor_name, tensor, stats)
+
+
+def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = None, layout: Any = None,
+               output_dir: Optional[str] = None):
+    """Check the features file and start nvdlfw-inspect (every rank). With ``model``, the layers
+    are named and hooked at once, which costs one small all-reduce (see ``attach``). Call it
+    before building TransformerEngine layers: TE decides at construction whether a layer is
+    inspected. A running inspector is closed first."""
+    from ..parallel import detect_layout
+    from .inspector import ForwardingLogger, TensorInspector
+
+    if isinstance(config, MetricsConfig):
+        output_dir = output_dir or config.output_dir
+        config = config.tensor_inspect
+    if not config.enabled:
+        raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
+    # Feature folders of the user's own may register the transformer_engine namespace (an
+    # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
+    check_custom_dirs(config)
+    spec = load_features(config.features, te_available=True if config.feature_dirs else None)
+    dirs = feature_dirs_for(config, spec)
+    log_dir = config.log_dir or str(Path(output_dir or ".") / "tensor_inspect")
+    if _STATE.inspector is not None:
+        shutdown(_STATE.inspector)
+    inspector = TensorInspector(spec, config.init_training_step)
+    inspector.on_close = lambda: _release(inspector)
+    os.makedirs(log_dir, exist_ok=True)
+    start_nvdlfw(spec, dirs, log_dir, ForwardingLogger(inspector), config.init_training_step)
+    _STATE.inspector = inspector
+    try:
+        inspector.set_layout(layout or detect_layout())
+        if model is not None:
+            inspector.attach(model)
+    except Exception:
+        shutdown(inspector)  # end_debug and handlers: the next initialize starts clean
+        raise
+    return inspector
+
+
+def collectors_for(config: MetricsConfig, model: Any, layout: Any) -> list:
+    """The Monitor's tensor statistics collector (the running inspector, attached to ``model``),
+    or none when ``tensor_inspect.enabled`` is false."""
+    return [start_for_monitor(config, model, layout)] if config.tensor_inspect.enabled else []
+
+
+def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
+    """The Monitor's entry: attach to an inspector the user started early, or start one."""
+    inspector = current()
+    if inspector is None:
+        return initialize(config, model=model, layout=layout)
+    try:
+        inspector.set_layout(layout)
+        if model is not None:
+            inspector.attach(model)
+    except Exception:
+        shutdown(inspector)
+        raise
+    return inspector
+
+
+def build_model(config: MetricsConfig, layout: Any, factory: Any, optimizer: Any) -> tuple:
+    """``Monitor(model=factory)``: start tensor inspection (if enabled and not running), then
+    build the model with ``factory`` (which may return a ``(model, optimizer)`` pair); a failed
+    build leaves nothing running."""
+    import torch
+
+    if not callable(factory):
+        raise TypeError(f"model must be a torch.nn.Module or a callable that builds one, got {type(factory).__name__}")
+    started = None
+    if config.tensor_inspect.enabled and current() is None:
+        started = initialize(config, layout=layout)
+    try:
+        built = factory()
+        if isinstance(built, tuple) and len(built) == 2:
+            built, optimizer = built
+        if not isinstance(built, torch.nn.Module):
+            raise TypeError(f"the model factory returned {type(built).__name__}; accepted: a torch.nn.Module "
+                            "or a (module, optimizer) pair")
+    except BaseException:
+        if started is not None:
+            shutdown(started)
+        raise
+    return built, optimizer
+
+
+def shutdown(inspector: Any) -> None:
+    """Remove the inspector's hooks; if it is the running one, ``end_debug()`` and clean up so
+    the next :func:`initialize` starts fresh."""
+    inspector.remove_hooks()
+    _release(inspector)
+
+
+def _release(inspector: Any) -> None:
+    if _STATE.inspector is inspector:
+        _STATE.inspector = None
+        reset_nvdlfw()
+
+
+def start_nvdlfw(spec: dict, feature_dirs: list, log_dir: str, statistics_logger: Any = None,
+                 init_training_step: int = 0, source: str = "tensor_inspect.features") -> None:
+    """``debug_api.initialize`` from a clean slate; its rejection of the features (an
+    assertion, or ``SystemExit`` from a feature folder that fails to load) becomes a
+    ``ConfigError`` naming ``source`` and the folders, with nothing left running."""
+    import nvdlfw_inspect.api as debug_api
+
+    reset_nvdlfw()
+    try:
+        debug_api.initialize(config_file=spec, feature_dirs=feature_dirs, statistics_logger=statistics_logger,
+                             log_dir=log_dir, init_training_step=init_training_step)
+    except (SystemExit, AssertionError, ValueError, TypeError) as err:
+        reset_nvdlfw()
+        raise ConfigError(f"{source}: nvdlfw-inspect rejected the features ({err}); feature folders searched: "
+                          f"{feature_dirs}") from None
+
+
+def reset_nvdlfw() -> None:
+    """End nvdlfw-inspect if it runs and clear its registries and its file log handlers."""
+    import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.config_manager import ConfigManager
+    from nvdlfw_inspect.logging import MetricLogger
+    from nvdlfw_inspect.registry import Registry
+
+    if debug_api.DEBUG_MANAGER is not None:
+        debug_api.end_debug()
+    ConfigManager.reset()
+    Registry.reset()
+    MetricLogger.enabled_loggers.clear()
+    for name in ("nvdlfw_inspect", "Default Statistics"):  # its file loggers add a handler per start
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+            handler.close()

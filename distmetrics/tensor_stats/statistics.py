@@ -1,0 +1,58 @@
+"""Tensor statistics as mergeable partials, exact across micro-batches and ranks.
+
+A tensor becomes on-device partials — count, mean, M2 (Σ(x−mean)²), min, max, Σ|x|, Σx² and
+the smallest non-zero |x| — and partials merge pairwise (Chan et al.), so the variance of the
+union is exact; TransformerEngine's cross-rank ``std`` subtracts the between-group term, ours
+adds it. Every statistic a features file may ask for is a function of the partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["PARTS", "SUPPORTED_STATS", "partials", "merge", "stat_value"]
+
+PARTS = ("n", "mean", "m2", "min", "max", "l1", "sumsq", "minabs")
+SUPPORTED_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
+
+
+def partials(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The partials of a non-empty float64 vector, as 0-d tensors on its device.
+
+    torch.where/amin and full(): no boolean-mask indexing or host scalar copy, so the host never
+    waits for the device (this runs inside forward and backward hooks)."""
+    mean = x.mean()
+    magnitude = x.abs()
+    return {"n": torch.full((), float(x.numel()), dtype=torch.float64, device=x.device), "mean": mean,
+            "m2": (x - mean).pow(2).sum(), "min": x.min(), "max": x.max(), "l1": magnitude.sum(),
+            "sumsq": x.pow(2).sum(),
+            "minabs": torch.where(x != 0, magnitude, torch.full_like(magnitude, math.inf)).amin()}
+
+
+def merge(a: dict, b: dict) -> dict:
+    """Chan et al.'s pairwise combination of (n, mean, M2) plus extremes and sums."""
+    n = a["n"] + b["n"]
+    delta = b["mean"] - a["mean"]
+    return {"n": n, "mean": a["mean"] + delta * b["n"] / n,
+            "m2": a["m2"] + b["m2"] + delta * delta * a["n"] * b["n"] / n,
+            "min": torch.minimum(a["min"], b["min"]), "max": torch.maximum(a["max"], b["max"]),
+            "l1": a["l1"] + b["l1"], "sumsq": a["sumsq"] + b["sumsq"],
+            "minabs": torch.minimum(a["minabs"], b["minabs"])}
+
+
+def stat_value(stat: str, v: dict) -> float:
+    """One statistic from merged partials (plain floats)."""
+    amax = max(abs(v["min"]), abs(v["max"]))
+    if stat == "std":
+        return math.sqrt(v["m2"] / (v["n"] - 1)) if v["n"] > 1 else math.nan  # torch.std's correction
+    if stat == "l2_norm":
+        return math.sqrt(v["sumsq"])
+    if stat == "l1_norm":
+        return v["l1"]
+    if stat == "cur_amax":
+        return amax
+    if stat == "dynamic_range":
+        return math.log2(amax) - math.log2(v["minabs"]) if amax > 0 and math.isfinite(v["minabs"]) else 0.0
+    return v[stat]  # min, max, mean

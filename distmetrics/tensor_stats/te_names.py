@@ -1,0 +1,36 @@
+"""TransformerEngine's (and nvdlfw-inspect's) logged names → ours.
+
+TE logs ``<layer>_<tensor>_<stat>``; we write ``tensor_stats/<layer>/<tensor>/<stat>`` with the
+``model.`` prefix that ``infer_and_assign_layer_names`` adds taken off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["metric_name", "strip_model", "TE_TENSORS"]
+
+TE_TENSORS = ("activation", "gradient", "weight", "output", "wgrad", "dgrad", "input")
+
+
+def metric_name(name: str, layers: Any = ()) -> str:
+    """TE's ``<layer>_<tensor>_<stat>`` → ``tensor_stats/<layer>/<tensor>/<stat>``.
+
+    The longest known layer name that prefixes ``name`` wins, so a layer whose own name holds
+    ``_weight_`` or ``_input_`` is not split there; without a known layer, the last
+    ``_<tensor>_`` (stat names hold none)."""
+    for layer in sorted(layers, key=len, reverse=True):
+        if name.startswith(layer + "_"):
+            tensor_name, _, stat = name[len(layer) + 1:].partition("_")
+            if stat:
+                return f"tensor_stats/{strip_model(layer)}/{tensor_name}/{stat}"
+    hits = [(name.rfind(f"_{t}_"), t) for t in TE_TENSORS if f"_{t}_" in name]
+    if hits:
+        at, tensor_name = max(hits)
+        return f"tensor_stats/{strip_model(name[:at])}/{tensor_name}/{name[at + len(tensor_name) + 2:]}"
+    return f"tensor_stats/{name}"
+
+
+def strip_model(layer: str) -> str:
+    """``model.decoder.layers.1.mlp`` → ``decoder.layers.1.mlp``."""
+    return layer[len("model."):] if layer.startswith("model.") else layer
