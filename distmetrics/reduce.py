@@ -115,7 +115,9 @@ class Reduced:
     """The reduce kind of every name in the agreed layout."""
 
     def to_metrics(self) -> dict[str, Any]:
-        """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside."""
+        """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
+        for ``all``, ``x`` (every rank's value) and its summary ``x/max``, ``x/min``, ``x/mean``
+        over the ranks that sent one (NaN left out of the summary)."""
         out: dict[str, Any] = {}
         for name, kind in self.kinds.items():
             if kind in ("sum", "mean"):
@@ -130,7 +132,15 @@ class Reduced:
                 out[f"{name}/min"], out[f"{name}/min_rank"] = self.minima[name]
             elif kind == "all" and name in self.per_rank:
                 out[name] = self.per_rank[name]
+                out.update({f"{name}/{stat}": v for stat, v in _summary(self.per_rank[name]).items()})
         return out
+
+
+def _summary(values: PerRank) -> dict[str, float]:
+    present = [v for v in values if v is not None and v == v]  # v == v: not NaN
+    if not present:
+        return {}
+    return {"max": max(present), "min": min(present), "mean": sum(present) / len(present)}
 
 
 class Reducer:

@@ -5,16 +5,16 @@ A sink is a small class with one verb and a close: ``log(metrics, step, kind)`` 
 missing, network down, disk full) is reported once with the fix and dropped, and the others
 go on.
 
-Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a summary and a
-histogram rather than one curve per rank: a sink that defines ``log_view(view, step)`` gets a
-:class:`ScalarView` instead, made once per record by the SinkSet (train, eval and tensor_stats
-records; timers unless ``log_timers_to_tensorboard`` is false).
+Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a histogram (their
+``/max``, ``/min``, ``/mean`` summary is in every record already) rather than one curve per rank:
+a sink that defines ``log_view(view, step)`` gets a :class:`ScalarView` instead, made once per
+record by the SinkSet (train, eval and tensor_stats records; timers unless
+``log_timers_to_tensorboard`` is false).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
@@ -45,8 +45,7 @@ class Sink(Protocol):
 
 @dataclass
 class ScalarView:
-    """A record as dashboards take it: numbers by name, and every rank's values of ``all``
-    metrics (summarised in ``scalars`` as ``<name>/max``, ``/min``, ``/mean``)."""
+    """A record as dashboards take it: numbers by name, and every rank's values of ``all`` metrics."""
 
     scalars: dict[str, float]
     histograms: dict[str, list[float]]
@@ -61,8 +60,6 @@ def scalar_view(metrics: dict[str, Any], kind: str, include_timers: bool = True)
         if not include_timers and name.startswith("timers/"):
             continue
         if isinstance(value, PerRank):
-            for stat, v in per_rank_summary(value).items():
-                view.scalars[f"{name}/{stat}"] = v
             if value.present():
                 view.histograms[name] = value.present()
         else:
@@ -157,11 +154,3 @@ def numeric_items(metrics: dict[str, Any]) -> Iterable[tuple[str, Any]]:
             yield name, value
         elif isinstance(value, PerRank):
             yield name, value
-
-
-def per_rank_summary(values: PerRank) -> dict[str, float]:
-    """max/min/mean of the ranks that have a value (what TensorBoard and W&B get for ``all``)."""
-    present = [v for v in values.present() if not math.isnan(v)]
-    if not present:
-        return {}
-    return {"max": max(present), "min": min(present), "mean": sum(present) / len(present)}

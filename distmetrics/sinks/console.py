@@ -123,12 +123,10 @@ def format_timer_block(m: dict[str, Any]) -> str:
         low = high = None
         if key.startswith("timers/") and key.endswith("/min"):
             name = key[len("timers/"):-len("/min")]
-            low, high = value, m.get(f"timers/{name}")
-        elif key.startswith("timers/") and isinstance(value, PerRank) and value.present():
-            name = key[len("timers/"):]
-            low, high = min(value.present()), max(value.present())
+            high = m.get(f"timers/{name}")
+            low, high = value, (m.get(f"timers/{name}/max") if isinstance(high, PerRank) else high)
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
-            rows.append(f"    {name} {'.' * max(1, 48 - len(name))}: ({low:.2f}, {high:.2f})")
+            rows.append(f"    {(name + ' ').ljust(48, '.')}: ({low:.2f}, {high:.2f})")
     if not rows:
         return ""
     return "(min, max) time across ranks (ms):\n" + "\n".join(rows)

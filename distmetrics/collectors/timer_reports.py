@@ -1,0 +1,177 @@
+"""Megatron-Core's timer reports — ``get_all_timers_string``, ``log``, ``write`` — with Megatron's
+output for the same timings, and one float32 gather per call.
+
+Every rank's times of the asked-for timers travel as one ``[world, n]`` float32 table (Megatron's
+layout; values ≤ 0 — a timer that is missing or measured nothing — are left out of every
+report). Megatron requires every rank to ask for the same names (or it hangs); here the names
+are agreed across ranks once (one ``all_gather_object``) and cached, and a flag lane in the
+table tells every rank in the same gather when some rank's names changed, so all renegotiate
+together. In steady state a report costs one ``all_gather_into_tensor``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MegatronReports"]
+
+logger = logging.getLogger("distmetrics.timers")
+_warned_writers: set = set()
+
+
+class MegatronReports:
+    """Megatron's reporting methods, mixed into :class:`~distmetrics.collectors.timers.Timers`."""
+
+    _timers: dict
+    _log_option: str
+
+    def __init__(self) -> None:
+        self._agreed: Optional[list[str]] = None  # the union of names the ranks asked for
+
+    def get_all_timers_string(self, names: Optional[list] = None, normalizer: float = 1.0, reset: bool = True,
+                              barrier: bool = False) -> Optional[str]:
+        """Megatron's text block (milliseconds), or None when no timer has a time to report.
+        A collective: every rank calls it."""
+        from .timers import TimerError
+
+        names = list(self._timers) if names is None else list(names)
+        if not normalizer > 0.0:
+            raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
+        if self._log_option in ("max", "minmax"):
+            return self._get_global_min_max_time_string(names, reset, barrier, normalizer / 1000.0,
+                                                        self._log_option == "max")
+        return self._get_all_ranks_time_string(names, reset, barrier, normalizer / 1000.0)
+
+    def log(self, names: Optional[list] = None, rank: Optional[int] = None, normalizer: float = 1.0,
+            reset: bool = True, barrier: bool = False) -> None:
+        """The text block through ``logging`` (logger ``distmetrics.timers``, INFO) on ``rank``
+        (default: the last rank, as Megatron); nothing when there is nothing to report."""
+        text = self.get_all_timers_string(names, normalizer, reset, barrier)
+        world, me = _world()
+        if (world - 1 if rank is None else rank) == me and text is not None:
+            logger.info(text)
+
+    def write(self, names: Optional[list], writer: Any, iteration: int, normalizer: float = 1.0,
+              reset: bool = True, barrier: bool = False) -> None:
+        """Each timer's slowest rank's **seconds** / ``normalizer`` as ``<name>-time`` at
+        ``iteration``: ``writer.add_scalar`` for a TensorBoard writer, ``writer.log`` for the
+        ``wandb`` module (or a W&B run), as Megatron's. A collective: every rank calls it."""
+        from .timers import TimerError
+
+        if not normalizer > 0.0:
+            raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
+        names = list(self._timers) if names is None else list(names)
+        times = self._get_global_min_max_time(names, reset, barrier, normalizer)
+        if writer is None:
+            return
+        for name, (_, slowest) in times.items():
+            if hasattr(writer, "add_scalar"):
+                writer.add_scalar(name + "-time", slowest, iteration)
+            elif hasattr(writer, "log"):
+                writer.log({name + "-time": slowest}, iteration)
+            elif type(writer) not in _warned_writers:
+                _warned_writers.add(type(writer))
+                logger.warning("distmetrics: timers.write got a %s, which has neither add_scalar (TensorBoard) nor "
+                               "log (W&B); timer values were not written", type(writer).__name__)
+
+    # --- Megatron's helpers (some Megatron-LM code calls them) -----------------------------------
+    def _get_elapsed_time_all_ranks(self, names: list, reset: bool, barrier: bool) -> Optional[torch.Tensor]:
+        """``[world, len(names)]`` float32 seconds of every rank (0 where a rank has no time)."""
+        if len(names) == 0:
+            return None
+        if barrier and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        seconds = {}
+        for name in names:
+            timer = self._timers.get(name)
+            if timer is not None:
+                seconds[name] = timer.elapsed(reset=reset)
+        table = self._gather(names, seconds)
+        column = {name: i for i, name in enumerate(self._agreed or names)}
+        return table[:, [column[name] for name in names]]
+
+    def _get_global_min_max_time(self, names: list, reset: bool, barrier: bool,
+                                 normalizer: float) -> dict[str, tuple[float, float]]:
+        table = self._get_elapsed_time_all_ranks(names, reset, barrier)
+        out: dict[str, tuple[float, float]] = {}
+        if table is None:
+            return out
+        for i, name in enumerate(names):
+            column = table[:, i]
+            column = column[column > 0.0]
+            if column.numel() > 0:
+                out[name] = (column.min().item() / normalizer, column.max().item() / normalizer)
+        return out
+
+    def _get_global_min_max_time_string(self, names: list, reset: bool, barrier: bool, normalizer: float,
+                                        max_only: bool) -> Optional[str]:
+        times = self._get_global_min_max_time(names, reset, barrier, normalizer)
+        if not times:
+            return None
+        text = "max time across ranks (ms):" if max_only else "(min, max) time across ranks (ms):"
+        for name, (low, high) in times.items():
+            label = (name + " ").ljust(48, ".")
+            text += f"\n    {label}: {high:.2f}" if max_only else f"\n    {label}: ({low:.2f}, {high:.2f})"
+        return text
+
+    def _get_all_ranks_time_string(self, names: list, reset: bool, barrier: bool,
+                                   normalizer: float) -> Optional[str]:
+        table = self._get_elapsed_time_all_ranks(names, reset, barrier)
+        if table is None:
+            return None
+        text, reported = "times across ranks (ms):", False
+        for i, name in enumerate(names):
+            first = True
+            for rank in range(table.shape[0]):
+                if table[rank, i] > 0:
+                    reported = True
+                    if first:
+                        first = False
+                        text += f"\n  {name}:"
+                    text += "\n     rank {:2d}: {:.2f}".format(rank, table[rank, i] / normalizer)
+        return text if reported else None
+
+    # --- the gather ----------------------------------------------------------------------------
+    def _gather(self, names: list, seconds: dict[str, float]) -> torch.Tensor:
+        """One all-gather of a float32 row: a "my names changed" flag, then the agreed names'
+        seconds; renegotiates (every rank, told by the same gather) when a flag is up."""
+        world, _ = _world()
+        if world == 1:
+            self._agreed = list(names)
+            return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
+        if self._agreed is None:
+            self._negotiate(names)
+        while True:
+            agreed = self._agreed
+            flag = 0.0 if set(names) <= set(agreed) else 1.0
+            row = torch.tensor([flag] + [float(seconds.get(n, 0.0)) for n in agreed], dtype=torch.float32)
+            table = _all_gather_rows(row, world)
+            if not bool((table[:, 0] > 0).any()):
+                return table[:, 1:]
+            self._negotiate(names)
+
+    def _negotiate(self, names: list) -> None:
+        rows: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, list(names))
+        self._agreed = list(dict.fromkeys(name for row in rows for name in row))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _all_gather_rows(row: torch.Tensor, world: int) -> torch.Tensor:
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    row = row.to(device)
+    out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, row)
+    return out.view(world, row.numel()).cpu()
