@@ -10,6 +10,7 @@ import sys as _sys
 from . import tensor_stats
 from .collectors.base import Alert, Collector, LogContext
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
+from .grad_norm import clip_grad_norm_
 from .monitor import Monitor
 from .reduce import PerRank, Reduced, Reducer, Sample
 from .sinks.jsonl import read_jsonl
@@ -21,4 +22,5 @@ _sys.modules[__name__ + ".inspect"] = tensor_stats
 __version__ = "0.1.0"
 
 __all__ = ["Monitor", "MetricsConfig", "TensorInspectConfig", "ConfigError", "Sample", "Reducer",
-           "Reduced", "PerRank", "Collector", "LogContext", "Alert", "read_jsonl", "tensor_stats", "__version__"]
+           "Reduced", "PerRank", "Collector", "LogContext", "Alert", "read_jsonl", "tensor_stats", "clip_grad_norm_",
+           "__version__"]

@@ -134,12 +134,12 @@ class Monitor:
         self._check_open()
         self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Drop-in for ``torch.nn.utils.clip_grad_norm_``, exact under every parallel layout:
-        returns the pre-clip total norm (the same on every rank) and scales the gradients by
-        ``min(1, max_norm / norm)``; ``max_norm=inf`` only measures. One all-reduce of one number;
-        per-module norms ride the log step's SUM pack."""
-        return self._norms("clip_grad_norm_").clip(max_norm, norm_type)
+    def clip_grad_norm_(self, parameters: Any = None, max_norm: Any = None, norm_type: Union[float, str] = 2.0,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
+        every parallel layout; also ``clip_grad_norm_(max_norm)`` for the model's parameters. One
+        all-reduce of one number; per-module norms ride the log step's SUM pack."""
+        return self._norms("clip_grad_norm_").clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
@@ -147,7 +147,7 @@ class Monitor:
         norms = self._norms("measure_grad_norms")
         if not self._is_log_step(step):
             return None
-        return norms.measure(norm_type, None)
+        return norms.measure(norm_type)
 
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:

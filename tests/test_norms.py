@@ -67,12 +67,20 @@ def _full(t):
 
 
 def _truth(named: dict) -> dict:
-    """{"total": ‖·‖, "modules": {module: ‖·‖}} from full float64 tensors keyed by global name."""
+    """{"total": ‖·‖, "modules": {module: ‖·‖}} from full float64 tensors keyed by global name:
+    every module's whole subtree (the recipe users copy: for each named module, the norm of all
+    parameters below it); the root's own parameters are "model"."""
+    return _subtree_truth({name: float(t.pow(2).sum()) for name, t in named.items()})
+
+
+def _subtree_truth(squares: dict) -> dict:
+    """Per-parameter ‖·‖² (global names) → the total and every module's subtree norm."""
     modules: dict = {}
-    for name, t in named.items():
-        module = name.rsplit(".", 1)[0] if "." in name else "model"
-        modules[module] = modules.get(module, 0.0) + float(t.pow(2).sum())
-    return {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+    for name, square in squares.items():
+        parts = name.split(".")[:-1]
+        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
+            modules[module] = modules.get(module, 0.0) + square
+    return {"total": math.sqrt(sum(squares.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
 
 
 def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
@@ -219,11 +227,10 @@ def _megatron_layouts(rank: int, world: int) -> dict:
         merged = {}
         for rank_squares in gathered:
             merged.update(rank_squares)
-        modules = {}
+        per_name: dict = {}
         for (name, _), sq in merged.items():
-            module = name.rsplit(".", 1)[0]
-            modules[module] = modules.get(module, 0.0) + sq
-        truth = {"total": math.sqrt(sum(modules.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+            per_name[name] = per_name.get(name, 0.0) + sq
+        truth = _subtree_truth(per_name)
         monitor = dm.Monitor(cfg, model=model)
         total = monitor.clip_grad_norm_(math.inf)
         metrics = monitor.step(1)
@@ -369,13 +376,31 @@ def test_inf_norm_is_the_largest_element():
     assert monitor.step(1)["grad_norm"] == pytest.approx(truth, rel=REL)
 
 
-def test_other_norm_types_are_refused():
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, 0.5, 1.5, 4.0, -1.0, -math.inf, 0.0])
+def test_any_p_norm_equals_float64_truth_for_the_total_and_every_subtree(norm_type):
     import torch
 
     model = _net()
     model(torch.randn(4, 8)).sum().backward()
-    with pytest.raises(ValueError, match="norm_type=1.0: accepted values are 2 and inf"):
-        _plain_monitor(model).clip_grad_norm_(1.0, norm_type=1.0)
+    model.blocks[1].fc2.bias.grad.zero_()  # p = 0 counts tensors with a non-zero element
+    grads = {n: p.grad.detach().to(torch.float64).reshape(-1) for n, p in model.named_parameters()}
+
+    def p_norm(tensors):
+        values = torch.cat(tensors).abs()
+        if norm_type == 0:
+            return float(sum(bool(t.count_nonzero()) for t in tensors))
+        if math.isinf(norm_type):
+            return float(values.max() if norm_type > 0 else values.min())
+        return float(values.pow(norm_type).sum().pow(1.0 / norm_type))
+
+    monitor = _plain_monitor(model)
+    total = monitor.clip_grad_norm_(math.inf, norm_type=norm_type)
+    metrics = monitor.step(1)
+    assert float(total) == pytest.approx(p_norm(list(grads.values())), rel=REL)
+    assert metrics["grad_norm"] == pytest.approx(p_norm(list(grads.values())), rel=REL)
+    for module in ("blocks", "blocks.1", "blocks.1.fc2", "inp", "out"):
+        below = [g for n, g in grads.items() if n.startswith(module + ".")]
+        assert metrics[f"grad_norm/{module}"] == pytest.approx(p_norm(below), rel=REL), module
 
 
 def test_params_without_grad_are_skipped_and_counted_and_unfreezing_replans():
@@ -503,3 +528,57 @@ def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():
     names = module_name_map(wrapper)
     assert names["module._orig_mod.layers.0"] == "layers.2"
     assert names["module._orig_mod.layers.1"] == "layers.3"
+
+
+def test_bf16_gradients_are_measured_to_float32_not_bf16_precision():
+    import torch
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = (torch.randn_like(p, dtype=torch.float32) * 0.01).to(torch.bfloat16)
+    truth = math.sqrt(sum(float(p.grad.to(torch.float64).pow(2).sum()) for p in model.parameters()))
+    monitor = _plain_monitor(model)
+    monitor.clip_grad_norm_(math.inf)
+    assert monitor.step(1)["grad_norm"] == pytest.approx(truth, rel=REL)  # bf16 rounding would be ~1e-3
+
+
+def test_mixed_dtypes_are_scaled_each_in_their_own_precision():
+    import torch
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16).to(torch.bfloat16), torch.nn.Linear(16, 16))
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape) * 3.0).to(p.dtype)
+    before = {n: p.grad.to(torch.float64).clone() for n, p in model.named_parameters()}
+    total = math.sqrt(sum(float(g.pow(2).sum()) for g in before.values()))
+    coef = min(1.0, 0.3 / (total + 1e-6))
+    returned = _plain_monitor(model).clip_grad_norm_(model.parameters(), 0.3)
+    assert returned.dtype == torch.float32  # bf16 and fp32 promote to fp32, as torch
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32:  # the bf16 group's coefficient must not reach these
+            assert torch.allclose(p.grad.to(torch.float64), before[name] * coef, rtol=1e-6, atol=0), name
+
+
+def test_clip_grad_norm_takes_torchs_call_shapes():
+    import torch
+
+    model = _net()
+    model(torch.randn(4, 8)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for c, g in zip(copies, grads):
+        c.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(copies, 0.1)  # torch on the same gradients
+    monitor = _plain_monitor(model)
+    for call in (lambda: monitor.clip_grad_norm_(model.parameters(), 0.1),
+                 lambda: monitor.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=2.0,
+                                                 error_if_nonfinite=True, foreach=False),
+                 lambda: monitor.clip_grad_norm_(max_norm=0.1),
+                 lambda: monitor.clip_grad_norm_(0.1)):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        assert float(call()) == pytest.approx(float(expected), rel=REL)
+        assert all(torch.allclose(p.grad, c.grad) for p, c in zip(model.parameters(), copies))
+    with pytest.raises(TypeError, match="max_norm"):
+        monitor.clip_grad_norm_(model.parameters())

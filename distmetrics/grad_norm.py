@@ -1,0 +1,282 @@
+"""Gradient norms and clipping, exact under every parallel layout: a drop-in for
+``torch.nn.utils.clip_grad_norm_``.
+
+Each parameter's local gradient (``p.main_grad`` when Megatron set one, else ``p.grad``; the
+local shard of a DTensor) gets an ownership weight w ∈ {0, 1}
+(:func:`distmetrics.parallel.owns_local_piece`) so that every element of the global gradient
+counts once over all ranks. For a p-norm (any p torch accepts), each rank's owned pieces give
+Σ‖g‖ₚᵖ (inf: the max, −inf: the min), one all-reduce combines the ranks, and the same
+per-tensor norms are segment-summed into per-module buckets for the log step. Per-tensor norms
+are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in float32 for
+bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64; clipping
+scales each group by
+``min(1, max_norm / (total + 1e-6))`` in its own precision, as torch does.
+
+``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
+defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
+(FSDP2, tensor parallel) raises a ``ValueError`` on every rank (the all-reduce carries the flag).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece
+from .plans import Buckets, ParamPlans, Plan, buckets_of, grad_of
+
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
+_NATIVE_P = (1.0, 2.0, math.inf, -math.inf, 0.0)
+
+
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None, group: Any = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the global norm under any parallel layout.
+
+    The same call, arguments and return value (the pre-clip total norm, in the gradients'
+    dtype; a replicated DTensor when the gradients are DTensors). Gradients that are
+    DTensors (FSDP2, HSDP, TP) count by their placements; plain tensors under an initialised
+    process group are treated as data-parallel replicas (DDP) and counted once, Megatron's
+    parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world).
+    """
+    key = id(group)
+    measurer = _MODULE_LEVEL.get(key)
+    if measurer is None:
+        measurer = _MODULE_LEVEL[key] = GradientNorms(None, detect_layout(), group)
+        while len(_MODULE_LEVEL) > 4:
+            _MODULE_LEVEL.popitem(last=False)
+    return measurer.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)[0]
+
+
+_MODULE_LEVEL: "OrderedDict[int, GradientNorms]" = OrderedDict()
+
+
+@dataclass
+class GradMeasurement:
+    """One measurement of this rank's gradients, for the log step."""
+
+    norm_type: float
+    kind: str  # how the values combine across ranks: sum (Σ nᵖ), max (inf; p=0 already global), min (-inf)
+    buckets: torch.Tensor  # per module bucket
+    local_total: torch.Tensor
+    nonfinite: torch.Tensor
+    bad_buckets: torch.Tensor
+    missing: float
+    owned_buckets: Buckets
+    local_buckets: Buckets
+    max_norm: Optional[float] = None
+    coef: Optional[torch.Tensor] = None
+    total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
+    locals: Optional[list] = None  # the local gradients, until clipping scaled them
+
+
+class GradientNorms:
+    """Measures (and clips) the gradients of a model's parameters, or of any parameters given."""
+
+    def __init__(self, model: Optional[torch.nn.Module], layout: Optional[Layout] = None, group: Any = None,
+                 depth: Optional[int] = None) -> None:
+        self.plans = ParamPlans(model, depth)
+        self.layout = layout or detect_layout()
+        self.group = group
+
+    def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
+             error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> tuple[Any, GradMeasurement]:
+        """Measure, then scale every gradient by ``min(1, max_norm / (total + 1e-6))`` (torch's
+        formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement)."""
+        max_norm = float(max_norm)
+        with torch.no_grad():
+            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach)
+            if measured is not None:
+                measured.max_norm = max_norm
+                measured.coef = torch.clamp(max_norm / (measured.total + 1e-6), max=1.0)
+                _scale(measured.locals, measured.coef, foreach)
+                measured.locals = None
+        return result, measured
+
+    def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
+                foreach: Optional[bool] = None) -> tuple[Any, Optional[GradMeasurement]]:
+        """(the total norm as torch returns it, the measurement); one all-reduce."""
+        p = float(norm_type)
+        plan = self.plans.for_parameters(parameters)
+        grads, index = [], []
+        for i, param in enumerate(plan.params):
+            g = grad_of(param)
+            if g is not None:
+                grads.append(g)
+                index.append(i)
+        if not grads:
+            _all_reduce(torch.zeros(2 if p == 0 else 1, dtype=torch.float64), _kind(p), self.group)  # every rank joins
+            return torch.tensor(0.0), None
+        locals_ = [local_tensor(g) for g in grads]
+        device = locals_[0].device
+        owned, bucket_idx, owned_buckets, local_buckets = self._routing(plan, grads, index, device)
+        norms = per_tensor_norms(locals_, p, foreach, device)
+        sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
+        measured = _combine(norms, owned, bucket_idx, len(plan.buckets), p, self.group, device, sharded)
+        measured.missing = float(len(plan.params) - len(index))
+        measured.owned_buckets, measured.local_buckets = owned_buckets, local_buckets
+        if error_if_nonfinite and not bool(torch.isfinite(measured.total)):
+            raise RuntimeError(
+                f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`")
+        measured.locals = locals_
+        return _as_torch_returns(measured.total, grads), measured
+
+    def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device):
+        """(ownership mask, bucket index, owned buckets, local buckets) of the params that have
+        gradients, cached per plan and gradient set."""
+        key = (tuple(index), device)
+        cached = plan.routing.get(key)
+        if cached is None:
+            weights = [owns_local_piece(g, plan.params[i], plan.names[i], self.layout, self.group)
+                       for g, i in zip(grads, index)]
+            owned = torch.tensor(weights, dtype=torch.bool, device=device)
+            bucket_idx = plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device)
+            # Buckets this rank owns nothing of are not sent: a bucket nobody owns (the last
+            # stage's copy of a tied embedding) does not appear at all.
+            owned_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i, w in zip(index, weights) if w}), device)
+            local_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i in index}), device)
+            cached = plan.routing[key] = (owned, bucket_idx, owned_buckets, local_buckets)
+        return cached
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+def _kind(p: float) -> str:
+    if p == math.inf:
+        return "max"
+    if p == -math.inf:
+        return "min"
+    return "count" if p == 0 else "sum"
+
+
+def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    """Positions of the tensors by (device, dtype)."""
+    out: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.device, t.dtype), []).append(i)
+    return out
+
+
+def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
+                      device: torch.device) -> torch.Tensor:
+    """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
+    low-precision groups accumulate in float32."""
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    for (dev, dtype), positions in _groups(tensors).items():
+        group = [tensors[i] for i in positions]
+        # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
+        # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
+        acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in _LOW_PRECISION else None)
+        if _use_foreach(foreach, dev, group):
+            norms = torch._foreach_norm(group, p, dtype=acc)
+        else:
+            norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
+        out[torch.tensor(positions, device=device)] = torch.stack(norms).to(device=device, dtype=torch.float64)
+    return out
+
+
+def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -> bool:
+    supported = device.type in _FOREACH_DEVICES
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return bool(foreach) or (foreach is None and supported)
+
+
+def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
+             group: Any, device: torch.device, sharded: bool = False) -> GradMeasurement:
+    """Owned per-tensor norms → per-bucket values, this rank's total and the global total."""
+    kind = _kind(p)
+    zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
+    if kind == "sum":
+        contrib = torch.where(owned, norms.pow(p), torch.zeros_like(norms))
+        buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
+        total = _all_reduce(local.reshape(1), kind, group)[0].pow(1.0 / p)
+    elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
+        contrib = torch.where(owned, (norms > 0).to(torch.float64), torch.zeros_like(norms))
+        buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
+        flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
+        total, flag = _all_reduce(torch.cat([local.reshape(1), flag]), kind, group)
+        if flag > 0:
+            raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
+                             "tensors sharded over ranks (FSDP2, tensor parallel); use a norm_type other than 0")
+        kind = "sum"
+    else:
+        fill = -math.inf if kind == "max" else math.inf
+        contrib = torch.where(owned, norms, torch.full_like(norms, fill))
+        reduce = "amax" if kind == "max" else "amin"
+        buckets = torch.full_like(zeros, fill).index_reduce(0, bucket_idx, contrib, reduce, include_self=True)
+        local = contrib.max() if kind == "max" else contrib.min()
+        total = _all_reduce(local.reshape(1), kind, group)[0]
+    # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
+    # one GPU) must not hide behind the copy on the owning rank.
+    nonfinite = (~torch.isfinite(norms)).to(torch.float64)
+    measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), zeros.index_add(0, bucket_idx, nonfinite),
+                               0.0, None, None)
+    measured.total = total
+    return measured
+
+
+def _is_piece(grad: torch.Tensor, param: Any, layout: Layout) -> bool:
+    """Is this local gradient a shard of a larger tensor (DTensor Shard, Megatron TP)?"""
+    if is_dtensor(grad):
+        return any(not placement.is_replicate() for placement in grad.placements)
+    return bool(getattr(param, "tensor_model_parallel", False)) and layout.tp_size > 1
+
+
+def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
+    """One all-reduce: SUM for sums and counts; MAX (MIN as the max of −v) with a NaN lane, since
+    gloo's MAX drops a NaN that arrives from another rank."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return values
+    home = values.device
+    if "nccl" not in str(dist.get_backend(group)).lower() and home.type != "cpu":
+        values = values.cpu()
+    if kind in ("sum", "count"):
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        return values.to(home)
+    sign = 1.0 if kind == "max" else -1.0
+    nan = torch.isnan(values).to(values.dtype)
+    packed = torch.cat([torch.nan_to_num(values * sign, nan=-math.inf), nan])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    n = values.numel()
+    out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
+    return out.to(home)
+
+
+def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
+    """Multiply every tensor by ``coef`` in its own precision, per (device, dtype) group."""
+    for (dev, dtype), positions in _groups(tensors).items():
+        group = [tensors[i] for i in positions]
+        factor = coef.to(device=dev, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        if _use_foreach(foreach, dev, group):
+            torch._foreach_mul_(group, factor)
+        else:
+            for t in group:
+                t.mul_(factor)
+
+
+def _as_torch_returns(total: torch.Tensor, grads: list) -> Any:
+    """The total as torch returns it: the gradients' (promoted) dtype on the first gradient's
+    device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors."""
+    first = grads[0]
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    value = total.to(device=local_tensor(first).device, dtype=dtype)
+    if is_dtensor(first):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = first.device_mesh
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value

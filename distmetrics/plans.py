@@ -1,0 +1,153 @@
+"""Which parameters a norm is taken over: their global names, their module buckets, and the
+cached plan that is rebuilt only when the model's parameters change."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .naming import ROOT_MODULE, global_param_name, module_name_map
+
+__all__ = ["Plan", "Buckets", "ParamPlans", "buckets_of", "grad_of", "UNNAMED"]
+
+UNNAMED = "unnamed"
+"""The bucket of parameters that are not in the model (e.g. passed to the module-level clip)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A set of bucket ids, and the same as an index tensor on the measuring device."""
+
+    ids: tuple
+    index: torch.Tensor = field(compare=False, hash=False)
+
+
+@dataclass
+class Plan:
+    """Which parameters are measured, their global names and module buckets, cached routing."""
+
+    params: list
+    names: list[str]  # global parameter names
+    buckets: list[str]  # module names, one per bucket
+    bucket_of: torch.Tensor  # [P] long: bucket index of each param
+    signature: tuple
+    routing: dict = field(default_factory=dict)  # ownership/bucket tensors per gradient set
+    param_owned: Optional[torch.Tensor] = None  # ownership of the params themselves
+    param_buckets: Optional[Buckets] = None  # buckets this rank owns params of
+    slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
+    generation: int = -1  # _REGISTRATIONS when the slots were read
+    vectors: dict = field(default_factory=dict)  # (family, bucket ids) → element names
+
+
+# Parameters or modules registered anywhere in the process since start: a plan made before
+# the last registration is checked again.
+_REGISTRATIONS = [0]
+
+
+def _registered(*args: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+class ParamPlans:
+    """The plan of a model's trainable parameters (cached), and of other parameter lists."""
+
+    def __init__(self, model: Optional[torch.nn.Module], depth: Optional[int] = None) -> None:
+        self.model = model
+        self.depth = depth
+        self.plan: Optional[Plan] = None
+        self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self.replans = 0
+
+    def for_parameters(self, parameters: Any = None) -> Plan:
+        """The plan of the model's trainable parameters, or of the parameters given (the
+        model's plan when they are the same gradients)."""
+        if parameters is None:
+            return self.model_plan()
+        if isinstance(parameters, torch.Tensor):
+            params = [parameters]
+        else:
+            params = list(parameters)
+            if not params and not isinstance(parameters, (list, tuple)):
+                warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
+        if self.model is not None:
+            plan = self.model_plan()
+            with_grad = {id(q) for q in params if grad_of(q) is not None}
+            if with_grad == {id(q) for q in plan.params if grad_of(q) is not None}:
+                return plan
+        signature = tuple(id(q) for q in params)
+        plan = self._custom.get(signature)
+        if plan is None:
+            plan = self._custom[signature] = self._build(list(zip(self._names(params), params)), signature)
+            while len(self._custom) > 4:
+                self._custom.popitem(last=False)
+        return plan
+
+    def model_plan(self) -> Plan:
+        """The plan of the model's trainable parameters, rebuilt when they changed: a parameter
+        registered anywhere (torch's global registration hooks), one replaced in its module,
+        frozen or unfrozen (a check of each cached slot, far cheaper than ``named_parameters``)."""
+        plan = self.plan
+        if plan is not None and plan.generation == _REGISTRATIONS[0] and all(
+                module._parameters.get(key) is param and param.requires_grad == grad
+                for module, key, param, grad in plan.slots):
+            return plan
+        slots = _param_slots(self.model)
+        rename = module_name_map(self.model)
+        named = [(global_param_name(n, rename), q) for n, q in self.model.named_parameters() if q.requires_grad]
+        signature = tuple(id(q) for _, q in named)
+        if plan is None or plan.signature != signature:
+            if plan is not None:
+                self.replans += 1
+            plan = self.plan = self._build(named, signature)
+        plan.slots, plan.generation = slots, _REGISTRATIONS[0]
+        return plan
+
+    def _names(self, params: list) -> list[str]:
+        if self.model is None:
+            return [f"{UNNAMED}.{i}" for i in range(len(params))]
+        rename = module_name_map(self.model)
+        known = {id(q): global_param_name(n, rename) for n, q in self.model.named_parameters()}
+        return [known.get(id(q), f"{UNNAMED}.{i}") for i, q in enumerate(params)]
+
+    def _build(self, named: list, signature: tuple) -> Plan:
+        names, buckets, bucket_ids = [], [], []
+        index: dict[str, int] = {}
+        for name, _ in named:
+            names.append(name)
+            module = name.rsplit(".", 1)[0] if "." in name else ROOT_MODULE
+            if self.depth is not None:
+                module = ".".join(module.split(".")[: self.depth])
+            if module not in index:
+                index[module] = len(buckets)
+                buckets.append(module)
+            bucket_ids.append(index[module])
+        return Plan([q for _, q in named], names, buckets, torch.tensor(bucket_ids, dtype=torch.long), signature)
+
+def buckets_of(ids: list[int], device: torch.device) -> Buckets:
+    """A :class:`Buckets` of these ids on ``device``."""
+    return Buckets(tuple(ids), torch.tensor(ids, dtype=torch.long, device=device))
+
+
+def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient that counts: Megatron's ``main_grad`` when set, else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def _param_slots(model: torch.nn.Module) -> list:
+    """Where each parameter lives, in ``named_parameters`` order (shared ones once)."""
+    seen, slots = set(), []
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                slots.append((module, key, param, param.requires_grad))
+    return slots
