@@ -28,7 +28,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece
+from .megatron_optimizer import MegatronShards, check_layout
+from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
 from .plans import Buckets, ParamPlans, Plan, buckets_of, grad_of
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
@@ -88,6 +89,17 @@ class GradientNorms:
         self.plans = ParamPlans(model, depth)
         self.layout = layout or detect_layout()
         self.group = group
+        self.model = model
+        self.shards: Optional[MegatronShards] = None
+
+    def attach_shards(self, shards: MegatronShards) -> None:
+        """Count the slices Megatron's distributed optimizer gives this rank (see
+        :mod:`distmetrics.megatron_optimizer`); cached ownership is recomputed."""
+        self.shards = shards
+        for plan in [self.plans.plan, *self.plans._custom.values()]:
+            if plan is not None:
+                plan.routing.clear()
+                plan.param_owned = None
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> tuple[Any, GradMeasurement]:
@@ -114,10 +126,13 @@ class GradientNorms:
             if g is not None:
                 grads.append(g)
                 index.append(i)
+        if not plan.checked:
+            check_layout(self.model, plan.params, plan.names, self.shards)
+            plan.checked = True
         if not grads:
             _all_reduce(torch.zeros(2 if p == 0 else 1, dtype=torch.float64), _kind(p), self.group)  # every rank joins
             return torch.tensor(0.0), None
-        locals_ = [local_tensor(g) for g in grads]
+        locals_ = [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
         device = locals_[0].device
         owned, bucket_idx, owned_buckets, local_buckets = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device)
@@ -133,14 +148,28 @@ class GradientNorms:
         measured.locals = locals_
         return _as_torch_returns(measured.total, grads), measured
 
+    def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``tensor`` (``param`` or laid out like it): the distributed
+        optimizer's owned slice, the local shard of a DTensor, or the tensor."""
+        if self.shards is not None:
+            owned = self.shards.owned_slice(param, tensor)
+            if owned is not None:
+                return owned
+        return local_tensor(tensor)
+
+    def owns(self, param: Any, name: str, tensor: torch.Tensor) -> bool:
+        """Does this rank's piece of ``tensor`` count (:mod:`distmetrics.parallel`)?"""
+        if self.shards is not None and id(param) in self.shards.params:
+            return owns_shard_piece(param, self.layout)
+        return owns_local_piece(tensor, param, name, self.layout, self.group)
+
     def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device):
         """(ownership mask, bucket index, owned buckets, local buckets) of the params that have
         gradients, cached per plan and gradient set."""
         key = (tuple(index), device)
         cached = plan.routing.get(key)
         if cached is None:
-            weights = [owns_local_piece(g, plan.params[i], plan.names[i], self.layout, self.group)
-                       for g, i in zip(grads, index)]
+            weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
             owned = torch.tensor(weights, dtype=torch.bool, device=device)
             bucket_idx = plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device)
             # Buckets this rank owns nothing of are not sent: a bucket nobody owns (the last

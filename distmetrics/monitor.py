@@ -15,7 +15,7 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.steps import INTERVAL_S, TOKENS
+from .collectors.steps import pop_interval
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .naming import module_order
@@ -70,8 +70,8 @@ class Monitor:
         self._by_name = {c.name: c for c in self.collectors}
         self.timers = self._by_name["timers"].timers
         self._module_order = module_order(model)
-        if optimizer is not None and "norms" in self._by_name and config.log_update_norm:
-            self._by_name["norms"].attach_optimizer(optimizer, self._is_log_step)
+        if optimizer is not None and "norms" in self._by_name:
+            self.attach_megatron_optimizer(optimizer)
         self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
         self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks) \
             if self.is_writer else SinkSet()
@@ -120,10 +120,7 @@ class Monitor:
         Written as ``<split>/loss/<category>`` (the mean per sample, or per token when ``weights``
         are token counts) at the log step (``train``) or :meth:`log_eval` (``eval``)."""
         self._check_open()
-        if split not in ("train", "eval"):
-            raise ValueError(f"record_losses: split={split!r}; accepted values are 'train', 'eval'")
-        target = self._by_name["losses"].train if split == "train" else self._eval.categories
-        target.record(per_sample_loss, categories, weights, names)
+        self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights, names)
 
     def record_moe(self, aux_loss: Optional[Number] = None, z_loss: Optional[Number] = None,
                    tokens_per_expert: Optional[torch.Tensor] = None, layer_numbers=None) -> None:
@@ -148,6 +145,11 @@ class Monitor:
         if not self._is_log_step(step):
             return None
         return norms.measure(norm_type)
+
+    def attach_megatron_optimizer(self, optimizer: Any) -> None:
+        """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned
+        gradient slices and fp32 main shards; update-norm hooks (``Monitor(optimizer=)`` does this)."""
+        self._norms("attach_megatron_optimizer").attach_optimizer(optimizer, self._is_log_step)
 
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:
@@ -207,8 +209,7 @@ class Monitor:
                          module_order=self._module_order)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         metrics = self._reducer.reduce(samples, tag=step).to_metrics()
-        ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
-        metrics.pop(INTERVAL_S + "/max_rank", None)
+        ctx.interval_s, ctx.tokens = pop_interval(metrics)
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes
@@ -220,9 +221,7 @@ class Monitor:
         return metrics
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
-        if step is None:
-            step = (self._last_step or 0) + 1
-        return step % self.config.log_interval == 0
+        return (step if step is not None else (self._last_step or 0) + 1) % self.config.log_interval == 0
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer:

@@ -12,7 +12,9 @@ Who does is decided here and nowhere else:
 * :func:`counts_batch_tokens` — that, on the last pipeline stage (throughput's tokens);
 * :func:`holds_first_replica` — that, on data-parallel rank 0 (weight statistics);
 * :func:`owns_local_piece` — the norm rule: does this rank's local piece of a parameter (or of
-  its gradient) count, so that Σ over ranks of w·‖local‖² counts every element once.
+  its gradient) count, so that Σ over ranks of w·‖local‖² counts every element once;
+  :func:`owns_shard_piece` — the same for a slice that Megatron's distributed optimizer gave
+  this rank (data-parallel ranks hold different slices: only the tensor-parallel rule remains).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
-           "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "local_tensor", "is_dtensor"]
+           "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
+           "is_dtensor"]
 
 
 @dataclass
@@ -192,6 +195,25 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     if layout.source == "megatron":
         return _megatron_owns(param, layout)
     return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0) == 0
+
+
+def owns_shard_piece(param: Any, layout: Layout) -> bool:
+    """Does this rank's slice of ``param`` from Megatron's distributed optimizer count? Every
+    data-parallel (and context-parallel) rank owns a different slice, so only the tensor-parallel
+    rule applies: ``tensor_model_parallel`` params on every TP rank, others on TP rank 0 (expert
+    params: expert-TP rank 0); ``shared`` (the last stage's tied embedding) never."""
+    if getattr(param, "shared", False):
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if not getattr(param, "allreduce", True):  # an expert parameter
+        from megatron.core import parallel_state as ps
+
+        try:
+            return ps.get_expert_tensor_parallel_rank() == 0
+        except (AttributeError, AssertionError):
+            pass
+    return layout.tp_rank == 0
 
 
 def _owns_dtensor_piece(t: Any, name: str) -> bool:

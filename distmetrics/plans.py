@@ -39,6 +39,7 @@ class Plan:
     param_owned: Optional[torch.Tensor] = None  # ownership of the params themselves
     param_buckets: Optional[Buckets] = None  # buckets this rank owns params of
     slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
+    checked: bool = False  # the layout check ran for this plan
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, bucket ids) → element names
 
@@ -137,9 +138,13 @@ def buckets_of(ids: list[int], device: torch.device) -> Buckets:
 
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
-    """The gradient that counts: Megatron's ``main_grad`` when set, else ``.grad``."""
-    main = getattr(p, "main_grad", None)
-    return main if main is not None else p.grad
+    """The gradient that counts: Megatron's ``main_grad`` when set, then ``decoupled_grad`` (its
+    precision-aware optimizer's), else ``.grad``."""
+    for name in ("main_grad", "decoupled_grad"):
+        grad = getattr(p, name, None)
+        if grad is not None:
+            return grad
+    return p.grad
 
 
 def _param_slots(model: torch.nn.Module) -> list:

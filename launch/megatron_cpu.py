@@ -1,10 +1,15 @@
-"""Running Megatron-Core on a CPU-only machine (gloo): the three narrow adaptations.
+"""Running Megatron-Core on a CPU-only machine (gloo): narrow adaptations.
 
 1. A no-op RNG tracker instead of CUDA RNG states
    (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``).
 2. ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU instead of the current CUDA device.
 3. ``Tensor.cuda()`` is the identity while a model is built: with pipeline parallelism and tied
    embeddings, Megatron moves the shared weight to CUDA before all-reducing it across stages.
+4. :func:`cuda_on_cpu`, around exactly three calls of Megatron's ``DistributedDataParallel`` +
+   ``DistributedOptimizer``: building the DDP wrapper, ``get_megatron_optimizer`` and
+   ``optimizer.step()``. Forward, backward, ``finish_grad_sync`` and ``zero_grad_buffer`` need
+   nothing. The buffers, range maps, reduce-scatter, all-gather and the inner ``torch.optim``
+   step are Megatron's and torch's own code on CPU tensors over gloo.
 
 Nothing here is needed (or applied) when CUDA is available.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def apply_cpu_adaptations(seed: int = 1234) -> None:
@@ -84,3 +90,44 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
         return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                         max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied)
+
+
+@contextlib.contextmanager
+def cuda_on_cpu():
+    """Adaptation 4: while active (CPU-only torch),
+
+    * ``torch.cuda.current_device()`` returns 0 instead of raising "Torch not compiled with CUDA
+      enabled" (megatron/core/distributed/param_and_grad_buffer.py allocates the param and grad
+      buffers on it);
+    * a torch call whose ``device=`` names CUDA runs on the CPU (those buffers; the optimizer's
+      ``_dummy_overflow_buf``/``_scale_one``; ``get_grad_norm_fp32`` and the clip in
+      optimizer/clip_grads.py; ``local_multi_tensor_l2_norm``'s result);
+    * ``Tensor.type()`` with no argument names the CUDA type of a CPU tensor, so the type checks
+      pass (distrib_optimizer.py ``_build_model_and_main_param_groups``, the assert in
+      ``clip_grad_by_total_norm_fp32``); ``Tensor.type(dtype)`` casts are untouched.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        torch.cuda.current_device = original
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, bool) and (
+                isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if args[0].device.type == "cpu" and not name.startswith("torch.cuda."):
+                name = "torch.cuda." + name[len("torch."):]
+            return name
+        return func(*args, **kwargs)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import distmetrics as dm
 from common import MarkovData, exit_after_teardown, lr_at, metrics_config
-from megatron_cpu import apply_cpu_adaptations, build_gpt
+from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FP8 training with TransformerEngine (needs --te and a GPU); pair with "
                         "tensor_inspect.features=configs/fp8_tensor_stats.yaml for FP8 statistics")
     p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's DistributedDataParallel + DistributedOptimizer (gradients reduce-scattered: each "
+                        "data-parallel rank owns a shard); Megatron clips, the monitor measures (needs --pp 1)")
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
     return p.parse_args(argv)
 
@@ -135,10 +138,30 @@ def finalize_grads(model: torch.nn.Module) -> None:
             dist.all_reduce(shared.grad, group=ps.get_embedding_group())
 
 
+def distributed_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> tuple:
+    """The model under Megatron's DistributedDataParallel and its DistributedOptimizer (Megatron
+    clips at ``--max-grad-norm``); on CPU through launch/megatron_cpu.cuda_on_cpu."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with cuda_on_cpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+    ddp.broadcast_params()
+    with cuda_on_cpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args.lr, weight_decay=0.01, use_distributed_optimizer=True,
+            clip_grad=args.max_grad_norm), [ddp])
+    return ddp, optimizer
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.fp8 and not args.te:
         raise SystemExit("--fp8 needs --te (TransformerEngine layers, on a GPU)")
+    if args.use_distributed_optimizer and args.pp > 1:
+        raise SystemExit("--use-distributed-optimizer: this trainer's own pipeline send/recv does not run Megatron's "
+                         "DDP across stages; use --pp 1")
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -157,6 +180,8 @@ def main(argv=None) -> dict:
         model = build_gpt(args.layers, args.hidden, args.heads, args.vocab, args.seq_len, args.tp, args.pp,
                           tied=True, use_te=args.te, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
         init_by_global_name(model, args.seed, layer_offset)
+        if args.use_distributed_optimizer:
+            return distributed_optimizer(model, args)
         return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     n_params = 12 * args.layers * args.hidden ** 2 + args.vocab * args.hidden
@@ -168,7 +193,7 @@ def main(argv=None) -> dict:
     monitor = dm.Monitor(config, model=build)  # reads Megatron's parallel_state
     model, optimizer = monitor.model, monitor.optimizer
     timers = monitor.timers
-    model.config.timers = timers  # Megatron code that reads config.timers now uses ours
+    getattr(model, "module", model).config.timers = timers  # Megatron code reading config.timers uses ours
 
     data = MarkovData(args.vocab, args.seed)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -183,17 +208,29 @@ def main(argv=None) -> dict:
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         with timers("forward-backward", log_level=1):
             loss = pipeline_forward_backward(model, tokens, labels, position_ids, mask, args, timers)
-        with timers("all-grads-sync", log_level=1):
-            finalize_grads(model)
-        grad_norm = monitor.clip_grad_norm_(args.max_grad_norm)
-        with timers("optimizer", log_level=1):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        extra = {}
+        if args.use_distributed_optimizer:
+            with timers("all-grads-sync", log_level=1):
+                model.finish_grad_sync()  # reduce-scatter: each data-parallel rank owns a shard
+            grad_norm = monitor.measure_grad_norms(step=step)  # Megatron clips in its step
+            with timers("optimizer", log_level=1), cuda_on_cpu():
+                _, megatron_norm, _ = optimizer.step()
+            if grad_norm is not None:  # a log step: Megatron's own norm of the same gradients, to compare
+                extra["megatron_grad_norm"] = megatron_norm
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+        else:
+            with timers("all-grads-sync", log_level=1):
+                finalize_grads(model)
+            grad_norm = monitor.clip_grad_norm_(args.max_grad_norm)
+            with timers("optimizer", log_level=1):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         metrics = monitor.step(step, loss=None if loss is None else loss.detach(),
-                               tokens=args.micro_batch * args.seq_len, lr=optimizer.param_groups[0]["lr"])
+                               tokens=args.micro_batch * args.seq_len, lr=optimizer.param_groups[0]["lr"], **extra)
         if metrics is not None:
             last = metrics
-        if step == 1:
+        if step == 1 and grad_norm is not None:
             last["first_grad_norm"] = float(grad_norm)
     monitor.close()
     ps.destroy_model_parallel()

@@ -98,6 +98,17 @@ def test_megatron_trainer_tp2_pp2_matches_an_unsharded_run(tmp_path):
     assert run["layout"] == "megatron" and run["writer_rank"] == 3
 
 
+def test_megatron_trainer_with_the_distributed_optimizer_reports_megatrons_own_grad_norm(tmp_path):
+    """Megatron's DDP + DistributedOptimizer (DP=2 × TP=2): our norm of the sharded gradients is
+    the one Megatron's optimizer computes for its clipping, at every log step."""
+    _torchrun("train_megatron.py", 4, ["--tp", "2", "--steps", "4", "--use-distributed-optimizer"] + METRICS
+              + ["log_interval=2", f"output_dir={tmp_path}"])
+    records = _train_records(tmp_path)
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert record["grad_norm"] == pytest.approx(record["train/megatron_grad_norm"], rel=1e-6)
+
+
 def test_two_simulated_nodes_write_one_set_of_files(tmp_path):
     """Two torchrun agents (2 ranks each) meet on loopback through c10d rendezvous."""
     port = str(free_port())

@@ -582,3 +582,36 @@ def test_clip_grad_norm_takes_torchs_call_shapes():
         assert all(torch.allclose(p.grad, c.grad) for p, c in zip(model.parameters(), copies))
     with pytest.raises(TypeError, match="max_norm"):
         monitor.clip_grad_norm_(model.parameters())
+
+
+def _fsdp1(rank: int, world: int) -> str:
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import distmetrics as dm
+
+    model = FullyShardedDataParallel(_net(), device_id=torch.device("cpu"))
+    model(torch.randn(4, 8)).sum().backward()
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    try:
+        monitor.clip_grad_norm_(1.0)
+        return "no error"
+    except ValueError as err:
+        return str(err)
+    finally:
+        monitor.close()
+
+
+def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
+    message = run_ranks(_fsdp1, 2)[0]
+    assert "FlatParameter" in message and "_flat_param" in message
+
+
+def test_megatrons_decoupled_grad_is_read_when_present():
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    for p in model.parameters():  # Megatron's precision-aware optimizer leaves the gradient here
+        p.decoupled_grad = torch.full_like(p, 2.0)
+    truth = math.sqrt(4.0 * sum(p.numel() for p in model.parameters()))
+    assert float(_plain_monitor(model).clip_grad_norm_(math.inf)) == pytest.approx(truth, rel=REL)

@@ -87,6 +87,13 @@ class LossCollector:
     def __init__(self) -> None:
         self.train = CategoryLosses("train/loss")
 
+    def split(self, name: str, eval_losses: CategoryLosses) -> CategoryLosses:
+        """The accumulator of a split: ``train`` (written at the log step) or ``eval`` (kept by
+        the evaluation log, written by ``log_eval``)."""
+        if name not in ("train", "eval"):
+            raise ValueError(f"record_losses: split={name!r}; accepted values are 'train', 'eval'")
+        return self.train if name == "train" else eval_losses
+
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's per-category sums."""
         return self.train.take_samples()

@@ -19,7 +19,8 @@ import torch
 from ..grad_norm import GradientNorms, GradMeasurement, per_tensor_norms
 from ..plans import Buckets, Plan, buckets_of
 from ..naming import ROOT_MODULE
-from ..parallel import local_tensor, owns_local_piece
+from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
+from ..parallel import local_tensor
 from .base import Alert, LogContext, Sample
 
 __all__ = ["NormCollector", "subtree_values"]
@@ -51,23 +52,39 @@ class NormCollector:
         self._snapshot: Optional[list] = None
         self._last_grad: Optional[GradMeasurement] = None
         self._hooks: list = []
+        self._stepping = 0  # inner optimizer steps under way
 
     @property
     def replans(self) -> int:
         """How often the model's parameters changed and the plan was rebuilt."""
         return self.grads.plans.replans
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, is_log_step: Callable[[], bool]) -> None:
-        """Measure update norms: snapshot the local shards before ``optimizer.step()`` when the
-        coming step will be logged (``is_log_step()``), diff after it."""
+    def attach_optimizer(self, optimizer: Any, is_log_step: Callable[[], bool]) -> None:
+        """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
+        this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
+        the (main) parameters before the step when it will be logged (``is_log_step()``) and
+        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers."""
+        targets = [optimizer]
+        if is_megatron_optimizer(optimizer):
+            shards = MegatronShards(optimizer)
+            if shards.active:
+                self.grads.attach_shards(shards)
+            targets = shards.inner
+        if not self.log_update_norm:
+            return
+
         def before(opt: Any, args: Any, kwargs: Any) -> None:
-            if is_log_step():
+            if self._stepping == 0 and is_log_step():
                 self.snapshot()
+            self._stepping += 1
 
         def after(opt: Any, args: Any, kwargs: Any) -> None:
-            self.diff()
+            self._stepping -= 1
+            if self._stepping == 0:  # after the last of a chained optimizer's inner steps
+                self.diff()
 
-        self._hooks += [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+        for target in targets:
+            self._hooks += [target.register_step_pre_hook(before), target.register_step_post_hook(after)]
 
     # --- gradients ----------------------------------------------------------------------
     def clip(self, parameters: Any, max_norm: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
@@ -100,7 +117,7 @@ class NormCollector:
     def snapshot(self) -> None:
         """Copy the local shards before ``optimizer.step()`` (log steps only)."""
         plan = self.grads.plans.model_plan()
-        locals_ = [local_tensor(p.detach()) for p in plan.params]
+        locals_ = self._param_pieces(plan)
         if self.snapshot_device == "cpu":
             self._snapshot = [t.to("cpu", copy=True) for t in locals_]
         else:
@@ -112,7 +129,7 @@ class NormCollector:
             return
         plan = self.grads.plans.model_plan()
         old, self._snapshot = self._snapshot, None
-        new = [local_tensor(p.detach()) for p in plan.params]
+        new = self._param_pieces(plan)
         if len(new) != len(old):
             return  # the model changed during the step; skip this measurement
         if self.snapshot_device == "cpu":
@@ -136,7 +153,7 @@ class NormCollector:
         update, self._update = self._update, None
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
-            squares = self._bucket_squares(plan, [local_tensor(p.detach()) for p in plan.params])
+            squares = self._bucket_squares(plan, self._param_pieces(plan))
             out.append(Sample("param_norm", squares.sum(), "sum"))
             if self.per_module:
                 out.append(_vector(plan, "param_norm", squares, "sum", plan.param_buckets))
@@ -189,11 +206,21 @@ class NormCollector:
             if g and same_norm:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
 
+    def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
+        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard, a
+        DTensor's local shard, or the parameter."""
+        shards = self.grads.shards
+        out = []
+        for p in plan.params:
+            main = shards.main_shard(p) if shards is not None else None
+            out.append(main if main is not None else local_tensor(p.detach()))
+        return out
+
     def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates)."""
         device = tensors[0].device if tensors else torch.device("cpu")
         if plan.param_owned is None or plan.param_owned.device != device:
-            weights = [owns_local_piece(p, p, n, self.layout, self.group) for p, n in zip(plan.params, plan.names)]
+            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
             plan.param_owned = torch.tensor(weights, dtype=torch.bool, device=device)
             plan.param_buckets = buckets_of(sorted({int(b) for b, w in zip(plan.bucket_of.tolist(), weights) if w}),
                                             device)

@@ -18,7 +18,7 @@ from ..interval import IntervalStats
 from ..parallel import counts_batch_tokens
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "pop_interval"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -84,6 +84,12 @@ class StepValues:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def pop_interval(metrics: dict[str, Any]) -> tuple[Optional[float], Optional[float]]:
+    """Take the internal lanes out of reduced metrics: (interval seconds, interval tokens)."""
+    metrics.pop(INTERVAL_S + "/max_rank", None)
+    return metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
 
 
 def _as_number(v: Number) -> Number:

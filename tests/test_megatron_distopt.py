@@ -1,0 +1,216 @@
+"""Megatron-Core's own DistributedDataParallel + DistributedOptimizer on 4 real gloo ranks (DP=4
+and DP=2 × TP=2): our gradient, parameter and update norms against float64 truth from the full
+tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's.
+
+Megatron's DDP and optimizer run as they are, with ``launch/megatron_cpu.cuda_on_cpu`` around
+building them and ``optimizer.step()`` (it only sends CUDA allocations to the CPU and lets the
+``torch.cuda.*Tensor`` type checks pass; see its docstring). The truth: every rank's local
+gradient (``main_grad`` before ``finish_grad_sync``, unreduced) summed over the data-parallel
+group in float64, counted once per (global name, tensor-parallel partition); parameters from the
+full, all-gathered model before and after the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.dist_utils import quiet_config, run_ranks
+
+REL = 1e-6
+STEPS = 2
+CLIP = 0.05  # small, so every step clips
+
+
+def _setup(tp: int, clip_grad: float, attach: bool = True):
+    """A GPTModel under Megatron's DDP with the distributed optimizer, and a Monitor on it."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    apply_cpu_adaptations(seed=1234)
+    model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=tp, tied=True)
+    with cuda_on_cpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+    ddp.broadcast_params()
+    with cuda_on_cpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False,
+                                                           use_distributed_optimizer=True, clip_grad=clip_grad), [ddp])
+    cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
+    monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
+    torch.manual_seed(0)
+    return ddp, optimizer, monitor
+
+
+def _batch(step: int, dp_rank: int):
+    import torch
+
+    rows = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+    position_ids = torch.arange(16).unsqueeze(0).expand(2, 16)
+    mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1).view(1, 1, 16, 16)
+    return rows[:, :-1].contiguous(), position_ids, mask, rows[:, 1:].contiguous()
+
+
+def _squares(named: dict, world: int) -> dict:
+    """{global name: ‖full tensor‖²}: every rank's {(name, TP partition): ‖piece‖²}, each key once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    mine = {(n, tp_rank if getattr(p, "tensor_model_parallel", False) else 0): float(t.pow(2).sum())
+            for n, (p, t) in named.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    merged = {}
+    for rank_squares in gathered:
+        merged.update(rank_squares)
+    out: dict = {}
+    for (name, _), square in merged.items():
+        out[name] = out.get(name, 0.0) + square
+    return out
+
+
+def _subtrees(squares: dict) -> dict:
+    modules = {}
+    for name, square in squares.items():
+        parts = name.split(".")[:-1]
+        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
+            modules[module] = modules.get(module, 0.0) + square
+    return {"total": math.sqrt(sum(squares.values())), **{m: math.sqrt(v) for m, v in modules.items()}}
+
+
+def _norms_run(tp: int, world: int) -> list:
+    """Megatron clips; we measure. Per step: ours, Megatron's and the truth."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(tp, clip_grad=CLIP)
+    dp_group, dp = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+    params = {n: p for n, p in ddp.module.named_parameters()}
+    out = []
+    for step in range(1, STEPS + 1):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        tokens, position_ids, mask, labels = _batch(step, ps.get_data_parallel_rank())
+        ddp(tokens, position_ids, mask, labels=labels).mean().backward()
+        full_grads = {}
+        for name, p in params.items():  # the local gradients, summed over data parallel
+            g = p.main_grad.detach().to(torch.float64).clone()
+            dist.all_reduce(g, group=dp_group)
+            full_grads[name] = (p, g / dp)
+        before = {name: (p, p.detach().to(torch.float64).clone()) for name, p in params.items()}
+        ddp.finish_grad_sync()
+        ours_total = float(monitor.measure_grad_norms())
+        with cuda_on_cpu():
+            _, megatron_norm, _ = optimizer.step()
+        metrics = monitor.step(step)
+        after = {name: (p, p.detach().to(torch.float64).clone()) for name, p in params.items()}
+        update = {name: (p, after[name][1] - before[name][1]) for name, p in params.items()}
+        out.append({"ours_total": ours_total, "megatron": float(megatron_norm),
+                    "grad": _subtrees(_squares(full_grads, world)), "param": _subtrees(_squares(after, world)),
+                    "update": _subtrees(_squares(update, world)),
+                    "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}})
+    monitor.close()
+    return out
+
+
+def _clip_run(tp: int, monitor_clips: bool) -> dict:
+    """One step where Megatron clips, or where we clip and Megatron does not: the parameters."""
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(tp, clip_grad=0.0 if monitor_clips else CLIP)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    ddp(tokens, position_ids, mask, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    if monitor_clips:
+        monitor.clip_grad_norm_(CLIP)
+    else:
+        monitor.measure_grad_norms()
+    with cuda_on_cpu():
+        optimizer.step()
+    monitor.step(1)
+    monitor.close()
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _unattached(rank: int) -> str:
+    """The distributed optimizer's model, the optimizer not given to the Monitor."""
+    from megatron.core import parallel_state as ps
+
+    ddp, optimizer, monitor = _setup(1, clip_grad=CLIP, attach=False)
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    ddp(tokens, position_ids, mask, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    try:
+        monitor.measure_grad_norms(step=1)
+        return "no error"
+    except ValueError as err:
+        return str(err)
+    finally:
+        monitor.close()
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for tp in (1, 2):
+        out[f"norms_tp{tp}"] = _norms_run(tp, world)
+        ps.destroy_model_parallel()
+        megatron_clips = _clip_run(tp, monitor_clips=False)
+        ps.destroy_model_parallel()
+        ours_clips = _clip_run(tp, monitor_clips=True)
+        ps.destroy_model_parallel()
+        out[f"clip_tp{tp}"] = max(float((megatron_clips[n] - ours_clips[n]).abs().max()) for n in ours_clips)
+        out[f"clip_scale_tp{tp}"] = max(float(p.abs().max()) for p in ours_clips.values())
+    out["unattached"] = _unattached(rank)
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_scenarios, 4, timeout=420)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_norms_are_exact_under_the_distributed_optimizer(results, tp):
+    for rank_result in results:
+        for step in rank_result[f"norms_tp{tp}"]:
+            m = step["metrics"]
+            assert step["ours_total"] == pytest.approx(step["grad"]["total"], rel=REL)
+            assert m["grad_norm"] == pytest.approx(step["grad"]["total"], rel=REL)
+            assert m["grad_norm"] == pytest.approx(step["megatron"], rel=REL)  # Megatron's own, fp32
+            for family in ("grad", "param", "update"):
+                truth = step[family]
+                assert m[f"{family}_norm"] == pytest.approx(truth["total"], rel=1e-5 if family == "update" else REL)
+                for module, value in truth.items():
+                    if module != "total":
+                        assert m[f"{family}_norm/{module}"] == pytest.approx(value, rel=1e-5, abs=1e-12), module
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_our_clip_scales_what_megatrons_clip_would(results, tp):
+    for rank_result in results:
+        assert rank_result[f"clip_tp{tp}"] <= 1e-6 * rank_result[f"clip_scale_tp{tp}"]
+
+
+def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):
+    for rank_result in results:
+        message = rank_result["unattached"]
+        assert "use_distributed_optimizer=True" in message and "attach_megatron_optimizer" in message
+        assert message.startswith("parameter '")
