@@ -127,3 +127,20 @@ def quiet_config(**extra: Any):
                timing_log_level=-1, log_throughput=False, log_memory=False)
     cfg.update(extra)
     return dm.MetricsConfig(**cfg)
+
+
+def squares_by_name(pieces: dict, world: int) -> dict:
+    """Float64 ground truth of sharded tensors: every rank's ``{(global name, partition): ‖piece‖²}``
+    gathered, each key counted once (replicas and tied copies carry the same key and value),
+    summed per global name."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, pieces)
+    merged: dict = {}
+    for rank_pieces in gathered:
+        merged.update(rank_pieces)
+    out: dict = {}
+    for (name, _), square in merged.items():
+        out[name] = out.get(name, 0.0) + square
+    return out

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import quiet_config, run_ranks
+from tests.dist_utils import quiet_config, run_ranks, squares_by_name
 
 REL = 1e-6
 STEPS = 2
@@ -59,22 +59,12 @@ def _batch(step: int, dp_rank: int):
 
 
 def _squares(named: dict, world: int) -> dict:
-    """{global name: ‖full tensor‖²}: every rank's {(name, TP partition): ‖piece‖²}, each key once."""
-    import torch.distributed as dist
+    """{global name: ‖full tensor‖²} of {name: (param, this rank's piece)}."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
-    mine = {(n, tp_rank if getattr(p, "tensor_model_parallel", False) else 0): float(t.pow(2).sum())
-            for n, (p, t) in named.items()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    merged = {}
-    for rank_squares in gathered:
-        merged.update(rank_squares)
-    out: dict = {}
-    for (name, _), square in merged.items():
-        out[name] = out.get(name, 0.0) + square
-    return out
+    return squares_by_name({(n, tp_rank if getattr(p, "tensor_model_parallel", False) else 0): float(t.pow(2).sum())
+                            for n, (p, t) in named.items()}, world)
 
 
 def _subtrees(squares: dict) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import quiet_config, run_ranks
+from tests.dist_utils import quiet_config, run_ranks, squares_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-6
@@ -222,15 +222,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     def measure_against(squares: dict, model) -> dict:
         """Truth from every rank's {(global name, partition): ‖piece‖²}, each key counted once
         (replicas and tied copies carry the same key and value); then what the monitor says."""
-        gathered = [None] * world
-        dist.all_gather_object(gathered, squares)
-        merged = {}
-        for rank_squares in gathered:
-            merged.update(rank_squares)
-        per_name: dict = {}
-        for (name, _), sq in merged.items():
-            per_name[name] = per_name.get(name, 0.0) + sq
-        truth = _subtree_truth(per_name)
+        truth = _subtree_truth(squares_by_name(squares, world))
         monitor = dm.Monitor(cfg, model=model)
         total = monitor.clip_grad_norm_(math.inf)
         metrics = monitor.step(1)
