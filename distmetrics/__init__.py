@@ -11,6 +11,7 @@ from . import tensor_stats
 from .collectors.base import Alert, Collector, LogContext
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .grad_norm import clip_grad_norm_
+from .guard import HangError
 from .monitor import Monitor
 from .reduce import PerRank, Reduced, Reducer, Sample
 from .sinks.jsonl import read_jsonl
@@ -23,4 +24,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Monitor", "MetricsConfig", "TensorInspectConfig", "ConfigError", "Sample", "Reducer",
            "Reduced", "PerRank", "Collector", "LogContext", "Alert", "read_jsonl", "tensor_stats", "clip_grad_norm_",
-           "__version__"]
+           "HangError", "__version__"]

@@ -96,6 +96,10 @@ class MetricsConfig:
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     """W&B mode; ``offline`` writes a local run that ``wandb sync`` uploads later."""
 
+    hang_timeout_s: float = 300.0
+    """Seconds a rank waits at a collective monitor call for the others before raising an error
+    that names the ranks that did not arrive and their last calls; 0 turns the check off."""
+
     # --- timers --------------------------------------------------------------------------
     timing_log_level: int = 0
     """-1 off, 0 iteration time only, 1 coarse timers, 2 fine timers (Megatron's levels)."""
@@ -169,6 +173,7 @@ class MetricsConfig:
         _require(self, "module_norm_depth", self.module_norm_depth is None or self.module_norm_depth >= 1,
                  "None or integers >= 1")
         _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
+        _require(self, "hang_timeout_s", self.hang_timeout_s >= 0, "numbers >= 0 (0 turns the check off)")
         for name in ("flops_per_token", "peak_tflops", "num_params", "num_active_params", "num_layers",
                      "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)

@@ -20,8 +20,8 @@ class EvalLog:
     """Reduces evaluation results on demand (its own reducer: eval names never disturb the train
     layout) and remembers the training loss since the last evaluation."""
 
-    def __init__(self, group: Any, write_ppl: bool) -> None:
-        self.reducer = Reducer(group)
+    def __init__(self, group: Any, write_ppl: bool, guard: Any = None) -> None:
+        self.reducer = Reducer(group, guard=guard, call="monitor.log_eval")
         self.write_ppl = write_ppl
         self.categories = CategoryLosses("eval/loss")
         self._train_losses: list[tuple[float, float]] = []

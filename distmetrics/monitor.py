@@ -18,10 +18,11 @@ from .collectors import LogContext, build_collectors, finalize_order
 from .collectors.steps import pop_interval
 from .config import MetricsConfig
 from .evaluation import EvalLog
+from .guard import CollectiveGuard
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer, check_reduce
-from .runinfo import gather_rank_info, open_writer_sinks
+from .runinfo import open_writer_sinks, start_up
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
 
@@ -58,22 +59,23 @@ class Monitor:
         self.writer_rank = 0 if config.writer_rank == "first" else self.world_size - 1
         self.is_writer = self.rank == self.writer_rank
         self._group = group
-        self._reducer = Reducer(group)
-        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard)
-        self._steps_in_interval = 0
-        self._last_step: Optional[int] = None
-        self._closed = False
+        self._guard = CollectiveGuard(config.hang_timeout_s, group)
+        self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
+        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard)
+        self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self.last_metrics: dict[str, Any] = {}
-        self.hosts = gather_rank_info(self.layout)
+        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
         self.collectors = finalize_order(build_collectors(config, self.layout, model, optimizer, group)
                                          + collectors_for(config, model, self.layout) + list(collectors))
         self._by_name = {c.name: c for c in self.collectors}
+        for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
+            collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
         self.timers = self._by_name["timers"].timers
         self._module_order = module_order(model)
         if optimizer is not None and "norms" in self._by_name:
             self.attach_megatron_optimizer(optimizer)
         self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
-        self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks) \
+        self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks, claim) \
             if self.is_writer else SinkSet()
 
     # --- the per-step API ----------------------------------------------------------------
@@ -87,20 +89,20 @@ class Monitor:
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
         overflow). Extra ``scalars`` are interval means under ``train/``."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r}: accepted values are integers >= 0")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+            raise ValueError(f"step={step!r}: accepted values are integers from 0 to 2**63 - 1")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
+        self._by_name["train"].check_step(loss, tokens, lr, skipped, scalars)
         self._last_step = step
+        self._guard.note("monitor.step", step)
         self._by_name["train"].record_step(loss, tokens, lr, scalars)
         self._by_name["health"].record_step(loss, skipped)
         self._by_name["timers"].mark_step()
         self._steps_in_interval += 1
-        inspector = self._by_name.get("tensor_stats")
-        if inspector is not None:
-            stats = inspector.end_step()  # a collective only on steps the features YAML selects
-            if stats:
-                self._write(stats, step, "tensor_stats")
+        stats = self._by_name["tensor_stats"].end_step() if "tensor_stats" in self._by_name else None
+        if stats:  # a collective only on steps the features YAML selects
+            self._write(stats, step, "tensor_stats")
         if step % self.config.log_interval == 0:
             return self._log(step)
         return None
@@ -110,7 +112,7 @@ class Monitor:
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
         averaged (weighted by ``weight``), a sum added, max/min kept extreme, ``all`` averaged."""
         self._check_open()
-        check_reduce(name, reduce)
+        check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self._by_name["train"].record(name, value, reduce, weight)
 
     def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,
@@ -177,6 +179,7 @@ class Monitor:
         floating-point operations, tokens; cumulative across restarts with the same world size).
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
+        self._guard.enter("monitor.checkpoint_saved", step)
         record = self._checkpoints.saved(step, self._by_name["train"].job_tokens,
                                          self.config.resolved_flops_per_token, self._group, self._reducer.device,
                                          self.is_writer)

@@ -43,6 +43,8 @@ class RankInfo:
     pid: int
     gpu: Optional[dict] = None
     """The rank's GPU (name, SMs, capability, memory, UUID, driver, CUDA runtime), if any."""
+    problem: Optional[str] = None
+    """Why this rank cannot start (e.g. the writer cannot write ``output_dir``); every rank raises it."""
 
 
 @dataclass

@@ -152,8 +152,11 @@ class Reducer:
     benchmarks read both).
     """
 
-    def __init__(self, group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
+    def __init__(self, group: Optional[Any] = None, device: Optional[torch.device] = None, guard: Any = None,
+                 call: str = "reduce") -> None:
         self.group = group
+        self.guard = guard  # a CollectiveGuard: every rank must arrive at this call first
+        self.call = call
         self._device = device
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
@@ -187,6 +190,8 @@ class Reducer:
         """
         samples = self._check(samples)
         distributed = self.distributed
+        if distributed and self.guard is not None:
+            self.guard.enter(self.call, tag)
         if not distributed:
             if self._layout is None or not self._fits(samples):
                 self._layout = PackLayout(entries_of(samples))

@@ -1,13 +1,21 @@
-"""Who runs the job: every rank's host, local rank and GPU (gathered once at start), and the
-``run`` record that opens each job in ``metrics.jsonl``."""
+"""Who runs the job: every rank's host, local rank and GPU (gathered once at start), the checks
+that must pass on every rank before training starts, and the ``run`` record that opens each job
+in ``metrics.jsonl``.
+
+Start-up problems are raised on every rank together: the writer's check of ``output_dir`` (can
+it create the folder and its files; is another Monitor — in this process or another job —
+writing there) rides the start-up gather, so no rank waits at a later collective for a rank
+that gave up."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import socket
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,19 +23,85 @@ import torch.distributed as dist
 from .parallel import Layout, RankInfo
 from .sinks import SinkSet, open_sinks
 
-__all__ = ["gather_rank_info", "run_record", "open_writer_sinks"]
+__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "OutputClaim"]
+
+_LOCK_NAME = ".distmetrics.lock"
 
 
-def gather_rank_info(layout: Layout) -> list[RankInfo]:
-    """Every rank's host, local rank and GPU, in one ``all_gather_object`` at start."""
+class OutputClaim:
+    """The writer's hold on ``output_dir``: an exclusive lock on ``{output_dir}/.distmetrics.lock``
+    (released at close or when the process ends), refused while another Monitor holds it."""
+
+    def __init__(self, config: Any) -> None:
+        self.problem: Optional[str] = None
+        self._file: Any = None
+        self._held: Optional[Path] = None
+        if not (config.json_log or config.log_progress or (config.tensorboard and not config.tensorboard_dir)):
+            return  # nothing is written there
+        path = Path(config.output_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._file = open(path / _LOCK_NAME, "a+")
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self.release()
+            self.problem = (f"output_dir={str(path)!r} is in use by another Monitor ({holder}); two writers would "
+                            "interleave their records: give each job its own output_dir")
+        except OSError as err:
+            self.release()
+            self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank "
+                            f"({socket.gethostname()}): [Errno {err.errno}] {err.strerror}"
+                            + (f": {err.filename!r}" if err.filename else ""))
+        else:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            self._file.flush()
+            self._held = path / _LOCK_NAME
+
+    def release(self) -> None:
+        """Let another Monitor write ``output_dir`` (the lock file goes; a killed process leaves
+        a file that no longer locks anything)."""
+        if self._held is not None:
+            self._held.unlink(missing_ok=True)
+            self._held = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+    """The checks every rank passes before training starts, and every rank's info (one gather):
+    raises on every rank when one rank has a problem."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"WORLD_SIZE={world} in the environment but torch.distributed is not initialised: call "
+                           "torch.distributed.init_process_group(...) before Monitor(...), or every rank would "
+                           "believe it is alone and write its own files")
+    claim = OutputClaim(config) if is_writer else None
+    hosts = gather_rank_info(layout, guard, claim.problem if claim is not None else None)
+    problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem]
+    if problems:
+        if claim is not None:
+            claim.release()
+        raise ValueError("distmetrics cannot start: " + "; ".join(problems))
+    return hosts, claim
+
+
+def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None) -> list[RankInfo]:
+    """Every rank's host, local rank, GPU and start-up problem, in one ``all_gather_object``."""
     gpu = None
     if torch.cuda.is_available():
         from .collectors.nvml import gpu_model_info
 
         gpu = gpu_model_info(layout.rank)
-    mine = RankInfo(layout.rank, socket.gethostname(), layout.local_rank, os.getpid(), gpu)
+    mine = RankInfo(layout.rank, socket.gethostname(), layout.local_rank, os.getpid(), gpu, problem)
     if layout.world_size == 1 or not dist.is_initialized():
         return [mine]
+    if guard is not None:
+        guard.enter("Monitor()")
     rows: list[Any] = [None] * layout.world_size
     dist.all_gather_object(rows, mine)
     return rows
@@ -52,9 +126,13 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
     }
 
 
-def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple) -> SinkSet:
-    """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs)."""
+def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple,
+                      claim: Optional[OutputClaim] = None) -> SinkSet:
+    """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs);
+    closing them releases the claim on ``output_dir``."""
     sinks = open_sinks(config, layout.world_size, extra)
+    if claim is not None:
+        sinks.on_close(claim.release)
     sinks.log(run_record(config, layout, hosts, writer_rank), 0, "run")
     gpus = [h.gpu for h in hosts if h.gpu is not None]
     if gpus:

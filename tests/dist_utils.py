@@ -37,8 +37,10 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tup
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank.
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env: dict | None = None,
+              may_die: tuple = ()) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank (None for a
+    rank in ``may_die`` that never reported, e.g. one the test killed).
 
     Results travel through a multiprocessing queue: return plain Python values, not tensors."""
     ctx = mp.get_context("spawn")
@@ -51,7 +53,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env:
     results: dict[int, Any] = {}
     errors = []
     try:
-        for _ in range(world):
+        for _ in range(world - len(may_die)):
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
@@ -66,7 +68,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env:
                 p.kill()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return [results.get(r) for r in range(world)]
 
 
 class CollectiveCounter:

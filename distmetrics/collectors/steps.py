@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalStats
+from ..names import NameRegistry, check_value
 from ..parallel import counts_batch_tokens
 from .base import Alert, LogContext, Sample
 
@@ -36,15 +37,26 @@ class StepValues:
 
     def __init__(self, layout: Any) -> None:
         self.stats = IntervalStats()
+        self.names = NameRegistry()
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
         self._t0 = time.perf_counter()
         self._paused_at: Optional[float] = None
         self._paused_s = 0.0
 
+    def check_step(self, loss: Any, tokens: Any, lr: Any, skipped: Any, scalars: dict[str, Any]) -> None:
+        """Refuse a step's arguments before anything is recorded (a refused call changes nothing)."""
+        for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
+            if value is not None:
+                check_value(value, f"monitor.step({what}=...)")
+        if not isinstance(skipped, bool):
+            raise TypeError(f"monitor.step(skipped={skipped!r}): accepted values are True and False")
+        for name in scalars:
+            self.names.claim(name if "/" in name else f"train/{name}", "mean", f"monitor.step({name}=...)")
+
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
                     scalars: dict[str, Number]) -> None:
-        """One optimizer step's values (already checked by the Monitor)."""
+        """One optimizer step's values (checked by :meth:`check_step` first)."""
         if loss is not None:
             self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
         if tokens is not None and self.counts_tokens:
@@ -57,6 +69,9 @@ class StepValues:
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """A user's own value for this interval (see ``Monitor.record``)."""
+        self.names.claim(name, reduce, "monitor.record")
+        check_value(value, f"monitor.record({name!r})")
+        check_value(weight, f"monitor.record({name!r}, weight=...)")
         self.stats.record(name, value, reduce, weight=weight)
 
     def pause(self) -> None:

@@ -31,6 +31,7 @@ class MegatronReports:
 
     def __init__(self) -> None:
         self._agreed: Optional[list[str]] = None  # the union of names the ranks asked for
+        self.guard: Any = None  # a CollectiveGuard, set by the Monitor
 
     def get_all_timers_string(self, names: Optional[list] = None, normalizer: float = 1.0, reset: bool = True,
                               barrier: bool = False) -> Optional[str]:
@@ -143,6 +144,8 @@ class MegatronReports:
         if world == 1:
             self._agreed = list(names)
             return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
+        if self.guard is not None:
+            self.guard.enter("timers report (log, write or get_all_timers_string)")
         if self._agreed is None:
             self._negotiate(names)
         while True:

@@ -278,6 +278,10 @@ class TimerCollector:
         self.per_rank = per_rank and option != "all"
         self._step_timer = timers("step", log_level=0) if timers._log_level >= 0 else None
 
+    def use_guard(self, guard: Any) -> None:
+        """Guard Megatron's timer reports (each is a collective) with the Monitor's arrival check."""
+        self.timers.guard = guard
+
     def mark_step(self) -> None:
         """A step ended and the next begins (called by ``monitor.step``)."""
         if self._step_timer is not None:

@@ -74,6 +74,11 @@ class SinkSet:
         self.sinks: list[Sink] = list(sinks)
         self.failed: dict[str, str] = {}
         self.include_timers = include_timers
+        self._closers: list = []
+
+    def on_close(self, release: Any) -> None:
+        """Call ``release()`` after the sinks are closed."""
+        self._closers.append(release)
 
     def add(self, factory, name: str, fix: str) -> None:
         """Create a sink; if creating it raises, warn once and go on without it."""
@@ -106,6 +111,9 @@ class SinkSet:
             except Exception as err:  # noqa: BLE001
                 self._fail(sink.name, sink.fix, err)
         self.sinks = []
+        for release in self._closers:
+            release()
+        self._closers = []
 
     def _fail(self, name: str, fix: str, err: BaseException) -> None:
         if name in self.failed:

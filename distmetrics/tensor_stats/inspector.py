@@ -81,6 +81,10 @@ class TensorInspector:
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.active = stats_step(spec, self.iteration, own_only=True)
 
+    def use_guard(self, guard: Any) -> None:
+        """Guard the statistics steps' gather with the Monitor's arrival check."""
+        self.reducer.guard, self.reducer.call = guard, "monitor.step (tensor statistics)"
+
     def set_layout(self, layout: Any) -> None:
         """TE's features reduce over nvdlfw-inspect's tensor reduction group: the data-parallel
         peers (pipeline stages and tensor-parallel ranks hold different layers or shards)."""

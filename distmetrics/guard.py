@@ -1,0 +1,113 @@
+"""A rank that does not arrive is named, within a bound.
+
+Every collective the monitor makes (start-up, log steps, evaluation, checkpoints, close, tensor
+statistics steps, Megatron's timer reports) is preceded by an arrival check through the c10d
+store the process group was made with — not a collective: each rank adds itself to a counter
+keyed by (the guarded call's sequence number, the call, the step) and waits for the last one to
+mark it complete. When ranks make the same calls in the same order that costs two store
+round trips per guarded call. When some rank does not arrive within ``hang_timeout_s`` (it
+skipped a call, made another one, hangs elsewhere or died), every waiting rank raises
+:class:`HangError` naming the ranks that did not arrive and the last monitor call and step each
+of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
+second). Calls that differ between ranks (``log_eval`` on one, ``step`` on another) raise it
+too, instead of mixing collectives until the process group aborts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveGuard", "HangError"]
+
+_MONITORS = itertools.count()  # Monitors are made in the same order on every rank
+_PUBLISH_EVERY_S = 1.0
+
+
+class HangError(RuntimeError):
+    """Some ranks did not arrive at a collective call within ``hang_timeout_s``."""
+
+
+class CollectiveGuard:
+    """Arrival checks before collectives (see the module docstring); off when ``timeout_s`` is 0,
+    with one rank, or without a c10d store."""
+
+    def __init__(self, timeout_s: float, group: Any = None) -> None:
+        self.timeout_s = float(timeout_s)
+        self.store: Any = None
+        self.rank, self.world = 0, 1
+        self._seq = 0
+        self._previous = ""  # the key of the last guarded call, deleted once every rank is past it
+        self._published = 0.0
+        self._last = "none since start-up"
+        monitor_id = next(_MONITORS)
+        if self.timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if group is not None and group is not dist.group.WORLD:
+            return  # the store's counters need every rank of the world: a sub-group is not guarded
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.world > 1:
+            store = dist.distributed_c10d._get_default_store()
+            self.store = dist.PrefixStore(f"distmetrics/guard/{monitor_id}/", store)
+
+    @property
+    def enabled(self) -> bool:
+        """True when calls are checked."""
+        return self.store is not None
+
+    def note(self, call: str, step: Optional[int] = None) -> None:
+        """Remember this rank's latest monitor call (published at most once a second)."""
+        self._last = _describe(call, step)
+        if self.store is not None and time.monotonic() - self._published > _PUBLISH_EVERY_S:
+            self._publish()
+
+    def enter(self, call: str, step: Optional[int] = None) -> None:
+        """Wait until every rank arrives at this call (the same call, step and position in the
+        sequence of guarded calls); raise :class:`HangError` after ``timeout_s``."""
+        self._last = _describe(call, step)
+        if self.store is None:
+            return
+        self._seq += 1
+        key = f"{self._seq}|{call}|{step}"
+        self._publish()
+        if self.store.add(key, 1) == self.world:
+            self.store.set(key + "|done", "1")
+            if self._previous:  # every rank added itself here, so every rank is past the previous call
+                self.store.delete_key(self._previous)
+                self.store.delete_key(self._previous + "|done")
+        self._previous = key
+        try:
+            self.store.wait([key + "|done"], _dt.timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001 - DistStoreError on timeout; any store failure is a hang too
+            raise HangError(self._report(call, step, err)) from None
+
+    def _publish(self) -> None:
+        self._published = time.monotonic()
+        self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}")
+
+    def _report(self, call: str, step: Optional[int], err: BaseException) -> str:
+        waiting = _describe(call, step)
+        try:
+            rows = self.store.multi_get([f"rank{r}" for r in range(self.world)])
+        except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
+            return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
+                    f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has probably died")
+        missing = []
+        now = time.time()
+        for r, raw in enumerate(rows):
+            seq, last, stamp = raw.decode().split("|") if raw else ("0", "nothing published", str(now))
+            if int(seq) != self._seq or last != waiting:
+                missing.append(f"rank {r}: last call {last} (published {now - float(stamp):.1f} s ago)")
+        who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
+        return (f"distmetrics: rank {self.rank} waited {self.timeout_s:g} s (hang_timeout_s) at {waiting}, "
+                f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
+                "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
+                "are not collectives are published at most once a second.)")
+
+
+def _describe(call: str, step: Optional[int]) -> str:
+    return f"{call}(step={step})" if step is not None else f"{call}()"

@@ -1,0 +1,92 @@
+"""The names and values a user hands the Monitor, checked at the call — before anything is
+recorded, so a refused call changes nothing and a retry works.
+
+A name must be a non-empty string that every sink can store (TensorBoard and W&B need valid
+UTF-8: a lone surrogate is refused), not starting with ``_`` (internal lanes) or ``/``. Names also
+must not collide: a reduce kind writes more than its name (``x/max`` and ``x/min_rank`` for a
+``minmax`` ``x``, ``x/rank<r>`` in JSONL and ``x/mean`` for an ``all`` ``x``), and the Monitor
+writes ``train/loss``, ``train/lr`` and the throughput names itself; two sources of one name
+raise a ``ValueError`` naming both instead of one silently overwriting the other.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["NameRegistry", "check_name", "check_value", "written_names"]
+
+_MONITOR = "the Monitor"
+_RESERVED = {
+    "train/loss": "monitor.step(loss=...)", "train/lr": "monitor.step(lr=...)",
+    **{f"train/{n}": _MONITOR for n in ("step_time_ms", "tokens_per_sec", "tokens_per_sec_per_gpu", "consumed_tokens",
+                                        "tflops_per_gpu", "mfu_pct", "sol_pct", "eta_s")},
+}
+_RANK = re.compile(r"^(.*)/rank\d+$")
+
+
+def written_names(name: str, kind: str) -> list[str]:
+    """Every name a value of this reduce kind writes (JSONL's per-rank names excepted)."""
+    return {"sum": [name], "mean": [name], "max": [name, f"{name}/max_rank"], "min": [name, f"{name}/min_rank"],
+            "minmax": [f"{name}/max", f"{name}/min", f"{name}/max_rank", f"{name}/min_rank"],
+            "all": [name, f"{name}/max", f"{name}/min", f"{name}/mean"]}[kind]
+
+
+def check_name(name: Any, what: str) -> None:
+    """Raise a clear error for a name no sink can store or that the Monitor keeps for itself."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: a metric name is a str, got {type(name).__name__} {name!r}")
+    if not name or name.startswith(("_", "/")) or name.endswith("/"):
+        raise ValueError(f"{what}: metric name {name!r} is refused: names are non-empty, do not start with '_' "
+                         "(internal lanes) and do not start or end with '/'")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what}: metric name {name!r} is not valid UTF-8 ({err.reason} at position "
+                         f"{err.start}), which TensorBoard and W&B cannot store") from None
+
+
+def check_value(value: Any, what: str) -> None:
+    """A number or a 1-element tensor (None is checked by the caller)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{what}: expected a number or a 1-element tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: expected a number or a 1-element tensor, got {type(value).__name__} {value!r}")
+
+
+class NameRegistry:
+    """The names user values write, so a new one that collides is refused at its first call."""
+
+    def __init__(self) -> None:
+        self._writers: dict[str, str] = dict(_RESERVED)  # a written name → who writes it
+        self._claimed: dict[str, str] = {}  # user name → reduce kind
+
+    def claim(self, name: Any, kind: str, what: str) -> None:
+        """Check ``name`` (recorded as ``kind`` by ``what``) and remember what it writes."""
+        if isinstance(name, str) and self._claimed.get(name) == kind:
+            return  # seen before, checked then
+        check_name(name, what)
+        source = f"{what} ({kind})"
+        if name in self._claimed:
+            raise ValueError(f"{what}: metric {name!r} was recorded as {self._claimed[name]!r} before and now as "
+                             f"{kind!r}; a name keeps one reduce kind")
+        written = written_names(name, kind)
+        for other in written:
+            if other in self._writers:
+                raise ValueError(f"{source} would write {other!r}, which {self._writers[other]} writes already")
+        rank = _RANK.match(name)
+        if rank and self._claimed.get(rank.group(1)) == "all":
+            raise ValueError(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
+                             f"{rank.group(1)!r}")
+        if kind == "all":
+            clash = [n for n in self._writers if _RANK.match(n) and _RANK.match(n).group(1) == name]
+            if clash:
+                raise ValueError(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
+                                 f"{self._writers[clash[0]]} writes already")
+        for other in written:
+            self._writers[other] = f"{what} ({name!r}, {kind})"
+        self._claimed[name] = kind

@@ -1,0 +1,176 @@
+"""Faults injected for real: ranks out of step on real gloo ranks (a rank that makes another call,
+skips one, or is SIGKILLed), bad arguments, an unwritable or shared output folder, a Monitor made
+before the process group. Every fault raises a clear error within a bound — never a hang, a
+SIGABRT or a silently wrong record."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import quiet_config, run_ranks
+
+TIMEOUT_S = 2.0
+
+
+def _outcome(fn) -> tuple:
+    start = time.monotonic()
+    try:
+        fn()
+        return "ok", "", time.monotonic() - start
+    except Exception as err:  # noqa: BLE001 - the test reads the type and message
+        return type(err).__name__, str(err), time.monotonic() - start
+
+
+def _out_of_step(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    out = {}
+    cfg = quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S)
+    # 1. log_eval on rank 0 while rank 1 makes a log step
+    monitor = dm.Monitor(cfg)
+    monitor.step(1)
+    out["eval_vs_step"] = _outcome(lambda: monitor.log_eval(2, loss=1.0) if rank == 0 else monitor.step(2))
+    dist.barrier()
+    # 2. only rank 0 keeps calling monitor.step; rank 1 stops after start-up
+    monitor = dm.Monitor(cfg)
+    out["only_rank0"] = _outcome(lambda: [monitor.step(s) for s in (1, 2)]) if rank == 0 else ("ok", "", 0.0)
+    dist.barrier()
+    # 3. checkpoint_saved on rank 0 only (without the check: gloo aborts the process)
+    monitor = dm.Monitor(cfg)
+    monitor.step(1)
+    out["checkpoint_one_rank"] = _outcome(lambda: monitor.checkpoint_saved(1) if rank == 0 else monitor.step(2))
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def out_of_step():
+    return run_ranks(_out_of_step, 2, timeout=120)
+
+
+@pytest.mark.parametrize("case,calls", [
+    ("eval_vs_step", {0: "monitor.log_eval(step=2)", 1: "monitor.step(step=2)"}),
+    ("checkpoint_one_rank", {0: "monitor.checkpoint_saved(step=1)", 1: "monitor.step(step=2)"})])
+def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_of_step, case, calls):
+    for rank in (0, 1):
+        kind, message, seconds = out_of_step[rank][case]
+        other = 1 - rank
+        assert kind == "HangError", message
+        assert f"waited {TIMEOUT_S:g} s (hang_timeout_s) at {calls[rank]}" in message
+        assert f"rank {other}: last call {calls[other]}" in message
+        assert seconds < TIMEOUT_S + 10
+
+
+def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
+    kind, message, _ = out_of_step[0]["only_rank0"]
+    assert kind == "HangError" and "rank 1: last call Monitor()" in message
+
+
+def _killed(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S))
+    if rank == 1:
+        time.sleep(1.1)  # calls that are not collectives are published at most once a second
+    monitor.step(1)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: monitor.step(2))
+
+
+def test_a_killed_rank_is_named_by_the_rank_waiting_for_it():
+    kind, message, seconds = run_ranks(_killed, 2, may_die=(1,), timeout=60)[0]
+    assert kind == "HangError" and "rank 1: last call monitor.step(step=1)" in message
+    assert seconds < TIMEOUT_S + 10
+
+
+def _unwritable(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    return _outcome(lambda: dm.Monitor(quiet_config(output_dir="/proc/x", json_log=True)))
+
+
+def test_an_unwritable_output_dir_raises_on_every_rank_at_construction():
+    for kind, message, _ in run_ranks(_unwritable, 2, timeout=60):
+        assert kind == "ValueError"
+        assert "rank 0: output_dir='/proc/x' cannot be written on the writer rank" in message and "Errno" in message
+
+
+def test_two_monitors_on_one_output_dir_are_refused_until_the_first_closes(tmp_path):
+    import distmetrics as dm
+
+    first = dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True))
+    with pytest.raises(ValueError, match="is in use by another Monitor \\(pid"):
+        dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True))
+    first.close()
+    dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_monitor_before_init_process_group_under_torchrun_is_refused(tmp_path):
+    code = "import distmetrics as dm; dm.Monitor(dm.MetricsConfig(output_dir=%r))" % str(tmp_path / "run")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WORLD_SIZE": "2", "RANK": "1"},
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode != 0
+    assert "WORLD_SIZE=2 in the environment but torch.distributed is not initialised" in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# --- bad arguments: refused before anything is recorded ------------------------------------------
+
+def _monitor(tmp_path, **extra):
+    import distmetrics as dm
+
+    return dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_interval=4, **extra))
+
+
+def test_a_refused_step_records_nothing_and_can_be_retried(tmp_path):
+    import distmetrics as dm
+
+    monitor = _monitor(tmp_path)
+    monitor.step(1, loss=1.0)
+    with pytest.raises(TypeError, match="monitor.step\\(lr=...\\): expected a number"):
+        monitor.step(2, loss=100.0, lr="bad")
+    monitor.step(2, loss=1.0)  # the retry is accepted
+    for step in (3, 4):
+        monitor.step(step, loss=1.0)
+    monitor.close()
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert record["step"] == 4 and record["train/loss"] == 1.0  # the refused loss=100 is not in it
+
+
+@pytest.mark.parametrize("calls,message", [
+    ([("step", {"loss": 1.0, "train/loss": 5.0})], "'train/loss', which monitor.step\\(loss=...\\) writes already"),
+    ([("record", ("x", 1.0, "minmax")), ("record", ("x/max", 2.0, "sum"))], "would write 'x/max', which"),
+    ([("record", ("y", 1.0, "max")), ("record", ("y/max_rank", 2.0, "sum"))], "would write 'y/max_rank', which"),
+    ([("record", ("z", 1.0, "all")), ("record", ("z/rank0", 2.0, "sum"))], "for a rank of the 'all' metric 'z'"),
+    ([("record", ("_hidden", 1.0, "mean"))], "do not start with '_'"),
+    ([("record", ("lone\ud800", 1.0, "mean"))], "not valid UTF-8"),
+])
+def test_names_that_would_collide_or_vanish_are_refused_at_the_call(tmp_path, calls, message):
+    monitor = _monitor(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        for verb, arguments in calls:
+            if verb == "step":
+                monitor.step(1, **arguments)
+            else:
+                monitor.record(*arguments)
+    monitor.close()
+
+
+def test_a_name_that_is_not_a_string_and_a_step_beyond_int64_are_refused(tmp_path):
+    monitor = _monitor(tmp_path)
+    with pytest.raises(TypeError, match="a metric name is a str, got int 123"):
+        monitor.record(123, 1.0)
+    with pytest.raises(ValueError, match="accepted values are integers from 0 to 2\\*\\*63 - 1"):
+        monitor.step(2 ** 63)
+    monitor.close()
