@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .parallel import Layout, RankInfo
+from .redaction import redact_argv
 from .sinks import SinkSet, open_sinks
 
 __all__ = ["gather_rank_info", "run_record", "open_writer_sinks"]
@@ -34,7 +35,8 @@ def gather_rank_info(layout: Layout) -> list[RankInfo]:
 
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int) -> dict[str, Any]:
-    """The fields of the ``run`` record: world, ranks and hosts, versions, argv, the config."""
+    """The fields of the ``run`` record: world, ranks and hosts, versions, the command line and
+    the config, with secret values hidden (:mod:`distmetrics.redaction`)."""
     from . import __version__
 
     return {
@@ -47,7 +49,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
         "torch_version": torch.__version__,
         "distmetrics_version": __version__,
         "python_version": platform.python_version(),
-        "argv": sys.argv,
+        "argv": redact_argv(sys.argv),
         "config": config.to_dict(redact=True),
     }
 

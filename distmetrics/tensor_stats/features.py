@@ -35,7 +35,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -
         if not os.path.isfile(spec):
             raise ConfigError(f"tensor_inspect.features: file {spec!r} does not exist")
         try:
-            spec = yaml.safe_load(Path(spec).read_text())
+            spec = yaml.safe_load(Path(spec).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"tensor_inspect.features: {source!r} is not a UTF-8 text file ({err.reason} "
+                              f"at byte {err.start})") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"tensor_inspect.features: {source!r} is not valid YAML: {err}") from None
     if not isinstance(spec, dict) or not spec:
