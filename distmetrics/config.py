@@ -275,7 +275,7 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
-                              "quote it to pass a string, e.g. key='[1'") from None
+                              f"to pass it as a string, quote it inside the value: {key}=\"'{raw}'\"") from None
         target = values
         for part in parts[:-1]:
             existing = target.get(part)

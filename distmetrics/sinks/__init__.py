@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
-from ..reduce import PerRank
+from ..per_rank import PerRank
 
 __all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items", "ScalarView", "scalar_view", "DASHBOARD_KINDS"]
 

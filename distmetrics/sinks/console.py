@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any, Optional
 
-from ..reduce import PerRank
+from ..per_rank import PerRank
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
