@@ -34,7 +34,7 @@ class Sink(Protocol):
     name: str
     """Short name used in warnings (``jsonl``, ``tensorboard``, ...)."""
     fix: str
-    """What to do when it fails, e.g. ``pip install distmetrics[wandb]``."""
+    """What to do when it fails, e.g. ``pip install "torch-distmetrics[wandb]"``."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""

@@ -13,7 +13,7 @@ class TensorBoardSink:
     """Scalars and per-rank histograms of train, eval and tensor_stats records."""
 
     name = "tensorboard"
-    fix = "pip install distmetrics[tensorboard] (or set tensorboard: false)"
+    fix = 'pip install "torch-distmetrics[tensorboard]" (or tensorboard), or set tensorboard: false'
 
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package

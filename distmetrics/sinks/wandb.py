@@ -13,7 +13,7 @@ class WandbSink:
     """One W&B row per train, eval and tensor_stats record; ``all`` metrics as histograms."""
 
     name = "wandb"
-    fix = "pip install distmetrics[wandb], check the network or set wandb_mode: offline"
+    fix = 'pip install "torch-distmetrics[wandb]" (or wandb), check the network or set wandb_mode: offline'
 
     def __init__(self, project: str, name: Optional[str], entity: Optional[str], save_dir: str,
                  mode: str, config: dict) -> None:
