@@ -8,6 +8,7 @@ prints what it would run: SLURM cannot run on this machine, and that stub is the
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,35 @@ def test_demo_config_loads():
     cfg = dm.MetricsConfig.from_yaml(ROOT / "configs" / "demo.yaml")
     assert cfg.timing_log_level == 1 and cfg.output_dir == "runs/demo"
     assert math.isfinite(cfg.spike_factor)
+
+
+def _stub_python(folder: Path) -> Path:
+    """A stand-in interpreter that prints how it was called (only its path is under test)."""
+    (folder / "bin").mkdir(parents=True)
+    stub = folder / "bin" / "python"
+    stub.write_text('#!/usr/bin/env bash\necho "venv python $*"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
+    """As the README runs it, without an activated venv: the project's .venv, or DISTMETRICS_VENV."""
+    project = tmp_path / "project"
+    (project / "launch").mkdir(parents=True)
+    shutil.copy(ROOT / "launch" / "torchrun.sh", project / "launch" / "torchrun.sh")
+    _stub_python(project / ".venv")
+    env = _env(NPROC_PER_NODE="2")
+    for key in ("PYTHON", "DISTMETRICS_VENV"):
+        env.pop(key, None)
+    run = subprocess.run(["bash", "launch/torchrun.sh", "launch/train_fsdp.py"], env=env, cwd=project,
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.startswith("venv python -m torch.distributed.run"), run.stderr
+    _stub_python(tmp_path / "elsewhere")
+    run = subprocess.run(["bash", str(project / "launch" / "torchrun.sh"), "x.py"], cwd=tmp_path,
+                         env=dict(env, DISTMETRICS_VENV=str(tmp_path / "elsewhere")),
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.startswith("venv python -m torch.distributed.run"), run.stderr
+    missing = subprocess.run(["bash", str(project / "launch" / "torchrun.sh"), "x.py"], cwd=tmp_path,
+                             env=dict(env, DISTMETRICS_VENV=str(tmp_path / "none")),
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "has no bin/python" in missing.stderr
