@@ -15,13 +15,12 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.steps import INTERVAL_S, TOKENS
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer, check_reduce
-from .runinfo import gather_rank_info, open_writer_sinks
+from .runinfo import first_step, gather_rank_info, open_writer_sinks
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
 
@@ -91,6 +90,8 @@ class Monitor:
             raise ValueError(f"step={step!r}: accepted values are integers >= 0")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
+        if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
+            first_step(step, self._clocks(), self.sinks)
         self._last_step = step
         self._by_name["train"].record_step(loss, tokens, lr, scalars)
         self._by_name["health"].record_step(loss, skipped)
@@ -207,8 +208,7 @@ class Monitor:
                          module_order=self._module_order)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         metrics = self._reducer.reduce(samples, tag=step).to_metrics()
-        ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
-        metrics.pop(INTERVAL_S + "/max_rank", None)
+        self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes

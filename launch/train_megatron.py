@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "tensor_inspect.features=configs/fp8_tensor_stats.yaml for FP8 statistics")
     p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed")
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may stand between options
 
 
 def global_name(name: str, module_offset: int) -> str:

@@ -184,3 +184,31 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
                              env=dict(env, DISTMETRICS_VENV=str(tmp_path / "none")),
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode == 2 and "has no bin/python" in missing.stderr
+
+
+def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
+    """launch/demo.sh as the README runs it (set-up check included; the venv is this one, so
+    set-up finds everything installed), two steps: a new folder beside an earlier demo's."""
+    import importlib.util
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the demo's set-up needs a virtual environment to check")
+    missing = [m for m in ("tensorboard", "wandb", "megatron.core", "nvdlfw_inspect") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"set-up would install {missing} into this environment")
+    earlier = tmp_path / "demo" / "20250101-000000"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
+    env = _env(DISTMETRICS_VENV=sys.prefix, DEMO_RUNS=str(tmp_path / "demo"), MASTER_PORT=str(free_port()))
+    env.pop("PYTHON")
+    run = subprocess.run(["bash", str(ROOT / "launch" / "demo.sh"), "--steps", "2", "--eval-every", "0",
+                          "--save-every", "0", "log_interval=1", "console=false"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    folders = sorted(p.name for p in (tmp_path / "demo").iterdir())
+    assert len(folders) == 2 and folders[0] == earlier.name
+    fresh = tmp_path / "demo" / folders[1]
+    assert f"demo run folder: {fresh}" in run.stdout
+    records = list(dm.read_jsonl(fresh / "metrics.jsonl"))
+    assert [r["kind"] for r in records] == ["run", "train", "train"]
+    assert (earlier / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'

@@ -82,6 +82,12 @@ class EnergyCollector:
         # so a smaller reading means it wrapped around.
         return now_mj - before_mj if now_mj >= before_mj else now_mj + _COUNTER_RANGE - before_mj
 
+    def start(self) -> None:
+        """Count from now (the Monitor calls this at the first ``monitor.step``, as it starts the
+        step clock: building the Monitor is no step's energy)."""
+        if self.enabled:
+            self._last_mj, self._last_t = self._read(), time.perf_counter()
+
     def pause(self) -> None:
         """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""
         if self.enabled and self._pause_start is None:
@@ -115,9 +121,11 @@ class EnergyCollector:
         if "energy/total_j" not in metrics:
             return []
         total = metrics["energy/total_j"]
-        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(ctx.steps, 1)
-        if ctx.tokens:
-            metrics["energy/j_per_token"] = total / ctx.tokens
+        steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps  # the steps the clocks measured
+        tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
+        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(steps, 1)
+        if tokens:
+            metrics["energy/j_per_token"] = total / tokens
         if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
             metrics["power/mean_w"] = total / ctx.interval_s / self.world_size
         for end in ("max", "min"):

@@ -77,6 +77,8 @@ class SinkSet:
         self.sinks: list[Sink] = list(sinks)
         self.failed: dict[str, str] = {}
         self.include_timers = include_timers
+        self.last_logged_step: Optional[int] = None
+        """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
 
     def add(self, factory, name: str, fix: str) -> None:
         """Create a sink; if creating it raises, warn once and go on without it."""
@@ -97,6 +99,17 @@ class SinkSet:
                         sink.log_view(view, step)
                 else:
                     sink.log(metrics, step, kind)
+            except Exception as err:  # noqa: BLE001
+                self.sinks.remove(sink)
+                self._fail(sink.name, sink.fix, err)
+
+    def purge_from(self, step: int) -> None:
+        """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
+        earlier job wrote at steps >= ``step``."""
+        for sink in list(self.sinks):
+            try:
+                if hasattr(sink, "purge_from"):
+                    sink.purge_from(step)
             except Exception as err:  # noqa: BLE001
                 self.sinks.remove(sink)
                 self._fail(sink.name, sink.fix, err)

@@ -18,7 +18,16 @@ class TensorBoardSink:
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
+        self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir)
+
+    def purge_from(self, step: int) -> None:
+        """Drop the folder's events at steps >= ``step`` (an earlier job's, when a job resumes
+        from an earlier checkpoint): a new event file whose first event is TensorBoard's purge."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step)
 
     def log_view(self, view: ScalarView, step: int) -> None:
         """Write one record's scalars and histograms."""
