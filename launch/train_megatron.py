@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import MarkovData, exit_after_teardown, lr_at, metrics_config
+from common import MarkovData, exit_after_teardown, lr_at, metrics_config, quiet_megatron_warnings
 from megatron_cpu import apply_cpu_adaptations, build_gpt
 
 
@@ -137,6 +137,7 @@ def finalize_grads(model: torch.nn.Module) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    quiet_megatron_warnings()  # before megatron-core is imported
     if args.fp8 and not args.te:
         raise SystemExit("--fp8 needs --te (TransformerEngine layers, on a GPU)")
     use_cuda = torch.cuda.is_available()
