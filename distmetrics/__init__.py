@@ -29,6 +29,7 @@ _USES_TORCH = {"Monitor": ".monitor", "Sample": ".reduce", "Reducer": ".reduce",
 
 
 def __getattr__(name: str):
+    """Import a torch-using public name on first use (PEP 562)."""
     module_name = _USES_TORCH.get(name)
     if module_name is None:
         raise AttributeError(f"module 'distmetrics' has no attribute {name!r}")
@@ -39,4 +40,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list:
+    """Every public name, imported or not yet."""
     return sorted(set(globals()) | set(__all__))

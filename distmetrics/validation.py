@@ -62,6 +62,7 @@ def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
 
 
 def check_types(obj: Any, prefix: str) -> None:
+    """Check every field of a config dataclass against its type hint (see :func:`check_value`)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name])
