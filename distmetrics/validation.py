@@ -58,7 +58,8 @@ def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     given = "" if value is ... else f" (value {_short(value)})"
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
-    return f"unknown config key '{prefix}{key}'{given}{hint} Accepted keys: {', '.join(prefix + k for k in sorted(known))}"
+    accepted = ", ".join(prefix + k for k in sorted(known))
+    return f"unknown config key '{prefix}{key}'{given}{hint} Accepted keys: {accepted}"
 
 
 def check_types(obj: Any, prefix: str) -> None:

@@ -1,12 +1,13 @@
 """Throughput: tokens/s, step time, TFLOP/s per GPU, MFU, SOL and ETA, from the log interval.
 
 The interval's wall time (``LogContext.interval_s``) is measured between log steps on every
-rank (from the first ``monitor.step`` on: the first interval measures the steps after the
-first, ``LogContext.timed_steps`` and ``timed_tokens``), with no device sync (the log step's reduction already waits for the device, so
-log-to-log time covers all the work queued in between), and reduced as a max across ranks: the
-job goes at its slowest rank's pace. Tokens (``LogContext.tokens``) are counted on one rank
-per data-parallel replica (:func:`distmetrics.parallel.counts_batch_tokens`) and summed, so
-tensor- and pipeline-parallel peers do not count a batch twice.
+rank, from the first ``monitor.step`` on (the first interval times the steps after the first:
+``LogContext.timed_steps`` and ``timed_tokens``), with no device sync (the log step's reduction
+already waits for the device, so log-to-log time covers all the work queued in between), and
+reduced as a max across ranks: the job goes at its slowest rank's pace. Tokens
+(``LogContext.tokens``) are counted on one rank per data-parallel replica
+(:func:`distmetrics.parallel.counts_batch_tokens`) and summed, so tensor- and pipeline-parallel
+peers do not count a batch twice.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import yaml
 from ..config import ConfigError, TensorInspectConfig
 from .statistics import SUPPORTED_STATS
 
-__all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step", "FEATURES_DIR", "TENSORS"]
+__all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",
+           "FEATURES_DIR", "TENSORS"]
 
 TENSORS = ("activation", "input", "weight", "gradient")
 FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
