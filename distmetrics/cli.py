@@ -6,8 +6,6 @@
 
 Exit status 0 when all is well, 2 for a bad file or argument (the message names it). Commands
 that read files do not import torch; checking a features file does (nvdlfw-inspect needs it).
-Each command is one ``add_<command>(subparsers)`` function that registers its arguments and the
-function that runs it.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="distmetrics", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    # A command is one add_<command>(commands) that registers its arguments and its run function.
     for add in (add_check_config, add_check_features, add_summary):
         add(commands)
     args = parser.parse_args(argv)
