@@ -281,6 +281,31 @@ def bench_update_norms(params: float, repeats: int) -> dict:
 
 # --- report ------------------------------------------------------------------------------------
 
+# --- 6. command-line start-up --------------------------------------------------------------------
+
+def bench_cli(repeats: int) -> dict:
+    """Wall time of ``distmetrics summary`` on a small run, a whole process as a user runs it,
+    against a process that imports the package's torch-using modules (what every command paid
+    while the package imported torch at once)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        records = [{"kind": "run", "step": 0, "world_size": 2}] + \
+                  [{"kind": "train", "step": s, "train/loss": 1.0 / s} for s in range(10, 90, 10)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+        def run(*args: str) -> None:
+            subprocess.run([sys.executable, *args], check=True, capture_output=True, cwd=root)
+
+        base, cand = median_pair(lambda: run("-c", "import distmetrics.monitor"),
+                                 lambda: run("-m", "distmetrics.cli", "summary", str(path)), repeats, warmup=1)
+    return {"summary_ms": cand * 1000, "torch_modules_import_ms": base * 1000, "faster": base / cand}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
@@ -326,6 +351,11 @@ def main(argv=None) -> dict:
     u = results["update_norms"]
     print(f"   optimizer.step on a log step {u['log_step_ms']:.2f} ms vs non-log {u['non_log_step_ms']:.2f} ms = "
           f"{u['log_vs_non_log']:.2f}x; snapshot {u['snapshot_mib']:.0f} MiB on log steps only", flush=True)
+    print("6. command-line start-up (whole process)", flush=True)
+    results["cli"] = bench_cli(repeats)
+    c = results["cli"]
+    print(f"   distmetrics summary {c['summary_ms']:.0f} ms | a process importing the torch-using modules "
+          f"{c['torch_modules_import_ms']:.0f} ms = {c['faster']:.0f}x faster (target < 1 s)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -2,7 +2,10 @@
 
     distmetrics check-config configs/metrics.yaml [key=value ...]
     distmetrics check-features configs/tensor_stats_cpu.yaml [--feature-dir DIR ...]
-    distmetrics summary runs/demo/metrics.jsonl
+    distmetrics summary runs/demo                     # a run folder, a folder of them, or a metrics.jsonl
+
+Exit status 0 when all is well, 2 for a bad file or argument (the message names it). Commands
+that read files do not import torch; checking a features file does (nvdlfw-inspect needs it).
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import argparse
 import math
 import sys
 
-from .config import ConfigError, MetricsConfig
-from .sinks.jsonl import read_jsonl
+from .config import MetricsConfig, TensorInspectConfig
+from .runlog import Job, metrics_files, read_jobs
 
-__all__ = ["main"]
+__all__ = ["main", "check_features", "summarise"]
 
 _SUMMARY_KEYS = ("train/loss", "grad_norm", "train/lr", "train/tokens_per_sec", "train/step_time_ms",
                  "train/mfu_pct", "memory/host_rss_gib", "memory/max_allocated_gib", "power/mean_w")
@@ -24,80 +27,133 @@ def main(argv=None) -> int:
     """Run one command; returns the exit status (0 ok, 2 a bad file or argument)."""
     parser = argparse.ArgumentParser(prog="distmetrics", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check-config", help="validate a metrics config YAML (and overrides)")
-    check.add_argument("path")
-    check.add_argument("overrides", nargs="*")
-    features = sub.add_parser("check-features", help="validate an nvdlfw-inspect features YAML")
-    features.add_argument("path")
-    features.add_argument("--feature-dir", action="append", default=[], metavar="DIR",
-                          help="a feature folder to load as well (runs its code); may register the "
-                               "transformer_engine namespace where TransformerEngine is not installed")
-    summary = sub.add_parser("summary", help="first/last train record, evals and alerts of a metrics.jsonl")
-    summary.add_argument("path")
+    commands = parser.add_subparsers(dest="command", required=True)
+    # A command is one add_<command>(commands) that registers its arguments and its run function.
+    for add in (add_check_config, add_check_features, add_summary):
+        add(commands)
     args = parser.parse_args(argv)
     try:
-        if args.command == "check-config":
-            cfg = MetricsConfig.from_yaml(args.path, args.overrides)
-            print(f"ok: {args.path} (log_interval={cfg.log_interval}, writer_rank={cfg.writer_rank}, "
-                  f"output_dir={cfg.output_dir})")
-        elif args.command == "check-features":
-            spec = check_features(args.path, args.feature_dir)
-            print(f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})")
-        else:
-            print(summarise(args.path))
-    except (ConfigError, OSError) as err:
+        print(args.run(args))
+    except (ValueError, OSError) as err:  # ConfigError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
+# --- check-config ------------------------------------------------------------------------
+
+def add_check_config(commands) -> None:
+    """``check-config PATH [key=value ...]``."""
+    parser = commands.add_parser("check-config", help="validate a metrics config YAML (and overrides) with every "
+                                                      "check the Monitor makes before it starts")
+    parser.add_argument("path")
+    parser.add_argument("overrides", nargs="*")
+    parser.set_defaults(run=run_check_config)
+
+
+def run_check_config(args: argparse.Namespace) -> str:
+    """The config's own checks, then what the Monitor checks before it starts: with tensor
+    inspection on, the custom feature folders, the features file and nvdlfw-inspect's own check."""
+    config = MetricsConfig.from_yaml(args.path, args.overrides)
+    inspection = ""
+    if config.tensor_inspect.enabled:
+        spec = _check_inspection(config.tensor_inspect, "tensor_inspect.features")
+        inspection = f", tensor_inspect: {len(spec)} section(s)"
+    return (f"ok: {args.path} (log_interval={config.log_interval}, writer_rank={config.writer_rank}, "
+            f"output_dir={config.output_dir}{inspection})")
+
+
+# --- check-features ----------------------------------------------------------------------
+
+def add_check_features(commands) -> None:
+    """``check-features PATH [--feature-dir DIR ...]``."""
+    parser = commands.add_parser("check-features", help="validate an nvdlfw-inspect features YAML")
+    parser.add_argument("path")
+    parser.add_argument("--feature-dir", action="append", default=[], metavar="DIR",
+                        help="a feature folder to load as well (runs its code); may register the "
+                             "transformer_engine namespace where TransformerEngine is not installed")
+    parser.set_defaults(run=run_check_features)
+
+
+def run_check_features(args: argparse.Namespace) -> str:
+    """Check a features file (see :func:`check_features`)."""
+    spec = check_features(args.path, args.feature_dir)
+    return f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})"
+
+
 def check_features(path: str, feature_dirs: list) -> dict:
     """Our checks of a features YAML, then nvdlfw-inspect's own (every feature it names must be
     registered by the folders that would be loaded) when nvdlfw-inspect is installed."""
+    config = TensorInspectConfig(enabled=True, features=path, feature_dirs=list(feature_dirs) or None,
+                                 allow_custom_feature_dirs=True)
+    return _check_inspection(config, path)
+
+
+def _check_inspection(config: TensorInspectConfig, source: str) -> dict:
     import importlib.util
     import tempfile
 
-    from .config import TensorInspectConfig
-    from .tensor_stats.features import feature_dirs_for, load_features
-    from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
+    from .tensor_stats.features import check_inspect_config
 
-    config = TensorInspectConfig(enabled=True, features=path, feature_dirs=list(feature_dirs) or None,
-                                 allow_custom_feature_dirs=True)
-    spec = load_features(path, te_available=True if feature_dirs else None)
-    dirs = feature_dirs_for(config, spec)
+    spec, dirs = check_inspect_config(config)
     if importlib.util.find_spec("nvdlfw_inspect") is None:
         return spec
     import nvdlfw_inspect.api as debug_api
 
+    from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
+
     with tempfile.TemporaryDirectory() as log_dir:
-        start_nvdlfw(spec, dirs, log_dir, source=path)
+        start_nvdlfw(spec, dirs, log_dir, source=source)
         debug_api.end_debug()
         reset_nvdlfw()
     return spec
 
 
-def summarise(path: str) -> str:
-    """A few lines about a metrics.jsonl: runs, first/last train record, last eval, alerts."""
-    records = list(read_jsonl(path))
-    runs = [r for r in records if r.get("kind") == "run"]
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    alerts = [r for r in records if r.get("kind") == "alert"]
-    lines = [f"{path}: {len(runs)} run(s), {len(train)} train, {len(evals)} eval, {len(alerts)} alert record(s)"]
-    if runs:
-        last = runs[-1]
-        lines.append(f"world size {last.get('world_size')}, hosts {', '.join(last.get('hosts', []))}, "
-                     f"layout {last.get('layout')}, torch {last.get('torch_version')}")
+# --- summary -----------------------------------------------------------------------------
+
+def add_summary(commands) -> None:
+    """``summary PATH``."""
+    parser = commands.add_parser("summary", help="per job: first/last train record, evals and alerts of a run")
+    parser.add_argument("path", help="a run folder, a folder of run folders, or a metrics.jsonl")
+    parser.set_defaults(run=run_summary)
+
+
+def run_summary(args: argparse.Namespace) -> str:
+    """:func:`summarise` each metrics.jsonl the path names."""
+    return "\n\n".join(summarise(path) for path in metrics_files(args.path))
+
+
+def summarise(path) -> str:
+    """A few lines per job of a metrics.jsonl: its ranks and versions, first/last train record,
+    last eval, alerts, and whether it resumed at or before a step an earlier job logged."""
+    jobs, unreadable = read_jobs(path)
+    skipped = f", {unreadable} unreadable line(s) skipped (a crash cuts the line being written)" if unreadable else ""
+    lines = [f"{path}: {len(jobs)} job(s){skipped}"]
+    for number, job in enumerate(jobs, start=1):
+        lines += _job_lines(number, job, jobs[number - 2] if number > 1 else None)
+    return "\n".join(lines)
+
+
+def _job_lines(number: int, job: Job, previous) -> list[str]:
+    run, train, evals, alerts = job.run or {}, job.of_kind("train"), job.of_kind("eval"), job.of_kind("alert")
+    head = f"job {number}: " + (f"started {run.get('time')}, world size {run.get('world_size')}, hosts "
+                                f"{', '.join(run.get('hosts', []))}, layout {run.get('layout')}, torch "
+                                f"{run.get('torch_version')}" if job.run else "records before any run record")
+    lines = [head, f"  {len(train)} train, {len(evals)} eval, {len(alerts)} alert record(s)"]
+    earlier = previous.logged_steps() if previous is not None else []
+    for resume in job.of_kind("resume"):
+        lines.append(f"  resumed at step {resume['step']} (step {resume.get('last_logged_step')} was logged before; "
+                     "TensorBoard dropped the earlier events from there on)")
+    if earlier and job.logged_steps() and not job.of_kind("resume") and job.logged_steps()[0] <= earlier[-1]:
+        lines.append(f"  logs step {job.logged_steps()[0]} again: job {number - 1} logged up to step {earlier[-1]}")
     for label, record in (("first", train[0] if train else None), ("last", train[-1] if train else None)):
         if record is not None:
             fields = [f"{k.split('/')[-1]}={_fmt(record[k])}" for k in _SUMMARY_KEYS if k in record]
-            lines.append(f"{label} step {record['step']}: " + " ".join(fields))
+            lines.append(f"  {label} step {record['step']}: " + " ".join(fields))
     if evals:
-        lines.append(f"last eval step {evals[-1]['step']}: loss={_fmt(evals[-1].get('eval/loss'))}")
-    for alert in alerts:
-        lines.append(f"alert step {alert['step']}: {alert.get('message')}")
-    return "\n".join(lines)
+        lines.append(f"  last eval step {evals[-1]['step']}: loss={_fmt(evals[-1].get('eval/loss'))}")
+    lines += [f"  alert step {alert['step']}: {alert.get('message')}" for alert in alerts]
+    return lines
 
 
 def _fmt(value) -> str:

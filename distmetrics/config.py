@@ -2,14 +2,16 @@
 
 Field names follow Megatron's ``LoggerConfig`` where the meaning is the same, so a Megatron
 user recognises them. Every field is checked at construction: an unknown key, a wrong type or
-an impossible value raises ``ValueError`` naming the key, the value given and what is
-accepted, before any collective is issued, so no rank can hang on a typo.
+an impossible value raises ``ValueError`` (:class:`ConfigError`) naming the key, the value
+given and what is accepted, before any collective is issued, so no rank can hang on a typo.
+Keyword arguments, mapping keys, ``key=value`` overrides and YAML files are checked alike
+(:mod:`distmetrics.validation`); the config is torch-free, so the command line reads it fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,14 +21,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from .flops import model_flops_per_token
+from .redaction import redact_mapping
+from .validation import ConfigError, check_file_keys, check_types, checked_keywords, unknown_key
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides"]
 
 
-class ConfigError(ValueError):
-    """A configuration key, type or value that is not accepted."""
-
-
+@checked_keywords("tensor_inspect.")
 @dataclass(kw_only=True)
 class TensorInspectConfig:
     """Tensor statistics selected by an nvdlfw-inspect features file (mirrors Megatron-Bridge)."""
@@ -45,7 +46,7 @@ class TensorInspectConfig:
     """The training step the inspector starts counting from (set it when resuming)."""
 
     def __post_init__(self) -> None:
-        _check_types(self, "tensor_inspect.")
+        check_types(self, "tensor_inspect.")
         if self.init_training_step < 0:
             raise ConfigError(
                 f"tensor_inspect.init_training_step={self.init_training_step!r}: "
@@ -58,6 +59,7 @@ class TensorInspectConfig:
             )
 
 
+@checked_keywords("")
 @dataclass(kw_only=True)
 class MetricsConfig:
     """Everything the monitor does, in one place. Units are in the field names or docs."""
@@ -164,7 +166,7 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tensor_inspect, dict):
             self.tensor_inspect = _build(TensorInspectConfig, self.tensor_inspect, "tensor_inspect.")
-        _check_types(self, "")
+        check_types(self, "")
         _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
         _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")
         _require(self, "timing_log_level", self.timing_log_level in (-1, 0, 1, 2), "-1, 0, 1 or 2")
@@ -178,6 +180,10 @@ class MetricsConfig:
                      "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)
             _require(self, name, value is None or value > 0, "None or numbers > 0")
+        flops = self.resolved_flops_per_token
+        _require(self, "flops_per_token" if self.flops_per_token is not None else "num_params",
+                 flops is None or math.isfinite(flops),
+                 "model descriptions whose FLOPs per token (6·N + 12·L·h·s) fit a float")
         _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
 
     # --- construction --------------------------------------------------------------------
@@ -206,12 +212,13 @@ class MetricsConfig:
     def from_yaml(cls, path: Union[str, Path], overrides: Optional[list[str]] = None) -> "MetricsConfig":
         """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after."""
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"metrics config file {str(path)!r} does not exist")
+        values = _read_yaml(path)
         try:
-            values = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ConfigError(f"metrics config file {str(path)!r} is not valid YAML: {err}") from None
+            if values is not None and not isinstance(values, dict):
+                raise ConfigError(f"a config file is a mapping of keys to values, got {type(values).__name__}")
+            check_file_keys(cls, values, "")
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
         return cls.from_dict(values or {}, overrides)
 
     def replace(self, **changes: Any) -> "MetricsConfig":
@@ -221,9 +228,10 @@ class MetricsConfig:
         return MetricsConfig.from_dict(values)
 
     def to_dict(self, redact: bool = False) -> dict:
-        """Plain mapping of every key; ``redact`` hides values whose key looks secret."""
+        """Plain mapping of every key; ``redact`` hides the values of secret keys and the
+        credentials in URLs (:mod:`distmetrics.redaction`)."""
         values = dataclasses.asdict(self)
-        return _redact(values) if redact else values
+        return redact_mapping(values) if redact else values
 
     @property
     def resolved_flops_per_token(self) -> Optional[float]:
@@ -240,34 +248,42 @@ class MetricsConfig:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """``["a=1", "tensor_inspect.enabled=true"]`` → nested mapping with YAML-typed values."""
+    """``["a=1", "tensor_inspect.enabled=true"]`` → nested mapping with YAML-typed values (keys checked)."""
     return _apply_overrides({}, items)
 
 
 # --- helpers ----------------------------------------------------------------------------
 
-_SECRET_WORDS = ("key", "token", "secret", "password")
 
-
-def _redact(values: Any) -> Any:
-    if isinstance(values, dict):
-        out = {}
-        for k, v in values.items():
-            secret = any(word in str(k).lower() for word in _SECRET_WORDS) and v is not None
-            out[k] = "***" if secret and not isinstance(v, dict) else _redact(v)
-        return out
-    return values
+def _read_yaml(path: Path) -> Any:
+    """The parsed content of a YAML config file; every way it can be unreadable is a ConfigError."""
+    if not path.is_file():
+        raise ConfigError(f"metrics config file {str(path)!r} does not exist")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"metrics config file {str(path)!r} is not a UTF-8 text file "
+                          f"({err.reason} at byte {err.start}); a config is a YAML text file") from None
+    except OSError as err:
+        raise ConfigError(f"metrics config file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"metrics config file {str(path)!r} is not valid YAML: {err}") from None
 
 
 def _apply_overrides(values: dict, items: list[str]) -> dict:
     for item in items:
-        if "=" not in item:
+        if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
-        key = key.strip()
-        value = yaml.safe_load(raw) if raw.strip() else None
+        parts = key.strip().split(".")
+        _check_override_key(item, parts)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
+                              f"to pass it as a string, quote it inside the value: {key}=\"'{raw}'\"") from None
         target = values
-        parts = key.split(".")
         for part in parts[:-1]:
             existing = target.get(part)
             if existing is None:
@@ -281,18 +297,27 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
     return values
 
 
+def _check_override_key(item: str, parts: list[str]) -> None:
+    """An override's dotted key names real keys as far as the config's sections go."""
+    section: Any = MetricsConfig
+    for depth, part in enumerate(parts):
+        if section is None:  # inside a free-form mapping (an inline features file): anything goes
+            return
+        prefix = "".join(p + "." for p in parts[:depth])
+        if not part:
+            raise ConfigError(f"override {item!r}: empty key")
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if part not in fields:
+            raise ConfigError(f"override {item!r}: {unknown_key(prefix, part, fields)}")
+        hint = typing.get_type_hints(section)[part]
+        section = hint if dataclasses.is_dataclass(hint) else None
+        if section is None and depth < len(parts) - 1 and typing.get_origin(hint) not in (Union, types.UnionType):
+            raise ConfigError(f"override {item!r}: {prefix}{part} is not a section")
+
+
 def _build(cls: type, values: dict, prefix: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"unknown config key {prefix}{key!r} (value {values[key]!r}){hint} "
-                f"Accepted keys: {', '.join(sorted(known))}"
-            )
     return cls(**values)
 
 
@@ -301,45 +326,3 @@ def _require(obj: Any, name: str, ok: bool, accepted: str) -> None:
         raise ConfigError(f"{name}={getattr(obj, name)!r}: accepted values are {accepted}")
 
 
-def _check_types(obj: Any, prefix: str) -> None:
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        expected = hints[f.name]
-        if not _matches(value, expected):
-            raise ConfigError(
-                f"{prefix}{f.name}={value!r} has type {type(value).__name__}; "
-                f"accepted: {_describe(expected)}"
-            )
-
-
-def _matches(value: Any, expected: Any) -> bool:
-    origin = typing.get_origin(expected)
-    if expected is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(expected))
-    if origin is Literal:
-        return value in typing.get_args(expected)
-    if expected is type(None):
-        return value is None
-    if expected is bool:
-        return isinstance(value, bool)
-    if expected is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin is not None:
-        return isinstance(value, origin)
-    return isinstance(value, expected)
-
-
-def _describe(expected: Any) -> str:
-    origin = typing.get_origin(expected)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in typing.get_args(expected))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(expected))
-    if expected is type(None):
-        return "None"
-    return getattr(expected, "__name__", str(expected))

@@ -78,6 +78,7 @@ class GradMeasurement:
     max_norm: Optional[float] = None
     coef: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
+    plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
 
 
@@ -139,6 +140,7 @@ class GradientNorms:
         sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
         measured = _combine(norms, owned, bucket_idx, len(plan.buckets), p, self.group, device, sharded)
         measured.missing = float(len(plan.params) - len(index))
+        measured.plan = plan
         measured.owned_buckets, measured.local_buckets = owned_buckets, local_buckets
         if error_if_nonfinite and not bool(torch.isfinite(measured.total)):
             raise RuntimeError(

@@ -2,9 +2,8 @@
 
 Every rank calls every method. Between log steps the monitor only adds into device tensors:
 no ``.item()``, no collective. At a log step (``step % log_interval == 0``) every collector
-hands over its samples, the reducer combines all of them in at most one collective per
-reduce kind, the collectors derive what they derive from the result, and the writer rank
-(first or last) sends it to the sinks.
+hands over its samples, the reducer combines them in at most one collective per reduce kind,
+the collectors derive values from the result, and the writer rank sends it to the sinks.
 """
 
 from __future__ import annotations
@@ -15,14 +14,13 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.steps import pop_interval
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .guard import CollectiveGuard
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer, check_reduce
-from .runinfo import open_writer_sinks, start_up
+from .runinfo import first_step, open_writer_sinks, start_up
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
 
@@ -94,6 +92,8 @@ class Monitor:
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
         self._by_name["train"].check_step(loss, tokens, lr, skipped, scalars)
+        if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
+            first_step(step, self._clocks(), self.sinks)
         self._last_step = step
         self._guard.note("monitor.step", step)
         self._by_name["train"].record_step(loss, tokens, lr, scalars)
@@ -212,7 +212,7 @@ class Monitor:
                          module_order=self._module_order)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         metrics = self._reducer.reduce(samples, tag=step).to_metrics()
-        ctx.interval_s, ctx.tokens = pop_interval(metrics)
+        self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes

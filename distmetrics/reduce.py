@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, encode_keys, entries_of, gather_single, global_rank, mean_parts,
                       value_device)
+from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
@@ -89,14 +90,6 @@ class Sample:
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
                 raise ValueError(f"vector sample {self.name!r}: {len(self.names)} names need a 1-D tensor of "
                                  f"{len(self.names)} values, got {shape}")
-
-
-class PerRank(list):
-    """Every rank's value of an ``all`` metric, indexed by rank; ``None`` where a rank had none."""
-
-    def present(self) -> list[float]:
-        """The values of the ranks that sent one."""
-        return [v for v in self if v is not None]
 
 
 @dataclass

@@ -10,6 +10,7 @@ that gave up."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import platform
 import socket
@@ -21,10 +22,13 @@ import torch
 import torch.distributed as dist
 
 from .parallel import Layout, RankInfo
+from .redaction import redact_argv
+from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks
 
-__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "OutputClaim"]
+__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "OutputClaim"]
 
+logger = logging.getLogger("distmetrics")
 _LOCK_NAME = ".distmetrics.lock"
 
 
@@ -108,7 +112,8 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
 
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int) -> dict[str, Any]:
-    """The fields of the ``run`` record: world, ranks and hosts, versions, argv, the config."""
+    """The fields of the ``run`` record: world, ranks and hosts, versions, the command line and
+    the config, with secret values hidden (:mod:`distmetrics.redaction`)."""
     from . import __version__
 
     return {
@@ -121,7 +126,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
         "torch_version": torch.__version__,
         "distmetrics_version": __version__,
         "python_version": platform.python_version(),
-        "argv": sys.argv,
+        "argv": redact_argv(sys.argv),
         "config": config.to_dict(redact=True),
     }
 
@@ -129,8 +134,11 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
 def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple,
                       claim: Optional[OutputClaim] = None) -> SinkSet:
     """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs);
-    closing them releases the claim on ``output_dir``."""
+    they remember the last step an earlier job logged in ``output_dir`` (from its metrics.jsonl),
+    and closing them releases the claim on ``output_dir``."""
+    last_logged = last_logged_step(os.path.join(config.output_dir, METRICS_FILE)) if config.json_log else None
     sinks = open_sinks(config, layout.world_size, extra)
+    sinks.last_logged_step = last_logged
     if claim is not None:
         sinks.on_close(claim.release)
     sinks.log(run_record(config, layout, hosts, writer_rank), 0, "run")
@@ -138,3 +146,21 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
     if gpus:
         sinks.log({"ranks": gpus}, 0, "gpu_model")
     return sinks
+
+
+def first_step(step: int, clocks: list, sinks: SinkSet) -> None:
+    """The job's first ``monitor.step``: the clocks start (building the Monitor is no step's time
+    or energy). On the writer, a job that starts at or before the last step logged in its
+    output_dir (a restart from an earlier checkpoint) has TensorBoard drop the earlier job's
+    events from this step on (``purge_step``), and says so: a warning and a ``resume`` record."""
+    for clock in clocks:
+        clock.start()
+    last = sinks.last_logged_step
+    if last is None or step > last:
+        return
+    message = (f"this job starts at step {step}, at or before step {last}, the last step an earlier job logged "
+               f"here: TensorBoard drops the earlier events from step {step} on; metrics.jsonl keeps both "
+               "jobs' records (each job starts with a run record)")
+    logger.warning("distmetrics: %s", message)
+    sinks.purge_from(step)
+    sinks.log({"message": message, "last_logged_step": last}, step, "resume")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -103,6 +105,22 @@ def lr_at(step: int, base: float, warmup: int, total: int) -> float:
 def metrics_config(path: Optional[str], overrides: list[str]) -> "dm.MetricsConfig":
     """The metrics config: the YAML file at ``path`` (if any), then ``key=value`` overrides."""
     return dm.MetricsConfig.from_yaml(path, overrides) if path else dm.MetricsConfig.from_dict({}, overrides)
+
+
+KNOWN_MEGATRON_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # CPU: torch's optimizers and kernels stand in
+    "Apex is not installed",  # CPU: torch's norm stands in
+    "full scope is deprecated",  # megatron-core's own default cuda_graph_scope
+    "When using async grad allreduce it is recommended",  # CUDA_DEVICE_MAX_CONNECTIONS (GPU streams)
+)
+"""megatron-core's warnings that the example trainer knows and that say nothing about the run."""
+
+
+def quiet_megatron_warnings() -> None:
+    """Hide :data:`KNOWN_MEGATRON_WARNINGS` raised from megatron-core's modules (one per rank and
+    import, ~30 lines around 2 lines of metrics). Other warnings, distmetrics' own included, stay."""
+    for message in KNOWN_MEGATRON_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r".*megatron")
 
 
 def exit_after_teardown() -> None:

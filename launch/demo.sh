@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the demo: a small transformer, FSDP2 over 2 CPU ranks (gloo),
-# 40 steps; writes runs/demo/{metrics.jsonl,progress.txt,tensorboard/}.
+# 40 steps. Each run writes a fresh folder, runs/demo/<date-time>/ (DEMO_RUNS sets runs/demo),
+# with metrics.jsonl, progress.txt and tensorboard/; an output_dir=... argument overrides it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
 VENV=${DISTMETRICS_VENV:-.venv}
 export PYTHON="$VENV/bin/python"
+RUNS=${DEMO_RUNS:-runs/demo}
+stamp=$(date +%Y%m%d-%H%M%S)
+RUN_DIR=$RUNS/$stamp
+n=1
+while [ -e "$RUN_DIR" ]; do  # two demos within one second
+  n=$((n + 1))
+  RUN_DIR=$RUNS/$stamp-$n
+done
+for arg in "$@"; do
+  case $arg in output_dir=*) RUN_DIR=${arg#output_dir=} ;; esac
+done
+echo "demo run folder: $RUN_DIR"
 NPROC_PER_NODE=${NPROC_PER_NODE:-2} MASTER_PORT=${MASTER_PORT:-29517} \
-  bash launch/torchrun.sh launch/train_fsdp.py --steps 40 --config configs/demo.yaml "$@"
-echo "metrics: runs/demo/metrics.jsonl   progress: runs/demo/progress.txt   tensorboard --logdir runs/demo/tensorboard"
+  bash launch/torchrun.sh launch/train_fsdp.py --steps 40 --config configs/demo.yaml "output_dir=$RUN_DIR" "$@"
+echo "metrics: $RUN_DIR/metrics.jsonl   progress: $RUN_DIR/progress.txt   summary: distmetrics summary $RUN_DIR"
+echo "tensorboard --logdir $RUNS   (each demo run is one TensorBoard run)"

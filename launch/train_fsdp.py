@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=20, help="'checkpoint' every N steps (progress.txt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may stand between options
 
 
 def main(argv=None) -> dict:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import MarkovData, exit_after_teardown, lr_at, metrics_config
+from common import MarkovData, exit_after_teardown, lr_at, metrics_config, quiet_megatron_warnings
 from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
 
 
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Megatron's DistributedDataParallel + DistributedOptimizer (gradients reduce-scattered: each "
                         "data-parallel rank owns a shard); Megatron clips, the monitor measures (needs --pp 1)")
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may stand between options
 
 
 def global_name(name: str, module_offset: int) -> str:
@@ -157,6 +157,7 @@ def distributed_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> t
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    quiet_megatron_warnings()  # before megatron-core is imported
     if args.fp8 and not args.te:
         raise SystemExit("--fp8 needs --te (TransformerEngine layers, on a GPU)")
     if args.use_distributed_optimizer and args.pp > 1:

@@ -1,6 +1,8 @@
 """MetricsConfig: every bad key, type and value fails at construction, naming what is accepted."""
 
 import dataclasses
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -27,14 +29,43 @@ def test_unknown_key_names_it_and_suggests_the_closest():
         dm.MetricsConfig.from_dict({"log_intervall": 5})
 
 
+def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'log_intervall' \(value 5\); did you mean 'log_interval'\?"):
+        dm.MetricsConfig(log_intervall=5)
+    with pytest.raises(ConfigError, match=r"'tensor_inspect\.enabld'.*did you mean 'tensor_inspect\.enabled'\?"):
+        dm.TensorInspectConfig(enabld=True)
+
+
 def test_unknown_nested_key_is_named_with_its_section():
-    with pytest.raises(ValueError, match=r"tensor_inspect\.'enable'|'enable'.*tensor_inspect\.'enabled'"):
-        dm.MetricsConfig.from_dict({"tensor_inspect": {"enable": True}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'tensor_inspect\.enabld'.*did you mean 'tensor_inspect\.enabled'\?"):
+        dm.MetricsConfig.from_dict({"tensor_inspect": {"enabld": True}})
+    with pytest.raises(ConfigError, match=r"override 'tensor_inspect\.enabld=true': unknown config key "
+                                          r"'tensor_inspect\.enabld'.*did you mean 'tensor_inspect\.enabled'\?"):
+        dm.MetricsConfig.from_dict({}, ["tensor_inspect.enabld=true"])
+
+
+def test_unknown_key_inside_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("log_interval: 5\ntensor_inspect:\n  enabld: true\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: unknown config key 'tensor_inspect\.enabld'"):
+        dm.MetricsConfig.from_yaml(path)
+    path.write_text("log_intervall: 5\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: .*did you mean 'log_interval'"):
+        dm.MetricsConfig.from_yaml(path, ["writer_rank=last"])
 
 
 def test_bad_writer_rank_lists_the_accepted_values():
-    with pytest.raises(ValueError, match=r"writer_rank='middle'.*'first', 'last'"):
+    with pytest.raises(ValueError, match=r"^writer_rank='middle': accepted values are 'first', 'last'$"):
         dm.MetricsConfig(writer_rank="middle")
+    with pytest.raises(ValueError, match=r"writer_rank='frist'.*did you mean 'first'\?"):
+        dm.MetricsConfig.from_dict({}, ["writer_rank=frist"])
+
+
+def test_yaml_boolean_for_a_word_says_so_and_suggests_disabled():
+    """``wandb_mode=off`` reaches the config as False (YAML 1.1 booleans)."""
+    with pytest.raises(ConfigError, match=r"wandb_mode=False: YAML reads an unquoted off/on/no/yes as a boolean.*"
+                                          r"'online', 'offline', 'disabled'; write wandb_mode: disabled"):
+        dm.MetricsConfig.from_dict({}, ["wandb_mode=off"])
 
 
 def test_negative_log_interval_is_rejected():
@@ -78,17 +109,34 @@ def test_missing_and_broken_yaml_files_are_named(tmp_path):
         dm.MetricsConfig.from_yaml(bad)
 
 
-def test_secrets_are_redacted_in_the_dict_written_to_records():
-    cfg = dm.MetricsConfig(wandb_project="p")
-    redacted = cfg.to_dict(redact=True)
-    assert redacted["wandb_project"] == "p"
-    from distmetrics.config import _redact
-
-    assert _redact({"api_key": "abc", "nested": {"token": "x", "n": 1}}) == \
-        {"api_key": "***", "nested": {"token": "***", "n": 1}}
-
-
 def test_monitor_rejects_a_bad_config_before_any_collective():
     # No process group exists here: a config error must come first, from the constructor.
     with pytest.raises(ValueError, match="log_interval=0"):
         dm.Monitor({"log_interval": 0})
+
+
+def test_a_yaml_syntax_error_in_an_override_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"override 'log_interval=\[1': the value '\[1' is not valid YAML"):
+        dm.MetricsConfig.from_dict({}, ["log_interval=[1"])
+
+
+def test_a_binary_config_file_is_a_config_error(tmp_path):
+    path = tmp_path / "metrics.yaml"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=r"metrics\.yaml' is not a UTF-8 text file"):
+        dm.MetricsConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("key,value", [("num_params", 10 ** 400), ("flops_per_token", math.inf),
+                                       ("spike_factor", math.inf), ("total_steps", 2 ** 63),
+                                       ("log_interval", 10 ** 30)],
+                         ids=["num_params=10**400", "flops_per_token=inf", "spike_factor=inf", "total_steps=2**63",
+                              "log_interval=10**30"])
+def test_numbers_that_do_not_fit_are_refused_at_construction(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}=.*: accepted values are finite numbers below 2\*\*63"):
+        dm.MetricsConfig(**{key: value})
+
+
+def test_a_model_description_whose_flops_overflow_is_refused():
+    with pytest.raises(ConfigError, match=r"num_params=1e\+308: accepted values are model descriptions whose FLOPs"):
+        dm.MetricsConfig(num_params=1e308)

@@ -58,7 +58,8 @@ def test_energy_opens_the_ranks_own_gpu_by_uuid_under_remapped_visible_devices(n
 
 
 def test_energy_metrics_from_counter_deltas(nvml):
-    nvml(devices={"GPU-0000": [1_000_000, 1_050_000, 1_130_000]})  # start, log step 2, log step 4
+    # built, first monitor.step (the count starts: building the Monitor is no step's energy), log steps 2, 4
+    nvml(devices={"GPU-0000": [900_000, 1_000_000, 1_050_000, 1_130_000]})
     from distmetrics.collectors.nvml import EnergyCollector
 
     import time
@@ -67,13 +68,14 @@ def test_energy_metrics_from_counter_deltas(nvml):
     monitor.step(1, tokens=100)
     m = monitor.step(2, tokens=100)
     assert m["energy/total_j"] == pytest.approx(50.0)
-    assert m["energy/j_per_gpu_per_step"] == pytest.approx(25.0)
-    assert m["energy/j_per_token"] == pytest.approx(50.0 / 200)
+    assert m["energy/j_per_gpu_per_step"] == pytest.approx(50.0)  # the one step measured: step 2
+    assert m["energy/j_per_token"] == pytest.approx(50.0 / 100)
     assert m["power/max_w"] == pytest.approx(m["power/min_w"]) and m["power/max_w_rank"] == 0
     for step in (3, 4):  # both clocks restarted at step 2's log: power = energy / the same interval
         time.sleep(0.05)
         m = monitor.step(step, tokens=100)
     assert m["energy/total_j"] == pytest.approx(80.0)
+    assert m["energy/j_per_gpu_per_step"] == pytest.approx(40.0)
     assert m["energy/job_total_j"] == pytest.approx(130.0)
     seconds = m["train/step_time_ms"] * 2 / 1000
     assert m["power/mean_w"] == pytest.approx(80.0 / seconds, rel=0.05)
@@ -140,12 +142,14 @@ def _memory_and_energy(rank: int, world: int) -> dict:
     import psutil
     import torch
 
-    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 1000 * (rank + 1) * 10]})
+    # readings: built, first step (the count starts), log steps 1 and 2
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 0, 1000 * (rank + 1) * 10]})
     from distmetrics.collectors.nvml import EnergyCollector
 
     ballast = torch.ones(300 * 1024 * 1024 // 8, dtype=torch.float64) if rank == 1 else None  # ~300 MiB
     monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
-    m = monitor.step(1, tokens=50)
+    monitor.step(1, tokens=50)  # the first step starts the clocks: its record measures no step
+    m = monitor.step(2, tokens=50)
     own_rss = psutil.Process().memory_info().rss / 1024 ** 3
     monitor.close()
     del ballast

@@ -8,6 +8,7 @@ prints what it would run: SLURM cannot run on this machine, and that stub is the
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def _torchrun(script: str, nproc: int, args: list, env: dict | None = None, time
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
 
-def _single(script: str, args: list, timeout: int = 240) -> None:
+def _single(script: str, args: list, timeout: int = 240) -> str:
     env = _env()
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
@@ -45,6 +46,7 @@ def _single(script: str, args: list, timeout: int = 240) -> None:
     run = subprocess.run([sys.executable, str(ROOT / "launch" / script), *args], env=env,
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return run.stdout + run.stderr
 
 
 def _train_records(out: Path) -> list[dict]:
@@ -83,7 +85,10 @@ def test_fsdp_trainer_norms_match_an_unsharded_run(fsdp_reference, tmp_path, lay
 
 def test_megatron_trainer_tp2_pp2_matches_an_unsharded_run(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "tp2pp2"
-    _single("train_megatron.py", ["--steps", str(STEPS)] + METRICS + [f"output_dir={ref}"])
+    # log_energy on a CPU machine: the library's own warning, which must stay visible
+    output = _single("train_megatron.py", ["--steps", str(STEPS)] + METRICS + [f"output_dir={ref}", "log_energy=true"])
+    assert "UserWarning" not in output and "megatron/core" not in output, output  # known ones are quiet
+    assert "distmetrics: GPU energy is not measured" in output
     _torchrun("train_megatron.py", 4, ["--tp", "2", "--pp", "2", "--steps", str(STEPS)] + METRICS
               + [f"output_dir={out}", "timing_log_level=2"])
     reference, records = _train_records(ref), _train_records(out)
@@ -162,3 +167,63 @@ def test_demo_config_loads():
     cfg = dm.MetricsConfig.from_yaml(ROOT / "configs" / "demo.yaml")
     assert cfg.timing_log_level == 1 and cfg.output_dir == "runs/demo"
     assert math.isfinite(cfg.spike_factor)
+
+
+def _stub_python(folder: Path) -> Path:
+    """A stand-in interpreter that prints how it was called (only its path is under test)."""
+    (folder / "bin").mkdir(parents=True)
+    stub = folder / "bin" / "python"
+    stub.write_text('#!/usr/bin/env bash\necho "venv python $*"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
+    """As the README runs it, without an activated venv: the project's .venv, or DISTMETRICS_VENV."""
+    project = tmp_path / "project"
+    (project / "launch").mkdir(parents=True)
+    shutil.copy(ROOT / "launch" / "torchrun.sh", project / "launch" / "torchrun.sh")
+    _stub_python(project / ".venv")
+    env = _env(NPROC_PER_NODE="2")
+    for key in ("PYTHON", "DISTMETRICS_VENV"):
+        env.pop(key, None)
+    run = subprocess.run(["bash", "launch/torchrun.sh", "launch/train_fsdp.py"], env=env, cwd=project,
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.startswith("venv python -m torch.distributed.run"), run.stderr
+    _stub_python(tmp_path / "elsewhere")
+    run = subprocess.run(["bash", str(project / "launch" / "torchrun.sh"), "x.py"], cwd=tmp_path,
+                         env=dict(env, DISTMETRICS_VENV=str(tmp_path / "elsewhere")),
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.startswith("venv python -m torch.distributed.run"), run.stderr
+    missing = subprocess.run(["bash", str(project / "launch" / "torchrun.sh"), "x.py"], cwd=tmp_path,
+                             env=dict(env, DISTMETRICS_VENV=str(tmp_path / "none")),
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "has no bin/python" in missing.stderr
+
+
+def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
+    """launch/demo.sh as the README runs it (set-up check included; the venv is this one, so
+    set-up finds everything installed), two steps: a new folder beside an earlier demo's."""
+    import importlib.util
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the demo's set-up needs a virtual environment to check")
+    missing = [m for m in ("tensorboard", "wandb", "megatron.core", "nvdlfw_inspect") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"set-up would install {missing} into this environment")
+    earlier = tmp_path / "demo" / "20250101-000000"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
+    env = _env(DISTMETRICS_VENV=sys.prefix, DEMO_RUNS=str(tmp_path / "demo"), MASTER_PORT=str(free_port()))
+    env.pop("PYTHON")
+    run = subprocess.run(["bash", str(ROOT / "launch" / "demo.sh"), "--steps", "2", "--eval-every", "0",
+                          "--save-every", "0", "log_interval=1", "console=false"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    folders = sorted(p.name for p in (tmp_path / "demo").iterdir())
+    assert len(folders) == 2 and folders[0] == earlier.name
+    fresh = tmp_path / "demo" / folders[1]
+    assert f"demo run folder: {fresh}" in run.stdout
+    records = list(dm.read_jsonl(fresh / "metrics.jsonl"))
+    assert [r["kind"] for r in records] == ["run", "train", "train"]
+    assert (earlier / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'

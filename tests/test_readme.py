@@ -4,6 +4,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.dist_utils import run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -43,3 +45,76 @@ def test_the_adding_a_metric_example_runs_on_two_ranks_and_names_the_slow_rank(t
         assert record["data/wait_ms/max_rank"] == 1
         assert record["data/wait_ms"] >= SLOW_MS
         assert record["data/wait_ms"] < SLOW_MS * 50  # per step, not per interval
+
+
+def test_the_quickstart_runs_with_the_shipped_config_and_writes_its_timers(tmp_path, monkeypatch):
+    """The quickstart's loop on one process, with the shipped configs/metrics.yaml: the level-1
+    timers it starts reach the records (with the shipped file's timing_log_level they would not)."""
+    import shutil
+    import types
+
+    import torch
+
+    import distmetrics as dm
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return types.SimpleNamespace(loss=self.proj(batch).pow(2).mean())
+
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shutil.copytree(README.parent / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)  # the shipped config writes runs/default/ relative to the working directory
+    namespace = {"model": model, "optimizer": optimizer, "batch": torch.ones(2, 4), "total_steps": 20,
+                 "n_tokens_this_rank": 8, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10)}
+    exec(compile(readme_block("### Any training loop"), "README.md", "exec"), namespace)
+    train = [r for r in dm.read_jsonl(tmp_path / "runs/default/metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [10, 20]
+    for record in train:
+        assert {"timers/forward-backward", "timers/optimizer", "train/lr", "grad_norm"} <= set(record)
+
+
+def test_the_readme_console_line_is_what_the_console_sink_prints():
+    from distmetrics.sinks.console import format_eval_line, format_train_line
+
+    text = README.read_text()
+    train_line = next(line for line in text.splitlines() if line.startswith(":: step 20/40"))
+    eval_line = next(line for line in text.splitlines() if line.startswith(">> eval step 20"))
+    metrics = {"train/loss": 3.7944, "grad_norm": 0.6704, "train/lr": 2.07e-3, "train/tokens_per_sec": 13.6e3,
+               "train/step_time_ms": 19.0, "train/eta_s": 0.38}
+    assert format_train_line(metrics, 20, 40, last_loss=4.6349) == train_line
+    assert format_eval_line({"eval/loss": 3.5527, "eval/gap": -0.6620, "eval/ppl": 34.91,
+                             "eval/tokens_per_sec": 13.2e3, "eval/time_ms": 39.0}, 20) == eval_line
+
+
+def test_grad_norm_model_is_the_root_modules_own_parameters(tmp_path):
+    """README, metric names: ``grad_norm/model`` covers the parameters registered on the model
+    itself (here a positional embedding), not those of its children."""
+    import torch
+
+    import distmetrics as dm
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.randn(3, 4))
+            self.proj = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.proj(x + self.pos).sum()
+
+    torch.manual_seed(0)
+    model = Net()
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, json_log=False,
+                           tensorboard=False, log_progress=False)
+    with dm.Monitor(cfg, model=model) as monitor:
+        model(torch.randn(3, 4)).backward()
+        monitor.clip_grad_norm_(float("inf"))
+        metrics = monitor.step(1)
+    assert metrics["grad_norm/model"] == pytest.approx(float(model.pos.grad.double().norm()), rel=1e-6)
+    children = (model.proj.weight.grad.double().pow(2).sum() + model.proj.bias.grad.double().pow(2).sum()).sqrt()
+    assert metrics["grad_norm/proj"] == pytest.approx(float(children), rel=1e-6)

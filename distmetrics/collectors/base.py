@@ -55,6 +55,11 @@ class LogContext:
     """After the reduction: the slowest rank's wall time of the interval, seconds."""
     tokens: Optional[float] = None
     """After the reduction: the tokens of the interval, counted once per data-parallel replica."""
+    timed_steps: Optional[int] = None
+    """After the reduction: the steps ``interval_s`` measured. The clock starts at the first
+    ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
+    timed_tokens: Optional[float] = None
+    """After the reduction: the tokens of those steps (None: ``tokens``)."""
     kind: str = "train"
     """The record being made: ``train`` (a log step)."""
 

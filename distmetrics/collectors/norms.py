@@ -99,19 +99,19 @@ class NormCollector:
         if max_norm is None:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
         result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-        self._keep(parameters, measured)
+        self._keep(measured)
         return result
 
     def measure(self, norm_type: Any = 2.0) -> torch.Tensor:
         """Measure without clipping; returns the total norm (float64, the same on every rank)."""
         result, measured = self.grads.measure(None, norm_type)
-        self._keep(None, measured)
+        self._keep(measured)
         return measured.total if measured is not None else result.to(torch.float64)
 
-    def _keep(self, parameters: Any, measured: Optional[GradMeasurement]) -> None:
+    def _keep(self, measured: Optional[GradMeasurement]) -> None:
         if measured is not None:
             measured.locals = None
-        self._grad, self._grad_plan = measured, self.grads.plans.for_parameters(parameters) if measured is not None else None
+        self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
 
     # --- optimizer hooks for update norms -------------------------------------------------
     def snapshot(self) -> None:

@@ -1,4 +1,4 @@
-"""GPU energy, power, telemetry and identity from NVML (``pip install distmetrics[nvml]``).
+"""GPU energy, power, telemetry and identity from NVML (``pip install "torch-distmetrics[nvml]"``).
 
 Each rank opens the NVML handle of *its own* GPU by UUID, taken from
 ``torch.cuda.get_device_properties``: an index-based lookup would follow NVML's enumeration,
@@ -68,7 +68,7 @@ class EnergyCollector:
         except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once
             logger.warning("distmetrics: GPU energy is not measured (%s: %s); log_energy has no effect. "
                            "Needs an NVIDIA GPU with an energy counter (Volta or newer) and "
-                           "`pip install distmetrics[nvml]`.", type(err).__name__, err)
+                           '`pip install "torch-distmetrics[nvml]"` (or nvidia-ml-py).', type(err).__name__, err)
             return
         self.uuid = uuid
         self._last_t = time.perf_counter()
@@ -81,6 +81,12 @@ class EnergyCollector:
         # Integers: near 2**64 a float would lose the low digits. The counter is unsigned 64-bit,
         # so a smaller reading means it wrapped around.
         return now_mj - before_mj if now_mj >= before_mj else now_mj + _COUNTER_RANGE - before_mj
+
+    def start(self) -> None:
+        """Count from now (the Monitor calls this at the first ``monitor.step``, as it starts the
+        step clock: building the Monitor is no step's energy)."""
+        if self.enabled:
+            self._last_mj, self._last_t = self._read(), time.perf_counter()
 
     def pause(self) -> None:
         """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""
@@ -115,9 +121,11 @@ class EnergyCollector:
         if "energy/total_j" not in metrics:
             return []
         total = metrics["energy/total_j"]
-        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(ctx.steps, 1)
-        if ctx.tokens:
-            metrics["energy/j_per_token"] = total / ctx.tokens
+        steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps  # the steps the clocks measured
+        tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
+        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(steps, 1)
+        if tokens:
+            metrics["energy/j_per_token"] = total / tokens
         if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
             metrics["power/mean_w"] = total / ctx.interval_s / self.world_size
         for end in ("max", "min"):

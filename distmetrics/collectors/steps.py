@@ -1,10 +1,15 @@
 """What ``monitor.step`` and ``monitor.record`` are given: loss, tokens, learning rate, extra
 scalars, a user's own values; and the interval's wall-time clock.
 
-Between log steps values are only added into device tensors (:class:`IntervalStats`). Two
-internal lanes travel with them: the interval's wall time (``max`` across ranks: the job goes at
-its slowest rank's pace) and its tokens (``sum``, counted once per data-parallel replica); the
-Monitor moves both into :class:`LogContext` after the reduction.
+Between log steps values are only added into device tensors (:class:`IntervalStats`). Internal
+lanes travel with them: the interval's wall time (``max`` across ranks: the job goes at its
+slowest rank's pace), its tokens (``sum``, counted once per data-parallel replica) and the
+tokens of the step that started the clock; :meth:`StepValues.to_context` moves them into
+:class:`LogContext` after the reduction.
+
+The clock starts at the first ``monitor.step``, not when the Monitor is built: building it (and
+W&B's start-up, the first step's compilation) is no step's time. The first interval therefore
+measures one step fewer than it holds, and its throughput counts the tokens of those steps.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from ..names import NameRegistry, check_value
 from ..parallel import counts_batch_tokens
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "pop_interval"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
 TOKENS = "_train/tokens"
 """Internal lane: the interval's tokens (sum over the ranks that count them)."""
+UNTIMED_TOKENS = "_train/untimed_tokens"
+"""Internal lane: the tokens of the step that started the clock (sum), not in the timed span."""
 Number = Union[int, float, torch.Tensor]
 
 
@@ -40,7 +47,11 @@ class StepValues:
         self.names = NameRegistry()
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
-        self._t0 = time.perf_counter()
+        self.timed_steps = 0  # the last interval's steps that the clock measured
+        self._t0: Optional[float] = None  # set by start(), at the first monitor.step
+        self._starting = False
+        self._timed = 0
+        self._untimed_tokens: Number = 0.0
         self._paused_at: Optional[float] = None
         self._paused_s = 0.0
 
@@ -54,9 +65,19 @@ class StepValues:
         for name in scalars:
             self.names.claim(name if "/" in name else f"train/{name}", "mean", f"monitor.step({name}=...)")
 
+    def start(self) -> None:
+        """Start the clock (the Monitor calls this at the first ``monitor.step``)."""
+        self._t0, self._starting = time.perf_counter(), True
+
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
                     scalars: dict[str, Number]) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first)."""
+        if self._starting:  # the step whose call started the clock: its own time was not measured
+            self._starting = False
+            if tokens is not None and self.counts_tokens:
+                self._untimed_tokens = _as_number(tokens)
+        else:
+            self._timed += 1
         if loss is not None:
             self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
         if tokens is not None and self.counts_tokens:
@@ -76,7 +97,7 @@ class StepValues:
 
     def pause(self) -> None:
         """Stop the interval clock (evaluation, checkpointing)."""
-        if self._paused_at is None:
+        if self._paused_at is None and self._t0 is not None:
             self._paused_at = time.perf_counter()
 
     def resume(self) -> None:
@@ -89,9 +110,20 @@ class StepValues:
         """The interval's values and its wall time; the clock starts the next interval."""
         self.resume()
         now = time.perf_counter()
-        seconds, self._t0 = now - self._t0 - self._paused_s, now
-        self._paused_s = 0.0
-        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max")]
+        seconds = 0.0 if self._t0 is None else now - self._t0 - self._paused_s
+        self._t0, self._paused_s = now, 0.0
+        self.timed_steps, self._timed = self._timed, 0
+        untimed, self._untimed_tokens = self._untimed_tokens, 0.0
+        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
+
+    def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
+        """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
+        the steps the clock measured and their tokens)."""
+        ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
+        metrics.pop(INTERVAL_S + "/max_rank", None)
+        untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
+        ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
+        ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
@@ -99,12 +131,6 @@ class StepValues:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def pop_interval(metrics: dict[str, Any]) -> tuple[Optional[float], Optional[float]]:
-    """Take the internal lanes out of reduced metrics: (interval seconds, interval tokens)."""
-    metrics.pop(INTERVAL_S + "/max_rank", None)
-    return metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
 
 
 def _as_number(v: Number) -> Number:

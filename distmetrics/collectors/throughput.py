@@ -1,11 +1,13 @@
 """Throughput: tokens/s, step time, TFLOP/s per GPU, MFU, SOL and ETA, from the log interval.
 
 The interval's wall time (``LogContext.interval_s``) is measured between log steps on every
-rank, with no device sync (the log step's reduction already waits for the device, so
-log-to-log time covers all the work queued in between), and reduced as a max across ranks: the
-job goes at its slowest rank's pace. Tokens (``LogContext.tokens``) are counted on one rank
-per data-parallel replica (:func:`distmetrics.parallel.counts_batch_tokens`) and summed, so
-tensor- and pipeline-parallel peers do not count a batch twice.
+rank, from the first ``monitor.step`` on (the first interval times the steps after the first:
+``LogContext.timed_steps`` and ``timed_tokens``), with no device sync (the log step's reduction
+already waits for the device, so log-to-log time covers all the work queued in between), and
+reduced as a max across ranks: the job goes at its slowest rank's pace. Tokens
+(``LogContext.tokens``) are counted on one rank per data-parallel replica
+(:func:`distmetrics.parallel.counts_batch_tokens`) and summed, so tensor- and pipeline-parallel
+peers do not count a batch twice.
 """
 
 from __future__ import annotations
@@ -60,11 +62,18 @@ class ThroughputCollector:
         return []
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """``train/step_time_ms``, ``train/tokens_per_sec[_per_gpu]``, TFLOP/s, MFU, SOL, ETA."""
-        seconds, tokens = ctx.interval_s, ctx.tokens
-        if not seconds or seconds <= 0 or ctx.steps <= 0:
+        """``train/consumed_tokens``; over the steps the clock measured ``train/step_time_ms``,
+        ``train/tokens_per_sec[_per_gpu]``, TFLOP/s, MFU, SOL, ETA."""
+        if ctx.tokens is not None:
+            self.consumed_tokens += ctx.tokens
+            metrics["train/consumed_tokens"] = self.consumed_tokens
+            self.total_flops += ctx.tokens * (self.flops_per_token or 0.0)
+        seconds = ctx.interval_s
+        steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps
+        tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
+        if not seconds or seconds <= 0 or steps <= 0:
             return []
-        step_s = seconds / ctx.steps
+        step_s = seconds / steps
         metrics["train/step_time_ms"] = step_s * 1000.0
         if self.sol_step_time_ms:
             metrics["train/sol_pct"] = 100.0 * self.sol_step_time_ms / (step_s * 1000.0)
@@ -72,14 +81,10 @@ class ThroughputCollector:
             metrics["train/eta_s"] = max(0, self.total_steps - ctx.step) * step_s
         if tokens is None:
             return []
-        self.consumed_tokens += tokens
-        metrics["train/consumed_tokens"] = self.consumed_tokens
         metrics["train/tokens_per_sec"] = tokens / seconds
         metrics["train/tokens_per_sec_per_gpu"] = tokens / seconds / self.world_size
         if self.flops_per_token:
-            flops = tokens * self.flops_per_token
-            self.total_flops += flops
-            tflops = flops / seconds / self.world_size / 1e12
+            tflops = tokens * self.flops_per_token / seconds / self.world_size / 1e12
             metrics["train/tflops_per_gpu"] = tflops
             if self.peak_tflops:
                 self._mfu(metrics, tflops)

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
-from ..reduce import PerRank
+from ..per_rank import PerRank
 
 __all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items", "ScalarView", "scalar_view", "DASHBOARD_KINDS"]
 
@@ -34,7 +34,7 @@ class Sink(Protocol):
     name: str
     """Short name used in warnings (``jsonl``, ``tensorboard``, ...)."""
     fix: str
-    """What to do when it fails, e.g. ``pip install distmetrics[wandb]``."""
+    """What to do when it fails, e.g. ``pip install "torch-distmetrics[wandb]"``."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
@@ -75,6 +75,8 @@ class SinkSet:
         self.failed: dict[str, str] = {}
         self.include_timers = include_timers
         self._closers: list = []
+        self.last_logged_step: Optional[int] = None
+        """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
 
     def on_close(self, release: Any) -> None:
         """Call ``release()`` after the sinks are closed."""
@@ -99,6 +101,17 @@ class SinkSet:
                         sink.log_view(view, step)
                 else:
                     sink.log(metrics, step, kind)
+            except Exception as err:  # noqa: BLE001
+                self.sinks.remove(sink)
+                self._fail(sink.name, sink.fix, err)
+
+    def purge_from(self, step: int) -> None:
+        """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
+        earlier job wrote at steps >= ``step``."""
+        for sink in list(self.sinks):
+            try:
+                if hasattr(sink, "purge_from"):
+                    sink.purge_from(step)
             except Exception as err:  # noqa: BLE001
                 self.sinks.remove(sink)
                 self._fail(sink.name, sink.fix, err)

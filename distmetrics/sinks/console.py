@@ -2,11 +2,12 @@
 
 ::
 
-    :: step 100/8000 [ 1.2%] \\ loss 2.3456 | norm 0.1234 | 125.3k tok/s | 156 ms | mfu 41.2 | eta 02h15m
+    :: step 100/8000 [ 1.2%] \\ loss 2.3456 | norm 0.1234 | lr 3.00e-04 | 125.3k tok/s | 156 ms | mfu 41.2 | eta 02h15m
     >> eval step 500 | loss 2.1234 | gap +0.0123 | ppl 8.36
 
-``\\`` or ``/``: the loss fell or rose since the last log step; ``!`` before the norm: a
-gradient spike (``health/grad_spike``). Fields that were not measured are left out. Under
+``\\``, ``/`` or ``=``: the loss fell, rose or stayed since the last log step (blank on the
+first); ``!`` before the norm: a gradient spike (``health/grad_spike``). Fields that were not
+measured are left out. Under
 ``timing_log_option`` minmax/all a Megatron-style block follows::
 
     (min, max) time across ranks (ms):
@@ -20,7 +21,7 @@ import math
 import sys
 from typing import Any, Optional
 
-from ..reduce import PerRank
+from ..per_rank import PerRank
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
@@ -81,6 +82,8 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
     if "grad_norm" in m:
         spike = "!" if m.get("health/grad_spike") else ""
         fields.append(f"norm {spike}{_num(m['grad_norm'], '.4f')}")
+    if "train/lr" in m:
+        fields.append(f"lr {_num(m['train/lr'], '.2e')}")
     if "train/tokens_per_sec" in m:
         fields.append(f"{_si(m['train/tokens_per_sec'])} tok/s")
     if "train/step_time_ms" in m:

@@ -13,11 +13,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
-from ..reduce import PerRank
+from ..per_rank import PerRank
 
-__all__ = ["JsonlSink", "read_jsonl", "encode_value"]
+__all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -74,11 +74,21 @@ def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
     """Records of a metrics.jsonl, with NaN/Inf back as floats; a cut-short line is skipped."""
     with open(path, encoding="utf-8") as f:
         for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            yield {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+            record = decode_line(line)
+            if record is not None:
+                yield record
+
+
+def decode_line(line: str) -> Optional[dict[str, Any]]:
+    """One line as a record (NaN/Inf back as floats), or None for a blank line or one that is
+    not a JSON object (e.g. cut short by a crash)."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}

@@ -13,12 +13,21 @@ class TensorBoardSink:
     """Scalars and per-rank histograms of train, eval and tensor_stats records."""
 
     name = "tensorboard"
-    fix = "pip install distmetrics[tensorboard] (or set tensorboard: false)"
+    fix = 'pip install "torch-distmetrics[tensorboard]" (or tensorboard), or set tensorboard: false'
 
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
+        self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir)
+
+    def purge_from(self, step: int) -> None:
+        """Drop the folder's events at steps >= ``step`` (an earlier job's, when a job resumes
+        from an earlier checkpoint): a new event file whose first event is TensorBoard's purge."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step)
 
     def log_view(self, view: ScalarView, step: int) -> None:
         """Write one record's scalars and histograms."""

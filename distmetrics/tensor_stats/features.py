@@ -19,13 +19,25 @@ import yaml
 from ..config import ConfigError, TensorInspectConfig
 from .statistics import SUPPORTED_STATS
 
-__all__ = ["load_features", "feature_dirs_for", "check_custom_dirs", "stats_step", "FEATURES_DIR", "TENSORS"]
+__all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",
+           "FEATURES_DIR", "TENSORS"]
 
 TENSORS = ("activation", "input", "weight", "gradient")
 FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
 """Our nvdlfw-inspect feature folder (the ``distmetrics`` namespace)."""
 _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
+
+
+def check_inspect_config(config: TensorInspectConfig) -> tuple[dict, list]:
+    """Everything checked of ``tensor_inspect`` before nvdlfw-inspect starts (by the Monitor and
+    by ``distmetrics check-config``): custom feature folders allowed and present, the features
+    file, the folders to load. Returns the features mapping and those folders."""
+    # Feature folders of the user's own may register the transformer_engine namespace (an
+    # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
+    check_custom_dirs(config)
+    spec = load_features(config.features, te_available=True if config.feature_dirs else None)
+    return spec, feature_dirs_for(config, spec)
 
 
 def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -> dict:
@@ -35,7 +47,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -
         if not os.path.isfile(spec):
             raise ConfigError(f"tensor_inspect.features: file {spec!r} does not exist")
         try:
-            spec = yaml.safe_load(Path(spec).read_text())
+            spec = yaml.safe_load(Path(spec).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"tensor_inspect.features: {source!r} is not a UTF-8 text file ({err.reason} "
+                              f"at byte {err.start})") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"tensor_inspect.features: {source!r} is not valid YAML: {err}") from None
     if not isinstance(spec, dict) or not spec:

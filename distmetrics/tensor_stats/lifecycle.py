@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
-from .features import check_custom_dirs, feature_dirs_for, load_features
+from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
            "accumulate"]
@@ -54,11 +54,7 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
         config = config.tensor_inspect
     if not config.enabled:
         raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
-    # Feature folders of the user's own may register the transformer_engine namespace (an
-    # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
-    check_custom_dirs(config)
-    spec = load_features(config.features, te_available=True if config.feature_dirs else None)
-    dirs = feature_dirs_for(config, spec)
+    spec, dirs = check_inspect_config(config)
     log_dir = config.log_dir or str(Path(output_dir or ".") / "tensor_inspect")
     if _STATE.inspector is not None:
         shutdown(_STATE.inspector)

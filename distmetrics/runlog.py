@@ -1,0 +1,108 @@
+"""Reading a run back from its ``metrics.jsonl``: which file a path names, the file's records
+split into jobs (each job starts with a ``run`` record; a restart appends a new one), and the
+last step an earlier job logged. No torch: the command line reads runs with this alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .sinks import DASHBOARD_KINDS
+from .sinks.jsonl import decode_line
+
+__all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step"]
+
+METRICS_FILE = "metrics.jsonl"
+"""The name of the JSONL file in every run folder."""
+
+
+@dataclass
+class Job:
+    """One job's records, from its ``run`` record to the next one."""
+
+    run: Optional[dict[str, Any]]
+    """The job's ``run`` record (world size, hosts, versions, config); None for records that
+    precede every run record."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """The job's other records, in file order."""
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        """The job's records of one kind (``train``, ``eval``, ``alert``, ``resume``, ...)."""
+        return [r for r in self.records if r.get("kind") == kind]
+
+    def logged_steps(self) -> list[int]:
+        """Steps of the records that dashboards plot (train, eval, tensor_stats), in order."""
+        return [r["step"] for r in self.records if r.get("kind") in DASHBOARD_KINDS]
+
+
+def metrics_files(path: Union[str, Path]) -> list[Path]:
+    """The metrics.jsonl files a path names: the file itself, a run folder's file, or each run
+    folder's file in a folder of run folders (``runs/demo/<time>/``), oldest name first."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} does not exist")
+    if (path / METRICS_FILE).is_file():
+        return [path / METRICS_FILE]
+    found = sorted(path.glob(f"*/{METRICS_FILE}"))
+    if not found:
+        raise ValueError(f"{str(path)!r} is a folder without {METRICS_FILE} (nor run folders holding one)")
+    return found
+
+
+def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
+    """The jobs of a metrics.jsonl and the number of lines that are not records (a line cut
+    short by a crash). A file none of whose lines is a record is refused with ``ValueError``."""
+    records, unreadable = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = decode_line(line)
+            if record is not None and isinstance(record.get("kind"), str) and isinstance(record.get("step"), int):
+                records.append(record)
+            else:
+                unreadable += 1
+    if not records:
+        what = f"none of its {unreadable} line(s) is" if unreadable else "it holds no line, so no"
+        raise ValueError(f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} a JSON record with 'kind' "
+                         "and 'step'")
+    return split_jobs(records), unreadable
+
+
+def split_jobs(records: list[dict[str, Any]]) -> list[Job]:
+    """Records in file order → jobs (a ``run`` record starts each)."""
+    jobs: list[Job] = []
+    for record in records:
+        if record.get("kind") == "run":
+            jobs.append(Job(record))
+        else:
+            if not jobs:
+                jobs.append(Job(None))
+            jobs[-1].records.append(record)
+    return jobs
+
+
+def last_logged_step(path: Union[str, Path]) -> Optional[int]:
+    """The step of the last train, eval or tensor_stats record of a metrics.jsonl, or None (no
+    file, no such record). Read from the end, a block at a time: cheap on a long file."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        position, block, carry = f.seek(0, 2), 1 << 16, b""
+        while position > 0:
+            start = max(0, position - block)
+            f.seek(start)
+            lines = (f.read(position - start) + carry).split(b"\n")
+            carry = lines.pop(0) if start > 0 else b""  # maybe the end of a line that began earlier
+            for raw in reversed(lines):
+                record = decode_line(raw.decode("utf-8", "replace"))
+                if record is not None and record.get("kind") in DASHBOARD_KINDS and isinstance(record.get("step"), int):
+                    return record["step"]
+            position, block = start, min(block * 2, 1 << 24)
+    return None

@@ -1,0 +1,143 @@
+"""Checking configuration values: types, listed choices, numbers that fit, and unknown keys
+named with the closest valid one. Every failure is a :class:`ConfigError` naming the key, the
+value given and what is accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
+from typing import Any, Literal, Union
+
+__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "unknown_key"]
+
+_INT64_LIMIT = 2 ** 63
+
+
+class ConfigError(ValueError):
+    """A configuration key, type or value that is not accepted."""
+
+
+def checked_keywords(prefix: str):
+    """Make unknown keyword arguments a :class:`ConfigError` naming the closest key (the
+    dataclass's own ``__init__`` would raise a bare ``TypeError``)."""
+    def wrap(cls: type) -> type:
+        generated = cls.__init__
+
+        @functools.wraps(generated)
+        def __init__(self, **values: Any) -> None:
+            known = {f.name for f in dataclasses.fields(cls)}
+            for key in values:
+                if key not in known:
+                    raise ConfigError(unknown_key(prefix, key, known, values[key]))
+            generated(self, **values)
+
+        cls.__init__ = __init__
+        return cls
+    return wrap
+
+
+def check_file_keys(cls: type, values: Any, prefix: str) -> None:
+    """Unknown keys of a mapping read from a file, down into the config's sections."""
+    if not isinstance(values, dict):
+        return
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(unknown_key(prefix, key, fields, value))
+        if dataclasses.is_dataclass(hints[key]):
+            check_file_keys(hints[key], value, f"{prefix}{key}.")
+
+
+def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
+    """``unknown config key 'k' (value v); did you mean 'key'? Accepted keys: ...``."""
+    close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    given = "" if value is ... else f" (value {_short(value)})"
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
+    accepted = ", ".join(prefix + k for k in sorted(known))
+    return f"unknown config key '{prefix}{key}'{given}{hint} Accepted keys: {accepted}"
+
+
+def check_types(obj: Any, prefix: str) -> None:
+    """Check every field of a config dataclass against its type hint (see :func:`check_value`)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name])
+
+
+def check_value(key: str, value: Any, expected: Any) -> None:
+    """A value of the right type, a listed choice, a number a float and an int64 can hold."""
+    choices = _choices(expected)
+    if _matches(value, expected):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _representable(value, expected):
+            raise ConfigError(f"{key}={_short(value)}: accepted values are finite numbers below 2**63")
+        return
+    if choices and isinstance(value, bool):
+        suggestion = {False: "disabled", True: "online"}.get(value)
+        instead = f"; write {key.rsplit('.', 1)[-1]}: {suggestion}" if suggestion in choices else ""
+        raise ConfigError(f"{key}={value!r}: YAML reads an unquoted off/on/no/yes as a boolean, not a word; "
+                          f"accepted values are {', '.join(map(repr, choices))}{instead}")
+    if choices and any(type(value) is type(c) for c in choices):
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}={value!r}: accepted values are {', '.join(map(repr, choices))}{hint}")
+    raise ConfigError(f"{key}={_short(value)} has type {type(value).__name__}; accepted: {_describe(expected)}")
+
+
+def _choices(expected: Any) -> tuple:
+    """The values of a ``Literal`` type (also inside Optional), else ()."""
+    if typing.get_origin(expected) is Literal:
+        return typing.get_args(expected)
+    if typing.get_origin(expected) in (Union, types.UnionType):
+        return tuple(c for arg in typing.get_args(expected) for c in _choices(arg))
+    return ()
+
+
+def _representable(value: Any, expected: Any) -> bool:
+    if isinstance(value, int) and abs(value) >= _INT64_LIMIT:
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    if expected is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(expected))
+    if origin is Literal:
+        return value in typing.get_args(expected) and not isinstance(value, bool)
+    if expected is type(None):
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, expected)
+
+
+def _describe(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(expected))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(expected))
+    if expected is type(None):
+        return "None"
+    return getattr(expected, "__name__", str(expected))

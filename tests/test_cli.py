@@ -1,0 +1,126 @@
+"""The ``distmetrics`` command as a user runs it (``python -m distmetrics.cli``, a real process):
+commands that read files start without torch, ``summary`` takes run folders and refuses files that
+are not a metrics.jsonl, ``check-config`` refuses what the Monitor would refuse, exit status 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "distmetrics.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def _write_run(folder: Path, jobs: list[list[int]]) -> Path:
+    """A metrics.jsonl as the JsonlSink writes it: per job a run record, then train records."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for steps in jobs:
+        lines.append({"kind": "run", "step": 0, "time": "2026-01-01T00:00:00.000+00:00", "world_size": 2,
+                      "hosts": ["node0"], "layout": "data-parallel", "torch_version": "2.13.0"})
+        lines += [{"kind": "train", "step": s, "time": "t", "train/loss": 10.0 / s} for s in steps]
+    path = folder / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_commands_that_read_files_do_not_import_torch(tmp_path):
+    """Checked in the process itself: ``torch`` is not in ``sys.modules`` when the command exits."""
+    run = _write_run(tmp_path / "run", [[10, 20]])
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+             "sys.argv = ['distmetrics'] + sys.argv[1:]\n"
+             "runpy.run_module('distmetrics.cli', run_name='__main__')\n")
+    for args in (["summary", run.parent], ["check-config", "configs/metrics.yaml", "log_interval=5"]):
+        out = subprocess.run([sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "torch imported: False" in out.stdout, (args, out.stdout)
+
+
+def test_summary_accepts_a_run_folder_and_a_folder_of_runs(tmp_path):
+    _write_run(tmp_path / "demo" / "20260101-000000", [[10, 20]])
+    _write_run(tmp_path / "demo" / "20260102-000000", [[10, 20, 30]])
+    one = _run("summary", tmp_path / "demo" / "20260101-000000")
+    assert one.returncode == 0, one.stderr
+    assert "1 job(s)" in one.stdout and "last step 20: loss=0.5" in one.stdout
+    both = _run("summary", tmp_path / "demo")
+    assert both.returncode == 0, both.stderr
+    assert both.stdout.index("20260101-000000") < both.stdout.index("20260102-000000")
+    assert "last step 30" in both.stdout
+
+
+def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
+    binary = tmp_path / "blob.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, message in ((ROOT / "README.md", "is not a distmetrics metrics.jsonl"),
+                          (binary, "is not a distmetrics metrics.jsonl"),
+                          (empty, "is a folder without metrics.jsonl"),
+                          (tmp_path / "missing", "does not exist")):
+        out = _run("summary", path)
+        assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
+
+
+def test_summary_reports_each_job_and_a_job_that_logs_steps_again(tmp_path):
+    """Two jobs appended to one file (a restart from step 20's checkpoint): each is reported
+    with its own first and last step, and the overlap is named."""
+    path = _write_run(tmp_path / "run", [[10, 20, 30, 40], [30, 40, 50]])
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 60, "tim')  # a line cut short by a crash
+    out = _run("summary", path)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "2 job(s), 1 unreadable line(s) skipped" in text
+    first, second = text.split("job 2:")
+    assert "first step 10:" in first and "last step 40:" in first
+    assert "first step 30:" in second and "last step 50:" in second
+    assert "logs step 30 again: job 1 logged up to step 40" in second
+
+
+def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(f"num_params: {10 ** 400}\n")
+    cases = [
+        (["configs/metrics.yaml", "log_interval=[1"], "override 'log_interval=[1': the value '[1' is not valid YAML"),
+        ([binary], "is not a UTF-8 text file"),
+        ([huge], "num_params=1000"),
+        (["configs/metrics.yaml", "wandb_mode=off"], "wandb_mode=False: YAML reads an unquoted off/on/no/yes"),
+        (["configs/metrics.yaml", "writer_rank=middle"], "writer_rank='middle': accepted values are 'first', 'last'"),
+    ]
+    for args, message in cases:
+        out = _run("check-config", *args)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
+def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
+    """feature_dirs without allow_custom_feature_dirs, a missing features file: refused as the
+    Monitor refuses them; the shipped CPU features file passes nvdlfw-inspect's own check."""
+    inspect = ["tensor_inspect.enabled=true", "tensor_inspect.features=configs/tensor_stats_cpu.yaml"]
+    refused = _run("check-config", "configs/metrics.yaml", *inspect, f"tensor_inspect.feature_dirs=[{tmp_path}]")
+    assert refused.returncode == 2 and "allow_custom_feature_dirs" in refused.stderr
+    missing = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
+                   f"tensor_inspect.features={tmp_path / 'nope.yaml'}")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    ok = _run("check-config", "configs/metrics.yaml", *inspect)
+    assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
+
+
+def test_the_monitor_refuses_what_check_config_refuses(tmp_path):
+    import distmetrics as dm
+
+    config = dm.MetricsConfig.from_yaml(ROOT / "configs" / "metrics.yaml", [
+        "tensor_inspect.enabled=true", "tensor_inspect.features=configs/tensor_stats_cpu.yaml",
+        f"tensor_inspect.feature_dirs=[{tmp_path}]", f"output_dir={tmp_path}"])
+    with pytest.raises(dm.ConfigError, match="allow_custom_feature_dirs"):
+        dm.Monitor(config)

@@ -1,0 +1,86 @@
+"""Secrets stay out of the records: secret values on the command line and in the config are
+written as ``***``, ordinary keys that merely contain a secret word are written as they are."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distmetrics.redaction import is_secret_name, redact_argv, redact_mapping, redact_text
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRETS = ("hf_SECRET1234", "sk-SECRET5678", "pw-SECRET9012", "gh-SECRET3456", "tok-SECRET7890")
+
+
+@pytest.mark.parametrize("name", ["hf_token", "token", "--hf-token", "access_token", "HF_TOKEN", "api_key",
+                                  "apiKey", "wandb_api_key", "WANDB_API_KEY", "private_key", "secret",
+                                  "client_secret", "aws_secret_access_key", "password", "db_password",
+                                  "--api-key", "apikey", "credentials"])
+def test_secret_names(name):
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["flops_per_token", "num_tokens", "tokens_per_sec", "log_timers_to_tensorboard",
+                                  "tokenizer_model", "--tokenizer-type", "max_tokens", "num_key_value_heads",
+                                  "key_value_channels", "log_interval", "wandb_project", "monkey", "keyboard",
+                                  "private_key_path", "--seq-length", "tensorboard_dir"])
+def test_ordinary_names(name):
+    assert not is_secret_name(name)
+
+
+def test_argv_hides_secret_values_in_every_form_and_keeps_the_rest():
+    argv = ["train.py", "--hf-token", "hf_SECRET1234", "--api-key=sk-SECRET5678", "--tokenizer-model", "gpt2",
+            "--num-tokens", "4096", "WANDB_API_KEY=tok-SECRET7890", "flops_per_token=6e9",
+            "--data", "https://alice:pw-SECRET9012@data.example.com/shards?token=gh-SECRET3456&split=train",
+            "--token", "--steps", "10"]
+    assert redact_argv(argv) == [
+        "train.py", "--hf-token", "***", "--api-key=***", "--tokenizer-model", "gpt2", "--num-tokens", "4096",
+        "WANDB_API_KEY=***", "flops_per_token=6e9",
+        "--data", "https://alice:***@data.example.com/shards?token=***&split=train",
+        "--token", "--steps", "10"]  # a secret flag given no value hides nothing else
+
+
+def test_config_mappings_hide_only_secret_keys():
+    values = {"flops_per_token": 6e9, "num_tokens": 10, "log_timers_to_tensorboard": True, "api_key": "abc",
+              "nested": {"hf_token": "x", "n": 1, "url": "s3://k:pw-SECRET9012@bucket/p"}, "token": None}
+    assert redact_mapping(values) == {
+        "flops_per_token": 6e9, "num_tokens": 10, "log_timers_to_tensorboard": True, "api_key": "***",
+        "nested": {"hf_token": "***", "n": 1, "url": "s3://k:***@bucket/p"}, "token": None}
+    assert redact_text("no secret here: https://example.com/a?b=c") == "no secret here: https://example.com/a?b=c"
+
+
+SCRIPT = """
+import sys
+import distmetrics as dm
+cfg = dm.MetricsConfig(output_dir=sys.argv[1], log_interval=1, console=False, flops_per_token=6e9,
+                       wandb_project="secrets", wandb_mode="offline")
+with dm.Monitor(cfg) as monitor:
+    monitor.step(1, loss=1.0, tokens=10)
+"""
+
+
+def test_no_secret_reaches_any_file_of_the_run_and_ordinary_keys_stay(tmp_path):
+    """A real run (JSONL, TensorBoard, progress.txt, W&B offline) started with secrets on its
+    command line: no file under output_dir holds one; flops_per_token is written as it is."""
+    import distmetrics as dm
+
+    out = tmp_path / "run"
+    args = [str(out), "--hf-token", SECRETS[0], "--api-key=" + SECRETS[1], "--seq-length", "128",
+            "--data", f"https://alice:{SECRETS[2]}@data.example.com/x?token={SECRETS[3]}",
+            f"HF_TOKEN={SECRETS[4]}"]
+    run = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and (out / "metrics.jsonl").exists()
+    for path in files:
+        data = path.read_bytes()
+        for secret in SECRETS:
+            assert secret.encode() not in data, f"{secret} in {path}"
+    record = next(dm.read_jsonl(out / "metrics.jsonl"))
+    assert record["argv"][1:] == [str(out), "--hf-token", "***", "--api-key=***", "--seq-length", "128", "--data",
+                                  "https://alice:***@data.example.com/x?token=***", "HF_TOKEN=***"]
+    assert record["config"]["flops_per_token"] == 6e9
+    from tests.wandb_reader import read_offline_run
+
+    assert read_offline_run(str(out))["config"]["flops_per_token"] == 6e9
