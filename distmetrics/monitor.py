@@ -73,7 +73,7 @@ class Monitor:
         if optimizer is not None and "norms" in self._by_name and config.log_update_norm:
             self._by_name["norms"].attach_optimizer(optimizer, self._is_log_step)
         self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
-        self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks) \
+        self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks, self._module_order) \
             if self.is_writer else SinkSet()
 
     # --- the per-step API ----------------------------------------------------------------
@@ -215,7 +215,7 @@ class Monitor:
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:
-            self._write(alert.to_record(), step, "alert")
+            self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
         self.last_metrics = metrics
         return metrics
 

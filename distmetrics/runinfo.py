@@ -7,7 +7,7 @@ import os
 import platform
 import socket
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,11 @@ def gather_rank_info(layout: Layout) -> list[RankInfo]:
     return rows
 
 
-def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int) -> dict[str, Any]:
-    """The fields of the ``run`` record: world, ranks and hosts, versions, argv, the config."""
+def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,
+               modules: Sequence[str] = ()) -> dict[str, Any]:
+    """The fields of the ``run`` record: world, ranks and hosts, the model's module names in model
+    order (nearest the input first; a report draws per-module norms in this order, the metric
+    records hold them sorted by name), versions, argv, the config."""
     from . import __version__
 
     return {
@@ -42,6 +45,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
         "writer_rank": writer_rank,
         "hosts": sorted({h.hostname for h in hosts}),
         "ranks": [{"rank": h.rank, "host": h.hostname, "local_rank": h.local_rank} for h in hosts],
+        "modules": list(modules),
         "job_id": os.environ.get("SLURM_JOB_ID", ""),
         "layout": layout.source,
         "torch_version": torch.__version__,
@@ -52,10 +56,11 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
     }
 
 
-def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple) -> SinkSet:
+def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple,
+                      modules: Sequence[str] = ()) -> SinkSet:
     """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs)."""
     sinks = open_sinks(config, layout.world_size, extra)
-    sinks.log(run_record(config, layout, hosts, writer_rank), 0, "run")
+    sinks.log(run_record(config, layout, hosts, writer_rank, modules), 0, "run")
     gpus = [h.gpu for h in hosts if h.gpu is not None]
     if gpus:
         sinks.log({"ranks": gpus}, 0, "gpu_model")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .base import Alert, Collector, LogContext, Sample, finalize_order
+from .base import Alert, Collector, LogContext, Record, Sample, finalize_order
 
-__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Sample", "finalize_order"]
+__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order"]
 
 
 def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, optimizer: Optional[Any] = None,
@@ -29,6 +29,7 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .norms import NormCollector
     from .nvml import EnergyCollector, TelemetryCollector
     from .steps import StepValues
+    from .stragglers import StragglerCollector
     from .throughput import ThroughputCollector, resolve_peak_tflops
     from .timers import TimerCollector, Timers
 
@@ -51,4 +52,8 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
                                  log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
                                  snapshot=config.update_norm_snapshot))
     out += [HealthCollector(config.spike_factor), LossCollector(), MoECollector(sees_distinct_tokens(layout))]
+    if config.straggler_window:
+        out.append(StragglerCollector(config.straggler_window, config.straggler_report_every,
+                                      config.straggler_report_ranks, config.straggler_threshold,
+                                      nvml=config.log_energy or config.log_gpu_telemetry))
     return finalize_order(out)
