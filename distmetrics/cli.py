@@ -3,6 +3,7 @@
     distmetrics check-config configs/metrics.yaml [key=value ...]
     distmetrics check-features configs/tensor_stats_cpu.yaml [--feature-dir DIR ...]
     distmetrics summary runs/demo/metrics.jsonl
+    distmetrics report runs/demo [--out report.html]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import sys
 
 from .config import ConfigError, MetricsConfig
+from .report import MissingExtra
 from .sinks.jsonl import read_jsonl
 
 __all__ = ["main"]
@@ -35,6 +37,7 @@ def main(argv=None) -> int:
                                "transformer_engine namespace where TransformerEngine is not installed")
     summary = sub.add_parser("summary", help="first/last train record, evals and alerts of a metrics.jsonl")
     summary.add_argument("path")
+    add_report(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "check-config":
@@ -44,12 +47,32 @@ def main(argv=None) -> int:
         elif args.command == "check-features":
             spec = check_features(args.path, args.feature_dir)
             print(f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})")
+        elif args.command == "report":
+            print(args.run(args))
         else:
             print(summarise(args.path))
-    except (ConfigError, OSError) as err:
+    except (ConfigError, OSError, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def add_report(commands) -> None:
+    """``report RUN [--out report.html]``."""
+    parser = commands.add_parser("report", help="one self-contained HTML page of a run's metrics "
+                                                "(needs the report extra: numpy, matplotlib)")
+    parser.add_argument("path", metavar="RUN", help="a run directory or its metrics.jsonl")
+    parser.add_argument("--out", default=None, help="the HTML file to write (default: report.html beside "
+                                                    "the metrics file)")
+    parser.set_defaults(run=run_report)
+
+
+def run_report(args: argparse.Namespace) -> str:
+    """Write the run report (torch is not imported); says which extra to install when
+    matplotlib or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
+    from .report import write_report
+
+    return f"report: {write_report(args.path, args.out)}"
 
 
 def check_features(path: str, feature_dirs: list) -> dict:
