@@ -160,8 +160,8 @@ class Monitor:
         return metrics
 
     def pause(self) -> None:
-        """Stop the training clock and the energy count (before evaluation or a checkpoint save),
-        so tokens/s, MFU and energy per token describe training alone. Local: no collective."""
+        """Stop the training clocks and the energy count (before evaluation or a checkpoint save), so
+        tokens/s, MFU, energy per token and straggler scores describe training alone. Local."""
         for clock in self._clocks():
             clock.pause()
 
@@ -235,7 +235,7 @@ class Monitor:
         return self._by_name["norms"]
 
     def _clocks(self) -> list:
-        return [self._by_name[name] for name in ("train", "energy") if name in self._by_name]
+        return [self._by_name[name] for name in ("train", "energy", "stragglers") if name in self._by_name]
 
     def _shutdown(self) -> None:
         self._closed = True

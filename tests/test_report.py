@@ -327,3 +327,16 @@ def test_a_synthetic_run_with_every_feature(tmp_path):
     assert "power_w" in page and "sm_clock_mhz" in page  # the stragglers record's columns
     for data in embedded_pngs(page):
         assert colours(decode_png(data)) > 16
+
+
+def test_the_readme_names_the_healthy_bands_the_report_draws():
+    from distmetrics.report.figures import HEALTHY_BANDS
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("Healthy bands (`distmetrics/report/figures.py: HEALTHY_BANDS`):", 1)[1].split("\n\n")[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        name, healthy = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        low, high = (float(v.split()[0]) for v in healthy.split("…"))
+        rows[name.split("`")[1]] = (low, high)
+    assert rows == {name: (low, high) for name, (low, high, _) in HEALTHY_BANDS.items()}

@@ -65,6 +65,28 @@ def test_ties_keep_rank_order():
     assert slowest_ranks(scores, 0) == [] and len(slowest_ranks(scores, 100)) == 4
 
 
+def test_paused_time_is_left_out_of_a_ranks_step_time():
+    """``monitor.pause()`` (evaluation, a checkpoint) reaches the scores' clock too."""
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+
+    class Recorded(StragglerCollector):
+        def take_samples(self, ctx):
+            samples = super().take_samples(ctx)
+            self.step_ms = next(s.value for s in samples if s.name == STEP_MS)
+            return samples
+
+    collector = Recorded(window=2)
+    monitor = dm.Monitor(quiet_config(log_interval=2, straggler_window=0), collectors=[collector])
+    monitor.step(1)
+    time.sleep(0.02)
+    monitor.pause()
+    time.sleep(0.2)  # an evaluation
+    monitor.resume()
+    monitor.step(2)
+    monitor.close()
+    assert 10.0 / 2 <= collector.step_ms < 100.0 / 2  # ~20 ms over 2 steps, not ~220 ms
+
+
 @pytest.mark.parametrize("key,value", [("straggler_window", -1), ("straggler_report_every", -2),
                                        ("straggler_report_ranks", 0), ("straggler_threshold", 1.5),
                                        ("straggler_threshold", 0.0)])

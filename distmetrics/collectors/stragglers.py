@@ -63,11 +63,25 @@ class StragglerCollector:
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
         self._clock = time.perf_counter()
+        self._paused_at: Optional[float] = None
+        self._paused_s = 0.0
+
+    def pause(self) -> None:
+        """Stop this rank's clock (``monitor.pause()``: evaluation, a checkpoint save)."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """Start the clock again after :meth:`pause`; the paused time is left out."""
+        if self._paused_at is not None:
+            self._paused_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
-        """This rank's milliseconds per step since the last log step (and its GPU's power and SM
-        clock when NVML is on), every rank's value gathered."""
-        ms = 1000.0 * (time.perf_counter() - self._clock) / max(ctx.steps, 1)
+        """This rank's milliseconds per step since the last log step, pauses left out (and its
+        GPU's power and SM clock when NVML is on), every rank's value gathered."""
+        self.resume()
+        ms = 1000.0 * (time.perf_counter() - self._clock - self._paused_s) / max(ctx.steps, 1)
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
             samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
@@ -91,7 +105,7 @@ class StragglerCollector:
         self._log_steps += 1
         if "" in scores and self.report_every and self._log_steps % self.report_every == 0:
             out.append(Record("stragglers", self._report(scores, gpu, ctx.hosts)))
-        self._clock = time.perf_counter()  # the next interval starts after this log step's reduction
+        self._clock, self._paused_s = time.perf_counter(), 0.0  # the next interval starts now
         return out
 
     def close(self) -> None:

@@ -69,7 +69,7 @@ class RunData:
         with open(self.path, "rb") as f:
             for raw in f:
                 self.lines += 1
-                if not raw.strip():
+                if len(raw) < 3 and not raw.strip():  # a blank line (strip would copy a long one)
                     continue
                 try:
                     record = json.loads(raw)
