@@ -9,12 +9,11 @@ Monitor moves both into :class:`LogContext` after the reduction.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Union
 
 import torch
 
-from ..interval import IntervalStats
+from ..interval import IntervalClock, IntervalStats
 from ..parallel import counts_batch_tokens
 from .base import Alert, LogContext, Sample
 
@@ -38,9 +37,7 @@ class StepValues:
         self.stats = IntervalStats()
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
-        self._t0 = time.perf_counter()
-        self._paused_at: Optional[float] = None
-        self._paused_s = 0.0
+        self.clock = IntervalClock()
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
                     scalars: dict[str, Number]) -> None:
@@ -61,22 +58,15 @@ class StepValues:
 
     def pause(self) -> None:
         """Stop the interval clock (evaluation, checkpointing)."""
-        if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        self.clock.pause()
 
     def resume(self) -> None:
         """Start the interval clock again after :meth:`pause`."""
-        if self._paused_at is not None:
-            self._paused_s += time.perf_counter() - self._paused_at
-            self._paused_at = None
+        self.clock.resume()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        self.resume()
-        now = time.perf_counter()
-        seconds, self._t0 = now - self._t0 - self._paused_s, now
-        self._paused_s = 0.0
-        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max")]
+        return self.stats.take_samples() + [Sample(INTERVAL_S, self.clock.take(), "max")]
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""

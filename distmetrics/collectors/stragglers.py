@@ -22,12 +22,12 @@ whose steps synchronise the step scores come out close to 1 everywhere; the per-
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
 import torch
 
+from ..interval import IntervalClock
 from ..reduce import PerRank
 from .base import Alert, LogContext, Record, Sample
 
@@ -62,26 +62,20 @@ class StragglerCollector:
         self._alerted: set[int] = set()
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
-        self._clock = time.perf_counter()
-        self._paused_at: Optional[float] = None
-        self._paused_s = 0.0
+        self.clock = IntervalClock()
 
     def pause(self) -> None:
         """Stop this rank's clock (``monitor.pause()``: evaluation, a checkpoint save)."""
-        if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        self.clock.pause()
 
     def resume(self) -> None:
         """Start the clock again after :meth:`pause`; the paused time is left out."""
-        if self._paused_at is not None:
-            self._paused_s += time.perf_counter() - self._paused_at
-            self._paused_at = None
+        self.clock.resume()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """This rank's milliseconds per step since the last log step, pauses left out (and its
         GPU's power and SM clock when NVML is on), every rank's value gathered."""
-        self.resume()
-        ms = 1000.0 * (time.perf_counter() - self._clock - self._paused_s) / max(ctx.steps, 1)
+        ms = 1000.0 * self.clock.take() / max(ctx.steps, 1)
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
             samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
@@ -105,7 +99,7 @@ class StragglerCollector:
         self._log_steps += 1
         if "" in scores and self.report_every and self._log_steps % self.report_every == 0:
             out.append(Record("stragglers", self._report(scores, gpu, ctx.hosts)))
-        self._clock, self._paused_s = time.perf_counter(), 0.0  # the next interval starts now
+        self.clock.restart()  # the next interval starts after this log step's reduction
         return out
 
     def close(self) -> None:
