@@ -1,7 +1,7 @@
 """The run report at scale: synthetic ``metrics.jsonl`` files of a 4,096-rank job with 2,000
 modules (tests/synthetic_run.py), rendered by ``distmetrics report``, each in a fresh process.
 
-    python -m benchmarks.report                              # 200, 400, 800 log steps (~1 minute)
+    python -m benchmarks.report                              # 100, 200, 400 log steps (~1 minute)
     python -m benchmarks.report --sizes 10000 --dir /scratch # the full size: ~12 GB of disk
     python -m benchmarks.report --ranks 64 --modules 100 --sizes 100,200
 
@@ -54,7 +54,7 @@ def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4096)
     parser.add_argument("--modules", type=int, default=2000)
-    parser.add_argument("--sizes", default="200,400,800", help="log steps per file, comma-separated")
+    parser.add_argument("--sizes", default="100,200,400", help="log steps per file, comma-separated")
     parser.add_argument("--dir", default=None, help="where the files go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
     parser.add_argument("--out", default="runs/report_benchmark.json")
@@ -70,7 +70,7 @@ def main(argv=None) -> list:
     print(f"{args.ranks} ranks x {args.modules} modules, timers of every rank; log steps: {args.sizes}", flush=True)
     print(f"{'log steps':>9} {'lines':>6} {'file GiB':>8} {'read s':>7} {'draw s':>7} {'total s':>8} "
           f"{'json.loads s':>12} {'total/json':>10} {'s/GiB':>6} {'peak MiB':>8} {'html MiB':>8}", flush=True)
-    rows = []
+    rows, started = [], time.perf_counter()
     for steps in [int(s) for s in args.sizes.split(",")]:
         source = folder / f"metrics_{args.ranks}r_{args.modules}m_{steps}s.jsonl"
         made = generate(source, steps, args.ranks, args.modules)
@@ -92,6 +92,7 @@ def main(argv=None) -> list:
         print(f"growth, largest vs smallest file ({size:.1f}x the bytes): total time "
               f"{large['total_s'] / small['total_s'] / size:.2f}x linear, reading "
               f"{large['read_s'] / small['read_s'] / size:.2f}x linear (1.00 = linear in the file's size)")
+    print(f"benchmark wall time (writing the files included): {time.perf_counter() - started:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

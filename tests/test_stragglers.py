@@ -87,6 +87,32 @@ def test_paused_time_is_left_out_of_a_ranks_step_time():
     assert 15.0 <= collector.step_ms < 200.0  # ~20 ms, not ~320 ms
 
 
+def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):
+    """The collector's alert logic on given per-rank step times (as the gather hands them over),
+    through the console sink."""
+    import logging
+    import types
+
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+    from distmetrics.sinks.console import LOGGER_NAME, ConsoleSink
+
+    hosts = [types.SimpleNamespace(hostname=f"node-{r}", local_rank=r % 2) for r in range(4)]
+    collector = StragglerCollector(window=3, report_every=0, threshold=0.8)
+    console = ConsoleSink()
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    slow, fast = [10.0, 10.5, 20.0, 10.0], [10.0, 10.5, 10.0, 10.0]
+    for step, times in enumerate([slow, slow, slow, slow, fast, slow, slow, slow], start=1):
+        for alert in collector.finalize({STEP_MS: dm.PerRank(times)}, LogContext(step, 1, None, hosts)):
+            console.log(alert.to_record(), step, alert.kind)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("!!")]
+    assert lines == [
+        "!! step 3: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "at each of the last 3 log steps",
+        "!! step 8: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "at each of the last 3 log steps"]
+
+
 @pytest.mark.parametrize("key,value", [("straggler_window", -1), ("straggler_report_every", -2),
                                        ("straggler_report_ranks", 0), ("straggler_threshold", 1.5),
                                        ("straggler_threshold", 0.0)])
