@@ -2,7 +2,7 @@
 modules (tests/synthetic_run.py), rendered by ``distmetrics report``, each in a fresh process.
 
     python -m benchmarks.report                              # 100, 200, 400 log steps (~1 minute)
-    python -m benchmarks.report --sizes 10000 --dir /scratch # the full size: ~12 GB of disk
+    python -m benchmarks.report --sizes 10000 --dir DIR      # the full size: ~12 GB of disk in DIR
     python -m benchmarks.report --ranks 64 --modules 100 --sizes 100,200
 
 For every size: the file's size, the time to read it and to draw the page, the peak memory of the

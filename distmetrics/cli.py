@@ -13,7 +13,7 @@ import math
 import sys
 
 from .config import ConfigError, MetricsConfig
-from .report import MissingExtra
+from .report import MissingExtra, NotAMetricsFile
 from .sinks.jsonl import read_jsonl
 
 __all__ = ["main"]
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             print(args.run(args))
         else:
             print(summarise(args.path))
-    except (ConfigError, OSError, MissingExtra) as err:
+    except (ConfigError, OSError, MissingExtra, NotAMetricsFile) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

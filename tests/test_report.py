@@ -250,9 +250,12 @@ def test_a_missing_extra_is_named_with_exit_status_2(tmp_path):
     assert not (tmp_path / "report.html").exists()
 
 
-def test_no_metrics_file_is_exit_status_2(tmp_path):
+def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
     run = _report_cli(str(tmp_path))
     assert run.returncode == 2 and "no metrics file" in run.stderr and "metrics.jsonl" in run.stderr
+    run = _report_cli(str(ROOT / "README.md"), "--out", str(tmp_path / "r.html"))
+    assert run.returncode == 2 and "README.md is not a metrics.jsonl" in run.stderr
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_the_report_never_imports_torch_nor_pyplot(tmp_path):

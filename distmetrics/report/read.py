@@ -55,7 +55,7 @@ class RunData:
         self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
         self.gpu_models: dict[str, int] = {}
         self.rank_hosts: dict[int, str] = {}
-        self.lines = self.bad_lines = self.records = 0
+        self.lines = self.blank_lines = self.bad_lines = self.records = 0
         self.step_min: Optional[int] = None
         self.step_max: Optional[int] = None
         self.read_s = 0.0
@@ -70,6 +70,7 @@ class RunData:
             for raw in f:
                 self.lines += 1
                 if len(raw) < 3 and not raw.strip():  # a blank line (strip would copy a long one)
+                    self.blank_lines += 1
                     continue
                 try:
                     record = json.loads(raw)
