@@ -191,16 +191,17 @@ class _Job:
         out.update({f"train/loss/{c}": loss + 0.3 * (k - 1) for k, c in enumerate(CATEGORIES)})
         for t in TIMERS:
             ms = timers[t]
-            out.update({f"stragglers/{t}/rank": float(np.argmax(ms)), f"stragglers/{t}/local_rank": float(np.argmax(ms) % 8),
+            out.update({f"stragglers/{t}/rank": float(np.argmax(ms)),
+                        f"stragglers/{t}/local_rank": float(np.argmax(ms) % 8),
                         f"stragglers/{t}/max_over_median": float(ms.max() / np.median(ms)),
                         f"stragglers/{t}/score_min": float(ms.min() / ms.max()),
                         f"stragglers/{t}/score_min_rank": float(np.argmax(ms))})
         return out
 
     def _eval(self, step: int, stamp: str, loss: float) -> dict:
-        record = {"kind": "eval", "step": step, "time": stamp, "eval/loss": loss + 0.05, "eval/ppl": math.exp(loss + 0.05),
-                  "eval/gap": 0.05 + 0.01 * self.rng.standard_normal(), "eval/time_ms": 5000.0,
-                  "eval/tokens_per_sec": 8.0e6}
+        record = {"kind": "eval", "step": step, "time": stamp, "eval/loss": loss + 0.05,
+                  "eval/ppl": math.exp(loss + 0.05), "eval/gap": 0.05 + 0.01 * self.rng.standard_normal(),
+                  "eval/time_ms": 5000.0, "eval/tokens_per_sec": 8.0e6}
         record.update({f"eval/loss/{c}": loss + 0.05 + 0.3 * (k - 1) for k, c in enumerate(CATEGORIES)})
         return record
 

@@ -14,8 +14,8 @@ from .read import RunData
 __all__ = ["events_of", "alert_section"]
 
 MAX_TABLE_ROWS = 300
-_FLAGS = (("health/loss_spike", "loss_spike", "health/loss_spike_factor", "loss spike: {:.3g} x its moving average"),
-          ("health/grad_spike", "grad_spike", "health/grad_spike_factor", "grad-norm spike: {:.3g} x its moving average"),
+_FLAGS = (("health/loss_spike", "loss_spike", "health/loss_spike_factor", "loss spike: {:.3g} x the moving average"),
+          ("health/grad_spike", "grad_spike", "health/grad_spike_factor", "grad-norm spike: {:.3g} x the average"),
           ("health/skipped_steps", "skipped_steps", None, "{:g} skipped step(s)"),
           ("health/nonfinite_loss", "nonfinite_loss", None, "non-finite loss in {:g} rank-step(s)"),
           ("grad_nonfinite", "nonfinite_grad", None, "{:g} non-finite gradient tensor(s)"))
