@@ -3,6 +3,7 @@
     distmetrics check-config configs/metrics.yaml [key=value ...]
     distmetrics check-features configs/tensor_stats_cpu.yaml [--feature-dir DIR ...]
     distmetrics summary runs/demo                     # a run folder, a folder of them, or a metrics.jsonl
+    distmetrics report runs/demo [--out report.html]  # one self-contained HTML page of a run
 
 Exit status 0 when all is well, 2 for a bad file or argument (the message names it). Commands
 that read files do not import torch; checking a features file does (nvdlfw-inspect needs it).
@@ -15,6 +16,7 @@ import math
 import sys
 
 from .config import MetricsConfig, TensorInspectConfig
+from .report import MissingExtra
 from .runlog import Job, metrics_files, read_jobs
 
 __all__ = ["main", "check_features", "summarise"]
@@ -29,12 +31,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     # A command is one add_<command>(commands) that registers its arguments and its run function.
-    for add in (add_check_config, add_check_features, add_summary):
+    for add in (add_check_config, add_check_features, add_summary, add_report):
         add(commands)
     args = parser.parse_args(argv)
     try:
         print(args.run(args))
-    except (ValueError, OSError) as err:  # ConfigError is a ValueError
+    except (ValueError, OSError, MissingExtra) as err:  # ConfigError, NotAMetricsFile are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -79,6 +81,26 @@ def run_check_features(args: argparse.Namespace) -> str:
     """Check a features file (see :func:`check_features`)."""
     spec = check_features(args.path, args.feature_dir)
     return f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})"
+
+
+# --- report ------------------------------------------------------------------------------
+
+def add_report(commands) -> None:
+    """``report RUN [--out report.html]``."""
+    parser = commands.add_parser("report", help="one self-contained HTML page of a run's metrics "
+                                                "(needs the report extra: numpy, matplotlib)")
+    parser.add_argument("path", metavar="RUN", help="a run directory or its metrics.jsonl")
+    parser.add_argument("--out", default=None, help="the HTML file to write (default: report.html beside "
+                                                    "the metrics file)")
+    parser.set_defaults(run=run_report)
+
+
+def run_report(args: argparse.Namespace) -> str:
+    """Write the run report (torch is not imported); says which extra to install when
+    matplotlib or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
+    from .report import write_report
+
+    return f"report: {write_report(args.path, args.out)}"
 
 
 def check_features(path: str, feature_dirs: list) -> dict:

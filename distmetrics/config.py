@@ -154,6 +154,16 @@ class MetricsConfig:
     log_gpu_telemetry: bool = False
     """Log GPU clocks, temperature, utilisation and throttle reasons on log steps."""
 
+    # --- stragglers ----------------------------------------------------------------------
+    straggler_window: int = 10
+    """Log steps in the sliding window of per-rank straggler scores; 0 turns scores off."""
+    straggler_report_every: int = 10
+    """Write a ``stragglers`` record every this many log steps; 0: never."""
+    straggler_report_ranks: int = 8
+    """Slowest and fastest ranks listed in a ``stragglers`` record."""
+    straggler_threshold: float = 0.9
+    """A rank whose score stays below this at every log step of a full window gets one alert."""
+
     # --- health and eval -----------------------------------------------------------------
     spike_factor: float = 5.0
     """A value above this many times its moving average is a spike."""
@@ -176,6 +186,10 @@ class MetricsConfig:
                  "None or integers >= 1")
         _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
         _require(self, "hang_timeout_s", self.hang_timeout_s >= 0, "numbers >= 0 (0 turns the check off)")
+        for name in ("straggler_window", "straggler_report_every"):
+            _require(self, name, getattr(self, name) >= 0, "integers >= 0 (0: off)")
+        _require(self, "straggler_report_ranks", self.straggler_report_ranks >= 1, "integers >= 1")
+        _require(self, "straggler_threshold", 0.0 < self.straggler_threshold <= 1.0, "numbers in (0, 1]")
         for name in ("flops_per_token", "peak_tflops", "num_params", "num_active_params", "num_layers",
                      "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)

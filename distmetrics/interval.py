@@ -8,11 +8,13 @@ the device. At the log step :meth:`IntervalStats.take_samples` hands the reducer
 Interval semantics per reduce kind: ``mean`` is Σ value·weight / Σ weight over steps (and then
 ranks); ``sum`` is the total; ``max``/``min``/``minmax`` the extremes over steps; ``all`` each
 rank's mean over its steps. ``last=True`` keeps only the latest value (the learning rate).
+:class:`IntervalClock` is an interval's wall time on this rank, pauses left out.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -20,9 +22,43 @@ import torch
 
 from .reduce import Sample, check_reduce
 
-__all__ = ["IntervalStats"]
+__all__ = ["IntervalStats", "IntervalClock"]
 
 Number = Union[int, float, torch.Tensor]
+
+
+class IntervalClock:
+    """This rank's wall time since the interval started, the time between :meth:`pause` and
+    :meth:`resume` (evaluation, a checkpoint save) left out. Reads ``time.perf_counter``."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._paused_at: Optional[float] = None
+        self._paused_s = 0.0
+
+    def pause(self) -> None:
+        """Stop counting (a second call does nothing)."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause`."""
+        if self._paused_at is not None:
+            self._paused_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def take(self) -> float:
+        """Seconds counted since the interval started (resuming a paused clock); the next
+        interval starts now."""
+        self.resume()
+        now = time.perf_counter()
+        seconds, self._start, self._paused_s = now - self._start - self._paused_s, now, 0.0
+        return seconds
+
+    def restart(self) -> None:
+        """Start the interval again now, forgetting what was counted."""
+        self.resume()
+        self._start, self._paused_s = time.perf_counter(), 0.0
 
 
 @dataclass

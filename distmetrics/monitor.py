@@ -73,8 +73,8 @@ class Monitor:
         if optimizer is not None and "norms" in self._by_name:
             self.attach_megatron_optimizer(optimizer)
         self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
-        self.sinks = open_writer_sinks(config, self.layout, self.hosts, self.writer_rank, sinks, claim) \
-            if self.is_writer else SinkSet()
+        opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
+        self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
 
     # --- the per-step API ----------------------------------------------------------------
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
@@ -164,8 +164,8 @@ class Monitor:
         return metrics
 
     def pause(self) -> None:
-        """Stop the training clock and the energy count (before evaluation or a checkpoint save),
-        so tokens/s, MFU and energy per token describe training alone. Local: no collective."""
+        """Stop the training clocks and the energy count (before evaluation or a checkpoint save), so
+        tokens/s, MFU, energy per token and straggler scores describe training alone. Local."""
         for clock in self._clocks():
             clock.pause()
 
@@ -219,7 +219,7 @@ class Monitor:
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:
-            self._write(alert.to_record(), step, "alert")
+            self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
         self.last_metrics = metrics
         return metrics
 
@@ -237,7 +237,7 @@ class Monitor:
         return self._by_name["norms"]
 
     def _clocks(self) -> list:
-        return [self._by_name[name] for name in ("train", "energy") if name in self._by_name]
+        return [self._by_name[name] for name in ("train", "energy", "stragglers") if name in self._by_name]
 
     def _shutdown(self) -> None:
         self._closed = True

@@ -16,7 +16,7 @@ import platform
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,9 +111,12 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
     return rows
 
 
-def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int) -> dict[str, Any]:
-    """The fields of the ``run`` record: world, ranks and hosts, versions, the command line and
-    the config, with secret values hidden (:mod:`distmetrics.redaction`)."""
+def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,
+               modules: Sequence[str] = ()) -> dict[str, Any]:
+    """The fields of the ``run`` record: world, ranks and hosts, the model's module names in model
+    order (nearest the input first; a report draws per-module norms in this order, the metric
+    records hold them sorted by name), versions, the command line and the config, with secret
+    values hidden (:mod:`distmetrics.redaction`)."""
     from . import __version__
 
     return {
@@ -121,6 +124,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
         "writer_rank": writer_rank,
         "hosts": sorted({h.hostname for h in hosts}),
         "ranks": [{"rank": h.rank, "host": h.hostname, "local_rank": h.local_rank} for h in hosts],
+        "modules": list(modules),
         "job_id": os.environ.get("SLURM_JOB_ID", ""),
         "layout": layout.source,
         "torch_version": torch.__version__,
@@ -132,7 +136,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
 
 
 def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple,
-                      claim: Optional[OutputClaim] = None) -> SinkSet:
+                      claim: Optional[OutputClaim] = None, modules: Sequence[str] = ()) -> SinkSet:
     """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs);
     they remember the last step an earlier job logged in ``output_dir`` (from its metrics.jsonl),
     and closing them releases the claim on ``output_dir``."""
@@ -141,7 +145,7 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
     sinks.last_logged_step = last_logged
     if claim is not None:
         sinks.on_close(claim.release)
-    sinks.log(run_record(config, layout, hosts, writer_rank), 0, "run")
+    sinks.log(run_record(config, layout, hosts, writer_rank, modules), 0, "run")
     gpus = [h.gpu for h in hosts if h.gpu is not None]
     if gpus:
         sinks.log({"ranks": gpus}, 0, "gpu_model")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the demo: a small transformer, FSDP2 over 2 CPU ranks (gloo),
 # 40 steps. Each run writes a fresh folder, runs/demo/<date-time>/ (DEMO_RUNS sets runs/demo),
-# with metrics.jsonl, progress.txt and tensorboard/; an output_dir=... argument overrides it.
+# with metrics.jsonl, progress.txt and tensorboard/, then the run report report.html in it
+# (distmetrics report); an output_dir=... argument overrides the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
@@ -23,3 +24,4 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-2} MASTER_PORT=${MASTER_PORT:-29517} \
   bash launch/torchrun.sh launch/train_fsdp.py --steps 40 --config configs/demo.yaml "output_dir=$RUN_DIR" "$@"
 echo "metrics: $RUN_DIR/metrics.jsonl   progress: $RUN_DIR/progress.txt   summary: distmetrics summary $RUN_DIR"
 echo "tensorboard --logdir $RUNS   (each demo run is one TensorBoard run)"
+"$PYTHON" -m distmetrics.cli report "$RUN_DIR" --out "$RUN_DIR/report.html"

@@ -11,7 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import torch, distmetrics, tensorboard, wandb, megatron.core, nvdlfw_inspect, pytest" 2>/dev/null; then
+if ! "$PY" -c "import torch, distmetrics, tensorboard, wandb, megatron.core, nvdlfw_inspect, pytest, matplotlib, PIL" \
+    2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_SPEC"
   "$PY" -m pip install -q -e ".[all,dev]"

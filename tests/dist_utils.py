@@ -126,7 +126,7 @@ def quiet_config(**extra: Any):
     import distmetrics as dm
 
     cfg = dict(output_dir="unused", json_log=False, console=False, log_progress=False, tensorboard=False,
-               timing_log_level=-1, log_throughput=False, log_memory=False)
+               timing_log_level=-1, log_throughput=False, log_memory=False, straggler_window=0)
     cfg.update(extra)
     return dm.MetricsConfig(**cfg)
 

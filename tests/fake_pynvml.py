@@ -71,6 +71,7 @@ def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
     m.nvmlDeviceGetTotalEnergyConsumption = nvmlDeviceGetTotalEnergyConsumption
     m.nvmlDeviceGetClockInfo = reader("nvmlDeviceGetClockInfo", lambda i: 1500 + 10 * i)
     m.nvmlDeviceGetMaxClockInfo = reader("nvmlDeviceGetMaxClockInfo", 1980)
+    m.nvmlDeviceGetPowerUsage = reader("nvmlDeviceGetPowerUsage", lambda i: 250_000 + 25_000 * i)  # mW
     m.nvmlDeviceGetTemperature = reader("nvmlDeviceGetTemperature", lambda i: 60 + i)
     m.nvmlDeviceGetTemperatureThreshold = reader("nvmlDeviceGetTemperatureThreshold", 87)
     m.nvmlDeviceGetUtilizationRates = reader("nvmlDeviceGetUtilizationRates",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .base import Alert, Collector, LogContext, Sample, finalize_order
+from .base import Alert, Collector, LogContext, Record, Sample, finalize_order
 
-__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Sample", "finalize_order"]
+__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order"]
 
 
 def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, optimizer: Optional[Any] = None,
@@ -29,12 +29,14 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .norms import NormCollector
     from .nvml import EnergyCollector, TelemetryCollector
     from .steps import StepValues
+    from .stragglers import StragglerCollector
     from .throughput import ThroughputCollector, resolve_peak_tflops
     from .timers import TimerCollector, Timers
 
     out: list = [StepValues(layout)]
     timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time)
-    out.append(TimerCollector(timers, config.timing_log_option))
+    # with straggler scores on, every rank's timer values also travel (in the one ALL gather)
+    out.append(TimerCollector(timers, config.timing_log_option, per_rank=config.straggler_window > 0))
     if config.log_throughput:
         out.append(ThroughputCollector(layout.world_size, config.resolved_flops_per_token,
                                        resolve_peak_tflops(config, layout.rank), config.total_steps,
@@ -51,4 +53,8 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
                                  log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
                                  snapshot=config.update_norm_snapshot))
     out += [HealthCollector(config.spike_factor), LossCollector(), MoECollector(sees_distinct_tokens(layout))]
+    if config.straggler_window:
+        out.append(StragglerCollector(config.straggler_window, config.straggler_report_every,
+                                      config.straggler_report_ranks, config.straggler_threshold,
+                                      nvml=config.log_energy or config.log_gpu_telemetry))
     return finalize_order(out)

@@ -11,7 +11,7 @@ no collective) and, at a log step, hands over what it measured::
             return [Sample("data/queue_depth", self.depth, "max")]
 
         def finalize(self, metrics, ctx):            # derived values, alerts (after the reduction)
-            return []
+            return []                                # Alert(...)s, or Record(...)s of a kind of their own
 
         def close(self):
             pass
@@ -28,11 +28,11 @@ collectors it declares in ``after``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ..reduce import Sample
 
-__all__ = ["Collector", "LogContext", "Alert", "Sample", "finalize_order"]
+__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order"]
 
 
 @dataclass
@@ -74,10 +74,28 @@ class Alert:
     """One line for people."""
     details: dict = field(default_factory=dict)
     """Extra fields of the record (e.g. ``first_module``)."""
+    kind: ClassVar[str] = "alert"
+    """The record kind it is written as."""
 
     def to_record(self) -> dict:
         """The fields of the JSONL ``alert`` record."""
         return {"message": self.message, "alert": self.alert, **self.details}
+
+
+@dataclass
+class Record:
+    """A record of a kind of its own that a collector hands the writer at a log step, written
+    beside the ``train`` record (e.g. ``{"kind": "stragglers", ...}``); sinks that plot numbers
+    leave it out."""
+
+    kind: str
+    """The record kind, e.g. ``stragglers``."""
+    fields: dict
+    """The record's fields (JSON-serialisable: numbers, strings, lists, mappings)."""
+
+    def to_record(self) -> dict:
+        """The fields of the JSONL record."""
+        return dict(self.fields)
 
 
 @runtime_checkable
@@ -93,8 +111,9 @@ class Collector(Protocol):
         """This interval's samples on this rank; the interval starts again."""
         ...
 
-    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Derive values in ``metrics`` (the reduced result, the same on every rank); return alerts."""
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Union[Alert, Record]]:
+        """Derive values in ``metrics`` (the reduced result, the same on every rank); return alerts
+        (and records of other kinds) for the writer."""
         ...
 
     def close(self) -> None:

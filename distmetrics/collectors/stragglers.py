@@ -1,0 +1,287 @@
+"""Straggler scores: how fast each rank is against the fastest, over a sliding window of log steps.
+
+``score[r] = min over ranks q of median(q) / median(r)``, where ``median(r)`` is the median of
+rank r's step times (ms per step) over the last ``straggler_window`` log steps: 1.0 is as fast
+as the fastest rank, 0.5 takes twice its time. The median makes one slow interval (a
+checkpoint, a garbage-collection pause) count for little and a rank that is slow every time
+count fully. The same score is kept per timer where every rank's timer values reach the log
+step (``timing_log_option: all``, or the ``_ranks/timers/<name>`` lanes a timer collector adds).
+
+Cost: each rank's step time is one ``all`` sample, so it rides the log step's one all-gather
+(with the GPU's power and SM clock beside it when NVML is on); where nothing else is gathered
+it is that one gather. Between log steps nothing is measured but a clock reading.
+
+A rank's step time is its own wall time from the end of the last log step's reduction to the
+start of this one, over the steps in between: the wait inside the log step's collectives (for
+the slowest rank) is left out. Collectives inside the training step (gradient all-reduce,
+FSDP all-gathers) make the fast ranks wait for the slow one *within* their steps, so in a job
+whose steps synchronise the step scores come out close to 1 everywhere; the per-timer scores
+(a data-loading timer, a compute timer) are where such a straggler shows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..interval import IntervalClock
+from ..reduce import PerRank
+from .base import Alert, LogContext, Record, Sample
+
+__all__ = ["StragglerCollector", "window_scores", "relative_scores", "slowest_ranks", "fastest_ranks",
+           "STEP_MS", "RANK_TIMERS_PREFIX"]
+
+STEP_MS = "_stragglers/step_ms"
+"""Internal lane: this rank's milliseconds per step over the interval (gathered from every rank)."""
+POWER_W = "_stragglers/power_w"
+SM_CLOCK_MHZ = "_stragglers/sm_clock_mhz"
+RANK_TIMERS_PREFIX = "_ranks/timers/"
+"""Internal lanes ``_ranks/timers/<name>``: every rank's timer value where timers reduce as max/minmax."""
+
+
+class StragglerCollector:
+    """Per-rank straggler scores over a sliding window, the slowest rank every log step, a
+    ``stragglers`` record every ``report_every`` log steps and an alert for a rank that stays
+    below ``threshold`` for a whole window."""
+
+    name = "stragglers"
+    after = ("timers",)  # reads every rank's timer values from the reduced metrics
+
+    def __init__(self, window: int = 10, report_every: int = 10, report_ranks: int = 8, threshold: float = 0.9,
+                 nvml: bool = False, uuid: Optional[str] = None) -> None:
+        if window < 1:
+            raise ValueError(f"straggler_window={window!r}: accepted values are integers >= 1 here (0 turns "
+                             "the collector off before it is built)")
+        self.window, self.report_every, self.report_ranks = window, report_every, report_ranks
+        self.threshold = threshold
+        self._windows: dict[str, deque] = {}  # "" for the step time, else a timer's name
+        self._below: deque = deque(maxlen=window)  # per log step: which ranks scored below threshold
+        self._alerted: set[int] = set()
+        self._log_steps = 0
+        self._gpu = _GpuReadings.open(uuid) if nvml else None
+        self.clock = IntervalClock()
+
+    def start(self) -> None:
+        """Start this rank's clock at the first ``monitor.step`` (building the Monitor is no step's time)."""
+        self.clock.restart()
+
+    def pause(self) -> None:
+        """Stop this rank's clock (``monitor.pause()``: evaluation, a checkpoint save)."""
+        self.clock.pause()
+
+    def resume(self) -> None:
+        """Start the clock again after :meth:`pause`; the paused time is left out."""
+        self.clock.resume()
+
+    def take_samples(self, ctx: LogContext) -> list[Sample]:
+        """This rank's milliseconds per step since the last log step, pauses left out (and its
+        GPU's power and SM clock when NVML is on), every rank's value gathered."""
+        ms = 1000.0 * self.clock.take() / max(ctx.steps, 1)
+        samples = [Sample(STEP_MS, ms, "all")]
+        if self._gpu is not None:
+            samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
+        return samples
+
+    def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Any]:
+        """``stragglers/score_min`` and where it runs, per-timer minima, the periodic record and
+        the alert; the internal lanes are taken out of ``metrics``."""
+        step_ms = metrics.pop(STEP_MS, None)
+        gpu = {"power_w": metrics.pop(POWER_W, None), "sm_clock_mhz": metrics.pop(SM_CLOCK_MHZ, None)}
+        out: list[Any] = []
+        scores: dict[str, torch.Tensor] = {}
+        if step_ms is not None:
+            times = _as_tensor(step_ms)
+            scores[""] = self._push("", times)
+            _write_minimum(metrics, "stragglers/score_min", scores[""], ctx.hosts, with_host=True)
+            out += self._persistent(times, ctx.hosts)
+        for name, values in _every_ranks_timers(metrics).items():
+            scores[name] = self._push(name, _as_tensor(values))
+            _write_minimum(metrics, f"stragglers/{name}/score_min", scores[name], ctx.hosts, with_host=False)
+        self._log_steps += 1
+        if "" in scores and self.report_every and self._log_steps % self.report_every == 0:
+            out.append(Record("stragglers", self._report(scores, gpu, ctx.hosts)))
+        self.clock.restart()  # the next interval starts after this log step's reduction
+        return out
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    # --- helpers -------------------------------------------------------------------------
+    def _push(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        window = self._windows.setdefault(name, deque(maxlen=self.window))
+        if window and window[-1].numel() != values.numel():  # another world size: start over
+            window.clear()
+        window.append(values)
+        return window_scores(window)
+
+    def _persistent(self, times: torch.Tensor, hosts: Sequence[Any]) -> list[Alert]:
+        """One alert naming the ranks that newly scored below the threshold at every log step of
+        a full window (a rank is named again only after it has recovered)."""
+        if self._below and self._below[-1].numel() != times.numel():
+            self._below.clear()
+        self._below.append(relative_scores(times) < self.threshold)  # NaN: not below
+        if len(self._below) < self.window:
+            return []
+        stuck = torch.stack(list(self._below)).all(dim=0).nonzero().flatten().tolist()
+        new = [r for r in stuck if r not in self._alerted]
+        self._alerted = set(stuck)
+        if not new:
+            return []
+        score = window_scores(self._windows[""])
+        named = [f"rank {r} ({_where(r, hosts)}, score {score[r].item():.2f})" for r in new[:self.report_ranks]]
+        more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
+        message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "
+                   f"speed at each of the last {self.window} log steps")
+        return [Alert("straggler", message, {"ranks": new, "threshold": self.threshold,
+                                             "scores": [_finite(score[r].item()) for r in new]})]
+
+    def _report(self, scores: dict[str, torch.Tensor], gpu: dict, hosts: Sequence[Any]) -> dict:
+        """The ``stragglers`` record: the slowest and fastest ranks with their hosts, scores and
+        median milliseconds per step (with NVML, their last power and SM clock readings); per
+        timer, its slowest ranks."""
+        n = self.report_ranks
+
+        def rows(name: str, ranks: list[int]) -> list[dict]:
+            medians = window_medians(self._windows[name])
+            out = []
+            for rank in ranks:
+                row = {"rank": rank, "host": _host(rank, hosts), "local_rank": _local_rank(rank, hosts),
+                       "score": _finite(scores[name][rank].item()), "ms": _finite(medians[rank].item())}
+                if not name:
+                    row.update({key: _rank_value(values, rank) for key, values in gpu.items() if values is not None})
+                out.append(row)
+            return out
+
+        return {"window": len(self._windows[""]), "threshold": self.threshold,
+                "slowest": rows("", slowest_ranks(scores[""], n)),
+                "fastest": rows("", fastest_ranks(scores[""], n)),
+                "timers": {name: rows(name, slowest_ranks(s, n)) for name, s in scores.items() if name}}
+
+
+# --- the score maths ---------------------------------------------------------------------
+
+def window_medians(window: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank median over a window of ``[world]`` time vectors (the mean of the two middle
+    values for an even count, as numpy's); values that are not finite or not > 0 (a rank
+    without the value) are left out; NaN for a rank without any."""
+    m = torch.stack([w.to(torch.float64) for w in window])
+    m = torch.where(torch.isfinite(m) & (m > 0), m, torch.full_like(m, math.nan))
+    return torch.nanquantile(m, 0.5, dim=0)
+
+
+def window_scores(window: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``score[r] = min_q median(q) / median(r)`` over the window, in (0, 1]; NaN where a rank
+    has no valid value."""
+    return relative_scores(window_medians(window))
+
+
+def relative_scores(times: torch.Tensor) -> torch.Tensor:
+    """The fastest (smallest) valid time over each rank's time; NaN for invalid times."""
+    times = torch.where(torch.isfinite(times) & (times > 0), times, torch.full_like(times, math.nan))
+    valid = ~torch.isnan(times)
+    if not bool(valid.any()):
+        return times
+    return times[valid].min() / times
+
+
+def slowest_ranks(scores: torch.Tensor, n: int) -> list[int]:
+    """The ``n`` ranks with the lowest scores, slowest first (NaN never; ties: lower rank first)."""
+    return _ranked(scores, n, descending=False)
+
+
+def fastest_ranks(scores: torch.Tensor, n: int) -> list[int]:
+    """The ``n`` ranks with the highest scores, fastest first (NaN never; ties: lower rank first)."""
+    return _ranked(scores, n, descending=True)
+
+
+def _ranked(scores: torch.Tensor, n: int, descending: bool) -> list[int]:
+    valid = (~torch.isnan(scores)).nonzero().flatten()
+    order = torch.sort(scores[valid], descending=descending, stable=True).indices
+    return valid[order][:max(int(n), 0)].tolist()
+
+
+def _every_ranks_timers(metrics: dict[str, Any]) -> dict[str, PerRank]:
+    """Every rank's timer values: ``timers/<name>`` under ``all``, else the ``_ranks/timers/<name>``
+    lanes (taken out of ``metrics``)."""
+    lanes = {key: metrics.pop(key) for key in list(metrics) if key.startswith(RANK_TIMERS_PREFIX)}
+    found = {key[len(RANK_TIMERS_PREFIX):]: value for key, value in lanes.items() if isinstance(value, PerRank)}
+    for key, value in metrics.items():
+        if key.startswith("timers/") and isinstance(value, PerRank):
+            found.setdefault(key[len("timers/"):], value)
+    return found
+
+
+def _write_minimum(metrics: dict[str, Any], key: str, scores: torch.Tensor, hosts: Sequence[Any],
+                   with_host: bool) -> None:
+    slowest = slowest_ranks(scores, 1)
+    if not slowest:
+        return
+    rank = slowest[0]
+    metrics[key] = scores[rank].item()
+    metrics[f"{key}_rank"] = rank
+    if with_host and rank < len(hosts):
+        metrics[f"{key}_host"] = _host(rank, hosts)
+        metrics[f"{key}_local_rank"] = _local_rank(rank, hosts)
+
+
+def _as_tensor(values: Sequence[Optional[float]]) -> torch.Tensor:
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+
+
+def _rank_value(values: Sequence[Optional[float]], rank: int) -> Optional[float]:
+    return _finite(values[rank]) if rank < len(values) else None
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _host(rank: int, hosts: Sequence[Any]) -> Optional[str]:
+    return hosts[rank].hostname if rank < len(hosts) else None
+
+
+def _local_rank(rank: int, hosts: Sequence[Any]) -> Optional[int]:
+    return hosts[rank].local_rank if rank < len(hosts) else None
+
+
+def _where(rank: int, hosts: Sequence[Any]) -> str:
+    if rank >= len(hosts):
+        return "host unknown"
+    return f"{hosts[rank].hostname}, local rank {hosts[rank].local_rank}"
+
+
+class _GpuReadings:
+    """This rank's GPU power (W) and SM clock (MHz) from NVML, read at log steps only."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self._nvml, self._handle = nvml, handle
+        self._broken: set[str] = set()
+
+    @classmethod
+    def open(cls, uuid: Optional[str]) -> Optional["_GpuReadings"]:
+        """Readings of this rank's GPU (by UUID), or None where NVML cannot be used: the energy
+        and telemetry collectors already say why, once."""
+        from .nvml import cuda_device_uuid, open_nvml_handle
+
+        try:
+            return cls(*open_nvml_handle(uuid or cuda_device_uuid()))
+        except Exception:  # noqa: BLE001 - no GPU, no NVML: the record leaves power and clock out
+            return None
+
+    def read(self) -> dict[str, float]:
+        """The readings this GPU supports (one that fails is not asked again)."""
+        n, h = self._nvml, self._handle
+        readers = {POWER_W: lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                   SM_CLOCK_MHZ: lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)}
+        out = {}
+        for name, read in readers.items():
+            if name in self._broken:
+                continue
+            try:
+                out[name] = float(read())
+            except Exception:  # noqa: BLE001 - not supported on this board
+                self._broken.add(name)
+        return out

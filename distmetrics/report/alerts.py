@@ -1,0 +1,78 @@
+"""Alerts and health: every ``alert`` record, plus what the health metrics flag (spikes, skipped
+steps, non-finite values) where no alert record says it, with the first non-finite module. The
+steps of each kind are marked on every step plot (:meth:`Figures.mark`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .figures import EVENT_COLOURS, Figures, escape, panel_figure, series_panel
+from .read import RunData
+
+__all__ = ["events_of", "alert_section"]
+
+MAX_TABLE_ROWS = 300
+_FLAGS = (("health/loss_spike", "loss_spike", "health/loss_spike_factor", "loss spike: {:.3g} x the moving average"),
+          ("health/grad_spike", "grad_spike", "health/grad_spike_factor", "grad-norm spike: {:.3g} x the average"),
+          ("health/skipped_steps", "skipped_steps", None, "{:g} skipped step(s)"),
+          ("health/nonfinite_loss", "nonfinite_loss", None, "non-finite loss in {:g} rank-step(s)"),
+          ("grad_nonfinite", "nonfinite_grad", None, "{:g} non-finite gradient tensor(s)"))
+
+
+def events_of(data: RunData) -> list[dict]:
+    """Alert records and the health metrics' flags, in job and step order (one per step and kind)."""
+    events = [dict(a, source="alert") for a in data.alerts]
+    have = {(e["step"], e["type"]) for e in events}
+    for found in data.first_nonfinite:  # the first non-finite module, written beside the metrics
+        for event in events:
+            if event["step"] == found["step"] and event["type"] == "nonfinite_grad" and not event.get("first_module"):
+                event["first_module"] = found["module"]
+        if (found["step"], "nonfinite_grad") not in have:
+            events.append({"step": found["step"], "job": found["job"], "type": "nonfinite_grad", "source": "metric",
+                           "message": "non-finite gradient", "first_module": found["module"]})
+            have.add((found["step"], "nonfinite_grad"))
+    table = data.scalars
+    for key, kind, factor_key, message in _FLAGS:
+        if not table.has(key):
+            continue
+        steps, jobs, values = table.series(key)
+        factors = dict(zip(*table.series(factor_key)[::2])) if factor_key and table.has(factor_key) else {}
+        for i in np.flatnonzero(np.nan_to_num(values, nan=1.0) > 0):
+            step = int(steps[i])
+            if (step, kind) in have:
+                continue
+            have.add((step, kind))
+            value = float(factors.get(steps[i], values[i]))
+            events.append({"step": step, "job": int(jobs[i]), "type": kind, "source": "metric", "first_module": None,
+                           "message": message.format(value) if math.isfinite(value) else f"{key} = {value}"})
+    events.sort(key=lambda e: (e["job"], e["step"]))
+    return events
+
+
+def alert_section(figs: Figures, events: list[dict]) -> str:
+    """Health curves, counts per kind and a table of the events (the first ``MAX_TABLE_ROWS``)."""
+    panels = [series_panel(figs, names, title, ylabel, log=log) for title, names, ylabel, log in (
+        ("Spike factors (value / moving average)", ["health/loss_spike_factor", "health/grad_spike_factor"], "x", None),
+        ("Non-finite loss (rank-steps) / skipped steps", ["health/nonfinite_loss", "health/skipped_steps"], "count",
+         False),
+        ("Non-finite gradient tensors / parameters without a gradient", ["grad_nonfinite", "grad_missing_params"],
+         "count", False))]
+    out = [panel_figure(figs, panels, "health")]
+    if not events:
+        return out[0] + "<p>No alerts, spikes, skipped steps or non-finite values.</p>"
+    counts: dict[str, int] = {}
+    for event in events:
+        counts[event["type"]] = counts.get(event["type"], 0) + 1
+    out.append("<p>" + ", ".join(f'<span class=ev style="color:{EVENT_COLOURS.get(k, "#000")}">{escape(k)}</span>: {n}'
+                                 for k, n in counts.items()) + "</p>")
+    rows = [f'<tr><td>{e["step"]}</td><td>{e["job"]}</td>'
+            f'<td style="color:{EVENT_COLOURS.get(e["type"], "#000")}">{escape(e["type"])}</td>'
+            f'<td>{escape(e.get("first_module") or "")}</td><td>{escape(e.get("message", ""))}</td>'
+            f'<td>{escape(e["source"])}</td></tr>' for e in events[:MAX_TABLE_ROWS]]
+    out.append("<table><tr><th>step</th><th>job</th><th>type</th><th>first module</th><th>message</th><th>from</th>"
+               "</tr>" + "".join(rows) + "</table>")
+    if len(events) > MAX_TABLE_ROWS:
+        out.append(f"<p class=note>{len(events) - MAX_TABLE_ROWS} more not listed.</p>")
+    return "".join(out)

@@ -1,0 +1,298 @@
+"""Reading a ``metrics.jsonl`` into what the report draws, line by line, in bounded memory.
+
+Records with the same kind and keys (every train record of a job) share one parse plan: their
+values come out with one ``operator.itemgetter`` call and one ``np.array``, not a Python loop per
+key; ``json.loads`` is most of the time. Families with one value per module, per rank or per
+layer go to :class:`~.store.StepGrid` bins, scalars to a :class:`~.store.ScalarTable`.
+
+Jobs: a ``run`` record starts a job; all jobs share one step axis. A job resuming at a step at
+or before the last one logged takes the grids' bins over from there (its steps replace the old
+ones); line plots show both jobs there, one line per job. Module rows follow the ``modules`` of
+the last ``run`` record (the model's order); modules it does not name, or a file without it,
+follow in "natural" order (``layers.2`` before ``layers.10``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import re
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from .store import ScalarTable, StepGrid
+
+__all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES"]
+
+MODULE_FAMILIES = ("grad_norm", "update_norm", "param_norm", "relative_update_norm", "effective_lr_ratio")
+"""Metric families with one value per module (``<family>/<module>``)."""
+STRAGGLER_REPORTS_KEPT = 20
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_PER_RANK = re.compile(r"^(.+)/rank(\d+)$")
+
+
+class RunData:
+    """Everything the report draws, read from one ``metrics.jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.scalars = ScalarTable()
+        self.grids: dict[tuple[str, str], StepGrid] = {}
+        self.modules: list[str] = []
+        self.layers: list[str] = []
+        self._rows: dict[str, dict[str, int]] = {"module": {}, "layer": {}}
+        self.model_order: list[str] = []  # the modules of the last run record, in model order
+        self.jobs: list[dict] = []
+        self.alerts: list[dict] = []
+        self.first_nonfinite: list[dict] = []  # health/first_nonfinite_module beside the metrics
+        self.last_text: dict[str, Any] = {}
+        self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
+        self.gpu_models: dict[str, int] = {}
+        self.rank_hosts: dict[int, str] = {}
+        self.lines = self.blank_lines = self.bad_lines = self.records = 0
+        self.step_min: Optional[int] = None
+        self.step_max: Optional[int] = None
+        self.read_s = 0.0
+        self._plans: dict[tuple, _Plan] = {}
+        self._job = -1
+        self._job_started = False
+
+    def read(self) -> "RunData":
+        """Read the file (a line cut short by a crash is counted in ``bad_lines`` and skipped)."""
+        t0 = time.perf_counter()
+        with open(self.path, "rb") as f:
+            for raw in f:
+                self.lines += 1
+                if len(raw) < 3 and not raw.strip():  # a blank line (strip would copy a long one)
+                    self.blank_lines += 1
+                    continue
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    self.bad_lines += 1
+                    continue
+                if not isinstance(record, dict):
+                    self.bad_lines += 1
+                elif record.get("kind") == "run":
+                    self._start_job(record)
+                else:
+                    self._take(record)
+        self.scalars.finish()
+        self._plans.clear()
+        self.module_rows = _row_order(self.modules, self.model_order)
+        self.layer_rows = _row_order(self.layers, [])
+        self.read_s = time.perf_counter() - t0
+        return self
+
+    # --- records -------------------------------------------------------------------------
+    def _start_job(self, record: dict) -> None:
+        self.jobs.append(_job_meta(record, len(self.jobs)))
+        ranks = record.get("ranks")
+        if isinstance(ranks, list) and ranks:
+            self.rank_hosts = {int(r["rank"]): str(r.get("host", "")) for r in ranks
+                               if isinstance(r, dict) and isinstance(r.get("rank"), int)}
+        modules = record.get("modules")
+        if isinstance(modules, list) and modules:
+            self.model_order = [str(m) for m in modules]
+        self._job, self._job_started = len(self.jobs) - 1, False
+
+    def _take(self, record: dict) -> None:
+        kind, step = record.get("kind"), _step_of(record)
+        if step is None:
+            self.bad_lines += 1
+            return
+        if kind == "gpu_model":  # once per job at start: not on the step axis
+            for gpu in record.get("ranks", [record]):
+                name = str(gpu.get("name", "?")) if isinstance(gpu, dict) else "?"
+                self.gpu_models[name] = self.gpu_models.get(name, 0) + 1
+            return
+        self._count_step(step)
+        if kind == "alert":
+            self.alerts.append({"step": step, "job": self._job, "type": str(record.get("alert", "alert")),
+                                "message": str(record.get("message", "")), "first_module": record.get("first_module")})
+        elif kind == "stragglers":
+            self.straggler_reports.append((step, self._job, record))
+        else:
+            self.records += 1
+            self._take_values(record, step)
+
+    def _count_step(self, step: int) -> None:
+        if self._job < 0:  # a file without a run record
+            self.jobs.append(_job_meta({}, 0))
+            self._job = 0
+        meta = self.jobs[self._job]
+        if not self._job_started:
+            self._job_started = True
+            meta["first_step"] = step
+            if self.step_max is not None and self._job > 0:
+                meta["resumed_at_or_before_last"] = step <= self.step_max
+                meta["previous_last_step"] = self.step_max
+                for grid in self.grids.values():
+                    grid.restart(step)
+        meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
+        meta["records"] += 1
+        self.step_min = step if self.step_min is None else min(self.step_min, step)
+        self.step_max = step if self.step_max is None else max(self.step_max, step)
+
+    def _take_values(self, record: dict, step: int) -> None:
+        signature = (record.get("kind"), len(record), hash(tuple(record)))
+        plan = self._plans.get(signature)
+        if plan is None:
+            plan = self._plans[signature] = self._plan(record)
+        if plan.getter is not None:
+            values = plan.getter(record)
+            try:
+                array = np.array(values, dtype=np.float64)
+            except (TypeError, ValueError):  # "NaN", "Infinity" among the numbers
+                array = np.array([_number(v) for v in values], dtype=np.float64)
+            if plan.scalar_positions.size:
+                self.scalars.add(step, self._job, plan.scalar_columns, array[plan.scalar_positions])
+            for grid, positions, rows, nrows in plan.grids:
+                grid.add(step, self._job, rows, nrows, array[positions])
+        for key in plan.text:
+            value = self.last_text[key] = record.get(key)
+            if key == "health/first_nonfinite_module" and isinstance(value, str) and value not in _NONFINITE:
+                self.first_nonfinite.append({"step": step, "job": self._job, "module": value})
+
+    # --- parse plans ---------------------------------------------------------------------
+    def _plan(self, record: dict) -> "_Plan":
+        """How to take records with these keys apart."""
+        plan = _Plan()
+        numeric: list[str] = []
+        scalar_positions, scalar_columns = [], []
+        families: dict[tuple[str, str], tuple[list, list]] = {}
+        for key, value in record.items():
+            if key in ("kind", "step", "time") or isinstance(value, (dict, list)):
+                continue
+            if isinstance(value, str) and value not in _NONFINITE:
+                plan.text.append(key)
+                continue
+            position = len(numeric)
+            numeric.append(key)
+            family = self._family_of(key)
+            if family is None:
+                scalar_positions.append(position)
+                scalar_columns.append(self.scalars.column(key))
+            else:
+                kind, name, row = family
+                positions, rows = families.setdefault((kind, name), ([], []))
+                positions.append(position)
+                rows.append(row)
+        if numeric:
+            plan.getter = operator.itemgetter(*numeric) if len(numeric) > 1 else (lambda r, k=numeric[0]: (r[k],))
+        plan.scalar_positions = np.asarray(scalar_positions, dtype=np.intp)
+        plan.scalar_columns = np.asarray(scalar_columns, dtype=np.intp)
+        plan.grids = [(self._grid(kind, name), *_slots(positions, rows))
+                      for (kind, name), (positions, rows) in families.items()]
+        return plan
+
+    def _family_of(self, key: str) -> Optional[tuple[str, str, int]]:
+        """(grid kind, family name, row) of a per-rank, per-module or per-layer key; None for a scalar."""
+        match = _PER_RANK.match(key)
+        if match:
+            return "rank", match.group(1), int(match.group(2))
+        head, _, rest = key.partition("/")
+        if rest and head in MODULE_FAMILIES:
+            return "module", head, self._row("module", self.modules, rest)
+        if head == "tensor_stats" and rest.count("/") >= 2:
+            layer, tensor, stat = rest.rsplit("/", 2)
+            return "tensor", f"{tensor}/{stat}", self._row("layer", self.layers, layer)
+        return None
+
+    def _row(self, kind: str, names: list[str], name: str) -> int:
+        rows = self._rows[kind]
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = len(names)
+            names.append(name)
+        return row
+
+    def _grid(self, kind: str, name: str) -> StepGrid:
+        grid = self.grids.get((kind, name))
+        if grid is None:
+            grid = self.grids[(kind, name)] = StepGrid(kind, name)
+        return grid
+
+
+class _Plan:
+    """How to take one record schema apart: one itemgetter, index arrays per destination."""
+
+    __slots__ = ("getter", "scalar_positions", "scalar_columns", "grids", "text")
+
+    def __init__(self) -> None:
+        self.getter = None
+        self.scalar_positions = self.scalar_columns = np.empty(0, dtype=np.intp)
+        self.grids: list[tuple] = []  # (grid, positions, rows (slice | array), number of rows)
+        self.text: list[str] = []
+
+
+def metrics_path(run: Union[str, os.PathLike]) -> Path:
+    """The ``metrics.jsonl`` of a run directory, or the file itself; a clear error otherwise."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}: give a metrics.jsonl or the run directory holding one")
+    return path
+
+
+def load_metrics(run: Union[str, os.PathLike]) -> RunData:
+    """Read a run's ``metrics.jsonl`` (the file, or the run directory holding it)."""
+    return RunData(metrics_path(run)).read()
+
+
+def _slots(positions: list, rows: list) -> tuple:
+    """(positions, rows as a slice when they are 0..n-1, number of rows), sorted by row."""
+    positions_a, rows_a = np.asarray(positions, dtype=np.intp), np.asarray(rows, dtype=np.intp)
+    order = np.argsort(rows_a, kind="stable")
+    positions_a, rows_a = positions_a[order], rows_a[order]
+    nrows = int(rows_a.max()) + 1
+    if rows_a.size == nrows:  # every row once: a slice, no fancy indexing
+        return positions_a, slice(0, nrows), nrows
+    keep = np.concatenate([[True], np.diff(rows_a) != 0])  # the same row twice: the first
+    return positions_a[keep], rows_a[keep], nrows
+
+
+def _row_order(names: list[str], model_order: list[str]) -> np.ndarray:
+    """Rows in model order where the run record names them, then the rest in natural order."""
+    rank = {name: i for i, name in enumerate(model_order)}
+    known = sorted((i for i, n in enumerate(names) if n in rank), key=lambda i: rank[names[i]])
+    rest = sorted((i for i, n in enumerate(names) if n not in rank), key=lambda i: _natural_key(names[i]))
+    return np.asarray(known + rest, dtype=np.intp)
+
+
+def _natural_key(text: str) -> list:
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text) if t]
+
+
+def _step_of(record: dict) -> Optional[int]:
+    step = record.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    try:
+        return int(step)
+    except (TypeError, ValueError):
+        return None
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, str):
+        return _NONFINITE.get(value, math.nan)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _job_meta(record: dict, index: int) -> dict:
+    hosts = record.get("hosts")
+    return {"index": index, "time": record.get("time"), "world_size": record.get("world_size"),
+            "hosts": len(hosts) if isinstance(hosts, list) else None, "job_id": record.get("job_id"),
+            "layout": record.get("layout"), "torch": record.get("torch_version"),
+            "distmetrics": record.get("distmetrics_version"), "first_step": None, "last_step": None, "records": 0}

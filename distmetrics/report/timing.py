@@ -1,0 +1,184 @@
+"""The timers and stragglers section.
+
+Under ``timing_log_option: all`` every rank's timer values are in the file
+(``timers/<name>/rank<r>``): a ranks x steps heatmap per timer, the spread over ranks and the
+slowest rank at every log step. Under ``max``/``minmax`` only the extremes are: the min..max band
+and the straggler's rank. The straggler scores (``stragglers/score_min``, per timer, and the last
+``stragglers`` record) follow.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+
+from .figures import Figures, escape, fmt, panel_figure, plot_series
+from .heatmap import heatmap
+
+__all__ = ["timer_section"]
+
+MAX_OTHER_PER_RANK = 12
+_TIMER_SUFFIX = re.compile(r"/(min|mean|max|min_rank|max_rank)$")
+
+
+def timer_section(figs: Figures) -> str:
+    """Timers (per rank or min/max), straggler scores, and every other per-rank metric."""
+    data = figs.data
+    out, minmax_panels = [], []
+    for name in _timer_names(figs):
+        key = f"timers/{name}"
+        grid = data.grids.get(("rank", key))
+        if grid is not None:
+            out.append(_per_rank_timer(figs, key, grid))
+        elif data.scalars.has(key):
+            minmax_panels += _minmax_timer(figs, name)
+    if minmax_panels:
+        out.insert(0, panel_figure(figs, minmax_panels, "timers (min/max over ranks)"))
+    out.append(_straggler_scores(figs))
+    others = [g for (kind, name), g in data.grids.items() if kind == "rank" and not name.startswith("timers/")]
+    for grid in others[:MAX_OTHER_PER_RANK]:  # other per-rank ('all') metrics
+        out.append(f"<h3>{escape(grid.name)} (per rank)</h3>")
+        out.append(heatmap(figs, grid, f"{grid.name}: ranks x steps (merged ranks show their max)",
+                           [f"rank {r}" for r in range(grid.rows)], None, "max", log=False, cmap="magma",
+                           colour_label=grid.name.rsplit("/", 1)[-1], row_name="rank"))
+    body = "".join(out)
+    return _timer_table(figs) + body if body else ""
+
+
+def _timer_names(figs: Figures) -> list[str]:
+    data = figs.data
+    names = [n[len("timers/"):] for n in data.scalars.names if n.startswith("timers/") and not _TIMER_SUFFIX.search(n)]
+    names += [g.name[len("timers/"):] for (kind, _), g in data.grids.items()
+              if kind == "rank" and g.name.startswith("timers/")]
+    names = list(dict.fromkeys(names))
+    return sorted(names, key=lambda n: (n != "step", names.index(n)))
+
+
+def _per_rank_timer(figs: Figures, key: str, grid) -> str:
+    parts = [f"<h3>{escape(key)} (per rank)</h3>",
+             heatmap(figs, grid, f"{key}: ranks x steps (ms; merged ranks show their max)",
+                     [f"rank {r}" for r in range(grid.rows)], None, "max", log=False, cmap="magma",
+                     colour_label="ms", row_name="rank")]
+    spread = grid.spread_arrays()
+    if spread:
+        def draw_spread(ax) -> None:
+            ax.fill_between(spread["step"], spread["min"], spread["max"], color="C0", alpha=0.2,
+                            label="min..max over ranks")
+            plot_series(ax, spread["step"], spread["job"], spread["median"], "median over ranks", color="C0")
+            plot_series(ax, spread["step"], spread["job"], spread["max"], "max (the slowest rank)", color="C3", lw=0.8)
+
+        def draw_slowest(ax) -> None:
+            ok = spread["slowest"] >= 0
+            ax.scatter(spread["step"][ok], spread["slowest"][ok], s=4, color="C3")
+            ax.yaxis.get_major_locator().set_params(integer=True)
+        parts.append(panel_figure(figs, [(f"{key} over ranks", "ms", draw_spread),
+                                         (f"{key}: the slowest rank at each log step", "rank", draw_slowest)],
+                                  f"{key} spread"))
+    return "".join(parts)
+
+
+def _minmax_timer(figs: Figures, name: str) -> list:
+    table, key = figs.data.scalars, f"timers/{name}"
+
+    def draw(ax) -> None:
+        steps, jobs, slowest = table.series(key)
+        if table.has(f"{key}/min"):
+            steps_min, jobs_min, fastest = table.series(f"{key}/min")
+            if steps_min.size == steps.size:
+                ax.fill_between(steps, fastest, slowest, color="C0", alpha=0.2, label="min..max over ranks")
+            plot_series(ax, steps_min, jobs_min, fastest, "min", color="C2", lw=0.8)
+        plot_series(ax, steps, jobs, slowest, "max", color="C3", lw=1.0)
+        if table.has(f"{key}/mean"):
+            plot_series(ax, *table.series(f"{key}/mean"), "mean", color="C0")
+    panels = [(f"{key} (ms)", "ms", draw)]
+    rank_key = next((k for k in (f"stragglers/{name}/rank", f"{key}/max_rank") if table.has(k)), None)
+    ratio_key = next((k for k in (f"stragglers/{name}/max_over_mean", f"stragglers/{name}/max_over_median")
+                      if table.has(k)), None)
+    if rank_key or ratio_key:
+        def draw_straggler(ax) -> None:
+            if rank_key:
+                steps, _, ranks = table.series(rank_key)
+                ax.scatter(steps, ranks, s=8, color="C3", label="the slowest rank", zorder=3)
+                ax.yaxis.get_major_locator().set_params(integer=True)
+            if ratio_key:
+                other = ax.twinx() if rank_key else ax
+                plot_series(other, *table.series(ratio_key), ratio_key.rsplit("/", 1)[1], color="C0", lw=1.0)
+                other.tick_params(labelsize=7)
+                other.set_ylabel(ratio_key.rsplit("/", 1)[1], fontsize=8)
+        host = figs.data.last_text.get(f"stragglers/{name}/host")
+        panels.append((f"{key}: the straggler" + (f" (last: {host})" if host else ""), "rank", draw_straggler))
+    return panels
+
+
+def _straggler_scores(figs: Figures) -> str:
+    """``stragglers/score_min`` (and per timer) over steps, its rank, and the last stragglers record."""
+    table = figs.data.scalars
+    names = ["stragglers/score_min"] + [n for n in table.names if n.startswith("stragglers/")
+                                        and n.endswith("/score_min")]
+    names = [n for n in dict.fromkeys(names) if table.has(n)]
+    if not names and not figs.data.straggler_reports:
+        return ""
+    threshold = figs.data.straggler_reports[-1][2].get("threshold") if figs.data.straggler_reports else None
+    panels = []
+    if names:
+        def draw_scores(ax) -> None:
+            for i, name in enumerate(names[:10]):
+                plot_series(ax, *table.series(name), name, color=f"C{i % 10}", lw=1.0)
+            if isinstance(threshold, (int, float)):
+                ax.axhline(threshold, color="black", ls=":", lw=0.8, label=f"threshold {threshold:g}")
+            ax.set_ylim(0, 1.05)
+        panels.append(("Straggler score of the slowest rank (1 = as fast as the fastest)", "score", draw_scores))
+    if table.has("stragglers/score_min_rank"):
+        def draw_rank(ax) -> None:
+            steps, _, ranks = table.series("stragglers/score_min_rank")
+            ax.scatter(steps, ranks, s=8, color="C3")
+            ax.yaxis.get_major_locator().set_params(integer=True)
+        panels.append(("The slowest rank (by score)", "rank", draw_rank))
+    return "<h3>Straggler scores</h3>" + panel_figure(figs, panels, "straggler scores") + _straggler_record(figs)
+
+
+def _straggler_record(figs: Figures) -> str:
+    if not figs.data.straggler_reports:
+        return ""
+    step, job, record = figs.data.straggler_reports[-1]
+    columns = ("rank", "host", "local_rank", "score", "ms", "power_w", "sm_clock_mhz")
+    rows = []
+    for side in ("slowest", "fastest"):
+        for row in record.get(side) or []:
+            if isinstance(row, dict):
+                rows.append(f"<tr><td>{side}</td>" + "".join(f"<td>{escape(fmt(row.get(c)))}</td>" for c in columns)
+                            + "</tr>")
+    return (f"<p>The last <code>stragglers</code> record (step {step}, job {job}; score over the last "
+            f"{escape(record.get('window'))} log steps: the fastest rank's median ms per step / the rank's):</p>"
+            "<table><tr><th></th>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows) + "</table>")
+
+
+def _timer_table(figs: Figures) -> str:
+    """One row per timer: median and last max, last min, the slowest rank at the last log step."""
+    data, table = figs.data, figs.data.scalars
+    rows = []
+    for name in _timer_names(figs):
+        key = f"timers/{name}"
+        grid = data.grids.get(("rank", key))
+        if grid is not None and grid.spread:
+            spread = grid.spread_arrays()
+            slowest, fastest, rank = spread["max"], spread["min"], int(spread["slowest"][-1])
+        elif table.has(key):
+            slowest = table.series(key)[2]
+            fastest = table.series(f"{key}/min")[2] if table.has(f"{key}/min") else np.full(1, np.nan)
+            ranks = next((table.series(k)[2] for k in (f"stragglers/{name}/rank", f"{key}/max_rank")
+                          if table.has(k)), None)
+            rank = int(ranks[-1]) if ranks is not None and ranks.size and np.isfinite(ranks[-1]) else -1
+        else:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(slowest[-1])), fmt(float(fastest[-1])),
+                     "" if rank < 0 else rank, data.rank_hosts.get(rank, ""))
+        rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ""
+    return ("<table><tr><th>timer</th><th>median of max (ms)</th><th>last max</th><th>last min</th>"
+            "<th>slowest rank (last)</th><th>host</th></tr>" + "".join(rows) + "</table>")

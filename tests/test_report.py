@@ -1,0 +1,345 @@
+"""The run report: a real 2-rank FSDP2 run (the demo's trainer and config on 2 CPU ranks, every
+rank's timers) turned into one HTML page by ``distmetrics report``, opened in a real headless
+Chromium, screenshotted, and checked: the page loads with no error, every image decodes and is
+not blank. Then the reader on hand-written files (restarts, NaN, a line cut short) and a
+synthetic file with every feature (tests/synthetic_run.py).
+
+The browser is driven through its command line (``--dump-dom``, ``--screenshot``): a copy of the
+page gets a small script that records errors and draws every image into a canvas (which forces
+the decode) and counts its colours; the report itself holds no script. Chromium comes from the
+Debian packages (``apt-get install -y chromium``; .ci/run installs it): without it the browser
+tests skip, saying so, unless DISTMETRICS_REQUIRE_CHROMIUM is set (CI), where they fail.
+"""
+
+import base64
+import html
+import io
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+np = pytest.importorskip("numpy", reason='the report extra is not installed: pip install "torch-distmetrics[report]"')
+pytest.importorskip("matplotlib", reason='the report extra is not installed: pip install "torch-distmetrics[report]"')
+Image = pytest.importorskip("PIL.Image", reason="Pillow (the dev extra) decodes the images")
+
+from distmetrics.report import load_metrics, write_report  # noqa: E402
+from distmetrics.report.store import StepGrid  # noqa: E402
+from tests.dist_utils import free_port  # noqa: E402
+from tests.synthetic_run import generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+INSTALL = "apt-get install -y chromium"
+if CHROMIUM is None and os.environ.get("DISTMETRICS_REQUIRE_CHROMIUM"):
+    raise RuntimeError(f"DISTMETRICS_REQUIRE_CHROMIUM is set but no chromium binary is on PATH ({INSTALL})")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason=f"no chromium binary on PATH; install it: {INSTALL}")
+
+PROBE = r"""
+(function () {
+  var errors = [];
+  var original = console.error;
+  console.error = function () {
+    errors.push("console.error: " + Array.prototype.join.call(arguments, " "));
+    return original.apply(console, arguments);
+  };
+  window.addEventListener("error", function (e) {
+    if (e.target && e.target !== window && e.target.tagName) errors.push("resource: <" + e.target.tagName.toLowerCase() + ">");
+    else errors.push("js: " + e.message);
+  }, true);
+  window.addEventListener("load", function () {
+    var images = Array.prototype.slice.call(document.images).map(function (img) {
+      var r = {w: img.naturalWidth, h: img.naturalHeight, complete: img.complete, colours: 0, error: null};
+      if (!img.complete || !img.naturalWidth) return r;
+      try {
+        var c = document.createElement("canvas");
+        c.width = img.naturalWidth; c.height = img.naturalHeight;
+        var ctx = c.getContext("2d");
+        ctx.drawImage(img, 0, 0);
+        var d = ctx.getImageData(0, 0, c.width, c.height).data, seen = {}, n = 0;
+        var stride = Math.max(4, 4 * Math.floor(d.length / 4 / 20000));
+        for (var k = 0; k < d.length && n < 64; k += stride) {
+          var key = d[k] + "," + d[k + 1] + "," + d[k + 2] + "," + d[k + 3];
+          if (!seen[key]) { seen[key] = 1; n++; }
+        }
+        r.colours = n;
+      } catch (e) { r.error = String(e); }
+      return r;
+    });
+    var pre = document.createElement("pre");
+    pre.id = "__check";
+    pre.textContent = JSON.stringify({images: images, errors: errors});
+    document.body.appendChild(pre);
+  });
+})();
+"""
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _chromium(args: list, profile: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
+               f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def browser_check(page: Path, tmp: Path) -> dict:
+    """Open an instrumented copy of ``page``: {images: [{w, h, complete, colours, error}], errors: [...]}."""
+    text = page.read_text(encoding="utf-8")
+    probe = tmp / f"probe_{page.name}"
+    probe.write_text(text.replace("<head>", f"<head><script>{PROBE}</script>", 1), encoding="utf-8")
+    run = _chromium(["--virtual-time-budget=10000", "--dump-dom", probe.as_uri()], tmp / "profile-check")
+    found = re.search(r'<pre id="__check">(.*?)</pre>', run.stdout, re.S)
+    assert found, f"no check result in the DOM (exit {run.returncode}): {run.stderr[-2000:]}"
+    return json.loads(html.unescape(found.group(1)))
+
+
+def screenshot(page: Path, out: Path, tmp: Path, size: str = "1300,6000") -> subprocess.CompletedProcess:
+    return _chromium([f"--window-size={size}", f"--screenshot={out}", page.as_uri()], tmp / "profile-shot")
+
+
+def console_lines(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def decode_png(data: bytes) -> "np.ndarray":
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGBA"))
+
+
+def colours(pixels: "np.ndarray") -> int:
+    """Distinct RGBA colours (each pixel read as one 32-bit number)."""
+    return int(np.unique(np.ascontiguousarray(pixels, dtype=np.uint8).view(np.uint32)).size)
+
+
+def embedded_pngs(page: str) -> list:
+    return [base64.b64decode(m) for m in re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def _report_cli(*args: str, code: str = "") -> subprocess.CompletedProcess:
+    program = code + "import sys; from distmetrics.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", program, "report", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+
+
+# --- a real 2-rank run ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    """The demo's trainer and config on 2 CPU ranks, every rank's timers kept (``all``)."""
+    out = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="2",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
+    env.pop("SLURM_JOB_ID", None)
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), str(ROOT / "launch" / "train_fsdp.py"),
+                          "--steps", "20", "--eval-every", "10", "--save-every", "0", "--config", "configs/demo.yaml",
+                          "timing_log_option=all", "log_interval=2", "straggler_window=3", "straggler_report_every=2",
+                          "console=false", "tensorboard=false", f"output_dir={out}"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_report(demo_run) -> Path:
+    made = _report_cli(str(demo_run))
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert made.stdout.strip() == f"report: {demo_run / 'report.html'}"
+    return demo_run / "report.html"
+
+
+def test_demo_report_is_one_self_contained_page(demo_report):
+    page = demo_report.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page.lower() and "<link" not in page.lower() and "@import" not in page
+    assert not re.search(r"https?://", page), "nothing outside the page"
+    sources = re.findall(r'src="([^"]*)"', page)
+    assert sources and all(s.startswith("data:image/png;base64,") for s in sources)
+    for heading in ("Loss and learning rate", "Gradients, updates and parameters", "Timers and stragglers",
+                    "Throughput, MFU, SOL, ETA", "Memory, power, energy", "Alerts and health"):
+        assert heading in page
+    for figure in ("grad_norm/&lt;module&gt;", "update_norm/&lt;module&gt;", "param_norm/&lt;module&gt;",
+                   "relative_update_norm/&lt;module&gt;", "timers/step: ranks x steps",
+                   "timers/forward-backward: ranks x steps", "Straggler score of the slowest rank",
+                   "The last <code>stragglers</code> record", "Eval gap", "(in model order)"):
+        assert figure in page, figure
+
+
+def test_demo_images_decode_and_are_not_blank(demo_report):
+    pngs = embedded_pngs(demo_report.read_text(encoding="utf-8"))
+    assert len(pngs) >= 10
+    for data in pngs:
+        pixels = decode_png(data)
+        assert pixels.shape[0] > 50 and pixels.shape[1] > 50
+        assert colours(pixels) > 16, "an image of (almost) one colour"
+
+
+def test_module_rows_follow_the_model_not_the_alphabet(demo_run):
+    from launch.common import GPT
+
+    model = GPT(128, 64, 2, 4, 32)  # the trainer's defaults
+    # every module with parameters anywhere below it has a (subtree) norm, in the model's order
+    truth = ["model"] + [name for name, module in model.named_modules()
+                         if name and any(True for _ in module.parameters())]
+    data = load_metrics(demo_run)
+    ordered = [data.modules[i] for i in data.module_rows]
+    assert ordered == truth
+    assert ordered != sorted(ordered)
+
+
+@needs_chromium
+def test_demo_report_in_chromium_loads_with_no_error_and_every_image_drawn(demo_report, tmp_path):
+    result = browser_check(demo_report, tmp_path)
+    assert result["errors"] == []
+    images = result["images"]
+    assert len(images) == len(embedded_pngs(demo_report.read_text(encoding="utf-8")))
+    for image in images:
+        assert image["complete"] and image["w"] > 0 and image["h"] > 0 and image["error"] is None, image
+        assert image["colours"] > 1, f"a blank image: {image}"
+
+
+@needs_chromium
+def test_demo_report_screenshot(demo_report, tmp_path):
+    folder = Path(os.environ.get("REPORT_SCREENSHOT_DIR", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    shot = folder / "report_demo.png"
+    shot.unlink(missing_ok=True)
+    run = screenshot(demo_report, shot, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert console_lines(run.stderr) == [], "the page wrote to the browser console"
+    pixels = decode_png(shot.read_bytes())
+    assert pixels.shape[:2] == (6000, 1300)
+    assert colours(pixels) > 100
+    top = pixels[:1500, :, :3].astype(int)
+    assert (top.sum(axis=2) < 600).mean() > 0.01, "the top of the page has (almost) no ink"
+
+
+@needs_chromium
+def test_the_browser_check_sees_broken_and_blank_images_and_errors(tmp_path):
+    """The check can fail: a broken image, a blank image and console errors are all caught."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), "white").save(buffer, format="PNG")
+    blank = base64.b64encode(buffer.getvalue()).decode()
+    page = tmp_path / "bad.html"
+    page.write_text("<!DOCTYPE html><html><head><title>x</title></head><body>"
+                    '<img src="data:image/png;base64,AAAAbroken">'
+                    f'<img src="data:image/png;base64,{blank}">'
+                    "<script>console.error('boom'); missingFunction();</script></body></html>", encoding="utf-8")
+    result = browser_check(page, tmp_path)
+    broken, white = result["images"]
+    assert broken["w"] == 0 and white["w"] == 40 and white["colours"] == 1
+    assert any("boom" in e for e in result["errors"]) and any("missingFunction" in e for e in result["errors"])
+    assert any(e.startswith("resource: <img>") for e in result["errors"])
+    assert console_lines(screenshot(page, tmp_path / "bad.png", tmp_path, size="300,200").stderr)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def test_a_missing_extra_is_named_with_exit_status_2(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "train/loss": 1.0}\n')
+    run = _report_cli(str(tmp_path), code="import sys; sys.modules['matplotlib'] = None; ")
+    assert run.returncode == 2
+    assert 'pip install "torch-distmetrics[report]"' in run.stderr and "matplotlib" in run.stderr
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
+    run = _report_cli(str(tmp_path))
+    assert run.returncode == 2 and "no metrics file" in run.stderr and "metrics.jsonl" in run.stderr
+    run = _report_cli(str(ROOT / "README.md"), "--out", str(tmp_path / "r.html"))
+    assert run.returncode == 2 and "README.md is not a metrics.jsonl" in run.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_the_report_never_imports_torch_nor_pyplot(tmp_path):
+    """torch made unimportable; the package's own __init__ (which imports the Monitor) left out."""
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "train/loss": 1.0}\n'
+                                            '{"kind": "train", "step": 2, "train/loss": 0.5}\n')
+    code = ("import sys, types; sys.modules['torch'] = None; "
+            f"package = types.ModuleType('distmetrics'); package.__path__ = [{str(ROOT / 'distmetrics')!r}]; "
+            "sys.modules['distmetrics'] = package; "
+            f"from distmetrics.report import write_report; write_report({str(tmp_path)!r}); "
+            "assert 'matplotlib.pyplot' not in sys.modules; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    assert (tmp_path / "report.html").is_file()
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+def _write(path: Path, records: list) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(record if isinstance(record, str) else json.dumps(record) + "\n")
+
+
+def test_restarts_nan_and_a_line_cut_short(tmp_path):
+    run = {"kind": "run", "step": 0, "world_size": 2, "modules": ["model", "b.2", "b.10", "b.1"],
+           "ranks": [{"rank": 0, "host": "a", "local_rank": 0}, {"rank": 1, "host": "b", "local_rank": 0}]}
+
+    def train(step, loss, rank1_ms):
+        return {"kind": "train", "step": step, "time": "t", "train/loss": loss, "grad_norm/b.1": 1.0,
+                "grad_norm/b.10": 2.0, "grad_norm/b.2": 3.0, "grad_norm/c": 4.0, "timers/step/rank0": 10.0,
+                "timers/step/rank1": rank1_ms}
+
+    records = [run] + [train(s, 5.0 - s / 100, 20.0) for s in (10, 20, 30)]
+    records += ['{"kind": "train", "step": 40, "train/lo\n']  # a crash cut this line short
+    records += [dict(run), train(20, "NaN", 11.0), train(30, 4.0, 11.0),
+                {"kind": "alert", "step": 30, "alert": "nonfinite_grad", "message": "m", "first_module": "b.2"}]
+    _write(tmp_path / "metrics.jsonl", records)
+    data = load_metrics(tmp_path)
+    assert data.bad_lines == 1
+    assert [j["first_step"] for j in data.jobs] == [10, 20]
+    assert data.jobs[1]["resumed_at_or_before_last"] and data.jobs[1]["previous_last_step"] == 30
+    steps, jobs, loss = data.scalars.series("train/loss")
+    assert steps.tolist() == [10, 20, 30, 20, 30] and jobs.tolist() == [0, 0, 0, 1, 1]
+    assert math.isnan(loss[3]) and loss[4] == 4.0
+    assert [data.modules[i] for i in data.module_rows] == ["b.2", "b.10", "b.1", "c"]  # the run record's, then the rest
+    # the resumed job replaced steps >= 20 of the per-rank grid: rank 1 is 20 ms at 10, 11 ms after
+    steps, values = data.grids[("rank", "timers/step")].logged()
+    assert steps.tolist() == [10, 20, 30] and values[:, 1].tolist() == [20.0, 11.0, 11.0]
+    assert data.alerts[0]["first_module"] == "b.2" and data.rank_hosts == {0: "a", 1: "b"}
+
+
+def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):
+    monkeypatch.setattr("distmetrics.report.store.MAX_COLUMNS", 8)
+    grid = StepGrid("module", "grad_norm")
+    for i in range(1, 101):
+        grid.add(i * 10, 0, slice(0, 2), 2, np.array([float(i), 2.0 * i]))
+    assert grid.bins == 8 and grid.width >= 100 and grid.seen.sum() <= 8
+    values, _, x0, x1 = grid.image()
+    assert values.shape[1] == 2 and np.nanmean(values[:, 1] / values[:, 0]) == pytest.approx(2.0)
+    assert x0 <= 10 and x1 >= 1000
+    assert grid.total[:, 0].sum() == pytest.approx(sum(range(1, 101))) and grid.count[:, 0].sum() == 100
+
+
+def test_a_synthetic_run_with_every_feature(tmp_path):
+    generate(tmp_path / "metrics.jsonl", steps=120, ranks=24, modules=60)
+    out = Path(write_report(tmp_path, tmp_path / "out" / "report.html"))
+    page = out.read_text(encoding="utf-8")
+    assert "resumed at step" in page and page.count("<td>restart</td>") == 1  # job 1 resumes, job 2 follows
+    assert "nonfinite_grad" in page and "layers." in page  # the alert with its first module
+    assert "tensor_stats/&lt;layer&gt;/activation/max" in page and "modules outside" in page
+    assert "power_w" in page and "sm_clock_mhz" in page  # the stragglers record's columns
+    for data in embedded_pngs(page):
+        assert colours(decode_png(data)) > 16
+
+
+def test_the_readme_names_the_healthy_bands_the_report_draws():
+    from distmetrics.report.figures import HEALTHY_BANDS
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("Healthy bands (`distmetrics/report/figures.py: HEALTHY_BANDS`):", 1)[1].split("\n\n")[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        name, healthy = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        low, high = (float(v.split()[0]) for v in healthy.split("…"))
+        rows[name.split("`")[1]] = (low, high)
+    assert rows == {name: (low, high) for name, (low, high, _) in HEALTHY_BANDS.items()}

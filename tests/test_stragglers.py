@@ -1,0 +1,296 @@
+"""Straggler scores: the maths against a hand computation, then 4 real gloo ranks with known
+sleeps (the slowest rank named, its score against the truth, the record, the alert, the
+collectives counted). NVML cannot exist here: its scenario uses the fake ``pynvml`` module
+(tests/fake_pynvml.py), installed in ``sys.modules`` at the import boundary of each rank."""
+
+import math
+import socket
+import statistics
+import sys
+import time
+
+import pytest
+import torch
+
+import distmetrics as dm
+from distmetrics.collectors.stragglers import (fastest_ranks, relative_scores, slowest_ranks, window_medians,
+                                               window_scores)
+from tests import fake_pynvml
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
+
+WORLD = 4
+INTERVAL = 2
+LOG_STEPS = 6
+WINDOW = 3
+DATA_MS = [8, 16, 8, 8]        # rank 1 loads data slowly
+COMPUTE_MS = [40, 40, 60, 40]  # rank 2 computes slowly
+
+
+# --- the maths ------------------------------------------------------------------------------
+
+def _window(rows):
+    return [torch.tensor(r, dtype=torch.float64) for r in rows]
+
+
+def test_score_is_the_fastest_median_over_the_ranks_own():
+    rows = [[10.0, 20.0, 12.0, 40.0], [10.0, 22.0, 12.0, 41.0], [11.0, 20.0, 13.0, 39.0], [12.0, 21.0, 12.5, 40.0]]
+    medians = [statistics.median(col) for col in zip(*rows)]  # even count: the mean of the middle two
+    assert window_medians(_window(rows)).tolist() == pytest.approx(medians)
+    truth = [min(medians) / m for m in medians]
+    scores = window_scores(_window(rows))
+    assert scores.tolist() == pytest.approx(truth)
+    assert slowest_ranks(scores, 2) == [3, 1]
+    assert fastest_ranks(scores, 2) == [0, 2]
+
+
+def test_one_slow_interval_counts_for_little():
+    rows = [[100.0] * 4 for _ in range(9)]
+    rows[4] = [100.0, 900.0, 100.0, 100.0]  # a checkpoint on rank 1, once
+    assert window_scores(_window(rows)).tolist() == pytest.approx([1.0] * 4)
+
+
+def test_ranks_without_a_value_score_nan_and_are_never_named():
+    rows = [[10.0, math.nan, 0.0, 20.0], [math.inf, math.nan, -1.0, 20.0], [10.0, math.nan, 5.0, 20.0]]
+    scores = window_scores(_window(rows))
+    assert math.isnan(scores[1])
+    assert scores[[0, 2, 3]].tolist() == pytest.approx([0.5, 1.0, 0.25])
+    assert 1 not in slowest_ranks(scores, 10) and 1 not in fastest_ranks(scores, 10)
+    assert len(slowest_ranks(scores, 10)) == 3
+    assert torch.isnan(relative_scores(torch.tensor([math.nan, 0.0], dtype=torch.float64))).all()
+
+
+def test_ties_keep_rank_order():
+    scores = torch.tensor([0.5, 1.0, 0.5, 1.0], dtype=torch.float64)
+    assert slowest_ranks(scores, 2) == [0, 2] and fastest_ranks(scores, 2) == [1, 3]
+    assert slowest_ranks(scores, 0) == [] and len(slowest_ranks(scores, 100)) == 4
+
+
+def test_paused_time_is_left_out_of_a_ranks_step_time():
+    """``monitor.pause()`` (evaluation, a checkpoint) reaches the scores' clock too."""
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+
+    class Recorded(StragglerCollector):
+        def take_samples(self, ctx):
+            samples = super().take_samples(ctx)
+            self.step_ms = next(s.value for s in samples if s.name == STEP_MS)
+            return samples
+
+    collector = Recorded(window=2)
+    monitor = dm.Monitor(quiet_config(log_interval=1, straggler_window=0), collectors=[collector])
+    monitor.step(1)  # a log step: the clock starts again after it
+    time.sleep(0.02)
+    monitor.pause()
+    time.sleep(0.3)  # an evaluation
+    monitor.resume()
+    monitor.step(2)
+    monitor.close()
+    assert 15.0 <= collector.step_ms < 200.0  # ~20 ms, not ~320 ms
+
+
+def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):
+    """The collector's alert logic on given per-rank step times (as the gather hands them over),
+    through the console sink."""
+    import logging
+    import types
+
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+    from distmetrics.sinks.console import LOGGER_NAME, ConsoleSink
+
+    hosts = [types.SimpleNamespace(hostname=f"node-{r}", local_rank=r % 2) for r in range(4)]
+    collector = StragglerCollector(window=3, report_every=0, threshold=0.8)
+    console = ConsoleSink()
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    slow, fast = [10.0, 10.5, 20.0, 10.0], [10.0, 10.5, 10.0, 10.0]
+    for step, times in enumerate([slow, slow, slow, slow, fast, slow, slow, slow], start=1):
+        for alert in collector.finalize({STEP_MS: dm.PerRank(times)}, LogContext(step, 1, None, hosts)):
+            console.log(alert.to_record(), step, alert.kind)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("!!")]
+    assert lines == [
+        "!! step 3: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "at each of the last 3 log steps",
+        "!! step 8: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "at each of the last 3 log steps"]
+
+
+@pytest.mark.parametrize("key,value", [("straggler_window", -1), ("straggler_report_every", -2),
+                                       ("straggler_report_ranks", 0), ("straggler_threshold", 1.5),
+                                       ("straggler_threshold", 0.0)])
+def test_impossible_straggler_settings_name_the_key(key, value):
+    with pytest.raises(dm.ConfigError, match=key):
+        dm.MetricsConfig(**{key: value})
+
+
+# --- 4 real ranks ---------------------------------------------------------------------------
+
+class _RankTimes:
+    """Every rank's value of a timer as a timer collector sends it under max/minmax:
+    ``_ranks/timers/<name>`` lanes of the ALL pack (rank r: 10·(r+1) ms)."""
+
+    name = "rank_times"
+    after = ()
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        return [dm.Sample("_ranks/timers/load", 10.0 * (self.rank + 1), "all")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _known_sleeps(rank: int, out_dir: str) -> dict:
+    cfg = quiet_config(log_interval=INTERVAL, json_log=True, output_dir=out_dir, timing_log_level=1,
+                       timing_log_option="all", straggler_window=WINDOW, straggler_report_every=WINDOW,
+                       straggler_report_ranks=2, straggler_threshold=0.8)
+    monitor = dm.Monitor(cfg)
+    non_log, last = [], None
+    for step in range(1, INTERVAL * LOG_STEPS + 1):
+        with CollectiveCounter() as counter:
+            with monitor.timers("data", log_level=1):
+                time.sleep(DATA_MS[rank] / 1000)
+            with monitor.timers("compute", log_level=1):
+                time.sleep(COMPUTE_MS[rank] / 1000)
+            metrics = monitor.step(step)
+        if metrics is None:
+            non_log.append(counter.collectives)
+        else:
+            last = {k: v for k, v in metrics.items() if k.startswith(("stragglers/", "_"))}
+    monitor.close()
+    return {"non_log": non_log, "last": last}
+
+
+def _collectives_at_a_log_step(option: str, stragglers: bool) -> int:
+    monitor = dm.Monitor(quiet_config(log_interval=1, timing_log_level=0, timing_log_option=option,
+                                      straggler_window=3 if stragglers else 0))
+    monitor.step(1)
+    monitor.step(2)  # the step timer's first value: its name joins the layout here
+    with CollectiveCounter() as counter:
+        monitor.step(3)
+    monitor.close()
+    return counter.collectives
+
+
+def _nvml_and_rank_lanes(rank: int, out_dir: str) -> dict:
+    from distmetrics.collectors.stragglers import StragglerCollector
+
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{r}": [0] for r in range(WORLD)})
+    cfg = quiet_config(log_interval=1, json_log=True, output_dir=out_dir, timing_log_level=0,
+                       timing_log_option="minmax", straggler_window=0)
+    collectors = [StragglerCollector(window=2, report_every=1, report_ranks=WORLD, nvml=True, uuid=f"GPU-{rank}"),
+                  _RankTimes(rank)]
+    monitor = dm.Monitor(cfg, collectors=collectors)
+    metrics = [monitor.step(step) for step in (1, 2)]
+    monitor.close()
+    return {k: v for k, v in metrics[-1].items() if k.startswith(("stragglers/load", "_"))}
+
+
+def _minmax_timers(rank: int) -> dict:
+    """Real timers under minmax: rank 2's "data" timer sleeps, the others' return at once."""
+    cfg = quiet_config(log_interval=2, timing_log_level=1, timing_log_option="minmax", straggler_window=2)
+    monitor = dm.Monitor(cfg)
+    metrics = None
+    for step in (1, 2, 3, 4):
+        with monitor.timers("data", log_level=1):
+            time.sleep(0.03 if rank == 2 else 0.0)
+        metrics = monitor.step(step) or metrics
+    monitor.close()
+    return {k: v for k, v in metrics.items() if k.startswith(("stragglers/data", "_ranks"))}
+
+
+def _scenarios(rank: int, world: int, out_dir: str) -> dict:
+    out = {"sleeps": _known_sleeps(rank, f"{out_dir}/sleeps"), "minmax_timers": _minmax_timers(rank)}
+    out["counts"] = {(option, on): _collectives_at_a_log_step(option, on)
+                     for option in ("minmax", "all") for on in (False, True)}
+    out["nvml"] = _nvml_and_rank_lanes(rank, f"{out_dir}/nvml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stragglers")
+    return run_ranks(_scenarios, WORLD, str(out), timeout=240), out
+
+
+def test_the_slowest_rank_is_named_with_its_score_host_and_local_rank(four_ranks):
+    results, _ = four_ranks
+    last = results[0]["sleeps"]["last"]
+    step_ms = [d + c for d, c in zip(DATA_MS, COMPUTE_MS)]
+    truth = min(step_ms) / step_ms[2]
+    assert last["stragglers/score_min_rank"] == 2
+    assert last["stragglers/score_min"] == pytest.approx(truth, rel=0.05)
+    assert last["stragglers/score_min_host"] == socket.gethostname()
+    assert last["stragglers/score_min_local_rank"] == 2  # LOCAL_RANK = rank in these workers
+    assert all(r["sleeps"]["last"] == last for r in results)  # the same on every rank
+    assert not any(k.startswith("_") for k in last)  # internal lanes never reach the metrics
+
+
+def test_per_timer_scores_name_a_slow_input_pipeline_apart_from_slow_compute(four_ranks):
+    last = four_ranks[0][0]["sleeps"]["last"]
+    assert last["stragglers/data/score_min_rank"] == 1
+    assert last["stragglers/data/score_min"] == pytest.approx(min(DATA_MS) / DATA_MS[1], rel=0.05)
+    assert last["stragglers/compute/score_min_rank"] == 2
+    assert last["stragglers/compute/score_min"] == pytest.approx(min(COMPUTE_MS) / COMPUTE_MS[2], rel=0.05)
+
+
+def test_stragglers_record_lists_the_slowest_and_fastest_ranks(four_ranks):
+    records = list(dm.read_jsonl(four_ranks[1] / "sleeps" / "metrics.jsonl"))
+    reports = [r for r in records if r["kind"] == "stragglers"]
+    assert [r["step"] for r in reports] == [INTERVAL * WINDOW, INTERVAL * 2 * WINDOW]  # every WINDOW log steps
+    report = reports[-1]
+    assert report["window"] == WINDOW and report["threshold"] == 0.8
+    assert [row["rank"] for row in report["slowest"]] == [2, 1]
+    assert {row["rank"] for row in report["fastest"]} <= {0, 3} and len(report["fastest"]) == 2
+    slowest = report["slowest"][0]
+    assert slowest["host"] == socket.gethostname() and slowest["local_rank"] == 2
+    assert slowest["ms"] == pytest.approx(DATA_MS[2] + COMPUTE_MS[2], rel=0.05)
+    assert report["timers"]["data"][0]["rank"] == 1 and report["timers"]["compute"][0]["rank"] == 2
+
+
+def test_a_rank_below_the_threshold_for_a_whole_window_is_alerted_once(four_ranks):
+    records = list(dm.read_jsonl(four_ranks[1] / "sleeps" / "metrics.jsonl"))
+    alerts = [r for r in records if r["kind"] == "alert" and r["alert"] == "straggler"]
+    assert len(alerts) == 1, alerts  # rank 1 (score ~0.86) stays above 0.8; rank 2 once, not every step
+    assert alerts[0]["step"] == INTERVAL * WINDOW and alerts[0]["ranks"] == [2]
+    assert "rank 2 (" in alerts[0]["message"] and socket.gethostname() in alerts[0]["message"]
+
+
+def test_no_collective_between_log_steps(four_ranks):
+    for result in four_ranks[0]:
+        assert result["sleeps"]["non_log"] == [0] * (LOG_STEPS * (INTERVAL - 1))
+
+
+def test_step_times_ride_the_existing_gather(four_ranks):
+    """Under ``all`` the timers already fill the ALL pack: no collective more. Under minmax
+    there is no ALL pack without the scores: one gather more, no other."""
+    counts = four_ranks[0][0]["counts"]
+    assert counts[("all", True)] == counts[("all", False)]
+    assert counts[("minmax", True)] == counts[("minmax", False)] + 1
+
+
+def test_power_and_sm_clock_beside_the_score_with_nvml(four_ranks):
+    records = list(dm.read_jsonl(four_ranks[1] / "nvml" / "metrics.jsonl"))
+    report = [r for r in records if r["kind"] == "stragglers"][-1]
+    rows = {row["rank"]: row for row in report["slowest"]}
+    assert sorted(rows) == list(range(WORLD))
+    for rank, row in rows.items():  # the fake GPU r draws 250 + 25·r W at 1500 + 10·r MHz
+        assert row["power_w"] == pytest.approx(250.0 + 25.0 * rank)
+        assert row["sm_clock_mhz"] == pytest.approx(1500.0 + 10.0 * rank)
+
+
+def test_every_ranks_timer_lanes_under_minmax_are_scored_and_taken_out(four_ranks):
+    last = four_ranks[0][0]["nvml"]
+    assert last["stragglers/load/score_min_rank"] == WORLD - 1
+    assert last["stragglers/load/score_min"] == pytest.approx(1.0 / WORLD)
+    assert not any(k.startswith("_") for k in last)
+
+
+def test_under_minmax_the_timer_collector_sends_every_ranks_timer_values_for_the_scores(four_ranks):
+    results, _ = four_ranks
+    scores = results[0]["minmax_timers"]
+    assert scores["stragglers/data/score_min_rank"] == 2 and scores["stragglers/data/score_min"] < 0.5
+    assert not any(k.startswith("_ranks") for k in scores)  # the lanes are taken out
