@@ -415,3 +415,92 @@ def test_a_model_given_to_initialize_and_to_the_monitor_is_hooked_once(tmp_path)
         monitor.step(1)
     record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
     assert record["tensor_stats/fc1/activation/std"] == pytest.approx(float(activation.double().std()), rel=1e-12)
+
+
+# --- nvdlfw-inspect's own base feature, silent sections, one inspector per process -----------------
+
+def _base_and_silent(tmp_path):
+    return {"base": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                     "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean", "max"]}},
+            "silent": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc2$"},
+                       "transformer_engine": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                                 "stats": ["max"]}}}}
+
+
+def test_nvdlfw_base_log_tensor_stats_on_plain_modules_runs_through_our_hooks(tmp_path, caplog):
+    """As nvdlfw-inspect's documentation writes it (bare LogTensorStats): our hooks call it; and a
+    section nothing feeds (TE's namespace on plain modules) is named once."""
+    import logging
+
+    import torch
+
+    import distmetrics as dm
+    from tests.te_cpu import FEATURES_DIR
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    ti = {"enabled": True, "features": _base_and_silent(tmp_path), "feature_dirs": [FEATURES_DIR],
+          "allow_custom_feature_dirs": True}
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, log_progress=False,
+                                          tensorboard=False, tensor_inspect=ti), model=_model())
+    activations = []
+    monitor.model.fc1.register_forward_hook(lambda m, i, o: activations.append(o.detach().double()))
+    for step in (1, 2, 3):
+        monitor.model(torch.randn(4, 6)).sum().backward()
+        monitor.step(step)
+    monitor.close()
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record, activation in zip(records, activations):
+        assert record["tensor_stats/fc1/activation/mean"] == pytest.approx(float(activation.mean()), rel=1e-6)
+        assert record["tensor_stats/fc1/activation/max"] == pytest.approx(float(activation.max()), rel=1e-6)
+    named = [r.getMessage() for r in caplog.records if "no value came from any of its layers" in r.getMessage()]
+    assert len(named) == 1 and "section 'silent'" in named[0]
+
+
+def test_a_second_monitor_with_tensor_inspection_is_refused_until_the_first_closes(tmp_path):
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}}
+    first = _monitor_with(features, tmp_path / "a")
+    with pytest.raises(dm.ConfigError, match="another Monitor in this process runs tensor inspection already"):
+        _monitor_with(features, tmp_path / "b")
+    first.close()
+    _monitor_with(features, tmp_path / "b").close()
+
+
+def test_feature_code_in_the_working_directory_is_never_imported(tmp_path):
+    """A transformer_engine folder that is only on the path (TE not installed) is not TE: its
+    feature code must not run, and the config is refused."""
+    import subprocess
+    import sys
+
+    features_dir = tmp_path / "transformer_engine" / "debug" / "features"
+    features_dir.mkdir(parents=True)
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    (features_dir / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
+    (tmp_path / "features.yaml").write_text(textwrap.dedent("""\
+        s:
+          enabled: true
+          layers: {layer_name_regex_pattern: "fc1$"}
+          transformer_engine:
+            LogFp8TensorStats: {enabled: true, tensors: [activation], stats: [underflows%]}
+        """))
+    code = textwrap.dedent("""\
+        import torch, distmetrics as dm
+        model = torch.nn.Sequential(); model.add_module("fc1", torch.nn.Linear(2, 2))
+        try:
+            dm.Monitor(dm.MetricsConfig(output_dir="run", tensor_inspect={"enabled": True,
+                       "features": "features.yaml"}), model=model)
+        except dm.ConfigError as err:
+            print("refused:", err)
+        """)
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert "refused:" in run.stdout and "needs TransformerEngine" in run.stdout, run.stderr[-2000:]
+    cli = subprocess.run([sys.executable, "-m", "distmetrics.cli", "check-features", "features.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert cli.returncode == 2
+    assert not (tmp_path / "ran").exists()

@@ -56,7 +56,7 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -
     if not isinstance(spec, dict) or not spec:
         raise ConfigError(f"{source}: a features file is a mapping of sections, got {spec!r}")
     if te_available is None:
-        te_available = importlib.util.find_spec("transformer_engine") is not None
+        te_available = installed_transformer_engine() is not None
     for section, body in spec.items():
         where = f"{source}: section {section!r}"
         if not isinstance(body, dict) or "enabled" not in body:
@@ -108,13 +108,34 @@ def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
     """Our feature namespace, TransformerEngine's when the YAML uses it, and custom folders
     only when ``allow_custom_feature_dirs`` is true (they run code)."""
     dirs = [FEATURES_DIR]
-    te = importlib.util.find_spec("transformer_engine")
+    te = installed_transformer_engine()
     if te is not None and any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
-        dirs.append(os.path.join(list(te.submodule_search_locations)[0], "debug", "features"))
+        dirs.append(os.path.join(te, "debug", "features"))
     if config.feature_dirs:
         check_custom_dirs(config)
         dirs += list(config.feature_dirs)
     return dirs
+
+
+def installed_transformer_engine() -> Optional[str]:
+    """The folder of an installed TransformerEngine, or None. A ``transformer_engine`` folder that
+    is only on the import path — in the working directory, say — is not an installation: its
+    feature code is never loaded (it would run before any check)."""
+    from importlib import metadata
+
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = os.path.realpath(list(spec.submodule_search_locations)[0])
+    for name in ("transformer_engine", "transformer_engine_torch", "transformer_engine_cu12", "transformer_engine_cu13"):
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        location = os.path.realpath(str(distribution.locate_file("")))
+        if folder.startswith(location + os.sep):
+            return folder
+    return None
 
 
 def check_custom_dirs(config: TensorInspectConfig) -> None:
@@ -129,15 +150,15 @@ def check_custom_dirs(config: TensorInspectConfig) -> None:
             raise ConfigError(f"tensor_inspect.feature_dirs: {folder!r} is not a folder")
 
 
-def stats_step(spec: dict, iteration: int, own_only: bool = False) -> bool:
-    """Does any enabled feature log at this iteration? ``own_only``: only our namespace (whose
-    hooks must fire); otherwise also nvdlfw's base and TE's features."""
+def stats_step(spec: dict, iteration: int, hooked_only: bool = False) -> bool:
+    """Does any enabled feature log at this iteration? ``hooked_only``: only the features our
+    module hooks call (our namespace and nvdlfw's base ``LogTensorStats``); otherwise also TE's."""
     for body in spec.values():
         if not body.get("enabled"):
             continue
-        features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats"))]
-        if not own_only:
-            features.append(("base", body.get("LogTensorStats")))
+        features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats")),
+                    ("base", body.get("LogTensorStats"))]
+        if not hooked_only:
             features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
         for namespace, cfg in features:
             if not isinstance(cfg, dict) or not cfg.get("enabled"):

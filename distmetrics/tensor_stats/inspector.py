@@ -3,17 +3,20 @@ selected step's statistics in one collective, forwards TransformerEngine's value
 
 Two paths, one features file:
 
-* ``distmetrics:`` sections (any PyTorch module, CPU or GPU): module hooks call our feature
-  namespace on the steps the YAML selects; it keeps on-device partials merged across
-  micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
+* ``distmetrics:`` sections and nvdlfw-inspect's own base ``LogTensorStats`` (any PyTorch module,
+  CPU or GPU): module hooks call the feature on the steps the YAML selects. Ours
+  keeps on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
   ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
   pairwise again.
-* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's bare ``base`` features:
-  TE computes and reduces these itself and logs them when ``debug_api.step()`` runs; they
-  arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
+* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's base features: TE (or the
+  base feature) computes and reduces these itself and logs them (TE inside ``debug_api.step()``);
+  they arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
   selects (every rank reads that from the YAML, so pipeline stages without selected layers
   join too). A value logged on any other step rides the next log step's MAX pack.
+
+A section that yields no value on a step it selects is named in one warning (e.g. a feature that
+nothing calls on the layers it selects).
 
 TP/CP peers see the same activations, and data-parallel replicas hold the same weights: only
 the rank that represents them contributes (:mod:`distmetrics.parallel`), so counts and norms
@@ -22,6 +25,7 @@ are not multiplied.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -35,6 +39,8 @@ from .statistics import PARTS, merge, partials, stat_value
 from .te_names import metric_name, strip_model
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
+
+logger = logging.getLogger("distmetrics")
 
 _FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
 
@@ -78,8 +84,12 @@ class TensorInspector:
         self._hooks: list = []
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
+        self._sections: list = []  # (name, nvdlfw's parsed section) of the enabled sections
+        self._silent: set = set()  # sections already named for yielding nothing
+        self._weights_done: set = set()  # (layer, feature) whose weight was logged this step
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
-        self.active = stats_step(spec, self.iteration, own_only=True)
+        self.claimed = False  # a Monitor reports this inspector's values
+        self.active = stats_step(spec, self.iteration, hooked_only=True)
 
     def use_guard(self, guard: Any) -> None:
         """Guard the statistics steps' gather with the Monitor's arrival check."""
@@ -120,10 +130,12 @@ class TensorInspector:
                 break
             if cfg:
                 self.selected[name] = list(cfg)
-            ours = cfg.get("distmetrics", {}).get("LogTensorStats")
-            if ours and ours.get("enabled", False):
-                tensors = [e["tensor"] for e in ours.get("tensors_struct", [])] or list(ours.get("tensors", []))
-                self._hook(module, name, tensors)
+            for namespace in ("distmetrics", "base"):  # the features our hooks call
+                feature = cfg.get(namespace, {}).get("LogTensorStats")
+                if feature and feature.get("enabled", False):
+                    tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
+                    self._hook(module, name, tensors, namespace)
+        self._sections = list(zip(sections, ConfigManager.configs))
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:
             raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
@@ -140,11 +152,15 @@ class TensorInspector:
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.reducer.group)
         return [bool(v) for v in packed.tolist()]
 
-    def _hook(self, module: torch.nn.Module, name: str, tensors: list) -> None:
-        api = self.debug_api
+    def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str) -> None:
+        """Call the feature on the module's tensors on the selected steps (nvdlfw's base
+        ``LogTensorStats`` gathers the tensor over the reduction group: a collective its peers
+        make in the same hook)."""
+        log = self.debug_api.distmetrics.log_tensor_stats if namespace == "distmetrics" \
+            else self.debug_api.log_tensor_stats
 
         def call(tensor_name: str, tensor: torch.Tensor) -> None:
-            api.distmetrics.log_tensor_stats(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
+            log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
 
         def forward_hook(mod, inputs, output):
             if not self.active:
@@ -155,7 +171,8 @@ class TensorInspector:
             if "input" in tensors and inputs and isinstance(inputs[0], torch.Tensor):
                 call("input", inputs[0])
             if "weight" in tensors and isinstance(getattr(mod, "weight", None), torch.Tensor) \
-                    and (name, "weight") not in self.partials:  # once per step, not per micro-batch
+                    and (name, namespace) not in self._weights_done:  # once per step, not per micro-batch
+                self._weights_done.add((name, namespace))
                 call("weight", mod.weight)
             if "gradient" in tensors and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda grad: call("gradient", grad))
@@ -203,11 +220,28 @@ class TensorInspector:
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
             metrics = _combine(self.reducer.reduce(samples).per_rank)
+            self._name_silent_sections(metrics)
             self.partials = {}
             self.forwarded = {}
+        self._weights_done = set()
         self.iteration += 1
-        self.active = stats_step(self.spec, self.iteration, own_only=True)
+        self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
+
+    def _name_silent_sections(self, metrics: dict) -> None:
+        """Warn once per section that selects this step but yielded no value (on global rank 0)."""
+        from nvdlfw_inspect.config_manager import is_layer_in_cfg
+
+        layers = {"model." + key.split("/")[1] for key in metrics if key.count("/") >= 3}
+        for section, cfg in self._sections:
+            if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
+                continue
+            if not any(is_layer_in_cfg(layer, cfg) for layer in layers):
+                self._silent.add(section)
+                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                    logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
+                                   "came from any of its layers (is its feature called on them?)", section,
+                                   self.iteration)
 
     # --- the collector contract -----------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:

@@ -83,7 +83,14 @@ def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
     """The Monitor's entry: attach to an inspector the user started early, or start one."""
     inspector = current()
     if inspector is None:
-        return initialize(config, model=model, layout=layout)
+        inspector = initialize(config, model=model, layout=layout)
+        inspector.claimed = True
+        return inspector
+    if inspector.claimed:
+        raise ConfigError("tensor_inspect.enabled: another Monitor in this process runs tensor inspection already "
+                          "(nvdlfw-inspect keeps one state per process, so a second one would share its schedule and "
+                          "get nothing); close that Monitor first")
+    inspector.claimed = True
     try:
         inspector.set_layout(layout)
         if model is not None:
