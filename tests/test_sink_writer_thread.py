@@ -117,3 +117,41 @@ def test_a_record_is_copied_when_queued():
     reader.opened.set()
     sinks.close()
     assert seen == [100]
+
+
+SLOW_SINK_SCRIPT = """
+import sys, time
+import distmetrics as dm
+
+class SlowFile:
+    name = "slow_file"
+    fix = "none"
+    def __init__(self, path):
+        self.path = path
+    def log(self, metrics, step, kind):
+        time.sleep(0.2)
+        with open(self.path, "a") as f:
+            f.write(f"{kind} {step}\\n")
+    def close(self):
+        pass
+
+monitor = dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], console=False, tensorboard=False, log_interval=1,
+                                      timing_log_level=-1), sinks=[SlowFile(sys.argv[2])])
+for step in range(1, 6):
+    monitor.step(step, loss=1.0)
+# no close(): the interpreter exits with records still queued
+"""
+
+
+def test_a_script_that_never_closes_still_gets_its_queue_written(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "written.txt"
+    child = subprocess.run([sys.executable, "-c", SLOW_SINK_SCRIPT, str(tmp_path / "run"), str(out)],
+                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert out.read_text().splitlines() == ["run 0"] + [f"train {s}" for s in range(1, 6)]
