@@ -318,7 +318,9 @@ def _timed_log_steps(calls: dict, repeats: int, warmup: int = 3) -> dict:
     and timed apart, so no writer work lands inside another call's figure."""
     times = {name: ([], []) for name in calls}
     for i in range(warmup + repeats):
-        for name, (call, drain) in calls.items():
+        order = list(calls) if i % 2 == 0 else list(reversed(calls))  # neither always goes first
+        for name in order:
+            call, drain = calls[name]
             t = time.perf_counter(); call(i + 1); took = time.perf_counter() - t
             t = time.perf_counter(); drain(); drained = time.perf_counter() - t
             if i >= warmup:

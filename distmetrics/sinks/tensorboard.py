@@ -44,6 +44,7 @@ def masked_crc32c():
         return slow
 
     def masked(data: bytes) -> int:
+        """TensorBoard's masked_crc32c, in C."""
         crc = google_crc32c.value(data)
         return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 

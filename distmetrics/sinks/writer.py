@@ -2,7 +2,10 @@
 and your own unless they say ``on_training_thread = True``) run behind one bounded queue on one
 thread.
 
-The training thread only appends a record to the queue and returns. When the sinks fall behind
+The training thread only appends a record to the queue and returns: it does not even wake the
+writer thread (waking a thread is a system call and, on a busy machine, a context switch the
+caller pays for: up to milliseconds). The writer thread looks at the queue every
+:data:`POLL_S` seconds when it has nothing to do. When the sinks fall behind
 so far that the queue is full (:data:`MAX_RECORDS` records or :data:`MAX_NAMES` metric names),
 the oldest record is dropped and counted — training never waits — with one warning when it
 starts and one at close with the count and the steps. ``close()`` drains the queue (bounded by
@@ -17,12 +20,14 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "CLOSE_TIMEOUT_S"]
+__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S"]
 
 MAX_RECORDS = 256
 """Records the queue holds at most (at log_interval 1 and 1 s per step: four minutes behind)."""
 MAX_NAMES = 1_000_000
 """Metric names the queued records hold at most (bounds memory at thousands of names)."""
+POLL_S = 0.05
+"""How often the idle writer thread looks for new records (console lines lag by at most this)."""
 CLOSE_TIMEOUT_S = 90.0
 """How long ``close()`` waits for the writer thread to write what is queued and close its sinks."""
 
@@ -65,17 +70,17 @@ class WriterThread:
                     self._dropped_steps = [old_step, old_step]
                     first_drop = old_step
                 self._dropped_steps[1] = old_step
-            self._cond.notify_all()
         if first_drop is not None:
-            logger.warning("distmetrics: the %s sinks are behind: their queue is full (%d records or %d names), "
+            logger.warning("distmetrics: the %s sinks are behind: their queue is full (%d records or %s names), "
                            "so the oldest records are dropped and counted (the first: step %d); training does not "
-                           "wait. The count comes at close.", self._sinks(), self.max_records, self.max_names,
+                           "wait. The count comes at close.", self._sinks(), self.max_records, f"{self.max_names:,}",
                            first_drop)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued record is written (at most ``timeout`` seconds, default
         :data:`CLOSE_TIMEOUT_S`); True if so."""
         with self._cond:
+            self._cond.notify_all()  # no need to wait for the next look at the queue
             return self._cond.wait_for(lambda: not self._records and not self._busy,
                                        CLOSE_TIMEOUT_S if timeout is None else timeout)
 
@@ -106,7 +111,8 @@ class WriterThread:
         while True:
             with self._cond:
                 while not self._records and not self._closing:
-                    self._cond.wait()
+                    self._cond.notify_all()  # idle: a flush() waiting may return
+                    self._cond.wait(POLL_S)
                 if not self._records:
                     break
                 metrics, step, kind, size = self._records.popleft()
