@@ -312,10 +312,13 @@ def _console_to_devnull():
     logger.propagate = False
 
 
-def _timed_log_steps(calls: dict, repeats: int, warmup: int = 3) -> dict:
-    """``calls``: name -> (call(step), drain()). Median seconds of each call, interleaved, and of
-    its ``drain`` (the writer thread finishing what the call queued), waited for after each call
-    and timed apart, so no writer work lands inside another call's figure."""
+def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3) -> dict:
+    """``calls``: name -> (call(step), drain()). For each call: the median seconds, the median of
+    its ``drain`` (the writer thread finishing what the call queued: waited for after each call
+    and timed apart, so no writer work lands inside another call's figure), and the median of
+    its ratio to the ``baseline`` call of the same round. The calls of a round run back to
+    back, in alternating order, so load from other processes that comes and goes weighs on
+    both sides of each ratio alike."""
     times = {name: ([], []) for name in calls}
     for i in range(warmup + repeats):
         order = list(calls) if i % 2 == 0 else list(reversed(calls))  # neither always goes first
@@ -326,12 +329,15 @@ def _timed_log_steps(calls: dict, repeats: int, warmup: int = 3) -> dict:
             if i >= warmup:
                 times[name][0].append(took)
                 times[name][1].append(drained)
-    return {name: (statistics.median(a), statistics.median(b)) for name, (a, b) in times.items()}
+    base = times[baseline][0]
+    return {name: (statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, base)))
+            for name, (a, b) in times.items()}
 
 
 def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 20e6) -> dict:
     """(a) per-module norms + clip + the log step at log_interval 1 with JSONL, TensorBoard and
-    the console on, against torch.nn.utils.clip_grad_norm_ alone."""
+    the console on, against torch.nn.utils.clip_grad_norm_ alone (and the same with no sink, to
+    show what the sinks add)."""
     import tempfile
 
     import distmetrics as dm
@@ -343,16 +349,20 @@ def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 2
     with tempfile.TemporaryDirectory() as out:
         cfg = dm.MetricsConfig(output_dir=out, log_interval=1, json_log=True, tensorboard=True, console=True,
                                log_progress=False)
-        monitor = dm.Monitor(cfg, model=model)
-        calls = {"torch": (lambda step: torch.nn.utils.clip_grad_norm_(plist, huge), lambda: None),
-                 "ours": (lambda step: (monitor.clip_grad_norm_(huge), monitor.step(step)), monitor.sinks.flush)}
-        timed = _timed_log_steps(calls, repeats)
-        names = len(monitor.last_metrics)
-        monitor.close()
-    (base, _), (ours, writer) = timed["torch"], timed["ours"]
+        sinks = dm.Monitor(cfg, model=model)
+        bare = dm.Monitor(cfg.replace(json_log=False, tensorboard=False, console=False), model=model)
+        calls = {"torch": (lambda step: torch.nn.utils.clip_grad_norm_(plist, huge), lambda: None)}
+        for name, monitor in (("sinks", sinks), ("bare", bare)):
+            calls[name] = (lambda step, m=monitor: (m.clip_grad_norm_(huge), m.step(step)), monitor.sinks.flush)
+        timed = _timed_log_steps("torch", calls, repeats)
+        names = len(sinks.last_metrics)
+        sinks.close()
+        bare.close()
+    (base, _, _), (ours, writer, ratio) = timed["torch"], timed["sinks"]
     return {"modules": modules, "params_m": round(sum(p.numel() for p in plist) / 1e6, 1), "names": names,
             "torch_clip_ms": base * 1e3, "ours_ms": ours * 1e3, "writer_ms": writer * 1e3,
-            "ours_vs_torch_clip": ours / base, "with_writer_vs_torch_clip": (ours + writer) / base}
+            "ours_vs_torch_clip": ratio, "with_writer_vs_torch_clip": ratio + writer / base,
+            "no_sinks_ms": timed["bare"][0] * 1e3, "no_sinks_vs_torch_clip": timed["bare"][2]}
 
 
 def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
@@ -375,12 +385,12 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
             monitors = {"none": dm.Monitor(none, collectors=[_NamedValues(names)]),
                         "all": dm.Monitor(every, collectors=[_NamedValues(names)])}
             calls = {name: (lambda step, m=m: m.step(step, loss=1.0), m.sinks.flush) for name, m in monitors.items()}
-            timed = _timed_log_steps(calls, repeats)
+            timed = _timed_log_steps("none", calls, repeats)
             for monitor in monitors.values():
                 monitor.close()
-        (base, _), (ours, writer) = timed["none"], timed["all"]
+        (base, _, _), (ours, writer, ratio) = timed["none"], timed["all"]
         rows.append({"names": names, "wandb": wandb, "no_sinks_ms": base * 1e3, "all_sinks_ms": ours * 1e3,
-                     "writer_ms": writer * 1e3, "all_vs_none": ours / base})
+                     "writer_ms": writer * 1e3, "all_vs_none": ratio})
     return rows
 
 
@@ -434,9 +444,9 @@ def main(argv=None) -> dict:
     print("6a. every-step logging: clip + log step, JSONL + TensorBoard + console, log_interval=1", flush=True)
     results["every_step_logging"] = e = bench_every_step_logging(repeats)
     print(f"   {e['modules']} modules {e['params_m']}M params ({e['names']} names): torch clip {e['torch_clip_ms']:.2f} ms | "
-          f"ours {e['ours_ms']:.2f} ms = {e['ours_vs_torch_clip']:.3f}x (target <= 1.10) | writer thread "
-          f"{e['writer_ms']:.2f} ms per record, off the training thread ({e['with_writer_vs_torch_clip']:.3f}x if "
-          "it were on it)", flush=True)
+          f"ours {e['ours_ms']:.2f} ms = {e['ours_vs_torch_clip']:.3f}x (target <= 1.10) | with no sink "
+          f"{e['no_sinks_ms']:.2f} ms = {e['no_sinks_vs_torch_clip']:.3f}x | writer thread {e['writer_ms']:.2f} ms "
+          f"per record, off the training thread ({e['with_writer_vs_torch_clip']:.3f}x if it were on it)", flush=True)
     print("6b. log step on the training thread: every sink (JSONL, progress, console, TensorBoard, W&B offline) "
           "vs none", flush=True)
     results["sinks_log_step"] = bench_sinks_log_step([10, 200, 1000, 5000], repeats)
