@@ -47,6 +47,7 @@ class AppendFile:
         self.sink = sink
         self.on_loss = on_loss
         self.lost: Optional[Lost] = None
+        self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         self._end = os.lseek(self._fd, 0, os.SEEK_END)
@@ -57,6 +58,9 @@ class AppendFile:
         """Write ``data`` whole at the end of the file; on an OSError cut it back off, count the
         record as lost (``step`` names it) and return False."""
         try:
+            if self._cut_at is not None:
+                os.ftruncate(self._fd, self._cut_at)
+                self._cut_at = None
             self._end = os.lseek(self._fd, 0, os.SEEK_END)
             view = memoryview(data)
             while view:  # a short write (the disk filling up) is followed by the error
@@ -78,6 +82,11 @@ class AppendFile:
         """Close the file; warn if records were still failing to be written."""
         if self._fd < 0:
             return
+        if self._cut_at is not None:
+            try:
+                os.ftruncate(self._fd, self._cut_at)
+            except OSError:
+                pass  # warned when it first failed
         os.close(self._fd)
         self._fd = -1
         if self.lost is not None:
@@ -97,9 +106,12 @@ class AppendFile:
             self.lost.records += 1
 
     def _roll_back(self) -> None:
+        if self._cut_at is not None:  # the failure was cutting off an earlier partial record
+            return
         try:
             os.ftruncate(self._fd, self._end)
-        except OSError as err:  # the next append starts from the end it finds
+        except OSError as err:  # tried again before the next append
+            self._cut_at = self._end
             logger.warning("distmetrics: the %s sink could not cut a partly written record off %s: %s",
                            self.sink, self.path, describe_os_error(err))
 
