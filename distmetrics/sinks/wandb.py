@@ -126,9 +126,9 @@ class WandbSink:
         problem = self._logged_error() or self._disk_full()
         if problem:
             self._problem_reported = True
-            when = f"at step {step}" if step is not None else "by the end of the run"
-            logger.warning("distmetrics: the wandb sink: W&B reports a failure %s: %s. Rows from about then on may "
-                           "be missing from the W&B run; the other sinks go on.", when, problem)
+            when = f"seen at step {step}" if step is not None else "seen at close"
+            logger.warning("distmetrics: the wandb sink: W&B reported a failure (%s): %s. Rows from about then on "
+                           "may be missing from the W&B run; the other sinks go on.", when, problem)
 
     def _logged_error(self) -> str:
         path = getattr(self.run.settings, "log_internal", None)
