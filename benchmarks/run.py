@@ -442,14 +442,14 @@ def main(argv=None) -> dict:
     print(f"   optimizer.step on a log step {u['log_step_ms']:.2f} ms vs non-log {u['non_log_step_ms']:.2f} ms = "
           f"{u['log_vs_non_log']:.2f}x; snapshot {u['snapshot_mib']:.0f} MiB on log steps only", flush=True)
     print("6a. every-step logging: clip + log step, JSONL + TensorBoard + console, log_interval=1", flush=True)
-    results["every_step_logging"] = e = bench_every_step_logging(repeats)
+    results["every_step_logging"] = e = bench_every_step_logging(3 * repeats)  # short calls: more rounds
     print(f"   {e['modules']} modules {e['params_m']}M params ({e['names']} names): torch clip {e['torch_clip_ms']:.2f} ms | "
           f"ours {e['ours_ms']:.2f} ms = {e['ours_vs_torch_clip']:.3f}x (target <= 1.10) | with no sink "
           f"{e['no_sinks_ms']:.2f} ms = {e['no_sinks_vs_torch_clip']:.3f}x | writer thread {e['writer_ms']:.2f} ms "
           f"per record, off the training thread ({e['with_writer_vs_torch_clip']:.3f}x if it were on it)", flush=True)
     print("6b. log step on the training thread: every sink (JSONL, progress, console, TensorBoard, W&B offline) "
           "vs none", flush=True)
-    results["sinks_log_step"] = bench_sinks_log_step([10, 200, 1000, 5000], repeats)
+    results["sinks_log_step"] = bench_sinks_log_step([10, 200, 1000, 5000], 3 * repeats)
     for r in results["sinks_log_step"]:
         print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
               f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
