@@ -279,6 +279,121 @@ def bench_update_norms(params: float, repeats: int) -> dict:
             "log_vs_non_log": cand / base, "snapshot_mib": snapshot_bytes / 2**20}
 
 
+# --- 6. every-step logging with sinks, and the log step with all sinks vs none -----------------
+
+class _NamedValues:
+    """A collector of ``names`` metrics in one vector sample (per-layer statistics, say)."""
+
+    name = "named_values"
+    after = ()
+
+    def __init__(self, names: int):
+        self.names = tuple(f"layer_stats/block.{i}/value" for i in range(names))
+        self.values = torch.rand(names, dtype=torch.float64)
+
+    def take_samples(self, ctx):
+        from distmetrics.reduce import Sample
+
+        return [Sample("layer_stats", self.values, "mean", names=self.names)]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _console_to_devnull():
+    """The console sink formats and writes its lines as in a run, to /dev/null."""
+    import logging
+
+    logger = logging.getLogger("distmetrics.console")
+    logger.handlers = [logging.StreamHandler(open(os.devnull, "w"))]
+    logger.propagate = False
+
+
+def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3) -> dict:
+    """``calls``: name -> (call(step), drain()). For each call: the median seconds, the median of
+    its ``drain`` (the writer thread finishing what the call queued: waited for after each call
+    and timed apart, so no writer work lands inside another call's figure), and the median of
+    its ratio to the ``baseline`` call of the same round. The calls of a round run back to
+    back, in alternating order, so load from other processes that comes and goes weighs on
+    both sides of each ratio alike."""
+    times = {name: ([], []) for name in calls}
+    for i in range(warmup + repeats):
+        order = list(calls) if i % 2 == 0 else list(reversed(calls))  # neither always goes first
+        for name in order:
+            call, drain = calls[name]
+            t = time.perf_counter(); call(i + 1); took = time.perf_counter() - t
+            t = time.perf_counter(); drain(); drained = time.perf_counter() - t
+            if i >= warmup:
+                times[name][0].append(took)
+                times[name][1].append(drained)
+    base = times[baseline][0]
+    return {name: (statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, base)))
+            for name, (a, b) in times.items()}
+
+
+def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 20e6) -> dict:
+    """(a) per-module norms + clip + the log step at log_interval 1 with JSONL, TensorBoard and
+    the console on, against torch.nn.utils.clip_grad_norm_ alone (and the same with no sink, to
+    show what the sinks add)."""
+    import tempfile
+
+    import distmetrics as dm
+
+    _console_to_devnull()
+    model = stack_model(modules, params)
+    plist = list(model.parameters())
+    huge = 1e9  # clipping math runs, scaling is by 1.0: repeats see the same gradients
+    with tempfile.TemporaryDirectory() as out:
+        cfg = dm.MetricsConfig(output_dir=out, log_interval=1, json_log=True, tensorboard=True, console=True,
+                               log_progress=False)
+        sinks = dm.Monitor(cfg, model=model)
+        bare = dm.Monitor(cfg.replace(json_log=False, tensorboard=False, console=False), model=model)
+        calls = {"torch": (lambda step: torch.nn.utils.clip_grad_norm_(plist, huge), lambda: None)}
+        for name, monitor in (("sinks", sinks), ("bare", bare)):
+            calls[name] = (lambda step, m=monitor: (m.clip_grad_norm_(huge), m.step(step)), monitor.sinks.flush)
+        timed = _timed_log_steps("torch", calls, repeats)
+        names = len(sinks.last_metrics)
+        sinks.close()
+        bare.close()
+    (base, _, _), (ours, writer, ratio) = timed["torch"], timed["sinks"]
+    return {"modules": modules, "params_m": round(sum(p.numel() for p in plist) / 1e6, 1), "names": names,
+            "torch_clip_ms": base * 1e3, "ours_ms": ours * 1e3, "writer_ms": writer * 1e3,
+            "ours_vs_torch_clip": ratio, "with_writer_vs_torch_clip": ratio + writer / base,
+            "no_sinks_ms": timed["bare"][0] * 1e3, "no_sinks_vs_torch_clip": timed["bare"][2]}
+
+
+def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
+    """(b) the log step on the training thread with every sink on (JSONL, progress.txt, console,
+    TensorBoard, W&B offline) against no sink, at ``sizes`` metric names."""
+    import importlib.util
+    import tempfile
+
+    import distmetrics as dm
+
+    _console_to_devnull()
+    wandb = importlib.util.find_spec("wandb") is not None
+    rows = []
+    for names in sizes:
+        with tempfile.TemporaryDirectory() as out:
+            every = dm.MetricsConfig(output_dir=out, log_interval=1, wandb_project="benchmark" if wandb else None,
+                                     wandb_mode="offline")
+            none = every.replace(json_log=False, console=False, log_progress=False, tensorboard=False,
+                                 wandb_project=None)
+            monitors = {"none": dm.Monitor(none, collectors=[_NamedValues(names)]),
+                        "all": dm.Monitor(every, collectors=[_NamedValues(names)])}
+            calls = {name: (lambda step, m=m: m.step(step, loss=1.0), m.sinks.flush) for name, m in monitors.items()}
+            timed = _timed_log_steps("none", calls, repeats)
+            for monitor in monitors.values():
+                monitor.close()
+        (base, _, _), (ours, writer, ratio) = timed["none"], timed["all"]
+        rows.append({"names": names, "wandb": wandb, "no_sinks_ms": base * 1e3, "all_sinks_ms": ours * 1e3,
+                     "writer_ms": writer * 1e3, "all_vs_none": ratio})
+    return rows
+
+
 # --- report ------------------------------------------------------------------------------------
 
 # --- 6. command-line start-up --------------------------------------------------------------------
@@ -351,7 +466,20 @@ def main(argv=None) -> dict:
     u = results["update_norms"]
     print(f"   optimizer.step on a log step {u['log_step_ms']:.2f} ms vs non-log {u['non_log_step_ms']:.2f} ms = "
           f"{u['log_vs_non_log']:.2f}x; snapshot {u['snapshot_mib']:.0f} MiB on log steps only", flush=True)
-    print("6. command-line start-up (whole process)", flush=True)
+    print("6a. every-step logging: clip + log step, JSONL + TensorBoard + console, log_interval=1", flush=True)
+    results["every_step_logging"] = e = bench_every_step_logging(3 * repeats)  # short calls: more rounds
+    print(f"   {e['modules']} modules {e['params_m']}M params ({e['names']} names): torch clip {e['torch_clip_ms']:.2f} ms | "
+          f"ours {e['ours_ms']:.2f} ms = {e['ours_vs_torch_clip']:.3f}x (target <= 1.10) | with no sink "
+          f"{e['no_sinks_ms']:.2f} ms = {e['no_sinks_vs_torch_clip']:.3f}x | writer thread {e['writer_ms']:.2f} ms "
+          f"per record, off the training thread ({e['with_writer_vs_torch_clip']:.3f}x if it were on it)", flush=True)
+    print("6b. log step on the training thread: every sink (JSONL, progress, console, TensorBoard, W&B offline) "
+          "vs none", flush=True)
+    results["sinks_log_step"] = bench_sinks_log_step([10, 200, 1000, 5000], 3 * repeats)
+    for r in results["sinks_log_step"]:
+        print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
+              f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
+              f"thread {r['writer_ms']:.2f} ms per record", flush=True)
+    print("7. command-line start-up (whole process)", flush=True)
     results["cli"] = bench_cli(repeats)
     c = results["cli"]
     print(f"   distmetrics summary {c['summary_ms']:.0f} ms | a process importing the torch-using modules "

@@ -61,8 +61,8 @@ def _train(rank: int, world: int, root: str) -> dict:
     out["counts"] = counts
     eval_metrics = monitor.log_eval(STEPS, loss=torch.tensor(2.0 + rank), tokens=100 * (rank + 1))
     out["eval"] = eval_metrics
+    monitor.close()  # the broken sink runs on the writer thread: its failure is certain once closed
     out["failed_sinks"] = dict(monitor.sinks.failed)
-    monitor.close()
 
     # writer_rank: last
     with dm.Monitor(dm.MetricsConfig(output_dir=f"{root}/last/rank{rank}", writer_rank="last",

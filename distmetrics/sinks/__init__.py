@@ -1,26 +1,35 @@
 """Sinks: where the writer rank sends reduced metrics.
 
 A sink is a small class with one verb and a close: ``log(metrics, step, kind)`` and
-``close()``. :class:`SinkSet` fans out to the enabled ones; a sink that raises (package
-missing, network down, disk full) is reported once with the fix and dropped, and the others
-go on.
+``close()``. :class:`SinkSet` fans out to the enabled ones. JSONL and ``progress.txt`` are
+written on the training thread (``on_training_thread = True``: a log step that returned has its
+line in the file); every other sink — TensorBoard, W&B, the console, your own — runs behind one
+bounded queue on one writer thread (:mod:`.writer`), so the training thread never waits for
+them. A sink that raises is reported once with the real cause (a missing package: the
+``pip install``; an OSError: the path and the errno) and dropped, and the others go on; the
+file sinks catch their own write errors, keep trying and say what they lost
+(:mod:`.appendfile`).
 
 Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a histogram (their
 ``/max``, ``/min``, ``/mean`` summary is in every record already) rather than one curve per rank:
 a sink that defines ``log_view(view, step)`` gets a :class:`ScalarView` instead, made once per
-record by the SinkSet (train, eval and tensor_stats records; timers unless
-``log_timers_to_tensorboard`` is false).
+record (train, eval and tensor_stats records; timers unless ``log_timers_to_tensorboard`` is false).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
 from ..per_rank import PerRank
+from .appendfile import describe_os_error
+from .writer import WriterThread
 
 __all__ = ["Sink", "SinkSet", "open_sinks", "numeric_items", "ScalarView", "scalar_view", "DASHBOARD_KINDS"]
+
+_PURGE = "_purge"  # a queued order, not a record: timeline sinks drop steps >= its step
 
 DASHBOARD_KINDS = ("train", "eval", "tensor_stats")
 """Record kinds that dashboards plot."""
@@ -34,7 +43,10 @@ class Sink(Protocol):
     name: str
     """Short name used in warnings (``jsonl``, ``tensorboard``, ...)."""
     fix: str
-    """What to do when it fails, e.g. ``pip install "torch-distmetrics[wandb]"``."""
+    """What to do when it fails (shown with failures other than a missing package or an OSError).
+    Optional attributes: ``install`` (the ``pip install`` shown when its package is missing) and
+    ``on_training_thread`` (True: written before ``monitor.step`` returns; default: on the
+    writer thread)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
@@ -45,7 +57,8 @@ class Sink(Protocol):
 
 @dataclass
 class ScalarView:
-    """A record as dashboards take it: numbers by name, and every rank's values of ``all`` metrics."""
+    """A record as dashboards take it: numbers by name, and every rank's values of ``all``
+    metrics (summarised in ``scalars`` as ``<name>/max``, ``/min``, ``/mean``)."""
 
     scalars: dict[str, float]
     histograms: dict[str, list[float]]
@@ -68,33 +81,87 @@ def scalar_view(metrics: dict[str, Any], kind: str, include_timers: bool = True)
 
 
 class SinkSet:
-    """The writer rank's sinks. A failing sink warns once, naming itself and the fix."""
+    """The writer rank's sinks: those ``on_training_thread`` are written in the call, the others
+    queued for the writer thread. A failing sink warns once, naming itself and the cause."""
 
     def __init__(self, sinks: Iterable[Sink] = (), include_timers: bool = True) -> None:
-        self.sinks: list[Sink] = list(sinks)
+        self.inline: list[Sink] = []
+        """Sinks written on the training thread (JSONL, progress.txt)."""
+        self.queued: list[Sink] = []
+        """Sinks written on the writer thread (TensorBoard, W&B, console, your own)."""
         self.failed: dict[str, str] = {}
+        """Sinks dropped after a failure: name -> cause."""
         self.include_timers = include_timers
-        self._closers: list = []
+        self.writer: Optional[WriterThread] = None
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
+        self._closers: list = []
+        for sink in sinks:
+            self.attach(sink)
 
     def on_close(self, release: Any) -> None:
-        """Call ``release()`` after the sinks are closed."""
+        """Call ``release()`` once the sinks are closed."""
         self._closers.append(release)
 
-    def add(self, factory, name: str, fix: str) -> None:
+    def purge_from(self, step: int) -> None:
+        """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
+        earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
+        if any(hasattr(sink, "purge_from") for sink in self.sinks):
+            self.log({}, step, _PURGE)
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Every sink still on."""
+        return self.inline + self.queued
+
+    def attach(self, sink: Sink) -> None:
+        """Add a sink that exists already (the writer thread starts with the first queued one)."""
+        if getattr(sink, "on_training_thread", False):
+            self.inline.append(sink)
+            return
+        self.queued.append(sink)
+        if self.writer is None:
+            self.writer = WriterThread(self._write_queued, self._close_queued,
+                                       lambda: ", ".join(s.name for s in self.queued) or "queued")
+
+    def add(self, factory, name: str, fix: str, install: Optional[str] = None) -> None:
         """Create a sink; if creating it raises, warn once and go on without it."""
         try:
-            self.sinks.append(factory())
+            self.attach(factory())
         except Exception as err:  # noqa: BLE001 - any failure of an optional sink is survivable
-            self._fail(name, fix, err)
+            self._fail(name, err, fix, install)
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        """Hand one record to every sink (dashboards get its :class:`ScalarView`)."""
+        """Write one record to the training-thread sinks and queue it for the others."""
+        if self.inline:
+            self._deliver(self.inline, metrics, step, kind)
+        if self.queued:
+            self.writer.put(dict(metrics), step, kind)  # a copy: the caller may change its dict
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the writer thread has written every queued record (at most ``timeout``
+        seconds; True if it has). Training never needs this; a test or a checkpoint may."""
+        return self.writer.flush(timeout) if self.writer is not None else True
+
+    def close(self) -> None:
+        """Close the training-thread sinks; drain the queue and close the others (bounded)."""
+        for sink in self.inline:
+            self._close(sink)
+        self.inline = []
+        if self.writer is not None:
+            self.writer.close()
+        for release in self._closers:
+            release()
+        self._closers = []
+
+    def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str) -> None:
         view: Any = False  # made on first need, once
-        for sink in list(self.sinks):
+        for sink in list(sinks):
             try:
-                if hasattr(sink, "log_view"):
+                if kind == _PURGE:
+                    if hasattr(sink, "purge_from"):
+                        sink.purge_from(step)
+                elif hasattr(sink, "log_view"):
                     if view is False:
                         view = scalar_view(metrics, kind, self.include_timers)
                     if view is not None:
@@ -102,38 +169,39 @@ class SinkSet:
                 else:
                     sink.log(metrics, step, kind)
             except Exception as err:  # noqa: BLE001
-                self.sinks.remove(sink)
-                self._fail(sink.name, sink.fix, err)
+                sinks.remove(sink)
+                self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None))
 
-    def purge_from(self, step: int) -> None:
-        """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
-        earlier job wrote at steps >= ``step``."""
-        for sink in list(self.sinks):
-            try:
-                if hasattr(sink, "purge_from"):
-                    sink.purge_from(step)
-            except Exception as err:  # noqa: BLE001
-                self.sinks.remove(sink)
-                self._fail(sink.name, sink.fix, err)
+    def _write_queued(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        self._deliver(self.queued, metrics, step, kind)
 
-    def close(self) -> None:
-        """Close every sink (a failure warns once)."""
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as err:  # noqa: BLE001
-                self._fail(sink.name, sink.fix, err)
-        self.sinks = []
-        for release in self._closers:
-            release()
-        self._closers = []
+    def _close_queued(self) -> None:
+        for sink in self.queued:
+            self._close(sink)
+        self.queued = []
 
-    def _fail(self, name: str, fix: str, err: BaseException) -> None:
+    def _close(self, sink: Sink) -> None:
+        try:
+            sink.close()
+        except Exception as err:  # noqa: BLE001
+            self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True)
+
+    def _fail(self, name: str, err: BaseException, fix: str, install: Optional[str] = None,
+              closing: bool = False) -> None:
         if name in self.failed:
             return
-        self.failed[name] = f"{type(err).__name__}: {err}"
-        logger.warning("distmetrics: the %s sink failed (%s: %s) and is off for the rest of the run; "
-                       "the other sinks go on. Fix: %s", name, type(err).__name__, err, fix)
+        self.failed[name] = cause = failure_cause(err)
+        advice = install if isinstance(err, ImportError) and install else ("" if isinstance(err, OSError) else fix)
+        logger.warning("distmetrics: the %s sink failed %s(%s)%s%s", name, "at close " if closing else "", cause,
+                       "" if closing else " and is off for the rest of the run; the other sinks go on",
+                       f". Fix: {advice}" if advice else ".")
+
+
+def failure_cause(err: BaseException) -> str:
+    """The cause as a warning says it: an OSError's errno, text and path; else type and message."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return describe_os_error(err)
+    return f"{type(err).__name__}: {err}"
 
 
 def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> SinkSet:
@@ -147,22 +215,24 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     cfg, out = config, Path(config.output_dir)
     sinks = SinkSet(include_timers=cfg.log_timers_to_tensorboard)
     if cfg.json_log:
-        sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), "jsonl", JsonlSink.fix)
+        sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), JsonlSink.name, JsonlSink.fix)
     if cfg.console:
-        sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), "console", ConsoleSink.fix)
+        sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), ConsoleSink.name, ConsoleSink.fix)
     if cfg.log_progress:
-        sinks.add(lambda: ProgressSink(out / "progress.txt", world_size), "progress", ProgressSink.fix)
+        sinks.add(lambda: ProgressSink(out / "progress.txt", world_size), ProgressSink.name, ProgressSink.fix)
     if cfg.tensorboard:
         from .tensorboard import TensorBoardSink
 
-        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir), "tensorboard", TensorBoardSink.fix)
+        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir), TensorBoardSink.name,
+                  TensorBoardSink.fix, TensorBoardSink.install)
     if cfg.wandb_project and cfg.wandb_mode != "disabled":
         from .wandb import WandbSink
 
         sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,
                                     cfg.wandb_save_dir or str(out), cfg.wandb_mode, cfg.to_dict(redact=True)),
-                  "wandb", WandbSink.fix)
-    sinks.sinks.extend(extra)
+                  WandbSink.name, WandbSink.fix, WandbSink.install)
+    for sink in extra:
+        sinks.attach(sink)
     return sinks
 
 

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
+from .appendfile import AppendFile
+
 __all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message"]
 
 
@@ -25,25 +27,29 @@ class ProgressSink:
 
     name = "progress"
     fix = "check that output_dir is writable and the disk has room"
+    on_training_thread = True
+    """A few lines per job; Megatron's tools read them at once."""
 
     def __init__(self, path: Union[str, Path], world_size: int) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
+        self._file = AppendFile(self.path, self.name, lines=True)  # whole lines only, as for JSONL
+        self._step = 0
         self.write("Starting job")
 
     def write(self, message: str) -> None:
         """Append one line with ``message``."""
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(progress_line(message, self.world_size))
+        self._file.append(progress_line(message, self.world_size).encode("utf-8", "backslashreplace"), self._step)
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write ``progress`` records (e.g. "Saved checkpoint" lines); ignore the rest."""
         if kind == "progress":
+            self._step = step
             self.write(metrics["message"])
 
     def close(self) -> None:
-        """Nothing to release (each line is written and closed)."""
+        """Close the file (a warning if lines were still failing to be written)."""
+        self._file.close()
 
 
 def read_progress(path: Union[str, Path], world_size: int) -> dict:

@@ -1,44 +1,172 @@
-"""W&B sink: one run, created on the writer rank only; ``wandb_mode: offline`` needs no network."""
+"""W&B sink: one run, created on the writer rank only; ``wandb_mode: offline`` needs no network.
+
+``wandb.init`` runs in the background (it can wait a minute and more for an unreachable
+server): the Monitor's constructor returns at once, rows logged meanwhile are kept (up to
+:data:`START_BUFFER_ROWS`, then the oldest are dropped and counted) and sent once the run
+exists. If it fails, or has not finished within :data:`START_TIMEOUT_S`, the sink warns once
+with W&B's error and is off. W&B writes its run from a service process and reports failures
+there (e.g. a full disk) only in its own log: the sink reads the errors W&B logs and the free
+space where the run is written, and warns once with the cause.
+"""
 
 from __future__ import annotations
 
+import collections
+import json
+import logging
+import os
+import sys
+import threading
+import time
 from typing import Any, Optional
 
+from ..redaction import redact_argv
 from . import ScalarView
 
-__all__ = ["WandbSink"]
+__all__ = ["WandbSink", "START_TIMEOUT_S", "START_BUFFER_ROWS"]
+
+START_TIMEOUT_S = 45.0
+"""How long ``wandb.init`` may take before the sink gives up on W&B."""
+START_BUFFER_ROWS = 1000
+"""Rows kept while W&B starts."""
+
+logger = logging.getLogger("distmetrics")
 
 
 class WandbSink:
     """One W&B row per train, eval and tensor_stats record; ``all`` metrics as histograms."""
 
     name = "wandb"
-    fix = 'pip install "torch-distmetrics[wandb]" (or wandb), check the network or set wandb_mode: offline'
+    fix = "check the network and W&B's log, or set wandb_mode: offline"
+    install = 'pip install "torch-distmetrics[wandb]" (or wandb), or leave wandb_project unset'
 
     def __init__(self, project: str, name: Optional[str], entity: Optional[str], save_dir: str,
                  mode: str, config: dict) -> None:
-        import sys
-
         import wandb  # optional dependency, imported only when W&B is asked for
 
-        from ..redaction import redact_argv
-
         self._wandb = wandb
-        # W&B copies the command line into the run's metadata: let it see the redacted one.
-        argv, sys.argv = sys.argv, redact_argv(sys.argv)
-        try:
-            self.run = wandb.init(project=project, name=name, entity=entity, dir=save_dir, mode=mode,
-                                  config=config, reinit="create_new")
-        finally:
-            sys.argv = argv
+        self.run: Any = None
+        self._start_error: Optional[BaseException] = None
+        self._gave_up = False
+        self._started = threading.Event()
+        self._deadline = time.monotonic() + START_TIMEOUT_S
+        self._pending: collections.deque = collections.deque()
+        self.unsent = 0
+        """Rows dropped because W&B was still starting and the buffer was full."""
+        self._problem_reported = False
+        self._log_offset = 0
+        kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
+                      reinit="create_new", settings=wandb.Settings(init_timeout=START_TIMEOUT_S))
+        threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
 
     def log_view(self, view: ScalarView, step: int) -> None:
-        """Log one record's scalars and histograms as one row at ``step``."""
+        """Log one record's scalars and histograms as one row at ``step`` (kept while W&B starts)."""
         row: dict[str, Any] = dict(view.scalars)
         for name, values in view.histograms.items():
             row[name] = self._wandb.Histogram(values)
-        self.run.log(row, step=step)
+        self._pending.append((row, step))
+        if len(self._pending) > START_BUFFER_ROWS:
+            self._pending.popleft()
+            self.unsent += 1
+        if self._ready(wait_s=0.0):
+            self._send_pending()
+            self._check_for_problems(step)
 
     def close(self) -> None:
-        """Finish the run."""
-        self.run.finish()
+        """Send what is kept, finish the run, and say if W&B reported a failure."""
+        while not self._ready(wait_s=max(0.05, self._deadline - time.monotonic())):
+            pass  # returns once started; raises on failure or at the deadline
+        self._send_pending()
+        try:
+            self.run.finish()
+        except OSError:
+            if not self._problem_reported:  # the failure W&B reported is already said: not twice
+                raise
+        self._check_for_problems(None)
+
+    def _start(self, kwargs: dict) -> None:
+        # W&B copies the command line into the run's metadata: let it see the redacted one.
+        argv, sys.argv = sys.argv, redact_argv(sys.argv)
+        try:
+            run = self._wandb.init(**kwargs)
+        except BaseException as err:  # noqa: BLE001 - W&B raises its own types (and SystemExit)
+            self._start_error = err
+        else:
+            if self._gave_up:  # too late: nobody will log to it
+                run.finish()
+            else:
+                self.run = run
+        finally:
+            sys.argv = argv
+            self._started.set()
+
+    def _ready(self, wait_s: float) -> bool:
+        """Whether the run exists; raises once W&B failed to start or took too long."""
+        if not self._started.wait(wait_s):
+            if time.monotonic() < self._deadline:
+                return False
+            self._gave_up = True
+            raise TimeoutError(f"wandb.init did not finish within {START_TIMEOUT_S:.0f} s{self._unsent_note()}")
+        if self._start_error is not None:
+            from . import failure_cause
+
+            raise RuntimeError(f"wandb.init failed: {failure_cause(self._start_error)}{self._unsent_note()}") \
+                from self._start_error
+        return True
+
+    def _unsent_note(self) -> str:
+        rows = len(self._pending) + self.unsent
+        return f"; {rows} row{'' if rows == 1 else 's'} logged meanwhile not sent" if rows else ""
+
+    def _send_pending(self) -> None:
+        if self.unsent:
+            logger.warning("distmetrics: the wandb sink dropped the %d oldest rows logged while W&B was starting "
+                           "(it keeps %d).", self.unsent, START_BUFFER_ROWS)
+            self.unsent = 0
+        while self._pending:
+            row, step = self._pending.popleft()
+            self.run.log(row, step=step)
+
+    def _check_for_problems(self, step: Optional[int]) -> None:
+        """Warn once if W&B logged an error (its service writes the run and reports only there),
+        or the disk holding the run is full."""
+        if self._problem_reported:
+            return
+        problem = self._logged_error() or self._disk_full()
+        if problem:
+            self._problem_reported = True
+            when = f"seen at step {step}" if step is not None else "seen at close"
+            logger.warning("distmetrics: the wandb sink: W&B reported a failure (%s): %s. Rows from about then on "
+                           "may be missing from the W&B run; the other sinks go on.", when, problem)
+
+    def _logged_error(self) -> str:
+        path = getattr(self.run.settings, "log_internal", None)
+        try:
+            size = os.stat(path).st_size if path else 0
+        except OSError:
+            return ""
+        if size <= self._log_offset:
+            return ""
+        with open(path, "rb") as f:
+            f.seek(self._log_offset)
+            chunk = f.read(size - self._log_offset)
+        chunk = chunk[:chunk.rfind(b"\n") + 1]  # whole lines only; the rest is read next time
+        self._log_offset += len(chunk)
+        for line in chunk.splitlines():
+            if b'"level":"ERROR"' in line:
+                try:
+                    message = json.loads(line).get("msg", "")
+                except ValueError:
+                    message = line.decode("utf-8", "replace")
+                return f"{message!r} (W&B's log: {path})"
+        return ""
+
+    def _disk_full(self) -> str:
+        folder = getattr(self.run, "dir", None)
+        try:
+            stat = os.statvfs(folder) if folder else None
+        except OSError:
+            return ""
+        if stat is None or (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) > 0:
+            return ""
+        return f"the disk holding {folder} is full (0 bytes free), so W&B cannot write its run there"

@@ -1,0 +1,147 @@
+"""A file that grows by whole records only, for the sinks that write files (JSONL, TensorBoard,
+progress.txt).
+
+A write that fails (disk full, quota, I/O error) is cut back off, so the file never ends in a
+torn record; every later record is tried again, so writing resumes by itself when space
+returns. What could not be written is counted and said: one warning when writing starts to
+fail (the path, the errno and its text), one when it works again (how many records, which
+steps), and one at close if it never did.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["AppendFile", "Lost", "describe_os_error"]
+
+logger = logging.getLogger("distmetrics")
+
+
+@dataclass
+class Lost:
+    """Records that could not be written since writing last worked."""
+
+    first_step: int
+    last_step: int
+    records: int
+    error: str
+    """The first failure, e.g. ``[Errno 28] No space left on device (ENOSPC)``."""
+
+
+class AppendFile:
+    """Appends whole records to ``path``; a failed append leaves the file as it was.
+
+    ``lines=True``: the records are text lines; a torn last line left by a crash (a process
+    killed in the middle of a write) is cut off when the file is opened, so the file reads
+    whole. ``sink`` names the sink in warnings; ``on_loss`` names what marks lost records
+    (e.g. ``a "gap" record``).
+    """
+
+    def __init__(self, path: Union[str, Path], sink: str, lines: bool = True, on_loss: str = "") -> None:
+        self.path = Path(path)
+        self.sink = sink
+        self.on_loss = on_loss
+        self.lost: Optional[Lost] = None
+        self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._end = os.lseek(self._fd, 0, os.SEEK_END)
+        if lines and self._end > 0:
+            self._cut_torn_line()
+
+    def append(self, data: bytes, step: int) -> bool:
+        """Write ``data`` whole at the end of the file; on an OSError cut it back off, count the
+        record as lost (``step`` names it) and return False."""
+        try:
+            if self._cut_at is not None:
+                os.ftruncate(self._fd, self._cut_at)
+                self._cut_at = None
+            self._end = os.lseek(self._fd, 0, os.SEEK_END)
+            view = memoryview(data)
+            while view:  # a short write (the disk filling up) is followed by the error
+                view = view[os.write(self._fd, view):]
+        except OSError as err:
+            self._roll_back()
+            self._count_lost(err, step)
+            return False
+        self._end += len(data)
+        if self.lost is not None:
+            lost, self.lost = self.lost, None
+            logger.warning("distmetrics: the %s sink writes %s again from step %d; %d record%s (steps %d-%d) "
+                           "could not be written%s.", self.sink, self.path, step, lost.records,
+                           "" if lost.records == 1 else "s", lost.first_step, lost.last_step,
+                           f"; {self.on_loss} marks them" if self.on_loss else "")
+        return True
+
+    def close(self) -> None:
+        """Close the file; warn if records were still failing to be written."""
+        if self._fd < 0:
+            return
+        if self._cut_at is not None:
+            try:
+                os.ftruncate(self._fd, self._cut_at)
+            except OSError:
+                pass  # warned when it first failed
+        os.close(self._fd)
+        self._fd = -1
+        if self.lost is not None:
+            lost = self.lost
+            logger.warning("distmetrics: the %s sink closed %s with %d record%s (steps %d-%d) not written: %s.",
+                           self.sink, self.path, lost.records, "" if lost.records == 1 else "s",
+                           lost.first_step, lost.last_step, lost.error)
+
+    def _count_lost(self, err: OSError, step: int) -> None:
+        if self.lost is None:
+            self.lost = Lost(step, step, 1, describe_os_error(err))
+            logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
+                           "whole record; every later record is tried again%s.", self.sink, self.path, step,
+                           self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss else "")
+        else:
+            self.lost.last_step = step
+            self.lost.records += 1
+
+    def _roll_back(self) -> None:
+        if self._cut_at is not None:  # the failure was cutting off an earlier partial record
+            return
+        try:
+            os.ftruncate(self._fd, self._end)
+        except OSError as err:  # tried again before the next append
+            self._cut_at = self._end
+            logger.warning("distmetrics: the %s sink could not cut a partly written record off %s: %s",
+                           self.sink, self.path, describe_os_error(err))
+
+    def _cut_torn_line(self) -> None:
+        """Cut everything after the last newline (a line a crash cut short)."""
+        size = self._end
+        with open(self.path, "rb") as f:
+            pos = size
+            while pos > 0:
+                start = max(0, pos - 65536)
+                f.seek(start)
+                newline = f.read(pos - start).rfind(b"\n")
+                if newline >= 0:
+                    pos = start + newline + 1
+                    break
+                pos = start
+        if pos == size:
+            return
+        os.ftruncate(self._fd, pos)
+        self._end = pos
+        logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
+                       "before appending.", self.sink, size - pos, self.path)
+
+
+def describe_os_error(err: OSError) -> str:
+    """``[Errno 28] No space left on device (ENOSPC)``, with the path when the error has one."""
+    if err.errno is None:
+        return f"{type(err).__name__}: {err}"
+    name = _errno.errorcode.get(err.errno, "") if err.errno is not None else ""
+    text = f"[Errno {err.errno}] {err.strerror or err}" + (f" ({name})" if name else "")
+    if err.filename is not None:
+        text += f": {err.filename}"
+    return text

@@ -1,0 +1,132 @@
+"""The writer thread: the sinks that must not hold up training (TensorBoard, W&B, the console,
+and your own unless they say ``on_training_thread = True``) run behind one bounded queue on one
+thread.
+
+The training thread only appends a record to the queue and returns: it does not even wake the
+writer thread (waking a thread is a system call and, on a busy machine, a context switch the
+caller pays for: up to milliseconds). The writer thread looks at the queue every
+:data:`POLL_S` seconds when it has nothing to do. When the sinks fall behind
+so far that the queue is full (:data:`MAX_RECORDS` records or :data:`MAX_NAMES` metric names),
+the oldest record is dropped and counted — training never waits — with one warning when it
+starts and one at close with the count and the steps. ``close()`` drains the queue (bounded by
+:data:`CLOSE_TIMEOUT_S`), then closes those sinks on the thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S"]
+
+MAX_RECORDS = 256
+"""Records the queue holds at most (at log_interval 1 and 1 s per step: four minutes behind)."""
+MAX_NAMES = 1_000_000
+"""Metric names the queued records hold at most (bounds memory at thousands of names)."""
+POLL_S = 0.05
+"""How often the idle writer thread looks for new records (console lines lag by at most this)."""
+CLOSE_TIMEOUT_S = 90.0
+"""How long ``close()`` waits for the writer thread to write what is queued and close its sinks."""
+
+logger = logging.getLogger("distmetrics")
+
+
+class WriterThread:
+    """One bounded queue and one daemon thread. ``handle(metrics, step, kind)`` writes one record
+    (on the thread; it must not raise), ``finish()`` closes the sinks (on the thread, after the
+    last record), ``sinks()`` names them in warnings."""
+
+    def __init__(self, handle: Callable[[dict, int, str], None], finish: Callable[[], None],
+                 sinks: Callable[[], str], max_records: int = MAX_RECORDS, max_names: int = MAX_NAMES) -> None:
+        self._handle, self._finish, self._sinks = handle, finish, sinks
+        self.max_records, self.max_names = max_records, max_names
+        self.dropped = 0
+        """Records dropped because the queue was full."""
+        self._dropped_steps: Optional[list[int]] = None  # [first, last]
+        self._records: collections.deque = collections.deque()
+        self._names = 0
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="distmetrics-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # a script that never calls close() still gets its records
+
+    def put(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Queue one record; never waits for the sinks (drops the oldest record when full)."""
+        size = 1 + len(metrics)
+        first_drop = None
+        with self._cond:
+            self._records.append((metrics, step, kind, size))
+            self._names += size
+            while len(self._records) > self.max_records or (self._names > self.max_names and len(self._records) > 1):
+                _, old_step, _, old_size = self._records.popleft()
+                self._names -= old_size
+                self.dropped += 1
+                if self._dropped_steps is None:
+                    self._dropped_steps = [old_step, old_step]
+                    first_drop = old_step
+                self._dropped_steps[1] = old_step
+        if first_drop is not None:
+            logger.warning("distmetrics: the %s sinks are behind: their queue is full (%d records or %s names), "
+                           "so the oldest records are dropped and counted (the first: step %d); training does not "
+                           "wait. The count comes at close.", self._sinks(), self.max_records, f"{self.max_names:,}",
+                           first_drop)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued record is written (at most ``timeout`` seconds, default
+        :data:`CLOSE_TIMEOUT_S`); True if so."""
+        with self._cond:
+            self._cond.notify_all()  # no need to wait for the next look at the queue
+            return self._cond.wait_for(lambda: not self._records and not self._busy,
+                                       CLOSE_TIMEOUT_S if timeout is None else timeout)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Write what is queued, close the sinks (on the thread), wait at most ``timeout`` seconds
+        (default :data:`CLOSE_TIMEOUT_S`)."""
+        timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
+        atexit.unregister(self.close)
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                left = len(self._records)
+            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued "
+                           "record%s not written; the run goes on without them.", self._sinks(), timeout, left,
+                           "" if left == 1 else "s")
+        if self.dropped:
+            first, last = self._dropped_steps
+            logger.warning("distmetrics: the %s sinks fell behind and %d record%s (steps %d-%d) were dropped "
+                           "for them.", self._sinks(), self.dropped,
+                           "" if self.dropped == 1 else "s", first, last)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._records and not self._closing:
+                    self._cond.notify_all()  # idle: a flush() waiting may return
+                    self._cond.wait(POLL_S)
+                if not self._records:
+                    break
+                metrics, step, kind, size = self._records.popleft()
+                self._names -= size
+                self._busy = True
+            try:
+                self._handle(metrics, step, kind)
+            except Exception:  # noqa: BLE001 - the thread must outlive any record
+                logger.exception("distmetrics: the writer thread could not write the %s record of step %d",
+                                 kind, step)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        try:
+            self._finish()
+        except Exception:  # noqa: BLE001
+            logger.exception("distmetrics: the writer thread could not close its sinks")

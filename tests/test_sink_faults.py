@@ -1,0 +1,358 @@
+"""Sinks under real faults: a full disk that empties again (a 128 KiB tmpfs; where mounting is
+refused, RLIMIT_FSIZE in the child process), a SIGKILL during a write, a name TensorBoard cannot
+store. The full-disk run happens in a child process (the file-size limit and the warnings stay
+there) and the tests below read what it left."""
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 80
+FREED_AT = 40  # the filler file is deleted after this step
+SCALARS = 30  # ~0.6 KB per record in each file: a few steps fill what is left, 40 fit once it is freed
+
+
+@contextmanager
+def small_disk(folder: Path, size: str = "128k"):
+    """A tmpfs of ``size`` at ``folder``; yields ``"tmpfs"``, or ``"fsize"`` where mounting is
+    refused (not root): then the child limits file sizes with RLIMIT_FSIZE instead."""
+    folder.mkdir(parents=True)
+    mounted = shutil.which("mount") and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode == 0
+    try:
+        yield "tmpfs" if mounted else "fsize"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def run_child(function: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``tests.test_sink_faults.<function>(*args)`` in a fresh interpreter."""
+    code = f"import sys; from tests.test_sink_faults import {function} as f; f(*sys.argv[1:])"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+class Capture(logging.Handler):
+    """Every distmetrics warning, as text."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _full_disk_child(folder: str, disk: str, result: str) -> None:
+    """JSONL + TensorBoard + progress.txt on a disk that fills up after the first steps and has
+    room again after step FREED_AT."""
+    import resource
+    import threading
+
+    import distmetrics as dm
+
+    out = Path(folder)
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    thread_errors = []
+    threading.excepthook = lambda args: thread_errors.append(repr(args.exc_value))
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0)  # train records only
+    monitor = dm.Monitor(cfg)
+    monitor.sinks.flush()
+    leave = 8 * 1024
+    if disk == "tmpfs":
+        st = os.statvfs(out)
+        with open(out / "filler", "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - leave))
+    else:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        biggest = max(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        resource.setrlimit(resource.RLIMIT_FSIZE, (biggest + leave, hard))
+    scalars = {f"x{i:03d}": 1.5 for i in range(SCALARS)}
+    while_full = None
+    for step in range(1, STEPS + 1):
+        monitor.step(step, loss=2.0, lr=0.5, **scalars)
+        if step == FREED_AT:
+            monitor.sinks.flush()  # every TensorBoard event so far was tried on the full disk
+            while_full = (out / "metrics.jsonl").read_text()
+            if disk == "tmpfs":
+                os.remove(out / "filler")
+            else:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    monitor.close()
+    Path(result).write_text(json.dumps({"warnings": capture.messages, "thread_errors": thread_errors,
+                                        "while_full": while_full}))
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory):
+    root = tmp_path_factory.mktemp("full_disk")
+    with small_disk(root / "disk") as disk:
+        child = run_child("_full_disk_child", str(root / "disk"), disk, str(root / "result.json"))
+        assert child.returncode == 0, child.stderr
+        saved = root / "saved"  # read after the tmpfs is gone
+        shutil.copytree(root / "disk", saved, ignore=shutil.ignore_patterns("filler"))
+    result = json.loads((root / "result.json").read_text())
+    return saved, disk, result, child.stderr
+
+
+def _warnings(result, sink, text):
+    return [w for w in result["warnings"] if f"the {sink} sink" in w and text in w]
+
+
+def test_jsonl_never_ends_in_a_torn_line_while_the_disk_is_full(full_disk):
+    _, disk, result, _ = full_disk
+    text = result["while_full"]
+    assert text.endswith("\n"), f"{disk}: torn last line {text[-80:]!r}"
+    for line in text.splitlines():
+        json.loads(line)
+
+
+def test_jsonl_writes_again_when_space_returns_and_marks_the_gap(full_disk):
+    saved, disk, _, _ = full_disk
+    import distmetrics as dm
+
+    path = saved / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # strict JSON, every line
+    assert len(list(dm.read_jsonl(path))) == len(records)
+    if shutil.which("jq"):
+        jq = subprocess.run(["jq", "-c", ".kind", str(path)], capture_output=True, text=True)
+        assert jq.returncode == 0 and len(jq.stdout.splitlines()) == len(records), jq.stderr
+    written = {r["step"] for r in records if r["kind"] == "train"}
+    missing = set(range(1, STEPS + 1)) - written
+    assert missing, f"{disk}: the disk never filled up; the test did not test anything"
+    assert set(range(FREED_AT + 1, STEPS + 1)) <= written  # every record after space returned
+    # One gap record per outage (a small record, e.g. a stragglers record, may fit in between):
+    # together they account for every lost train record.
+    gaps = [r for r in records if r["kind"] == "gap"]
+    assert gaps
+    assert all(any(g["first_step"] <= step <= g["last_step"] for g in gaps) for step in missing)
+    assert sum(g["lost_records"] for g in gaps) >= len(missing)
+    assert min(g["first_step"] for g in gaps) == min(missing) and max(g["last_step"] for g in gaps) == max(missing)
+    for gap in gaps:
+        assert gap["error"].startswith("[Errno") and ("ENOSPC" in gap["error"] or "EFBIG" in gap["error"])
+        assert records[records.index(gap) + 1]["step"] == gap["step"]  # just before the first record written again
+
+
+def test_jsonl_warns_when_it_fails_and_when_it_recovers_with_the_count(full_disk):
+    saved, disk, result, _ = full_disk
+    path = str(saved.parent / "disk" / "metrics.jsonl")
+    errno_name = "ENOSPC" if disk == "tmpfs" else "EFBIG"
+    failing = _warnings(result, "jsonl", "cannot write")
+    assert len(failing) == 1 and path in failing[0] and errno_name in failing[0], failing
+    records = [json.loads(line) for line in (saved / "metrics.jsonl").read_text().splitlines()]
+    lost = [r for r in records if r["kind"] == "gap"][0]["lost_records"]
+    recovered = _warnings(result, "jsonl", "again from step")
+    assert len(recovered) == 1 and f"{lost} records" in recovered[0], recovered
+    assert not any("pip install" in w for w in result["warnings"])
+
+
+def test_tensorboard_survives_the_full_disk_and_writes_again(full_disk):
+    saved, disk, result, stderr = full_disk
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert result["thread_errors"] == [] and "Traceback" not in stderr, stderr
+    acc = EventAccumulator(str(saved / "tensorboard"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == sorted(set(steps))
+    missing = set(range(1, STEPS + 1)) - set(steps)
+    assert missing, f"{disk}: TensorBoard never hit the full disk"
+    assert set(range(FREED_AT + 1, STEPS + 1)) <= set(steps)
+    assert len(acc.Scalars("train/x029")) == len(steps)  # every event whole, every scalar in it
+    failing = _warnings(result, "tensorboard", "cannot write")
+    assert len(failing) == 1 and ("ENOSPC" in failing[0] or "EFBIG" in failing[0]), failing
+    recovered = _warnings(result, "tensorboard", "again from step")
+    assert len(recovered) == 1 and f"{len(missing)} records" in recovered[0], recovered
+
+
+def test_tensorboard_writes_one_event_per_log_step(full_disk):
+    saved, _, _, _ = full_disk
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    import distmetrics as dm
+
+    (events_file,) = (saved / "tensorboard").iterdir()
+    events = [Event.FromString(raw) for raw in RawEventFileLoader(str(events_file)).Load()]
+    assert events[0].file_version == "brain.Event:2"
+    by_step = {}
+    for event in events[1:]:
+        by_step.setdefault(event.step, []).append(event)
+    assert all(len(v) == 1 for v in by_step.values())  # one event per record, not one per scalar
+    train = {r["step"]: r for r in dm.read_jsonl(saved / "metrics.jsonl") if r["kind"] == "train"}
+    for step in set(by_step) & set(train):
+        tags = {v.tag: v.simple_value for v in by_step[step][0].summary.value}
+        numbers = {k: v for k, v in train[step].items()
+                   if k not in ("kind", "step", "time") and isinstance(v, (int, float))}
+        assert tags == pytest.approx(numbers)  # tags equal the JSONL keys
+
+
+# --- a SIGKILL during a write --------------------------------------------------------------
+
+def _writer_child(path: str) -> None:
+    """Append big records to a JSONL file until killed."""
+    from distmetrics.sinks.jsonl import JsonlSink
+
+    sink = JsonlSink(path)
+    blob = "x" * (4 << 20)  # 4 MiB lines: a kill lands inside write() often
+    step = 0
+    while True:
+        step += 1
+        sink.log({"blob": blob}, step, "train")
+
+
+def test_a_sigkill_during_a_write_leaves_a_file_that_reads_whole_after_a_restart(tmp_path):
+    import distmetrics as dm
+    from distmetrics.sinks.jsonl import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    code = "import sys; from tests.test_sink_faults import _writer_child as f; f(sys.argv[1])"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    rng = random.Random(0)
+    torn = False
+    for _ in range(60):  # a kill lands inside write() in about one try of seven here
+        path.unlink(missing_ok=True)
+        child = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env, cwd=ROOT)
+        while not path.exists() or path.stat().st_size < (8 << 20):
+            time.sleep(0.01)  # a few records in
+        time.sleep(rng.uniform(0, 0.05))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        torn = not path.read_bytes().endswith(b"\n")
+        if torn:
+            break
+    assert torn, "no kill landed inside a write in 60 tries; the test did not test anything"
+    complete = path.read_bytes().count(b"\n")
+    sink = JsonlSink(path)  # the restart
+    sink.log({"train/loss": 1.0}, 10**6, "train")
+    sink.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == complete + 1
+    assert len(list(dm.read_jsonl(path))) == complete + 1
+    if shutil.which("jq"):
+        jq = subprocess.run(["jq", "-c", ".step", str(path)], capture_output=True, text=True)
+        assert jq.returncode == 0, jq.stderr
+        assert jq.stdout.splitlines()[-1] == str(10**6)
+
+
+# --- values TensorBoard cannot store ----------------------------------------------------------
+
+def test_tensorboard_skips_a_name_or_step_it_cannot_store_and_goes_on(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from distmetrics.sinks import SinkSet
+    from distmetrics.sinks.tensorboard import TensorBoardSink
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    sinks = SinkSet([TensorBoardSink(str(tmp_path))])
+    for step in (1, 2):
+        sinks.log({"train/loss": float(step), "bad\udc80name": 3.0}, step, "train")
+    sinks.log({"train/loss": 9.0}, 2**63, "train")  # beyond int64
+    sinks.log({"train/loss": 4.0}, 4, "train")
+    sinks.close()
+    assert sinks.failed == {}
+    skipped = [r.getMessage() for r in caplog.records if "tensorboard sink skipped" in r.getMessage()]
+    assert len(skipped) == 2 and "bad\\udc80name" in skipped[0] and str(2**63) in skipped[1], skipped
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (4, 4.0)]
+
+
+def test_an_os_error_names_the_path_and_errno_not_an_install(tmp_path, caplog):
+    import distmetrics as dm
+
+    (tmp_path / "file").write_text("not a folder")
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path / "out"), console=False, log_interval=1,
+                           tensorboard_dir=str(tmp_path / "file" / "tb"))
+    with dm.Monitor(cfg) as monitor:
+        monitor.step(1, loss=1.0)
+    (warning,) = [r.getMessage() for r in caplog.records if "tensorboard sink failed" in r.getMessage()]
+    assert "ENOTDIR" in warning and str(tmp_path / "file") in warning and "pip install" not in warning
+
+
+# --- W&B: a full disk, and a server that cannot be reached ------------------------------------
+
+def _wandb_full_disk_child(folder: str, disk: str, out: str, result: str) -> None:
+    """W&B offline writing its run on the small disk (the other sinks elsewhere)."""
+    import resource
+
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    if disk == "fsize":  # set before W&B starts its service, which inherits the limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    cfg = dm.MetricsConfig(output_dir=out, json_log=False, console=False, log_progress=False, tensorboard=False,
+                           log_interval=1, timing_log_level=-1, wandb_project="full-disk", wandb_mode="offline",
+                           wandb_save_dir=folder)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 401):
+            monitor.step(step, loss=2.0, **{f"x{i:02d}": float(i) for i in range(50)})
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
+
+
+def test_wandb_on_a_full_disk_warns_once_with_the_cause(tmp_path):
+    pytest.importorskip("wandb")
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        child = run_child("_wandb_full_disk_child", str(tmp_path / "disk"), disk, str(tmp_path / "out"),
+                          str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
+    reported = [w for w in warnings if "the wandb sink" in w]
+    cause = "no space left on device" if disk == "tmpfs" else "file too large"
+    assert len(reported) == 1 and cause in reported[0].lower(), warnings
+    assert "pip install" not in reported[0]
+
+
+def _wandb_unreachable_child(out: str, result: str) -> None:
+    """W&B online against a port where nothing listens: the Monitor must not wait for it."""
+    import distmetrics as dm
+    from distmetrics.sinks import wandb as wandb_sink
+
+    wandb_sink.START_TIMEOUT_S = 3.0  # instead of 45 s, to keep the test short
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    cfg = dm.MetricsConfig(output_dir=out, console=False, tensorboard=False, log_interval=1, timing_log_level=-1,
+                           wandb_project="unreachable", wandb_mode="online")
+    monitor = dm.Monitor(cfg)
+    (sink,) = [s for s in monitor.sinks.queued if s.name == "wandb"]
+    starting = sink.run is None  # the constructor returned while wandb.init still waits
+    for step in range(1, 21):
+        monitor.step(step, loss=1.0)
+    monitor.close()
+    records = [r for r in dm.read_jsonl(Path(out) / "metrics.jsonl") if r["kind"] == "train"]
+    Path(result).write_text(json.dumps({"starting": starting, "warnings": capture.messages,
+                                        "train_records": len(records)}))
+
+
+def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")  # a well-formed fake
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    child = run_child("_wandb_unreachable_child", str(tmp_path / "out"), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["starting"] and result["train_records"] == 20
+    reported = [w for w in result["warnings"] if "the wandb sink" in w]
+    assert len(reported) == 1 and "wandb.init did not finish within 3 s" in reported[0], result["warnings"]
+    assert "20 rows logged meanwhile not sent" in reported[0]

@@ -1,0 +1,55 @@
+"""What the file sinks write, byte for byte where it matters: the JSONL encoders (orjson, and
+the standard library as the fallback) write the same values; the TensorBoard record checksum
+(google-crc32c) equals TensorBoard's own."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from distmetrics.reduce import PerRank
+from distmetrics.sinks import jsonl
+
+AWKWARD = {"finite": 0.1, "tiny": 1e-05, "huge": 1e16, "nan": math.nan, "inf": -math.inf,
+           "per_rank": PerRank([1.0, None, 3.0]), "numpy": np.float64(2.5), "numpy_int": np.int64(3),
+           "big": 2**70, "text\udc80": 1, "none": None, "flag": True, "list": [1.0, math.nan]}
+
+
+@pytest.mark.parametrize("case", ["awkward", "plain"])
+def test_orjson_and_the_standard_library_write_the_same_values(case, monkeypatch):
+    pytest.importorskip("orjson")
+    metrics = AWKWARD if case == "awkward" else {f"m{i}": random.random() for i in range(1000)}
+    fast = jsonl._line("train", 7, metrics)
+    monkeypatch.setattr(jsonl, "orjson", None)
+    slow = jsonl._line("train", 7, metrics)
+    decode = lambda line: {k: v for k, v in json.loads(line).items() if k != "time"}  # noqa: E731
+    assert decode(fast) == decode(slow)
+    assert fast.endswith(b"\n") and fast.count(b"\n") == 1
+
+
+def test_awkward_values_read_back_as_written(tmp_path):
+    import distmetrics as dm
+
+    sink = jsonl.JsonlSink(tmp_path / "m.jsonl")
+    sink.log(AWKWARD, 1, "train")
+    sink.close()
+    (record,) = dm.read_jsonl(tmp_path / "m.jsonl")
+    assert record["finite"] == 0.1 and record["tiny"] == 1e-05 and record["huge"] == 1e16
+    assert math.isnan(record["nan"]) and record["inf"] == -math.inf
+    assert record["per_rank/rank0"] == 1.0 and "per_rank/rank1" not in record and record["per_rank/rank2"] == 3.0
+    assert record["numpy"] == 2.5 and record["big"] == 2**70 and record["none"] is None and record["flag"] is True
+
+
+def test_the_record_checksum_is_tensorboards():
+    pytest.importorskip("google_crc32c")
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from distmetrics.sinks.tensorboard import masked_crc32c
+
+    fast = masked_crc32c()
+    rng = random.Random(0)
+    for size in (0, 1, 8, 1000, 65537):
+        data = bytes(rng.getrandbits(8) for _ in range(size))
+        assert fast(data) == reference(data)
