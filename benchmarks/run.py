@@ -479,6 +479,14 @@ def main(argv=None) -> dict:
         print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
               f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
               f"thread {r['writer_ms']:.2f} ms per record", flush=True)
+    from benchmarks.scale import bench_guard, bench_negotiation, report_guard, report_negotiation
+
+    print("8. name negotiation: bytes received per rank", flush=True)
+    results["negotiation"] = bench_negotiation()
+    report_negotiation(results["negotiation"])
+    print("9. the arrival check (hang_timeout_s) on a healthy log step", flush=True)
+    results["guard"] = bench_guard()
+    report_guard(results["guard"])
     print("7. command-line start-up (whole process)", flush=True)
     results["cli"] = bench_cli(repeats)
     c = results["cli"]

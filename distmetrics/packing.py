@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import zlib
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -116,13 +117,14 @@ def entries_of(samples: list) -> list[tuple[str, str]]:
 
 
 def encode_entries(entries: Sequence[tuple[str, str]]) -> bytes:
-    """Sorted (name, reduce) pairs → the bytes ranks exchange while negotiating."""
-    return json.dumps([list(e) for e in entries]).encode() if entries else b""
+    """Sorted (name, reduce) pairs → the bytes ranks exchange while negotiating (compressed:
+    module names repeat their prefixes)."""
+    return zlib.compress(json.dumps([list(e) for e in entries]).encode(), 1) if entries else b""
 
 
 def decode_entries(payload: bytes) -> list[tuple[str, str]]:
     """The inverse of :func:`encode_entries`."""
-    return [tuple(e) for e in json.loads(payload)] if payload else []
+    return [tuple(e) for e in json.loads(zlib.decompress(payload))] if payload else []
 
 
 def digest(payload: bytes) -> int:

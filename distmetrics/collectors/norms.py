@@ -53,6 +53,7 @@ class NormCollector:
         self._last_grad: Optional[GradMeasurement] = None
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
+        self._subtrees = _Subtrees()
 
     @property
     def replans(self) -> int:
@@ -167,16 +168,34 @@ class NormCollector:
         """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
-        bad = [key.partition("/")[2] for key in [k for k in metrics if k.startswith("_grad_bad/")] if metrics.pop(key)]
+        families: dict[str, dict[str, Any]] = {"_grad_bad": {}, **{f: {} for f in _FAMILIES}}
+        ranks = []  # which rank holds a norm's extreme (max/min kinds) is not news
+        for key, value in metrics.items():  # one pass: each family's modules
+            family, _, module = key.partition("/")
+            if not module or family not in families:
+                continue
+            if key.endswith(("/max_rank", "/min_rank")):
+                ranks.append(key)
+            elif isinstance(value, float):
+                families[family][module] = value
+        for key in ranks:
+            del metrics[key]
+        flags = families.pop("_grad_bad")
+        for module in flags:
+            metrics.pop("_grad_bad/" + module)
+        bad = [module for module, count in flags.items() if count]
         if bad:
             metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
-        for key in ("grad_norm/max_rank", "grad_norm/min_rank", "grad_missing_params/max_rank"):
-            metrics.pop(key, None)  # which rank holds a norm's extreme is not news
+        metrics.pop("grad_missing_params/max_rank", None)
         for family in _FAMILIES:
             family_kind, family_p = (kind, p) if family == "grad_norm" else ("sum", 2.0)
-            _subtrees(metrics, family, family_kind)
+            values = self._subtrees.values(families[family], family_kind)
+            if family in metrics:
+                values[""] = metrics[family]
             if family_kind == "sum" and family_p != 0:
-                _roots(metrics, family, family_p)
+                values = {m: _root(v, family_p) for m, v in values.items()}
+            for module, value in values.items():
+                metrics[f"{family}/{module}" if module else family] = value
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
@@ -238,32 +257,37 @@ def _is_number(value: Any) -> bool:
 def subtree_values(leaves: dict[str, float], combine: Callable[[float, float], float]) -> dict[str, float]:
     """Every module's value over its subtree, from the values of the modules that own
     parameters (``leaves``); the root's own parameters (``model``) keep their own value."""
-    out: dict[str, float] = {}
-    for name, value in leaves.items():
-        if name == ROOT_MODULE:
-            out[name] = value
-            continue
-        parts = name.split(".")
-        for depth in range(1, len(parts) + 1):
-            ancestor = ".".join(parts[:depth])
-            out[ancestor] = combine(out[ancestor], value) if ancestor in out else value
-    return out
+    return _Subtrees().values(leaves, {"sum": "sum", max: "max", min: "min"}.get(combine, combine))
 
 
-def _subtrees(metrics: dict[str, Any], family: str, kind: str) -> None:
-    prefix = family + "/"
-    leaves = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and isinstance(v, float)}
-    if not leaves:
-        return
-    combine = {"sum": lambda a, b: a + b, "max": max, "min": min}[kind]
-    for module, value in subtree_values(leaves, combine).items():
-        metrics[prefix + module] = value
+class _Subtrees:
+    """Subtree values with each module's ancestors worked out once (log steps repeat the names)."""
+
+    _COMBINE = {"sum": lambda a, b: a + b, "max": max, "min": min}
+
+    def __init__(self) -> None:
+        self._ancestors: dict[str, tuple] = {}
+
+    def values(self, leaves: dict[str, float], kind: Any) -> dict[str, float]:
+        """``leaves`` (module → value) → every module's subtree value (``kind``: sum, max, min)."""
+        combine = self._COMBINE.get(kind, kind)
+        out: dict[str, float] = {}
+        ancestors = self._ancestors
+        for name, value in leaves.items():
+            chain = ancestors.get(name)
+            if chain is None:
+                parts = name.split(".")
+                chain = ancestors[name] = (name,) if name == ROOT_MODULE else \
+                    tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+            for ancestor in chain:
+                out[ancestor] = combine(out[ancestor], value) if ancestor in out else value
+        return out
 
 
-def _roots(metrics: dict[str, Any], family: str, p: float) -> None:
-    for key in [k for k in metrics if (k == family or k.startswith(family + "/")) and isinstance(metrics[k], float)]:
-        value = metrics[key]
-        metrics[key] = (math.sqrt(value) if p == 2.0 else value ** (1.0 / p)) if value >= 0 else math.nan
+def _root(value: float, p: float) -> float:
+    if value < 0:
+        return math.nan
+    return math.sqrt(value) if p == 2.0 else value ** (1.0 / p)
 
 
 def _vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:

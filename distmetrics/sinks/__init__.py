@@ -19,7 +19,6 @@ record (train, eval and tensor_stats records; timers unless ``log_timers_to_tens
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 

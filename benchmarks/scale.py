@@ -1,0 +1,106 @@
+"""What grows with the world size: the bytes a rank receives while the ranks agree on metric
+names, and the cost of the arrival check in front of every collective monitor call.
+
+    python -m benchmarks.scale              # both, on 2/4/8 gloo ranks
+    python -m benchmarks                    # runs these too (sections 8 and 9)
+
+Measured on real gloo ranks; the figures for 1,024–16,384 ranks are the measured per-set payload
+put into the formula the reducer follows (a 16-byte digest and size from every rank, then every
+distinct name set once), beside what gathering every rank's names would receive.
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import time
+
+from tests.dist_utils import quiet_config, run_ranks
+
+NAMES_PER_SET = 2400  # per-module norms, timers and statistics of one pipeline stage
+
+
+def _names(stage: int) -> list[str]:
+    return [f"grad_norm/decoder.layers.{stage}.module{i:04d}.linear_fc{i % 2 + 1}" for i in range(NAMES_PER_SET)]
+
+
+def _negotiation_worker(rank: int, world: int, distinct: int) -> dict:
+    from distmetrics.reduce import Reducer, Sample
+
+    names = _names(rank % distinct)
+    reducer = Reducer()
+    reducer.reduce([Sample(n, 1.0, "sum") for n in names])
+    pickled = len(pickle.dumps(sorted((n, "sum") for n in names)))
+    return {"received": reducer.negotiation_bytes, "per_rank_list_pickled": pickled}
+
+
+def bench_negotiation(worlds=(2, 4, 8), distinct: int = 2) -> dict:
+    """Bytes one rank receives while agreeing on names: measured, and extrapolated."""
+    rows = []
+    for world in worlds:
+        result = run_ranks(_negotiation_worker, world, min(distinct, world), timeout=600)[0]
+        rows.append({"world": world, "distinct_sets": min(distinct, world), "received": result["received"],
+                     "gather_every_rank": world * result["per_rank_list_pickled"]})
+    per_set = (rows[-1]["received"] - 16 * rows[-1]["world"]) / rows[-1]["distinct_sets"]
+    pickled = rows[-1]["gather_every_rank"] / rows[-1]["world"]
+    formula = [{"world": w, "distinct_sets": s, "received": 16 * w + s * per_set, "gather_every_rank": w * pickled}
+               for w in (1024, 4096, 16384) for s in (2, 8)]
+    return {"measured": rows, "formula": formula, "bytes_per_set": per_set, "names_per_set": NAMES_PER_SET}
+
+
+def _guard_worker(rank: int, world: int, steps: int) -> dict:
+    import distmetrics as dm
+
+    out = {}
+    for timeout in (0.0, 300.0):
+        monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=timeout))
+        for i in range(20):
+            monitor.record(f"m/{i}", float(rank + i), "mean")
+        times = []
+        for step in range(1, steps + 1):
+            for i in range(20):
+                monitor.record(f"m/{i}", float(rank + i), "mean")
+            start = time.perf_counter()
+            monitor.step(step)
+            times.append(time.perf_counter() - start)
+        monitor.close()
+        out[timeout] = statistics.median(times[3:])
+    return out
+
+
+def bench_guard(world: int = 4, steps: int = 60) -> dict:
+    """A healthy log step with the arrival check (hang_timeout_s=300) against without (0)."""
+    result = run_ranks(_guard_worker, world, steps, timeout=600)[0]
+    return {"world": world, "off_ms": result[0.0] * 1e3, "on_ms": result[300.0] * 1e3,
+            "added_ms": (result[300.0] - result[0.0]) * 1e3, "ratio": result[300.0] / result[0.0]}
+
+
+def report_negotiation(n: dict) -> None:
+    """Print section 8."""
+    print(f"   {n['names_per_set']} names per set, {n['bytes_per_set']:.0f} B each", flush=True)
+    for r in n["measured"] + n["formula"]:
+        kind = "measured" if r in n["measured"] else "formula "
+        print(f"   {kind} {r['world']:6d} ranks, {r['distinct_sets']} distinct sets: {r['received'] / 1e6:9.3f} MB "
+              f"received per rank | gathering every rank's names: {r['gather_every_rank'] / 1e6:10.3f} MB", flush=True)
+
+
+def report_guard(g: dict) -> None:
+    """Print section 9."""
+    print(f"   {g['world']} ranks, log step: check off {g['off_ms']:.2f} ms | on {g['on_ms']:.2f} ms = "
+          f"{g['ratio']:.2f}x (+{g['added_ms']:.2f} ms, two store round trips and a publish; no collective)",
+          flush=True)
+
+
+def main() -> dict:
+    """Both sections, printed."""
+    print("8. name negotiation: bytes received per rank", flush=True)
+    negotiation = bench_negotiation()
+    report_negotiation(negotiation)
+    print("9. the arrival check (hang_timeout_s) on a healthy log step", flush=True)
+    guard = bench_guard()
+    report_guard(guard)
+    return {"negotiation": negotiation, "guard": guard}
+
+
+if __name__ == "__main__":
+    main()
