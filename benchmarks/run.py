@@ -374,6 +374,7 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
     import distmetrics as dm
 
     _console_to_devnull()
+    os.environ.setdefault("WANDB_SILENT", "true")  # W&B's banner and run summary are not the benchmark's output
     wandb = importlib.util.find_spec("wandb") is not None
     rows = []
     for names in sizes:
