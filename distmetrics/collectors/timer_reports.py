@@ -17,10 +17,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["MegatronReports"]
+__all__ = ["MegatronReports", "TimerError"]
 
 logger = logging.getLogger("distmetrics.timers")
 _warned_writers: set = set()
+
+
+class TimerError(RuntimeError, AssertionError):
+    """Timer misuse; an ``AssertionError`` as Megatron's asserts are, so code that catches
+    Megatron's errors catches ours, and a ``RuntimeError``."""
 
 
 class MegatronReports:
@@ -37,8 +42,6 @@ class MegatronReports:
                               barrier: bool = False) -> Optional[str]:
         """Megatron's text block (milliseconds), or None when no timer has a time to report.
         A collective: every rank calls it."""
-        from .timers import TimerError
-
         names = list(self._timers) if names is None else list(names)
         if not normalizer > 0.0:
             raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
@@ -61,8 +64,6 @@ class MegatronReports:
         """Each timer's slowest rank's **seconds** / ``normalizer`` as ``<name>-time`` at
         ``iteration``: ``writer.add_scalar`` for a TensorBoard writer, ``writer.log`` for the
         ``wandb`` module (or a W&B run), as Megatron's. A collective: every rank calls it."""
-        from .timers import TimerError
-
         if not normalizer > 0.0:
             raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
         names = list(self._timers) if names is None else list(names)

@@ -31,17 +31,12 @@ import torch.distributed as dist
 
 from ..reduce import PerRank
 from .base import Alert, LogContext, Sample
-from .timer_reports import MegatronReports
+from .timer_reports import MegatronReports, TimerError
 
 __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError", "TimerCollector"]
 
 _MAX_LOG_LEVEL = 2
 _LOG_OPTIONS = ("max", "minmax", "all")
-
-
-class TimerError(RuntimeError, AssertionError):
-    """Timer misuse; an ``AssertionError`` as Megatron's asserts are, so code that catches
-    Megatron's errors catches ours, and a ``RuntimeError``."""
 
 
 class TimerBase(ABC):
