@@ -1,6 +1,6 @@
 """Helpers shared by the tests and the benchmarks: run a function on N real gloo ranks
-(spawned processes) and collect what each returns; count collectives and host syncs; a
-config with every sink off.
+(spawned processes) and collect what each returns; count collectives and host syncs; a clock
+the test advances by hand; a config with every sink off.
 
 Every scenario of a test module runs inside one spawn where it can (2 cores here), and the
 parent kills the workers after a timeout, so a hang fails a test instead of stalling CI.
@@ -118,6 +118,56 @@ class CollectiveCounter:
                 torch.Tensor.item = original
             else:
                 setattr(dist, name, original)
+
+
+class FakeClock:
+    """A clock that moves only when the test calls :meth:`advance`, so a duration the library
+    measures is a number the test chose, not a sleep's wall time.
+
+    As a context manager it replaces the ``time`` name of the library modules that read step and
+    timer durations (:attr:`MODULES`: the step clock, the timers, the straggler clock) with this
+    object: their ``time.perf_counter()`` and ``time.perf_counter_ns()`` read the fake, every other
+    ``time`` function stays real, and the ``time`` module itself and everyone else's reads of it
+    are untouched. On exit the modules get ``time`` back."""
+
+    MODULES = ("distmetrics.collectors.steps", "distmetrics.collectors.timers", "distmetrics.interval")
+
+    def __init__(self, start_s: float = 100.0) -> None:
+        self.ns = round(start_s * 1e9)
+        self._saved: dict = {}
+
+    def advance(self, ms: float) -> None:
+        """Let ``ms`` milliseconds pass."""
+        self.ns += round(ms * 1e6)
+
+    def perf_counter(self) -> float:
+        """The fake reading in seconds."""
+        return self.ns / 1e9
+
+    def perf_counter_ns(self) -> int:
+        """The fake reading in nanoseconds."""
+        return self.ns
+
+    def __getattr__(self, name: str) -> Any:
+        import time
+
+        return getattr(time, name)
+
+    def __enter__(self) -> "FakeClock":
+        import importlib
+
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            self._saved[name] = module.time
+            module.time = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import importlib
+
+        for name, saved in self._saved.items():
+            importlib.import_module(name).time = saved
+        self._saved.clear()
 
 
 def quiet_config(**extra: Any):
