@@ -553,25 +553,32 @@ def test_mixed_dtypes_are_scaled_each_in_their_own_precision():
 
 
 def test_clip_grad_norm_takes_torchs_call_shapes():
+    """Every call shape clips as torch does and keeps the per-module norms for the log step
+    (the generator ``model.parameters()`` included), against float64 subtree truth."""
     import torch
 
     model = _net()
     model(torch.randn(4, 8)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
+    truth = _truth({n: p.grad.double() for n, p in model.named_parameters()})
     copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     for c, g in zip(copies, grads):
         c.grad = g.clone()
     expected = torch.nn.utils.clip_grad_norm_(copies, 0.1)  # torch on the same gradients
     monitor = _plain_monitor(model)
-    for call in (lambda: monitor.clip_grad_norm_(model.parameters(), 0.1),
-                 lambda: monitor.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=2.0,
-                                                 error_if_nonfinite=True, foreach=False),
-                 lambda: monitor.clip_grad_norm_(max_norm=0.1),
-                 lambda: monitor.clip_grad_norm_(0.1)):
+    for step, call in enumerate((lambda: monitor.clip_grad_norm_(model.parameters(), 0.1),
+                                 lambda: monitor.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=2.0,
+                                                                 error_if_nonfinite=True, foreach=False),
+                                 lambda: monitor.clip_grad_norm_(max_norm=0.1),
+                                 lambda: monitor.clip_grad_norm_(0.1)), start=1):
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
         assert float(call()) == pytest.approx(float(expected), rel=REL)
         assert all(torch.allclose(p.grad, c.grad) for p, c in zip(model.parameters(), copies))
+        metrics = monitor.step(step)
+        assert metrics["grad_norm"] == pytest.approx(truth["total"], rel=REL)
+        for module, norm in truth["modules"].items():
+            assert metrics[f"grad_norm/{module}"] == pytest.approx(norm, rel=REL), (step, module)
     with pytest.raises(TypeError, match="max_norm"):
         monitor.clip_grad_norm_(model.parameters())
 
@@ -595,8 +602,8 @@ def _fsdp1(rank: int, world: int) -> str:
 
 
 def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
-    message = run_ranks(_fsdp1, 2)[0]
-    assert "FlatParameter" in message and "_flat_param" in message
+    for rank, message in enumerate(run_ranks(_fsdp1, 2)):  # every rank refuses, so none waits in a collective
+        assert "FlatParameter" in message and "_flat_param" in message, (rank, message)
 
 
 def test_megatrons_decoupled_grad_is_read_when_present():
