@@ -62,6 +62,33 @@ def test_a_blocked_sink_does_not_hold_up_training_and_drops_the_oldest_records(t
     assert len(count) == 1 and f"{dropped} records (steps 1-{dropped})" in count[0]
 
 
+def test_the_queue_also_holds_at_most_max_names_metric_names(caplog):
+    """A record counts 1 + its metric names. Over the bound the oldest records go, one by one,
+    until the rest fits; a record larger than the bound on its own is still kept (and written)."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    gate, written = Gate(), []
+
+    def handle(metrics, step, kind):
+        gate.log(metrics, step, kind)
+        written.append((step, len(metrics)))
+
+    writer = writer_module.WriterThread(handle, lambda: None, lambda: "gate", max_names=10)
+    writer.put({}, 0, "run")
+    assert gate.entered.wait(60)  # the thread holds step 0: the queue is empty again
+    # metric names per step (1 + names each: 4, 5, 3, 6, 21) and, by hand for a bound of 10, the
+    # records dropped so far: queued 1 | 1 2 | 2 3 | 3 4 | 5
+    sizes = {1: 3, 2: 4, 3: 2, 4: 5, 5: 20}
+    dropped_after = {1: 0, 2: 0, 3: 1, 4: 2, 5: 4}
+    for step, names in sizes.items():
+        writer.put({f"m{i}": 1.0 for i in range(names)}, step, "train")
+        assert writer.dropped == dropped_after[step], step
+    gate.opened.set()
+    writer.close()
+    assert written == [(0, 0), (5, 20)]
+    count = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert len(count) == 1 and "4 records (steps 1-4)" in count[0]
+
+
 def test_close_gives_up_on_a_sink_that_never_returns(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(writer_module, "CLOSE_TIMEOUT_S", 0.5)
     caplog.set_level(logging.WARNING, logger="distmetrics")
