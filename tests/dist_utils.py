@@ -1,6 +1,7 @@
 """Helpers shared by the tests and the benchmarks: run a function on N real gloo ranks
-(spawned processes) and collect what each returns; count collectives and host syncs; a clock
-the test advances by hand; a config with every sink off.
+(spawned processes) and collect what each returns; run a fresh interpreter on this checkout;
+count collectives and host syncs; a clock the test advances by hand; a config with every sink
+off.
 
 Every scenario of a test module runs inside one spawn where it can (2 cores here), and the
 parent kills the workers after a timeout, so a hang fails a test instead of stalling CI.
@@ -10,10 +11,16 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The project folder (what a child interpreter imports ``distmetrics`` and ``tests`` from)."""
 
 
 def free_port() -> int:
@@ -69,6 +76,22 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results.get(r) for r in range(world)]
+
+
+def run_python(*args: Any, timeout: float = 120, cwd: Any = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python *args`` (``-c CODE ...``, ``-m distmetrics.cli ...``) in a fresh interpreter that
+    imports this checkout's ``distmetrics`` and ``tests`` (``PYTHONPATH``), ``env`` added to the
+    environment; stdout and stderr captured as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def run_child(function: str, *args: Any, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``function(*args)`` in a fresh interpreter, ``function`` named as ``"tests.test_x._child"``."""
+    module, name = function.rsplit(".", 1)
+    code = f"import sys; from {module} import {name} as f; f(*sys.argv[1:])"
+    return run_python("-c", code, *args, timeout=timeout, env=env)
 
 
 class CollectiveCounter:
