@@ -8,6 +8,11 @@ values on each rank: timers that measured 0, a timer missing on one rank, float3
 names of 46–48 characters. One deliberate difference: Megatron writes nothing to a writer that
 is neither a ``SummaryWriter`` instance nor the ``wandb`` module; ours writes to anything with
 ``add_scalar``.
+
+Replaced here: Megatron's two CUDA calls (conftest.py); the writers ``write`` targets, which
+record their calls instead of writing: a ``SummaryWriter`` subclass without an event file, and
+the real ``wandb`` module with its ``wandb.log`` swapped for a recorder while ``write`` runs
+(Megatron only writes to W&B when given the module itself, and no W&B run exists here).
 """
 
 from __future__ import annotations
