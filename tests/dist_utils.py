@@ -219,3 +219,16 @@ def squares_by_name(pieces: dict, world: int) -> dict:
     for (name, _), square in merged.items():
         out[name] = out.get(name, 0.0) + square
     return out
+
+
+def subtree_norms(squares: dict) -> dict:
+    """Per-parameter ‖·‖² keyed by global name → ``{"total": ‖·‖, "modules": {module: ‖·‖}}``, a
+    module's norm taken over every parameter below it; the root's own parameters are ``"model"``."""
+    import math
+
+    modules: dict = {}
+    for name, square in squares.items():
+        parts = name.split(".")[:-1]
+        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
+            modules[module] = modules.get(module, 0.0) + square
+    return {"total": math.sqrt(sum(squares.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}

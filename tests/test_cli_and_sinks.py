@@ -3,18 +3,15 @@ barrier_with_L1_time switch."""
 
 import logging
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import ROOT, run_python
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "distmetrics.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return run_python("-m", "distmetrics.cli", *args)
 
 
 def test_check_config_accepts_the_shipped_file_and_names_bad_keys(tmp_path):

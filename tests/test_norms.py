@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import quiet_config, run_ranks, squares_by_name
+from tests.dist_utils import quiet_config, run_ranks, squares_by_name, subtree_norms
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-6
@@ -70,17 +70,7 @@ def _truth(named: dict) -> dict:
     """{"total": ‖·‖, "modules": {module: ‖·‖}} from full float64 tensors keyed by global name:
     every module's whole subtree (the recipe users copy: for each named module, the norm of all
     parameters below it); the root's own parameters are "model"."""
-    return _subtree_truth({name: float(t.pow(2).sum()) for name, t in named.items()})
-
-
-def _subtree_truth(squares: dict) -> dict:
-    """Per-parameter ‖·‖² (global names) → the total and every module's subtree norm."""
-    modules: dict = {}
-    for name, square in squares.items():
-        parts = name.split(".")[:-1]
-        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
-            modules[module] = modules.get(module, 0.0) + square
-    return {"total": math.sqrt(sum(squares.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+    return subtree_norms({name: float(t.pow(2).sum()) for name, t in named.items()})
 
 
 def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
@@ -222,7 +212,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     def measure_against(squares: dict, model) -> dict:
         """Truth from every rank's {(global name, partition): ‖piece‖²}, each key counted once
         (replicas and tied copies carry the same key and value); then what the monitor says."""
-        truth = _subtree_truth(squares_by_name(squares, world))
+        truth = subtree_norms(squares_by_name(squares, world))
         monitor = dm.Monitor(cfg, model=model)
         total = monitor.clip_grad_norm_(math.inf)
         metrics = monitor.step(1)

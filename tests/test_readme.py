@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import FakeClock, run_ranks
+from tests.dist_utils import FakeClock, quiet_config, run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SLOW_MS = 20.0  # rank 1's loader takes this long per batch (on a fake clock); rank 0's returns at once
@@ -98,7 +98,7 @@ def test_the_readme_console_line_is_what_the_console_sink_prints():
                              "eval/tokens_per_sec": 13.2e3, "eval/time_ms": 39.0}, 20) == eval_line
 
 
-def test_grad_norm_model_is_the_root_modules_own_parameters(tmp_path):
+def test_grad_norm_model_is_the_root_modules_own_parameters():
     """README, metric names: ``grad_norm/model`` covers the parameters registered on the model
     itself (here a positional embedding), not those of its children."""
     import torch
@@ -116,9 +116,7 @@ def test_grad_norm_model_is_the_root_modules_own_parameters(tmp_path):
 
     torch.manual_seed(0)
     model = Net()
-    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, json_log=False,
-                           tensorboard=False, log_progress=False)
-    with dm.Monitor(cfg, model=model) as monitor:
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
         model(torch.randn(3, 4)).backward()
         monitor.clip_grad_norm_(float("inf"))
         metrics = monitor.step(1)

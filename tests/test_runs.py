@@ -4,12 +4,10 @@ so; throughput starts at the first ``monitor.step``, not when the Monitor is bui
 a :class:`~tests.dist_utils.FakeClock` the test advances by hand)."""
 
 import logging
-import subprocess
-import sys
 
 import pytest
 
-from tests.dist_utils import FakeClock, run_ranks
+from tests.dist_utils import FakeClock, run_python, run_ranks
 
 
 def _config(out, **extra):
@@ -47,8 +45,7 @@ def test_a_job_resuming_at_a_logged_step_purges_the_stale_tensorboard_tail_and_s
     assert len(resume) == 1 and resume[0]["step"] == 21 and resume[0]["last_logged_step"] == 40
     starts = [line for line in (tmp_path / "progress.txt").read_text().splitlines() if line.endswith("Starting job")]
     assert len(starts) == 2  # progress.txt appends per job, as Megatron's does
-    summary = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path)], capture_output=True,
-                             text=True, timeout=60)
+    summary = run_python("-m", "distmetrics.cli", "summary", tmp_path)
     job2 = summary.stdout.split("job 2:")[1]
     assert "resumed at step 21 (step 40 was logged before" in job2 and "first step 30: loss=2" in job2
 

@@ -24,6 +24,7 @@ import logging
 import pytest
 
 from tests.dist_utils import run_ranks
+from tests.peer.conftest import recording_summary_writer
 
 WORLD = 2
 SCENARIO = {  # name -> seconds on rank 0, rank 1 (None: the timer does not exist there)
@@ -43,17 +44,6 @@ CASES = ["text_n1", "text_n10", "text_zero_only", "text_empty", "log_records", "
 
 def _outputs(timers_cls, rank: int) -> dict:
     import wandb
-    from torch.utils.tensorboard import SummaryWriter
-
-    class FakeSummaryWriter(SummaryWriter):
-        def __init__(self):
-            self.calls = []
-
-        def add_scalar(self, *args):
-            self.calls.append(args)
-
-        def __del__(self):
-            pass
 
     out = {}
     for option in ("max", "minmax", "all"):
@@ -77,7 +67,7 @@ def _outputs(timers_cls, rank: int) -> dict:
         root.removeHandler(handler)
         root.setLevel(level)
         r["log_records"], r["log_stdout"] = records, stdout.getvalue()
-        writer = FakeSummaryWriter()
+        writer = recording_summary_writer()
         timers.write(NAMES, writer, 7, normalizer=10, reset=False)
         r["write_summarywriter"] = writer.calls
         logged, saved = [], wandb.log
