@@ -1,6 +1,7 @@
 """Helpers shared by the tests and the benchmarks: run a function on N real gloo ranks
-(spawned processes) and collect what each returns; count collectives and host syncs; a
-config with every sink off.
+(spawned processes) and collect what each returns; run a fresh interpreter on this checkout;
+count collectives and host syncs; a clock the test advances by hand; a config with every sink
+off.
 
 Every scenario of a test module runs inside one spawn where it can (2 cores here), and the
 parent kills the workers after a timeout, so a hang fails a test instead of stalling CI.
@@ -10,10 +11,16 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The project folder (what a child interpreter imports ``distmetrics`` and ``tests`` from)."""
 
 
 def free_port() -> int:
@@ -71,6 +78,22 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env:
     return [results.get(r) for r in range(world)]
 
 
+def run_python(*args: Any, timeout: float = 120, cwd: Any = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python *args`` (``-c CODE ...``, ``-m distmetrics.cli ...``) in a fresh interpreter that
+    imports this checkout's ``distmetrics`` and ``tests`` (``PYTHONPATH``), ``env`` added to the
+    environment; stdout and stderr captured as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def run_child(function: str, *args: Any, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``function(*args)`` in a fresh interpreter, ``function`` named as ``"tests.test_x._child"``."""
+    module, name = function.rsplit(".", 1)
+    code = f"import sys; from {module} import {name} as f; f(*sys.argv[1:])"
+    return run_python("-c", code, *args, timeout=timeout, env=env)
+
+
 class CollectiveCounter:
     """Counts torch.distributed collectives and Tensor.item() calls (patched at the module
     boundary the library calls through)."""
@@ -120,6 +143,56 @@ class CollectiveCounter:
                 setattr(dist, name, original)
 
 
+class FakeClock:
+    """A clock that moves only when the test calls :meth:`advance`, so a duration the library
+    measures is a number the test chose, not a sleep's wall time.
+
+    As a context manager it replaces the ``time`` name of the library modules that read step and
+    timer durations (:attr:`MODULES`: the step clock, the timers, the straggler clock) with this
+    object: their ``time.perf_counter()`` and ``time.perf_counter_ns()`` read the fake, every other
+    ``time`` function stays real, and the ``time`` module itself and everyone else's reads of it
+    are untouched. On exit the modules get ``time`` back."""
+
+    MODULES = ("distmetrics.collectors.steps", "distmetrics.collectors.timers", "distmetrics.interval")
+
+    def __init__(self, start_s: float = 100.0) -> None:
+        self.ns = round(start_s * 1e9)
+        self._saved: dict = {}
+
+    def advance(self, ms: float) -> None:
+        """Let ``ms`` milliseconds pass."""
+        self.ns += round(ms * 1e6)
+
+    def perf_counter(self) -> float:
+        """The fake reading in seconds."""
+        return self.ns / 1e9
+
+    def perf_counter_ns(self) -> int:
+        """The fake reading in nanoseconds."""
+        return self.ns
+
+    def __getattr__(self, name: str) -> Any:
+        import time
+
+        return getattr(time, name)
+
+    def __enter__(self) -> "FakeClock":
+        import importlib
+
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            self._saved[name] = module.time
+            module.time = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import importlib
+
+        for name, saved in self._saved.items():
+            importlib.import_module(name).time = saved
+        self._saved.clear()
+
+
 def quiet_config(**extra: Any):
     """A MetricsConfig with every sink, timer and host-side collector off; ``extra`` turns
     things back on (e.g. ``log_interval=1, json_log=True``)."""
@@ -146,3 +219,16 @@ def squares_by_name(pieces: dict, world: int) -> dict:
     for (name, _), square in merged.items():
         out[name] = out.get(name, 0.0) + square
     return out
+
+
+def subtree_norms(squares: dict) -> dict:
+    """Per-parameter ‖·‖² keyed by global name → ``{"total": ‖·‖, "modules": {module: ‖·‖}}``, a
+    module's norm taken over every parameter below it; the root's own parameters are ``"model"``."""
+    import math
+
+    modules: dict = {}
+    for name, square in squares.items():
+        parts = name.split(".")[:-1]
+        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
+            modules[module] = modules.get(module, 0.0) + square
+    return {"total": math.sqrt(sum(squares.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}

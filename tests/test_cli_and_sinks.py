@@ -3,18 +3,15 @@ barrier_with_L1_time switch."""
 
 import logging
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import ROOT, run_python
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "distmetrics.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return run_python("-m", "distmetrics.cli", *args)
 
 
 def test_check_config_accepts_the_shipped_file_and_names_bad_keys(tmp_path):
@@ -95,66 +92,79 @@ def test_update_norms_with_cpu_staged_snapshots_match_the_device_ones(tmp_path):
         monitor.close()
 
 
-def _barrier_waits(rank: int, world: int) -> dict:
-    import time
-
+def _barriers(rank: int, world: int) -> dict:
     from distmetrics.collectors.timers import Timers
+    from tests.dist_utils import CollectiveCounter
 
     out = {}
     for honoured in (True, False):
         timers = Timers(1, "minmax", use_cuda=False, barrier_with_L1_time=honoured)
-        if rank == 1:
-            time.sleep(0.5)  # the slow rank
-        t0 = time.perf_counter()
-        timers("x", log_level=1).start(barrier=True)  # rank 0 waits here only if barriers are on
-        out[honoured] = time.perf_counter() - t0
-        timers("x").stop()
-        import torch.distributed as dist
-
-        dist.barrier()  # line the ranks up again for the next round
+        with CollectiveCounter() as counter:
+            timers("x", log_level=1).start(barrier=True)
+            timers("x").stop(barrier=True)
+        out[honoured] = counter.collectives
     return out
 
 
 def test_barrier_with_l1_time_false_turns_timer_barriers_off():
+    """Counted, not timed: ``start``/``stop(barrier=True)`` call a real ``dist.barrier`` each
+    (every rank, so none waits forever), and none with ``barrier_with_L1_time=False``."""
     from tests.dist_utils import run_ranks
 
-    fast = run_ranks(_barrier_waits, 2)[0]
-    assert fast[True] >= 0.4  # waited for the slow rank
-    assert fast[False] < 0.1
+    for counts in run_ranks(_barriers, 2):
+        assert counts == {True: 2, False: 0}
 
 
 def _all_timers_to_tensorboard(rank: int, world: int, root: str) -> dict:
-    import time
-
     import distmetrics as dm
+    from tests.dist_utils import FakeClock
 
     cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, timing_log_level=1,
                            timing_log_option="all")
-    with dm.Monitor(cfg) as monitor:
+    with FakeClock() as clock, dm.Monitor(cfg) as monitor:
         with monitor.timers("fwd", log_level=1):
-            time.sleep(0.01 * (rank + 1))
+            clock.advance(10.0 * (rank + 1))
         monitor.step(1)
     return {}
 
 
+def _histograms(folder, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"histograms": 0})
+    acc.Reload()
+    return [event.histogram_value for event in acc.Histograms(tag)]
+
+
 def test_all_option_timers_reach_tensorboard_as_summary_and_histogram(tmp_path):
     """4,096 ranks must not become 4,096 tags: TensorBoard gets max/min/mean and a histogram,
-    JSONL every rank's value."""
+    JSONL every rank's value. The histogram is binned as ``SummaryWriter.add_histogram`` bins the
+    same values (written by a real SummaryWriter and read back). Rank r's timer runs 10·(r+1) ms on
+    a :class:`~tests.dist_utils.FakeClock` read in place of ``time.perf_counter_ns``."""
+    import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
     import distmetrics as dm
     from tests.dist_utils import run_ranks
 
     run_ranks(_all_timers_to_tensorboard, 3, str(tmp_path))
-    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
     assert {"timers/fwd/max", "timers/fwd/min", "timers/fwd/mean"} <= scalars
     assert not any("rank1" in tag for tag in scalars)
-    histogram = acc.Histograms("timers/fwd")[0].histogram_value
-    assert histogram.num == 3 and histogram.min >= 10.0 and histogram.max >= 30.0
     record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][0]
-    assert record["timers/fwd/rank0"] < record["timers/fwd/rank1"] < record["timers/fwd/rank2"]
+    values = [record[f"timers/fwd/rank{r}"] for r in range(3)]
+    assert values == [10.0, 20.0, 30.0]
+    with SummaryWriter(str(tmp_path / "truth")) as truth_writer:
+        truth_writer.add_histogram("timers/fwd", np.array(values), 1)
+    (ours,) = _histograms(tmp_path / "tensorboard", "timers/fwd")
+    (truth,) = _histograms(tmp_path / "truth", "timers/fwd")
+    assert (ours.num, ours.min, ours.max, ours.sum, ours.sum_squares) == (3, 10.0, 30.0, 60.0, 1400.0)
+    assert list(ours.bucket_limit) == list(truth.bucket_limit) and list(ours.bucket) == list(truth.bucket)
+    assert (ours.num, ours.min, ours.max, ours.sum, ours.sum_squares) == \
+        (truth.num, truth.min, truth.max, truth.sum, truth.sum_squares)
 
 
 def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):

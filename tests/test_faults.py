@@ -62,12 +62,11 @@ def out_of_step():
     ("checkpoint_one_rank", {0: "monitor.checkpoint_saved(step=1)", 1: "monitor.step(step=2)"})])
 def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_of_step, case, calls):
     for rank in (0, 1):
-        kind, message, seconds = out_of_step[rank][case]
+        kind, message, _ = out_of_step[rank][case]
         other = 1 - rank
         assert kind == "HangError", message
         assert f"waited {TIMEOUT_S:g} s (hang_timeout_s) at {calls[rank]}" in message
         assert f"rank {other}: last call {calls[other]}" in message
-        assert seconds < TIMEOUT_S + 10
 
 
 def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
@@ -88,9 +87,8 @@ def _killed(rank: int, world: int) -> tuple:
 
 
 def test_a_killed_rank_is_named_by_the_rank_waiting_for_it():
-    kind, message, seconds = run_ranks(_killed, 2, may_die=(1,), timeout=60)[0]
+    kind, message, _ = run_ranks(_killed, 2, may_die=(1,), timeout=60)[0]
     assert kind == "HangError" and "rank 1: last call monitor.step(step=1)" in message
-    assert seconds < TIMEOUT_S + 10
 
 
 def _unwritable(rank: int, world: int) -> tuple:

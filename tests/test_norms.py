@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import quiet_config, run_ranks, squares_by_name
+from tests.dist_utils import quiet_config, run_ranks, squares_by_name, subtree_norms
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-6
@@ -70,17 +70,7 @@ def _truth(named: dict) -> dict:
     """{"total": ‖·‖, "modules": {module: ‖·‖}} from full float64 tensors keyed by global name:
     every module's whole subtree (the recipe users copy: for each named module, the norm of all
     parameters below it); the root's own parameters are "model"."""
-    return _subtree_truth({name: float(t.pow(2).sum()) for name, t in named.items()})
-
-
-def _subtree_truth(squares: dict) -> dict:
-    """Per-parameter ‖·‖² (global names) → the total and every module's subtree norm."""
-    modules: dict = {}
-    for name, square in squares.items():
-        parts = name.split(".")[:-1]
-        for module in [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or ["model"]:
-            modules[module] = modules.get(module, 0.0) + square
-    return {"total": math.sqrt(sum(squares.values())), "modules": {m: math.sqrt(v) for m, v in modules.items()}}
+    return subtree_norms({name: float(t.pow(2).sum()) for name, t in named.items()})
 
 
 def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
@@ -222,7 +212,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     def measure_against(squares: dict, model) -> dict:
         """Truth from every rank's {(global name, partition): ‖piece‖²}, each key counted once
         (replicas and tied copies carry the same key and value); then what the monitor says."""
-        truth = _subtree_truth(squares_by_name(squares, world))
+        truth = subtree_norms(squares_by_name(squares, world))
         monitor = dm.Monitor(cfg, model=model)
         total = monitor.clip_grad_norm_(math.inf)
         metrics = monitor.step(1)
@@ -553,25 +543,32 @@ def test_mixed_dtypes_are_scaled_each_in_their_own_precision():
 
 
 def test_clip_grad_norm_takes_torchs_call_shapes():
+    """Every call shape clips as torch does and keeps the per-module norms for the log step
+    (the generator ``model.parameters()`` included), against float64 subtree truth."""
     import torch
 
     model = _net()
     model(torch.randn(4, 8)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
+    truth = _truth({n: p.grad.double() for n, p in model.named_parameters()})
     copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     for c, g in zip(copies, grads):
         c.grad = g.clone()
     expected = torch.nn.utils.clip_grad_norm_(copies, 0.1)  # torch on the same gradients
     monitor = _plain_monitor(model)
-    for call in (lambda: monitor.clip_grad_norm_(model.parameters(), 0.1),
-                 lambda: monitor.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=2.0,
-                                                 error_if_nonfinite=True, foreach=False),
-                 lambda: monitor.clip_grad_norm_(max_norm=0.1),
-                 lambda: monitor.clip_grad_norm_(0.1)):
+    for step, call in enumerate((lambda: monitor.clip_grad_norm_(model.parameters(), 0.1),
+                                 lambda: monitor.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=2.0,
+                                                                 error_if_nonfinite=True, foreach=False),
+                                 lambda: monitor.clip_grad_norm_(max_norm=0.1),
+                                 lambda: monitor.clip_grad_norm_(0.1)), start=1):
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
         assert float(call()) == pytest.approx(float(expected), rel=REL)
         assert all(torch.allclose(p.grad, c.grad) for p, c in zip(model.parameters(), copies))
+        metrics = monitor.step(step)
+        assert metrics["grad_norm"] == pytest.approx(truth["total"], rel=REL)
+        for module, norm in truth["modules"].items():
+            assert metrics[f"grad_norm/{module}"] == pytest.approx(norm, rel=REL), (step, module)
     with pytest.raises(TypeError, match="max_norm"):
         monitor.clip_grad_norm_(model.parameters())
 
@@ -595,8 +592,8 @@ def _fsdp1(rank: int, world: int) -> str:
 
 
 def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
-    message = run_ranks(_fsdp1, 2)[0]
-    assert "FlatParameter" in message and "_flat_param" in message
+    for rank, message in enumerate(run_ranks(_fsdp1, 2)):  # every rank refuses, so none waits in a collective
+        assert "FlatParameter" in message and "_flat_param" in message, (rank, message)
 
 
 def test_megatrons_decoupled_grad_is_read_when_present():

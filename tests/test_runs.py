@@ -1,15 +1,13 @@
 """Jobs in one run folder and the clock of the first interval: a job that resumes at a step an
 earlier job logged has TensorBoard drop the stale tail (read back with EventAccumulator) and says
-so; throughput starts at the first ``monitor.step``, not when the Monitor is built."""
+so; throughput starts at the first ``monitor.step``, not when the Monitor is built (durations on
+a :class:`~tests.dist_utils.FakeClock` the test advances by hand)."""
 
 import logging
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import FakeClock, run_python, run_ranks
 
 
 def _config(out, **extra):
@@ -47,8 +45,7 @@ def test_a_job_resuming_at_a_logged_step_purges_the_stale_tensorboard_tail_and_s
     assert len(resume) == 1 and resume[0]["step"] == 21 and resume[0]["last_logged_step"] == 40
     starts = [line for line in (tmp_path / "progress.txt").read_text().splitlines() if line.endswith("Starting job")]
     assert len(starts) == 2  # progress.txt appends per job, as Megatron's does
-    summary = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path)], capture_output=True,
-                             text=True, timeout=60)
+    summary = run_python("-m", "distmetrics.cli", "summary", tmp_path)
     job2 = summary.stdout.split("job 2:")[1]
     assert "resumed at step 21 (step 40 was logged before" in job2 and "first step 30: loss=2" in job2
 
@@ -70,20 +67,23 @@ def test_a_job_continuing_after_the_last_logged_step_purges_nothing(tmp_path, ca
 
 def test_the_first_interval_starts_at_the_first_step(tmp_path):
     """One second passes between building the Monitor and the first step (W&B's start-up, a data
-    loader's, a checkpoint load); steps take about 20 ms. Without the fix the first interval's
-    step time is about 220 ms."""
+    loader's, a checkpoint load); steps take 20 ms. Without the fix the first interval's step
+    time is 220 ms (1100 ms over 5 steps). The durations are a :class:`FakeClock`'s, read by the
+    step clock in place of ``time.perf_counter``."""
     import distmetrics as dm
 
-    with dm.Monitor(_config(tmp_path, log_interval=5, tensorboard=False)) as monitor:
-        time.sleep(1.0)
+    with FakeClock() as clock, dm.Monitor(_config(tmp_path, log_interval=5, tensorboard=False)) as monitor:
+        clock.advance(1000.0)
         for step in range(1, 6):
-            time.sleep(0.02)
+            clock.advance(20.0)
             metrics = monitor.step(step, tokens=100)
-    assert 20.0 <= metrics["train/step_time_ms"] < 120.0
-    # the four steps the clock measured, and their tokens: tokens/s × seconds = 400
-    seconds = metrics["train/step_time_ms"] * 4 / 1000
-    assert metrics["train/tokens_per_sec"] * seconds == pytest.approx(400.0)
+    assert metrics["train/step_time_ms"] == pytest.approx(20.0)
+    # steps 2..5 were timed (80 ms), with their 400 tokens; step 1's 100 tokens count as consumed
+    assert metrics["train/tokens_per_sec"] == pytest.approx(400 / 0.080)
     assert metrics["train/consumed_tokens"] == 500
+
+
+STEP_MS = [10.0, 20.0]  # each rank's milliseconds per step on its fake clock
 
 
 def _token_accounting(rank: int, world: int, root: str) -> dict:
@@ -92,9 +92,10 @@ def _token_accounting(rank: int, world: int, root: str) -> dict:
     out = {}
     for interval in (5, 1):
         cfg = _config(f"{root}/i{interval}", log_interval=interval, tensorboard=False, json_log=False)
-        with dm.Monitor(cfg) as monitor:
+        with FakeClock() as clock, dm.Monitor(cfg) as monitor:
             records = []
             for step in range(1, 6):
+                clock.advance(STEP_MS[rank])
                 # the first step is 100× larger: its tokens must not enter the measured rate
                 m = monitor.step(step, tokens=1000 * (rank + 1) if step == 1 else 10)
                 if m is not None:
@@ -104,14 +105,17 @@ def _token_accounting(rank: int, world: int, root: str) -> dict:
 
 
 def test_throughput_counts_the_tokens_of_the_steps_it_timed_on_every_rank(tmp_path):
+    """The job goes at the slowest rank's pace (20 ms per step on its fake clock); its rate
+    counts the tokens of the steps the clock timed, on both ranks."""
     results = run_ranks(_token_accounting, 2, str(tmp_path))
     first = results[0][5][0]
-    seconds = first["train/step_time_ms"] * 4 / 1000  # steps 2..5 were timed
-    assert first["train/tokens_per_sec"] * seconds == pytest.approx(2 * 4 * 10)
+    assert first["train/step_time_ms"] == pytest.approx(max(STEP_MS))
+    # steps 2..5 were timed: 2 ranks × 4 steps × 10 tokens in 4 × 20 ms
+    assert first["train/tokens_per_sec"] == pytest.approx(2 * 4 * 10 / (4 * max(STEP_MS) / 1000))
     assert first["train/consumed_tokens"] == 1000 + 2000 + 2 * 4 * 10
     per_step = results[0][1]
     assert "train/step_time_ms" not in per_step[0] and "train/tokens_per_sec" not in per_step[0]
     assert per_step[0]["train/consumed_tokens"] == 3000
-    seconds = per_step[1]["train/step_time_ms"] / 1000
-    assert per_step[1]["train/tokens_per_sec"] * seconds == pytest.approx(20.0)
+    assert per_step[1]["train/step_time_ms"] == pytest.approx(max(STEP_MS))
+    assert per_step[1]["train/tokens_per_sec"] == pytest.approx(2 * 10 / (max(STEP_MS) / 1000))
     assert results[1][5] == results[0][5]

@@ -1,13 +1,17 @@
 """The writer thread: TensorBoard, W&B, the console and your own sinks behind one bounded queue,
 JSONL and progress.txt on the training thread. A sink that blocks (here: one that waits until the
-test lets it go) must not hold up training; when the queue is full the oldest records are
-dropped and counted; close() drains the queue, and gives up after a bound."""
+test lets it go) must not hold up training; when the queue is full (records or metric names) the
+oldest records are dropped and counted; close() drains the queue, and gives up after a bound.
+W&B that is still starting keeps the rows logged meanwhile and sends them once its run exists."""
 
 import logging
 import threading
 
+import pytest
+
 import distmetrics as dm
 from distmetrics.sinks import writer as writer_module
+from tests.dist_utils import run_child, run_python
 
 STEPS = 300
 
@@ -60,6 +64,33 @@ def test_a_blocked_sink_does_not_hold_up_training_and_drops_the_oldest_records(t
     assert gate.threads == {"distmetrics-writer"}
     count = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
     assert len(count) == 1 and f"{dropped} records (steps 1-{dropped})" in count[0]
+
+
+def test_the_queue_also_holds_at_most_max_names_metric_names(caplog):
+    """A record counts 1 + its metric names. Over the bound the oldest records go, one by one,
+    until the rest fits; a record larger than the bound on its own is still kept (and written)."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    gate, written = Gate(), []
+
+    def handle(metrics, step, kind):
+        gate.log(metrics, step, kind)
+        written.append((step, len(metrics)))
+
+    writer = writer_module.WriterThread(handle, lambda: None, lambda: "gate", max_names=10)
+    writer.put({}, 0, "run")
+    assert gate.entered.wait(60)  # the thread holds step 0: the queue is empty again
+    # metric names per step (1 + names each: 4, 5, 3, 6, 21) and, by hand for a bound of 10, the
+    # records dropped so far: queued 1 | 1 2 | 2 3 | 3 4 | 5
+    sizes = {1: 3, 2: 4, 3: 2, 4: 5, 5: 20}
+    dropped_after = {1: 0, 2: 0, 3: 1, 4: 2, 5: 4}
+    for step, names in sizes.items():
+        writer.put({f"m{i}": 1.0 for i in range(names)}, step, "train")
+        assert writer.dropped == dropped_after[step], step
+    gate.opened.set()
+    writer.close()
+    assert written == [(0, 0), (5, 20)]
+    count = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert len(count) == 1 and "4 records (steps 1-4)" in count[0]
 
 
 def test_close_gives_up_on_a_sink_that_never_returns(tmp_path, caplog, monkeypatch):
@@ -119,6 +150,72 @@ def test_a_record_is_copied_when_queued():
     assert seen == [100]
 
 
+def _wandb_slow_start_child(out: str, settings: str, result: str) -> None:
+    """30 train rows while ``wandb.init`` waits on its settings file (a named pipe nobody has
+    written yet), then the pipe is written and the Monitor closed."""
+    import errno
+    import json
+    import os
+    import time
+
+    from distmetrics.sinks import wandb as wandb_sink
+
+    wandb_sink.START_BUFFER_ROWS = 10  # instead of 1,000, to keep the test short
+    warnings = []
+    capture = logging.Handler(logging.WARNING)
+    capture.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(capture)
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=out, json_log=False, console=False, log_progress=False,
+                                          tensorboard=False, log_interval=1, timing_log_level=-1, straggler_window=0,
+                                          wandb_project="slow-start", wandb_mode="offline", wandb_save_dir=out))
+    (sink,) = [s for s in monitor.sinks.queued if s.name == "wandb"]
+    for step in range(1, 31):
+        monitor.step(step, loss=float(step))
+    handed = monitor.sinks.writer.flush(60)  # every row has reached the sink
+    starting = sink.run is None
+    deadline = time.monotonic() + 60
+    while True:  # opening a pipe to write fails (ENXIO) until W&B has opened it to read
+        try:
+            fd = os.open(settings, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as err:
+            if err.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    os.write(fd, b"[default]\n")
+    os.close(fd)
+    monitor.close()
+    with open(result, "w") as f:
+        json.dump({"handed": handed, "starting": starting, "warnings": warnings}, f)
+
+
+def test_rows_logged_while_wandb_starts_are_kept_and_sent_once_the_run_exists(tmp_path):
+    """Real W&B (offline), its start-up held up by a real condition: its settings file
+    (``$WANDB_CONFIG_DIR/settings``) is a named pipe, so ``wandb.init`` blocks reading it (as on a
+    slow network file system) until the child writes it after its 30 steps. The newest rows are
+    kept (the buffer cut from 1,000 rows to 10 for the test), the older ones counted, and the kept
+    ones reach the run."""
+    import json
+    import os
+
+    pytest.importorskip("wandb")
+    from tests.wandb_reader import read_offline_run
+
+    (tmp_path / "config").mkdir()
+    settings = tmp_path / "config" / "settings"
+    os.mkfifo(settings)
+    child = run_child("tests.test_sink_writer_thread._wandb_slow_start_child", tmp_path / "out", settings,
+                      tmp_path / "result.json", timeout=180, env={"WANDB_CONFIG_DIR": str(tmp_path / "config")})
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["handed"] and result["starting"]  # the sink had all 30 rows while W&B was starting
+    dropped = [w for w in result["warnings"] if "the wandb sink" in w]
+    assert dropped == ["distmetrics: the wandb sink dropped the 20 oldest rows logged while W&B was starting "
+                       "(it keeps 10)."]
+    rows = [row for row in read_offline_run(str(tmp_path / "out"))["history"] if "train/loss" in row]
+    assert [(row["_step"], row["train/loss"]) for row in rows] == [(s, float(s)) for s in range(21, 31)]
+
+
 SLOW_SINK_SCRIPT = """
 import sys, time
 import distmetrics as dm
@@ -144,14 +241,7 @@ for step in range(1, 6):
 
 
 def test_a_script_that_never_closes_still_gets_its_queue_written(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "written.txt"
-    child = subprocess.run([sys.executable, "-c", SLOW_SINK_SCRIPT, str(tmp_path / "run"), str(out)],
-                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    child = run_python("-c", SLOW_SINK_SCRIPT, tmp_path / "run", out)
     assert child.returncode == 0, child.stderr
     assert out.read_text().splitlines() == ["run 0"] + [f"train {s}" for s in range(1, 6)]

@@ -1,13 +1,15 @@
 """Straggler scores: the maths against a hand computation, then 4 real gloo ranks with known
-sleeps (the slowest rank named, its score against the truth, the record, the alert, the
-collectives counted). NVML cannot exist here: its scenario uses the fake ``pynvml`` module
-(tests/fake_pynvml.py), installed in ``sys.modules`` at the import boundary of each rank."""
+step and timer times (the slowest rank named, its score against the truth, the record, the
+alert, the collectives counted). The times are a :class:`~tests.dist_utils.FakeClock`'s that
+each rank advances by its planned milliseconds, read by the library's step, timer and straggler
+clocks in place of ``time.perf_counter``, so every score is an exact hand computation. NVML
+cannot exist here: its scenario uses the fake ``pynvml`` module (tests/fake_pynvml.py),
+installed in ``sys.modules`` at the import boundary of each rank."""
 
 import math
 import socket
 import statistics
 import sys
-import time
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import distmetrics as dm
 from distmetrics.collectors.stragglers import (fastest_ranks, relative_scores, slowest_ranks, window_medians,
                                                window_scores)
 from tests import fake_pynvml
-from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
+from tests.dist_utils import CollectiveCounter, FakeClock, quiet_config, run_ranks
 
 WORLD = 4
 INTERVAL = 2
@@ -66,7 +68,8 @@ def test_ties_keep_rank_order():
 
 
 def test_paused_time_is_left_out_of_a_ranks_step_time():
-    """``monitor.pause()`` (evaluation, a checkpoint) reaches the scores' clock too."""
+    """``monitor.pause()`` (evaluation, a checkpoint) reaches the scores' clock too (a
+    :class:`FakeClock` in place of ``time.perf_counter``)."""
     from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
 
     class Recorded(StragglerCollector):
@@ -75,16 +78,17 @@ def test_paused_time_is_left_out_of_a_ranks_step_time():
             self.step_ms = next(s.value for s in samples if s.name == STEP_MS)
             return samples
 
-    collector = Recorded(window=2)
-    monitor = dm.Monitor(quiet_config(log_interval=1, straggler_window=0), collectors=[collector])
-    monitor.step(1)  # a log step: the clock starts again after it
-    time.sleep(0.02)
-    monitor.pause()
-    time.sleep(0.3)  # an evaluation
-    monitor.resume()
-    monitor.step(2)
-    monitor.close()
-    assert 15.0 <= collector.step_ms < 200.0  # ~20 ms, not ~320 ms
+    with FakeClock() as clock:
+        collector = Recorded(window=2)
+        monitor = dm.Monitor(quiet_config(log_interval=1, straggler_window=0), collectors=[collector])
+        monitor.step(1)  # a log step: the clock starts again after it
+        clock.advance(20.0)
+        monitor.pause()
+        clock.advance(300.0)  # an evaluation
+        monitor.resume()
+        monitor.step(2)
+        monitor.close()
+    assert collector.step_ms == pytest.approx(20.0)  # not 320 ms
 
 
 def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):
@@ -143,24 +147,25 @@ class _RankTimes:
         pass
 
 
-def _known_sleeps(rank: int, out_dir: str) -> dict:
+def _known_times(rank: int, out_dir: str) -> dict:
     cfg = quiet_config(log_interval=INTERVAL, json_log=True, output_dir=out_dir, timing_log_level=1,
                        timing_log_option="all", straggler_window=WINDOW, straggler_report_every=WINDOW,
                        straggler_report_ranks=2, straggler_threshold=0.8)
-    monitor = dm.Monitor(cfg)
-    non_log, last = [], None
-    for step in range(1, INTERVAL * LOG_STEPS + 1):
-        with CollectiveCounter() as counter:
-            with monitor.timers("data", log_level=1):
-                time.sleep(DATA_MS[rank] / 1000)
-            with monitor.timers("compute", log_level=1):
-                time.sleep(COMPUTE_MS[rank] / 1000)
-            metrics = monitor.step(step)
-        if metrics is None:
-            non_log.append(counter.collectives)
-        else:
-            last = {k: v for k, v in metrics.items() if k.startswith(("stragglers/", "_"))}
-    monitor.close()
+    with FakeClock() as clock:
+        monitor = dm.Monitor(cfg)
+        non_log, last = [], None
+        for step in range(1, INTERVAL * LOG_STEPS + 1):
+            with CollectiveCounter() as counter:
+                with monitor.timers("data", log_level=1):
+                    clock.advance(DATA_MS[rank])
+                with monitor.timers("compute", log_level=1):
+                    clock.advance(COMPUTE_MS[rank])
+                metrics = monitor.step(step)
+            if metrics is None:
+                non_log.append(counter.collectives)
+            else:
+                last = {k: v for k, v in metrics.items() if k.startswith(("stragglers/", "_"))}
+        monitor.close()
     return {"non_log": non_log, "last": last}
 
 
@@ -190,20 +195,21 @@ def _nvml_and_rank_lanes(rank: int, out_dir: str) -> dict:
 
 
 def _minmax_timers(rank: int) -> dict:
-    """Real timers under minmax: rank 2's "data" timer sleeps, the others' return at once."""
+    """Real timers under minmax: rank 2's "data" timer runs 40 ms per step, the others' 10 ms."""
     cfg = quiet_config(log_interval=2, timing_log_level=1, timing_log_option="minmax", straggler_window=2)
-    monitor = dm.Monitor(cfg)
-    metrics = None
-    for step in (1, 2, 3, 4):
-        with monitor.timers("data", log_level=1):
-            time.sleep(0.03 if rank == 2 else 0.0)
-        metrics = monitor.step(step) or metrics
-    monitor.close()
+    with FakeClock() as clock:
+        monitor = dm.Monitor(cfg)
+        metrics = None
+        for step in (1, 2, 3, 4):
+            with monitor.timers("data", log_level=1):
+                clock.advance(40.0 if rank == 2 else 10.0)
+            metrics = monitor.step(step) or metrics
+        monitor.close()
     return {k: v for k, v in metrics.items() if k.startswith(("stragglers/data", "_ranks"))}
 
 
 def _scenarios(rank: int, world: int, out_dir: str) -> dict:
-    out = {"sleeps": _known_sleeps(rank, f"{out_dir}/sleeps"), "minmax_timers": _minmax_timers(rank)}
+    out = {"known": _known_times(rank, f"{out_dir}/known"), "minmax_timers": _minmax_timers(rank)}
     out["counts"] = {(option, on): _collectives_at_a_log_step(option, on)
                      for option in ("minmax", "all") for on in (False, True)}
     out["nvml"] = _nvml_and_rank_lanes(rank, f"{out_dir}/nvml")
@@ -218,27 +224,27 @@ def four_ranks(tmp_path_factory):
 
 def test_the_slowest_rank_is_named_with_its_score_host_and_local_rank(four_ranks):
     results, _ = four_ranks
-    last = results[0]["sleeps"]["last"]
+    last = results[0]["known"]["last"]
     step_ms = [d + c for d, c in zip(DATA_MS, COMPUTE_MS)]
-    truth = min(step_ms) / step_ms[2]
+    truth = min(step_ms) / step_ms[2]  # 48 / 68
     assert last["stragglers/score_min_rank"] == 2
-    assert last["stragglers/score_min"] == pytest.approx(truth, rel=0.05)
+    assert last["stragglers/score_min"] == pytest.approx(truth)
     assert last["stragglers/score_min_host"] == socket.gethostname()
     assert last["stragglers/score_min_local_rank"] == 2  # LOCAL_RANK = rank in these workers
-    assert all(r["sleeps"]["last"] == last for r in results)  # the same on every rank
+    assert all(r["known"]["last"] == last for r in results)  # the same on every rank
     assert not any(k.startswith("_") for k in last)  # internal lanes never reach the metrics
 
 
 def test_per_timer_scores_name_a_slow_input_pipeline_apart_from_slow_compute(four_ranks):
-    last = four_ranks[0][0]["sleeps"]["last"]
+    last = four_ranks[0][0]["known"]["last"]
     assert last["stragglers/data/score_min_rank"] == 1
-    assert last["stragglers/data/score_min"] == pytest.approx(min(DATA_MS) / DATA_MS[1], rel=0.05)
+    assert last["stragglers/data/score_min"] == pytest.approx(min(DATA_MS) / DATA_MS[1])
     assert last["stragglers/compute/score_min_rank"] == 2
-    assert last["stragglers/compute/score_min"] == pytest.approx(min(COMPUTE_MS) / COMPUTE_MS[2], rel=0.05)
+    assert last["stragglers/compute/score_min"] == pytest.approx(min(COMPUTE_MS) / COMPUTE_MS[2])
 
 
 def test_stragglers_record_lists_the_slowest_and_fastest_ranks(four_ranks):
-    records = list(dm.read_jsonl(four_ranks[1] / "sleeps" / "metrics.jsonl"))
+    records = list(dm.read_jsonl(four_ranks[1] / "known" / "metrics.jsonl"))
     reports = [r for r in records if r["kind"] == "stragglers"]
     assert [r["step"] for r in reports] == [INTERVAL * WINDOW, INTERVAL * 2 * WINDOW]  # every WINDOW log steps
     report = reports[-1]
@@ -247,21 +253,21 @@ def test_stragglers_record_lists_the_slowest_and_fastest_ranks(four_ranks):
     assert {row["rank"] for row in report["fastest"]} <= {0, 3} and len(report["fastest"]) == 2
     slowest = report["slowest"][0]
     assert slowest["host"] == socket.gethostname() and slowest["local_rank"] == 2
-    assert slowest["ms"] == pytest.approx(DATA_MS[2] + COMPUTE_MS[2], rel=0.05)
+    assert slowest["ms"] == pytest.approx(DATA_MS[2] + COMPUTE_MS[2])
     assert report["timers"]["data"][0]["rank"] == 1 and report["timers"]["compute"][0]["rank"] == 2
 
 
 def test_a_rank_below_the_threshold_for_a_whole_window_is_alerted_once(four_ranks):
-    records = list(dm.read_jsonl(four_ranks[1] / "sleeps" / "metrics.jsonl"))
+    records = list(dm.read_jsonl(four_ranks[1] / "known" / "metrics.jsonl"))
     alerts = [r for r in records if r["kind"] == "alert" and r["alert"] == "straggler"]
-    assert len(alerts) == 1, alerts  # rank 1 (score ~0.86) stays above 0.8; rank 2 once, not every step
+    assert len(alerts) == 1, alerts  # rank 1 (score 48/56 = 0.86) stays above 0.8; rank 2 once, not every step
     assert alerts[0]["step"] == INTERVAL * WINDOW and alerts[0]["ranks"] == [2]
     assert "rank 2 (" in alerts[0]["message"] and socket.gethostname() in alerts[0]["message"]
 
 
 def test_no_collective_between_log_steps(four_ranks):
     for result in four_ranks[0]:
-        assert result["sleeps"]["non_log"] == [0] * (LOG_STEPS * (INTERVAL - 1))
+        assert result["known"]["non_log"] == [0] * (LOG_STEPS * (INTERVAL - 1))
 
 
 def test_step_times_ride_the_existing_gather(four_ranks):
@@ -292,5 +298,5 @@ def test_every_ranks_timer_lanes_under_minmax_are_scored_and_taken_out(four_rank
 def test_under_minmax_the_timer_collector_sends_every_ranks_timer_values_for_the_scores(four_ranks):
     results, _ = four_ranks
     scores = results[0]["minmax_timers"]
-    assert scores["stragglers/data/score_min_rank"] == 2 and scores["stragglers/data/score_min"] < 0.5
+    assert scores["stragglers/data/score_min_rank"] == 2 and scores["stragglers/data/score_min"] == pytest.approx(0.25)
     assert not any(k.startswith("_ranks") for k in scores)  # the lanes are taken out

@@ -1,16 +1,17 @@
-"""Timers on 4 real gloo ranks: ranks sleep different, known amounts inside timers."""
+"""Timers on 4 real gloo ranks: ranks spend different, known times inside timers. The times are
+a :class:`~tests.dist_utils.FakeClock`'s that each rank advances by its planned milliseconds,
+read by the timers in place of ``time.perf_counter_ns``, so every reported value is exact."""
 
 import inspect
 import logging
-import time
 
 import pytest
 
-from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
+from tests.dist_utils import CollectiveCounter, FakeClock, quiet_config, run_ranks
 
 WORLD = 4
-SLEEP_MS = {0: 20, 1: 60, 2: 40, 3: 30}  # rank 1 is the straggler
-SLACK_MS = 60  # sleep() never returns early; a loaded 2-core machine may return late
+TIMER_MS = {0: 20, 1: 60, 2: 40, 3: 30}  # forward-backward per step; rank 1 is the straggler
+LOSS_MS = {2: 5, 3: 10}  # loss-compute per step, on the last pipeline stages only
 
 
 def _base_config(option: str, **extra):
@@ -18,7 +19,8 @@ def _base_config(option: str, **extra):
                            "log_memory": True, **extra})
 
 
-def _timed_run(rank: int, option: str, extra_timers: int = 0, with_loss: bool = True, root: str = None) -> tuple:
+def _timed_run(clock: FakeClock, rank: int, option: str, extra_timers: int = 0, with_loss: bool = True,
+               root: str = None) -> tuple:
     import distmetrics as dm
 
     sinks = dict(json_log=True, tensorboard=True, output_dir=f"{root}/{option}") if root else {}
@@ -27,10 +29,10 @@ def _timed_run(rank: int, option: str, extra_timers: int = 0, with_loss: bool = 
     metrics = None
     for step in (1, 2, 3, 4):  # two log steps: the second is steady state (no negotiation)
         with monitor.timers("forward-backward", log_level=1):
-            time.sleep(SLEEP_MS[rank] / 1000)
-        if rank in (2, 3):  # e.g. the last pipeline stages only
+            clock.advance(TIMER_MS[rank])
+        if rank in LOSS_MS:
             with monitor.timers("loss-compute", log_level=1):
-                time.sleep(0.005 * (rank - 1))
+                clock.advance(LOSS_MS[rank])
         for i in range(extra_timers):
             with monitor.timers(f"extra-{i}", log_level=1):
                 pass
@@ -44,21 +46,22 @@ def _timed_run(rank: int, option: str, extra_timers: int = 0, with_loss: bool = 
 
 
 def _scenarios(rank: int, world: int, root: str) -> dict:
-    out = {}
-    for option in ("max", "minmax", "all"):
-        metrics, counts = _timed_run(rank, option, root=root if option == "all" else None)
-        out[option] = {k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()}
-        out[f"{option}_counts"] = counts
-    _, out["counts_50_timers"] = _timed_run(rank, "minmax", extra_timers=50)
-
-    # A Megatron-style block through our Timers.log (a collective: every rank calls it).
     import distmetrics as dm
 
-    monitor = dm.Monitor(_base_config("minmax"))
-    with monitor.timers("optimizer", log_level=1):
-        time.sleep(0.001 * (rank + 1))
-    out["megatron_block"] = monitor.timers.get_all_timers_string(["optimizer"])
-    monitor.close()
+    out = {}
+    with FakeClock() as clock:
+        for option in ("max", "minmax", "all"):
+            metrics, counts = _timed_run(clock, rank, option, root=root if option == "all" else None)
+            out[option] = {k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()}
+            out[f"{option}_counts"] = counts
+        _, out["counts_50_timers"] = _timed_run(clock, rank, "minmax", extra_timers=50)
+
+        # A Megatron-style block through our Timers.log (a collective: every rank calls it).
+        monitor = dm.Monitor(_base_config("minmax"))
+        with monitor.timers("optimizer", log_level=1):
+            clock.advance(rank + 1)
+        out["megatron_block"] = monitor.timers.get_all_timers_string(["optimizer"])
+        monitor.close()
     return out
 
 
@@ -74,7 +77,7 @@ def results(root):
 
 def test_max_option_reports_the_slowest_rank_per_step(results):
     m = results[0]["max"]
-    assert SLEEP_MS[1] <= m["timers/forward-backward"] < SLEEP_MS[1] + SLACK_MS
+    assert m["timers/forward-backward"] == pytest.approx(TIMER_MS[1])
     assert m["timers/forward-backward/max_rank"] == 1
     assert "timers/forward-backward/min" not in m
     assert "stragglers/forward-backward/rank" not in m  # the report comes with minmax/all
@@ -82,27 +85,24 @@ def test_max_option_reports_the_slowest_rank_per_step(results):
 
 def test_minmax_reports_both_extremes_their_ranks_and_the_straggler(results):
     m = results[0]["minmax"]
-    assert SLEEP_MS[1] <= m["timers/forward-backward"] < SLEEP_MS[1] + SLACK_MS
-    assert SLEEP_MS[0] <= m["timers/forward-backward/min"] < SLEEP_MS[0] + SLACK_MS
+    assert m["timers/forward-backward"] == pytest.approx(TIMER_MS[1])
+    assert m["timers/forward-backward/min"] == pytest.approx(TIMER_MS[0])
     assert m["timers/forward-backward/max_rank"] == 1 and m["timers/forward-backward/min_rank"] == 0
     assert m["stragglers/forward-backward/rank"] == 1
     import socket
 
     assert m["stragglers/forward-backward/host"] == socket.gethostname()
     assert m["stragglers/forward-backward/local_rank"] == 1
-    mean = sum(SLEEP_MS.values()) / WORLD
-    assert m["stragglers/forward-backward/max_over_mean"] == pytest.approx(SLEEP_MS[1] / mean, rel=0.5)
+    mean = sum(TIMER_MS.values()) / WORLD
+    assert m["stragglers/forward-backward/max_over_mean"] == pytest.approx(TIMER_MS[1] / mean)
 
 
 def test_all_reports_every_ranks_value_and_the_median_ratio(results):
     m = results[0]["all"]
-    per_rank = m["timers/forward-backward"]
-    assert len(per_rank) == WORLD
-    for rank, value in enumerate(per_rank):
-        assert SLEEP_MS[rank] <= value < SLEEP_MS[rank] + SLACK_MS
+    assert m["timers/forward-backward"] == pytest.approx([TIMER_MS[rank] for rank in range(WORLD)])
     assert m["stragglers/forward-backward/rank"] == 1
-    median = sorted(SLEEP_MS.values())[1:3]
-    assert m["stragglers/forward-backward/max_over_median"] == pytest.approx(SLEEP_MS[1] / (sum(median) / 2), rel=0.5)
+    median = sorted(TIMER_MS.values())[1:3]
+    assert m["stragglers/forward-backward/max_over_median"] == pytest.approx(TIMER_MS[1] / (sum(median) / 2))
 
 
 def test_all_option_puts_the_same_summary_names_in_jsonl_and_tensorboard(results, root):
@@ -112,9 +112,11 @@ def test_all_option_puts_the_same_summary_names_in_jsonl_and_tensorboard(results
     record = [r for r in dm.read_jsonl(root / "all" / "metrics.jsonl") if r["kind"] == "train"][-1]
     for stat in ("max", "min", "mean"):
         assert f"timers/forward-backward/{stat}" in record
-    assert SLEEP_MS[1] <= record["timers/forward-backward/max"] < SLEEP_MS[1] + SLACK_MS
+    assert record["timers/forward-backward/max"] == pytest.approx(TIMER_MS[1])
+    assert record["timers/forward-backward/min"] == pytest.approx(TIMER_MS[0])
+    assert record["timers/forward-backward/mean"] == pytest.approx(sum(TIMER_MS.values()) / WORLD)
     assert record["timers/forward-backward/rank1"] == record["timers/forward-backward/max"]
-    assert record["timers/loss-compute/min"] >= 5.0  # ranks that never ran it are not a 0
+    assert record["timers/loss-compute/min"] == pytest.approx(LOSS_MS[2])  # ranks that never ran it are not a 0
     acc = EventAccumulator(str(root / "all" / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -125,9 +127,9 @@ def test_all_option_puts_the_same_summary_names_in_jsonl_and_tensorboard(results
 def test_a_timer_run_on_some_ranks_only_is_left_out_of_the_min(results):
     m = results[0]["minmax"]
     assert m["timers/loss-compute/min_rank"] == 2 and m["timers/loss-compute/max_rank"] == 3
-    assert m["timers/loss-compute/min"] >= 5.0  # ranks 0 and 1 did not count as 0
+    assert m["timers/loss-compute/min"] == pytest.approx(LOSS_MS[2])  # ranks 0 and 1 did not count as 0
     per_rank = results[0]["all"]["timers/loss-compute"]
-    assert per_rank[0] is None and per_rank[1] is None and per_rank[2] >= 5.0
+    assert per_rank[:2] == [None, None] and per_rank[2:] == pytest.approx([LOSS_MS[2], LOSS_MS[3]])
 
 
 def test_levels_gate_which_timers_exist(results):
@@ -150,8 +152,7 @@ def test_megatron_text_block(results):
     assert lines[0] == "(min, max) time across ranks (ms):"
     name, values = lines[1].split(":")
     assert name.strip().startswith("optimizer ....")
-    low, high = (float(v) for v in values.strip(" ()").split(","))
-    assert 1.0 <= low < high and high >= 4.0
+    assert values == " (1.00, 4.00)"  # rank r ran the timer r + 1 ms
 
 
 # --- single-process behaviour ------------------------------------------------------------------
@@ -162,37 +163,46 @@ def _timers(level=2, option="minmax"):
     return Timers(level, option, use_cuda=False)
 
 
-def test_repeated_start_stop_accumulates_like_megatron():
+@pytest.fixture
+def clock():
+    """A :class:`FakeClock` read by the timers in place of ``time.perf_counter_ns``."""
+    with FakeClock() as fake:
+        yield fake
+
+
+def test_repeated_start_stop_accumulates_like_megatron(clock):
     timers = _timers()
     t = timers("x", log_level=1)
     for _ in range(3):
         t.start()
-        time.sleep(0.01)
+        clock.advance(10.0)
         t.stop()
-    first = t.elapsed(reset=False)
-    assert 0.03 <= first < 0.03 + SLACK_MS / 1000
-    assert t.elapsed(reset=True) >= first  # reset after reading
+        clock.advance(5.0)  # between spans: not counted
+    assert t.elapsed(reset=False) == pytest.approx(0.03)
+    assert t.elapsed(reset=True) == pytest.approx(0.03)  # reset after reading
     assert t.elapsed() == 0.0
-    assert t.active_time() >= 0.03  # active time survives resets
+    assert t.active_time() == pytest.approx(0.03)  # active time survives resets
 
 
-def test_elapsed_on_a_running_timer_keeps_it_running():
+def test_elapsed_on_a_running_timer_keeps_it_running(clock):
     timers = _timers()
     t = timers("x", log_level=0)
     t.start()
-    time.sleep(0.01)
-    assert t.elapsed() >= 0.01
-    time.sleep(0.01)
+    clock.advance(10.0)
+    assert t.elapsed() == pytest.approx(0.01)
+    clock.advance(20.0)
     t.stop()
-    assert t.elapsed() >= 0.01
+    assert t.elapsed() == pytest.approx(0.02)
 
 
-def test_nested_timers_contain_each_other():
+def test_nested_timers_contain_each_other(clock):
     timers = _timers()
     with timers("outer", log_level=1):
+        clock.advance(5.0)
         with timers("inner", log_level=2):
-            time.sleep(0.01)
-    assert timers("outer").elapsed() >= timers("inner").elapsed() >= 0.01
+            clock.advance(10.0)
+    assert timers("outer").elapsed() == pytest.approx(0.015)
+    assert timers("inner").elapsed() == pytest.approx(0.010)
 
 
 def test_stop_without_start_raises_megatrons_assertion_with_the_timer_named():
@@ -239,7 +249,7 @@ def test_same_interface_as_megatron_core_timers():
             assert my_params[: len(their_params)] == their_params, f"{name}: {my_params} vs {their_params}"
 
 
-def test_write_sends_megatron_tags_to_a_writer():
+def test_write_sends_megatron_tags_to_a_writer(clock):
     class Writer:
         def __init__(self):
             self.scalars = []
@@ -249,22 +259,21 @@ def test_write_sends_megatron_tags_to_a_writer():
 
     timers = _timers()
     with timers("optimizer", log_level=1):
-        time.sleep(0.002)
+        clock.advance(2.0)
     writer = Writer()
     timers.write(["optimizer"], writer, 7)
-    assert writer.scalars[0][0] == "optimizer-time" and writer.scalars[0][2] == 7
-    assert 0.002 <= writer.scalars[0][1] < 1.0  # seconds, as Megatron writes
+    assert writer.scalars == [("optimizer-time", pytest.approx(0.002), 7)]  # seconds, as Megatron writes
 
 
-def test_console_prints_megatrons_min_max_block(caplog, tmp_path):
+def test_console_prints_megatrons_min_max_block(caplog, tmp_path, clock):
     import distmetrics as dm
 
     caplog.set_level(logging.INFO, logger="distmetrics.console")
     monitor = dm.Monitor(_base_config("minmax", console=True, output_dir=str(tmp_path), log_interval=1))
     with monitor.timers("forward-backward", log_level=1):
-        time.sleep(0.002)
+        clock.advance(2.0)
     monitor.step(1, loss=1.0)
     monitor.close()
     text = caplog.text
     assert "(min, max) time across ranks (ms):" in text
-    assert "    forward-backward ......" in text
+    assert "    forward-backward ......" in text and ": (2.00, 2.00)" in text

@@ -20,7 +20,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import CollectiveCounter, run_ranks
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 WORLD = 2
 MAX_NORM = 1.0
@@ -70,8 +70,7 @@ def _case(rank: int, impl: str, norm_type: float) -> dict:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    monitor = dm.Monitor(dm.MetricsConfig(output_dir="unused", json_log=False, console=False, log_progress=False,
-                                          tensorboard=False), model=model) if impl == "monitor" else None
+    monitor = dm.Monitor(quiet_config(), model=model) if impl == "monitor" else None
     norm = lambda g: float(torch.linalg.vector_norm(g, ord=norm_type))  # noqa: E731
     torch.manual_seed(43 + rank)
     inp = torch.randint(0, 32, (3, 16))

@@ -17,7 +17,7 @@ import logging
 import pytest
 
 from tests.dist_utils import free_port
-from tests.peer.conftest import megatron_timers_on_cpu
+from tests.peer.conftest import megatron_timers_on_cpu, recording_summary_writer
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +129,7 @@ def test_timers_formats_all_rank_strings(impl, one_rank_group):
 
 
 def test_timers_write_records_max_times(impl, one_rank_group):
-    from torch.utils.tensorboard import SummaryWriter
-
-    class FakeSummaryWriter(SummaryWriter):  # Megatron writes to SummaryWriter instances
-        def __init__(self):
-            self.calls = []
-
-        def add_scalar(self, name, value, iteration):
-            self.calls.append((name, value, iteration))
-
-        def __del__(self):
-            pass
-
-    writer = FakeSummaryWriter()
+    writer = recording_summary_writer()
     timers = impl.Timers(log_level=1, log_option="max")
     timers("forward", log_level=1).set_elapsed(4.0)
     timers.write(["forward"], writer=writer, iteration=7)

@@ -8,6 +8,11 @@ values on each rank: timers that measured 0, a timer missing on one rank, float3
 names of 46–48 characters. One deliberate difference: Megatron writes nothing to a writer that
 is neither a ``SummaryWriter`` instance nor the ``wandb`` module; ours writes to anything with
 ``add_scalar``.
+
+Replaced here: Megatron's two CUDA calls (conftest.py); the writers ``write`` targets, which
+record their calls instead of writing: a ``SummaryWriter`` subclass without an event file, and
+the real ``wandb`` module with its ``wandb.log`` swapped for a recorder while ``write`` runs
+(Megatron only writes to W&B when given the module itself, and no W&B run exists here).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import pytest
 
 from tests.dist_utils import run_ranks
+from tests.peer.conftest import recording_summary_writer
 
 WORLD = 2
 SCENARIO = {  # name -> seconds on rank 0, rank 1 (None: the timer does not exist there)
@@ -38,17 +44,6 @@ CASES = ["text_n1", "text_n10", "text_zero_only", "text_empty", "log_records", "
 
 def _outputs(timers_cls, rank: int) -> dict:
     import wandb
-    from torch.utils.tensorboard import SummaryWriter
-
-    class FakeSummaryWriter(SummaryWriter):
-        def __init__(self):
-            self.calls = []
-
-        def add_scalar(self, *args):
-            self.calls.append(args)
-
-        def __del__(self):
-            pass
 
     out = {}
     for option in ("max", "minmax", "all"):
@@ -72,7 +67,7 @@ def _outputs(timers_cls, rank: int) -> dict:
         root.removeHandler(handler)
         root.setLevel(level)
         r["log_records"], r["log_stdout"] = records, stdout.getvalue()
-        writer = FakeSummaryWriter()
+        writer = recording_summary_writer()
         timers.write(NAMES, writer, 7, normalizer=10, reset=False)
         r["write_summarywriter"] = writer.calls
         logged, saved = [], wandb.log
