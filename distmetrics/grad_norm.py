@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
+from .reduce import Reducer
 from .plans import Buckets, ParamPlans, Plan, buckets_of, grad_of
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
@@ -130,11 +131,10 @@ class GradientNorms:
         if not plan.checked:
             check_layout(self.model, plan.params, plan.names, self.shards)
             plan.checked = True
-        if not grads:
-            _all_reduce(torch.zeros(2 if p == 0 else 1, dtype=torch.float64), _kind(p), self.group)  # every rank joins
-            return torch.tensor(0.0), None
         locals_ = [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
-        device = locals_[0].device
+        # A rank without gradients still joins the all-reduce with the identity of every lane,
+        # on the device the collective needs, and returns the same total as every other rank.
+        device = locals_[0].device if locals_ else collective_device(self.group)
         owned, bucket_idx, owned_buckets, local_buckets = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device)
         sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
@@ -244,12 +244,18 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
                              "tensors sharded over ranks (FSDP2, tensor parallel); use a norm_type other than 0")
         kind = "sum"
     else:
-        fill = -math.inf if kind == "max" else math.inf
+        fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
         contrib = torch.where(owned, norms, torch.full_like(norms, fill))
         reduce = "amax" if kind == "max" else "amin"
         buckets = torch.full_like(zeros, fill).index_reduce(0, bucket_idx, contrib, reduce, include_self=True)
-        local = contrib.max() if kind == "max" else contrib.min()
-        total = _all_reduce(local.reshape(1), kind, group)[0]
+        with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
+        local = with_identity.max() if kind == "max" else with_identity.min()
+        if kind == "max":
+            total = _all_reduce(local.reshape(1), kind, group)[0]
+        else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
+            held = owned.any().to(torch.float64)
+            total, none_held = _all_reduce(torch.stack([local, -held]), kind, group)
+            total = torch.where(none_held < 0, total, torch.zeros_like(total))
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
     nonfinite = (~torch.isfinite(norms)).to(torch.float64)
@@ -272,8 +278,7 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
         return values
     home = values.device
-    if "nccl" not in str(dist.get_backend(group)).lower() and home.type != "cpu":
-        values = values.cpu()
+    values = values.to(collective_device(group))
     if kind in ("sum", "count"):
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
@@ -285,6 +290,11 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     n = values.numel()
     out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
     return out.to(home)
+
+
+def collective_device(group: Any) -> torch.device:
+    """Where this group's collectives run (CUDA for NCCL, else the CPU): :attr:`Reducer.device`."""
+    return Reducer(group).device
 
 
 def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
@@ -302,6 +312,8 @@ def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bo
 def _as_torch_returns(total: torch.Tensor, grads: list) -> Any:
     """The total as torch returns it: the gradients' (promoted) dtype on the first gradient's
     device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors."""
+    if not grads:  # torch returns a float32 zero for no gradients
+        return total.to(torch.get_default_dtype())
     first = grads[0]
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
     value = total.to(device=local_tensor(first).device, dtype=dtype)
