@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
 from .reduce import Reducer
-from .plans import Buckets, ParamPlans, Plan, buckets_of, grad_of
+from .plans import Buckets, ParamPlans, Plan, Route, grad_of, route_of
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
 
@@ -101,7 +101,7 @@ class GradientNorms:
         for plan in [self.plans.plan, *self.plans._custom.values()]:
             if plan is not None:
                 plan.routing.clear()
-                plan.param_owned = None
+                plan.param_routes.clear()
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> tuple[Any, GradMeasurement]:
@@ -135,13 +135,13 @@ class GradientNorms:
         # A rank without gradients still joins the all-reduce with the identity of every lane,
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
-        owned, bucket_idx, owned_buckets, local_buckets = self._routing(plan, grads, index, device)
-        norms = per_tensor_norms(locals_, p, foreach, device)
+        route = self._routing(plan, grads, index, device)
+        norms = per_tensor_norms(locals_, p, foreach, device, route.orders)
         sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
-        measured = _combine(norms, owned, bucket_idx, len(plan.buckets), p, self.group, device, sharded)
+        measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device, sharded)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
-        measured.owned_buckets, measured.local_buckets = owned_buckets, local_buckets
+        measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
         if error_if_nonfinite and not bool(torch.isfinite(measured.total)):
             raise RuntimeError(
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
@@ -165,20 +165,13 @@ class GradientNorms:
             return owns_shard_piece(param, self.layout)
         return owns_local_piece(tensor, param, name, self.layout, self.group)
 
-    def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device):
-        """(ownership mask, bucket index, owned buckets, local buckets) of the params that have
-        gradients, cached per plan and gradient set."""
+    def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device) -> Route:
+        """The :class:`Route` of the params that have gradients, cached per plan and gradient set."""
         key = (tuple(index), device)
         cached = plan.routing.get(key)
         if cached is None:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
-            owned = torch.tensor(weights, dtype=torch.bool, device=device)
-            bucket_idx = plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device)
-            # Buckets this rank owns nothing of are not sent: a bucket nobody owns (the last
-            # stage's copy of a tied embedding) does not appear at all.
-            owned_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i, w in zip(index, weights) if w}), device)
-            local_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i in index}), device)
-            cached = plan.routing[key] = (owned, bucket_idx, owned_buckets, local_buckets)
+            cached = plan.routing[key] = route_of(plan, index, weights, device)
         return cached
 
 
@@ -201,11 +194,13 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
 
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
-                      device: torch.device) -> torch.Tensor:
+                     device: torch.device, orders: Optional[dict] = None) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
-    low-precision groups accumulate in float32."""
-    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
-    for (dev, dtype), positions in _groups(tensors).items():
+    low-precision groups accumulate in float32. With several groups, the index that restores
+    the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
+    groups = _groups(tensors)
+    parts = []
+    for (dev, dtype), positions in groups.items():
         group = [tensors[i] for i in positions]
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
@@ -214,8 +209,21 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
             norms = torch._foreach_norm(group, p, dtype=acc)
         else:
             norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
-        out[torch.tensor(positions, device=device)] = torch.stack(norms).to(device=device, dtype=torch.float64)
-    return out
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+    if len(parts) < 2:
+        return parts[0] if parts else torch.empty(0, dtype=torch.float64, device=device)
+    grouped = tuple(i for positions in groups.values() for i in positions)
+    order = orders.get(grouped) if orders is not None else None
+    if order is None:
+        inverse = [0] * len(grouped)
+        for k, i in enumerate(grouped):
+            inverse[i] = k
+        order = torch.tensor(inverse, dtype=torch.long, device=device)
+        if orders is not None:
+            if len(orders) >= 4:  # the dtypes of a gradient set rarely change; keep a few
+                orders.clear()
+            orders[grouped] = order
+    return torch.cat(parts)[order]
 
 
 def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -> bool:

@@ -64,3 +64,68 @@ def test_a_rank_without_gradients_returns_the_global_total(without_gradients, p)
 def test_a_rank_without_gradients_raises_with_the_others_for_p0_over_shards(without_gradients):
     for rank_result in without_gradients:
         assert "norm_type=0" in rank_result["sharded_p0"] and "sharded" in rank_result["sharded_p0"]
+
+
+class _HostToDevice:
+    """Records every copy from the host to the device while active. The ``meta`` device stands in
+    for an accelerator (it has no data: every op runs on shapes only), so a copy is an op with a
+    CPU tensor in and a meta tensor out, seen by a ``TorchDispatchMode``; ``torch.tensor(data,
+    device=...)`` copies below the dispatcher, so ``torch.tensor`` is wrapped to see those too."""
+
+    def __enter__(self):
+        import torch
+        from torch.utils._pytree import tree_leaves
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.copies = []
+        copies = self.copies
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = [t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                outputs = [t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if "cpu" in inputs and "meta" in outputs:
+                    copies.append(str(func))
+                return out
+
+        self._tensor = torch.tensor
+
+        def tensor(*args, __make=self._tensor, **kwargs):
+            if "device" in kwargs and torch.device(kwargs["device"]).type != "cpu":
+                copies.append("torch.tensor(..., device=%s)" % kwargs["device"])
+            return __make(*args, **kwargs)
+
+        torch.tensor = tensor
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._mode.__exit__(*exc)
+        torch.tensor = self._tensor
+
+
+def test_steady_state_clip_and_log_steps_copy_nothing_from_host_to_device():
+    """Clipping and the log step's norms build their index tensors on the device once; later
+    steps only launch kernels (an H2D copy from pageable memory would make the host wait for the
+    whole backward). Two dtypes, so the per-tensor norms come from two groups."""
+    import torch
+
+    from distmetrics.collectors.norms import NormCollector
+    from distmetrics.parallel import detect_layout
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16),
+                                torch.nn.Linear(8, 4)).to("meta")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    collector = NormCollector(model, detect_layout(), log_params_norm=True)
+    for step in range(3):
+        with _HostToDevice() as watch:
+            collector.clip(None, 1.0)
+            samples = collector.take_samples(None)
+        assert {s.name for s in samples} >= {"grad_norm", "param_norm"}
+        if step:
+            assert watch.copies == [], watch.copies

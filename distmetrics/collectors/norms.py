@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..grad_norm import GradientNorms, GradMeasurement, per_tensor_norms
-from ..plans import Buckets, Plan, buckets_of
+from ..plans import Buckets, Plan, route_of
 from ..naming import ROOT_MODULE
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
@@ -157,11 +157,13 @@ class NormCollector:
             squares = self._bucket_squares(plan, self._param_pieces(plan))
             out.append(Sample("param_norm", squares.sum(), "sum"))
             if self.per_module:
-                out.append(_vector(plan, "param_norm", squares, "sum", plan.param_buckets))
+                owned = self._param_route(plan, squares.device).owned_buckets
+                out.append(_vector(plan, "param_norm", squares, "sum", owned))
             if update is not None:
                 out.append(Sample("update_norm", update.sum(), "sum"))
                 if self.per_module:
-                    out.append(_vector(plan, "update_norm", update, "sum", plan.param_buckets))
+                    owned = self._param_route(plan, update.device).owned_buckets
+                    out.append(_vector(plan, "update_norm", update, "sum", owned))
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
@@ -235,18 +237,22 @@ class NormCollector:
             out.append(main if main is not None else local_tensor(p.detach()))
         return out
 
+    def _param_route(self, plan: Plan, device: torch.device) -> Any:
+        """The params' :class:`~distmetrics.plans.Route` on ``device`` (cached)."""
+        route = plan.param_routes.get(device)
+        if route is None:
+            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
+            route = plan.param_routes[device] = route_of(plan, list(range(len(plan.params))), weights, device)
+        return route
+
     def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates)."""
         device = tensors[0].device if tensors else torch.device("cpu")
-        if plan.param_owned is None or plan.param_owned.device != device:
-            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
-            plan.param_owned = torch.tensor(weights, dtype=torch.bool, device=device)
-            plan.param_buckets = buckets_of(sorted({int(b) for b, w in zip(plan.bucket_of.tolist(), weights) if w}),
-                                            device)
-        norms = per_tensor_norms(tensors, 2.0, None, device)
-        contrib = torch.where(plan.param_owned, norms * norms, torch.zeros_like(norms))
+        route = self._param_route(plan, device)
+        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders)
+        contrib = torch.where(route.owned, norms * norms, torch.zeros_like(norms))
         return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
-            0, plan.bucket_of.to(device), contrib)
+            0, route.bucket_idx, contrib)
 
 
 def _is_number(value: Any) -> bool:
