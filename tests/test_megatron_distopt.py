@@ -23,12 +23,15 @@ STEPS = 2
 CLIP = 0.05  # small, so every step clips
 
 
-def _setup(tp: int, clip_grad: float, attach: bool = True):
-    """A GPTModel under Megatron's DDP with the distributed optimizer, and a Monitor on it."""
+def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = True, bf16: bool = False):
+    """A GPTModel under Megatron's DDP with the distributed optimizer (or, ``distributed=False``,
+    the plain one; ``bf16``: in Megatron's ``Float16Module`` with fp32 main copies), and a
+    Monitor on it."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     import distmetrics as dm
     from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
@@ -36,13 +39,17 @@ def _setup(tp: int, clip_grad: float, attach: bool = True):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     apply_cpu_adaptations(seed=1234)
     model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=tp, tied=True)
+    if bf16:
+        model.config.bf16 = True
+        model = Float16Module(model.config, model)
     with cuda_on_cpu():
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=False), model)
     ddp.broadcast_params()
     with cuda_on_cpu():
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False,
-                                                           use_distributed_optimizer=True, clip_grad=clip_grad), [ddp])
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=1e-2, bf16=bf16, fp16=False, use_distributed_optimizer=distributed,
+            clip_grad=clip_grad), [ddp])
     cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
     torch.manual_seed(0)
@@ -137,6 +144,36 @@ def _clip_run(tp: int, monitor_clips: bool) -> dict:
     return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
 
 
+def _mixed_precision_run(tp: int, world: int) -> dict:
+    """Megatron's non-distributed mixed-precision optimizer (bf16 parameters, fp32 main copies
+    the inner ``torch.optim`` step updates): Megatron clips, we measure. The truth of the update
+    is the fp32 main parameters' before and after the step, in float64."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(tp, clip_grad=CLIP, distributed=False, bf16=True)
+    params = dict(ddp.module.module.named_parameters())  # inside the Float16Module
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    ddp(tokens, position_ids, mask, labels=labels).float().mean().backward()
+    ddp.finish_grad_sync()  # all-reduced: every data-parallel rank holds the whole gradient
+    grads = {n: (p, p.main_grad.to(torch.float64).clone()) for n, p in params.items()}
+    before = {n: (p, p.main_param.to(torch.float64).clone()) for n, p in params.items()}
+    monitor.measure_grad_norms()
+    with cuda_on_cpu():
+        _, megatron_norm, _ = optimizer.step()
+    metrics = monitor.step(1)
+    after = {n: (p, p.main_param.to(torch.float64).clone()) for n, p in params.items()}
+    monitor.close()
+    return {"megatron": float(megatron_norm), "grad": _subtrees(_squares(grads, world)),
+            "param": _subtrees(_squares(after, world)),
+            "update": _subtrees(_squares({n: (p, after[n][1] - before[n][1]) for n, p in params.items()}, world)),
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}}
+
+
 def _unattached(rank: int) -> str:
     """The distributed optimizer's model, the optimizer not given to the Monitor."""
     from megatron.core import parallel_state as ps
@@ -167,6 +204,8 @@ def _scenarios(rank: int, world: int) -> dict:
         ps.destroy_model_parallel()
         out[f"clip_tp{tp}"] = max(float((megatron_clips[n] - ours_clips[n]).abs().max()) for n in ours_clips)
         out[f"clip_scale_tp{tp}"] = max(float(p.abs().max()) for p in ours_clips.values())
+    out["mixed_precision"] = _mixed_precision_run(2, world)
+    ps.destroy_model_parallel()
     out["unattached"] = _unattached(rank)
     ps.destroy_model_parallel()
     return out
@@ -204,3 +243,20 @@ def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):
         message = rank_result["unattached"]
         assert "use_distributed_optimizer=True" in message and "attach_megatron_optimizer" in message
         assert message.startswith("parameter '")
+
+
+def test_update_norms_under_megatrons_mixed_precision_optimizer_are_the_main_params_update(results):
+    """Float16OptimizerWithFloat16Params steps fp32 main copies and writes the bf16 parameters
+    only after its inner step: the update is the main copies' (TP=2 × DP=2)."""
+    for rank_result in results:
+        run = rank_result["mixed_precision"]
+        m, update, param = run["metrics"], run["update"], run["param"]
+        assert update["total"] > 0
+        assert m["grad_norm"] == pytest.approx(run["grad"]["total"], rel=REL)
+        assert m["grad_norm"] == pytest.approx(run["megatron"], rel=REL)
+        assert m["update_norm"] == pytest.approx(update["total"], rel=1e-5)
+        assert m["param_norm"] == pytest.approx(param["total"], rel=REL)
+        assert m["relative_update_norm"] == pytest.approx(update["total"] / param["total"], rel=1e-5)
+        for module, value in update.items():
+            if module != "total":
+                assert m[f"update_norm/{module}"] == pytest.approx(value, rel=1e-5, abs=1e-12), module

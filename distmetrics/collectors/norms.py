@@ -228,13 +228,17 @@ class NormCollector:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
-        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard, a
-        DTensor's local shard, or the parameter."""
+        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard,
+        the fp32 main copy Megatron's mixed-precision optimizer updates (``main_param``: it
+        copies it into the 16-bit parameter only after the inner step), a DTensor's local
+        shard, or the parameter."""
         shards = self.grads.shards
         out = []
         for p in plan.params:
             main = shards.main_shard(p) if shards is not None else None
-            out.append(main if main is not None else local_tensor(p.detach()))
+            if main is None and not getattr(p, "main_param_sharded", False):
+                main = getattr(p, "main_param", None)
+            out.append(main.detach() if main is not None else local_tensor(p.detach()))
         return out
 
     def _param_route(self, plan: Plan, device: torch.device) -> Any:
