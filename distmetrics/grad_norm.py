@@ -33,7 +33,7 @@ from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_loca
 from .reduce import Reducer
 from .plans import Buckets, ParamPlans, Plan, Route, grad_of, route_of
 
-__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "per_tensor_norms"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
@@ -111,8 +111,7 @@ class GradientNorms:
         with torch.no_grad():
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach)
             if measured is not None:
-                measured.max_norm = max_norm
-                measured.coef = torch.clamp(max_norm / (measured.total + 1e-6), max=1.0)
+                note_clip(measured, max_norm)
                 _scale(measured.locals, measured.coef, foreach)
                 measured.locals = None
         return result, measured
@@ -173,6 +172,13 @@ class GradientNorms:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
         return cached
+
+
+def note_clip(measured: GradMeasurement, max_norm: float) -> None:
+    """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
+    scale by, ``min(1, max_norm / (total + 1e-6))``, a tensor (no host sync)."""
+    measured.max_norm = max_norm
+    measured.coef = torch.clamp(max_norm / (measured.total + 1e-6), max=1.0)
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Megatron-Core's own DistributedDataParallel + DistributedOptimizer on 4 real gloo ranks (DP=4
 and DP=2 × TP=2): our gradient, parameter and update norms against float64 truth from the full
-tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's.
+tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's;
+the clip and effective-lr ratios when Megatron clips. Also Megatron's non-distributed
+mixed-precision optimizer (bf16, DP=2 × TP=2), whose update is its fp32 main copies'.
 
 Megatron's DDP and optimizer run as they are, with ``launch/megatron_cpu.cuda_on_cpu`` around
 building them and ``optimizer.step()`` (it only sends CUDA allocations to the CPU and lets the
@@ -260,3 +262,15 @@ def test_update_norms_under_megatrons_mixed_precision_optimizer_are_the_main_par
         for module, value in update.items():
             if module != "total":
                 assert m[f"update_norm/{module}"] == pytest.approx(value, rel=1e-5, abs=1e-12), module
+
+
+def test_megatrons_clip_counts_in_the_clip_and_effective_lr_ratios(results):
+    """Megatron clips at ``config.clip_grad`` inside ``optimizer.step()``: the update follows
+    the clipped gradient, so effective_lr_ratio = ‖update‖ / (‖g‖ · min(1, clip / (‖g‖ + 1e-6)))."""
+    runs = [step for r in results for step in r["norms_tp1"] + r["norms_tp2"]] + [r["mixed_precision"] for r in results]
+    for run in runs:
+        m, grad, update = run["metrics"], run["grad"]["total"], run["update"]["total"]
+        coef = min(1.0, CLIP / (grad + 1e-6))
+        assert coef < 0.5  # Megatron really clipped
+        assert m["grad_clip_ratio"] == pytest.approx(grad / CLIP, rel=REL)
+        assert m["effective_lr_ratio"] == pytest.approx(update / (grad * coef), rel=1e-5)

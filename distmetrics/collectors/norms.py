@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, per_tensor_norms
+from ..grad_norm import GradientNorms, GradMeasurement, note_clip, per_tensor_norms
 from ..plans import Buckets, Plan, route_of
 from ..naming import ROOT_MODULE
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
@@ -53,6 +53,7 @@ class NormCollector:
         self._last_grad: Optional[GradMeasurement] = None
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
+        self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
         self._subtrees = _Subtrees()
 
     @property
@@ -64,9 +65,12 @@ class NormCollector:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
         this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
         the (main) parameters before the step when it will be logged (``is_log_step()``) and
-        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers."""
+        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers. A
+        Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
+        with :meth:`measure` count as clipped there (``grad_clip_ratio``, ``effective_lr_ratio``)."""
         targets = [optimizer]
         if is_megatron_optimizer(optimizer):
+            self._optimizer_clip = float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)
             shards = MegatronShards(optimizer)
             if shards.active:
                 self.grads.attach_shards(shards)
@@ -104,8 +108,11 @@ class NormCollector:
         return result
 
     def measure(self, norm_type: Any = 2.0) -> torch.Tensor:
-        """Measure without clipping; returns the total norm (float64, the same on every rank)."""
+        """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
+        total norm (float64, the same on every rank)."""
         result, measured = self.grads.measure(None, norm_type)
+        if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
+            note_clip(measured, self._optimizer_clip)
         self._keep(measured)
         return measured.total if measured is not None else result.to(torch.float64)
 
