@@ -14,7 +14,8 @@ scales each group by
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
-(FSDP2, tensor parallel) raises a ``ValueError`` on every rank (the all-reduce carries the flag).
+(FSDP2, tensor parallel, split by the distributed optimizer) raises a ``ValueError`` on every
+rank (the all-reduce carries the flag).
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ class GradientNorms:
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device, route.orders)
-        sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
-        measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device, sharded)
+        measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
+                            p == 0 and route.partial)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
@@ -171,7 +172,18 @@ class GradientNorms:
         if cached is None:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
+            cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
         return cached
+
+    def _is_partial(self, param: Any, grad: torch.Tensor) -> bool:
+        """Is this rank's piece of ``grad`` part of a tensor split over ranks: a tensor-parallel
+        partition, a DTensor shard, or a slice from the distributed optimizer that is not the
+        whole tensor?"""
+        if getattr(param, "tensor_model_parallel", False) and self.layout.tp_size > 1:
+            return True
+        if is_dtensor(grad):
+            return any(not placement.is_replicate() for placement in grad.placements)
+        return self.shards is not None and self.shards.splits(param)
 
 
 def note_clip(measured: GradMeasurement, max_norm: float) -> None:
@@ -255,7 +267,8 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         total, flag = _all_reduce(torch.cat([local.reshape(1), flag]), kind, group)
         if flag > 0:
             raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
-                             "tensors sharded over ranks (FSDP2, tensor parallel); use a norm_type other than 0")
+                             "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
+                             "norm_type other than 0")
         kind = "sum"
     else:
         fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
@@ -277,13 +290,6 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
                                0.0, None, None)
     measured.total = total
     return measured
-
-
-def _is_piece(grad: torch.Tensor, param: Any, layout: Layout) -> bool:
-    """Is this local gradient a shard of a larger tensor (DTensor Shard, Megatron TP)?"""
-    if is_dtensor(grad):
-        return any(not placement.is_replicate() for placement in grad.placements)
-    return bool(getattr(param, "tensor_model_parallel", False)) and layout.tp_size > 1
 
 
 def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:

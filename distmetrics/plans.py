@@ -36,6 +36,7 @@ class Route:
     bucket_idx: torch.Tensor  # [n] long: its bucket
     owned_buckets: Buckets  # buckets this rank owns a tensor of
     local_buckets: Buckets  # buckets this rank holds a tensor of
+    partial: bool = False  # some local piece is part of a tensor split over ranks
     orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
 
 

@@ -119,8 +119,22 @@ def _norms_run(tp: int, world: int) -> list:
                     "grad": _subtrees(_squares(full_grads, world)), "param": _subtrees(_squares(after, world)),
                     "update": _subtrees(_squares(update, world)),
                     "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}})
+    count = _count_nonzero(monitor, optimizer)
     monitor.close()
-    return out
+    return out, count
+
+
+def _count_nonzero(monitor, optimizer) -> dict:
+    """p = 0 (torch: the tensors with a non-zero element), and whether Megatron's range map
+    gives this rank part of a tensor but not all of it."""
+    split = any(0 < entry["param"].size < param.numel()
+                for part in getattr(optimizer, "chained_optimizers", [optimizer])
+                for buffers in part.gbuf_ranges for by_dtype in buffers.values() for bucket in by_dtype
+                for param, entry in bucket["param_map"].items())
+    try:
+        return {"split": split, "p0": float(monitor.measure_grad_norms(norm_type=0))}
+    except ValueError as err:
+        return {"split": split, "p0": str(err)}
 
 
 def _clip_run(tp: int, monitor_clips: bool) -> dict:
@@ -198,7 +212,7 @@ def _scenarios(rank: int, world: int) -> dict:
 
     out = {}
     for tp in (1, 2):
-        out[f"norms_tp{tp}"] = _norms_run(tp, world)
+        out[f"norms_tp{tp}"], out[f"count_tp{tp}"] = _norms_run(tp, world)
         ps.destroy_model_parallel()
         megatron_clips = _clip_run(tp, monitor_clips=False)
         ps.destroy_model_parallel()
@@ -274,3 +288,12 @@ def test_megatrons_clip_counts_in_the_clip_and_effective_lr_ratios(results):
         assert coef < 0.5  # Megatron really clipped
         assert m["grad_clip_ratio"] == pytest.approx(grad / CLIP, rel=REL)
         assert m["effective_lr_ratio"] == pytest.approx(update / (grad * coef), rel=1e-5)
+
+
+def test_p0_is_refused_on_every_rank_when_the_distributed_optimizer_splits_a_tensor(results):
+    """DP=4, no tensor parallelism: only the distributed optimizer's slices split tensors. A
+    tensor split between two ranks with non-zero slices would otherwise count twice."""
+    assert any(rank_result["count_tp1"]["split"] for rank_result in results)
+    for rank_result in results:
+        message = rank_result["count_tp1"]["p0"]
+        assert isinstance(message, str) and "norm_type=0" in message and "distributed optimizer" in message
