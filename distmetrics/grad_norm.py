@@ -8,9 +8,9 @@ counts once over all ranks. For a p-norm (any p torch accepts), each rank's owne
 Σ‖g‖ₚᵖ (inf: the max, −inf: the min), one all-reduce combines the ranks, and the same
 per-tensor norms are segment-summed into per-module buckets for the log step. Per-tensor norms
 are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in float32 for
-bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64; clipping
-scales each group by
-``min(1, max_norm / (total + 1e-6))`` in its own precision, as torch does.
+bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64. Clipping
+scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
+total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
@@ -69,7 +69,9 @@ class GradMeasurement:
     """One measurement of this rank's gradients, for the log step."""
 
     norm_type: float
-    kind: str  # how the values combine across ranks: sum (Σ nᵖ), max (inf; p=0 already global), min (-inf)
+    # how the values combine across ranks: sum (Σ nᵖ; p=0: the owned tensors with a non-zero
+    # element), max (inf), min (-inf)
+    kind: str
     buckets: torch.Tensor  # per module bucket
     local_total: torch.Tensor
     nonfinite: torch.Tensor
@@ -112,7 +114,8 @@ class GradientNorms:
         with torch.no_grad():
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach)
             if measured is not None:
-                note_clip(measured, max_norm)
+                # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
+                note_clip(measured, max_norm, local_tensor(result))
                 _scale(measured.locals, measured.coef, foreach)
                 measured.locals = None
         return result, measured
@@ -186,11 +189,13 @@ class GradientNorms:
         return self.shards is not None and self.shards.splits(param)
 
 
-def note_clip(measured: GradMeasurement, max_norm: float) -> None:
+def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:
     """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
-    scale by, ``min(1, max_norm / (total + 1e-6))``, a tensor (no host sync)."""
+    scale by, ``min(1, max_norm / (total + 1e-6))``, a tensor in ``total``'s dtype (default: the
+    float64 global total), with no host sync."""
     measured.max_norm = max_norm
-    measured.coef = torch.clamp(max_norm / (measured.total + 1e-6), max=1.0)
+    total = measured.total if total is None else total
+    measured.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -318,10 +323,10 @@ def collective_device(group: Any) -> torch.device:
 
 
 def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
-    """Multiply every tensor by ``coef`` in its own precision, per (device, dtype) group."""
+    """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
     for (dev, dtype), positions in _groups(tensors).items():
         group = [tensors[i] for i in positions]
-        factor = coef.to(device=dev, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        factor = coef.to(device=dev)
         if _use_foreach(foreach, dev, group):
             torch._foreach_mul_(group, factor)
         else:
