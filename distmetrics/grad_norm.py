@@ -39,6 +39,7 @@ __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
 _NATIVE_P = (1.0, 2.0, math.inf, -math.inf, 0.0)
+_ROUTES_KEPT = 8  # gradient sets whose routing a plan keeps (the most recently used)
 
 
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
@@ -176,6 +177,10 @@ class GradientNorms:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
             cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
+            while len(plan.routing) > _ROUTES_KEPT:
+                plan.routing.popitem(last=False)
+        else:
+            plan.routing.move_to_end(key)
         return cached
 
     def _is_partial(self, param: Any, grad: torch.Tensor) -> bool:

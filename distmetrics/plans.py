@@ -49,7 +49,7 @@ class Plan:
     buckets: list[str]  # module names, one per bucket
     bucket_of: torch.Tensor  # [P] long: bucket index of each param
     signature: tuple
-    routing: dict = field(default_factory=dict)  # (gradient set, device) → Route
+    routing: OrderedDict = field(default_factory=OrderedDict)  # (gradient set, device) → Route, LRU
     param_routes: dict = field(default_factory=dict)  # device → the Route of the params themselves
     slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
     checked: bool = False  # the layout check ran for this plan

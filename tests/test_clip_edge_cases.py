@@ -129,3 +129,23 @@ def test_steady_state_clip_and_log_steps_copy_nothing_from_host_to_device():
         assert {s.name for s in samples} >= {"grad_norm", "param_norm"}
         if step:
             assert watch.copies == [], watch.copies
+
+
+def test_the_routing_of_ever_new_gradient_sets_is_capped_and_stays_exact():
+    """A parameter without a gradient on some steps (an expert no token reached) makes a new
+    gradient set; a plan keeps the routing of the few most recent sets, not one per set seen."""
+    import torch
+
+    from distmetrics.grad_norm import GradientNorms
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    norms = GradientNorms(model)
+    params = list(model.parameters())
+    for step in range(len(params)):
+        for i, p in enumerate(params):
+            p.grad = None if i == step else torch.randn_like(p)
+        total, _ = norms.measure()
+        truth = math.sqrt(sum(float(p.grad.to(torch.float64).pow(2).sum()) for p in params if p.grad is not None))
+        assert float(total) == pytest.approx(truth, rel=1e-6)
+    assert len(norms.plans.model_plan().routing) <= 8
