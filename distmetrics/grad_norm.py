@@ -284,7 +284,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
         contrib = torch.where(owned, norms, torch.full_like(norms, fill))
         reduce = "amax" if kind == "max" else "amin"
-        buckets = torch.full_like(zeros, fill).index_reduce(0, bucket_idx, contrib, reduce, include_self=True)
+        buckets = torch.full_like(zeros, fill).scatter_reduce(0, bucket_idx, contrib, reduce, include_self=True)
         with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
         local = with_identity.max() if kind == "max" else with_identity.min()
         if kind == "max":

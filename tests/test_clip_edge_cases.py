@@ -149,3 +149,23 @@ def test_the_routing_of_ever_new_gradient_sets_is_capped_and_stays_exact():
         truth = math.sqrt(sum(float(p.grad.to(torch.float64).pow(2).sum()) for p in params if p.grad is not None))
         assert float(total) == pytest.approx(truth, rel=1e-6)
     assert len(norms.plans.model_plan().routing) <= 8
+
+
+def test_inf_norms_print_no_warning():
+    """torch warns once per process that ``index_reduce`` is in beta; the ±inf norms' per-module
+    maxima and minima must not print it into the user's log (a fresh process, so "once" is now)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import torch\nfrom distmetrics.grad_norm import GradientNorms\n"
+              "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+              "for p in m.parameters(): p.grad = torch.randn_like(p)\n"
+              "g = GradientNorms(m)\n"
+              "g.clip(None, 1.0, float('inf')); g.clip(None, 1.0, float('-inf'))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
