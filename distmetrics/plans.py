@@ -78,6 +78,7 @@ class ParamPlans:
         self.depth = depth
         self.plan: Optional[Plan] = None
         self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._outside: "OrderedDict[tuple, tuple]" = OrderedDict()  # signature → (model plan, params in one only)
         self.replans = 0
 
     def for_parameters(self, parameters: Any = None) -> Plan:
@@ -91,18 +92,29 @@ class ParamPlans:
             params = list(parameters)
             if not params and not isinstance(parameters, (list, tuple)):
                 warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
+        signature = tuple(id(q) for q in params)
         if self.model is not None:
             plan = self.model_plan()
-            with_grad = {id(q) for q in params if grad_of(q) is not None}
-            if with_grad == {id(q) for q in plan.params if grad_of(q) is not None}:
-                return plan
-        signature = tuple(id(q) for q in params)
+            if all(grad_of(q) is None for q in self._only_in_one(signature, params, plan)):
+                return plan  # the same gradients as the model's trainable parameters
         plan = self._custom.get(signature)
         if plan is None:
             plan = self._custom[signature] = self._build(list(zip(self._names(params), params)), signature)
             while len(self._custom) > 4:
                 self._custom.popitem(last=False)
         return plan
+
+    def _only_in_one(self, signature: tuple, params: list, plan: Plan) -> list:
+        """The parameters in ``params`` or in ``plan`` but not in both (frozen ones, usually
+        few), remembered per signature: the two hold the same gradients when none has one."""
+        cached = self._outside.get(signature)
+        if cached is None or cached[0] is not plan:
+            in_plan, given = {id(q) for q in plan.params}, set(signature)
+            others = [q for q in params if id(q) not in in_plan] + [q for q in plan.params if id(q) not in given]
+            cached = self._outside[signature] = (plan, others)
+            while len(self._outside) > 4:
+                self._outside.popitem(last=False)
+        return cached[1]
 
     def model_plan(self) -> Plan:
         """The plan of the model's trainable parameters, rebuilt when they changed: a parameter

@@ -169,3 +169,25 @@ def test_inf_norms_print_no_warning():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
+    """``clip_grad_norm_(model.parameters(), ...)`` uses the model's plan while the given list
+    holds the same gradients; a frozen parameter with a ``.grad`` counts, as torch counts it."""
+    import torch
+
+    from distmetrics.grad_norm import GradientNorms
+
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    norms = GradientNorms(model)
+    for step in range(4):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) if p.requires_grad or step in (1, 3) else None
+        truth = [torch.nn.Parameter(p.detach().double()) for p in model.parameters()]
+        for t, p in zip(truth, model.parameters()):
+            t.grad = None if p.grad is None else p.grad.double()
+        total, measured = norms.measure(model.parameters())
+        assert float(total) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(truth, 1e9)), rel=1e-6)
+        assert (measured.plan is norms.plans.model_plan()) == (step in (0, 2))
