@@ -8,13 +8,14 @@ counts once over all ranks. For a p-norm (any p torch accepts), each rank's owne
 Σ‖g‖ₚᵖ (inf: the max, −inf: the min), one all-reduce combines the ranks, and the same
 per-tensor norms are segment-summed into per-module buckets for the log step. Per-tensor norms
 are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in float32 for
-bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64; clipping
-scales each group by
-``min(1, max_norm / (total + 1e-6))`` in its own precision, as torch does.
+bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64. Clipping
+scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
+total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
-(FSDP2, tensor parallel) raises a ``ValueError`` on every rank (the all-reduce carries the flag).
+(FSDP2, tensor parallel, split by the distributed optimizer) raises a ``ValueError`` on every
+rank (the all-reduce carries the flag).
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ import torch.distributed as dist
 
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
-from .plans import Buckets, ParamPlans, Plan, buckets_of, grad_of
+from .reduce import Reducer
+from .plans import Buckets, ParamPlans, Plan, Route, grad_of, route_of
 
-__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "per_tensor_norms"]
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "per_tensor_norms"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
 _NATIVE_P = (1.0, 2.0, math.inf, -math.inf, 0.0)
+_ROUTES_KEPT = 8  # gradient sets whose routing a plan keeps (the most recently used)
 
 
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
@@ -67,7 +70,9 @@ class GradMeasurement:
     """One measurement of this rank's gradients, for the log step."""
 
     norm_type: float
-    kind: str  # how the values combine across ranks: sum (Σ nᵖ), max (inf; p=0 already global), min (-inf)
+    # how the values combine across ranks: sum (Σ nᵖ; p=0: the owned tensors with a non-zero
+    # element), max (inf), min (-inf)
+    kind: str
     buckets: torch.Tensor  # per module bucket
     local_total: torch.Tensor
     nonfinite: torch.Tensor
@@ -100,7 +105,7 @@ class GradientNorms:
         for plan in [self.plans.plan, *self.plans._custom.values()]:
             if plan is not None:
                 plan.routing.clear()
-                plan.param_owned = None
+                plan.param_routes.clear()
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> tuple[Any, GradMeasurement]:
@@ -110,8 +115,8 @@ class GradientNorms:
         with torch.no_grad():
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach)
             if measured is not None:
-                measured.max_norm = max_norm
-                measured.coef = torch.clamp(max_norm / (measured.total + 1e-6), max=1.0)
+                # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
+                note_clip(measured, max_norm, local_tensor(result))
                 _scale(measured.locals, measured.coef, foreach)
                 measured.locals = None
         return result, measured
@@ -130,18 +135,17 @@ class GradientNorms:
         if not plan.checked:
             check_layout(self.model, plan.params, plan.names, self.shards)
             plan.checked = True
-        if not grads:
-            _all_reduce(torch.zeros(2 if p == 0 else 1, dtype=torch.float64), _kind(p), self.group)  # every rank joins
-            return torch.tensor(0.0), None
         locals_ = [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
-        device = locals_[0].device
-        owned, bucket_idx, owned_buckets, local_buckets = self._routing(plan, grads, index, device)
-        norms = per_tensor_norms(locals_, p, foreach, device)
-        sharded = p == 0 and any(_is_piece(g, plan.params[i], self.layout) for g, i in zip(grads, index))
-        measured = _combine(norms, owned, bucket_idx, len(plan.buckets), p, self.group, device, sharded)
+        # A rank without gradients still joins the all-reduce with the identity of every lane,
+        # on the device the collective needs, and returns the same total as every other rank.
+        device = locals_[0].device if locals_ else collective_device(self.group)
+        route = self._routing(plan, grads, index, device)
+        norms = per_tensor_norms(locals_, p, foreach, device, route.orders)
+        measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
+                            p == 0 and route.partial)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
-        measured.owned_buckets, measured.local_buckets = owned_buckets, local_buckets
+        measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
         if error_if_nonfinite and not bool(torch.isfinite(measured.total)):
             raise RuntimeError(
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
@@ -165,21 +169,38 @@ class GradientNorms:
             return owns_shard_piece(param, self.layout)
         return owns_local_piece(tensor, param, name, self.layout, self.group)
 
-    def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device):
-        """(ownership mask, bucket index, owned buckets, local buckets) of the params that have
-        gradients, cached per plan and gradient set."""
+    def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device) -> Route:
+        """The :class:`Route` of the params that have gradients, cached per plan and gradient set."""
         key = (tuple(index), device)
         cached = plan.routing.get(key)
         if cached is None:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
-            owned = torch.tensor(weights, dtype=torch.bool, device=device)
-            bucket_idx = plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device)
-            # Buckets this rank owns nothing of are not sent: a bucket nobody owns (the last
-            # stage's copy of a tied embedding) does not appear at all.
-            owned_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i, w in zip(index, weights) if w}), device)
-            local_buckets = buckets_of(sorted({int(plan.bucket_of[i]) for i in index}), device)
-            cached = plan.routing[key] = (owned, bucket_idx, owned_buckets, local_buckets)
+            cached = plan.routing[key] = route_of(plan, index, weights, device)
+            cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
+            while len(plan.routing) > _ROUTES_KEPT:
+                plan.routing.popitem(last=False)
+        else:
+            plan.routing.move_to_end(key)
         return cached
+
+    def _is_partial(self, param: Any, grad: torch.Tensor) -> bool:
+        """Is this rank's piece of ``grad`` part of a tensor split over ranks: a tensor-parallel
+        partition, a DTensor shard, or a slice from the distributed optimizer that is not the
+        whole tensor?"""
+        if getattr(param, "tensor_model_parallel", False) and self.layout.tp_size > 1:
+            return True
+        if is_dtensor(grad):
+            return any(not placement.is_replicate() for placement in grad.placements)
+        return self.shards is not None and self.shards.splits(param)
+
+
+def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:
+    """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
+    scale by, ``min(1, max_norm / (total + 1e-6))``, a tensor in ``total``'s dtype (default: the
+    float64 global total), with no host sync."""
+    measured.max_norm = max_norm
+    total = measured.total if total is None else total
+    measured.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -201,11 +222,13 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
 
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
-                      device: torch.device) -> torch.Tensor:
+                     device: torch.device, orders: Optional[dict] = None) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
-    low-precision groups accumulate in float32."""
-    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
-    for (dev, dtype), positions in _groups(tensors).items():
+    low-precision groups accumulate in float32. With several groups, the index that restores
+    the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
+    groups = _groups(tensors)
+    parts = []
+    for (dev, dtype), positions in groups.items():
         group = [tensors[i] for i in positions]
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
@@ -214,8 +237,21 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
             norms = torch._foreach_norm(group, p, dtype=acc)
         else:
             norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
-        out[torch.tensor(positions, device=device)] = torch.stack(norms).to(device=device, dtype=torch.float64)
-    return out
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+    if len(parts) < 2:
+        return parts[0] if parts else torch.empty(0, dtype=torch.float64, device=device)
+    grouped = tuple(i for positions in groups.values() for i in positions)
+    order = orders.get(grouped) if orders is not None else None
+    if order is None:
+        inverse = [0] * len(grouped)
+        for k, i in enumerate(grouped):
+            inverse[i] = k
+        order = torch.tensor(inverse, dtype=torch.long, device=device)
+        if orders is not None:
+            if len(orders) >= 4:  # the dtypes of a gradient set rarely change; keep a few
+                orders.clear()
+            orders[grouped] = order
+    return torch.cat(parts)[order]
 
 
 def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -> bool:
@@ -241,15 +277,22 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         total, flag = _all_reduce(torch.cat([local.reshape(1), flag]), kind, group)
         if flag > 0:
             raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
-                             "tensors sharded over ranks (FSDP2, tensor parallel); use a norm_type other than 0")
+                             "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
+                             "norm_type other than 0")
         kind = "sum"
     else:
-        fill = -math.inf if kind == "max" else math.inf
+        fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
         contrib = torch.where(owned, norms, torch.full_like(norms, fill))
         reduce = "amax" if kind == "max" else "amin"
-        buckets = torch.full_like(zeros, fill).index_reduce(0, bucket_idx, contrib, reduce, include_self=True)
-        local = contrib.max() if kind == "max" else contrib.min()
-        total = _all_reduce(local.reshape(1), kind, group)[0]
+        buckets = torch.full_like(zeros, fill).scatter_reduce(0, bucket_idx, contrib, reduce, include_self=True)
+        with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
+        local = with_identity.max() if kind == "max" else with_identity.min()
+        if kind == "max":
+            total = _all_reduce(local.reshape(1), kind, group)[0]
+        else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
+            held = owned.any().to(torch.float64)
+            total, none_held = _all_reduce(torch.stack([local, -held]), kind, group)
+            total = torch.where(none_held < 0, total, torch.zeros_like(total))
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
     nonfinite = (~torch.isfinite(norms)).to(torch.float64)
@@ -259,21 +302,13 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     return measured
 
 
-def _is_piece(grad: torch.Tensor, param: Any, layout: Layout) -> bool:
-    """Is this local gradient a shard of a larger tensor (DTensor Shard, Megatron TP)?"""
-    if is_dtensor(grad):
-        return any(not placement.is_replicate() for placement in grad.placements)
-    return bool(getattr(param, "tensor_model_parallel", False)) and layout.tp_size > 1
-
-
 def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     """One all-reduce: SUM for sums and counts; MAX (MIN as the max of −v) with a NaN lane, since
     gloo's MAX drops a NaN that arrives from another rank."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
         return values
     home = values.device
-    if "nccl" not in str(dist.get_backend(group)).lower() and home.type != "cpu":
-        values = values.cpu()
+    values = values.to(collective_device(group))
     if kind in ("sum", "count"):
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
@@ -287,11 +322,16 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     return out.to(home)
 
 
+def collective_device(group: Any) -> torch.device:
+    """Where this group's collectives run (CUDA for NCCL, else the CPU): :attr:`Reducer.device`."""
+    return Reducer(group).device
+
+
 def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
-    """Multiply every tensor by ``coef`` in its own precision, per (device, dtype) group."""
+    """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
     for (dev, dtype), positions in _groups(tensors).items():
         group = [tensors[i] for i in positions]
-        factor = coef.to(device=dev, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        factor = coef.to(device=dev)
         if _use_foreach(foreach, dev, group):
             torch._foreach_mul_(group, factor)
         else:
@@ -302,6 +342,8 @@ def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bo
 def _as_torch_returns(total: torch.Tensor, grads: list) -> Any:
     """The total as torch returns it: the gradients' (promoted) dtype on the first gradient's
     device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors."""
+    if not grads:  # torch returns a float32 zero for no gradients
+        return total.to(torch.get_default_dtype())
     first = grads[0]
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
     value = total.to(device=local_tensor(first).device, dtype=dtype)

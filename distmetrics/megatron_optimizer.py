@@ -63,6 +63,11 @@ class MegatronShards:
         flat = tensor.view(-1)
         return flat[span[0]:span[1]] if span is not None else flat[:0]
 
+    def splits(self, param: Any) -> bool:
+        """True when this rank owns part of ``param``'s gradient but not all of it."""
+        span = self.ranges.get(id(param))
+        return span is not None and 0 < span[1] - span[0] < param.numel()
+
     def main_shard(self, param: Any) -> Optional[torch.Tensor]:
         """The fp32 main-parameter shard of ``param`` the optimizer updates (empty if this rank
         owns none of it); None when the optimizer does not shard ``param``."""

@@ -137,7 +137,7 @@ class Monitor:
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
         every parallel layout; also ``clip_grad_norm_(max_norm)`` for the model's parameters. One
-        all-reduce of one number; per-module norms ride the log step's SUM pack."""
+        all-reduce of one number (2-4 for p = 0, ±inf); per-module norms ride the log step's pack."""
         return self._norms("clip_grad_norm_").clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from .naming import ROOT_MODULE, global_param_name, module_name_map
 
-__all__ = ["Plan", "Buckets", "ParamPlans", "buckets_of", "grad_of", "UNNAMED"]
+__all__ = ["Plan", "Buckets", "Route", "ParamPlans", "buckets_of", "route_of", "grad_of", "UNNAMED"]
 
 UNNAMED = "unnamed"
 """The bucket of parameters that are not in the model (e.g. passed to the module-level clip)."""
@@ -27,6 +27,20 @@ class Buckets:
 
 
 @dataclass
+class Route:
+    """Where a set of a plan's local tensors (its params, or the gradients present) goes, as
+    tensors on the measuring device: built once per set and device, so later steps copy nothing
+    from the host to the device."""
+
+    owned: torch.Tensor  # [n] bool: the tensor counts on this rank
+    bucket_idx: torch.Tensor  # [n] long: its bucket
+    owned_buckets: Buckets  # buckets this rank owns a tensor of
+    local_buckets: Buckets  # buckets this rank holds a tensor of
+    partial: bool = False  # some local piece is part of a tensor split over ranks
+    orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
+
+
+@dataclass
 class Plan:
     """Which parameters are measured, their global names and module buckets, cached routing."""
 
@@ -35,9 +49,8 @@ class Plan:
     buckets: list[str]  # module names, one per bucket
     bucket_of: torch.Tensor  # [P] long: bucket index of each param
     signature: tuple
-    routing: dict = field(default_factory=dict)  # ownership/bucket tensors per gradient set
-    param_owned: Optional[torch.Tensor] = None  # ownership of the params themselves
-    param_buckets: Optional[Buckets] = None  # buckets this rank owns params of
+    routing: OrderedDict = field(default_factory=OrderedDict)  # (gradient set, device) → Route, LRU
+    param_routes: dict = field(default_factory=dict)  # device → the Route of the params themselves
     slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
     checked: bool = False  # the layout check ran for this plan
     generation: int = -1  # _REGISTRATIONS when the slots were read
@@ -65,6 +78,7 @@ class ParamPlans:
         self.depth = depth
         self.plan: Optional[Plan] = None
         self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._outside: "OrderedDict[tuple, tuple]" = OrderedDict()  # signature → (model plan, params in one only)
         self.replans = 0
 
     def for_parameters(self, parameters: Any = None) -> Plan:
@@ -78,18 +92,29 @@ class ParamPlans:
             params = list(parameters)
             if not params and not isinstance(parameters, (list, tuple)):
                 warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
+        signature = tuple(id(q) for q in params)
         if self.model is not None:
             plan = self.model_plan()
-            with_grad = {id(q) for q in params if grad_of(q) is not None}
-            if with_grad == {id(q) for q in plan.params if grad_of(q) is not None}:
-                return plan
-        signature = tuple(id(q) for q in params)
+            if all(grad_of(q) is None for q in self._only_in_one(signature, params, plan)):
+                return plan  # the same gradients as the model's trainable parameters
         plan = self._custom.get(signature)
         if plan is None:
             plan = self._custom[signature] = self._build(list(zip(self._names(params), params)), signature)
             while len(self._custom) > 4:
                 self._custom.popitem(last=False)
         return plan
+
+    def _only_in_one(self, signature: tuple, params: list, plan: Plan) -> list:
+        """The parameters in ``params`` or in ``plan`` but not in both (frozen ones, usually
+        few), remembered per signature: the two hold the same gradients when none has one."""
+        cached = self._outside.get(signature)
+        if cached is None or cached[0] is not plan:
+            in_plan, given = {id(q) for q in plan.params}, set(signature)
+            others = [q for q in params if id(q) not in in_plan] + [q for q in plan.params if id(q) not in given]
+            cached = self._outside[signature] = (plan, others)
+            while len(self._outside) > 4:
+                self._outside.popitem(last=False)
+        return cached[1]
 
     def model_plan(self) -> Plan:
         """The plan of the model's trainable parameters, rebuilt when they changed: a parameter
@@ -135,6 +160,17 @@ class ParamPlans:
 def buckets_of(ids: list[int], device: torch.device) -> Buckets:
     """A :class:`Buckets` of these ids on ``device``."""
     return Buckets(tuple(ids), torch.tensor(ids, dtype=torch.long, device=device))
+
+
+def route_of(plan: Plan, index: list[int], weights: list[bool], device: torch.device) -> Route:
+    """The :class:`Route` of the plan's tensors at positions ``index``, ``weights`` saying which
+    count on this rank. Buckets this rank owns nothing of are not sent: a bucket nobody owns (the
+    last stage's copy of a tied embedding) does not appear at all."""
+    ids = plan.bucket_of.tolist()
+    return Route(torch.tensor(weights, dtype=torch.bool, device=device),
+                 plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device),
+                 buckets_of(sorted({ids[i] for i, w in zip(index, weights) if w}), device),
+                 buckets_of(sorted({ids[i] for i in index}), device))
 
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:

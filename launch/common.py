@@ -66,11 +66,6 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def flops_per_token(n_params: int, layers: int, d: int, seq: int) -> float:
-    """Training FLOPs per token: 6N + the attention term 12·L·d·s (forward+backward)."""
-    return 6.0 * n_params + 12.0 * layers * d * seq
-
-
 # --- data --------------------------------------------------------------------------------------
 
 class MarkovData:

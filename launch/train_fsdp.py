@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distmetrics as dm
-from common import GPT, MarkovData, exit_after_teardown, flops_per_token, lr_at, metrics_config
+from common import GPT, MarkovData, exit_after_teardown, lr_at, metrics_config
 
 
 # --- parallelism -------------------------------------------------------------------------------
@@ -101,8 +101,9 @@ def main(argv=None) -> dict:
     model, mesh, dp_rank, dp_size = parallelize(model, device, world, args.dp_replicate, dp_shard, args.tp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    overrides = [f"total_steps={args.steps}",
-                 f"flops_per_token={flops_per_token(n_params, args.layers, args.d_model, args.seq_len)}"]
+    # the model description: the config derives flops_per_token from it (6·N + 12·L·h·s)
+    overrides = [f"total_steps={args.steps}", f"num_params={n_params}", f"num_layers={args.layers}",
+                 f"hidden_size={args.d_model}", f"seq_length={args.seq_len}"]
     overrides += args.overrides
     config = metrics_config(args.config, overrides)
     # --- the metrics integration: these lines and the monitor calls in the loop ---

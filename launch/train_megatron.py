@@ -186,8 +186,8 @@ def main(argv=None) -> dict:
         return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     n_params = 12 * args.layers * args.hidden ** 2 + args.vocab * args.hidden
-    overrides = [f"total_steps={args.steps}", "writer_rank=last",
-                 f"flops_per_token={6.0 * n_params + 12.0 * args.layers * args.hidden * args.seq_len}"]
+    overrides = [f"total_steps={args.steps}", "writer_rank=last", f"num_params={n_params}",  # flops_per_token derived
+                 f"num_layers={args.layers}", f"hidden_size={args.hidden}", f"seq_length={args.seq_len}"]
     overrides += args.overrides
     config = metrics_config(args.config, overrides)
     # A factory: tensor inspection (if configured) starts before TE layers are built.

@@ -234,3 +234,19 @@ def test_record_losses_input_errors():
         monitor.record_losses(torch.tensor([1.0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="split='test'"):
         monitor.record_losses(torch.tensor([1.0]), ["a"], split="test")
+
+
+def test_integer_categories_need_not_be_numbered_from_zero():
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    monitor.record_losses(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3, 7, 3]), names={3: "web", 7: "code"})
+    metrics = monitor.step(1)
+    monitor.close()
+    assert metrics["train/loss/web"] == pytest.approx(2.5) and metrics["train/loss/code"] == pytest.approx(2.0)
+    monitor = dm.Monitor(quiet_config())
+    with pytest.raises(ValueError, match="got the id -1"):
+        monitor.record_losses(torch.tensor([1.0]), torch.tensor([0]), names={-1: "x"})
+    monitor.close()

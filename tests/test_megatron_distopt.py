@@ -1,6 +1,8 @@
 """Megatron-Core's own DistributedDataParallel + DistributedOptimizer on 4 real gloo ranks (DP=4
 and DP=2 × TP=2): our gradient, parameter and update norms against float64 truth from the full
-tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's.
+tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's;
+the clip and effective-lr ratios when Megatron clips. Also Megatron's non-distributed
+mixed-precision optimizer (bf16, DP=2 × TP=2), whose update is its fp32 main copies'.
 
 Megatron's DDP and optimizer run as they are, with ``launch/megatron_cpu.cuda_on_cpu`` around
 building them and ``optimizer.step()`` (it only sends CUDA allocations to the CPU and lets the
@@ -21,12 +23,15 @@ STEPS = 2
 CLIP = 0.05  # small, so every step clips
 
 
-def _setup(tp: int, clip_grad: float, attach: bool = True):
-    """A GPTModel under Megatron's DDP with the distributed optimizer, and a Monitor on it."""
+def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = True, bf16: bool = False):
+    """A GPTModel under Megatron's DDP with the distributed optimizer (or, ``distributed=False``,
+    the plain one; ``bf16``: in Megatron's ``Float16Module`` with fp32 main copies), and a
+    Monitor on it."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     import distmetrics as dm
     from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
@@ -34,13 +39,17 @@ def _setup(tp: int, clip_grad: float, attach: bool = True):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     apply_cpu_adaptations(seed=1234)
     model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=tp, tied=True)
+    if bf16:
+        model.config.bf16 = True
+        model = Float16Module(model.config, model)
     with cuda_on_cpu():
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=False), model)
     ddp.broadcast_params()
     with cuda_on_cpu():
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False,
-                                                           use_distributed_optimizer=True, clip_grad=clip_grad), [ddp])
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=1e-2, bf16=bf16, fp16=False, use_distributed_optimizer=distributed,
+            clip_grad=clip_grad), [ddp])
     cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
     torch.manual_seed(0)
@@ -100,8 +109,22 @@ def _norms_run(tp: int, world: int) -> list:
                     "param": subtree_norms(_squares(after, world)),
                     "update": subtree_norms(_squares(update, world)),
                     "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}})
+    count = _count_nonzero(monitor, optimizer)
     monitor.close()
-    return out
+    return out, count
+
+
+def _count_nonzero(monitor, optimizer) -> dict:
+    """p = 0 (torch: the tensors with a non-zero element), and whether Megatron's range map
+    gives this rank part of a tensor but not all of it."""
+    split = any(0 < entry["param"].size < param.numel()
+                for part in getattr(optimizer, "chained_optimizers", [optimizer])
+                for buffers in part.gbuf_ranges for by_dtype in buffers.values() for bucket in by_dtype
+                for param, entry in bucket["param_map"].items())
+    try:
+        return {"split": split, "p0": float(monitor.measure_grad_norms(norm_type=0))}
+    except ValueError as err:
+        return {"split": split, "p0": str(err)}
 
 
 def _clip_run(tp: int, monitor_clips: bool) -> dict:
@@ -127,6 +150,36 @@ def _clip_run(tp: int, monitor_clips: bool) -> dict:
     return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
 
 
+def _mixed_precision_run(tp: int, world: int) -> dict:
+    """Megatron's non-distributed mixed-precision optimizer (bf16 parameters, fp32 main copies
+    the inner ``torch.optim`` step updates): Megatron clips, we measure. The truth of the update
+    is the fp32 main parameters' before and after the step, in float64."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(tp, clip_grad=CLIP, distributed=False, bf16=True)
+    params = dict(ddp.module.module.named_parameters())  # inside the Float16Module
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    ddp(tokens, position_ids, mask, labels=labels).float().mean().backward()
+    ddp.finish_grad_sync()  # all-reduced: every data-parallel rank holds the whole gradient
+    grads = {n: (p, p.main_grad.to(torch.float64).clone()) for n, p in params.items()}
+    before = {n: (p, p.main_param.to(torch.float64).clone()) for n, p in params.items()}
+    monitor.measure_grad_norms()
+    with cuda_on_cpu():
+        _, megatron_norm, _ = optimizer.step()
+    metrics = monitor.step(1)
+    after = {n: (p, p.main_param.to(torch.float64).clone()) for n, p in params.items()}
+    monitor.close()
+    return {"megatron": float(megatron_norm), "grad": _subtrees(_squares(grads, world)),
+            "param": _subtrees(_squares(after, world)),
+            "update": _subtrees(_squares({n: (p, after[n][1] - before[n][1]) for n, p in params.items()}, world)),
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}}
+
+
 def _unattached(rank: int) -> str:
     """The distributed optimizer's model, the optimizer not given to the Monitor."""
     from megatron.core import parallel_state as ps
@@ -149,7 +202,7 @@ def _scenarios(rank: int, world: int) -> dict:
 
     out = {}
     for tp in (1, 2):
-        out[f"norms_tp{tp}"] = _norms_run(tp, world)
+        out[f"norms_tp{tp}"], out[f"count_tp{tp}"] = _norms_run(tp, world)
         ps.destroy_model_parallel()
         megatron_clips = _clip_run(tp, monitor_clips=False)
         ps.destroy_model_parallel()
@@ -157,6 +210,8 @@ def _scenarios(rank: int, world: int) -> dict:
         ps.destroy_model_parallel()
         out[f"clip_tp{tp}"] = max(float((megatron_clips[n] - ours_clips[n]).abs().max()) for n in ours_clips)
         out[f"clip_scale_tp{tp}"] = max(float(p.abs().max()) for p in ours_clips.values())
+    out["mixed_precision"] = _mixed_precision_run(2, world)
+    ps.destroy_model_parallel()
     out["unattached"] = _unattached(rank)
     ps.destroy_model_parallel()
     return out
@@ -193,3 +248,41 @@ def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):
         message = rank_result["unattached"]
         assert "use_distributed_optimizer=True" in message and "attach_megatron_optimizer" in message
         assert message.startswith("parameter '")
+
+
+def test_update_norms_under_megatrons_mixed_precision_optimizer_are_the_main_params_update(results):
+    """Float16OptimizerWithFloat16Params steps fp32 main copies and writes the bf16 parameters
+    only after its inner step: the update is the main copies' (TP=2 × DP=2)."""
+    for rank_result in results:
+        run = rank_result["mixed_precision"]
+        m, update, param = run["metrics"], run["update"], run["param"]
+        assert update["total"] > 0
+        assert m["grad_norm"] == pytest.approx(run["grad"]["total"], rel=REL)
+        assert m["grad_norm"] == pytest.approx(run["megatron"], rel=REL)
+        assert m["update_norm"] == pytest.approx(update["total"], rel=1e-5)
+        assert m["param_norm"] == pytest.approx(param["total"], rel=REL)
+        assert m["relative_update_norm"] == pytest.approx(update["total"] / param["total"], rel=1e-5)
+        for module, value in update.items():
+            if module != "total":
+                assert m[f"update_norm/{module}"] == pytest.approx(value, rel=1e-5, abs=1e-12), module
+
+
+def test_megatrons_clip_counts_in_the_clip_and_effective_lr_ratios(results):
+    """Megatron clips at ``config.clip_grad`` inside ``optimizer.step()``: the update follows
+    the clipped gradient, so effective_lr_ratio = ‖update‖ / (‖g‖ · min(1, clip / (‖g‖ + 1e-6)))."""
+    runs = [step for r in results for step in r["norms_tp1"] + r["norms_tp2"]] + [r["mixed_precision"] for r in results]
+    for run in runs:
+        m, grad, update = run["metrics"], run["grad"]["total"], run["update"]["total"]
+        coef = min(1.0, CLIP / (grad + 1e-6))
+        assert coef < 0.5  # Megatron really clipped
+        assert m["grad_clip_ratio"] == pytest.approx(grad / CLIP, rel=REL)
+        assert m["effective_lr_ratio"] == pytest.approx(update / (grad * coef), rel=1e-5)
+
+
+def test_p0_is_refused_on_every_rank_when_the_distributed_optimizer_splits_a_tensor(results):
+    """DP=4, no tensor parallelism: only the distributed optimizer's slices split tensors. A
+    tensor split between two ranks with non-zero slices would otherwise count twice."""
+    assert any(rank_result["count_tp1"]["split"] for rank_result in results)
+    for rank_result in results:
+        message = rank_result["count_tp1"]["p0"]
+        assert isinstance(message, str) and "norm_type=0" in message and "distributed optimizer" in message

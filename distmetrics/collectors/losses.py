@@ -37,9 +37,8 @@ class CategoryLosses:
             if names is None:
                 raise ValueError("record_losses: integer category tensors need names= (a list or dict id → name), "
                                  "so the monitor knows every category without reading the tensor")
-            table = dict(enumerate(names)) if not isinstance(names, dict) else dict(names)
-            ids = torch.tensor([self._slot(table[i]) for i in sorted(table)], dtype=torch.long)
-            index = _to_device(ids, losses.device)[categories.reshape(-1).to(device=losses.device, dtype=torch.long)]
+            lookup = _to_device(self._lookup(names), losses.device)
+            index = lookup[categories.reshape(-1).to(device=losses.device, dtype=torch.long)]
         else:
             categories = list(categories)
             if len(categories) != n:
@@ -58,6 +57,16 @@ class CategoryLosses:
         out = [Sample(self.prefix, self._sums, "mean", weight=self._weights, summed=True, names=names)]
         self._sums = self._weights = None
         return out
+
+    def _lookup(self, names: Union[Sequence[str], dict]) -> torch.Tensor:
+        """Category id → slot, indexed by the id itself (ids need not be 0..n-1)."""
+        table = dict(enumerate(names)) if not isinstance(names, dict) else dict(names)
+        for key in table:
+            if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+                raise ValueError(f"record_losses: names= maps integer category ids >= 0 to names; got the id {key!r}")
+        lookup = torch.zeros(max(table, default=-1) + 1, dtype=torch.long)
+        lookup[list(table)] = torch.tensor([self._slot(str(name)) for name in table.values()], dtype=torch.long)
+        return lookup
 
     def _slot(self, name: str) -> int:
         if name not in self._index:

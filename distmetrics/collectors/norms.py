@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, per_tensor_norms
-from ..plans import Buckets, Plan, buckets_of
+from ..grad_norm import GradientNorms, GradMeasurement, note_clip, per_tensor_norms
+from ..plans import Buckets, Plan, route_of
 from ..naming import ROOT_MODULE
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
@@ -53,6 +53,7 @@ class NormCollector:
         self._last_grad: Optional[GradMeasurement] = None
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
+        self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
         self._subtrees = _Subtrees()
 
     @property
@@ -64,9 +65,12 @@ class NormCollector:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
         this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
         the (main) parameters before the step when it will be logged (``is_log_step()``) and
-        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers."""
+        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers. A
+        Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
+        with :meth:`measure` count as clipped there (``grad_clip_ratio``, ``effective_lr_ratio``)."""
         targets = [optimizer]
         if is_megatron_optimizer(optimizer):
+            self._optimizer_clip = float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)
             shards = MegatronShards(optimizer)
             if shards.active:
                 self.grads.attach_shards(shards)
@@ -104,8 +108,11 @@ class NormCollector:
         return result
 
     def measure(self, norm_type: Any = 2.0) -> torch.Tensor:
-        """Measure without clipping; returns the total norm (float64, the same on every rank)."""
+        """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
+        total norm (float64, the same on every rank)."""
         result, measured = self.grads.measure(None, norm_type)
+        if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
+            note_clip(measured, self._optimizer_clip)
         self._keep(measured)
         return measured.total if measured is not None else result.to(torch.float64)
 
@@ -157,11 +164,13 @@ class NormCollector:
             squares = self._bucket_squares(plan, self._param_pieces(plan))
             out.append(Sample("param_norm", squares.sum(), "sum"))
             if self.per_module:
-                out.append(_vector(plan, "param_norm", squares, "sum", plan.param_buckets))
+                owned = self._param_route(plan, squares.device).owned_buckets
+                out.append(_vector(plan, "param_norm", squares, "sum", owned))
             if update is not None:
                 out.append(Sample("update_norm", update.sum(), "sum"))
                 if self.per_module:
-                    out.append(_vector(plan, "update_norm", update, "sum", plan.param_buckets))
+                    owned = self._param_route(plan, update.device).owned_buckets
+                    out.append(_vector(plan, "update_norm", update, "sum", owned))
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
@@ -226,27 +235,35 @@ class NormCollector:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
-        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard, a
-        DTensor's local shard, or the parameter."""
+        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard,
+        the fp32 main copy Megatron's mixed-precision optimizer updates (``main_param``: it
+        copies it into the 16-bit parameter only after the inner step), a DTensor's local
+        shard, or the parameter."""
         shards = self.grads.shards
         out = []
         for p in plan.params:
             main = shards.main_shard(p) if shards is not None else None
-            out.append(main if main is not None else local_tensor(p.detach()))
+            if main is None and not getattr(p, "main_param_sharded", False):
+                main = getattr(p, "main_param", None)
+            out.append(main.detach() if main is not None else local_tensor(p.detach()))
         return out
+
+    def _param_route(self, plan: Plan, device: torch.device) -> Any:
+        """The params' :class:`~distmetrics.plans.Route` on ``device`` (cached)."""
+        route = plan.param_routes.get(device)
+        if route is None:
+            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
+            route = plan.param_routes[device] = route_of(plan, list(range(len(plan.params))), weights, device)
+        return route
 
     def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates)."""
         device = tensors[0].device if tensors else torch.device("cpu")
-        if plan.param_owned is None or plan.param_owned.device != device:
-            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
-            plan.param_owned = torch.tensor(weights, dtype=torch.bool, device=device)
-            plan.param_buckets = buckets_of(sorted({int(b) for b, w in zip(plan.bucket_of.tolist(), weights) if w}),
-                                            device)
-        norms = per_tensor_norms(tensors, 2.0, None, device)
-        contrib = torch.where(plan.param_owned, norms * norms, torch.zeros_like(norms))
+        route = self._param_route(plan, device)
+        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders)
+        contrib = torch.where(route.owned, norms * norms, torch.zeros_like(norms))
         return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
-            0, plan.bucket_of.to(device), contrib)
+            0, route.bucket_idx, contrib)
 
 
 def _is_number(value: Any) -> bool:

@@ -229,3 +229,20 @@ def test_gradients_that_require_grad_are_clipped_without_autograd(clip):
     p.pow(2).sum().backward(create_graph=True)  # p.grad requires grad
     clip([p], 1.0)  # in place on a tensor that requires grad: only under no_grad
     torch.testing.assert_close(p.grad.detach(), torch.full((3,), 2.0 / (12 ** 0.5 + 1e-6)))
+
+
+def test_bf16_gradients_are_scaled_by_a_coefficient_in_bf16_as_torch_does(clip):
+    """torch computes the coefficient from the total it returns, in the gradients' dtype: torch's
+    own scaling (``clip_grads_with_norm_``) given the returned total is the truth, bit for bit."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        grads = [(torch.randn(64, 64) * 0.3).bfloat16(), (torch.randn(64) * 2).bfloat16(), torch.randn(8, 64).bfloat16()]
+        ours = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+        truth = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for a, b, g in zip(ours, truth, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        total = clip(ours, 1.0)
+        assert total.dtype == torch.bfloat16
+        torch.nn.utils.clip_grads_with_norm_(truth, 1.0, total)
+        for a, b in zip(ours, truth):
+            assert torch.equal(a.grad, b.grad)

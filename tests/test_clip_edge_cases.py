@@ -1,0 +1,193 @@
+"""Edge cases of the gradient norm and clip, on real gloo ranks where ranks matter: a rank
+without gradients, the routing cache, clipping precision against torch's own
+``clip_grad_norm_``. Truth: torch's ``clip_grad_norm_`` or float64 on the full tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.dist_utils import run_ranks
+
+NORM_TYPES = (2.0, 1.5, math.inf, -math.inf, 0.0)
+
+
+def _one_rank_without_gradients(rank: int, world: int) -> dict:
+    """Rank 0 holds the gradients (plain tensors: data-parallel replicas, counted on rank 0);
+    the other ranks' parameters have none. Every rank returns the global total."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3) + 0.5, torch.randn(4) - 2.0]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    if rank == 0:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+    out = {"returned": {}, "truth": {}}
+    for p in NORM_TYPES:
+        out["returned"][p] = float(dm.clip_grad_norm_(params, 1e9, norm_type=p))
+        copies = [torch.nn.Parameter(g.to(torch.float64)) for g in grads]
+        for c, g in zip(copies, grads):
+            c.grad = g.to(torch.float64)
+        out["truth"][p] = float(torch.nn.utils.clip_grad_norm_(copies, 1e9, norm_type=p))
+    # p = 0 over a tensor sharded over the ranks: every rank raises, the one without gradients too
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = torch.nn.Parameter(DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False))
+    if rank == 0:
+        sharded.grad = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=False)
+    try:
+        dm.clip_grad_norm_([sharded], 1.0, norm_type=0)
+        out["sharded_p0"] = "no error"
+    except ValueError as err:
+        out["sharded_p0"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def without_gradients():
+    return run_ranks(_one_rank_without_gradients, 2)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_a_rank_without_gradients_returns_the_global_total(without_gradients, p):
+    truth = without_gradients[0]["truth"][p]
+    assert truth > 0
+    for rank_result in without_gradients:
+        assert rank_result["returned"][p] == pytest.approx(truth, rel=1e-6)
+
+
+def test_a_rank_without_gradients_raises_with_the_others_for_p0_over_shards(without_gradients):
+    for rank_result in without_gradients:
+        assert "norm_type=0" in rank_result["sharded_p0"] and "sharded" in rank_result["sharded_p0"]
+
+
+class _HostToDevice:
+    """Records every copy from the host to the device while active. The ``meta`` device stands in
+    for an accelerator (it has no data: every op runs on shapes only), so a copy is an op with a
+    CPU tensor in and a meta tensor out, seen by a ``TorchDispatchMode``; ``torch.tensor(data,
+    device=...)`` copies below the dispatcher, so ``torch.tensor`` is wrapped to see those too."""
+
+    def __enter__(self):
+        import torch
+        from torch.utils._pytree import tree_leaves
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.copies = []
+        copies = self.copies
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = [t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                outputs = [t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if "cpu" in inputs and "meta" in outputs:
+                    copies.append(str(func))
+                return out
+
+        self._tensor = torch.tensor
+
+        def tensor(*args, __make=self._tensor, **kwargs):
+            if "device" in kwargs and torch.device(kwargs["device"]).type != "cpu":
+                copies.append("torch.tensor(..., device=%s)" % kwargs["device"])
+            return __make(*args, **kwargs)
+
+        torch.tensor = tensor
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._mode.__exit__(*exc)
+        torch.tensor = self._tensor
+
+
+def test_steady_state_clip_and_log_steps_copy_nothing_from_host_to_device():
+    """Clipping and the log step's norms build their index tensors on the device once; later
+    steps only launch kernels (an H2D copy from pageable memory would make the host wait for the
+    whole backward). Two dtypes, so the per-tensor norms come from two groups."""
+    import torch
+
+    from distmetrics.collectors.norms import NormCollector
+    from distmetrics.parallel import detect_layout
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16),
+                                torch.nn.Linear(8, 4)).to("meta")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    collector = NormCollector(model, detect_layout(), log_params_norm=True)
+    for step in range(3):
+        with _HostToDevice() as watch:
+            collector.clip(None, 1.0)
+            samples = collector.take_samples(None)
+        assert {s.name for s in samples} >= {"grad_norm", "param_norm"}
+        if step:
+            assert watch.copies == [], watch.copies
+
+
+def test_the_routing_of_ever_new_gradient_sets_is_capped_and_stays_exact():
+    """A parameter without a gradient on some steps (an expert no token reached) makes a new
+    gradient set; a plan keeps the routing of the few most recent sets, not one per set seen."""
+    import torch
+
+    from distmetrics.grad_norm import GradientNorms
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    norms = GradientNorms(model)
+    params = list(model.parameters())
+    for step in range(len(params)):
+        for i, p in enumerate(params):
+            p.grad = None if i == step else torch.randn_like(p)
+        total, _ = norms.measure()
+        truth = math.sqrt(sum(float(p.grad.to(torch.float64).pow(2).sum()) for p in params if p.grad is not None))
+        assert float(total) == pytest.approx(truth, rel=1e-6)
+    assert len(norms.plans.model_plan().routing) <= 8
+
+
+def test_inf_norms_print_no_warning():
+    """torch warns once per process that ``index_reduce`` is in beta; the ±inf norms' per-module
+    maxima and minima must not print it into the user's log (a fresh process, so "once" is now)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import torch\nfrom distmetrics.grad_norm import GradientNorms\n"
+              "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+              "for p in m.parameters(): p.grad = torch.randn_like(p)\n"
+              "g = GradientNorms(m)\n"
+              "g.clip(None, 1.0, float('inf')); g.clip(None, 1.0, float('-inf'))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+
+
+def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
+    """``clip_grad_norm_(model.parameters(), ...)`` uses the model's plan while the given list
+    holds the same gradients; a frozen parameter with a ``.grad`` counts, as torch counts it."""
+    import torch
+
+    from distmetrics.grad_norm import GradientNorms
+
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    norms = GradientNorms(model)
+    for step in range(4):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) if p.requires_grad or step in (1, 3) else None
+        truth = [torch.nn.Parameter(p.detach().double()) for p in model.parameters()]
+        for t, p in zip(truth, model.parameters()):
+            t.grad = None if p.grad is None else p.grad.double()
+        total, measured = norms.measure(model.parameters())
+        assert float(total) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(truth, 1e9)), rel=1e-6)
+        assert (measured.plan is norms.plans.model_plan()) == (step in (0, 2))
