@@ -288,6 +288,29 @@ def test_an_os_error_names_the_path_and_errno_not_an_install(tmp_path, caplog):
     assert "ENOTDIR" in warning and str(tmp_path / "file") in warning and "pip install" not in warning
 
 
+def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
+    # Some NFS and Lustre mounts refuse flock with ENOLCK; that cannot be mounted here, so only the
+    # flock call fails, as it does there (the folder stays writable).
+    import errno
+    import fcntl
+
+    import distmetrics as dm
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False,
+                                     log_interval=1)) as monitor:
+        monitor.step(1, loss=1.5)
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot be locked" in r.getMessage()]
+    assert "ENOLCK" in warning and str(tmp_path) in warning
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["run", "train"] and records[1]["train/loss"] == 1.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "progress.txt"]
+
+
 # --- W&B: a full disk, and a server that cannot be reached ------------------------------------
 
 def _wandb_full_disk_child(folder: str, disk: str, out: str, result: str) -> None:
