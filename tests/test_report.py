@@ -308,6 +308,26 @@ def test_restarts_nan_and_a_line_cut_short(tmp_path):
     assert data.alerts[0]["first_module"] == "b.2" and data.rank_hosts == {0: "a", 1: "b"}
 
 
+def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
+    from distmetrics.report.alerts import events_of
+
+    run = {"kind": "run", "step": 0, "world_size": 1}
+    _write(tmp_path / "metrics.jsonl", [
+        run, {"kind": "train", "step": 10, "train/loss": 2.0},
+        {"kind": "gap", "step": 30, "first_step": 20, "last_step": 20, "lost_records": 1,
+         "error": "[Errno 28] No space left on device (ENOSPC)"},
+        {"kind": "train", "step": 30, "train/loss": 1.0},
+        run, {"kind": "resume", "step": 20, "message": "this job starts at step 20", "last_logged_step": 30},
+        {"kind": "train", "step": 20, "train/loss": 1.5}])
+    data = load_metrics(tmp_path)
+    assert data.records == 3
+    assert data.scalars.names == ["train/loss"]
+    assert [(e["step"], e["type"]) for e in events_of(data)] == [(30, "gap"), (20, "resume")]
+    assert "ENOSPC" in events_of(data)[0]["message"]
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    assert "3 metric records" in page and "Other metrics" not in page and "lost_records" not in page
+
+
 def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):
     monkeypatch.setattr("distmetrics.report.store.MAX_COLUMNS", 8)
     grid = StepGrid("module", "grad_norm")

@@ -28,11 +28,14 @@ import numpy as np
 
 from .store import ScalarTable, StepGrid
 
-__all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES"]
+__all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES", "EVENT_KINDS"]
 
 MODULE_FAMILIES = ("grad_norm", "update_norm", "param_norm", "relative_update_norm", "effective_lr_ratio")
 """Metric families with one value per module (``<family>/<module>``)."""
 STRAGGLER_REPORTS_KEPT = 20
+EVENT_KINDS = ("gap", "resume")
+"""Record kinds that say what happened to the file, not what was measured: listed with the
+alerts and marked on the plots, never drawn as curves nor counted as metric records."""
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _PER_RANK = re.compile(r"^(.+)/rank(\d+)$")
 
@@ -50,6 +53,7 @@ class RunData:
         self.model_order: list[str] = []  # the modules of the last run record, in model order
         self.jobs: list[dict] = []
         self.alerts: list[dict] = []
+        self.events: list[dict] = []  # gap and resume records (EVENT_KINDS)
         self.first_nonfinite: list[dict] = []  # health/first_nonfinite_module beside the metrics
         self.last_text: dict[str, Any] = {}
         self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
@@ -118,6 +122,9 @@ class RunData:
                                 "message": str(record.get("message", "")), "first_module": record.get("first_module")})
         elif kind == "stragglers":
             self.straggler_reports.append((step, self._job, record))
+        elif kind in EVENT_KINDS:
+            self.events.append({"step": step, "job": self._job, "type": kind, "message": _event_message(record),
+                                "first_module": None})
         else:
             self.records += 1
             self._take_values(record, step)
@@ -288,6 +295,13 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+
+
+def _event_message(record: dict) -> str:
+    if record.get("kind") == "gap":
+        return (f"{record.get('lost_records')} record(s), steps {record.get('first_step')}-{record.get('last_step')}, "
+                f"could not be written: {record.get('error', '')}")
+    return str(record.get("message", ""))
 
 
 def _job_meta(record: dict, index: int) -> dict:
