@@ -252,10 +252,30 @@ def test_a_missing_extra_is_named_with_exit_status_2(tmp_path):
 
 def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
     run = _report_cli(str(tmp_path))
-    assert run.returncode == 2 and "no metrics file" in run.stderr and "metrics.jsonl" in run.stderr
+    assert run.returncode == 2 and "is a folder without metrics.jsonl" in run.stderr
     run = _report_cli(str(ROOT / "README.md"), "--out", str(tmp_path / "r.html"))
     assert run.returncode == 2 and "README.md is not a metrics.jsonl" in run.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_folder_of_run_folders_gets_one_report_per_run_as_summary_reads_it(tmp_path):
+    # launch/demo.sh's layout: runs/demo/<date-time>/metrics.jsonl, one folder per demo run
+    runs = tmp_path / "runs" / "demo"
+    for name, loss in (("20250101-120000", 2.0), ("20250101-130000", 1.0)):
+        (runs / name).mkdir(parents=True)
+        _write(runs / name / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                               {"kind": "train", "step": 1, "train/loss": loss}])
+    made = _report_cli(str(runs))
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert made.stdout.split() == ["report:", str(runs / "20250101-120000" / "report.html"),
+                                   "report:", str(runs / "20250101-130000" / "report.html")]
+    assert all((runs / name / "report.html").is_file() for name in ("20250101-120000", "20250101-130000"))
+    refused = _report_cli(str(runs), "--out", str(tmp_path / "one.html"))
+    assert refused.returncode == 2 and "holds 2 runs" in refused.stderr and not (tmp_path / "one.html").exists()
+    with pytest.raises(ValueError, match="holds 2 runs"):
+        write_report(runs)
+    (runs / "20250101-130000" / "metrics.jsonl").unlink()  # one run left: the API takes the folder too
+    assert write_report(runs, tmp_path / "one.html") == str(tmp_path / "one.html")
 
 
 def test_the_report_never_imports_torch_nor_pyplot(tmp_path):

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from ..runlog import metrics_files
 from .store import ScalarTable, StepGrid
 
 __all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES", "EVENT_KINDS"]
@@ -240,13 +241,15 @@ class _Plan:
 
 
 def metrics_path(run: Union[str, os.PathLike]) -> Path:
-    """The ``metrics.jsonl`` of a run directory, or the file itself; a clear error otherwise."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path}: give a metrics.jsonl or the run directory holding one")
-    return path
+    """The one ``metrics.jsonl`` a path names (the file, a run folder's file, or a folder of run
+    folders that holds one run; :func:`~distmetrics.runlog.metrics_files`); a clear error when it
+    names none or several."""
+    found = metrics_files(run)
+    if len(found) > 1:
+        raise ValueError(f"{str(run)!r} holds {len(found)} runs ({found[0].parent.name} ... "
+                         f"{found[-1].parent.name}): give one run folder, or `distmetrics report {run}` "
+                         "for one report beside each run's metrics.jsonl")
+    return found[0]
 
 
 def load_metrics(run: Union[str, os.PathLike]) -> RunData:
