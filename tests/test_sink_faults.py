@@ -311,6 +311,36 @@ def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, caplog,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "progress.txt"]
 
 
+def test_the_count_of_dropped_records_at_close_names_the_sinks_that_fell_behind(caplog):
+    import threading
+
+    from distmetrics.sinks import SinkSet
+
+    class Stuck:
+        """A sink stuck until the test lets it go (a network sink waiting on a socket)."""
+
+        name, fix = "tensorboard", "-"
+        entered, opened = threading.Event(), threading.Event()
+
+        def log(self, metrics, step, kind):
+            self.entered.set()
+            self.opened.wait(120)
+
+        def close(self):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    sinks = SinkSet([Stuck()])
+    sinks.log({"x": 0.0}, 0, "train")
+    assert Stuck.entered.wait(60)
+    for step in range(1, sinks.writer.max_records + 4):
+        sinks.log({"x": 1.0}, step, "train")
+    Stuck.opened.set()
+    sinks.close()
+    (count,) = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert "the tensorboard sinks fell behind and 3 records (steps 1-3)" in count
+
+
 # --- W&B: a full disk, and a server that cannot be reached ------------------------------------
 
 def _wandb_full_disk_child(folder: str, disk: str, out: str, result: str) -> None:
