@@ -86,22 +86,44 @@ def _check_our_features(where: str, features: Any) -> None:
     for name, cfg in features.items():
         if name != "LogTensorStats":
             raise ConfigError(f"{where}: unknown feature 'distmetrics.{name}'; accepted: LogTensorStats")
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats must be a mapping of settings "
+                              f"({', '.join(sorted(_FEATURE_KEYS))}), got {cfg!r}")
         unknown = set(cfg) - _FEATURE_KEYS
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
                               f"accepted: {sorted(_FEATURE_KEYS)}")
-        entries = cfg.get("tensors_struct") or [dict(cfg, tensor=t) for t in cfg.get("tensors", [])]
-        if not entries:
-            raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
-        for entry in entries:
+        for entry in _tensor_entries(where, cfg):
             tensor = entry.get("tensor")
             if tensor not in TENSORS:
                 raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(TENSORS)}")
-            for stat in entry.get("stats", cfg.get("stats", [])):
+            stats = entry.get("stats", cfg.get("stats", []))
+            if not isinstance(stats, list):
+                raise ConfigError(f"{where}: stats must be a list of statistics ({', '.join(SUPPORTED_STATS)}), "
+                                  f"got {stats!r}")
+            for stat in stats:
                 if stat not in SUPPORTED_STATS:
                     raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(SUPPORTED_STATS)}")
-            if int(entry.get("freq", cfg.get("freq", 1))) < 1:
-                raise ConfigError(f"{where}: freq must be >= 1")
+            freq = entry.get("freq", cfg.get("freq", 1))
+            if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+                raise ConfigError(f"{where}: freq must be a whole number of steps >= 1, got {freq!r}")
+
+
+def _tensor_entries(where: str, cfg: dict) -> list[dict]:
+    """distmetrics.LogTensorStats' entries, one per tensor: ``tensors_struct`` (a list of mappings
+    with a ``tensor``) or ``tensors`` (a list of names) with the shared settings."""
+    struct, tensors = cfg.get("tensors_struct"), cfg.get("tensors")
+    if struct:
+        if not isinstance(struct, list) or not all(isinstance(e, dict) for e in struct):
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors_struct must be a list of mappings "
+                              f"such as {{tensor: activation, stats: [max]}}, got {struct!r}")
+        return struct
+    if tensors is not None and not isinstance(tensors, list):
+        raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors must be a list of tensor names "
+                          f"({', '.join(TENSORS)}), got {tensors!r}")
+    if not tensors:
+        raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
+    return [dict(cfg, tensor=t) for t in tensors]
 
 
 def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
