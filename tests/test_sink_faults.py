@@ -409,3 +409,53 @@ def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_pa
     reported = [w for w in result["warnings"] if "the wandb sink" in w]
     assert len(reported) == 1 and "wandb.init did not finish within 3 s" in reported[0], result["warnings"]
     assert "20 rows logged meanwhile not sent" in reported[0]
+
+
+def _wandb_argv_child(out: str, result: str, *command_line: str) -> None:
+    """W&B offline started while the training thread reads and changes sys.argv (as a parser run
+    after Monitor() would); wandb.init is held until the training thread has looked."""
+    import threading
+
+    import wandb
+
+    import distmetrics as dm
+
+    real_init, entered, release = wandb.init, threading.Event(), threading.Event()
+
+    def held_init(**kwargs):
+        entered.set()
+        release.wait(60)
+        return real_init(**kwargs)
+
+    wandb.init = held_init
+    before = list(sys.argv)
+    cfg = dm.MetricsConfig(output_dir=out, console=False, tensorboard=False, log_interval=1, timing_log_level=-1,
+                           wandb_project="argv", wandb_mode="offline")
+    monitor = dm.Monitor(cfg)
+    assert entered.wait(60)
+    during = list(sys.argv)
+    sys.argv = sys.argv + ["--lr", "0.1"]  # the training thread's own change, while W&B starts
+    release.set()
+    monitor.step(1, loss=1.0)
+    monitor.close()
+    Path(result).write_text(json.dumps({"before": before, "during": during, "after": sys.argv}))
+
+
+def test_wandb_start_leaves_sys_argv_alone_and_no_secret_reaches_its_files(tmp_path):
+    pytest.importorskip("wandb")
+    from tests.wandb_reader import read_offline_run
+
+    secret = "hf_SECRET4242"
+    out = tmp_path / "out"
+    child = run_child("_wandb_argv_child", str(out), str(tmp_path / "result.json"), "--hf-token", secret,
+                      "--seq-length", "128")
+    assert child.returncode == 0, child.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["during"] == result["before"] and result["before"][-4:] == ["--hf-token", secret, "--seq-length",
+                                                                             "128"]
+    assert result["after"] == result["before"] + ["--lr", "0.1"]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
+    assert read_offline_run(str(out))["config"]["argv"][-4:] == ["--hf-token", "***", "--seq-length", "128"]
