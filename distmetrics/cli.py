@@ -126,14 +126,11 @@ def _check_inspection(config: TensorInspectConfig, source: str) -> dict:
     spec, dirs = check_inspect_config(config)
     if importlib.util.find_spec("nvdlfw_inspect") is None:
         return spec
-    import nvdlfw_inspect.api as debug_api
-
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     with tempfile.TemporaryDirectory() as log_dir:
         start_nvdlfw(spec, dirs, log_dir, source=source)
-        debug_api.end_debug()
-        reset_nvdlfw()
+        reset_nvdlfw()  # ends it too
     return spec
 
 

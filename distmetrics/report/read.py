@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ..runlog import metrics_files
+from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
 
 __all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES", "EVENT_KINDS"]
@@ -37,7 +38,6 @@ STRAGGLER_REPORTS_KEPT = 20
 EVENT_KINDS = ("gap", "resume")
 """Record kinds that say what happened to the file, not what was measured: listed with the
 alerts and marked on the plots, never drawn as curves nor counted as metric records."""
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _PER_RANK = re.compile(r"^(.+)/rank(\d+)$")
 
 
@@ -165,7 +165,7 @@ class RunData:
                 grid.add(step, self._job, rows, nrows, array[positions])
         for key in plan.text:
             value = self.last_text[key] = record.get(key)
-            if key == "health/first_nonfinite_module" and isinstance(value, str) and value not in _NONFINITE:
+            if key == "health/first_nonfinite_module" and isinstance(value, str) and value not in NONFINITE:
                 self.first_nonfinite.append({"step": step, "job": self._job, "module": value})
 
     # --- parse plans ---------------------------------------------------------------------
@@ -178,7 +178,7 @@ class RunData:
         for key, value in record.items():
             if key in ("kind", "step", "time") or isinstance(value, (dict, list)):
                 continue
-            if isinstance(value, str) and value not in _NONFINITE:
+            if isinstance(value, str) and value not in NONFINITE:
                 plan.text.append(key)
                 continue
             position = len(numeric)
@@ -293,7 +293,7 @@ def _step_of(record: dict) -> Optional[int]:
 
 def _number(value: Any) -> float:
     if isinstance(value, str):
-        return _NONFINITE.get(value, math.nan)
+        return NONFINITE.get(value, math.nan)
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -32,9 +32,12 @@ try:
 except ImportError:  # the standard library writes the same values, slower
     orjson = None
 
-__all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value"]
+__all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value", "METRICS_FILE", "NONFINITE"]
 
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+METRICS_FILE = "metrics.jsonl"
+"""The name of the JSONL file in every run folder."""
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+"""The strings that stand for NaN and ±Inf in the file, and the floats they stand for."""
 
 
 class JsonlSink:
@@ -163,4 +166,4 @@ def decode_line(line: str) -> Optional[dict[str, Any]]:
         return None
     if not isinstance(record, dict):
         return None
-    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+    return {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
