@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from distmetrics.packing import CONTROL_LANES
 from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 
@@ -127,7 +128,7 @@ def _reducer_worker(rank: int, world: int, sizes, repeats: int) -> dict:
         base, cand = median_pair(per_key, packed, repeats)
         per_log = (reducer.collectives - before) / (repeats + 2)
         layout = reducer._layout
-        packed_bytes = 8 * (layout.n_sum + layout.n_max + 5)  # + control lanes
+        packed_bytes = 8 * (layout.n_sum + layout.n_max + CONTROL_LANES)
         out["reduce"].append({"names": n, "collectives_ours": per_log, "collectives_per_key": n,
                               "bytes_ours": packed_bytes, "bytes_per_key": 16 * n,
                               "per_key_ms": base * 1e3, "ours_ms": cand * 1e3, "per_key_vs_ours": base / cand})
@@ -395,9 +396,7 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
     return rows
 
 
-# --- report ------------------------------------------------------------------------------------
-
-# --- 6. command-line start-up --------------------------------------------------------------------
+# --- 7. command-line start-up --------------------------------------------------------------------
 
 def bench_cli(repeats: int) -> dict:
     """Wall time of ``distmetrics summary`` on a small run, a whole process as a user runs it,
@@ -480,19 +479,14 @@ def main(argv=None) -> dict:
         print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
               f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
               f"thread {r['writer_ms']:.2f} ms per record", flush=True)
-    from benchmarks.scale import bench_guard, bench_negotiation, report_guard, report_negotiation
-
-    print("8. name negotiation: bytes received per rank", flush=True)
-    results["negotiation"] = bench_negotiation()
-    report_negotiation(results["negotiation"])
-    print("9. the arrival check (hang_timeout_s) on a healthy log step", flush=True)
-    results["guard"] = bench_guard()
-    report_guard(results["guard"])
     print("7. command-line start-up (whole process)", flush=True)
     results["cli"] = bench_cli(repeats)
     c = results["cli"]
     print(f"   distmetrics summary {c['summary_ms']:.0f} ms | a process importing the torch-using modules "
           f"{c['torch_modules_import_ms']:.0f} ms = {c['faster']:.0f}x faster (target < 1 s)", flush=True)
+    from benchmarks import scale
+
+    results.update(scale.main())  # sections 8 and up: what grows with the world size
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

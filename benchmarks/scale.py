@@ -1,8 +1,9 @@
 """What grows with the world size: the bytes a rank receives while the ranks agree on metric
-names, and the cost of the arrival check in front of every collective monitor call.
+names, the cost of the arrival check in front of every collective monitor call, and the time
+the writer takes to merge every rank's tensor-statistics partials.
 
-    python -m benchmarks.scale              # both, on 2/4/8 gloo ranks
-    python -m benchmarks                    # runs these too (sections 8 and 9)
+    python -m benchmarks.scale              # all three (8, 9 on 2/4/8 gloo ranks; 10 in one process)
+    python -m benchmarks                    # runs these too (sections 8 to 10)
 
 Measured on real gloo ranks; the figures for 1,024–16,384 ranks are the measured per-set payload
 put into the formula the reducer follows (a 16-byte digest and size from every rank, then every
@@ -75,6 +76,47 @@ def bench_guard(world: int = 4, steps: int = 60) -> dict:
             "added_ms": (result[300.0] - result[0.0]) * 1e3, "ratio": result[300.0] / result[0.0]}
 
 
+def bench_tensor_stats_merge(worlds=(256, 1024), keys: int = 50, repeats: int = 3) -> list[dict]:
+    """Merging every rank's partials of ``keys`` (layer, tensor) statistics at a statistics step:
+    one vectorised pass over the ranks (ours) against a pairwise merge per rank and key."""
+    import random
+
+    import torch
+
+    from distmetrics.per_rank import PerRank
+    from distmetrics.tensor_stats.inspector import _combine
+    from distmetrics.tensor_stats.statistics import PARTS, merge
+
+    def pairwise(per_rank: dict) -> list[float]:
+        out = []
+        for key in range(keys):
+            parts = {p: per_rank[f"model.l{key}|activation|std|{p}"] for p in PARTS}
+            merged = None
+            for rank in range(len(parts["n"])):
+                one = {p: torch.tensor(parts[p][rank], dtype=torch.float64) for p in PARTS}
+                merged = one if merged is None else merge(merged, one)
+            out.append(float(merged["m2"]))
+        return out
+
+    rows = []
+    for world in worlds:
+        rng = random.Random(world)
+        per_rank = {f"model.l{key}|activation|std|{p}": PerRank(
+            [float(rng.randint(1, 4096)) if p == "n" else rng.random() for _ in range(world)])
+            for key in range(keys) for p in PARTS}
+        times: dict[str, list] = {"pairwise": [], "ours": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pairwise(per_rank)
+            times["pairwise"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _combine(per_rank)
+            times["ours"].append(time.perf_counter() - start)
+        base, ours = statistics.median(times["pairwise"]), statistics.median(times["ours"])
+        rows.append({"world": world, "keys": keys, "pairwise_s": base, "ours_s": ours, "faster": base / ours})
+    return rows
+
+
 def report_negotiation(n: dict) -> None:
     """Print section 8."""
     print(f"   {n['names_per_set']} names per set, {n['bytes_per_set']:.0f} B each", flush=True)
@@ -91,15 +133,25 @@ def report_guard(g: dict) -> None:
           flush=True)
 
 
+def report_tensor_stats_merge(rows: list[dict]) -> None:
+    """Print section 10."""
+    for r in rows:
+        print(f"   {r['world']:5d} ranks x {r['keys']} keys: pairwise per rank and key {r['pairwise_s'] * 1e3:8.1f} ms | "
+              f"ours {r['ours_s'] * 1e3:6.1f} ms = {r['faster']:.0f}x faster", flush=True)
+
+
 def main() -> dict:
-    """Both sections, printed."""
+    """The three sections, printed."""
     print("8. name negotiation: bytes received per rank", flush=True)
     negotiation = bench_negotiation()
     report_negotiation(negotiation)
     print("9. the arrival check (hang_timeout_s) on a healthy log step", flush=True)
     guard = bench_guard()
     report_guard(guard)
-    return {"negotiation": negotiation, "guard": guard}
+    print("10. tensor statistics: merging every rank's partials at a statistics step (one process)", flush=True)
+    merge = bench_tensor_stats_merge()
+    report_tensor_stats_merge(merge)
+    return {"negotiation": negotiation, "guard": guard, "tensor_stats_merge": merge}
 
 
 if __name__ == "__main__":

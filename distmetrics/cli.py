@@ -3,7 +3,7 @@
     distmetrics check-config configs/metrics.yaml [key=value ...]
     distmetrics check-features configs/tensor_stats_cpu.yaml [--feature-dir DIR ...]
     distmetrics summary runs/demo                     # a run folder, a folder of them, or a metrics.jsonl
-    distmetrics report runs/demo [--out report.html]  # one self-contained HTML page of a run
+    distmetrics report runs/demo [--out report.html]  # one self-contained HTML page per run
 
 Exit status 0 when all is well, 2 for a bad file or argument (the message names it). Commands
 that read files do not import torch; checking a features file does (nvdlfw-inspect needs it).
@@ -89,18 +89,24 @@ def add_report(commands) -> None:
     """``report RUN [--out report.html]``."""
     parser = commands.add_parser("report", help="one self-contained HTML page of a run's metrics "
                                                 "(needs the report extra: numpy, matplotlib)")
-    parser.add_argument("path", metavar="RUN", help="a run directory or its metrics.jsonl")
-    parser.add_argument("--out", default=None, help="the HTML file to write (default: report.html beside "
-                                                    "the metrics file)")
+    parser.add_argument("path", metavar="RUN", help="a run folder, a folder of run folders (one report per "
+                                                     "run), or a metrics.jsonl")
+    parser.add_argument("--out", default=None, help="the HTML file to write, for one run (default: report.html "
+                                                    "beside each metrics file)")
     parser.set_defaults(run=run_report)
 
 
 def run_report(args: argparse.Namespace) -> str:
-    """Write the run report (torch is not imported); says which extra to install when
-    matplotlib or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
+    """Write the report of each run the path names (:func:`~distmetrics.runlog.metrics_files`, as
+    ``summary`` reads them; torch is not imported); says which extra to install when matplotlib
+    or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
     from .report import write_report
 
-    return f"report: {write_report(args.path, args.out)}"
+    paths = metrics_files(args.path)
+    if args.out is not None and len(paths) > 1:
+        raise ValueError(f"--out names one file but {args.path!r} holds {len(paths)} runs: give one run folder "
+                         "with --out, or leave --out out for one report beside each run's metrics.jsonl")
+    return "\n".join(f"report: {write_report(path, args.out)}" for path in paths)
 
 
 def check_features(path: str, feature_dirs: list) -> dict:
@@ -120,14 +126,11 @@ def _check_inspection(config: TensorInspectConfig, source: str) -> dict:
     spec, dirs = check_inspect_config(config)
     if importlib.util.find_spec("nvdlfw_inspect") is None:
         return spec
-    import nvdlfw_inspect.api as debug_api
-
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     with tempfile.TemporaryDirectory() as log_dir:
         start_nvdlfw(spec, dirs, log_dir, source=source)
-        debug_api.end_debug()
-        reset_nvdlfw()
+        reset_nvdlfw()  # ends it too
     return spec
 
 

@@ -24,7 +24,7 @@ from .flops import model_flops_per_token
 from .redaction import redact_mapping
 from .validation import ConfigError, check_file_keys, check_types, checked_keywords, unknown_key
 
-__all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides"]
+__all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml"]
 
 
 @checked_keywords("tensor_inspect.")
@@ -226,7 +226,7 @@ class MetricsConfig:
     def from_yaml(cls, path: Union[str, Path], overrides: Optional[list[str]] = None) -> "MetricsConfig":
         """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after."""
         path = Path(path)
-        values = _read_yaml(path)
+        values = read_yaml(path)
         try:
             if values is not None and not isinstance(values, dict):
                 raise ConfigError(f"a config file is a mapping of keys to values, got {type(values).__name__}")
@@ -269,19 +269,20 @@ def parse_overrides(items: list[str]) -> dict:
 # --- helpers ----------------------------------------------------------------------------
 
 
-def _read_yaml(path: Path) -> Any:
-    """The parsed content of a YAML config file; every way it can be unreadable is a ConfigError."""
+def read_yaml(path: Path, what: str = "metrics config file") -> Any:
+    """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
+    features file); every way it can be unreadable is a ConfigError."""
     if not path.is_file():
-        raise ConfigError(f"metrics config file {str(path)!r} does not exist")
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise ConfigError(f"metrics config file {str(path)!r} is not a UTF-8 text file "
-                          f"({err.reason} at byte {err.start}); a config is a YAML text file") from None
+        raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
+                          f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
     except OSError as err:
-        raise ConfigError(f"metrics config file {str(path)!r} cannot be read: {err.strerror or err}") from None
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"metrics config file {str(path)!r} is not valid YAML: {err}") from None
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
 
 
 def _apply_overrides(values: dict, items: list[str]) -> dict:

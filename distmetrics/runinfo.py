@@ -9,6 +9,7 @@ that gave up."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -25,6 +26,7 @@ from .parallel import Layout, RankInfo
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks
+from .sinks.appendfile import describe_os_error
 
 __all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "OutputClaim"]
 
@@ -46,24 +48,34 @@ class OutputClaim:
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._file = open(path / _LOCK_NAME, "a+")
+        except OSError as err:
+            self.release()
+            self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank "
+                            f"({socket.gethostname()}): {describe_os_error(err)}")
+            return
+        try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                # A file system without flock (some NFS or Lustre mounts): the folder is writable,
+                # only the guard against a second writer is missing.
+                logger.warning("distmetrics: output_dir=%r cannot be locked (%s); a second Monitor writing there "
+                               "would not be refused: give each job its own output_dir.", str(path),
+                               describe_os_error(err))
+                self.release()
+                (path / _LOCK_NAME).unlink(missing_ok=True)  # it locks nothing here
+                return
             self._file.seek(0)
             holder = self._file.read().strip() or "unknown"
             self.release()
             self.problem = (f"output_dir={str(path)!r} is in use by another Monitor ({holder}); two writers would "
                             "interleave their records: give each job its own output_dir")
-        except OSError as err:
-            self.release()
-            self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank "
-                            f"({socket.gethostname()}): [Errno {err.errno}] {err.strerror}"
-                            + (f": {err.filename!r}" if err.filename else ""))
-        else:
-            self._file.seek(0)
-            self._file.truncate()
-            self._file.write(f"pid {os.getpid()} on {socket.gethostname()}")
-            self._file.flush()
-            self._held = path / _LOCK_NAME
+            return
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._file.flush()
+        self._held = path / _LOCK_NAME
 
     def release(self) -> None:
         """Let another Monitor write ``output_dir`` (the lock file goes; a killed process leaves

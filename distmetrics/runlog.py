@@ -10,12 +10,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from .sinks import DASHBOARD_KINDS
-from .sinks.jsonl import decode_line
+from .sinks.jsonl import METRICS_FILE, decode_line
 
 __all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step"]
-
-METRICS_FILE = "metrics.jsonl"
-"""The name of the JSONL file in every run folder."""
 
 
 @dataclass

@@ -116,6 +116,26 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
 
 
+def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path):
+    section = "s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n  distmetrics:\n    LogTensorStats:"
+    cases = [
+        (" null\n", "distmetrics.LogTensorStats must be a mapping of settings"),
+        ("\n      enabled: true\n      tensors_struct: [activation]\n",
+         "distmetrics.LogTensorStats.tensors_struct must be a list of mappings"),
+        ("\n      enabled: true\n      tensors: activation\n", "distmetrics.LogTensorStats.tensors must be a list"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: max\n", "stats must be a list"),
+        ("\n      enabled: true\n      tensors: [activation]\n      freq: often\n",
+         "freq must be a whole number of steps >= 1, got 'often'"),
+    ]
+    for number, (body, message) in enumerate(cases):
+        features = tmp_path / f"features{number}.yaml"
+        features.write_text(section + body)
+        out = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
+                   f"tensor_inspect.features={features}")
+        assert out.returncode == 2 and message in out.stderr and "section 's'" in out.stderr, (body, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
 def test_the_monitor_refuses_what_check_config_refuses(tmp_path):
     import distmetrics as dm
 

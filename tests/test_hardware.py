@@ -101,6 +101,34 @@ def test_pause_leaves_evaluation_energy_out(nvml):
     assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(15.0)
 
 
+def test_an_evaluation_before_the_first_step_is_not_taken_from_training(nvml):
+    # readings: built 0, pause 1_000, resume 501_000 (a 500 J evaluation), first monitor.step
+    # 600_000 (the count starts), log step 900_000: training used 300 J
+    nvml(devices={"GPU-0000": [0, 1_000, 501_000, 600_000, 900_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+    monitor.pause()
+    monitor.resume()
+    monitor.step(1, tokens=100)
+    m = monitor.step(2, tokens=100)
+    assert m["energy/total_j"] == pytest.approx(300.0)
+    assert m["power/max_w"] > 0
+
+
+def test_a_pause_open_at_the_first_step_counts_from_the_start(nvml):
+    # readings: built 0, pause 1_000, start 50_000, resume 80_000, log step 100_000:
+    # counted from the start, less the 30 J still paused after it = 20 J
+    nvml(devices={"GPU-0000": [0, 1_000, 50_000, 80_000, 100_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    energy.pause()
+    energy.start()
+    energy.resume()
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(20.0)
+
+
 def test_not_supported_warns_once_and_reports_nothing(nvml, caplog):
     nvml(devices={"GPU-0000": [0]}, unsupported_energy=True)
     from distmetrics.collectors.nvml import EnergyCollector

@@ -504,3 +504,26 @@ def test_feature_code_in_the_working_directory_is_never_imported(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert cli.returncode == 2
     assert not (tmp_path / "ran").exists()
+
+
+def test_partials_of_every_rank_merge_in_one_pass_to_those_of_the_whole_tensor():
+    import torch
+
+    from distmetrics.tensor_stats.statistics import PARTS, merge_ranks, partials
+
+    generator = torch.Generator().manual_seed(7)
+    chunks = [torch.randn(size, generator=generator, dtype=torch.float64) * scale + shift
+              for size, scale, shift in ((5, 1.0, 0.0), (1, 3.0, 2.0), (300, 0.1, -4.0), (40, 10.0, 1e3))]
+    chunks[1][0] = 0.0  # a zero: not the smallest non-zero magnitude
+    columns = [[float(partials(c)[p]) for p in PARTS] for c in chunks]
+    columns.insert(2, [math.nan] * len(PARTS))  # a rank that sent nothing for this key
+    table = torch.tensor(columns, dtype=torch.float64).T.unsqueeze(0)  # [key, part, rank]
+    merged = {p: float(v[0]) for p, v in merge_ranks(table).items()}
+    whole = torch.cat(chunks)
+    assert merged["n"] == whole.numel()
+    assert merged["mean"] == pytest.approx(float(whole.mean()), rel=1e-12)
+    assert merged["m2"] / (merged["n"] - 1) == pytest.approx(float(whole.var()), rel=1e-12)
+    assert (merged["min"], merged["max"]) == (float(whole.min()), float(whole.max()))
+    assert merged["l1"] == pytest.approx(float(whole.abs().sum()), rel=1e-12)
+    assert merged["sumsq"] == pytest.approx(float(whole.pow(2).sum()), rel=1e-12)
+    assert merged["minabs"] == float(whole.abs()[whole != 0].min())

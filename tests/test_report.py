@@ -252,10 +252,30 @@ def test_a_missing_extra_is_named_with_exit_status_2(tmp_path):
 
 def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
     run = _report_cli(str(tmp_path))
-    assert run.returncode == 2 and "no metrics file" in run.stderr and "metrics.jsonl" in run.stderr
+    assert run.returncode == 2 and "is a folder without metrics.jsonl" in run.stderr
     run = _report_cli(str(ROOT / "README.md"), "--out", str(tmp_path / "r.html"))
     assert run.returncode == 2 and "README.md is not a metrics.jsonl" in run.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_folder_of_run_folders_gets_one_report_per_run_as_summary_reads_it(tmp_path):
+    # launch/demo.sh's layout: runs/demo/<date-time>/metrics.jsonl, one folder per demo run
+    runs = tmp_path / "runs" / "demo"
+    for name, loss in (("20250101-120000", 2.0), ("20250101-130000", 1.0)):
+        (runs / name).mkdir(parents=True)
+        _write(runs / name / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                               {"kind": "train", "step": 1, "train/loss": loss}])
+    made = _report_cli(str(runs))
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert made.stdout.split() == ["report:", str(runs / "20250101-120000" / "report.html"),
+                                   "report:", str(runs / "20250101-130000" / "report.html")]
+    assert all((runs / name / "report.html").is_file() for name in ("20250101-120000", "20250101-130000"))
+    refused = _report_cli(str(runs), "--out", str(tmp_path / "one.html"))
+    assert refused.returncode == 2 and "holds 2 runs" in refused.stderr and not (tmp_path / "one.html").exists()
+    with pytest.raises(ValueError, match="holds 2 runs"):
+        write_report(runs)
+    (runs / "20250101-130000" / "metrics.jsonl").unlink()  # one run left: the API takes the folder too
+    assert write_report(runs, tmp_path / "one.html") == str(tmp_path / "one.html")
 
 
 def test_the_report_never_imports_torch_nor_pyplot(tmp_path):
@@ -306,6 +326,26 @@ def test_restarts_nan_and_a_line_cut_short(tmp_path):
     steps, values = data.grids[("rank", "timers/step")].logged()
     assert steps.tolist() == [10, 20, 30] and values[:, 1].tolist() == [20.0, 11.0, 11.0]
     assert data.alerts[0]["first_module"] == "b.2" and data.rank_hosts == {0: "a", 1: "b"}
+
+
+def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
+    from distmetrics.report.alerts import events_of
+
+    run = {"kind": "run", "step": 0, "world_size": 1}
+    _write(tmp_path / "metrics.jsonl", [
+        run, {"kind": "train", "step": 10, "train/loss": 2.0},
+        {"kind": "gap", "step": 30, "first_step": 20, "last_step": 20, "lost_records": 1,
+         "error": "[Errno 28] No space left on device (ENOSPC)"},
+        {"kind": "train", "step": 30, "train/loss": 1.0},
+        run, {"kind": "resume", "step": 20, "message": "this job starts at step 20", "last_logged_step": 30},
+        {"kind": "train", "step": 20, "train/loss": 1.5}])
+    data = load_metrics(tmp_path)
+    assert data.records == 3
+    assert data.scalars.names == ["train/loss"]
+    assert [(e["step"], e["type"]) for e in events_of(data)] == [(30, "gap"), (20, "resume")]
+    assert "ENOSPC" in events_of(data)[0]["message"]
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    assert "3 metric records" in page and "Other metrics" not in page and "lost_records" not in page
 
 
 def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):

@@ -288,6 +288,59 @@ def test_an_os_error_names_the_path_and_errno_not_an_install(tmp_path, caplog):
     assert "ENOTDIR" in warning and str(tmp_path / "file") in warning and "pip install" not in warning
 
 
+def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
+    # Some NFS and Lustre mounts refuse flock with ENOLCK; that cannot be mounted here, so only the
+    # flock call fails, as it does there (the folder stays writable).
+    import errno
+    import fcntl
+
+    import distmetrics as dm
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False,
+                                     log_interval=1)) as monitor:
+        monitor.step(1, loss=1.5)
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot be locked" in r.getMessage()]
+    assert "ENOLCK" in warning and str(tmp_path) in warning
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["run", "train"] and records[1]["train/loss"] == 1.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "progress.txt"]
+
+
+def test_the_count_of_dropped_records_at_close_names_the_sinks_that_fell_behind(caplog):
+    import threading
+
+    from distmetrics.sinks import SinkSet
+
+    class Stuck:
+        """A sink stuck until the test lets it go (a network sink waiting on a socket)."""
+
+        name, fix = "tensorboard", "-"
+        entered, opened = threading.Event(), threading.Event()
+
+        def log(self, metrics, step, kind):
+            self.entered.set()
+            self.opened.wait(120)
+
+        def close(self):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    sinks = SinkSet([Stuck()])
+    sinks.log({"x": 0.0}, 0, "train")
+    assert Stuck.entered.wait(60)
+    for step in range(1, sinks.writer.max_records + 4):
+        sinks.log({"x": 1.0}, step, "train")
+    Stuck.opened.set()
+    sinks.close()
+    (count,) = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert "the tensorboard sinks fell behind and 3 records (steps 1-3)" in count
+
+
 # --- W&B: a full disk, and a server that cannot be reached ------------------------------------
 
 def _wandb_full_disk_child(folder: str, disk: str, out: str, result: str) -> None:
@@ -356,3 +409,53 @@ def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_pa
     reported = [w for w in result["warnings"] if "the wandb sink" in w]
     assert len(reported) == 1 and "wandb.init did not finish within 3 s" in reported[0], result["warnings"]
     assert "20 rows logged meanwhile not sent" in reported[0]
+
+
+def _wandb_argv_child(out: str, result: str, *command_line: str) -> None:
+    """W&B offline started while the training thread reads and changes sys.argv (as a parser run
+    after Monitor() would); wandb.init is held until the training thread has looked."""
+    import threading
+
+    import wandb
+
+    import distmetrics as dm
+
+    real_init, entered, release = wandb.init, threading.Event(), threading.Event()
+
+    def held_init(**kwargs):
+        entered.set()
+        release.wait(60)
+        return real_init(**kwargs)
+
+    wandb.init = held_init
+    before = list(sys.argv)
+    cfg = dm.MetricsConfig(output_dir=out, console=False, tensorboard=False, log_interval=1, timing_log_level=-1,
+                           wandb_project="argv", wandb_mode="offline")
+    monitor = dm.Monitor(cfg)
+    assert entered.wait(60)
+    during = list(sys.argv)
+    sys.argv = sys.argv + ["--lr", "0.1"]  # the training thread's own change, while W&B starts
+    release.set()
+    monitor.step(1, loss=1.0)
+    monitor.close()
+    Path(result).write_text(json.dumps({"before": before, "during": during, "after": sys.argv}))
+
+
+def test_wandb_start_leaves_sys_argv_alone_and_no_secret_reaches_its_files(tmp_path):
+    pytest.importorskip("wandb")
+    from tests.wandb_reader import read_offline_run
+
+    secret = "hf_SECRET4242"
+    out = tmp_path / "out"
+    child = run_child("_wandb_argv_child", str(out), str(tmp_path / "result.json"), "--hf-token", secret,
+                      "--seq-length", "128")
+    assert child.returncode == 0, child.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["during"] == result["before"] and result["before"][-4:] == ["--hf-token", secret, "--seq-length",
+                                                                             "128"]
+    assert result["after"] == result["before"] + ["--lr", "0.1"]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
+    assert read_offline_run(str(out))["config"]["argv"][-4:] == ["--hf-token", "***", "--seq-length", "128"]

@@ -42,6 +42,24 @@ def test_awkward_values_read_back_as_written(tmp_path):
     assert record["numpy"] == 2.5 and record["big"] == 2**70 and record["none"] is None and record["flag"] is True
 
 
+@pytest.mark.parametrize("encoder", ["orjson", "standard library"])
+def test_numpy_scalars_are_written_as_numbers_and_read_back(encoder, tmp_path, monkeypatch):
+    import distmetrics as dm
+
+    if encoder == "orjson":
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(jsonl, "orjson", None)
+    sink = jsonl.JsonlSink(tmp_path / "m.jsonl")
+    sink.log({"f32": np.float32(1.5), "i64": np.int64(3), "nan32": np.float32("nan"), "inf32": np.float32("-inf"),
+              "f16": np.float16(0.5), "flag": np.bool_(True), "zero_d": np.array(2.25)}, 1, "train")
+    sink.close()
+    (record,) = dm.read_jsonl(tmp_path / "m.jsonl")
+    assert (record["f32"], record["i64"], record["f16"], record["zero_d"]) == (1.5, 3, 0.5, 2.25)
+    assert type(record["i64"]) is int and record["flag"] is True
+    assert math.isnan(record["nan32"]) and record["inf32"] == -math.inf
+
+
 def test_the_record_checksum_is_tensorboards():
     pytest.importorskip("google_crc32c")
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference

@@ -84,9 +84,13 @@ class EnergyCollector:
 
     def start(self) -> None:
         """Count from now (the Monitor calls this at the first ``monitor.step``, as it starts the
-        step clock: building the Monitor is no step's energy)."""
+        step clock: building the Monitor is no step's energy). A pause before it (an evaluation
+        before training) is left behind, not subtracted from the training that follows."""
         if self.enabled:
             self._last_mj, self._last_t = self._read(), time.perf_counter()
+            self._paused_mj, self._paused_s = 0, 0.0
+            if self._pause_start is not None:  # still paused: the pause counts from now
+                self._pause_start = (self._last_mj, self._last_t)
 
     def pause(self) -> None:
         """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""

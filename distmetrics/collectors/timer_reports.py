@@ -17,6 +17,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..megatron_text import time_block
+from ..packing import gather_single
+
 __all__ = ["MegatronReports", "TimerError"]
 
 logger = logging.getLogger("distmetrics.timers")
@@ -111,14 +114,7 @@ class MegatronReports:
 
     def _get_global_min_max_time_string(self, names: list, reset: bool, barrier: bool, normalizer: float,
                                         max_only: bool) -> Optional[str]:
-        times = self._get_global_min_max_time(names, reset, barrier, normalizer)
-        if not times:
-            return None
-        text = "max time across ranks (ms):" if max_only else "(min, max) time across ranks (ms):"
-        for name, (low, high) in times.items():
-            label = (name + " ").ljust(48, ".")
-            text += f"\n    {label}: {high:.2f}" if max_only else f"\n    {label}: ({low:.2f}, {high:.2f})"
-        return text
+        return time_block(self._get_global_min_max_time(names, reset, barrier, normalizer), max_only) or None
 
     def _get_all_ranks_time_string(self, names: list, reset: bool, barrier: bool,
                                    normalizer: float) -> Optional[str]:
@@ -176,6 +172,5 @@ def _all_gather_rows(row: torch.Tensor, world: int) -> torch.Tensor:
         device = torch.device("cuda", torch.cuda.current_device())
     row = row.to(device)
     out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, row)
+    gather_single()(out, row)
     return out.view(world, row.numel()).cpu()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..reduce import PerRank
 from .base import Alert, LogContext, Sample
+from .stragglers import _host, _local_rank
 from .timer_reports import MegatronReports, TimerError
 
 __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError", "TimerCollector"]
@@ -332,8 +333,8 @@ class TimerCollector:
         prefix = f"stragglers/{name}"
         metrics[f"{prefix}/rank"] = rank
         if rank < len(ctx.hosts):
-            metrics[f"{prefix}/host"] = ctx.hosts[rank].hostname
-            metrics[f"{prefix}/local_rank"] = ctx.hosts[rank].local_rank
+            metrics[f"{prefix}/host"] = _host(rank, ctx.hosts)
+            metrics[f"{prefix}/local_rank"] = _local_rank(rank, ctx.hosts)
         if typical:
             metrics[f"{prefix}/{ratio_name}"] = slowest / typical
 

@@ -1,7 +1,8 @@
 """A run report: one self-contained HTML page of a run's ``metrics.jsonl``, to look at.
 
-    distmetrics report runs/demo                      # writes runs/demo/report.html
-    distmetrics report runs/demo/metrics.jsonl --out /tmp/demo.html
+    distmetrics report runs/demo/<time>               # writes runs/demo/<time>/report.html
+    distmetrics report runs/demo                      # one report beside each run's metrics.jsonl
+    distmetrics report runs/demo/<time>/metrics.jsonl --out /tmp/demo.html
 
     from distmetrics.report import write_report
     write_report("runs/demo", "runs/demo/report.html")
@@ -52,11 +53,12 @@ def require_plotting() -> None:
 
 
 def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathLike]] = None) -> str:
-    """Read a run's ``metrics.jsonl`` (the file, or the run directory holding it) and write the
-    report to ``out`` (default: ``report.html`` beside the file); returns the path written.
-    Raises :class:`MissingExtra` before reading anything when matplotlib or numpy is missing,
-    ``FileNotFoundError`` when there is no metrics file and :class:`NotAMetricsFile` when not
-    one of the file's lines is a JSON record (an empty file is an empty run)."""
+    """Read a run's ``metrics.jsonl`` (the file, the run directory holding it, or a folder holding
+    one such run directory) and write the report to ``out`` (default: ``report.html`` beside the
+    file); returns the path written. Raises :class:`MissingExtra` before reading anything when
+    matplotlib or numpy is missing, ``FileNotFoundError`` when the path does not exist,
+    ``ValueError`` when it names no metrics file or several runs, and :class:`NotAMetricsFile`
+    when not one of the file's lines is a JSON record (an empty file is an empty run)."""
     require_plotting()
     from .html import render_report
     from .read import load_metrics as load, metrics_path

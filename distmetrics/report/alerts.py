@@ -1,6 +1,7 @@
 """Alerts and health: every ``alert`` record, plus what the health metrics flag (spikes, skipped
-steps, non-finite values) where no alert record says it, with the first non-finite module. The
-steps of each kind are marked on every step plot (:meth:`Figures.mark`)."""
+steps, non-finite values) where no alert record says it, with the first non-finite module, and
+the ``gap`` (records that could not be written) and ``resume`` records. The steps of each kind
+are marked on every step plot (:meth:`Figures.mark`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ _FLAGS = (("health/loss_spike", "loss_spike", "health/loss_spike_factor", "loss 
 
 
 def events_of(data: RunData) -> list[dict]:
-    """Alert records and the health metrics' flags, in job and step order (one per step and kind)."""
-    events = [dict(a, source="alert") for a in data.alerts]
+    """Alert, gap and resume records and the health metrics' flags, in job and step order (one per
+    step and kind)."""
+    events = [dict(a, source="alert") for a in data.alerts] + [dict(e, source="record") for e in data.events]
     have = {(e["step"], e["type"]) for e in events}
     for found in data.first_nonfinite:  # the first non-finite module, written beside the metrics
         for event in events:

@@ -29,7 +29,8 @@ HEALTHY_BANDS: dict[str, tuple[float, float, str]] = {
 heatmap's colour bar (the README's table of healthy bands)."""
 
 EVENT_COLOURS = {"nonfinite_grad": "#d62728", "nonfinite_loss": "#8b0000", "loss_spike": "#ff7f0e",
-                 "grad_spike": "#9467bd", "skipped_steps": "#7f7f7f", "straggler": "#17becf"}
+                 "grad_spike": "#9467bd", "skipped_steps": "#7f7f7f", "straggler": "#17becf", "gap": "#bcbd22",
+                 "resume": "#2ca02c"}
 DPI = 100
 MAX_EVENT_LINES = 1500  # vertical event lines per plot (thinned to distinct pixels beyond)
 

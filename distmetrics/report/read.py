@@ -26,14 +26,18 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from ..runlog import metrics_files
+from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
 
-__all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES"]
+__all__ = ["RunData", "load_metrics", "metrics_path", "MODULE_FAMILIES", "EVENT_KINDS"]
 
 MODULE_FAMILIES = ("grad_norm", "update_norm", "param_norm", "relative_update_norm", "effective_lr_ratio")
 """Metric families with one value per module (``<family>/<module>``)."""
 STRAGGLER_REPORTS_KEPT = 20
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+EVENT_KINDS = ("gap", "resume")
+"""Record kinds that say what happened to the file, not what was measured: listed with the
+alerts and marked on the plots, never drawn as curves nor counted as metric records."""
 _PER_RANK = re.compile(r"^(.+)/rank(\d+)$")
 
 
@@ -50,6 +54,7 @@ class RunData:
         self.model_order: list[str] = []  # the modules of the last run record, in model order
         self.jobs: list[dict] = []
         self.alerts: list[dict] = []
+        self.events: list[dict] = []  # gap and resume records (EVENT_KINDS)
         self.first_nonfinite: list[dict] = []  # health/first_nonfinite_module beside the metrics
         self.last_text: dict[str, Any] = {}
         self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
@@ -118,6 +123,9 @@ class RunData:
                                 "message": str(record.get("message", "")), "first_module": record.get("first_module")})
         elif kind == "stragglers":
             self.straggler_reports.append((step, self._job, record))
+        elif kind in EVENT_KINDS:
+            self.events.append({"step": step, "job": self._job, "type": kind, "message": _event_message(record),
+                                "first_module": None})
         else:
             self.records += 1
             self._take_values(record, step)
@@ -157,7 +165,7 @@ class RunData:
                 grid.add(step, self._job, rows, nrows, array[positions])
         for key in plan.text:
             value = self.last_text[key] = record.get(key)
-            if key == "health/first_nonfinite_module" and isinstance(value, str) and value not in _NONFINITE:
+            if key == "health/first_nonfinite_module" and isinstance(value, str) and value not in NONFINITE:
                 self.first_nonfinite.append({"step": step, "job": self._job, "module": value})
 
     # --- parse plans ---------------------------------------------------------------------
@@ -170,7 +178,7 @@ class RunData:
         for key, value in record.items():
             if key in ("kind", "step", "time") or isinstance(value, (dict, list)):
                 continue
-            if isinstance(value, str) and value not in _NONFINITE:
+            if isinstance(value, str) and value not in NONFINITE:
                 plan.text.append(key)
                 continue
             position = len(numeric)
@@ -233,13 +241,15 @@ class _Plan:
 
 
 def metrics_path(run: Union[str, os.PathLike]) -> Path:
-    """The ``metrics.jsonl`` of a run directory, or the file itself; a clear error otherwise."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path}: give a metrics.jsonl or the run directory holding one")
-    return path
+    """The one ``metrics.jsonl`` a path names (the file, a run folder's file, or a folder of run
+    folders that holds one run; :func:`~distmetrics.runlog.metrics_files`); a clear error when it
+    names none or several."""
+    found = metrics_files(run)
+    if len(found) > 1:
+        raise ValueError(f"{str(run)!r} holds {len(found)} runs ({found[0].parent.name} ... "
+                         f"{found[-1].parent.name}): give one run folder, or `distmetrics report {run}` "
+                         "for one report beside each run's metrics.jsonl")
+    return found[0]
 
 
 def load_metrics(run: Union[str, os.PathLike]) -> RunData:
@@ -283,11 +293,18 @@ def _step_of(record: dict) -> Optional[int]:
 
 def _number(value: Any) -> float:
     if isinstance(value, str):
-        return _NONFINITE.get(value, math.nan)
+        return NONFINITE.get(value, math.nan)
     try:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+
+
+def _event_message(record: dict) -> str:
+    if record.get("kind") == "gap":
+        return (f"{record.get('lost_records')} record(s), steps {record.get('first_step')}-{record.get('last_step')}, "
+                f"could not be written: {record.get('error', '')}")
+    return str(record.get("message", ""))
 
 
 def _job_meta(record: dict, index: int) -> dict:

@@ -198,7 +198,7 @@ class SinkSet:
 
 def failure_cause(err: BaseException) -> str:
     """The cause as a warning says it: an OSError's errno, text and path; else type and message."""
-    if isinstance(err, OSError) and err.errno is not None:
+    if isinstance(err, OSError):
         return describe_os_error(err)
     return f"{type(err).__name__}: {err}"
 
@@ -208,13 +208,13 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     from pathlib import Path
 
     from .console import ConsoleSink
-    from .jsonl import JsonlSink
+    from .jsonl import METRICS_FILE, JsonlSink
     from .progress import ProgressSink
 
     cfg, out = config, Path(config.output_dir)
     sinks = SinkSet(include_timers=cfg.log_timers_to_tensorboard)
     if cfg.json_log:
-        sinks.add(lambda: JsonlSink(out / "metrics.jsonl"), JsonlSink.name, JsonlSink.fix)
+        sinks.add(lambda: JsonlSink(out / METRICS_FILE), JsonlSink.name, JsonlSink.fix)
     if cfg.console:
         sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), ConsoleSink.name, ConsoleSink.fix)
     if cfg.log_progress:

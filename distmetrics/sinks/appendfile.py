@@ -140,7 +140,7 @@ def describe_os_error(err: OSError) -> str:
     """``[Errno 28] No space left on device (ENOSPC)``, with the path when the error has one."""
     if err.errno is None:
         return f"{type(err).__name__}: {err}"
-    name = _errno.errorcode.get(err.errno, "") if err.errno is not None else ""
+    name = _errno.errorcode.get(err.errno, "")
     text = f"[Errno {err.errno}] {err.strerror or err}" + (f" ({name})" if name else "")
     if err.filename is not None:
         text += f": {err.filename}"

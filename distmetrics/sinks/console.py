@@ -21,6 +21,7 @@ import math
 import sys
 from typing import Any, Optional
 
+from ..megatron_text import time_block
 from ..per_rank import PerRank
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
@@ -121,7 +122,7 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
 
 def format_timer_block(m: dict[str, Any]) -> str:
     """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``."""
-    rows = []
+    times = {}
     for key, value in m.items():
         low = high = None
         if key.startswith("timers/") and key.endswith("/min"):
@@ -129,10 +130,8 @@ def format_timer_block(m: dict[str, Any]) -> str:
             high = m.get(f"timers/{name}")
             low, high = value, (m.get(f"timers/{name}/max") if isinstance(high, PerRank) else high)
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
-            rows.append(f"    {(name + ' ').ljust(48, '.')}: ({low:.2f}, {high:.2f})")
-    if not rows:
-        return ""
-    return "(min, max) time across ranks (ms):\n" + "\n".join(rows)
+            times[name] = (low, high)
+    return time_block(times)
 
 
 def format_duration(seconds: float) -> str:

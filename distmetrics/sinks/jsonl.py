@@ -32,9 +32,12 @@ try:
 except ImportError:  # the standard library writes the same values, slower
     orjson = None
 
-__all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value"]
+__all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value", "METRICS_FILE", "NONFINITE"]
 
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+METRICS_FILE = "metrics.jsonl"
+"""The name of the JSONL file in every run folder."""
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+"""The strings that stand for NaN and ±Inf in the file, and the floats they stand for."""
 
 
 class JsonlSink:
@@ -96,20 +99,39 @@ def _fast(record: dict[str, Any]) -> Optional[bytes]:
 def _exact(record: dict[str, Any]) -> bytes:
     """The standard library's encoding, NaN and Inf as strings."""
     try:
-        text = json.dumps(record, allow_nan=False, default=str, separators=(",", ":"))
+        text = json.dumps(record, allow_nan=False, default=_exact_default, separators=(",", ":"))
     except ValueError:
-        text = json.dumps(encode_value(record), allow_nan=False, default=str, separators=(",", ":"))
+        text = json.dumps(encode_value(record), allow_nan=False, default=_exact_default, separators=(",", ":"))
     return text.encode("utf-8")
 
 
 def _plain(value: Any) -> Any:
-    """What orjson hands back: numpy's float and int subclasses as numbers, other types as text;
-    a PerRank (written per rank) raises, so the record takes the general path."""
+    """What orjson hands back: numbers of other types (float and int subclasses, numpy scalars
+    such as ``np.float32`` and ``np.int64``, 0-d arrays and tensors) as Python numbers, other
+    types as text; a PerRank (written per rank) raises, so the record takes the general path."""
     if isinstance(value, PerRank):
         raise TypeError("per-rank values")
+    value = _python_number(value)
     if isinstance(value, (float, int)):
-        return float(value) if isinstance(value, float) else int(value)
+        return value if isinstance(value, bool) else float(value) if isinstance(value, float) else int(value)
     return str(value)
+
+
+def _exact_default(value: Any) -> Any:
+    """The standard library's fallback for types it does not know: as :func:`_plain`, with
+    non-finite numbers as strings."""
+    value = _python_number(value)
+    return encode_value(value) if isinstance(value, (float, int)) else str(value)
+
+
+def _python_number(value: Any) -> Any:
+    """A numpy scalar, 0-d array or 0-d tensor as the Python number it holds; else ``value``."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        try:
+            return value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return value
+    return value
 
 
 def encode_value(value: Any) -> Any:
@@ -144,4 +166,4 @@ def decode_line(line: str) -> Optional[dict[str, Any]]:
         return None
     if not isinstance(record, dict):
         return None
-    return {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+    return {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}

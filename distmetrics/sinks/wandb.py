@@ -55,8 +55,18 @@ class WandbSink:
         """Rows dropped because W&B was still starting and the buffer was full."""
         self._problem_reported = False
         self._log_offset = 0
+        settings: dict[str, Any] = {"init_timeout": START_TIMEOUT_S}
+        argv = redact_argv(sys.argv)
+        if argv != sys.argv:
+            # W&B copies sys.argv as it is into the run's metadata (its "environment" record) and
+            # into jobs; sys.argv is the training thread's and stays as it is: with a secret on it,
+            # that metadata is left out and the config holds the redacted command line instead.
+            settings.update(x_disable_meta=True, disable_job_creation=True)
+            config = dict(config, argv=argv)
+            logger.info("distmetrics: the command line holds a secret value: the W&B run gets the redacted "
+                        "command line in its config (argv) and no W&B environment metadata.")
         kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
-                      reinit="create_new", settings=wandb.Settings(init_timeout=START_TIMEOUT_S))
+                      reinit="create_new", settings=wandb.Settings(**settings))
         threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
 
     def log_view(self, view: ScalarView, step: int) -> None:
@@ -85,8 +95,6 @@ class WandbSink:
         self._check_for_problems(None)
 
     def _start(self, kwargs: dict) -> None:
-        # W&B copies the command line into the run's metadata: let it see the redacted one.
-        argv, sys.argv = sys.argv, redact_argv(sys.argv)
         try:
             run = self._wandb.init(**kwargs)
         except BaseException as err:  # noqa: BLE001 - W&B raises its own types (and SystemExit)
@@ -97,7 +105,6 @@ class WandbSink:
             else:
                 self.run = run
         finally:
-            sys.argv = argv
             self._started.set()
 
     def _ready(self, wait_s: float) -> bool:

@@ -46,6 +46,7 @@ class WriterThread:
         self.dropped = 0
         """Records dropped because the queue was full."""
         self._dropped_steps: Optional[list[int]] = None  # [first, last]
+        self._dropped_for = ""  # the sinks named when dropping started (close() has closed them since)
         self._records: collections.deque = collections.deque()
         self._names = 0
         self._busy = False
@@ -71,10 +72,11 @@ class WriterThread:
                     first_drop = old_step
                 self._dropped_steps[1] = old_step
         if first_drop is not None:
+            self._dropped_for = self._sinks()
             logger.warning("distmetrics: the %s sinks are behind: their queue is full (%d records or %s names), "
                            "so the oldest records are dropped and counted (the first: step %d); training does not "
-                           "wait. The count comes at close.", self._sinks(), self.max_records, f"{self.max_names:,}",
-                           first_drop)
+                           "wait. The count comes at close.", self._dropped_for, self.max_records,
+                           f"{self.max_names:,}", first_drop)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued record is written (at most ``timeout`` seconds, default
@@ -104,7 +106,7 @@ class WriterThread:
         if self.dropped:
             first, last = self._dropped_steps
             logger.warning("distmetrics: the %s sinks fell behind and %d record%s (steps %d-%d) were dropped "
-                           "for them.", self._sinks(), self.dropped,
+                           "for them.", self._dropped_for, self.dropped,
                            "" if self.dropped == 1 else "s", first, last)
 
     def _run(self) -> None:

@@ -14,9 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
-
-from ..config import ConfigError, TensorInspectConfig
+from ..config import ConfigError, TensorInspectConfig, read_yaml
 from .statistics import SUPPORTED_STATS
 
 __all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",
@@ -37,22 +35,14 @@ def check_inspect_config(config: TensorInspectConfig) -> tuple[dict, list]:
     # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
     check_custom_dirs(config)
     spec = load_features(config.features, te_available=True if config.feature_dirs else None)
-    return spec, feature_dirs_for(config, spec)
+    return spec, _feature_dirs(config, spec)
 
 
 def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -> dict:
     """Read and check a features YAML (path or mapping); returns the mapping."""
     source = spec if isinstance(spec, str) else "<inline features>"
     if isinstance(spec, str):
-        if not os.path.isfile(spec):
-            raise ConfigError(f"tensor_inspect.features: file {spec!r} does not exist")
-        try:
-            spec = yaml.safe_load(Path(spec).read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"tensor_inspect.features: {source!r} is not a UTF-8 text file ({err.reason} "
-                              f"at byte {err.start})") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"tensor_inspect.features: {source!r} is not valid YAML: {err}") from None
+        spec = read_yaml(Path(spec), "tensor_inspect.features: file")
     if not isinstance(spec, dict) or not spec:
         raise ConfigError(f"{source}: a features file is a mapping of sections, got {spec!r}")
     if te_available is None:
@@ -86,35 +76,60 @@ def _check_our_features(where: str, features: Any) -> None:
     for name, cfg in features.items():
         if name != "LogTensorStats":
             raise ConfigError(f"{where}: unknown feature 'distmetrics.{name}'; accepted: LogTensorStats")
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats must be a mapping of settings "
+                              f"({', '.join(sorted(_FEATURE_KEYS))}), got {cfg!r}")
         unknown = set(cfg) - _FEATURE_KEYS
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
                               f"accepted: {sorted(_FEATURE_KEYS)}")
-        entries = cfg.get("tensors_struct") or [dict(cfg, tensor=t) for t in cfg.get("tensors", [])]
-        if not entries:
-            raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
-        for entry in entries:
+        for entry in _tensor_entries(where, cfg):
             tensor = entry.get("tensor")
             if tensor not in TENSORS:
                 raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(TENSORS)}")
-            for stat in entry.get("stats", cfg.get("stats", [])):
+            stats = entry.get("stats", cfg.get("stats", []))
+            if not isinstance(stats, list):
+                raise ConfigError(f"{where}: stats must be a list of statistics ({', '.join(SUPPORTED_STATS)}), "
+                                  f"got {stats!r}")
+            for stat in stats:
                 if stat not in SUPPORTED_STATS:
                     raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(SUPPORTED_STATS)}")
-            if int(entry.get("freq", cfg.get("freq", 1))) < 1:
-                raise ConfigError(f"{where}: freq must be >= 1")
+            freq = entry.get("freq", cfg.get("freq", 1))
+            if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+                raise ConfigError(f"{where}: freq must be a whole number of steps >= 1, got {freq!r}")
+
+
+def _tensor_entries(where: str, cfg: dict) -> list[dict]:
+    """distmetrics.LogTensorStats' entries, one per tensor: ``tensors_struct`` (a list of mappings
+    with a ``tensor``) or ``tensors`` (a list of names) with the shared settings."""
+    struct, tensors = cfg.get("tensors_struct"), cfg.get("tensors")
+    if struct:
+        if not isinstance(struct, list) or not all(isinstance(e, dict) for e in struct):
+            raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors_struct must be a list of mappings "
+                              f"such as {{tensor: activation, stats: [max]}}, got {struct!r}")
+        return struct
+    if tensors is not None and not isinstance(tensors, list):
+        raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors must be a list of tensor names "
+                          f"({', '.join(TENSORS)}), got {tensors!r}")
+    if not tensors:
+        raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
+    return [dict(cfg, tensor=t) for t in tensors]
 
 
 def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:
     """Our feature namespace, TransformerEngine's when the YAML uses it, and custom folders
     only when ``allow_custom_feature_dirs`` is true (they run code)."""
+    check_custom_dirs(config)
+    return _feature_dirs(config, spec)
+
+
+def _feature_dirs(config: TensorInspectConfig, spec: dict) -> list:
+    """:func:`feature_dirs_for` once the custom folders are checked."""
     dirs = [FEATURES_DIR]
     te = installed_transformer_engine()
     if te is not None and any("transformer_engine" in body for body in spec.values() if isinstance(body, dict)):
         dirs.append(os.path.join(te, "debug", "features"))
-    if config.feature_dirs:
-        check_custom_dirs(config)
-        dirs += list(config.feature_dirs)
-    return dirs
+    return dirs + list(config.feature_dirs or [])
 
 
 def installed_transformer_engine() -> Optional[str]:

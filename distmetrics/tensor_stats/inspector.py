@@ -8,7 +8,7 @@ Two paths, one features file:
   keeps on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
   ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
-  pairwise again.
+  over all ranks in one vectorised pass.
 * ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's base features: TE (or the
   base feature) computes and reduces these itself and logs them (TE inside ``debug_api.step()``);
   they arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
@@ -26,6 +26,7 @@ are not multiplied.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -35,7 +36,7 @@ from ..parallel import data_parallel_group, holds_first_replica, local_tensor, s
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .features import stats_step
-from .statistics import PARTS, merge, partials, stat_value
+from .statistics import PARTS, merge, merge_ranks, partials, stat_value
 from .te_names import metric_name, strip_model
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
@@ -282,16 +283,18 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
             continue
         layer, tensor_name, stats, part = name.split("|")
         groups.setdefault((layer, tensor_name, stats), {})[part] = values
-    for (layer, tensor_name, stats), parts in sorted(groups.items()):
-        merged = None
-        for rank in range(len(parts["n"])):
-            if parts["n"][rank] is None:
-                continue
-            one = {p: torch.tensor(parts[p][rank], dtype=torch.float64) for p in PARTS}
-            merged = one if merged is None else merge(merged, one)
-        if merged is None:
+    keys = sorted(groups)
+    if not keys:
+        return out
+    # One table [key, part, rank] (NaN where a rank sent nothing) merged in one pass over the
+    # ranks: at thousands of ranks a merge per rank and key would take seconds.
+    rows = [[math.nan if v is None else v for v in groups[key][part]] for key in keys for part in PARTS]
+    merged = merge_ranks(torch.tensor(rows, dtype=torch.float64).view(len(keys), len(PARTS), -1))
+    columns = {part: merged[part].tolist() for part in PARTS}
+    for i, (layer, tensor_name, stats) in enumerate(keys):
+        if columns["n"][i] == 0:  # no rank sent this key
             continue
-        values = {k: float(v) for k, v in merged.items()}
+        values = {part: columns[part][i] for part in PARTS}
         prefix = f"tensor_stats/{strip_model(layer)}/{tensor_name}"
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["PARTS", "SUPPORTED_STATS", "partials", "merge", "stat_value"]
+__all__ = ["PARTS", "SUPPORTED_STATS", "partials", "merge", "merge_ranks", "stat_value"]
 
 PARTS = ("n", "mean", "m2", "min", "max", "l1", "sumsq", "minabs")
 SUPPORTED_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
@@ -40,6 +40,26 @@ def merge(a: dict, b: dict) -> dict:
             "min": torch.minimum(a["min"], b["min"]), "max": torch.maximum(a["max"], b["max"]),
             "l1": a["l1"] + b["l1"], "sumsq": a["sumsq"] + b["sumsq"],
             "minabs": torch.minimum(a["minabs"], b["minabs"])}
+
+
+def merge_ranks(table: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every rank's partials merged at once: ``table[..., part, rank]`` (parts in :data:`PARTS`
+    order; a rank without values has NaN there) → each part over the ranks, shape ``table[..., 0, 0]``.
+    The same union as :func:`merge` applied rank after rank, in one pass:
+    N = Σn, mean = Σ n·mean / N, M2 = Σ M2 + Σ n·(mean − mean_all)²."""
+    present = ~torch.isnan(table[..., 0, :])
+
+    def part(name: str, missing: float) -> torch.Tensor:
+        return torch.where(present, table[..., PARTS.index(name), :], missing)
+
+    n, means = part("n", 0.0), part("mean", 0.0)
+    total = n.sum(-1)
+    mean = (n * means).sum(-1) / total
+    spread = torch.where(present, n * (means - mean.unsqueeze(-1)).pow(2), 0.0).sum(-1)
+    return {"n": total, "mean": mean, "m2": part("m2", 0.0).sum(-1) + spread,
+            "min": part("min", math.inf).amin(-1), "max": part("max", -math.inf).amax(-1),
+            "l1": part("l1", 0.0).sum(-1), "sumsq": part("sumsq", 0.0).sum(-1),
+            "minabs": part("minabs", math.inf).amin(-1)}
 
 
 def stat_value(stat: str, v: dict) -> float:
