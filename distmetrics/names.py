@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["NameRegistry", "check_name", "check_value", "written_names"]
+__all__ = ["NameRegistry", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "written_names"]
+
+REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 
 _MONITOR = "the Monitor"
 _RESERVED = {
@@ -32,6 +34,12 @@ def written_names(name: str, kind: str) -> list[str]:
     return {"sum": [name], "mean": [name], "max": [name, f"{name}/max_rank"], "min": [name, f"{name}/min_rank"],
             "minmax": [f"{name}/max", f"{name}/min", f"{name}/max_rank", f"{name}/min_rank"],
             "all": [name, f"{name}/max", f"{name}/min", f"{name}/mean"]}[kind]
+
+
+def check_reduce(name: str, reduce: str) -> None:
+    """Raise a clear error for an unknown reduce kind (before any collective)."""
+    if reduce not in REDUCE_KINDS:
+        raise ValueError(f"metric {name!r}: reduce={reduce!r} is not one of {', '.join(REDUCE_KINDS)}")
 
 
 def check_name(name: Any, what: str) -> None:

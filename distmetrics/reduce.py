@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, encode_keys, entries_of, gather_single, global_rank, mean_parts,
                       value_device)
@@ -47,15 +48,7 @@ from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
-REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 Number = Union[int, float, torch.Tensor]
-
-
-
-def check_reduce(name: str, reduce: str) -> None:
-    """Raise a clear error for an unknown reduce kind (before any collective)."""
-    if reduce not in REDUCE_KINDS:
-        raise ValueError(f"metric {name!r}: reduce={reduce!r} is not one of {', '.join(REDUCE_KINDS)}")
 
 
 @dataclass
@@ -81,10 +74,21 @@ class Sample:
     """Element names of a vector sample."""
 
     def __post_init__(self) -> None:
+        # Refused here, in the collector's take_samples, not in a pack after some collective:
+        # a rank that fails there leaves the others waiting in the next one.
+        if not isinstance(self.name, str):
+            raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
         check_reduce(self.name, self.reduce)
-        if self.names is not None:
+        if self.names is None:
+            check_value(self.value, f"Sample {self.name!r}")
+            check_value(self.weight, f"Sample {self.name!r} weight")
+            if self.low is not None:
+                check_value(self.low, f"Sample {self.name!r} low")
+        else:
             if not isinstance(self.names, tuple):
                 self.names = tuple(self.names)
+            if not all(isinstance(name, str) for name in self.names):
+                raise TypeError(f"vector sample {self.name!r}: element names are str, got {self.names!r:.300}")
             if not isinstance(self.value, torch.Tensor) or self.value.dim() != 1 \
                     or self.value.numel() != len(self.names):
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__

@@ -49,7 +49,32 @@ def _out_of_step(rank: int, world: int) -> dict:
     monitor.step(1)
     out["checkpoint_one_rank"] = _outcome(lambda: monitor.checkpoint_saved(1) if rank == 0 else monitor.step(2))
     dist.barrier()
+    # 4. a user's collector hands over None on rank 0 only
+    monitor = dm.Monitor(cfg, collectors=[_Probe(rank)])
+    monitor.step(1)
+    out["bad_sample"] = _outcome(lambda: monitor.step(2))
+    dist.barrier()
     return out
+
+
+class _Probe:
+    """A user's collector whose reading failed on rank 0 (None) and worked on the others."""
+
+    name, after = "probe", ()
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        from distmetrics.reduce import Sample
+
+        return [Sample("probe", None if self.rank == 0 else 1.0, "mean")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +93,17 @@ def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_o
         assert f"waited {TIMEOUT_S:g} s (hang_timeout_s) at {calls[rank]}" in message
         assert f"rank {other}: last call {calls[other]}" in message
         assert seconds < TIMEOUT_S + 10
+
+
+def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_on_the_others(out_of_step):
+    """Without the check the value fails inside the SUM pack, after the MAX all-reduce: rank 1
+    then waits in the SUM all-reduce for a rank that will never come."""
+    kind, message, _ = out_of_step[0]["bad_sample"]
+    assert kind == "TypeError" and "Sample 'probe': expected a number or a 1-element tensor, got NoneType" in message
+    kind, message, seconds = out_of_step[1]["bad_sample"]
+    assert kind == "HangError" and "waited 2 s (hang_timeout_s) at monitor.step(step=2)" in message
+    assert "ranks that did not arrive: rank 0: last call" in message
+    assert seconds < TIMEOUT_S + 10
 
 
 def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
@@ -174,3 +210,4 @@ def test_a_name_that_is_not_a_string_and_a_step_beyond_int64_are_refused(tmp_pat
     with pytest.raises(ValueError, match="accepted values are integers from 0 to 2\\*\\*63 - 1"):
         monitor.step(2 ** 63)
     monitor.close()
+
