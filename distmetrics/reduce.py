@@ -212,24 +212,31 @@ class Reducer:
 
     # --- checks --------------------------------------------------------------------------
     def _check(self, samples: Sequence[Sample]) -> list[Sample]:
+        """Refuse the samples before any collective; the reducer remembers kinds only once all pass."""
         seen: set = set()
+        kinds: dict[str, str] = {}  # names seen for the first time (or in a vector not yet checked)
+        vectors: list = []
         for s in samples:
             if not isinstance(s, Sample):
                 raise TypeError(f"expected Sample, got {type(s).__name__}: {s!r}")
             names = s.names if s.names is not None else (s.name,)
-            if s.names is None or (s.names, s.reduce) not in self._checked:
-                for name in names:
-                    known = self._kinds.setdefault(name, s.reduce)
-                    if known != s.reduce:
-                        raise ValueError(f"metric {name!r} was reduced as {known!r} before and now as "
-                                         f"{s.reduce!r}; a name keeps one reduce kind for the whole run")
-                if s.names is not None:
-                    if len(set(names)) != len(names):
-                        raise ValueError(f"vector sample {s.name!r} names an element twice")
-                    self._checked.add((s.names, s.reduce))
+            unchecked = s.names is None or (s.names, s.reduce) not in self._checked
+            if unchecked and s.names is not None and len(set(names)) != len(names):
+                raise ValueError(f"vector sample {s.name!r} names an element twice")
             if not seen.isdisjoint(names):
                 raise ValueError(f"metric(s) {sorted(seen.intersection(names))[:5]} appear twice in one reduction")
             seen.update(names)
+            if unchecked:
+                for name in names:
+                    known = self._kinds.get(name, s.reduce)
+                    if known != s.reduce:
+                        raise ValueError(f"metric {name!r} was reduced as {known!r} before and now as "
+                                         f"{s.reduce!r}; a name keeps one reduce kind for the whole run")
+                    kinds[name] = s.reduce
+                if s.names is not None:
+                    vectors.append((s.names, s.reduce))
+        self._kinds.update(kinds)
+        self._checked.update(vectors)
         return list(samples)
 
     def _fits(self, samples: list[Sample]) -> bool:

@@ -242,3 +242,11 @@ def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, 
     with pytest.raises(TypeError, match="vector sample 'v': element names are str"):
         Sample("v", torch.ones(2), "sum", names=("v/a", 2))
 
+
+def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
+    from distmetrics.reduce import Reducer, Sample
+
+    reducer = Reducer()
+    with pytest.raises(ValueError, match="\\['x'\\] appear twice in one reduction"):
+        reducer.reduce([Sample("x", 1.0, "mean"), Sample("x", 2.0, "max")])
+    assert reducer.reduce([Sample("x", 2.0, "max")]).maxima == {"x": (2.0, 0)}  # 'x' was never reduced as mean
