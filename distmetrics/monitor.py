@@ -19,7 +19,7 @@ from .evaluation import EvalLog
 from .guard import CollectiveGuard
 from .naming import module_order
 from .parallel import Layout, detect_layout
-from .reduce import Reducer, check_reduce
+from .reduce import Reducer
 from .runinfo import first_step, open_writer_sinks, start_up
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
@@ -59,7 +59,7 @@ class Monitor:
         self._group = group
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
-        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard)
+        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self.last_metrics: dict[str, Any] = {}
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
@@ -68,6 +68,7 @@ class Monitor:
         self._by_name = {c.name: c for c in self.collectors}
         for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
             collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
+        self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
         self.timers = self._by_name["timers"].timers
         self._module_order = module_order(model)
         if optimizer is not None and "norms" in self._by_name:
@@ -87,11 +88,7 @@ class Monitor:
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
         overflow). Extra ``scalars`` are interval means under ``train/``."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
-            raise ValueError(f"step={step!r}: accepted values are integers from 0 to 2**63 - 1")
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
-        self._by_name["train"].check_step(loss, tokens, lr, skipped, scalars)
+        self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(step, self._clocks(), self.sinks)
         self._last_step = step
@@ -112,7 +109,6 @@ class Monitor:
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
         averaged (weighted by ``weight``), a sum added, max/min kept extreme, ``all`` averaged."""
         self._check_open()
-        check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self._by_name["train"].record(name, value, reduce, weight)
 
     def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,

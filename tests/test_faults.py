@@ -211,3 +211,57 @@ def test_a_name_that_is_not_a_string_and_a_step_beyond_int64_are_refused(tmp_pat
         monitor.step(2 ** 63)
     monitor.close()
 
+
+@pytest.mark.parametrize("arguments,error,message", [
+    ({"loss": "tensor2"}, ValueError, "monitor.log_eval\\(loss=...\\): expected a number or a 1-element tensor, got a tensor"),
+    ({"tokens": "many"}, TypeError, "monitor.log_eval\\(tokens=...\\): expected a number"),
+    ({"acc": "a"}, TypeError, "monitor.log_eval\\(acc=...\\): expected a number or a 1-element tensor, got str 'a'"),
+    ({"_eval/tokens": 5.0}, ValueError, "metric name '_eval/tokens' is refused"),
+    ({"eval/ppl": 5.0}, ValueError, "would write 'eval/ppl', which monitor.log_eval writes already"),
+    ({"loss/web": 5.0}, ValueError, "metric 'loss/web' was recorded as 'sum' before and now as 'mean'"),
+    ({"eval/loss/web": 5.0}, ValueError, "would write 'eval/loss/web', which monitor.log_eval writes already"),
+    ({"train/loss": 5.0}, ValueError, "would write 'train/loss', which monitor.step\\(loss=...\\) writes already"),
+])
+def test_a_refused_log_eval_changes_nothing_and_can_be_retried(tmp_path, arguments, error, message):
+    import torch
+
+    monitor = _monitor(tmp_path)
+    monitor.record("loss/web", 1.0, "sum")  # claimed by monitor.record first
+    monitor.record_losses(torch.tensor([1.0, 3.0]), ["web", "web"], split="eval")
+    arguments = {"loss": 2.0, **{k: torch.ones(2) if v == "tensor2" else v for k, v in arguments.items()}}
+    with pytest.raises(error, match=message):
+        monitor.log_eval(1, **arguments)
+    metrics = monitor.log_eval(1, loss=2.0, tokens=10)  # the retry keeps the refused call's categories
+    monitor.close()
+    assert metrics["eval/loss"] == 2.0 and metrics["eval/loss/web"] == 2.0
+
+
+def test_a_log_eval_step_that_no_lane_can_hold_is_refused(tmp_path):
+    monitor = _monitor(tmp_path)
+    with pytest.raises(ValueError, match="monitor.log_eval: step='1': accepted values are integers from 0"):
+        monitor.log_eval("1", loss=2.0)
+    monitor.close()
+
+
+@pytest.mark.parametrize("name,kind,writer", [
+    ("memory/host_rss_gib", "max", "the 'memory' collector"),
+    ("stragglers/score_min", "mean", "the '(timers|stragglers)' collector"),  # both write under stragglers/
+    ("train/loss/web", "mean", "the 'losses' collector"),
+    ("train/tokens_per_sec", "mean", "the 'throughput' collector"),
+    ("eval/tokens_per_sec", "mean", "monitor.log_eval"),
+])
+def test_a_name_a_collector_writes_is_refused_at_the_call_and_the_log_step_goes_on(tmp_path, name, kind, writer):
+    """Without the check, ``memory/host_rss_gib`` fails the next log step after every collector
+    handed over its interval (the interval is lost), and ``stragglers/score_min`` is overwritten."""
+    monitor = _monitor(tmp_path, log_memory=True, log_throughput=True, straggler_window=2)
+    for step in (1, 2, 3):
+        monitor.step(step, loss=1.0)
+    with pytest.raises(ValueError, match=f"would write '{name}', which {writer} writes already"):
+        monitor.record(name, 5.0, kind)
+    with pytest.raises(ValueError, match=f"would write '{name}', which {writer} writes already"):
+        monitor.step(4, loss=1.0, **{name: 5.0})
+    metrics = monitor.step(4, loss=2.0)
+    monitor.close()
+    assert metrics["train/loss"] == 1.25 and metrics.get(name) != 5.0
+    assert metrics["memory/host_rss_gib"] > 0 and metrics["stragglers/score_min"] == 1.0  # one rank: the fastest
+

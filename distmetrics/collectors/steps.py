@@ -20,8 +20,9 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalStats
-from ..names import NameRegistry, check_value
+from ..names import NameRegistry, check_step, check_value
 from ..parallel import counts_batch_tokens
+from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
 __all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS"]
@@ -41,10 +42,13 @@ class StepValues:
 
     name = "train"
     after = ()
+    writes = ("train/loss", "train/lr")
 
     def __init__(self, layout: Any) -> None:
         self.stats = IntervalStats()
-        self.names = NameRegistry()
+        self.names = NameRegistry()  # the Monitor adds what its other collectors write
+        self.names.reserve(["train/loss"], "monitor.step(loss=...)")
+        self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
         self.timed_steps = 0  # the last interval's steps that the clock measured
@@ -55,8 +59,11 @@ class StepValues:
         self._paused_at: Optional[float] = None
         self._paused_s = 0.0
 
-    def check_step(self, loss: Any, tokens: Any, lr: Any, skipped: Any, scalars: dict[str, Any]) -> None:
-        """Refuse a step's arguments before anything is recorded (a refused call changes nothing)."""
+    def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
+                   scalars: dict[str, Any]) -> None:
+        """Refuse a step's arguments before anything is recorded (a refused call changes nothing);
+        ``last`` is the last step recorded (None: none yet)."""
+        check_step(step, "monitor.step", last)
         for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
             if value is not None:
                 check_value(value, f"monitor.step({what}=...)")
@@ -90,6 +97,7 @@ class StepValues:
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """A user's own value for this interval (see ``Monitor.record``)."""
+        check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self.names.claim(name, reduce, "monitor.record")
         check_value(value, f"monitor.record({name!r})")
         check_value(weight, f"monitor.record({name!r}, weight=...)")

@@ -49,6 +49,7 @@ class StragglerCollector:
 
     name = "stragglers"
     after = ("timers",)  # reads every rank's timer values from the reduced metrics
+    writes = ("stragglers/",)
 
     def __init__(self, window: int = 10, report_every: int = 10, report_ranks: int = 8, threshold: float = 0.9,
                  nvml: bool = False, uuid: Optional[str] = None) -> None:

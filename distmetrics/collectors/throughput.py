@@ -44,6 +44,8 @@ class ThroughputCollector:
 
     name = "throughput"
     after = ()
+    writes = ("train/step_time_ms", "train/tokens_per_sec", "train/tokens_per_sec_per_gpu", "train/consumed_tokens",
+              "train/tflops_per_gpu", "train/mfu_pct", "train/sol_pct", "train/eta_s")
 
     def __init__(self, world_size: int, flops_per_token: Optional[float] = None,
                  peak_tflops: Optional[float] = None, total_steps: Optional[int] = None,
