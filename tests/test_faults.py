@@ -265,3 +265,17 @@ def test_a_name_a_collector_writes_is_refused_at_the_call_and_the_log_step_goes_
     assert metrics["train/loss"] == 1.25 and metrics.get(name) != 5.0
     assert metrics["memory/host_rss_gib"] > 0 and metrics["stragglers/score_min"] == 1.0  # one rank: the fastest
 
+
+def test_a_monitor_that_cannot_be_made_lets_go_of_its_output_dir(tmp_path):
+    import distmetrics as dm
+
+    class Memory(_Probe):
+        name = "memory"
+
+    with pytest.raises(ValueError, match="two collectors are named 'memory'") as refused:
+        dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_memory=True), collectors=[Memory(0)])
+    # the retry runs while the error's traceback (and the half-made Monitor in it) is alive, as in an
+    # `except` block; without the release: "output_dir=... is in use by another Monitor"
+    dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()
+    assert refused.value is not None and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
