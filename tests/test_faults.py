@@ -279,3 +279,21 @@ def test_a_monitor_that_cannot_be_made_lets_go_of_its_output_dir(tmp_path):
     dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()
     assert refused.value is not None and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
+
+def test_calls_between_log_steps_reach_the_store_about_a_thousand_times_a_second_in_all():
+    """At 4,096 ranks each rank publishes its latest call every 4.1 s, not every second. The guard
+    is given a real in-process store and told the world is 4,096 ranks (this machine has 2 cores)."""
+    import torch.distributed as dist
+
+    from distmetrics.guard import CollectiveGuard
+
+    guard = CollectiveGuard(TIMEOUT_S)  # no process group: off until given a store
+    guard.store, guard.world, guard.rank = dist.HashStore(), 4096, 7
+    assert guard.publish_every_s == pytest.approx(4.096)
+    guard.note("monitor.step", 1)
+    time.sleep(1.2)
+    guard.note("monitor.step", 2)
+    assert guard.store.get("rank7").decode().split("|")[1] == "monitor.step(step=1)"
+    guard.world = 2  # a small job: once a second, as before
+    guard.note("monitor.step", 3)
+    assert guard.store.get("rank7").decode().split("|")[1] == "monitor.step(step=3)"
