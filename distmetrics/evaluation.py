@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .collectors.losses import CategoryLosses
+from .interval import as_number
 from .names import NameRegistry, check_step, check_value
 from .parallel import counts_batch_tokens
 from .reduce import Reducer, Sample
@@ -64,11 +65,11 @@ class EvalLog:
             self.names.claim(name, "mean", f"monitor.log_eval({key}=...)")
         samples = []
         if loss is not None:
-            samples.append(Sample("eval/loss", _as_number(loss), "mean",
-                                  weight=1.0 if tokens is None else _as_number(tokens)))
+            samples.append(Sample("eval/loss", as_number(loss), "mean",
+                                  weight=1.0 if tokens is None else as_number(tokens)))
         if tokens is not None and self.counts_tokens:
-            samples.append(Sample(_TOKENS, _as_number(tokens), "sum"))
-        samples += [Sample(names[key], _as_number(value), "mean") for key, value in scalars.items() if value is not None]
+            samples.append(Sample(_TOKENS, as_number(tokens), "sum"))
+        samples += [Sample(names[key], as_number(value), "mean") for key, value in scalars.items() if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
@@ -84,9 +85,3 @@ class EvalLog:
                 metrics["eval/gap"] = eval_loss - train_mean
         self._train_losses = []
         return metrics
-
-
-def _as_number(v: Number) -> Number:
-    if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(torch.float64)
-    return v
