@@ -52,8 +52,6 @@ class LogContext:
     """Every rank's :class:`~distmetrics.parallel.RankInfo` (host, local rank, GPU), by rank."""
     module_order: Sequence[str] = ()
     """The model's module names in model order (the first is nearest the input)."""
-    local_interval_s: float = 0.0
-    """This rank's wall time of the interval in seconds (pauses excluded), before the reduction."""
     interval_s: Optional[float] = None
     """After the reduction: the slowest rank's wall time of the interval, seconds."""
     tokens: Optional[float] = None
@@ -63,8 +61,6 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
-    kind: str = "train"
-    """The record being made: ``train`` (a log step)."""
 
 
 @dataclass
