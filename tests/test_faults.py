@@ -236,6 +236,17 @@ def test_a_refused_log_eval_changes_nothing_and_can_be_retried(tmp_path, argumen
     assert metrics["eval/loss"] == 2.0 and metrics["eval/loss/web"] == 2.0
 
 
+def test_a_scalar_given_as_none_is_a_step_without_that_value():
+    """Accepted by the argument check, so it must not fail halfway through recording (before, the
+    step raised after its loss was recorded, and the loss counted although the call was refused)."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+    monitor.step(1, loss=5.0, acc=None)
+    metrics = monitor.step(2, loss=1.0, acc=2.0)
+    monitor.close()
+    assert metrics["train/loss"] == 3.0 and metrics["train/acc"] == 2.0
+
 def test_a_log_eval_step_that_no_lane_can_hold_is_refused(tmp_path):
     monitor = _monitor(tmp_path)
     with pytest.raises(ValueError, match="monitor.log_eval: step='1': accepted values are integers from 0"):

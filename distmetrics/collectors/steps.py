@@ -91,7 +91,8 @@ class StepValues:
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", last=True)
         for name, value in scalars.items():
-            self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
+            if value is not None:  # like loss=None: this rank has no value this step
+                self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """A user's own value for this interval (see ``Monitor.record``)."""
