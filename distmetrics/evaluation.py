@@ -1,5 +1,9 @@
 """Evaluation records: the eval loss (token-weighted across ranks), perplexity, the gap to the
-training loss since the last evaluation, eval throughput and loss by category."""
+training loss since the last evaluation, eval throughput and loss by category.
+
+Eval tokens are counted like training tokens: once per data-parallel replica
+(:func:`distmetrics.parallel.counts_batch_tokens`), so tensor-, context- and pipeline-parallel
+peers that see the same batch do not multiply ``eval/tokens_per_sec``."""
 
 from __future__ import annotations
 
@@ -9,22 +13,39 @@ from typing import Any, Optional, Union
 import torch
 
 from .collectors.losses import CategoryLosses
+from .interval import as_number
+from .names import NameRegistry, check_step, check_value
+from .parallel import counts_batch_tokens
 from .reduce import Reducer, Sample
 
 __all__ = ["EvalLog"]
 
 Number = Union[int, float, torch.Tensor]
+_TOKENS = "_eval/tokens"
 
 
 class EvalLog:
     """Reduces evaluation results on demand (its own reducer: eval names never disturb the train
     layout) and remembers the training loss since the last evaluation."""
 
-    def __init__(self, group: Any, write_ppl: bool, guard: Any = None) -> None:
+    writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/loss/")
+    """The names an eval record holds besides the user's own (``eval/loss/<category>`` under the prefix)."""
+
+    def __init__(self, group: Any, write_ppl: bool, guard: Any = None, layout: Any = None) -> None:
         self.reducer = Reducer(group, guard=guard, call="monitor.log_eval")
         self.write_ppl = write_ppl
+        self.counts_tokens = layout is None or counts_batch_tokens(layout)
         self.categories = CategoryLosses("eval/loss")
+        self.names = NameRegistry()
+        self.use_names(self.names)
         self._train_losses: list[tuple[float, float]] = []
+
+    def use_names(self, names: NameRegistry) -> None:
+        """Check eval names against ``names`` (the Monitor shares one registry between
+        ``monitor.step``, ``monitor.record`` and ``log_eval``: a name is one tag in every sink)."""
+        names.reserve(["eval/loss"], "monitor.log_eval(loss=...)")
+        names.reserve(self.writes, "monitor.log_eval")
+        self.names = names
 
     def note_train_loss(self, loss: Any, tokens: Any) -> None:
         """A train record's loss and tokens, for ``eval/gap``."""
@@ -33,19 +54,26 @@ class EvalLog:
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
             scalars: dict[str, Number]) -> dict[str, Any]:
-        """Reduce one evaluation (every rank) and return the ``eval`` record's metrics."""
+        """Reduce one evaluation (every rank) and return the ``eval`` record's metrics. Arguments
+        are checked before anything is reduced: a refused call changes nothing."""
+        check_step(step, "monitor.log_eval")
+        for what, value in (("loss", loss), ("tokens", tokens), *scalars.items()):
+            if value is not None:
+                check_value(value, f"monitor.log_eval({what}=...)")
+        names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
+        for key, name in names.items():
+            self.names.claim(name, "mean", f"monitor.log_eval({key}=...)")
         samples = []
         if loss is not None:
-            samples.append(Sample("eval/loss", _as_number(loss), "mean",
-                                  weight=1.0 if tokens is None else _as_number(tokens)))
-        if tokens is not None:
-            samples.append(Sample("_eval/tokens", _as_number(tokens), "sum"))
-        for name, value in scalars.items():
-            samples.append(Sample(name if "/" in name else f"eval/{name}", _as_number(value), "mean"))
+            samples.append(Sample("eval/loss", as_number(loss), "mean",
+                                  weight=1.0 if tokens is None else as_number(tokens)))
+        if tokens is not None and self.counts_tokens:
+            samples.append(Sample(_TOKENS, as_number(tokens), "sum"))
+        samples += [Sample(names[key], as_number(value), "mean") for key, value in scalars.items() if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
-        if metrics.get("_eval/tokens") and metrics.get("eval/time_ms"):
-            metrics["eval/tokens_per_sec"] = metrics["_eval/tokens"] / (metrics["eval/time_ms"] / 1000.0)
+        if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
+            metrics["eval/tokens_per_sec"] = metrics[_TOKENS] / (metrics["eval/time_ms"] / 1000.0)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}
         eval_loss = metrics.get("eval/loss")
         if isinstance(eval_loss, float):
@@ -57,9 +85,3 @@ class EvalLog:
                 metrics["eval/gap"] = eval_loss - train_mean
         self._train_losses = []
         return metrics
-
-
-def _as_number(v: Number) -> Number:
-    if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(torch.float64)
-    return v

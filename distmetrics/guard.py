@@ -9,7 +9,8 @@ round trips per guarded call. When some rank does not arrive within ``hang_timeo
 skipped a call, made another one, hangs elsewhere or died), every waiting rank raises
 :class:`HangError` naming the ranks that did not arrive and the last monitor call and step each
 of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
-second). Calls that differ between ranks (``log_eval`` on one, ``step`` on another) raise it
+second — less often above 1,000 ranks: every ``world_size / 1000`` seconds, so the store takes at
+most about 1,000 such writes a second from the whole job). Calls that differ between ranks (``log_eval`` on one, ``step`` on another) raise it
 too, instead of mixing collectives until the process group aborts.
 """
 
@@ -26,6 +27,7 @@ __all__ = ["CollectiveGuard", "HangError"]
 
 _MONITORS = itertools.count()  # Monitors are made in the same order on every rank
 _PUBLISH_EVERY_S = 1.0
+_STORE_PUBLISHES_PER_S = 1000.0  # from all ranks together, between guarded calls
 
 
 class HangError(RuntimeError):
@@ -59,10 +61,16 @@ class CollectiveGuard:
         """True when calls are checked."""
         return self.store is not None
 
+    @property
+    def publish_every_s(self) -> float:
+        """Seconds between two publishes of a call that is not a collective: 1, or ``world_size /
+        1000`` above 1,000 ranks (the one c10d store serves every rank)."""
+        return max(_PUBLISH_EVERY_S, self.world / _STORE_PUBLISHES_PER_S)
+
     def note(self, call: str, step: Optional[int] = None) -> None:
-        """Remember this rank's latest monitor call (published at most once a second)."""
+        """Remember this rank's latest monitor call (published at most every :attr:`publish_every_s`)."""
         self._last = _describe(call, step)
-        if self.store is not None and time.monotonic() - self._published > _PUBLISH_EVERY_S:
+        if self.store is not None and time.monotonic() - self._published > self.publish_every_s:
             self._publish()
 
     def enter(self, call: str, step: Optional[int] = None) -> None:
@@ -106,8 +114,10 @@ class CollectiveGuard:
         return (f"distmetrics: rank {self.rank} waited {self.timeout_s:g} s (hang_timeout_s) at {waiting}, "
                 f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
-                "are not collectives are published at most once a second.)")
+                f"are not collectives are published at most every {self.publish_every_s:g} s.)")
 
 
 def _describe(call: str, step: Optional[int]) -> str:
-    return f"{call}(step={step})" if step is not None else f"{call}()"
+    if step is not None:
+        return f"{call}(step={step})"
+    return call if call.endswith(")") else f"{call}()"  # "Monitor()" is named with its parentheses

@@ -20,9 +20,10 @@ from typing import Optional, Union
 
 import torch
 
+from .names import check_value
 from .reduce import Sample, check_reduce
 
-__all__ = ["IntervalStats", "IntervalClock"]
+__all__ = ["IntervalStats", "IntervalClock", "as_number"]
 
 Number = Union[int, float, torch.Tensor]
 
@@ -91,8 +92,9 @@ class IntervalStats:
                 f"metric {name!r} was recorded with reduce={slot.reduce!r}, now reduce={reduce!r}; "
                 "a name keeps one reduce kind"
             )
-        value = _detach(value)
-        weight = _detach(weight)
+        check_value(value, f"metric {name!r}")
+        check_value(weight, f"metric {name!r} weight")
+        value, weight = as_number(value), as_number(weight)
         if slot.last:
             slot.value, slot.weight, slot.low = value, 1.0, value
             return
@@ -135,14 +137,11 @@ class IntervalStats:
         return out
 
 
-def _detach(v: Number) -> Number:
+def as_number(v: Number) -> Number:
+    """A number or a 1-element tensor (see :func:`distmetrics.names.check_value`) as a float, or
+    as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact)."""
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(f"expected a number or a 1-element tensor, got a tensor of shape {tuple(v.shape)}")
-        # float64 so that token counts and long sums stay exact.
         return v.detach().reshape(()).to(torch.float64)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number or a 1-element tensor, got {type(v).__name__}: {v!r}")
     return float(v)
 
 

@@ -19,7 +19,7 @@ from .evaluation import EvalLog
 from .guard import CollectiveGuard
 from .naming import module_order
 from .parallel import Layout, detect_layout
-from .reduce import Reducer, check_reduce
+from .reduce import Reducer
 from .runinfo import first_step, open_writer_sinks, start_up
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
@@ -56,25 +56,34 @@ class Monitor:
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.writer_rank = 0 if config.writer_rank == "first" else self.world_size - 1
         self.is_writer = self.rank == self.writer_rank
-        self._group = group
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
-        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard)
+        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self.last_metrics: dict[str, Any] = {}
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
-        self.collectors = finalize_order(build_collectors(config, self.layout, model, optimizer, group)
-                                         + collectors_for(config, model, self.layout) + list(collectors))
-        self._by_name = {c.name: c for c in self.collectors}
-        for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
-            collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
-        self.timers = self._by_name["timers"].timers
-        self._module_order = module_order(model)
-        if optimizer is not None and "norms" in self._by_name:
-            self.attach_megatron_optimizer(optimizer)
-        self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
-        opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
-        self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
+        built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
+        try:
+            built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(
+                config, model, self.layout)
+            self.collectors = finalize_order(built + list(collectors))
+            self._by_name = {c.name: c for c in self.collectors}
+            for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
+                collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
+            self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
+            self.timers = self._by_name["timers"].timers
+            self._module_order = module_order(model)
+            if optimizer is not None and "norms" in self._by_name:
+                self.attach_megatron_optimizer(optimizer)
+            self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
+            opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
+            self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
+        except BaseException:
+            for collector in built:
+                collector.close()
+            if claim is not None:
+                claim.release()
+            raise
 
     # --- the per-step API ----------------------------------------------------------------
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
@@ -87,11 +96,7 @@ class Monitor:
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
         overflow). Extra ``scalars`` are interval means under ``train/``."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
-            raise ValueError(f"step={step!r}: accepted values are integers from 0 to 2**63 - 1")
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"step={step} does not increase (the last step was {self._last_step})")
-        self._by_name["train"].check_step(loss, tokens, lr, skipped, scalars)
+        self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(step, self._clocks(), self.sinks)
         self._last_step = step
@@ -103,16 +108,13 @@ class Monitor:
         stats = self._by_name["tensor_stats"].end_step() if "tensor_stats" in self._by_name else None
         if stats:  # a collective only on steps the features YAML selects
             self._write(stats, step, "tensor_stats")
-        if step % self.config.log_interval == 0:
-            return self._log(step)
-        return None
+        return self._log(step) if step % self.config.log_interval == 0 else None
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """Record a value for this interval under ``name`` as given, reduced across ranks as
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
         averaged (weighted by ``weight``), a sum added, max/min kept extreme, ``all`` averaged."""
         self._check_open()
-        check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self._by_name["train"].record(name, value, reduce, weight)
 
     def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,
@@ -144,9 +146,7 @@ class Monitor:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
         norm on a log step (``step``, default the last step + 1), None (and no work) otherwise."""
         norms = self._norms("measure_grad_norms")
-        if not self._is_log_step(step):
-            return None
-        return norms.measure(norm_type)
+        return norms.measure(norm_type) if self._is_log_step(step) else None
 
     def attach_megatron_optimizer(self, optimizer: Any) -> None:
         """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned
@@ -180,9 +180,8 @@ class Monitor:
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
         self._guard.enter("monitor.checkpoint_saved", step)
-        record = self._checkpoints.saved(step, self._by_name["train"].job_tokens,
-                                         self.config.resolved_flops_per_token, self._group, self._reducer.device,
-                                         self.is_writer)
+        record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
+                                         self._reducer.group, self._reducer.device, self.is_writer)
         if record is not None:
             self.sinks.log(record, step, "progress")
 

@@ -4,26 +4,24 @@ recorded, so a refused call changes nothing and a retry works.
 A name must be a non-empty string that every sink can store (TensorBoard and W&B need valid
 UTF-8: a lone surrogate is refused), not starting with ``_`` (internal lanes) or ``/``. Names also
 must not collide: a reduce kind writes more than its name (``x/max`` and ``x/min_rank`` for a
-``minmax`` ``x``, ``x/rank<r>`` in JSONL and ``x/mean`` for an ``all`` ``x``), and the Monitor
-writes ``train/loss``, ``train/lr`` and the throughput names itself; two sources of one name
-raise a ``ValueError`` naming both instead of one silently overwriting the other.
+``minmax`` ``x``, ``x/rank<r>`` in JSONL and ``x/mean`` for an ``all`` ``x``), and the Monitor's
+collectors write names of their own, each declared in its ``writes`` (``train/loss``, the
+throughput names, everything under ``memory/``, ...); a user's value that would write a name
+another source writes raises a ``ValueError`` naming both instead of one silently overwriting
+the other (or a log step refusing both).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["NameRegistry", "check_name", "check_value", "written_names"]
+__all__ = ["NameRegistry", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "check_step", "written_names"]
 
-_MONITOR = "the Monitor"
-_RESERVED = {
-    "train/loss": "monitor.step(loss=...)", "train/lr": "monitor.step(lr=...)",
-    **{f"train/{n}": _MONITOR for n in ("step_time_ms", "tokens_per_sec", "tokens_per_sec_per_gpu", "consumed_tokens",
-                                        "tflops_per_gpu", "mfu_pct", "sol_pct", "eta_s")},
-}
+REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
+
 _RANK = re.compile(r"^(.*)/rank\d+$")
 
 
@@ -32,6 +30,12 @@ def written_names(name: str, kind: str) -> list[str]:
     return {"sum": [name], "mean": [name], "max": [name, f"{name}/max_rank"], "min": [name, f"{name}/min_rank"],
             "minmax": [f"{name}/max", f"{name}/min", f"{name}/max_rank", f"{name}/min_rank"],
             "all": [name, f"{name}/max", f"{name}/min", f"{name}/mean"]}[kind]
+
+
+def check_reduce(name: str, reduce: str) -> None:
+    """Raise a clear error for an unknown reduce kind (before any collective)."""
+    if reduce not in REDUCE_KINDS:
+        raise ValueError(f"metric {name!r}: reduce={reduce!r} is not one of {', '.join(REDUCE_KINDS)}")
 
 
 def check_name(name: Any, what: str) -> None:
@@ -58,12 +62,41 @@ def check_value(value: Any, what: str) -> None:
         raise TypeError(f"{what}: expected a number or a 1-element tensor, got {type(value).__name__} {value!r}")
 
 
+def check_step(step: Any, what: str, last: Optional[int] = None) -> None:
+    """A step number: an int from 0 to 2**63 - 1 (it travels in an int64 lane), above ``last``."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        raise ValueError(f"{what}: step={step!r}: accepted values are integers from 0 to 2**63 - 1")
+    if last is not None and step <= last:
+        raise ValueError(f"{what}: step={step} does not increase (the last step was {last})")
+
+
 class NameRegistry:
-    """The names user values write, so a new one that collides is refused at its first call."""
+    """The names the Monitor's collectors write and the names user values write, so a user's
+    name that collides is refused at its first call."""
 
     def __init__(self) -> None:
-        self._writers: dict[str, str] = dict(_RESERVED)  # a written name → who writes it
+        self._writers: dict[str, str] = {}  # a written name → who writes it
+        self._prefixes: dict[str, str] = {}  # "memory/" → who writes every name under it
         self._claimed: dict[str, str] = {}  # user name → reduce kind
+
+    def reserve(self, names: Iterable[str], who: str) -> None:
+        """Names (or prefixes ending in ``/``: every name under it) that ``who`` writes; a name
+        reserved already keeps its first writer."""
+        for name in names:
+            (self._prefixes if name.endswith("/") else self._writers).setdefault(name, who)
+
+    def reserve_writers(self, writers: Iterable[Any]) -> "NameRegistry":
+        """Reserve what each collector declares in its ``writes`` (a user's collector may
+        declare nothing); returns the registry."""
+        for writer in writers:
+            self.reserve(getattr(writer, "writes", ()), f"the {writer.name!r} collector")
+        return self
+
+    def writer_of(self, name: str) -> Optional[str]:
+        """Who writes ``name`` already (None: nobody)."""
+        if name in self._writers:
+            return self._writers[name]
+        return next((who for prefix, who in self._prefixes.items() if name.startswith(prefix)), None)
 
     def claim(self, name: Any, kind: str, what: str) -> None:
         """Check ``name`` (recorded as ``kind`` by ``what``) and remember what it writes."""
@@ -76,8 +109,9 @@ class NameRegistry:
                              f"{kind!r}; a name keeps one reduce kind")
         written = written_names(name, kind)
         for other in written:
-            if other in self._writers:
-                raise ValueError(f"{source} would write {other!r}, which {self._writers[other]} writes already")
+            who = self.writer_of(other)
+            if who is not None:
+                raise ValueError(f"{source} would write {other!r}, which {who} writes already")
         rank = _RANK.match(name)
         if rank and self._claimed.get(rank.group(1)) == "all":
             raise ValueError(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "

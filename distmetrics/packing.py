@@ -2,7 +2,8 @@
 int64 keys of the MAX pack (float32 value in the high 32 bits, rank in the low 32), and the
 assembly of one pack from scalar and vector samples with one index tensor and one value tensor.
 
-Knows tensors, not process groups: :mod:`distmetrics.reduce` issues the collectives.
+:mod:`distmetrics.reduce` issues the collectives; this module only names the gather function
+and maps a group's ranks to global ranks for it.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, encode_keys, entries_of, gather_single, global_rank, mean_parts,
                       value_device)
@@ -47,15 +48,7 @@ from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
-REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 Number = Union[int, float, torch.Tensor]
-
-
-
-def check_reduce(name: str, reduce: str) -> None:
-    """Raise a clear error for an unknown reduce kind (before any collective)."""
-    if reduce not in REDUCE_KINDS:
-        raise ValueError(f"metric {name!r}: reduce={reduce!r} is not one of {', '.join(REDUCE_KINDS)}")
 
 
 @dataclass
@@ -81,10 +74,21 @@ class Sample:
     """Element names of a vector sample."""
 
     def __post_init__(self) -> None:
+        # Refused here, in the collector's take_samples, not in a pack after some collective:
+        # a rank that fails there leaves the others waiting in the next one.
+        if not isinstance(self.name, str):
+            raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
         check_reduce(self.name, self.reduce)
-        if self.names is not None:
+        if self.names is None:
+            check_value(self.value, f"Sample {self.name!r}")
+            check_value(self.weight, f"Sample {self.name!r} weight")
+            if self.low is not None:
+                check_value(self.low, f"Sample {self.name!r} low")
+        else:
             if not isinstance(self.names, tuple):
                 self.names = tuple(self.names)
+            if not all(isinstance(name, str) for name in self.names):
+                raise TypeError(f"vector sample {self.name!r}: element names are str, got {self.names!r:.300}")
             if not isinstance(self.value, torch.Tensor) or self.value.dim() != 1 \
                     or self.value.numel() != len(self.names):
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
@@ -208,24 +212,31 @@ class Reducer:
 
     # --- checks --------------------------------------------------------------------------
     def _check(self, samples: Sequence[Sample]) -> list[Sample]:
+        """Refuse the samples before any collective; the reducer remembers kinds only once all pass."""
         seen: set = set()
+        kinds: dict[str, str] = {}  # names seen for the first time (or in a vector not yet checked)
+        vectors: list = []
         for s in samples:
             if not isinstance(s, Sample):
                 raise TypeError(f"expected Sample, got {type(s).__name__}: {s!r}")
             names = s.names if s.names is not None else (s.name,)
-            if s.names is None or (s.names, s.reduce) not in self._checked:
-                for name in names:
-                    known = self._kinds.setdefault(name, s.reduce)
-                    if known != s.reduce:
-                        raise ValueError(f"metric {name!r} was reduced as {known!r} before and now as "
-                                         f"{s.reduce!r}; a name keeps one reduce kind for the whole run")
-                if s.names is not None:
-                    if len(set(names)) != len(names):
-                        raise ValueError(f"vector sample {s.name!r} names an element twice")
-                    self._checked.add((s.names, s.reduce))
+            unchecked = s.names is None or (s.names, s.reduce) not in self._checked
+            if unchecked and s.names is not None and len(set(names)) != len(names):
+                raise ValueError(f"vector sample {s.name!r} names an element twice")
             if not seen.isdisjoint(names):
                 raise ValueError(f"metric(s) {sorted(seen.intersection(names))[:5]} appear twice in one reduction")
             seen.update(names)
+            if unchecked:
+                for name in names:
+                    known = self._kinds.get(name, s.reduce)
+                    if known != s.reduce:
+                        raise ValueError(f"metric {name!r} was reduced as {known!r} before and now as "
+                                         f"{s.reduce!r}; a name keeps one reduce kind for the whole run")
+                    kinds[name] = s.reduce
+                if s.names is not None:
+                    vectors.append((s.names, s.reduce))
+        self._kinds.update(kinds)
+        self._checked.update(vectors)
         return list(samples)
 
     def _fits(self, samples: list[Sample]) -> bool:

@@ -49,7 +49,32 @@ def _out_of_step(rank: int, world: int) -> dict:
     monitor.step(1)
     out["checkpoint_one_rank"] = _outcome(lambda: monitor.checkpoint_saved(1) if rank == 0 else monitor.step(2))
     dist.barrier()
+    # 4. a user's collector hands over None on rank 0 only
+    monitor = dm.Monitor(cfg, collectors=[_Probe(rank)])
+    monitor.step(1)
+    out["bad_sample"] = _outcome(lambda: monitor.step(2))
+    dist.barrier()
     return out
+
+
+class _Probe:
+    """A user's collector whose reading failed on rank 0 (None) and worked on the others."""
+
+    name, after = "probe", ()
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        from distmetrics.reduce import Sample
+
+        return [Sample("probe", None if self.rank == 0 else 1.0, "mean")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +92,17 @@ def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_o
         assert kind == "HangError", message
         assert f"waited {TIMEOUT_S:g} s (hang_timeout_s) at {calls[rank]}" in message
         assert f"rank {other}: last call {calls[other]}" in message
+
+
+def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_on_the_others(out_of_step):
+    """Without the check the value fails inside the SUM pack, after the MAX all-reduce: rank 1
+    then waits in the SUM all-reduce for a rank that will never come."""
+    kind, message, _ = out_of_step[0]["bad_sample"]
+    assert kind == "TypeError" and "Sample 'probe': expected a number or a 1-element tensor, got NoneType" in message
+    kind, message, seconds = out_of_step[1]["bad_sample"]
+    assert kind == "HangError" and "waited 2 s (hang_timeout_s) at monitor.step(step=2)" in message
+    assert "ranks that did not arrive: rank 0: last call" in message
+    assert seconds < TIMEOUT_S + 10
 
 
 def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
@@ -172,3 +208,101 @@ def test_a_name_that_is_not_a_string_and_a_step_beyond_int64_are_refused(tmp_pat
     with pytest.raises(ValueError, match="accepted values are integers from 0 to 2\\*\\*63 - 1"):
         monitor.step(2 ** 63)
     monitor.close()
+
+
+@pytest.mark.parametrize("arguments,error,message", [
+    ({"loss": "tensor2"}, ValueError, "monitor.log_eval\\(loss=...\\): expected a number or a 1-element tensor, got a tensor"),
+    ({"tokens": "many"}, TypeError, "monitor.log_eval\\(tokens=...\\): expected a number"),
+    ({"acc": "a"}, TypeError, "monitor.log_eval\\(acc=...\\): expected a number or a 1-element tensor, got str 'a'"),
+    ({"_eval/tokens": 5.0}, ValueError, "metric name '_eval/tokens' is refused"),
+    ({"eval/ppl": 5.0}, ValueError, "would write 'eval/ppl', which monitor.log_eval writes already"),
+    ({"loss/web": 5.0}, ValueError, "metric 'loss/web' was recorded as 'sum' before and now as 'mean'"),
+    ({"eval/loss/web": 5.0}, ValueError, "would write 'eval/loss/web', which monitor.log_eval writes already"),
+    ({"train/loss": 5.0}, ValueError, "would write 'train/loss', which monitor.step\\(loss=...\\) writes already"),
+])
+def test_a_refused_log_eval_changes_nothing_and_can_be_retried(tmp_path, arguments, error, message):
+    import torch
+
+    monitor = _monitor(tmp_path)
+    monitor.record("loss/web", 1.0, "sum")  # claimed by monitor.record first
+    monitor.record_losses(torch.tensor([1.0, 3.0]), ["web", "web"], split="eval")
+    arguments = {"loss": 2.0, **{k: torch.ones(2) if v == "tensor2" else v for k, v in arguments.items()}}
+    with pytest.raises(error, match=message):
+        monitor.log_eval(1, **arguments)
+    metrics = monitor.log_eval(1, loss=2.0, tokens=10)  # the retry keeps the refused call's categories
+    monitor.close()
+    assert metrics["eval/loss"] == 2.0 and metrics["eval/loss/web"] == 2.0
+
+
+def test_a_scalar_given_as_none_is_a_step_without_that_value():
+    """Accepted by the argument check, so it must not fail halfway through recording (before, the
+    step raised after its loss was recorded, and the loss counted although the call was refused)."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+    monitor.step(1, loss=5.0, acc=None)
+    metrics = monitor.step(2, loss=1.0, acc=2.0)
+    monitor.close()
+    assert metrics["train/loss"] == 3.0 and metrics["train/acc"] == 2.0
+
+def test_a_log_eval_step_that_no_lane_can_hold_is_refused(tmp_path):
+    monitor = _monitor(tmp_path)
+    with pytest.raises(ValueError, match="monitor.log_eval: step='1': accepted values are integers from 0"):
+        monitor.log_eval("1", loss=2.0)
+    monitor.close()
+
+
+@pytest.mark.parametrize("name,kind,writer", [
+    ("memory/host_rss_gib", "max", "the 'memory' collector"),
+    ("stragglers/score_min", "mean", "the '(timers|stragglers)' collector"),  # both write under stragglers/
+    ("train/loss/web", "mean", "the 'losses' collector"),
+    ("train/tokens_per_sec", "mean", "the 'throughput' collector"),
+    ("eval/tokens_per_sec", "mean", "monitor.log_eval"),
+])
+def test_a_name_a_collector_writes_is_refused_at_the_call_and_the_log_step_goes_on(tmp_path, name, kind, writer):
+    """Without the check, ``memory/host_rss_gib`` fails the next log step after every collector
+    handed over its interval (the interval is lost), and ``stragglers/score_min`` is overwritten."""
+    monitor = _monitor(tmp_path, log_memory=True, log_throughput=True, straggler_window=2)
+    for step in (1, 2, 3):
+        monitor.step(step, loss=1.0)
+    with pytest.raises(ValueError, match=f"would write '{name}', which {writer} writes already"):
+        monitor.record(name, 5.0, kind)
+    with pytest.raises(ValueError, match=f"would write '{name}', which {writer} writes already"):
+        monitor.step(4, loss=1.0, **{name: 5.0})
+    metrics = monitor.step(4, loss=2.0)
+    monitor.close()
+    assert metrics["train/loss"] == 1.25 and metrics.get(name) != 5.0
+    assert metrics["memory/host_rss_gib"] > 0 and metrics["stragglers/score_min"] == 1.0  # one rank: the fastest
+
+
+def test_a_monitor_that_cannot_be_made_lets_go_of_its_output_dir(tmp_path):
+    import distmetrics as dm
+
+    class Memory(_Probe):
+        name = "memory"
+
+    with pytest.raises(ValueError, match="two collectors are named 'memory'") as refused:
+        dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_memory=True), collectors=[Memory(0)])
+    # the retry runs while the error's traceback (and the half-made Monitor in it) is alive, as in an
+    # `except` block; without the release: "output_dir=... is in use by another Monitor"
+    dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()
+    assert refused.value is not None and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_calls_between_log_steps_reach_the_store_about_a_thousand_times_a_second_in_all():
+    """At 4,096 ranks each rank publishes its latest call every 4.1 s, not every second. The guard
+    is given a real in-process store and told the world is 4,096 ranks (this machine has 2 cores)."""
+    import torch.distributed as dist
+
+    from distmetrics.guard import CollectiveGuard
+
+    guard = CollectiveGuard(TIMEOUT_S)  # no process group: off until given a store
+    guard.store, guard.world, guard.rank = dist.HashStore(), 4096, 7
+    assert guard.publish_every_s == pytest.approx(4.096)
+    guard.note("monitor.step", 1)
+    time.sleep(1.2)
+    guard.note("monitor.step", 2)
+    assert guard.store.get("rank7").decode().split("|")[1] == "monitor.step(step=1)"
+    guard.world = 2  # a small job: once a second, as before
+    guard.note("monitor.step", 3)
+    assert guard.store.get("rank7").decode().split("|")[1] == "monitor.step(step=3)"

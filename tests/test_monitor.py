@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import CollectiveCounter, run_ranks
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 WORLD = 3
 INTERVAL = 4
@@ -70,6 +70,14 @@ def _train(rank: int, world: int, root: str) -> dict:
         for step in (1, 2):
             last.step(step, loss=1.0)
         out["last_is_writer"] = last.is_writer
+
+    # tensor parallelism: the three ranks are one TP group, so each step is one batch of 100 tokens
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with dm.Monitor(quiet_config(log_interval=2, log_throughput=True), device_mesh=mesh) as tp:
+        out["tp_train"] = [tp.step(step, loss=1.0, tokens=100) for step in (1, 2)][-1]["train/consumed_tokens"]
+        out["tp_eval"] = tp.log_eval(2, loss=1.0, tokens=100, time_ms=500.0)
     return out
 
 
@@ -207,3 +215,10 @@ def test_eval_is_token_weighted_with_ppl_and_gap(run):
     assert ev["eval/ppl"] == pytest.approx(math.exp(expected))
     # the gap is to the train loss since the last eval, whose second interval is NaN
     assert math.isnan(ev["eval/gap"])
+
+
+def test_eval_tokens_count_once_per_tensor_parallel_group_like_train_tokens(run):
+    _, results = run
+    for r in results:
+        assert r["tp_train"] == 200  # two steps of one 100-token batch
+        assert r["tp_eval"]["eval/tokens_per_sec"] == pytest.approx(100 / 0.5)  # not 3 × that

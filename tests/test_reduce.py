@@ -217,3 +217,36 @@ def test_unknown_reduce_kind_is_rejected():
 
     with pytest.raises(ValueError, match="reduce='median' is not one of sum, mean, max, min, minmax, all"):
         Sample("x", 1.0, "median")
+
+
+@pytest.mark.parametrize("arguments,error,message", [
+    (("x", None, "mean"), TypeError, "Sample 'x': expected a number or a 1-element tensor, got NoneType None"),
+    (("x", None, "all"), TypeError, "Sample 'x': expected a number"),
+    (("x", "1.0", "sum"), TypeError, "Sample 'x': expected a number or a 1-element tensor, got str '1.0'"),
+    (("x", [1.0, 2.0], "max"), TypeError, "Sample 'x': expected a number"),
+    (("x", "tensor2", "max"), ValueError, "Sample 'x': expected a number or a 1-element tensor, got a tensor of shape"),
+    (("x", 1.0, "mean", None), TypeError, "Sample 'x' weight: expected a number"),
+    (("x", 1.0, "minmax", 1.0, False, "low"), TypeError, "Sample 'x' low: expected a number"),
+    ((7, 1.0, "mean"), TypeError, "a metric name is a str, got int 7"),
+])
+def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, error, message):
+    """A collector's bad value fails in its own take_samples, before the log step's first collective
+    (a failure inside a pack would leave the other ranks waiting in the next collective)."""
+    import torch
+
+    from distmetrics.reduce import Sample
+
+    arguments = tuple(torch.ones(2) if a == "tensor2" else a for a in arguments)
+    with pytest.raises(error, match=message):
+        Sample(*arguments)
+    with pytest.raises(TypeError, match="vector sample 'v': element names are str"):
+        Sample("v", torch.ones(2), "sum", names=("v/a", 2))
+
+
+def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
+    from distmetrics.reduce import Reducer, Sample
+
+    reducer = Reducer()
+    with pytest.raises(ValueError, match="\\['x'\\] appear twice in one reduction"):
+        reducer.reduce([Sample("x", 1.0, "mean"), Sample("x", 2.0, "max")])
+    assert reducer.reduce([Sample("x", 2.0, "max")]).maxima == {"x": (2.0, 0)}  # 'x' was never reduced as mean

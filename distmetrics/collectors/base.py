@@ -6,6 +6,7 @@ no collective) and, at a log step, hands over what it measured::
     class QueueDepth:
         name = "queue"
         after = ()                                   # collectors whose results finalize() reads
+        writes = ("data/",)                          # the names it writes ("data/": all under it)
 
         def take_samples(self, ctx):                 # hands over the interval and resets it
             return [Sample("data/queue_depth", self.depth, "max")]
@@ -22,7 +23,9 @@ most one collective per reduce kind, whatever the number of collectors and names
 every rank → write. What several collectors need (the step, the interval's steps, its wall
 time and tokens, the layout, the model's module order) comes in :class:`LogContext`, computed
 once; a collector never reads another collector's attributes, only the metric names of the
-collectors it declares in ``after``.
+collectors it declares in ``after``. What a collector declares in ``writes`` is kept from the
+user: ``monitor.record`` or a ``monitor.step`` scalar that would write one of those names is
+refused at its call, instead of two values of one name failing the log step.
 """
 
 from __future__ import annotations
@@ -49,8 +52,6 @@ class LogContext:
     """Every rank's :class:`~distmetrics.parallel.RankInfo` (host, local rank, GPU), by rank."""
     module_order: Sequence[str] = ()
     """The model's module names in model order (the first is nearest the input)."""
-    local_interval_s: float = 0.0
-    """This rank's wall time of the interval in seconds (pauses excluded), before the reduction."""
     interval_s: Optional[float] = None
     """After the reduction: the slowest rank's wall time of the interval, seconds."""
     tokens: Optional[float] = None
@@ -60,8 +61,6 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
-    kind: str = "train"
-    """The record being made: ``train`` (a log step)."""
 
 
 @dataclass
@@ -106,6 +105,9 @@ class Collector(Protocol):
     """Unique among a Monitor's collectors; what others name in ``after``."""
     after: tuple
     """Names of the collectors whose results :meth:`finalize` reads (run after them)."""
+    writes: tuple
+    """The metric names it writes, a name ending in ``/`` standing for every name under it (may be
+    empty); a user's own value under one of them is refused at its call."""
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """This interval's samples on this rank; the interval starts again."""

@@ -48,6 +48,7 @@ class HealthCollector:
 
     name = "health"
     after = ("norms",)
+    writes = ("health/",)
 
     def __init__(self, spike_factor: float) -> None:
         self.loss_spikes = SpikeDetector(spike_factor)

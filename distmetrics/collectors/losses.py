@@ -92,6 +92,7 @@ class LossCollector:
 
     name = "losses"
     after = ()
+    writes = ("train/loss/",)
 
     def __init__(self) -> None:
         self.train = CategoryLosses("train/loss")

@@ -31,6 +31,7 @@ class MemoryCollector:
 
     name = "memory"
     after = ()
+    writes = ("memory/",)
 
     def __init__(self) -> None:
         import psutil

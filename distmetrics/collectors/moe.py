@@ -22,6 +22,7 @@ class MoECollector:
 
     name = "moe"
     after = ()
+    writes = ("moe/",)
 
     def __init__(self, counts_tokens: bool) -> None:
         self.counts_tokens = counts_tokens  # False on TP/CP peers that see the same tokens

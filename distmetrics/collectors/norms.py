@@ -34,6 +34,9 @@ class NormCollector:
 
     name = "norms"
     after = ()
+    writes = ("grad_norm", "grad_norm/", "param_norm", "param_norm/", "update_norm", "update_norm/",
+              "relative_update_norm", "relative_update_norm/", "effective_lr_ratio", "effective_lr_ratio/",
+              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params")
 
     def __init__(self, model: torch.nn.Module, layout: Any, group: Any = None, depth: Optional[int] = None,
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,

@@ -54,6 +54,7 @@ class EnergyCollector:
 
     name = "energy"
     after = ()
+    writes = ("energy/", "power/")
 
     def __init__(self, world_size: int, uuid: Optional[str] = None) -> None:
         self.world_size = world_size
@@ -147,6 +148,7 @@ class TelemetryCollector:
 
     name = "gpu_telemetry"
     after = ()
+    writes = ("gpu/",)
 
     def __init__(self, uuid: Optional[str] = None) -> None:
         self.enabled = False

@@ -14,14 +14,14 @@ measures one step fewer than it holds, and its throughput counts the tokens of t
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Union
 
 import torch
 
-from ..interval import IntervalStats
-from ..names import NameRegistry, check_value
+from ..interval import IntervalClock, IntervalStats, as_number
+from ..names import NameRegistry, check_step, check_value
 from ..parallel import counts_batch_tokens
+from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
 __all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS"]
@@ -41,22 +41,26 @@ class StepValues:
 
     name = "train"
     after = ()
+    writes = ("train/loss", "train/lr")
 
     def __init__(self, layout: Any) -> None:
         self.stats = IntervalStats()
-        self.names = NameRegistry()
+        self.names = NameRegistry()  # the Monitor adds what its other collectors write
+        self.names.reserve(["train/loss"], "monitor.step(loss=...)")
+        self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
         self.timed_steps = 0  # the last interval's steps that the clock measured
-        self._t0: Optional[float] = None  # set by start(), at the first monitor.step
+        self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._starting = False
         self._timed = 0
         self._untimed_tokens: Number = 0.0
-        self._paused_at: Optional[float] = None
-        self._paused_s = 0.0
 
-    def check_step(self, loss: Any, tokens: Any, lr: Any, skipped: Any, scalars: dict[str, Any]) -> None:
-        """Refuse a step's arguments before anything is recorded (a refused call changes nothing)."""
+    def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
+                   scalars: dict[str, Any]) -> None:
+        """Refuse a step's arguments before anything is recorded (a refused call changes nothing);
+        ``last`` is the last step recorded (None: none yet)."""
+        check_step(step, "monitor.step", last)
         for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
             if value is not None:
                 check_value(value, f"monitor.step({what}=...)")
@@ -67,7 +71,8 @@ class StepValues:
 
     def start(self) -> None:
         """Start the clock (the Monitor calls this at the first ``monitor.step``)."""
-        self._t0, self._starting = time.perf_counter(), True
+        self.clock.restart()
+        self._starting = True
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
                     scalars: dict[str, Number]) -> None:
@@ -75,21 +80,23 @@ class StepValues:
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False
             if tokens is not None and self.counts_tokens:
-                self._untimed_tokens = _as_number(tokens)
+                self._untimed_tokens = as_number(tokens)
         else:
             self._timed += 1
         if loss is not None:
             self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
-            self.job_tokens = self.job_tokens + _as_number(tokens)
+            self.job_tokens = self.job_tokens + as_number(tokens)
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", last=True)
         for name, value in scalars.items():
-            self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
+            if value is not None:  # like loss=None: this rank has no value this step
+                self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """A user's own value for this interval (see ``Monitor.record``)."""
+        check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self.names.claim(name, reduce, "monitor.record")
         check_value(value, f"monitor.record({name!r})")
         check_value(weight, f"monitor.record({name!r}, weight=...)")
@@ -97,21 +104,15 @@ class StepValues:
 
     def pause(self) -> None:
         """Stop the interval clock (evaluation, checkpointing)."""
-        if self._paused_at is None and self._t0 is not None:
-            self._paused_at = time.perf_counter()
+        self.clock.pause()
 
     def resume(self) -> None:
         """Start the interval clock again after :meth:`pause`."""
-        if self._paused_at is not None:
-            self._paused_s += time.perf_counter() - self._paused_at
-            self._paused_at = None
+        self.clock.resume()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        self.resume()
-        now = time.perf_counter()
-        seconds = 0.0 if self._t0 is None else now - self._t0 - self._paused_s
-        self._t0, self._paused_s = now, 0.0
+        seconds = self.clock.take()
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
@@ -131,9 +132,3 @@ class StepValues:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def _as_number(v: Number) -> Number:
-    if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(torch.float64)
-    return v

@@ -49,6 +49,7 @@ class StragglerCollector:
 
     name = "stragglers"
     after = ("timers",)  # reads every rank's timer values from the reduced metrics
+    writes = ("stragglers/",)
 
     def __init__(self, window: int = 10, report_every: int = 10, report_ranks: int = 8, threshold: float = 0.9,
                  nvml: bool = False, uuid: Optional[str] = None) -> None:
@@ -96,7 +97,7 @@ class StragglerCollector:
             times = _as_tensor(step_ms)
             scores[""] = self._push("", times)
             _write_minimum(metrics, "stragglers/score_min", scores[""], ctx.hosts, with_host=True)
-            out += self._persistent(times, ctx.hosts)
+            out += self._persistent(times, scores[""], ctx.hosts)
         for name, values in _every_ranks_timers(metrics).items():
             scores[name] = self._push(name, _as_tensor(values))
             _write_minimum(metrics, f"stragglers/{name}/score_min", scores[name], ctx.hosts, with_host=False)
@@ -117,9 +118,9 @@ class StragglerCollector:
         window.append(values)
         return window_scores(window)
 
-    def _persistent(self, times: torch.Tensor, hosts: Sequence[Any]) -> list[Alert]:
+    def _persistent(self, times: torch.Tensor, score: torch.Tensor, hosts: Sequence[Any]) -> list[Alert]:
         """One alert naming the ranks that newly scored below the threshold at every log step of
-        a full window (a rank is named again only after it has recovered)."""
+        a full window (a rank is named again only after it has recovered); ``score``: the window's."""
         if self._below and self._below[-1].numel() != times.numel():
             self._below.clear()
         self._below.append(relative_scores(times) < self.threshold)  # NaN: not below
@@ -130,7 +131,6 @@ class StragglerCollector:
         self._alerted = set(stuck)
         if not new:
             return []
-        score = window_scores(self._windows[""])
         named = [f"rank {r} ({_where(r, hosts)}, score {score[r].item():.2f})" for r in new[:self.report_ranks]]
         more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
         message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "

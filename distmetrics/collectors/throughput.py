@@ -44,6 +44,8 @@ class ThroughputCollector:
 
     name = "throughput"
     after = ()
+    writes = ("train/step_time_ms", "train/tokens_per_sec", "train/tokens_per_sec_per_gpu", "train/consumed_tokens",
+              "train/tflops_per_gpu", "train/mfu_pct", "train/sol_pct", "train/eta_s")
 
     def __init__(self, world_size: int, flops_per_token: Optional[float] = None,
                  peak_tflops: Optional[float] = None, total_steps: Optional[int] = None,
@@ -54,7 +56,6 @@ class ThroughputCollector:
         self.total_steps = total_steps
         self.sol_step_time_ms = sol_step_time_ms
         self.consumed_tokens = 0.0
-        self.total_flops = 0.0
         self._mfu_warned = False
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
@@ -67,7 +68,6 @@ class ThroughputCollector:
         if ctx.tokens is not None:
             self.consumed_tokens += ctx.tokens
             metrics["train/consumed_tokens"] = self.consumed_tokens
-            self.total_flops += ctx.tokens * (self.flops_per_token or 0.0)
         seconds = ctx.interval_s
         steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps
         tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens

@@ -267,6 +267,7 @@ class TimerCollector:
 
     name = "timers"
     after = ("throughput",)  # train/step_time_ms from the step timer only where throughput has none
+    writes = ("timers/", "stragglers/", "train/step_time_ms")
 
     def __init__(self, timers: Timers, option: str, per_rank: bool = False) -> None:
         self.timers = timers

@@ -68,6 +68,7 @@ class TensorInspector:
 
     name = "tensor_stats"
     after = ()
+    writes = ("tensor_stats/",)
 
     def __init__(self, spec: dict, init_training_step: int = 0, group: Any = None) -> None:
         import nvdlfw_inspect.api as debug_api
