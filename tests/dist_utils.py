@@ -148,12 +148,12 @@ class FakeClock:
     measures is a number the test chose, not a sleep's wall time.
 
     As a context manager it replaces the ``time`` name of the library modules that read step and
-    timer durations (:attr:`MODULES`: the step clock, the timers, the straggler clock) with this
-    object: their ``time.perf_counter()`` and ``time.perf_counter_ns()`` read the fake, every other
+    timer durations (:attr:`MODULES`: the interval clock of the step time and the straggler
+    scores, the timers) with this object: their ``time.perf_counter()`` and ``time.perf_counter_ns()`` read the fake, every other
     ``time`` function stays real, and the ``time`` module itself and everyone else's reads of it
     are untouched. On exit the modules get ``time`` back."""
 
-    MODULES = ("distmetrics.collectors.steps", "distmetrics.collectors.timers", "distmetrics.interval")
+    MODULES = ("distmetrics.collectors.timers", "distmetrics.interval")
 
     def __init__(self, start_s: float = 100.0) -> None:
         self.ns = round(start_s * 1e9)

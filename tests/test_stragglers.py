@@ -91,6 +91,33 @@ def test_paused_time_is_left_out_of_a_ranks_step_time():
     assert collector.step_ms == pytest.approx(20.0)  # not 320 ms
 
 
+def test_the_first_interval_counts_only_the_steps_its_clock_measured():
+    """The clock starts at the first ``monitor.step``, so that step's own time is not in the
+    first interval: its milliseconds per step are over the steps after it (a :class:`FakeClock`
+    in place of ``time.perf_counter``); with ``log_interval: 1`` the first log step measured no
+    step and sends no time (NaN, left out of the scores)."""
+    import math
+
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+
+    class Recorded(StragglerCollector):
+        def take_samples(self, ctx):
+            samples = super().take_samples(ctx)
+            self.step_ms.append(next(s.value for s in samples if s.name == STEP_MS))
+            return samples
+
+    for interval, expected in ((2, [10.0, 10.0]), (1, [math.nan, 10.0, 10.0, 10.0])):
+        with FakeClock() as clock:
+            collector = Recorded(window=2)
+            collector.step_ms = []
+            monitor = dm.Monitor(quiet_config(log_interval=interval, straggler_window=0), collectors=[collector])
+            for step in range(1, 5):
+                monitor.step(step)
+                clock.advance(10.0)
+            monitor.close()
+        assert collector.step_ms[:len(expected)] == pytest.approx(expected, nan_ok=True), interval
+
+
 def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):
     """The collector's alert logic on given per-rank step times (as the gather hands them over),
     through the console sink."""

@@ -64,10 +64,12 @@ class StragglerCollector:
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
         self.clock = IntervalClock()
+        self._untimed = 0  # 1 in the first interval: the step whose call started the clock
 
     def start(self) -> None:
         """Start this rank's clock at the first ``monitor.step`` (building the Monitor is no step's time)."""
         self.clock.restart()
+        self._untimed = 1
 
     def pause(self) -> None:
         """Stop this rank's clock (``monitor.pause()``: evaluation, a checkpoint save)."""
@@ -80,7 +82,8 @@ class StragglerCollector:
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """This rank's milliseconds per step since the last log step, pauses left out (and its
         GPU's power and SM clock when NVML is on), every rank's value gathered."""
-        ms = 1000.0 * self.clock.take() / max(ctx.steps, 1)
+        timed, self._untimed = ctx.steps - self._untimed, 0
+        ms = 1000.0 * self.clock.take() / timed if timed > 0 else math.nan  # NaN: no time this interval
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
             samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
