@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
-from .reduce import Reducer
+from .packing import collective_device
 from .plans import Buckets, ParamPlans, Plan, Route, grad_of, route_of
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "per_tensor_norms"]
@@ -320,11 +320,6 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     n = values.numel()
     out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
     return out.to(home)
-
-
-def collective_device(group: Any) -> torch.device:
-    """Where this group's collectives run (CUDA for NCCL, else the CPU): :attr:`Reducer.device`."""
-    return Reducer(group).device
 
 
 def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:

@@ -231,6 +231,15 @@ def gather_single():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """Where ``group``'s collectives run: the current CUDA device under NCCL, else the CPU."""
+    distributed = dist.is_available() and dist.is_initialized()
+    backend = str(dist.get_backend(group)).lower() if distributed else "gloo"
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def global_rank(group: Any, rank: int) -> int:
     """A group rank → the global rank."""
     return rank if group is None else dist.get_global_rank(group, rank)

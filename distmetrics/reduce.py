@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, encode_keys, entries_of, gather_single, global_rank, mean_parts,
-                      value_device)
+                      value_device, collective_device)
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -171,11 +171,7 @@ class Reducer:
     def device(self) -> torch.device:
         """Where packs travel: CUDA for NCCL, else CPU."""
         if self._device is None:
-            backend = str(dist.get_backend(self.group)).lower() if self.distributed else "gloo"
-            if "nccl" in backend and torch.cuda.is_available():
-                self._device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                self._device = torch.device("cpu")
+            self._device = collective_device(self.group) if self.distributed else torch.device("cpu")
         return self._device
 
     def reduce(self, samples: Sequence[Sample], tag: int = 0) -> Reduced:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_python, run_ranks
 
 NORM_TYPES = (2.0, 1.5, math.inf, -math.inf, 0.0)
 
@@ -154,19 +154,12 @@ def test_the_routing_of_ever_new_gradient_sets_is_capped_and_stays_exact():
 def test_inf_norms_print_no_warning():
     """torch warns once per process that ``index_reduce`` is in beta; the ±inf norms' per-module
     maxima and minima must not print it into the user's log (a fresh process, so "once" is now)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = ("import torch\nfrom distmetrics.grad_norm import GradientNorms\n"
               "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
               "for p in m.parameters(): p.grad = torch.randn_like(p)\n"
               "g = GradientNorms(m)\n"
               "g.clip(None, 1.0, float('inf')); g.clip(None, 1.0, float('-inf'))\n")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "default"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
+    done = run_python("-c", script, env={"PYTHONWARNINGS": "default"})
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr, done.stderr
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_python, run_ranks
 
 FEATURES = textwrap.dedent("""
     fc_stats:
@@ -472,9 +472,6 @@ def test_a_second_monitor_with_tensor_inspection_is_refused_until_the_first_clos
 def test_feature_code_in_the_working_directory_is_never_imported(tmp_path):
     """A transformer_engine folder that is only on the path (TE not installed) is not TE: its
     feature code must not run, and the config is refused."""
-    import subprocess
-    import sys
-
     features_dir = tmp_path / "transformer_engine" / "debug" / "features"
     features_dir.mkdir(parents=True)
     (tmp_path / "transformer_engine" / "__init__.py").write_text("")
@@ -495,13 +492,9 @@ def test_feature_code_in_the_working_directory_is_never_imported(tmp_path):
         except dm.ConfigError as err:
             print("refused:", err)
         """)
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    run = run_python("-c", code, cwd=tmp_path)
     assert "refused:" in run.stdout and "needs TransformerEngine" in run.stdout, run.stderr[-2000:]
-    cli = subprocess.run([sys.executable, "-m", "distmetrics.cli", "check-features", "features.yaml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    cli = run_python("-m", "distmetrics.cli", "check-features", "features.yaml", cwd=tmp_path)
     assert cli.returncode == 2
     assert not (tmp_path / "ran").exists()
 

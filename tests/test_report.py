@@ -31,7 +31,7 @@ Image = pytest.importorskip("PIL.Image", reason="Pillow (the dev extra) decodes 
 
 from distmetrics.report import load_metrics, write_report  # noqa: E402
 from distmetrics.report.store import StepGrid  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.dist_utils import free_port, run_python  # noqa: E402
 from tests.synthetic_run import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +124,7 @@ def embedded_pngs(page: str) -> list:
 
 def _report_cli(*args: str, code: str = "") -> subprocess.CompletedProcess:
     program = code + "import sys; from distmetrics.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", program, "report", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+    return run_python("-c", program, "report", *args, timeout=300)
 
 
 # --- a real 2-rank run ----------------------------------------------------------------------------

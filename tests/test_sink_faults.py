@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import dist_utils
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80
 FREED_AT = 40  # the filler file is deleted after this step
@@ -39,10 +41,7 @@ def small_disk(folder: Path, size: str = "128k"):
 
 def run_child(function: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``tests.test_sink_faults.<function>(*args)`` in a fresh interpreter."""
-    code = f"import sys; from tests.test_sink_faults import {function} as f; f(*sys.argv[1:])"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+    return dist_utils.run_child(f"tests.test_sink_faults.{function}", *args, timeout=timeout)
 
 
 class Capture(logging.Handler):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron_text import time_block
-from ..packing import gather_single
+from ..packing import collective_device, gather_single
 
 __all__ = ["MegatronReports", "TimerError"]
 
@@ -167,9 +167,7 @@ def _world() -> tuple[int, int]:
 
 
 def _all_gather_rows(row: torch.Tensor, world: int) -> torch.Tensor:
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()).lower():
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device()
     row = row.to(device)
     out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
     gather_single()(out, row)
