@@ -92,6 +92,25 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied)
 
 
+def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, distributed: bool = True,
+                        bf16: bool = False, weight_decay: float = 0.01) -> tuple:
+    """``model`` under Megatron's ``DistributedDataParallel`` (fp32 gradient reduction, no
+    overlap) and its Adam from ``get_megatron_optimizer`` (the ``DistributedOptimizer`` when
+    ``distributed``; Megatron clips at ``clip_grad``), built through :func:`cuda_on_cpu`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with cuda_on_cpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=False), model)
+    ddp.broadcast_params()
+    with cuda_on_cpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, fp16=False,
+            use_distributed_optimizer=distributed, clip_grad=clip_grad), [ddp])
+    return ddp, optimizer
+
+
 @contextlib.contextmanager
 def cuda_on_cpu():
     """Adaptation 4: while active (CPU-only torch),

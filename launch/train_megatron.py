@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import distmetrics as dm
 from common import MarkovData, exit_after_teardown, lr_at, metrics_config, quiet_megatron_warnings
-from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
+from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -141,18 +141,7 @@ def finalize_grads(model: torch.nn.Module) -> None:
 def distributed_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> tuple:
     """The model under Megatron's DistributedDataParallel and its DistributedOptimizer (Megatron
     clips at ``--max-grad-norm``); on CPU through launch/megatron_cpu.cuda_on_cpu."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    with cuda_on_cpu():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
-    ddp.broadcast_params()
-    with cuda_on_cpu():
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=args.lr, weight_decay=0.01, use_distributed_optimizer=True,
-            clip_grad=args.max_grad_norm), [ddp])
-    return ddp, optimizer
+    return wrap_with_optimizer(model, lr=args.lr, clip_grad=args.max_grad_norm)
 
 
 def main(argv=None) -> dict:

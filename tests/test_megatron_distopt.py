@@ -29,12 +29,10 @@ def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = T
     Monitor on it."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     import distmetrics as dm
-    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, wrap_with_optimizer
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     apply_cpu_adaptations(seed=1234)
@@ -42,14 +40,7 @@ def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = T
     if bf16:
         model.config.bf16 = True
         model = Float16Module(model.config, model)
-    with cuda_on_cpu():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=False), model)
-    ddp.broadcast_params()
-    with cuda_on_cpu():
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=1e-2, bf16=bf16, fp16=False, use_distributed_optimizer=distributed,
-            clip_grad=clip_grad), [ddp])
+    ddp, optimizer = wrap_with_optimizer(model, lr=1e-2, clip_grad=clip_grad, distributed=distributed, bf16=bf16)
     cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
     torch.manual_seed(0)
