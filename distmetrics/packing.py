@@ -51,6 +51,7 @@ class PackLayout:
                 self.n_all += 1
         self.digest = digest(encode_entries(self.entries))
         self._vectors: dict[tuple, Optional[dict]] = {}  # (names, reduce) → positions per (offset, device)
+        self._scalars: dict[tuple, torch.Tensor] = {}  # (scalar positions, device) → index tensor
 
     def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
         """Cached pack positions of a vector's names (None: not all of them are in this layout
@@ -63,6 +64,16 @@ class PackLayout:
             self._vectors[key] = {(0, None): torch.tensor([table[name] for name in names], dtype=torch.long)}
         return self._vectors[key]
 
+    def scalar_positions(self, positions: tuple, device: torch.device) -> torch.Tensor:
+        """``positions`` as an index tensor on ``device`` (cached: a log step's scalars repeat)."""
+        key = (positions, device)
+        cached = self._scalars.get(key)
+        if cached is None:
+            if len(self._scalars) >= 64:  # the scalars a run sends rarely vary; keep a few sets
+                self._scalars.clear()
+            cached = self._scalars[key] = torch.tensor(positions, dtype=torch.long).to(device)
+        return cached
+
     def positions(self, names: tuple, reduce: str, offset: int, device: torch.device) -> torch.Tensor:
         """The pack positions of a vector's elements plus ``offset`` (the second lane of a mean or
         minmax, the mask half of the ALL pack), as an index tensor on ``device``."""
@@ -74,18 +85,25 @@ class PackLayout:
 
 class Pieces:
     """Positions and values of one pack, gathered from scalars and vectors, assembled into one
-    index tensor and one value tensor on the pack's device (tensors are moved once per pack)."""
+    index tensor and one value tensor on the pack's device (tensors are moved once per pack and
+    device; the index of the scalars is cached in the layout: log steps repeat it)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-        self.scalar_index: list[int] = []
-        self.scalar_values: list[Number] = []
+    def __init__(self, layout: PackLayout, device: torch.device, dtype: torch.dtype) -> None:
+        self.layout, self.device, self.dtype = layout, device, dtype
+        self.number_index: list[int] = []
+        self.numbers: list[float] = []
+        self.tensor_index: list[int] = []
+        self.tensors: list[torch.Tensor] = []
         self.vectors: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add_scalar(self, position: int, value: Number, negate: bool = False) -> None:
         """One value (a number or a 0-d tensor) at ``position``."""
-        self.scalar_index.append(position)
-        self.scalar_values.append(-value if negate else value)
+        if isinstance(value, torch.Tensor):
+            self.tensor_index.append(position)
+            self.tensors.append(-value if negate else value)
+        else:
+            self.number_index.append(position)
+            self.numbers.append(-float(value) if negate else float(value))
 
     def add_vector(self, positions: torch.Tensor, values: Number, negate: bool = False) -> None:
         """A tensor of values (or one number for all) at ``positions``."""
@@ -98,12 +116,16 @@ class Pieces:
         """(index, values) of everything added, on the pack's device; (None, None) if nothing."""
         index = [p for p, _ in self.vectors]
         values = [v for _, v in self.vectors]
-        if self.scalar_index:
-            index.append(torch.tensor(self.scalar_index, dtype=torch.long).to(self.device))
-            values.append(_stack(self.scalar_values, self.dtype, self.device))
+        if self.numbers:
+            index.append(self.layout.scalar_positions(tuple(self.number_index), self.device))
+            values.append(torch.tensor(self.numbers, dtype=self.dtype, device=self.device))
+        if self.tensors:
+            order, stacked = _stack(self.tensors, self.dtype, self.device)
+            index.append(self.layout.scalar_positions(tuple(self.tensor_index[i] for i in order), self.device))
+            values.append(stacked)
         if not index:
             return None, None
-        return torch.cat(index), torch.cat(values)
+        return (torch.cat(index), torch.cat(values)) if len(index) > 1 else (index[0], values[0])
 
 
 def entries_of(samples: list) -> list[tuple[str, str]]:
@@ -151,22 +173,16 @@ def mean_parts(s: Any) -> tuple[Number, Number]:
     return s.value * s.weight, s.weight
 
 
-def _stack(values: list[Number], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Numbers and 0-d tensors on any device → one tensor on ``device``; tensors are stacked
-    where they live and moved once per device."""
-    out = torch.empty(len(values), dtype=dtype, device=device)
-    numbers = [(i, float(v)) for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    if numbers:
-        out[torch.tensor([i for i, _ in numbers], device=device)] = torch.tensor(
-            [v for _, v in numbers], dtype=dtype).to(device)
+def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """0-d tensors on any device → (their order in the result, one tensor on ``device``): they
+    are stacked where they live and moved once per device."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-    for _, idx in by_device.items():
-        stacked = torch.stack([values[i].detach().reshape(()).to(dtype) for i in idx])
-        out[torch.tensor(idx, device=device)] = stacked.to(device)
-    return out
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    parts = [torch.stack([tensors[i].detach().reshape(()) for i in idx]).to(device=device, dtype=dtype)
+             for idx in by_device.values()]
+    order = [i for idx in by_device.values() for i in idx]
+    return order, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def decode_max(layout: PackLayout, lanes: torch.Tensor, result: Any) -> None:

@@ -293,7 +293,7 @@ class Reducer:
         lanes = torch.full((layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
         if stale:  # every rank renegotiates and sends this pack again: values don't matter
             return torch.cat([control.to(device), lanes])
-        pieces = Pieces(device, torch.float32)
+        pieces = Pieces(layout, device, torch.float32)
         for s in samples:
             if s.reduce not in ("max", "min", "minmax"):
                 continue
@@ -338,7 +338,7 @@ class Reducer:
     def _sum_pack(self, samples: list[Sample], distributed: bool) -> list[float]:
         layout = self._layout
         device = self.device if distributed else value_device(samples)
-        pieces = Pieces(device, torch.float64)
+        pieces = Pieces(layout, device, torch.float64)
         for s in samples:
             if s.reduce not in ("sum", "mean"):
                 continue
@@ -365,7 +365,7 @@ class Reducer:
         layout = self._layout
         n = layout.n_all
         device = self.device if distributed else value_device(samples)
-        pieces = Pieces(device, torch.float64)
+        pieces = Pieces(layout, device, torch.float64)
         for s in samples:
             if s.reduce != "all":
                 continue

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests import fake_pynvml
-from tests.dist_utils import quiet_config, run_ranks
+from tests.dist_utils import FakeClock, quiet_config, run_ranks
 
 GPUS = {"GPU-0000": [], "GPU-1111": [], "GPU-2222": [], "GPU-3333": []}
 
@@ -174,10 +174,16 @@ def _memory_and_energy(rank: int, world: int) -> dict:
     sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 0, 1000 * (rank + 1) * 10]})
     from distmetrics.collectors.nvml import EnergyCollector
 
+    class Clock(FakeClock):  # the energy collector's clock too: power is energy over a chosen time
+        MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
+
     ballast = torch.ones(300 * 1024 * 1024 // 8, dtype=torch.float64) if rank == 1 else None  # ~300 MiB
-    monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
-    monitor.step(1, tokens=50)  # the first step starts the clocks: its record measures no step
-    m = monitor.step(2, tokens=50)
+    with Clock() as clock:
+        monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
+        clock.advance(1000)
+        monitor.step(1, tokens=50)  # the first step starts the clocks: its record measures no step
+        clock.advance(1000)
+        m = monitor.step(2, tokens=50)
     own_rss = psutil.Process().memory_info().rss / 1024 ** 3
     monitor.close()
     del ballast
@@ -193,6 +199,7 @@ def test_host_memory_and_energy_across_ranks():
     assert m["energy/total_j"] == pytest.approx(10.0 + 20.0)
     assert m["power/max_w_rank"] == 1 and m["power/min_w_rank"] == 0
     assert m["energy/j_per_token"] == pytest.approx(30.0 / 100)
+    assert m["power/max_w"] == pytest.approx(20.0) and m["power/min_w"] == pytest.approx(10.0)  # J over 1 s
 
 
 # --- throughput arithmetic ---------------------------------------------------------------------
@@ -281,3 +288,27 @@ def test_progress_txt_is_cumulative_across_a_restart_with_the_same_world_size(tm
     assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
     assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
     assert math.isfinite(record["checkpoint/job_tflops_per_gpu"])
+
+
+def test_host_rss_is_read_from_procfs_as_psutil_reads_it_and_from_psutil_without_procfs(monkeypatch):
+    import os
+
+    import psutil
+
+    from distmetrics.collectors.memory import _RssReader
+
+    reader = _RssReader()
+    assert reader._fd is not None  # Linux: one pread of /proc/<pid>/statm per log step
+    ballast = b"x" * (64 << 20)
+    assert reader.read() == pytest.approx(psutil.Process().memory_info().rss, rel=0.02)
+    assert reader.read() / 2 ** 20 > 64
+    reader.close()
+    assert reader.read() == pytest.approx(psutil.Process().memory_info().rss, rel=0.02)  # still answers
+
+    def no_procfs(*args, **kwargs):
+        raise FileNotFoundError("/proc")
+
+    monkeypatch.setattr(os, "open", no_procfs)
+    fallback = _RssReader()
+    assert fallback._fd is None and fallback.read() == pytest.approx(psutil.Process().memory_info().rss, rel=0.02)
+    del ballast

@@ -604,3 +604,29 @@ def test_megatrons_decoupled_grad_is_read_when_present():
         p.decoupled_grad = torch.full_like(p, 2.0)
     truth = math.sqrt(4.0 * sum(p.numel() for p in model.parameters()))
     assert float(_plain_monitor(model).clip_grad_norm_(math.inf)) == pytest.approx(truth, rel=REL)
+
+
+def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
+    """p = ±inf: a module whose gradient holds NaN makes every enclosing subtree NaN, whatever
+    the order its siblings come in (Python's max(1.0, nan) is 1.0)."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.norms import subtree_values
+
+    for combine in (max, min):
+        out = subtree_values({"a.x": 1.0, "a.y": math.nan, "a.z": 2.0, "b": 3.0}, combine)
+        assert math.isnan(out["a"]) and math.isnan(out["a.y"]) and out["a.x"] == 1.0 and out["b"] == 3.0
+    assert subtree_values({"a.x": 1.0, "a.z": 2.0, "model": 5.0}, max) == {"a": 2.0, "a.x": 1.0, "a.z": 2.0,
+                                                                           "model": 5.0}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)), torch.nn.Linear(3, 1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[0][1].weight.grad[0, 0] = math.nan
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    monitor.clip_grad_norm_(1.0, norm_type=math.inf)
+    m = monitor.step(1)
+    monitor.close()
+    assert math.isnan(m["grad_norm/0.1"]) and math.isnan(m["grad_norm/0"]) and m["grad_norm/0.0"] == 1.0
+    assert m["grad_norm/1"] == 1.0 and m["grad_nonfinite_modules"] == "0.1"

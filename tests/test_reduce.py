@@ -250,3 +250,25 @@ def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
     with pytest.raises(ValueError, match="\\['x'\\] appear twice in one reduction"):
         reducer.reduce([Sample("x", 1.0, "mean"), Sample("x", 2.0, "max")])
     assert reducer.reduce([Sample("x", 2.0, "max")]).maxima == {"x": (2.0, 0)}  # 'x' was never reduced as mean
+
+
+def test_scalars_of_every_kind_pack_once_and_their_index_is_reused():
+    """Numbers and 0-d tensors of two dtypes (negated for the min lanes) land on their own lanes,
+    the same at every log step, and the scalars' index tensors are built once per layout."""
+    import torch
+
+    from distmetrics.reduce import Reducer, Sample
+
+    def samples(k: float) -> list:
+        return [Sample("a", torch.tensor(2.0 * k, dtype=torch.float32), "sum"), Sample("b", 3.0 * k, "sum"),
+                Sample("c", torch.tensor(k, dtype=torch.float64), "minmax", low=torch.tensor(-k)),
+                Sample("d", 1.5 * k, "min"), Sample("e", torch.tensor(7.0 * k), "max")]
+
+    reducer = Reducer()
+    first = reducer.reduce(samples(1.0))
+    cached = dict(reducer._layout._scalars)
+    second = reducer.reduce(samples(2.0))
+    assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
+    assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
+    assert cached and reducer._layout._scalars.keys() == cached.keys()
+    assert all(reducer._layout._scalars[key] is index for key, index in cached.items())

@@ -327,3 +327,35 @@ def test_under_minmax_the_timer_collector_sends_every_ranks_timer_values_for_the
     scores = results[0]["minmax_timers"]
     assert scores["stragglers/data/score_min_rank"] == 2 and scores["stragglers/data/score_min"] == pytest.approx(0.25)
     assert not any(k.startswith("_ranks") for k in scores)  # the lanes are taken out
+
+
+def test_every_series_is_the_median_of_its_last_window_log_steps_and_a_new_timer_starts_empty():
+    """The collector's windows against statistics.median of each series' last WINDOW log steps,
+    by hand: a timer seen from the third log step on, absent at the fifth (that log step holds
+    no value of it), and a world-size change that starts every window over."""
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+    from distmetrics.reduce import PerRank
+
+    collector = StragglerCollector(window=WINDOW, report_every=0)
+    ctx = LogContext(step=1, steps=1, layout=None)
+    step_rows = [[10.0, 20.0], [30.0, 10.0], [20.0, 40.0], [50.0, 10.0], [10.0, 30.0], [40.0, 20.0]]
+    data_rows = [None, None, [4.0, 1.0], [2.0, 8.0], None, [6.0, 2.0]]
+    for i, (step, data) in enumerate(zip(step_rows, data_rows)):
+        metrics = {STEP_MS: PerRank(step)}
+        if data is not None:
+            metrics["_ranks/timers/data"] = PerRank(data)
+        collector.finalize(metrics, ctx)
+        recent = slice(max(0, i + 1 - WINDOW), i + 1)
+        medians = [statistics.median(col) for col in zip(*step_rows[recent])]
+        truth = min(medians) / max(medians)
+        assert metrics["stragglers/score_min"] == pytest.approx(truth)
+        assert metrics["stragglers/score_min_rank"] == medians.index(max(medians))
+        if data is not None:
+            rows = [r for r in data_rows[recent] if r is not None]
+            medians = [statistics.median(col) for col in zip(*rows)]
+            assert metrics["stragglers/data/score_min"] == pytest.approx(min(medians) / max(medians))
+        assert "_ranks/timers/data" not in metrics
+    metrics = {STEP_MS: PerRank([5.0, 10.0, 20.0])}  # three ranks now: the two-rank history is gone
+    collector.finalize(metrics, ctx)
+    assert metrics["stragglers/score_min"] == pytest.approx(0.25) and metrics["stragglers/score_min_rank"] == 2

@@ -26,6 +26,7 @@ from .base import Alert, LogContext, Sample
 __all__ = ["NormCollector", "subtree_values"]
 
 _FAMILIES = ("grad_norm", "param_norm", "update_norm")
+_PREFIXES = ("grad_norm/", "param_norm/", "update_norm/", "_grad_bad/")
 
 
 class NormCollector:
@@ -57,7 +58,7 @@ class NormCollector:
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
-        self._subtrees = _Subtrees()
+        self._families = _Families()
 
     @property
     def replans(self) -> int:
@@ -177,45 +178,38 @@ class NormCollector:
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients."""
+        """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients.
+        Where each family's values sit is worked out once per set of names (:class:`_Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
-        families: dict[str, dict[str, Any]] = {"_grad_bad": {}, **{f: {} for f in _FAMILIES}}
-        ranks = []  # which rank holds a norm's extreme (max/min kinds) is not news
-        for key, value in metrics.items():  # one pass: each family's modules
-            family, _, module = key.partition("/")
-            if not module or family not in families:
-                continue
-            if key.endswith(("/max_rank", "/min_rank")):
-                ranks.append(key)
-            elif isinstance(value, float):
-                families[family][module] = value
-        for key in ranks:
+        found = self._families.of(tuple(key for key in metrics if key.startswith(_PREFIXES)))
+        for key in found.rank_keys:  # which rank holds a norm's extreme (max/min kinds) is not news
             del metrics[key]
-        flags = families.pop("_grad_bad")
-        for module in flags:
-            metrics.pop("_grad_bad/" + module)
-        bad = [module for module, count in flags.items() if count]
-        if bad:
-            metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
+        flags = found.leaves.get("_grad_bad")
+        if flags is not None:
+            bad = [module for module, key in zip(flags.modules, flags.keys) if metrics.pop(key)]
+            if bad:
+                metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
         metrics.pop("grad_missing_params/max_rank", None)
         for family in _FAMILIES:
             family_kind, family_p = (kind, p) if family == "grad_norm" else ("sum", 2.0)
-            values = self._subtrees.values(families[family], family_kind)
-            if family in metrics:
-                values[""] = metrics[family]
-            if family_kind == "sum" and family_p != 0:
-                values = {m: _root(v, family_p) for m, v in values.items()}
-            for module, value in values.items():
-                metrics[f"{family}/{module}" if module else family] = value
+            root = family_kind == "sum" and family_p != 0
+            leaves = found.leaves.get(family)
+            if leaves is not None:
+                values = leaves.subtrees([metrics[key] for key in leaves.keys], family_kind)
+                metrics.update(zip(leaves.out_keys, [_root(v, family_p) for v in values] if root else values))
+            if root and family in metrics:
+                metrics[family] = _root(metrics[family], family_p)
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
         if "update_norm" in metrics:
             self._ratios(metrics, grad)
         if not self.log_params_norm:
-            for key in [k for k in metrics if k.split("/", 1)[0] == "param_norm"]:
+            params = found.leaves.get("param_norm")
+            for key in params.out_keys if params is not None else ():
                 del metrics[key]
+            metrics.pop("param_norm", None)
         return []
 
     def close(self) -> None:
@@ -276,32 +270,78 @@ def _is_number(value: Any) -> bool:
 
 def subtree_values(leaves: dict[str, float], combine: Callable[[float, float], float]) -> dict[str, float]:
     """Every module's value over its subtree, from the values of the modules that own
-    parameters (``leaves``); the root's own parameters (``model``) keep their own value."""
-    return _Subtrees().values(leaves, {"sum": "sum", max: "max", min: "min"}.get(combine, combine))
+    parameters (``leaves``); the root's own parameters (``model``) keep their own value.
+    ``combine``: ``"sum"``, ``max`` or ``min`` (NaN wins a max or a min)."""
+    tree = _Leaves("", list(leaves), {})
+    kind = {"sum": "sum", max: "max", min: "min"}.get(combine, combine)
+    return dict(zip(tree.out_modules, tree.subtrees(list(leaves.values()), kind)))
 
 
-class _Subtrees:
-    """Subtree values with each module's ancestors worked out once (log steps repeat the names)."""
+def _chain(module: str) -> tuple[str, ...]:
+    """A module and its ancestors, outermost first (``model``, the root's own parameters, alone)."""
+    if module == ROOT_MODULE:
+        return (module,)
+    parts = module.split(".")
+    return tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
 
-    _COMBINE = {"sum": lambda a, b: a + b, "max": max, "min": min}
+
+class _Leaves:
+    """One family's leaf values (modules owning parameters) in a log step's metrics, and the
+    subtrees they add up into."""
+
+    def __init__(self, family: str, modules: list[str], chains: dict[str, tuple]) -> None:
+        self.modules = modules
+        self.keys = [f"{family}/{module}" for module in modules]
+        ancestry = [chains.get(m) or chains.setdefault(m, _chain(m)) for m in modules]
+        self.out_modules = list(dict.fromkeys(a for chain in ancestry for a in chain))
+        self.out_keys = [f"{family}/{module}" for module in self.out_modules]
+        position = {module: i for i, module in enumerate(self.out_modules)}
+        self._into = [tuple(position[a] for a in chain) for chain in ancestry]
+
+    def subtrees(self, values: list[float], kind: str) -> list[float]:
+        """Every subtree's value (``kind``: sum, max or min) in ``out_modules`` order."""
+        if kind == "sum":
+            out = [0.0] * len(self.out_modules)
+            for value, into in zip(values, self._into):
+                for i in into:
+                    out[i] += value
+            return out
+        pick = max if kind == "max" else min
+        best: list = [None] * len(self.out_modules)
+        for value, into in zip(values, self._into):
+            for i in into:
+                old = best[i]
+                best[i] = value if old is None or value != value else old if old != old else pick(old, value)
+        return best
+
+
+class _Families:
+    """Where each family's leaves sit, worked out once per set of names (log steps repeat them)."""
 
     def __init__(self) -> None:
-        self._ancestors: dict[str, tuple] = {}
+        self._by_keys: dict[tuple, _Found] = {}
+        self._chains: dict[str, tuple] = {}
 
-    def values(self, leaves: dict[str, float], kind: Any) -> dict[str, float]:
-        """``leaves`` (module → value) → every module's subtree value (``kind``: sum, max, min)."""
-        combine = self._COMBINE.get(kind, kind)
-        out: dict[str, float] = {}
-        ancestors = self._ancestors
-        for name, value in leaves.items():
-            chain = ancestors.get(name)
-            if chain is None:
-                parts = name.split(".")
-                chain = ancestors[name] = (name,) if name == ROOT_MODULE else \
-                    tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
-            for ancestor in chain:
-                out[ancestor] = combine(out[ancestor], value) if ancestor in out else value
-        return out
+    def of(self, keys: tuple) -> "_Found":
+        found = self._by_keys.get(keys)
+        if found is None:
+            if len(self._by_keys) >= 8:  # the names rarely change; keep a few sets
+                self._by_keys.clear()
+            found = self._by_keys[keys] = _Found(keys, self._chains)
+        return found
+
+
+class _Found:
+    """One set of names: the rank keys to drop and each family's :class:`_Leaves`."""
+
+    def __init__(self, keys: tuple, chains: dict[str, tuple]) -> None:
+        self.rank_keys = [key for key in keys if key.endswith(("/max_rank", "/min_rank"))]
+        modules: dict[str, list[str]] = {}
+        for key in keys:
+            if not key.endswith(("/max_rank", "/min_rank")):
+                family, _, module = key.partition("/")
+                modules.setdefault(family, []).append(module)
+        self.leaves = {family: _Leaves(family, names, chains) for family, names in modules.items()}
 
 
 def _root(value: float, p: float) -> float:

@@ -22,7 +22,6 @@ whose steps synchronise the step scores come out close to 1 everywhere; the per-
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, Optional, Sequence
 
 import torch
@@ -58,8 +57,8 @@ class StragglerCollector:
                              "the collector off before it is built)")
         self.window, self.report_every, self.report_ranks = window, report_every, report_ranks
         self.threshold = threshold
-        self._windows: dict[str, deque] = {}  # "" for the step time, else a timer's name
-        self._below: deque = deque(maxlen=window)  # per log step: which ranks scored below threshold
+        self._windows = _Windows(window)  # "" for the step time, else a timer's name
+        self._streak: Optional[torch.Tensor] = None  # per rank: log steps in a row below the threshold
         self._alerted: set[int] = set()
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
@@ -91,22 +90,25 @@ class StragglerCollector:
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Any]:
         """``stragglers/score_min`` and where it runs, per-timer minima, the periodic record and
-        the alert; the internal lanes are taken out of ``metrics``."""
+        the alert; the internal lanes are taken out of ``metrics``. Every series (the step time,
+        each timer) is scored in the same few tensor operations."""
         step_ms = metrics.pop(STEP_MS, None)
         gpu = {"power_w": metrics.pop(POWER_W, None), "sm_clock_mhz": metrics.pop(SM_CLOCK_MHZ, None)}
+        series = {"": step_ms} if step_ms is not None else {}
+        series.update(_every_ranks_timers(metrics))
         out: list[Any] = []
-        scores: dict[str, torch.Tensor] = {}
-        if step_ms is not None:
-            times = _as_tensor(step_ms)
-            scores[""] = self._push("", times)
-            _write_minimum(metrics, "stragglers/score_min", scores[""], ctx.hosts, with_host=True)
-            out += self._persistent(times, scores[""], ctx.hosts)
-        for name, values in _every_ranks_timers(metrics).items():
-            scores[name] = self._push(name, _as_tensor(values))
-            _write_minimum(metrics, f"stragglers/{name}/score_min", scores[name], ctx.hosts, with_host=False)
+        if series:
+            times, scores = self._windows.push(series)
+            rows = [self._windows.index[name] for name in series]
+            values, ranks = scores[rows].nan_to_num(math.inf).min(dim=1)  # the lowest rank on a tie
+            for name, value, rank in zip(series, values.tolist(), ranks.tolist()):
+                key = f"stragglers/{name}/score_min" if name else "stragglers/score_min"
+                _write_minimum(metrics, key, value, rank, ctx.hosts, with_host=not name)
+            if step_ms is not None:
+                out += self._persistent(times[0], scores[0], ctx.hosts)
         self._log_steps += 1
-        if "" in scores and self.report_every and self._log_steps % self.report_every == 0:
-            out.append(Record("stragglers", self._report(scores, gpu, ctx.hosts)))
+        if step_ms is not None and self.report_every and self._log_steps % self.report_every == 0:
+            out.append(Record("stragglers", self._report(list(series), scores, gpu, ctx.hosts)))
         self.clock.restart()  # the next interval starts after this log step's reduction
         return out
 
@@ -114,22 +116,18 @@ class StragglerCollector:
         """Nothing to release."""
 
     # --- helpers -------------------------------------------------------------------------
-    def _push(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        window = self._windows.setdefault(name, deque(maxlen=self.window))
-        if window and window[-1].numel() != values.numel():  # another world size: start over
-            window.clear()
-        window.append(values)
-        return window_scores(window)
-
     def _persistent(self, times: torch.Tensor, score: torch.Tensor, hosts: Sequence[Any]) -> list[Alert]:
         """One alert naming the ranks that newly scored below the threshold at every log step of
-        a full window (a rank is named again only after it has recovered); ``score``: the window's."""
-        if self._below and self._below[-1].numel() != times.numel():
-            self._below.clear()
-        self._below.append(relative_scores(times) < self.threshold)  # NaN: not below
-        if len(self._below) < self.window:
+        a full window (a rank is named again only after it has recovered); ``times``: this log
+        step's (valid or NaN), ``score``: the window's."""
+        below = _relative(times) < self.threshold  # NaN: not below
+        if self._streak is None or self._streak.numel() != below.numel():  # another world size: start over
+            self._streak = torch.zeros(below.numel(), dtype=torch.int64)
+        self._streak = torch.where(below, self._streak + 1, 0)
+        full = self._streak >= self.window
+        if not self._alerted and not bool(full.any()):  # the usual case: one check, nothing to name
             return []
-        stuck = torch.stack(list(self._below)).all(dim=0).nonzero().flatten().tolist()
+        stuck = full.nonzero().flatten().tolist()
         new = [r for r in stuck if r not in self._alerted]
         self._alerted = set(stuck)
         if not new:
@@ -141,53 +139,104 @@ class StragglerCollector:
         return [Alert("straggler", message, {"ranks": new, "threshold": self.threshold,
                                              "scores": [_finite(score[r].item()) for r in new]})]
 
-    def _report(self, scores: dict[str, torch.Tensor], gpu: dict, hosts: Sequence[Any]) -> dict:
+    def _report(self, names: list[str], scores: torch.Tensor, gpu: dict, hosts: Sequence[Any]) -> dict:
         """The ``stragglers`` record: the slowest and fastest ranks with their hosts, scores and
         median milliseconds per step (with NVML, their last power and SM clock readings); per
-        timer, its slowest ranks."""
+        timer (``names`` after the step time), its slowest ranks."""
         n = self.report_ranks
+        medians = self._windows.medians()
 
         def rows(name: str, ranks: list[int]) -> list[dict]:
-            medians = window_medians(self._windows[name])
+            i = self._windows.index[name]
             out = []
             for rank in ranks:
                 row = {"rank": rank, "host": _host(rank, hosts), "local_rank": _local_rank(rank, hosts),
-                       "score": _finite(scores[name][rank].item()), "ms": _finite(medians[rank].item())}
+                       "score": _finite(scores[i, rank].item()), "ms": _finite(medians[i, rank].item())}
                 if not name:
                     row.update({key: _rank_value(values, rank) for key, values in gpu.items() if values is not None})
                 out.append(row)
             return out
 
-        return {"window": len(self._windows[""]), "threshold": self.threshold,
-                "slowest": rows("", slowest_ranks(scores[""], n)),
-                "fastest": rows("", fastest_ranks(scores[""], n)),
-                "timers": {name: rows(name, slowest_ranks(s, n)) for name, s in scores.items() if name}}
+        step = scores[self._windows.index[""]]
+        return {"window": self._windows.filled, "threshold": self.threshold,
+                "slowest": rows("", slowest_ranks(step, n)), "fastest": rows("", fastest_ranks(step, n)),
+                "timers": {name: rows(name, slowest_ranks(scores[self._windows.index[name]], n))
+                           for name in names if name}}
 
 
 # --- the score maths ---------------------------------------------------------------------
+
+class _Windows:
+    """Every series' per-rank values (the step time, each timer) over the last ``size`` log steps:
+    one ``[size, series, world]`` float64 ring, NaN where a rank (or the series) had no valid
+    value at that log step. A series seen first joins with an empty window; another world size
+    starts every window over. Row order does not matter to a median."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.index: dict[str, int] = {}  # series name -> its row
+        self.ring: Optional[torch.Tensor] = None
+        self.filled = self._next = 0
+
+    def push(self, series: dict[str, Sequence[Optional[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This log step's values → (``[series, world]`` valid times or NaN, scores over the window)."""
+        world = len(next(iter(series.values())))
+        if self.ring is None or self.ring.shape[2] != world:
+            self.index, self.filled, self._next = {}, 0, 0
+            self.ring = torch.empty(self.size, 0, world, dtype=torch.float64)
+        new = [name for name in series if name not in self.index]
+        if new:
+            self.index.update({name: len(self.index) + i for i, name in enumerate(new)})
+            self.ring = torch.cat([self.ring, torch.full((self.size, len(new), world), math.nan,
+                                                         dtype=torch.float64)], dim=1)
+        absent = [math.nan] * world
+        times = _valid(torch.tensor([[math.nan if v is None else v for v in series[name]] if name in series
+                                     else absent for name in self.index], dtype=torch.float64))
+        self.ring[self._next] = times
+        self._next = (self._next + 1) % self.size
+        self.filled = min(self.filled + 1, self.size)
+        return times, _relative(self.medians())
+
+    def medians(self) -> torch.Tensor:
+        """``[series, world]`` medians over the window (NaN: no valid value in it)."""
+        return _medians(self.ring[:self.filled])
+
 
 def window_medians(window: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-rank median over a window of ``[world]`` time vectors (the mean of the two middle
     values for an even count, as numpy's); values that are not finite or not > 0 (a rank
     without the value) are left out; NaN for a rank without any."""
-    m = torch.stack([w.to(torch.float64) for w in window])
-    m = torch.where(torch.isfinite(m) & (m > 0), m, torch.full_like(m, math.nan))
-    return torch.nanquantile(m, 0.5, dim=0)
+    return _medians(_valid(torch.stack([w.to(torch.float64) for w in window])))
+
+
+def _medians(rows: torch.Tensor) -> torch.Tensor:
+    """Column medians of ``[k, world]`` rows whose missing values are NaN (NaN: a column without
+    any): the mean of the lower median and the upper one (the lower median of the negated rows)."""
+    if rows.shape[0] == 1:
+        return rows[0]
+    return (rows.nanmedian(dim=0).values - rows.neg().nanmedian(dim=0).values) / 2
+
+
+def _valid(times: torch.Tensor) -> torch.Tensor:
+    """``times`` with NaN where a value is not finite or not > 0."""
+    return times.where((times > 0) & (times < math.inf), math.nan)
+
+
+def _relative(times: torch.Tensor) -> torch.Tensor:
+    """The smallest time of each row (the last dimension) over each time; NaN stays NaN, a row
+    without a valid time is all NaN."""
+    return times.nan_to_num(math.inf).amin(dim=-1, keepdim=True) / times
 
 
 def window_scores(window: Sequence[torch.Tensor]) -> torch.Tensor:
     """``score[r] = min_q median(q) / median(r)`` over the window, in (0, 1]; NaN where a rank
     has no valid value."""
-    return relative_scores(window_medians(window))
+    return _relative(window_medians(window))
 
 
 def relative_scores(times: torch.Tensor) -> torch.Tensor:
     """The fastest (smallest) valid time over each rank's time; NaN for invalid times."""
-    times = torch.where(torch.isfinite(times) & (times > 0), times, torch.full_like(times, math.nan))
-    valid = ~torch.isnan(times)
-    if not bool(valid.any()):
-        return times
-    return times[valid].min() / times
+    return _relative(_valid(times))
 
 
 def slowest_ranks(scores: torch.Tensor, n: int) -> list[int]:
@@ -208,30 +257,27 @@ def _ranked(scores: torch.Tensor, n: int, descending: bool) -> list[int]:
 
 def _every_ranks_timers(metrics: dict[str, Any]) -> dict[str, PerRank]:
     """Every rank's timer values: ``timers/<name>`` under ``all``, else the ``_ranks/timers/<name>``
-    lanes (taken out of ``metrics``)."""
-    lanes = {key: metrics.pop(key) for key in list(metrics) if key.startswith(RANK_TIMERS_PREFIX)}
-    found = {key[len(RANK_TIMERS_PREFIX):]: value for key, value in lanes.items() if isinstance(value, PerRank)}
-    for key, value in metrics.items():
-        if key.startswith("timers/") and isinstance(value, PerRank):
+    lanes (taken out of ``metrics``); one pass over ``metrics``."""
+    per_rank = [(key, value) for key, value in metrics.items() if isinstance(value, PerRank)]
+    found: dict[str, PerRank] = {}
+    for key, value in per_rank:
+        if key.startswith(RANK_TIMERS_PREFIX):
+            found[key[len(RANK_TIMERS_PREFIX):]] = metrics.pop(key)
+    for key, value in per_rank:
+        if key.startswith("timers/"):
             found.setdefault(key[len("timers/"):], value)
-    return found
+    return found  # the lanes' summaries (``/max``...) start with "_": the Monitor leaves them out
 
 
-def _write_minimum(metrics: dict[str, Any], key: str, scores: torch.Tensor, hosts: Sequence[Any],
+def _write_minimum(metrics: dict[str, Any], key: str, value: float, rank: int, hosts: Sequence[Any],
                    with_host: bool) -> None:
-    slowest = slowest_ranks(scores, 1)
-    if not slowest:
+    if value == math.inf:  # no rank has a score
         return
-    rank = slowest[0]
-    metrics[key] = scores[rank].item()
+    metrics[key] = value
     metrics[f"{key}_rank"] = rank
     if with_host and rank < len(hosts):
         metrics[f"{key}_host"] = _host(rank, hosts)
         metrics[f"{key}_local_rank"] = _local_rank(rank, hosts)
-
-
-def _as_tensor(values: Sequence[Optional[float]]) -> torch.Tensor:
-    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
 
 
 def _rank_value(values: Sequence[Optional[float]], rank: int) -> Optional[float]:
