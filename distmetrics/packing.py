@@ -179,7 +179,7 @@ def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    parts = [torch.stack([tensors[i].detach().reshape(()) for i in idx]).to(device=device, dtype=dtype)
+    parts = [torch.stack([tensors[i].detach().reshape(()).to(dtype) for i in idx]).to(device)  # no promotion
              for idx in by_device.values()]
     order = [i for idx in by_device.values() for i in idx]
     return order, parts[0] if len(parts) == 1 else torch.cat(parts)

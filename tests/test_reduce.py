@@ -271,4 +271,6 @@ def test_scalars_of_every_kind_pack_once_and_their_index_is_reused():
     assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
     assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
     assert cached and reducer._layout._scalars.keys() == cached.keys()
+    exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"), Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
+    assert exact.values == {"n": 16777217.0, "h": 0.5}  # each value in the pack's dtype: no promotion to float16
     assert all(reducer._layout._scalars[key] is index for key, index in cached.items())

@@ -359,3 +359,17 @@ def test_every_series_is_the_median_of_its_last_window_log_steps_and_a_new_timer
     metrics = {STEP_MS: PerRank([5.0, 10.0, 20.0])}  # three ranks now: the two-rank history is gone
     collector.finalize(metrics, ctx)
     assert metrics["stragglers/score_min"] == pytest.approx(0.25) and metrics["stragglers/score_min_rank"] == 2
+
+
+def test_the_straggler_alert_reads_the_step_times_row_wherever_it_sits_in_the_ring():
+    """A timer seen before the step time takes the ring's first row; the alert still judges the
+    step time (rank 0 at a tenth of rank 1's speed)."""
+    from distmetrics.collectors.base import Alert, LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+    from distmetrics.reduce import PerRank
+
+    collector = StragglerCollector(window=1, report_every=0, threshold=0.9)
+    ctx = LogContext(step=1, steps=1, layout=None)
+    collector.finalize({"_ranks/timers/x": PerRank([1.0, 1.0])}, ctx)
+    alerts = collector.finalize({STEP_MS: PerRank([10.0, 1.0]), "_ranks/timers/x": PerRank([1.0, 1.0])}, ctx)
+    assert [a.details["ranks"] for a in alerts if isinstance(a, Alert)] == [[0]]

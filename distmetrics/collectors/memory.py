@@ -82,3 +82,11 @@ class _RssReader:
             import psutil
 
             self._process = psutil.Process()  # a read after close still answers
+
+    def __del__(self) -> None:  # a Monitor never closed does not keep the descriptor
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -105,7 +105,8 @@ class StragglerCollector:
                 key = f"stragglers/{name}/score_min" if name else "stragglers/score_min"
                 _write_minimum(metrics, key, value, rank, ctx.hosts, with_host=not name)
             if step_ms is not None:
-                out += self._persistent(times[0], scores[0], ctx.hosts)
+                step = self._windows.index[""]
+                out += self._persistent(times[step], scores[step], ctx.hosts)
         self._log_steps += 1
         if step_ms is not None and self.report_every and self._log_steps % self.report_every == 0:
             out.append(Record("stragglers", self._report(list(series), scores, gpu, ctx.hosts)))
