@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 import zlib
 from typing import Any, Optional, Sequence, Union
 
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
-           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "gather_single", "global_rank", "INT64_MIN",
-           "CONTROL_LANES"]
+           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
+           "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
 INT64_MIN = -(2**63)
@@ -27,6 +28,9 @@ INT64_MIN = -(2**63)
 _LOW32 = 2**32 - 1
 CONTROL_LANES = 5
 """MAX-pack lanes before the values: stale flag, digest, -digest, step, -step."""
+_HOST_DECODE = 256
+"""MAX packs up to this many lanes are decoded in Python, larger ones with tensor operations."""
+_FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")
 
 
 class PackLayout:
@@ -51,7 +55,10 @@ class PackLayout:
                 self.n_all += 1
         self.digest = digest(encode_entries(self.entries))
         self._vectors: dict[tuple, Optional[dict]] = {}  # (names, reduce) → positions per (offset, device)
-        self._scalars: dict[tuple, torch.Tensor] = {}  # (scalar positions, device) → index tensor
+        self._indexes: dict[tuple, torch.Tensor] = {}  # a pack's pieces → their index tensor
+        self._constants: dict[tuple, torch.Tensor] = {}  # (n, value, dtype, device) → a constant vector
+        self.sum_names = list(self.sum_index)  # lane 2i holds value·weight of sum_names[i], 2i+1 its weight
+        self.sum_flags = [self.kinds[name] == "sum" for name in self.sum_names]
 
     def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
         """Cached pack positions of a vector's names (None: not all of them are in this layout
@@ -64,14 +71,23 @@ class PackLayout:
             self._vectors[key] = {(0, None): torch.tensor([table[name] for name in names], dtype=torch.long)}
         return self._vectors[key]
 
-    def scalar_positions(self, positions: tuple, device: torch.device) -> torch.Tensor:
-        """``positions`` as an index tensor on ``device`` (cached: a log step's scalars repeat)."""
-        key = (positions, device)
-        cached = self._scalars.get(key)
+    def cached_index(self, key: tuple, build: Any) -> torch.Tensor:
+        """The index tensor of one pack's pieces (``key``: what decides it), built once by ``build()``."""
+        index = self._indexes.get(key)
+        if index is None:
+            if len(self._indexes) >= 64:  # what a run sends rarely varies; keep a few sets
+                self._indexes.clear()
+            index = self._indexes[key] = build()
+        return index
+
+    def constant(self, n: int, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` copies of ``value`` (a vector's weights), cached: never written to."""
+        key = (n, value, dtype, device)
+        cached = self._constants.get(key)
         if cached is None:
-            if len(self._scalars) >= 64:  # the scalars a run sends rarely vary; keep a few sets
-                self._scalars.clear()
-            cached = self._scalars[key] = torch.tensor(positions, dtype=torch.long).to(device)
+            if len(self._constants) >= 64:
+                self._constants.clear()
+            cached = self._constants[key] = torch.full((n,), value, dtype=dtype, device=device)
         return cached
 
     def positions(self, names: tuple, reduce: str, offset: int, device: torch.device) -> torch.Tensor:
@@ -85,8 +101,10 @@ class PackLayout:
 
 class Pieces:
     """Positions and values of one pack, gathered from scalars and vectors, assembled into one
-    index tensor and one value tensor on the pack's device (tensors are moved once per pack and
-    device; the index of the scalars is cached in the layout: log steps repeat it)."""
+    index tensor and one value tensor on the pack's device. Tensors are moved once per pack and
+    device; numbers (and 0-d CPU tensors, read on the host: there is no device to wait for) go
+    in as one tensor. The index of a log step's pieces and the constant vectors (weights of 1)
+    are cached in the layout: log steps repeat them."""
 
     def __init__(self, layout: PackLayout, device: torch.device, dtype: torch.dtype) -> None:
         self.layout, self.device, self.dtype = layout, device, dtype
@@ -94,38 +112,60 @@ class Pieces:
         self.numbers: list[float] = []
         self.tensor_index: list[int] = []
         self.tensors: list[torch.Tensor] = []
-        self.vectors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.vector_index: list[torch.Tensor] = []
+        self.vectors: list[torch.Tensor] = []
 
     def add_scalar(self, position: int, value: Number, negate: bool = False) -> None:
         """One value (a number or a 0-d tensor) at ``position``."""
-        if isinstance(value, torch.Tensor):
+        number = host_number(value)
+        if number is None:
             self.tensor_index.append(position)
             self.tensors.append(-value if negate else value)
         else:
             self.number_index.append(position)
-            self.numbers.append(-float(value) if negate else float(value))
+            self.numbers.append(-number if negate else number)
 
     def add_vector(self, positions: torch.Tensor, values: Number, negate: bool = False) -> None:
         """A tensor of values (or one number for all) at ``positions``."""
         if not isinstance(values, torch.Tensor):
-            values = torch.full((positions.numel(),), float(values), dtype=self.dtype, device=self.device)
-        values = values.detach().to(device=self.device, dtype=self.dtype)
-        self.vectors.append((positions, -values if negate else values))
+            values = self.layout.constant(positions.numel(), -float(values) if negate else float(values),
+                                          self.dtype, self.device)
+        else:
+            values = values.detach().to(device=self.device, dtype=self.dtype)
+            values = -values if negate else values
+        self.vector_index.append(positions)
+        self.vectors.append(values)
 
     def assemble(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(index, values) of everything added, on the pack's device; (None, None) if nothing."""
-        index = [p for p, _ in self.vectors]
-        values = [v for _, v in self.vectors]
+        values = list(self.vectors)
+        order: list[int] = []
         if self.numbers:
-            index.append(self.layout.scalar_positions(tuple(self.number_index), self.device))
             values.append(torch.tensor(self.numbers, dtype=self.dtype, device=self.device))
         if self.tensors:
             order, stacked = _stack(self.tensors, self.dtype, self.device)
-            index.append(self.layout.scalar_positions(tuple(self.tensor_index[i] for i in order), self.device))
             values.append(stacked)
-        if not index:
+        if not values:
             return None, None
-        return (torch.cat(index), torch.cat(values)) if len(index) > 1 else (index[0], values[0])
+        key = (tuple(id(p) for p in self.vector_index), tuple(self.number_index),
+               tuple(self.tensor_index[i] for i in order), self.device)
+        index = self.layout.cached_index(key, lambda: self._index(key))
+        return index, values[0] if len(values) == 1 else torch.cat(values)
+
+    def _index(self, key: tuple) -> torch.Tensor:
+        scalars = [torch.tensor(positions, dtype=torch.long).to(self.device) for positions in key[1:3] if positions]
+        parts = self.vector_index + scalars
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def host_number(value: Number) -> Optional[float]:
+    """``value`` as a float when it is on the host (a number, a real 0-d CPU tensor: reading it
+    waits for no device); None for a tensor on a device."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if value.device.type == "cpu" and not value.is_complex():
+        return float(value)
+    return None
 
 
 def entries_of(samples: list) -> list[tuple[str, str]]:
@@ -187,7 +227,11 @@ def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
 
 def decode_max(layout: PackLayout, lanes: torch.Tensor, result: Any) -> None:
     """MAX-pack lanes → ``result.maxima``/``minima`` as (value, rank)."""
-    values, ranks, present = _decode_keys(lanes.cpu())
+    lanes = lanes.cpu()
+    if layout.n_max <= _HOST_DECODE:
+        values, ranks, present = _decode_keys_on_host(lanes.tolist())
+    else:
+        values, ranks, present = _decode_keys(lanes)
     for name, base in layout.max_index.items():
         kind = layout.kinds[name]
         if kind != "min" and present[base]:
@@ -199,11 +243,8 @@ def decode_max(layout: PackLayout, lanes: torch.Tensor, result: Any) -> None:
 
 def decode_sum(layout: PackLayout, totals: list[float], result: Any) -> None:
     """SUM-pack totals → ``result.values`` (a name no rank sent, or only with weight 0, is absent)."""
-    for name, base in layout.sum_index.items():
-        weight = totals[base + 1]
-        if weight == 0:
-            continue  # no rank sent it (sum), or all with weight 0 (mean)
-        result.values[name] = totals[base] if layout.kinds[name] == "sum" else totals[base] / weight
+    result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
+                     in zip(layout.sum_names, totals[0::2], totals[1::2], layout.sum_flags) if weight != 0}
 
 
 def decode_all(layout: PackLayout, table: torch.Tensor, ranks: list[int], size: int) -> dict[str, list]:
@@ -238,6 +279,31 @@ def _decode_keys(lanes: torch.Tensor) -> tuple[list[float], list[int], list[bool
     ranks = (_LOW32 - (lanes & _LOW32)).tolist()
     bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
     values = bits.view(torch.float32).tolist()
+    return values, ranks, present
+
+
+def encode_key(value: float, rank: int) -> int:
+    """:func:`encode_keys` of one number, on the host (no tensor): the same int64 key."""
+    if value != value:
+        bits = 0x7FFFFFFF
+    else:
+        try:
+            bits = _INT32.unpack(_FLOAT32.pack(value))[0]
+        except OverflowError:  # beyond float32's range: the cast gives ±inf
+            bits = _INT32.unpack(_FLOAT32.pack(math.copysign(math.inf, value)))[0]
+    key = bits if bits >= 0 else bits ^ 0x7FFFFFFF
+    return key * (2**32) + (_LOW32 - rank)
+
+
+def _decode_keys_on_host(lanes: list[int]) -> tuple[list[float], list[int], list[bool]]:
+    """:func:`_decode_keys` of a few lanes in Python (cheaper than a dozen tensor operations)."""
+    values, ranks, present = [], [], []
+    for lane in lanes:
+        key = lane >> 32
+        bits = key if key >= 0 else key ^ 0x7FFFFFFF
+        values.append(_FLOAT32.unpack(_INT32.pack(bits))[0])
+        ranks.append(_LOW32 - (lane & _LOW32))
+        present.append(lane != INT64_MIN)
     return values, ranks, present
 
 

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
-                      decode_all, encode_entries, encode_keys, entries_of, gather_single, global_rank, mean_parts,
-                      value_device, collective_device)
+                      decode_all, encode_entries, encode_key, encode_keys, entries_of, gather_single, global_rank,
+                      host_number, mean_parts, value_device, collective_device)
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -115,21 +115,16 @@ class Reduced:
         """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
         for ``all``, ``x`` (every rank's value) and its summary ``x/max``, ``x/min``, ``x/mean``
         over the ranks that sent one (NaN left out of the summary)."""
-        out: dict[str, Any] = {}
-        for name, kind in self.kinds.items():
-            if kind in ("sum", "mean"):
-                if name in self.values:
-                    out[name] = self.values[name]
-            elif kind == "max" and name in self.maxima:
-                out[name], out[f"{name}/max_rank"] = self.maxima[name]
-            elif kind == "min" and name in self.minima:
-                out[name], out[f"{name}/min_rank"] = self.minima[name]
-            elif kind == "minmax" and name in self.maxima:
-                out[f"{name}/max"], out[f"{name}/max_rank"] = self.maxima[name]
-                out[f"{name}/min"], out[f"{name}/min_rank"] = self.minima[name]
-            elif kind == "all" and name in self.per_rank:
-                out[name] = self.per_rank[name]
-                out.update({f"{name}/{stat}": v for stat, v in _summary(self.per_rank[name]).items()})
+        out: dict[str, Any] = dict(self.values)
+        for name, (value, rank) in self.maxima.items():
+            key = name if self.kinds[name] == "max" else f"{name}/max"
+            out[key], out[f"{name}/max_rank"] = value, rank
+        for name, (value, rank) in self.minima.items():
+            key = name if self.kinds[name] == "min" else f"{name}/min"
+            out[key], out[f"{name}/min_rank"] = value, rank
+        for name, values in self.per_rank.items():
+            out[name] = values
+            out.update({f"{name}/{stat}": v for stat, v in _summary(values).items()})
         return out
 
 
@@ -286,34 +281,38 @@ class Reducer:
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> torch.Tensor:
+        """Control lanes, then every max/min lane's key; numbers are keyed on the host and
+        written with the control lanes in one index, tensors keyed where they live."""
         layout = self._layout
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         device = self.device if self.distributed else value_device(samples)
-        control = torch.tensor([int(stale), layout.digest, -layout.digest, tag, -tag], dtype=torch.int64)
-        lanes = torch.full((layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
-        if stale:  # every rank renegotiates and sends this pack again: values don't matter
-            return torch.cat([control.to(device), lanes])
+        pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
+        keys, positions = [int(stale), layout.digest, -layout.digest, tag, -tag], list(range(CONTROL_LANES))
         pieces = Pieces(layout, device, torch.float32)
-        for s in samples:
+        for s in samples if not stale else ():  # stale: every rank renegotiates and sends it again
             if s.reduce not in ("max", "min", "minmax"):
                 continue
             low = s.value if s.low is None else s.low
-            second = 1 if s.reduce == "minmax" else 0
-            if s.names is None:
-                base = layout.max_index[s.name]
-                if s.reduce != "min":
-                    pieces.add_scalar(base, s.value)
-                if s.reduce != "max":
-                    pieces.add_scalar(base + second, low, negate=True)
-            else:
-                if s.reduce != "min":
-                    pieces.add_vector(layout.positions(s.names, s.reduce, 0, device), s.value)
-                if s.reduce != "max":
-                    pieces.add_vector(layout.positions(s.names, s.reduce, second, device), low, negate=True)
+            second = CONTROL_LANES + (1 if s.reduce == "minmax" else 0)
+            lanes = [(CONTROL_LANES, s.value, False)] if s.reduce != "min" else []
+            lanes += [(second, low, True)] if s.reduce != "max" else []
+            for offset, value, negate in lanes:
+                if s.names is not None:
+                    pieces.add_vector(layout.positions(s.names, s.reduce, offset, device), value, negate=negate)
+                    continue
+                number = host_number(value)
+                if number is None:
+                    pieces.add_scalar(layout.max_index[s.name] + offset, value, negate=negate)
+                else:
+                    keys.append(encode_key(-number if negate else number, rank))
+                    positions.append(layout.max_index[s.name] + offset)
+        at = layout.cached_index(("keys", tuple(positions), device),
+                                 lambda: torch.tensor(positions, dtype=torch.long).to(device))
+        pack[at] = torch.tensor(keys, dtype=torch.int64).to(device)
         index, values = pieces.assemble()
         if index is not None:
-            lanes[index] = encode_keys(values, rank)
-        return torch.cat([control.to(device), lanes])
+            pack[index] = encode_keys(values, rank)
+        return pack
 
     def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[torch.Tensor]:
         pack = self._max_pack(samples, tag, stale=not self._fits(samples)).to(self.device)

@@ -266,11 +266,33 @@ def test_scalars_of_every_kind_pack_once_and_their_index_is_reused():
 
     reducer = Reducer()
     first = reducer.reduce(samples(1.0))
-    cached = dict(reducer._layout._scalars)
+    cached = dict(reducer._layout._indexes)
     second = reducer.reduce(samples(2.0))
     assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
     assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
-    assert cached and reducer._layout._scalars.keys() == cached.keys()
+    assert cached and reducer._layout._indexes.keys() == cached.keys()
     exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"), Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
     assert exact.values == {"n": 16777217.0, "h": 0.5}  # each value in the pack's dtype: no promotion to float16
-    assert all(reducer._layout._scalars[key] is index for key, index in cached.items())
+    assert all(reducer._layout._indexes[key] is index for key, index in cached.items())
+
+
+def test_keys_made_on_the_host_equal_the_tensor_keys_and_decode_alike():
+    """A number's MAX-pack key from :func:`encode_key` (Python) is bit for bit the key
+    :func:`encode_keys` makes from a tensor, and the host decoding of a few lanes gives what the
+    tensor decoding gives: NaN, ±inf, -0.0, subnormals, values past float32's range, any rank."""
+    import random
+
+    import torch
+
+    from distmetrics.packing import INT64_MIN, _decode_keys, _decode_keys_on_host, encode_key, encode_keys
+
+    rng = random.Random(0)
+    values = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1e39, -1e300, 1.0000001]
+    values += [rng.uniform(-1e6, 1e6) for _ in range(200)] + [rng.gauss(0, 1e-30) for _ in range(50)]
+    for rank in (0, 1, 4095, 2**31 - 1):
+        tensor_keys = encode_keys(torch.tensor(values, dtype=torch.float64).to(torch.float32), rank).tolist()
+        assert [encode_key(v, rank) for v in values] == tensor_keys
+        lanes = tensor_keys + [INT64_MIN]
+        host, device = _decode_keys_on_host(lanes), _decode_keys(torch.tensor(lanes, dtype=torch.int64))
+        assert host[1:] == device[1:]
+        assert [v if v == v else "nan" for v in host[0]] == [v if v == v else "nan" for v in device[0]]

@@ -373,3 +373,39 @@ def test_the_straggler_alert_reads_the_step_times_row_wherever_it_sits_in_the_ri
     collector.finalize({"_ranks/timers/x": PerRank([1.0, 1.0])}, ctx)
     alerts = collector.finalize({STEP_MS: PerRank([10.0, 1.0]), "_ranks/timers/x": PerRank([1.0, 1.0])}, ctx)
     assert [a.details["ranks"] for a in alerts if isinstance(a, Alert)] == [[0]]
+
+
+@pytest.mark.parametrize("world", [1, 3, 40])
+def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
+    """Small worlds are scored in Python lists, large ones in a tensor ring: the same random
+    series (missing, zero, infinite and NaN values, a timer that comes late and skips log steps)
+    through both give identical minima, alerts, scores, medians and rankings at every log step."""
+    import random
+
+    from distmetrics.collectors.straggler_scores import HostWindows, Windows
+
+    rng = random.Random(world)
+
+    def value():
+        roll = rng.random()
+        return None if roll < 0.05 else math.nan if roll < 0.08 else 0.0 if roll < 0.1 else math.inf \
+            if roll < 0.12 else rng.choice([10.0, 20.0, 30.0]) if roll < 0.3 else rng.uniform(1, 100)
+
+    lists, tensors = HostWindows(4, world), Windows(4, world)
+    for step in range(12):
+        series = {"": [value() for _ in range(world)]}
+        if step >= 3 and step % 4 != 1:
+            series["data"] = [value() for _ in range(world)]
+        for windows in (lists, tensors):
+            windows.push(series)
+        names = list(series)
+        assert lists.slowest(names) == tensors.slowest(names)
+        assert lists.stuck(0.5, 3) == tensors.stuck(0.5, 3)
+        for name in names:
+            for rank in range(world):
+                for a, b in ((lists.score(name, rank), tensors.score(name, rank)),
+                             (lists.median(name, rank), tensors.median(name, rank))):
+                    assert a == b or (math.isnan(a) and math.isnan(b))
+            for slowest in (True, False):
+                assert lists.ranks(name, 5, slowest) == tensors.ranks(name, 5, slowest)
+        assert lists.filled == tensors.filled

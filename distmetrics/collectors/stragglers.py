@@ -24,19 +24,21 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-import torch
-
 from ..interval import IntervalClock
 from ..reduce import PerRank
 from .base import Alert, LogContext, Record, Sample
+from .straggler_scores import (HostWindows, Windows, fastest_ranks, relative_scores, slowest_ranks, window_medians,
+                               window_scores)
 
-__all__ = ["StragglerCollector", "window_scores", "relative_scores", "slowest_ranks", "fastest_ranks",
+__all__ = ["StragglerCollector", "window_medians", "window_scores", "relative_scores", "slowest_ranks", "fastest_ranks",
            "STEP_MS", "RANK_TIMERS_PREFIX"]
 
 STEP_MS = "_stragglers/step_ms"
 """Internal lane: this rank's milliseconds per step over the interval (gathered from every rank)."""
 POWER_W = "_stragglers/power_w"
 SM_CLOCK_MHZ = "_stragglers/sm_clock_mhz"
+_HOST_WORLD = 32
+"""Worlds of up to this many ranks are scored in Python lists (cheaper there than tensors)."""
 RANK_TIMERS_PREFIX = "_ranks/timers/"
 """Internal lanes ``_ranks/timers/<name>``: every rank's timer value where timers reduce as max/minmax."""
 
@@ -57,8 +59,7 @@ class StragglerCollector:
                              "the collector off before it is built)")
         self.window, self.report_every, self.report_ranks = window, report_every, report_ranks
         self.threshold = threshold
-        self._windows = _Windows(window)  # "" for the step time, else a timer's name
-        self._streak: Optional[torch.Tensor] = None  # per rank: log steps in a row below the threshold
+        self._windows: Any = None  # Windows or HostWindows: "" is the step time, else a timer's name
         self._alerted: set[int] = set()
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
@@ -91,25 +92,26 @@ class StragglerCollector:
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Any]:
         """``stragglers/score_min`` and where it runs, per-timer minima, the periodic record and
         the alert; the internal lanes are taken out of ``metrics``. Every series (the step time,
-        each timer) is scored in the same few tensor operations."""
+        each timer) is scored together: a few tensor operations, or a few list operations in a
+        world of up to 32 ranks."""
         step_ms = metrics.pop(STEP_MS, None)
         gpu = {"power_w": metrics.pop(POWER_W, None), "sm_clock_mhz": metrics.pop(SM_CLOCK_MHZ, None)}
         series = {"": step_ms} if step_ms is not None else {}
         series.update(_every_ranks_timers(metrics))
         out: list[Any] = []
         if series:
-            times, scores = self._windows.push(series)
-            rows = [self._windows.index[name] for name in series]
-            values, ranks = scores[rows].nan_to_num(math.inf).min(dim=1)  # the lowest rank on a tie
-            for name, value, rank in zip(series, values.tolist(), ranks.tolist()):
+            world = len(next(iter(series.values())))
+            if self._windows is None or self._windows.world != world:  # another world size: start over
+                self._windows = (HostWindows if world <= _HOST_WORLD else Windows)(self.window, world)
+            self._windows.push(series)
+            for name, (value, rank) in zip(series, self._windows.slowest(list(series))):
                 key = f"stragglers/{name}/score_min" if name else "stragglers/score_min"
                 _write_minimum(metrics, key, value, rank, ctx.hosts, with_host=not name)
             if step_ms is not None:
-                step = self._windows.index[""]
-                out += self._persistent(times[step], scores[step], ctx.hosts)
+                out += self._persistent(ctx.hosts)
         self._log_steps += 1
         if step_ms is not None and self.report_every and self._log_steps % self.report_every == 0:
-            out.append(Record("stragglers", self._report(list(series), scores, gpu, ctx.hosts)))
+            out.append(Record("stragglers", self._report(list(series), gpu, ctx.hosts)))
         self.clock.restart()  # the next interval starts after this log step's reduction
         return out
 
@@ -117,143 +119,44 @@ class StragglerCollector:
         """Nothing to release."""
 
     # --- helpers -------------------------------------------------------------------------
-    def _persistent(self, times: torch.Tensor, score: torch.Tensor, hosts: Sequence[Any]) -> list[Alert]:
+    def _persistent(self, hosts: Sequence[Any]) -> list[Alert]:
         """One alert naming the ranks that newly scored below the threshold at every log step of
-        a full window (a rank is named again only after it has recovered); ``times``: this log
-        step's (valid or NaN), ``score``: the window's."""
-        below = _relative(times) < self.threshold  # NaN: not below
-        if self._streak is None or self._streak.numel() != below.numel():  # another world size: start over
-            self._streak = torch.zeros(below.numel(), dtype=torch.int64)
-        self._streak = torch.where(below, self._streak + 1, 0)
-        full = self._streak >= self.window
-        if not self._alerted and not bool(full.any()):  # the usual case: one check, nothing to name
+        a full window (a rank is named again only after it has recovered)."""
+        stuck = self._windows.stuck(self.threshold, self.window)
+        if not self._alerted and not stuck:  # the usual case
             return []
-        stuck = full.nonzero().flatten().tolist()
         new = [r for r in stuck if r not in self._alerted]
         self._alerted = set(stuck)
         if not new:
             return []
-        named = [f"rank {r} ({_where(r, hosts)}, score {score[r].item():.2f})" for r in new[:self.report_ranks]]
+        scores = {r: self._windows.score("", r) for r in new}
+        named = [f"rank {r} ({_where(r, hosts)}, score {scores[r]:.2f})" for r in new[:self.report_ranks]]
         more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
         message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "
                    f"speed at each of the last {self.window} log steps")
         return [Alert("straggler", message, {"ranks": new, "threshold": self.threshold,
-                                             "scores": [_finite(score[r].item()) for r in new]})]
+                                             "scores": [_finite(scores[r]) for r in new]})]
 
-    def _report(self, names: list[str], scores: torch.Tensor, gpu: dict, hosts: Sequence[Any]) -> dict:
+    def _report(self, names: list[str], gpu: dict, hosts: Sequence[Any]) -> dict:
         """The ``stragglers`` record: the slowest and fastest ranks with their hosts, scores and
         median milliseconds per step (with NVML, their last power and SM clock readings); per
         timer (``names`` after the step time), its slowest ranks."""
-        n = self.report_ranks
-        medians = self._windows.medians()
+        n, windows = self.report_ranks, self._windows
 
         def rows(name: str, ranks: list[int]) -> list[dict]:
-            i = self._windows.index[name]
             out = []
             for rank in ranks:
                 row = {"rank": rank, "host": _host(rank, hosts), "local_rank": _local_rank(rank, hosts),
-                       "score": _finite(scores[i, rank].item()), "ms": _finite(medians[i, rank].item())}
+                       "score": _finite(windows.score(name, rank)), "ms": _finite(windows.median(name, rank))}
                 if not name:
                     row.update({key: _rank_value(values, rank) for key, values in gpu.items() if values is not None})
                 out.append(row)
             return out
 
-        step = scores[self._windows.index[""]]
-        return {"window": self._windows.filled, "threshold": self.threshold,
-                "slowest": rows("", slowest_ranks(step, n)), "fastest": rows("", fastest_ranks(step, n)),
-                "timers": {name: rows(name, slowest_ranks(scores[self._windows.index[name]], n))
-                           for name in names if name}}
-
-
-# --- the score maths ---------------------------------------------------------------------
-
-class _Windows:
-    """Every series' per-rank values (the step time, each timer) over the last ``size`` log steps:
-    one ``[size, series, world]`` float64 ring, NaN where a rank (or the series) had no valid
-    value at that log step. A series seen first joins with an empty window; another world size
-    starts every window over. Row order does not matter to a median."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.index: dict[str, int] = {}  # series name -> its row
-        self.ring: Optional[torch.Tensor] = None
-        self.filled = self._next = 0
-
-    def push(self, series: dict[str, Sequence[Optional[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This log step's values → (``[series, world]`` valid times or NaN, scores over the window)."""
-        world = len(next(iter(series.values())))
-        if self.ring is None or self.ring.shape[2] != world:
-            self.index, self.filled, self._next = {}, 0, 0
-            self.ring = torch.empty(self.size, 0, world, dtype=torch.float64)
-        new = [name for name in series if name not in self.index]
-        if new:
-            self.index.update({name: len(self.index) + i for i, name in enumerate(new)})
-            self.ring = torch.cat([self.ring, torch.full((self.size, len(new), world), math.nan,
-                                                         dtype=torch.float64)], dim=1)
-        absent = [math.nan] * world
-        times = _valid(torch.tensor([[math.nan if v is None else v for v in series[name]] if name in series
-                                     else absent for name in self.index], dtype=torch.float64))
-        self.ring[self._next] = times
-        self._next = (self._next + 1) % self.size
-        self.filled = min(self.filled + 1, self.size)
-        return times, _relative(self.medians())
-
-    def medians(self) -> torch.Tensor:
-        """``[series, world]`` medians over the window (NaN: no valid value in it)."""
-        return _medians(self.ring[:self.filled])
-
-
-def window_medians(window: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank median over a window of ``[world]`` time vectors (the mean of the two middle
-    values for an even count, as numpy's); values that are not finite or not > 0 (a rank
-    without the value) are left out; NaN for a rank without any."""
-    return _medians(_valid(torch.stack([w.to(torch.float64) for w in window])))
-
-
-def _medians(rows: torch.Tensor) -> torch.Tensor:
-    """Column medians of ``[k, world]`` rows whose missing values are NaN (NaN: a column without
-    any): the mean of the lower median and the upper one (the lower median of the negated rows)."""
-    if rows.shape[0] == 1:
-        return rows[0]
-    return (rows.nanmedian(dim=0).values - rows.neg().nanmedian(dim=0).values) / 2
-
-
-def _valid(times: torch.Tensor) -> torch.Tensor:
-    """``times`` with NaN where a value is not finite or not > 0."""
-    return times.where((times > 0) & (times < math.inf), math.nan)
-
-
-def _relative(times: torch.Tensor) -> torch.Tensor:
-    """The smallest time of each row (the last dimension) over each time; NaN stays NaN, a row
-    without a valid time is all NaN."""
-    return times.nan_to_num(math.inf).amin(dim=-1, keepdim=True) / times
-
-
-def window_scores(window: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``score[r] = min_q median(q) / median(r)`` over the window, in (0, 1]; NaN where a rank
-    has no valid value."""
-    return _relative(window_medians(window))
-
-
-def relative_scores(times: torch.Tensor) -> torch.Tensor:
-    """The fastest (smallest) valid time over each rank's time; NaN for invalid times."""
-    return _relative(_valid(times))
-
-
-def slowest_ranks(scores: torch.Tensor, n: int) -> list[int]:
-    """The ``n`` ranks with the lowest scores, slowest first (NaN never; ties: lower rank first)."""
-    return _ranked(scores, n, descending=False)
-
-
-def fastest_ranks(scores: torch.Tensor, n: int) -> list[int]:
-    """The ``n`` ranks with the highest scores, fastest first (NaN never; ties: lower rank first)."""
-    return _ranked(scores, n, descending=True)
-
-
-def _ranked(scores: torch.Tensor, n: int, descending: bool) -> list[int]:
-    valid = (~torch.isnan(scores)).nonzero().flatten()
-    order = torch.sort(scores[valid], descending=descending, stable=True).indices
-    return valid[order][:max(int(n), 0)].tolist()
+        return {"window": windows.filled, "threshold": self.threshold,
+                "slowest": rows("", windows.ranks("", n, slowest=True)),
+                "fastest": rows("", windows.ranks("", n, slowest=False)),
+                "timers": {name: rows(name, windows.ranks(name, n, slowest=True)) for name in names if name}}
 
 
 def _every_ranks_timers(metrics: dict[str, Any]) -> dict[str, PerRank]:
