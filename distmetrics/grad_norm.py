@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -85,6 +86,7 @@ class GradMeasurement:
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
     plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
+    groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
 
 class GradientNorms:
@@ -117,8 +119,8 @@ class GradientNorms:
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 note_clip(measured, max_norm, local_tensor(result))
-                _scale(measured.locals, measured.coef, foreach)
-                measured.locals = None
+                _scale(measured.locals, measured.coef, foreach, measured.groups)
+                measured.locals = measured.groups = None
         return result, measured
 
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
@@ -135,12 +137,14 @@ class GradientNorms:
         if not plan.checked:
             check_layout(self.model, plan.params, plan.names, self.shards)
             plan.checked = True
-        locals_ = [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
+        plain = plan.plain and self.shards is None  # each gradient is this rank's piece as it is
+        locals_ = grads if plain else [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
+        groups = _groups(locals_)
         # A rank without gradients still joins the all-reduce with the identity of every lane,
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
-        norms = per_tensor_norms(locals_, p, foreach, device, route.orders)
+        norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial)
         measured.missing = float(len(plan.params) - len(index))
@@ -151,7 +155,7 @@ class GradientNorms:
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
-        measured.locals = locals_
+        measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads), measured
 
     def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -215,18 +219,24 @@ def _kind(p: float) -> str:
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
     """Positions of the tensors by (device, dtype)."""
+    keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
+    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype
+        return {keys[0]: list(range(len(keys)))}
     out: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        out.setdefault((t.device, t.dtype), []).append(i)
+    for i, key in enumerate(keys):
+        out.setdefault(key, []).append(i)
     return out
 
 
+_DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
+
+
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
-                     device: torch.device, orders: Optional[dict] = None) -> torch.Tensor:
+                     device: torch.device, orders: Optional[dict] = None, groups: Optional[dict] = None) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
     low-precision groups accumulate in float32. With several groups, the index that restores
     the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
-    groups = _groups(tensors)
+    groups = _groups(tensors) if groups is None else groups
     parts = []
     for (dev, dtype), positions in groups.items():
         group = [tensors[i] for i in positions]
@@ -322,9 +332,10 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     return out.to(home)
 
 
-def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
+def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool],
+           groups: Optional[dict] = None) -> None:
     """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
-    for (dev, dtype), positions in _groups(tensors).items():
+    for (dev, dtype), positions in (_groups(tensors) if groups is None else groups).items():
         group = [tensors[i] for i in positions]
         factor = coef.to(device=dev)
         if _use_foreach(foreach, dev, group):

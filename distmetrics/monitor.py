@@ -214,7 +214,7 @@ class Monitor:
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
-        metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}  # internal lanes
+        metrics = {k: metrics[k] for k in sorted(metrics) if k[:1] != "_"}  # "_": internal lanes
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
-           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
+           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number", "host_values",
            "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
@@ -68,8 +68,13 @@ class PackLayout:
             if any(self.kinds.get(name) != reduce for name in names):
                 return None
             table = {"sum": self.sum_index, "mean": self.sum_index, "all": self.all_index}.get(reduce, self.max_index)
-            self._vectors[key] = {(0, None): torch.tensor([table[name] for name in names], dtype=torch.long)}
+            bases = [table[name] for name in names]
+            self._vectors[key] = {"host": bases, (0, None): torch.tensor(bases, dtype=torch.long)}
         return self._vectors[key]
+
+    def host_positions(self, names: tuple, reduce: str) -> list[int]:
+        """The pack positions of a vector's elements as a list (cached)."""
+        return self.vector_base(names, reduce)["host"]
 
     def cached_index(self, key: tuple, build: Any) -> torch.Tensor:
         """The index tensor of one pack's pieces (``key``: what decides it), built once by ``build()``."""
@@ -168,6 +173,16 @@ def host_number(value: Number) -> Optional[float]:
     return None
 
 
+def host_values(value: Number, n: int) -> Optional[list[float]]:
+    """A vector's ``n`` values (a number for all, or a 1-D CPU tensor) as floats; None for a
+    tensor on a device."""
+    if not isinstance(value, torch.Tensor):
+        return [float(value)] * n
+    if value.device.type == "cpu" and not value.is_complex():
+        return value.tolist()  # float16/32 values are exact as Python floats
+    return None
+
+
 def entries_of(samples: list) -> list[tuple[str, str]]:
     """(name, reduce) of every element of the samples."""
     out = []
@@ -210,7 +225,8 @@ def mean_parts(s: Any) -> tuple[Number, Number]:
         return s.value, 1.0
     if s.summed:
         return s.value, s.weight
-    return s.value * s.weight, s.weight
+    value = s.value.to(torch.float64) if isinstance(s.value, torch.Tensor) else s.value  # the product in float64
+    return value * s.weight, s.weight
 
 
 def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[list[int], torch.Tensor]:
@@ -247,18 +263,17 @@ def decode_sum(layout: PackLayout, totals: list[float], result: Any) -> None:
                      in zip(layout.sum_names, totals[0::2], totals[1::2], layout.sum_flags) if weight != 0}
 
 
-def decode_all(layout: PackLayout, table: torch.Tensor, ranks: list[int], size: int) -> dict[str, list]:
-    """``[world, 2n]`` gathered rows (values, presence mask) → every rank's value by global rank
-    (``None`` where a rank sent none), for the names some rank sent."""
+def decode_all(layout: PackLayout, rows: list[list[float]], ranks: list[int], size: int) -> dict[str, list]:
+    """Every rank's ALL row (values, then a presence mask; by group rank) → every rank's value by
+    global rank (``None`` where a rank sent none), for the names some rank sent."""
     n = layout.n_all
-    vals, mask = table[:, :n].tolist(), table[:, n:].tolist()
     out = {}
     for name, idx in layout.all_index.items():
         per: list = [None] * size
         seen = False
-        for r in range(len(ranks)):
-            if mask[r][idx] > 0:
-                per[ranks[r]] = vals[r][idx]
+        for r, row in enumerate(rows):
+            if row[idx + n] > 0:
+                per[ranks[r]] = row[idx]
                 seen = True
         if seen:
             out[name] = per

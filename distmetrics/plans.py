@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .naming import ROOT_MODULE, global_param_name, module_name_map
+from .parallel import is_dtensor
 
 __all__ = ["Plan", "Buckets", "Route", "ParamPlans", "buckets_of", "route_of", "grad_of", "UNNAMED"]
 
@@ -55,6 +56,7 @@ class Plan:
     checked: bool = False  # the layout check ran for this plan
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, bucket ids) → element names
+    plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
 
 
 # Parameters or modules registered anywhere in the process since start: a plan made before
@@ -155,7 +157,9 @@ class ParamPlans:
                 index[module] = len(buckets)
                 buckets.append(module)
             bucket_ids.append(index[module])
-        return Plan([q for _, q in named], names, buckets, torch.tensor(bucket_ids, dtype=torch.long), signature)
+        params = [q for _, q in named]
+        return Plan(params, names, buckets, torch.tensor(bucket_ids, dtype=torch.long), signature,
+                    plain=not any(is_dtensor(q) for q in params))
 
 def buckets_of(ids: list[int], device: torch.device) -> Buckets:
     """A :class:`Buckets` of these ids on ``device``."""
@@ -175,12 +179,24 @@ def route_of(plan: Plan, index: list[int], weights: list[bool], device: torch.de
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient that counts: Megatron's ``main_grad`` when set, then ``decoupled_grad`` (its
-    precision-aware optimizer's), else ``.grad``."""
-    for name in ("main_grad", "decoupled_grad"):
-        grad = getattr(p, name, None)
-        if grad is not None:
-            return grad
+    precision-aware optimizer's), else ``.grad``. Those are set as attributes of the parameter
+    object and read from its ``__dict__`` (a missing one would cost a failed lookup through the
+    class); a parameter class that defines them itself is asked by ``getattr``."""
+    cls = type(p)
+    by_class = _CLASS_GRADS.get(cls)
+    if by_class is None:
+        by_class = _CLASS_GRADS[cls] = any(hasattr(cls, name) for name in _OTHER_GRADS)
+    extra = p if by_class else p.__dict__
+    if by_class or extra:
+        for name in _OTHER_GRADS:
+            grad = getattr(extra, name, None) if by_class else extra.get(name)
+            if grad is not None:
+                return grad
     return p.grad
+
+
+_OTHER_GRADS = ("main_grad", "decoupled_grad")
+_CLASS_GRADS: dict[type, bool] = {}  # parameter class → it defines main_grad or decoupled_grad itself
 
 
 def _param_slots(model: torch.nn.Module) -> list:

@@ -14,9 +14,11 @@ At a log step :meth:`Reducer.reduce` packs
 * every ``all`` value into one ``[world, 2n]`` float64 tensor (values and a presence mask)
   → one ``all_gather_into_tensor``.
 
-Each pack is built where the values live (one device tensor per vector, no Python object per
-element) and copied to the host once. A single process (no process group) packs the same way
-and skips the collectives.
+Each pack is built where the values live (:mod:`distmetrics.packs`): values on a device as
+device tensors (no Python object per element, one copy to the host per pack); values already
+on the host (numbers, CPU tensors) as one Python list, which costs less than the tensor
+operations' dispatch. A single process (no process group) packs the same way and skips the
+collectives.
 
 Ranks may hold different names (pipeline stages own different layers). The packed layout is
 the union of names, agreed when some rank's names change and cached. The MAX pack always goes
@@ -41,14 +43,15 @@ import torch
 import torch.distributed as dist
 
 from .names import REDUCE_KINDS, check_reduce, check_value
-from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, decode_entries, decode_max, decode_sum, digest,
-                      decode_all, encode_entries, encode_key, encode_keys, entries_of, gather_single, global_rank,
-                      host_number, mean_parts, value_device, collective_device)
+from .packing import (CONTROL_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest, decode_all,
+                      encode_entries, entries_of, gather_single, global_rank, value_device, collective_device)
+from .packs import all_row_on_host, all_row_tensor, max_pack, sum_lanes_on_host, sum_pack_tensor
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
 Number = Union[int, float, torch.Tensor]
+_checked_names: dict[int, tuple] = {}  # id → the vector names tuples found to hold only str (kept alive here)
 
 
 @dataclass
@@ -87,8 +90,12 @@ class Sample:
         else:
             if not isinstance(self.names, tuple):
                 self.names = tuple(self.names)
-            if not all(isinstance(name, str) for name in self.names):
-                raise TypeError(f"vector sample {self.name!r}: element names are str, got {self.names!r:.300}")
+            if self.names is not _checked_names.get(id(self.names)):  # collectors pass the same tuple each time
+                if not all(isinstance(name, str) for name in self.names):
+                    raise TypeError(f"vector sample {self.name!r}: element names are str, got {self.names!r:.300}")
+                if len(_checked_names) >= 256:
+                    _checked_names.clear()
+                _checked_names[id(self.names)] = self.names
             if not isinstance(self.value, torch.Tensor) or self.value.dim() != 1 \
                     or self.value.numel() != len(self.names):
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
@@ -144,6 +151,11 @@ class Reducer:
     benchmarks read both).
     """
 
+    host_packs = True
+    """Build a pack as a Python list where every value is on the host (a few list operations cost
+    less than the tensor operations' dispatch); False: always as tensors where the values live,
+    as a GPU's values are (tests run both)."""
+
     def __init__(self, group: Optional[Any] = None, device: Optional[torch.device] = None, guard: Any = None,
                  call: str = "reduce") -> None:
         self.group = group
@@ -153,6 +165,7 @@ class Reducer:
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
+        self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
         self.collectives = 0
         self.negotiations = 0
         self.negotiation_bytes = 0
@@ -203,7 +216,19 @@ class Reducer:
 
     # --- checks --------------------------------------------------------------------------
     def _check(self, samples: Sequence[Sample]) -> list[Sample]:
-        """Refuse the samples before any collective; the reducer remembers kinds only once all pass."""
+        """Refuse the samples before any collective; the reducer remembers kinds only once all pass.
+        The same names in the same samples as the last reduction (the usual log step) passed then."""
+        names = [(s.names if s.names is not None else s.name, s.reduce) if isinstance(s, Sample) else None
+                 for s in samples]
+        last = self._last_names
+        if last is not None and len(names) == len(last) and all(
+                a is not None and a[0] is b[0] and a[1] == b[1] for a, b in zip(names, last)):
+            return list(samples)
+        checked = self._check_all(samples)
+        self._last_names = names
+        return checked
+
+    def _check_all(self, samples: Sequence[Sample]) -> list[Sample]:
         seen: set = set()
         kinds: dict[str, str] = {}  # names seen for the first time (or in a vector not yet checked)
         vectors: list = []
@@ -281,38 +306,9 @@ class Reducer:
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> torch.Tensor:
-        """Control lanes, then every max/min lane's key; numbers are keyed on the host and
-        written with the control lanes in one index, tensors keyed where they live."""
-        layout = self._layout
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         device = self.device if self.distributed else value_device(samples)
-        pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
-        keys, positions = [int(stale), layout.digest, -layout.digest, tag, -tag], list(range(CONTROL_LANES))
-        pieces = Pieces(layout, device, torch.float32)
-        for s in samples if not stale else ():  # stale: every rank renegotiates and sends it again
-            if s.reduce not in ("max", "min", "minmax"):
-                continue
-            low = s.value if s.low is None else s.low
-            second = CONTROL_LANES + (1 if s.reduce == "minmax" else 0)
-            lanes = [(CONTROL_LANES, s.value, False)] if s.reduce != "min" else []
-            lanes += [(second, low, True)] if s.reduce != "max" else []
-            for offset, value, negate in lanes:
-                if s.names is not None:
-                    pieces.add_vector(layout.positions(s.names, s.reduce, offset, device), value, negate=negate)
-                    continue
-                number = host_number(value)
-                if number is None:
-                    pieces.add_scalar(layout.max_index[s.name] + offset, value, negate=negate)
-                else:
-                    keys.append(encode_key(-number if negate else number, rank))
-                    positions.append(layout.max_index[s.name] + offset)
-        at = layout.cached_index(("keys", tuple(positions), device),
-                                 lambda: torch.tensor(positions, dtype=torch.long).to(device))
-        pack[at] = torch.tensor(keys, dtype=torch.int64).to(device)
-        index, values = pieces.assemble()
-        if index is not None:
-            pack[index] = encode_keys(values, rank)
-        return pack
+        return max_pack(self._layout, samples, tag, stale, rank, device)
 
     def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[torch.Tensor]:
         pack = self._max_pack(samples, tag, stale=not self._fits(samples)).to(self.device)
@@ -335,24 +331,13 @@ class Reducer:
 
     # --- SUM pack ------------------------------------------------------------------------
     def _sum_pack(self, samples: list[Sample], distributed: bool) -> list[float]:
-        layout = self._layout
-        device = self.device if distributed else value_device(samples)
-        pieces = Pieces(layout, device, torch.float64)
-        for s in samples:
-            if s.reduce not in ("sum", "mean"):
-                continue
-            num, den = mean_parts(s)
-            if s.names is None:
-                base = layout.sum_index[s.name]
-                pieces.add_scalar(base, num)
-                pieces.add_scalar(base + 1, den)
-            else:
-                pieces.add_vector(layout.positions(s.names, s.reduce, 0, device), num)
-                pieces.add_vector(layout.positions(s.names, s.reduce, 1, device), den)
-        pack = torch.zeros(layout.n_sum, dtype=torch.float64, device=device)
-        index, values = pieces.assemble()
-        if index is not None:
-            pack[index] = values
+        lanes = sum_lanes_on_host(self._layout, samples) if self.host_packs else None
+        if lanes is not None and not distributed:
+            return lanes
+        if lanes is not None:
+            pack = torch.tensor(lanes, dtype=torch.float64).to(self.device)
+        else:
+            pack = sum_pack_tensor(self._layout, samples, self.device if distributed else value_device(samples))
         if distributed:
             pack = pack.to(self.device)
             dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=self.group)
@@ -363,29 +348,20 @@ class Reducer:
     def _gather_all(self, samples: list[Sample], result: Reduced, distributed: bool) -> None:
         layout = self._layout
         n = layout.n_all
-        device = self.device if distributed else value_device(samples)
-        pieces = Pieces(layout, device, torch.float64)
-        for s in samples:
-            if s.reduce != "all":
-                continue
-            if s.names is None:
-                pieces.add_scalar(layout.all_index[s.name], s.value)
-                pieces.add_scalar(layout.all_index[s.name] + n, 1.0)
-            else:
-                pieces.add_vector(layout.positions(s.names, s.reduce, 0, device), s.value)
-                pieces.add_vector(layout.positions(s.names, s.reduce, n, device), 1.0)
-        row = torch.zeros(2 * n, dtype=torch.float64, device=device)
-        index, values = pieces.assemble()
-        if index is not None:
-            row[index] = values
-        world, ranks = 1, [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+        row = all_row_on_host(layout, samples) if self.host_packs else None
+        if row is not None:
+            rows, packed = [row], torch.tensor(row, dtype=torch.float64) if distributed else None
+        else:
+            packed = all_row_tensor(layout, samples, self.device if distributed else value_device(samples))
+            rows = packed.view(1, 2 * n).cpu().tolist()
+        ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
         if distributed:
             world = dist.get_world_size(self.group)
             out = torch.empty(world * 2 * n, dtype=torch.float64, device=self.device)
-            gather_single()(out, row.to(self.device), group=self.group)
+            gather_single()(out, packed.to(self.device), group=self.group)
             self.collectives += 1
-            row = out
+            rows = out.view(world, 2 * n).cpu().tolist()
             ranks = [global_rank(self.group, r) for r in range(world)]
         size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        for name, values in decode_all(layout, row.view(world, 2 * n).cpu(), ranks, size).items():
+        for name, values in decode_all(layout, rows, ranks, size).items():
             result.per_rank[name] = PerRank(values)

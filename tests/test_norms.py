@@ -630,3 +630,25 @@ def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
     monitor.close()
     assert math.isnan(m["grad_norm/0.1"]) and math.isnan(m["grad_norm/0"]) and m["grad_norm/0.0"] == 1.0
     assert m["grad_norm/1"] == 1.0 and m["grad_nonfinite_modules"] == "0.1"
+
+
+def test_the_gradient_that_counts_is_read_from_the_parameter_or_from_its_class():
+    """``main_grad`` (Megatron), then ``decoupled_grad``, else ``.grad``; a parameter class that
+    defines ``main_grad`` itself (a property) is asked too."""
+    import torch
+
+    from distmetrics.plans import grad_of
+
+    class Buffered(torch.nn.Parameter):
+        @property
+        def main_grad(self):
+            return self.grad * 10 if self.grad is not None else None
+
+    plain, megatron, precise = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    buffered = Buffered(torch.ones(2))
+    for p in (plain, megatron, precise, buffered):
+        p.grad = torch.full((2,), 1.0)
+    megatron.main_grad = torch.full((2,), 2.0)
+    precise.decoupled_grad = torch.full((2,), 3.0)
+    assert [float(grad_of(p)[0]) for p in (plain, megatron, precise, buffered)] == [1.0, 2.0, 3.0, 10.0]
+    assert grad_of(torch.nn.Parameter(torch.ones(2))) is None

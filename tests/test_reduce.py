@@ -10,11 +10,12 @@ from tests.dist_utils import run_ranks
 WORLD = 4
 
 
-def _scenarios(rank: int, world: int) -> dict:
+def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
     import torch
 
     from distmetrics.reduce import Reducer, Sample
 
+    Reducer.host_packs = host_packs  # this rank's process only: every pack as a list, or as tensors
     out = {}
     # 1. one of each kind; values known per rank.
     r = Reducer()
@@ -109,9 +110,9 @@ def _scenarios(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_scenarios, WORLD)
+@pytest.fixture(scope="module", params=[True, False], ids=["host packs", "tensor packs"])
+def results(request):
+    return run_ranks(_scenarios, WORLD, request.param)
 
 
 def test_each_reduce_kind_matches_hand_computed_values(results):
@@ -200,11 +201,17 @@ def test_ranks_out_of_step_raise_on_every_rank(results):
         assert r["out_of_step"] is not None and "out of step" in r["out_of_step"] and "20..30" in r["out_of_step"]
 
 
-def test_single_process_reduction_needs_no_process_group():
+@pytest.mark.parametrize("host_packs", [True, False], ids=["host packs", "tensor packs"])
+def test_single_process_reduction_needs_no_process_group(host_packs, monkeypatch):
     import torch
 
     from distmetrics.reduce import Reducer, Sample
 
+    monkeypatch.setattr(Reducer, "host_packs", host_packs)
+    vector = Reducer().reduce([Sample("v", torch.tensor([1.0, 2.0, 3.0]), "mean", weight=torch.tensor([1.0, 0.0, 2.0]),
+                                      names=("v/a", "v/b", "v/c")),
+                               Sample("w", torch.tensor([4.0, 5.0]), "all", names=("w/a", "w/b"))])
+    assert vector.values == {"v/a": 1.0, "v/c": 3.0} and list(vector.per_rank["w/b"]) == [5.0]
     res = Reducer().reduce([Sample("a", torch.tensor(2.0), "mean", weight=3.0), Sample("b", 1.0, "minmax"),
                             Sample("c", 4.0, "all"), Sample("z", 5.0, "mean", weight=0.0)])
     assert res.values == {"a": 2.0}
@@ -296,3 +303,25 @@ def test_keys_made_on_the_host_equal_the_tensor_keys_and_decode_alike():
         host, device = _decode_keys_on_host(lanes), _decode_keys(torch.tensor(lanes, dtype=torch.int64))
         assert host[1:] == device[1:]
         assert [v if v == v else "nan" for v in host[0]] == [v if v == v else "nan" for v in device[0]]
+
+
+def test_a_repeated_log_step_skips_the_name_checks_but_a_changed_one_is_checked_again():
+    """The second reduction of the very same names passes without the per-name checks; any change
+    (a name twice, another kind for the same names tuple, a non-Sample) is checked and refused."""
+    import torch
+
+    from distmetrics.reduce import Reducer, Sample
+
+    names = ("v/a", "v/b")
+    reducer = Reducer()
+    for _ in range(2):
+        reducer.reduce([Sample("x", 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum", names=names)])
+    with pytest.raises(ValueError, match="appear twice in one reduction"):
+        reducer.reduce([Sample("x", 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum", names=names),
+                        Sample("v/a", 3.0, "sum")])
+    with pytest.raises(ValueError, match="reduced as 'sum' before and now as 'max'"):
+        reducer.reduce([Sample("x", 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "max", names=names)])
+    with pytest.raises(TypeError, match="expected Sample"):
+        reducer.reduce([Sample("x", 1.0, "mean"), ("v", 1.0)])
+    assert reducer.reduce([Sample("x", 4.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum",
+                                                             names=names)]).values == {"x": 4.0, "v/a": 1.0, "v/b": 2.0}

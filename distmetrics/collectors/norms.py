@@ -122,7 +122,7 @@ class NormCollector:
 
     def _keep(self, measured: Optional[GradMeasurement]) -> None:
         if measured is not None:
-            measured.locals = None
+            measured.locals = measured.groups = None
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
 
     # --- optimizer hooks for update norms -------------------------------------------------
@@ -351,9 +351,13 @@ def _root(value: float, p: float) -> float:
 
 
 def _vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:
-    """One vector sample of ``values[buckets]``, named ``<family>/<module>`` (names cached)."""
+    """One vector sample of ``values[buckets]``, named ``<family>/<module>`` (names cached; every
+    bucket in order, as on one rank, takes ``values`` as they are)."""
     key = (family, buckets.ids)
-    names = plan.vectors.get(key)
-    if names is None:
-        names = plan.vectors[key] = tuple(f"{family}/{plan.buckets[i]}" for i in buckets.ids)
-    return Sample(family, values.index_select(0, buckets.index.to(values.device)), kind, names=names)
+    cached = plan.vectors.get(key)
+    if cached is None:
+        names = tuple(f"{family}/{plan.buckets[i]}" for i in buckets.ids)
+        cached = plan.vectors[key] = (names, buckets.ids == tuple(range(len(plan.buckets))))
+    names, every = cached
+    picked = values if every else values.index_select(0, buckets.index.to(values.device))
+    return Sample(family, picked, kind, names=names)

@@ -1,0 +1,149 @@
+"""Building each of a rank's packs from its samples (see :mod:`distmetrics.reduce`): as a Python
+list where every value is on the host (a few list operations cost less than the tensor
+operations' dispatch), else as tensors where the values live (a GPU's values), with one copy
+per pack. Both give the same lanes; the reducer issues the collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
+                      mean_parts)
+
+__all__ = ["max_pack", "sum_lanes_on_host", "sum_pack_tensor", "all_row_on_host", "all_row_tensor"]
+
+
+def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device) -> torch.Tensor:
+    """Control lanes, then every max/min lane's key; numbers are keyed on the host and written
+    with the control lanes in one index, tensors keyed where they live. ``stale``: every rank
+    renegotiates and sends the pack again, so only the control lanes matter."""
+    pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
+    keys, positions = [int(stale), layout.digest, -layout.digest, tag, -tag], list(range(CONTROL_LANES))
+    pieces = Pieces(layout, device, torch.float32)
+    for s in samples if not stale else ():
+        if s.reduce not in ("max", "min", "minmax"):
+            continue
+        low = s.value if s.low is None else s.low
+        second = CONTROL_LANES + (1 if s.reduce == "minmax" else 0)
+        lanes = [(CONTROL_LANES, s.value, False)] if s.reduce != "min" else []
+        lanes += [(second, low, True)] if s.reduce != "max" else []
+        for offset, value, negate in lanes:
+            if s.names is not None:
+                pieces.add_vector(layout.positions(s.names, s.reduce, offset, device), value, negate=negate)
+                continue
+            number = host_number(value)
+            if number is None:
+                pieces.add_scalar(layout.max_index[s.name] + offset, value, negate=negate)
+            else:
+                keys.append(encode_key(-number if negate else number, rank))
+                positions.append(layout.max_index[s.name] + offset)
+    at = layout.cached_index(("keys", tuple(positions), device),
+                             lambda: torch.tensor(positions, dtype=torch.long).to(device))
+    pack[at] = torch.tensor(keys, dtype=torch.int64).to(device)
+    index, values = pieces.assemble()
+    if index is not None:
+        pack[index] = encode_keys(values, rank)
+    return pack
+
+
+def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]]:
+    """The SUM pack as a list when every value is on the host (None: some value is on a device)."""
+    lanes = [0.0] * layout.n_sum
+    for s in samples:
+        if s.reduce not in ("sum", "mean"):
+            continue
+        if s.names is None:
+            value, weight = host_number(s.value), host_number(s.weight)
+            if value is None or weight is None:
+                return None
+            base = layout.sum_index[s.name]
+            lanes[base], lanes[base + 1] = _mean_lanes(s, value, weight)
+            continue
+        values = host_values(s.value, len(s.names))
+        weights = host_values(s.weight, len(s.names)) if s.reduce == "mean" else values
+        if values is None or weights is None:
+            return None
+        bases = layout.host_positions(s.names, s.reduce)
+        if s.reduce == "sum":
+            for base, value in zip(bases, values):
+                lanes[base], lanes[base + 1] = value, 1.0
+        elif s.summed:
+            for base, value, weight in zip(bases, values, weights):
+                lanes[base], lanes[base + 1] = value, weight
+        else:
+            for base, value, weight in zip(bases, values, weights):
+                lanes[base], lanes[base + 1] = value * weight, weight
+    return lanes
+
+
+def sum_pack_tensor(layout: PackLayout, samples: list, device: torch.device) -> torch.Tensor:
+    """The SUM pack as a float64 tensor on ``device``."""
+    pieces = Pieces(layout, device, torch.float64)
+    for s in samples:
+        if s.reduce not in ("sum", "mean"):
+            continue
+        num, den = mean_parts(s)
+        if s.names is None:
+            base = layout.sum_index[s.name]
+            pieces.add_scalar(base, num)
+            pieces.add_scalar(base + 1, den)
+        else:
+            pieces.add_vector(layout.positions(s.names, s.reduce, 0, device), num)
+            pieces.add_vector(layout.positions(s.names, s.reduce, 1, device), den)
+    pack = torch.zeros(layout.n_sum, dtype=torch.float64, device=device)
+    index, values = pieces.assemble()
+    if index is not None:
+        pack[index] = values
+    return pack
+
+
+def all_row_on_host(layout: PackLayout, samples: list) -> Optional[list[float]]:
+    """This rank's ALL row (values, then a presence mask) as a list when every value is on the
+    host (None: some value is on a device)."""
+    n = layout.n_all
+    row = [0.0] * (2 * n)
+    for s in samples:
+        if s.reduce != "all":
+            continue
+        if s.names is None:
+            value = host_number(s.value)
+            if value is None:
+                return None
+            row[layout.all_index[s.name]], row[layout.all_index[s.name] + n] = value, 1.0
+            continue
+        values = host_values(s.value, len(s.names))
+        if values is None:
+            return None
+        for base, value in zip(layout.host_positions(s.names, s.reduce), values):
+            row[base], row[base + n] = value, 1.0
+    return row
+
+
+def all_row_tensor(layout: PackLayout, samples: list, device: torch.device) -> torch.Tensor:
+    """This rank's ALL row as a float64 tensor on ``device``."""
+    n = layout.n_all
+    pieces = Pieces(layout, device, torch.float64)
+    for s in samples:
+        if s.reduce != "all":
+            continue
+        if s.names is None:
+            pieces.add_scalar(layout.all_index[s.name], s.value)
+            pieces.add_scalar(layout.all_index[s.name] + n, 1.0)
+        else:
+            pieces.add_vector(layout.positions(s.names, s.reduce, 0, device), s.value)
+            pieces.add_vector(layout.positions(s.names, s.reduce, n, device), 1.0)
+    row = torch.zeros(2 * n, dtype=torch.float64, device=device)
+    index, values = pieces.assemble()
+    if index is not None:
+        row[index] = values
+    return row
+
+
+def _mean_lanes(s: Any, value: float, weight: float) -> tuple[float, float]:
+    """The two SUM-pack lanes of a sum or mean value (as :func:`~distmetrics.packing.mean_parts`)."""
+    if s.reduce == "sum":
+        return value, 1.0
+    return (value, weight) if s.summed else (value * weight, weight)
