@@ -156,7 +156,7 @@ class GradientNorms:
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
         measured.locals, measured.groups = locals_, groups
-        return _as_torch_returns(measured.total, grads), measured
+        return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
 
     def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` (``param`` or laid out like it): the distributed
@@ -345,13 +345,14 @@ def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bo
                 t.mul_(factor)
 
 
-def _as_torch_returns(total: torch.Tensor, grads: list) -> Any:
+def _as_torch_returns(total: torch.Tensor, grads: list, dtypes: Optional[set] = None) -> Any:
     """The total as torch returns it: the gradients' (promoted) dtype on the first gradient's
-    device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors."""
+    device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors.
+    ``dtypes``: the gradients' distinct dtypes, when known (promoted pairwise, the few there are)."""
     if not grads:  # torch returns a float32 zero for no gradients
         return total.to(torch.get_default_dtype())
     first = grads[0]
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    dtype = functools.reduce(torch.promote_types, dtypes if dtypes is not None else {g.dtype for g in grads})
     value = total.to(device=local_tensor(first).device, dtype=dtype)
     if is_dtensor(first):
         from torch.distributed.tensor import DTensor, Replicate

@@ -210,7 +210,8 @@ class Monitor:
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
-        metrics = self._reducer.reduce(samples, tag=step).to_metrics()
+        ctx.reduced = self._reducer.reduce(samples, tag=step)
+        metrics = ctx.reduced.to_metrics()
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)

@@ -33,6 +33,14 @@ _HOST_DECODE = 256
 _FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")
 
 
+_METRIC_KEYS = {  # reduce kind → the keys ``Reduced.to_metrics`` writes for a name
+    "sum": lambda n: (n,), "mean": lambda n: (n,), "max": lambda n: (n, f"{n}/max_rank"),
+    "min": lambda n: (n, f"{n}/min_rank"),
+    "minmax": lambda n: (f"{n}/max", f"{n}/max_rank", f"{n}/min", f"{n}/min_rank"),
+    "all": lambda n: (n, f"{n}/max", f"{n}/min", f"{n}/mean"),
+}
+
+
 class PackLayout:
     """Where every agreed name sits in the three packs (identical on every rank)."""
 
@@ -56,6 +64,7 @@ class PackLayout:
         self.digest = digest(encode_entries(self.entries))
         self._vectors: dict[tuple, Optional[dict]] = {}  # (names, reduce) → positions per (offset, device)
         self._indexes: dict[tuple, torch.Tensor] = {}  # a pack's pieces → their index tensor
+        self._metric_keys: dict[tuple, tuple] = {}  # prefixes → the metric keys under them
         self._constants: dict[tuple, torch.Tensor] = {}  # (n, value, dtype, device) → a constant vector
         self.sum_names = list(self.sum_index)  # lane 2i holds value·weight of sum_names[i], 2i+1 its weight
         self.sum_flags = [self.kinds[name] == "sum" for name in self.sum_names]
@@ -75,6 +84,15 @@ class PackLayout:
     def host_positions(self, names: tuple, reduce: str) -> list[int]:
         """The pack positions of a vector's elements as a list (cached)."""
         return self.vector_base(names, reduce)["host"]
+
+    def metric_keys(self, prefixes: tuple) -> tuple:
+        """Every metric key the reduction can write for these names (``to_metrics``) that starts
+        with one of ``prefixes``, in name order; cached per ``prefixes``."""
+        keys = self._metric_keys.get(prefixes)
+        if keys is None:
+            keys = self._metric_keys[prefixes] = tuple(
+                key for name, kind in self.entries for key in _METRIC_KEYS[kind](name) if key.startswith(prefixes))
+        return keys
 
     def cached_index(self, key: tuple, build: Any) -> torch.Tensor:
         """The index tensor of one pack's pieces (``key``: what decides it), built once by ``build()``."""
@@ -241,13 +259,14 @@ def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
     return order, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def decode_max(layout: PackLayout, lanes: torch.Tensor, result: Any) -> None:
-    """MAX-pack lanes → ``result.maxima``/``minima`` as (value, rank)."""
-    lanes = lanes.cpu()
-    if layout.n_max <= _HOST_DECODE:
-        values, ranks, present = _decode_keys_on_host(lanes.tolist())
+def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result: Any) -> None:
+    """MAX-pack lanes (a tensor, or a list of keys) → ``result.maxima``/``minima`` as (value, rank)."""
+    if isinstance(lanes, list):
+        values, ranks, present = _decode_keys_on_host(lanes)
+    elif layout.n_max <= _HOST_DECODE:
+        values, ranks, present = _decode_keys_on_host(lanes.cpu().tolist())
     else:
-        values, ranks, present = _decode_keys(lanes)
+        values, ranks, present = _decode_keys(lanes.cpu())
     for name, base in layout.max_index.items():
         kind = layout.kinds[name]
         if kind != "min" and present[base]:

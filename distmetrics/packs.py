@@ -13,7 +13,7 @@ import torch
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
                       mean_parts)
 
-__all__ = ["max_pack", "sum_lanes_on_host", "sum_pack_tensor", "all_row_on_host", "all_row_tensor"]
+__all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "sum_pack_tensor", "all_row_on_host", "all_row_tensor"]
 
 
 def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device) -> torch.Tensor:
@@ -47,6 +47,29 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     if index is not None:
         pack[index] = encode_keys(values, rank)
     return pack
+
+
+def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int) -> Optional[list[int]]:
+    """:func:`max_pack` as a list of int64 keys when every max/min value is a number on the host
+    (None: a vector or a value on a device)."""
+    lanes = [int(stale), layout.digest, -layout.digest, tag, -tag] + [INT64_MIN] * layout.n_max
+    for s in samples if not stale else ():
+        if s.reduce not in ("max", "min", "minmax"):
+            continue
+        if s.names is not None:
+            return None
+        base = CONTROL_LANES + layout.max_index[s.name]
+        if s.reduce != "min":
+            value = host_number(s.value)
+            if value is None:
+                return None
+            lanes[base] = encode_key(value, rank)
+        if s.reduce != "max":
+            low = host_number(s.value if s.low is None else s.low)
+            if low is None:
+                return None
+            lanes[base + (1 if s.reduce == "minmax" else 0)] = encode_key(-low, rank)
+    return lanes
 
 
 def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]]:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest, decode_all,
                       encode_entries, entries_of, gather_single, global_rank, value_device, collective_device)
-from .packs import all_row_on_host, all_row_tensor, max_pack, sum_lanes_on_host, sum_pack_tensor
+from .packs import all_row_on_host, all_row_tensor, max_lanes_on_host, max_pack, sum_lanes_on_host, sum_pack_tensor
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -117,6 +117,15 @@ class Reduced:
     """``all`` results."""
     kinds: dict[str, str] = field(default_factory=dict)
     """The reduce kind of every name in the agreed layout."""
+    layout: Optional[PackLayout] = None
+    """The agreed layout (its key index is cached there)."""
+
+    def keys_under(self, prefixes: tuple) -> tuple:
+        """Every key :meth:`to_metrics` can write for the agreed names that starts with one of
+        ``prefixes`` (present this time or not), worked out once per layout."""
+        if self.layout is None:
+            return tuple(key for key in self.to_metrics() if key.startswith(prefixes))
+        return self.layout.metric_keys(prefixes)
 
     def to_metrics(self) -> dict[str, Any]:
         """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
@@ -206,7 +215,7 @@ class Reducer:
                 lanes = self._all_reduce_max(samples, tag)
                 assert lanes is not None
         layout = self._layout
-        result = Reduced(kinds=layout.kinds)
+        result = Reduced(kinds=layout.kinds, layout=layout)
         decode_max(layout, lanes, result)
         if layout.n_sum:
             decode_sum(layout, self._sum_pack(samples, distributed), result)
@@ -305,13 +314,19 @@ class Reducer:
         self._layout = PackLayout(union.items())
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
-    def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> torch.Tensor:
+    def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> Union[torch.Tensor, list[int]]:
+        """The MAX pack: a list of keys where every max/min value is a number on the host, else a tensor."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        lanes = max_lanes_on_host(self._layout, samples, tag, stale, rank) if self.host_packs else None
+        if lanes is not None:
+            return lanes
         device = self.device if self.distributed else value_device(samples)
         return max_pack(self._layout, samples, tag, stale, rank, device)
 
     def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[torch.Tensor]:
-        pack = self._max_pack(samples, tag, stale=not self._fits(samples)).to(self.device)
+        pack = self._max_pack(samples, tag, stale=not self._fits(samples))
+        pack = torch.tensor(pack, dtype=torch.int64) if isinstance(pack, list) else pack
+        pack = pack.to(self.device)
         dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
         self.collectives += 1
         pack = pack.cpu()

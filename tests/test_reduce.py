@@ -259,12 +259,15 @@ def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
     assert reducer.reduce([Sample("x", 2.0, "max")]).maxima == {"x": (2.0, 0)}  # 'x' was never reduced as mean
 
 
-def test_scalars_of_every_kind_pack_once_and_their_index_is_reused():
+@pytest.mark.parametrize("host_packs", [True, False], ids=["host packs", "tensor packs"])
+def test_scalars_of_every_kind_pack_once_and_their_index_is_reused(host_packs, monkeypatch):
     """Numbers and 0-d tensors of two dtypes (negated for the min lanes) land on their own lanes,
-    the same at every log step, and the scalars' index tensors are built once per layout."""
+    the same at every log step; tensor packs build their index tensors once per layout."""
     import torch
 
     from distmetrics.reduce import Reducer, Sample
+
+    monkeypatch.setattr(Reducer, "host_packs", host_packs)
 
     def samples(k: float) -> list:
         return [Sample("a", torch.tensor(2.0 * k, dtype=torch.float32), "sum"), Sample("b", 3.0 * k, "sum"),
@@ -277,7 +280,7 @@ def test_scalars_of_every_kind_pack_once_and_their_index_is_reused():
     second = reducer.reduce(samples(2.0))
     assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
     assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
-    assert cached and reducer._layout._indexes.keys() == cached.keys()
+    assert bool(cached) != host_packs and reducer._layout._indexes.keys() == cached.keys()
     exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"), Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
     assert exact.values == {"n": 16777217.0, "h": 0.5}  # each value in the pack's dtype: no promotion to float16
     assert all(reducer._layout._indexes[key] is index for key, index in cached.items())
@@ -325,3 +328,21 @@ def test_a_repeated_log_step_skips_the_name_checks_but_a_changed_one_is_checked_
         reducer.reduce([Sample("x", 1.0, "mean"), ("v", 1.0)])
     assert reducer.reduce([Sample("x", 4.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum",
                                                              names=names)]).values == {"x": 4.0, "v/a": 1.0, "v/b": 2.0}
+
+
+def test_the_key_index_holds_every_key_to_metrics_writes_and_no_other():
+    """``Reduced.keys_under`` (worked out once per layout) against what ``to_metrics`` writes
+    when every name is present: the same keys, for every reduce kind, under any prefix."""
+    import torch
+
+    from distmetrics.reduce import Reducer, Sample
+
+    samples = [Sample("a/s", 1.0, "sum"), Sample("a/m", 2.0, "mean"), Sample("b/x", 3.0, "max"),
+               Sample("b/n", 4.0, "min"), Sample("b/mm", 5.0, "minmax"), Sample("c/all", 6.0, "all"),
+               Sample("v", torch.tensor([1.0, 2.0]), "minmax", names=("v/0", "v/1"))]
+    reduced = Reducer().reduce(samples)
+    written = set(reduced.to_metrics())
+    assert set(reduced.keys_under(("",))) == written
+    for prefixes in (("a/",), ("b/", "v/"), ("c/all",), ("nothing/",)):
+        assert set(reduced.keys_under(prefixes)) == {k for k in written if k.startswith(prefixes)}
+    assert reduced.keys_under(("b/",)) is reduced.keys_under(("b/",))  # cached

@@ -71,3 +71,21 @@ def test_the_record_checksum_is_tensorboards():
     for size in (0, 1, 8, 1000, 65537):
         data = bytes(rng.getrandbits(8) for _ in range(size))
         assert fast(data) == reference(data)
+
+
+def test_a_jsonl_line_is_the_record_head_first_and_a_metric_named_like_the_head_still_wins():
+    """The head (kind, step, time) and the metrics are encoded apart and joined: the line reads
+    back as the merged record, head first; a metric called ``step`` or ``kind`` takes the merged
+    path and wins, as it always did; NaN goes the exact way."""
+    import json
+
+    from distmetrics.sinks.jsonl import _line
+
+    line = _line("train", 5, {"a": 1.5, "b/c": 2, "grad_norm/x": 0.25})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    record = json.loads(line)
+    assert list(record)[:3] == ["kind", "step", "time"] and record["kind"] == "train" and record["step"] == 5
+    assert {k: record[k] for k in ("a", "b/c", "grad_norm/x")} == {"a": 1.5, "b/c": 2, "grad_norm/x": 0.25}
+    assert json.loads(_line("alert", 7, {"step": 3, "kind": "x"}))["step"] == 3
+    assert json.loads(_line("train", 1, {"a": float("nan")}))["a"] == "NaN"
+    assert set(json.loads(_line("run", 0, {}))) == {"kind", "step", "time"}

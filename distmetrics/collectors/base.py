@@ -61,6 +61,16 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
+    reduced: Any = None
+    """After the reduction: the :class:`~distmetrics.reduce.Reduced` result (see :meth:`keys_under`)."""
+
+    def keys_under(self, metrics: dict[str, Any], prefixes: tuple) -> tuple:
+        """The reduction's metric keys that start with one of ``prefixes``: worked out once per
+        set of names where the reduction is known (present this log step or not: read them with
+        ``metrics.get``), else found by a pass over ``metrics``."""
+        if self.reduced is not None:
+            return self.reduced.keys_under(prefixes)
+        return tuple(key for key in metrics if key.startswith(prefixes))
 
 
 @dataclass

@@ -63,9 +63,10 @@ class MoECollector:
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """``moe/expert_utilization[/layer<l>]`` and ``moe/load_imbalance[/layer<l>]``."""
         per_layer: dict[str, dict[int, float]] = {}
-        for key in [k for k in metrics if k.startswith(_TOKENS + "/")]:
-            _, _, layer, expert = key.split("/")
-            per_layer.setdefault(layer, {})[int(expert)] = metrics.pop(key)
+        for key in ctx.keys_under(metrics, (_TOKENS + "/",)):
+            if key in metrics:
+                _, _, layer, expert = key.split("/")
+                per_layer.setdefault(layer, {})[int(expert)] = metrics.pop(key)
         if not per_layer:
             return []
         utilization, imbalance = [], []

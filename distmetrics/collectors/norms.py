@@ -182,7 +182,10 @@ class NormCollector:
         Where each family's values sit is worked out once per set of names (:class:`_Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
-        found = self._families.of(tuple(key for key in metrics if key.startswith(_PREFIXES)))
+        keys = ctx.keys_under(metrics, _PREFIXES)
+        if not all(key in metrics for key in keys):  # a name the reduction did not send this time
+            keys = tuple(key for key in keys if key in metrics)
+        found = self._families.of(keys)
         for key in found.rank_keys:  # which rank holds a norm's extreme (max/min kinds) is not news
             del metrics[key]
         flags = found.leaves.get("_grad_bad")
@@ -197,7 +200,11 @@ class NormCollector:
             leaves = found.leaves.get(family)
             if leaves is not None:
                 values = leaves.subtrees([metrics[key] for key in leaves.keys], family_kind)
-                metrics.update(zip(leaves.out_keys, [_root(v, family_p) for v in values] if root else values))
+                if root and family_p == 2.0:
+                    values = [math.sqrt(v) if v >= 0 else math.nan for v in values]  # NaN stays NaN
+                elif root:
+                    values = [_root(v, family_p) for v in values]
+                metrics.update(zip(leaves.out_keys, values))
             if root and family in metrics:
                 metrics[family] = _root(metrics[family], family_p)
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
@@ -321,13 +328,18 @@ class _Families:
     def __init__(self) -> None:
         self._by_keys: dict[tuple, _Found] = {}
         self._chains: dict[str, tuple] = {}
+        self._last: tuple = (None, None)
 
     def of(self, keys: tuple) -> "_Found":
+        """The :class:`_Found` of these metric keys (the same tuple as last time: no lookup)."""
+        if keys is self._last[0]:
+            return self._last[1]
         found = self._by_keys.get(keys)
         if found is None:
             if len(self._by_keys) >= 8:  # the names rarely change; keep a few sets
                 self._by_keys.clear()
             found = self._by_keys[keys] = _Found(keys, self._chains)
+        self._last = (keys, found)
         return found
 
 

@@ -97,7 +97,7 @@ class StragglerCollector:
         step_ms = metrics.pop(STEP_MS, None)
         gpu = {"power_w": metrics.pop(POWER_W, None), "sm_clock_mhz": metrics.pop(SM_CLOCK_MHZ, None)}
         series = {"": step_ms} if step_ms is not None else {}
-        series.update(_every_ranks_timers(metrics))
+        series.update(_every_ranks_timers(metrics, ctx))
         out: list[Any] = []
         if series:
             world = len(next(iter(series.values())))
@@ -159,17 +159,17 @@ class StragglerCollector:
                 "timers": {name: rows(name, windows.ranks(name, n, slowest=True)) for name in names if name}}
 
 
-def _every_ranks_timers(metrics: dict[str, Any]) -> dict[str, PerRank]:
+def _every_ranks_timers(metrics: dict[str, Any], ctx: LogContext) -> dict[str, PerRank]:
     """Every rank's timer values: ``timers/<name>`` under ``all``, else the ``_ranks/timers/<name>``
-    lanes (taken out of ``metrics``); one pass over ``metrics``."""
-    per_rank = [(key, value) for key, value in metrics.items() if isinstance(value, PerRank)]
+    lanes (taken out of ``metrics``)."""
+    keys = ctx.keys_under(metrics, (RANK_TIMERS_PREFIX, "timers/"))
     found: dict[str, PerRank] = {}
-    for key, value in per_rank:
-        if key.startswith(RANK_TIMERS_PREFIX):
+    for key in keys:
+        if key.startswith(RANK_TIMERS_PREFIX) and isinstance(metrics.get(key), PerRank):
             found[key[len(RANK_TIMERS_PREFIX):]] = metrics.pop(key)
-    for key, value in per_rank:
-        if key.startswith("timers/"):
-            found.setdefault(key[len("timers/"):], value)
+    for key in keys:
+        if key.startswith("timers/") and isinstance(metrics.get(key), PerRank):
+            found.setdefault(key[len("timers/"):], metrics[key])
     return found  # the lanes' summaries (``/max``...) start with "_": the Monitor leaves them out
 
 

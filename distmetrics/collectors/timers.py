@@ -307,16 +307,17 @@ class TimerCollector:
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and the straggler report."""
         if self.option == "minmax":
-            names = [k[len("timers/"):-len("/max")] for k in list(metrics)
-                     if k.startswith("timers/") and k.endswith("/max") and f"{k[:-4]}/min" in metrics]
+            names = [k[len("timers/"):-len("/max")] for k in ctx.keys_under(metrics, ("timers/",))
+                     if k.endswith("/max") and k in metrics and f"{k[:-4]}/min" in metrics]
             for name in names:
                 base = f"timers/{name}"
                 slowest = metrics[base] = metrics.pop(f"{base}/max")
                 self._straggler(metrics, ctx, name, slowest, metrics[f"{base}/max_rank"],
                                 "max_over_mean", metrics.get(f"{base}/mean"))
         elif self.option == "all":
-            for key, value in list(metrics.items()):
-                if key.startswith("timers/") and isinstance(value, PerRank) and value.present():
+            for key in ctx.keys_under(metrics, ("timers/",)):
+                value = metrics.get(key)
+                if isinstance(value, PerRank) and value.present():
                     slowest, rank = max((v, r) for r, v in enumerate(value) if v is not None)
                     self._straggler(metrics, ctx, key[len("timers/"):], slowest, rank,
                                     "max_over_median", statistics.median(value.present()))
