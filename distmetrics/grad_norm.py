@@ -146,7 +146,7 @@ class GradientNorms:
         route = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial)
+                            p == 0 and route.partial, route.every)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
@@ -272,12 +272,13 @@ def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -
 
 
 def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
-             group: Any, device: torch.device, sharded: bool = False) -> GradMeasurement:
-    """Owned per-tensor norms → per-bucket values, this rank's total and the global total."""
+             group: Any, device: torch.device, sharded: bool = False, every: bool = False) -> GradMeasurement:
+    """Owned per-tensor norms → per-bucket values, this rank's total and the global total
+    (``every``: this rank owns every tensor, as a single process does)."""
     kind = _kind(p)
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
     if kind == "sum":
-        contrib = torch.where(owned, norms.pow(p), torch.zeros_like(norms))
+        contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         total = _all_reduce(local.reshape(1), kind, group)[0].pow(1.0 / p)
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
@@ -305,7 +306,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
             total = torch.where(none_held < 0, total, torch.zeros_like(total))
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
-    nonfinite = (~torch.isfinite(norms)).to(torch.float64)
+    nonfinite = (norms - norms).ne(0).to(torch.float64)  # x - x: NaN for ±inf and NaN, else 0
     measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), zeros.index_add(0, bucket_idx, nonfinite),
                                0.0, None, None)
     measured.total = total

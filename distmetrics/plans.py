@@ -39,6 +39,7 @@ class Route:
     local_buckets: Buckets  # buckets this rank holds a tensor of
     partial: bool = False  # some local piece is part of a tensor split over ranks
     orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
+    every: bool = False  # every tensor counts on this rank
 
 
 @dataclass
@@ -174,7 +175,7 @@ def route_of(plan: Plan, index: list[int], weights: list[bool], device: torch.de
     return Route(torch.tensor(weights, dtype=torch.bool, device=device),
                  plan.bucket_of[torch.tensor(index, dtype=torch.long)].to(device),
                  buckets_of(sorted({ids[i] for i, w in zip(index, weights) if w}), device),
-                 buckets_of(sorted({ids[i] for i in index}), device))
+                 buckets_of(sorted({ids[i] for i in index}), device), every=all(weights))
 
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:

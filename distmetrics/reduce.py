@@ -230,8 +230,9 @@ class Reducer:
         names = [(s.names if s.names is not None else s.name, s.reduce) if isinstance(s, Sample) else None
                  for s in samples]
         last = self._last_names
-        if last is not None and len(names) == len(last) and all(
-                a is not None and a[0] is b[0] and a[1] == b[1] for a, b in zip(names, last)):
+        if last is not None and len(names) == len(last) and all(  # a vector's names: the same tuple
+                a is not None and (a[0] is b[0] or type(a[0]) is str and a[0] == b[0]) and a[1] == b[1]
+                for a, b in zip(names, last)):
             return list(samples)
         checked = self._check_all(samples)
         self._last_names = names

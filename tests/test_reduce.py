@@ -317,8 +317,14 @@ def test_a_repeated_log_step_skips_the_name_checks_but_a_changed_one_is_checked_
 
     names = ("v/a", "v/b")
     reducer = Reducer()
-    for _ in range(2):
-        reducer.reduce([Sample("x", 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum", names=names)])
+    full_checks = []
+    check_all = reducer._check_all
+    reducer._check_all = lambda samples: full_checks.append(1) or check_all(samples)
+    fresh = [f"x/{step}"[:2] for step in (10, 11, 12)]  # a scalar's name built afresh at each log step
+    assert fresh[0] == fresh[1] and fresh[0] is not fresh[1]
+    for name in fresh:
+        reducer.reduce([Sample(name, 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum", names=names)])
+    assert len(full_checks) == 1
     with pytest.raises(ValueError, match="appear twice in one reduction"):
         reducer.reduce([Sample("x", 1.0, "mean"), Sample("v", torch.tensor([1.0, 2.0]), "sum", names=names),
                         Sample("v/a", 3.0, "sum")])

@@ -183,7 +183,7 @@ class NormCollector:
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
         keys = ctx.keys_under(metrics, _PREFIXES)
-        if not all(key in metrics for key in keys):  # a name the reduction did not send this time
+        if not all(map(metrics.__contains__, keys)):  # a name the reduction did not send this time
             keys = tuple(key for key in keys if key in metrics)
         found = self._families.of(keys)
         for key in found.rank_keys:  # which rank holds a norm's extreme (max/min kinds) is not news
