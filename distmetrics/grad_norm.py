@@ -232,7 +232,8 @@ _DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
 
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
-                     device: torch.device, orders: Optional[dict] = None, groups: Optional[dict] = None) -> torch.Tensor:
+                     device: torch.device, orders: Optional[dict] = None,
+                     groups: Optional[dict] = None) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
     low-precision groups accumulate in float32. With several groups, the index that restores
     the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
-           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number", "host_values",
+           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
+           "host_values",
            "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]

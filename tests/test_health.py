@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import quiet_config, run_ranks
+from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
 
 
 def _config(tmp, **extra):
@@ -108,8 +108,10 @@ def _nan_scenario(rank: int, world: int, root: str) -> dict:
             model.blocks[1].fc2.weight.grad[0, 0] = math.nan
             model.blocks[2].fc1.bias.grad[0] = math.inf
         monitor.clip_grad_norm_(1.0)
-        m = monitor.step(step, loss=1.0)
+        with CollectiveCounter() as counter:
+            m = monitor.step(step, loss=1.0)
         seen.append({k: m.get(k) for k in ("grad_nonfinite", "grad_nonfinite_modules", "health/first_nonfinite_module")})
+        seen[-1]["collectives"] = counter.collectives
     monitor.close()
     return {"seen": seen, "console": [l for l in handler.lines if l.startswith("!!")]}
 
@@ -120,6 +122,9 @@ def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     results = run_ranks(_nan_scenario, 2, str(tmp_path))
     seen = results[0]["seen"]
     assert [s["grad_nonfinite"] for s in seen] == [0, 2, 2, 0, 2]
+    # which modules are bad travels only at a log step with a non-finite count: healthy steps pay nothing
+    healthy, bad = seen[3]["collectives"], [seen[i]["collectives"] for i in (1, 2, 4)]
+    assert all(n > healthy for n in bad) and results[1]["seen"][3]["collectives"] == healthy
     assert seen[1]["grad_nonfinite_modules"] == "blocks.1.fc2,blocks.2.fc1"
     assert seen[1]["health/first_nonfinite_module"] == "blocks.1.fc2"
     assert seen[2]["health/first_nonfinite_module"] is None  # the same event: no new alert

@@ -6,7 +6,8 @@ norms on log steps only. Each module that owns parameters is a bucket whose valu
 max for p = inf) travels in the log step's pack as one vector; after the reduction every module
 with trainable parameters anywhere below it gets its subtree's norm (``grad_norm/layers.2`` is the
 whole block), computed from the buckets on the host: no extra collective, no extra pass. The
-root's own parameters are ``grad_norm/model``.
+root's own parameters are ``grad_norm/model``. Which modules hold a NaN or inf gradient travels
+only when the log step's total count of non-finite tensors is not 0 (one more reduction, then).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from ..plans import Buckets, Plan, route_of
 from ..naming import ROOT_MODULE
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
+from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
 
 __all__ = ["NormCollector", "subtree_values"]
 
 _FAMILIES = ("grad_norm", "param_norm", "update_norm")
-_PREFIXES = ("grad_norm/", "param_norm/", "update_norm/", "_grad_bad/")
+_PREFIXES = ("grad_norm/", "param_norm/", "update_norm/")
 
 
 class NormCollector:
@@ -59,6 +61,8 @@ class NormCollector:
         self._stepping = 0  # inner optimizer steps under way
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
         self._families = _Families()
+        self._flags: Optional[Reducer] = None  # reduces per-module non-finite counts, when there are any
+        self._guard: Any = None
 
     @property
     def replans(self) -> int:
@@ -161,7 +165,6 @@ class NormCollector:
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
-            out.append(_vector(plan, "_grad_bad", grad.bad_buckets, "sum", grad.local_buckets))
         update, self._update = self._update, None
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
@@ -188,9 +191,8 @@ class NormCollector:
         found = self._families.of(keys)
         for key in found.rank_keys:  # which rank holds a norm's extreme (max/min kinds) is not news
             del metrics[key]
-        flags = found.leaves.get("_grad_bad")
-        if flags is not None:
-            bad = [module for module, key in zip(flags.modules, flags.keys) if metrics.pop(key)]
+        if metrics.get("grad_nonfinite"):  # some rank's gradient holds NaN or inf: every rank knows
+            bad = self._nonfinite_modules(grad, ctx.step)
             if bad:
                 metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
         metrics.pop("grad_missing_params/max_rank", None)
@@ -218,6 +220,21 @@ class NormCollector:
                 del metrics[key]
             metrics.pop("param_norm", None)
         return []
+
+    def use_guard(self, guard: Any) -> None:
+        """The Monitor's hang guard, for the reduction that names non-finite modules."""
+        self._guard = guard
+
+    def _nonfinite_modules(self, grad: Optional[GradMeasurement], step: int) -> list[str]:
+        """The modules whose gradient holds NaN or inf on some rank: each rank's per-module counts,
+        reduced by name (ranks may hold different modules) in a reduction of their own, made only
+        at a log step whose total count is not 0, on every rank alike."""
+        if self._flags is None:
+            self._flags = Reducer(self.group, guard=self._guard, call="monitor.step (non-finite modules)")
+        samples = [] if grad is None else [
+            _vector(grad.plan, "_grad_bad", grad.bad_buckets, "sum", grad.local_buckets)]
+        counts = self._flags.reduce(samples, tag=step).values
+        return [name[len("_grad_bad/"):] for name, count in counts.items() if count]
 
     def close(self) -> None:
         """Remove the optimizer hooks."""

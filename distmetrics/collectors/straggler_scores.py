@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Windows", "HostWindows", "window_medians", "window_scores", "relative_scores", "slowest_ranks", "fastest_ranks"]
+__all__ = ["Windows", "HostWindows", "window_medians", "window_scores", "relative_scores", "slowest_ranks",
+           "fastest_ranks"]
 
 
 class Windows:
