@@ -198,7 +198,9 @@ def host_values(value: Number, n: int) -> Optional[list[float]]:
     if not isinstance(value, torch.Tensor):
         return [float(value)] * n
     if value.device.type == "cpu" and not value.is_complex():
-        return value.tolist()  # float16/32 values are exact as Python floats
+        # floating values are exact as Python floats; integers and bools become floats as the
+        # tensor packs make them (float64: a count beyond 2**53 rounds alike)
+        return value.tolist() if value.is_floating_point() else value.to(torch.float64).tolist()
     return None
 
 
@@ -244,8 +246,9 @@ def mean_parts(s: Any) -> tuple[Number, Number]:
         return s.value, 1.0
     if s.summed:
         return s.value, s.weight
-    value = s.value.to(torch.float64) if isinstance(s.value, torch.Tensor) else s.value  # the product in float64
-    return value * s.weight, s.weight
+    value = s.value.to(torch.float64) if isinstance(s.value, torch.Tensor) else s.value  # the product in float64,
+    weight = s.weight.to(torch.float64) if isinstance(s.weight, torch.Tensor) else s.weight  # as on the host
+    return value * weight, s.weight
 
 
 def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[list[int], torch.Tensor]:

@@ -212,6 +212,12 @@ def test_single_process_reduction_needs_no_process_group(host_packs, monkeypatch
                                       names=("v/a", "v/b", "v/c")),
                                Sample("w", torch.tensor([4.0, 5.0]), "all", names=("w/a", "w/b"))])
     assert vector.values == {"v/a": 1.0, "v/c": 3.0} and list(vector.per_rank["w/b"]) == [5.0]
+    counts = Reducer().reduce([Sample("c", torch.tensor([3, 2**53 + 1]), "sum", names=("c/a", "c/b")),
+                               Sample("f", torch.tensor([True]), "all", names=("f/a",)),
+                               Sample("m", 0.1, "mean", weight=torch.tensor(3.3))])
+    weight = float(torch.tensor(3.3))  # float32's 3.3; the product is taken in float64 on both paths
+    assert counts.values == {"c/a": 3.0, "c/b": float(2**53), "m": 0.1 * weight / weight}
+    assert all(type(v) is float for v in [*counts.values.values(), *counts.per_rank["f/a"]])
     res = Reducer().reduce([Sample("a", torch.tensor(2.0), "mean", weight=3.0), Sample("b", 1.0, "minmax"),
                             Sample("c", 4.0, "all"), Sample("z", 5.0, "mean", weight=0.0)])
     assert res.values == {"a": 2.0}
