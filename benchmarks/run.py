@@ -479,6 +479,9 @@ def main(argv=None) -> dict:
         print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
               f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
               f"thread {r['writer_ms']:.2f} ms per record", flush=True)
+    from benchmarks import cold
+
+    results.update(cold.main(4 * repeats))
     print("7. command-line start-up (whole process)", flush=True)
     results["cli"] = bench_cli(repeats)
     c = results["cli"]
