@@ -10,25 +10,13 @@ and the log step make, since on a CPU run each one costs about what its first to
 
 from __future__ import annotations
 
-import collections
 import statistics
 import tempfile
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class _Count(TorchDispatchMode):
-    """Counts the tensor operations dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from tests.dist_utils import clip_and_log_step_ops
 
 
 def _median_us(call, before, repeats: int) -> float:
@@ -63,13 +51,7 @@ def operations(modules: int = 300, params: float = 20e6) -> dict:
         cfg = dm.MetricsConfig(output_dir=out, log_interval=1, json_log=False, tensorboard=False, console=False,
                                log_progress=False)
         monitor = dm.Monitor(cfg, model=model)
-        for step in (1, 2):
-            monitor.clip_grad_norm_(1e9)
-            monitor.step(step)
-        with _Count() as clip:
-            monitor.clip_grad_norm_(1e9)
-        with _Count() as log_step:
-            monitor.step(3)
+        clip, log_step = clip_and_log_step_ops(monitor, 1e9)
         after_clip = []
         for step in range(4, 34):
             monitor.clip_grad_norm_(1e9)
@@ -77,7 +59,7 @@ def operations(modules: int = 300, params: float = 20e6) -> dict:
             monitor.step(step)
             after_clip.append(time.perf_counter() - start)
         monitor.close()
-    return {"modules": modules, "clip_ops": sum(clip.ops.values()), "log_step_ops": sum(log_step.ops.values()),
+    return {"modules": modules, "clip_ops": sum(clip.values()), "log_step_ops": sum(log_step.values()),
             "log_step_after_clip_ms": statistics.median(after_clip) * 1e3}
 
 

@@ -9,6 +9,7 @@ parent kills the workers after a timeout, so a hang fails a test instead of stal
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import subprocess
@@ -92,6 +93,34 @@ def run_child(function: str, *args: Any, timeout: float = 240, env: dict | None 
     module, name = function.rsplit(".", 1)
     code = f"import sys; from {module} import {name} as f; f(*sys.argv[1:])"
     return run_python("-c", code, *args, timeout=timeout, env=env)
+
+
+def count_ops(call: Callable[[], Any]) -> collections.Counter:
+    """The tensor operations ``call()`` dispatches, by name (counted at torch's dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        call()
+    return counter.ops
+
+
+def clip_and_log_step_ops(monitor: Any, max_norm: float) -> tuple:
+    """After two steps (plans and layouts made): the tensor operations of one
+    ``monitor.clip_grad_norm_(max_norm)`` and of the log step after it (``log_interval: 1``)."""
+    for step in (1, 2):
+        monitor.clip_grad_norm_(max_norm)
+        monitor.step(step)
+    clip = count_ops(lambda: monitor.clip_grad_norm_(max_norm))
+    return clip, count_ops(lambda: monitor.step(3))
 
 
 class CollectiveCounter:

@@ -658,36 +658,19 @@ def test_the_clip_and_the_log_step_make_a_fixed_number_of_tensor_operations():
     """On one process the clip's tensor operations do not grow with the number of parameters
     (no per-parameter dispatch: a promotion, a copy), and a log step of every module's norms
     makes at most a few (its packs are Python lists on the host). Counted at torch's dispatcher."""
-    import collections
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import distmetrics as dm
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
+    from tests.dist_utils import clip_and_log_step_ops
 
     def counts(modules: int) -> tuple:
         model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(modules)))
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
-        for step in (1, 2):
-            monitor.clip_grad_norm_(1.0)
-            monitor.step(step)
-        with Count() as clip:
-            monitor.clip_grad_norm_(1.0)
-        with Count() as log_step:
-            monitor.step(3)
+        clip, log_step = clip_and_log_step_ops(monitor, 1.0)
         monitor.close()
-        return sum(clip.ops.values()), sum(log_step.ops.values()), clip.ops
+        return sum(clip.values()), sum(log_step.values()), clip
 
     small, large = counts(20), counts(80)
     assert small[0] == large[0] <= 40, large[2]
