@@ -77,7 +77,8 @@ class GradMeasurement:
     buckets: torch.Tensor  # per module bucket
     local_total: torch.Tensor
     nonfinite: torch.Tensor
-    bad_buckets: torch.Tensor
+    bad_tensors: torch.Tensor  # per local tensor: 1.0 where its norm is NaN or ±inf
+    bucket_idx: torch.Tensor  # per local tensor: its bucket
     missing: float
     owned_buckets: Buckets
     local_buckets: Buckets
@@ -87,6 +88,12 @@ class GradMeasurement:
     plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
+
+    def bad_buckets(self) -> torch.Tensor:
+        """Per bucket: how many of its local tensors hold NaN or ±inf (made only when asked: a
+        log step whose non-finite count is not 0)."""
+        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=self.bad_tensors.device)
+        return zeros.index_add(0, self.bucket_idx, self.bad_tensors)
 
 
 class GradientNorms:
@@ -283,7 +290,8 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         total = _all_reduce(local.reshape(1), kind, group)[0].pow(1.0 / p)
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
-        contrib = torch.where(owned, (norms > 0).to(torch.float64), torch.zeros_like(norms))
+        counted = (norms > 0).to(torch.float64)
+        contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
         total, flag = _all_reduce(torch.cat([local.reshape(1), flag]), kind, group)
@@ -294,7 +302,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         kind = "sum"
     else:
         fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
-        contrib = torch.where(owned, norms, torch.full_like(norms, fill))
+        contrib = norms if every else torch.where(owned, norms, torch.full_like(norms, fill))
         reduce = "amax" if kind == "max" else "amin"
         buckets = torch.full_like(zeros, fill).scatter_reduce(0, bucket_idx, contrib, reduce, include_self=True)
         with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
@@ -308,8 +316,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
     nonfinite = (norms - norms).ne(0).to(torch.float64)  # x - x: NaN for ±inf and NaN, else 0
-    measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), zeros.index_add(0, bucket_idx, nonfinite),
-                               0.0, None, None)
+    measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), nonfinite, bucket_idx, 0.0, None, None)
     measured.total = total
     return measured
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
            "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
-           "host_values",
+           "host_values", "HOST_DECODE_LANES",
            "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
@@ -29,7 +29,7 @@ INT64_MIN = -(2**63)
 _LOW32 = 2**32 - 1
 CONTROL_LANES = 5
 """MAX-pack lanes before the values: stale flag, digest, -digest, step, -step."""
-_HOST_DECODE = 256
+HOST_DECODE_LANES = 256
 """MAX packs up to this many lanes are decoded in Python, larger ones with tensor operations."""
 _FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")
 
@@ -267,7 +267,7 @@ def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result
     """MAX-pack lanes (a tensor, or a list of keys) → ``result.maxima``/``minima`` as (value, rank)."""
     if isinstance(lanes, list):
         values, ranks, present = _decode_keys_on_host(lanes)
-    elif layout.n_max <= _HOST_DECODE:
+    elif layout.n_max <= HOST_DECODE_LANES:
         values, ranks, present = _decode_keys_on_host(lanes.cpu().tolist())
     else:
         values, ranks, present = _decode_keys(lanes.cpu())

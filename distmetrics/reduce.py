@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from .names import REDUCE_KINDS, check_reduce, check_value
-from .packing import (CONTROL_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest, decode_all,
-                      encode_entries, entries_of, gather_single, global_rank, value_device, collective_device)
+from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
+                      decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
+                      collective_device)
 from .packs import all_row_on_host, all_row_tensor, max_lanes_on_host, max_pack, sum_lanes_on_host, sum_pack_tensor
 from .per_rank import PerRank
 
@@ -324,14 +325,15 @@ class Reducer:
         device = self.device if self.distributed else value_device(samples)
         return max_pack(self._layout, samples, tag, stale, rank, device)
 
-    def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[torch.Tensor]:
+    def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[Union[torch.Tensor, list[int]]]:
         pack = self._max_pack(samples, tag, stale=not self._fits(samples))
         pack = torch.tensor(pack, dtype=torch.int64) if isinstance(pack, list) else pack
         pack = pack.to(self.device)
         dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
         self.collectives += 1
         pack = pack.cpu()
-        control = pack[:CONTROL_LANES].tolist()
+        lanes = pack.tolist() if self._layout.n_max <= HOST_DECODE_LANES else None  # decoded from this list
+        control = lanes[:CONTROL_LANES] if lanes is not None else pack[:CONTROL_LANES].tolist()
         if control[0] != 0:
             return None
         digest = self._layout.digest
@@ -343,7 +345,7 @@ class Reducer:
                 f"distmetrics: ranks are out of step: this reduction was called at steps "
                 f"{-control[4]}..{control[3]} on different ranks; every rank must call "
                 "monitor.step with the same step numbers")
-        return pack[CONTROL_LANES:]
+        return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
 
     # --- SUM pack ------------------------------------------------------------------------
     def _sum_pack(self, samples: list[Sample], distributed: bool) -> list[float]:
@@ -369,7 +371,7 @@ class Reducer:
             rows, packed = [row], torch.tensor(row, dtype=torch.float64) if distributed else None
         else:
             packed = all_row_tensor(layout, samples, self.device if distributed else value_device(samples))
-            rows = packed.view(1, 2 * n).cpu().tolist()
+            rows = None if distributed else packed.view(1, 2 * n).cpu().tolist()  # else: the gathered rows
         ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
         if distributed:
             world = dist.get_world_size(self.group)

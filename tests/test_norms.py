@@ -620,7 +620,8 @@ def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
     assert subtree_values({"a.x": 1.0, "a.z": 2.0, "model": 5.0}, max) == {"a": 2.0, "a.x": 1.0, "a.z": 2.0,
                                                                            "model": 5.0}
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)), torch.nn.Linear(3, 1))
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    model = torch.nn.Sequential(block, torch.nn.Linear(3, 1))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     model[0][1].weight.grad[0, 0] = math.nan
@@ -630,6 +631,15 @@ def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
     monitor.close()
     assert math.isnan(m["grad_norm/0.1"]) and math.isnan(m["grad_norm/0"]) and m["grad_norm/0.0"] == 1.0
     assert m["grad_norm/1"] == 1.0 and m["grad_nonfinite_modules"] == "0.1"
+    for p in model.parameters():  # the clip above scaled every gradient by its NaN coefficient
+        p.grad = torch.ones_like(p)
+    model[0][1].weight.grad[0, 0] = math.inf  # p = 2: an infinite module, and so its block, is inf; the rest finite
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    monitor.clip_grad_norm_(1e9)
+    m = monitor.step(1)
+    monitor.close()
+    assert m["grad_norm/0.1"] == math.inf and m["grad_norm/0"] == math.inf and m["grad_norm"] == math.inf
+    assert m["grad_norm/0.0"] == pytest.approx(12 ** 0.5) and m["grad_nonfinite_modules"] == "0.1"
 
 
 def test_the_gradient_that_counts_is_read_from_the_parameter_or_from_its_class():
@@ -675,3 +685,32 @@ def test_the_clip_and_the_log_step_make_a_fixed_number_of_tensor_operations():
     small, large = counts(20), counts(80)
     assert small[0] == large[0] <= 40, large[2]
     assert small[1] <= 6 and large[1] <= 6
+
+
+def test_a_log_step_without_the_norms_it_had_before_writes_none_of_them_and_hides_param_norms():
+    """Log step 1 has clip + update norms (and param norms only for the ratio, not written); log
+    step 2 has neither: the names stay in the agreed layout, the values are absent, nothing
+    stale or zero is written. relative_update_norm against a float64 truth."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    model(torch.randn(4, 8)).sum().backward()
+    before = [p.detach().clone().double() for p in model.parameters()]
+    monitor.clip_grad_norm_(1e9)
+    optimizer.step()
+    first = monitor.step(1)
+    after = [p.detach().double() for p in model.parameters()]
+    update = sum(float((a - b).pow(2).sum()) for a, b in zip(after, before)) ** 0.5
+    param = sum(float(a.pow(2).sum()) for a in after) ** 0.5
+    assert first["update_norm"] == pytest.approx(update, rel=1e-6)
+    assert first["relative_update_norm"] == pytest.approx(update / param, rel=1e-6)
+    assert not [k for k in first if k.startswith("param_norm")]
+    second = monitor.step(2)  # no clip, no optimizer step
+    monitor.close()
+    assert not [k for k in second if k.split("/", 1)[0] in ("grad_norm", "update_norm", "relative_update_norm",
+                                                             "param_norm", "effective_lr_ratio")]

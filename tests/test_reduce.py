@@ -287,7 +287,8 @@ def test_scalars_of_every_kind_pack_once_and_their_index_is_reused(host_packs, m
     assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
     assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
     assert bool(cached) != host_packs and reducer._layout._indexes.keys() == cached.keys()
-    exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"), Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
+    exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"),
+                              Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
     assert exact.values == {"n": 16777217.0, "h": 0.5}  # each value in the pack's dtype: no promotion to float16
     assert all(reducer._layout._indexes[key] is index for key, index in cached.items())
 
@@ -358,3 +359,48 @@ def test_the_key_index_holds_every_key_to_metrics_writes_and_no_other():
     for prefixes in (("a/",), ("b/", "v/"), ("c/all",), ("nothing/",)):
         assert set(reduced.keys_under(prefixes)) == {k for k in written if k.startswith(prefixes)}
     assert reduced.keys_under(("b/",)) is reduced.keys_under(("b/",))  # cached
+
+
+@pytest.mark.parametrize("host_packs", [True, False], ids=["host packs", "tensor packs"])
+def test_a_max_pack_of_more_lanes_than_the_host_decodes_reduces_like_a_small_one(host_packs, monkeypatch):
+    """300 max names and a minmax vector (over 256 MAX lanes: the tensor decoding) against hand maxima."""
+    import torch
+
+    from distmetrics.packing import HOST_DECODE_LANES
+    from distmetrics.reduce import Reducer, Sample
+
+    monkeypatch.setattr(Reducer, "host_packs", host_packs)
+    samples = [Sample(f"m/{i:03d}", i * 0.5, "max") for i in range(300)]
+    samples.append(Sample("v", torch.tensor([3.0, -2.0]), "minmax", low=torch.tensor([1.0, -4.0]),
+                          names=("v/a", "v/b")))
+    reducer = Reducer()
+    result = reducer.reduce(samples)
+    assert reducer._layout.n_max > HOST_DECODE_LANES
+    assert all(result.maxima[f"m/{i:03d}"] == (i * 0.5, 0) for i in range(300))
+    assert result.maxima["v/a"] == (3.0, 0) and result.minima["v/b"] == (-4.0, 0)
+
+
+def test_scalars_on_a_device_are_stacked_in_the_packs_dtype(monkeypatch):
+    """The path a GPU's 0-d tensors take (cast each to the pack's dtype, stack, move once), forced
+    on CPU by treating every tensor as off the host: an int64 beyond float32's precision and a
+    float16 next to each other keep their values."""
+    import torch
+
+    from distmetrics import packing, packs
+    from distmetrics.reduce import Reducer, Sample
+
+    def device_only(value):
+        return None if isinstance(value, torch.Tensor) else float(value)
+
+    for module in (packing, packs):
+        monkeypatch.setattr(module, "host_number", device_only)
+    monkeypatch.setattr(Reducer, "host_packs", False)
+    calls = []
+    stack = packing._stack
+    monkeypatch.setattr(packing, "_stack", lambda *a: calls.append(1) or stack(*a))
+    result = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"),
+                               Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum"),
+                               Sample("c", torch.tensor(2.5, dtype=torch.float64), "minmax",
+                                      low=torch.tensor(-1.5, dtype=torch.float16))])
+    assert calls and result.values == {"n": 16777217.0, "h": 0.5}
+    assert result.maxima["c"] == (2.5, 0) and result.minima["c"] == (-1.5, 0)

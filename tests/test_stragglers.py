@@ -329,10 +329,16 @@ def test_under_minmax_the_timer_collector_sends_every_ranks_timer_values_for_the
     assert not any(k.startswith("_ranks") for k in scores)  # the lanes are taken out
 
 
-def test_every_series_is_the_median_of_its_last_window_log_steps_and_a_new_timer_starts_empty():
+@pytest.mark.parametrize("host_world", [32, 0], ids=["lists", "tensor ring"])
+def test_every_series_is_the_median_of_its_last_window_log_steps_and_a_new_timer_starts_empty(host_world,
+                                                                                                monkeypatch):
     """The collector's windows against statistics.median of each series' last WINDOW log steps,
     by hand: a timer seen from the third log step on, absent at the fifth (that log step holds
-    no value of it), and a world-size change that starts every window over."""
+    no value of it), and a world-size change that starts every window over. Both forms: the
+    lists small worlds use, and the tensor ring (``_HOST_WORLD`` 0 sends every world there)."""
+    from distmetrics.collectors import stragglers
+
+    monkeypatch.setattr(stragglers, "_HOST_WORLD", host_world)
     from distmetrics.collectors.base import LogContext
     from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
     from distmetrics.reduce import PerRank

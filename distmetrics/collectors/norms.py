@@ -202,18 +202,15 @@ class NormCollector:
             leaves = found.leaves.get(family)
             if leaves is not None:
                 values = leaves.subtrees([metrics[key] for key in leaves.keys], family_kind)
-                if root and family_p == 2.0:
-                    values = [math.sqrt(v) if v >= 0 else math.nan for v in values]  # NaN stays NaN
-                elif root:
-                    values = [_root(v, family_p) for v in values]
-                metrics.update(zip(leaves.out_keys, values))
+                metrics.update(zip(leaves.out_keys, _roots(values, family_p) if root else values))
             if root and family in metrics:
-                metrics[family] = _root(metrics[family], family_p)
+                metrics[family] = _roots([metrics[family]], family_p)[0]
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
         if "update_norm" in metrics:
-            self._ratios(metrics, grad)
+            updates = found.leaves.get("update_norm")
+            self._ratios(metrics, grad, ["update_norm"] + (updates.out_keys if updates is not None else []))
         if not self.log_params_norm:
             params = found.leaves.get("param_norm")
             for key in params.out_keys if params is not None else ():
@@ -232,7 +229,7 @@ class NormCollector:
         if self._flags is None:
             self._flags = Reducer(self.group, guard=self._guard, call="monitor.step (non-finite modules)")
         samples = [] if grad is None else [
-            _vector(grad.plan, "_grad_bad", grad.bad_buckets, "sum", grad.local_buckets)]
+            _vector(grad.plan, "_grad_bad", grad.bad_buckets(), "sum", grad.local_buckets)]
         counts = self._flags.reduce(samples, tag=step).values
         return [name[len("_grad_bad/"):] for name, count in counts.items() if count]
 
@@ -242,11 +239,12 @@ class NormCollector:
             hook.remove()
         self._hooks = []
 
-    def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement]) -> None:
-        """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2)."""
+    def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement], keys: list[str]) -> None:
+        """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2),
+        for the update-norm ``keys`` (the total and every subtree)."""
         coef = float(grad.coef) if grad is not None and grad.coef is not None else 1.0
         same_norm = grad is None or grad.norm_type == 2.0
-        for key in [k for k in metrics if k.split("/", 1)[0] == "update_norm" and isinstance(metrics[k], float)]:
+        for key in keys:
             suffix = key[len("update_norm"):]
             param = metrics.get(f"param_norm{suffix}")
             if param:
@@ -282,7 +280,8 @@ class NormCollector:
         device = tensors[0].device if tensors else torch.device("cpu")
         route = self._param_route(plan, device)
         norms = per_tensor_norms(tensors, 2.0, None, device, route.orders)
-        contrib = torch.where(route.owned, norms * norms, torch.zeros_like(norms))
+        squares = norms * norms
+        contrib = squares if route.every else torch.where(route.owned, squares, torch.zeros_like(squares))
         return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
             0, route.bucket_idx, contrib)
 
@@ -314,7 +313,6 @@ class _Leaves:
     subtrees they add up into."""
 
     def __init__(self, family: str, modules: list[str], chains: dict[str, tuple]) -> None:
-        self.modules = modules
         self.keys = [f"{family}/{module}" for module in modules]
         ancestry = [chains.get(m) or chains.setdefault(m, _chain(m)) for m in modules]
         self.out_modules = list(dict.fromkeys(a for chain in ancestry for a in chain))
@@ -373,10 +371,11 @@ class _Found:
         self.leaves = {family: _Leaves(family, names, chains) for family, names in modules.items()}
 
 
-def _root(value: float, p: float) -> float:
-    if value < 0:
-        return math.nan
-    return math.sqrt(value) if p == 2.0 else value ** (1.0 / p)
+def _roots(values: list[float], p: float) -> list[float]:
+    """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN)."""
+    if p == 2.0:
+        return [math.sqrt(v) if v >= 0 else math.nan for v in values]
+    return [v ** (1.0 / p) if v >= 0 else math.nan for v in values]
 
 
 def _vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:
