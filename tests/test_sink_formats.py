@@ -89,3 +89,34 @@ def test_a_jsonl_line_is_the_record_head_first_and_a_metric_named_like_the_head_
     assert json.loads(_line("alert", 7, {"step": 3, "kind": "x"}))["step"] == 3
     assert json.loads(_line("train", 1, {"a": float("nan")}))["a"] == "NaN"
     assert set(json.loads(_line("run", 0, {}))) == {"kind", "step", "time"}
+
+
+@pytest.mark.parametrize("odd", [math.nan, math.inf, -math.inf, None, np.float32("nan"), "text", 1e308])
+def test_one_odd_value_among_many_finite_ones_is_written_as_strict_json(odd):
+    """The encoder skips its search for ``null`` when the values' sum is finite: one NaN, Inf,
+    None or numpy NaN among 1,000 floats, and finite values whose sum overflows (1e308 twice),
+    still come out as strict JSON that reads back to the values given."""
+    pytest.importorskip("orjson")
+    metrics = {f"m{i}": i / 7 for i in range(1000)}
+    metrics["m500"] = odd
+    if odd == 1e308:
+        metrics["m501"] = 1e308
+    line = jsonl._line("train", 3, metrics)
+    record = jsonl.decode_line(line.decode())
+    assert b"null" not in line or odd is None
+    for name, value in metrics.items():
+        got = record[name]
+        assert got != got if value != value else got == value, name  # NaN: the one value unequal to itself
+
+
+def test_the_record_time_is_what_datetime_writes():
+    """The head's time is formatted once per second and the milliseconds added: the text equals
+    ``datetime.isoformat(timespec="milliseconds")`` in UTC, at whole seconds, at a fraction that
+    rounds up into the next second, and at random times."""
+    import datetime as dt
+
+    rng = random.Random(5)
+    times = [rng.uniform(0, 4e9) for _ in range(20000)]
+    times += [float(s) + f for s in (0, 1037114423, 1795000000) for f in (0.0, 0.0005, 0.999, 0.9995, 0.9999996)]
+    for t in times:
+        assert jsonl.utc_now(t) == dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds"), t

@@ -245,3 +245,37 @@ def test_a_script_that_never_closes_still_gets_its_queue_written(tmp_path):
     child = run_python("-c", SLOW_SINK_SCRIPT, tmp_path / "run", out)
     assert child.returncode == 0, child.stderr
     assert out.read_text().splitlines() == ["run 0"] + [f"train {s}" for s in range(1, 6)]
+
+
+@pytest.mark.parametrize("on_training_thread", [True, False])
+def test_a_sink_that_names_its_kinds_gets_only_those_records(tmp_path, on_training_thread):
+    """``kinds``: the record kinds a sink takes; the others are not handed to it, on either
+    thread (progress.txt takes ``progress`` records only). A purge still reaches a sink that
+    keeps a timeline."""
+
+    class Kinds:
+        name, fix, kinds = "kinds", "", ("eval", "progress")
+
+        def __init__(self):
+            self.seen, self.purged = [], []
+
+        def log(self, metrics, step, kind):
+            self.seen.append(kind)
+
+        def purge_from(self, step):
+            self.purged.append(step)
+
+        def close(self):
+            pass
+
+    Kinds.on_training_thread = on_training_thread
+    sink, every = Kinds(), Gate()
+    every.opened.set()
+    with dm.Monitor(_config(tmp_path), sinks=[sink, every]) as monitor:
+        for step in range(1, 5):
+            monitor.step(step, loss=1.0)
+        monitor.log_eval(4, loss=0.5)
+        monitor.sinks.purge_from(3)
+        monitor.sinks.flush()
+    assert sorted(set(sink.seen)) == ["eval"] and sink.purged == [3]
+    assert {"train", "eval"} <= {kind for kind, _ in every.records}

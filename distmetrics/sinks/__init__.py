@@ -43,9 +43,10 @@ class Sink(Protocol):
     """Short name used in warnings (``jsonl``, ``tensorboard``, ...)."""
     fix: str
     """What to do when it fails (shown with failures other than a missing package or an OSError).
-    Optional attributes: ``install`` (the ``pip install`` shown when its package is missing) and
+    Optional attributes: ``install`` (the ``pip install`` shown when its package is missing),
     ``on_training_thread`` (True: written before ``monitor.step`` returns; default: on the
-    writer thread)."""
+    writer thread) and ``kinds`` (the record kinds it takes, e.g. ``("progress",)``; default:
+    every kind; the others are not handed to it)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
@@ -95,6 +96,7 @@ class SinkSet:
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
         self._closers: list = []
+        self._routes: dict[int, tuple] = {}  # id(sink) -> (kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
             self.attach(sink)
 
@@ -105,7 +107,7 @@ class SinkSet:
     def purge_from(self, step: int) -> None:
         """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
         earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
-        if any(hasattr(sink, "purge_from") for sink in self.sinks):
+        if any(self._routes[id(sink)][2] for sink in self.sinks):
             self.log({}, step, _PURGE)
 
     @property
@@ -115,6 +117,9 @@ class SinkSet:
 
     def attach(self, sink: Sink) -> None:
         """Add a sink that exists already (the writer thread starts with the first queued one)."""
+        kinds = getattr(sink, "kinds", None)
+        self._routes[id(sink)] = (None if kinds is None else frozenset(kinds) | {_PURGE},
+                                  hasattr(sink, "log_view"), hasattr(sink, "purge_from"))
         if getattr(sink, "on_training_thread", False):
             self.inline.append(sink)
             return
@@ -156,11 +161,14 @@ class SinkSet:
     def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str) -> None:
         view: Any = False  # made on first need, once
         for sink in list(sinks):
+            kinds, takes_view, keeps_timeline = self._routes[id(sink)]
+            if kinds is not None and kind not in kinds:
+                continue
             try:
                 if kind == _PURGE:
-                    if hasattr(sink, "purge_from"):
+                    if keeps_timeline:
                         sink.purge_from(step)
-                elif hasattr(sink, "log_view"):
+                elif takes_view:
                     if view is False:
                         view = scalar_view(metrics, kind, self.include_timers)
                     if view is not None:

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 __all__ = ["AppendFile", "Lost", "describe_os_error"]
 
@@ -49,27 +49,33 @@ class AppendFile:
         self.lost: Optional[Lost] = None
         self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-        self._end = os.lseek(self._fd, 0, os.SEEK_END)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # every write at the end
+        self._end = os.lseek(self._fd, 0, os.SEEK_END)  # the file's size, as far as this process knows
         if lines and self._end > 0:
-            self._cut_torn_line()
+            self._end = self._cut_torn_line(self._end)
 
-    def append(self, data: bytes, step: int) -> bool:
-        """Write ``data`` whole at the end of the file; on an OSError cut it back off, count the
+    def append(self, data: Union[bytes, Sequence[bytes]], step: int) -> bool:
+        """Write ``data`` (bytes, or pieces written one after the other in one system call, not
+        joined first) whole at the end of the file; on an OSError cut it back off, count the
         record as lost (``step`` names it) and return False."""
+        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        size = sum(len(piece) for piece in pieces)
+        done = 0
         try:
             if self._cut_at is not None:
                 os.ftruncate(self._fd, self._cut_at)
-                self._cut_at = None
-            self._end = os.lseek(self._fd, 0, os.SEEK_END)
-            view = memoryview(data)
-            while view:  # a short write (the disk filling up) is followed by the error
-                view = view[os.write(self._fd, view):]
+                self._end, self._cut_at = self._cut_at, None
+            done = os.writev(self._fd, pieces)
+            if done < size:  # a short write (the disk filling up): the rest, until it raises
+                view = memoryview(b"".join(pieces))[done:]
+                while view:
+                    wrote = os.write(self._fd, view)
+                    done, view = done + wrote, view[wrote:]
         except OSError as err:
-            self._roll_back()
+            self._roll_back(done)
             self._count_lost(err, step)
             return False
-        self._end += len(data)
+        self._end += size
         if self.lost is not None:
             lost, self.lost = self.lost, None
             logger.warning("distmetrics: the %s sink writes %s again from step %d; %d record%s (steps %d-%d) "
@@ -105,19 +111,23 @@ class AppendFile:
             self.lost.last_step = step
             self.lost.records += 1
 
-    def _roll_back(self) -> None:
+    def _roll_back(self, written: int) -> None:
+        """Cut off the ``written`` bytes of a record that could not be written whole."""
         if self._cut_at is not None:  # the failure was cutting off an earlier partial record
             return
+        if not written:
+            return
+        start = self._end  # where the record began, unless another process appended since
         try:
-            os.ftruncate(self._fd, self._end)
+            start = os.fstat(self._fd).st_size - written
+            os.ftruncate(self._fd, start)
         except OSError as err:  # tried again before the next append
-            self._cut_at = self._end
+            self._cut_at = start
             logger.warning("distmetrics: the %s sink could not cut a partly written record off %s: %s",
                            self.sink, self.path, describe_os_error(err))
 
-    def _cut_torn_line(self) -> None:
-        """Cut everything after the last newline (a line a crash cut short)."""
-        size = self._end
+    def _cut_torn_line(self, size: int) -> int:
+        """Cut everything after the last newline (a line a crash cut short); the new size."""
         with open(self.path, "rb") as f:
             pos = size
             while pos > 0:
@@ -129,11 +139,11 @@ class AppendFile:
                     break
                 pos = start
         if pos == size:
-            return
+            return size
         os.ftruncate(self._fd, pos)
-        self._end = pos
         logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
                        "before appending.", self.sink, size - pos, self.path)
+        return pos
 
 
 def describe_os_error(err: OSError) -> str:

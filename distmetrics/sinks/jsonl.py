@@ -21,8 +21,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from itertools import islice
+from typing import Any, Collection, Iterator, Optional, Union
 
 from ..per_rank import PerRank
 from .appendfile import AppendFile
@@ -52,15 +54,16 @@ class JsonlSink:
         self.path = Path(path)
         self._file = AppendFile(self.path, self.name, lines=True,
                                 on_loss='a "gap" record')
+        self._finite = FiniteCheck()
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
-        data = _line(kind, step, metrics)
+        pieces = _pieces(kind, step, metrics, self._finite)
         lost = self._file.lost
         if lost is not None:  # the gap record and this one are written together, or neither
-            data = _line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
-                                       "lost_records": lost.records, "error": lost.error}) + data
-        self._file.append(data, step)
+            pieces = (_line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
+                                          "lost_records": lost.records, "error": lost.error}), *pieces)
+        self._file.append(pieces, step)
 
     def close(self) -> None:
         """Close the file (a warning if records were still failing to be written)."""
@@ -68,13 +71,20 @@ class JsonlSink:
 
 
 def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
-    head = {"kind": kind, "step": step,
-            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")}
-    if metrics and not any(key in metrics for key in head):  # the two encoded apart, joined: no merged copy
-        body, start = _fast(metrics), _fast(head)
-        data = start[:-1] + b"," + body[1:] if body is not None and start is not None else None
-    else:
-        data = _fast({**head, **metrics})  # no per-value Python work unless a value needs it
+    """One record as one line of strict JSON, with its newline."""
+    return b"".join(_pieces(kind, step, metrics, FiniteCheck()))
+
+
+def _pieces(kind: str, step: int, metrics: dict[str, Any], finite: "FiniteCheck") -> tuple:
+    """One line as pieces to write one after the other: the head (kind, step, time) and the
+    metrics are encoded apart and not joined (at thousands of names a copy of the line, and the
+    page faults of a new buffer that large, cost about what encoding it does)."""
+    head = {"kind": kind, "step": step, "time": utc_now()}
+    if metrics and not any(key in metrics for key in head):
+        body, start = _fast(metrics, finite if len(metrics) > FiniteCheck.SEARCH_BELOW else None, kind), _fast(head)
+        if body is not None and start is not None:
+            return start[:-1] + b",", memoryview(body)[1:], b"\n"
+    data = _fast({**head, **metrics})  # no per-value Python work unless a value needs it
     if data is None:
         record = head
         for name, value in metrics.items():
@@ -85,19 +95,86 @@ def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
             else:
                 record[name] = value
         data = _fast(record) or _exact(record)
-    return data + b"\n"
+    return data, b"\n"
 
 
-def _fast(record: dict[str, Any]) -> Optional[bytes]:
+def _fast(record: dict[str, Any], finite: Optional["FiniteCheck"] = None, kind: str = "") -> Optional[bytes]:
     """orjson's encoding, or None where it would differ from strict JSON (NaN and Inf, which
-    it writes as null; an ``all`` metric; an int beyond 64 bits; text that is not UTF-8)."""
+    it writes as null; an ``all`` metric; an int beyond 64 bits; text that is not UTF-8).
+    Where ``finite`` finds no value NaN, Inf or None, the output needs no search for ``null``
+    (which takes longer than the encoding: the search reads every name too)."""
     if orjson is None:
         return None
     try:
         data = orjson.dumps(record, default=_plain, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
     except TypeError:
         return None
-    return None if b"null" in data else data
+    return data if (finite is not None and finite(kind, record.values())) or b"null" not in data else None
+
+
+_second: tuple[int, str] = (0, "")  # the last whole second formatted, and its text
+
+
+def utc_now(now: Optional[float] = None) -> str:
+    """``now`` (default: the time now) as ``datetime.isoformat(timespec="milliseconds")`` writes
+    it in UTC (``2026-11-22T06:09:24.123+00:00``); the part up to the second is formatted once
+    per second."""
+    global _second
+    now = time.time() if now is None else now
+    second = math.floor(now)
+    micro = round((now - second) * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    cached, text = _second
+    if second != cached:
+        text = _dt.datetime.fromtimestamp(second, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        _second = (second, text)
+    return f"{text}.{micro // 1000:03d}+00:00"
+
+
+class FiniteCheck:
+    """Whether a record's values are all finite numbers, save for text (a host name), at the
+    speed of ``sum``: the numbers between the text values are summed in C, and a finite sum
+    means none is NaN or Inf (either makes the sum non-finite; None or another type raises).
+    Where the text (and any None) sits is remembered per record kind and size, so a record
+    laid out as the last one of its kind costs no Python work per value."""
+
+    KEEP = 64
+    """Layouts remembered at most (a run has a few kinds of record, each of a few sizes)."""
+    SEARCH_BELOW = 32
+    """A record of fewer values is searched for ``null`` instead (a few hundred bytes)."""
+
+    def __init__(self) -> None:
+        self._text_at: dict[tuple[str, int], tuple[int, ...]] = {}
+
+    def __call__(self, kind: str, values: Collection[Any]) -> bool:
+        """True: every value is an int, a float with a finite sum, or text."""
+        key = (kind, len(values))
+        finite = _finite_between(values, self._text_at.get(key, ()))
+        if finite is None:  # text where it was not: find it, then sum once more
+            if len(self._text_at) >= self.KEEP:
+                self._text_at.clear()
+            self._text_at[key] = text_at = tuple(i for i, v in enumerate(values) if v is None or v.__class__ is str)
+            finite = _finite_between(values, text_at)
+        return bool(finite)
+
+
+def _finite_between(values: Collection[Any], text_at: tuple[int, ...]) -> Optional[bool]:
+    """The values but those at ``text_at`` summed: True if finite; False if not, if the sum is
+    not a Python number, or if a value at ``text_at`` is None; None if a value raised (text or
+    None elsewhere) or one at ``text_at`` is neither text nor None."""
+    it, total, done = iter(values), 0, 0
+    try:
+        for at in text_at:
+            total += sum(islice(it, at - done))
+            skipped = next(it)
+            if skipped.__class__ is not str:
+                return False if skipped is None else None
+            done = at + 1
+        total += sum(it)
+    except (TypeError, OverflowError, StopIteration):  # text, None, an int too large for a float
+        return None
+    return type(total) is int or (isinstance(total, float) and math.isfinite(total))
 
 
 def _exact(record: dict[str, Any]) -> bytes:

@@ -29,6 +29,8 @@ class ProgressSink:
     fix = "check that output_dir is writable and the disk has room"
     on_training_thread = True
     """A few lines per job; Megatron's tools read them at once."""
+    kinds = ("progress",)
+    """It writes ``progress`` records only."""
 
     def __init__(self, path: Union[str, Path], world_size: int) -> None:
         self.path = Path(path)

@@ -51,7 +51,8 @@ class WriterThread:
         self._names = 0
         self._busy = False
         self._closing = False
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # put() takes it alone: no Python-level Condition call on the training thread
+        self._cond = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="distmetrics-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a script that never calls close() still gets its records
@@ -60,7 +61,7 @@ class WriterThread:
         """Queue one record; never waits for the sinks (drops the oldest record when full)."""
         size = 1 + len(metrics)
         first_drop = None
-        with self._cond:
+        with self._lock:
             self._records.append((metrics, step, kind, size))
             self._names += size
             while len(self._records) > self.max_records or (self._names > self.max_names and len(self._records) > 1):
