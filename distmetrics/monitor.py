@@ -61,6 +61,7 @@ class Monitor:
         self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self.last_metrics: dict[str, Any] = {}
+        self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
@@ -215,13 +216,23 @@ class Monitor:
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
-        metrics = {k: metrics[k] for k in sorted(metrics) if k[:1] != "_"}  # "_": internal lanes
+        metrics = {k: metrics[k] for k in self._written_order(metrics)}
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:
             self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
         self.last_metrics = metrics
         return metrics
+
+    def _written_order(self, metrics: dict[str, Any]) -> list[str]:
+        """The record's names sorted, without internal lanes ("_..."); sorted again only when the
+        names differ from the last log step's."""
+        made, written = self._record_order
+        names = tuple(metrics)
+        if names != made:
+            written = [k for k in sorted(names) if k[:1] != "_"]
+            self._record_order = (names, written)
+        return written
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
         return (step if step is not None else (self._last_step or 0) + 1) % self.config.log_interval == 0

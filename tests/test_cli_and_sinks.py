@@ -187,3 +187,26 @@ def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):
     finally:
         logging.getLogger("distmetrics.console").removeHandler(handler)
     assert len(lines) == 1 and lines[0].startswith(">> eval step 1 | loss 1.5000")
+
+
+def test_a_record_is_written_sorted_when_its_names_change_between_log_steps(tmp_path):
+    """The record's names are sorted once and reused while they stay the same: a name that
+    appears at a later log step, or goes away, still gives a sorted record without internal
+    lanes, in the file and as returned."""
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    cfg = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)
+    names = {1: ["b"], 2: ["b"], 3: ["a", "b", "zz"], 4: ["b", "zz"], 5: ["b", "zz"]}
+    with dm.Monitor(cfg) as monitor:
+        returned = []
+        for step, extra in names.items():
+            for name in extra:
+                monitor.record(f"x/{name}", 1.0)
+            returned.append(list(monitor.step(step, loss=1.0)))
+    written = [list(r) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    for step, keys, line in zip(names, returned, written):
+        assert keys == sorted(keys) and not any(k.startswith("_") for k in keys), step
+        assert {f"x/{n}" for n in names[step]} <= set(keys), step
+        assert line[3:] == keys, step  # the head (kind, step, time), then the record as returned
+    assert "x/a" not in returned[3] and "x/a" in returned[2]
