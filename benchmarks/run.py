@@ -372,8 +372,7 @@ def _wait_for_wandb(monitor, most_s: float = 120.0) -> None:
     The figures are a running job's."""
     deadline = time.monotonic() + most_s
     for sink in monitor.sinks.queued:
-        while sink.name == "wandb" and sink.run is None and "wandb" not in monitor.sinks.failed \
-                and time.monotonic() < deadline:
+        while getattr(sink, "starting", False) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

@@ -120,3 +120,41 @@ def test_the_record_time_is_what_datetime_writes():
     times += [float(s) + f for s in (0, 1037114423, 1795000000) for f in (0.0, 0.0005, 0.999, 0.9995, 0.9999996)]
     for t in times:
         assert jsonl.utc_now(t) == dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds"), t
+
+
+@pytest.mark.parametrize("case", ["arrays of two shapes", "tensors of two sizes", "float32 near the top"])
+def test_values_that_are_not_python_numbers_are_written_and_never_added_up(case, tmp_path):
+    """The finite check adds up only floats, ints and bools: numpy arrays of shapes that do not
+    broadcast, tensors of sizes that do not match, and float32 scalars whose sum overflows are
+    found by a pass over the first such record and left out, so no value's own arithmetic runs
+    (no error that would stop the sink, no numpy warning, even with warnings as errors) and
+    every record is written."""
+    import warnings
+
+    import torch
+
+    odd = {"arrays of two shapes": [np.zeros(2), np.zeros(3)],
+           "tensors of two sizes": [torch.zeros(2), torch.zeros(3)],
+           "float32 near the top": [np.float32(3e38)] * 40}[case]
+    sink = jsonl.JsonlSink(tmp_path / "m.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in (1, 2, 3):
+            metrics = {f"m{i:02d}": float(i) for i in range(40)}
+            metrics.update({f"odd{i:02d}": value for i, value in enumerate(odd)})
+            if step == 3:  # the same kind and size, another layout: an odd value where a number was
+                metrics["m05"], metrics["odd00"] = odd[0], 5.0
+            sink.log(metrics, step, "train")
+    sink.close()
+    records = list(jsonl.read_jsonl(tmp_path / "m.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[2]["odd00"] == 5.0 and records[0]["m39"] == 39.0
+
+
+def test_the_record_time_at_the_epoch_in_a_fresh_process():
+    """The per-second cache starts empty: the first time asked for is formatted in full, even
+    one in the first second of 1970."""
+    from tests.dist_utils import run_python
+
+    child = run_python("-c", "from distmetrics.sinks.jsonl import utc_now; print(utc_now(0.5))")
+    assert child.stdout.strip() == "1970-01-01T00:00:00.500+00:00", child.stderr

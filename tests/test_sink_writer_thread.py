@@ -279,3 +279,76 @@ def test_a_sink_that_names_its_kinds_gets_only_those_records(tmp_path, on_traini
         monitor.sinks.flush()
     assert sorted(set(sink.seen)) == ["eval"] and sink.purged == [3]
     assert {"train", "eval"} <= {kind for kind, _ in every.records}
+
+
+def _flush_from_a_signal_handler_child() -> None:
+    """A preemption handler (SIGUSR1 here) that flushes the metrics, arriving while the training
+    thread is inside put() holding the queue's lock (the deque stands in for the moment)."""
+    import collections
+    import faulthandler
+    import os
+    import signal
+
+    from distmetrics.sinks import SinkSet
+
+    class Quiet:
+        name, fix = "quiet", ""
+
+        def log(self, metrics, step, kind):
+            pass
+
+        def close(self):
+            pass
+
+    sinks = SinkSet([Quiet()])
+
+    class Records(collections.deque):
+        armed = False
+
+        def append(self, item):
+            super().append(item)
+            if Records.armed:
+                Records.armed = False
+                os.kill(os.getpid(), signal.SIGUSR1)
+                sum(range(10))  # the handler runs between these bytecodes, inside put()'s lock
+
+    sinks.writer._records = Records(sinks.writer._records)
+    signal.signal(signal.SIGUSR1, lambda *_: print("handler flushed:", sinks.flush(timeout=5), flush=True))
+    faulthandler.dump_traceback_later(30, exit=True)  # a deadlock ends the child with its stacks
+    Records.armed = True
+    sinks.log({"a": 1.0}, 1, "train")
+    sinks.close()
+    print("returned", flush=True)
+
+
+def test_a_signal_handler_may_flush_while_the_training_thread_queues_a_record():
+    child = run_child("tests.test_sink_writer_thread._flush_from_a_signal_handler_child", timeout=120)
+    assert child.returncode == 0 and child.stdout.split() == ["handler", "flushed:", "True", "returned"], \
+        child.stdout + child.stderr
+
+
+def test_a_sink_put_on_the_lists_directly_is_written_and_one_kind_may_be_a_string():
+    """``inline`` and ``queued`` are lists: a sink appended there without ``attach`` is written
+    like any other; ``kinds = "eval"`` means that one kind, not its letters."""
+    from distmetrics.sinks import SinkSet
+
+    class Seen:
+        name, fix = "seen", ""
+
+        def __init__(self, kinds=None):
+            self.kinds, self.seen = kinds, []
+
+        def log(self, metrics, step, kind):
+            self.seen.append(kind)
+
+        def close(self):
+            pass
+
+    every, evals = Seen(), Seen("eval")
+    sinks = SinkSet()
+    sinks.inline.append(every)
+    sinks.attach(evals)
+    for kind in ("train", "eval"):
+        sinks.log({"a": 1.0}, 1, kind)
+    sinks.close()
+    assert every.seen == ["train", "eval"] and evals.seen == ["eval"] and not sinks.failed

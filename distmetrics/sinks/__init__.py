@@ -46,7 +46,7 @@ class Sink(Protocol):
     Optional attributes: ``install`` (the ``pip install`` shown when its package is missing),
     ``on_training_thread`` (True: written before ``monitor.step`` returns; default: on the
     writer thread) and ``kinds`` (the record kinds it takes, e.g. ``("progress",)``; default:
-    every kind; the others are not handed to it)."""
+    every kind; one kind may be given as a string; the others are not handed to it)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
@@ -96,7 +96,7 @@ class SinkSet:
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
         self._closers: list = []
-        self._routes: dict[int, tuple] = {}  # id(sink) -> (kinds or None, takes a view, keeps a timeline)
+        self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
             self.attach(sink)
 
@@ -107,7 +107,7 @@ class SinkSet:
     def purge_from(self, step: int) -> None:
         """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
         earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
-        if any(self._routes[id(sink)][2] for sink in self.sinks):
+        if any(self._route(sink)[3] for sink in self.sinks):
             self.log({}, step, _PURGE)
 
     @property
@@ -117,9 +117,7 @@ class SinkSet:
 
     def attach(self, sink: Sink) -> None:
         """Add a sink that exists already (the writer thread starts with the first queued one)."""
-        kinds = getattr(sink, "kinds", None)
-        self._routes[id(sink)] = (None if kinds is None else frozenset(kinds) | {_PURGE},
-                                  hasattr(sink, "log_view"), hasattr(sink, "purge_from"))
+        self._route(sink)
         if getattr(sink, "on_training_thread", False):
             self.inline.append(sink)
             return
@@ -127,6 +125,16 @@ class SinkSet:
         if self.writer is None:
             self.writer = WriterThread(self._write_queued, self._close_queued,
                                        lambda: ", ".join(s.name for s in self.queued) or "queued")
+
+    def _route(self, sink: Sink) -> tuple:
+        """(the kinds it takes or None for all, takes a view, keeps a timeline), worked out once
+        per sink (also for one put on ``inline`` or ``queued`` directly)."""
+        route = self._routes.get(id(sink))
+        if route is None or route[0] is not sink:
+            kinds = getattr(sink, "kinds", None)
+            kinds = None if kinds is None else frozenset((kinds,) if isinstance(kinds, str) else kinds) | {_PURGE}
+            route = self._routes[id(sink)] = (sink, kinds, hasattr(sink, "log_view"), hasattr(sink, "purge_from"))
+        return route
 
     def add(self, factory, name: str, fix: str, install: Optional[str] = None) -> None:
         """Create a sink; if creating it raises, warn once and go on without it."""
@@ -161,7 +169,7 @@ class SinkSet:
     def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str) -> None:
         view: Any = False  # made on first need, once
         for sink in list(sinks):
-            kinds, takes_view, keeps_timeline = self._routes[id(sink)]
+            _, kinds, takes_view, keeps_timeline = self._route(sink)
             if kinds is not None and kind not in kinds:
                 continue
             try:

@@ -112,7 +112,7 @@ def _fast(record: dict[str, Any], finite: Optional["FiniteCheck"] = None, kind: 
     return data if (finite is not None and finite(kind, record.values())) or b"null" not in data else None
 
 
-_second: tuple[int, str] = (0, "")  # the last whole second formatted, and its text
+_second: tuple[Optional[int], str] = (None, "")  # the last whole second formatted, and its text
 
 
 def utc_now(now: Optional[float] = None) -> str:
@@ -133,11 +133,14 @@ def utc_now(now: Optional[float] = None) -> str:
 
 
 class FiniteCheck:
-    """Whether a record's values are all finite numbers, save for text (a host name), at the
-    speed of ``sum``: the numbers between the text values are summed in C, and a finite sum
-    means none is NaN or Inf (either makes the sum non-finite; None or another type raises).
-    Where the text (and any None) sits is remembered per record kind and size, so a record
-    laid out as the last one of its kind costs no Python work per value."""
+    """Whether a record's values are all finite Python numbers, save for text (a host name), at
+    the speed of ``sum``: the numbers between the other values are summed in C, and a finite sum
+    means none is NaN or Inf (either makes the sum non-finite). Where the values that are not
+    ``float``, ``int`` or ``bool`` sit is found by a pass over the record the first time a
+    record of its kind and size is seen, then remembered, so ``sum`` never does another type's
+    arithmetic (a numpy array's, a tensor's) and a record laid out as the last one of its kind
+    costs no Python work per value. Any value other than text (None, a numpy scalar, a tensor)
+    means the output is searched for ``null`` as it always was."""
 
     KEEP = 64
     """Layouts remembered at most (a run has a few kinds of record, each of a few sizes)."""
@@ -145,36 +148,43 @@ class FiniteCheck:
     """A record of fewer values is searched for ``null`` instead (a few hundred bytes)."""
 
     def __init__(self) -> None:
-        self._text_at: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._others_at: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def __call__(self, kind: str, values: Collection[Any]) -> bool:
-        """True: every value is an int, a float with a finite sum, or text."""
+        """True: every value is a float, int or bool, with a finite sum, or text."""
         key = (kind, len(values))
-        finite = _finite_between(values, self._text_at.get(key, ()))
-        if finite is None:  # text where it was not: find it, then sum once more
-            if len(self._text_at) >= self.KEEP:
-                self._text_at.clear()
-            self._text_at[key] = text_at = tuple(i for i, v in enumerate(values) if v is None or v.__class__ is str)
-            finite = _finite_between(values, text_at)
+        others_at = self._others_at.get(key)
+        finite = None if others_at is None else _finite_between(values, others_at)
+        if finite is None:  # a new layout, or another type where a number was: find them, then sum
+            if len(self._others_at) >= self.KEEP:
+                self._others_at.clear()
+            self._others_at[key] = others_at = tuple(i for i, v in enumerate(values) if v.__class__ not in _NUMBERS)
+            finite = _finite_between(values, others_at)
         return bool(finite)
 
 
-def _finite_between(values: Collection[Any], text_at: tuple[int, ...]) -> Optional[bool]:
-    """The values but those at ``text_at`` summed: True if finite; False if not, if the sum is
-    not a Python number, or if a value at ``text_at`` is None; None if a value raised (text or
-    None elsewhere) or one at ``text_at`` is neither text nor None."""
+_NUMBERS = frozenset((float, int, bool))  # the classes sum() adds without calling a method
+
+
+def _finite_between(values: Collection[Any], others_at: tuple[int, ...]) -> Optional[bool]:
+    """The values but those at ``others_at`` summed. True: the sum is finite and every value at
+    ``others_at`` is text. False: the sum is not finite, or a value at ``others_at`` is neither
+    text nor a number (the output must be searched). None: the layout is not the one given (a
+    number at ``others_at``, or something that is not a number between them)."""
     it, total, done = iter(values), 0, 0
     try:
-        for at in text_at:
+        for at in others_at:
             total += sum(islice(it, at - done))
-            skipped = next(it)
-            if skipped.__class__ is not str:
-                return False if skipped is None else None
+            other = next(it).__class__
+            if other is not str:
+                return None if other in _NUMBERS else False
             done = at + 1
         total += sum(it)
-    except (TypeError, OverflowError, StopIteration):  # text, None, an int too large for a float
+    except Exception:  # noqa: BLE001 - a value's own arithmetic (not a number where one was): look again
         return None
-    return type(total) is int or (isinstance(total, float) and math.isfinite(total))
+    if type(total) is float:
+        return math.isfinite(total)
+    return True if type(total) is int else None
 
 
 def _exact(record: dict[str, Any]) -> bytes:

@@ -69,6 +69,11 @@ class WandbSink:
                       reinit="create_new", settings=wandb.Settings(**settings))
         threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
 
+    @property
+    def starting(self) -> bool:
+        """True while ``wandb.init`` has not returned (or raised) yet."""
+        return not self._started.is_set()
+
     def log_view(self, view: ScalarView, step: int) -> None:
         """Log one record's scalars and histograms as one row at ``step`` (kept while W&B starts)."""
         row: dict[str, Any] = dict(view.scalars)

@@ -51,7 +51,9 @@ class WriterThread:
         self._names = 0
         self._busy = False
         self._closing = False
-        self._lock = threading.Lock()  # put() takes it alone: no Python-level Condition call on the training thread
+        # put() takes the lock alone (no Python-level Condition call on the training thread). It is
+        # re-entrant: a signal handler that flushes or closes runs on the thread that may hold it.
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="distmetrics-writer", daemon=True)
         self._thread.start()
