@@ -152,8 +152,11 @@ class GradientNorms:
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
+        # a p = 0 norm counts non-zero elements and cannot see a NaN: one more pass finds them (a 1-norm:
+        # defined on an empty slice; NaN or inf where a gradient holds one, or sums past the float range)
+        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p == 0 else norms
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial, route.every)
+                            p == 0 and route.partial, route.every, finite_check)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
@@ -280,9 +283,11 @@ def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -
 
 
 def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
-             group: Any, device: torch.device, sharded: bool = False, every: bool = False) -> GradMeasurement:
+             group: Any, device: torch.device, sharded: bool = False, every: bool = False,
+             finite_check: Optional[torch.Tensor] = None) -> GradMeasurement:
     """Owned per-tensor norms → per-bucket values, this rank's total and the global total
-    (``every``: this rank owns every tensor, as a single process does)."""
+    (``every``: this rank owns every tensor, as a single process does). ``finite_check``:
+    per-tensor values that are non-finite exactly where a gradient is (default ``norms``)."""
     kind = _kind(p)
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
     if kind == "sum":
@@ -315,7 +320,8 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
             total = torch.where(none_held < 0, total, torch.zeros_like(total))
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
-    nonfinite = (norms - norms).ne(0).to(torch.float64)  # x - x: NaN for ±inf and NaN, else 0
+    check = norms if finite_check is None else finite_check
+    nonfinite = (check - check).ne(0).to(torch.float64)  # x - x: NaN for ±inf and NaN, else 0
     measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), nonfinite, bucket_idx, 0.0, None, None)
     measured.total = total
     return measured

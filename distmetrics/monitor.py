@@ -152,7 +152,7 @@ class Monitor:
     def attach_megatron_optimizer(self, optimizer: Any) -> None:
         """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned
         gradient slices and fp32 main shards; update-norm hooks (``Monitor(optimizer=)`` does this)."""
-        self._norms("attach_megatron_optimizer").attach_optimizer(optimizer, self._is_log_step)
+        self._norms("attach_megatron_optimizer").attach_optimizer(optimizer, self._log_step_ahead)
 
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:
@@ -233,6 +233,11 @@ class Monitor:
             written = [k for k in sorted(names) if k[:1] != "_"]
             self._record_order = (names, written)
         return written
+
+    def _log_step_ahead(self) -> Optional[int]:
+        """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step."""
+        step = (self._last_step or 0) + 1
+        return step if step % self.config.log_interval == 0 else None
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
         return (step if step is not None else (self._last_step or 0) + 1) % self.config.log_interval == 0

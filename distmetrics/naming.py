@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 __all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
-           "ROOT_MODULE"]
+           "ROOT_MODULE", "root_name"]
 
 WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 _WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
@@ -57,9 +57,23 @@ def global_param_name(raw: str, rename: dict[str, str]) -> str:
     return f"{base}.{leaf}" if base else leaf
 
 
+def root_name(model: Optional[torch.nn.Module]) -> str:
+    """What the root module's own parameters are called: :data:`ROOT_MODULE` (``model``), or
+    ``root`` (``root_2``, ...) when a top-level child module has that name already (a wrapper
+    holding ``self.model``, as Hugging Face's ``*ForCausalLM`` do): the two are never merged."""
+    if model is None:
+        return ROOT_MODULE
+    top = {name.split(".", 1)[0] for name in module_name_map(model).values() if name}
+    name, n = ROOT_MODULE, 1
+    while name in top:
+        n += 1
+        name = "root" if n == 2 else f"root_{n - 1}"
+    return name
+
+
 def module_order(model: Optional[torch.nn.Module]) -> list[str]:
     """The model's module names in model order (nearest the input first), the root's own
-    parameters (:data:`ROOT_MODULE`) before all."""
+    parameters (:func:`root_name`) before all."""
     if model is None:
         return []
-    return [ROOT_MODULE] + list(dict.fromkeys(name for name in module_name_map(model).values() if name))
+    return [root_name(model)] + list(dict.fromkeys(name for name in module_name_map(model).values() if name))

@@ -143,8 +143,8 @@ class Pieces:
         """One value (a number or a 0-d tensor) at ``position``."""
         number = host_number(value)
         if number is None:
-            self.tensor_index.append(position)
-            self.tensors.append(-value if negate else value)
+            self.tensor_index.append(position)  # negated in the pack's dtype: a bool or an int is a number first
+            self.tensors.append(-value.detach().to(self.dtype) if negate else value)
         else:
             self.number_index.append(position)
             self.numbers.append(-number if negate else number)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from .naming import ROOT_MODULE, global_param_name, module_name_map
+from .naming import global_param_name, module_name_map, root_name
 from .parallel import is_dtensor
 
 __all__ = ["Plan", "Buckets", "Route", "ParamPlans", "buckets_of", "route_of", "grad_of", "UNNAMED"]
@@ -79,6 +79,8 @@ class ParamPlans:
     def __init__(self, model: Optional[torch.nn.Module], depth: Optional[int] = None) -> None:
         self.model = model
         self.depth = depth
+        self.root = root_name(model)
+        """What the root module's own parameters are called (``model``, or ``root`` beside a child ``model``)."""
         self.plan: Optional[Plan] = None
         self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._outside: "OrderedDict[tuple, tuple]" = OrderedDict()  # signature → (model plan, params in one only)
@@ -151,7 +153,7 @@ class ParamPlans:
         index: dict[str, int] = {}
         for name, _ in named:
             names.append(name)
-            module = name.rsplit(".", 1)[0] if "." in name else ROOT_MODULE
+            module = name.rsplit(".", 1)[0] if "." in name else self.root
             if self.depth is not None:
                 module = ".".join(module.split(".")[: self.depth])
             if module not in index:

@@ -102,6 +102,10 @@ class Sample:
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
                 raise ValueError(f"vector sample {self.name!r}: {len(self.names)} names need a 1-D tensor of "
                                  f"{len(self.names)} values, got {shape}")
+            for part, given in (("weight", self.weight), ("low", self.low)):
+                if isinstance(given, torch.Tensor) and (given.dim() != 1 or given.numel() != len(self.names)):
+                    raise ValueError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
+                                     f"{len(self.names)} values (one per name), got shape {tuple(given.shape)}")
 
 
 @dataclass

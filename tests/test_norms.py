@@ -714,3 +714,99 @@ def test_a_log_step_without_the_norms_it_had_before_writes_none_of_them_and_hide
     monitor.close()
     assert not [k for k in second if k.split("/", 1)[0] in ("grad_norm", "update_norm", "relative_update_norm",
                                                              "param_norm", "effective_lr_ratio")]
+
+
+def test_an_update_measured_for_a_step_that_is_not_logged_is_never_written_later():
+    """Update norms are snapshotted for the step predicted as the last + 1. With step numbers
+    advancing by 2 and log_interval 3, the optimizer step before step 4 is measured (step 3 was
+    predicted, a log step) but step 4 is not logged; step 6 must not get step 4's update."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    written = {}
+    with dm.Monitor(quiet_config(log_interval=3, log_update_norm=True), model=model, optimizer=opt) as monitor:
+        for step in (2, 4, 6, 7, 8, 9):
+            opt.zero_grad()
+            model(torch.randn(4, 3) * step).sum().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            truth = sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(model.parameters(), before))
+            metrics = monitor.step(step)
+            if metrics is not None:
+                written[step] = (metrics.get("update_norm"), truth ** 0.5)
+    assert written[6][0] is None  # not step 4's update
+    assert written[9][0] == pytest.approx(written[9][1], rel=1e-6)  # 8 -> 9 predicted: measured
+
+
+def test_the_roots_own_parameters_beside_a_child_named_model_are_not_merged_with_it():
+    """A wrapper with its own parameter and a child ``self.model`` (Hugging Face's layout):
+    the child is ``grad_norm/model``, the root's own parameters ``grad_norm/root``, each equal
+    to its float64 norm; the module order puts the root first."""
+    import torch
+
+    import distmetrics as dm
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logit_scale = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+            self.model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+
+    torch.manual_seed(0)
+    model = Wrapper()
+    (model.model(torch.randn(4, 3)).sum() * model.logit_scale.sum()).backward()
+    truth = lambda params: math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))  # noqa: E731
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        monitor.clip_grad_norm_(1e9)
+        metrics = monitor.step(1)
+    assert metrics["grad_norm/root"] == pytest.approx(truth([model.logit_scale]), rel=1e-6)
+    assert metrics["grad_norm/model"] == pytest.approx(truth(model.model.parameters()), rel=1e-6)
+    assert metrics["grad_norm/model.0"] == pytest.approx(truth(model.model[0].parameters()), rel=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(truth(model.parameters()), rel=1e-6)
+    assert dm.naming.module_order(model)[:2] == ["root", "model"]
+
+
+def test_a_norm_type_of_another_family_is_refused_at_the_clip_and_the_run_goes_on():
+    """p = 2 then p = 3 is one family (a sum across ranks); inf afterwards would need grad_norm
+    reduced as a max: refused at the clip, before any collective and before the gradients are
+    scaled, naming both norm types; the monitor goes on with the first family."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        for step, p in enumerate((2.0, 3.0), 1):
+            model.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            monitor.clip_grad_norm_(1e9, p)
+            truth = sum(float(q.grad.double().abs().pow(p).sum()) for q in model.parameters()) ** (1 / p)
+            assert monitor.step(step)["grad_norm"] == pytest.approx(truth, rel=1e-6)
+        grads = [q.grad.clone() for q in model.parameters()]
+        with pytest.raises(ValueError, match=r"norm_type=inf\).*as a max.*as a sum for norm_type=2 earlier"):
+            monitor.clip_grad_norm_(1e-9, math.inf)
+        assert all(torch.equal(q.grad, g) for q, g in zip(model.parameters(), grads))  # not scaled
+        monitor.clip_grad_norm_(1e9, 2.0)
+        assert monitor.step(3)["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("p", [0.0, 2.0, math.inf])
+def test_a_nan_gradient_is_counted_and_named_under_every_norm_type_zero_included(p):
+    """A p = 0 norm counts non-zero elements, so it is finite with a NaN in the gradient; the
+    non-finite count and the module holding it come from one more pass then."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model(torch.randn(4, 3)).sum().backward()
+    model[1].weight.grad[0, 1] = math.nan
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        monitor.clip_grad_norm_(1e9, p)
+        metrics = monitor.step(1)
+    assert metrics["grad_nonfinite"] == 1 and metrics["grad_nonfinite_modules"] == "1"

@@ -254,6 +254,11 @@ def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, 
         Sample(*arguments)
     with pytest.raises(TypeError, match="vector sample 'v': element names are str"):
         Sample("v", torch.ones(2), "sum", names=("v/a", 2))
+    for part in ("weight", "low"):  # one weight per name, or one for all: not a tensor of another length
+        for wrong in (torch.ones(1), torch.tensor(2.0), torch.ones(3)):
+            with pytest.raises(ValueError, match=f"vector sample 'v': {part} is a number or a 1-D tensor of 2"):
+                Sample("v", torch.ones(2), "mean" if part == "weight" else "minmax", names=("v/a", "v/b"),
+                       **{part: wrong})
 
 
 def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
@@ -404,3 +409,28 @@ def test_scalars_on_a_device_are_stacked_in_the_packs_dtype(monkeypatch):
                                       low=torch.tensor(-1.5, dtype=torch.float16))])
     assert calls and result.values == {"n": 16777217.0, "h": 0.5}
     assert result.maxima["c"] == (2.5, 0) and result.minima["c"] == (-1.5, 0)
+
+
+def test_a_bool_or_int_scalar_on_a_device_takes_a_min_as_on_the_host(monkeypatch):
+    """A min lane is negated: on the device path a bool tensor cannot be, and an int 0 negated
+    before its cast gave +0.0 where the host path gives -0.0 (then 0.0 as the min). The value is
+    cast to the pack's dtype first; both paths agree."""
+    import torch
+
+    from distmetrics import packing, packs
+    from distmetrics.reduce import Reducer, Sample
+
+    samples = lambda: [Sample("flag", torch.tensor(True), "min"), Sample("zero", torch.tensor(0), "min"),  # noqa: E731
+                       Sample("span", torch.tensor(3), "minmax", low=torch.tensor(False))]
+    host = Reducer().reduce(samples()).to_metrics()
+
+    def device_only(value):
+        return None if isinstance(value, torch.Tensor) else float(value)
+
+    for module in (packing, packs):
+        monkeypatch.setattr(module, "host_number", device_only)
+    monkeypatch.setattr(Reducer, "host_packs", False)
+    device = Reducer().reduce(samples()).to_metrics()
+    assert device == host == {"flag": 1.0, "flag/min_rank": 0, "zero": 0.0, "zero/min_rank": 0, "span/max": 3.0,
+                              "span/max_rank": 0, "span/min": 0.0, "span/min_rank": 0}
+    assert math.copysign(1.0, device["zero"]) == math.copysign(1.0, host["zero"])

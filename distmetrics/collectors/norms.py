@@ -6,7 +6,8 @@ norms on log steps only. Each module that owns parameters is a bucket whose valu
 max for p = inf) travels in the log step's pack as one vector; after the reduction every module
 with trainable parameters anywhere below it gets its subtree's norm (``grad_norm/layers.2`` is the
 whole block), computed from the buckets on the host: no extra collective, no extra pass. The
-root's own parameters are ``grad_norm/model``. Which modules hold a NaN or inf gradient travels
+root's own parameters are ``grad_norm/model`` (``grad_norm/root`` beside a child module named
+``model``). Which modules hold a NaN or inf gradient travels
 only when the log step's total count of non-finite tensors is not 0 (one more reduction, then).
 """
 
@@ -19,11 +20,11 @@ import torch
 
 from ..grad_norm import GradientNorms, GradMeasurement, note_clip, per_tensor_norms
 from ..plans import Buckets, Plan, route_of
-from ..naming import ROOT_MODULE
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
 from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
+from .norm_tree import Families, subtree_values
 
 __all__ = ["NormCollector", "subtree_values"]
 
@@ -54,13 +55,16 @@ class NormCollector:
         self.snapshot_device = snapshot
         self._grad: Optional[GradMeasurement] = None  # the latest measurement
         self._grad_plan: Optional[Plan] = None
+        self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
+        self._update_step: Optional[int] = None  # the log step the update was measured for
+        self._snapshot_step: Optional[int] = None
         self._snapshot: Optional[list] = None
         self._last_grad: Optional[GradMeasurement] = None
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
-        self._families = _Families()
+        self._families = Families()
         self._flags: Optional[Reducer] = None  # reduces per-module non-finite counts, when there are any
         self._guard: Any = None
 
@@ -69,11 +73,11 @@ class NormCollector:
         """How often the model's parameters changed and the plan was rebuilt."""
         return self.grads.plans.replans
 
-    def attach_optimizer(self, optimizer: Any, is_log_step: Callable[[], bool]) -> None:
+    def attach_optimizer(self, optimizer: Any, log_step_ahead: Callable[[], Optional[int]]) -> None:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
         this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
-        the (main) parameters before the step when it will be logged (``is_log_step()``) and
-        diff after it — around the inner ``torch.optim`` step for Megatron's optimizers. A
+        the (main) parameters before the step when it will be logged (``log_step_ahead()``: the
+        step it is predicted to be, or None when that is not a log step) and diff after it — around the inner ``torch.optim`` step for Megatron's optimizers. A
         Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
         with :meth:`measure` count as clipped there (``grad_clip_ratio``, ``effective_lr_ratio``)."""
         targets = [optimizer]
@@ -87,8 +91,11 @@ class NormCollector:
             return
 
         def before(opt: Any, args: Any, kwargs: Any) -> None:
-            if self._stepping == 0 and is_log_step():
-                self.snapshot()
+            if self._stepping == 0:
+                step = log_step_ahead()
+                if step is not None:
+                    self.snapshot()
+                    self._snapshot_step = step
             self._stepping += 1
 
         def after(opt: Any, args: Any, kwargs: Any) -> None:
@@ -111,6 +118,7 @@ class NormCollector:
             parameters, max_norm = None, parameters
         if max_norm is None:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
+        self._check_norm_type(norm_type, "clip_grad_norm_")
         result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
         self._keep(measured)
         return result
@@ -118,11 +126,28 @@ class NormCollector:
     def measure(self, norm_type: Any = 2.0) -> torch.Tensor:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
+        self._check_norm_type(norm_type, "measure_grad_norms")
         result, measured = self.grads.measure(None, norm_type)
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
         self._keep(measured)
         return measured.total if measured is not None else result.to(torch.float64)
+
+    def _check_norm_type(self, norm_type: Any, caller: str) -> None:
+        """One family of norm types per run: ``grad_norm`` is reduced across ranks as a sum for a
+        p-norm, a max for inf and a min for -inf, and a name keeps its reduction. Refused here,
+        before any collective and before the gradients are touched (every rank passes the same)."""
+        p = float(norm_type)
+        family = "max" if p == math.inf else "min" if p == -math.inf else "sum"
+        if self._norm_family is None:
+            self._norm_family = (family, p)
+        elif family != self._norm_family[0]:
+            first, first_p = self._norm_family
+            raise ValueError(
+                f"{caller}(norm_type={p:g}): grad_norm is reduced across ranks as a {family} for this norm type, "
+                f"but as a {first} for norm_type={first_p:g} earlier in this run, and a metric keeps one reduction; "
+                "use norm types of one family for the whole run (p-norms with p >= 0; or inf; or -inf), or a new "
+                "Monitor for the other")
 
     def _keep(self, measured: Optional[GradMeasurement]) -> None:
         if measured is not None:
@@ -151,7 +176,7 @@ class NormCollector:
         if self.snapshot_device == "cpu":
             new = [t.to("cpu") for t in new]
         torch._foreach_sub_(old, new)
-        self._update = self._bucket_squares(plan, old)
+        self._update, self._update_step = self._bucket_squares(plan, old), self._snapshot_step
 
     # --- log step ------------------------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:
@@ -166,6 +191,8 @@ class NormCollector:
             if self.per_module:
                 out.append(_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
         update, self._update = self._update, None
+        if update is not None and self._update_step != ctx.step:
+            update = None  # measured for a predicted log step that was not one (steps skipped numbers)
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
@@ -182,7 +209,7 @@ class NormCollector:
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients.
-        Where each family's values sit is worked out once per set of names (:class:`_Families`)."""
+        Where each family's values sit is worked out once per set of names (:class:`~distmetrics.collectors.norm_tree.Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
         keys = ctx.keys_under(metrics, _PREFIXES)
@@ -289,86 +316,6 @@ class NormCollector:
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or \
         (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad and value.grad is None)
-
-
-def subtree_values(leaves: dict[str, float], combine: Callable[[float, float], float]) -> dict[str, float]:
-    """Every module's value over its subtree, from the values of the modules that own
-    parameters (``leaves``); the root's own parameters (``model``) keep their own value.
-    ``combine``: ``"sum"``, ``max`` or ``min`` (NaN wins a max or a min)."""
-    tree = _Leaves("", list(leaves), {})
-    kind = {"sum": "sum", max: "max", min: "min"}.get(combine, combine)
-    return dict(zip(tree.out_modules, tree.subtrees(list(leaves.values()), kind)))
-
-
-def _chain(module: str) -> tuple[str, ...]:
-    """A module and its ancestors, outermost first (``model``, the root's own parameters, alone)."""
-    if module == ROOT_MODULE:
-        return (module,)
-    parts = module.split(".")
-    return tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
-
-
-class _Leaves:
-    """One family's leaf values (modules owning parameters) in a log step's metrics, and the
-    subtrees they add up into."""
-
-    def __init__(self, family: str, modules: list[str], chains: dict[str, tuple]) -> None:
-        self.keys = [f"{family}/{module}" for module in modules]
-        ancestry = [chains.get(m) or chains.setdefault(m, _chain(m)) for m in modules]
-        self.out_modules = list(dict.fromkeys(a for chain in ancestry for a in chain))
-        self.out_keys = [f"{family}/{module}" for module in self.out_modules]
-        position = {module: i for i, module in enumerate(self.out_modules)}
-        self._into = [tuple(position[a] for a in chain) for chain in ancestry]
-
-    def subtrees(self, values: list[float], kind: str) -> list[float]:
-        """Every subtree's value (``kind``: sum, max or min) in ``out_modules`` order."""
-        if kind == "sum":
-            out = [0.0] * len(self.out_modules)
-            for value, into in zip(values, self._into):
-                for i in into:
-                    out[i] += value
-            return out
-        pick = max if kind == "max" else min
-        best: list = [None] * len(self.out_modules)
-        for value, into in zip(values, self._into):
-            for i in into:
-                old = best[i]
-                best[i] = value if old is None or value != value else old if old != old else pick(old, value)
-        return best
-
-
-class _Families:
-    """Where each family's leaves sit, worked out once per set of names (log steps repeat them)."""
-
-    def __init__(self) -> None:
-        self._by_keys: dict[tuple, _Found] = {}
-        self._chains: dict[str, tuple] = {}
-        self._last: tuple = (None, None)
-
-    def of(self, keys: tuple) -> "_Found":
-        """The :class:`_Found` of these metric keys (the same tuple as last time: no lookup)."""
-        if keys is self._last[0]:
-            return self._last[1]
-        found = self._by_keys.get(keys)
-        if found is None:
-            if len(self._by_keys) >= 8:  # the names rarely change; keep a few sets
-                self._by_keys.clear()
-            found = self._by_keys[keys] = _Found(keys, self._chains)
-        self._last = (keys, found)
-        return found
-
-
-class _Found:
-    """One set of names: the rank keys to drop and each family's :class:`_Leaves`."""
-
-    def __init__(self, keys: tuple, chains: dict[str, tuple]) -> None:
-        self.rank_keys = [key for key in keys if key.endswith(("/max_rank", "/min_rank"))]
-        modules: dict[str, list[str]] = {}
-        for key in keys:
-            if not key.endswith(("/max_rank", "/min_rank")):
-                family, _, module = key.partition("/")
-                modules.setdefault(family, []).append(module)
-        self.leaves = {family: _Leaves(family, names, chains) for family, names in modules.items()}
 
 
 def _roots(values: list[float], p: float) -> list[float]:

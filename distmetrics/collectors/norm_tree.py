@@ -1,0 +1,88 @@
+"""Subtree norms from the modules that own parameters: every module's value over its subtree
+(a sum of p-th powers, or a max or min), and where each family's names sit in a log step's
+metrics, worked out once per set of names."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["Families", "Found", "subtree_values"]
+
+
+def subtree_values(leaves: dict[str, float], combine: Callable[[float, float], float]) -> dict[str, float]:
+    """Every module's value over its subtree, from the values of the modules that own
+    parameters (``leaves``); the root's own parameters (``model``, a name without a dot) keep their own value.
+    ``combine``: ``"sum"``, ``max`` or ``min`` (NaN wins a max or a min)."""
+    tree = _Leaves("", list(leaves), {})
+    kind = {"sum": "sum", max: "max", min: "min"}.get(combine, combine)
+    return dict(zip(tree.out_modules, tree.subtrees(list(leaves.values()), kind)))
+
+
+def _chain(module: str) -> tuple[str, ...]:
+    """A module and its ancestors, outermost first (the root's own parameters, a name without a
+    dot, alone)."""
+    parts = module.split(".")
+    return tuple(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+
+
+class _Leaves:
+    """One family's leaf values (modules owning parameters) in a log step's metrics, and the
+    subtrees they add up into."""
+
+    def __init__(self, family: str, modules: list[str], chains: dict[str, tuple]) -> None:
+        self.keys = [f"{family}/{module}" for module in modules]
+        ancestry = [chains.get(m) or chains.setdefault(m, _chain(m)) for m in modules]
+        self.out_modules = list(dict.fromkeys(a for chain in ancestry for a in chain))
+        self.out_keys = [f"{family}/{module}" for module in self.out_modules]
+        position = {module: i for i, module in enumerate(self.out_modules)}
+        self._into = [tuple(position[a] for a in chain) for chain in ancestry]
+
+    def subtrees(self, values: list[float], kind: str) -> list[float]:
+        """Every subtree's value (``kind``: sum, max or min) in ``out_modules`` order."""
+        if kind == "sum":
+            out = [0.0] * len(self.out_modules)
+            for value, into in zip(values, self._into):
+                for i in into:
+                    out[i] += value
+            return out
+        pick = max if kind == "max" else min
+        best: list = [None] * len(self.out_modules)
+        for value, into in zip(values, self._into):
+            for i in into:
+                old = best[i]
+                best[i] = value if old is None or value != value else old if old != old else pick(old, value)
+        return best
+
+
+class Families:
+    """Where each family's leaves sit, worked out once per set of names (log steps repeat them)."""
+
+    def __init__(self) -> None:
+        self._by_keys: dict[tuple, Found] = {}
+        self._chains: dict[str, tuple] = {}
+        self._last: tuple = (None, None)
+
+    def of(self, keys: tuple) -> "Found":
+        """The :class:`Found` of these metric keys (the same tuple as last time: no lookup)."""
+        if keys is self._last[0]:
+            return self._last[1]
+        found = self._by_keys.get(keys)
+        if found is None:
+            if len(self._by_keys) >= 8:  # the names rarely change; keep a few sets
+                self._by_keys.clear()
+            found = self._by_keys[keys] = Found(keys, self._chains)
+        self._last = (keys, found)
+        return found
+
+
+class Found:
+    """One set of names: the rank keys to drop and each family's :class:`_Leaves`."""
+
+    def __init__(self, keys: tuple, chains: dict[str, tuple]) -> None:
+        self.rank_keys = [key for key in keys if key.endswith(("/max_rank", "/min_rank"))]
+        modules: dict[str, list[str]] = {}
+        for key in keys:
+            if not key.endswith(("/max_rank", "/min_rank")):
+                family, _, module = key.partition("/")
+                modules.setdefault(family, []).append(module)
+        self.leaves = {family: _Leaves(family, names, chains) for family, names in modules.items()}
