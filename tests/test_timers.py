@@ -277,3 +277,110 @@ def test_console_prints_megatrons_min_max_block(caplog, tmp_path, clock):
     text = caplog.text
     assert "(min, max) time across ranks (ms):" in text
     assert "    forward-backward ......" in text and ": (2.00, 2.00)" in text
+
+
+def test_a_timer_running_across_log_steps_is_split_at_each_as_megatron_core_splits_it(clock):
+    """A span started at step 3 and stopped at step 6 (100 ms steps, log_interval 4): each log
+    step gets the share it holds, as megatron-core's Timers read with elapsed() at every log step
+    on the same clock (50 then 25 ms per step), not 0 and then the whole span."""
+    import types
+
+    import torch
+
+    import distmetrics as dm
+
+    pytest.importorskip("megatron.core")
+    from megatron.core import timers as megatron_timers
+
+    ours, theirs = [], []
+    real_time, real_sync = megatron_timers.time, torch.cuda.synchronize
+    megatron_timers.time = types.SimpleNamespace(time=clock.perf_counter)  # Megatron reads time.time()
+    torch.cuda.synchronize = lambda *a, **k: None  # no-op on this CPU-only build (Megatron calls it)
+    try:
+        reference = megatron_timers.Timers(log_level=2, log_option="max")
+        with dm.Monitor(quiet_config(log_interval=4, timing_log_level=1, timing_log_option="minmax")) as monitor:
+            for step in range(1, 13):
+                if step == 3:
+                    monitor.timers("span", log_level=1).start()
+                    reference("span", log_level=1).start()
+                if step == 6:
+                    monitor.timers("span", log_level=1).stop()
+                    reference("span", log_level=1).stop()
+                clock.advance(100.0)
+                metrics = monitor.step(step)
+                if metrics is not None:
+                    ours.append(metrics.get("timers/span"))
+                    theirs.append(reference("span", log_level=1).elapsed(reset=True) * 1000 / 4 or None)
+    finally:
+        megatron_timers.time, torch.cuda.synchronize = real_time, real_sync
+    assert ours == pytest.approx(theirs) and ours[:2] == pytest.approx([50.0, 25.0]) and ours[2] is None
+
+
+def test_reading_the_step_timer_in_a_megatron_report_leaves_timers_step_alone(clock):
+    """``timers.log()`` (every timer, ``step`` included) reads a running timer with elapsed(),
+    which stops and restarts it: that is not a step ending, so timers/step stays 100 ms."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=4, timing_log_level=1, log_throughput=False)) as monitor:
+        for step in range(1, 9):
+            clock.advance(100.0)
+            monitor.timers.get_all_timers_string(normalizer=1.0)
+            metrics = monitor.step(step)
+    assert metrics["timers/step"] == pytest.approx(100.0) and metrics["train/step_time_ms"] == pytest.approx(100.0)
+
+
+def test_cuda_timer_event_pairs_are_let_go_at_each_log_step(clock, monkeypatch):
+    """With use_cuda (torch.cuda.Event replaced by a stand-in that counts live events: no GPU
+    here), the start/end pairs are read at every log step and let go; before, a run that never
+    called elapsed() kept one pair per timer per step."""
+    import torch
+
+    import distmetrics as dm
+
+    class Event:
+        live = 0
+
+        def __init__(self, enable_timing=False):
+            Event.live += 1
+
+        def __del__(self):
+            Event.live -= 1
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    with dm.Monitor(quiet_config(log_interval=10, timing_log_level=1)) as monitor:
+        timers = monitor.timers
+        timers._use_cuda = timers._timers["step"]._use_cuda = True
+        for step in range(1, 1001):
+            with timers("fwd", log_level=1):
+                pass
+            monitor.step(step)
+        assert len(timers._timers["fwd"]._pending) == 0 and Event.live < 10
+        assert monitor.last_metrics["timers/fwd"] == pytest.approx(1.0)
+
+
+def _empty_names_report(rank, world):
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, hang_timeout_s=20))
+    with monitor.timers("opt", log_level=1):
+        pass
+    text = monitor.timers.get_all_timers_string([] if rank == 0 else ["opt"])
+    metrics = [monitor.step(step) for step in (1, 2)]
+    monitor.close()
+    return text, metrics[1] is not None
+
+
+def test_a_rank_asking_a_report_for_no_timers_still_joins_the_others():
+    """One rank asks for [] and the other for ["opt"]: the rank with none joins the gather (it
+    returned early before and the other waited until the hang check fired)."""
+    (text0, logged0), (text1, logged1) = run_ranks(_empty_names_report, 2, timeout=120)
+    assert text0 is None and "opt" in text1 and logged0 and logged1

@@ -86,7 +86,7 @@ class MegatronReports:
     # --- Megatron's helpers (some Megatron-LM code calls them) -----------------------------------
     def _get_elapsed_time_all_ranks(self, names: list, reset: bool, barrier: bool) -> Optional[torch.Tensor]:
         """``[world, len(names)]`` float32 seconds of every rank (0 where a rank has no time)."""
-        if len(names) == 0:
+        if len(names) == 0 and _world()[0] == 1:  # a rank asking for none still joins the gather
             return None
         if barrier and dist.is_available() and dist.is_initialized():
             dist.barrier()

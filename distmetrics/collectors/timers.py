@@ -99,7 +99,7 @@ class Timer(TimerBase):
     and nanoseconds since the last log step (the Monitor's)."""
 
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event", "_elapsed", "_active",
-                 "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers")
+                 "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start")
 
     def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name
@@ -116,6 +116,7 @@ class Timer(TimerBase):
         self._interval_pending: list = []
         self._used = False  # started at least once this interval
         self.spans = 0  # start/stop pairs completed this interval
+        self._interval_start: Any = None  # where a running span's share of this interval begins (ns or event)
 
     def set_barrier_group(self, barrier_group: Any) -> None:
         """The process group that ``barrier=True`` waits for (default: the world)."""
@@ -130,8 +131,9 @@ class Timer(TimerBase):
         if self._use_cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
+            self._interval_start = self._start_event
         else:
-            self._start_ns = time.perf_counter_ns()
+            self._start_ns = self._interval_start = time.perf_counter_ns()
         self._started = True
         self._used = True
 
@@ -144,14 +146,14 @@ class Timer(TimerBase):
         if self._use_cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            pair = (self._start_event, end)
-            self._pending.append(pair)
-            self._interval_pending.append(pair)
+            self._pending.append((self._start_event, end))
+            self._interval_pending.append((self._interval_start, end))
         else:
-            span = time.perf_counter_ns() - self._start_ns
+            now = time.perf_counter_ns()
+            span = now - self._start_ns
             self._elapsed += span / 1e9
             self._active += span / 1e9
-            self._interval_ns += span
+            self._interval_ns += now - self._interval_start
         self._started = False
         self.spans += 1
 
@@ -164,7 +166,7 @@ class Timer(TimerBase):
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         """Seconds since the last reset (a running timer is stopped and restarted around it)."""
-        running = self._started
+        running, spans = self._started, self.spans
         if running:
             self.stop(barrier=barrier)
         self._resolve()
@@ -173,6 +175,7 @@ class Timer(TimerBase):
             self._elapsed = 0.0
         if running:
             self.start(barrier=barrier)
+            self.spans = spans  # read, not ended: the span goes on (timers/step divides by spans)
         return seconds
 
     def set_elapsed(self, value: float) -> None:
@@ -186,13 +189,26 @@ class Timer(TimerBase):
         return self._active
 
     def take_interval_ms(self) -> Optional[float]:
-        """Milliseconds accumulated since the last call; None if the timer did not run."""
+        """Milliseconds accumulated since the last call; None if the timer did not run. A span
+        still running counts up to now here and from now in the next interval, as Megatron's
+        ``elapsed()`` splits it."""
         if not self._used:
             return None
+        if self._started:  # split the running span at this read
+            if self._use_cuda:
+                now = torch.cuda.Event(enable_timing=True)
+                now.record()
+                self._interval_pending.append((self._interval_start, now))
+                self._interval_start = now
+            else:
+                now = time.perf_counter_ns()
+                self._interval_ns += now - self._interval_start
+                self._interval_start = now
         if self._interval_pending:
             self._interval_pending[-1][1].synchronize()
             self._interval_ns += sum(int(s.elapsed_time(e) * 1e6) for s, e in self._interval_pending)
             self._interval_pending.clear()
+            self._resolve()  # the same spans, for elapsed and active time: the event pairs are let go
         ms = self._interval_ns / 1e6
         self._interval_ns = 0
         self.spans = 0
