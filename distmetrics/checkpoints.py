@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .runlog import last_record
+from .sinks.jsonl import METRICS_FILE
 from .sinks.progress import checkpoint_message, read_progress
 
 __all__ = ["CheckpointLog", "checkpoint_record"]
@@ -27,6 +29,8 @@ class CheckpointLog:
         self.job_start = time.time()
         path = Path(config.output_dir) / "progress.txt"
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
+        if self.resumed.get("checkpoints") and config.json_log:
+            _exact_numbers(self.resumed, Path(config.output_dir) / METRICS_FILE)
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
               device: torch.device, is_writer: bool) -> Optional[dict]:
@@ -41,6 +45,25 @@ class CheckpointLog:
             return None
         return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token or 0.0,
                                  self.world_size)
+
+
+def _exact_numbers(resumed: dict, path: Path) -> None:
+    """progress.txt holds the last checkpoint's tokens to 0.01 billion and its FLOPs to three
+    digits; the same numbers are in metrics.jsonl's last ``progress`` record exactly. Take them
+    from there when they round to the text (the two files tell of the same checkpoint)."""
+    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r,
+                         starts=b'{"kind":"progress"')
+    if record is None:
+        return
+    tokens, flops = record.get("checkpoint/tokens"), record.get("checkpoint/floating_point_operations")
+    if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
+        return
+    if f"{tokens / 10**9:.2f}" != f"{resumed['last_tokens'] / 10**9:.2f}" or \
+            f"{flops:.2e}" != f"{resumed['last_flops']:.2e}":
+        return
+    if resumed.get("start_flops") == resumed["last_flops"]:  # the streak began after that checkpoint
+        resumed["start_flops"] = float(flops)
+    resumed["last_tokens"], resumed["last_flops"] = float(tokens), float(flops)
 
 
 def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float, flops_per_token: float,

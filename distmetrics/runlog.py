@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .sinks import DASHBOARD_KINDS
 from .sinks.jsonl import METRICS_FILE, decode_line
 
-__all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step"]
+__all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
 
 
 @dataclass
@@ -86,6 +86,13 @@ def split_jobs(records: list[dict[str, Any]]) -> list[Job]:
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     """The step of the last train, eval or tensor_stats record of a metrics.jsonl, or None (no
     file, no such record). Read from the end, a block at a time: cheap on a long file."""
+    record = last_record(path, lambda r: r.get("kind") in DASHBOARD_KINDS and isinstance(r.get("step"), int))
+    return None if record is None else record["step"]
+
+
+def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes = b"") -> Optional[dict]:
+    """The last record of a metrics.jsonl that ``accept`` takes (lines not starting with
+    ``starts`` are skipped undecoded), or None. Read from the end, a block at a time."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -98,8 +105,10 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
             lines = (f.read(position - start) + carry).split(b"\n")
             carry = lines.pop(0) if start > 0 else b""  # maybe the end of a line that began earlier
             for raw in reversed(lines):
+                if not raw.startswith(starts):
+                    continue
                 record = decode_line(raw.decode("utf-8", "replace"))
-                if record is not None and record.get("kind") in DASHBOARD_KINDS and isinstance(record.get("step"), int):
-                    return record["step"]
+                if record is not None and accept(record):
+                    return record
             position, block = start, min(block * 2, 1 << 24)
     return None

@@ -312,3 +312,22 @@ def test_host_rss_is_read_from_procfs_as_psutil_reads_it_and_from_psutil_without
     fallback = _RssReader()
     assert fallback._fd is None and fallback.read() == pytest.approx(psutil.Process().memory_info().rss, rel=0.02)
     del ballast
+
+
+def test_checkpoint_tokens_and_flops_carry_across_a_restart_exactly(tmp_path):
+    """progress.txt rounds the tokens to 0.01 billion and the FLOPs to three digits; a restart
+    takes the last checkpoint's exact numbers from metrics.jsonl (4M + 4M tokens, not 0 + 4M)."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=1,
+                           flops_per_token=6.789e9, timing_log_level=-1, log_memory=False, straggler_window=0)
+    for first in (1, 11):  # two jobs of 10 steps, 400k tokens each, a checkpoint at the end of each
+        with dm.Monitor(cfg) as monitor:
+            for step in range(first, first + 10):
+                monitor.step(step, loss=1.0, tokens=400_000)
+            monitor.checkpoint_saved(first + 9)
+    saved = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    assert [r["checkpoint/tokens"] for r in saved] == [4e6, 8e6]
+    assert saved[1]["checkpoint/floating_point_operations"] == pytest.approx(8e6 * 6.789e9, rel=1e-12)
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert lines[-1].endswith("Tokens (in billions): 0.01") and "Floating-point operations: 5.43e+16" in lines[-1]

@@ -59,9 +59,10 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
 
     ``start_time``/``start_flops``: when the earliest run of the current streak of runs with
     this world size started, and the floating-point operations done by then; ``last_flops``
-    and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts).
+    and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts);
+    ``checkpoints``: how many such lines there are.
     """
-    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0}
+    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0}
     path = Path(path)
     if not path.exists():
         return state
@@ -74,6 +75,7 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
         except (IndexError, ValueError):
             continue
         if fields[3] == "Saved checkpoint" and len(fields) >= 9:
+            state["checkpoints"] += 1
             state["last_flops"] = float(fields[7].split(": ")[1])
             state["last_tokens"] = float(fields[8].split(": ")[1]) * 1e9
         if world_in_line != world_size:  # a different world size restarts the streak
