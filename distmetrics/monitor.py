@@ -20,7 +20,7 @@ from .guard import CollectiveGuard
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer
-from .runinfo import first_step, open_writer_sinks, start_up
+from .runinfo import first_step, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet
 from .tensor_stats.lifecycle import build_model, collectors_for
 
@@ -161,6 +161,7 @@ class Monitor:
         ``eval/gap`` = eval loss − train loss since the last eval."""
         self._check_open()
         metrics = self._eval.log(step, loss, tokens, scalars)
+        resumed_at(step, self.sinks)  # an evaluation before the first monitor.step (a resumed job's)
         self._write(metrics, step, "eval")
         return metrics
 

@@ -28,7 +28,8 @@ from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks
 from .sinks.appendfile import describe_os_error
 
-__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "OutputClaim"]
+__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
+           "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
 _LOCK_NAME = ".distmetrics.lock"
@@ -166,11 +167,20 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
 
 def first_step(step: int, clocks: list, sinks: SinkSet) -> None:
     """The job's first ``monitor.step``: the clocks start (building the Monitor is no step's time
-    or energy). On the writer, a job that starts at or before the last step logged in its
-    output_dir (a restart from an earlier checkpoint) has TensorBoard drop the earlier job's
-    events from this step on (``purge_step``), and says so: a warning and a ``resume`` record."""
+    or energy), and :func:`resumed_at` unless an evaluation came first."""
     for clock in clocks:
         clock.start()
+    resumed_at(step, sinks)
+
+
+def resumed_at(step: int, sinks: SinkSet) -> None:
+    """The job's first record with a step (``monitor.step`` or ``log_eval``), once. On the writer,
+    a job that starts at or before the last step logged in its output_dir (a restart from an
+    earlier checkpoint) has TensorBoard drop the earlier job's events from this step on
+    (``purge_step``), and says so: a warning and a ``resume`` record."""
+    if sinks.resume_checked:
+        return
+    sinks.resume_checked = True
     last = sinks.last_logged_step
     if last is None or step > last:
         return

@@ -210,3 +210,19 @@ def test_a_record_is_written_sorted_when_its_names_change_between_log_steps(tmp_
         assert {f"x/{n}" for n in names[step]} <= set(keys), step
         assert line[3:] == keys, step  # the head (kind, step, time), then the record as returned
     assert "x/a" not in returned[3] and "x/a" in returned[2]
+
+
+def test_eval_gap_covers_the_log_intervals_written_since_the_last_evaluation(tmp_path):
+    """Evaluations every 5 steps, log steps every 10: an evaluation with no log step since the
+    last one has no gap; the next one's gap is against the train loss of the whole interval."""
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=10)) as monitor:
+        gaps = {}
+        for step in range(1, 21):
+            monitor.step(step, loss=float(step), tokens=1)
+            if step % 5 == 0:
+                gaps[step] = monitor.log_eval(step, loss=30.0, tokens=1).get("eval/gap")
+    assert gaps[5] is None and gaps[15] is None
+    assert gaps[10] == pytest.approx(30.0 - 5.5) and gaps[20] == pytest.approx(30.0 - 15.5)
