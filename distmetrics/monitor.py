@@ -95,14 +95,15 @@ class Monitor:
         ``loss`` is averaged over ranks and steps weighted by ``tokens`` (this rank's tokens in
         the step; weight 1 when None); a rank with ``loss=None`` (a pipeline stage without the
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
-        overflow). Extra ``scalars`` are interval means under ``train/``."""
+        overflow); its loss is left out of ``train/loss``, its tokens count. Extra ``scalars`` are interval means under ``train/``."""
         self._check_open()
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(step, self._clocks(), self.sinks)
         self._last_step = step
         self._guard.note("monitor.step", step)
-        self._by_name["train"].record_step(loss, tokens, lr, scalars)
+        # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
+        self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
         self._by_name["health"].record_step(loss, skipped)
         self._by_name["timers"].mark_step()
         self._steps_in_interval += 1

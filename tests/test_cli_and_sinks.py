@@ -226,3 +226,16 @@ def test_eval_gap_covers_the_log_intervals_written_since_the_last_evaluation(tmp
                 gaps[step] = monitor.log_eval(step, loss=30.0, tokens=1).get("eval/gap")
     assert gaps[5] is None and gaps[15] is None
     assert gaps[10] == pytest.approx(30.0 - 5.5) and gaps[20] == pytest.approx(30.0 - 15.5)
+
+
+def test_a_skipped_steps_loss_is_left_out_of_train_loss_and_its_tokens_count(tmp_path):
+    """As Megatron's loss average leaves skipped iterations out (a loss-scale overflow): steps
+    1-4 with losses 1, 2, 30, 4 and step 3 skipped give (1·10 + 2·20 + 4·40) / 70."""
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=4, log_throughput=True)) as monitor:
+        for step, loss in zip(range(1, 5), (1.0, 2.0, 30.0, 4.0)):
+            metrics = monitor.step(step, loss=loss, tokens=10 * step, skipped=step == 3)
+    assert metrics["train/loss"] == pytest.approx((1 * 10 + 2 * 20 + 4 * 40) / 70)
+    assert metrics["health/skipped_steps"] == 1 and metrics["train/consumed_tokens"] == 100
