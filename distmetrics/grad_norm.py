@@ -35,7 +35,7 @@ from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_loca
 from .packing import collective_device
 from .plans import Buckets, ParamPlans, Plan, Route, grad_of, route_of
 
-__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "per_tensor_norms"]
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "norm_kind", "per_tensor_norms"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
@@ -219,7 +219,9 @@ def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.
 
 # --- helpers ------------------------------------------------------------------------------
 
-def _kind(p: float) -> str:
+def norm_kind(p: float) -> str:
+    """How the per-tensor norms of order ``p`` combine across tensors and ranks: "sum" (of p-th
+    powers), "count" (p = 0: tensors with a non-zero element, summed), "max" (inf), "min" (-inf)."""
     if p == math.inf:
         return "max"
     if p == -math.inf:
@@ -288,7 +290,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     """Owned per-tensor norms → per-bucket values, this rank's total and the global total
     (``every``: this rank owns every tensor, as a single process does). ``finite_check``:
     per-tensor values that are non-finite exactly where a gradient is (default ``norms``)."""
-    kind = _kind(p)
+    kind = norm_kind(p)
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))

@@ -95,7 +95,8 @@ class Monitor:
         ``loss`` is averaged over ranks and steps weighted by ``tokens`` (this rank's tokens in
         the step; weight 1 when None); a rank with ``loss=None`` (a pipeline stage without the
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
-        overflow); its loss is left out of ``train/loss``, its tokens count. Extra ``scalars`` are interval means under ``train/``."""
+        overflow); its loss is left out of ``train/loss``, its tokens count. Extra ``scalars``
+        are interval means under ``train/``."""
         self._check_open()
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
@@ -239,7 +240,7 @@ class Monitor:
     def _log_step_ahead(self) -> Optional[int]:
         """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step."""
         step = (self._last_step or 0) + 1
-        return step if step % self.config.log_interval == 0 else None
+        return step if self._is_log_step(step) else None
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
         return (step if step is not None else (self._last_step or 0) + 1) % self.config.log_interval == 0

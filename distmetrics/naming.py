@@ -8,6 +8,7 @@ expert's rank-local index in ``local_experts`` its global expert index.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -64,11 +65,8 @@ def root_name(model: Optional[torch.nn.Module]) -> str:
     if model is None:
         return ROOT_MODULE
     top = {name.split(".", 1)[0] for name in module_name_map(model).values() if name}
-    name, n = ROOT_MODULE, 1
-    while name in top:
-        n += 1
-        name = "root" if n == 2 else f"root_{n - 1}"
-    return name
+    candidates = itertools.chain((ROOT_MODULE, "root"), (f"root_{n}" for n in itertools.count(2)))
+    return next(name for name in candidates if name not in top)
 
 
 def module_order(model: Optional[torch.nn.Module]) -> list[str]:

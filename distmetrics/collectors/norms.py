@@ -7,8 +7,8 @@ max for p = inf) travels in the log step's pack as one vector; after the reducti
 with trainable parameters anywhere below it gets its subtree's norm (``grad_norm/layers.2`` is the
 whole block), computed from the buckets on the host: no extra collective, no extra pass. The
 root's own parameters are ``grad_norm/model`` (``grad_norm/root`` beside a child module named
-``model``). Which modules hold a NaN or inf gradient travels
-only when the log step's total count of non-finite tensors is not 0 (one more reduction, then).
+``model``). Which modules hold a NaN or inf gradient travels only when the log step's total count
+of non-finite tensors is not 0 (one more reduction, then).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, note_clip, per_tensor_norms
+from ..grad_norm import GradientNorms, GradMeasurement, norm_kind, note_clip, per_tensor_norms
 from ..plans import Buckets, Plan, route_of
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
@@ -77,8 +77,8 @@ class NormCollector:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
         this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
         the (main) parameters before the step when it will be logged (``log_step_ahead()``: the
-        step it is predicted to be, or None when that is not a log step) and diff after it — around the inner ``torch.optim`` step for Megatron's optimizers. A
-        Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
+        step it is predicted to be, or None when that is not a log step) and diff after it —
+        around the inner ``torch.optim`` step for Megatron's optimizers. A Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
         with :meth:`measure` count as clipped there (``grad_clip_ratio``, ``effective_lr_ratio``)."""
         targets = [optimizer]
         if is_megatron_optimizer(optimizer):
@@ -138,7 +138,7 @@ class NormCollector:
         p-norm, a max for inf and a min for -inf, and a name keeps its reduction. Refused here,
         before any collective and before the gradients are touched (every rank passes the same)."""
         p = float(norm_type)
-        family = "max" if p == math.inf else "min" if p == -math.inf else "sum"
+        family = "sum" if norm_kind(p) == "count" else norm_kind(p)  # how grad_norm is reduced (a count is a sum)
         if self._norm_family is None:
             self._norm_family = (family, p)
         elif family != self._norm_family[0]:
@@ -209,7 +209,8 @@ class NormCollector:
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients.
-        Where each family's values sit is worked out once per set of names (:class:`~distmetrics.collectors.norm_tree.Families`)."""
+        Where each family's values sit is worked out once per set of names
+        (:class:`~distmetrics.collectors.norm_tree.Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
         keys = ctx.keys_under(metrics, _PREFIXES)

@@ -129,8 +129,8 @@ class SinkSet:
                                        lambda: ", ".join(s.name for s in self.queued) or "queued")
 
     def _route(self, sink: Sink) -> tuple:
-        """(the kinds it takes or None for all, takes a view, keeps a timeline), worked out once
-        per sink (also for one put on ``inline`` or ``queued`` directly)."""
+        """(the sink, the kinds it takes or None for all, takes a view, keeps a timeline), worked
+        out once per sink (also for one put on ``inline`` or ``queued`` directly)."""
         route = self._routes.get(id(sink))
         if route is None or route[0] is not sink:
             kinds = getattr(sink, "kinds", None)

@@ -22,8 +22,8 @@ import datetime as _dt
 import json
 import math
 import time
-from pathlib import Path
 from itertools import islice
+from pathlib import Path
 from typing import Any, Collection, Iterator, Optional, Union
 
 from ..per_rank import PerRank
