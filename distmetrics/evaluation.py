@@ -59,7 +59,7 @@ class EvalLog:
         check_step(step, "monitor.log_eval")
         for what, value in (("loss", loss), ("tokens", tokens), *scalars.items()):
             if value is not None:
-                check_value(value, f"monitor.log_eval({what}=...)")
+                check_value(value, "monitor.log_eval(%s=...)", what)
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         for key, name in names.items():
             self.names.claim(name, "mean", f"monitor.log_eval({key}=...)")

@@ -76,8 +76,7 @@ class GradMeasurement:
     kind: str
     buckets: torch.Tensor  # per module bucket
     local_total: torch.Tensor
-    nonfinite: torch.Tensor
-    bad_tensors: torch.Tensor  # per local tensor: 1.0 where its norm is NaN or ±inf
+    finite: torch.Tensor  # per local tensor: True where its norm is finite (none NaN or ±inf)
     bucket_idx: torch.Tensor  # per local tensor: its bucket
     missing: float
     owned_buckets: Buckets
@@ -89,11 +88,19 @@ class GradMeasurement:
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
+    @property
+    def nonfinite(self) -> Union[float, torch.Tensor]:
+        """How many local tensors hold NaN or ±inf, counted when asked (at a log step): a
+        number where the mask is on the host, else a tensor on its device (no sync)."""
+        finite = self.finite.sum()
+        return float(self.finite.numel() - int(finite)) if finite.device.type == "cpu" else \
+            (self.finite.numel() - finite).to(torch.float64)
+
     def bad_buckets(self) -> torch.Tensor:
         """Per bucket: how many of its local tensors hold NaN or ±inf (made only when asked: a
         log step whose non-finite count is not 0)."""
-        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=self.bad_tensors.device)
-        return zeros.index_add(0, self.bucket_idx, self.bad_tensors)
+        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=self.finite.device)
+        return zeros.index_add(0, self.bucket_idx, self.finite.logical_not().to(torch.float64))
 
 
 class GradientNorms:
@@ -323,8 +330,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
     check = norms if finite_check is None else finite_check
-    nonfinite = (check - check).ne(0).to(torch.float64)  # x - x: NaN for ±inf and NaN, else 0
-    measured = GradMeasurement(p, kind, buckets, local, nonfinite.sum(), nonfinite, bucket_idx, 0.0, None, None)
+    measured = GradMeasurement(p, kind, buckets, local, torch.isfinite(check), bucket_idx, 0.0, None, None)
     measured.total = total
     return measured
 

@@ -92,8 +92,8 @@ class IntervalStats:
                 f"metric {name!r} was recorded with reduce={slot.reduce!r}, now reduce={reduce!r}; "
                 "a name keeps one reduce kind"
             )
-        check_value(value, f"metric {name!r}")
-        check_value(weight, f"metric {name!r} weight")
+        check_value(value, "metric %r", name)
+        check_value(weight, "metric %r weight", name)
         value, weight = as_number(value), as_number(weight)
         if slot.last:
             slot.value, slot.weight, slot.low = value, 1.0, value

@@ -219,7 +219,8 @@ class Monitor:
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
-        metrics = {k: metrics[k] for k in self._written_order(metrics)}
+        written = self._written_order(metrics)
+        metrics = dict(zip(written, map(metrics.__getitem__, written)))
         self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:

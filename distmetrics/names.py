@@ -52,14 +52,18 @@ def check_name(name: Any, what: str) -> None:
                          f"{err.start}), which TensorBoard and W&B cannot store") from None
 
 
-def check_value(value: Any, what: str) -> None:
-    """A number or a 1-element tensor (None is checked by the caller)."""
+def check_value(value: Any, what: str, *args: Any) -> None:
+    """A number or a 1-element tensor (None is checked by the caller). The message names
+    ``what % args`` (formatted only for a bad value: this runs for every sample)."""
+    if type(value) is float or type(value) is int:
+        return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{what}: expected a number or a 1-element tensor, got a tensor of shape "
-                             f"{tuple(value.shape)}")
+            raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
+                             f"tensor of shape {tuple(value.shape)}")
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what}: expected a number or a 1-element tensor, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def check_step(step: Any, what: str, last: Optional[int] = None) -> None:

@@ -63,24 +63,29 @@ class PackLayout:
                 self.all_index[name] = self.n_all
                 self.n_all += 1
         self.digest = digest(encode_entries(self.entries))
-        self._vectors: dict[tuple, Optional[dict]] = {}  # (names, reduce) → positions per (offset, device)
+        self._vectors: dict[tuple, dict] = {}  # (id(names), reduce) → the names, positions per (offset, device)
         self._indexes: dict[tuple, torch.Tensor] = {}  # a pack's pieces → their index tensor
         self._metric_keys: dict[tuple, tuple] = {}  # prefixes → the metric keys under them
         self._constants: dict[tuple, torch.Tensor] = {}  # (n, value, dtype, device) → a constant vector
         self.sum_names = list(self.sum_index)  # lane 2i holds value·weight of sum_names[i], 2i+1 its weight
         self.sum_flags = [self.kinds[name] == "sum" for name in self.sum_names]
+        self.mean_lanes = [i for i, is_sum in enumerate(self.sum_flags) if not is_sum]
 
     def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
         """Cached pack positions of a vector's names (None: not all of them are in this layout
         with this reduce kind)."""
-        key = (names, reduce)
-        if key not in self._vectors:
+        key = (id(names), reduce)  # collectors pass the same tuple: no hash of every name each time
+        cached = self._vectors.get(key)
+        if cached is None or cached["names"] is not names:
             if any(self.kinds.get(name) != reduce for name in names):
                 return None
+            if len(self._vectors) >= 256:  # tuples made anew at each log step: keep a few
+                self._vectors.clear()
             table = {"sum": self.sum_index, "mean": self.sum_index, "all": self.all_index}.get(reduce, self.max_index)
             bases = [table[name] for name in names]
-            self._vectors[key] = {"host": bases, (0, None): torch.tensor(bases, dtype=torch.long)}
-        return self._vectors[key]
+            cached = self._vectors[key] = {"names": names, "host": bases,
+                                           (0, None): torch.tensor(bases, dtype=torch.long)}
+        return cached
 
     def host_positions(self, names: tuple, reduce: str) -> list[int]:
         """The pack positions of a vector's elements as a list (cached)."""
@@ -95,10 +100,11 @@ class PackLayout:
                 key for name, kind in self.entries for key in _METRIC_KEYS[kind](name) if key.startswith(prefixes))
         return keys
 
-    def cached_index(self, key: tuple, build: Any) -> torch.Tensor:
-        """The index tensor of one pack's pieces (``key``: what decides it), built once by ``build()``."""
+    def cached_index(self, key: tuple, build: Any, renew: bool = False) -> Any:
+        """The index of one pack's pieces (``key``: what decides it), built once by ``build()``
+        (again with ``renew``)."""
         index = self._indexes.get(key)
-        if index is None:
+        if index is None or renew:
             if len(self._indexes) >= 64:  # what a run sends rarely varies; keep a few sets
                 self._indexes.clear()
             index = self._indexes[key] = build()
@@ -282,8 +288,14 @@ def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result
 
 def decode_sum(layout: PackLayout, totals: list[float], result: Any) -> None:
     """SUM-pack totals → ``result.values`` (a name no rank sent, or only with weight 0, is absent)."""
-    result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
-                     in zip(layout.sum_names, totals[0::2], totals[1::2], layout.sum_flags) if weight != 0}
+    values, weights = totals[0::2], totals[1::2]
+    if 0.0 in weights:  # some name is absent (or sent with weight 0 only)
+        result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
+                         in zip(layout.sum_names, values, weights, layout.sum_flags) if weight != 0}
+        return
+    for i in layout.mean_lanes:
+        values[i] /= weights[i]
+    result.values = dict(zip(layout.sum_names, values))
 
 
 def decode_all(layout: PackLayout, rows: list[list[float]], ranks: list[int], size: int) -> dict[str, list]:

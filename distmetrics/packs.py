@@ -6,6 +6,7 @@ per pack. Both give the same lanes; the reducer issues the collectives.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -73,8 +74,12 @@ def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, 
 
 
 def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]]:
-    """The SUM pack as a list when every value is on the host (None: some value is on a device)."""
-    lanes = [0.0] * layout.n_sum
+    """The SUM pack as a list when every value is on the host (None: some value is on a device).
+    The samples' lanes are listed in their own order, then put in the layout's order by one
+    gather (:func:`_sum_gather`, cached per set of samples): no Python step per element."""
+    values: list[float] = []
+    weights: list[float] = []
+    signature = []
     for s in samples:
         if s.reduce not in ("sum", "mean"):
             continue
@@ -82,24 +87,43 @@ def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]
             value, weight = host_number(s.value), host_number(s.weight)
             if value is None or weight is None:
                 return None
-            base = layout.sum_index[s.name]
-            lanes[base], lanes[base + 1] = _mean_lanes(s, value, weight)
+            value, weight = _mean_lanes(s, value, weight)
+            values.append(value)
+            weights.append(weight)
+            signature.append(s.name)
             continue
-        values = host_values(s.value, len(s.names))
-        weights = host_values(s.weight, len(s.names)) if s.reduce == "mean" else values
-        if values is None or weights is None:
+        n = len(s.names)
+        vector = host_values(s.value, n)
+        weight = host_values(s.weight, n) if s.reduce == "mean" else [1.0] * n
+        if vector is None or weight is None:
             return None
-        bases = layout.host_positions(s.names, s.reduce)
-        if s.reduce == "sum":
-            for base, value in zip(bases, values):
-                lanes[base], lanes[base + 1] = value, 1.0
-        elif s.summed:
-            for base, value, weight in zip(bases, values, weights):
-                lanes[base], lanes[base + 1] = value, weight
-        else:
-            for base, value, weight in zip(bases, values, weights):
-                lanes[base], lanes[base + 1] = value * weight, weight
+        values.extend(vector if s.reduce == "sum" or s.summed else map(operator.mul, vector, weight))
+        weights.extend(weight)
+        signature.append(s.names)
+    values.append(0.0)  # the lanes of a name no sample holds
+    weights.append(0.0)
+    key = ("sum-gather", tuple(entry if type(entry) is str else id(entry) for entry in signature))
+    made, gather = layout.cached_index(key, lambda: (signature, _sum_gather(layout, signature)))
+    if made != signature:  # the same tuples (compared by identity first), or equal ones; else an id reused
+        made, gather = layout.cached_index(key, lambda: (signature, _sum_gather(layout, signature)), renew=True)
+    lanes = [0.0] * layout.n_sum
+    lanes[0::2], lanes[1::2] = gather(values), gather(weights)
     return lanes
+
+
+def _sum_gather(layout: PackLayout, signature: list) -> Any:
+    """A function taking the samples' lanes in their order (a name or a vector's names each, as
+    in ``signature``; then the empty lane) to the layout's order of sum and mean names."""
+    empty = sum(1 if isinstance(entry, str) else len(entry) for entry in signature)
+    source = [empty] * len(layout.sum_index)
+    slot = 0
+    for entry in signature:
+        for name in (entry,) if isinstance(entry, str) else entry:
+            source[layout.sum_index[name] // 2] = slot
+            slot += 1
+    if len(source) < 2:  # itemgetter of one index gives the item, not a tuple
+        return lambda lanes: tuple(lanes[at] for at in source)
+    return operator.itemgetter(*source)
 
 
 def sum_pack_tensor(layout: PackLayout, samples: list, device: torch.device) -> torch.Tensor:

@@ -84,10 +84,10 @@ class Sample:
             raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
         check_reduce(self.name, self.reduce)
         if self.names is None:
-            check_value(self.value, f"Sample {self.name!r}")
-            check_value(self.weight, f"Sample {self.name!r} weight")
+            check_value(self.value, "Sample %r", self.name)
+            check_value(self.weight, "Sample %r weight", self.name)
             if self.low is not None:
-                check_value(self.low, f"Sample {self.name!r} low")
+                check_value(self.low, "Sample %r low", self.name)
         else:
             if not isinstance(self.names, tuple):
                 self.names = tuple(self.names)

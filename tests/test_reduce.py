@@ -273,7 +273,8 @@ def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():
 @pytest.mark.parametrize("host_packs", [True, False], ids=["host packs", "tensor packs"])
 def test_scalars_of_every_kind_pack_once_and_their_index_is_reused(host_packs, monkeypatch):
     """Numbers and 0-d tensors of two dtypes (negated for the min lanes) land on their own lanes,
-    the same at every log step; tensor packs build their index tensors once per layout."""
+    the same at every log step; tensor packs build their index tensors once per layout, host
+    packs the SUM pack's gather."""
     import torch
 
     from distmetrics.reduce import Reducer, Sample
@@ -291,7 +292,9 @@ def test_scalars_of_every_kind_pack_once_and_their_index_is_reused(host_packs, m
     second = reducer.reduce(samples(2.0))
     assert first.values == {"a": 2.0, "b": 3.0} and second.values == {"a": 4.0, "b": 6.0}
     assert second.maxima == {"c": (2.0, 0), "e": (14.0, 0)} and second.minima == {"c": (-2.0, 0), "d": (3.0, 0)}
-    assert bool(cached) != host_packs and reducer._layout._indexes.keys() == cached.keys()
+    gathers = {key for key in cached if key[0] == "sum-gather"}  # host packs: the SUM pack's gather only
+    assert bool(gathers) == host_packs and bool(cached.keys() - gathers) != host_packs
+    assert reducer._layout._indexes.keys() == cached.keys()
     exact = Reducer().reduce([Sample("n", torch.tensor(16777217), "sum"),
                               Sample("h", torch.tensor(0.5, dtype=torch.float16), "sum")])
     assert exact.values == {"n": 16777217.0, "h": 0.5}  # each value in the pack's dtype: no promotion to float16
@@ -434,3 +437,27 @@ def test_a_bool_or_int_scalar_on_a_device_takes_a_min_as_on_the_host(monkeypatch
     assert device == host == {"flag": 1.0, "flag/min_rank": 0, "zero": 0.0, "zero/min_rank": 0, "span/max": 3.0,
                               "span/max_rank": 0, "span/min": 0.0, "span/min_rank": 0}
     assert math.copysign(1.0, device["zero"]) == math.copysign(1.0, host["zero"])
+
+
+def test_pack_positions_cached_by_a_tuples_identity_are_not_reused_for_another_tuple():
+    """Vector positions and the SUM pack's gather are cached under the names tuple's id (no hash
+    of every name at each log step). A tuple freed and another made at the same address must
+    not take the old entry: entries for the same ids but other names are planted, and the
+    values still land under their own names, as a fresh reducer puts them."""
+    import torch
+
+    from distmetrics.packing import PackLayout
+    from distmetrics.packs import sum_lanes_on_host
+    from distmetrics.reduce import Sample
+
+    names = ("v/a", "v/b", "v/c")
+    samples = [Sample("s", 5.0, "sum"), Sample("v", torch.tensor([1.0, 2.0, 3.0]), "sum", names=names)]
+    layout = PackLayout([("s", "sum")] + [(name, "sum") for name in names])
+    expected = sum_lanes_on_host(PackLayout(layout.entries), samples)
+    assert expected == [5.0, 1.0, 1.0, 1.0, 2.0, 1.0, 3.0, 1.0]  # s, v/a, v/b, v/c: value, weight
+    other = ("v/c", "v/b", "v/a")  # the same names in another order: other positions
+    layout.vector_base(other, "sum")
+    layout._vectors[(id(names), "sum")] = layout._vectors[(id(other), "sum")]
+    layout.cached_index(("sum-gather", ("s", id(names))), lambda: (["s", other], lambda lanes: lanes[::-1][1:]))
+    assert layout.host_positions(names, "sum") == [2, 4, 6]
+    assert sum_lanes_on_host(layout, samples) == expected

@@ -4,7 +4,8 @@ metrics, worked out once per set of names."""
 
 from __future__ import annotations
 
-from typing import Callable
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["Families", "Found", "subtree_values"]
 
@@ -27,23 +28,34 @@ def _chain(module: str) -> tuple[str, ...]:
 
 class _Leaves:
     """One family's leaf values (modules owning parameters) in a log step's metrics, and the
-    subtrees they add up into."""
+    subtrees they add up into. Subtrees over one leaf come first in ``out_modules`` (the
+    usual case: copied in one gather), those over several after them."""
 
-    def __init__(self, family: str, modules: list[str], chains: dict[str, tuple]) -> None:
-        self.keys = [f"{family}/{module}" for module in modules]
+    def __init__(self, family: str, modules: list[str], chains: dict[str, tuple], keys: Optional[list] = None) -> None:
+        # the reduction's own key objects where given: a lookup then matches by identity
+        self.keys = keys if keys is not None else [f"{family}/{module}" for module in modules]
         ancestry = [chains.get(m) or chains.setdefault(m, _chain(m)) for m in modules]
-        self.out_modules = list(dict.fromkeys(a for chain in ancestry for a in chain))
-        self.out_keys = [f"{family}/{module}" for module in self.out_modules]
+        under: dict[str, list[int]] = {}  # every subtree → its leaves, in leaf order
+        for j, chain in enumerate(ancestry):
+            for module in chain:
+                under.setdefault(module, []).append(j)
+        singles = [m for m, leaves in under.items() if len(leaves) == 1]
+        several = [m for m, leaves in under.items() if len(leaves) > 1]
+        self.out_modules = singles + several
+        own = dict(zip(modules, self.keys))
+        self.out_keys = [own.get(m) or f"{family}/{m}" for m in self.out_modules]
+        self._singles = _getter([under[m][0] for m in singles])
+        self._several = [_getter(under[m]) for m in several]
         position = {module: i for i, module in enumerate(self.out_modules)}
         self._into = [tuple(position[a] for a in chain) for chain in ancestry]
+        self.read = _getter(self.keys)
+        """The leaf values in a log step's metrics (every key present), as a tuple."""
 
-    def subtrees(self, values: list[float], kind: str) -> list[float]:
+    def subtrees(self, values: Sequence[float], kind: str) -> list[float]:
         """Every subtree's value (``kind``: sum, max or min) in ``out_modules`` order."""
-        if kind == "sum":
-            out = [0.0] * len(self.out_modules)
-            for value, into in zip(values, self._into):
-                for i in into:
-                    out[i] += value
+        if kind == "sum":  # in leaf order from 0, as a running sum
+            out = list(self._singles(values))
+            out.extend(sum(leaves(values)) for leaves in self._several)
             return out
         pick = max if kind == "max" else min
         best: list = [None] * len(self.out_modules)
@@ -52,6 +64,13 @@ class _Leaves:
                 old = best[i]
                 best[i] = value if old is None or value != value else old if old != old else pick(old, value)
         return best
+
+
+def _getter(positions: list) -> Callable[[Any], tuple]:
+    """``itemgetter`` over ``positions`` that always gives a tuple (of one item, or of none)."""
+    if len(positions) == 1:
+        return lambda items, at=positions[0]: (items[at],)
+    return operator.itemgetter(*positions) if positions else (lambda items: ())
 
 
 class Families:
@@ -81,8 +100,10 @@ class Found:
     def __init__(self, keys: tuple, chains: dict[str, tuple]) -> None:
         self.rank_keys = [key for key in keys if key.endswith(("/max_rank", "/min_rank"))]
         modules: dict[str, list[str]] = {}
+        own: dict[str, list[str]] = {}  # the keys themselves, per family
         for key in keys:
             if not key.endswith(("/max_rank", "/min_rank")):
                 family, _, module = key.partition("/")
                 modules.setdefault(family, []).append(module)
-        self.leaves = {family: _Leaves(family, names, chains) for family, names in modules.items()}
+                own.setdefault(family, []).append(key)
+        self.leaves = {family: _Leaves(family, names, chains, own[family]) for family, names in modules.items()}

@@ -229,7 +229,7 @@ class NormCollector:
             root = family_kind == "sum" and family_p != 0
             leaves = found.leaves.get(family)
             if leaves is not None:
-                values = leaves.subtrees([metrics[key] for key in leaves.keys], family_kind)
+                values = leaves.subtrees(leaves.read(metrics), family_kind)
                 metrics.update(zip(leaves.out_keys, _roots(values, family_p) if root else values))
             if root and family in metrics:
                 metrics[family] = _roots([metrics[family]], family_p)[0]
@@ -322,18 +322,23 @@ def _is_number(value: Any) -> bool:
 def _roots(values: list[float], p: float) -> list[float]:
     """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN)."""
     if p == 2.0:
-        return [math.sqrt(v) if v >= 0 else math.nan for v in values]
+        try:
+            return list(map(math.sqrt, values))
+        except ValueError:  # a negative sum
+            return [math.sqrt(v) if v >= 0 else math.nan for v in values]
     return [v ** (1.0 / p) if v >= 0 else math.nan for v in values]
 
 
 def _vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:
     """One vector sample of ``values[buckets]``, named ``<family>/<module>`` (names cached; every
     bucket in order, as on one rank, takes ``values`` as they are)."""
-    key = (family, buckets.ids)
+    key = (family, id(buckets))  # routes keep their Buckets: no hash of every id at each log step
     cached = plan.vectors.get(key)
-    if cached is None:
+    if cached is None or cached[0] is not buckets:
+        if len(plan.vectors) >= 64:  # routes made anew (the gradients present changed): keep a few
+            plan.vectors.clear()
         names = tuple(f"{family}/{plan.buckets[i]}" for i in buckets.ids)
-        cached = plan.vectors[key] = (names, buckets.ids == tuple(range(len(plan.buckets))))
-    names, every = cached
+        cached = plan.vectors[key] = (buckets, names, buckets.ids == tuple(range(len(plan.buckets))))
+    _, names, every = cached
     picked = values if every else values.index_select(0, buckets.index.to(values.device))
     return Sample(family, picked, kind, names=names)

@@ -63,7 +63,7 @@ class StepValues:
         check_step(step, "monitor.step", last)
         for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
             if value is not None:
-                check_value(value, f"monitor.step({what}=...)")
+                check_value(value, "monitor.step(%s=...)", what)
         if not isinstance(skipped, bool):
             raise TypeError(f"monitor.step(skipped={skipped!r}): accepted values are True and False")
         for name in scalars:
@@ -98,8 +98,8 @@ class StepValues:
         """A user's own value for this interval (see ``Monitor.record``)."""
         check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self.names.claim(name, reduce, "monitor.record")
-        check_value(value, f"monitor.record({name!r})")
-        check_value(weight, f"monitor.record({name!r}, weight=...)")
+        check_value(value, "monitor.record(%r)", name)
+        check_value(weight, "monitor.record(%r, weight=...)", name)
         self.stats.record(name, value, reduce, weight=weight)
 
     def pause(self) -> None:
