@@ -76,7 +76,7 @@ class GradMeasurement:
     kind: str
     buckets: torch.Tensor  # per module bucket
     local_total: torch.Tensor
-    finite: torch.Tensor  # per local tensor: True where its norm is finite (none NaN or ±inf)
+    checked: torch.Tensor  # per local tensor: a value that is NaN or ±inf exactly where the gradient holds one
     bucket_idx: torch.Tensor  # per local tensor: its bucket
     missing: float
     owned_buckets: Buckets
@@ -88,19 +88,25 @@ class GradMeasurement:
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
+    summed_check: bool = False  # local_total is non-finite whenever some checked value is (a sum of p-th powers)
+
     @property
     def nonfinite(self) -> Union[float, torch.Tensor]:
         """How many local tensors hold NaN or ±inf, counted when asked (at a log step): a
-        number where the mask is on the host, else a tensor on its device (no sync)."""
-        finite = self.finite.sum()
-        return float(self.finite.numel() - int(finite)) if finite.device.type == "cpu" else \
-            (self.finite.numel() - finite).to(torch.float64)
+        number where the values are on the host (0 without a pass where a finite sum of
+        p-th powers shows none is), else a tensor on their device (no sync)."""
+        if self.checked.device.type != "cpu":
+            return torch.isfinite(self.checked).logical_not().sum().to(torch.float64)
+        if self.summed_check and math.isfinite(self.local_total):
+            return 0.0
+        return float(self.checked.numel() - int(torch.isfinite(self.checked).sum()))
 
     def bad_buckets(self) -> torch.Tensor:
         """Per bucket: how many of its local tensors hold NaN or ±inf (made only when asked: a
         log step whose non-finite count is not 0)."""
-        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=self.finite.device)
-        return zeros.index_add(0, self.bucket_idx, self.finite.logical_not().to(torch.float64))
+        bad = torch.isfinite(self.checked).logical_not().to(torch.float64)
+        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=bad.device)
+        return zeros.index_add(0, self.bucket_idx, bad)
 
 
 class GradientNorms:
@@ -302,7 +308,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        total = _all_reduce(local.reshape(1), kind, group)[0].pow(1.0 / p)
+        total = _all_reduce_one(local, kind, group).pow(1.0 / p)
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
         counted = (norms > 0).to(torch.float64)
         contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
@@ -322,7 +328,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
         local = with_identity.max() if kind == "max" else with_identity.min()
         if kind == "max":
-            total = _all_reduce(local.reshape(1), kind, group)[0]
+            total = _all_reduce_one(local, kind, group)
         else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
             held = owned.any().to(torch.float64)
             total, none_held = _all_reduce(torch.stack([local, -held]), kind, group)
@@ -330,9 +336,18 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
     # one GPU) must not hide behind the copy on the owning rank.
     check = norms if finite_check is None else finite_check
-    measured = GradMeasurement(p, kind, buckets, local, torch.isfinite(check), bucket_idx, 0.0, None, None)
+    measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
+    # p-th powers (p > 0) of norms (>= 0) of every local tensor add up to NaN or inf wherever one norm is NaN or inf
+    measured.summed_check = kind == "sum" and p > 0 and every and check is norms
     measured.total = total
     return measured
+
+
+def _all_reduce_one(value: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
+    """:func:`_all_reduce` of one 0-d value (itself in a single process)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    return _all_reduce(value.reshape(1), kind, group)[0]
 
 
 def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:

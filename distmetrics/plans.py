@@ -3,6 +3,7 @@ cached plan that is rebuilt only when the model's parameters change."""
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class Plan:
     signature: tuple
     routing: OrderedDict = field(default_factory=OrderedDict)  # (gradient set, device) → Route, LRU
     param_routes: dict = field(default_factory=dict)  # device → the Route of the params themselves
-    slots: list = field(default_factory=list)  # (module, key, param, requires_grad) of every param
+    slots: Optional["Slots"] = None  # where every param of the model lives
     checked: bool = False  # the layout check ran for this plan
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, bucket ids) → element names
@@ -126,11 +127,9 @@ class ParamPlans:
         registered anywhere (torch's global registration hooks), one replaced in its module,
         frozen or unfrozen (a check of each cached slot, far cheaper than ``named_parameters``)."""
         plan = self.plan
-        if plan is not None and plan.generation == _REGISTRATIONS[0] and all(
-                module._parameters.get(key) is param and param.requires_grad == grad
-                for module, key, param, grad in plan.slots):
+        if plan is not None and plan.generation == _REGISTRATIONS[0] and plan.slots.intact():
             return plan
-        slots = _param_slots(self.model)
+        slots = Slots(self.model)
         rename = module_name_map(self.model)
         named = [(global_param_name(n, rename), q) for n, q in self.model.named_parameters() if q.requires_grad]
         signature = tuple(id(q) for _, q in named)
@@ -202,12 +201,29 @@ _OTHER_GRADS = ("main_grad", "decoupled_grad")
 _CLASS_GRADS: dict[type, bool] = {}  # parameter class → it defines main_grad or decoupled_grad itself
 
 
-def _param_slots(model: torch.nn.Module) -> list:
-    """Where each parameter lives, in ``named_parameters`` order (shared ones once)."""
-    seen, slots = set(), []
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                slots.append((module, key, param, param.requires_grad))
-    return slots
+class Slots:
+    """Where each parameter of a model lives (its module's ``_parameters`` dict and key, in
+    ``named_parameters`` order, shared ones once) and whether it requires a gradient, checked at
+    every clip in two C-level passes (no Python step per parameter). A parameter replaced or
+    set to None in its module, or frozen or unfrozen, is seen; so is one registered anywhere,
+    by torch's registration hooks (:data:`_REGISTRATIONS`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        seen: set = set()
+        self.dicts, self.keys, self.params = [], [], []
+        for module in model.modules():
+            for key, param in module._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    self.dicts.append(module._parameters)
+                    self.keys.append(key)
+                    self.params.append(param)
+        self.requires_grad = list(map(_REQUIRES_GRAD, self.params))
+
+    def intact(self) -> bool:
+        """Is every parameter still in its slot, with the same ``requires_grad``?"""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.params)) and \
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires_grad
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")

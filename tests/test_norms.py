@@ -810,3 +810,25 @@ def test_a_nan_gradient_is_counted_and_named_under_every_norm_type_zero_included
         monitor.clip_grad_norm_(1e9, p)
         metrics = monitor.step(1)
     assert metrics["grad_nonfinite"] == 1 and metrics["grad_nonfinite_modules"] == "1"
+
+
+def test_a_sum_of_squares_past_the_float_range_is_not_a_nonfinite_gradient():
+    """The non-finite count is 0 without a pass over the norms where their sum of squares is
+    finite; a sum that overflows (a float64 gradient of 1e200: its norm is finite, its square
+    is not) is counted exactly, from the norms themselves. Beside it, a gradient holding inf is
+    counted."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(2, 1, bias=False)).double()
+    model[0].weight.grad = torch.full((1, 1), 1e200, dtype=torch.float64)
+    model[1].weight.grad = torch.ones(1, 2, dtype=torch.float64)
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        monitor.clip_grad_norm_(1e9)
+        overflowed = monitor.step(1)
+        model[1].weight.grad[0, 1] = math.inf
+        monitor.clip_grad_norm_(1e9)
+        with_inf = monitor.step(2)
+    assert overflowed["grad_nonfinite"] == 0 and "grad_nonfinite_modules" not in overflowed
+    assert with_inf["grad_nonfinite"] == 1 and with_inf["grad_nonfinite_modules"] == "1"
