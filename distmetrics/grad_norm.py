@@ -89,6 +89,16 @@ class GradMeasurement:
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
     summed_check: bool = False  # local_total is non-finite whenever some checked value is (a sum of p-th powers)
+    _local_value: Optional[float] = None
+
+    @property
+    def local_value(self) -> Union[float, torch.Tensor]:
+        """``local_total`` as a number where it is on the host (read once), else the tensor."""
+        if self.local_total.device.type != "cpu":
+            return self.local_total
+        if self._local_value is None:
+            self._local_value = float(self.local_total)
+        return self._local_value
 
     @property
     def nonfinite(self) -> Union[float, torch.Tensor]:
@@ -97,7 +107,7 @@ class GradMeasurement:
         p-th powers shows none is), else a tensor on their device (no sync)."""
         if self.checked.device.type != "cpu":
             return torch.isfinite(self.checked).logical_not().sum().to(torch.float64)
-        if self.summed_check and math.isfinite(self.local_total):
+        if self.summed_check and math.isfinite(self.local_value):
             return 0.0
         return float(self.checked.numel() - int(torch.isfinite(self.checked).sum()))
 

@@ -185,7 +185,7 @@ class NormCollector:
         grad, plan, self._grad = self._grad, self._grad_plan, None
         self._last_grad = grad
         if grad is not None and self.log_grad_norm:
-            out.append(Sample("grad_norm", grad.local_total, grad.kind))
+            out.append(Sample("grad_norm", grad.local_value, grad.kind))
             out.append(Sample("grad_nonfinite", grad.nonfinite, "sum"))
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
