@@ -215,7 +215,7 @@ class Monitor:
                          module_order=self._module_order)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         ctx.reduced = self._reducer.reduce(samples, tag=step)
-        metrics = ctx.reduced.to_metrics()
+        metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)

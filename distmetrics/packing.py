@@ -286,16 +286,18 @@ def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result
             result.minima[name] = (-values[low] if not math.isnan(values[low]) else values[low], ranks[low])
 
 
-def decode_sum(layout: PackLayout, totals: list[float], result: Any) -> None:
-    """SUM-pack totals → ``result.values`` (a name no rank sent, or only with weight 0, is absent)."""
-    values, weights = totals[0::2], totals[1::2]
+def decode_sum(layout: PackLayout, totals: Sequence[float], weights: Sequence[float], result: Any) -> None:
+    """SUM-pack totals (Σ value·weight) and weights, in the layout's order → ``result.values``
+    (a name no rank sent, or only with weight 0, is absent)."""
     if 0.0 in weights:  # some name is absent (or sent with weight 0 only)
         result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
-                         in zip(layout.sum_names, values, weights, layout.sum_flags) if weight != 0}
+                         in zip(layout.sum_names, totals, weights, layout.sum_flags) if weight != 0}
         return
-    for i in layout.mean_lanes:
-        values[i] /= weights[i]
-    result.values = dict(zip(layout.sum_names, values))
+    if layout.mean_lanes:
+        totals = list(totals)
+        for i in layout.mean_lanes:
+            totals[i] /= weights[i]
+    result.values = dict(zip(layout.sum_names, totals))
 
 
 def decode_all(layout: PackLayout, rows: list[list[float]], ranks: list[int], size: int) -> dict[str, list]:

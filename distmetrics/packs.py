@@ -7,14 +7,15 @@ per pack. Both give the same lanes; the reducer issues the collectives.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
                       mean_parts)
 
-__all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "sum_pack_tensor", "all_row_on_host", "all_row_tensor"]
+__all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "sum_pack_tensor", "all_row_on_host",
+           "all_row_tensor"]
 
 
 def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device) -> torch.Tensor:
@@ -73,10 +74,12 @@ def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, 
     return lanes
 
 
-def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]]:
-    """The SUM pack as a list when every value is on the host (None: some value is on a device).
-    The samples' lanes are listed in their own order, then put in the layout's order by one
-    gather (:func:`_sum_gather`, cached per set of samples): no Python step per element."""
+def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[tuple[Sequence[float], Sequence[float]]]:
+    """The SUM pack's two lanes per name, value·weight and weight, as two sequences in the
+    layout's order, when every value is on the host (None: some value is on a device). The
+    samples' lanes are listed in their own order, then put in the layout's order by one gather
+    (:func:`_sum_gather`, cached per set of samples): no Python step per element. A collective
+    takes them interleaved (:func:`interleave`)."""
     values: list[float] = []
     weights: list[float] = []
     signature = []
@@ -106,8 +109,13 @@ def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[list[float]
     made, gather = layout.cached_index(key, lambda: (signature, _sum_gather(layout, signature)))
     if made != signature:  # the same tuples (compared by identity first), or equal ones; else an id reused
         made, gather = layout.cached_index(key, lambda: (signature, _sum_gather(layout, signature)), renew=True)
-    lanes = [0.0] * layout.n_sum
-    lanes[0::2], lanes[1::2] = gather(values), gather(weights)
+    return gather(values), gather(weights)
+
+
+def interleave(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The SUM pack as one list: value·weight and weight of each name, side by side."""
+    lanes = [0.0] * (2 * len(values))
+    lanes[0::2], lanes[1::2] = values, weights
     return lanes
 
 

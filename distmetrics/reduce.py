@@ -46,7 +46,8 @@ from .names import REDUCE_KINDS, check_reduce, check_value
 from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
                       collective_device)
-from .packs import all_row_on_host, all_row_tensor, max_lanes_on_host, max_pack, sum_lanes_on_host, sum_pack_tensor
+from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack, sum_lanes_on_host,
+                    sum_pack_tensor)
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -132,11 +133,14 @@ class Reduced:
             return tuple(key for key in self.to_metrics() if key.startswith(prefixes))
         return self.layout.metric_keys(prefixes)
 
-    def to_metrics(self) -> dict[str, Any]:
+    def to_metrics(self, take: bool = False) -> dict[str, Any]:
         """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
         for ``all``, ``x`` (every rank's value) and its summary ``x/max``, ``x/min``, ``x/mean``
-        over the ranks that sent one (NaN left out of the summary)."""
-        out: dict[str, Any] = dict(self.values)
+        over the ranks that sent one (NaN left out of the summary). ``take``: the result is
+        built in ``values`` itself, which is left empty (no copy of a large dict)."""
+        out: dict[str, Any] = self.values if take else dict(self.values)
+        if take:
+            self.values = {}
         for name, (value, rank) in self.maxima.items():
             key = name if self.kinds[name] == "max" else f"{name}/max"
             out[key], out[f"{name}/max_rank"] = value, rank
@@ -223,7 +227,7 @@ class Reducer:
         result = Reduced(kinds=layout.kinds, layout=layout)
         decode_max(layout, lanes, result)
         if layout.n_sum:
-            decode_sum(layout, self._sum_pack(samples, distributed), result)
+            decode_sum(layout, *self._sum_pack(samples, distributed), result)
         if layout.n_all:
             self._gather_all(samples, result, distributed)
         return result
@@ -352,19 +356,21 @@ class Reducer:
         return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
 
     # --- SUM pack ------------------------------------------------------------------------
-    def _sum_pack(self, samples: list[Sample], distributed: bool) -> list[float]:
+    def _sum_pack(self, samples: list[Sample], distributed: bool) -> tuple[Sequence[float], Sequence[float]]:
+        """The SUM pack reduced: (value·weight, weight) of every name, in the layout's order."""
         lanes = sum_lanes_on_host(self._layout, samples) if self.host_packs else None
         if lanes is not None and not distributed:
             return lanes
         if lanes is not None:
-            pack = torch.tensor(lanes, dtype=torch.float64).to(self.device)
+            pack = torch.tensor(interleave(*lanes), dtype=torch.float64).to(self.device)
         else:
             pack = sum_pack_tensor(self._layout, samples, self.device if distributed else value_device(samples))
         if distributed:
             pack = pack.to(self.device)
             dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=self.group)
             self.collectives += 1
-        return pack.cpu().tolist()
+        totals = pack.cpu().tolist()
+        return totals[0::2], totals[1::2]
 
     # --- ALL pack ------------------------------------------------------------------------
     def _gather_all(self, samples: list[Sample], result: Reduced, distributed: bool) -> None:

@@ -454,7 +454,7 @@ def test_pack_positions_cached_by_a_tuples_identity_are_not_reused_for_another_t
     samples = [Sample("s", 5.0, "sum"), Sample("v", torch.tensor([1.0, 2.0, 3.0]), "sum", names=names)]
     layout = PackLayout([("s", "sum")] + [(name, "sum") for name in names])
     expected = sum_lanes_on_host(PackLayout(layout.entries), samples)
-    assert expected == [5.0, 1.0, 1.0, 1.0, 2.0, 1.0, 3.0, 1.0]  # s, v/a, v/b, v/c: value, weight
+    assert expected == ((5.0, 1.0, 2.0, 3.0), (1.0, 1.0, 1.0, 1.0))  # s, v/a, v/b, v/c: values, weights
     other = ("v/c", "v/b", "v/a")  # the same names in another order: other positions
     layout.vector_base(other, "sum")
     layout._vectors[(id(names), "sum")] = layout._vectors[(id(other), "sum")]
