@@ -89,12 +89,13 @@ class GradMeasurement:
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
     summed_check: bool = False  # local_total is non-finite whenever some checked value is (a sum of p-th powers)
+    on_host: bool = False  # the values are on the CPU: reading them waits for no device
     _local_value: Optional[float] = None
 
     @property
     def local_value(self) -> Union[float, torch.Tensor]:
         """``local_total`` as a number where it is on the host (read once), else the tensor."""
-        if self.local_total.device.type != "cpu":
+        if not self.on_host:
             return self.local_total
         if self._local_value is None:
             self._local_value = float(self.local_total)
@@ -105,7 +106,7 @@ class GradMeasurement:
         """How many local tensors hold NaN or ±inf, counted when asked (at a log step): a
         number where the values are on the host (0 without a pass where a finite sum of
         p-th powers shows none is), else a tensor on their device (no sync)."""
-        if self.checked.device.type != "cpu":
+        if not self.on_host:
             return torch.isfinite(self.checked).logical_not().sum().to(torch.float64)
         if self.summed_check and math.isfinite(self.local_value):
             return 0.0
@@ -349,6 +350,7 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
     # p-th powers (p > 0) of norms (>= 0) of every local tensor add up to NaN or inf wherever one norm is NaN or inf
     measured.summed_check = kind == "sum" and p > 0 and every and check is norms
+    measured.on_host = device.type == "cpu"
     measured.total = total
     return measured
 

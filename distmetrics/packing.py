@@ -193,7 +193,7 @@ def host_number(value: Number) -> Optional[float]:
     waits for no device); None for a tensor on a device."""
     if not isinstance(value, torch.Tensor):
         return float(value)
-    if value.device.type == "cpu" and not value.is_complex():
+    if value.is_cpu and not value.dtype.is_complex:
         return float(value)
     return None
 
@@ -203,10 +203,14 @@ def host_values(value: Number, n: int) -> Optional[list[float]]:
     tensor on a device."""
     if not isinstance(value, torch.Tensor):
         return [float(value)] * n
-    if value.device.type == "cpu" and not value.is_complex():
+    if value.is_cpu:
+        dtype = value.dtype  # one read of the tensor: its dtype tells the rest
         # floating values are exact as Python floats; integers and bools become floats as the
         # tensor packs make them (float64: a count beyond 2**53 rounds alike)
-        return value.tolist() if value.is_floating_point() else value.to(torch.float64).tolist()
+        if dtype.is_floating_point:
+            return value.tolist()
+        if not dtype.is_complex:
+            return value.to(torch.float64).tolist()
     return None
 
 

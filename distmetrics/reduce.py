@@ -98,8 +98,7 @@ class Sample:
                 if len(_checked_names) >= 256:
                     _checked_names.clear()
                 _checked_names[id(self.names)] = self.names
-            if not isinstance(self.value, torch.Tensor) or self.value.dim() != 1 \
-                    or self.value.numel() != len(self.names):
+            if not isinstance(self.value, torch.Tensor) or self.value.shape != (len(self.names),):
                 shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
                 raise ValueError(f"vector sample {self.name!r}: {len(self.names)} names need a 1-D tensor of "
                                  f"{len(self.names)} values, got {shape}")
