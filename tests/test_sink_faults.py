@@ -369,10 +369,14 @@ def test_wandb_on_a_full_disk_warns_once_with_the_cause(tmp_path):
                           str(tmp_path / "result.json"))
     assert child.returncode == 0, child.stderr
     warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
-    reported = [w for w in warnings if "the wandb sink" in w]
+    reported = [w for w in warnings if "the wandb sink failed" in w]
     cause = "no space left on device" if disk == "tmpfs" else "file too large"
     assert len(reported) == 1 and cause in reported[0].lower(), warnings
     assert "pip install" not in reported[0]
+    # A W&B client failing on every write may fall behind the steps: the queue then drops its
+    # oldest records and says so (once when it starts, the count at close), as designed.
+    others = [w for w in warnings if "wandb" in w and w not in reported]
+    assert all("sinks are behind" in w or "sinks fell behind" in w for w in others), others
 
 
 def _wandb_unreachable_child(out: str, result: str) -> None:
