@@ -1,0 +1,69 @@
+"""One measurement of a rank's gradients (:mod:`distmetrics.grad_norm`), kept for the log step:
+per-module buckets, this rank's total, the global total and the clip coefficient, and what
+counts the non-finite gradients when a log step asks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .plans import Buckets, Plan
+
+__all__ = ["GradMeasurement"]
+
+
+@dataclass
+class GradMeasurement:
+    """One measurement of this rank's gradients, for the log step."""
+
+    norm_type: float
+    # how the values combine across ranks: sum (Σ nᵖ; p=0: the owned tensors with a non-zero
+    # element), max (inf), min (-inf)
+    kind: str
+    buckets: torch.Tensor  # per module bucket
+    local_total: torch.Tensor
+    checked: torch.Tensor  # per local tensor: a value that is NaN or ±inf exactly where the gradient holds one
+    bucket_idx: torch.Tensor  # per local tensor: its bucket
+    missing: float
+    owned_buckets: Buckets
+    local_buckets: Buckets
+    max_norm: Optional[float] = None
+    coef: Optional[torch.Tensor] = None
+    total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
+    plan: Optional[Plan] = None  # the parameters measured
+    locals: Optional[list] = None  # the local gradients, until clipping scaled them
+    groups: Optional[dict] = None  # their positions by (device, dtype), until then too
+
+    summed_check: bool = False  # local_total is non-finite whenever some checked value is (a sum of p-th powers)
+    on_host: bool = False  # the values are on the CPU: reading them waits for no device
+    _local_value: Optional[float] = None
+
+    @property
+    def local_value(self) -> Union[float, torch.Tensor]:
+        """``local_total`` as a number where it is on the host (read once), else the tensor."""
+        if not self.on_host:
+            return self.local_total
+        if self._local_value is None:
+            self._local_value = float(self.local_total)
+        return self._local_value
+
+    @property
+    def nonfinite(self) -> Union[float, torch.Tensor]:
+        """How many local tensors hold NaN or ±inf, counted when asked (at a log step): a
+        number where the values are on the host (0 without a pass where a finite sum of
+        p-th powers shows none is), else a tensor on their device (no sync)."""
+        if not self.on_host:
+            return torch.isfinite(self.checked).logical_not().sum().to(torch.float64)
+        if self.summed_check and math.isfinite(self.local_value):
+            return 0.0
+        return float(self.checked.numel() - int(torch.isfinite(self.checked).sum()))
+
+    def bad_buckets(self) -> torch.Tensor:
+        """Per bucket: how many of its local tensors hold NaN or ±inf (made only when asked: a
+        log step whose non-finite count is not 0)."""
+        bad = torch.isfinite(self.checked).logical_not().to(torch.float64)
+        zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=bad.device)
+        return zeros.index_add(0, self.bucket_idx, bad)
