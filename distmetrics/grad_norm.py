@@ -201,6 +201,10 @@ def norm_kind(p: float) -> str:
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
     """Positions of the tensors by (device, dtype)."""
+    if tensors and tensors[0].is_cpu:  # on the host, no device object per tensor to make and compare
+        dtypes = list(map(_DTYPE, tensors))
+        if dtypes.count(dtypes[0]) == len(dtypes) and all(map(_IS_CPU, tensors)):
+            return {(tensors[0].device, dtypes[0]): list(range(len(tensors)))}
     keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
     if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype
         return {keys[0]: list(range(len(keys)))}
@@ -210,7 +214,7 @@ def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
     return out
 
 
-_DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
+_DEVICE, _DTYPE, _IS_CPU = operator.attrgetter("device"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
 
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
