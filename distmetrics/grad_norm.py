@@ -21,6 +21,7 @@ rank (the all-reduce carries the flag).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from collections import OrderedDict
@@ -105,12 +106,12 @@ class GradientNorms:
         """(the total norm as torch returns it, the measurement); one all-reduce."""
         p = float(norm_type)
         plan = self.plans.for_parameters(parameters)
-        grads, index = [], []
-        for i, param in enumerate(plan.params):
-            g = grad_of(param)
-            if g is not None:
-                grads.append(g)
-                index.append(i)
+        grads = list(map(grad_of, plan.params))
+        if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
+            index = plan.every_index
+        else:
+            index = tuple(i for i, g in enumerate(grads) if g is not None)
+            grads = [g for g in grads if g is not None]
         if not plan.checked:
             check_layout(self.model, plan.params, plan.names, self.shards)
             plan.checked = True
@@ -155,7 +156,7 @@ class GradientNorms:
 
     def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device) -> Route:
         """The :class:`Route` of the params that have gradients, cached per plan and gradient set."""
-        key = (tuple(index), device)
+        key = (index, device)
         cached = plan.routing.get(key)
         if cached is None:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]

@@ -3,6 +3,7 @@ cached plan that is rebuilt only when the model's parameters change."""
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 from collections import OrderedDict
@@ -57,8 +58,13 @@ class Plan:
     slots: Optional["Slots"] = None  # where every param of the model lives
     checked: bool = False  # the layout check ran for this plan
     generation: int = -1  # _REGISTRATIONS when the slots were read
-    vectors: dict = field(default_factory=dict)  # (family, bucket ids) → element names
+    vectors: dict = field(default_factory=dict)  # (family, id of the Buckets) → (Buckets, element names, every)
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
+
+    @functools.cached_property
+    def every_index(self) -> tuple:
+        """The positions of every parameter (the gradient set where each has a gradient)."""
+        return tuple(range(len(self.params)))
 
 
 # Parameters or modules registered anywhere in the process since start: a plan made before
