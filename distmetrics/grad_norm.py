@@ -227,7 +227,7 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
     groups = _groups(tensors) if groups is None else groups
     parts = []
     for (dev, dtype), positions in groups.items():
-        group = [tensors[i] for i in positions]
+        group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
         acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in _LOW_PRECISION else None)
@@ -337,7 +337,7 @@ def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bo
            groups: Optional[dict] = None) -> None:
     """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
     for (dev, dtype), positions in (_groups(tensors) if groups is None else groups).items():
-        group = [tensors[i] for i in positions]
+        group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
         factor = coef.to(device=dev)
         if _use_foreach(foreach, dev, group):
             torch._foreach_mul_(group, factor)
