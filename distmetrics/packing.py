@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import struct
 import zlib
 from typing import Any, Optional, Sequence, Union
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
            "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
-           "host_values", "HOST_DECODE_LANES",
+           "host_values", "tuple_getter", "HOST_DECODE_LANES",
            "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
@@ -186,6 +187,14 @@ class Pieces:
         scalars = [torch.tensor(positions, dtype=torch.long).to(self.device) for positions in key[1:3] if positions]
         parts = self.vector_index + scalars
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def tuple_getter(positions: Sequence) -> Any:
+    """``operator.itemgetter`` over ``positions`` that always gives a tuple (of one item, or of
+    none), where itemgetter of one position gives the item itself."""
+    if len(positions) == 1:
+        return lambda items, at=positions[0]: (items[at],)
+    return operator.itemgetter(*positions) if positions else (lambda items: ())
 
 
 def host_number(value: Number) -> Optional[float]:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
-                      mean_parts)
+                      mean_parts, tuple_getter)
 
 __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "sum_pack_tensor", "all_row_on_host",
            "all_row_tensor"]
@@ -129,9 +129,7 @@ def _sum_gather(layout: PackLayout, signature: list) -> Any:
         for name in (entry,) if isinstance(entry, str) else entry:
             source[layout.sum_index[name] // 2] = slot
             slot += 1
-    if len(source) < 2:  # itemgetter of one index gives the item, not a tuple
-        return lambda lanes: tuple(lanes[at] for at in source)
-    return operator.itemgetter(*source)
+    return tuple_getter(source)
 
 
 def sum_pack_tensor(layout: PackLayout, samples: list, device: torch.device) -> torch.Tensor:

@@ -4,8 +4,9 @@ metrics, worked out once per set of names."""
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from ..packing import tuple_getter
 
 __all__ = ["Families", "Found", "subtree_values"]
 
@@ -44,11 +45,11 @@ class _Leaves:
         self.out_modules = singles + several
         own = dict(zip(modules, self.keys))
         self.out_keys = [own.get(m) or f"{family}/{m}" for m in self.out_modules]
-        self._singles = _getter([under[m][0] for m in singles])
-        self._several = [_getter(under[m]) for m in several]
+        self._singles = tuple_getter([under[m][0] for m in singles])
+        self._several = [tuple_getter(under[m]) for m in several]
         position = {module: i for i, module in enumerate(self.out_modules)}
         self._into = [tuple(position[a] for a in chain) for chain in ancestry]
-        self.read = _getter(self.keys)
+        self.read = tuple_getter(self.keys)
         """The leaf values in a log step's metrics (every key present), as a tuple."""
 
     def subtrees(self, values: Sequence[float], kind: str) -> list[float]:
@@ -64,13 +65,6 @@ class _Leaves:
                 old = best[i]
                 best[i] = value if old is None or value != value else old if old != old else pick(old, value)
         return best
-
-
-def _getter(positions: list) -> Callable[[Any], tuple]:
-    """``itemgetter`` over ``positions`` that always gives a tuple (of one item, or of none)."""
-    if len(positions) == 1:
-        return lambda items, at=positions[0]: (items[at],)
-    return operator.itemgetter(*positions) if positions else (lambda items: ())
 
 
 class Families:
