@@ -2,6 +2,7 @@
 the standard library as the fallback) write the same values; the TensorBoard record checksum
 (google-crc32c) equals TensorBoard's own."""
 
+import itertools
 import json
 import math
 import random
@@ -91,6 +92,25 @@ def test_a_jsonl_line_is_the_record_head_first_and_a_metric_named_like_the_head_
     assert set(json.loads(_line("run", 0, {}))) == {"kind", "step", "time"}
 
 
+def test_the_head_kept_per_kind_reads_back_as_the_record_for_any_kind_and_step():
+    """The head is text made from each kind's encoding and kept per kind: kinds that need
+    escaping (a quote, a backslash, a control character, non-ASCII text), more kinds than are
+    kept, and steps that are not plain ints (numpy, bool, beyond 64 bits) read back exactly as
+    the record given, with the time as datetime writes it."""
+    kinds = ['say "hi"', "back\\slash", "tab\tnew\nline", "grün", "train"] + [f"kind{i}" for i in range(80)]
+    steps = [0, 7, np.int64(9), True, 2**70]
+    metrics = {"a": 1.5, "b/c": 2}
+    for kind, step in itertools.product(kinds, steps):
+        line = jsonl._line(kind, step, metrics)
+        record = json.loads(line)
+        assert list(record)[:3] == ["kind", "step", "time"], line
+        expected = step.item() if isinstance(step, np.generic) else step
+        assert record["kind"] == kind and record["step"] == expected and type(record["step"]) is type(expected)
+        assert {k: record[k] for k in metrics} == metrics
+        assert len(record["time"]) == len("2026-11-22T06:09:24.123+00:00") and record["time"].endswith("+00:00")
+    assert len(jsonl._KIND_HEADS) <= jsonl.FiniteCheck.KEEP
+
+
 @pytest.mark.parametrize("odd", [math.nan, math.inf, -math.inf, None, np.float32("nan"), "text", 1e308])
 def test_one_odd_value_among_many_finite_ones_is_written_as_strict_json(odd):
     """The encoder skips its search for ``null`` when the values' sum is finite: one NaN, Inf,
@@ -112,7 +132,8 @@ def test_one_odd_value_among_many_finite_ones_is_written_as_strict_json(odd):
 def test_the_record_time_is_what_datetime_writes():
     """The head's time is formatted once per second and the milliseconds added: the text equals
     ``datetime.isoformat(timespec="milliseconds")`` in UTC, at whole seconds, at a fraction that
-    rounds up into the next second, and at random times."""
+    rounds up into the next second, and at random times; the time now lies between what
+    datetime reads just before and just after."""
     import datetime as dt
 
     rng = random.Random(5)
@@ -120,6 +141,10 @@ def test_the_record_time_is_what_datetime_writes():
     times += [float(s) + f for s in (0, 1037114423, 1795000000) for f in (0.0, 0.0005, 0.999, 0.9995, 0.9999996)]
     for t in times:
         assert jsonl.utc_now(t) == dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds"), t
+    for _ in range(2000):  # the clock read in nanoseconds: between what datetime reads before and after
+        before = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+        now = jsonl.utc_now()
+        assert before <= now <= dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"), now
 
 
 @pytest.mark.parametrize("case", ["arrays of two shapes", "tensors of two sizes", "float32 near the top"])

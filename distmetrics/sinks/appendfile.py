@@ -59,7 +59,7 @@ class AppendFile:
         joined first) whole at the end of the file; on an OSError cut it back off, count the
         record as lost (``step`` names it) and return False."""
         pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
-        size = sum(len(piece) for piece in pieces)
+        size = sum(map(len, pieces))
         done = 0
         try:
             if self._cut_at is not None:

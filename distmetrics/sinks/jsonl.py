@@ -78,12 +78,14 @@ def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
 def _pieces(kind: str, step: int, metrics: dict[str, Any], finite: "FiniteCheck") -> tuple:
     """One line as pieces to write one after the other: the head (kind, step, time) and the
     metrics are encoded apart and not joined (at thousands of names a copy of the line, and the
-    page faults of a new buffer that large, cost about what encoding it does)."""
+    page faults of a new buffer that large, cost about what encoding it does). The head is
+    text made from the kind's encoding, kept per kind (:func:`_kind_head`)."""
+    if metrics and type(step) is int and "kind" not in metrics and "step" not in metrics and "time" not in metrics:
+        body = _fast(metrics, finite if len(metrics) > FiniteCheck.SEARCH_BELOW else None, kind)
+        if body is not None:
+            head = _KIND_HEADS.get(kind) or _kind_head(kind)
+            return f'{head}{step},"time":"{utc_now()}",'.encode(), memoryview(body)[1:], b"\n"
     head = {"kind": kind, "step": step, "time": utc_now()}
-    if metrics and not any(key in metrics for key in head):
-        body, start = _fast(metrics, finite if len(metrics) > FiniteCheck.SEARCH_BELOW else None, kind), _fast(head)
-        if body is not None and start is not None:
-            return start[:-1] + b",", memoryview(body)[1:], b"\n"
     data = _fast({**head, **metrics})  # no per-value Python work unless a value needs it
     if data is None:
         record = head
@@ -96,6 +98,18 @@ def _pieces(kind: str, step: int, metrics: dict[str, Any], finite: "FiniteCheck"
                 record[name] = value
         data = _fast(record) or _exact(record)
     return data, b"\n"
+
+
+_KIND_HEADS: dict[str, str] = {}  # kind -> '{"kind":<kind>,"step":'
+
+
+def _kind_head(kind: str) -> str:
+    """The start of a line of ``kind``, up to the step's value (kept for a few kinds)."""
+    if len(_KIND_HEADS) >= FiniteCheck.KEEP:
+        _KIND_HEADS.clear()
+    start = (_fast({"kind": kind}) or _exact({"kind": kind})).decode("utf-8")
+    _KIND_HEADS[kind] = head = f'{start[:-1]},"step":'
+    return head
 
 
 def _fast(record: dict[str, Any], finite: Optional["FiniteCheck"] = None, kind: str = "") -> Optional[bytes]:
@@ -120,11 +134,13 @@ def utc_now(now: Optional[float] = None) -> str:
     it in UTC (``2026-11-22T06:09:24.123+00:00``); the part up to the second is formatted once
     per second."""
     global _second
-    now = time.time() if now is None else now
-    second = math.floor(now)
-    micro = round((now - second) * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
-    if micro >= 1_000_000:
-        second, micro = second + 1, micro - 1_000_000
+    if now is None:  # the clock in integer nanoseconds, rounded to the microsecond
+        second, micro = divmod((time.time_ns() + 500) // 1000, 1_000_000)
+    else:
+        second = math.floor(now)
+        micro = round((now - second) * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
+        if micro >= 1_000_000:
+            second, micro = second + 1, micro - 1_000_000
     cached, text = _second
     if second != cached:
         text = _dt.datetime.fromtimestamp(second, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
