@@ -313,15 +313,18 @@ def _console_to_devnull():
     logger.propagate = False
 
 
-def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3) -> dict:
+def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3, least_s: float = 0.0) -> dict:
     """``calls``: name -> (call(step), drain()). For each call: the median seconds, the median of
     its ``drain`` (the writer thread finishing what the call queued: waited for after each call
     and timed apart, so no writer work lands inside another call's figure), and the median of
     its ratio to the ``baseline`` call of the same round. The calls of a round run back to
     back, in alternating order, so load from other processes that comes and goes weighs on
-    both sides of each ratio alike."""
+    both sides of each ratio alike. Rounds go on past ``repeats`` until ``least_s`` seconds
+    have passed, so that short calls are sampled over more than one burst of other load."""
     times = {name: ([], []) for name in calls}
-    for i in range(warmup + repeats):
+    until = time.perf_counter() + least_s
+    i = 0
+    while i < warmup + repeats or time.perf_counter() < until:
         order = list(calls) if i % 2 == 0 else list(reversed(calls))  # neither always goes first
         for name in order:
             call, drain = calls[name]
@@ -330,6 +333,7 @@ def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3) 
             if i >= warmup:
                 times[name][0].append(took)
                 times[name][1].append(drained)
+        i += 1
     base = times[baseline][0]
     return {name: (statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, base)))
             for name, (a, b) in times.items()}
@@ -376,6 +380,11 @@ def _wait_for_wandb(monitor, most_s: float = 120.0) -> None:
             time.sleep(0.05)
 
 
+SINKS_LEAST_S = 2.0
+"""Seconds each size of 6b is sampled at least: at 10 names a round takes half a millisecond,
+and the background work of W&B's client and service comes in bursts longer than 150 rounds."""
+
+
 def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
     """(b) the log step on the training thread with every sink on (JSONL, progress.txt, console,
     TensorBoard, W&B offline) against no sink, at ``sizes`` metric names, once W&B's run exists
@@ -399,7 +408,7 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
                         "all": dm.Monitor(every, collectors=[_NamedValues(names)])}
             _wait_for_wandb(monitors["all"])
             calls = {name: (lambda step, m=m: m.step(step, loss=1.0), m.sinks.flush) for name, m in monitors.items()}
-            timed = _timed_log_steps("none", calls, repeats)
+            timed = _timed_log_steps("none", calls, repeats, least_s=SINKS_LEAST_S)
             for monitor in monitors.values():
                 monitor.close()
         (base, _, _), (ours, writer, ratio) = timed["none"], timed["all"]
