@@ -156,7 +156,8 @@ class MetricsConfig:
 
     # --- stragglers ----------------------------------------------------------------------
     straggler_window: int = 10
-    """Log steps in the sliding window of per-rank straggler scores; 0 turns scores off."""
+    """Log steps in the sliding window of per-rank straggler scores; 0 turns scores off (a job of
+    one rank keeps none: there is no other rank to compare with)."""
     straggler_report_every: int = 10
     """Write a ``stragglers`` record every this many log steps; 0: never."""
     straggler_report_ranks: int = 8

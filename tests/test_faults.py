@@ -272,7 +272,7 @@ def test_a_name_a_collector_writes_is_refused_at_the_call_and_the_log_step_goes_
     metrics = monitor.step(4, loss=2.0)
     monitor.close()
     assert metrics["train/loss"] == 1.25 and metrics.get(name) != 5.0
-    assert metrics["memory/host_rss_gib"] > 0 and metrics["stragglers/score_min"] == 1.0  # one rank: the fastest
+    assert metrics["memory/host_rss_gib"] > 0 and not any(k.startswith("stragglers/score") for k in metrics)  # one rank
 
 
 def test_a_monitor_that_cannot_be_made_lets_go_of_its_output_dir(tmp_path):

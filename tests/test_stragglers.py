@@ -118,6 +118,28 @@ def test_the_first_interval_counts_only_the_steps_its_clock_measured():
         assert collector.step_ms[:len(expected)] == pytest.approx(expected, nan_ok=True), interval
 
 
+def test_one_rank_keeps_no_straggler_scores_and_sends_no_timer_lanes_for_them(tmp_path):
+    """Scores compare ranks: a job of one rank has none to compare (its score would be 1.0 at
+    every log step), so it keeps no windows, writes no ``stragglers/score_min`` and no
+    ``stragglers`` record, and its timers send no per-rank lanes; the timers' own report is as
+    under any world size."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, straggler_window=2, straggler_report_every=1,
+                           console=False, tensorboard=False, timing_log_option="minmax", timing_log_level=2)
+    monitor = dm.Monitor(cfg)
+    assert "stragglers" not in {c.name for c in monitor.collectors} and not monitor._by_name["timers"].per_rank
+    for step in range(1, 5):
+        with monitor.timers("data", log_level=0):
+            pass
+        metrics = monitor.step(step, loss=1.0)
+    monitor.close()
+    assert "timers/data" in metrics and "stragglers/data/rank" in metrics, sorted(metrics)
+    assert not any(k.startswith("stragglers/score") or "score_min" in k for k in metrics), sorted(metrics)
+    kinds = {r["kind"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl")}
+    assert "train" in kinds and "stragglers" not in kinds
+
+
 def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):
     """The collector's alert logic on given per-rank step times (as the gather hands them over),
     through the console sink."""

@@ -35,8 +35,10 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
 
     out: list = [StepValues(layout)]
     timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time)
-    # with straggler scores on, every rank's timer values also travel (in the one ALL gather)
-    out.append(TimerCollector(timers, config.timing_log_option, per_rank=config.straggler_window > 0))
+    # straggler scores compare ranks: with one rank there is nothing to compare, so none are kept.
+    # With them on, every rank's timer values also travel (in the one ALL gather).
+    scores = config.straggler_window > 0 and layout.world_size > 1
+    out.append(TimerCollector(timers, config.timing_log_option, per_rank=scores))
     if config.log_throughput:
         out.append(ThroughputCollector(layout.world_size, config.resolved_flops_per_token,
                                        resolve_peak_tflops(config, layout.rank), config.total_steps,
@@ -53,7 +55,7 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
                                  log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
                                  snapshot=config.update_norm_snapshot))
     out += [HealthCollector(config.spike_factor), LossCollector(), MoECollector(sees_distinct_tokens(layout))]
-    if config.straggler_window:
+    if scores:
         out.append(StragglerCollector(config.straggler_window, config.straggler_report_every,
                                       config.straggler_report_ranks, config.straggler_threshold,
                                       nvml=config.log_energy or config.log_gpu_telemetry))

@@ -6,6 +6,8 @@ as the fastest rank, 0.5 takes twice its time. The median makes one slow interva
 checkpoint, a garbage-collection pause) count for little and a rank that is slow every time
 count fully. The same score is kept per timer where every rank's timer values reach the log
 step (``timing_log_option: all``, or the ``_ranks/timers/<name>`` lanes a timer collector adds).
+The Monitor builds this collector only for a job of two ranks or more (one rank has no other
+to compare with).
 
 Cost: each rank's step time is one ``all`` sample, so it rides the log step's one all-gather
 (with the GPU's power and SM clock beside it when NVML is on); where nothing else is gathered
