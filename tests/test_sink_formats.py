@@ -94,10 +94,10 @@ def test_a_jsonl_line_is_the_record_head_first_and_a_metric_named_like_the_head_
 
 def test_the_head_kept_per_kind_reads_back_as_the_record_for_any_kind_and_step():
     """The head is text made from each kind's encoding and kept per kind: kinds that need
-    escaping (a quote, a backslash, a control character, non-ASCII text), more kinds than are
-    kept, and steps that are not plain ints (numpy, bool, beyond 64 bits) read back exactly as
-    the record given, with the time as datetime writes it."""
-    kinds = ['say "hi"', "back\\slash", "tab\tnew\nline", "grün", "train"] + [f"kind{i}" for i in range(80)]
+    escaping (a quote, a backslash, a control character, non-ASCII text), a per cent sign, more
+    kinds than are kept, and steps that are not plain ints (numpy, bool, beyond 64 bits) read
+    back exactly as the record given, with the time now as datetime reads it."""
+    kinds = ['say "hi"', "back\\slash", "tab\tnew\nline", "grün", "100% %d %s", "train"] + [f"kind{i}" for i in range(80)]
     steps = [0, 7, np.int64(9), True, 2**70]
     metrics = {"a": 1.5, "b/c": 2}
     for kind, step in itertools.product(kinds, steps):
@@ -109,6 +109,12 @@ def test_the_head_kept_per_kind_reads_back_as_the_record_for_any_kind_and_step()
         assert {k: record[k] for k in metrics} == metrics
         assert len(record["time"]) == len("2026-11-22T06:09:24.123+00:00") and record["time"].endswith("+00:00")
     assert len(jsonl._KIND_HEADS) <= jsonl.FiniteCheck.KEEP
+    import datetime as dt
+
+    for _ in range(2000):  # the head's clock: between what datetime reads before and after
+        before = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+        now = json.loads(jsonl._line("train", 1, metrics))["time"]
+        assert before <= now <= dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"), now
 
 
 @pytest.mark.parametrize("odd", [math.nan, math.inf, -math.inf, None, np.float32("nan"), "text", 1e308])
