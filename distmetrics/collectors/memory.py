@@ -17,14 +17,17 @@ __all__ = ["MemoryCollector"]
 
 GIB = 1024 ** 3
 
-_CUDA_STATS = {
-    "memory/allocated_gib": ("allocated_bytes.all.current", GIB),
-    "memory/max_allocated_gib": ("allocated_bytes.all.peak", GIB),
-    "memory/reserved_gib": ("reserved_bytes.all.current", GIB),
-    "memory/max_reserved_gib": ("reserved_bytes.all.peak", GIB),
-    "memory/alloc_retries": ("num_alloc_retries", 1),
-    "memory/ooms": ("num_ooms", 1),
-}
+# (name, path in torch.cuda.memory_stats_as_nested_dict(), scale). The nested dict is what the
+# allocator returns; torch.cuda.memory_stats() flattens all of it in Python first (about 160
+# recursive calls, 0.15-0.2 ms of a log step on an H100 machine) for the six values read here.
+_CUDA_STATS = (
+    ("memory/allocated_gib", ("allocated_bytes", "all", "current"), GIB),
+    ("memory/max_allocated_gib", ("allocated_bytes", "all", "peak"), GIB),
+    ("memory/reserved_gib", ("reserved_bytes", "all", "current"), GIB),
+    ("memory/max_reserved_gib", ("reserved_bytes", "all", "peak"), GIB),
+    ("memory/alloc_retries", ("num_alloc_retries",), 1),
+    ("memory/ooms", ("num_ooms",), 1),
+)
 
 
 class MemoryCollector:
@@ -42,9 +45,12 @@ class MemoryCollector:
         """Current host RSS and CUDA allocator statistics (host-side counters, no device sync)."""
         out = [Sample("memory/host_rss_gib", self._rss.read() / GIB, "max")]
         if self._cuda:
-            stats = torch.cuda.memory_stats()
-            for name, (key, scale) in _CUDA_STATS.items():
-                out.append(Sample(name, float(stats.get(key, 0)) / scale, "max"))
+            stats = torch.cuda.memory_stats_as_nested_dict()  # {} before CUDA is initialised
+            for name, path, scale in _CUDA_STATS:
+                value = stats
+                for key in path:
+                    value = value.get(key, 0) if isinstance(value, dict) else 0
+                out.append(Sample(name, float(value) / scale, "max"))
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:

@@ -296,11 +296,16 @@ class TimerCollector:
         self.timers.guard = guard
 
     def mark_step(self) -> None:
-        """A step ended and the next begins (called by ``monitor.step``)."""
-        if self._step_timer is not None:
-            if self._step_timer._started:
-                self._step_timer.stop()
-            self._step_timer.start()
+        """A step ended and the next begins (called by ``monitor.step``). The step timer runs on
+        from one step to the next, so a step only counts a span: its time is read where the
+        interval is taken (one clock read, or one CUDA event, at the log step). Stopping and
+        starting it here cost two CUDA events per step: about 60 us of every step on a GPU."""
+        timer = self._step_timer
+        if timer is not None:
+            if timer._started:
+                timer.spans += 1
+            else:
+                timer.start()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """``timers/<name>``: this rank's milliseconds per step over the interval."""
