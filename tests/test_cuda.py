@@ -1,0 +1,332 @@
+"""What only an NVIDIA GPU shows: CUDA-event timers, NVML energy, power, telemetry and identity,
+packs built on the device, norms of CUDA gradients, NCCL.
+
+Skipped where torch sees no CUDA device (this project's CI machine) and in a run of the whole
+suite, which hides the GPU (tests/conftest.py); on a GPU machine run
+``python -m pytest tests/test_cuda.py`` (``launch/test.sh`` does, after the suite). Nothing is mocked. The references are independent of
+the code under test: ``nvidia-smi`` and NVML read directly, megatron-core's own ``Timers`` timing
+the same GPU work, a wall clock around a ``torch.cuda.synchronize``, float64 on the host.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import free_port, quiet_config, run_child
+
+if torch.version.cuda is None:
+    _WHY = "needs a CUDA device (this torch is a CPU build)"
+elif os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    _WHY = "the whole suite hides the GPU (tests/conftest.py): run python -m pytest tests/test_cuda.py"
+else:
+    _WHY = "needs a CUDA device"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=_WHY)
+
+
+def _smi(*fields: str) -> list[str]:
+    """This process's GPU as nvidia-smi reports it (CUDA_VISIBLE_DEVICES is not set in these runs)."""
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi is not on PATH")
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                          f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, check=True)
+    return [v.strip() for v in out.stdout.strip().split(",")]
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles in a millisecond of ``torch.cuda._sleep`` (a spin kernel), by wall clock."""
+    torch.cuda._sleep(1_000_000)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(50_000_000)
+    torch.cuda.synchronize()
+    return 50_000_000 / ((time.perf_counter() - t) * 1000)
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cuda_timer_times_the_gpu_work_without_waiting_for_it():
+    from distmetrics.collectors.timers import Timers
+
+    cycles = _cycles_per_ms()
+    timers = Timers(log_level=2, log_option="minmax")
+    assert timers._use_cuda  # on a GPU machine the default is CUDA events
+    torch.cuda.synchronize()
+    host_in_calls = 0.0
+    t0 = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call in start/stop raises
+    try:
+        for _ in range(5):
+            t = time.perf_counter()
+            timers("work", log_level=0).start()
+            host_in_calls += time.perf_counter() - t
+            torch.cuda._sleep(int(20 * cycles))
+            t = time.perf_counter()
+            timers("work").stop()
+            host_in_calls += time.perf_counter() - t
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ours = timers("work").elapsed(reset=True)
+    assert host_in_calls < 0.05 * wall, (host_in_calls, wall)  # start/stop never waited for the ~100 ms
+    assert ours == pytest.approx(wall, rel=0.05), (ours, wall)
+
+
+def test_cuda_timer_agrees_with_megatron_cores_timers_on_the_same_work():
+    from megatron.core.timers import Timers as MegatronTimers
+
+    from distmetrics.collectors.timers import Timers
+
+    cycles = _cycles_per_ms()
+    theirs, ours = MegatronTimers(log_level=2, log_option="minmax"), Timers(log_level=2, log_option="minmax")
+    totals = {}
+    for name, timers in (("megatron", theirs), ("ours", ours)):
+        torch.cuda.synchronize()
+        for ms in (5, 10, 20, 40):
+            timers("work", log_level=0).start()
+            torch.cuda._sleep(int(ms * cycles))
+            timers("work").stop()
+        totals[name] = timers("work").elapsed(reset=True)
+    assert totals["ours"] == pytest.approx(totals["megatron"], rel=0.03), totals
+    assert totals["ours"] == pytest.approx(0.075, rel=0.10), totals
+
+
+def test_timers_at_a_log_step_on_cuda_match_a_synchronised_clock(tmp_path):
+    import distmetrics as dm
+
+    cycles = _cycles_per_ms()
+    monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, output_dir=str(tmp_path)))
+    walls = []
+    for step in (1, 2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with monitor.timers("fwd", log_level=1):
+            torch.cuda._sleep(int(30 * cycles))
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        m = monitor.step(step)
+    monitor.close()
+    # per step, over the interval's two steps: each step's ~30 ms of GPU work
+    assert m["timers/fwd"] == pytest.approx(sum(walls) / 2 * 1000, rel=0.05), (m["timers/fwd"], walls)
+
+
+def test_the_step_timer_makes_no_cuda_event_between_log_steps_and_times_the_steps(monkeypatch):
+    import distmetrics as dm
+
+    made = []
+
+    class CountedEvent(torch.cuda.Event):  # the real event, counted where the timers make one
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__()
+
+    cycles = _cycles_per_ms()
+    monitor = dm.Monitor(quiet_config(log_interval=10, timing_log_level=0))
+    monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
+    monitor.step(1)  # the step timer starts: one event
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for step in range(2, 11):
+        torch.cuda._sleep(int(10 * cycles))
+        torch.cuda.synchronize()
+        if step < 10:
+            monitor.step(step)
+            assert len(made) == 1, (step, len(made))  # a non-log step records nothing
+    wall = time.perf_counter() - t
+    m = monitor.step(10)
+    monitor.close()
+    assert len(made) <= 3, len(made)
+    assert m["timers/step"] == pytest.approx(wall / 9 * 1000, rel=0.05), (m["timers/step"], wall / 9 * 1000)
+
+
+def test_energy_power_and_telemetry_match_nvml_and_nvidia_smi(tmp_path):
+    import pynvml
+
+    import distmetrics as dm
+
+    uuid, max_sm = _smi("uuid", "clocks.max.sm")
+    max_sm = float(max_sm)
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+
+    def energy_j():
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0
+
+    cfg = quiet_config(log_interval=2, log_energy=True, log_gpu_telemetry=True, log_throughput=True,
+                       json_log=True, output_dir=str(tmp_path))
+    monitor = dm.Monitor(cfg)
+    a = torch.randn(8192, 8192, device="cuda")
+    before_first = energy_j()
+    monitor.step(1, tokens=1000)  # the energy count starts here
+    after_first, t_after_first = energy_j(), time.perf_counter()
+    deadline = time.perf_counter() + 2.0
+    while time.perf_counter() < deadline:  # about 2 s of matrix products: the GPU draws real power
+        for _ in range(20):
+            a = torch.tanh(a @ a / 8192 ** 0.5)
+        torch.cuda.synchronize()
+    before_log, t_before_log = energy_j(), time.perf_counter()
+    m = monitor.step(2, tokens=1000)
+    after_log = energy_j()
+    temperature = float(_smi("temperature.gpu")[0])
+    monitor.close()
+    inner, outer = before_log - after_first, after_log - before_first
+    assert inner > 100.0, inner  # two seconds of an H100-class GPU at work is hundreds of joules
+    assert inner - 2.0 <= m["energy/total_j"] <= outer + 2.0, (inner, m["energy/total_j"], outer)
+    assert m["energy/job_total_j"] == pytest.approx(m["energy/total_j"])
+    assert m["energy/j_per_gpu_per_step"] == pytest.approx(m["energy/total_j"])  # one timed step, one GPU
+    assert m["energy/j_per_token"] == pytest.approx(m["energy/total_j"] / 1000)
+    watts = inner / (t_before_log - t_after_first)
+    assert m["power/max_w"] == pytest.approx(watts, rel=0.05), (m["power/max_w"], watts)
+    assert m["power/mean_w"] == pytest.approx(watts, rel=0.05), (m["power/mean_w"], watts)
+    assert m["gpu/max_sm_clock_mhz/max"] == max_sm
+    assert 0 < m["gpu/sm_clock_mhz/max"] <= max_sm
+    assert m["gpu/temperature_c/max"] == pytest.approx(temperature, abs=5)
+    assert m["gpu/slowdown_temperature_c/max"] > m["gpu/temperature_c/max"]
+    # the record on disk holds the same values
+    train = [r for r in _records(tmp_path / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert train["energy/total_j"] == m["energy/total_j"] and train["power/max_w"] == m["power/max_w"]
+
+
+def test_gpu_model_record_names_this_gpu_as_nvidia_smi_does(tmp_path):
+    import distmetrics as dm
+
+    name, uuid, driver, memory_mib = _smi("name", "uuid", "driver_version", "memory.total")
+    monitor = dm.Monitor(quiet_config(json_log=True, output_dir=str(tmp_path)))
+    monitor.close()
+    (record,) = [r for r in _records(tmp_path / "metrics.jsonl") if r["kind"] == "gpu_model"]
+    (gpu,) = record["ranks"]
+    assert gpu["uuid"] == uuid  # the UUID NVML opens must be this GPU's, as nvidia-smi spells it
+    assert gpu["name"] == name and gpu["driver"] == driver
+    assert gpu["memory_gib"] == pytest.approx(float(memory_mib) / 1024, rel=0.03)
+    from distmetrics.flops import peak_tflops_for
+
+    if "H100" in name or "H200" in name:
+        assert peak_tflops_for(name, "bf16") in (989.0, 756.0)
+
+
+def test_memory_metrics_match_torchs_allocator_statistics():
+    import distmetrics as dm
+
+    gib = 1024 ** 3
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_memory=True))
+    peak = torch.empty(512 * 2 ** 20, dtype=torch.uint8, device="cuda")  # 512 MiB, then let go
+    del peak
+    kept = torch.empty(64 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    before = torch.cuda.memory_stats()  # torch's own flattened reading, the reference
+    m = monitor.step(1)
+    after = torch.cuda.memory_stats()
+    monitor.close()
+    for name, key in (("allocated_gib", "allocated_bytes.all.current"), ("max_allocated_gib", "allocated_bytes.all.peak"),
+                      ("reserved_gib", "reserved_bytes.all.current"), ("max_reserved_gib", "reserved_bytes.all.peak")):
+        assert before[key] / gib - 1e-6 <= m[f"memory/{name}"] <= after[key] / gib + 1e-6, (name, before[key], after[key])
+    assert m["memory/max_allocated_gib"] >= 0.5 and m["memory/allocated_gib"] >= 1 / 16
+    assert m["memory/alloc_retries"] == before["num_alloc_retries"] and m["memory/ooms"] == before["num_ooms"]
+    assert m["memory/host_rss_gib"] > 0
+    del kept
+
+
+def _model(modules: int, width: int = 256) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(modules)]).cuda()
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.randn_like(p) * (1 + i % 7)
+    return model
+
+
+def test_norms_of_cuda_gradients_match_float64_and_torch_clip():
+    import distmetrics as dm
+
+    model = _model(20)
+    grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()}
+    truth = sum(float((g * g).sum()) for g in grads.values()) ** 0.5
+    reference = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p, g in zip(probe, reference):
+        p.grad = g
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(probe, 1.0))
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    norm = monitor.clip_grad_norm_(1.0)
+    m = monitor.step(1)
+    monitor.close()
+    assert float(norm) == pytest.approx(truth, rel=1e-6) and torch_norm == pytest.approx(truth, rel=1e-6)
+    assert m["grad_norm"] == pytest.approx(truth, rel=1e-6)
+    for i in range(20):
+        module = sum(float((grads[f"{i}.{k}"] ** 2).sum()) for k in ("weight", "bias")) ** 0.5
+        assert m[f"grad_norm/{i}"] == pytest.approx(module, rel=1e-5)
+    for p, q in zip(model.parameters(), probe):  # clipped as torch clips
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def _log_step_syncs(modules: int) -> tuple[int, int]:
+    """(synchronising CUDA calls, device-to-host copies) of a clip + log step at log_interval 1."""
+    import distmetrics as dm
+
+    model = _model(modules)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_memory=True), model=model)
+    for step in (1, 2):  # warm: the schema is negotiated on the first log step
+        monitor.clip_grad_norm_(1.0)
+        monitor.step(step, loss=torch.tensor(2.0, device="cuda"), tokens=torch.tensor(10, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            warnings.simplefilter("always")
+            monitor.clip_grad_norm_(1.0)
+            monitor.step(3, loss=torch.tensor(2.0, device="cuda"), tokens=torch.tensor(10, device="cuda"))
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monitor.close()
+    syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
+    copies = sum(1 for e in prof.events() if "Memcpy DtoH" in e.name)
+    return syncs, copies
+
+
+def test_a_log_step_copies_to_the_host_once_per_pack_not_once_per_name():
+    small, large = _log_step_syncs(10), _log_step_syncs(200)
+    assert small == large, (small, large)  # 10 or 200 modules: the same copies
+    assert large[1] <= 3, large  # the packs, not a copy per name
+
+
+def _nccl_child(port: str) -> None:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    model = _model(8)
+    grads = [p.grad.detach().double().cpu() for p in model.parameters()]
+    monitor = dm.Monitor(quiet_config(log_interval=2, log_memory=True), model=model)
+    losses, tokens = [2.5, 1.5], [30, 10]
+    for step in (1, 2):
+        monitor.measure_grad_norms()
+        m = monitor.step(step, loss=torch.tensor(losses[step - 1], device="cuda"),
+                         tokens=torch.tensor(tokens[step - 1], device="cuda"))
+    monitor.close()
+    truth = sum(float((g * g).sum()) for g in grads) ** 0.5
+    assert m["grad_norm"] == pytest.approx(truth, rel=1e-6), (m["grad_norm"], truth)
+    assert m["train/loss"] == pytest.approx((2.5 * 30 + 1.5 * 10) / 40), m["train/loss"]
+    assert m["memory/max_allocated_gib"] == pytest.approx(torch.cuda.max_memory_allocated() / 1024 ** 3, rel=0.05)
+    dist.destroy_process_group()
+    print("nccl ok")
+
+
+def test_nccl_world_of_one_builds_and_reduces_packs_on_the_gpu():
+    done = run_child("tests.test_cuda._nccl_child", str(free_port()), timeout=300)
+    assert done.returncode == 0 and "nccl ok" in done.stdout, done.stdout + done.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
