@@ -57,12 +57,12 @@ def run_check_config(args: argparse.Namespace) -> str:
     """The config's own checks, then what the Monitor checks before it starts: with tensor
     inspection on, the custom feature folders, the features file and nvdlfw-inspect's own check."""
     config = MetricsConfig.from_yaml(args.path, args.overrides)
-    inspection = ""
+    inspection = note = ""
     if config.tensor_inspect.enabled:
         spec = _check_inspection(config.tensor_inspect, "tensor_inspect.features")
-        inspection = f", tensor_inspect: {len(spec)} section(s)"
+        inspection, note = f", tensor_inspect: {len(spec)} section(s)", _unchecked_by_nvdlfw()
     return (f"ok: {args.path} (log_interval={config.log_interval}, writer_rank={config.writer_rank}, "
-            f"output_dir={config.output_dir}{inspection})")
+            f"output_dir={config.output_dir}{inspection}){note}")
 
 
 # --- check-features ----------------------------------------------------------------------
@@ -80,7 +80,21 @@ def add_check_features(commands) -> None:
 def run_check_features(args: argparse.Namespace) -> str:
     """Check a features file (see :func:`check_features`)."""
     spec = check_features(args.path, args.feature_dir)
-    return f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)})"
+    return f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)}){_unchecked_by_nvdlfw()}"
+
+
+def _nvdlfw_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvdlfw_inspect") is not None
+
+
+def _unchecked_by_nvdlfw() -> str:
+    """What an "ok" did not cover where nvdlfw-inspect is missing ("" where it ran)."""
+    if _nvdlfw_installed():
+        return ""
+    return ("; our checks only: nvdlfw-inspect is not installed, so its own check (every feature registered "
+            "by a folder that would load) did not run: pip install nvdlfw-inspect==0.2.2")
 
 
 # --- report ------------------------------------------------------------------------------
@@ -118,14 +132,13 @@ def check_features(path: str, feature_dirs: list) -> dict:
 
 
 def _check_inspection(config: TensorInspectConfig, source: str) -> dict:
-    import importlib.util
     import tempfile
 
     from .tensor_stats.features import check_inspect_config
 
     spec, dirs = check_inspect_config(config)
-    if importlib.util.find_spec("nvdlfw_inspect") is None:
-        return spec
+    if not _nvdlfw_installed():
+        return spec  # the "ok" line says what did not run
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     with tempfile.TemporaryDirectory() as log_dir:

@@ -83,7 +83,8 @@ def run_python(*args: Any, timeout: float = 120, cwd: Any = ROOT, env: dict | No
     """``python *args`` (``-c CODE ...``, ``-m distmetrics.cli ...``) in a fresh interpreter that
     imports this checkout's ``distmetrics`` and ``tests`` (``PYTHONPATH``), ``env`` added to the
     environment; stdout and stderr captured as text."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # ours first, kept
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout)
 

@@ -44,6 +44,23 @@ def test_check_features_runs_nvdlfw_validation_with_the_given_folders(tmp_path):
     assert "LogNvfp4TensorStats" in bad.stderr
 
 
+def test_an_ok_says_when_nvdlfw_inspects_own_check_did_not_run(tmp_path):
+    """Without nvdlfw-inspect (its import blocked in the child, as a missing package is), the
+    file passes our checks, and the "ok" says that nvdlfw-inspect's own check did not run."""
+    features = tmp_path / "stats.yaml"
+    features.write_text("s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n"
+                        "  distmetrics:\n    LogTensorStats: {enabled: true, stats: [max], tensors: [weight]}\n")
+    blocked = "import sys; sys.modules['nvdlfw_inspect'] = None; from distmetrics.cli import main; sys.exit(main())"
+    for argv in (["check-features", str(features)],
+                 ["check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
+                  f"tensor_inspect.features={features}"]):
+        out = run_python("-c", blocked, *argv)
+        assert out.returncode == 0 and out.stdout.startswith("ok: "), out.stderr
+        assert "nvdlfw-inspect is not installed" in out.stdout and "did not run" in out.stdout, out.stdout
+        installed = _run(*argv)  # with it installed, the ok line has no such note
+        assert installed.returncode == 0 and "not installed" not in installed.stdout, installed.stderr
+
+
 def test_summary_reads_a_run_back(tmp_path):
     import distmetrics as dm
 
