@@ -313,14 +313,16 @@ def _console_to_devnull():
     logger.propagate = False
 
 
-def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3, least_s: float = 0.0) -> dict:
+def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3, least_s: float = 0.0,
+                     sync: Callable = lambda: None) -> dict:
     """``calls``: name -> (call(step), drain()). For each call: the median seconds, the median of
     its ``drain`` (the writer thread finishing what the call queued: waited for after each call
     and timed apart, so no writer work lands inside another call's figure), and the median of
     its ratio to the ``baseline`` call of the same round. The calls of a round run back to
     back, in alternating order, so load from other processes that comes and goes weighs on
     both sides of each ratio alike. Rounds go on past ``repeats`` until ``least_s`` seconds
-    have passed, so that short calls are sampled over more than one burst of other load."""
+    have passed, so that short calls are sampled over more than one burst of other load.
+    ``sync`` waits for the device inside each call's time (queued GPU work counts)."""
     times = {name: ([], []) for name in calls}
     until = time.perf_counter() + least_s
     i = 0
@@ -328,7 +330,7 @@ def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3, 
         order = list(calls) if i % 2 == 0 else list(reversed(calls))  # neither always goes first
         for name in order:
             call, drain = calls[name]
-            t = time.perf_counter(); call(i + 1); took = time.perf_counter() - t
+            t = time.perf_counter(); call(i + 1); sync(); took = time.perf_counter() - t
             t = time.perf_counter(); drain(); drained = time.perf_counter() - t
             if i >= warmup:
                 times[name][0].append(took)
@@ -339,7 +341,7 @@ def _timed_log_steps(baseline: str, calls: dict, repeats: int, warmup: int = 3, 
             for name, (a, b) in times.items()}
 
 
-def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 20e6) -> dict:
+def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 20e6, device: str = "cpu") -> dict:
     """(a) per-module norms + clip + the log step at log_interval 1 with JSONL, TensorBoard and
     the console on, against torch.nn.utils.clip_grad_norm_ alone (and the same with no sink, to
     show what the sinks add)."""
@@ -348,7 +350,8 @@ def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 2
     import distmetrics as dm
 
     _console_to_devnull()
-    model = stack_model(modules, params)
+    model = stack_model(modules, params, device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     plist = list(model.parameters())
     huge = 1e9  # clipping math runs, scaling is by 1.0: repeats see the same gradients
     with tempfile.TemporaryDirectory() as out:
@@ -359,7 +362,7 @@ def bench_every_step_logging(repeats: int, modules: int = 300, params: float = 2
         calls = {"torch": (lambda step: torch.nn.utils.clip_grad_norm_(plist, huge), lambda: None)}
         for name, monitor in (("sinks", sinks), ("bare", bare)):
             calls[name] = (lambda step, m=monitor: (m.clip_grad_norm_(huge), m.step(step)), monitor.sinks.flush)
-        timed = _timed_log_steps("torch", calls, repeats)
+        timed = _timed_log_steps("torch", calls, repeats, sync=sync)
         names = len(sinks.last_metrics)
         sinks.close()
         bare.close()
@@ -487,8 +490,9 @@ def main(argv=None) -> dict:
     u = results["update_norms"]
     print(f"   optimizer.step on a log step {u['log_step_ms']:.2f} ms vs non-log {u['non_log_step_ms']:.2f} ms = "
           f"{u['log_vs_non_log']:.2f}x; snapshot {u['snapshot_mib']:.0f} MiB on log steps only", flush=True)
-    print("6a. every-step logging: clip + log step, JSONL + TensorBoard + console, log_interval=1", flush=True)
-    results["every_step_logging"] = e = bench_every_step_logging(3 * repeats)  # short calls: more rounds
+    print(f"6a. every-step logging: clip + log step, JSONL + TensorBoard + console, log_interval=1 ({args.device})",
+          flush=True)
+    results["every_step_logging"] = e = bench_every_step_logging(3 * repeats, device=args.device)  # more rounds
     print(f"   {e['modules']} modules {e['params_m']}M params ({e['names']} names): torch clip {e['torch_clip_ms']:.2f} ms | "
           f"ours {e['ours_ms']:.2f} ms = {e['ours_vs_torch_clip']:.3f}x (target <= 1.10) | with no sink "
           f"{e['no_sinks_ms']:.2f} ms = {e['no_sinks_vs_torch_clip']:.3f}x | writer thread {e['writer_ms']:.2f} ms "
