@@ -367,6 +367,55 @@ def test_cuda_timer_event_pairs_are_let_go_at_each_log_step(clock, monkeypatch):
         assert monitor.last_metrics["timers/fwd"] == pytest.approx(1.0)
 
 
+def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):
+    """CUDA events stand in (no GPU here): an event records the FakeClock's reading and
+    ``elapsed_time`` is the difference. Between log steps the step timer records no event; its
+    laps are read at the log step (``timers/step``) and by ``elapsed()`` as the CPU timer reads
+    the same steps."""
+    import torch
+
+    import distmetrics as dm
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing=False):
+            Event.made += 1
+            self.ns = None
+
+        def record(self, stream=None):
+            self.ns = clock.ns
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.ns - self.ns) / 1e6
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    seen = {}
+    for cuda in (False, True):
+        with dm.Monitor(quiet_config(log_interval=4, timing_log_level=0, log_throughput=False)) as monitor:
+            timer = monitor.timers._timers["step"]
+            timer._use_cuda = cuda
+            seen[cuda] = []
+            for step in range(1, 9):
+                made = Event.made
+                metrics = monitor.step(step)
+                if step % 4 and step > 1:
+                    assert Event.made == made, step  # a lap between log steps records nothing
+                clock.advance(10.0 * step)  # step s lasts 10·s ms
+                if metrics is not None:
+                    seen[cuda].append(metrics["timers/step"])
+                if step == 6:
+                    seen[cuda].append(timer.active_time() * 1000)
+                    seen[cuda].append(timer.elapsed(reset=False) * 1000)
+    # log step 4: (10+20+30)/3; at step 6 the active time: the completed spans on CPU (10..50),
+    # up to now on CUDA (10..60); elapsed(): every span so far; log step 8: (40+50+60+70)/4
+    assert seen[False] == pytest.approx([20.0, 150.0, 210.0, 55.0])
+    assert seen[True] == pytest.approx([20.0, 210.0, 210.0, 55.0])
+
+
 def _empty_names_report(rank, world):
     import distmetrics as dm
 

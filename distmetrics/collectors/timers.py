@@ -99,7 +99,8 @@ class Timer(TimerBase):
     and nanoseconds since the last log step (the Monitor's)."""
 
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event", "_elapsed", "_active",
-                 "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start")
+                 "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start",
+                 "_unread_laps")
 
     def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name
@@ -117,6 +118,7 @@ class Timer(TimerBase):
         self._used = False  # started at least once this interval
         self.spans = 0  # start/stop pairs completed this interval
         self._interval_start: Any = None  # where a running span's share of this interval begins (ns or event)
+        self._unread_laps = False  # CUDA laps counted whose time is read with the running span
 
     def set_barrier_group(self, barrier_group: Any) -> None:
         """The process group that ``barrier=True`` waits for (default: the world)."""
@@ -159,7 +161,10 @@ class Timer(TimerBase):
 
     def reset(self) -> None:
         """Forget the time since the last reset; a running timer stops without counting (as
-        Megatron's does). Active time and the Monitor's interval are kept."""
+        Megatron's does; CUDA laps already ended do count). Active time and the Monitor's
+        interval are kept."""
+        if self._unread_laps and self._started:
+            self.elapsed(reset=False)
         self._resolve()
         self._elapsed = 0.0
         self._started = False
@@ -167,6 +172,7 @@ class Timer(TimerBase):
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         """Seconds since the last reset (a running timer is stopped and restarted around it)."""
         running, spans = self._started, self.spans
+        self._unread_laps = False  # the split below reads them
         if running:
             self.stop(barrier=barrier)
         self._resolve()
@@ -184,9 +190,32 @@ class Timer(TimerBase):
         self._elapsed = value
 
     def active_time(self) -> float:
-        """Seconds this timer has been running since it was created."""
+        """Seconds this timer has been running since it was created, up to its last completed
+        span as Megatron's counts; on CUDA a timer that laps (the step timer) is read up to now,
+        since its laps record no event."""
+        if self._unread_laps and self._started:
+            self.elapsed(reset=False)  # resolve the laps: split the running span here
         self._resolve()
         return self._active
+
+    def lap(self) -> None:
+        """End the running span and begin the next at the same instant (the step timer, at every
+        ``monitor.step``); start the timer if it is not running. On CPU one clock read. On CUDA
+        nothing is recorded: the span is counted, and its time is read with the running span's
+        at the next read (a log step's interval, ``elapsed()``, ``active_time()``)."""
+        if not self._started:
+            self.start()
+            return
+        self.spans += 1
+        if self._use_cuda:
+            self._unread_laps = True
+            return
+        now = time.perf_counter_ns()
+        span = (now - self._start_ns) / 1e9
+        self._elapsed += span
+        self._active += span
+        self._interval_ns += now - self._interval_start
+        self._start_ns = self._interval_start = now
 
     def take_interval_ms(self) -> Optional[float]:
         """Milliseconds accumulated since the last call; None if the timer did not run. A span
@@ -296,16 +325,12 @@ class TimerCollector:
         self.timers.guard = guard
 
     def mark_step(self) -> None:
-        """A step ended and the next begins (called by ``monitor.step``). The step timer runs on
-        from one step to the next, so a step only counts a span: its time is read where the
-        interval is taken (one clock read, or one CUDA event, at the log step). Stopping and
-        starting it here cost two CUDA events per step: about 60 us of every step on a GPU."""
-        timer = self._step_timer
-        if timer is not None:
-            if timer._started:
-                timer.spans += 1
-            else:
-                timer.start()
+        """A step ended and the next begins (called by ``monitor.step``): a lap of the step
+        timer. On CUDA a lap records nothing; the interval is read with one event at the log
+        step. Stopping and starting it here cost two CUDA events per step: about 60 us of every
+        step on an H100 machine."""
+        if self._step_timer is not None:
+            self._step_timer.lap()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """``timers/<name>``: this rank's milliseconds per step over the interval."""
