@@ -5,7 +5,11 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 VENV=${DISTMETRICS_VENV:-.venv}
 "$VENV/bin/python" -m pytest tests -q "$@"
-# The suite hides the GPU (tests/conftest.py); where torch sees one, the GPU tests run on their own.
+# The suite hides the GPU (tests/conftest.py); where torch sees one, the GPU tests run on their own
+# after the whole suite. With arguments the run above was the one asked for: say how to run them.
 if "$VENV/bin/python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-  exec "$VENV/bin/python" -m pytest tests/test_cuda.py -q "$@"
+  if [ $# -eq 0 ]; then
+    exec "$VENV/bin/python" -m pytest tests/test_cuda.py -q
+  fi
+  echo "GPU tests not run with arguments; run them on their own: $VENV/bin/python -m pytest tests/test_cuda.py"
 fi

@@ -416,6 +416,55 @@ def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clo
     assert seen[True] == pytest.approx([20.0, 210.0, 210.0, 55.0])
 
 
+def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(clock, monkeypatch):
+    """Stand-in CUDA events on the FakeClock (no GPU here). ``set_elapsed`` on a timer with
+    unread laps sets the time since now (the laps before it count in active time only), and
+    ``stop`` covers the laps, so a later read records no further event, as the CPU timer reads."""
+    import torch
+
+    from distmetrics.collectors.timers import Timers
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing=False):
+            Event.made += 1
+            self.ns = None
+
+        def record(self, stream=None):
+            self.ns = clock.ns
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.ns - self.ns) / 1e6
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    seen = {}
+    for cuda in (False, True):
+        timer = Timers(log_level=0, use_cuda=False)("t", log_level=0)
+        timer._use_cuda = cuda
+        timer.start()
+        for _ in range(3):
+            clock.advance(10.0)
+            timer.lap()
+        timer.set_elapsed(1.0)
+        clock.advance(10.0)
+        timer.lap()
+        clock.advance(5.0)
+        timer.stop()
+        made = Event.made
+        timer.start()
+        clock.advance(7.0)
+        active, events = timer.active_time(), Event.made - made
+        seen[cuda] = [timer.elapsed(reset=False), active, events]
+    # elapsed: 1 s set, then 10 + 5 ms and the running 7 ms; active time: every completed span
+    # (30 + 10 + 5 ms); on CUDA one event for the start after stop() and none for active_time()
+    assert seen[False] == pytest.approx([1.022, 0.045, 0])
+    assert seen[True] == pytest.approx([1.022, 0.045, 1])
+
+
 def _empty_names_report(rank, world):
     import distmetrics as dm
 

@@ -150,6 +150,7 @@ class Timer(TimerBase):
             end.record()
             self._pending.append((self._start_event, end))
             self._interval_pending.append((self._interval_start, end))
+            self._unread_laps = False  # the pair just recorded covers them
         else:
             now = time.perf_counter_ns()
             span = now - self._start_ns
@@ -162,7 +163,9 @@ class Timer(TimerBase):
     def reset(self) -> None:
         """Forget the time since the last reset; a running timer stops without counting (as
         Megatron's does; CUDA laps already ended do count). Active time and the Monitor's
-        interval are kept."""
+        interval are kept. On CUDA a timer that laps (the step timer) has no event at its last
+        lap, so its running span up to the reset counts in active time and in the interval
+        without counting as a span: the next ``timers/step`` is high by at most one step's share."""
         if self._unread_laps and self._started:
             self.elapsed(reset=False)
         self._resolve()
@@ -186,6 +189,8 @@ class Timer(TimerBase):
 
     def set_elapsed(self, value: float) -> None:
         """Set the time since the last reset to ``value`` seconds (e.g. a start-up time)."""
+        if self._unread_laps and self._started:
+            self.elapsed(reset=False)  # the laps so far count in active time, not in the value set
         self._resolve()
         self._elapsed = value
 
