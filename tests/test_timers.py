@@ -367,14 +367,9 @@ def test_cuda_timer_event_pairs_are_let_go_at_each_log_step(clock, monkeypatch):
         assert monitor.last_metrics["timers/fwd"] == pytest.approx(1.0)
 
 
-def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):
-    """CUDA events stand in (no GPU here): an event records the FakeClock's reading and
-    ``elapsed_time`` is the difference. Between log steps the step timer records no event; its
-    laps are read at the log step (``timers/step``) and by ``elapsed()`` as the CPU timer reads
-    the same steps."""
-    import torch
-
-    import distmetrics as dm
+def _clock_events(clock):
+    """A stand-in for ``torch.cuda.Event`` (no GPU here): an event records the FakeClock's
+    reading, ``elapsed_time`` is the difference in milliseconds, and ``made`` counts events."""
 
     class Event:
         made = 0
@@ -392,6 +387,19 @@ def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clo
         def elapsed_time(self, end):
             return (end.ns - self.ns) / 1e6
 
+    return Event
+
+
+def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):
+    """CUDA events stand in (no GPU here): an event records the FakeClock's reading and
+    ``elapsed_time`` is the difference. Between log steps the step timer records no event; its
+    laps are read at the log step (``timers/step``) and by ``elapsed()`` as the CPU timer reads
+    the same steps."""
+    import torch
+
+    import distmetrics as dm
+
+    Event = _clock_events(clock)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     seen = {}
     for cuda in (False, True):
@@ -424,22 +432,7 @@ def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(c
 
     from distmetrics.collectors.timers import Timers
 
-    class Event:
-        made = 0
-
-        def __init__(self, enable_timing=False):
-            Event.made += 1
-            self.ns = None
-
-        def record(self, stream=None):
-            self.ns = clock.ns
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return (end.ns - self.ns) / 1e6
-
+    Event = _clock_events(clock)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     seen = {}
     for cuda in (False, True):
