@@ -4,13 +4,15 @@
 server): the Monitor's constructor returns at once, rows logged meanwhile are kept (up to
 :data:`START_BUFFER_ROWS`, then the oldest are dropped and counted) and sent once the run
 exists. If it fails, or has not finished within :data:`START_TIMEOUT_S`, the sink warns once
-with W&B's error and is off. W&B writes its run from a service process and reports failures
+with W&B's error and is off; if ``wandb.init`` is still running then, the process waits for it
+at exit (at most :data:`EXIT_WAIT_S`, with a warning). W&B writes its run from a service process and reports failures
 there (e.g. a full disk) only in its own log: the sink reads the errors W&B logs and the free
 space where the run is written, and warns once with the cause.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import logging
@@ -29,6 +31,12 @@ START_TIMEOUT_S = 45.0
 """How long ``wandb.init`` may take before the sink gives up on W&B."""
 START_BUFFER_ROWS = 1000
 """Rows kept while W&B starts."""
+EXIT_WAIT_S = 20.0
+"""How long the process waits at exit for a ``wandb.init`` the sink gave up on to end. W&B bounds
+its own wait (its ``init_timeout``, which the sink sets to :data:`START_TIMEOUT_S`, plus 10 s).
+A thread still inside ``wandb.init`` when the interpreter finalizes can abort the process
+(SIGABRT, exit status 134, no message): W&B's settings code calls into Python from pydantic's
+compiled code, which a thread ended by the interpreter at exit cannot unwind."""
 
 logger = logging.getLogger("distmetrics")
 
@@ -67,6 +75,9 @@ class WandbSink:
                         "command line in its config (argv) and no W&B environment metadata.")
         kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
                       reinit="create_new", settings=wandb.Settings(**settings))
+        # registered before the writer thread's close (atexit runs last-in first-out): at exit the
+        # sink is closed first, then a wandb.init it gave up on is waited for
+        atexit.register(_wait_for_start_at_exit, self._started)
         threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
 
     @property
@@ -182,3 +193,15 @@ class WandbSink:
         if stat is None or (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) > 0:
             return ""
         return f"the disk holding {folder} is full (0 bytes free), so W&B cannot write its run there"
+
+
+def _wait_for_start_at_exit(started: threading.Event) -> None:
+    """At exit, let a ``wandb.init`` still running (the sink gave up on it) end first, at most
+    :data:`EXIT_WAIT_S`, and say so."""
+    if started.is_set():
+        return
+    logger.warning("distmetrics: waiting up to %.0f s for wandb.init (still running; the wandb sink is off) to end "
+                   "before the process exits.", EXIT_WAIT_S)
+    if not started.wait(EXIT_WAIT_S):
+        logger.warning("distmetrics: wandb.init is still running after %.0f s; exiting anyway (the exit may abort "
+                       "with SIGABRT while W&B's thread is inside it).", EXIT_WAIT_S)
