@@ -5,9 +5,9 @@ server): the Monitor's constructor returns at once, rows logged meanwhile are ke
 :data:`START_BUFFER_ROWS`, then the oldest are dropped and counted) and sent once the run
 exists. If it fails, or has not finished within :data:`START_TIMEOUT_S`, the sink warns once
 with W&B's error and is off; if ``wandb.init`` is still running then, the process waits for it
-at exit (at most :data:`EXIT_WAIT_S`, with a warning). W&B writes its run from a service process and reports failures
-there (e.g. a full disk) only in its own log: the sink reads the errors W&B logs and the free
-space where the run is written, and warns once with the cause.
+at exit (at most :data:`EXIT_WAIT_S`, with a warning). W&B writes its run from a service
+process and reports failures there (e.g. a full disk) only in its own log: the sink reads the
+errors W&B logs and the free space where the run is written, and warns once with the cause.
 """
 
 from __future__ import annotations
