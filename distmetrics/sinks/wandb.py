@@ -4,8 +4,8 @@
 server): the Monitor's constructor returns at once, rows logged meanwhile are kept (up to
 :data:`START_BUFFER_ROWS`, then the oldest are dropped and counted) and sent once the run
 exists. If it fails, or has not finished within :data:`START_TIMEOUT_S`, the sink warns once
-with W&B's error and is off; if ``wandb.init`` is still running then, the process waits for it
-at exit (at most :data:`EXIT_WAIT_S`, with a warning). W&B writes its run from a service
+with W&B's error and is off; a ``wandb.init`` still running at exit is waited for (at most
+:data:`EXIT_WAIT_S` past that deadline, with a warning). W&B writes its run from a service
 process and reports failures there (e.g. a full disk) only in its own log: the sink reads the
 errors W&B logs and the free space where the run is written, and warns once with the cause.
 """
@@ -32,7 +32,7 @@ START_TIMEOUT_S = 45.0
 START_BUFFER_ROWS = 1000
 """Rows kept while W&B starts."""
 EXIT_WAIT_S = 20.0
-"""How long the process waits at exit for a ``wandb.init`` the sink gave up on to end. W&B bounds
+"""How long past the sink's deadline the process waits at exit for ``wandb.init`` to end. W&B bounds
 its own wait (its ``init_timeout``, which the sink sets to :data:`START_TIMEOUT_S`, plus 10 s).
 A thread still inside ``wandb.init`` when the interpreter finalizes can abort the process
 (SIGABRT, exit status 134, no message): W&B's settings code calls into Python from pydantic's
@@ -75,9 +75,9 @@ class WandbSink:
                         "command line in its config (argv) and no W&B environment metadata.")
         kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
                       reinit="create_new", settings=wandb.Settings(**settings))
-        # registered before the writer thread's close (atexit runs last-in first-out): at exit the
-        # sink is closed first, then a wandb.init it gave up on is waited for
-        atexit.register(_wait_for_start_at_exit, self._started)
+        # Before or after the writer thread's close at exit (atexit runs last-in first-out, and the
+        # writer thread starts with the first queued sink), a wandb.init still running is waited for.
+        atexit.register(_wait_for_start_at_exit, self._started, self._deadline)
         threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
 
     @property
@@ -195,13 +195,14 @@ class WandbSink:
         return f"the disk holding {folder} is full (0 bytes free), so W&B cannot write its run there"
 
 
-def _wait_for_start_at_exit(started: threading.Event) -> None:
-    """At exit, let a ``wandb.init`` still running (the sink gave up on it) end first, at most
-    :data:`EXIT_WAIT_S`, and say so."""
+def _wait_for_start_at_exit(started: threading.Event, deadline: float) -> None:
+    """At exit, let a ``wandb.init`` still running end first: until the sink's deadline (which
+    ``close()`` waits for too), then at most :data:`EXIT_WAIT_S` more; say so."""
     if started.is_set():
         return
-    logger.warning("distmetrics: waiting up to %.0f s for wandb.init (still running; the wandb sink is off) to end "
-                   "before the process exits.", EXIT_WAIT_S)
-    if not started.wait(EXIT_WAIT_S):
+    wait_s = max(0.0, deadline - time.monotonic()) + EXIT_WAIT_S
+    logger.warning("distmetrics: waiting up to %.0f s for wandb.init, still running, to end before the process "
+                   "exits.", wait_s)
+    if not started.wait(wait_s):
         logger.warning("distmetrics: wandb.init is still running after %.0f s; exiting anyway (the exit may abort "
-                       "with SIGABRT while W&B's thread is inside it).", EXIT_WAIT_S)
+                       "with SIGABRT while W&B's thread is inside it).", wait_s)
