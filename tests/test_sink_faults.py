@@ -387,18 +387,19 @@ def _wandb_unreachable_child(out: str, result: str, close: str = "1") -> None:
     import atexit
     import threading
 
-    import distmetrics as dm
-    from distmetrics.sinks import wandb as wandb_sink
-
-    wandb_sink.START_TIMEOUT_S = 3.0  # instead of 45 s, to keep the test short
     capture = Capture()
     logging.getLogger("distmetrics").addHandler(capture)
 
-    def at_exit():  # registered first, so it runs after every exit hook the Monitor registers
+    def at_exit():  # registered before the W&B sink's module registers its own: runs after it
         alive = [t.name for t in threading.enumerate() if t.name == "distmetrics-wandb-start"]
         Path(result + ".exit").write_text(json.dumps({"alive": alive, "warnings": capture.messages}))
 
     atexit.register(at_exit)
+
+    import distmetrics as dm
+    from distmetrics.sinks import wandb as wandb_sink
+
+    wandb_sink.START_TIMEOUT_S = 3.0  # instead of 45 s, to keep the test short
     cfg = dm.MetricsConfig(output_dir=out, console=close == "0", tensorboard=False, log_interval=1,
                            timing_log_level=-1, wandb_project="unreachable", wandb_mode="online")
     monitor = dm.Monitor(cfg)
@@ -424,7 +425,7 @@ def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_pa
     result = json.loads((tmp_path / "result.json").read_text())
     at_exit = json.loads((tmp_path / "result.json.exit").read_text())
     assert result["starting"] and result["train_records"] == 20
-    reported = [w for w in at_exit["warnings"] if "the wandb sink" in w]
+    reported = [w for w in at_exit["warnings"] if "the wandb sink failed" in w]
     # closed: the sink gave up at its deadline; at exit, the wait came first and W&B's own timeout
     # may have ended wandb.init by then (its error is the one said)
     causes = ("wandb.init did not finish within 3 s",) + (("wandb.init failed",) if close == "0" else ())
@@ -433,7 +434,46 @@ def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_pa
     # wandb.init was still running when the sink gave up: the exit waited for it, and said so (a
     # thread left inside it could abort the exit: SIGABRT, status 134, seen 2 times in 80 runs)
     assert at_exit["alive"] == [], at_exit
-    assert any("for wandb.init, still running, to end before the process exits" in w for w in at_exit["warnings"])
+    assert any("waiting up to 20 s for wandb.init, still running after the wandb sink's 3 s" in w
+               for w in at_exit["warnings"]), at_exit["warnings"]
+
+
+def _wandb_init_never_returns_child(out: str, result: str) -> None:
+    """wandb.init replaced by a call that never returns (a W&B that hangs): the exit waits the
+    sink's deadline and EXIT_WAIT_S (1 s each here), says so, and exits."""
+    import atexit
+    import threading
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    atexit.register(lambda: Path(result).write_text(json.dumps({  # before the sink's module: runs after it
+        "alive": [t.name for t in threading.enumerate() if t.name == "distmetrics-wandb-start"],
+        "warnings": capture.messages})))
+
+    import wandb
+
+    import distmetrics as dm
+    from distmetrics.sinks import wandb as wandb_sink
+
+    wandb_sink.START_TIMEOUT_S = wandb_sink.EXIT_WAIT_S = 1.0
+    wandb.init = lambda **kwargs: threading.Event().wait()
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=out, console=False, tensorboard=False, log_interval=1,
+                                          timing_log_level=-1, wandb_project="hangs", wandb_mode="offline"))
+    for step in range(1, 4):
+        monitor.step(step, loss=1.0)
+    monitor.close()
+
+
+def test_a_wandb_init_that_never_returns_is_waited_for_at_exit_for_a_bounded_time(tmp_path):
+    pytest.importorskip("wandb")
+    child = run_child("_wandb_init_never_returns_child", str(tmp_path / "out"), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    warnings = result["warnings"]
+    assert result["alive"] == ["distmetrics-wandb-start"]  # still inside the never-ending call
+    assert any("wandb.init did not finish within 1 s; 3 rows logged meanwhile not sent" in w for w in warnings)
+    assert any("waiting up to 1 s for wandb.init, still running after the wandb sink's 1 s" in w for w in warnings)
+    assert any("wandb.init is still running after 1 s more; exiting anyway" in w for w in warnings), warnings
 
 
 def _wandb_argv_child(out: str, result: str, *command_line: str) -> None:

@@ -426,7 +426,8 @@ def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clo
 
 def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(clock, monkeypatch):
     """Stand-in CUDA events on the FakeClock (no GPU here). ``set_elapsed`` on a timer with
-    unread laps sets the time since now (the laps before it count in active time only), and
+    unread laps sets the time since now (the laps before it count in active time only; the CPU
+    timer adds the running span whole, as Megatron's), and
     ``stop`` covers the laps, so a later read records no further event, as the CPU timer reads."""
     import torch
 
@@ -442,6 +443,7 @@ def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(c
         for _ in range(3):
             clock.advance(10.0)
             timer.lap()
+        clock.advance(4.0)
         timer.set_elapsed(1.0)
         clock.advance(10.0)
         timer.lap()
@@ -452,10 +454,11 @@ def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(c
         clock.advance(7.0)
         active, events = timer.active_time(), Event.made - made
         seen[cuda] = [timer.elapsed(reset=False), active, events]
-    # elapsed: 1 s set, then 10 + 5 ms and the running 7 ms; active time: every completed span
-    # (30 + 10 + 5 ms); on CUDA one event for the start after stop() and none for active_time()
-    assert seen[False] == pytest.approx([1.022, 0.045, 0])
-    assert seen[True] == pytest.approx([1.022, 0.045, 1])
+    # elapsed: 1 s set 4 ms into a step, then that step (the CPU timer, as Megatron's: 4 + 10 ms;
+    # CUDA, split at the call: 10 ms), 5 ms and the running 7 ms; active time: every completed
+    # span (30 + 14 + 5 ms); on CUDA one event for the start after stop() and none for active_time()
+    assert seen[False] == pytest.approx([1.026, 0.049, 0])
+    assert seen[True] == pytest.approx([1.022, 0.049, 1])
 
 
 def _empty_names_report(rank, world):

@@ -188,7 +188,9 @@ class Timer(TimerBase):
         return seconds
 
     def set_elapsed(self, value: float) -> None:
-        """Set the time since the last reset to ``value`` seconds (e.g. a start-up time)."""
+        """Set the time since the last reset to ``value`` seconds (e.g. a start-up time). A running
+        span adds its whole time at its end, as Megatron's does; on CUDA a timer with unread laps
+        (the step timer) is split here instead, so only the part after the call is added."""
         if self._unread_laps and self._started:
             self.elapsed(reset=False)  # the laps so far count in active time, not in the value set
         self._resolve()

@@ -32,11 +32,13 @@ START_TIMEOUT_S = 45.0
 START_BUFFER_ROWS = 1000
 """Rows kept while W&B starts."""
 EXIT_WAIT_S = 20.0
-"""How long past the sink's deadline the process waits at exit for ``wandb.init`` to end. W&B bounds
-its own wait (its ``init_timeout``, which the sink sets to :data:`START_TIMEOUT_S`, plus 10 s).
-A thread still inside ``wandb.init`` when the interpreter finalizes can abort the process
-(SIGABRT, exit status 134, no message): W&B's settings code calls into Python from pydantic's
-compiled code, which a thread ended by the interpreter at exit cannot unwind."""
+"""How long past the sinks' deadline the process waits at exit for ``wandb.init`` threads still
+running to end. A thread still inside ``wandb.init`` when the interpreter finalizes can abort
+the process (SIGABRT, exit status 134, no message): W&B's settings code calls into Python from
+pydantic's compiled code, which a thread ended by the interpreter at exit cannot unwind. W&B
+bounds its wait for the run (its ``init_timeout``, which the sink sets to
+:data:`START_TIMEOUT_S`, plus 10 s), not every step of ``wandb.init``: this bounds the wait, it
+does not make ``wandb.init`` end."""
 
 logger = logging.getLogger("distmetrics")
 
@@ -75,10 +77,9 @@ class WandbSink:
                         "command line in its config (argv) and no W&B environment metadata.")
         kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
                       reinit="create_new", settings=wandb.Settings(**settings))
-        # Before or after the writer thread's close at exit (atexit runs last-in first-out, and the
-        # writer thread starts with the first queued sink), a wandb.init still running is waited for.
-        atexit.register(_wait_for_start_at_exit, self._started, self._deadline)
-        threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True).start()
+        thread = threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True)
+        thread.start()
+        _STARTS[:] = [(t, d) for t, d in _STARTS if t.is_alive()] + [(thread, self._deadline)]
 
     @property
     def starting(self) -> bool:
@@ -195,14 +196,28 @@ class WandbSink:
         return f"the disk holding {folder} is full (0 bytes free), so W&B cannot write its run there"
 
 
-def _wait_for_start_at_exit(started: threading.Event, deadline: float) -> None:
-    """At exit, let a ``wandb.init`` still running end first: until the sink's deadline (which
-    ``close()`` waits for too), then at most :data:`EXIT_WAIT_S` more; say so."""
-    if started.is_set():
+def _wait_for_starts_at_exit() -> None:
+    """At exit, let the ``wandb.init`` threads still running end first: until the latest sink's
+    deadline (which ``close()`` waits for too: silently), then at most :data:`EXIT_WAIT_S` more,
+    with a warning. Before or after the writer thread's close (atexit runs last-in first-out,
+    and the writer thread starts with the first queued sink)."""
+    running = [(thread, deadline) for thread, deadline in _STARTS if thread.is_alive()]
+    if not running:
         return
-    wait_s = max(0.0, deadline - time.monotonic()) + EXIT_WAIT_S
-    logger.warning("distmetrics: waiting up to %.0f s for wandb.init, still running, to end before the process "
-                   "exits.", wait_s)
-    if not started.wait(wait_s):
-        logger.warning("distmetrics: wandb.init is still running after %.0f s; exiting anyway (the exit may abort "
-                       "with SIGABRT while W&B's thread is inside it).", wait_s)
+    deadline = max(d for _, d in running)
+    for thread, _ in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if not any(thread.is_alive() for thread, _ in running):
+        return
+    logger.warning("distmetrics: waiting up to %.0f s for wandb.init, still running after the wandb sink's %.0f s, "
+                   "to end before the process exits.", EXIT_WAIT_S, START_TIMEOUT_S)
+    until = time.monotonic() + EXIT_WAIT_S
+    for thread, _ in running:
+        thread.join(max(0.0, until - time.monotonic()))
+    if any(thread.is_alive() for thread, _ in running):
+        logger.warning("distmetrics: wandb.init is still running after %.0f s more; exiting anyway (the exit may "
+                       "abort with SIGABRT while W&B's thread is inside it).", EXIT_WAIT_S)
+
+
+_STARTS: list = []  # (the thread running wandb.init, the sink's deadline), for every sink made
+atexit.register(_wait_for_starts_at_exit)
