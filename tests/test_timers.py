@@ -424,26 +424,32 @@ def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clo
     assert seen[True] == pytest.approx([20.0, 210.0, 210.0, 55.0])
 
 
+def _three_laps_and_4_ms(clock, cuda: bool):
+    """A timer started, lapped after 10, 20 and 30 ms, and 4 ms into its next step (on CUDA with
+    the stand-in events the caller installed)."""
+    from distmetrics.collectors.timers import Timers
+
+    timer = Timers(log_level=0, use_cuda=False)("t", log_level=0)
+    timer._use_cuda = cuda
+    timer.start()
+    for _ in range(3):
+        clock.advance(10.0)
+        timer.lap()
+    clock.advance(4.0)
+    return timer
+
+
 def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(clock, monkeypatch):
     """Stand-in CUDA events on the FakeClock (no GPU here). ``set_elapsed`` on a timer with
     unread laps sets the time since now (the laps before it count in active time only; the CPU
     timer adds the running span whole, as Megatron's), and
     ``stop`` covers the laps, so a later read records no further event, as the CPU timer reads."""
     import torch
-
-    from distmetrics.collectors.timers import Timers
-
     Event = _clock_events(clock)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     seen = {}
     for cuda in (False, True):
-        timer = Timers(log_level=0, use_cuda=False)("t", log_level=0)
-        timer._use_cuda = cuda
-        timer.start()
-        for _ in range(3):
-            clock.advance(10.0)
-            timer.lap()
-        clock.advance(4.0)
+        timer = _three_laps_and_4_ms(clock, cuda)
         timer.set_elapsed(1.0)
         clock.advance(10.0)
         timer.lap()
@@ -459,6 +465,23 @@ def test_a_lapped_cuda_timer_reads_as_the_cpu_timer_after_set_elapsed_and_stop(c
     # span (30 + 14 + 5 ms); on CUDA one event for the start after stop() and none for active_time()
     assert seen[False] == pytest.approx([1.026, 0.049, 0])
     assert seen[True] == pytest.approx([1.022, 0.049, 1])
+
+
+def test_reset_on_a_lapped_cuda_timer_counts_its_running_span_as_documented(clock, monkeypatch):
+    """Stand-in CUDA events on the FakeClock (no GPU here). Three 10 ms laps, then ``reset()`` 4 ms
+    into the next step: the CPU timer drops the running span (as Megatron's); the CUDA timer,
+    with no event at its last lap, counts it in the interval and in active time, not as a span,
+    so the interval's ms per step is high by 4/3 ms (at most one step's share, as its docstring says)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "Event", _clock_events(clock))
+    seen = {}
+    for cuda in (False, True):
+        timer = _three_laps_and_4_ms(clock, cuda)
+        timer.reset()
+        spans = timer.spans
+        seen[cuda] = [timer.take_interval_ms() / spans, timer.active_time() * 1000, timer.elapsed()]
+    assert seen[False] == pytest.approx([10.0, 30.0, 0.0])
+    assert seen[True] == pytest.approx([34.0 / 3, 34.0, 0.0])
 
 
 def _empty_names_report(rank, world):
