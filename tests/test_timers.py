@@ -329,6 +329,25 @@ def test_reading_the_step_timer_in_a_megatron_report_leaves_timers_step_alone(cl
     assert metrics["timers/step"] == pytest.approx(100.0) and metrics["train/step_time_ms"] == pytest.approx(100.0)
 
 
+def test_a_user_timer_named_step_is_refused_with_the_reason_and_the_step_timer_keeps_timing(clock):
+    """``timers("step")`` is the Monitor's step timer: reading it works, but starting or stopping
+    it by hand (a user's own timer of that name) would cut the steps it times, so each raises a
+    TimerError that names it and says what to do; timers/step is left as it was."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, log_throughput=False)) as monitor:
+        for step in range(1, 5):
+            clock.advance(100.0)
+            for use in (lambda t: t.start(), lambda t: t.stop(), lambda t: t.__enter__()):
+                with pytest.raises(AssertionError, match="'step' is the Monitor's step timer.*another name"):
+                    use(monitor.timers("step"))
+            assert monitor.timers("step").elapsed(reset=False) >= 0.0
+            metrics = monitor.step(step)
+        assert metrics["timers/step"] == pytest.approx(100.0)
+        with monitor.timers("train-step", log_level=0):  # another name is the user's own
+            clock.advance(30.0)
+
+
 def test_cuda_timer_event_pairs_are_let_go_at_each_log_step(clock, monkeypatch):
     """With use_cuda (torch.cuda.Event replaced by a stand-in that counts live events: no GPU
     here), the start/end pairs are read at every log step and let go; before, a run that never

@@ -177,13 +177,13 @@ class Timer(TimerBase):
         running, spans = self._started, self.spans
         self._unread_laps = False  # the split below reads them
         if running:
-            self.stop(barrier=barrier)
+            Timer.stop(self, barrier=barrier)
         self._resolve()
         seconds = self._elapsed
         if reset:
             self._elapsed = 0.0
         if running:
-            self.start(barrier=barrier)
+            Timer.start(self, barrier=barrier)
             self.spans = spans  # read, not ended: the span goes on (timers/step divides by spans)
         return seconds
 
@@ -211,7 +211,7 @@ class Timer(TimerBase):
         nothing is recorded: the span is counted, and its time is read with the running span's
         at the next read (a log step's interval, ``elapsed()``, ``active_time()``)."""
         if not self._started:
-            self.start()
+            Timer.start(self)
             return
         self.spans += 1
         if self._use_cuda:
@@ -267,6 +267,25 @@ class Timer(TimerBase):
             self._pending.clear()
 
 
+class StepTimer(Timer):
+    """The Monitor's step timer (``timers/step``): every ``monitor.step`` laps it. It can be read
+    like any timer (``elapsed()``, a report), but starting or stopping it by hand would cut the
+    steps it times, so both raise :class:`TimerError` saying so."""
+
+    __slots__ = ()
+
+    def start(self, barrier: bool = False) -> None:
+        raise TimerError(_OWNED.format(name=self.name, what="started"))
+
+    def stop(self, barrier: bool = False) -> None:
+        raise TimerError(_OWNED.format(name=self.name, what="stopped"))
+
+
+_OWNED = ("timer {name!r} is the Monitor's step timer: every monitor.step laps it (timers/{name}, one "
+          "monitor.step to the next), so it cannot be {what} by hand; give your timer another name "
+          "(e.g. 'train-{name}') or read this one")
+
+
 class Timers(MegatronReports):
     """A drop-in for ``megatron.core.timers.Timers``: ``timers(name, log_level)``, plus Megatron's
     ``log``/``write``/``get_all_timers_string`` (see :class:`MegatronReports`)."""
@@ -301,7 +320,10 @@ class Timers(MegatronReports):
             raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL}")
         if log_level > self._log_level:
             return self._dummy_timer
-        timer = self._timers[name] = Timer(name, self._use_cuda, self._group, self._barrier_ok)
+        return self._make(name, log_level, Timer)
+
+    def _make(self, name: str, log_level: int, cls: type) -> Timer:
+        timer = self._timers[name] = cls(name, self._use_cuda, self._group, self._barrier_ok)
         self._log_levels[name] = log_level
         return timer
 
@@ -325,7 +347,7 @@ class TimerCollector:
         self.timers = timers
         self.option = option
         self.per_rank = per_rank and option != "all"
-        self._step_timer = timers("step", log_level=0) if timers._log_level >= 0 else None
+        self._step_timer = timers._make("step", 0, StepTimer) if timers._log_level >= 0 else None
 
     def use_guard(self, guard: Any) -> None:
         """Guard Megatron's timer reports (each is a collective) with the Monitor's arrival check."""
