@@ -4,7 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
 VENV=${DISTMETRICS_VENV:-.venv}
-"$VENV/bin/python" -m pytest tests -q "$@"
+if [ $# -eq 0 ]; then
+  "$VENV/bin/python" -m pytest tests -q
+else  # only what was asked: a test file or id, or options alone (pyproject's testpaths: tests)
+  "$VENV/bin/python" -m pytest -q "$@"
+fi
 # The suite hides the GPU (tests/conftest.py); where torch sees one, the GPU tests run on their own
 # after the whole suite. With arguments the run above was the one asked for: say how to run them.
 if "$VENV/bin/python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then

@@ -204,7 +204,7 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
 def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     """launch/test.sh on a machine where torch sees a GPU (the stand-in interpreter answers yes to
     every check): with no argument the whole suite, then tests/test_cuda.py alone; given a test
-    file, only that file and the command for the GPU tests (passed the file too, the conftest hid
+    file, only that file (not the whole suite as well) and the command for the GPU tests (passed the file too, the conftest hid
     the GPU and the GPU tests skipped without a word)."""
     project = tmp_path / "project"
     (project / "launch").mkdir(parents=True)
@@ -214,15 +214,16 @@ def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     env = _env()
     env.pop("DISTMETRICS_VENV", None)
     calls = {}
-    for args in ((), ("tests/test_timers.py",)):
+    for args in ((), ("tests/test_timers.py",), ("-x",)):
         run = subprocess.run(["bash", "launch/test.sh", *args], env=env, cwd=project, capture_output=True,
                              text=True, timeout=30)
         assert run.returncode == 0, run.stderr
         calls[args] = [line for line in run.stdout.splitlines() if line.startswith(("venv python -m pytest", "GPU"))]
     assert calls[()] == ["venv python -m pytest tests -q", "venv python -m pytest tests/test_cuda.py -q"]
     assert calls[("tests/test_timers.py",)] == [
-        "venv python -m pytest tests -q tests/test_timers.py",
+        "venv python -m pytest -q tests/test_timers.py",
         "GPU tests not run with arguments; run them on their own: .venv/bin/python -m pytest tests/test_cuda.py"]
+    assert calls[("-x",)][0] == "venv python -m pytest -q -x"  # pytest's testpaths (tests) then
 
 
 def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
