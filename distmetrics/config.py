@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -215,26 +216,35 @@ class MetricsConfig:
 
     @classmethod
     def from_dict(cls, values: dict, overrides: Optional[list[str]] = None) -> "MetricsConfig":
-        """Build from a mapping (as read from YAML), then apply ``key=value`` overrides."""
-        if values is None:
-            values = {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
-        merged = _apply_overrides(dict(values), overrides or [])
-        return _build(cls, merged, "")
+        """Build from a mapping (as read from YAML), then apply ``key=value`` overrides. A value
+        an override set that is not accepted is named with the override."""
+        return cls._from(values, overrides or [], None)
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path], overrides: Optional[list[str]] = None) -> "MetricsConfig":
-        """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after."""
+        """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after.
+        Every error names where the value came from: the file's path, or the override."""
         path = Path(path)
-        values = read_yaml(path)
+        values = read_yaml(path, loader=ConfigLoader)
         try:
             if values is not None and not isinstance(values, dict):
                 raise ConfigError(f"a config file is a mapping of keys to values, got {type(values).__name__}")
             check_file_keys(cls, values, "")
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
-        return cls.from_dict(values or {}, overrides)
+        return cls._from(values or {}, overrides or [], path)
+
+    @classmethod
+    def _from(cls, values: Any, overrides: list[str], path: Optional[Path]) -> "MetricsConfig":
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
+        merged = _apply_overrides(dict(values), overrides)
+        try:
+            return _build(cls, merged, "")
+        except ConfigError as err:
+            raise ConfigError(_source(str(err), overrides, path)) from None
 
     def replace(self, **changes: Any) -> "MetricsConfig":
         """A copy with some keys changed (checked like the constructor)."""
@@ -270,13 +280,26 @@ def parse_overrides(items: list[str]) -> dict:
 # --- helpers ----------------------------------------------------------------------------
 
 
-def read_yaml(path: Path, what: str = "metrics config file") -> Any:
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, which follows YAML 1.1 and so reads ``1e9``, ``6e9`` and ``1.5e-4``
+    as text (its floats need a dot and a signed exponent: ``1.0e+9``), reading them as floats as
+    YAML 1.2 does. Metrics config files and overrides only (a features file is read as
+    nvdlfw-inspect reads it)."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def read_yaml(path: Path, what: str = "metrics config file", loader: type = yaml.SafeLoader) -> Any:
     """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
     features file); every way it can be unreadable is a ConfigError."""
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
     except UnicodeDecodeError as err:
         raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
                           f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
@@ -294,7 +317,7 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
         parts = key.strip().split(".")
         _check_override_key(item, parts)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else None
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
@@ -311,6 +334,18 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
             target = existing
         target[parts[-1]] = value
     return values
+
+
+def _source(message: str, overrides: list[str], path: Optional[Path]) -> str:
+    """``message`` (which starts with ``key=value`` where one key is at fault) led by where that
+    value came from: the last override that set the key or a section holding it, else the file."""
+    key = re.match(r"[\w.]+(?==)", message)
+    if key is not None:
+        for item in reversed(overrides):
+            set_key = item.split("=", 1)[0].strip()
+            if key[0] == set_key or key[0].startswith(set_key + "."):
+                return f"override {item!r}: {message}"
+    return f"{path}: {message}" if path is not None else message
 
 
 def _check_override_key(item: str, parts: list[str]) -> None:

@@ -85,7 +85,10 @@ def check_value(key: str, value: Any, expected: Any) -> None:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{key}={value!r}: accepted values are {', '.join(map(repr, choices))}{hint}")
-    raise ConfigError(f"{key}={_short(value)} has type {type(value).__name__}; accepted: {_describe(expected)}")
+    hint = ""
+    if type(value) is float and value.is_integer() and abs(value) < 2**53 and _matches(int(value), expected):
+        hint = f"; write {int(value)}"  # 1e5 where an int belongs
+    raise ConfigError(f"{key}={_short(value)} has type {type(value).__name__}; accepted: {_describe(expected)}{hint}")
 
 
 def _choices(expected: Any) -> tuple:

@@ -93,9 +93,10 @@ def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
     cases = [
         (["configs/metrics.yaml", "log_interval=[1"], "override 'log_interval=[1': the value '[1' is not valid YAML"),
         ([binary], "is not a UTF-8 text file"),
-        ([huge], "num_params=1000"),
+        ([huge], f"{huge}: num_params=1000"),
         (["configs/metrics.yaml", "wandb_mode=off"], "wandb_mode=False: YAML reads an unquoted off/on/no/yes"),
-        (["configs/metrics.yaml", "writer_rank=middle"], "writer_rank='middle': accepted values are 'first', 'last'"),
+        (["configs/metrics.yaml", "writer_rank=middle"],
+         "override 'writer_rank=middle': writer_rank='middle': accepted values are 'first', 'last'"),
     ]
     for args, message in cases:
         out = _run("check-config", *args)

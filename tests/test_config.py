@@ -54,6 +54,48 @@ def test_unknown_key_inside_a_yaml_file_names_the_file(tmp_path):
         dm.MetricsConfig.from_yaml(path, ["writer_rank=last"])
 
 
+def test_a_bad_value_names_where_it_came_from_the_file_or_the_override(tmp_path):
+    """A value that is not accepted is named with its source: the file's path when the file set
+    it, the override (the last one that set the key or its section) when one did; a mapping with
+    no file names the override alone."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("log_interval: 0\nwandb_mode: off\n")
+    file = re.escape(str(path))
+    with pytest.raises(ConfigError, match=rf"^{file}: wandb_mode=False: YAML reads"):
+        dm.MetricsConfig.from_yaml(path, ["log_interval=2"])
+    with pytest.raises(ConfigError, match=rf"^{file}: log_interval=0: accepted values are integers >= 1"):
+        dm.MetricsConfig.from_yaml(path, ["wandb_mode=disabled"])
+    path.write_text("log_interval: 5\n")
+    with pytest.raises(ConfigError, match=r"^override 'log_interval=abc': log_interval='abc' has type str"):
+        dm.MetricsConfig.from_yaml(path, ["log_interval=4", "log_interval=abc"])
+    with pytest.raises(ConfigError, match=r"^override 'log_interval=0': log_interval=0: accepted"):
+        dm.MetricsConfig.from_dict({"log_interval": 5}, ["log_interval=0"])
+    with pytest.raises(ConfigError, match=r"^override 'tensor_inspect=\{init_training_step: -1\}': "
+                                          r"tensor_inspect\.init_training_step=-1: accepted"):
+        dm.MetricsConfig.from_yaml(path, ["tensor_inspect={init_training_step: -1}"])
+    with pytest.raises(ConfigError, match=r"^log_interval=0: accepted"):  # no file, no override: the key alone
+        dm.MetricsConfig.from_dict({"log_interval": 0}, ["writer_rank=last"])
+
+
+def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
+    """PyYAML follows YAML 1.1, which reads ``1e9`` (no dot, no exponent sign) as text; config
+    files and overrides read it as YAML 1.2 does. A whole number where an int belongs is refused
+    with the int to write."""
+    path = tmp_path / "model.yaml"
+    path.write_text("num_params: 7e9\nnum_layers: 32\nhidden_size: 4096\nseq_length: 4096\n"
+                    "peak_tflops: .989e3\nsol_step_time_ms: 1.5E+3\n")
+    cfg = dm.MetricsConfig.from_yaml(path, ["num_active_params=1_3e9"])
+    assert (cfg.num_params, cfg.peak_tflops, cfg.sol_step_time_ms, cfg.num_active_params) == (7e9, 989.0, 1500.0,
+                                                                                              13e9)
+    assert cfg.resolved_flops_per_token == 6 * 13e9 + 12 * 32 * 4096 * 4096
+    with pytest.raises(ConfigError, match=r"^override 'total_steps=1e5': total_steps=100000\.0 has type float; "
+                                          r"accepted: int or None; write 100000$"):
+        dm.MetricsConfig.from_yaml(path, ["total_steps=1e5"])
+    with pytest.raises(ConfigError, match=r"^override 'output_dir=1e3': output_dir=1000\.0 has type float"):
+        dm.MetricsConfig.from_yaml(path, ["output_dir=1e3"])
+    assert dm.MetricsConfig.from_yaml(path, ["output_dir='1e3'"]).output_dir == "1e3"  # quoted: text
+
+
 def test_bad_writer_rank_lists_the_accepted_values():
     with pytest.raises(ValueError, match=r"^writer_rank='middle': accepted values are 'first', 'last'$"):
         dm.MetricsConfig(writer_rank="middle")
