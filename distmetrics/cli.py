@@ -128,15 +128,16 @@ def check_features(path: str, feature_dirs: list) -> dict:
     registered by the folders that would be loaded) when nvdlfw-inspect is installed."""
     config = TensorInspectConfig(enabled=True, features=path, feature_dirs=list(feature_dirs) or None,
                                  allow_custom_feature_dirs=True)
-    return _check_inspection(config, path)
+    return _check_inspection(config, path, "--feature-dir")
 
 
-def _check_inspection(config: TensorInspectConfig, source: str) -> dict:
+def _check_inspection(config: TensorInspectConfig, source: str,
+                      dirs_option: str = "tensor_inspect.feature_dirs") -> dict:
     import tempfile
 
     from .tensor_stats.features import check_inspect_config
 
-    spec, dirs = check_inspect_config(config)
+    spec, dirs = check_inspect_config(config, dirs_option)
     if not _nvdlfw_installed():
         return spec  # the "ok" line says what did not run
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw

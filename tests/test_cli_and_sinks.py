@@ -27,13 +27,14 @@ def test_check_features_validates_the_shipped_cpu_file():
 
 
 def test_check_features_runs_nvdlfw_validation_with_the_given_folders(tmp_path):
-    """The shipped TE file: refused without TE or a folder; accepted with a folder that
+    """The shipped TE file: refused without TE or a folder (naming the option that gives one); accepted with a folder that
     registers the namespace (the CPU stand-in for TE's features, tests/te_cpu_features); a TE
     feature that folder does not register is refused by nvdlfw-inspect's own check, as a
     clear error and exit status 2."""
     folder = str(ROOT / "tests" / "te_cpu_features")
     bare = _run("check-features", "configs/fp8_tensor_stats.yaml")
     assert bare.returncode == 2 and "needs TransformerEngine" in bare.stderr
+    assert "given with --feature-dir" in bare.stderr  # the command's option, not the config key
     ok = _run("check-features", "configs/fp8_tensor_stats.yaml", "--feature-dir", folder)
     assert ok.returncode == 0 and "fp8_linear_stats" in ok.stdout, ok.stderr
     unknown = tmp_path / "nvfp4.yaml"

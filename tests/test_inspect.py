@@ -417,6 +417,37 @@ def test_a_model_given_to_initialize_and_to_the_monitor_is_hooked_once(tmp_path)
     assert record["tensor_stats/fc1/activation/std"] == pytest.approx(float(activation.double().std()), rel=1e-12)
 
 
+def test_selectors_see_the_model_prefix_and_metric_names_leave_it_off(tmp_path):
+    """nvdlfw-inspect names a plain model's layers ``model.<path>``: an exact name selects with
+    that prefix, and the statistics are named without it (as the README and the shipped features
+    file say); the bare path selects no layer, which is refused with the names to use. (Handed to
+    nvdlfw-inspect 0.2.2 as they are, exact_layer_names raise its ValueError at the first layer
+    they leave out: the root module.)"""
+    import torch
+
+    import distmetrics as dm
+
+    def config(names, out):
+        features = {"s": {"enabled": True, "layers": {"exact_layer_names": names},
+                          "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                              "stats": ["max"], "freq": 1}}}}
+        return dm.MetricsConfig(output_dir=str(out), log_interval=1, console=False, tensorboard=False,
+                                timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+
+    model = _model()
+    x = torch.randn(5, 6)
+    with dm.Monitor(config(["model.fc1"], tmp_path / "prefixed"), model=model) as monitor:
+        activation = model.fc1(x).detach()
+        monitor.step(1)
+    record = [r for r in dm.read_jsonl(tmp_path / "prefixed" / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    assert [k for k in record if k.startswith("tensor_stats/")] == ["tensor_stats/fc1/activation/max"]
+    assert record["tensor_stats/fc1/activation/max"] == pytest.approx(float(activation.double().max()), rel=1e-12)
+    with pytest.raises(ValueError, match=r"select no layer of the model on any rank.*'model\.fc1'"):
+        with dm.Monitor(config(["fc1"], tmp_path / "bare"), model=_model()) as monitor:
+            _model()(x)
+            monitor.step(1)
+
+
 # --- nvdlfw-inspect's own base feature, silent sections, one inspector per process -----------------
 
 def _base_and_silent(tmp_path):

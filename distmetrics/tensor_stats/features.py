@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -27,18 +28,21 @@ _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_r
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
 
 
-def check_inspect_config(config: TensorInspectConfig) -> tuple[dict, list]:
+def check_inspect_config(config: TensorInspectConfig,
+                         dirs_option: str = "tensor_inspect.feature_dirs") -> tuple[dict, list]:
     """Everything checked of ``tensor_inspect`` before nvdlfw-inspect starts (by the Monitor and
     by ``distmetrics check-config``): custom feature folders allowed and present, the features
-    file, the folders to load. Returns the features mapping and those folders."""
+    file, the folders to load. Returns the features mapping and those folders. ``dirs_option``
+    is how the user gives feature folders, named in errors (``--feature-dir`` on the command line)."""
     # Feature folders of the user's own may register the transformer_engine namespace (an
     # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
     check_custom_dirs(config)
-    spec = load_features(config.features, te_available=True if config.feature_dirs else None)
+    spec = load_features(config.features, te_available=True if config.feature_dirs else None, dirs_option=dirs_option)
     return spec, _feature_dirs(config, spec)
 
 
-def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -> dict:
+def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
+                  dirs_option: str = "tensor_inspect.feature_dirs") -> dict:
     """Read and check a features YAML (path or mapping); returns the mapping."""
     source = spec if isinstance(spec, str) else "<inline features>"
     if isinstance(spec, str):
@@ -60,14 +64,32 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None) -
             if key == "transformer_engine":
                 if not te_available:
                     raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU) or "
-                                      "a feature folder in tensor_inspect.feature_dirs that registers that "
+                                      f"a feature folder given with {dirs_option} that registers that "
                                       "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
             elif key == "distmetrics":
                 _check_our_features(where, value)
             elif key != "LogTensorStats":  # nvdlfw's own base-namespace feature
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
-    return spec
+    return {section: _exact_names_as_pattern(f"{source}: section {section!r}", body) for section, body in spec.items()}
+
+
+def _exact_names_as_pattern(where: str, body: dict) -> dict:
+    """A section selecting ``exact_layer_names`` as the anchored ``layer_name_regex_pattern`` that
+    selects the same layers. nvdlfw-inspect 0.2.2 raises ValueError ("Could not find layer using
+    exact layer name") for every layer the list leaves out, the root module included, whenever it
+    looks a layer up, so the names are handed to it as a pattern; as in nvdlfw-inspect, the list
+    takes precedence over the section's other selectors."""
+    names = body["layers"].get("exact_layer_names")
+    if names is None:
+        return body
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: exact_layer_names must be a list of layer names such as "
+                          f"[model.decoder.layers.1.mlp.linear_fc1], got {names!r}")
+    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+    return {**body, "layers": {"layer_name_regex_pattern": pattern}}
 
 
 def _check_our_features(where: str, features: Any) -> None:
