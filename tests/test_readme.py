@@ -86,6 +86,7 @@ def test_the_quickstart_runs_with_the_shipped_config_and_writes_its_timers(tmp_p
 
 
 def test_the_readme_console_line_is_what_the_console_sink_prints():
+    from distmetrics.megatron_text import time_block
     from distmetrics.sinks.console import format_eval_line, format_train_line
 
     text = README.read_text()
@@ -94,6 +95,9 @@ def test_the_readme_console_line_is_what_the_console_sink_prints():
     metrics = {"train/loss": 3.7944, "grad_norm": 0.6704, "train/lr": 2.07e-3, "train/tokens_per_sec": 13.6e3,
                "train/step_time_ms": 19.0, "train/eta_s": 0.38}
     assert format_train_line(metrics, 20, 40, last_loss=4.6349) == train_line
+    block = text.splitlines()[text.splitlines().index(train_line) + 1:][:4]
+    assert "\n".join(block) == time_block({"forward-backward": (11.93, 11.96), "optimizer": (3.53, 3.95),
+                                           "step": (18.50, 18.87)})
     assert format_eval_line({"eval/loss": 3.5527, "eval/gap": -0.6620, "eval/ppl": 34.91,
                              "eval/tokens_per_sec": 13.2e3, "eval/time_ms": 39.0}, 20) == eval_line
 
