@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 
 from .names import check_value
+from .packing import weighted
 from .reduce import Sample, check_reduce
 
 __all__ = ["IntervalStats", "IntervalClock", "as_number"]
@@ -99,7 +100,7 @@ class IntervalStats:
             slot.value, slot.weight, slot.low = value, 1.0, value
             return
         if reduce == "mean":
-            slot.value = _add(slot.value, value * weight)
+            slot.value = _add(slot.value, weighted(value, weight))
             slot.weight = _add(slot.weight, weight)
         elif reduce == "all":
             slot.value = _add(slot.value, value)

@@ -105,7 +105,7 @@ class Monitor:
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
         self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
-        self._by_name["health"].record_step(loss, skipped)
+        self._by_name["health"].record_step(loss, skipped, tokens)
         self._by_name["timers"].mark_step()
         self._steps_in_interval += 1
         stats = self._by_name["tensor_stats"].end_step() if "tensor_stats" in self._by_name else None

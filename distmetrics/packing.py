@@ -259,6 +259,18 @@ def value_device(samples: list) -> torch.device:
     return torch.device("cpu")
 
 
+def weighted(value: Any, weight: Any) -> Any:
+    """``value · weight``, and 0 where the weight is 0: a weight of 0 means no value (a step or a
+    rank with no tokens, whose loss is a mean over nothing, NaN), so a NaN or Inf there counts for
+    nothing, as the weight says, instead of making every rank's mean NaN (NaN · 0 is NaN). A
+    tensor weight costs one ``where`` on its device, no sync."""
+    if isinstance(weight, torch.Tensor):
+        return torch.where(weight != 0, value * weight, 0.0)
+    if weight == 0:
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+    return value * weight
+
+
 def mean_parts(s: Any) -> tuple[Number, Number]:
     """The two SUM-pack lanes of a sum or mean sample: (value·weight, weight)."""
     if s.reduce == "sum":
@@ -267,7 +279,7 @@ def mean_parts(s: Any) -> tuple[Number, Number]:
         return s.value, s.weight
     value = s.value.to(torch.float64) if isinstance(s.value, torch.Tensor) else s.value  # the product in float64,
     weight = s.weight.to(torch.float64) if isinstance(s.weight, torch.Tensor) else s.weight  # as on the host
-    return value * weight, s.weight
+    return weighted(value, weight), s.weight
 
 
 def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[list[int], torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
-                      mean_parts, tuple_getter)
+                      mean_parts, tuple_getter, weighted)
 
 __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "sum_pack_tensor", "all_row_on_host",
            "all_row_tensor"]
@@ -199,4 +199,4 @@ def _mean_lanes(s: Any, value: float, weight: float) -> tuple[float, float]:
     """The two SUM-pack lanes of a sum or mean value (as :func:`~distmetrics.packing.mean_parts`)."""
     if s.reduce == "sum":
         return value, 1.0
-    return (value, weight) if s.summed else (value * weight, weight)
+    return (value, weight) if s.summed else (weighted(value, weight), weight)

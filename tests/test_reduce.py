@@ -100,6 +100,13 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
         received[distinct] = r7.negotiation_bytes
     out["negotiation_bytes"] = received
 
+    # 4b. a mean whose weight is 0 on a rank is no value there: its NaN or Inf counts for nothing.
+    rz = Reducer()
+    res = rz.reduce([Sample("z", math.nan if rank == 3 else float(rank), "mean", weight=0.0 if rank == 3 else 1.0),
+                     Sample("zt", torch.tensor(math.inf if rank == 3 else float(rank)), "mean",
+                            weight=torch.tensor(0.0 if rank == 3 else 2.0))])
+    out["weight0"] = (res.values["z"], res.values["zt"])
+
     # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
     r4 = Reducer()
     try:
@@ -189,6 +196,10 @@ def test_negotiation_bytes_grow_with_distinct_name_sets_not_world_size(results):
 def test_nan_on_one_rank_is_never_hidden(results):
     (high, high_rank), (low, low_rank) = results[0]["nan"]
     assert math.isnan(high) and math.isnan(low) and high_rank == 3 and low_rank == 3
+
+
+def test_a_nan_of_weight_0_does_not_make_the_mean_nan(results):
+    assert results[0]["weight0"] == (pytest.approx(1.0), pytest.approx(1.0))  # (0 + 1 + 2) / 3 and (0 + 2 + 4) / 6
 
 
 def test_conflicting_kinds_raise_on_every_rank(results):

@@ -57,11 +57,15 @@ class HealthCollector:
         self._skipped = 0
         self._grads_bad = False
 
-    def record_step(self, loss: Any, skipped: bool) -> None:
-        """One step's loss (counted if non-finite, on device) and whether the optimizer skipped it."""
-        if loss is not None:
+    def record_step(self, loss: Any, skipped: bool, tokens: Any = None) -> None:
+        """One step's loss (counted if non-finite, on device) and whether the optimizer skipped it.
+        A loss with ``tokens`` 0 is a mean over nothing (NaN where the batch was all masked): not
+        counted, as ``train/loss`` leaves it out."""
+        if loss is not None and not (tokens is not None and not isinstance(tokens, torch.Tensor) and tokens == 0):
             bad = (~torch.isfinite(loss.detach())).to(torch.float64).sum() if isinstance(loss, torch.Tensor) \
                 else float(not math.isfinite(float(loss)))
+            if isinstance(tokens, torch.Tensor):
+                bad = bad * (tokens.detach().reshape(()) != 0).to(bad.device)
             self._nonfinite_loss = self._nonfinite_loss + bad
         if skipped:
             self._skipped += 1

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..packing import weighted
 from .base import Alert, LogContext, Sample
 
 __all__ = ["CategoryLosses", "LossCollector"]
@@ -46,7 +47,7 @@ class CategoryLosses:
             labels = [str(c) if names is None else str(names[c]) for c in categories]
             index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
         self._grow(losses.device)
-        self._sums.index_add_(0, index, losses * w)
+        self._sums.index_add_(0, index, weighted(losses, w))  # a sample of weight 0 counts for nothing
         self._weights.index_add_(0, index, w)
 
     def take_samples(self) -> list[Sample]:
