@@ -14,6 +14,7 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
+from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .guard import CollectiveGuard
@@ -101,6 +102,8 @@ class Monitor:
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(step, self._clocks(), self.sinks)
+            if "norms" in self._by_name:  # what was measured before the step's number was known
+                self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
         self._last_step = step
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
@@ -239,12 +242,22 @@ class Monitor:
         return written
 
     def _log_step_ahead(self) -> Optional[int]:
-        """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step."""
-        step = (self._last_step or 0) + 1
+        """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step;
+        before the first, ``FIRST_STEP``: its number is not known (a job may start or resume at any
+        step), so it is treated as a log step."""
+        if self._last_step is None:
+            return FIRST_STEP
+        step = self._last_step + 1
         return step if self._is_log_step(step) else None
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
-        return (step if step is not None else (self._last_step or 0) + 1) % self.config.log_interval == 0
+        """Whether ``step`` (default: the next, predicted as the last + 1) is a log step; before the
+        first ``monitor.step``, with no ``step``, True (see :meth:`_log_step_ahead`)."""
+        if step is None:
+            if self._last_step is None:
+                return True
+            step = self._last_step + 1
+        return step % self.config.log_interval == 0
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer:

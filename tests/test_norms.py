@@ -484,8 +484,44 @@ def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
     model = _net()
     monitor = _plain_monitor(model, log_interval=5)
     model(torch.randn(4, 8)).sum().backward()
-    assert monitor.measure_grad_norms() is None  # next step is 1: not a log step
+    monitor.step(1)
+    assert monitor.measure_grad_norms() is None  # next step is 2: not a log step
     assert monitor.measure_grad_norms(step=5) is not None
+
+
+@pytest.mark.parametrize("start", [0, 1000, 3])
+def test_the_first_step_is_measured_whatever_its_number_and_kept_only_if_it_is_logged(start):
+    """Before the first monitor.step its number is unknown (a job starts at 0, or resumes at a
+    checkpoint's step, often a log step): measure_grad_norms() and the update-norm snapshot treat
+    it as a log step. Started at 0 or 1000 (log steps at log_interval 5), the first record has
+    grad_norm and update_norm, equal to float64 truths; started at 3, what was measured then is
+    dropped, and log step 5, where nothing is measured, writes none of it."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = {}
+    with dm.Monitor(quiet_config(log_interval=5, log_update_norm=True), model=model, optimizer=opt) as monitor:
+        for step in (start, 5) if start == 3 else (start,):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            grad = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()) ** 0.5
+            before = [p.detach().double().clone() for p in model.parameters()]
+            if step == start:
+                assert monitor.measure_grad_norms() is not None
+            opt.step()
+            update = sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(), before))
+            records[step] = (monitor.step(step), grad, update ** 0.5)
+    if start == 3:
+        assert records[3][0] is None
+        assert not [k for k in records[5][0] if k.split("/")[0] in ("grad_norm", "update_norm")]
+    else:
+        metrics, grad, update = records[start]
+        assert metrics["grad_norm"] == pytest.approx(grad, rel=1e-6)
+        assert metrics["update_norm"] == pytest.approx(update, rel=1e-6)
 
 
 def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():

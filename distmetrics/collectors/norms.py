@@ -26,7 +26,11 @@ from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
 from .norm_tree import Families, subtree_values
 
-__all__ = ["NormCollector", "subtree_values"]
+__all__ = ["NormCollector", "subtree_values", "FIRST_STEP"]
+
+FIRST_STEP = -1
+"""What ``log_step_ahead()`` says before the first ``monitor.step``: the step's number is not
+known yet, so the update is measured and tagged with the number when it comes (:meth:`NormCollector.first_step`)."""
 
 _FAMILIES = ("grad_norm", "param_norm", "update_norm")
 _PREFIXES = ("grad_norm/", "param_norm/", "update_norm/")
@@ -105,6 +109,17 @@ class NormCollector:
 
         for target in targets:
             self._hooks += [target.register_step_pre_hook(before), target.register_step_post_hook(after)]
+
+    def first_step(self, step: int, logged: bool) -> None:
+        """The job's first ``monitor.step`` is ``step``: the measurements made before it, when its
+        number was not known (so made as for a log step), are its own; dropped where it is not
+        a log step (``logged``), so no later log step reports them."""
+        if self._update_step == FIRST_STEP:
+            self._update_step = step
+        if self._snapshot_step == FIRST_STEP:
+            self._snapshot_step = step
+        if not logged:
+            self._grad = self._grad_plan = None
 
     # --- gradients ----------------------------------------------------------------------
     def clip(self, parameters: Any, max_norm: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
