@@ -187,7 +187,8 @@ class MetricsConfig:
         _require(self, "module_norm_depth", self.module_norm_depth is None or self.module_norm_depth >= 1,
                  "None or integers >= 1")
         _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
-        _require(self, "hang_timeout_s", self.hang_timeout_s >= 0, "numbers >= 0 (0 turns the check off)")
+        _require(self, "hang_timeout_s", 0 <= self.hang_timeout_s <= 1e9,
+                 "numbers from 0 to 1e9 (0 turns the check off; a longer wait does not fit the store's timeout)")
         for name in ("straggler_window", "straggler_report_every"):
             _require(self, name, getattr(self, name) >= 0, "integers >= 0 (0: off)")
         _require(self, "straggler_report_ranks", self.straggler_report_ranks >= 1, "integers >= 1")
@@ -196,11 +197,31 @@ class MetricsConfig:
                      "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)
             _require(self, name, value is None or value > 0, "None or numbers > 0")
+        self._check_model_description()
         flops = self.resolved_flops_per_token
         _require(self, "flops_per_token" if self.flops_per_token is not None else "num_params",
                  flops is None or math.isfinite(flops),
                  "model descriptions whose FLOPs per token (6·N + 12·L·h·s) fit a float")
         _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
+
+    def _check_model_description(self) -> None:
+        """A model description is whole: the attention term needs all of num_layers, hidden_size
+        and seq_length (with one missing it would be left out without a word, and MFU read low),
+        and every part needs num_params, which the FLOPs start from."""
+        attention = {name: getattr(self, name) for name in ("num_layers", "hidden_size", "seq_length")}
+        given = [f"{name}={value!r}" for name, value in attention.items() if value is not None]
+        missing = [name for name, value in attention.items() if value is None]
+        if given and missing:
+            raise ConfigError(f"{', '.join(given)} without {' and '.join(missing)}: the attention term "
+                              "12·L·h·s of flops_per_token needs num_layers, hidden_size and seq_length together; "
+                              "give all three, or none for 6·N alone")
+        if self.num_params is None and self.flops_per_token is None:
+            parts = given + ([f"num_active_params={self.num_active_params!r}"]
+                             if self.num_active_params is not None else [])
+            if parts:
+                raise ConfigError(f"{', '.join(parts)} without num_params: a model description starts from "
+                                  "num_params (flops_per_token = 6·N_active + 12·L·h·s); give num_params, "
+                                  "or flops_per_token")
 
     # --- construction --------------------------------------------------------------------
     @classmethod
