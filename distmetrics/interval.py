@@ -24,9 +24,14 @@ from .names import check_value
 from .packing import weighted
 from .reduce import Sample, check_reduce
 
-__all__ = ["IntervalStats", "IntervalClock", "as_number"]
+__all__ = ["IntervalStats", "IntervalClock", "as_number", "now"]
 
 Number = Union[int, float, torch.Tensor]
+
+
+def now() -> float:
+    """``time.perf_counter()`` as the interval clocks read it (the Monitor marks each step's end with it)."""
+    return time.perf_counter()
 
 
 class IntervalClock:
@@ -38,10 +43,12 @@ class IntervalClock:
         self._paused_at: Optional[float] = None
         self._paused_s = 0.0
 
-    def pause(self) -> None:
-        """Stop counting (a second call does nothing)."""
-        if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+    def pause(self, at: Optional[float] = None) -> None:
+        """Stop counting (a second call does nothing); ``at``: since that earlier reading of
+        :func:`now` instead (the close record's interval ends at the last ``monitor.step``)."""
+        t = time.perf_counter() if at is None else max(at, self._start)
+        if self._paused_at is None or t < self._paused_at:
+            self._paused_at = t
 
     def resume(self) -> None:
         """Count again after :meth:`pause`."""

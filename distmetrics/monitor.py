@@ -18,6 +18,7 @@ from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .guard import CollectiveGuard
+from .interval import now
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer
@@ -61,6 +62,7 @@ class Monitor:
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
         self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
+        self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
@@ -110,6 +112,7 @@ class Monitor:
         self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
         self._by_name["health"].record_step(loss, skipped, tokens)
         self._by_name["timers"].mark_step()
+        self._stepped_at = now()  # where the close record's interval ends
         self._steps_in_interval += 1
         stats = self._by_name["tensor_stats"].end_step() if "tensor_stats" in self._by_name else None
         if stats:  # a collective only on steps the features YAML selects
@@ -198,7 +201,7 @@ class Monitor:
             return
         try:
             if self._steps_in_interval > 0 and self._last_step is not None:
-                self._log(self._last_step)
+                self._log(self._last_step, ended_at=self._stepped_at)
         finally:
             self._shutdown()
 
@@ -212,10 +215,11 @@ class Monitor:
             self._shutdown()
 
     # --- the log step --------------------------------------------------------------------
-    def _log(self, step: int) -> dict[str, Any]:
-        """Take samples from every collector → one reduction → finalize in order → write."""
+    def _log(self, step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
+        """Take samples from every collector → one reduction → finalize in order → write
+        (``ended_at``: see :attr:`LogContext.ended_at`)."""
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
-                         module_order=self._module_order)
+                         module_order=self._module_order, ended_at=ended_at)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         ctx.reduced = self._reducer.reduce(samples, tag=step)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on

@@ -81,6 +81,27 @@ def test_energy_metrics_from_counter_deltas(nvml):
     assert m["power/mean_w"] == pytest.approx(80.0 / seconds, rel=0.05)
 
 
+def test_the_close_record_has_no_energy_ratio_over_the_time_after_the_last_step(nvml):
+    """close() comes after the last monitor.step (a final save): the NVML counter, read at close,
+    holds that time's energy, while the close record's step time ends at the last step. Energy
+    per step, per token and the mean power would divide the one by the other: they are left out
+    of that record; the energy counted (to close) and each rank's power over it stay."""
+    # readings: built, first monitor.step, log step 2, close (after step 3 and the save)
+    nvml(devices={"GPU-0000": [900_000, 1_000_000, 1_050_000, 1_400_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+    monitor.step(1, tokens=100)
+    assert "energy/j_per_token" in monitor.step(2, tokens=100)
+    monitor.step(3, tokens=100)
+    monitor.close()
+    m = monitor.last_metrics
+    assert m["energy/total_j"] == pytest.approx(350.0) and m["energy/job_total_j"] == pytest.approx(400.0)
+    assert m["train/step_time_ms"] > 0
+    assert "power/max_w" in m
+    assert not [k for k in m if k in ("energy/j_per_gpu_per_step", "energy/j_per_token", "power/mean_w")]
+
+
 def test_counter_wrap_is_a_small_delta(nvml):
     top = 2 ** 64
     nvml(devices={"GPU-0000": [top - 4_000, 6_000]})

@@ -409,6 +409,44 @@ def _clock_events(clock):
     return Event
 
 
+def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(clock, monkeypatch):
+    """A final checkpoint save or teardown between the last monitor.step and close() is no step's
+    time: the close record's train/step_time_ms, tokens/s, timers/step and the straggler clock's
+    milliseconds per step cover steps 11-12 only (100 ms each), not the 60 s after them. CUDA
+    events stand in (no GPU here): the lapped step timer records no event at its last lap, so
+    on CUDA the close record leaves timers/step out rather than count the 60 s."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+
+    class Recorded(StragglerCollector):
+        def take_samples(self, ctx):
+            samples = super().take_samples(ctx)
+            self.step_ms = next(s.value for s in samples if s.name == STEP_MS)
+            return samples
+
+    monkeypatch.setattr(torch.cuda, "Event", _clock_events(clock))
+    for cuda in (False, True):
+        stragglers = Recorded(window=2)
+        with dm.Monitor(quiet_config(log_interval=5, timing_log_level=0, log_throughput=True),
+                        collectors=[stragglers]) as monitor:
+            monitor.timers._timers["step"]._use_cuda = cuda
+            for step in range(1, 13):
+                metrics = monitor.step(step, loss=1.0, tokens=1000)
+                clock.advance(100.0)
+            assert metrics is None and stragglers.step_ms == pytest.approx(100.0)  # log step 10
+            clock.advance(60_000.0 - 100.0)  # the final save: close() comes 60 s after step 12
+        last = monitor.last_metrics
+        assert last["train/step_time_ms"] == pytest.approx(100.0), cuda
+        assert last["train/tokens_per_sec"] == pytest.approx(10_000.0), cuda
+        assert stragglers.step_ms == pytest.approx(100.0), cuda
+        if cuda:
+            assert "timers/step" not in last
+        else:
+            assert last["timers/step"] == pytest.approx(100.0)
+
+
 def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):
     """CUDA events stand in (no GPU here): an event records the FakeClock's reading and
     ``elapsed_time`` is the difference. Between log steps the step timer records no event; its

@@ -61,6 +61,10 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
+    ended_at: Optional[float] = None
+    """The record ``close()`` writes: when the last ``monitor.step`` returned (a reading of
+    :func:`distmetrics.interval.now`). The interval ends there, not at ``close()``: what came after
+    (a final checkpoint save, teardown) is no step's time. None at a log step."""
     reduced: Any = None
     """After the reduction: the :class:`~distmetrics.reduce.Reduced` result (see :meth:`keys_under`)."""
 

@@ -126,6 +126,8 @@ class EnergyCollector:
         if "energy/total_j" not in metrics:
             return []
         total = metrics["energy/total_j"]
+        if ctx.ended_at is not None:  # close(): the energy counts up to now, the steps' time ended
+            return self._rename_power(metrics)  # at the last monitor.step: no ratio of the two
         steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps  # the steps the clocks measured
         tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
         metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(steps, 1)
@@ -133,6 +135,10 @@ class EnergyCollector:
             metrics["energy/j_per_token"] = total / tokens
         if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
             metrics["power/mean_w"] = total / ctx.interval_s / self.world_size
+        return self._rename_power(metrics)
+
+    @staticmethod
+    def _rename_power(metrics: dict[str, Any]) -> list[Alert]:
         for end in ("max", "min"):
             if f"power/w/{end}" in metrics:
                 metrics[f"power/{end}_w"] = metrics.pop(f"power/w/{end}")

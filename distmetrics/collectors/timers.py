@@ -224,13 +224,26 @@ class Timer(TimerBase):
         self._interval_ns += now - self._interval_start
         self._start_ns = self._interval_start = now
 
-    def take_interval_ms(self) -> Optional[float]:
+    def take_interval_ms(self, running: bool = True) -> Optional[float]:
         """Milliseconds accumulated since the last call; None if the timer did not run. A span
         still running counts up to now here and from now in the next interval, as Megatron's
-        ``elapsed()`` splits it."""
+        ``elapsed()`` splits it; with ``running=False`` (the step timer in the record ``close()``
+        writes) it is left out, so the interval ends with the last span ended (the last lap: the
+        last ``monitor.step``). On CUDA laps record no event, so a lapped timer's last lap cannot
+        be told from now: None then, with the interval let go."""
         if not self._used:
             return None
-        if self._started:  # split the running span at this read
+        if self._started and not running:
+            if self._use_cuda and self._unread_laps:
+                self._interval_pending.clear()
+                self._interval_ns, self.spans = 0, 0
+                return None
+            if self._use_cuda:
+                self._interval_start = torch.cuda.Event(enable_timing=True)
+                self._interval_start.record()
+            else:
+                self._interval_start = time.perf_counter_ns()
+        elif self._started:  # split the running span at this read
             if self._use_cuda:
                 now = torch.cuda.Event(enable_timing=True)
                 now.record()
@@ -368,7 +381,8 @@ class TimerCollector:
         for name, timer in self.timers._timers.items():
             # The step timer runs from one monitor.step to the next: average over its spans.
             divisor = timer.spans if name == "step" else ctx.steps
-            ms = timer.take_interval_ms()
+            # close(): the step timer up to the last monitor.step (after it comes no step's time)
+            ms = timer.take_interval_ms(running=not (ctx.ended_at is not None and timer is self._step_timer))
             if ms is None or divisor == 0:
                 continue
             per_step = ms / divisor
