@@ -180,7 +180,11 @@ class Pieces:
             return None, None
         key = (tuple(id(p) for p in self.vector_index), tuple(self.number_index),
                tuple(self.tensor_index[i] for i in order), self.device)
-        index = self.layout.cached_index(key, lambda: self._index(key))
+        build = lambda: (tuple(self.vector_index), self._index(key))  # noqa: E731
+        # The entry keeps its position tensors: while it exists, no other tensor can take their ids.
+        made, index = self.layout.cached_index(key, build)
+        if len(made) != len(self.vector_index) or not all(map(operator.is_, made, self.vector_index)):
+            made, index = self.layout.cached_index(key, build, renew=True)  # an id of another tensor: build anew
         return index, values[0] if len(values) == 1 else torch.cat(values)
 
     def _index(self, key: tuple) -> torch.Tensor:

@@ -6,7 +6,6 @@ per pack. Both give the same lanes; the reducer issues the collectives.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -100,7 +99,7 @@ def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[tuple[Seque
         weight = host_values(s.weight, n) if s.reduce == "mean" else [1.0] * n
         if vector is None or weight is None:
             return None
-        values.extend(vector if s.reduce == "sum" or s.summed else map(operator.mul, vector, weight))
+        values.extend(vector if s.reduce == "sum" or s.summed else map(weighted, vector, weight))
         weights.extend(weight)
         signature.append(s.names)
     values.append(0.0)  # the lanes of a name no sample holds

@@ -104,8 +104,10 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
     rz = Reducer()
     res = rz.reduce([Sample("z", math.nan if rank == 3 else float(rank), "mean", weight=0.0 if rank == 3 else 1.0),
                      Sample("zt", torch.tensor(math.inf if rank == 3 else float(rank)), "mean",
-                            weight=torch.tensor(0.0 if rank == 3 else 2.0))])
-    out["weight0"] = (res.values["z"], res.values["zt"])
+                            weight=torch.tensor(0.0 if rank == 3 else 2.0)),
+                     Sample("zv", torch.tensor([1.0, math.nan if rank == 3 else 2.0]), "mean",
+                            weight=torch.tensor([1.0, 0.0 if rank == 3 else 1.0]), names=("zv/a", "zv/b"))])
+    out["weight0"] = (res.values["z"], res.values["zt"], res.values["zv/a"], res.values.get("zv/b"))
 
     # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
     r4 = Reducer()
@@ -199,7 +201,8 @@ def test_nan_on_one_rank_is_never_hidden(results):
 
 
 def test_a_nan_of_weight_0_does_not_make_the_mean_nan(results):
-    assert results[0]["weight0"] == (pytest.approx(1.0), pytest.approx(1.0))  # (0 + 1 + 2) / 3 and (0 + 2 + 4) / 6
+    # (0 + 1 + 2) / 3, (0 + 2 + 4) / 6; a vector's element of weight 0 on rank 3 likewise
+    assert results[0]["weight0"] == (pytest.approx(1.0), pytest.approx(1.0), 1.0, 2.0)
 
 
 def test_conflicting_kinds_raise_on_every_rank(results):
@@ -472,3 +475,28 @@ def test_pack_positions_cached_by_a_tuples_identity_are_not_reused_for_another_t
     layout.cached_index(("sum-gather", ("s", id(names))), lambda: (["s", other], lambda lanes: lanes[::-1][1:]))
     assert layout.host_positions(names, "sum") == [2, 4, 6]
     assert sum_lanes_on_host(layout, samples) == expected
+
+
+def test_a_packs_cached_index_is_not_taken_by_other_position_tensors_at_the_same_ids():
+    """The index of a pack's pieces is cached under the ids of their position tensors. An entry
+    holds its tensors, so their ids cannot be reused while it exists; an entry under the same
+    ids for other tensors (planted here, as an id reuse would leave it) is not taken: the index
+    is that of the pieces given, as a fresh layout builds it."""
+    import torch
+
+    from distmetrics.packing import PackLayout, Pieces
+
+    names = [f"v/{i}" for i in range(6)]
+    layout = PackLayout([(name, "sum") for name in names])
+    a, b = ("v/0", "v/2", "v/4"), ("v/5", "v/3", "v/1")
+    cpu = torch.device("cpu")
+    pa, pb = layout.positions(a, "sum", 0, cpu), layout.positions(b, "sum", 0, cpu)
+    pieces = Pieces(layout, cpu, torch.float64)
+    pieces.add_vector(pa, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    pieces.add_vector(pb, torch.tensor([4.0, 5.0, 6.0], dtype=torch.float64))
+    key = ((id(pa), id(pb)), (), (), cpu)
+    others = (pa.flip(0), pb.flip(0))
+    layout._indexes[key] = (others, torch.cat(others))  # another pair of tensors at these ids
+    index, values = pieces.assemble()
+    assert index.tolist() == [layout.sum_index[name] for name in a + b]
+    assert layout._indexes[key][0][0] is pa  # the entry now holds the pieces' own tensors
