@@ -205,9 +205,12 @@ class MetricsConfig:
         _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
 
     def _check_model_description(self) -> None:
-        """A model description is whole: the attention term needs all of num_layers, hidden_size
-        and seq_length (with one missing it would be left out without a word, and MFU read low),
-        and every part needs num_params, which the FLOPs start from."""
+        """A model description (used where flops_per_token is not given) is whole: the attention
+        term needs all of num_layers, hidden_size and seq_length (with one missing it would be left
+        out without a word, and MFU read low), and every part needs num_params, which the FLOPs
+        start from."""
+        if self.flops_per_token is not None:
+            return
         attention = {name: getattr(self, name) for name in ("num_layers", "hidden_size", "seq_length")}
         given = [f"{name}={value!r}" for name, value in attention.items() if value is not None]
         missing = [name for name, value in attention.items() if value is None]
@@ -215,7 +218,7 @@ class MetricsConfig:
             raise ConfigError(f"{', '.join(given)} without {' and '.join(missing)}: the attention term "
                               "12·L·h·s of flops_per_token needs num_layers, hidden_size and seq_length together; "
                               "give all three, or none for 6·N alone")
-        if self.num_params is None and self.flops_per_token is None:
+        if self.num_params is None:
             parts = given + ([f"num_active_params={self.num_active_params!r}"]
                              if self.num_active_params is not None else [])
             if parts:
@@ -246,7 +249,7 @@ class MetricsConfig:
         """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after.
         Every error names where the value came from: the file's path, or the override."""
         path = Path(path)
-        values = read_yaml(path, loader=ConfigLoader)
+        values = read_yaml(path)
         try:
             if values is not None and not isinstance(values, dict):
                 raise ConfigError(f"a config file is a mapping of keys to values, got {type(values).__name__}")
@@ -263,7 +266,7 @@ class MetricsConfig:
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
         merged = _apply_overrides(dict(values), overrides)
         try:
-            return _build(cls, merged, "")
+            return _build(cls, _exponent_numbers(cls, merged), "")
         except ConfigError as err:
             raise ConfigError(_source(str(err), overrides, path)) from None
 
@@ -301,26 +304,39 @@ def parse_overrides(items: list[str]) -> dict:
 # --- helpers ----------------------------------------------------------------------------
 
 
-class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, which follows YAML 1.1 and so reads ``1e9``, ``6e9`` and ``1.5e-4``
-    as text (its floats need a dot and a signed exponent: ``1.0e+9``), reading them as floats as
-    YAML 1.2 does. Metrics config files and overrides only (a features file is read as
-    nvdlfw-inspect reads it)."""
+_EXPONENT_FORM = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+")
 
 
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+def _exponent_numbers(cls: type, values: dict) -> dict:
+    """``values`` with text in exponent form (``7e9``, ``.989e3``, ``1.5E-4``) as floats where the
+    key takes a number and not text. PyYAML follows YAML 1.1, whose floats need a dot and a signed
+    exponent (``7.0e+9``), so ``num_params: 7e9`` reaches the config as text; YAML 1.2 reads a
+    float. Keys that take text (``output_dir: 1e3``, a run name) keep it as written."""
+    hints = typing.get_type_hints(cls)
+    out = dict(values)
+    for key, value in values.items():
+        hint = hints.get(key)
+        if hint is None:
+            continue  # an unknown key: refused by name when the dataclass is built
+        if isinstance(value, dict) and dataclasses.is_dataclass(hint):
+            out[key] = _exponent_numbers(hint, value)
+        elif isinstance(value, str) and _EXPONENT_FORM.fullmatch(value.strip()) and _takes_number_not_text(hint):
+            out[key] = float(value.replace("_", ""))
+    return out
 
 
-def read_yaml(path: Path, what: str = "metrics config file", loader: type = yaml.SafeLoader) -> Any:
+def _takes_number_not_text(hint: Any) -> bool:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return any(a in (int, float) for a in args) and str not in args
+
+
+def read_yaml(path: Path, what: str = "metrics config file") -> Any:
     """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
     features file); every way it can be unreadable is a ConfigError."""
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
                           f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
@@ -338,7 +354,7 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
         parts = key.strip().split(".")
         _check_override_key(item, parts)
         try:
-            value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "

@@ -41,33 +41,35 @@ class IntervalClock:
     def __init__(self) -> None:
         self._start = time.perf_counter()
         self._paused_at: Optional[float] = None
-        self._paused_s = 0.0
+        self._pauses: list[tuple[float, float]] = []  # this interval's pauses, (from, to): a few at most
 
-    def pause(self, at: Optional[float] = None) -> None:
-        """Stop counting (a second call does nothing); ``at``: since that earlier reading of
-        :func:`now` instead (the close record's interval ends at the last ``monitor.step``)."""
-        t = time.perf_counter() if at is None else max(at, self._start)
-        if self._paused_at is None or t < self._paused_at:
-            self._paused_at = t
+    def pause(self) -> None:
+        """Stop counting (a second call does nothing)."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
 
     def resume(self) -> None:
         """Count again after :meth:`pause`."""
         if self._paused_at is not None:
-            self._paused_s += time.perf_counter() - self._paused_at
+            self._pauses.append((self._paused_at, time.perf_counter()))
             self._paused_at = None
 
-    def take(self) -> float:
-        """Seconds counted since the interval started (resuming a paused clock); the next
-        interval starts now."""
+    def take(self, until: Optional[float] = None) -> float:
+        """Seconds counted since the interval started (resuming a paused clock), up to now or to
+        ``until``, an earlier reading of :func:`now` (the record ``close()`` writes ends at the last
+        ``monitor.step``): the pauses before it are left out, those after it do not matter. The
+        next interval starts now."""
         self.resume()
         now = time.perf_counter()
-        seconds, self._start, self._paused_s = now - self._start - self._paused_s, now, 0.0
+        end = now if until is None else min(max(until, self._start), now)
+        paused = sum(min(to, end) - since for since, to in self._pauses if since < end)
+        seconds, self._start, self._pauses = end - self._start - paused, now, []
         return seconds
 
     def restart(self) -> None:
         """Start the interval again now, forgetting what was counted."""
         self.resume()
-        self._start, self._paused_s = time.perf_counter(), 0.0
+        self._start, self._pauses = time.perf_counter(), []
 
 
 @dataclass

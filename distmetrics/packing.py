@@ -65,7 +65,7 @@ class PackLayout:
                 self.n_all += 1
         self.digest = digest(encode_entries(self.entries))
         self._vectors: dict[tuple, dict] = {}  # (id(names), reduce) → the names, positions per (offset, device)
-        self._indexes: dict[tuple, torch.Tensor] = {}  # a pack's pieces → their index tensor
+        self._indexes: dict[tuple, Any] = {}  # a pack's pieces → (their position tensors, index); sum gathers
         self._metric_keys: dict[tuple, tuple] = {}  # prefixes → the metric keys under them
         self._constants: dict[tuple, torch.Tensor] = {}  # (n, value, dtype, device) → a constant vector
         self.sum_names = list(self.sum_index)  # lane 2i holds value·weight of sum_names[i], 2i+1 its weight
@@ -267,9 +267,13 @@ def weighted(value: Any, weight: Any) -> Any:
     """``value · weight``, and 0 where the weight is 0: a weight of 0 means no value (a step or a
     rank with no tokens, whose loss is a mean over nothing, NaN), so a NaN or Inf there counts for
     nothing, as the weight says, instead of making every rank's mean NaN (NaN · 0 is NaN). A
-    tensor weight costs one ``where`` on its device, no sync."""
+    tensor weight costs one ``where`` on its device, no sync; a 0-d weight on the host with a value
+    on a device is read as the number it holds (nothing waits for that; a host tensor in the
+    ``where`` would be copied to the device, which waits)."""
     if isinstance(weight, torch.Tensor):
-        return torch.where(weight != 0, value * weight, 0.0)
+        if not (weight.is_cpu and weight.dim() == 0 and isinstance(value, torch.Tensor) and not value.is_cpu):
+            return torch.where(weight != 0, value * weight, 0.0)
+        weight = float(weight)
     if weight == 0:
         return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
     return value * weight

@@ -78,9 +78,9 @@ def test_a_bad_value_names_where_it_came_from_the_file_or_the_override(tmp_path)
 
 
 def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
-    """PyYAML follows YAML 1.1, which reads ``1e9`` (no dot, no exponent sign) as text; config
-    files and overrides read it as YAML 1.2 does. A whole number where an int belongs is refused
-    with the int to write."""
+    """PyYAML follows YAML 1.1, which reads ``1e9`` (no dot, no exponent sign) as text; where a key
+    takes a number, config files and overrides read it as YAML 1.2 does, and keys that take text
+    keep it as written. A whole number where an int belongs is refused with the int to write."""
     path = tmp_path / "model.yaml"
     path.write_text("num_params: 7e9\nnum_layers: 32\nhidden_size: 4096\nseq_length: 4096\n"
                     "peak_tflops: .989e3\nsol_step_time_ms: 1.5E+3\n")
@@ -91,9 +91,8 @@ def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'total_steps=1e5': total_steps=100000\.0 has type float; "
                                           r"accepted: int or None; write 100000$"):
         dm.MetricsConfig.from_yaml(path, ["total_steps=1e5"])
-    with pytest.raises(ConfigError, match=r"^override 'output_dir=1e3': output_dir=1000\.0 has type float"):
-        dm.MetricsConfig.from_yaml(path, ["output_dir=1e3"])
-    assert dm.MetricsConfig.from_yaml(path, ["output_dir='1e3'"]).output_dir == "1e3"  # quoted: text
+    text = dm.MetricsConfig.from_yaml(path, ["output_dir=1e3", "wandb_exp_name=2025e1"])  # keys that take text
+    assert (text.output_dir, text.wandb_exp_name) == ("1e3", "2025e1")
 
 
 def test_bad_writer_rank_lists_the_accepted_values():
@@ -199,6 +198,8 @@ def test_a_partial_model_description_is_refused_not_left_out_of_mfu(keys, messag
     whole = dm.MetricsConfig(num_params=7e9, num_layers=32, hidden_size=4096, seq_length=4096, num_active_params=1e9)
     assert whole.resolved_flops_per_token == 6 * 1e9 + 12 * 32 * 4096 * 4096
     assert dm.MetricsConfig(num_params=7e9).resolved_flops_per_token == 6 * 7e9  # 6·N alone
+    given = dm.MetricsConfig(flops_per_token=5e10, **keys)  # flops_per_token given: the description is not used
+    assert given.resolved_flops_per_token == 5e10
 
 
 def test_a_hang_timeout_beyond_what_the_store_can_wait_is_refused_naming_the_key():

@@ -117,7 +117,7 @@ EMPTY = {  # (rank, step) -> (loss, tokens): rank 1's all-masked micro-batches h
     (1, 1): (math.nan, 0), (1, 3): (math.nan, 0), (1, 4): (math.inf, 0)}
 
 
-def _empty_batches(rank: int, world: int, use_tensors: bool) -> dict:
+def _empty_batches(rank: int, world: int, tensors: str) -> dict:
     import torch
 
     import distmetrics as dm
@@ -125,27 +125,30 @@ def _empty_batches(rank: int, world: int, use_tensors: bool) -> dict:
     with dm.Monitor(quiet_config(log_interval=4)) as monitor:
         for step in range(1, 5):
             loss, tokens = EMPTY.get((rank, step), (2.0 + rank + 0.1 * step, 10 * (rank + 1) + step))
-            if use_tensors:
-                loss, tokens = torch.tensor(loss), torch.tensor(tokens)
+            if "loss" in tensors:
+                loss = torch.tensor(loss)
+            if "tokens" in tensors:
+                tokens = torch.tensor(tokens)
             monitor.record_losses(torch.tensor([1.0 + rank, math.nan]), ["a", "a"], weights=torch.tensor([2.0, 0.0]))
             monitor.record("probe", math.nan if rank else 5.0, "mean", weight=0.0 if rank else 1.0)
             metrics = monitor.step(step, loss=loss, tokens=tokens)
     return {k: v for k, v in metrics.items() if k in ("train/loss", "train/loss/a", "probe", "health/nonfinite_loss")}
 
 
-@pytest.mark.parametrize("use_tensors", [False, True], ids=["numbers", "tensors"])
-def test_a_rank_step_with_no_tokens_counts_for_nothing_even_with_a_nan_loss(use_tensors):
+@pytest.mark.parametrize("tensors", ["", "loss tokens", "loss", "tokens"],
+                         ids=["numbers", "tensors", "loss a tensor", "tokens a tensor"])
+def test_a_rank_step_with_no_tokens_counts_for_nothing_even_with_a_nan_loss(tensors):
     """An all-masked micro-batch has 0 tokens and a loss that is a mean over nothing (NaN, or Inf):
     weight 0 means no value, so it is neither averaged (NaN · 0 would make every rank's mean NaN)
-    nor counted as a non-finite loss; the same for record_losses' samples and monitor.record.
-    Ground truth: the token-weighted mean over the (rank, step)s with tokens."""
+    nor counted as a non-finite loss; the same for record_losses' samples and monitor.record;
+    loss and tokens as numbers, tensors, or one of each. Ground truth: the token-weighted mean over the (rank, step)s with tokens."""
     num = den = 0.0
     for rank in range(2):
         for step in range(1, 5):
             if (rank, step) not in EMPTY:
                 tokens = 10 * (rank + 1) + step
                 num, den = num + (2.0 + rank + 0.1 * step) * tokens, den + tokens
-    for metrics in run_ranks(_empty_batches, 2, use_tensors):
+    for metrics in run_ranks(_empty_batches, 2, tensors):
         assert metrics["train/loss"] == pytest.approx(num / den, rel=1e-7)
         assert metrics["health/nonfinite_loss"] == 0
         assert metrics["train/loss/a"] == pytest.approx(1.5) and metrics["probe"] == 5.0

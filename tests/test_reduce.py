@@ -477,26 +477,24 @@ def test_pack_positions_cached_by_a_tuples_identity_are_not_reused_for_another_t
     assert sum_lanes_on_host(layout, samples) == expected
 
 
-def test_a_packs_cached_index_is_not_taken_by_other_position_tensors_at_the_same_ids():
-    """The index of a pack's pieces is cached under the ids of their position tensors. An entry
-    holds its tensors, so their ids cannot be reused while it exists; an entry under the same
-    ids for other tensors (planted here, as an id reuse would leave it) is not taken: the index
-    is that of the pieces given, as a fresh layout builds it."""
+def test_a_packs_cached_index_is_not_taken_by_other_position_tensors_at_the_same_ids(monkeypatch):
+    """The index of a pack's pieces is cached under the ids of their position tensors. An id can
+    be reused by a new tensor once the old one is let go (the vector cache clears itself); here
+    ``id`` in the packing module gives every tensor of a length the same number, as such reuse
+    would. Pieces at other positions must not take the first pieces' index: each pack's index is
+    that of its own pieces, as a fresh layout builds it."""
     import torch
 
+    from distmetrics import packing
     from distmetrics.packing import PackLayout, Pieces
 
-    names = [f"v/{i}" for i in range(6)]
-    layout = PackLayout([(name, "sum") for name in names])
-    a, b = ("v/0", "v/2", "v/4"), ("v/5", "v/3", "v/1")
+    monkeypatch.setattr(packing, "id", lambda obj: len(obj) if isinstance(obj, torch.Tensor) else id(obj),
+                        raising=False)
+    layout = PackLayout([(f"v/{i}", "sum") for i in range(6)])
     cpu = torch.device("cpu")
-    pa, pb = layout.positions(a, "sum", 0, cpu), layout.positions(b, "sum", 0, cpu)
-    pieces = Pieces(layout, cpu, torch.float64)
-    pieces.add_vector(pa, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-    pieces.add_vector(pb, torch.tensor([4.0, 5.0, 6.0], dtype=torch.float64))
-    key = ((id(pa), id(pb)), (), (), cpu)
-    others = (pa.flip(0), pb.flip(0))
-    layout._indexes[key] = (others, torch.cat(others))  # another pair of tensors at these ids
-    index, values = pieces.assemble()
-    assert index.tolist() == [layout.sum_index[name] for name in a + b]
-    assert layout._indexes[key][0][0] is pa  # the entry now holds the pieces' own tensors
+    for a, b in ((("v/0", "v/2", "v/4"), ("v/5", "v/3", "v/1")), (("v/1", "v/3", "v/5"), ("v/4", "v/2", "v/0"))):
+        pieces = Pieces(layout, cpu, torch.float64)
+        for names in (a, b):
+            pieces.add_vector(layout.positions(names, "sum", 0, cpu), torch.ones(3, dtype=torch.float64))
+        index, _ = pieces.assemble()
+        assert index.tolist() == [layout.sum_index[name] for name in a + b]

@@ -412,7 +412,9 @@ def _clock_events(clock):
 def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(clock, monkeypatch):
     """A final checkpoint save or teardown between the last monitor.step and close() is no step's
     time: the close record's train/step_time_ms, tokens/s, timers/step and the straggler clock's
-    milliseconds per step cover steps 11-12 only (100 ms each), not the 60 s after them. CUDA
+    milliseconds per step cover steps 11-12 only (100 ms each), not the 60 s after them, whether
+    or not the save was paused (and resumed) as the README says, nor an evaluation paused
+    between them. CUDA
     events stand in (no GPU here): the lapped step timer records no event at its last lap, so
     on CUDA the close record leaves timers/step out rather than count the 60 s."""
     import torch
@@ -427,24 +429,32 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
             return samples
 
     monkeypatch.setattr(torch.cuda, "Event", _clock_events(clock))
-    for cuda in (False, True):
+    for cuda, after in ((False, "save"), (True, "save"), (False, "paused save"), (False, "paused, not resumed")):
         stragglers = Recorded(window=2)
         with dm.Monitor(quiet_config(log_interval=5, timing_log_level=0, log_throughput=True),
                         collectors=[stragglers]) as monitor:
             monitor.timers._timers["step"]._use_cuda = cuda
             for step in range(1, 13):
                 metrics = monitor.step(step, loss=1.0, tokens=1000)
+                if step == 11:  # an evaluation in the interval, paused as the README says: not step time
+                    monitor.pause()
+                    clock.advance(500.0)
+                    monitor.resume()
                 clock.advance(100.0)
             assert metrics is None and stragglers.step_ms == pytest.approx(100.0)  # log step 10
+            if after != "save":
+                monitor.pause()
             clock.advance(60_000.0 - 100.0)  # the final save: close() comes 60 s after step 12
+            if after == "paused save":
+                monitor.resume()
         last = monitor.last_metrics
-        assert last["train/step_time_ms"] == pytest.approx(100.0), cuda
-        assert last["train/tokens_per_sec"] == pytest.approx(10_000.0), cuda
-        assert stragglers.step_ms == pytest.approx(100.0), cuda
+        assert last["train/step_time_ms"] == pytest.approx(100.0), (cuda, after)
+        assert last["train/tokens_per_sec"] == pytest.approx(10_000.0), (cuda, after)
+        assert stragglers.step_ms == pytest.approx(100.0), (cuda, after)
         if cuda:
             assert "timers/step" not in last
-        else:
-            assert last["timers/step"] == pytest.approx(100.0)
+        else:  # the step timer times monitor.step to monitor.step, an evaluation within included
+            assert last["timers/step"] == pytest.approx((100.0 + 600.0) / 2)
 
 
 def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):

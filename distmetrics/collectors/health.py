@@ -42,6 +42,14 @@ class SpikeDetector:
         return spike, ratio
 
 
+def _nonfinite(loss: Any) -> Union[float, torch.Tensor]:
+    """1 if ``loss`` is NaN or Inf, else 0: a number for a number or a host tensor, a float64
+    tensor on the loss's device otherwise (no sync)."""
+    if isinstance(loss, torch.Tensor) and not loss.is_cpu:
+        return (~torch.isfinite(loss.detach())).to(torch.float64).sum()
+    return float(not math.isfinite(float(loss)))
+
+
 class HealthCollector:
     """Non-finite loss counts, skipped steps, spikes and the alerts they raise. Reads the norms
     collector's ``grad_norm`` and ``grad_nonfinite_modules``."""
@@ -61,12 +69,17 @@ class HealthCollector:
         """One step's loss (counted if non-finite, on device) and whether the optimizer skipped it.
         A loss with ``tokens`` 0 is a mean over nothing (NaN where the batch was all masked): not
         counted, as ``train/loss`` leaves it out."""
-        if loss is not None and not (tokens is not None and not isinstance(tokens, torch.Tensor) and tokens == 0):
-            bad = (~torch.isfinite(loss.detach())).to(torch.float64).sum() if isinstance(loss, torch.Tensor) \
-                else float(not math.isfinite(float(loss)))
-            if isinstance(tokens, torch.Tensor):
-                bad = bad * (tokens.detach().reshape(()) != 0).to(bad.device)
-            self._nonfinite_loss = self._nonfinite_loss + bad
+        if loss is None:
+            pass
+        elif not isinstance(tokens, torch.Tensor) or tokens.is_cpu:  # read on the host: nothing waits
+            if tokens is None or float(tokens) != 0:
+                self._nonfinite_loss = self._nonfinite_loss + _nonfinite(loss)
+        else:  # tokens on a device: masked there, no sync
+            bad = _nonfinite(loss)
+            mask = tokens.detach().reshape(()) != 0
+            if isinstance(bad, torch.Tensor) and bad.device != mask.device:
+                bad = bad.to(mask.device, non_blocking=True)
+            self._nonfinite_loss = self._nonfinite_loss + bad * mask
         if skipped:
             self._skipped += 1
 

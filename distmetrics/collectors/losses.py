@@ -47,7 +47,8 @@ class CategoryLosses:
             labels = [str(c) if names is None else str(names[c]) for c in categories]
             index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
         self._grow(losses.device)
-        self._sums.index_add_(0, index, weighted(losses, w))  # a sample of weight 0 counts for nothing
+        # a sample of weight 0 counts for nothing, even its NaN (the loss of an all-masked sample)
+        self._sums.index_add_(0, index, losses if weights is None else weighted(losses, w))
         self._weights.index_add_(0, index, w)
 
     def take_samples(self) -> list[Sample]:

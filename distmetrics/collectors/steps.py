@@ -112,9 +112,7 @@ class StepValues:
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        if ctx.ended_at is not None:  # the close record: up to the last monitor.step, not to close()
-            self.clock.pause(at=ctx.ended_at)
-        seconds = self.clock.take()
+        seconds = self.clock.take(until=ctx.ended_at)  # close(): up to the last monitor.step
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]

@@ -85,9 +85,7 @@ class StragglerCollector:
         """This rank's milliseconds per step since the last log step, pauses left out (and its
         GPU's power and SM clock when NVML is on), every rank's value gathered."""
         timed, self._untimed = ctx.steps - self._untimed, 0
-        if ctx.ended_at is not None:  # the close record: up to the last monitor.step, not to close()
-            self.clock.pause(at=ctx.ended_at)
-        ms = 1000.0 * self.clock.take() / timed if timed > 0 else math.nan  # NaN: no time this interval
+        ms = 1000.0 * self.clock.take(until=ctx.ended_at) / timed if timed > 0 else math.nan  # NaN: no time this interval
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
             samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]

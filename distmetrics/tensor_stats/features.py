@@ -88,7 +88,7 @@ def _exact_names_as_pattern(where: str, body: dict) -> dict:
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: exact_layer_names must be a list of layer names such as "
                           f"[model.decoder.layers.1.mlp.linear_fc1], got {names!r}")
-    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + r")\Z"
     return {**body, "layers": {"layer_name_regex_pattern": pattern}}
 
 
