@@ -61,15 +61,17 @@ class EvalLog:
             if value is not None:
                 check_value(value, "monitor.log_eval(%s=...)", what)
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
-        for key, name in names.items():
-            self.names.claim(name, "mean", f"monitor.log_eval({key}=...)")
+        kinds = {key: "max" if key == "time_ms" else "mean" for key in scalars}  # the evaluation's wall time:
+        for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
+            self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)")
         samples = []
         if loss is not None:
             samples.append(Sample("eval/loss", as_number(loss), "mean",
                                   weight=1.0 if tokens is None else as_number(tokens)))
         if tokens is not None and self.counts_tokens:
             samples.append(Sample(_TOKENS, as_number(tokens), "sum"))
-        samples += [Sample(names[key], as_number(value), "mean") for key, value in scalars.items() if value is not None]
+        samples += [Sample(names[key], as_number(value), kinds[key]) for key, value in scalars.items()
+                    if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):

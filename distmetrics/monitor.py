@@ -169,7 +169,7 @@ class Monitor:
         ``eval/gap`` = eval loss − train loss since the last eval."""
         self._check_open()
         metrics = self._eval.log(step, loss, tokens, scalars)
-        resumed_at(step, self.sinks)  # an evaluation before the first monitor.step (a resumed job's)
+        resumed_at(step, self.sinks, evaluation=True)  # an evaluation before the first monitor.step (a resumed job's)
         self._write(metrics, step, "eval")
         return metrics
 

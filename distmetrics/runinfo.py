@@ -173,20 +173,22 @@ def first_step(step: int, clocks: list, sinks: SinkSet) -> None:
     resumed_at(step, sinks)
 
 
-def resumed_at(step: int, sinks: SinkSet) -> None:
+def resumed_at(step: int, sinks: SinkSet, evaluation: bool = False) -> None:
     """The job's first record with a step (``monitor.step`` or ``log_eval``), once. On the writer,
     a job that starts at or before the last step logged in its output_dir (a restart from an
     earlier checkpoint) has TensorBoard drop the earlier job's events from this step on
-    (``purge_step``), and says so: a warning and a ``resume`` record."""
+    (``purge_step``), and says so: a warning and a ``resume`` record. An ``evaluation`` first is
+    of the checkpoint at its step, whose records stay: the job's own steps start after it."""
     if sinks.resume_checked:
         return
     sinks.resume_checked = True
     last = sinks.last_logged_step
-    if last is None or step > last:
+    first = step + 1 if evaluation else step
+    if last is None or first > last:
         return
-    message = (f"this job starts at step {step}, at or before step {last}, the last step an earlier job logged "
-               f"here: TensorBoard drops the earlier events from step {step} on; metrics.jsonl keeps both "
+    message = (f"this job starts at step {first}, at or before step {last}, the last step an earlier job logged "
+               f"here: TensorBoard drops the earlier events from step {first} on; metrics.jsonl keeps both "
                "jobs' records (each job starts with a run record)")
     logger.warning("distmetrics: %s", message)
-    sinks.purge_from(step)
-    sinks.log({"message": message, "last_logged_step": last}, step, "resume")
+    sinks.purge_from(first)
+    sinks.log({"message": message, "last_logged_step": last, "from_step": first}, step, "resume")

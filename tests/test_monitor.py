@@ -154,6 +154,21 @@ def test_a_rank_step_with_no_tokens_counts_for_nothing_even_with_a_nan_loss(tens
         assert metrics["train/loss/a"] == pytest.approx(1.5) and metrics["probe"] == 5.0
 
 
+def _eval_of_uneven_ranks(rank: int, world: int) -> dict:
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config()) as monitor:
+        return monitor.log_eval(5, loss=2.0, tokens=100, time_ms=1000.0 * (2 * rank + 1))
+
+
+def test_eval_tokens_per_second_is_over_the_slowest_ranks_time():
+    """An evaluation lasts as long as its slowest rank (the others wait for it at its end), as a
+    training step does: 200 tokens over 3 s, not over the ranks' mean of 2 s."""
+    for metrics in run_ranks(_eval_of_uneven_ranks, 2):
+        assert metrics["eval/time_ms"] == 3000.0 and metrics["eval/time_ms/max_rank"] == 1
+        assert metrics["eval/tokens_per_sec"] == pytest.approx(200 / 3.0)
+
+
 def test_lr_is_the_last_value_and_scalars_are_interval_means(run):
     _, results = run
     logs = results[0]["logs"]

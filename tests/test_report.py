@@ -326,6 +326,24 @@ def test_restarts_nan_and_a_line_cut_short(tmp_path):
     assert data.alerts[0]["first_module"] == "b.2" and data.rank_hosts == {0: "a", 1: "b"}
 
 
+def test_a_job_that_evaluates_its_checkpoint_first_keeps_the_earlier_jobs_records_at_that_step(tmp_path):
+    """Job 2 restarts from step 20's checkpoint and evaluates it before training from step 21:
+    job 1's per-module values at 20 stay in the heatmap (job 2 never logs step 20), those after
+    it are replaced; with a resume record, from the step it names (``from_step``)."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+
+    def train(step, value):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": value}
+
+    for second_job in ([{"kind": "eval", "step": 20, "eval/loss": 2.5}],
+                       [{"kind": "resume", "step": 20, "message": "m", "last_logged_step": 30, "from_step": 21},
+                        {"kind": "eval", "step": 20, "eval/loss": 2.5}]):
+        _write(tmp_path / "metrics.jsonl", [run, train(10, 1.0), train(20, 2.0), train(30, 9.0), dict(run),
+                                             *second_job, train(30, 3.0)])
+        steps, values = load_metrics(tmp_path).grids[("module", "grad_norm")].logged()
+        assert list(zip(steps.tolist(), values[:, 0].tolist())) == [(10, 1.0), (20, 2.0), (30, 3.0)], second_job
+
+
 def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
     from distmetrics.report.alerts import events_of
 

@@ -50,9 +50,11 @@ def test_a_job_resuming_at_a_logged_step_purges_the_stale_tensorboard_tail_and_s
     assert "resumed at step 21 (step 40 was logged before" in job2 and "first step 30: loss=2" in job2
 
 
-def test_a_resumed_job_that_evaluates_before_its_first_step_purges_from_that_evaluation(tmp_path):
+def test_a_resumed_job_that_evaluates_before_its_first_step_purges_after_that_evaluation(tmp_path):
     """Job 2 restarts from step 20's checkpoint and evaluates the restored model (log_eval(20))
-    before its first monitor.step: the purge starts there, so each eval step shows once."""
+    before its first monitor.step: its own steps start at 21, so the purge starts there and job
+    1's records at step 20 stay (its train record is the only one at 20: job 2 never logs step 20;
+    step 20's evaluation shows twice, once per job)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import distmetrics as dm
@@ -67,10 +69,10 @@ def test_a_resumed_job_that_evaluates_before_its_first_step_purges_from_that_eva
                     monitor.log_eval(step, loss=loss + 0.5, tokens=10)
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/loss")] == [(20, 1.6), (40, 2.5)]
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (30, 2.0), (40, 2.0)]
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/loss")] == [(20, 1.5), (20, 1.6), (40, 2.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
     resume = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "resume"]
-    assert [r["step"] for r in resume] == [20]
+    assert [(r["step"], r["from_step"]) for r in resume] == [(20, 21)]
 
 
 def test_a_job_continuing_after_the_last_logged_step_purges_nothing(tmp_path, caplog):

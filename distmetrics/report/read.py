@@ -117,7 +117,7 @@ class RunData:
                 name = str(gpu.get("name", "?")) if isinstance(gpu, dict) else "?"
                 self.gpu_models[name] = self.gpu_models.get(name, 0) + 1
             return
-        self._count_step(step)
+        self._count_step(step, kind, record)
         if kind == "alert":
             self.alerts.append({"step": step, "job": self._job, "type": str(record.get("alert", "alert")),
                                 "message": str(record.get("message", "")), "first_module": record.get("first_module")})
@@ -130,7 +130,7 @@ class RunData:
             self.records += 1
             self._take_values(record, step)
 
-    def _count_step(self, step: int) -> None:
+    def _count_step(self, step: int, kind: Any = None, record: Optional[dict] = None) -> None:
         if self._job < 0:  # a file without a run record
             self.jobs.append(_job_meta({}, 0))
             self._job = 0
@@ -141,8 +141,13 @@ class RunData:
             if self.step_max is not None and self._job > 0:
                 meta["resumed_at_or_before_last"] = step <= self.step_max
                 meta["previous_last_step"] = self.step_max
+                # the earlier job's records are dropped from where this one's steps start: after an
+                # evaluation first (of the checkpoint at its step), or where its resume record says
+                start = step + 1 if kind == "eval" else step
+                if kind == "resume" and isinstance(record.get("from_step"), int):
+                    start = record["from_step"]
                 for grid in self.grids.values():
-                    grid.restart(step)
+                    grid.restart(start)
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
         meta["records"] += 1
         self.step_min = step if self.step_min is None else min(self.step_min, step)
