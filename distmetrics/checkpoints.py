@@ -29,8 +29,28 @@ class CheckpointLog:
         self.job_start = time.time()
         path = Path(config.output_dir) / "progress.txt"
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
-        if self.resumed.get("checkpoints") and config.json_log:
-            _exact_numbers(self.resumed, Path(config.output_dir) / METRICS_FILE)
+        self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log else None
+        if self.resumed.get("checkpoints") and self._metrics_file is not None:
+            _exact_numbers(self.resumed, self._metrics_file, self.resumed["saved"][-1][0])
+
+    def start_at(self, step: int) -> None:
+        """This job's first step is ``step`` (its first ``monitor.step``, or the step after an
+        evaluation first): it resumed from the checkpoint saved before it. After a rollback (a
+        restart from an older checkpoint than the last one saved) that is not the last
+        "Saved checkpoint" line: the job's FLOPs and tokens count on from that checkpoint's, as
+        Megatron's count on from the checkpoint they load, not from the last line's."""
+        saved = self.resumed.get("saved")
+        if not saved:
+            return
+        base = None
+        for line in saved:  # the latest line of the highest iteration before this job's first step
+            if line[0] < step and (base is None or line[0] >= base[0]):
+                base = line
+        if base is saved[-1] or (base is not None and base[0] == saved[-1][0]):
+            return  # the last checkpoint (its numbers were made exact at start)
+        self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
+        if base is not None and self._metrics_file is not None:
+            _exact_numbers(self.resumed, self._metrics_file, base[0])
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
               device: torch.device, is_writer: bool) -> Optional[dict]:
@@ -47,12 +67,12 @@ class CheckpointLog:
                                  self.world_size)
 
 
-def _exact_numbers(resumed: dict, path: Path) -> None:
-    """progress.txt holds the last checkpoint's tokens to 0.01 billion and its FLOPs to three
-    digits; the same numbers are in metrics.jsonl's last ``progress`` record exactly. Take them
-    from there when they round to the text (the two files tell of the same checkpoint)."""
-    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r,
-                         starts=b'{"kind":"progress"')
+def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
+    """progress.txt holds a checkpoint's tokens to 0.01 billion and its FLOPs to three digits;
+    the same numbers are in metrics.jsonl's last ``progress`` record of that iteration exactly.
+    Take them from there when they round to the text (the two files tell of the same checkpoint)."""
+    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
+                         and r.get("step") == iteration, starts=b'{"kind":"progress"')
     if record is None:
         return
     tokens, flops = record.get("checkpoint/tokens"), record.get("checkpoint/floating_point_operations")

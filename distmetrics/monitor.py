@@ -63,6 +63,7 @@ class Monitor:
         self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
+        self._job_start_known = False
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
@@ -104,6 +105,7 @@ class Monitor:
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(step, self._clocks(), self.sinks)
+            self._job_starts_at(step)
             if "norms" in self._by_name:  # what was measured before the step's number was known
                 self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
         self._last_step = step
@@ -170,6 +172,8 @@ class Monitor:
         self._check_open()
         metrics = self._eval.log(step, loss, tokens, scalars)
         resumed_at(step, self.sinks, evaluation=True)  # an evaluation before the first monitor.step (a resumed job's)
+        if self._last_step is None:
+            self._job_starts_at(step + 1)  # it evaluated the checkpoint of this step
         self._write(metrics, step, "eval")
         return metrics
 
@@ -244,6 +248,12 @@ class Monitor:
             written = [k for k in sorted(names) if k[:1] != "_"]
             self._record_order = (names, written)
         return written
+
+    def _job_starts_at(self, step: int) -> None:
+        """The job's first step is known (once): checkpoints count on from the one before it."""
+        if not self._job_start_known:
+            self._job_start_known = True
+            self._checkpoints.start_at(step)
 
     def _log_step_ahead(self) -> Optional[int]:
         """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step;

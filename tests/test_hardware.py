@@ -352,3 +352,55 @@ def test_checkpoint_tokens_and_flops_carry_across_a_restart_exactly(tmp_path):
     assert saved[1]["checkpoint/floating_point_operations"] == pytest.approx(8e6 * 6.789e9, rel=1e-12)
     lines = (tmp_path / "progress.txt").read_text().splitlines()
     assert lines[-1].endswith("Tokens (in billions): 0.01") and "Floating-point operations: 5.43e+16" in lines[-1]
+
+
+def _progress_jobs(tmp_path, jobs, before_second=None):
+    """Jobs of (first step, last step, steps with a checkpoint); 1,000 tokens a step; the progress
+    records of metrics.jsonl."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=10,
+                           flops_per_token=1e9, timing_log_level=-1, log_memory=False, straggler_window=0)
+    for n, (first, last, checkpoints) in enumerate(jobs):
+        if n == 1 and before_second is not None:
+            before_second(tmp_path / "progress.txt")
+        with dm.Monitor(cfg) as monitor:
+            for step in range(first, last + 1):
+                monitor.step(step, loss=1.0, tokens=1000)
+                if step in checkpoints:
+                    monitor.checkpoint_saved(step)
+    return [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+
+
+@pytest.mark.parametrize("rollback", [False, True], ids=["from the last checkpoint", "from an older one"])
+def test_a_restart_counts_flops_and_tokens_on_from_the_checkpoint_it_resumed_from(tmp_path, rollback):
+    """Megatron counts FLOPs and tokens on from the checkpoint it loads. Job 1 saves at 100 and
+    200; job 2 resumes from 200 (steps 201-300) or rolls back to 100 (steps 101-200, as after a
+    loss spike): its checkpoint's numbers are 1,000 tokens per step since step 0, exactly, not
+    the last line's plus this job's (3e14 FLOPs at step 200 after the rollback)."""
+    first, last = (101, 200) if rollback else (201, 300)
+    saved = _progress_jobs(tmp_path, [(1, 200, (100, 200)), (first, last, (last,))])
+    assert [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"]) for r in saved] == [
+        (100, 1e5, 1e14), (200, 2e5, 2e14), (last, last * 1000.0, last * 1e12)]
+    line = (tmp_path / "progress.txt").read_text().splitlines()[-1]
+    assert f"Iteration: {last}\t" in line and f"Floating-point operations: {last * 1e12:.2e}" in line
+
+
+def test_a_torn_last_line_of_progress_txt_is_not_read(tmp_path):
+    """A crash during the write of a "Saved checkpoint" line leaves it cut short: 'Tokens (in' with
+    no number made the next Monitor() raise IndexError, 'Tokens (in billions): 1' (of 12.34)
+    counted 1 billion tokens. The torn line is left out (and cut off the file): the next job
+    counts on from the last whole line."""
+    def tear(cut):
+        def before_second(path):
+            with open(path, "a") as f:
+                f.write("2026-11-26 08:00:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 150\t"
+                        "Job throughput: 1.0 TFLOP/s/GPU\tCumulative throughput: 1.0 TFLOP/s/GPU\t"
+                        f"Floating-point operations: 9.99e+19\t{cut}")
+        return before_second
+
+    for n, cut in enumerate(("Tokens (in", "Tokens (in billions): 1")):
+        out = tmp_path / str(n)
+        saved = _progress_jobs(out, [(1, 100, (100,)), (151, 200, (200,))], before_second=tear(cut))
+        assert [(r["step"], r["checkpoint/tokens"]) for r in saved] == [(100, 1e5), (200, 1.5e5)], cut
+        assert "9.99e+19" not in (out / "progress.txt").read_text()

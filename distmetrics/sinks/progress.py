@@ -59,14 +59,20 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
 
     ``start_time``/``start_flops``: when the earliest run of the current streak of runs with
     this world size started, and the floating-point operations done by then; ``last_flops``
-    and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts);
-    ``checkpoints``: how many such lines there are.
+    and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts
+    unless it rolled back: see ``saved``); ``checkpoints``: how many such lines there are;
+    ``saved``: every such line's (iteration, FLOPs, tokens), in file order. A last line without
+    its newline (a crash during the write) is left out: its numbers may be cut short. A line
+    whose fields do not read is skipped.
     """
-    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0}
+    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0,
+             "saved": []}
     path = Path(path)
     if not path.exists():
         return state
-    for line in path.read_text(encoding="utf-8").splitlines():
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")[:-1]  # the part after the last newline is torn (or empty)
+    for line in lines:
         fields = line.strip().split("\t")
         if len(fields) < 4:
             continue
@@ -75,9 +81,14 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
         except (IndexError, ValueError):
             continue
         if fields[3] == "Saved checkpoint" and len(fields) >= 9:
+            try:
+                saved = (int(fields[4].split(": ")[1]), float(fields[7].split(": ")[1]),
+                         float(fields[8].split(": ")[1]) * 1e9)
+            except (IndexError, ValueError):
+                continue
             state["checkpoints"] += 1
-            state["last_flops"] = float(fields[7].split(": ")[1])
-            state["last_tokens"] = float(fields[8].split(": ")[1]) * 1e9
+            state["saved"].append(saved)
+            state["last_flops"], state["last_tokens"] = saved[1], saved[2]
         if world_in_line != world_size:  # a different world size restarts the streak
             state["start_time"] = state["start_flops"] = None
             continue
