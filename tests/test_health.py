@@ -210,6 +210,32 @@ def test_moe_utilization_and_imbalance_against_hand_computation(category_results
     assert m["moe/aux_loss"] == pytest.approx((0.1 + 0.2 + 0.3) / 3)
 
 
+def test_moe_counts_given_per_layer_add_up_per_layer_and_a_layer_without_tokens_has_no_imbalance(tmp_path):
+    """record_moe once per router (per layer, Megatron's natural hook), and once for two layers
+    together: every call's counts add to their layers' (a later layer's call replaced the
+    earlier's, so the skewed layer 0 vanished and the record read perfectly balanced). Layer 2
+    routed no token: its imbalance is undefined (NaN) and the worst layer's is over the others,
+    whatever the order. A layer given another number of experts is refused at the call."""
+    import torch
+
+    import distmetrics as dm
+
+    with dm.Monitor(_config(tmp_path, log_interval=2)) as monitor:
+        for step in (1, 2):
+            monitor.record_moe(tokens_per_expert=torch.tensor([40, 0, 0, 0]), layer_numbers=[0])
+            monitor.record_moe(tokens_per_expert=torch.tensor([[10, 10, 10, 10], [0, 0, 0, 0]]),
+                               layer_numbers=[1, 2])
+            monitor.record_moe(tokens_per_expert=torch.tensor([0, 8, 0, 0]), layer_numbers=[0])
+            with pytest.raises(ValueError, match="layer 1 was given counts of 4 experts .* now of 2"):
+                monitor.record_moe(tokens_per_expert=torch.tensor([5, 5]), layer_numbers=[1])
+            m = monitor.step(step, loss=1.0)
+    layer0 = [80, 16, 0, 0]  # two steps of 40 and 8
+    assert m["moe/load_imbalance/layer0"] == pytest.approx(max(layer0) / (sum(layer0) / 4))
+    assert m["moe/load_imbalance/layer1"] == 1.0 and math.isnan(m["moe/load_imbalance/layer2"])
+    assert m["moe/load_imbalance"] == pytest.approx(80 / 24)
+    assert m["moe/expert_utilization"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+
+
 def test_eval_gap_is_to_the_train_loss_since_the_last_eval(tmp_path):
     import distmetrics as dm
 

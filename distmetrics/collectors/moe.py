@@ -27,9 +27,8 @@ class MoECollector:
     def __init__(self, counts_tokens: bool) -> None:
         self.counts_tokens = counts_tokens  # False on TP/CP peers that see the same tokens
         self._stats = IntervalStats()
-        self._counts: Optional[torch.Tensor] = None
-        self._layers: list[int] = []
-        self._names: tuple = ()
+        self._counts: dict[tuple, torch.Tensor] = {}  # the layers of a call → their counts this interval
+        self._names: dict[tuple, tuple] = {}  # (layer, experts) pairs → the vector's names (kept: one tuple)
 
     def record(self, aux_loss=None, z_loss=None, tokens_per_expert: Optional[torch.Tensor] = None,
                layer_numbers: Optional[Sequence[int]] = None) -> None:
@@ -46,18 +45,39 @@ class MoECollector:
         if len(layers) != counts.shape[0]:
             raise ValueError(f"record_moe: {counts.shape[0]} layers of counts but {len(layers)} layer_numbers")
         counts = counts.to(torch.float64) * (1.0 if self.counts_tokens else 0.0)
-        if self._counts is None or self._layers != layers or self._counts.shape != counts.shape:
-            self._counts, self._layers = counts.clone(), layers
-            self._names = tuple(f"{_TOKENS}/{layer}/{expert}" for layer in layers for expert in range(counts.shape[1]))
+        key = (tuple(layers), counts.shape[1])
+        total = self._counts.get(key)  # calls per layer, or for all layers at once: each adds to its own
+        if total is None:
+            for other, n in self._counts:
+                if n != key[1] and not set(other).isdisjoint(key[0]):
+                    layer = min(set(other) & set(key[0]))
+                    raise ValueError(f"record_moe: layer {layer} was given counts of {n} experts earlier in this "
+                                     f"interval and now of {key[1]}; a layer keeps its number of experts")
+            self._counts[key] = counts.clone()
         else:
-            self._counts += counts
+            total.add_(counts)
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """Interval means of the losses; tokens per (layer, expert) as one vector."""
         out = self._stats.take_samples()
-        if self._counts is not None:
-            out.append(Sample(_TOKENS, self._counts.reshape(-1), "sum", names=self._names))
-            self._counts = None
+        if not self._counts:
+            return out
+        rows: dict[int, list] = {}
+        experts: dict[int, int] = {}
+        for (layers, n), counts in self._counts.items():  # a layer's experts agree (checked at record)
+            for layer, row in zip(layers, counts):
+                experts[layer] = n
+                rows.setdefault(layer, []).append(row)
+        self._counts = {}
+        order = tuple(sorted(rows))
+        shape = tuple((layer, experts[layer]) for layer in order)
+        names = self._names.get(shape)
+        if names is None:
+            if len(self._names) >= 64:
+                self._names.clear()
+            names = self._names[shape] = tuple(f"{_TOKENS}/{layer}/{e}" for layer, n in shape for e in range(n))
+        vector = torch.cat([sum(rows[layer][1:], rows[layer][0]) for layer in order])  # a layer's calls added
+        out.append(Sample(_TOKENS, vector, "sum", names=names))
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
@@ -80,7 +100,8 @@ class MoECollector:
             utilization.append(used)
             imbalance.append(ratio)
         metrics["moe/expert_utilization"] = sum(utilization) / len(utilization)
-        metrics["moe/load_imbalance"] = max(imbalance)
+        defined = [r for r in imbalance if not math.isnan(r)]  # a layer that routed no token has none
+        metrics["moe/load_imbalance"] = max(defined) if defined else math.nan
         return []
 
     def close(self) -> None:
