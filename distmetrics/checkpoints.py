@@ -34,17 +34,21 @@ class CheckpointLog:
             _exact_numbers(self.resumed, self._metrics_file, self.resumed["saved"][-1][0])
 
     def start_at(self, step: int) -> None:
-        """This job's first step is ``step`` (its first ``monitor.step``, or the step after an
-        evaluation first): it resumed from the checkpoint saved before it. After a rollback (a
-        restart from an older checkpoint than the last one saved) that is not the last
-        "Saved checkpoint" line: the job's FLOPs and tokens count on from that checkpoint's, as
-        Megatron's count on from the checkpoint they load, not from the last line's."""
+        """This job's first step is ``step`` (its first ``monitor.step``, the step after an
+        evaluation or a checkpoint saved first): it resumed from the checkpoint saved just before
+        it, numbered ``step - 1`` where steps count from 1 (Megatron's and torchtitan's numbering)
+        or ``step`` where a loop counts from 0 and saves at ``step + 1``: the latest line of the
+        highest iteration up to ``step`` (a line at ``step`` itself exists under the first
+        numbering only with checkpoints at two consecutive steps). After a rollback (a restart from
+        an older checkpoint than the last one saved) that is not the last "Saved checkpoint" line:
+        the job's FLOPs and tokens count on from that checkpoint's, as Megatron's count on from the
+        checkpoint they load, not from the last line's."""
         saved = self.resumed.get("saved")
         if not saved:
             return
         base = None
-        for line in saved:  # the latest line of the highest iteration before this job's first step
-            if line[0] < step and (base is None or line[0] >= base[0]):
+        for line in saved:
+            if line[0] <= step and (base is None or line[0] >= base[0]):
                 base = line
         if base is saved[-1] or (base is not None and base[0] == saved[-1][0]):
             return  # the last checkpoint (its numbers were made exact at start)

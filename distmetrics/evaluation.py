@@ -61,7 +61,7 @@ class EvalLog:
             if value is not None:
                 check_value(value, "monitor.log_eval(%s=...)", what)
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
-        kinds = {key: "max" if key == "time_ms" else "mean" for key in scalars}  # the evaluation's wall time:
+        kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
             self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)")
         samples = []

@@ -193,6 +193,8 @@ class Monitor:
         floating-point operations, tokens; cumulative across restarts with the same world size).
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
+        if self._last_step is None:
+            self._job_starts_at(step + 1)  # a checkpoint saved first: the job resumed from this step's
         self._guard.enter("monitor.checkpoint_saved", step)
         record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
                                          self._reducer.group, self._reducer.device, self.is_writer)

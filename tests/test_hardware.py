@@ -354,9 +354,11 @@ def test_checkpoint_tokens_and_flops_carry_across_a_restart_exactly(tmp_path):
     assert lines[-1].endswith("Tokens (in billions): 0.01") and "Floating-point operations: 5.43e+16" in lines[-1]
 
 
-def _progress_jobs(tmp_path, jobs, before_second=None):
+def _progress_jobs(tmp_path, jobs, before_second=None, zero_based=False, save_first=None):
     """Jobs of (first step, last step, steps with a checkpoint); 1,000 tokens a step; the progress
-    records of metrics.jsonl."""
+    records of metrics.jsonl. ``zero_based``: the loop counts steps from 0 and saves after step s
+    as checkpoint s + 1 (steps done). ``save_first``: the second job saves that checkpoint before
+    its first step."""
     import distmetrics as dm
 
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=10,
@@ -365,23 +367,32 @@ def _progress_jobs(tmp_path, jobs, before_second=None):
         if n == 1 and before_second is not None:
             before_second(tmp_path / "progress.txt")
         with dm.Monitor(cfg) as monitor:
+            if n == 1 and save_first is not None:
+                monitor.checkpoint_saved(save_first)
             for step in range(first, last + 1):
                 monitor.step(step, loss=1.0, tokens=1000)
-                if step in checkpoints:
-                    monitor.checkpoint_saved(step)
+                done = step + 1 if zero_based else step
+                if done in checkpoints:
+                    monitor.checkpoint_saved(done)
     return [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
 
 
 @pytest.mark.parametrize("rollback", [False, True], ids=["from the last checkpoint", "from an older one"])
-def test_a_restart_counts_flops_and_tokens_on_from_the_checkpoint_it_resumed_from(tmp_path, rollback):
+@pytest.mark.parametrize("zero_based", [False, True], ids=["steps from 1", "steps from 0"])
+def test_a_restart_counts_flops_and_tokens_on_from_the_checkpoint_it_resumed_from(tmp_path, rollback, zero_based):
     """Megatron counts FLOPs and tokens on from the checkpoint it loads. Job 1 saves at 100 and
     200; job 2 resumes from 200 (steps 201-300) or rolls back to 100 (steps 101-200, as after a
     loss spike): its checkpoint's numbers are 1,000 tokens per step since step 0, exactly, not
-    the last line's plus this job's (3e14 FLOPs at step 200 after the rollback)."""
+    the last line's plus this job's (3e14 FLOPs at step 200 after the rollback). The same for a
+    loop that counts steps from 0 and saves after step s as checkpoint s + 1, and for a job that
+    saves its checkpoint again before its first step."""
     first, last = (101, 200) if rollback else (201, 300)
-    saved = _progress_jobs(tmp_path, [(1, 200, (100, 200)), (first, last, (last,))])
+    shift = 1 if zero_based else 0
+    saved = _progress_jobs(tmp_path, [(1 - shift, 200 - shift, (100, 200)), (first - shift, last - shift, (last,))],
+                           zero_based=zero_based, save_first=first - 1)
     assert [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"]) for r in saved] == [
-        (100, 1e5, 1e14), (200, 2e5, 2e14), (last, last * 1000.0, last * 1e12)]
+        (100, 1e5, 1e14), (200, 2e5, 2e14), (first - 1, (first - 1) * 1000.0, (first - 1) * 1e12),
+        (last, last * 1000.0, last * 1e12)]
     line = (tmp_path / "progress.txt").read_text().splitlines()[-1]
     assert f"Iteration: {last}\t" in line and f"Floating-point operations: {last * 1e12:.2e}" in line
 

@@ -227,13 +227,18 @@ def test_moe_counts_given_per_layer_add_up_per_layer_and_a_layer_without_tokens_
                                layer_numbers=[1, 2])
             monitor.record_moe(tokens_per_expert=torch.tensor([0, 8, 0, 0]), layer_numbers=[0])
             with pytest.raises(ValueError, match="layer 1 was given counts of 4 experts .* now of 2"):
-                monitor.record_moe(tokens_per_expert=torch.tensor([5, 5]), layer_numbers=[1])
+                monitor.record_moe(aux_loss=100.0, tokens_per_expert=torch.tensor([5, 5]), layer_numbers=[1])
+            monitor.record_moe(aux_loss=0.5)  # the refused call's aux_loss was not recorded
             m = monitor.step(step, loss=1.0)
     layer0 = [80, 16, 0, 0]  # two steps of 40 and 8
     assert m["moe/load_imbalance/layer0"] == pytest.approx(max(layer0) / (sum(layer0) / 4))
     assert m["moe/load_imbalance/layer1"] == 1.0 and math.isnan(m["moe/load_imbalance/layer2"])
     assert m["moe/load_imbalance"] == pytest.approx(80 / 24)
     assert m["moe/expert_utilization"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert m["moe/aux_loss"] == 0.5
+    with dm.Monitor(_config(tmp_path / "nan", log_interval=1)) as monitor:  # a NaN count is not "no token"
+        monitor.record_moe(tokens_per_expert=torch.tensor([[4.0, 0.0], [math.nan, 1.0]]))
+        assert math.isnan(monitor.step(1, loss=1.0)["moe/load_imbalance"])
 
 
 def test_eval_gap_is_to_the_train_loss_since_the_last_eval(tmp_path):

@@ -73,6 +73,8 @@ def test_a_resumed_job_that_evaluates_before_its_first_step_purges_after_that_ev
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
     resume = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "resume"]
     assert [(r["step"], r["from_step"]) for r in resume] == [(20, 21)]
+    summary = run_python("-m", "distmetrics.cli", "summary", tmp_path).stdout
+    assert "resumed at step 21 (step 40 was logged before" in summary
 
 
 def test_a_job_continuing_after_the_last_logged_step_purges_nothing(tmp_path, caplog):

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..interval import IntervalStats
+from ..names import check_value
 from .base import Alert, LogContext, Sample
 
 __all__ = ["MoECollector"]
@@ -32,12 +33,17 @@ class MoECollector:
 
     def record(self, aux_loss=None, z_loss=None, tokens_per_expert: Optional[torch.Tensor] = None,
                layer_numbers: Optional[Sequence[int]] = None) -> None:
-        """One step's router statistics (see ``Monitor.record_moe``)."""
+        """One step's router statistics (see ``Monitor.record_moe``); a refused call records nothing."""
+        for what, value in (("aux_loss", aux_loss), ("z_loss", z_loss)):
+            if value is not None:
+                check_value(value, "record_moe(%s=...)", what)
+        if tokens_per_expert is not None:
+            self._record_counts(tokens_per_expert, layer_numbers)
         for name, value in (("moe/aux_loss", aux_loss), ("moe/z_loss", z_loss)):
             if value is not None:
                 self._stats.record(name, value, "mean")
-        if tokens_per_expert is None:
-            return
+
+    def _record_counts(self, tokens_per_expert: torch.Tensor, layer_numbers: Optional[Sequence[int]]) -> None:
         counts = tokens_per_expert.detach()
         if counts.dim() == 1:
             counts = counts.unsqueeze(0)
@@ -89,7 +95,7 @@ class MoECollector:
                 per_layer.setdefault(layer, {})[int(expert)] = metrics.pop(key)
         if not per_layer:
             return []
-        utilization, imbalance = [], []
+        utilization, imbalance, routed = [], [], []
         for layer, counts in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
             values = [counts[e] for e in sorted(counts)]
             mean = sum(values) / len(values)
@@ -99,9 +105,11 @@ class MoECollector:
             metrics[f"moe/load_imbalance/layer{layer}"] = ratio
             utilization.append(used)
             imbalance.append(ratio)
+            routed.append(mean != 0)  # NaN counts are not "no token": they make the headline NaN
         metrics["moe/expert_utilization"] = sum(utilization) / len(utilization)
-        defined = [r for r in imbalance if not math.isnan(r)]  # a layer that routed no token has none
-        metrics["moe/load_imbalance"] = max(defined) if defined else math.nan
+        counted = [r for r, any_token in zip(imbalance, routed) if any_token]  # a layer that routed none has none
+        metrics["moe/load_imbalance"] = (math.nan if not counted or any(math.isnan(r) for r in counted)
+                                         else max(counted))
         return []
 
     def close(self) -> None:
