@@ -50,7 +50,7 @@ class CheckpointLog:
         for line in saved:
             if line[0] <= step and (base is None or line[0] >= base[0]):
                 base = line
-        if base is saved[-1] or (base is not None and base[0] == saved[-1][0]):
+        if base is saved[-1]:
             return  # the last checkpoint (its numbers were made exact at start)
         self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
         if base is not None and self._metrics_file is not None:

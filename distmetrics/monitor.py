@@ -104,8 +104,8 @@ class Monitor:
         self._check_open()
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
-            first_step(step, self._clocks(), self.sinks)
-            self._job_starts_at(step)
+            first_step(self._clocks())
+            self._job_starts_at(step, step)
             if "norms" in self._by_name:  # what was measured before the step's number was known
                 self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
         self._last_step = step
@@ -171,9 +171,8 @@ class Monitor:
         ``eval/gap`` = eval loss − train loss since the last eval."""
         self._check_open()
         metrics = self._eval.log(step, loss, tokens, scalars)
-        resumed_at(step, self.sinks, evaluation=True)  # an evaluation before the first monitor.step (a resumed job's)
-        if self._last_step is None:
-            self._job_starts_at(step + 1)  # it evaluated the checkpoint of this step
+        if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
+            self._job_starts_at(step + 1, step)
         self._write(metrics, step, "eval")
         return metrics
 
@@ -193,8 +192,8 @@ class Monitor:
         floating-point operations, tokens; cumulative across restarts with the same world size).
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
-        if self._last_step is None:
-            self._job_starts_at(step + 1)  # a checkpoint saved first: the job resumed from this step's
+        if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
+            self._job_starts_at(step + 1, step)
         self._guard.enter("monitor.checkpoint_saved", step)
         record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
                                          self._reducer.group, self._reducer.device, self.is_writer)
@@ -251,11 +250,14 @@ class Monitor:
             self._record_order = (names, written)
         return written
 
-    def _job_starts_at(self, step: int) -> None:
-        """The job's first step is known (once): checkpoints count on from the one before it."""
+    def _job_starts_at(self, first: int, step: int) -> None:
+        """The job's own steps start at ``first``, as the record of ``step`` tells (once): an earlier
+        job's TensorBoard events from there on are dropped, and checkpoints count on from the one
+        it resumed from."""
         if not self._job_start_known:
             self._job_start_known = True
-            self._checkpoints.start_at(step)
+            resumed_at(first, step, self.sinks)
+            self._checkpoints.start_at(first)
 
     def _log_step_ahead(self) -> Optional[int]:
         """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step;

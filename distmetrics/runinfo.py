@@ -165,25 +165,20 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
     return sinks
 
 
-def first_step(step: int, clocks: list, sinks: SinkSet) -> None:
+def first_step(clocks: list) -> None:
     """The job's first ``monitor.step``: the clocks start (building the Monitor is no step's time
-    or energy), and :func:`resumed_at` unless an evaluation came first."""
+    or energy)."""
     for clock in clocks:
         clock.start()
-    resumed_at(step, sinks)
 
 
-def resumed_at(step: int, sinks: SinkSet, evaluation: bool = False) -> None:
-    """The job's first record with a step (``monitor.step`` or ``log_eval``), once. On the writer,
-    a job that starts at or before the last step logged in its output_dir (a restart from an
-    earlier checkpoint) has TensorBoard drop the earlier job's events from this step on
-    (``purge_step``), and says so: a warning and a ``resume`` record. An ``evaluation`` first is
-    of the checkpoint at its step, whose records stay: the job's own steps start after it."""
-    if sinks.resume_checked:
-        return
-    sinks.resume_checked = True
+def resumed_at(first: int, step: int, sinks: SinkSet) -> None:
+    """The job's own steps start at ``first`` (called once, by the record of ``step`` that tells:
+    its first ``monitor.step``, or an evaluation or a checkpoint of the step before). On the
+    writer, a job that starts at or before the last step logged in its output_dir (a restart from
+    an earlier checkpoint) has TensorBoard drop the earlier job's events from ``first`` on
+    (``purge_step``), and says so: a warning and a ``resume`` record."""
     last = sinks.last_logged_step
-    first = step + 1 if evaluation else step
     if last is None or first > last:
         return
     message = (f"this job starts at step {first}, at or before step {last}, the last step an earlier job logged "

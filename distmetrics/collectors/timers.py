@@ -379,10 +379,11 @@ class TimerCollector:
         out = []
         kind = self.option
         for name, timer in self.timers._timers.items():
-            # The step timer runs from one monitor.step to the next: average over its spans.
-            divisor = timer.spans if name == "step" else ctx.steps
-            # close(): the step timer up to the last monitor.step (after it comes no step's time)
-            ms = timer.take_interval_ms(running=not (ctx.ended_at is not None and timer is self._step_timer))
+            # The step timer runs from one monitor.step to the next: average over its spans; in the
+            # record close() writes, up to the last monitor.step (after it comes no step's time).
+            step_timer = timer is self._step_timer
+            divisor = timer.spans if step_timer else ctx.steps
+            ms = timer.take_interval_ms(running=not (step_timer and ctx.ended_at is not None))
             if ms is None or divisor == 0:
                 continue
             per_step = ms / divisor

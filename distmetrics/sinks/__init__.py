@@ -95,8 +95,6 @@ class SinkSet:
         self.writer: Optional[WriterThread] = None
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
-        self.resume_checked = False
-        """Whether this job's first step was compared with ``last_logged_step`` yet."""
         self._closers: list = []
         self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
