@@ -14,7 +14,7 @@ import math
 import operator
 import struct
 import zlib
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ class PackLayout:
         self.sum_names = list(self.sum_index)  # lane 2i holds value·weight of sum_names[i], 2i+1 its weight
         self.sum_flags = [self.kinds[name] == "sum" for name in self.sum_names]
         self.mean_lanes = [i for i, is_sum in enumerate(self.sum_flags) if not is_sum]
+        self.sum_lanes = [i for i, is_sum in enumerate(self.sum_flags) if is_sum]
 
     def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
         """Cached pack positions of a vector's names (None: not all of them are in this layout
@@ -279,6 +280,14 @@ def weighted(value: Any, weight: Any) -> Any:
     return value * weight
 
 
+def weighted_host(values: Sequence[float], weights: Sequence[float]) -> Iterable[float]:
+    """:func:`weighted` of each host number and its weight, in one C loop unless a weight is 0
+    (a Python call per element costs about 5x the multiplication at hundreds of names)."""
+    if 0 in weights:
+        return [value * weight if weight != 0 else 0.0 for value, weight in zip(values, weights)]
+    return map(operator.mul, values, weights)
+
+
 def mean_parts(s: Any) -> tuple[Number, Number]:
     """The two SUM-pack lanes of a sum or mean sample: (value·weight, weight)."""
     if s.reduce == "sum":
@@ -326,7 +335,12 @@ def decode_sum(layout: PackLayout, totals: Sequence[float], weights: Sequence[fl
         result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
                          in zip(layout.sum_names, totals, weights, layout.sum_flags) if weight != 0}
         return
-    if layout.mean_lanes:
+    if len(layout.mean_lanes) > len(layout.sum_lanes):  # mostly means: one C loop, a sum's divisor 1
+        divisors = list(weights)
+        for i in layout.sum_lanes:
+            divisors[i] = 1.0
+        totals = map(operator.truediv, totals, divisors)
+    elif layout.mean_lanes:
         totals = list(totals)
         for i in layout.mean_lanes:
             totals[i] /= weights[i]
