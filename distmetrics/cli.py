@@ -152,7 +152,7 @@ def _check_inspection(config: TensorInspectConfig, source: str,
 
 def add_summary(commands) -> None:
     """``summary PATH``."""
-    parser = commands.add_parser("summary", help="per job: first/last train record, evals and alerts of a run")
+    parser = commands.add_parser("summary", help="per job: first/last train record, evals, alerts and lost records of a run")
     parser.add_argument("path", help="a run folder, a folder of run folders, or a metrics.jsonl")
     parser.set_defaults(run=run_summary)
 
@@ -164,7 +164,8 @@ def run_summary(args: argparse.Namespace) -> str:
 
 def summarise(path) -> str:
     """A few lines per job of a metrics.jsonl: its ranks and versions, first/last train record,
-    last eval, alerts, and whether it resumed at or before a step an earlier job logged."""
+    last eval, alerts, records that could not be written (``gap``), and whether it resumed at or
+    before a step an earlier job logged."""
     jobs, unreadable = read_jobs(path)
     skipped = f", {unreadable} unreadable line(s) skipped (a crash cuts the line being written)" if unreadable else ""
     lines = [f"{path}: {len(jobs)} job(s){skipped}"]
@@ -193,6 +194,8 @@ def _job_lines(number: int, job: Job, previous) -> list[str]:
     if evals:
         lines.append(f"  last eval step {evals[-1]['step']}: loss={_fmt(evals[-1].get('eval/loss'))}")
     lines += [f"  alert step {alert['step']}: {alert.get('message')}" for alert in alerts]
+    lines += [f"  lost {gap.get('lost_records')} record(s), steps {gap.get('first_step')}-{gap.get('last_step')}: "
+              f"{gap.get('error')} (written again from step {gap['step']})" for gap in job.of_kind("gap")]
     return lines
 
 

@@ -162,6 +162,20 @@ def test_jsonl_warns_when_it_fails_and_when_it_recovers_with_the_count(full_disk
     assert not any("pip install" in w for w in result["warnings"])
 
 
+def test_summary_names_the_records_the_full_disk_lost(full_disk):
+    """``distmetrics summary`` of the file the full disk left says which steps were lost and why."""
+    saved, _, _, _ = full_disk
+    records = [json.loads(line) for line in (saved / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r for r in records if r["kind"] == "gap"]
+    out = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(saved)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for gap in gaps:
+        line = (f"lost {gap['lost_records']} record(s), steps {gap['first_step']}-{gap['last_step']}: "
+                f"{gap['error']} (written again from step {gap['step']})")
+        assert line in out.stdout, out.stdout
+
+
 def test_tensorboard_survives_the_full_disk_and_writes_again(full_disk):
     saved, disk, result, stderr = full_disk
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
