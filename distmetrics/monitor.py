@@ -142,7 +142,9 @@ class Monitor:
         """MoE router statistics for this step: ``moe/aux_loss``, ``moe/z_loss`` (means) and, from
         ``tokens_per_expert`` (``[layers, experts]``, global expert ids), ``moe/expert_utilization``
         (fraction of experts receiving tokens) and ``moe/load_imbalance`` (max / mean tokens per
-        expert, worst layer), summed over the ranks that see distinct tokens."""
+        expert, worst layer), summed over the ranks that see distinct tokens. Under sequence or
+        context parallelism, pass counts already summed over the TP x CP group (as Megatron's router
+        sums them): TP/CP rank 0's are used."""
         self._check_open()
         self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
 

@@ -238,9 +238,22 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     monitor = dm.Monitor(cfg, model=model)
     truth = _truth(full_megatron(model.named_parameters(), grads=True))
     total = monitor.measure_grad_norms(step=1)
+    # MoE counts as Megatron's router makes them: each TP rank routes its own slice of the
+    # sequence (sequence parallel), and the counts are summed over the TP x CP group
+    # (Megatron's own function); what record_moe is given on every rank
+    from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
+
+    routed = torch.rand(8, 4, generator=torch.Generator().manual_seed(700 + rank)) < torch.tensor([0.9, 0.5, 0.2, 0.05])
+    tokens_per_expert, _, _ = get_tokens_per_expert_and_token_count(routed, ps.get_tensor_and_context_parallel_group())
+    monitor.record_moe(tokens_per_expert=tokens_per_expert)
+    every_rank = [torch.empty_like(routed) for _ in range(world)]
+    dist.all_gather(every_rank, routed)  # the truth: every token of every rank counted once
+    moe_truth = torch.stack(every_rank).to(torch.float64).sum(dim=(0, 1))
     metrics = monitor.step(1, loss=loss.detach())
     monitor.close()
     out["tp2"] = {"truth": truth, "returned": float(total), "metrics": metrics,
+                  "moe_truth": {"moe/load_imbalance": float(moe_truth.max() / moe_truth.mean()),
+                                "moe/expert_utilization": float((moe_truth > 0).double().mean())},
                   "layernorm_is_duplicated": not getattr(
                       dict(model.named_parameters())["decoder.layers.0.input_layernorm.weight"],
                       "tensor_model_parallel", False)}
@@ -320,6 +333,15 @@ def test_norms_are_exact_under_megatron_layouts(megatron_results, layout):
         for module, value in r["truth"]["modules"].items():
             assert m[f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
         assert {k.split("/", 1)[1] for k in m if k.startswith("grad_norm/")} == set(r["truth"]["modules"])
+
+
+def test_moe_counts_summed_over_tp_as_megatron_sums_them_count_each_token_once(megatron_results):
+    """TP=2 x DP=2: the counts Megatron's router sums over the TP x CP group, given on every rank
+    (the README's rule), give the imbalance and utilisation of every token of the job."""
+    for rank_result in megatron_results:
+        r = rank_result["tp2"]
+        for name, value in r["moe_truth"].items():
+            assert r["metrics"][name] == pytest.approx(value, rel=1e-12), name
 
 
 def test_megatron_tp_model_has_a_tp_duplicated_layernorm(megatron_results):
