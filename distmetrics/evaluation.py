@@ -47,10 +47,11 @@ class EvalLog:
         names.reserve(self.writes, "monitor.log_eval")
         self.names = names
 
-    def note_train_loss(self, loss: Any, tokens: Any) -> None:
-        """A train record's loss and tokens, for ``eval/gap``."""
-        if isinstance(loss, float):
-            self._train_losses.append((loss, tokens if tokens else 1.0))
+    def note_train_loss(self, loss: Any, weight: Optional[float]) -> None:
+        """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the
+        rank-steps whose loss counted: a skipped step's did not), for ``eval/gap``."""
+        if isinstance(loss, float) and weight:
+            self._train_losses.append((loss, weight))
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
             scalars: dict[str, Number]) -> dict[str, Any]:

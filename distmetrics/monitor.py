@@ -232,7 +232,7 @@ class Monitor:
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
-        self._eval.note_train_loss(metrics.get("train/loss"), ctx.tokens)
+        self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"))
         written = self._written_order(metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
         self._steps_in_interval = 0

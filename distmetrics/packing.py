@@ -330,7 +330,8 @@ def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result
 
 def decode_sum(layout: PackLayout, totals: Sequence[float], weights: Sequence[float], result: Any) -> None:
     """SUM-pack totals (Σ value·weight) and weights, in the layout's order → ``result.values``
-    (a name no rank sent, or only with weight 0, is absent)."""
+    (a name no rank sent, or only with weight 0, is absent) and ``result.sum_weights``."""
+    result.sum_weights = weights
     if 0.0 in weights:  # some name is absent (or sent with weight 0 only)
         result.values = {name: total if is_sum else total / weight for name, total, weight, is_sum
                          in zip(layout.sum_names, totals, weights, layout.sum_flags) if weight != 0}

@@ -124,6 +124,14 @@ class Reduced:
     """The reduce kind of every name in the agreed layout."""
     layout: Optional[PackLayout] = None
     """The agreed layout (its key index is cached there)."""
+    sum_weights: Sequence[float] = ()
+    """The SUM pack's weight lanes in the layout's order (a mean's denominator: see :meth:`weight`)."""
+
+    def weight(self, name: str) -> Optional[float]:
+        """The total weight behind a ``mean`` result (Σ weight over ranks and steps: the tokens
+        that ``train/loss`` averages over), or None where there is none."""
+        at = self.layout.sum_index.get(name) if self.layout is not None and self.sum_weights else None
+        return None if at is None else self.sum_weights[at // 2]
 
     def keys_under(self, prefixes: tuple) -> tuple:
         """Every key :meth:`to_metrics` can write for the agreed names that starts with one of

@@ -274,6 +274,29 @@ def test_eval_is_token_weighted_with_ppl_and_gap(run):
     assert math.isnan(ev["eval/gap"])
 
 
+def test_eval_gap_weights_each_interval_by_what_its_train_loss_is_the_mean_of(tmp_path):
+    """The train side of eval/gap is the token-weighted loss of the rank-steps that counted since
+    the last evaluation: a skipped step's tokens weigh nothing (as in train/loss), and without
+    tokens each step weighs 1, so intervals of unequal length are not weighed alike."""
+    import distmetrics as dm
+
+    cfg = quiet_config(output_dir=str(tmp_path / "a"), log_interval=10)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 10):  # skipped (loss-scale warm-up): their loss and tokens do not count
+            monitor.step(step, loss=50.0, tokens=1000, skipped=True)
+        monitor.step(10, loss=10.0, tokens=1000)
+        for step in range(11, 21):
+            monitor.step(step, loss=2.0, tokens=1000)
+        gap = monitor.log_eval(20, loss=3.0)["eval/gap"]
+    assert gap == pytest.approx(3.0 - (10.0 * 1000 + 2.0 * 10_000) / 11_000, rel=1e-12)
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path / "b"), log_interval=10)) as monitor:
+        for step in range(15, 31):  # a resumed job: steps 15-20 (6, loss 10), then 21-30 (10, loss 2)
+            monitor.step(step, loss=10.0 if step <= 20 else 2.0)
+        gap = monitor.log_eval(30, loss=3.0)["eval/gap"]
+    assert gap == pytest.approx(3.0 - (6 * 10.0 + 10 * 2.0) / 16, rel=1e-12)
+
+
 def test_eval_tokens_count_once_per_tensor_parallel_group_like_train_tokens(run):
     _, results = run
     for r in results:
