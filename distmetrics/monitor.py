@@ -179,15 +179,20 @@ class Monitor:
         return metrics
 
     def pause(self) -> None:
-        """Stop the training clocks and the energy count (before evaluation or a checkpoint save), so
-        tokens/s, MFU, energy per token and straggler scores describe training alone. Local."""
+        """Stop the training clocks, the step timer and the energy count (before evaluation or a
+        checkpoint save), so tokens/s, MFU, the step time (``timers/step`` too), energy per token and
+        straggler scores describe training alone. Local; until :meth:`resume` or the log step."""
         for clock in self._clocks():
             clock.pause()
+        if "timers" in self._by_name:
+            self._by_name["timers"].pause()
 
     def resume(self) -> None:
         """Count again after :meth:`pause`."""
         for clock in self._clocks():
             clock.resume()
+        if "timers" in self._by_name:
+            self._by_name["timers"].resume()
 
     def checkpoint_saved(self, step: int) -> None:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,

@@ -453,8 +453,53 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
         assert stragglers.step_ms == pytest.approx(100.0), (cuda, after)
         if cuda:
             assert "timers/step" not in last
-        else:  # the step timer times monitor.step to monitor.step, an evaluation within included
-            assert last["timers/step"] == pytest.approx((100.0 + 600.0) / 2)
+        else:  # the step timer times monitor.step to monitor.step, a paused evaluation left out
+            assert last["timers/step"] == pytest.approx(100.0)
+
+
+def test_a_paused_evaluation_is_left_out_of_the_step_timer_as_megatron_stops_its_interval_timer(clock, monkeypatch):
+    """Megatron stops its interval timer around evaluation and checkpoint saves; monitor.pause()
+    does the same to timers/step, so train/step_time_ms reads alike with or without
+    log_throughput (it came from the step timer without it: 350 ms for steps of 100 ms). A pause
+    not resumed lasts to the log step, as the throughput clock's. CUDA events stand in (no GPU)."""
+    import torch
+
+    import distmetrics as dm
+
+    monkeypatch.setattr(torch.cuda, "Event", _clock_events(clock))
+    for cuda in (False, True):
+        for throughput in (True, False):
+            seen = []
+            with dm.Monitor(quiet_config(log_interval=4, timing_log_level=0, log_throughput=throughput)) as monitor:
+                monitor.timers._timers["step"]._use_cuda = cuda
+                for step in range(1, 13):
+                    clock.advance(100.0)
+                    metrics = monitor.step(step, loss=1.0, tokens=10)
+                    if step == 6:  # a 1 s evaluation, paused and resumed
+                        monitor.pause()
+                        monitor.pause()  # a second pause changes nothing
+                        clock.advance(1000.0)
+                        monitor.resume()
+                    if step == 10:  # paused, not resumed: to the log step at 12, then counted again
+                        monitor.pause()
+                        clock.advance(2000.0)
+                    if metrics is not None:
+                        seen.append((metrics["timers/step"], metrics["train/step_time_ms"]))
+                clock.advance(100.0)
+                monitor.step(13, loss=1.0, tokens=10)  # counted again after the log step at 12
+                clock.advance(100.0)
+                monitor.pause()
+                clock.advance(5000.0)  # a final save after the last step, paused and resumed
+                monitor.resume()
+                clock.advance(3000.0)
+            last = monitor.last_metrics
+            seen.append((last.get("timers/step"), last.get("train/step_time_ms")))
+            # steps 9-12: only 8-10 counted (200 ms over 4 steps); close(): step 12 to 13
+            expected = [(100.0, 100.0), (100.0, 100.0), (50.0, 50.0), (100.0, 100.0)]
+            if cuda:  # the pause after step 13 cannot be told from the laps before it: no timers/step
+                expected[-1] = (None, 100.0 if throughput else None)
+            assert seen == [tuple(pytest.approx(v) if v is not None else None for v in pair) for pair in expected], \
+                (cuda, throughput, seen)
 
 
 def test_the_step_timer_laps_without_cuda_events_and_reads_them_at_log_steps(clock, monkeypatch):

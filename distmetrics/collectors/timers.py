@@ -283,9 +283,54 @@ class Timer(TimerBase):
 class StepTimer(Timer):
     """The Monitor's step timer (``timers/step``): every ``monitor.step`` laps it. It can be read
     like any timer (``elapsed()``, a report), but starting or stopping it by hand would cut the
-    steps it times, so both raise :class:`TimerError` saying so."""
+    steps it times, so both raise :class:`TimerError` saying so. ``monitor.pause()`` and
+    ``resume()`` leave evaluation and checkpoint saves out of it, as Megatron stops its
+    interval timer around them: a pause ends no step."""
 
-    __slots__ = ()
+    __slots__ = ("paused", "_unlapped", "_unlapped_ns")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paused = False
+        self._unlapped = False  # a pause counted time since the last lap, which no step may end
+        self._unlapped_ns = 0  # that time (CPU; on CUDA it is inside the event pairs)
+
+    def pause(self) -> None:
+        """Stop counting time (the span so far counts; no step ends). A second call does nothing."""
+        if self._started:
+            spans, before = self.spans, self._interval_ns
+            Timer.stop(self)
+            self.spans, self.paused = spans, True
+            self._unlapped = True
+            self._unlapped_ns += self._interval_ns - before
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause`."""
+        if self.paused:
+            self.paused = False
+            Timer.start(self)
+
+    def lap(self) -> None:
+        """A ``monitor.step``; while paused the step ends, and no time counts until :meth:`resume`."""
+        self._unlapped, self._unlapped_ns = False, 0
+        if self.paused:
+            self.spans += 1
+            return
+        super().lap()
+
+    def take_interval_ms(self, running: bool = True) -> Optional[float]:
+        """As :meth:`Timer.take_interval_ms`; with ``running=False`` (the close record) the time a
+        pause counted after the last lap is left out too (on CUDA it cannot be told from the laps
+        before it: None, as for unread laps)."""
+        if not running and self._unlapped:
+            if self._use_cuda:
+                self._interval_pending.clear()
+                self._interval_ns, self.spans, self._used = 0, 0, self._started
+                self._unlapped, self._unlapped_ns = False, 0
+                return None
+            self._interval_ns -= self._unlapped_ns
+        self._unlapped, self._unlapped_ns = False, 0
+        return super().take_interval_ms(running)
 
     def start(self, barrier: bool = False) -> None:
         raise TimerError(_OWNED.format(name=self.name, what="started"))
@@ -374,6 +419,16 @@ class TimerCollector:
         if self._step_timer is not None:
             self._step_timer.lap()
 
+    def pause(self) -> None:
+        """Leave what follows out of the step timer (``monitor.pause()``)."""
+        if self._step_timer is not None:
+            self._step_timer.pause()
+
+    def resume(self) -> None:
+        """Time steps again after :meth:`pause`."""
+        if self._step_timer is not None:
+            self._step_timer.resume()
+
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """``timers/<name>``: this rank's milliseconds per step over the interval."""
         out = []
@@ -384,6 +439,8 @@ class TimerCollector:
             step_timer = timer is self._step_timer
             divisor = timer.spans if step_timer else ctx.steps
             ms = timer.take_interval_ms(running=not (step_timer and ctx.ended_at is not None))
+            if step_timer:
+                timer.resume()  # a pause lasts to the log step at most, as the interval clock's
             if ms is None or divisor == 0:
                 continue
             per_step = ms / divisor
