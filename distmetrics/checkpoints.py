@@ -5,6 +5,7 @@ reading ``progress.txt`` back, as Megatron does."""
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -67,7 +68,7 @@ class CheckpointLog:
             dist.all_reduce(tokens, group=group)
         if not is_writer:
             return None
-        return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token or 0.0,
+        return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token,
                                  self.world_size)
 
 
@@ -79,7 +80,8 @@ def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
                          and r.get("step") == iteration, starts=b'{"kind":"progress"')
     if record is None:
         return
-    tokens, flops = record.get("checkpoint/tokens"), record.get("checkpoint/floating_point_operations")
+    tokens = record.get("checkpoint/tokens")
+    flops = record.get("checkpoint/floating_point_operations", math.nan)  # absent: not known (nan in the text)
     if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
         return
     if f"{tokens / 10**9:.2f}" != f"{resumed['last_tokens'] / 10**9:.2f}" or \
@@ -90,23 +92,27 @@ def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
     resumed["last_tokens"], resumed["last_flops"] = float(tokens), float(flops)
 
 
-def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float, flops_per_token: float,
-                      world_size: int) -> dict:
+def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float,
+                      flops_per_token: Optional[float], world_size: int) -> dict:
     """The "Saved checkpoint" message and its numbers, as Megatron computes them.
 
     Job throughput counts this job's FLOPs over its own time; cumulative throughput counts the
     FLOPs since the first run of the current same-world-size streak (``resumed``, read back
-    from progress.txt) over the time since that run started.
+    from progress.txt) over the time since that run started. Without ``flops_per_token`` (no
+    model description) the FLOPs are not known: ``nan`` in the text (Megatron's readers parse
+    it), left out of the record, never 0; likewise what counts on from an earlier job's ``nan``.
     """
     start_flops = resumed.get("last_flops", 0.0)
-    flops = start_flops + job_tokens * flops_per_token
-    job_tflops = (flops - start_flops) / max(time.time() - job_start, 1e-9) / 1e12 / world_size
+    job_flops = job_tokens * flops_per_token if flops_per_token is not None else math.nan
+    flops = start_flops + job_flops
+    job_tflops = job_flops / max(time.time() - job_start, 1e-9) / 1e12 / world_size
     first_start, first_flops = resumed.get("start_time"), resumed.get("start_flops")
     if first_start is None:
         first_start, first_flops = _dt.datetime.fromtimestamp(job_start), start_flops
     elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
     cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / world_size
     tokens = resumed.get("last_tokens", 0.0) + job_tokens
+    numbers = {"checkpoint/job_tflops_per_gpu": job_tflops, "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
+               "checkpoint/floating_point_operations": flops}
     return {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, tokens),
-            "checkpoint/job_tflops_per_gpu": job_tflops, "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
-            "checkpoint/floating_point_operations": flops, "checkpoint/tokens": tokens}
+            **{name: value for name, value in numbers.items() if not math.isnan(value)}, "checkpoint/tokens": tokens}

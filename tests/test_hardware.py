@@ -397,6 +397,35 @@ def test_a_restart_counts_flops_and_tokens_on_from_the_checkpoint_it_resumed_fro
     assert f"Iteration: {last}\t" in line and f"Floating-point operations: {last * 1e12:.2e}" in line
 
 
+def test_a_job_without_a_flops_description_writes_unknown_flops_not_zeros(tmp_path):
+    """Job 1 has no model description: its "Saved checkpoint" line says nan for the throughputs and
+    FLOPs (Megatron's readers parse it), its progress record leaves them out, and the tokens are
+    exact (0 TFLOP/s and 0 FLOPs read as measured). Job 2 has one: its own throughput is known;
+    its FLOPs and cumulative throughput, which count on from job 1's unknown FLOPs, are not."""
+    import distmetrics as dm
+    from distmetrics.sinks.progress import read_progress
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=10,
+                           timing_log_level=-1, log_memory=False, straggler_window=0)
+    for first, flops_per_token in ((1, None), (11, 1e9)):
+        with dm.Monitor(cfg.replace(flops_per_token=flops_per_token)) as monitor:
+            for step in range(first, first + 10):
+                monitor.step(step, loss=1.0, tokens=1000)
+            monitor.checkpoint_saved(first + 9)
+    first, second = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    assert {k for k in first if k.startswith("checkpoint/")} == {"checkpoint/tokens"}
+    assert first["checkpoint/tokens"] == 10_000 and second["checkpoint/tokens"] == 20_000
+    assert second["checkpoint/job_tflops_per_gpu"] > 0
+    assert "checkpoint/floating_point_operations" not in second
+    assert "checkpoint/cumulative_tflops_per_gpu" not in second
+    lines = [line for line in (tmp_path / "progress.txt").read_text().splitlines() if "Saved checkpoint" in line]
+    assert ("Job throughput: nan TFLOP/s/GPU\tCumulative throughput: nan TFLOP/s/GPU\t"
+            "Floating-point operations: nan\t") in lines[0]
+    assert "Job throughput: nan" not in lines[1] and "Floating-point operations: nan\t" in lines[1]
+    saved = read_progress(tmp_path / "progress.txt", 1)["saved"]
+    assert [iteration for iteration, _, _ in saved] == [10, 20] and all(math.isnan(f) for _, f, _ in saved)
+
+
 def test_a_torn_last_line_of_progress_txt_is_not_read(tmp_path):
     """A crash during the write of a "Saved checkpoint" line leaves it cut short: 'Tokens (in' with
     no number made the next Monitor() raise IndexError, 'Tokens (in billions): 1' (of 12.34)
