@@ -137,7 +137,8 @@ class MetricsConfig:
     dtype: Literal["bf16", "fp16", "tf32", "fp32", "fp8"] = "bf16"
     """Math precision, selecting the peak used for MFU."""
     num_params: Optional[float] = None
-    """Model parameters, to derive ``flops_per_token`` = 6·N + 12·L·h·s when it is not given."""
+    """Model parameters, to derive ``flops_per_token`` = 6·N + attention (see ``attention_flops``)
+    when it is not given."""
     num_active_params: Optional[float] = None
     """Parameters active per token (MoE: shared + routed experts); default ``num_params``."""
     num_layers: Optional[int] = None
@@ -146,6 +147,9 @@ class MetricsConfig:
     """Hidden size (attention term of the FLOPs formula)."""
     seq_length: Optional[int] = None
     """Sequence length (attention term of the FLOPs formula)."""
+    attention_flops: Literal["causal", "full"] = "causal"
+    """The attention term: ``causal`` 6·L·h·s (half of QKᵀ and AV under a causal mask, as
+    Megatron-LM counts), ``full`` 12·L·h·s (PaLM's and torchtitan's count)."""
     sol_step_time_ms: Optional[float] = None
     """Speed-of-light time of one step (from a roofline model); gives ``train/sol_pct``."""
     log_memory: bool = True
@@ -201,7 +205,7 @@ class MetricsConfig:
         flops = self.resolved_flops_per_token
         _require(self, "flops_per_token" if self.flops_per_token is not None else "num_params",
                  flops is None or math.isfinite(flops),
-                 "model descriptions whose FLOPs per token (6·N + 12·L·h·s) fit a float")
+                 "model descriptions whose FLOPs per token (6·N + the attention term) fit a float")
         _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
 
     def _check_model_description(self) -> None:
@@ -216,14 +220,14 @@ class MetricsConfig:
         missing = [name for name, value in attention.items() if value is None]
         if given and missing:
             raise ConfigError(f"{', '.join(given)} without {' and '.join(missing)}: the attention term "
-                              "12·L·h·s of flops_per_token needs num_layers, hidden_size and seq_length together; "
+                              "of flops_per_token (L·h·s) needs num_layers, hidden_size and seq_length together; "
                               "give all three, or none for 6·N alone")
         if self.num_params is None:
             parts = given + ([f"num_active_params={self.num_active_params!r}"]
                              if self.num_active_params is not None else [])
             if parts:
                 raise ConfigError(f"{', '.join(parts)} without num_params: a model description starts from "
-                                  "num_params (flops_per_token = 6·N_active + 12·L·h·s); give num_params, "
+                                  "num_params (flops_per_token = 6·N_active + the attention term); give num_params, "
                                   "or flops_per_token")
 
     # --- construction --------------------------------------------------------------------
@@ -288,7 +292,7 @@ class MetricsConfig:
         if self.flops_per_token is not None or self.num_params is None:
             return self.flops_per_token
         return model_flops_per_token(self.num_params, self.num_layers, self.hidden_size, self.seq_length,
-                                     self.num_active_params)
+                                     self.num_active_params, self.attention_flops)
 
     @property
     def resolved_tensorboard_dir(self) -> str:

@@ -36,12 +36,16 @@ def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
 
 
 def model_flops_per_token(num_params: float, num_layers: Optional[int] = None, hidden_size: Optional[int] = None,
-                          seq_length: Optional[int] = None, num_active_params: Optional[float] = None) -> float:
+                          seq_length: Optional[int] = None, num_active_params: Optional[float] = None,
+                          attention: str = "causal") -> float:
     """Training FLOPs per token: 6·N (N = parameters active per token, for MoE the routed
-    subset) plus attention's 12·L·h·s (QKᵀ and AV, forward and backward)."""
+    subset) plus attention's QKᵀ and AV, forward and backward: 12·L·h·s for every position
+    (``attention="full"``: PaLM's and torchtitan's count) or half of it under a causal mask
+    (``"causal"``, 6·L·h·s: Megatron-LM's count, what causal kernels compute)."""
     active = num_active_params if num_active_params else num_params
-    attention = 12.0 * num_layers * hidden_size * seq_length if num_layers and hidden_size and seq_length else 0.0
-    return 6.0 * active + attention
+    per_position = 12.0 if attention == "full" else 6.0
+    core = per_position * num_layers * hidden_size * seq_length if num_layers and hidden_size and seq_length else 0.0
+    return 6.0 * active + core
 
 
 def mfu_pct(tflops_per_gpu: float, peak_tflops: float) -> float:

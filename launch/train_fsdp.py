@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     model, mesh, dp_rank, dp_size = parallelize(model, device, world, args.dp_replicate, dp_shard, args.tp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    # the model description: the config derives flops_per_token from it (6·N + 12·L·h·s)
+    # the model description: the config derives flops_per_token from it (6·N + 6·L·h·s, causal)
     overrides = [f"total_steps={args.steps}", f"num_params={n_params}", f"num_layers={args.layers}",
                  f"hidden_size={args.d_model}", f"seq_length={args.seq_len}"]
     overrides += args.overrides

@@ -87,7 +87,7 @@ def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
     cfg = dm.MetricsConfig.from_yaml(path, ["num_active_params=1_3e9"])
     assert (cfg.num_params, cfg.peak_tflops, cfg.sol_step_time_ms, cfg.num_active_params) == (7e9, 989.0, 1500.0,
                                                                                               13e9)
-    assert cfg.resolved_flops_per_token == 6 * 13e9 + 12 * 32 * 4096 * 4096
+    assert cfg.resolved_flops_per_token == 6 * 13e9 + 6 * 32 * 4096 * 4096  # a causal mask: half of 12·L·h·s
     with pytest.raises(ConfigError, match=r"^override 'total_steps=1e5': total_steps=100000\.0 has type float; "
                                           r"accepted: int or None; write 100000$"):
         dm.MetricsConfig.from_yaml(path, ["total_steps=1e5"])
@@ -185,7 +185,7 @@ def test_a_model_description_whose_flops_overflow_is_refused():
 
 @pytest.mark.parametrize("keys,message", [
     (dict(num_params=7e9, hidden_size=4096, seq_length=4096),
-     r"^hidden_size=4096, seq_length=4096 without num_layers: the attention term 12·L·h·s"),
+     r"^hidden_size=4096, seq_length=4096 without num_layers: the attention term of flops_per_token \(L·h·s\)"),
     (dict(num_params=7e9, num_layers=32), r"^num_layers=32 without hidden_size and seq_length"),
     (dict(num_active_params=1e9), r"^num_active_params=1000000000\.0 without num_params: a model description"),
     (dict(num_layers=2, hidden_size=8, seq_length=16), r"^num_layers=2, hidden_size=8, seq_length=16 without num_params"),
@@ -196,7 +196,7 @@ def test_a_partial_model_description_is_refused_not_left_out_of_mfu(keys, messag
     with pytest.raises(ConfigError, match=message):
         dm.MetricsConfig(**keys)
     whole = dm.MetricsConfig(num_params=7e9, num_layers=32, hidden_size=4096, seq_length=4096, num_active_params=1e9)
-    assert whole.resolved_flops_per_token == 6 * 1e9 + 12 * 32 * 4096 * 4096
+    assert whole.resolved_flops_per_token == 6 * 1e9 + 6 * 32 * 4096 * 4096
     assert dm.MetricsConfig(num_params=7e9).resolved_flops_per_token == 6 * 7e9  # 6·N alone
     given = dm.MetricsConfig(flops_per_token=5e10, **keys)  # flops_per_token given: the description is not used
     assert given.resolved_flops_per_token == 5e10

@@ -247,11 +247,42 @@ def test_throughput_mfu_sol_eta_against_hand_computation(caplog):
     assert any("above 100%" in r.getMessage() for r in caplog.records)
 
 
+def _megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int, heads: int, ffn: int) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` (megatron/training/training.py, the dense
+    GPT branch: multi-head attention, no SwiGLU, no MoE, no MTP) over one sequence, per token,
+    written out term by term as it reads: 3 (forward + backward) x 2 (multiply-add) x the GEMMs'
+    sizes, and the core attention halved for the causal mask."""
+    expansion, fma = 3, 2
+    query = key = value = (hidden // heads) * heads  # kv_channels x heads (and query groups)
+    attention = expansion * fma * (hidden * (query + key + value) + query * seq / 2 * 2 + query * hidden)
+    mlp = expansion * fma * hidden * (ffn * 2)
+    logits = expansion * fma * hidden * vocab
+    return layers * (attention + mlp) + logits
+
+
+@pytest.mark.parametrize("seq", [2048, 32768])
+def test_flops_per_token_from_a_model_description_is_megatrons(seq):
+    """With N the parameters of the matrix multiplies (Megatron counts the output layer, not the
+    input embedding's lookup), the default (causal) description gives Megatron-LM's FLOPs; ``full``
+    counts the whole attention matrix, as PaLM and torchtitan do (1.4x Megatron's at 32k)."""
+    import distmetrics as dm
+
+    layers, hidden, heads, vocab = 32, 4096, 32, 32000
+    matmul_params = layers * (4 * hidden * hidden + 2 * hidden * 4 * hidden) + hidden * vocab
+    megatron = _megatron_flops_per_token(layers, hidden, seq, vocab, heads, 4 * hidden)
+    described = dict(num_params=matmul_params, num_layers=layers, hidden_size=hidden, seq_length=seq)
+    assert dm.MetricsConfig(**described).resolved_flops_per_token == pytest.approx(megatron, rel=1e-12)
+    full = dm.MetricsConfig(**described, attention_flops="full").resolved_flops_per_token
+    assert full == pytest.approx(6 * matmul_params + 12 * layers * hidden * seq, rel=1e-12)
+    with pytest.raises(dm.ConfigError, match=r"attention_flops='half': accepted values are 'causal', 'full'"):
+        dm.MetricsConfig(**described, attention_flops="half")
+
+
 def test_flops_per_token_from_a_model_description():
     import distmetrics as dm
 
     cfg = dm.MetricsConfig(num_params=7e9, num_layers=32, hidden_size=4096, seq_length=4096)
-    assert cfg.resolved_flops_per_token == pytest.approx(6 * 7e9 + 12 * 32 * 4096 * 4096)
+    assert cfg.resolved_flops_per_token == pytest.approx(6 * 7e9 + 6 * 32 * 4096 * 4096)
     moe = dm.MetricsConfig(num_params=47e9, num_active_params=13e9)
     assert moe.resolved_flops_per_token == pytest.approx(6 * 13e9)
     assert dm.MetricsConfig(flops_per_token=1.0, num_params=5.0).resolved_flops_per_token == 1.0
