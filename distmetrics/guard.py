@@ -90,8 +90,12 @@ class CollectiveGuard:
         self._previous = key
         try:
             self.store.wait([key + "|done"], _dt.timedelta(seconds=self.timeout_s))
+            return
         except Exception as err:  # noqa: BLE001 - DistStoreError on timeout; any store failure is a hang too
-            raise HangError(self._report(call, step, err)) from None
+            failure = err
+        # raised here, not in the except clause: the store's timeout is no news, but an exception the
+        # caller is handling (close() in a finally after its own error) stays attached as the context
+        raise HangError(self._report(call, step, failure))
 
     def _publish(self) -> None:
         self._published = time.monotonic()
@@ -99,15 +103,20 @@ class CollectiveGuard:
 
     def _report(self, call: str, step: Optional[int], err: BaseException) -> str:
         waiting = _describe(call, step)
-        try:
-            rows = self.store.multi_get([f"rank{r}" for r in range(self.world)])
+        keys = [f"rank{r}" for r in range(self.world)]
+        try:  # a rank that never made a guarded call has no key: get() would wait for it (30 min)
+            present = [key for key in keys if self.store.check([key])]
+            found = dict(zip(present, self.store.multi_get(present) if present else []))
         except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
             return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
-                    f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has probably died")
+                    f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has ended: it may have died, "
+                    "or raised its own HangError first (its message names the ranks that did not arrive)")
+        rows = [found.get(key) for key in keys]
         missing = []
         now = time.time()
         for r, raw in enumerate(rows):
-            seq, last, stamp = raw.decode().split("|") if raw else ("0", "nothing published", str(now))
+            seq, last, stamp = raw.decode().split("|") if raw else ("0", "nothing published (no monitor call "
+                                                                    "reached the store)", str(now))
             if int(seq) != self._seq or last != waiting:
                 missing.append(f"rank {r}: last call {last} (published {now - float(stamp):.1f} s ago)")
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"

@@ -213,6 +213,7 @@ class Monitor:
             return
         try:
             if self._steps_in_interval > 0 and self._last_step is not None:
+                self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
         finally:
             self._shutdown()

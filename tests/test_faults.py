@@ -127,6 +127,47 @@ def test_a_killed_rank_is_named_by_the_rank_waiting_for_it():
     assert kind == "HangError" and "rank 1: last call monitor.step(step=1)" in message
 
 
+def _dies_before_monitor(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    if rank == 1:  # killed while loading a checkpoint, say: it never makes a monitor call
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: dm.Monitor(quiet_config(hang_timeout_s=TIMEOUT_S)))
+
+
+def test_a_rank_that_dies_before_any_monitor_call_is_named_within_the_timeout():
+    """The report read every rank's key from the store, and a rank that never made a guarded call
+    has none: the read waited for it (the store's 30 min), so the hang report itself hung."""
+    kind, message, seconds = run_ranks(_dies_before_monitor, 2, may_die=(1,), timeout=60)[0]
+    assert kind == "HangError" and "rank 1: last call nothing published" in message, message
+    assert seconds < TIMEOUT_S + 10
+
+
+def _close_after_an_error(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=4, hang_timeout_s=TIMEOUT_S))
+    monitor.step(1)
+    if rank == 1:
+        return ("ok", "", 0.0)  # rank 1 goes on (and never closes)
+    try:
+        try:
+            raise KeyError("the loader's own error")
+        finally:
+            monitor.close()  # the interval since the log step: a collective rank 1 does not join
+    except Exception as err:  # noqa: BLE001 - the test reads the chain
+        context = err.__context__
+        return type(err).__name__, str(err), repr(context) if context is not None else None
+
+
+def test_close_in_a_finally_keeps_the_callers_error_and_names_itself():
+    """close() in a finally after the loop's own error: its HangError kept that error out of the
+    traceback (raised "from None") and named the call monitor.step."""
+    kind, message, context = run_ranks(_close_after_an_error, 2, timeout=60)[0]
+    assert kind == "HangError" and "at monitor.close(step=1)" in message, message
+    assert context == repr(KeyError("the loader's own error"))
+
+
 def _unwritable(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
