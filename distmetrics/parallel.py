@@ -190,12 +190,17 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     * Megatron-Core: ``tensor_model_parallel`` params count on every TP rank, others on TP rank 0;
       ``shared`` (the last stage's copy of a tied embedding) never; data-parallel replicas once;
       expert params once per expert-data-parallel group.
+    * A plain tensor on a DeviceMesh (``torch.distributed.pipelining`` stages, DDP over a mesh
+      dimension): each pipeline stage holds its own, copied over the other dimensions, so it
+      counts where the mesh coordinate is 0 on every dimension but ``pp``.
     * Anything else (DDP, no wrapper): replicas count on rank 0 of ``group`` only.
     """
     if is_dtensor(t):
         return _owns_dtensor_piece(t, name)
     if layout.source == "megatron":
         return _megatron_owns(param, layout)
+    if layout.source == "device_mesh":
+        return layout.dp_rank == 0 and layout.tp_rank == 0 and layout.cp_rank == 0
     return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0) == 0
 
 

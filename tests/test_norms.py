@@ -143,6 +143,24 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
     tp_data = torch.randn(6, 8, generator=torch.Generator().manual_seed(200 + dp_rank))
     out["fsdp2_tp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), tp_data,
                                       mesh=mesh_tp)
+
+    # Pipeline stages on a pp × dp mesh with plain parameters (torch.distributed.pipelining holds
+    # them so), each stage's replicated over dp by DDP: stage s holds layers.s under its global name.
+    import distmetrics as dm
+
+    mesh_pp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh_pp.get_local_rank("pp"), mesh_pp.get_local_rank("dp")
+    torch.manual_seed(500 + pp_rank)  # the same stage weights on its dp replicas
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict({str(pp_rank): torch.nn.Linear(8, 8)})
+    model = DistributedDataParallel(stage.layers[str(pp_rank)], process_group=mesh_pp.get_group("dp"))
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=stage, device_mesh=mesh_pp)
+    model(torch.randn(6, 8, generator=torch.Generator().manual_seed(600 + rank))).pow(2).mean().backward()
+    squares = {(name, 0): float(p.grad.to(torch.float64).pow(2).sum()) for name, p in stage.named_parameters()}
+    truth = subtree_norms(squares_by_name(squares, world))
+    returned = float(monitor.clip_grad_norm_(math.inf))
+    out["pp_plain"] = {"truth": truth, "returned": returned, "metrics": monitor.step(1)}
+    monitor.close()
     dist.barrier()
     return out
 
@@ -150,6 +168,18 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def dtensor_results():
     return run_ranks(_dtensor_layouts, 4, timeout=300)
+
+
+def test_pipeline_stages_with_plain_parameters_on_a_mesh_count_every_stage_once(dtensor_results):
+    """pp × dp mesh, plain parameters per stage (DDP over dp): every stage's parameters count, on
+    its dp rank 0 (before, only global rank 0's stage counted: the norm and the clip were stage 0's
+    and layers.1 was missing)."""
+    for rank_result in dtensor_results:
+        r = rank_result["pp_plain"]
+        assert r["returned"] == pytest.approx(r["truth"]["total"], rel=REL)
+        assert r["metrics"]["grad_norm"] == pytest.approx(r["truth"]["total"], rel=REL)
+        for module, value in r["truth"]["modules"].items():
+            assert r["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
 
 
 def _check(result: dict, per_module_names: set | None = None) -> None:
