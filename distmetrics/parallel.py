@@ -45,6 +45,8 @@ class RankInfo:
     """The rank's GPU (name, SMs, capability, memory, UUID, driver, CUDA runtime), if any."""
     problem: Optional[str] = None
     """Why this rank cannot start (e.g. the writer cannot write ``output_dir``); every rank raises it."""
+    settings: tuple = ()
+    """The config values every rank must share (``runinfo.SHARED_KEYS``), compared at start-up."""
 
 
 @dataclass

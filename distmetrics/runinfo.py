@@ -98,8 +98,9 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[
                            "torch.distributed.init_process_group(...) before Monitor(...), or every rank would "
                            "believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
-    hosts = gather_rank_info(layout, guard, claim.problem if claim is not None else None)
-    problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem]
+    settings = tuple(_setting(config, key) for key in SHARED_KEYS)
+    hosts = gather_rank_info(layout, guard, claim.problem if claim is not None else None, settings)
+    problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem] + _differing_settings(hosts)
     if problems:
         if claim is not None:
             claim.release()
@@ -107,14 +108,54 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[
     return hosts, claim
 
 
-def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None) -> list[RankInfo]:
-    """Every rank's host, local rank, GPU and start-up problem, in one ``all_gather_object``."""
+SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_option", "log_grad_norm", "log_grad_norm_per_module",
+               "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
+               "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every",
+               "tensor_inspect.enabled")
+"""Config keys whose value decides which collectives a rank joins, what its pieces count for, or
+which rank writes: a rank given another value than the others would hang, count wrong or write
+nothing, so ``Monitor()`` refuses a difference on every rank. (``timing_log_level`` may differ:
+the timers' names are agreed as a union; the sinks' keys matter on the writer only.)"""
+
+
+def _setting(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _differing_settings(hosts: list[RankInfo]) -> list[str]:
+    """One problem per shared key whose value differs between ranks, naming the values and a few
+    ranks holding each."""
+    problems = []
+    for i, key in enumerate(SHARED_KEYS):
+        ranks_by_value: dict = {}
+        for h in hosts:
+            if len(h.settings) == len(SHARED_KEYS):
+                ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)
+        if len(ranks_by_value) > 1:
+            held = "; ".join(f"{value} on {_some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
+            problems.append(f"config key {key} differs between ranks ({held}); every rank must be given the same "
+                            "value")
+    return problems
+
+
+def _some_ranks(ranks: list[int], shown: int = 4) -> str:
+    """``rank 3``, ``ranks 0, 1, 2, 4 and 1020 more``."""
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:shown]))}{more}"
+
+
+def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,
+                     settings: tuple = ()) -> list[RankInfo]:
+    """Every rank's host, local rank, GPU, start-up problem and shared config values, in one
+    ``all_gather_object``."""
     gpu = None
     if torch.cuda.is_available():
         from .collectors.nvml import gpu_model_info
 
         gpu = gpu_model_info(layout.rank)
-    mine = RankInfo(layout.rank, socket.gethostname(), layout.local_rank, os.getpid(), gpu, problem)
+    mine = RankInfo(layout.rank, socket.gethostname(), layout.local_rank, os.getpid(), gpu, problem, settings)
     if layout.world_size == 1 or not dist.is_initialized():
         return [mine]
     if guard is not None:

@@ -180,6 +180,23 @@ def test_an_unwritable_output_dir_raises_on_every_rank_at_construction():
         assert "rank 0: output_dir='/proc/x' cannot be written on the writer rank" in message and "Errno" in message
 
 
+def _differing_settings(rank: int, world: int, root: str) -> tuple:
+    import distmetrics as dm
+
+    differing = dict(writer_rank="last", log_grad_norm_per_module=False) if rank == 0 else {}
+    return _outcome(lambda: dm.Monitor(quiet_config(output_dir=root, json_log=True, **differing)))
+
+
+def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key_and_values(tmp_path):
+    """writer_rank "last" on rank 0 and "first" on rank 1 made no rank the writer (no file, no
+    word); per-module norms on one rank counted one rank's shards. Both are refused at start-up."""
+    for kind, message, _ in run_ranks(_differing_settings, 2, str(tmp_path), timeout=60):
+        assert kind == "ValueError", message
+        assert "config key writer_rank differs between ranks ('last' on rank 0; 'first' on rank 1)" in message
+        assert "config key log_grad_norm_per_module differs between ranks (False on rank 0; True on rank 1)" in message
+    assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
+
+
 def test_two_monitors_on_one_output_dir_are_refused_until_the_first_closes(tmp_path):
     import distmetrics as dm
 
