@@ -17,12 +17,15 @@ __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "
            "all_row_tensor"]
 
 
-def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device) -> torch.Tensor:
+def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device,
+             call: int = 0) -> torch.Tensor:
     """Control lanes, then every max/min lane's key; numbers are keyed on the host and written
     with the control lanes in one index, tensors keyed where they live. ``stale``: every rank
-    renegotiates and sends the pack again, so only the control lanes matter."""
+    renegotiates and sends the pack again, so only the control lanes matter. ``call`` (a code of
+    the monitor call) is folded into the layout's digest: ranks in different calls disagree there."""
     pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
-    keys, positions = [int(stale), layout.digest, -layout.digest, tag, -tag], list(range(CONTROL_LANES))
+    mark = layout.digest ^ call
+    keys, positions = [int(stale), mark, -mark, tag, -tag], list(range(CONTROL_LANES))
     pieces = Pieces(layout, device, torch.float32)
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
@@ -50,10 +53,12 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     return pack
 
 
-def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int) -> Optional[list[int]]:
+def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int,
+                      call: int = 0) -> Optional[list[int]]:
     """:func:`max_pack` as a list of int64 keys when every max/min value is a number on the host
     (None: a vector or a value on a device)."""
-    lanes = [int(stale), layout.digest, -layout.digest, tag, -tag] + [INT64_MIN] * layout.n_max
+    mark = layout.digest ^ call
+    lanes = [int(stale), mark, -mark, tag, -tag] + [INT64_MIN] * layout.n_max
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
             continue

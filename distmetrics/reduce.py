@@ -36,6 +36,7 @@ This module knows tensors and process groups, not what the metrics mean.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -186,6 +187,7 @@ class Reducer:
         self.group = group
         self.guard = guard  # a CollectiveGuard: every rank must arrive at this call first
         self.call = call
+        self._call_coded: tuple = (None, 0)  # (call, its code)
         self._device = device
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
@@ -334,11 +336,18 @@ class Reducer:
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> Union[torch.Tensor, list[int]]:
         """The MAX pack: a list of keys where every max/min value is a number on the host, else a tensor."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        lanes = max_lanes_on_host(self._layout, samples, tag, stale, rank) if self.host_packs else None
+        call = self._call_code()
+        lanes = max_lanes_on_host(self._layout, samples, tag, stale, rank, call) if self.host_packs else None
         if lanes is not None:
             return lanes
         device = self.device if self.distributed else value_device(samples)
-        return max_pack(self._layout, samples, tag, stale, rank, device)
+        return max_pack(self._layout, samples, tag, stale, rank, device, call)
+
+    def _call_code(self) -> int:
+        """A 32-bit code of :attr:`call` (kept per name): folded into the MAX pack's digest lanes."""
+        if self._call_coded[0] != self.call:
+            self._call_coded = (self.call, zlib.crc32(self.call.encode()))
+        return self._call_coded[1]
 
     def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[Union[torch.Tensor, list[int]]]:
         pack = self._max_pack(samples, tag, stale=not self._fits(samples))
@@ -351,10 +360,14 @@ class Reducer:
         control = lanes[:CONTROL_LANES] if lanes is not None else pack[:CONTROL_LANES].tolist()
         if control[0] != 0:
             return None
-        digest = self._layout.digest
-        if control[1] != digest or control[2] != -digest:
-            raise RuntimeError("distmetrics: ranks reduced with different metric layouts; this is a bug, "
-                               "please report it with the metric names in use")
+        mark = self._layout.digest ^ self._call_code()
+        if control[1] != mark or control[2] != -mark:  # every rank sees the same lanes: every rank raises
+            raise RuntimeError(
+                f"distmetrics: ranks made different monitor calls at step {tag}: this rank is in {self.call} "
+                "(e.g. log_eval on one rank and a log step on another); every rank must make the same monitor "
+                "calls with the same step numbers (with hang_timeout_s on, the arrival check names the "
+                "other ranks' calls first). Where every rank made the same call, the ranks' metric layouts "
+                "differ: a bug, please report it with the metric names in use")
         if control[3] != tag or control[4] != -tag:
             raise RuntimeError(
                 f"distmetrics: ranks are out of step: this reduction was called at steps "

@@ -110,6 +110,24 @@ def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
     assert kind == "HangError" and "rank 1: last call Monitor()" in message
 
 
+def _eval_vs_step_unguarded(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=0))  # no arrival check
+    monitor.step(1, loss=5.0)
+    return _outcome(lambda: monitor.log_eval(2, loss=1.0) if rank == 1 else monitor.step(2, loss=5.0))
+
+
+def test_a_log_eval_met_by_a_log_step_of_the_same_number_raises_without_the_arrival_check():
+    """With hang_timeout_s 0 (or a sub-group, which is not guarded) the two reductions met in the
+    same collectives and were merged: rank 0's train record held rank 1's eval/loss, and the
+    evaluation was never written. The MAX pack's digest lanes carry the call: both ranks raise."""
+    for rank, (kind, message, _) in enumerate(run_ranks(_eval_vs_step_unguarded, 2, timeout=60)):
+        assert kind == "RuntimeError", message
+        call = "monitor.log_eval" if rank == 1 else "monitor.step"
+        assert f"ranks made different monitor calls at step 2: this rank is in {call} " in message, message
+
+
 def _killed(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
