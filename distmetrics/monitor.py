@@ -153,13 +153,18 @@ class Monitor:
         """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
         every parallel layout; also ``clip_grad_norm_(max_norm)`` for the model's parameters. One
         all-reduce of one number (2-4 for p = 0, ±inf); per-module norms ride the log step's pack."""
-        return self._norms("clip_grad_norm_").clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        norms = self._norms("clip_grad_norm_")
+        self._guard.note("monitor.clip_grad_norm_")  # a collective not guarded (every step): named if it hangs
+        return norms.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
         norm on a log step (``step``, default the last step + 1), None (and no work) otherwise."""
         norms = self._norms("measure_grad_norms")
-        return norms.measure(norm_type) if self._is_log_step(step) else None
+        if not self._is_log_step(step):
+            return None
+        self._guard.note("monitor.measure_grad_norms")  # a collective not guarded: named if it hangs
+        return norms.measure(norm_type)
 
     def attach_megatron_optimizer(self, optimizer: Any) -> None:
         """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned

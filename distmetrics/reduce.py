@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .names import REDUCE_KINDS, check_reduce, check_value
+from .names import REDUCE_KINDS, check_reduce, check_value, written_names
 from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
                       collective_device)
@@ -107,6 +107,19 @@ class Sample:
                 if isinstance(given, torch.Tensor) and (given.dim() != 1 or given.numel() != len(self.names)):
                     raise ValueError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
                                      f"{len(self.names)} values (one per name), got shape {tuple(given.shape)}")
+
+
+def _check_written_names(union: dict[str, str]) -> None:
+    """Refuse a union of names in which one name writes what another writes (``x`` as ``minmax``
+    on one rank writes ``x/max``, which another rank sends as a name of its own): one value would
+    replace the other in the record. Every rank holds the same union, so every rank raises."""
+    written: dict[str, str] = {}
+    for name, kind in union.items():
+        for key in written_names(name, kind):
+            other = written.setdefault(key, name)
+            if other != name:
+                raise ValueError(f"metric {name!r} ({kind}) and metric {other!r} ({union[other]}), sent by different "
+                                 f"ranks, would both write {key!r}; rename one of them")
 
 
 @dataclass
@@ -330,6 +343,7 @@ class Reducer:
                         f"metric {name!r} is reduced as {union[name]!r} on one rank and {kind!r} "
                         "on another; every rank must use the same reduce kind for a name"
                     )
+        _check_written_names(union)
         self._layout = PackLayout(union.items())
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------

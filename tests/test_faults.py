@@ -128,6 +128,48 @@ def test_a_log_eval_met_by_a_log_step_of_the_same_number_raises_without_the_arri
         assert f"ranks made different monitor calls at step 2: this rank is in {call} " in message, message
 
 
+def _colliding_names(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S))
+    if rank == 0:
+        monitor.record("x", 5.0, reduce="minmax")  # writes x/max, x/min and their ranks
+    else:
+        monitor.record("x/max", 100.0)  # a name of its own on rank 1: each rank's check passes
+    return _outcome(lambda: monitor.step(1))
+
+
+def test_names_that_collide_only_across_ranks_raise_on_every_rank():
+    """One rank's minmax x writes x/max, another rank sends x/max: the record held one of the two
+    values and the other vanished. The agreed names are checked for that: both ranks raise."""
+    for kind, message, _ in run_ranks(_colliding_names, 2, timeout=60):
+        assert kind == "ValueError", message
+        assert "metric 'x/max' (mean) and metric 'x' (minmax), sent by different ranks, would both write 'x/max'" in \
+            message, message
+
+
+def _clip_on_one_rank(rank: int, world: int) -> tuple:
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 4)
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S), model=model)
+    model(torch.ones(2, 4)).sum().backward()
+    monitor.step(1)
+    if rank == 0:
+        time.sleep(1.1)  # calls that are not collectives are published at most once a second
+        return _outcome(lambda: monitor.clip_grad_norm_(1.0))  # rank 1 never clips
+    return _outcome(lambda: monitor.step(2))
+
+
+def test_a_clip_on_one_rank_is_named_as_the_call_it_hangs_in():
+    """The clip's all-reduce is not guarded (it runs every step); the rank waiting at the log step
+    named the clipping rank's call before it (monitor.step(step=1))."""
+    kind, message, _ = run_ranks(_clip_on_one_rank, 2, may_die=(0,), timeout=60)[1]
+    assert kind == "HangError" and "rank 0: last call monitor.clip_grad_norm_()" in message, message
+
+
 def _killed(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
