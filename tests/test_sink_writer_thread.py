@@ -66,6 +66,72 @@ def test_a_blocked_sink_does_not_hold_up_training_and_drops_the_oldest_records(t
     assert len(count) == 1 and f"{dropped} records (steps 1-{dropped})" in count[0]
 
 
+def test_a_full_queue_drops_records_but_never_the_order_to_purge_an_earlier_jobs_steps(caplog):
+    """A resumed job's order to drop the earlier job's TensorBoard steps travels through the queue
+    in order with the records; when the queue was full it was dropped as the oldest record, and
+    TensorBoard kept the abandoned job's values from the resume step on, while the resume record
+    said they were dropped."""
+    from distmetrics.sinks import SinkSet
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+
+    class Timeline(Gate):  # a sink that keeps a timeline, as TensorBoard does
+        def purge_from(self, step):
+            self.records.append(("purge", step))
+
+    gate = Timeline()
+    sinks = SinkSet([gate])
+    sinks.writer.max_records = 4
+    sinks.log({"x": 1.0}, 0, "run")
+    assert gate.entered.wait(60)  # the writer thread holds the run record
+    sinks.purge_from(101)
+    for step in range(101, 121):
+        sinks.log({"x": 2.0}, step, "train")
+    assert sinks.writer.dropped == 17
+    gate.opened.set()
+    sinks.close()
+    assert gate.records == [("run", 0), ("purge", 101)] + [("train", s) for s in range(118, 121)]
+
+
+def test_a_queued_sink_that_calls_sys_exit_fails_alone_with_a_warning(tmp_path, caplog):
+    """SystemExit is not an Exception: a queued sink calling sys.exit() ended the writer thread,
+    and every queued sink after it lost the rest of the run, without a word."""
+    import sys
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+
+    class Exits:
+        name, fix = "exits", "do not call sys.exit() in a sink"
+
+        def log(self, metrics, step, kind):
+            if step == 5:
+                sys.exit(3)
+
+        def close(self):
+            sys.exit(4)
+
+    class Keeps:
+        name, fix = "keeps", ""
+
+        def __init__(self):
+            self.steps = []
+
+        def log(self, metrics, step, kind):
+            if kind == "train":
+                self.steps.append(step)
+
+        def close(self):
+            pass
+
+    keeps = Keeps()
+    with dm.Monitor(_config(tmp_path), sinks=(Exits(), keeps)) as monitor:
+        for step in range(1, 31):
+            monitor.step(step, loss=1.0)
+    assert keeps.steps == list(range(1, 31))
+    failed = [r.getMessage() for r in caplog.records if "the exits sink failed" in r.getMessage()]
+    assert len(failed) == 1 and "SystemExit: 3" in failed[0], failed
+
+
 def test_the_queue_also_holds_at_most_max_names_metric_names(caplog):
     """A record counts 1 + its metric names. Over the bound the oldest records go, one by one,
     until the rest fits; a record larger than the bound on its own is still kept (and written)."""

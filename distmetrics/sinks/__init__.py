@@ -108,7 +108,10 @@ class SinkSet:
         """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
         earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
         if any(self._route(sink)[3] for sink in self.sinks):
-            self.log({}, step, _PURGE)
+            if self.inline:
+                self._deliver(self.inline, {}, step, _PURGE)
+            if self.queued:  # an order, not a record: a full queue drops records, never this
+                self.writer.put({}, step, _PURGE, keep=True)
 
     @property
     def sinks(self) -> list[Sink]:
@@ -166,7 +169,9 @@ class SinkSet:
             release()
         self._closers = []
 
-    def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str) -> None:
+    def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str,
+                 caught: tuple = (Exception,)) -> None:
+        """Write to ``sinks``; one that raises one of ``caught`` is dropped with one warning."""
         view: Any = False  # made on first need, once
         for sink in list(sinks):
             _, kinds, takes_view, keeps_timeline = self._route(sink)
@@ -183,22 +188,24 @@ class SinkSet:
                         sink.log_view(view, step)
                 else:
                     sink.log(metrics, step, kind)
-            except Exception as err:  # noqa: BLE001
+            except caught as err:
                 sinks.remove(sink)
                 self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None))
 
     def _write_queued(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        self._deliver(self.queued, metrics, step, kind)
+        # on the writer thread a sink's sys.exit() would end the thread, and every queued sink
+        # with it, without a word: it fails that sink as any error does
+        self._deliver(self.queued, metrics, step, kind, caught=(Exception, SystemExit))
 
     def _close_queued(self) -> None:
         for sink in self.queued:
-            self._close(sink)
+            self._close(sink, caught=(Exception, SystemExit))
         self.queued = []
 
-    def _close(self, sink: Sink) -> None:
+    def _close(self, sink: Sink, caught: tuple = (Exception,)) -> None:
         try:
             sink.close()
-        except Exception as err:  # noqa: BLE001
+        except caught as err:
             self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True)
 
     def _fail(self, name: str, err: BaseException, fix: str, install: Optional[str] = None,

@@ -59,27 +59,39 @@ class WriterThread:
         self._thread.start()
         atexit.register(self.close)  # a script that never calls close() still gets its records
 
-    def put(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        """Queue one record; never waits for the sinks (drops the oldest record when full)."""
+    def put(self, metrics: dict[str, Any], step: int, kind: str, keep: bool = False) -> None:
+        """Queue one record; never waits for the sinks (drops the oldest record when full). A
+        ``keep`` entry (an order such as TensorBoard's purge, not a record) is never dropped."""
         size = 1 + len(metrics)
         first_drop = None
         with self._lock:
-            self._records.append((metrics, step, kind, size))
+            self._records.append((metrics, step, kind, size, keep))
             self._names += size
             while len(self._records) > self.max_records or (self._names > self.max_names and len(self._records) > 1):
-                _, old_step, _, old_size = self._records.popleft()
-                self._names -= old_size
-                self.dropped += 1
+                dropped = self._drop_oldest()
+                if dropped is None:
+                    break
                 if self._dropped_steps is None:
-                    self._dropped_steps = [old_step, old_step]
-                    first_drop = old_step
-                self._dropped_steps[1] = old_step
+                    self._dropped_steps = [dropped, dropped]
+                    first_drop = dropped
+                self._dropped_steps[1] = dropped
         if first_drop is not None:
             self._dropped_for = self._sinks()
             logger.warning("distmetrics: the %s sinks are behind: their queue is full (%d records or %s names), "
                            "so the oldest records are dropped and counted (the first: step %d); training does not "
                            "wait. The count comes at close.", self._dropped_for, self.max_records,
                            f"{self.max_names:,}", first_drop)
+
+    def _drop_oldest(self) -> Optional[int]:
+        """Drop the oldest record (not a ``keep`` entry: the ones before it stay, in order); its
+        step, or None when only ``keep`` entries are queued."""
+        for i, (_, step, _, size, keep) in enumerate(self._records):
+            if not keep:
+                del self._records[i]
+                self._names -= size
+                self.dropped += 1
+                return step
+        return None
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued record is written (at most ``timeout`` seconds, default
@@ -120,7 +132,7 @@ class WriterThread:
                     self._cond.wait(POLL_S)
                 if not self._records:
                     break
-                metrics, step, kind, size = self._records.popleft()
+                metrics, step, kind, size, _ = self._records.popleft()
                 self._names -= size
                 self._busy = True
             try:
