@@ -32,6 +32,7 @@ __all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "f
            "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
+_LOCK_TRIES = 5
 _LOCK_NAME = ".distmetrics.lock"
 
 
@@ -46,6 +47,16 @@ class OutputClaim:
         if not (config.json_log or config.log_progress or (config.tensorboard and not config.tensorboard_dir)):
             return  # nothing is written there
         path = Path(config.output_dir)
+        for _ in range(_LOCK_TRIES):
+            if not self._lock(path) or self._held is not None or self.problem is not None:
+                return
+        self.release()  # the file was replaced under us every time: another writer keeps starting
+        self.problem = f"output_dir={str(path)!r} is in use by other Monitors starting there at the same time"
+
+    def _lock(self, path: Path) -> bool:
+        """One try to hold the lock file; False when there is nothing to hold (``problem`` says
+        why, or the file system cannot lock), True otherwise; ``_held`` is set once held. A lock
+        on a file that a closing Monitor unlinked meanwhile holds nothing: that try ends without it."""
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._file = open(path / _LOCK_NAME, "a+")
@@ -53,7 +64,7 @@ class OutputClaim:
             self.release()
             self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank "
                             f"({socket.gethostname()}): {describe_os_error(err)}")
-            return
+            return False
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -65,18 +76,29 @@ class OutputClaim:
                                describe_os_error(err))
                 self.release()
                 (path / _LOCK_NAME).unlink(missing_ok=True)  # it locks nothing here
-                return
+                return False
             self._file.seek(0)
             holder = self._file.read().strip() or "unknown"
             self.release()
             self.problem = (f"output_dir={str(path)!r} is in use by another Monitor ({holder}); two writers would "
                             "interleave their records: give each job its own output_dir")
-            return
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        self._file.flush()
+            return True
+        try:
+            same = os.fstat(self._file.fileno()).st_ino == os.stat(path / _LOCK_NAME).st_ino
+        except OSError:
+            same = False
+        if not same:  # the Monitor that held it closed and unlinked it between our open and lock
+            self.release()
+            return True
         self._held = path / _LOCK_NAME
+        try:  # who holds it, for a refused second writer's message; a full disk leaves it out
+            os.ftruncate(self._file.fileno(), 0)  # past the text layer: nothing left buffered to fail at close
+            os.pwrite(self._file.fileno(), f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError as err:
+            logger.warning("distmetrics: output_dir=%r: the lock is held but who holds it could not be written "
+                           "(%s); the metric files will say what they can write.", str(path),
+                           describe_os_error(err))
+        return True
 
     def release(self) -> None:
         """Let another Monitor write ``output_dir`` (the lock file goes; a killed process leaves

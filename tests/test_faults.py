@@ -257,6 +257,32 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
 
 
+def test_a_writer_that_locks_a_lock_file_unlinked_under_it_tries_again(tmp_path, monkeypatch):
+    """B opens the lock file while A holds it and is preempted before its flock(); A closes (the
+    file is unlinked) and C starts, locking a new file. B's flock then held the unlinked file: B and
+    C both wrote output_dir. B now sees the file at the path is not the one it locked and tries
+    again: C holds it, B is refused."""
+    import distmetrics as dm
+    from distmetrics import runinfo
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False)
+    a = runinfo.OutputClaim(cfg)
+    real, claims = runinfo.fcntl.flock, {}
+
+    def preempted(file, operation):
+        if not claims:  # B, between its open() and its flock()
+            claims["a_released"] = a.release()
+            claims["c"] = runinfo.OutputClaim(cfg)
+        return real(file, operation)
+
+    monkeypatch.setattr(runinfo.fcntl, "flock", preempted)
+    b = runinfo.OutputClaim(cfg)
+    c = claims["c"]
+    assert c.problem is None and c._held is not None
+    assert b._held is None and "is in use by another Monitor" in b.problem
+    c.release()
+
+
 def test_two_monitors_on_one_output_dir_are_refused_until_the_first_closes(tmp_path):
     import distmetrics as dm
 

@@ -219,6 +219,61 @@ def test_tensorboard_writes_one_event_per_log_step(full_disk):
 
 # --- a SIGKILL during a write --------------------------------------------------------------
 
+def _full_at_start_child(folder: str, disk: str, result: str) -> None:
+    """A Monitor made on a disk that is already full (a restart after the disk filled): steps 1-5,
+    room again, steps 6-10."""
+    import resource
+
+    import distmetrics as dm
+
+    out = Path(folder)
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    if disk == "tmpfs":
+        st = os.statvfs(out)
+        with open(out / "filler", "wb") as f:
+            try:
+                f.write(b"\0" * (st.f_bavail * st.f_frsize))
+                f.flush()
+            except OSError:
+                pass  # full
+    else:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    cfg = dm.MetricsConfig(output_dir=str(out / "run"), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, log_throughput=False, log_memory=False, straggler_window=0)
+    error = None
+    try:
+        monitor = dm.Monitor(cfg)
+        for step in range(1, 11):
+            monitor.step(step, loss=2.0)
+            if step == 5:
+                if disk == "tmpfs":
+                    os.remove(out / "filler")
+                else:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        monitor.close()
+    except Exception as err:  # noqa: BLE001 - the test reads it
+        error = repr(err)
+    Path(result).write_text(json.dumps({"warnings": capture.messages, "error": error}))
+
+
+def test_a_monitor_made_on_a_full_disk_goes_on_and_writes_when_room_returns(tmp_path):
+    """Monitor() wrote who holds output_dir into its lock file outside any error handling: on a
+    full disk it raised a bare OSError on the writer rank (no path, no errno name), the job a
+    restart after a full disk most needs. Now it warns, and the files recover as mid-run."""
+    with small_disk(tmp_path / "disk") as disk:
+        child = run_child("_full_at_start_child", str(tmp_path / "disk"), disk, str(tmp_path / "result.json"))
+        assert child.returncode == 0, child.stderr
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result["error"] is None, result
+        assert any("who holds it could not be written" in w for w in result["warnings"]), result["warnings"]
+        records = [json.loads(line) for line in (tmp_path / "disk" / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r["step"] for r in records if r["kind"] == "train"]
+    assert train[-5:] == [6, 7, 8, 9, 10] and [r for r in records if r["kind"] == "gap"]
+
+
 def _writer_child(path: str) -> None:
     """Append big records to a JSONL file until killed."""
     from distmetrics.sinks.jsonl import JsonlSink
