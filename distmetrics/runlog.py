@@ -5,14 +5,18 @@ last step an earlier job logged. No torch: the command line reads runs with this
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from .sinks import DASHBOARD_KINDS
+from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE, decode_line
 
 __all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
+
+logger = logging.getLogger("distmetrics")
 
 
 @dataclass
@@ -92,12 +96,21 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
 
 def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes = b"") -> Optional[dict]:
     """The last record of a metrics.jsonl that ``accept`` takes (lines not starting with
-    ``starts`` are skipped undecoded), or None. Read from the end, a block at a time."""
+    ``starts`` are skipped undecoded), or None. Read from the end, a block at a time. A file
+    that cannot be read (a folder in its place, no permission, an I/O error) is None, with a
+    warning: the writer rank alone reads it, so raising would leave the other ranks waiting."""
     try:
-        f = open(path, "rb")
+        return _last_record(path, accept, starts)
     except FileNotFoundError:
         return None
-    with f:
+    except OSError as err:
+        logger.warning("distmetrics: cannot read %s (%s): what an earlier job wrote there is not known (a restart is "
+                       "not recognised as one).", path, describe_os_error(err))
+        return None
+
+
+def _last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes) -> Optional[dict]:
+    with open(path, "rb") as f:
         position, block, carry = f.seek(0, 2), 1 << 16, b""
         while position > 0:
             start = max(0, position - block)

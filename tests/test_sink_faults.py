@@ -343,6 +343,29 @@ def test_tensorboard_skips_a_name_or_step_it_cannot_store_and_goes_on(tmp_path, 
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (4, 4.0)]
 
 
+@pytest.mark.parametrize("unreadable", ["metrics.jsonl", "progress.txt"])
+def test_a_folder_where_a_metrics_file_belongs_turns_that_sink_off_with_a_warning(tmp_path, caplog, unreadable):
+    """The writer rank reads metrics.jsonl and progress.txt back at start (a restart's last step,
+    its checkpoints); a folder in their place raised a bare IsADirectoryError on the writer rank
+    alone, leaving the other ranks waiting. Now: a warning, that sink off, the run goes on."""
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    (tmp_path / unreadable).mkdir()
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           flops_per_token=1e9)
+    with dm.Monitor(cfg) as monitor:
+        for step in (1, 2):
+            monitor.step(step, loss=1.0, tokens=10)
+        monitor.checkpoint_saved(2)
+    sink = "jsonl" if unreadable == "metrics.jsonl" else "progress"
+    assert set(monitor.sinks.failed) == {sink} and "EISDIR" in monitor.sinks.failed[sink]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"cannot read {tmp_path / unreadable} ([Errno 21]" in m for m in messages), messages
+    other = tmp_path / ("progress.txt" if sink == "jsonl" else "metrics.jsonl")
+    assert "Saved checkpoint" in other.read_text() or '"kind":"progress"' in other.read_text()
+
+
 def test_an_os_error_names_the_path_and_errno_not_an_install(tmp_path, caplog):
     import distmetrics as dm
 

@@ -6,13 +6,16 @@
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 from pathlib import Path
 from typing import Any, Union
 
-from .appendfile import AppendFile
+from .appendfile import AppendFile, describe_os_error
 
 __all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message"]
+
+logger = logging.getLogger("distmetrics")
 
 
 def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.datetime = None) -> str:
@@ -67,10 +70,14 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
     """
     state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0,
              "saved": []}
-    path = Path(path)
-    if not path.exists():
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
         return state
-    text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:  # read on the writer rank alone: raising would leave the other ranks waiting
+        logger.warning("distmetrics: cannot read %s (%s): checkpoints count FLOPs and tokens from this job on.",
+                       path, describe_os_error(err))
+        return state
     lines = text.split("\n")[:-1]  # the part after the last newline is torn (or empty)
     for line in lines:
         fields = line.strip().split("\t")
