@@ -5,6 +5,7 @@ reading ``progress.txt`` back, as Megatron does."""
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import math
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from .sinks.jsonl import METRICS_FILE
 from .sinks.progress import checkpoint_message, read_progress
 
 __all__ = ["CheckpointLog", "checkpoint_record"]
+
+logger = logging.getLogger("distmetrics")
 
 
 class CheckpointLog:
@@ -51,6 +54,8 @@ class CheckpointLog:
         for line in saved:
             if line[0] <= step and (base is None or line[0] >= base[0]):
                 base = line
+        if self._base_from_metrics(step, base):
+            return
         if base is saved[-1]:
             return  # the last checkpoint (its numbers were made exact at start)
         self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
@@ -70,6 +75,27 @@ class CheckpointLog:
             return None
         return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token,
                                  self.world_size)
+
+
+    def _base_from_metrics(self, step: int, base: Optional[tuple]) -> bool:
+        """A checkpoint whose progress.txt line was lost (a full disk, say) while metrics.jsonl kept
+        its record: where the latest such record up to ``step`` is of a later iteration than
+        ``base`` (progress.txt's), count on from its exact numbers, with a warning; True if so."""
+        if self._metrics_file is None:
+            return False
+        record = last_record(self._metrics_file, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
+                             and isinstance(r.get("step"), int) and r["step"] <= step, starts=b'{"kind":"progress"')
+        if record is None or (base is not None and record["step"] <= base[0]):
+            return False
+        tokens = record["checkpoint/tokens"]
+        flops = record.get("checkpoint/floating_point_operations", math.nan)
+        if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
+            return False
+        logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the checkpoint "
+                       "this job resumes from (%s has its record: the line was lost, e.g. to a full disk); "
+                       "FLOPs and tokens count on from that record.", record["step"], self._metrics_file)
+        self.resumed["last_tokens"], self.resumed["last_flops"] = float(tokens), float(flops)
+        return True
 
 
 def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
