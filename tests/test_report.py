@@ -276,6 +276,18 @@ def test_a_folder_of_run_folders_gets_one_report_per_run_as_summary_reads_it(tmp
     assert write_report(runs, tmp_path / "one.html") == str(tmp_path / "one.html")
 
 
+def test_a_run_folder_whose_name_is_not_utf8_gets_its_report(tmp_path):
+    """A folder name with a byte that is not UTF-8 (the file system allows it; summary reads it):
+    writing the page raised UnicodeEncodeError and left report.html.partial behind."""
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/run-\xff"))
+    run.mkdir()
+    _write(run / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                   {"kind": "train", "step": 1, "train/loss": 1.0}])
+    assert write_report(run) == str(run / "report.html")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.html"]
+    assert "run-?" in (run / "report.html").read_text(encoding="utf-8")
+
+
 def test_the_report_never_imports_torch_nor_pyplot(tmp_path):
     """torch made unimportable; the package's own __init__ (which imports the Monitor) left out."""
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "train/loss": 1.0}\n'

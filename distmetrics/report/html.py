@@ -64,8 +64,12 @@ def render_report(data: RunData, out: Union[str, os.PathLike]) -> str:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    os.replace(partial, path)
+    try:  # a path that is not UTF-8 (bytes the file system allows) shows "?" for those bytes
+        partial.write_bytes(page.encode("utf-8", "replace"))
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return str(path)
 
 
