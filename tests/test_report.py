@@ -338,6 +338,19 @@ def test_restarts_nan_and_a_line_cut_short(tmp_path):
     assert data.alerts[0]["first_module"] == "b.2" and data.rank_hosts == {0: "a", 1: "b"}
 
 
+def test_after_a_rollback_a_job_is_compared_with_the_last_step_logged_before_it(tmp_path):
+    """Jobs 1-300, a rollback to 98 running to 200, a resume from 196: the third job resumed at or
+    before step 200 (the last logged before it, as its resume record and summary say), not 300."""
+    records = []
+    for first, last in ((1, 300), (98, 200), (196, 250)):
+        records.append({"kind": "run", "step": 0, "world_size": 1})
+        records += [{"kind": "train", "step": s, "train/loss": 1.0} for s in range(first, last + 1, 2)]
+    _write(tmp_path / "metrics.jsonl", records)
+    data = load_metrics(tmp_path)
+    assert [j.get("previous_last_step") for j in data.jobs] == [None, 299, 200]
+    assert all(j["resumed_at_or_before_last"] for j in data.jobs[1:])
+
+
 def test_a_job_that_evaluates_its_checkpoint_first_keeps_the_earlier_jobs_records_at_that_step(tmp_path):
     """Job 2 restarts from step 20's checkpoint and evaluates it before training from step 21:
     job 1's per-module values at 20 stay in the heatmap (job 2 never logs step 20), those after

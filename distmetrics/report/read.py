@@ -138,9 +138,13 @@ class RunData:
         if not self._job_started:
             self._job_started = True
             meta["first_step"] = step
-            if self.step_max is not None and self._job > 0:
-                meta["resumed_at_or_before_last"] = step <= self.step_max
-                meta["previous_last_step"] = self.step_max
+            # the last step logged before this job (as the Monitor reads it at a restart: the
+            # latest job's, not the highest of all: after a rollback that one was abandoned)
+            before = next((job["last_step"] for job in reversed(self.jobs[:self._job])
+                           if job["last_step"] is not None), None)
+            if before is not None:
+                meta["resumed_at_or_before_last"] = step <= before
+                meta["previous_last_step"] = before
                 # the earlier job's records are dropped from where this one's steps start: after an
                 # evaluation first (of the checkpoint at its step), or where its resume record says
                 start = step + 1 if kind == "eval" else step
