@@ -204,6 +204,7 @@ class Reducer:
         self._device = device
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
+        self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
         self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
         self.collectives = 0
@@ -344,6 +345,11 @@ class Reducer:
                         "on another; every rank must use the same reduce kind for a name"
                     )
         _check_written_names(union)
+        for name, kind in union.items():  # a rank's own check sees its own calls only
+            if self._agreed.setdefault(name, kind) != kind:
+                raise ValueError(f"metric {name!r} was reduced as {self._agreed[name]!r} at an earlier log step "
+                                 f"(on some rank) and now as {kind!r} (on another); a name keeps one reduce kind "
+                                 "for the whole run")
         self._layout = PackLayout(union.items())
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------

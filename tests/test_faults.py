@@ -148,6 +148,28 @@ def test_names_that_collide_only_across_ranks_raise_on_every_rank():
             message, message
 
 
+def _kind_flip(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S))
+    for step in (1, 2):
+        if rank == 0:
+            monitor.record("x", 1.0, reduce="sum")
+        monitor.step(step)
+    for step in (3, 4):
+        if rank == 1:
+            monitor.record("x", 1.0, reduce="mean")  # rank 1's own first use of x
+    return _outcome(lambda: [monitor.step(step) for step in (3, 4)])
+
+
+def test_a_name_reduced_one_way_on_one_rank_and_another_way_later_on_another_raises():
+    """Each rank checks its own calls; x was a sum on rank 0 for one interval and a mean on rank 1
+    in the next, and the record read 2, then 1, without a word. The agreed kinds are remembered."""
+    for kind, message, _ in run_ranks(_kind_flip, 2, timeout=60):
+        assert kind == "ValueError", message
+        assert "metric 'x' was reduced as 'sum' at an earlier log step (on some rank) and now as 'mean'" in message
+
+
 def _clip_on_one_rank(rank: int, world: int) -> tuple:
     import torch
 
