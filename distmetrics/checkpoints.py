@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ class CheckpointLog:
         self.job_start = time.time()
         path = Path(config.output_dir) / "progress.txt"
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
-        self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log else None
+        self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
         if self.resumed.get("checkpoints") and self._metrics_file is not None:
             _exact_numbers(self.resumed, self._metrics_file, self.resumed["saved"][-1][0])
 
@@ -47,16 +47,14 @@ class CheckpointLog:
         an older checkpoint than the last one saved) that is not the last "Saved checkpoint" line:
         the job's FLOPs and tokens count on from that checkpoint's, as Megatron's count on from the
         checkpoint they load, not from the last line's."""
-        saved = self.resumed.get("saved")
-        if not saved:
-            return
+        saved = self.resumed.get("saved") or []
         base = None
         for line in saved:
             if line[0] <= step and (base is None or line[0] >= base[0]):
                 base = line
         if self._base_from_metrics(step, base):
             return
-        if base is saved[-1]:
+        if not saved or base is saved[-1]:
             return  # the last checkpoint (its numbers were made exact at start)
         self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
         if base is not None and self._metrics_file is not None:
@@ -81,41 +79,46 @@ class CheckpointLog:
         """A checkpoint whose progress.txt line was lost (a full disk, say) while metrics.jsonl kept
         its record: where the latest such record up to ``step`` is of a later iteration than
         ``base`` (progress.txt's), count on from its exact numbers, with a warning; True if so."""
-        if self._metrics_file is None:
+        if self._metrics_file is None or not self.resumed:
             return False
-        record = last_record(self._metrics_file, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
-                             and isinstance(r.get("step"), int) and r["step"] <= step, starts=b'{"kind":"progress"')
-        if record is None or (base is not None and record["step"] <= base[0]):
-            return False
-        tokens = record["checkpoint/tokens"]
-        flops = record.get("checkpoint/floating_point_operations", math.nan)
-        if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
+        record = _saved_record(self._metrics_file, lambda iteration: iteration <= step)
+        if record is None or (base is not None and record[0] <= base[0]):
             return False
         logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the checkpoint "
                        "this job resumes from (%s has its record: the line was lost, e.g. to a full disk); "
-                       "FLOPs and tokens count on from that record.", record["step"], self._metrics_file)
-        self.resumed["last_tokens"], self.resumed["last_flops"] = float(tokens), float(flops)
+                       "FLOPs and tokens count on from that record.", record[0], self._metrics_file)
+        self.resumed["last_tokens"], self.resumed["last_flops"] = record[1], record[2]
         return True
+
+
+def _saved_record(path: Path, accept: Callable[[int], bool]) -> Optional[tuple[int, float, float]]:
+    """(iteration, tokens, FLOPs) of the last ``progress`` record of metrics.jsonl whose iteration
+    ``accept`` takes (FLOPs nan where the record has none: not known), or None."""
+    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
+                         and isinstance(r.get("step"), int) and accept(r["step"]), starts=b'{"kind":"progress"')
+    if record is None:
+        return None
+    tokens = record["checkpoint/tokens"]
+    flops = record.get("checkpoint/floating_point_operations", math.nan)
+    if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
+        return None
+    return record["step"], float(tokens), float(flops)
 
 
 def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
     """progress.txt holds a checkpoint's tokens to 0.01 billion and its FLOPs to three digits;
     the same numbers are in metrics.jsonl's last ``progress`` record of that iteration exactly.
     Take them from there when they round to the text (the two files tell of the same checkpoint)."""
-    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
-                         and r.get("step") == iteration, starts=b'{"kind":"progress"')
+    record = _saved_record(path, lambda step: step == iteration)
     if record is None:
         return
-    tokens = record.get("checkpoint/tokens")
-    flops = record.get("checkpoint/floating_point_operations", math.nan)  # absent: not known (nan in the text)
-    if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
-        return
+    _, tokens, flops = record
     if f"{tokens / 10**9:.2f}" != f"{resumed['last_tokens'] / 10**9:.2f}" or \
             f"{flops:.2e}" != f"{resumed['last_flops']:.2e}":
         return
     if resumed.get("start_flops") == resumed["last_flops"]:  # the streak began after that checkpoint
-        resumed["start_flops"] = float(flops)
-    resumed["last_tokens"], resumed["last_flops"] = float(tokens), float(flops)
+        resumed["start_flops"] = flops
+    resumed["last_tokens"], resumed["last_flops"] = tokens, flops
 
 
 def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: float,

@@ -104,8 +104,9 @@ class CollectiveGuard:
     def _report(self, call: str, step: Optional[int], err: BaseException) -> str:
         waiting = _describe(call, step)
         keys = [f"rank{r}" for r in range(self.world)]
-        try:  # a rank that never made a guarded call has no key: get() would wait for it (30 min)
-            present = [key for key in keys if self.store.check([key])]
+        try:  # a rank that never made a guarded call has no key: get() would wait for it (30 min), so
+            # the keys are checked first: all at once (one request), one by one only if some are missing
+            present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
             found = dict(zip(present, self.store.multi_get(present) if present else []))
         except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
             return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
@@ -115,8 +116,9 @@ class CollectiveGuard:
         missing = []
         now = time.time()
         for r, raw in enumerate(rows):
-            seq, last, stamp = raw.decode().split("|") if raw else ("0", "nothing published (no monitor call "
-                                                                    "reached the store)", str(now))
+            seq, last, stamp = raw.decode().split("|") if raw else (
+                "0", "nothing published (it has not reached Monitor(), died before, or runs with "
+                "hang_timeout_s 0)", str(now))
             if int(seq) != self._seq or last != waiting:
                 missing.append(f"rank {r}: last call {last} (published {now - float(stamp):.1f} s ago)")
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"

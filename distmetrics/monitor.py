@@ -187,17 +187,13 @@ class Monitor:
         """Stop the training clocks, the step timer and the energy count (before evaluation or a
         checkpoint save), so tokens/s, MFU, the step time (``timers/step`` too), energy per token and
         straggler scores describe training alone. Local; until :meth:`resume` or the log step."""
-        for clock in self._clocks():
+        for clock in self._pausable():
             clock.pause()
-        if "timers" in self._by_name:
-            self._by_name["timers"].pause()
 
     def resume(self) -> None:
         """Count again after :meth:`pause`."""
-        for clock in self._clocks():
+        for clock in self._pausable():
             clock.resume()
-        if "timers" in self._by_name:
-            self._by_name["timers"].resume()
 
     def checkpoint_saved(self, step: int) -> None:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
@@ -302,6 +298,10 @@ class Monitor:
 
     def _clocks(self) -> list:
         return [self._by_name[name] for name in ("train", "energy", "stragglers") if name in self._by_name]
+
+    def _pausable(self) -> list:
+        """The clocks and the step timer: what ``pause()`` stops."""
+        return self._clocks() + ([self._by_name["timers"]] if "timers" in self._by_name else [])
 
     def _shutdown(self) -> None:
         self._closed = True

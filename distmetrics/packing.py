@@ -73,6 +73,11 @@ class PackLayout:
         self.mean_lanes = [i for i, is_sum in enumerate(self.sum_flags) if not is_sum]
         self.sum_lanes = [i for i, is_sum in enumerate(self.sum_flags) if is_sum]
 
+    def mark(self, call: int) -> int:
+        """The MAX pack's digest lanes: the layout's digest with a code of the monitor call folded in
+        (ranks in different layouts or different calls disagree there)."""
+        return self.digest ^ call
+
     def vector_base(self, names: tuple, reduce: str) -> Optional[dict]:
         """Cached pack positions of a vector's names (None: not all of them are in this layout
         with this reduce kind)."""

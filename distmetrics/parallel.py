@@ -78,6 +78,12 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
+_PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
+"""Mesh dimension names of pipeline stages (different layers, not copies)."""
+_MODEL_DIMS = frozenset({"tp", "cp"}) | _PIPELINE_DIMS
+"""Mesh dimensions that are not data parallel."""
+
+
 def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
     """Build the :class:`Layout` of this rank."""
     layout = Layout(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
@@ -108,10 +114,11 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
         coords = device_mesh.get_coordinate() or []
         dp_rank = 0
         for dim, name in enumerate(names):  # every dimension that is not tp/cp/pp is data parallel
-            if name not in ("tp", "cp", "pp"):
+            if name not in _MODEL_DIMS:
                 dp_rank = dp_rank * device_mesh.size(dim) + coords[dim]
         layout.dp_rank = dp_rank
-        for dim_name, attr in (("tp", "tp"), ("cp", "cp"), ("pp", "pp")):
+        pipeline = next((name for name in names if name in _PIPELINE_DIMS), "pp")
+        for dim_name, attr in (("tp", "tp"), ("cp", "cp"), (pipeline, "pp")):
             if dim_name in names:
                 coordinate = device_mesh.get_local_rank(dim_name)
                 setattr(layout, f"{attr}_rank", coordinate)
@@ -131,7 +138,7 @@ def data_parallel_group(layout: Layout) -> Any:
     if layout.dp_group is not None or layout.device_mesh is None:
         return layout.dp_group
     mesh = layout.device_mesh
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in ("tp", "cp", "pp"))
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in _MODEL_DIMS)
     if not names:
         layout.dp_group = dist.new_group([layout.rank], use_local_synchronization=True)
     elif len(names) == 1:
@@ -194,7 +201,8 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
       expert params once per expert-data-parallel group.
     * A plain tensor on a DeviceMesh (``torch.distributed.pipelining`` stages, DDP over a mesh
       dimension): each pipeline stage holds its own, copied over the other dimensions, so it
-      counts where the mesh coordinate is 0 on every dimension but ``pp``.
+      counts where the mesh coordinate is 0 on every dimension but the pipeline's (``pp``,
+      ``pipeline`` or ``pipeline_parallel``).
     * Anything else (DDP, no wrapper): replicas count on rank 0 of ``group`` only.
     """
     if is_dtensor(t):
@@ -243,9 +251,6 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
                 "for Shard and Replicate placements only (reduce the gradient before measuring)"
             )
     return _first_copy_outside(mesh)
-
-
-_PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
 
 
 def _first_copy_outside(mesh: Any) -> bool:

@@ -380,7 +380,7 @@ class Reducer:
         control = lanes[:CONTROL_LANES] if lanes is not None else pack[:CONTROL_LANES].tolist()
         if control[0] != 0:
             return None
-        mark = self._layout.digest ^ self._call_code()
+        mark = self._layout.mark(self._call_code())
         if control[1] != mark or control[2] != -mark:  # every rank sees the same lanes: every rank raises
             raise RuntimeError(
                 f"distmetrics: ranks made different monitor calls at step {tag}: this rank is in {self.call} "

@@ -104,10 +104,14 @@ def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: 
     except FileNotFoundError:
         return None
     except OSError as err:
-        logger.warning("distmetrics: cannot read %s (%s): what an earlier job wrote there is not known (a restart is "
-                       "not recognised as one).", path, describe_os_error(err))
+        if str(path) not in _UNREADABLE:  # read up to a few times at start: one warning
+            _UNREADABLE.add(str(path))
+            logger.warning("distmetrics: cannot read %s (%s): what an earlier job wrote there is not known (a "
+                           "restart is not recognised as one).", path, describe_os_error(err))
         return None
 
+
+_UNREADABLE: set = set()  # metrics files warned about
 
 def _last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes) -> Optional[dict]:
     with open(path, "rb") as f:

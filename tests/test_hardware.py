@@ -457,10 +457,12 @@ def test_a_job_without_a_flops_description_writes_unknown_flops_not_zeros(tmp_pa
     assert [iteration for iteration, _, _ in saved] == [10, 20] and all(math.isnan(f) for _, f, _ in saved)
 
 
-def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jsonl(tmp_path, caplog):
+@pytest.mark.parametrize("checkpoints", [(10, 20), (20,)], ids=["a line before it", "its only line"])
+def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jsonl(tmp_path, caplog, checkpoints):
     """The disk filled between a checkpoint's JSONL record and its progress.txt line: a job
     resuming from that checkpoint counted on from the line before it (tokens 10k short at step
-    30). The record in metrics.jsonl is taken instead, with a warning."""
+    30), or from 0 where it was the only one. The record in metrics.jsonl is taken instead, with a
+    warning."""
     import logging
 
     caplog.set_level(logging.WARNING, logger="distmetrics")
@@ -469,9 +471,9 @@ def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jso
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(lines[:-1]))  # "Saved checkpoint ... Iteration: 20" never written
 
-    saved = _progress_jobs(tmp_path, [(1, 20, (10, 20)), (21, 30, (30,))], before_second=lose_the_last_line)
+    saved = _progress_jobs(tmp_path, [(1, 20, checkpoints), (21, 30, (30,))], before_second=lose_the_last_line)
     assert [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"]) for r in saved] == [
-        (10, 1e4, 1e13), (20, 2e4, 2e13), (30, 3e4, 3e13)]
+        (c, c * 1e3, c * 1e12) for c in checkpoints] + [(30, 3e4, 3e13)]
     assert any("no \"Saved checkpoint\" line for iteration 20" in r.getMessage() for r in caplog.records)
 
 

@@ -91,6 +91,13 @@ def test_a_full_queue_drops_records_but_never_the_order_to_purge_an_earlier_jobs
     gate.opened.set()
     sinks.close()
     assert gate.records == [("run", 0), ("purge", 101)] + [("train", s) for s in range(118, 121)]
+    # a record larger than the bound on its own is kept, a queued order beside it or not
+    lone = writer_module.WriterThread(lambda *record: None, lambda: None, lambda: "lone", max_names=10)
+    with lone._lock:  # the thread takes nothing meanwhile
+        lone.put({}, 1, "_purge", keep=True)
+        lone.put({f"m{i}": 1.0 for i in range(20)}, 2, "train")
+        assert lone.dropped == 0
+    lone.close()
 
 
 def test_a_queued_sink_that_calls_sys_exit_fails_alone_with_a_warning(tmp_path, caplog):

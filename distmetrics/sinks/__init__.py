@@ -108,10 +108,7 @@ class SinkSet:
         """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
         earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
         if any(self._route(sink)[3] for sink in self.sinks):
-            if self.inline:
-                self._deliver(self.inline, {}, step, _PURGE)
-            if self.queued:  # an order, not a record: a full queue drops records, never this
-                self.writer.put({}, step, _PURGE, keep=True)
+            self.log({}, step, _PURGE, keep=True)  # an order, not a record: a full queue never drops it
 
     @property
     def sinks(self) -> list[Sink]:
@@ -146,12 +143,13 @@ class SinkSet:
         except Exception as err:  # noqa: BLE001 - any failure of an optional sink is survivable
             self._fail(name, err, fix, install)
 
-    def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        """Write one record to the training-thread sinks and queue it for the others."""
+    def log(self, metrics: dict[str, Any], step: int, kind: str, keep: bool = False) -> None:
+        """Write one record to the training-thread sinks and queue it for the others (``keep``: a
+        full queue drops other records, never this one)."""
         if self.inline:
             self._deliver(self.inline, metrics, step, kind)
         if self.queued:
-            self.writer.put(dict(metrics), step, kind)  # a copy: the caller may change its dict
+            self.writer.put(dict(metrics), step, kind, keep)  # a copy: the caller may change its dict
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the writer thread has written every queued record (at most ``timeout``

@@ -49,6 +49,7 @@ class WriterThread:
         self._dropped_for = ""  # the sinks named when dropping started (close() has closed them since)
         self._records: collections.deque = collections.deque()
         self._names = 0
+        self._keeps = 0  # queued keep entries (never dropped)
         self._busy = False
         self._closing = False
         # put() takes the lock alone (no Python-level Condition call on the training thread). It is
@@ -67,7 +68,9 @@ class WriterThread:
         with self._lock:
             self._records.append((metrics, step, kind, size, keep))
             self._names += size
-            while len(self._records) > self.max_records or (self._names > self.max_names and len(self._records) > 1):
+            self._keeps += keep
+            while len(self._records) > self.max_records or \
+                    (self._names > self.max_names and len(self._records) - self._keeps > 1):
                 dropped = self._drop_oldest()
                 if dropped is None:
                     break
@@ -132,8 +135,9 @@ class WriterThread:
                     self._cond.wait(POLL_S)
                 if not self._records:
                     break
-                metrics, step, kind, size, _ = self._records.popleft()
+                metrics, step, kind, size, keep = self._records.popleft()
                 self._names -= size
+                self._keeps -= keep
                 self._busy = True
             try:
                 self._handle(metrics, step, kind)
