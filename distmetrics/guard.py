@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import logging
 import time
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 __all__ = ["CollectiveGuard", "HangError"]
+
+logger = logging.getLogger("distmetrics")
 
 _MONITORS = itertools.count()  # Monitors are made in the same order on every rank
 _PUBLISH_EVERY_S = 1.0
@@ -50,7 +53,11 @@ class CollectiveGuard:
         if self.timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()):
             return
         if group is not None and group is not dist.group.WORLD:
-            return  # the store's counters need every rank of the world: a sub-group is not guarded
+            # the store's counters need every rank of the world: a sub-group is not guarded
+            logger.warning("distmetrics: Monitor(group=...) reduces over a process group other than the world, where "
+                           "the arrival check (hang_timeout_s=%g) cannot run: a rank that skips or mismatches a "
+                           "monitor call is not named, and the collective may hang.", self.timeout_s)
+            return
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         if self.world > 1:
             store = dist.distributed_c10d._get_default_store()

@@ -170,6 +170,28 @@ def test_a_name_reduced_one_way_on_one_rank_and_another_way_later_on_another_rai
         assert "metric 'x' was reduced as 'sum' at an earlier log step (on some rank) and now as 'mean'" in message
 
 
+def _sub_group(rank: int, world: int) -> list:
+    import logging
+
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    monitor = dm.Monitor(quiet_config(hang_timeout_s=TIMEOUT_S), group=dist.new_group(list(range(world))))
+    monitor.close()
+    return seen
+
+
+def test_a_monitor_on_a_sub_group_says_the_arrival_check_is_off():
+    """The arrival check needs every rank of the world; on another group it was off without a word."""
+    for seen in run_ranks(_sub_group, 2, timeout=60):
+        assert any("arrival check (hang_timeout_s=2) cannot run" in m for m in seen), seen
+
+
 def _clip_on_one_rank(rank: int, world: int) -> tuple:
     import torch
 
