@@ -19,6 +19,7 @@ Who does is decided here and nowhere else:
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -31,6 +32,8 @@ import torch.distributed as dist
 __all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
            "is_dtensor"]
+
+logger = logging.getLogger("distmetrics")
 
 
 @dataclass
@@ -80,8 +83,13 @@ class Layout:
 
 _PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
 """Mesh dimension names of pipeline stages (different layers, not copies)."""
-_MODEL_DIMS = frozenset({"tp", "cp"}) | _PIPELINE_DIMS
+_MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel"}), "cp": frozenset({"cp", "context_parallel"}),
+                       "pp": _PIPELINE_DIMS}
+"""Mesh dimension names of tensor, context and pipeline parallelism."""
+_MODEL_DIMS = frozenset().union(*_MODEL_DIMS_BY_KIND.values())
 """Mesh dimensions that are not data parallel."""
+_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp")
+"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, ...)."""
 
 
 def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
@@ -117,9 +125,15 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
             if name not in _MODEL_DIMS:
                 dp_rank = dp_rank * device_mesh.size(dim) + coords[dim]
         layout.dp_rank = dp_rank
-        pipeline = next((name for name in names if name in _PIPELINE_DIMS), "pp")
-        for dim_name, attr in (("tp", "tp"), ("cp", "cp"), (pipeline, "pp")):
-            if dim_name in names:
+        unknown = [name for name in names if name not in _MODEL_DIMS and not any(h in name for h in _DATA_HINTS)]
+        if unknown and layout.rank == 0:
+            logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
+                           "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
+                           "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
+                           ", ".join(map(repr, unknown)))
+        for attr, aliases in _MODEL_DIMS_BY_KIND.items():
+            dim_name = next((name for name in names if name in aliases), None)
+            if dim_name is not None:
                 coordinate = device_mesh.get_local_rank(dim_name)
                 setattr(layout, f"{attr}_rank", coordinate)
                 if attr in ("tp", "pp"):

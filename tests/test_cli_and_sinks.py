@@ -83,7 +83,7 @@ def test_a_missing_sink_package_warns_once_with_the_fix(tmp_path, monkeypatch, c
         for step in (1, 2):
             monitor.step(step, loss=1.0)
     warnings = [r.getMessage() for r in caplog.records if "tensorboard sink failed" in r.getMessage()]
-    assert len(warnings) == 1 and 'pip install "torch-distmetrics[tensorboard]"' in warnings[0]
+    assert len(warnings) == 1 and "pip install tensorboard" in warnings[0]
     assert len([r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]) == 2
 
 

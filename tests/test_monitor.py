@@ -274,6 +274,56 @@ def test_eval_is_token_weighted_with_ppl_and_gap(run):
     assert math.isnan(ev["eval/gap"])
 
 
+def _mesh_dim_names(rank: int, world: int) -> dict:
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    out = {}
+    for names in (("dp", "tp"), ("dp", "tensor_parallel"), ("dp", "model")):
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=names)
+        seen.clear()
+        with dm.Monitor(quiet_config(log_interval=5, log_throughput=True), device_mesh=mesh) as monitor:
+            for step in range(1, 6):
+                metrics = monitor.step(step, loss=1.0, tokens=8)
+        out[names[1]] = (metrics["train/consumed_tokens"], list(seen))
+    return out
+
+
+def test_tensor_parallel_mesh_dimensions_count_tokens_once_and_an_unknown_name_is_said():
+    """A DeviceMesh dimension named anything but tp/cp/pp was taken for data parallel without a
+    word: tensor_parallel doubled tokens/s and MFU on 2 TP ranks. Its alias counts them once; an
+    unknown name (model) still counts as data parallel, with a warning naming it."""
+    result = run_ranks(_mesh_dim_names, 2, timeout=120)[0]
+    assert result["tp"] == (40.0, []) and result["tensor_parallel"] == (40.0, [])
+    tokens, warned = result["model"]
+    assert tokens == 80.0 and any("DeviceMesh dimension(s) 'model' are taken for data parallel" in w for w in warned)
+
+
+def test_a_loss_that_still_requires_grad_is_taken_without_a_torch_warning(tmp_path):
+    """The quickstart passes loss=loss, a CPU tensor that requires grad: reading it for the
+    non-finite count made torch warn (converting a tensor with requires_grad=True to a scalar)."""
+    import warnings
+
+    import torch
+
+    import distmetrics as dm
+
+    weight = torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=2)) as monitor:
+            for step in (1, 2):
+                metrics = monitor.step(step, loss=(weight * 2).sum(), tokens=torch.tensor(4))
+    assert metrics["train/loss"] == 6.0
+
+
 def test_eval_gap_weights_each_interval_by_what_its_train_loss_is_the_mean_of(tmp_path):
     """The train side of eval/gap is the token-weighted loss of the rank-steps that counted since
     the last evaluation: a skipped step's tokens weigh nothing (as in train/loss), and without

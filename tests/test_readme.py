@@ -54,35 +54,52 @@ def test_the_adding_a_metric_example_runs_on_two_ranks_and_names_the_slow_rank(t
         assert record["data/wait_ms"] == pytest.approx(SLOW_MS)  # per step, not per interval
 
 
-def test_the_quickstart_runs_with_the_shipped_config_and_writes_its_timers(tmp_path, monkeypatch):
-    """The quickstart's loop on one process, with the shipped configs/metrics.yaml: the level-1
-    timers it starts reach the records (with the shipped file's timing_log_level they would not)."""
-    import shutil
-    import types
+_QUICKSTART_PRELUDE = """
+import types
+import torch
 
-    import torch
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 1)
+
+    def forward(self, batch):
+        return types.SimpleNamespace(loss=self.proj(batch).pow(2).mean())
+
+torch.manual_seed(0)
+model = Model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+batch, total_steps, n_tokens_this_rank = torch.ones(2, 4), 20, 8
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+"""
+
+
+def test_the_quickstart_runs_under_torchrun_with_the_shipped_config_and_writes_its_timers(tmp_path):
+    """The quickstart's loop as it stands, under torchrun on 2 ranks, with the shipped
+    configs/metrics.yaml: the level-1 timers it starts reach the records (with the shipped file's
+    timing_log_level they would not), and the tokens of both ranks count."""
+    import shutil
+    import subprocess
+    import sys
 
     import distmetrics as dm
+    from tests.dist_utils import ROOT, free_port
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(4, 1)
-
-        def forward(self, batch):
-            return types.SimpleNamespace(loss=self.proj(batch).pow(2).mean())
-
-    model = Model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shutil.copytree(README.parent / "configs", tmp_path / "configs")
-    monkeypatch.chdir(tmp_path)  # the shipped config writes runs/default/ relative to the working directory
-    namespace = {"model": model, "optimizer": optimizer, "batch": torch.ones(2, 4), "total_steps": 20,
-                 "n_tokens_this_rank": 8, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10)}
-    exec(compile(readme_block("### Any training loop"), "README.md", "exec"), namespace)
-    train = [r for r in dm.read_jsonl(tmp_path / "runs/default/metrics.jsonl") if r["kind"] == "train"]
+    script = tmp_path / "quickstart.py"
+    script.write_text(_QUICKSTART_PRELUDE + readme_block("### Any training loop"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = list(dm.read_jsonl(tmp_path / "runs/default/metrics.jsonl"))  # relative to the working directory
+    assert records[0]["kind"] == "run" and records[0]["world_size"] == 2
+    train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [10, 20]
     for record in train:
         assert {"timers/forward-backward", "timers/optimizer", "train/lr", "grad_norm"} <= set(record)
+        assert record["train/consumed_tokens"] == 2 * 8 * record["step"]
 
 
 def test_the_readme_console_line_is_what_the_console_sink_prints():

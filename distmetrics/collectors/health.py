@@ -45,8 +45,10 @@ class SpikeDetector:
 def _nonfinite(loss: Any) -> Union[float, torch.Tensor]:
     """1 if ``loss`` is NaN or Inf, else 0: a number for a number or a host tensor, a float64
     tensor on the loss's device otherwise (no sync)."""
-    if isinstance(loss, torch.Tensor) and not loss.is_cpu:
-        return (~torch.isfinite(loss.detach())).to(torch.float64).sum()
+    if isinstance(loss, torch.Tensor):
+        loss = loss.detach()  # a loss that still requires grad: torch warns when it is read
+        if not loss.is_cpu:
+            return (~torch.isfinite(loss)).to(torch.float64).sum()
     return float(not math.isfinite(float(loss)))
 
 

@@ -1,4 +1,4 @@
-"""GPU energy, power, telemetry and identity from NVML (``pip install "torch-distmetrics[nvml]"``).
+"""GPU energy, power, telemetry and identity from NVML (``pip install nvidia-ml-py``: the "nvml" extra).
 
 Each rank opens the NVML handle of *its own* GPU by UUID, taken from
 ``torch.cuda.get_device_properties``: an index-based lookup would follow NVML's enumeration,
@@ -69,7 +69,7 @@ class EnergyCollector:
         except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once
             logger.warning("distmetrics: GPU energy is not measured (%s: %s); log_energy has no effect. "
                            "Needs an NVIDIA GPU with an energy counter (Volta or newer) and "
-                           '`pip install "torch-distmetrics[nvml]"` (or nvidia-ml-py).', type(err).__name__, err)
+                           '`pip install nvidia-ml-py` (the "nvml" extra).', type(err).__name__, err)
             return
         self.uuid = uuid
         self._last_t = time.perf_counter()

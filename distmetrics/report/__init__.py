@@ -30,7 +30,7 @@ from typing import Optional, Union
 
 __all__ = ["write_report", "load_metrics", "require_plotting", "MissingExtra", "NotAMetricsFile", "INSTALL_HINT"]
 
-INSTALL_HINT = 'pip install "torch-distmetrics[report]"'
+INSTALL_HINT = 'pip install numpy matplotlib (the "report" extra)'
 """How to get what the report needs."""
 
 

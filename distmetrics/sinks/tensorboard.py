@@ -70,7 +70,7 @@ class TensorBoardSink:
 
     name = "tensorboard"
     fix = "set tensorboard: false to run without it"
-    install = 'pip install "torch-distmetrics[tensorboard]" (or tensorboard), or set tensorboard: false'
+    install = 'pip install tensorboard (the "tensorboard" extra), or set tensorboard: false'
 
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import summary  # needs the tensorboard package

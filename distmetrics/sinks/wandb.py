@@ -48,7 +48,7 @@ class WandbSink:
 
     name = "wandb"
     fix = "check the network and W&B's log, or set wandb_mode: offline"
-    install = 'pip install "torch-distmetrics[wandb]" (or wandb), or leave wandb_project unset'
+    install = 'pip install wandb (the "wandb" extra), or leave wandb_project unset'
 
     def __init__(self, project: str, name: Optional[str], entity: Optional[str], save_dir: str,
                  mode: str, config: dict) -> None:
