@@ -186,7 +186,8 @@ class Monitor:
     def pause(self) -> None:
         """Stop the training clocks, the step timer and the energy count (before evaluation or a
         checkpoint save), so tokens/s, MFU, the step time (``timers/step`` too), energy per token and
-        straggler scores describe training alone. Local; until :meth:`resume` or the log step."""
+        straggler scores describe training alone, and the tensor statistics' hooks, so evaluation's
+        forwards are not the step's. Local; until :meth:`resume` (the clocks: or the log step)."""
         for clock in self._pausable():
             clock.pause()
 
@@ -300,8 +301,8 @@ class Monitor:
         return [self._by_name[name] for name in ("train", "energy", "stragglers") if name in self._by_name]
 
     def _pausable(self) -> list:
-        """The clocks and the step timer: what ``pause()`` stops."""
-        return self._clocks() + ([self._by_name["timers"]] if "timers" in self._by_name else [])
+        """The clocks, the step timer and the tensor statistics' hooks: what ``pause()`` stops."""
+        return self._clocks() + [self._by_name[name] for name in ("timers", "tensor_stats") if name in self._by_name]
 
     def _shutdown(self) -> None:
         self._closed = True

@@ -448,6 +448,105 @@ def test_selectors_see_the_model_prefix_and_metric_names_leave_it_off(tmp_path):
             monitor.step(1)
 
 
+def _activation_stats_run(tmp_path, name: str, train_step) -> dict:
+    """Two steps of ``train_step(model, step)`` with fc1's activation statistics every step; the
+    tensor_stats records by step."""
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["max", "mean", "l1_norm", "l2_norm"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path / name), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    with dm.Monitor(cfg, model=model) as monitor:
+        truth = {}
+        for step in (1, 2):
+            truth[step] = train_step(model, monitor, step)
+            monitor.step(step)
+    records = {r["step"]: r for r in dm.read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+    for step, activation in truth.items():
+        for stat, value in (("max", activation.max()), ("mean", activation.mean()),
+                            ("l1_norm", activation.abs().sum()), ("l2_norm", activation.norm())):
+            assert records[step][f"tensor_stats/fc1/activation/{stat}"] == pytest.approx(float(value), rel=1e-6), \
+                (name, step, stat)
+    return records
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_recomputation_is_not_counted_twice(tmp_path, reentrant):
+    """Activation checkpointing (Megatron's recompute) runs the layer's forward again inside
+    backward: the hook counted the activations twice (l1_norm 2x, l2_norm sqrt(2)x)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def train_step(model, monitor, step):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)).requires_grad_()  # reentrant: recomputes
+        hidden = checkpoint(lambda inputs: torch.tanh(model.fc1(inputs)), x, use_reentrant=reentrant)
+        model.fc2(hidden).sum().backward()
+        return torch.nn.functional.linear(x, model.fc1.weight, model.fc1.bias).detach().double().reshape(-1)
+
+    _activation_stats_run(tmp_path, "recompute", train_step)
+
+
+@pytest.mark.parametrize("how", ["paused", "eval mode"])
+def test_an_evaluation_forward_is_not_counted_in_the_next_steps_statistics(tmp_path, how):
+    """An evaluation after step 1 (between monitor.pause() and resume(), or with the model in
+    eval mode) entered step 2's training statistics (l2_norm 154 for 3)."""
+    import torch
+
+    def train_step(model, monitor, step):
+        if step == 2:  # the evaluation after step 1, on a big batch
+            if how == "paused":
+                monitor.pause()
+            else:
+                model.eval()
+            with torch.no_grad():
+                model(10 * torch.randn(100, 6))
+            monitor.resume()
+            model.train()
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        model(x).sum().backward()
+        return torch.nn.functional.linear(x, model.fc1.weight, model.fc1.bias).detach().double().reshape(-1)
+
+    _activation_stats_run(tmp_path, how.replace(" ", "_"), train_step)
+
+
+def _sharded_weights(rank: int, world: int, root: str) -> dict:
+    """FSDP2 with fc1 its own unit: its forward hook sees the weight resharded (a Shard(0) DTensor)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["weight"],
+                                                          "stats": ["min", "max", "std", "l2_norm"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    fully_shard(model.fc1)
+    fully_shard(model)
+    with dm.Monitor(cfg, model=model) as monitor:
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        weight = model.fc1.weight.full_tensor().detach().double().reshape(-1)
+        monitor.step(1)
+    records = [r for r in dm.read_jsonl(f"{root}/metrics.jsonl") if r["kind"] == "tensor_stats"] if rank == 0 else []
+    return {"truth": {"min": float(weight.min()), "max": float(weight.max()), "std": float(weight.std()),
+                      "l2_norm": float(weight.norm())},
+            "got": records[0] if records else None}
+
+
+def test_statistics_of_a_sharded_weight_are_those_of_the_whole_weight(tmp_path):
+    """A weight sharded over ranks (FSDP2 unit resharded after forward; Megatron's TP shards) was
+    counted on the first replica only: its statistics were one shard's (l2_norm 1.61 for 2.33).
+    Each rank's shard counts, as for the norms."""
+    result = run_ranks(_sharded_weights, 2, str(tmp_path), timeout=120)[0]
+    for stat, value in result["truth"].items():
+        got = result["got"].get(f"tensor_stats/fc1/weight/{stat}")
+        assert got == pytest.approx(value, rel=1e-6), (stat, got, value)
+
+
 # --- nvdlfw-inspect's own base feature, silent sections, one inspector per process -----------------
 
 def _base_and_silent(tmp_path):

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel import data_parallel_group, holds_first_replica, local_tensor, sees_distinct_tokens
+from ..parallel import data_parallel_group, local_tensor, owns_local_piece, sees_distinct_tokens
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .features import stats_step
@@ -92,6 +92,7 @@ class TensorInspector:
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
+        self.paused = False  # monitor.pause(): evaluation's forwards are not the step's
 
     def use_guard(self, guard: Any) -> None:
         """Guard the statistics steps' gather with the Monitor's arrival check."""
@@ -165,7 +166,9 @@ class TensorInspector:
             log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
 
         def forward_hook(mod, inputs, output):
-            if not self.active:
+            # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
+            # eval mode); not activation recomputation, which runs the forward again inside backward
+            if not self.active or self.paused or not mod.training or torch._C._current_graph_task_id() != -1:
                 return
             out = output[0] if isinstance(output, (tuple, list)) else output
             if "activation" in tensors and isinstance(out, torch.Tensor):
@@ -188,8 +191,8 @@ class TensorInspector:
     # --- accumulation (called through the feature) ----------------------------------------
     def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
-        if tensor_name == "weight" and not holds_first_replica(self.layout):
-            return  # a replica of a weight another rank reports
+        if tensor_name == "weight" and not owns_local_piece(tensor, tensor, layer, self.layout):
+            return  # a replica of a weight (or of its shard) another rank reports; shards count everywhere
         if tensor_name != "weight" and not sees_distinct_tokens(self.layout):
             return  # a tensor-/context-parallel peer: the same activations as its rank 0
         x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
@@ -244,6 +247,14 @@ class TensorInspector:
                     logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
                                    "came from any of its layers (is its feature called on them?)", section,
                                    self.iteration)
+
+    def pause(self) -> None:
+        """``monitor.pause()``: forwards until :meth:`resume` are an evaluation's, not the step's."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Count the forwards again."""
+        self.paused = False
 
     # --- the collector contract -----------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:
