@@ -124,13 +124,31 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path):
         ("\n      enabled: true\n      tensors_struct: [activation]\n",
          "distmetrics.LogTensorStats.tensors_struct must be a list of mappings"),
         ("\n      enabled: true\n      tensors: activation\n", "distmetrics.LogTensorStats.tensors must be a list"),
-        ("\n      enabled: true\n      tensors: [activation]\n      stats: max\n", "stats must be a list"),
-        ("\n      enabled: true\n      tensors: [activation]\n      freq: often\n",
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: max\n", "stats must be a non-empty list"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: [max]\n      freq: often\n",
          "freq must be a whole number of steps >= 1, got 'often'"),
+        # what used to pass the check and fail (or be ignored) at a training step:
+        ("\n      enabled: true\n      tensors_struct:\n        - {tensor: activation, stat: [max]}\n",
+         "unknown key(s) ['stat'] in a distmetrics.LogTensorStats.tensors_struct entry"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: []\n", "stats must be a non-empty list"),
+        ("\n      enabled: true\n      tensors_struct:\n        - {tensor: activation, stats: [max], freqq: 3}\n",
+         "unknown key(s) ['freqq']"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: [max]\n      start_step: '2'\n",
+         "start_step for tensor 'activation' must be a whole step number"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: [max]\n      start_end_list: [[0]]\n",
+         "start_end_list for tensor 'activation' must be a list of [start, end] step pairs"),
     ]
-    for number, (body, message) in enumerate(cases):
+    base = "s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n  LogTensorStats:\n      enabled: true\n"
+    for body, message in (("      tensors: [activation]\n      stats: [max]\n      freq: 0\n",
+                           "freq must be a whole number of steps >= 1, got 0"),
+                          ("      tensors: [activation]\n      stats: [median]\n",
+                           "stat 'median' is not one of min, max, mean, std, l1_norm, l2_norm")):
+        cases.append((None, base + body, message))
+    for number, case in enumerate(cases):
+        text, message = (case[1], case[2]) if len(case) == 3 else (section + case[0], case[1])
+        body = text
         features = tmp_path / f"features{number}.yaml"
-        features.write_text(section + body)
+        features.write_text(text)
         out = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
                    f"tensor_inspect.features={features}")
         assert out.returncode == 2 and message in out.stderr and "section 's'" in out.stderr, (body, out.stderr)

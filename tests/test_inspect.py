@@ -547,6 +547,38 @@ def test_statistics_of_a_sharded_weight_are_those_of_the_whole_weight(tmp_path):
         assert got == pytest.approx(value, rel=1e-6), (stat, got, value)
 
 
+def test_the_layer_numbers_selector_selects_numbered_layers(tmp_path):
+    """nvdlfw-inspect reads a layer's number from its name and raised IndexError on the root module
+    (``model``: no number), so a section with layer_numbers made Monitor() fail with no key named."""
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc1(x)
+
+    model = nn.Sequential(Block(), Block())
+    features = {"s": {"enabled": True, "layers": {"layer_numbers": [1], "layer_types": ["fc1"]},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["max"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    x = torch.randn(3, 4)
+    with dm.Monitor(cfg, model=model) as monitor:
+        model(x)
+        monitor.step(1)
+    truth = model[1].fc1(model[0](x)).detach().double().max()
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
+    assert [k for k in record if k.startswith("tensor_stats/")] == ["tensor_stats/1.fc1/activation/max"]
+    assert record["tensor_stats/1.fc1/activation/max"] == pytest.approx(float(truth), rel=1e-6)
+
+
 # --- nvdlfw-inspect's own base feature, silent sections, one inspector per process -----------------
 
 def _base_and_silent(tmp_path):

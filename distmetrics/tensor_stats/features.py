@@ -26,6 +26,10 @@ FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
 """Our nvdlfw-inspect feature folder (the ``distmetrics`` namespace)."""
 _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
+_ENTRY_KEYS = {"tensor", "stats", "freq", "start_step", "end_step", "start_end_list"}
+"""The settings of one ``tensors_struct`` entry."""
+_BASE_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm")
+"""nvdlfw-inspect's own ``LogTensorStats`` statistics."""
 
 
 def check_inspect_config(config: TensorInspectConfig,
@@ -68,7 +72,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
                                       "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
             elif key == "distmetrics":
                 _check_our_features(where, value)
-            elif key != "LogTensorStats":  # nvdlfw's own base-namespace feature
+            elif key == "LogTensorStats":  # nvdlfw's own base-namespace feature
+                _check_feature(where, "LogTensorStats", value, _BASE_STATS, ("activation", "input", "weight",
+                                                                              "gradient"), strict=False)
+            else:
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
     return {section: _exact_names_as_pattern(f"{source}: section {section!r}", body) for section, body in spec.items()}
@@ -105,37 +112,70 @@ def _check_our_features(where: str, features: Any) -> None:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
                               f"accepted: {sorted(_FEATURE_KEYS)}")
-        for entry in _tensor_entries(where, cfg):
-            tensor = entry.get("tensor")
-            if tensor not in TENSORS:
-                raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(TENSORS)}")
-            stats = entry.get("stats", cfg.get("stats", []))
-            if not isinstance(stats, list):
-                raise ConfigError(f"{where}: stats must be a list of statistics ({', '.join(SUPPORTED_STATS)}), "
-                                  f"got {stats!r}")
-            for stat in stats:
-                if stat not in SUPPORTED_STATS:
-                    raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(SUPPORTED_STATS)}")
-            freq = entry.get("freq", cfg.get("freq", 1))
-            if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
-                raise ConfigError(f"{where}: freq must be a whole number of steps >= 1, got {freq!r}")
+        _check_feature(where, "distmetrics.LogTensorStats", cfg, SUPPORTED_STATS, TENSORS, strict=True)
 
 
-def _tensor_entries(where: str, cfg: dict) -> list[dict]:
-    """distmetrics.LogTensorStats' entries, one per tensor: ``tensors_struct`` (a list of mappings
-    with a ``tensor``) or ``tensors`` (a list of names) with the shared settings."""
+def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensors: tuple, strict: bool) -> None:
+    """Every tensor entry of a LogTensorStats feature: a non-empty list of known statistics and a
+    schedule (freq, start_step, end_step, start_end_list) of whole steps; ``strict`` (ours): known
+    tensors and entry keys too (nvdlfw's own takes any tensor name). A bad entry fails here, before
+    training, not at the first selected step (or, worse, is ignored)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
+    for entry in _tensor_entries(where, cfg, feature):
+        unknown = set(entry) - _ENTRY_KEYS
+        if strict and "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in a {feature}.tensors_struct entry; "
+                              f"accepted: {sorted(_ENTRY_KEYS)}")
+        tensor = entry.get("tensor")
+        if strict and tensor not in tensors:
+            raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(tensors)}")
+        stats = entry.get("stats", cfg.get("stats"))
+        if not isinstance(stats, list) or not stats:
+            raise ConfigError(f"{where}: {feature} stats must be a non-empty list of statistics "
+                              f"({', '.join(supported)}) for tensor {tensor!r}, got {stats!r}")
+        for stat in stats:
+            if not isinstance(stat, str) or stat.lower() not in supported:
+                raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
+        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in
+                                                 ("freq", "start_step", "end_step", "start_end_list")})
+
+
+def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> None:
+    def whole(value: Any, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    freq = schedule["freq"] if schedule["freq"] is not None else 1
+    if not whole(freq, 1):
+        raise ConfigError(f"{where}: freq must be a whole number of steps >= 1, got {freq!r}")
+    for key in ("start_step", "end_step"):
+        value = schedule[key]
+        if value is not None and not whole(value, -1 if key == "end_step" else 0):
+            raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
+                              f"(end_step -1: no end), got {value!r}")
+    pairs = schedule["start_end_list"]
+    if pairs is not None and not (isinstance(pairs, list) and all(
+            isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and whole(p[1], p[0]) for p in pairs)):
+        raise ConfigError(f"{where}: {feature} start_end_list for tensor {tensor!r} must be a list of "
+                          f"[start, end] step pairs with start <= end, got {pairs!r}")
+
+
+def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensorStats") -> list[dict]:
+    """A LogTensorStats feature's entries, one per tensor: ``tensors_struct`` (a list of mappings
+    with a ``tensor``) or ``tensors`` (a list of names) with the shared settings (marked ``_shared``:
+    their keys are the feature's)."""
     struct, tensors = cfg.get("tensors_struct"), cfg.get("tensors")
     if struct:
         if not isinstance(struct, list) or not all(isinstance(e, dict) for e in struct):
-            raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors_struct must be a list of mappings "
+            raise ConfigError(f"{where}: {feature}.tensors_struct must be a list of mappings "
                               f"such as {{tensor: activation, stats: [max]}}, got {struct!r}")
         return struct
     if tensors is not None and not isinstance(tensors, list):
-        raise ConfigError(f"{where}: distmetrics.LogTensorStats.tensors must be a list of tensor names "
+        raise ConfigError(f"{where}: {feature}.tensors must be a list of tensor names "
                           f"({', '.join(TENSORS)}), got {tensors!r}")
     if not tensors:
-        raise ConfigError(f"{where}: distmetrics.LogTensorStats needs 'tensors' or 'tensors_struct'")
-    return [dict(cfg, tensor=t) for t in tensors]
+        raise ConfigError(f"{where}: {feature} needs 'tensors' or 'tensors_struct'")
+    return [dict(cfg, tensor=t, _shared=True) for t in tensors]
 
 
 def feature_dirs_for(config: TensorInspectConfig, spec: dict) -> list:

@@ -123,11 +123,11 @@ class TensorInspector:
         modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
         self.layer_names.update(name for _, name in modules)
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
-        matched = [any(is_layer_in_cfg(name, spec) for _, name in modules) for spec in ConfigManager.configs]
+        matched = [any(_numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
         error = None
         for module, name in modules:
             try:
-                cfg = ConfigManager.get_config_for_layer(name)
+                cfg = _numbered(ConfigManager.get_config_for_layer, name) or {}
             except ValueError as err:  # two sections target one layer
                 error = f"tensor_inspect.features: {err}"
                 break
@@ -311,6 +311,21 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
+
+
+def _numbered(select: Any, name: str, *args: Any) -> Any:
+    """``select(name, *args)`` (nvdlfw-inspect's layer lookup), or None for a layer whose name holds
+    no single layer number where a section selects ``layer_numbers``: nvdlfw-inspect 0.2.2 raises
+    IndexError for a name without a number (the root module, ``model``) and ValueError for one with
+    several; neither is a layer those numbers select."""
+    try:
+        return select(name, *args)
+    except IndexError:
+        return None
+    except ValueError as err:
+        if "Could not extract layer number" in str(err):
+            return None
+        raise
 
 
 def _example_names(model: torch.nn.Module) -> list:
