@@ -81,7 +81,11 @@ class CheckpointLog:
         ``base`` (progress.txt's), count on from its exact numbers, with a warning; True if so."""
         if self._metrics_file is None or not self.resumed:
             return False
-        record = _saved_record(self._metrics_file, lambda iteration: iteration <= step)
+        # with a line in progress.txt the record sought is after it, near the end; with none, the
+        # record of a lost only line is near the end too (the disk filled shortly before this
+        # restart): a job that saved no checkpoint does not read all of a long metrics.jsonl
+        record = _saved_record(self._metrics_file, lambda iteration: iteration <= step,
+                               within=None if base is not None else _NO_LINE_WITHIN)
         if record is None or (base is not None and record[0] <= base[0]):
             return False
         logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the checkpoint "
@@ -91,11 +95,18 @@ class CheckpointLog:
         return True
 
 
-def _saved_record(path: Path, accept: Callable[[int], bool]) -> Optional[tuple[int, float, float]]:
+_NO_LINE_WITHIN = 64 << 20
+"""Bytes at the end of metrics.jsonl searched for a checkpoint record when progress.txt has no line."""
+
+
+def _saved_record(path: Path, accept: Callable[[int], bool],
+                  within: Optional[int] = None) -> Optional[tuple[int, float, float]]:
     """(iteration, tokens, FLOPs) of the last ``progress`` record of metrics.jsonl whose iteration
-    ``accept`` takes (FLOPs nan where the record has none: not known), or None."""
+    ``accept`` takes (FLOPs nan where the record has none: not known), or None (``within``: see
+    :func:`last_record`)."""
     record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
-                         and isinstance(r.get("step"), int) and accept(r["step"]), starts=b'{"kind":"progress"')
+                         and isinstance(r.get("step"), int) and accept(r["step"]), starts=b'{"kind":"progress"',
+                         within=within)
     if record is None:
         return None
     tokens = record["checkpoint/tokens"]

@@ -94,13 +94,15 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     return None if record is None else record["step"]
 
 
-def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes = b"") -> Optional[dict]:
+def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes = b"",
+                within: Optional[int] = None) -> Optional[dict]:
     """The last record of a metrics.jsonl that ``accept`` takes (lines not starting with
-    ``starts`` are skipped undecoded), or None. Read from the end, a block at a time. A file
+    ``starts`` are skipped undecoded), or None. Read from the end, a block at a time (``within``:
+    the last so many bytes at most; a file of many gigabytes takes seconds to read whole). A file
     that cannot be read (a folder in its place, no permission, an I/O error) is None, with a
     warning: the writer rank alone reads it, so raising would leave the other ranks waiting."""
     try:
-        return _last_record(path, accept, starts)
+        return _last_record(path, accept, starts, within)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -113,14 +115,17 @@ def last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: 
 
 _UNREADABLE: set = set()  # metrics files warned about
 
-def _last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes) -> Optional[dict]:
+
+def _last_record(path: Union[str, Path], accept: Callable[[dict], bool], starts: bytes,
+                 within: Optional[int]) -> Optional[dict]:
     with open(path, "rb") as f:
         position, block, carry = f.seek(0, 2), 1 << 16, b""
-        while position > 0:
-            start = max(0, position - block)
+        floor = 0 if within is None else max(0, position - within)
+        while position > floor:
+            start = max(floor, position - block)
             f.seek(start)
             lines = (f.read(position - start) + carry).split(b"\n")
-            carry = lines.pop(0) if start > 0 else b""  # maybe the end of a line that began earlier
+            carry = lines.pop(0) if start > 0 else b""  # maybe the end of a line that began earlier (or cut at floor)
             for raw in reversed(lines):
                 if not raw.startswith(starts):
                     continue

@@ -477,6 +477,33 @@ def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jso
     assert any("no \"Saved checkpoint\" line for iteration 20" in r.getMessage() for r in caplog.records)
 
 
+def test_a_job_with_no_checkpoint_line_reads_only_the_end_of_metrics_jsonl(tmp_path, monkeypatch):
+    """Looking for a checkpoint whose only progress.txt line was lost reads the end of
+    metrics.jsonl, not all of it (1.5 s a gigabyte here, at every restart of a job that saves no
+    checkpoint); with a line, the search is for a record after it and ends there."""
+    import json
+
+    from distmetrics import checkpoints
+    from distmetrics.runlog import last_record
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"kind": "progress", "step": 20, "checkpoint/tokens": 2e4}] + \
+            [{"kind": "train", "step": s, "train/loss": 1.0} for s in range(21, 2021)]
+    path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+    size = path.stat().st_size
+    found = last_record(path, lambda r: r["kind"] == "progress", starts=b'{"kind":"progress"')
+    assert found["step"] == 20
+    assert last_record(path, lambda r: r["kind"] == "progress", starts=b'{"kind":"progress"', within=size // 2) is None
+    # a restart whose progress.txt has no line searches only that far back
+    monkeypatch.setattr(checkpoints, "_NO_LINE_WITHIN", 100)
+
+    def lose_the_last_line(progress):
+        progress.write_text("".join(progress.read_text().splitlines(keepends=True)[:-1]))
+
+    saved = _progress_jobs(tmp_path / "run", [(1, 20, (20,)), (21, 30, (30,))], before_second=lose_the_last_line)
+    assert saved[-1]["checkpoint/tokens"] == 1e4  # the record of 20 was further back than 100 bytes
+
+
 def test_a_torn_last_line_of_progress_txt_is_not_read(tmp_path):
     """A crash during the write of a "Saved checkpoint" line leaves it cut short: 'Tokens (in' with
     no number made the next Monitor() raise IndexError, 'Tokens (in billions): 1' (of 12.34)
