@@ -35,7 +35,8 @@ class CheckpointLog:
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
         if self.resumed.get("checkpoints") and self._metrics_file is not None:
-            _exact_numbers(self.resumed, self._metrics_file, self.resumed["saved"][-1][0])
+            last = self.resumed["saved"][-1][0]
+            _exact_numbers(self.resumed, _saved_record(self._metrics_file, lambda iteration: iteration == last))
 
     def start_at(self, step: int) -> None:
         """This job's first step is ``step`` (its first ``monitor.step``, the step after an
@@ -52,13 +53,21 @@ class CheckpointLog:
         for line in saved:
             if line[0] <= step and (base is None or line[0] >= base[0]):
                 base = line
-        if self._base_from_metrics(step, base):
+        record = self._record_up_to(step, base)
+        if record is not None and (base is None or record[0] > base[0]):
+            # its progress.txt line was lost (a full disk between the two writes, say)
+            logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
+                           "checkpoint this job resumes from (%s has its record: the line was lost, e.g. to a full "
+                           "disk); FLOPs and tokens count on from that record.", record[0], self._metrics_file)
+            self.resumed["last_tokens"], self.resumed["last_flops"] = record[1], record[2]
             return
         if not saved or base is saved[-1]:
             return  # the last checkpoint (its numbers were made exact at start)
         self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
         if base is not None and self._metrics_file is not None:
-            _exact_numbers(self.resumed, self._metrics_file, base[0])
+            if record is None or record[0] != base[0]:  # a later job wrote an older checkpoint's record since
+                record = _saved_record(self._metrics_file, lambda iteration: iteration == base[0])
+            _exact_numbers(self.resumed, record)
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
               device: torch.device, is_writer: bool) -> Optional[dict]:
@@ -75,24 +84,16 @@ class CheckpointLog:
                                  self.world_size)
 
 
-    def _base_from_metrics(self, step: int, base: Optional[tuple]) -> bool:
-        """A checkpoint whose progress.txt line was lost (a full disk, say) while metrics.jsonl kept
-        its record: where the latest such record up to ``step`` is of a later iteration than
-        ``base`` (progress.txt's), count on from its exact numbers, with a warning; True if so."""
+    def _record_up_to(self, step: int, base: Optional[tuple]) -> Optional[tuple[int, float, float]]:
+        """metrics.jsonl's latest checkpoint record of an iteration up to ``step`` (None without the
+        file or progress.txt). With a line in progress.txt (``base``) it is that line's or a later
+        one's, near the end; with none, the record of a lost only line is near the end too (the disk
+        filled shortly before this restart): a job that saved no checkpoint does not read all of a
+        long metrics.jsonl."""
         if self._metrics_file is None or not self.resumed:
-            return False
-        # with a line in progress.txt the record sought is after it, near the end; with none, the
-        # record of a lost only line is near the end too (the disk filled shortly before this
-        # restart): a job that saved no checkpoint does not read all of a long metrics.jsonl
-        record = _saved_record(self._metrics_file, lambda iteration: iteration <= step,
-                               within=None if base is not None else _NO_LINE_WITHIN)
-        if record is None or (base is not None and record[0] <= base[0]):
-            return False
-        logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the checkpoint "
-                       "this job resumes from (%s has its record: the line was lost, e.g. to a full disk); "
-                       "FLOPs and tokens count on from that record.", record[0], self._metrics_file)
-        self.resumed["last_tokens"], self.resumed["last_flops"] = record[1], record[2]
-        return True
+            return None
+        return _saved_record(self._metrics_file, lambda iteration: iteration <= step,
+                             within=None if base is not None else _NO_LINE_WITHIN)
 
 
 _NO_LINE_WITHIN = 64 << 20
@@ -116,11 +117,11 @@ def _saved_record(path: Path, accept: Callable[[int], bool],
     return record["step"], float(tokens), float(flops)
 
 
-def _exact_numbers(resumed: dict, path: Path, iteration: int) -> None:
+def _exact_numbers(resumed: dict, record: Optional[tuple[int, float, float]]) -> None:
     """progress.txt holds a checkpoint's tokens to 0.01 billion and its FLOPs to three digits;
-    the same numbers are in metrics.jsonl's last ``progress`` record of that iteration exactly.
-    Take them from there when they round to the text (the two files tell of the same checkpoint)."""
-    record = _saved_record(path, lambda step: step == iteration)
+    the same numbers are in metrics.jsonl's last ``progress`` record of that iteration exactly
+    (``record``, from :func:`_saved_record`). Take them from there when they round to the text
+    (the two files tell of the same checkpoint)."""
     if record is None:
         return
     _, tokens, flops = record

@@ -235,9 +235,7 @@ class Timer(TimerBase):
             return None
         if self._started and not running:
             if self._use_cuda and self._unread_laps:
-                self._interval_pending.clear()
-                self._interval_ns, self.spans = 0, 0
-                return None
+                return self._drop_interval()
             if self._use_cuda:
                 self._interval_start = torch.cuda.Event(enable_timing=True)
                 self._interval_start.record()
@@ -263,6 +261,12 @@ class Timer(TimerBase):
         self.spans = 0
         self._used = self._started  # a timer running across the log step counts in the next one
         return ms
+
+    def _drop_interval(self) -> None:
+        """Let this interval go without a value (its end cannot be told on CUDA: see
+        :meth:`take_interval_ms`); a timer still running counts in the next one."""
+        self._interval_pending.clear()
+        self._interval_ns, self.spans, self._used = 0, 0, self._started
 
     def __enter__(self) -> "Timer":
         self.start()
@@ -322,14 +326,11 @@ class StepTimer(Timer):
         """As :meth:`Timer.take_interval_ms`; with ``running=False`` (the close record) the time a
         pause counted after the last lap is left out too (on CUDA it cannot be told from the laps
         before it: None, as for unread laps)."""
-        if not running and self._unlapped:
+        (unlapped, unlapped_ns), (self._unlapped, self._unlapped_ns) = (self._unlapped, self._unlapped_ns), (False, 0)
+        if not running and unlapped:
             if self._use_cuda:
-                self._interval_pending.clear()
-                self._interval_ns, self.spans, self._used = 0, 0, self._started
-                self._unlapped, self._unlapped_ns = False, 0
-                return None
-            self._interval_ns -= self._unlapped_ns
-        self._unlapped, self._unlapped_ns = False, 0
+                return self._drop_interval()
+            self._interval_ns -= unlapped_ns
         return super().take_interval_ms(running)
 
     def start(self, barrier: bool = False) -> None:
