@@ -34,9 +34,6 @@ class CheckpointLog:
         path = Path(config.output_dir) / "progress.txt"
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
-        if self.resumed.get("checkpoints") and self._metrics_file is not None:
-            last = self.resumed["saved"][-1][0]
-            _exact_numbers(self.resumed, _saved_record(self._metrics_file, lambda iteration: iteration == last))
 
     def start_at(self, step: int) -> None:
         """This job's first step is ``step`` (its first ``monitor.step``, the step after an
@@ -61,10 +58,11 @@ class CheckpointLog:
                            "disk); FLOPs and tokens count on from that record.", record[0], self._metrics_file)
             self.resumed["last_tokens"], self.resumed["last_flops"] = record[1], record[2]
             return
-        if not saved or base is saved[-1]:
-            return  # the last checkpoint (its numbers were made exact at start)
-        self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
-        if base is not None and self._metrics_file is not None:
+        if not saved:
+            return
+        if base is not saved[-1]:  # a rollback: not the last line's numbers
+            self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
+        if base is not None and self._metrics_file is not None:  # the text's rounded numbers made exact
             if record is None or record[0] != base[0]:  # a later job wrote an older checkpoint's record since
                 record = _saved_record(self._metrics_file, lambda iteration: iteration == base[0])
             _exact_numbers(self.resumed, record)

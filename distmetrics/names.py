@@ -107,10 +107,16 @@ class NameRegistry:
         if isinstance(name, str) and self._claimed.get(name) == kind:
             return  # seen before, checked then
         check_name(name, what)
-        source = f"{what} ({kind})"
         if name in self._claimed:
             raise ValueError(f"{what}: metric {name!r} was recorded as {self._claimed[name]!r} before and now as "
                              f"{kind!r}; a name keeps one reduce kind")
+        self.add(name, kind, what)
+
+    def add(self, name: str, kind: str, what: str) -> None:
+        """Remember what ``name`` (reduced as ``kind``, by ``what``) writes; raise where another name
+        writes one of those keys (what :meth:`claim` checks after the name itself; internal lanes
+        pass here too: the reducer checks the names every rank sent with it)."""
+        source = f"{what} ({kind})"
         written = written_names(name, kind)
         for other in written:
             who = self.writer_of(other)

@@ -224,7 +224,7 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     if layout.source == "megatron":
         return _megatron_owns(param, layout)
     if layout.source == "device_mesh":
-        return layout.dp_rank == 0 and layout.tp_rank == 0 and layout.cp_rank == 0
+        return holds_first_replica(layout)
     return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0) == 0
 
 

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .names import REDUCE_KINDS, check_reduce, check_value, written_names
+from .names import REDUCE_KINDS, NameRegistry, check_reduce, check_value
 from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
                       collective_device)
@@ -111,15 +111,13 @@ class Sample:
 
 def _check_written_names(union: dict[str, str]) -> None:
     """Refuse a union of names in which one name writes what another writes (``x`` as ``minmax``
-    on one rank writes ``x/max``, which another rank sends as a name of its own): one value would
-    replace the other in the record. Every rank holds the same union, so every rank raises."""
-    written: dict[str, str] = {}
+    on one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside
+    an ``all`` ``x``): one value would replace the other in the record. The rules of
+    :class:`~distmetrics.names.NameRegistry`, which each rank applies to its own names. Every rank
+    holds the same union, so every rank raises."""
+    registry = NameRegistry()
     for name, kind in union.items():
-        for key in written_names(name, kind):
-            other = written.setdefault(key, name)
-            if other != name:
-                raise ValueError(f"metric {name!r} ({kind}) and metric {other!r} ({union[other]}), sent by different "
-                                 f"ranks, would both write {key!r}; rename one of them")
+        registry.add(name, kind, f"metric {name!r}, sent by some rank,")
 
 
 @dataclass

@@ -131,6 +131,8 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path):
         ("\n      enabled: true\n      tensors_struct:\n        - {tensor: activation, stat: [max]}\n",
          "unknown key(s) ['stat'] in a distmetrics.LogTensorStats.tensors_struct entry"),
         ("\n      enabled: true\n      tensors: [activation]\n      stats: []\n", "stats must be a non-empty list"),
+        ("\n      enabled: true\n      tensors: [activation]\n      stats: [L2_NORM]\n",
+         "stat 'L2_NORM' is not one of"),  # our statistics are named as listed (nvdlfw's own: any case)
         ("\n      enabled: true\n      tensors_struct:\n        - {tensor: activation, stats: [max], freqq: 3}\n",
          "unknown key(s) ['freqq']"),
         ("\n      enabled: true\n      tensors: [activation]\n      stats: [max]\n      start_step: '2'\n",

@@ -128,24 +128,29 @@ def test_a_log_eval_met_by_a_log_step_of_the_same_number_raises_without_the_arri
         assert f"ranks made different monitor calls at step 2: this rank is in {call} " in message, message
 
 
-def _colliding_names(rank: int, world: int) -> tuple:
+def _colliding_names(rank: int, world: int) -> dict:
     import distmetrics as dm
 
-    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S))
-    if rank == 0:
-        monitor.record("x", 5.0, reduce="minmax")  # writes x/max, x/min and their ranks
-    else:
-        monitor.record("x/max", 100.0)  # a name of its own on rank 1: each rank's check passes
-    return _outcome(lambda: monitor.step(1))
+    out = {}
+    for case, (mine, theirs) in {"minmax": (("x", "minmax"), ("x/max", "mean")),
+                                 "all": (("x", "all"), ("x/rank0", "mean"))}.items():
+        monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S))
+        name, reduce = mine if rank == 0 else theirs  # each rank's own check passes
+        monitor.record(name, 5.0, reduce=reduce)
+        out[case] = _outcome(lambda: monitor.step(1))
+    return out
 
 
 def test_names_that_collide_only_across_ranks_raise_on_every_rank():
-    """One rank's minmax x writes x/max, another rank sends x/max: the record held one of the two
-    values and the other vanished. The agreed names are checked for that: both ranks raise."""
-    for kind, message, _ in run_ranks(_colliding_names, 2, timeout=60):
-        assert kind == "ValueError", message
-        assert "metric 'x/max' (mean) and metric 'x' (minmax), sent by different ranks, would both write 'x/max'" in \
-            message, message
+    """One rank's minmax x writes x/max, another rank sends x/max (or x/rank0 beside an 'all' x,
+    which JSONL writes per rank): the record held one of the two values and the other vanished.
+    The agreed names go through the rules each rank applies to its own: both ranks raise."""
+    for result in run_ranks(_colliding_names, 2, timeout=60):
+        kind, message, _ = result["minmax"]
+        assert kind == "ValueError" and "would write 'x/max', which metric 'x'" in message, message
+        kind, message, _ = result["all"]
+        assert kind == "ValueError" and "'x/rank0', which JSONL uses for a rank of the 'all' metric 'x'" in message, \
+            message
 
 
 def _kind_flip(rank: int, world: int) -> tuple:

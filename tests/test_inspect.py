@@ -549,7 +549,8 @@ def test_statistics_of_a_sharded_weight_are_those_of_the_whole_weight(tmp_path):
 
 def test_the_layer_numbers_selector_selects_numbered_layers(tmp_path):
     """nvdlfw-inspect reads a layer's number from its name and raised IndexError on the root module
-    (``model``: no number), so a section with layer_numbers made Monitor() fail with no key named."""
+    (``model``: no number), so a section with layer_numbers made Monitor() fail with no key named;
+    a name with two numbers (an expert's) must still be selectable by another section."""
     import torch
     from torch import nn
 
@@ -559,24 +560,31 @@ def test_the_layer_numbers_selector_selects_numbered_layers(tmp_path):
         def __init__(self):
             super().__init__()
             self.fc1 = nn.Linear(4, 4)
+            self.experts = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # names with two numbers
 
         def forward(self, x):
-            return self.fc1(x)
+            return self.experts(self.fc1(x))
 
     model = nn.Sequential(Block(), Block())
-    features = {"s": {"enabled": True, "layers": {"layer_numbers": [1], "layer_types": ["fc1"]},
-                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
-                                                          "stats": ["max"], "freq": 1}}}}
+    stats = {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"], "freq": 1}}
+    features = {"s": {"enabled": True, "layers": {"layer_numbers": [1], "layer_types": ["fc1"]}, "distmetrics": stats},
+                "experts": {"enabled": True, "layers": {"layer_name_regex_pattern": r"experts\.\d+$"},
+                            "distmetrics": stats}}  # selects names the layer_numbers section cannot read
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
                            timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
     x = torch.randn(3, 4)
     with dm.Monitor(cfg, model=model) as monitor:
         model(x)
         monitor.step(1)
-    truth = model[1].fc1(model[0](x)).detach().double().max()
+    first = model[0](x)
+    truth = {"1.fc1": model[1].fc1(first), "0.experts.1": first, "1.experts.1": model(x),
+             "0.experts.0": model[0].experts[0](model[0].fc1(x)), "1.experts.0": model[1].experts[0](model[1].fc1(first))}
     record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"][0]
-    assert [k for k in record if k.startswith("tensor_stats/")] == ["tensor_stats/1.fc1/activation/max"]
-    assert record["tensor_stats/1.fc1/activation/max"] == pytest.approx(float(truth), rel=1e-6)
+    assert sorted(k for k in record if k.startswith("tensor_stats/")) == sorted(
+        f"tensor_stats/{layer}/activation/max" for layer in truth)
+    for layer, activation in truth.items():
+        got = record[f"tensor_stats/{layer}/activation/max"]
+        assert got == pytest.approx(float(activation.detach().double().max()), rel=1e-6), layer
 
 
 # --- nvdlfw-inspect's own base feature, silent sections, one inspector per process -----------------

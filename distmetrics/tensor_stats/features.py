@@ -134,8 +134,8 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
         if not isinstance(stats, list) or not stats:
             raise ConfigError(f"{where}: {feature} stats must be a non-empty list of statistics "
                               f"({', '.join(supported)}) for tensor {tensor!r}, got {stats!r}")
-        for stat in stats:
-            if not isinstance(stat, str) or stat.lower() not in supported:
+        for stat in stats:  # nvdlfw-inspect's own feature takes any case; ours the names as listed
+            if not isinstance(stat, str) or (stat if strict else stat.lower()) not in supported:
                 raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
         _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in
                                                  ("freq", "start_step", "end_step", "start_end_list")})

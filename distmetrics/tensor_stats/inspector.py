@@ -127,7 +127,7 @@ class TensorInspector:
         error = None
         for module, name in modules:
             try:
-                cfg = _numbered(ConfigManager.get_config_for_layer, name) or {}
+                cfg = _config_for_layer(ConfigManager, is_layer_in_cfg, name)
             except ValueError as err:  # two sections target one layer
                 error = f"tensor_inspect.features: {err}"
                 break
@@ -241,7 +241,7 @@ class TensorInspector:
         for section, cfg in self._sections:
             if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
                 continue
-            if not any(is_layer_in_cfg(layer, cfg) for layer in layers):
+            if not any(_numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
                 self._silent.add(section)
                 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                     logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
@@ -311,6 +311,22 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
+
+
+def _config_for_layer(manager: Any, is_layer_in_cfg: Any, name: str) -> dict:
+    """nvdlfw-inspect's ``ConfigManager.get_config_for_layer`` with each section asked on its own
+    (:func:`_numbered`): a ``layer_numbers`` section that cannot read a number from ``name`` does
+    not select it, and the other sections still may (nvdlfw-inspect 0.2.2 raises for the whole
+    lookup). The answer goes into nvdlfw-inspect's cache, where its own feature calls look."""
+    found: dict = {}
+    for spec in manager.configs:
+        if _numbered(is_layer_in_cfg, name, spec):
+            if found:
+                raise ValueError(f"[NVDLFW INSPECT ERROR] Found multiple debug configs targeting the same layer(s): "
+                                 f"{name}.")
+            found = spec.extension_config
+    manager.layer_name_to_config_cache[name] = found
+    return found
 
 
 def _numbered(select: Any, name: str, *args: Any) -> Any:
