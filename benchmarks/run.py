@@ -12,6 +12,7 @@ never time anything.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -391,7 +392,10 @@ and the background work of W&B's client and service comes in bursts longer than 
 def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
     """(b) the log step on the training thread with every sink on (JSONL, progress.txt, console,
     TensorBoard, W&B offline) against no sink, at ``sizes`` metric names, once W&B's run exists
-    (:func:`_wait_for_wandb`)."""
+    (:func:`_wait_for_wandb`); then the JSONL sink alone against no sink, to show how much of
+    what every sink adds is the line written on the training thread. Each pair is timed in rounds
+    of its own: a third call in the same rounds changes which call follows the writer thread's
+    and W&B's work, and with it both ratios (all against none read 1.03-1.15x that way)."""
     import importlib.util
     import tempfile
 
@@ -408,15 +412,21 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
             none = every.replace(json_log=False, console=False, log_progress=False, tensorboard=False,
                                  wandb_project=None)
             monitors = {"none": dm.Monitor(none, collectors=[_NamedValues(names)]),
-                        "all": dm.Monitor(every, collectors=[_NamedValues(names)])}
+                        "all": dm.Monitor(every, collectors=[_NamedValues(names)]),
+                        "jsonl": dm.Monitor(none.replace(json_log=True, output_dir=os.path.join(out, "jsonl")),
+                                            collectors=[_NamedValues(names)])}
             _wait_for_wandb(monitors["all"])
-            calls = {name: (lambda step, m=m: m.step(step, loss=1.0), m.sinks.flush) for name, m in monitors.items()}
-            timed = _timed_log_steps("none", calls, repeats, least_s=SINKS_LEAST_S)
+            calls = {name: (lambda _, m=m, steps=itertools.count(1): m.step(next(steps), loss=1.0), m.sinks.flush)
+                     for name, m in monitors.items()}  # each monitor counts its own steps over both pairs
+            timed = _timed_log_steps("none", {k: calls[k] for k in ("none", "all")}, repeats, least_s=SINKS_LEAST_S)
+            alone = _timed_log_steps("none", {k: calls[k] for k in ("none", "jsonl")}, repeats, least_s=SINKS_LEAST_S)
             for monitor in monitors.values():
                 monitor.close()
         (base, _, _), (ours, writer, ratio) = timed["none"], timed["all"]
+        (base_alone, _, _), (jsonl, _, jsonl_ratio) = alone["none"], alone["jsonl"]
         rows.append({"names": names, "wandb": wandb, "no_sinks_ms": base * 1e3, "all_sinks_ms": ours * 1e3,
-                     "writer_ms": writer * 1e3, "all_vs_none": ratio})
+                     "writer_ms": writer * 1e3, "all_vs_none": ratio, "jsonl_pair_no_sinks_ms": base_alone * 1e3,
+                     "jsonl_only_ms": jsonl * 1e3, "jsonl_vs_none": jsonl_ratio})
     return rows
 
 
@@ -504,6 +514,8 @@ def main(argv=None) -> dict:
         print(f"   {r['names']:5d} names: no sinks {r['no_sinks_ms']:.2f} ms | all sinks {r['all_sinks_ms']:.2f} ms = "
               f"{r['all_vs_none']:.3f}x (target <= 1.2){'' if r['wandb'] else ' (W&B not installed)'} | writer "
               f"thread {r['writer_ms']:.2f} ms per record", flush=True)
+        print(f"         JSONL alone: no sinks {r['jsonl_pair_no_sinks_ms']:.2f} ms | JSONL {r['jsonl_only_ms']:.2f} ms = "
+              f"{r['jsonl_vs_none']:.3f}x", flush=True)
     from benchmarks import cold
 
     results.update(cold.main(4 * repeats))
