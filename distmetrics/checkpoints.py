@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .runlog import last_record
 from .sinks.jsonl import METRICS_FILE
-from .sinks.progress import checkpoint_message, read_progress
+from .sinks.progress import Saved, checkpoint_message, read_progress
 
 __all__ = ["CheckpointLog", "checkpoint_record"]
 
@@ -48,23 +48,23 @@ class CheckpointLog:
         saved = self.resumed.get("saved") or []
         base = None
         for line in saved:
-            if line[0] <= step and (base is None or line[0] >= base[0]):
+            if line.iteration <= step and (base is None or line.iteration >= base.iteration):
                 base = line
         record = self._record_up_to(step, base)
-        if record is not None and (base is None or record[0] > base[0]):
+        if record is not None and (base is None or record.iteration > base.iteration):
             # its progress.txt line was lost (a full disk between the two writes, say)
             logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
                            "checkpoint this job resumes from (%s has its record: the line was lost, e.g. to a full "
-                           "disk); FLOPs and tokens count on from that record.", record[0], self._metrics_file)
-            self.resumed["last_tokens"], self.resumed["last_flops"] = record[1], record[2]
+                           "disk); FLOPs and tokens count on from that record.", record.iteration, self._metrics_file)
+            self.resumed["last_tokens"], self.resumed["last_flops"] = record.tokens, record.flops
             return
         if not saved:
             return
         if base is not saved[-1]:  # a rollback: not the last line's numbers
-            self.resumed["last_flops"], self.resumed["last_tokens"] = (base[1], base[2]) if base else (0.0, 0.0)
+            self.resumed["last_flops"], self.resumed["last_tokens"] = (base.flops, base.tokens) if base else (0.0, 0.0)
         if base is not None and self._metrics_file is not None:  # the text's rounded numbers made exact
-            if record is None or record[0] != base[0]:  # a later job wrote an older checkpoint's record since
-                record = _saved_record(self._metrics_file, lambda iteration: iteration == base[0])
+            if record is None or record.iteration != base.iteration:  # a later job wrote an older one's since
+                record = _saved_record(self._metrics_file, lambda iteration: iteration == base.iteration)
             _exact_numbers(self.resumed, record)
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
@@ -82,7 +82,7 @@ class CheckpointLog:
                                  self.world_size)
 
 
-    def _record_up_to(self, step: int, base: Optional[tuple]) -> Optional[tuple[int, float, float]]:
+    def _record_up_to(self, step: int, base: Optional[Saved]) -> Optional[Saved]:
         """metrics.jsonl's latest checkpoint record of an iteration up to ``step`` (None without the
         file or progress.txt). With a line in progress.txt (``base``) it is that line's or a later
         one's, near the end; with none, the record of a lost only line is near the end too (the disk
@@ -99,8 +99,8 @@ _NO_LINE_WITHIN = 64 << 20
 
 
 def _saved_record(path: Path, accept: Callable[[int], bool],
-                  within: Optional[int] = None) -> Optional[tuple[int, float, float]]:
-    """(iteration, tokens, FLOPs) of the last ``progress`` record of metrics.jsonl whose iteration
+                  within: Optional[int] = None) -> Optional[Saved]:
+    """The numbers of the last ``progress`` record of metrics.jsonl whose iteration
     ``accept`` takes (FLOPs nan where the record has none: not known), or None (``within``: see
     :func:`last_record`)."""
     record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
@@ -112,17 +112,17 @@ def _saved_record(path: Path, accept: Callable[[int], bool],
     flops = record.get("checkpoint/floating_point_operations", math.nan)
     if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
         return None
-    return record["step"], float(tokens), float(flops)
+    return Saved(record["step"], float(tokens), float(flops))
 
 
-def _exact_numbers(resumed: dict, record: Optional[tuple[int, float, float]]) -> None:
+def _exact_numbers(resumed: dict, record: Optional[Saved]) -> None:
     """progress.txt holds a checkpoint's tokens to 0.01 billion and its FLOPs to three digits;
     the same numbers are in metrics.jsonl's last ``progress`` record of that iteration exactly
     (``record``, from :func:`_saved_record`). Take them from there when they round to the text
     (the two files tell of the same checkpoint)."""
     if record is None:
         return
-    _, tokens, flops = record
+    tokens, flops = record.tokens, record.flops
     if f"{tokens / 10**9:.2f}" != f"{resumed['last_tokens'] / 10**9:.2f}" or \
             f"{flops:.2e}" != f"{resumed['last_flops']:.2e}":
         return

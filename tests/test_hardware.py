@@ -454,7 +454,7 @@ def test_a_job_without_a_flops_description_writes_unknown_flops_not_zeros(tmp_pa
             "Floating-point operations: nan\t") in lines[0]
     assert "Job throughput: nan" not in lines[1] and "Floating-point operations: nan\t" in lines[1]
     saved = read_progress(tmp_path / "progress.txt", 1)["saved"]
-    assert [iteration for iteration, _, _ in saved] == [10, 20] and all(math.isnan(f) for _, f, _ in saved)
+    assert [line.iteration for line in saved] == [10, 20] and all(math.isnan(line.flops) for line in saved)
 
 
 @pytest.mark.parametrize("checkpoints", [(10, 20), (20,)], ids=["a line before it", "its only line"])

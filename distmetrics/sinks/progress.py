@@ -9,13 +9,22 @@ import datetime as _dt
 import logging
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from .appendfile import AppendFile, describe_os_error
 
-__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message"]
+__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message", "Saved"]
 
 logger = logging.getLogger("distmetrics")
+
+
+class Saved(NamedTuple):
+    """A saved checkpoint's numbers, as a "Saved checkpoint" line or a ``progress`` record holds them."""
+
+    iteration: int
+    tokens: float
+    flops: float
+    """Floating-point operations up to it (nan: not known, no model description)."""
 
 
 def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.datetime = None) -> str:
@@ -64,7 +73,7 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
     this world size started, and the floating-point operations done by then; ``last_flops``
     and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts
     unless it rolled back: see ``saved``); ``checkpoints``: how many such lines there are;
-    ``saved``: every such line's (iteration, FLOPs, tokens), in file order. A last line without
+    ``saved``: every such line's :class:`Saved` numbers, in file order. A last line without
     its newline (a crash during the write) is left out: its numbers may be cut short. A line
     whose fields do not read is skipped.
     """
@@ -89,13 +98,13 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
             continue
         if fields[3] == "Saved checkpoint" and len(fields) >= 9:
             try:
-                saved = (int(fields[4].split(": ")[1]), float(fields[7].split(": ")[1]),
-                         float(fields[8].split(": ")[1]) * 1e9)
+                saved = Saved(iteration=int(fields[4].split(": ")[1]), flops=float(fields[7].split(": ")[1]),
+                              tokens=float(fields[8].split(": ")[1]) * 1e9)
             except (IndexError, ValueError):
                 continue
             state["checkpoints"] += 1
             state["saved"].append(saved)
-            state["last_flops"], state["last_tokens"] = saved[1], saved[2]
+            state["last_flops"], state["last_tokens"] = saved.flops, saved.tokens
         if world_in_line != world_size:  # a different world size restarts the streak
             state["start_time"] = state["start_flops"] = None
             continue
