@@ -68,10 +68,16 @@ def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
             else:
                 unreadable += 1
     if not records:
-        what = f"none of its {unreadable} line(s) is" if unreadable else "it holds no line, so no"
-        raise ValueError(f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} a JSON record with 'kind' "
-                         "and 'step'")
+        raise ValueError(not_a_metrics_file(path, unreadable))
     return split_jobs(records), unreadable
+
+
+def not_a_metrics_file(path: Union[str, Path], lines: int) -> str:
+    """What ``summary`` and ``report`` say of a file none of whose ``lines`` (not counting blank
+    ones) is a record."""
+    what = f"none of its {lines} non-blank line(s) is" if lines else "it holds no line, so no"
+    return (f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} a JSON record with 'kind' and 'step' "
+            "(give a run directory or the metrics.jsonl distmetrics wrote)")
 
 
 def split_jobs(records: list[dict[str, Any]]) -> list[Job]:

@@ -69,6 +69,20 @@ def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
         assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
 
 
+def test_summary_and_report_say_the_same_of_a_file_that_is_not_a_metrics_jsonl(tmp_path):
+    """Both commands count the lines that are not records alike (blank lines are neither): the
+    report counted the blank lines too, and said something else."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "notes.jsonl"
+    path.write_text('\nnot json\n\n{"no": "kind"}\n\n')
+    said = []
+    for command in ("summary", "report"):
+        out = _run(command, path)
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        said.append(out.stderr.strip())
+    assert said[0] == said[1] and "none of its 2 non-blank line(s)" in said[0], said
+
+
 def test_summary_reports_each_job_and_a_job_that_logs_steps_again(tmp_path):
     """Two jobs appended to one file (a restart from step 20's checkpoint): each is reported
     with its own first and last step, and the overlap is named."""

@@ -252,7 +252,7 @@ def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
     run = _report_cli(str(tmp_path))
     assert run.returncode == 2 and "is a folder without metrics.jsonl" in run.stderr
     run = _report_cli(str(ROOT / "README.md"), "--out", str(tmp_path / "r.html"))
-    assert run.returncode == 2 and "README.md is not a metrics.jsonl" in run.stderr
+    assert run.returncode == 2 and "README.md' is not a distmetrics metrics.jsonl" in run.stderr
     assert not (tmp_path / "r.html").exists()
 
 

@@ -66,8 +66,9 @@ def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathL
     path = metrics_path(run)
     data = load(path)
     if data.bad_lines and data.bad_lines == data.lines - data.blank_lines:
-        raise NotAMetricsFile(f"{path} is not a metrics.jsonl: none of its {data.lines} line(s) is a JSON "
-                              "record (give a run directory or the metrics.jsonl distmetrics wrote)")
+        from ..runlog import not_a_metrics_file
+
+        raise NotAMetricsFile(not_a_metrics_file(path, data.bad_lines))
     return render_report(data, Path(out) if out is not None else path.parent / "report.html")
 
 
