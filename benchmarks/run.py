@@ -108,7 +108,8 @@ def _reducer_worker(rank: int, world: int, sizes, repeats: int) -> dict:
     import torch.distributed as dist
 
     from distmetrics.collectors.base import LogContext
-    from distmetrics.collectors.timers import TimerCollector, Timers
+    from distmetrics.collectors.timer_collector import TimerCollector
+    from distmetrics.collectors.timers import Timers
     from distmetrics.reduce import Reducer, Sample
 
     out = {"reduce": [], "timers": []}

@@ -31,7 +31,8 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .steps import StepValues
     from .stragglers import StragglerCollector
     from .throughput import ThroughputCollector, resolve_peak_tflops
-    from .timers import TimerCollector, Timers
+    from .timer_collector import TimerCollector
+    from .timers import Timers
 
     out: list = [StepValues(layout)]
     timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time)
