@@ -499,3 +499,34 @@ def test_calls_between_log_steps_reach_the_store_about_a_thousand_times_a_second
     guard.world = 2  # a small job: once a second, as before
     guard.note("monitor.step", 3)
     assert guard.store.get("rank7").decode().split("|")[1] == "monitor.step(step=3)"
+
+
+# --- OutputClaim gives up --------------------------------------------------------------------
+# OutputClaim when the lock file is unlinked under it at every try: it gives up after
+# ``_LOCK_TRIES`` tries and Monitor() refuses to start, naming output_dir.
+
+def test_a_lock_file_unlinked_at_every_try_gives_up_naming_output_dir(tmp_path, monkeypatch):
+    """Real files in tmp_path; only ``fcntl.flock`` as runinfo calls it is replaced, by a wrapper
+    that unlinks the lock file (a closing Monitor's release()) between the open() and the real
+    flock() — the race of a writer that keeps restarting there — and then calls the real flock."""
+    import distmetrics as dm
+    from distmetrics import runinfo
+
+    out = tmp_path / "job 7" / "metrics"
+    lock = out / ".distmetrics.lock"
+    real, tries = runinfo.fcntl.flock, []
+
+    def unlinked_first(file, operation):
+        tries.append(operation)
+        lock.unlink()  # the file this try opened is gone from the path before it is locked
+        return real(file, operation)
+
+    monkeypatch.setattr(runinfo.fcntl, "flock", unlinked_first)
+    with pytest.raises(ValueError) as err:
+        dm.Monitor(quiet_config(output_dir=str(out), json_log=True))
+    assert f"output_dir={str(out)!r} is in use by other Monitors starting there at the same time" in str(err.value)
+    assert len(tries) == runinfo._LOCK_TRIES  # it gave up, after every try
+    assert not lock.exists() and not (out / "metrics.jsonl").exists()  # it wrote nothing there
+
+    monkeypatch.undo()  # the race is over: nothing was left holding output_dir
+    dm.Monitor(quiet_config(output_dir=str(out), json_log=True)).close()

@@ -286,3 +286,55 @@ def test_integer_categories_need_not_be_numbered_from_zero():
     with pytest.raises(ValueError, match="got the id -1"):
         monitor.record_losses(torch.tensor([1.0]), torch.tensor([0]), names={-1: "x"})
     monitor.close()
+
+
+# --- the MoE name cache ----------------------------------------------------------------------
+# The MoE collector's cache of tokens-per-expert names holds 64 (layers, experts) shapes: a run
+# whose shapes outnumber it (a new expert count every log step, then shapes seen before it was
+# emptied) still writes the right layers' utilisation and imbalance, and the cache stays bounded.
+
+BOUND = 64
+
+
+def _shape(step: int) -> tuple:
+    """(layer numbers, experts): a new expert count at every step up to 70, then shapes seen before
+    the cache was emptied and as many names on other layers."""
+    if step <= 70:
+        return (0, 2), 2 + step
+    if step in (71, 75):  # as step 1's; then its size with other layers
+        return ((0, 2) if step == 71 else (1, 4)), 3
+    return (5,), 3 + step % 2
+
+
+def _counts(step: int, layers: tuple, experts: int) -> list:
+    return [[(7 * e + 3 * layer + step) % 5 for e in range(experts)] for layer in layers]
+
+
+def test_more_shapes_than_the_cache_holds_keep_names_and_values_right():
+    import torch
+
+    import distmetrics as dm
+
+    steps = 75
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        collector = monitor._by_name["moe"]
+        for step in range(1, steps + 1):
+            layers, experts = _shape(step)
+            counts = _counts(step, layers, experts)
+            monitor.record_moe(tokens_per_expert=torch.tensor(counts), layer_numbers=list(layers))
+            m = monitor.step(step)
+            assert len(collector._names) <= BOUND
+            utilization, imbalance = {}, {}
+            for layer, row in zip(layers, counts):  # by hand: the fraction of experts used, max / mean
+                mean = sum(row) / experts
+                utilization[layer] = sum(1 for v in row if v > 0) / experts
+                imbalance[layer] = max(row) / mean
+            written = {k: v for k, v in m.items() if k.startswith("moe/")}
+            assert written == pytest.approx({
+                **{f"moe/expert_utilization/layer{layer}": utilization[layer] for layer in layers},
+                **{f"moe/load_imbalance/layer{layer}": imbalance[layer] for layer in layers},
+                "moe/expert_utilization": sum(utilization.values()) / len(layers),
+                "moe/load_imbalance": max(imbalance.values())}, rel=1e-12), step
+    # emptied once, when the 65th distinct shape came (step 65): the shapes since then are held
+    assert len(collector._names) == len({tuple((layer, _shape(s)[1]) for layer in _shape(s)[0])
+                                         for s in range(65, steps + 1)}) == 10

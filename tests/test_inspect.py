@@ -3,6 +3,7 @@ statistics computed independently in float64 on the full tensors (all micro-batc
 ranks gathered), and read back from JSONL, TensorBoard and a W&B offline run."""
 
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -690,3 +691,59 @@ def test_partials_of_every_rank_merge_in_one_pass_to_those_of_the_whole_tensor()
     assert merged["l1"] == pytest.approx(float(whole.abs().sum()), rel=1e-12)
     assert merged["sumsq"] == pytest.approx(float(whole.pow(2).sum()), rel=1e-12)
     assert merged["minabs"] == float(whole.abs()[whole != 0].min())
+
+
+# --- exact_layer_names -----------------------------------------------------------------------
+# exact_layer_names in a features file: a single string is one layer name (the anchored pattern
+# selects that layer alone); any other value that is not a non-empty list of names is refused
+# before training, naming the file, the section, the key, the value and what is accepted.
+
+_SECTION = """\
+fc1_stats:
+  enabled: true
+  layers:
+    exact_layer_names: {value}
+  distmetrics:
+    LogTensorStats: {{enabled: true, tensors: [activation], stats: [max], freq: 1}}
+"""
+
+
+def _load(tmp_path, value: str):
+    from distmetrics.tensor_stats.features import load_features
+
+    path = tmp_path / "features.yaml"
+    path.write_text(_SECTION.format(value=value))
+    return path, load_features(str(path))
+
+
+def test_a_string_is_one_exact_layer_name(tmp_path):
+    _, spec = _load(tmp_path, "model.layers.1.fc")
+    pattern = spec["fc1_stats"]["layers"]["layer_name_regex_pattern"]
+    assert spec == _load(tmp_path, "[model.layers.1.fc]")[1]  # as the one-name list
+    # nvdlfw-inspect looks layers up with re.search: the name alone, not its prefixes or extensions
+    selected = [n for n in ("model.layers.1.fc", "model.layers.1.fc2", "model.layers.11.fc", "xmodel.layers.1.fc",
+                            "model.layers.1", "model.layersX1.fc") if re.search(pattern, n)]
+    assert selected == ["model.layers.1.fc"]
+
+
+@pytest.mark.parametrize("text, value", [("5", 5), ("[]", []), ("[model.fc1, 3]", ["model.fc1", 3]),
+                                         ("{model.fc1: true}", {"model.fc1": True}), ("[model.fc1, '']", ["model.fc1", ""]),
+                                         ("''", "")])
+def test_an_invalid_value_names_key_value_and_what_is_accepted(tmp_path, text, value):
+    from distmetrics.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, text)
+    message = str(err.value)
+    assert f"{tmp_path / 'features.yaml'}: section 'fc1_stats'" in message
+    assert "exact_layer_names must be a list of layer names such as [model." in message
+    assert f"got {value!r}" in message  # as written ('' was quoted as [''])
+
+
+def test_a_selector_without_a_value_is_named(tmp_path):
+    """`exact_layer_names:` with nothing after it passed our check, and nvdlfw-inspect then said
+    that no selector was given, naming neither file nor section."""
+    from distmetrics.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"section 'fc1_stats': layers.exact_layer_names has no value"):
+        _load(tmp_path, "")

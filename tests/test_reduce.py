@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import quiet_config, run_ranks
 
 WORLD = 4
 
@@ -498,3 +498,98 @@ def test_a_packs_cached_index_is_not_taken_by_other_position_tensors_at_the_same
             pieces.add_vector(layout.positions(names, "sum", 0, cpu), torch.ones(3, dtype=torch.float64))
         index, _ = pieces.assemble()
         assert index.tolist() == [layout.sum_index[name] for name in a + b]
+
+
+# --- mostly means: decode_sum ----------------------------------------------------------------
+# decode_sum's branch for SUM packs that are mostly means (every lane divided in one ``map``, a
+# sum's divisor set to 1): a user's sum and mean names mixed, weighted means, a weight-0 entry and
+# names absent on one rank, through monitor.record/step on 1 rank and on 2 gloo ranks, against
+# float64 sums of what each rank recorded.
+
+INTERVAL = 2
+
+
+def _records(rank: int, step: int, world: int) -> list:
+    """(name, value, reduce, weight) this rank records at ``step``: 3 sums, 6 means."""
+    out = [("u/s0", 0.1 * (rank + 1) * step, "sum", 1.0),
+           ("u/s1", 1.7 + rank - 0.3 * step, "sum", 1.0),
+           ("u/m0", 0.3 + rank + step, "mean", 1.0),
+           ("u/m1", 2.5 * step - rank, "mean", 7.0 + rank + step),
+           ("u/m2", 1.1 * step + 0.01 * rank, "mean", 0.25 * (rank + 1)),
+           ("u/m4", 1e3 / (rank + step), "mean", 0.5)]
+    # weight 0 ("this rank has none", its value NaN): on 1 rank at step 1, on 2 ranks all of rank 1's
+    zero = rank == 1 or (world == 1 and step == 1)
+    out.append(("u/m3", math.nan if zero else 4.4 + step + rank, "mean", 0.0 if zero else 2.0 + rank))
+    if rank == 0:
+        out.append(("u/s2", -3.3 + step, "sum", 1.0))  # absent on rank 1
+    if rank == world - 1:
+        out.append(("u/m5", -0.7 * step, "mean", float(step)))  # absent on rank 0 of 2
+    return out
+
+
+def _loss(rank: int, step: int) -> tuple:
+    return 2.0 + 0.1 * rank + 0.013 * step, 10 * (rank + 1) + step  # (loss, tokens)
+
+
+def _expected(world: int) -> dict:
+    """Σ value (sum), Σ value·weight / Σ weight over weight ≠ 0 (mean), in float64 by hand."""
+    num: dict = {}
+    den: dict = {}
+    for rank in range(world):
+        for step in range(1, INTERVAL + 1):
+            loss, tokens = _loss(rank, step)
+            for name, value, reduce, weight in _records(rank, step, world) + [("train/loss", loss, "mean", tokens)]:
+                if reduce == "sum":
+                    num[name] = num.get(name, 0.0) + value
+                    den[name] = 1.0
+                elif weight != 0:
+                    num[name] = num.get(name, 0.0) + value * weight
+                    den[name] = den.get(name, 0.0) + weight
+    return {name: num[name] / den[name] for name in num}
+
+
+def _run(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+    import distmetrics.reduce as reduce_module
+
+    real = reduce_module.decode_sum
+    branches = []
+
+    def spy(layout, totals, weights, result):  # only notes which branch the call takes, then calls it
+        branches.append((len(layout.mean_lanes) > len(layout.sum_lanes), 0.0 in list(weights)))
+        return real(layout, totals, weights, result)
+
+    reduce_module.decode_sum = spy
+    try:
+        with dm.Monitor(quiet_config(log_interval=INTERVAL)) as monitor:
+            for step in range(1, INTERVAL + 1):
+                for i, (name, value, reduce, weight) in enumerate(_records(rank, step, world)):
+                    if i % 2:  # half as 0-d float64 tensors
+                        value, weight = torch.tensor(value, dtype=torch.float64), torch.tensor(weight)
+                    monitor.record(name, value, reduce=reduce, weight=weight)
+                loss, tokens = _loss(rank, step)
+                metrics = monitor.step(step, loss=torch.tensor(loss, dtype=torch.float64), tokens=tokens)
+    finally:
+        reduce_module.decode_sum = real
+    return {"metrics": {k: v for k, v in metrics.items() if k.startswith(("u/", "train/loss"))},
+            "branches": branches}
+
+
+def _check(out: dict, world: int) -> None:
+    assert out["branches"] == [(True, False)]  # the mostly-means branch, no name of total weight 0
+    expected = _expected(world)
+    assert sorted(out["metrics"]) == sorted(expected)
+    for name, value in expected.items():
+        assert out["metrics"][name] == pytest.approx(value, rel=1e-12, abs=0), name
+
+
+def test_mostly_means_one_rank():
+    _check(_run(0, 1), 1)
+
+
+def test_mostly_means_two_gloo_ranks():
+    results = run_ranks(_run, 2)
+    assert results[0]["metrics"] == results[1]["metrics"]  # the same dict on every rank
+    _check(results[0], 2)

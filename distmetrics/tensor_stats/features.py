@@ -62,6 +62,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
         layers = body.get("layers")
         if not isinstance(layers, dict) or not any(k in layers for k in _SELECTORS):
             raise ConfigError(f"{where}: 'layers' needs one of {', '.join(_SELECTORS)}")
+        empty = [k for k in _SELECTORS if k in layers and layers[k] is None]
+        if empty:  # `exact_layer_names:` with nothing after it: nvdlfw-inspect said no selector was given
+            raise ConfigError(f"{where}: layers.{empty[0]} has no value (YAML null); give it one, or leave the "
+                              "key out")
         for key, value in body.items():
             if key in ("enabled", "layers"):
                 continue
@@ -90,11 +94,12 @@ def _exact_names_as_pattern(where: str, body: dict) -> dict:
     names = body["layers"].get("exact_layer_names")
     if names is None:
         return body
+    given = names
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: exact_layer_names must be a list of layer names such as "
-                          f"[model.decoder.layers.1.mlp.linear_fc1], got {names!r}")
+                          f"[model.decoder.layers.1.mlp.linear_fc1], got {given!r}")
     pattern = "^(?:" + "|".join(re.escape(n) for n in names) + r")\Z"
     return {**body, "layers": {"layer_name_regex_pattern": pattern}}
 
