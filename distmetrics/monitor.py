@@ -63,7 +63,7 @@ class Monitor:
         self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
-        self._job_start_known = False
+        self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
@@ -105,7 +105,8 @@ class Monitor:
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(self._clocks())
-            self._job_starts_at(step, step)
+            self._counts_from(step)
+            resumed_at(step, self.sinks)
             if "norms" in self._by_name:  # what was measured before the step's number was known
                 self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
         self._last_step = step
@@ -179,7 +180,7 @@ class Monitor:
         self._check_open()
         metrics = self._eval.log(step, loss, tokens, scalars)
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
-            self._job_starts_at(step + 1, step)
+            self._counts_from(step + 1)
         self._write(metrics, step, "eval")
         return metrics
 
@@ -202,7 +203,7 @@ class Monitor:
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
-            self._job_starts_at(step + 1, step)
+            self._counts_from(step + 1)
         self._guard.enter("monitor.checkpoint_saved", step)
         record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
                                          self._reducer.group, self._reducer.device, self.is_writer)
@@ -260,13 +261,13 @@ class Monitor:
             self._record_order = (names, written)
         return written
 
-    def _job_starts_at(self, first: int, step: int) -> None:
-        """The job's own steps start at ``first``, as the record of ``step`` tells (once): an earlier
-        job's TensorBoard events from there on are dropped, and checkpoints count on from the one
-        it resumed from."""
-        if not self._job_start_known:
-            self._job_start_known = True
-            resumed_at(first, step, self.sinks)
+    def _counts_from(self, first: int) -> None:
+        """The job's own steps start at ``first``, as its first step, evaluation or checkpoint tells
+        (once): checkpoints count on from the one it resumed from. Which of an earlier job's
+        TensorBoard events this job replaces is known at its first ``monitor.step`` only
+        (:func:`~distmetrics.runinfo.resumed_at`): a job that only evaluates replaces none."""
+        if not self._counts_known:
+            self._counts_known = True
             self._checkpoints.start_at(first)
 
     def _log_step_ahead(self) -> Optional[int]:

@@ -217,6 +217,11 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
     they remember the last step an earlier job logged in ``output_dir`` (from its metrics.jsonl),
     and closing them releases the claim on ``output_dir``."""
     last_logged = last_logged_step(os.path.join(config.output_dir, METRICS_FILE)) if config.json_log else None
+    if not config.json_log and config.tensorboard and _has_events(config.resolved_tensorboard_dir):
+        logger.warning("distmetrics: %s holds an earlier job's TensorBoard events, and with json_log off a restart "
+                       "from an earlier checkpoint is not recognised (the last step logged is read from "
+                       "metrics.jsonl): TensorBoard will show both jobs' values at the steps they share. Set "
+                       "json_log: true to have it drop the earlier job's.", config.resolved_tensorboard_dir)
     sinks = open_sinks(config, layout.world_size, extra)
     sinks.last_logged_step = last_logged
     if claim is not None:
@@ -228,6 +233,14 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
     return sinks
 
 
+def _has_events(folder: str) -> bool:
+    """Whether ``folder`` holds a TensorBoard event file."""
+    try:
+        return any(name.startswith("events.out.tfevents.") for name in os.listdir(folder))
+    except OSError:
+        return False
+
+
 def first_step(clocks: list) -> None:
     """The job's first ``monitor.step``: the clocks start (building the Monitor is no step's time
     or energy)."""
@@ -235,18 +248,20 @@ def first_step(clocks: list) -> None:
         clock.start()
 
 
-def resumed_at(first: int, step: int, sinks: SinkSet) -> None:
-    """The job's own steps start at ``first`` (called once, by the record of ``step`` that tells:
-    its first ``monitor.step``, or an evaluation or a checkpoint of the step before). On the
-    writer, a job that starts at or before the last step logged in its output_dir (a restart from
-    an earlier checkpoint) has TensorBoard drop the earlier job's events from ``first`` on
-    (``purge_step``), and says so: a warning and a ``resume`` record."""
+def resumed_at(first: int, sinks: SinkSet) -> None:
+    """The job's first ``monitor.step`` is ``first`` (called once). On the writer, a job that
+    starts at or before the last step logged in its output_dir (a restart from an earlier
+    checkpoint) has TensorBoard drop the earlier job's events from ``first`` on (``purge_step``),
+    and says so: a warning and a ``resume`` record. What the job wrote before (an evaluation of
+    the checkpoint it restored, at ``first`` where a loop counts from 0) stays. A job that never
+    steps (an evaluation-only job) drops nothing."""
     last = sinks.last_logged_step
     if last is None or first > last:
+        sinks.purge_from(None)  # nothing to drop: TensorBoard stops keeping what it would write again
         return
     message = (f"this job starts at step {first}, at or before step {last}, the last step an earlier job logged "
                f"here: TensorBoard drops the earlier events from step {first} on; metrics.jsonl keeps both "
                "jobs' records (each job starts with a run record)")
     logger.warning("distmetrics: %s", message)
     sinks.purge_from(first)
-    sinks.log({"message": message, "last_logged_step": last, "from_step": first}, step, "resume")
+    sinks.log({"message": message, "last_logged_step": last, "from_step": first}, first, "resume")

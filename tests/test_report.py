@@ -369,6 +369,38 @@ def test_a_job_that_evaluates_its_checkpoint_first_keeps_the_earlier_jobs_record
         assert list(zip(steps.tolist(), values[:, 0].tolist())) == [(10, 1.0), (20, 2.0), (30, 3.0)], second_job
 
 
+def test_an_evaluation_only_job_replaces_no_heatmap_values(tmp_path):
+    """Job 2 restores step 20's checkpoint, evaluates it and ends: it trained nothing, so job 1's
+    values after step 20 stay (they were dropped at the evaluation, as TensorBoard dropped them)."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+    train = [{"kind": "train", "step": s, "train/loss": 1.0, "grad_norm/a": v} for s, v in ((10, 1.0), (20, 2.0),
+                                                                                          (30, 9.0))]
+    _write(tmp_path / "metrics.jsonl", [run, *train, dict(run), {"kind": "eval", "step": 20, "eval/loss": 2.5}])
+    steps, values = load_metrics(tmp_path).grids[("module", "grad_norm")].logged()
+    assert list(zip(steps.tolist(), values[:, 0].tolist())) == [(10, 1.0), (20, 2.0), (30, 9.0)]
+
+
+def test_a_resume_inside_a_heatmap_bin_shows_none_of_the_abandoned_steps(tmp_path):
+    """Bins two steps wide (1,200 log steps); job 2 resumes at step 1002, the second step of the bin
+    1001-1002. That bin held job 1's abandoned step 1002 beside job 2's (mean 34 of 1, 1 and 100):
+    every bin from the one holding the resume step on must hold job 2's values only."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+
+    def train(step, value):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": value}
+
+    _write(tmp_path / "metrics.jsonl", [run, *(train(s, 1.0) for s in range(1, 1201)), dict(run),
+                                         {"kind": "resume", "step": 1002, "message": "m", "last_logged_step": 1200,
+                                          "from_step": 1002}, *(train(s, 100.0) for s in range(1002, 1101))])
+    grid = load_metrics(tmp_path).grids[("module", "grad_norm")]
+    assert grid.width == 2
+    steps, values = grid.logged()
+    job2 = [v for c, v in zip(steps.tolist(), values[:, 0].tolist()) if c > 1000]
+    assert job2 and all(v == 100.0 for v in job2), sorted(set(job2))
+    assert all(v == 1.0 for c, v in zip(steps.tolist(), values[:, 0].tolist()) if c < 1000)
+    assert steps.max() < 1101  # job 1's abandoned steps after job 2's last are gone
+
+
 def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
     from distmetrics.report.alerts import events_of
 

@@ -72,9 +72,54 @@ def test_a_resumed_job_that_evaluates_before_its_first_step_purges_after_that_ev
     assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/loss")] == [(20, 1.5), (20, 1.6), (40, 2.5)]
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
     resume = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "resume"]
-    assert [(r["step"], r["from_step"]) for r in resume] == [(20, 21)]
+    assert [(r["step"], r["from_step"]) for r in resume] == [(21, 21)]
     summary = run_python("-m", "distmetrics.cli", "summary", tmp_path).stdout
     assert "resumed at step 21 (step 40 was logged before" in summary
+
+
+@pytest.mark.parametrize("then", ["steps from 21", "steps from 20 (a loop counting from 0)", "nothing (evaluation only)"])
+def test_a_job_that_evaluates_a_restored_checkpoint_first_replaces_the_steps_it_trains_and_no_others(tmp_path, then):
+    """Job 1 trains steps 1-40 and evaluates at 20 and 40; job 2 restores step 20's checkpoint and
+    evaluates it first. The purge was decided at that evaluation, from step 21: an evaluation-only
+    job hid job 1's steps 21-40 for good (nothing replaced them), and a loop counting from 0
+    (whose first step is 20) showed both jobs' step 20. What TensorBoard shows is worked out from
+    the scenario: job 1's events below job 2's first step, and all of job 2's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    with dm.Monitor(_config(tmp_path, log_interval=10)) as monitor:
+        for step in range(1, 41):
+            monitor.step(step, loss=1.0, tokens=100)
+            if step % 20 == 0:
+                monitor.log_eval(step, loss=1.5 if step == 20 else 1.4, tokens=10)
+    steps = {"steps from 21": range(21, 41), "steps from 20 (a loop counting from 0)": range(20, 40)}.get(then, ())
+    with dm.Monitor(_config(tmp_path, log_interval=10)) as monitor:
+        monitor.log_eval(20, loss=1.6, tokens=10)
+        for step in steps:
+            monitor.step(step, loss=2.0, tokens=100)
+    first = steps[0] if steps else None
+    job1_train = [(s, 1.0) for s in (10, 20, 30, 40)]
+    job2_train = [(s, 2.0) for s in steps if s % 10 == 0] + ([(steps[-1], 2.0)] if steps and steps[-1] % 10 else [])
+    job1_eval, job2_eval = [(20, 1.5), (40, 1.4)], [(20, 1.6)]
+    kept = (lambda events: [e for e in events if first is None or e[0] < first])
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted((e.step, e.value) for e in acc.Scalars("train/loss")) == sorted(kept(job1_train) + job2_train)
+    assert sorted((e.step, round(e.value, 6)) for e in acc.Scalars("eval/loss")) == sorted(kept(job1_eval) + job2_eval)
+    resume = [(r["step"], r["from_step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "resume"]
+    assert resume == ([(first, first)] if first is not None else [])
+
+
+def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, caplog):
+    """The last step logged is read from metrics.jsonl: with json_log off a job restarting from an
+    earlier checkpoint cannot drop the earlier job's TensorBoard events, and said nothing of it."""
+    _job(tmp_path, range(1, 41), loss=1.0, json_log=False)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    _job(tmp_path, range(21, 41), loss=2.0, json_log=False)
+    said = [r.getMessage() for r in caplog.records if "a restart from an earlier checkpoint is not recognised" in
+            r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "tensorboard") in said[0]
 
 
 def test_a_job_continuing_after_the_last_logged_step_purges_nothing(tmp_path, caplog):

@@ -67,6 +67,7 @@ class RunData:
         self._plans: dict[tuple, _Plan] = {}
         self._job = -1
         self._job_started = False
+        self._restart_pending = False  # a job resumed at or before the last step logged: its first step not seen yet
 
     def read(self) -> "RunData":
         """Read the file (a line cut short by a crash is counted in ``bad_lines`` and skipped)."""
@@ -105,7 +106,7 @@ class RunData:
         modules = record.get("modules")
         if isinstance(modules, list) and modules:
             self.model_order = [str(m) for m in modules]
-        self._job, self._job_started = len(self.jobs) - 1, False
+        self._job, self._job_started, self._restart_pending = len(self.jobs) - 1, False, False
 
     def _take(self, record: dict) -> None:
         kind, step = record.get("kind"), _step_of(record)
@@ -145,13 +146,16 @@ class RunData:
             if before is not None:
                 meta["resumed_at_or_before_last"] = step <= before
                 meta["previous_last_step"] = before
-                # the earlier job's records are dropped from where this one's steps start: after an
-                # evaluation first (of the checkpoint at its step), or where its resume record says
-                start = step + 1 if kind == "eval" else step
-                if kind == "resume" and isinstance(record.get("from_step"), int):
-                    start = record["from_step"]
-                for grid in self.grids.values():
-                    grid.restart(start)
+                self._restart_pending = True
+        if self._restart_pending and kind in ("resume", "train"):
+            # the earlier job's records are dropped from this job's first step on, as TensorBoard
+            # drops them: where its resume record says, or its first train record. Records before
+            # that (an evaluation of the restored checkpoint) drop nothing; an evaluation-only job
+            # drops nothing.
+            self._restart_pending = False
+            start = record["from_step"] if kind == "resume" and isinstance(record.get("from_step"), int) else step
+            for grid in self.grids.values():
+                grid.restart(start)
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
         meta["records"] += 1
         self.step_min = step if self.step_min is None else min(self.step_min, step)

@@ -142,10 +142,12 @@ class StepGrid:
             self._add_spread(step, job, rows, values, finite)
 
     def restart(self, step: int) -> None:
-        """A job resumed at ``step``: the bins from there on start over (the new job replaces them)."""
+        """A job resumed at ``step``: the bins from there on start over (the new job replaces them),
+        the bin holding ``step`` too. That one loses the earlier job's steps before ``step`` (its
+        sums cannot be split); kept, it would mix the abandoned steps after them into the new job's."""
         if self.first is None:
             return
-        b = max(0, -(-(step - self.first) // self.width))  # the first bin starting at or after step
+        b = max(0, (step - self.first) // self.width)  # the bin holding step
         if b < self.bins:
             self.total[b:] = 0
             self.count[b:] = 0

@@ -104,11 +104,12 @@ class SinkSet:
         """Call ``release()`` once the sinks are closed."""
         self._closers.append(release)
 
-    def purge_from(self, step: int) -> None:
+    def purge_from(self, step: Optional[int]) -> None:
         """Have the sinks that keep a timeline (``purge_from(step)``: TensorBoard) drop what an
-        earlier job wrote at steps >= ``step`` (in order with the records: through the queue)."""
+        earlier job wrote at steps >= ``step`` (in order with the records: through the queue), or,
+        with None, know that nothing is dropped. Sent once per job, at its first step."""
         if any(self._route(sink)[3] for sink in self.sinks):
-            self.log({}, step, _PURGE, keep=True)  # an order, not a record: a full queue never drops it
+            self.log({}, -1 if step is None else step, _PURGE, keep=True)  # an order, not a record: never dropped
 
     @property
     def sinks(self) -> list[Sink]:
@@ -178,7 +179,7 @@ class SinkSet:
             try:
                 if kind == _PURGE:
                     if keeps_timeline:
-                        sink.purge_from(step)
+                        sink.purge_from(step if step >= 0 else None)
                 elif takes_view:
                     if view is False:
                         view = scalar_view(metrics, kind, self.include_timers)

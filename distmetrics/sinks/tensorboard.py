@@ -14,6 +14,7 @@ rest of the record is written.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ import socket
 import struct
 import time
 from pathlib import Path
+from typing import Optional
 
 from . import ScalarView
 from .appendfile import AppendFile
@@ -63,6 +65,9 @@ def _default_bins() -> list[float]:
 DEFAULT_BINS = _default_bins()
 """The histogram bucket limits ``SummaryWriter.add_histogram`` uses."""
 _file_number = itertools.count()
+KEPT_BEFORE_START = 16
+"""Events written before a job's first step kept to be written again after a purge (a job
+evaluates the checkpoint it restored once or a few times before it steps)."""
 
 
 class TensorBoardSink:
@@ -88,19 +93,26 @@ class TensorBoardSink:
         self._version = self._frame(version.SerializeToString())
         self._skipped: set[str] = set()
         self._started = self._file.append(self._version, 0)
+        self._before_start: Optional[collections.deque] = collections.deque(maxlen=KEPT_BEFORE_START)
+        """(step, event) written before the job's first step: a purge from that step would drop
+        those at or above it, so they are written again after it. None once the step is known."""
 
-    def purge_from(self, step: int) -> None:
+    def purge_from(self, step: Optional[int]) -> None:
         """Have TensorBoard drop the folder's events at steps >= ``step`` (an earlier job's, when a
         job resumes from an earlier checkpoint): a ``SessionLog.START`` event at ``step``, what
-        ``SummaryWriter(purge_step=...)`` writes."""
+        ``SummaryWriter(purge_step=...)`` writes. Events of this job already written at those
+        steps (its evaluation of the checkpoint at ``step``, where a loop counts from 0) follow
+        it again, so they stay. ``None`` (the job's first step, nothing to drop): they are not
+        kept any longer."""
+        kept, self._before_start = self._before_start or (), None
+        if step is None:
+            return
         from tensorboard.compat.proto import event_pb2
 
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         data = self._frame(self._event(wall_time=time.time(), step=step, session_log=start).SerializeToString())
-        if not self._started:
-            data = self._version + data
-        if self._file.append(data, step):
-            self._started = True
+        again = [event for at, event in kept if at >= step]
+        self._append(b"".join([data, *again]), step)
 
     def log_view(self, view: ScalarView, step: int) -> None:
         """Write one record's scalars and histograms as one event at ``step``."""
@@ -125,14 +137,20 @@ class TensorBoardSink:
             self._skip(f"step {step}", err)
             return
         data = self._frame(event.SerializeToString())
-        if not self._started:  # the file's first event could not be written yet
-            data = self._version + data
-        if self._file.append(data, step):
-            self._started = True
+        if self._append(data, step) and self._before_start is not None:
+            self._before_start.append((step, data))
 
     def close(self) -> None:
         """Close the event file (a warning if events were still failing to be written)."""
         self._file.close()
+
+    def _append(self, data: bytes, step: int) -> bool:
+        """Write events whole (behind the file's version event until that is written)."""
+        if not self._started:  # the file's first event could not be written yet
+            data = self._version + data
+        written = self._file.append(data, step)
+        self._started = self._started or written
+        return written
 
     def _frame(self, data: bytes) -> bytes:
         """One TFRecord: length, its masked CRC-32C, the data, its masked CRC-32C."""
