@@ -64,7 +64,7 @@ class EvalLog:
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
-            self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)")
+            self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)", record="eval")
         samples = []
         if loss is not None:
             samples.append(Sample("eval/loss", as_number(loss), "mean",

@@ -38,6 +38,10 @@ def check_reduce(name: str, reduce: str) -> None:
         raise ValueError(f"metric {name!r}: reduce={reduce!r} is not one of {', '.join(REDUCE_KINDS)}")
 
 
+RECORD_KEYS = ("kind", "step", "time")
+"""The keys of every metrics.jsonl record besides its metrics (``step`` is W&B's step metric too)."""
+
+
 def check_name(name: Any, what: str) -> None:
     """Raise a clear error for a name no sink can store or that the Monitor keeps for itself."""
     if not isinstance(name, str):
@@ -45,6 +49,10 @@ def check_name(name: Any, what: str) -> None:
     if not name or name.startswith(("_", "/")) or name.endswith("/"):
         raise ValueError(f"{what}: metric name {name!r} is refused: names are non-empty, do not start with '_' "
                          "(internal lanes) and do not start or end with '/'")
+    if name in RECORD_KEYS:
+        raise ValueError(f"{what}: metric name {name!r} is refused: every record's own keys are "
+                         f"{', '.join(map(repr, RECORD_KEYS))} (a metric of that name replaced them in metrics.jsonl); "
+                         f"give it a prefix, e.g. 'train/{name}'")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -82,6 +90,7 @@ class NameRegistry:
         self._writers: dict[str, str] = {}  # a written name → who writes it
         self._prefixes: dict[str, str] = {}  # "memory/" → who writes every name under it
         self._claimed: dict[str, str] = {}  # user name → reduce kind
+        self._records: dict[str, str] = {}  # user name → the record kind it is written in
 
     def reserve(self, names: Iterable[str], who: str) -> None:
         """Names (or prefixes ending in ``/``: every name under it) that ``who`` writes; a name
@@ -102,15 +111,21 @@ class NameRegistry:
             return self._writers[name]
         return next((who for prefix, who in self._prefixes.items() if name.startswith(prefix)), None)
 
-    def claim(self, name: Any, kind: str, what: str) -> None:
-        """Check ``name`` (recorded as ``kind`` by ``what``) and remember what it writes."""
-        if isinstance(name, str) and self._claimed.get(name) == kind:
+    def claim(self, name: Any, kind: str, what: str, record: str = "train") -> None:
+        """Check ``name`` (recorded as ``kind`` by ``what``, into ``record`` records) and remember
+        what it writes."""
+        if isinstance(name, str) and self._claimed.get(name) == kind and self._records.get(name, record) == record:
             return  # seen before, checked then
         check_name(name, what)
+        if name in self._claimed and self._records.get(name, record) != record:
+            raise ValueError(f"{what}: metric {name!r} is written in {self._records[name]} records already, and "
+                             f"{what} writes {record} records: one tag would hold both (values of one kind of "
+                             "record at the steps of the other); give it another name")
         if name in self._claimed:
             raise ValueError(f"{what}: metric {name!r} was recorded as {self._claimed[name]!r} before and now as "
                              f"{kind!r}; a name keeps one reduce kind")
         self.add(name, kind, what)
+        self._records[name] = record
 
     def add(self, name: str, kind: str, what: str) -> None:
         """Remember what ``name`` (reduced as ``kind``, by ``what``) writes; raise where another name

@@ -175,7 +175,7 @@ def test_every_sink_receives_the_statistics(run):
     assert [e.step for e in acc.Scalars("tensor_stats/fc1/activation/std")] == [3, 5, 7]
     wb = read_offline_run(str(root / "out0"))
     rows = [row for row in wb["history"] if "tensor_stats/fc1/gradient/l2_norm" in row]
-    assert [row["_step"] for row in rows] == [3, 5, 7]
+    assert [row["step"] for row in rows] == [3, 5, 7]
     # only the writer writes metrics; nvdlfw-inspect keeps its own per-rank debug log in log_dir
     assert [p.relative_to(root / "out1").as_posix() for p in (root / "out1").rglob("*") if p.is_file()] == \
         ["tensor_inspect/nvdlfw_inspect_logs/nvdlfw_inspect_globalrank-1.log"]

@@ -244,7 +244,7 @@ def test_wandb_offline_run_reads_back(run):
     assert wb["run_name"] == "core-test"
     assert wb["config"]["log_interval"] == INTERVAL
     rows = [row for row in wb["history"] if "train/loss" in row]
-    assert [row["_step"] for row in rows] == [4, 8]
+    assert [row["step"] for row in rows] == [4, 8]
     assert rows[0]["train/loss"] == pytest.approx(expected_loss(range(1, 5)))
     assert math.isnan(rows[1]["train/loss"])
 
@@ -352,3 +352,69 @@ def test_eval_tokens_count_once_per_tensor_parallel_group_like_train_tokens(run)
     for r in results:
         assert r["tp_train"] == 200  # two steps of one 100-token batch
         assert r["tp_eval"]["eval/tokens_per_sec"] == pytest.approx(100 / 0.5)  # not 3 × that
+
+
+# --- names the record's own keys, and names of two kinds of record -------------------------------
+@pytest.mark.parametrize("name", ["step", "kind", "time"])
+def test_a_metric_named_as_a_record_key_is_refused(tmp_path, name):
+    """monitor.record("step", 3.0) replaced the record's own step in metrics.jsonl (its kind with
+    "kind"): the line read {"kind": 1.0, "step": 3.0, ...}."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)) as monitor:
+        with pytest.raises(ValueError, match=rf"metric name '{name}' is refused: every record's own keys"):
+            monitor.record(name, 3.0)
+        monitor.step(1, loss=1.0)
+    last = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
+    assert last["kind"] == "train" and last["step"] == 1
+
+
+def _record_then_eval(rank: int, world: int, order: str) -> dict:
+    import distmetrics as dm
+
+    said = []
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        calls = [lambda: monitor.record("eval/time_ms", 7.0 + 2 * rank, reduce="max"),
+                 lambda: monitor.log_eval(2, loss=1.0, time_ms=100.0 + 200 * rank)]
+        for call in (calls if order == "record first" else calls[::-1]):
+            try:
+                call()
+            except ValueError as err:
+                said.append(str(err))
+        monitor.step(1, loss=1.0)
+        train = monitor.step(2, loss=1.0)
+    return {"said": said, "train": train}
+
+
+@pytest.mark.parametrize("order", ["record first", "log_eval first"])
+def test_one_name_in_train_and_eval_records_is_refused_on_every_rank(order):
+    """monitor.record("eval/time_ms", reduce="max") beside log_eval(time_ms=...): both reduce with
+    max, so the name passed, and the train records carried the user's 9.0 under the tag whose
+    eval points are the slowest rank's evaluation time (300): one tag, two meanings."""
+    results = run_ranks(_record_then_eval, 2, order)
+    for r in results:
+        assert len(r["said"]) == 1 and "is written in" in r["said"][0] and "give it another name" in r["said"][0]
+        assert ("eval/time_ms" in r["train"]) == (order == "record first")  # the first writer keeps it
+
+
+def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):
+    """A loop counting from 0 evaluates checkpoint s + 1 after step s; close() then writes the last
+    interval at step 39, after the evaluation at 40. W&B's own step must grow, and it dropped that
+    row (only W&B's console said so). Each row carries its step; the train rows read back are the
+    JSONL's."""
+    pytest.importorskip("wandb")
+    import distmetrics as dm
+    from tests.wandb_reader import read_offline_run
+
+    cfg = quiet_config(output_dir=str(tmp_path), log_interval=10, json_log=True, wandb_project="p",
+                       wandb_mode="offline")
+    with dm.Monitor(cfg) as monitor:
+        for step in range(40):
+            monitor.step(step, loss=float(step), tokens=100)
+            if (step + 1) % 20 == 0:
+                monitor.log_eval(step + 1, loss=1.5, tokens=10)
+    jsonl = [(r["step"], r["train/loss"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert jsonl[-1][0] == 39
+    rows = read_offline_run(str(tmp_path))["history"]
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == jsonl
+    assert [r["step"] for r in rows if "eval/loss" in r] == [20, 40]

@@ -286,7 +286,7 @@ def test_rows_logged_while_wandb_starts_are_kept_and_sent_once_the_run_exists(tm
     assert dropped == ["distmetrics: the wandb sink dropped the 20 oldest rows logged while W&B was starting "
                        "(it keeps 10)."]
     rows = [row for row in read_offline_run(str(tmp_path / "out"))["history"] if "train/loss" in row]
-    assert [(row["_step"], row["train/loss"]) for row in rows] == [(s, float(s)) for s in range(21, 31)]
+    assert [(row["step"], row["train/loss"]) for row in rows] == [(s, float(s)) for s in range(21, 31)]
 
 
 SLOW_SINK_SCRIPT = """

@@ -27,6 +27,8 @@ from . import ScalarView
 
 __all__ = ["WandbSink", "START_TIMEOUT_S", "START_BUFFER_ROWS"]
 
+STEP_METRIC = "step"
+"""Each row's step: the x axis of every chart (a name no metric may take)."""
 START_TIMEOUT_S = 45.0
 """How long ``wandb.init`` may take before the sink gives up on W&B."""
 START_BUFFER_ROWS = 1000
@@ -114,6 +116,11 @@ class WandbSink:
     def _start(self, kwargs: dict) -> None:
         try:
             run = self._wandb.init(**kwargs)
+            # every chart's x axis is the record's step, a value of each row: W&B's own step
+            # (``log(step=)``) must grow, and a row of a lower step than the last was dropped with
+            # only W&B's word (the close record after an evaluation numbered ahead of it)
+            run.define_metric(STEP_METRIC)
+            run.define_metric("*", step_metric=STEP_METRIC)
         except BaseException as err:  # noqa: BLE001 - W&B raises its own types (and SystemExit)
             self._start_error = err
         else:
@@ -149,7 +156,8 @@ class WandbSink:
             self.unsent = 0
         while self._pending:
             row, step = self._pending.popleft()
-            self.run.log(row, step=step)
+            row[STEP_METRIC] = step
+            self.run.log(row)
 
     def _check_for_problems(self, step: Optional[int]) -> None:
         """Warn once if W&B logged an error (its service writes the run and reports only there),
