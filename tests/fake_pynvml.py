@@ -21,7 +21,8 @@ class NVMLError(Exception):
 
 def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
          unsupported: Optional[set] = None) -> types.ModuleType:
-    """devices: UUID → successive readings of its energy counter (mJ), in enumeration order."""
+    """devices: UUID → successive readings of its energy counter (mJ; an exception instance is
+    raised when its turn comes), in enumeration order."""
     m = types.ModuleType("pynvml")
     m.calls = []
     m.NVMLError = NVMLError
@@ -55,7 +56,10 @@ def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
         if unsupported_energy:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         values = readings[handle]
-        return values.pop(0) if len(values) > 1 else values[0]
+        value = values.pop(0) if len(values) > 1 else values[0]
+        if isinstance(value, Exception):  # a reading that fails (a scripted NVML error)
+            raise value
+        return value
 
     def reader(name, value):
         def read(handle, *args):

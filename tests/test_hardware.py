@@ -223,6 +223,112 @@ def test_host_memory_and_energy_across_ranks():
     assert m["power/max_w"] == pytest.approx(20.0) and m["power/min_w"] == pytest.approx(10.0)  # J over 1 s
 
 
+def _one_gpu_unmeasured(rank: int, world: int) -> dict:
+    # rank 0's counter: built, first step, log step 2 (30 J over the one timed 1 s step); rank 1's
+    # GPU has no counter (NOT_SUPPORTED)
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 30_000]}, unsupported_energy=rank == 1)
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    class Clock(FakeClock):
+        MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
+
+    with Clock() as clock:
+        monitor = _monitor(log_interval=2, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
+        monitor.step(1, tokens=50)
+        clock.advance(1000)
+        m = monitor.step(2, tokens=50)
+    monitor.close()
+    return {k: v for k, v in m.items() if k.startswith(("energy/", "power/"))}
+
+
+def test_a_gpu_without_the_counter_on_one_rank_is_not_counted_as_drawing_nothing():
+    """Rank 1's GPU has no energy counter: its rank sent nothing, and the per-GPU values were
+    divided by both GPUs (15 W mean power beside 30 W max and min, for the one GPU measured) and
+    the job's total was presented as whole. Per GPU is per GPU measured; what needs every GPU
+    (totals, energy per token) is left out, and the record says how many were measured."""
+    results = run_ranks(_one_gpu_unmeasured, 2)
+    assert results[0] == results[1]
+    m = results[0]
+    assert m["energy/gpus_measured"] == 1
+    assert m["energy/j_per_gpu_per_step"] == pytest.approx(30.0)  # 30 J / 1 GPU / 1 timed step
+    assert m["power/mean_w"] == pytest.approx(30.0) and m["power/max_w"] == pytest.approx(30.0)
+    assert not [k for k in m if k in ("energy/total_j", "energy/job_total_j", "energy/j_per_token")]
+
+
+def test_a_counter_that_goes_back_is_a_reset_not_a_wrap(nvml, caplog):
+    """Readings 5,000,000 -> 5,040,000 -> 20,000 mJ (a driver reload reset the counter): read as a
+    64-bit wrap, the interval held 1.8e16 J. The energy since the reset (20 J) is what is known."""
+    nvml(devices={"GPU-0000": [5_000_000, 5_040_000, 20_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(40.0)
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(20.0)
+    said = [r.getMessage() for r in caplog.records if "went back from 5040000 to 20000 mJ" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_the_first_record_at_log_interval_1_has_no_power_over_no_time(nvml):
+    """At log_interval 1 the first monitor.step starts the count and logs at once: the record
+    measured no step (README) yet held power/max_w = min_w = 0 W and j_per_gpu_per_step 0, or
+    1,658 W when the counter ticked between the two reads."""
+    nvml(devices={"GPU-0000": [0, 0, 100, 100_100]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+    first = monitor.step(1, tokens=10)
+    assert not [k for k in first if k.startswith("power/") or k in ("energy/j_per_gpu_per_step", "energy/j_per_token")]
+    assert first["energy/total_j"] == pytest.approx(0.1)
+    second = monitor.step(2, tokens=10)
+    assert second["energy/j_per_gpu_per_step"] == pytest.approx(100.0) and second["power/max_w"] > 0
+    monitor.close()
+
+
+def test_an_nvml_error_mid_run_turns_energy_off_with_a_warning(nvml, caplog):
+    """An NVMLError at a log step's read raised out of monitor.step (on many ranks the others
+    would wait at the next collective). One warning; no energy metrics from then on."""
+    fake = nvml(devices={"GPU-0000": [0, 0, 10_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+    monitor.step(1, tokens=10)
+    assert monitor.step(2, tokens=10)["energy/total_j"] == pytest.approx(10.0)
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: (_ for _ in ()).throw(fake_pynvml.NVMLError(15))
+    for step in (3, 4, 5, 6):
+        m = monitor.step(step, tokens=10)
+    assert not [k for k in m if k.startswith(("energy/", "power/"))]
+    said = [r.getMessage() for r in caplog.records if "not measured from here on" in r.getMessage()]
+    assert len(said) == 1 and "NVML error 15" in said[0]
+    monitor.close()
+
+
+def test_a_pause_open_at_the_first_step_leaves_the_same_time_out_of_energy_and_step_time(nvml):
+    """pause(), the first monitor.step inside it, resume() 0.5 s later, step 2 1 s after step 1:
+    energy left the 0.5 s out, the step clock counted it (power/mean_w 150 W beside max 300 W on
+    one GPU). Both leave it out: 150 J of training over 0.5 s."""
+    # readings: built, pause, first step, resume (100 J paused), log step
+    nvml(devices={"GPU-0000": [0, 0, 0, 100_000, 250_000]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    class Clock(FakeClock):
+        MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
+
+    with Clock() as clock:
+        monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+        monitor.pause()
+        monitor.step(1, tokens=10)
+        clock.advance(500)
+        monitor.resume()
+        clock.advance(500)
+        m = monitor.step(2, tokens=10)
+    monitor.close()
+    assert m["energy/total_j"] == pytest.approx(150.0)
+    assert m["train/step_time_ms"] == pytest.approx(500.0)
+    assert m["power/mean_w"] == pytest.approx(300.0) and m["power/max_w"] == pytest.approx(300.0)
+
+
 # --- throughput arithmetic ---------------------------------------------------------------------
 
 def test_throughput_mfu_sol_eta_against_hand_computation(caplog):

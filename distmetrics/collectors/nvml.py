@@ -23,6 +23,7 @@ __all__ = ["EnergyCollector", "TelemetryCollector", "cuda_device_uuid", "open_nv
 
 logger = logging.getLogger("distmetrics")
 _COUNTER_RANGE = 2 ** 64  # the energy counter is an unsigned 64-bit number of mJ
+_GPUS = "_energy/gpus"  # an internal lane: how many ranks' GPUs were measured
 
 
 def cuda_device_uuid(index: Optional[int] = None) -> str:
@@ -63,6 +64,8 @@ class EnergyCollector:
         self._paused_mj = 0
         self._paused_s = 0.0
         self._pause_start: Optional[tuple[float, float]] = None
+        self._reset_said = False
+        self.uuid = uuid
         try:
             uuid, (self._nvml, self._handle) = _own_gpu(uuid)
             self._last_mj = self._read()
@@ -79,62 +82,105 @@ class EnergyCollector:
         return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
 
     def _delta(self, now_mj: int, before_mj: int) -> int:
-        # Integers: near 2**64 a float would lose the low digits. The counter is unsigned 64-bit,
-        # so a smaller reading means it wrapped around.
-        return now_mj - before_mj if now_mj >= before_mj else now_mj + _COUNTER_RANGE - before_mj
+        # Integers: near 2**64 a float would lose the low digits. The counter is unsigned 64-bit:
+        # a smaller reading near its top means it wrapped around (2**64 mJ is ~580,000 years at
+        # 1 kW); any other smaller reading means it was reset (a driver reload, a GPU reset), and
+        # what it counted since the reset is the energy known.
+        if now_mj >= before_mj:
+            return now_mj - before_mj
+        if before_mj >= _COUNTER_RANGE // 2:
+            return now_mj + _COUNTER_RANGE - before_mj
+        if not self._reset_said:
+            self._reset_said = True
+            logger.warning("distmetrics: the GPU energy counter of %s went back from %d to %d mJ (reset, e.g. "
+                           "by a driver reload): the energy before the reset in that interval is not counted.",
+                           self.uuid, before_mj, now_mj)
+        return now_mj
+
+    def _measured(self, read: Any) -> Any:
+        """``read()``, or None after turning energy off with one warning where NVML fails mid-run
+        (the other ranks go on: their records say how many GPUs were measured)."""
+        try:
+            return read()
+        except Exception as err:  # noqa: BLE001 - an NVML error mid-run must not end the training step
+            self.enabled = False
+            logger.warning("distmetrics: GPU energy is not measured from here on: reading %s's counter failed "
+                           "(%s: %s).", self.uuid, type(err).__name__, err)
+            return None
 
     def start(self) -> None:
         """Count from now (the Monitor calls this at the first ``monitor.step``, as it starts the
         step clock: building the Monitor is no step's energy). A pause before it (an evaluation
         before training) is left behind, not subtracted from the training that follows."""
-        if self.enabled:
-            self._last_mj, self._last_t = self._read(), time.perf_counter()
-            self._paused_mj, self._paused_s = 0, 0.0
-            if self._pause_start is not None:  # still paused: the pause counts from now
-                self._pause_start = (self._last_mj, self._last_t)
+        if self.enabled and self._measured(self._start_count) is not None and self._pause_start is not None:
+            self._pause_start = (self._last_mj, self._last_t)  # still paused: the pause counts from now
+
+    def _start_count(self) -> bool:
+        self._last_mj, self._last_t = self._read(), time.perf_counter()
+        self._paused_mj, self._paused_s = 0, 0.0
+        return True
 
     def pause(self) -> None:
         """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""
         if self.enabled and self._pause_start is None:
-            self._pause_start = (self._read(), time.perf_counter())
+            self._pause_start = self._measured(lambda: (self._read(), time.perf_counter()))
 
     def resume(self) -> None:
         """Count again after :meth:`pause`; the paused energy and time are left out."""
         if self.enabled and self._pause_start is not None:
             mj, t = self._pause_start
-            self._paused_mj += self._delta(self._read(), mj)
-            self._paused_s += time.perf_counter() - t
+            now_mj = self._measured(self._read)
+            if now_mj is not None:
+                self._paused_mj += self._delta(now_mj, mj)
+                self._paused_s += time.perf_counter() - t
             self._pause_start = None
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
-        """This rank's energy since the last log step and its mean power (pauses left out)."""
-        if not self.enabled:
-            return []
-        if self._pause_start is not None:
+        """This rank's energy since the last log step and its mean power (pauses left out), and
+        that it measured (``_energy/gpus``: a rank without the counter sends nothing)."""
+        if self.enabled and self._pause_start is not None:
             self.resume()
-        now_mj, now_t = self._read(), time.perf_counter()
+        now_mj = self._measured(self._read) if self.enabled else None
+        if now_mj is None:
+            return []
+        now_t = time.perf_counter()
         joules = max(0.0, self._delta(now_mj, self._last_mj) - self._paused_mj) / 1000.0
         seconds = max(1e-9, now_t - self._last_t - self._paused_s)
         self._last_mj, self._last_t, self._paused_mj, self._paused_s = now_mj, now_t, 0, 0.0
         self.job_mj += joules * 1000.0
         return [Sample("energy/total_j", joules, "sum"),
                 Sample("energy/job_total_j", self.job_mj / 1000.0, "sum"),
-                Sample("power/w", joules / seconds, "minmax")]
+                Sample("power/w", joules / seconds, "minmax"),
+                Sample(_GPUS, 1.0, "sum")]
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Energy per GPU per step and per token, mean power over the record's interval."""
+        """Energy per GPU per step and per token, mean power over the record's interval. Per GPU
+        means per GPU measured; where some rank's GPU was not (no counter, NVML failed), the
+        totals and the energy per token, which need every GPU's, are left out and
+        ``energy/gpus_measured`` says how many were."""
+        gpus = metrics.pop(_GPUS, None)
         if "energy/total_j" not in metrics:
             return []
         total = metrics["energy/total_j"]
+        gpus = int(round(gpus)) if gpus else self.world_size
+        if gpus < self.world_size:
+            metrics["energy/gpus_measured"] = gpus
+            del metrics["energy/total_j"]
+            metrics.pop("energy/job_total_j", None)
         if ctx.ended_at is not None:  # close(): the energy counts up to now, the steps' time ended
             return self._rename_power(metrics)  # at the last monitor.step: no ratio of the two
         steps = ctx.steps if ctx.timed_steps is None else ctx.timed_steps  # the steps the clocks measured
+        if steps == 0:  # no step timed yet (the first record at log_interval 1): power over ~0 s
+            for end in ("max", "min"):
+                metrics.pop(f"power/w/{end}", None)
+                metrics.pop(f"power/w/{end}_rank", None)
+            return []
         tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
-        metrics["energy/j_per_gpu_per_step"] = total / self.world_size / max(steps, 1)
-        if tokens:
+        metrics["energy/j_per_gpu_per_step"] = total / gpus / steps
+        if tokens and gpus == self.world_size:
             metrics["energy/j_per_token"] = total / tokens
         if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
-            metrics["power/mean_w"] = total / ctx.interval_s / self.world_size
+            metrics["power/mean_w"] = total / ctx.interval_s / gpus
         return self._rename_power(metrics)
 
     @staticmethod
