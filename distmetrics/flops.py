@@ -16,6 +16,9 @@ __all__ = ["PEAK_TFLOPS", "peak_tflops_for", "model_flops_per_token", "mfu_pct"]
 # in the name wins, so the more specific names come first.
 PEAK_TFLOPS = {
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0},
+    # the NVL boards: half the data sheets' figures "with sparsity" (bf16 1,671, tf32 835, fp8 3,341)
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
     "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},

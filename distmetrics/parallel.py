@@ -116,6 +116,7 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
         except (AssertionError, AttributeError, RuntimeError):
             layout.expert_group = None
     elif device_mesh is not None:
+        device_mesh = _root_of(device_mesh)
         layout.source = "device_mesh"
         layout.device_mesh = device_mesh
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -265,6 +266,15 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
                 "for Shard and Replicate placements only (reduce the gradient before measuring)"
             )
     return _first_copy_outside(mesh)
+
+
+def _root_of(mesh: Any) -> Any:
+    """The mesh a sub-mesh was taken from (``mesh["dp"]``, the mesh FSDP2 is given, inside a dp x
+    tp mesh), or ``mesh``: the layout needs every dimension (a sub-mesh's names alone took its
+    tensor-parallel ranks for data-parallel ones, doubling tokens/s and MFU)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    return mesh if root is None or root.mesh.numel() == mesh.mesh.numel() else root
 
 
 def _first_copy_outside(mesh: Any) -> bool:
