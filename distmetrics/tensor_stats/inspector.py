@@ -4,13 +4,14 @@ selected step's statistics in one collective, forwards TransformerEngine's value
 Two paths, one features file:
 
 * ``distmetrics:`` sections and nvdlfw-inspect's own base ``LogTensorStats`` (any PyTorch module,
-  CPU or GPU): module hooks call the feature on the steps the YAML selects. Ours
-  keeps on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
+  CPU or GPU): module hooks measure the tensors on the steps the YAML selects (the base feature
+  is measured as ours, not called: it would gather each tensor inside the hook). Both keep
+  on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
   ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
   over all ranks in one vectorised pass.
-* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's base features: TE (or the
-  base feature) computes and reduces these itself and logs them (TE inside ``debug_api.step()``);
+* ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's base features called from
+  the user's code: TE (or the base feature) computes and reduces these itself and logs them (TE inside ``debug_api.step()``);
   they arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
   selects (every rank reads that from the YAML, so pipeline stages without selected layers
   join too). A value logged on any other step rides the next log step's MAX pack.
@@ -35,7 +36,7 @@ from ..config import ConfigError
 from ..parallel import data_parallel_group, local_tensor, owns_local_piece, sees_distinct_tokens
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
-from .features import stats_step
+from .features import _logs_at, _tensor_entries, stats_step
 from .statistics import PARTS, merge, merge_ranks, partials, stat_value
 from .te_names import metric_name, strip_model
 
@@ -137,7 +138,7 @@ class TensorInspector:
                 feature = cfg.get(namespace, {}).get("LogTensorStats")
                 if feature and feature.get("enabled", False):
                     tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
-                    self._hook(module, name, tensors, namespace)
+                    self._hook(module, name, tensors, namespace, feature)
         self._sections = list(zip(sections, ConfigManager.configs))
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:
@@ -155,15 +156,16 @@ class TensorInspector:
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.reducer.group)
         return [bool(v) for v in packed.tolist()]
 
-    def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str) -> None:
-        """Call the feature on the module's tensors on the selected steps (nvdlfw's base
-        ``LogTensorStats`` gathers the tensor over the reduction group: a collective its peers
-        make in the same hook)."""
-        log = self.debug_api.distmetrics.log_tensor_stats if namespace == "distmetrics" \
-            else self.debug_api.log_tensor_stats
+    def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict) -> None:
+        """Call the feature on the module's tensors on the selected steps. nvdlfw-inspect's base
+        ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called."""
+        if namespace == "distmetrics":
+            log = self.debug_api.distmetrics.log_tensor_stats
 
-        def call(tensor_name: str, tensor: torch.Tensor) -> None:
-            log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
+            def call(tensor_name: str, tensor: torch.Tensor) -> None:
+                log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
+        else:
+            call = self._base_feature(name, feature)
 
         def forward_hook(mod, inputs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
@@ -183,6 +185,23 @@ class TensorInspector:
                 out.register_hook(lambda grad: call("gradient", grad))
 
         self._hooks.append(module.register_forward_hook(forward_hook))
+
+    def _base_feature(self, name: str, feature: dict) -> Any:
+        """nvdlfw-inspect's base ``LogTensorStats`` of layer ``name`` through our hooks: its
+        schedule and statistics (any case), measured with our partials. Called, the feature
+        gathers the tensor along its first dimension inside the hook, a collective per tensor
+        and micro-batch: ranks with batches of unequal size got statistics of zero-padded
+        tensors (or gloo aborted), a layer run on some ranks only hung its peers in the hook,
+        and the last micro-batch's value replaced the others'."""
+        entries = {entry["tensor"]: dict(feature, **entry)
+                   for entry in _tensor_entries(name, feature, "LogTensorStats")}
+
+        def call(tensor_name: str, tensor: torch.Tensor) -> None:
+            entry = entries.get(tensor_name)
+            if entry is not None and _logs_at("base", entry, self.iteration):
+                self.add(name, tensor_name, tensor, [str(stat).lower() for stat in entry.get("stats", ())])
+
+        return call
 
     def metric_name(self, logged: str) -> str:
         """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
