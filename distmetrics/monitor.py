@@ -117,7 +117,7 @@ class Monitor:
         self._by_name["timers"].mark_step()
         self._stepped_at = now()  # where the close record's interval ends
         self._steps_in_interval += 1
-        stats = self._by_name["tensor_stats"].end_step() if "tensor_stats" in self._by_name else None
+        stats = self._by_name["tensor_stats"].end_step(step) if "tensor_stats" in self._by_name else None
         if stats:  # a collective only on steps the features YAML selects
             self._write(stats, step, "tensor_stats")
         return self._log(step) if step % self.config.log_interval == 0 else None
@@ -237,7 +237,7 @@ class Monitor:
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order, ended_at=ended_at)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
-        ctx.reduced = self._reducer.reduce(samples, tag=step)
+        ctx.reduced = self._reducer.reduce(samples, tag=step, steps=self._steps_in_interval)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]

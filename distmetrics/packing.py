@@ -28,8 +28,9 @@ Number = Union[int, float, torch.Tensor]
 INT64_MIN = -(2**63)
 """The empty MAX lane (no rank sent the name)."""
 _LOW32 = 2**32 - 1
-CONTROL_LANES = 5
-"""MAX-pack lanes before the values: stale flag, digest, -digest, step, -step."""
+CONTROL_LANES = 7
+"""MAX-pack lanes before the values: stale flag, digest, -digest, step, -step, steps in the
+interval, -steps in the interval."""
 HOST_DECODE_LANES = 256
 """MAX packs up to this many lanes are decoded in Python, larger ones with tensor operations."""
 _FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")

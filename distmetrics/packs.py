@@ -18,13 +18,13 @@ __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "
 
 
 def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int, device: torch.device,
-             call: int = 0) -> torch.Tensor:
+             call: int = 0, steps: int = 0) -> torch.Tensor:
     """Control lanes, then every max/min lane's key; numbers are keyed on the host and written
     with the control lanes in one index, tensors keyed where they live. ``stale``: every rank
     renegotiates and sends the pack again, so only the control lanes matter. ``call``: see
     :meth:`PackLayout.mark`."""
     pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
-    keys, positions = control_lanes(layout, tag, stale, call), list(range(CONTROL_LANES))
+    keys, positions = control_lanes(layout, tag, stale, call, steps), list(range(CONTROL_LANES))
     pieces = Pieces(layout, device, torch.float32)
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
@@ -52,19 +52,20 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     return pack
 
 
-def control_lanes(layout: PackLayout, tag: int, stale: bool, call: int) -> list[int]:
+def control_lanes(layout: PackLayout, tag: int, stale: bool, call: int, steps: int = 0) -> list[int]:
     """The MAX pack's first lanes: stale, the layout's mark (and its negation), the step (and its
-    negation): after the MAX all-reduce every rank holds the same and the maximum of each and of its
-    negation differ when ranks differ."""
+    negation), the monitor.step calls of the interval (and their negation): after the MAX
+    all-reduce every rank holds the same and the maximum of each and of its negation differ when
+    ranks differ."""
     mark = layout.mark(call)
-    return [int(stale), mark, -mark, tag, -tag]
+    return [int(stale), mark, -mark, tag, -tag, steps, -steps]
 
 
 def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int,
-                      call: int = 0) -> Optional[list[int]]:
+                      call: int = 0, steps: int = 0) -> Optional[list[int]]:
     """:func:`max_pack` as a list of int64 keys when every max/min value is a number on the host
     (None: a vector or a value on a device)."""
-    lanes = control_lanes(layout, tag, stale, call) + [INT64_MIN] * layout.n_max
+    lanes = control_lanes(layout, tag, stale, call, steps) + [INT64_MIN] * layout.n_max
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
             continue

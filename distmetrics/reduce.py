@@ -221,12 +221,13 @@ class Reducer:
             self._device = collective_device(self.group) if self.distributed else torch.device("cpu")
         return self._device
 
-    def reduce(self, samples: Sequence[Sample], tag: int = 0) -> Reduced:
+    def reduce(self, samples: Sequence[Sample], tag: int = 0, steps: int = 0) -> Reduced:
         """Reduce this rank's samples with every other rank's; all ranks must call it together.
 
-        ``tag`` (the step number) must be equal on every rank: it travels in the MAX pack's
-        control lanes, and a mismatch (ranks out of step) raises on every rank instead of
-        mixing values of different steps.
+        ``tag`` (the step number) and ``steps`` (the ``monitor.step`` calls the values cover) must
+        be equal on every rank: they travel in the MAX pack's control lanes, and a mismatch (ranks
+        out of step, a rank that skipped a step) raises on every rank instead of mixing values of
+        different steps.
         """
         samples = self._check(samples)
         distributed = self.distributed
@@ -239,10 +240,10 @@ class Reducer:
         else:
             if self._layout is None:
                 self._negotiate(samples)
-            lanes = self._all_reduce_max(samples, tag)
+            lanes = self._all_reduce_max(samples, tag, steps)
             if lanes is None:  # some rank holds a name the cached layout lacks
                 self._negotiate(samples)
-                lanes = self._all_reduce_max(samples, tag)
+                lanes = self._all_reduce_max(samples, tag, steps)
                 assert lanes is not None
         layout = self._layout
         result = Reduced(kinds=layout.kinds, layout=layout)
@@ -351,15 +352,15 @@ class Reducer:
         self._layout = PackLayout(union.items())
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
-    def _max_pack(self, samples: list[Sample], tag: int, stale: bool) -> Union[torch.Tensor, list[int]]:
+    def _max_pack(self, samples: list[Sample], tag: int, stale: bool, steps: int = 0) -> Union[torch.Tensor, list[int]]:
         """The MAX pack: a list of keys where every max/min value is a number on the host, else a tensor."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         call = self._call_code()
-        lanes = max_lanes_on_host(self._layout, samples, tag, stale, rank, call) if self.host_packs else None
+        lanes = max_lanes_on_host(self._layout, samples, tag, stale, rank, call, steps) if self.host_packs else None
         if lanes is not None:
             return lanes
         device = self.device if self.distributed else value_device(samples)
-        return max_pack(self._layout, samples, tag, stale, rank, device, call)
+        return max_pack(self._layout, samples, tag, stale, rank, device, call, steps)
 
     def _call_code(self) -> int:
         """A 32-bit code of :attr:`call` (kept per name): folded into the MAX pack's digest lanes."""
@@ -367,8 +368,8 @@ class Reducer:
             self._call_coded = (self.call, zlib.crc32(self.call.encode()))
         return self._call_coded[1]
 
-    def _all_reduce_max(self, samples: list[Sample], tag: int) -> Optional[Union[torch.Tensor, list[int]]]:
-        pack = self._max_pack(samples, tag, stale=not self._fits(samples))
+    def _all_reduce_max(self, samples: list[Sample], tag: int, steps: int = 0) -> Optional[Union[torch.Tensor, list[int]]]:
+        pack = self._max_pack(samples, tag, stale=not self._fits(samples), steps=steps)
         pack = torch.tensor(pack, dtype=torch.int64) if isinstance(pack, list) else pack
         pack = pack.to(self.device)
         dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
@@ -391,6 +392,12 @@ class Reducer:
                 f"distmetrics: ranks are out of step: this reduction was called at steps "
                 f"{-control[4]}..{control[3]} on different ranks; every rank must call "
                 "monitor.step with the same step numbers")
+        if control[5] != steps or control[6] != -steps:
+            raise RuntimeError(
+                f"distmetrics: ranks made different numbers of monitor.step calls before the log step of step "
+                f"{tag}: {-control[6]}..{control[5]} on different ranks (this rank: {steps}), so their values "
+                "cover different steps; every rank must call monitor.step at every step (skipped=True for a "
+                "step the optimizer skipped)")
         return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
 
     # --- SUM pack ------------------------------------------------------------------------

@@ -530,3 +530,50 @@ def test_a_lock_file_unlinked_at_every_try_gives_up_naming_output_dir(tmp_path, 
 
     monkeypatch.undo()  # the race is over: nothing was left holding output_dir
     dm.Monitor(quiet_config(output_dir=str(out), json_log=True)).close()
+
+
+def _skipped_step(rank: int, world: int, timeout: float) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"],
+                                                         "freq": 2}}}}
+    out = {}
+    for case in ("train", "tensor_stats"):
+        model = torch.nn.Sequential()
+        model.add_module("fc", torch.nn.Linear(2, 2))
+        inspect = {"enabled": True, "features": features, "log_dir": f"/tmp/dm-skipped-{os.getpid()}"} \
+            if case == "tensor_stats" else {"enabled": False}
+        monitor = dm.Monitor(quiet_config(log_interval=2 if case == "train" else 100, hang_timeout_s=timeout,
+                                          tensor_inspect=inspect), model=model)
+
+        def run():
+            for step in (1, 2, 3, 4, 5, 6):
+                if step == 3 and rank == 1:
+                    continue  # this rank's loop skipped one monitor.step (the others made it)
+                model(torch.full((1, 2), float(step + 50 * rank))).sum().backward()
+                monitor.step(step, loss=float(step), tokens=100)
+
+        out[case] = _outcome(run)
+        monitor._shutdown()  # no close(): its collective would meet a rank that raised elsewhere
+    return out
+
+
+@pytest.mark.parametrize("timeout", [0.0, 3.0], ids=["arrival check off", "arrival check on"])
+def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout):
+    """Rank 1 skips step 3 (log_interval 2). Its step 4 record went through with the mean of the
+    three steps it made, a consumed_tokens of 700, and a different step time on each rank; with
+    tensor statistics every later record mixed rank 0's step s with rank 1's step s + 1 (means 70
+    for 53). Both now raise, naming what differs."""
+    results = run_ranks(_skipped_step, 2, timeout, timeout=150)
+    for rank, out in enumerate(results):
+        kind, message, _ = out["train"]
+        assert kind == "RuntimeError" and "different numbers of monitor.step calls before the log step of step 4: " \
+            f"1..2 on different ranks (this rank: {2 - rank})" in message, (rank, kind, message)
+        kind, message, _ = out["tensor_stats"]  # the statistics of step 3 on rank 0 meet step 4's on rank 1
+        if timeout:
+            assert kind == "HangError" and f"(step={3 + rank})" in message and f"(step={4 - rank})" in message, message
+        else:
+            assert kind == "RuntimeError" and "out of step" in message and "3..4" in message, message

@@ -223,9 +223,10 @@ class TensorInspector:
         self.partials[key] = batch if key not in self.partials else merge(self.partials[key], batch)
 
     # --- per step ------------------------------------------------------------------------
-    def end_step(self) -> Optional[dict]:
-        """After a training step: reduce this step's statistics (every rank, one collective on
-        steps the YAML selects, none otherwise); returns ``tensor_stats/...`` metrics."""
+    def end_step(self, step: int = 0) -> Optional[dict]:
+        """After training step ``step``: reduce this step's statistics (every rank, one collective
+        on steps the YAML selects, none otherwise; ranks at different steps raise); returns
+        ``tensor_stats/...`` metrics."""
         gather = stats_step(self.spec, self.iteration)
         # TE's features log (and reduce among themselves) inside step(): run it first so their
         # values of this step travel with ours.
@@ -243,7 +244,7 @@ class TensorInspector:
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
-            metrics = _combine(self.reducer.reduce(samples).per_rank)
+            metrics = _combine(self.reducer.reduce(samples, tag=step).per_rank)
             self._name_silent_sections(metrics)
             self.partials = {}
             self.forwarded = {}
