@@ -338,3 +338,36 @@ def test_more_shapes_than_the_cache_holds_keep_names_and_values_right():
     # emptied once, when the 65th distinct shape came (step 65): the shapes since then are held
     assert len(collector._names) == len({tuple((layer, _shape(s)[1]) for layer in _shape(s)[0])
                                          for s in range(65, steps + 1)}) == 10
+
+
+def _moe_expert_counts_differ(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    for when in ("first log step", "after a consistent one"):
+        monitor = dm.Monitor(quiet_config(log_interval=1))
+        if when != "first log step":
+            monitor.record_moe(tokens_per_expert=torch.tensor([[5.0] * 6]), layer_numbers=[1])
+            out["consistent"] = {k: v for k, v in monitor.step(1).items() if k.startswith("moe/")}
+        counts = [5.0] * 4 if rank == 0 else [5.0, 5.0, 5.0, 5.0, 0.0, 30.0]  # rank 0 gives 4 experts, rank 1 6
+        monitor.record_moe(tokens_per_expert=torch.tensor([counts]), layer_numbers=[1])
+        try:
+            monitor.step(2)
+            out[when] = "no error"
+        except ValueError as err:
+            out[when] = str(err)
+        monitor.close()
+    return out
+
+
+def test_moe_counts_of_different_expert_numbers_across_ranks_are_refused_on_every_rank():
+    """Rank 0 passes layer 1's tokens per expert for 4 experts, rank 1 for 6: the union of names
+    read rank 0's missing experts as idle (utilisation 0.83 and imbalance 2.57 on both ranks, no
+    error). The SUM pack's weights say how many ranks counted each expert: no extra collective."""
+    for out in run_ranks(_moe_expert_counts_differ, 2, timeout=120):
+        assert out["consistent"]["moe/expert_utilization"] == 1.0 and out["consistent"]["moe/load_imbalance"] == 1.0
+        for when in ("first log step", "after a consistent one"):
+            assert "ranks gave layer 1 counts of different numbers of experts: experts 4-5 were counted by 1 " \
+                   "rank(s), others by 2" in out[when], (when, out[when])

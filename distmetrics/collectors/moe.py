@@ -89,12 +89,23 @@ class MoECollector:
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """``moe/expert_utilization[/layer<l>]`` and ``moe/load_imbalance[/layer<l>]``."""
         per_layer: dict[str, dict[int, float]] = {}
+        senders: dict[str, dict[int, Optional[float]]] = {}  # layer -> expert -> ranks that sent its count
+        weight = getattr(ctx.reduced, "weight", lambda name: None)
         for key in ctx.keys_under(metrics, (_TOKENS + "/",)):
             if key in metrics:
                 _, _, layer, expert = key.split("/")
                 per_layer.setdefault(layer, {})[int(expert)] = metrics.pop(key)
+                senders.setdefault(layer, {})[int(expert)] = weight(key)
         if not per_layer:
             return []
+        for layer, by_expert in senders.items():
+            if len(set(by_expert.values())) > 1:  # some rank gave this layer fewer experts than another
+                fewest = min(by_expert.values())
+                short = sorted(e for e, n in by_expert.items() if n == fewest)
+                raise ValueError(f"record_moe: ranks gave layer {layer} counts of different numbers of experts: "
+                                 f"experts {short[0]}-{short[-1]} were counted by {fewest:g} rank(s), others by "
+                                 f"{max(by_expert.values()):g}; every rank passes one count per expert of the layer "
+                                 "(the missing ones were read as idle experts)")
         utilization, imbalance, routed = [], [], []
         for layer, counts in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
             values = [counts[e] for e in sorted(counts)]
