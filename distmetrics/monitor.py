@@ -19,11 +19,12 @@ from .config import MetricsConfig
 from .evaluation import EvalLog
 from .guard import CollectiveGuard
 from .interval import now
+from .names import check_step
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer
 from .runinfo import first_step, open_writer_sinks, resumed_at, start_up
-from .sinks import SinkSet
+from .sinks import SinkSet, check_sinks
 from .tensor_stats.lifecycle import build_model, collectors_for
 
 __all__ = ["Monitor"]
@@ -66,7 +67,11 @@ class Monitor:
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
-        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer)
+        try:
+            sinks, problem = check_sinks(sinks), None
+        except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
+            problem = str(err)
+        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(
@@ -202,6 +207,7 @@ class Monitor:
         floating-point operations, tokens; cumulative across restarts with the same world size).
         A collective (one all-reduce of the token count): every rank calls it."""
         self._check_open()
+        check_step(step, "monitor.checkpoint_saved")
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
         self._guard.enter("monitor.checkpoint_saved", step)
@@ -237,14 +243,14 @@ class Monitor:
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order, ended_at=ended_at)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
-        ctx.reduced = self._reducer.reduce(samples, tag=step, steps=self._steps_in_interval)
+        steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
+        ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
         alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"))
         written = self._written_order(metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
-        self._steps_in_interval = 0
         self._write(metrics, step, "train")
         for alert in alerts:
             self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers

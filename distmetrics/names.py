@@ -69,6 +69,8 @@ def check_value(value: Any, what: str, *args: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
+        if value.is_meta:  # it failed inside the reduction, after other ranks had entered it
+            raise ValueError(f"{what % args if args else what}: a tensor on the meta device holds no value")
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r}")

@@ -111,9 +111,10 @@ class OutputClaim:
             self._file = None
 
 
-def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool,
+             problem: Optional[str] = None) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
-    raises on every rank when one rank has a problem."""
+    raises on every rank when one rank has a problem (``problem``: one found by the caller)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"WORLD_SIZE={world} in the environment but torch.distributed is not initialised: call "
@@ -121,7 +122,7 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[
                            "believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
     settings = tuple(_setting(config, key) for key in SHARED_KEYS)
-    hosts = gather_rank_info(layout, guard, claim.problem if claim is not None else None, settings)
+    hosts = gather_rank_info(layout, guard, problem or (claim.problem if claim is not None else None), settings)
     problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem] + _differing_settings(hosts)
     if problems:
         if claim is not None:
@@ -130,14 +131,16 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool) -> tuple[
     return hosts, claim
 
 
-SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_option", "log_grad_norm", "log_grad_norm_per_module",
+SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_option", "barrier_with_L1_time",
+               "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every",
                "tensor_inspect.enabled")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, or
 which rank writes: a rank given another value than the others would hang, count wrong or write
-nothing, so ``Monitor()`` refuses a difference on every rank. (``timing_log_level`` may differ:
-the timers' names are agreed as a union; the sinks' keys matter on the writer only.)"""
+nothing, so ``Monitor()`` refuses a difference on every rank (``timing_log_level`` and
+``barrier_with_L1_time``: a timer started with ``barrier=True`` waits at a barrier only where its
+level is enabled). The sinks' keys matter on the writer only."""
 
 
 def _setting(config: Any, key: str) -> Any:

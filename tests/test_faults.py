@@ -292,7 +292,8 @@ def test_an_unwritable_output_dir_raises_on_every_rank_at_construction():
 def _differing_settings(rank: int, world: int, root: str) -> tuple:
     import distmetrics as dm
 
-    differing = dict(writer_rank="last", log_grad_norm_per_module=False) if rank == 0 else {}
+    differing = dict(writer_rank="last", log_grad_norm_per_module=False, timing_log_level=2,
+                     barrier_with_L1_time=False) if rank == 0 else {}
     return _outcome(lambda: dm.Monitor(quiet_config(output_dir=root, json_log=True, **differing)))
 
 
@@ -303,6 +304,9 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
         assert kind == "ValueError", message
         assert "config key writer_rank differs between ranks ('last' on rank 0; 'first' on rank 1)" in message
         assert "config key log_grad_norm_per_module differs between ranks (False on rank 0; True on rank 1)" in message
+        # a timer started with barrier=True waited at a barrier on rank 0 only (level 2 enabled there)
+        assert "config key timing_log_level differs between ranks (2 on rank 0; -1 on rank 1)" in message
+        assert "config key barrier_with_L1_time differs between ranks (False on rank 0; True on rank 1)" in message
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
 
 
@@ -577,3 +581,108 @@ def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout):
             assert kind == "HangError" and f"(step={3 + rank})" in message and f"(step={4 - rank})" in message, message
         else:
             assert kind == "RuntimeError" and "out of step" in message and "3..4" in message, message
+
+
+# --- arguments refused at the call, and what a raising log step leaves -----------------------------
+def _meta_value_on_one_rank(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=10))
+    monitor.step(1, loss=1.0)
+    out = {}
+    if rank == 1:
+        out["meta"] = _outcome(lambda: monitor.step(2, loss=torch.ones((), device="meta")))
+    out["step 2"] = _outcome(lambda: monitor.step(2, loss=1.0))  # the refused call changed nothing: made again
+    monitor.close()
+    return out
+
+
+def test_a_value_on_the_meta_device_is_refused_at_the_call_before_any_collective():
+    """Accepted at the call, it failed inside the SUM pack after the MAX all-reduce: rank 0 waited
+    in the next collective with no message, and rank 1's step 2 could not be made again."""
+    results = run_ranks(_meta_value_on_one_rank, 2, timeout=90)
+    kind, message, _ = results[1]["meta"]
+    assert kind == "ValueError" and "meta device holds no value" in message, message
+    assert results[0]["step 2"][0] == "ok" and results[1]["step 2"][0] == "ok"
+
+
+def _after_a_raising_log_step(rank: int, world: int) -> list:
+    import distmetrics as dm
+    from tests.dist_utils import FakeClock
+
+    seen = []
+    with FakeClock() as clock:
+        monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, hang_timeout_s=30))
+        for step in range(1, 7):
+            with monitor.timers("fwd", log_level=1):
+                clock.advance(10.0)
+            if step == 2:  # the README's ValueError on every rank, caught by the loop
+                monitor.record("x", 1.0, reduce="sum" if rank == 0 else "mean")
+            try:
+                metrics = monitor.step(step, loss=1.0, tokens=100)
+                if metrics:
+                    seen.append((step, metrics["timers/fwd"]))
+            except ValueError:
+                seen.append((step, "ValueError"))
+        monitor.close()
+    return seen
+
+
+def test_a_log_step_that_raised_leaves_the_next_interval_whole():
+    """The collectors had started a new interval when the reduction raised, but the Monitor's
+    count of the interval's steps was reset only after it: the next interval's timers were
+    divided by 4 steps for 2 (timers/fwd 5 ms for 10)."""
+    for seen in run_ranks(_after_a_raising_log_step, 2, timeout=90):
+        assert seen == [(2, "ValueError"), (4, 10.0), (6, 10.0)], seen
+
+
+def test_checkpoint_saved_refuses_a_step_that_is_not_a_step(tmp_path):
+    """None and "2" were written as "step": null / "2" in metrics.jsonl and "Iteration: None" in
+    progress.txt."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_progress=True)) as monitor:
+        for step in (None, "2", -1):
+            with pytest.raises(ValueError, match=r"monitor.checkpoint_saved: step=.*accepted values are integers"):
+                monitor.checkpoint_saved(step)
+    assert "Iteration" not in (tmp_path / "progress.txt").read_text()
+
+
+def test_a_users_sink_without_a_name_fails_alone_and_a_thing_that_is_no_sink_is_refused(tmp_path, caplog):
+    """A sink without ``name`` whose log raised made the failure handler raise in turn: every sink
+    after it received nothing. Monitor(sinks="jsonl") was accepted."""
+    import logging
+
+    import distmetrics as dm
+
+    class Broken:
+        def log(self, metrics, step, kind):
+            raise RuntimeError("boom")
+
+        def close(self):
+            pass
+
+    class Counting:
+        name, fix = "counting", ""
+
+        def __init__(self):
+            self.seen = []
+
+        def log(self, metrics, step, kind):
+            self.seen.append((kind, step))
+
+        def close(self):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    good = Counting()
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=1), sinks=[Broken(), good]) as monitor:
+        for step in (1, 2, 3):
+            monitor.step(step, loss=1.0)
+    assert [k for k, _ in good.seen].count("train") == 3
+    assert any("the Broken sink failed (RuntimeError: boom)" in r.getMessage() for r in caplog.records)
+    for bad in ("jsonl", [object()]):
+        with pytest.raises(ValueError, match=r"Monitor\(sinks=...\)"):
+            dm.Monitor(quiet_config(output_dir=str(tmp_path / "x")), sinks=bad)

@@ -125,7 +125,7 @@ class SinkSet:
         self.queued.append(sink)
         if self.writer is None:
             self.writer = WriterThread(self._write_queued, self._close_queued,
-                                       lambda: ", ".join(s.name for s in self.queued) or "queued")
+                                       lambda: ", ".join(sink_name(s) for s in self.queued) or "queued")
 
     def _route(self, sink: Sink) -> tuple:
         """(the sink, the kinds it takes or None for all, takes a view, keeps a timeline), worked
@@ -189,7 +189,7 @@ class SinkSet:
                     sink.log(metrics, step, kind)
             except caught as err:
                 sinks.remove(sink)
-                self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None))
+                self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None))
 
     def _write_queued(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         # on the writer thread a sink's sys.exit() would end the thread, and every queued sink
@@ -205,7 +205,7 @@ class SinkSet:
         try:
             sink.close()
         except caught as err:
-            self._fail(sink.name, err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True)
+            self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True)
 
     def _fail(self, name: str, err: BaseException, fix: str, install: Optional[str] = None,
               closing: bool = False) -> None:
@@ -216,6 +216,28 @@ class SinkSet:
         logger.warning("distmetrics: the %s sink failed %s(%s)%s%s", name, "at close " if closing else "", cause,
                        "" if closing else " and is off for the rest of the run; the other sinks go on",
                        f". Fix: {advice}" if advice else ".")
+
+
+def sink_name(sink: Any) -> str:
+    """A sink's ``name``, or its class's name where it has none (a user's sink)."""
+    name = getattr(sink, "name", None)
+    return name if isinstance(name, str) and name else type(sink).__name__
+
+
+def check_sinks(sinks: Any) -> tuple:
+    """The user's extra sinks as a tuple; raises naming one without a callable ``log`` (or
+    ``log_view``) and ``close``."""
+    if sinks is None:
+        return ()
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, (list, tuple)):
+        raise TypeError(f"Monitor(sinks=...): expected a list or tuple of sink objects, got {type(sinks).__name__} "
+                        f"{sinks!r}")
+    for sink in sinks:
+        writes = callable(getattr(sink, "log", None)) or callable(getattr(sink, "log_view", None))
+        if not writes or not callable(getattr(sink, "close", None)):
+            raise TypeError(f"Monitor(sinks=...): {sink!r} is not a sink: a sink has log(metrics, step, kind) (or "
+                            "log_view(view, step)) and close()")
+    return tuple(sinks)
 
 
 def failure_cause(err: BaseException) -> str:
