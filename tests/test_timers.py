@@ -613,3 +613,16 @@ def test_a_rank_asking_a_report_for_no_timers_still_joins_the_others():
     returned early before and the other waited until the hang check fired)."""
     (text0, logged0), (text1, logged1) = run_ranks(_empty_names_report, 2, timeout=120)
     assert text0 is None and "opt" in text1 and logged0 and logged1
+
+
+@pytest.mark.parametrize("name", ["fwd/min", "fwd/max_rank", "a/rank3", "", "/fwd", "_x", None, 5])
+def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
+    """A timer named ``fwd/min`` overwrote ``timers/fwd/min`` (3 ms for fwd's 10-12 ms) and, with
+    straggler scores on, made every log step raise; "", None and 5 made keys such as ``timers/``."""
+    from distmetrics.collectors.timers import TimerError, Timers
+
+    timers = Timers(log_level=2)
+    with pytest.raises(TimerError, match="is refused"):
+        timers(name, log_level=0)
+    timers("fwd-min", log_level=0).start()  # Megatron's names pass
+    timers("optimizer/inner", log_level=0).start()

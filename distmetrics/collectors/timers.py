@@ -315,6 +315,7 @@ class Timers(MegatronReports):
         return self._make(name, log_level, Timer)
 
     def _make(self, name: str, log_level: int, cls: type) -> Timer:
+        _check_timer_name(name)
         timer = self._timers[name] = cls(name, self._use_cuda, self._group, self._barrier_ok)
         self._log_levels[name] = log_level
         return timer
@@ -323,3 +324,19 @@ class Timers(MegatronReports):
     def names(self) -> list[str]:
         """Names of the enabled timers, in creation order."""
         return list(self._timers)
+
+
+_REDUCED_ENDS = ("max", "min", "mean", "max_rank", "min_rank")
+"""What a timer's reduction appends to its name (``timers/<name>/min``, ``.../max_rank``)."""
+
+
+def _check_timer_name(name: Any) -> None:
+    """A timer's name is a key of every record (``timers/<name>``): non-empty text that is not
+    another timer's reduced key (a timer ``fwd/min`` overwrote ``timers/fwd/min``)."""
+    if not isinstance(name, str) or not name or name.startswith(("_", "/")) or name.endswith("/"):
+        raise TimerError(f"timer name {name!r} is refused: a timer's name is non-empty text that does not start "
+                         "with '_' or start or end with '/'")
+    last = name.rsplit("/", 1)[-1]
+    if "/" in name and (last in _REDUCED_ENDS or (last.startswith("rank") and last[4:].isdigit())):
+        raise TimerError(f"timer name {name!r} is refused: timers/{name} is a key another timer's reduction writes "
+                         f"(timers/<name>/{last}); give it another name")
