@@ -371,3 +371,22 @@ def test_moe_counts_of_different_expert_numbers_across_ranks_are_refused_on_ever
         for when in ("first log step", "after a consistent one"):
             assert "ranks gave layer 1 counts of different numbers of experts: experts 4-5 were counted by 1 " \
                    "rank(s), others by 2" in out[when], (when, out[when])
+
+
+@pytest.mark.parametrize("ids,names,expected", [
+    ([0, 1, 2], {0: "web", 2: "code"}, {"web": 1.0, "code": 9.0}),
+    ([0, -1, 1], ["web", "code"], {"web": 1.0, "code": 9.0}),
+    ([0, -100, 1], ["web", "code"], {"web": 1.0, "code": 9.0}),
+    ([0, 1, 7], ["web", "code"], {"web": 1.0, "code": 5.0})], ids=["unnamed id", "-1", "-100", "beyond the names"])
+def test_a_category_id_that_names_does_not_name_counts_in_no_category(ids, names, expected):
+    """An id without a name was counted under category 0's name (web 3.0 for 1.0), and a negative
+    ignore index wrapped around to the last category's."""
+    import torch
+
+    import distmetrics as dm
+
+    for weights in (None, torch.tensor([2.0, 2.0, 2.0])):
+        with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+            monitor.record_losses(torch.tensor([1.0, 5.0, 9.0]), torch.tensor(ids), weights=weights, names=names)
+            metrics = monitor.step(1)
+        assert {k[len("train/loss/"):]: v for k, v in metrics.items() if k.startswith("train/loss/")} == expected

@@ -39,7 +39,15 @@ class CategoryLosses:
                 raise ValueError("record_losses: integer category tensors need names= (a list or dict id → name), "
                                  "so the monitor knows every category without reading the tensor")
             lookup = _to_device(self._lookup(names), losses.device)
-            index = lookup[categories.reshape(-1).to(device=losses.device, dtype=torch.long)]
+            ids = categories.reshape(-1).to(device=losses.device, dtype=torch.long)
+            index = lookup[ids.clamp(0, lookup.numel() - 1)]
+            # an id names= does not name (an ignore index such as -1 or -100, padding) counts in no
+            # category: it went to slot 0's, or wrapped around to the last one's (no host sync here)
+            named = (ids >= 0) & (ids < lookup.numel()) & (index >= 0)
+            index = index.clamp(min=0)
+            losses = torch.where(named, losses, 0.0)
+            w = torch.where(named, w, 0.0)
+            weights = w
         else:
             categories = list(categories)
             if len(categories) != n:
@@ -66,7 +74,7 @@ class CategoryLosses:
         for key in table:
             if not isinstance(key, int) or isinstance(key, bool) or key < 0:
                 raise ValueError(f"record_losses: names= maps integer category ids >= 0 to names; got the id {key!r}")
-        lookup = torch.zeros(max(table, default=-1) + 1, dtype=torch.long)
+        lookup = torch.full((max(table, default=0) + 1,), -1, dtype=torch.long)  # -1: not named
         lookup[list(table)] = torch.tensor([self._slot(str(name)) for name in table.values()], dtype=torch.long)
         return lookup
 
