@@ -13,6 +13,7 @@ the other (or a log step refusing both).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Iterable, Optional
 
@@ -74,6 +75,14 @@ def check_value(value: Any, what: str, *args: Any) -> None:
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r}")
+
+
+def check_count(value: Any, what: str, *args: Any) -> None:
+    """A count or a weight (tokens, a mean's weight, a duration): a Python number must be finite
+    and >= 0 (a tensor is not read: that would wait for the device)."""
+    if (type(value) is float or type(value) is int) and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what % args if args else what}: {value!r} is refused: accepted values are finite numbers "
+                         ">= 0")
 
 
 def check_step(step: Any, what: str, last: Optional[int] = None) -> None:

@@ -686,3 +686,21 @@ def test_a_users_sink_without_a_name_fails_alone_and_a_thing_that_is_no_sink_is_
     for bad in ("jsonl", [object()]):
         with pytest.raises(ValueError, match=r"Monitor\(sinks=...\)"):
             dm.Monitor(quiet_config(output_dir=str(tmp_path / "x")), sinks=bad)
+
+
+@pytest.mark.parametrize("call", ["step tokens", "record weight", "log_eval tokens", "log_eval time_ms"])
+@pytest.mark.parametrize("value", [-5, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+def test_a_count_or_weight_that_is_negative_or_not_finite_is_refused_at_the_call(call, value):
+    """tokens 10 then -5 gave train/loss -1.0 for losses 1 and 3, and tokens/s -4.7e4; NaN tokens
+    made train/loss NaN with health/nonfinite_loss 0; log_eval(time_ms=-5) a negative eval
+    throughput. A refused call changes nothing: the step is made again with a good value."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        calls = {"step tokens": (lambda v: monitor.step(1, loss=1.0, tokens=v)),
+                 "record weight": (lambda v: monitor.record("x", 1.0, weight=v)),
+                 "log_eval tokens": (lambda v: monitor.log_eval(1, loss=1.0, tokens=v)),
+                 "log_eval time_ms": (lambda v: monitor.log_eval(1, loss=1.0, time_ms=v))}
+        with pytest.raises(ValueError, match="is refused: accepted values are finite numbers >= 0"):
+            calls[call](value)
+        calls[call](10)

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalClock, IntervalStats, as_number
-from ..names import NameRegistry, check_step, check_value
+from ..names import NameRegistry, check_count, check_step, check_value
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
@@ -64,6 +64,8 @@ class StepValues:
         for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
             if value is not None:
                 check_value(value, "monitor.step(%s=...)", what)
+        if tokens is not None:
+            check_count(tokens, "monitor.step(tokens=...)")
         if not isinstance(skipped, bool):
             raise TypeError(f"monitor.step(skipped={skipped!r}): accepted values are True and False")
         for name in scalars:
@@ -100,6 +102,7 @@ class StepValues:
         self.names.claim(name, reduce, "monitor.record")
         check_value(value, "monitor.record(%r)", name)
         check_value(weight, "monitor.record(%r, weight=...)", name)
+        check_count(weight, "monitor.record(%r, weight=...)", name)
         self.stats.record(name, value, reduce, weight=weight)
 
     def pause(self) -> None:
