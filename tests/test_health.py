@@ -390,3 +390,22 @@ def test_a_category_id_that_names_does_not_name_counts_in_no_category(ids, names
             monitor.record_losses(torch.tensor([1.0, 5.0, 9.0]), torch.tensor(ids), weights=weights, names=names)
             metrics = monitor.step(1)
         assert {k[len("train/loss/"):]: v for k, v in metrics.items() if k.startswith("train/loss/")} == expected
+
+
+@pytest.mark.parametrize("counts,layers", [
+    ("tensor", [1.0, 2.0]), ("tensor", ["1", "2"]), ("tensor", 3), ("tensor", [True, False]), ("tensor", [-1, 2]),
+    ([[1, 2], [3, 4]], [0, 1]), ("3-d", None), ("0-d", None)])
+def test_record_moe_refuses_bad_arguments_at_the_call(counts, layers):
+    """layer_numbers=[1.0, 2.0] was taken, then every rank raised at the log step, after its
+    collectives (the interval's train loss lost with it); a list, a 0-d or a 3-d tensor failed
+    there too, with an AttributeError or an IndexError."""
+    import torch
+
+    import distmetrics as dm
+
+    counts = {"tensor": torch.ones(2, 4), "3-d": torch.ones(2, 2, 4), "0-d": torch.tensor(3.0)}.get(counts, counts) \
+        if isinstance(counts, str) else counts
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        with pytest.raises(ValueError, match=r"record_moe\((tokens_per_expert|layer_numbers)=...\): expected"):
+            monitor.record_moe(tokens_per_expert=counts, layer_numbers=layers)
+        assert monitor.step(1, loss=2.0)["train/loss"] == 2.0 and not any(k.startswith("moe/") for k in monitor.last_metrics)

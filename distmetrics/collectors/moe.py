@@ -4,6 +4,7 @@ utilisation and load imbalance per layer."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -44,10 +45,16 @@ class MoECollector:
                 self._stats.record(name, value, "mean")
 
     def _record_counts(self, tokens_per_expert: torch.Tensor, layer_numbers: Optional[Sequence[int]]) -> None:
+        if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() not in (1, 2) \
+                or tokens_per_expert.shape[-1] == 0 or tokens_per_expert.is_meta:
+            what = (f"a tensor of shape {tuple(tokens_per_expert.shape)}" if isinstance(tokens_per_expert, torch.Tensor)
+                    else f"{type(tokens_per_expert).__name__} {tokens_per_expert!r}")
+            raise ValueError(f"record_moe(tokens_per_expert=...): expected a tensor [layers, experts] or one layer's "
+                             f"[experts] (at least one expert), got {what}")
         counts = tokens_per_expert.detach()
         if counts.dim() == 1:
             counts = counts.unsqueeze(0)
-        layers = list(layer_numbers) if layer_numbers is not None else list(range(counts.shape[0]))
+        layers = _layer_numbers(layer_numbers) if layer_numbers is not None else list(range(counts.shape[0]))
         if len(layers) != counts.shape[0]:
             raise ValueError(f"record_moe: {counts.shape[0]} layers of counts but {len(layers)} layer_numbers")
         counts = counts.to(torch.float64) * (1.0 if self.counts_tokens else 0.0)
@@ -125,3 +132,15 @@ class MoECollector:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _layer_numbers(layer_numbers: Any) -> list[int]:
+    """``layer_numbers`` as whole numbers >= 0 (they name metrics: ``moe/load_imbalance/layer<l>``)."""
+    try:
+        layers = [operator.index(layer) for layer in layer_numbers]
+    except TypeError:
+        layers = None
+    if layers is None or any(layer < 0 for layer in layers) or any(isinstance(x, bool) for x in layer_numbers):
+        raise ValueError(f"record_moe(layer_numbers=...): expected a sequence of whole numbers >= 0 (one per row of "
+                         f"tokens_per_expert), got {layer_numbers!r}")
+    return layers
