@@ -72,6 +72,11 @@ def check_value(value: Any, what: str, *args: Any) -> None:
                              f"tensor of shape {tuple(value.shape)}")
         if value.is_meta:  # it failed inside the reduction, after other ranks had entered it
             raise ValueError(f"{what % args if args else what}: a tensor on the meta device holds no value")
+        placements = getattr(value, "placements", None) if type(value) is not torch.Tensor else None
+        if placements is not None and not all(p.is_replicate() for p in placements):
+            raise ValueError(f"{what % args if args else what}: a DTensor with placements {tuple(placements)}: each "
+                             "rank's piece is not the value; pass a Replicate DTensor (loss_parallel's loss) or "
+                             "value.full_tensor()")
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r}")

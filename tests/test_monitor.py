@@ -424,3 +424,42 @@ def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):
     rows = read_offline_run(str(tmp_path))["history"]
     assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == jsonl
     assert [r["step"] for r in rows if "eval/loss" in r] == [20, 40]
+
+
+def _dtensor_loss(rank: int, world: int, device_path: bool) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import distmetrics as dm
+    import distmetrics.packing as packing
+    import distmetrics.packs as packs
+
+    if device_path:  # a loss on a GPU is packed by tensor operations: host_number says "not on the host" there
+        on_host = packing.host_number
+        packing.host_number = packs.host_number = lambda v: None if isinstance(v, DTensor) else on_host(v)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    logits = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), mesh, [Shard(1)])
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor([1, 5, 0, 7]))
+    out = {"truth": float(loss.full_tensor())}
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        out["train/loss"] = monitor.step(1, loss=loss.detach(), tokens=4)["train/loss"]
+        try:
+            monitor.step(2, loss=DTensor.from_local(torch.tensor(1.0), mesh, [Partial()]))
+        except ValueError as err:
+            out["partial"] = str(err)
+        monitor.step(2, loss=loss.detach())
+    return out
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host packs", "device packs (simulated)"])
+def test_a_replicate_dtensor_loss_is_the_loss_and_a_partial_one_is_refused(device_path):
+    """loss_parallel's loss is a Replicate DTensor: on a GPU its packing mixed DTensor and
+    tensors in one torch.cat and every log step raised. The device path is simulated on CPU by
+    having host_number decline the DTensor, as it declines any value not on the host (the one
+    stand-in: no GPU here). A Partial DTensor's piece is not the value: refused at the call."""
+    for out in run_ranks(_dtensor_loss, 2, device_path, timeout=120):
+        assert out["train/loss"] == pytest.approx(out["truth"], rel=1e-6)
+        assert "a DTensor with placements (Partial(sum),)" in out["partial"]
