@@ -340,7 +340,7 @@ def read_yaml(path: Path, what: str = "metrics config file") -> Any:
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as err:
         raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
                           f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
@@ -350,7 +350,38 @@ def read_yaml(path: Path, what: str = "metrics config file") -> Any:
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses what it would read silently otherwise: a key given twice
+    in one mapping (the last one won) and an integer written with a leading 0 (YAML 1.1, which
+    PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); give it once", key_node.start_mark)
+            if isinstance(key, str):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        text = self.construct_scalar(node).replace("_", "").lstrip("+-")
+        if len(text) > 1 and text[0] == "0" and text[1].isdigit():
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as octal, YAML 1.2 "
+                "as decimal; write it without the leading 0", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
 def _apply_overrides(values: dict, items: list[str]) -> dict:
+    if isinstance(items, (str, bytes)):  # iterated, a string's characters were the overrides
+        raise ConfigError(f"overrides are a list of 'key=value' strings, got the string {items!r}: pass [{items!r}]")
     for item in items:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -358,7 +389,7 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
         parts = key.strip().split(".")
         _check_override_key(item, parts)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else None  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
@@ -410,6 +441,10 @@ def _check_override_key(item: str, parts: list[str]) -> None:
 def _build(cls: type, values: dict, prefix: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+    keys = [key for key in values if not isinstance(key, str)]
+    if keys:
+        raise ConfigError(f"{prefix}{keys[0]!r}: config keys are names (text), got {type(keys[0]).__name__} "
+                          f"{keys[0]!r}")
     return cls(**values)
 
 

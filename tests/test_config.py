@@ -208,3 +208,32 @@ def test_a_hang_timeout_beyond_what_the_store_can_wait_is_refused_naming_the_key
     with pytest.raises(ConfigError, match=r"^hang_timeout_s=1e\+16: accepted values are numbers from 0 to 1e9"):
         dm.MetricsConfig(hang_timeout_s=1e16)
     assert dm.MetricsConfig(hang_timeout_s=1e9).hang_timeout_s == 1e9
+
+
+@pytest.mark.parametrize("text,message", [
+    ("log_interval: 010\n", "the number '010' has a leading 0: YAML 1.1 reads it as octal"),
+    ("log_interval: 10\nconsole: false\nlog_interval: 20\n", "key 'log_interval' is given twice in one mapping "
+                                                              "(lines 1 and 3)")])
+def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, message):
+    """log_interval: 010 became 8 (YAML 1.1's octal); a key given twice kept its last value."""
+    import distmetrics as dm
+
+    path = tmp_path / "metrics.yaml"
+    path.write_text(text)
+    with pytest.raises(dm.ConfigError, match=re.escape(message)):
+        dm.MetricsConfig.from_yaml(path)
+    with pytest.raises(dm.ConfigError, match="leading 0"):
+        dm.MetricsConfig.from_dict({}, ["log_interval=010"])
+    assert dm.MetricsConfig.from_dict({}, ["log_interval=0x10"]).log_interval == 16
+
+
+def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named():
+    """from_yaml(p, "timing_log_level=1") iterated the string: "override 't' is not of the form
+    key=value"; from_dict({1: 2}) raised TypeError: keywords must be strings."""
+    import distmetrics as dm
+
+    with pytest.raises(dm.ConfigError, match=r"overrides are a list of 'key=value' strings, got the string "
+                                             r"'timing_log_level=1': pass \['timing_log_level=1'\]"):
+        dm.MetricsConfig.from_dict({}, "timing_log_level=1")
+    with pytest.raises(dm.ConfigError, match="1: config keys are names"):
+        dm.MetricsConfig.from_dict({1: 2})
