@@ -337,6 +337,8 @@ def _takes_number_not_text(hint: Any) -> bool:
 def read_yaml(path: Path, what: str = "metrics config file") -> Any:
     """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
     features file); every way it can be unreadable is a ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:

@@ -167,6 +167,8 @@ class Monitor:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
         norm on a log step (``step``, default the last step + 1), None (and no work) otherwise."""
         norms = self._norms("measure_grad_norms")
+        if step is not None:
+            check_step(step, "monitor.measure_grad_norms")
         if not self._is_log_step(step):
             return None
         self._guard.note("monitor.measure_grad_norms")  # a collective not guarded: named if it hangs

@@ -704,3 +704,38 @@ def test_a_count_or_weight_that_is_negative_or_not_finite_is_refused_at_the_call
         with pytest.raises(ValueError, match="is refused: accepted values are finite numbers >= 0"):
             calls[call](value)
         calls[call](10)
+
+
+def test_small_surprises_at_the_edges_are_named(tmp_path):
+    """measure_grad_norms(step="2") said "not all arguments converted during string formatting";
+    clip_grad_norm_(np.float32(1.0)) said "missing 1 required argument: 'max_norm'"; an eval loss
+    of 800 gave a perplexity of e^700 (it overflows: inf); check-config of a folder said "does
+    not exist"; report of a record with step 1e400 ended in an OverflowError traceback."""
+    import json
+    import math
+
+    import numpy as np
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import run_python
+
+    model = torch.nn.Linear(3, 1)
+    model(torch.ones(2, 3)).sum().backward()
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        with pytest.raises(ValueError, match=r"monitor.measure_grad_norms: step='2': accepted values are integers"):
+            monitor.measure_grad_norms(step="2")
+        expected = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()]).norm()
+        assert float(monitor.clip_grad_norm_(np.float32(1e9))) == pytest.approx(float(expected))
+        assert monitor.log_eval(1, loss=800.0)["eval/ppl"] == math.inf
+        assert monitor.log_eval(2, loss=3.0)["eval/ppl"] == pytest.approx(math.exp(3.0))
+    checked = run_python("-m", "distmetrics.cli", "check-config", tmp_path)
+    assert checked.returncode == 2 and "is a folder; give the YAML file" in checked.stderr, checked.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "run", "step": 0}) + "\n" +
+                                       '{"kind": "train", "step": 1e400, "train/loss": 1.0}\n' +
+                                       json.dumps({"kind": "train", "step": 2, "train/loss": 1.0}) + "\n")
+    pytest.importorskip("matplotlib")
+    report = run_python("-m", "distmetrics.cli", "report", run)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr[-2000:]

@@ -14,6 +14,7 @@ of non-finite tensors is not 0 (one more reduction, then).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Optional
 
 import torch
@@ -330,7 +331,8 @@ class NormCollector:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or \
+    """A max_norm: a real number (numpy's too: ``np.float32(1.0)``), or a 0-d tensor that is no parameter."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)) or \
         (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad and value.grad is None)
 
 

@@ -300,7 +300,7 @@ def _step_of(record: dict) -> Optional[int]:
         return step
     try:
         return int(step)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a step of 1e400 (read as inf)
         return None
 
 
