@@ -14,7 +14,7 @@ import torch
 
 from .collectors.losses import CategoryLosses
 from .interval import as_number
-from .names import NameRegistry, check_count, check_step, check_value
+from .names import NameRegistry, check_count, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
 from .reduce import Reducer, Sample
 
@@ -60,10 +60,11 @@ class EvalLog:
         check_step(step, "monitor.log_eval")
         for what, value in (("loss", loss), ("tokens", tokens), *scalars.items()):
             if value is not None:
-                check_value(value, "monitor.log_eval(%s=...)", what)
+                check_user_value(value, "monitor.log_eval(%s=...)", what)
         for what, value in (("tokens", tokens), ("time_ms", scalars.get("time_ms"))):
             if value is not None:
                 check_count(value, "monitor.log_eval(%s=...)", what)
+        loss, tokens, scalars = local_value(loss), local_value(tokens), {k: local_value(v) for k, v in scalars.items()}
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)

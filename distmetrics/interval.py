@@ -155,8 +155,6 @@ def as_number(v: Number) -> Number:
     """A number or a 1-element tensor (see :func:`distmetrics.names.check_value`) as a float, or
     as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact)."""
     if isinstance(v, torch.Tensor):
-        if type(v) is not torch.Tensor and hasattr(v, "to_local"):  # a Replicate DTensor (checked): this rank's copy
-            v = v.to_local()
         return v.detach().reshape(()).to(torch.float64)
     return float(v)
 

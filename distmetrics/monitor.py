@@ -19,7 +19,7 @@ from .config import MetricsConfig
 from .evaluation import EvalLog
 from .guard import CollectiveGuard
 from .interval import now
-from .names import check_step
+from .names import check_step, local_value
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer
@@ -108,6 +108,9 @@ class Monitor:
         are interval means under ``train/``."""
         self._check_open()
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
+        loss, tokens, lr = local_value(loss), local_value(tokens), local_value(lr)  # a DTensor: this rank's copy
+        if scalars:
+            scalars = {name: local_value(value) for name, value in scalars.items()}
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
             first_step(self._clocks())
             self._counts_from(step)

@@ -70,16 +70,40 @@ def check_value(value: Any, what: str, *args: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
-        if value.is_meta:  # it failed inside the reduction, after other ranks had entered it
-            raise ValueError(f"{what % args if args else what}: a tensor on the meta device holds no value")
-        placements = getattr(value, "placements", None) if type(value) is not torch.Tensor else None
-        if placements is not None and not all(p.is_replicate() for p in placements):
-            raise ValueError(f"{what % args if args else what}: a DTensor with placements {tuple(placements)}: each "
-                             "rank's piece is not the value; pass a Replicate DTensor (loss_parallel's loss) or "
-                             "value.full_tensor()")
+
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r}")
+
+
+def check_user_value(value: Any, what: str, *args: Any) -> None:
+    """:func:`check_value` for a value a user hands over (``monitor.step``, ``record``,
+    ``log_eval``, ``record_moe``): also no tensor on the meta device (it failed inside the
+    reduction, after the other ranks had entered it) and no DTensor whose piece on this rank is
+    not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's copy)."""
+    check_value(value, what, *args)
+    if type(value) is float or type(value) is int or not isinstance(value, torch.Tensor):
+        return
+    if value.is_meta:
+        raise ValueError(f"{what % args if args else what}: a tensor on the meta device holds no value")
+    if type(value) is not torch.Tensor and is_dtensor(value) and not all(p.is_replicate() for p in value.placements):
+        raise ValueError(f"{what % args if args else what}: a DTensor with placements {tuple(value.placements)}: "
+                         "each rank's piece is not the value; pass a Replicate DTensor (loss_parallel's loss) or "
+                         "value.full_tensor()")
+
+
+def local_value(value: Any) -> Any:
+    """A Replicate DTensor (checked by :func:`check_user_value`) as this rank's copy; else ``value``.
+    Done where a user's value comes in, so no collector sees a DTensor (packed with tensors by
+    ``torch.cat`` on a GPU, it raised at every log step)."""
+    if type(value) is float or type(value) is int or type(value) is torch.Tensor or value is None:
+        return value
+    return value.to_local() if is_dtensor(value) else value
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (checked by shape of the API, not by import)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
 def check_count(value: Any, what: str, *args: Any) -> None:

@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .names import is_dtensor
+
 __all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
            "is_dtensor"]
@@ -195,9 +197,6 @@ def holds_first_replica(layout: Layout) -> bool:
     return sees_distinct_tokens(layout) and layout.dp_rank == 0
 
 
-def is_dtensor(t: Any) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (checked by shape of the API, not by import)."""
-    return hasattr(t, "placements") and hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -436,9 +436,11 @@ def _dtensor_loss(rank: int, world: int, device_path: bool) -> dict:
     import distmetrics.packing as packing
     import distmetrics.packs as packs
 
-    if device_path:  # a loss on a GPU is packed by tensor operations: host_number says "not on the host" there
-        on_host = packing.host_number
+    if device_path:  # a loss on a GPU is packed by tensor operations: host_number says "not on the host" there,
+        on_host = packing.host_number  # and the health count stays on the device
         packing.host_number = packs.host_number = lambda v: None if isinstance(v, DTensor) else on_host(v)
+        from distmetrics.collectors import health
+        health._nonfinite = lambda value: (~torch.isfinite(value.detach())).to(torch.float64).sum()  # its device branch
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     logits = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), mesh, [Shard(1)])
     with loss_parallel():

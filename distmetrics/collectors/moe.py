@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..interval import IntervalStats
-from ..names import check_value
+from ..names import check_user_value, local_value
 from .base import Alert, LogContext, Sample
 
 __all__ = ["MoECollector"]
@@ -37,12 +37,12 @@ class MoECollector:
         """One step's router statistics (see ``Monitor.record_moe``); a refused call records nothing."""
         for what, value in (("aux_loss", aux_loss), ("z_loss", z_loss)):
             if value is not None:
-                check_value(value, "record_moe(%s=...)", what)
+                check_user_value(value, "record_moe(%s=...)", what)
         if tokens_per_expert is not None:
             self._record_counts(tokens_per_expert, layer_numbers)
         for name, value in (("moe/aux_loss", aux_loss), ("moe/z_loss", z_loss)):
             if value is not None:
-                self._stats.record(name, value, "mean")
+                self._stats.record(name, local_value(value), "mean")
 
     def _record_counts(self, tokens_per_expert: torch.Tensor, layer_numbers: Optional[Sequence[int]]) -> None:
         if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() not in (1, 2) \

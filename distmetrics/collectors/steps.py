@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalClock, IntervalStats, as_number
-from ..names import NameRegistry, check_count, check_step, check_value
+from ..names import NameRegistry, check_count, check_step, check_user_value, local_value
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
@@ -63,7 +63,7 @@ class StepValues:
         check_step(step, "monitor.step", last)
         for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
             if value is not None:
-                check_value(value, "monitor.step(%s=...)", what)
+                check_user_value(value, "monitor.step(%s=...)", what)
         if tokens is not None:
             check_count(tokens, "monitor.step(tokens=...)")
         if not isinstance(skipped, bool):
@@ -100,8 +100,9 @@ class StepValues:
         """A user's own value for this interval (see ``Monitor.record``)."""
         check_reduce(name if isinstance(name, str) else repr(name), reduce)
         self.names.claim(name, reduce, "monitor.record")
-        check_value(value, "monitor.record(%r)", name)
-        check_value(weight, "monitor.record(%r, weight=...)", name)
+        check_user_value(value, "monitor.record(%r)", name)
+        check_user_value(weight, "monitor.record(%r, weight=...)", name)
+        value, weight = local_value(value), local_value(weight)
         check_count(weight, "monitor.record(%r, weight=...)", name)
         self.stats.record(name, value, reduce, weight=weight)
 
