@@ -94,8 +94,24 @@ def split_jobs(records: list[dict[str, Any]]) -> list[Job]:
 
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
-    """The step of the last train, eval or tensor_stats record of a metrics.jsonl, or None (no
-    file, no such record). Read from the end, a block at a time: cheap on a long file."""
+    """The last step the dashboards show from a metrics.jsonl: the highest step of a train, eval or
+    tensor_stats record of the latest job that trained (a job that only evaluated dropped nothing
+    from TensorBoard: the steps after its evaluation are still the job before's), or of the last
+    such record where no job trained; None (no file, no such record). Read from the end, a block
+    at a time, up to the latest train record: cheap on a long file."""
+    highest: list = [None]  # of the job read so far, from its end
+
+    def latest_training_job(record: dict) -> bool:
+        kind, step = record.get("kind"), record.get("step")
+        if kind == "run":  # the start of a job that did not train: the one before it counts
+            highest[0] = None
+        elif kind in DASHBOARD_KINDS and isinstance(step, int):
+            highest[0] = step if highest[0] is None else max(highest[0], step)
+            return kind == "train"
+        return False
+
+    if last_record(path, latest_training_job) is not None:
+        return highest[0]
     record = last_record(path, lambda r: r.get("kind") in DASHBOARD_KINDS and isinstance(r.get("step"), int))
     return None if record is None else record["step"]
 

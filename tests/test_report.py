@@ -401,6 +401,20 @@ def test_a_resume_inside_a_heatmap_bin_shows_none_of_the_abandoned_steps(tmp_pat
     assert steps.max() < 1101  # job 1's abandoned steps after job 2's last are gone
 
 
+def test_a_job_that_continues_after_the_last_step_drops_no_heatmap_value(tmp_path):
+    """Job 2 starts at step 1202, after job 1's last (1201), in a bin two steps wide holding job 1's
+    1201: a continuation drops nothing (the bin holding its first step was cleared)."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+
+    def train(step, value):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": value}
+
+    _write(tmp_path / "metrics.jsonl", [run, *(train(s, 1.0) for s in range(1, 1202)), dict(run),
+                                         *(train(s, 1.0) for s in range(1202, 1301))])
+    grid = load_metrics(tmp_path).grids[("module", "grad_norm")]
+    assert grid.width == 2 and int(grid.count[:, 0].sum()) == 1300
+
+
 def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
     from distmetrics.report.alerts import events_of
 

@@ -111,6 +111,27 @@ def test_a_job_that_evaluates_a_restored_checkpoint_first_replaces_the_steps_it_
     assert resume == ([(first, first)] if first is not None else [])
 
 
+def test_a_job_that_evaluated_and_ended_before_its_first_step_does_not_hide_the_one_before(tmp_path):
+    """Job A trains 1-100; job B restores checkpoint 50, evaluates it and dies before its first
+    step; job C resumes from 50. The last step logged was read as B's 50, so C purged nothing and
+    TensorBoard showed A's and C's values at 60-100. B dropped nothing: A's 100 is the last shown."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    _job(tmp_path, range(1, 101), loss=1.0)
+    with dm.Monitor(_config(tmp_path, log_interval=10)) as monitor:
+        monitor.log_eval(50, loss=1.5, tokens=10)
+    _job(tmp_path, range(51, 101), loss=3.0)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
+        [(s, 1.0) for s in range(10, 60, 10)] + [(s, 3.0) for s in range(60, 110, 10)]
+    resume = [(r["from_step"], r["last_logged_step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
+              if r["kind"] == "resume"]
+    assert resume == [(51, 100)]
+
+
 def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, caplog):
     """The last step logged is read from metrics.jsonl: with json_log off a job restarting from an
     earlier checkpoint cannot drop the earlier job's TensorBoard events, and said nothing of it."""

@@ -67,7 +67,7 @@ class RunData:
         self._plans: dict[tuple, _Plan] = {}
         self._job = -1
         self._job_started = False
-        self._restart_pending = False  # a job resumed at or before the last step logged: its first step not seen yet
+        self._restart_pending: Optional[int] = None  # the last step logged before a job whose first step is not seen yet
 
     def read(self) -> "RunData":
         """Read the file (a line cut short by a crash is counted in ``bad_lines`` and skipped)."""
@@ -106,7 +106,7 @@ class RunData:
         modules = record.get("modules")
         if isinstance(modules, list) and modules:
             self.model_order = [str(m) for m in modules]
-        self._job, self._job_started, self._restart_pending = len(self.jobs) - 1, False, False
+        self._job, self._job_started, self._restart_pending = len(self.jobs) - 1, False, None
 
     def _take(self, record: dict) -> None:
         kind, step = record.get("kind"), _step_of(record)
@@ -142,21 +142,24 @@ class RunData:
             # the last step logged before this job (as the Monitor reads it at a restart: the
             # latest job's, not the highest of all: after a rollback that one was abandoned)
             before = next((job["last_step"] for job in reversed(self.jobs[:self._job])
-                           if job["last_step"] is not None), None)
+                           if job["last_step"] is not None and job.get("trained")), None)
             if before is not None:
                 meta["resumed_at_or_before_last"] = step <= before
                 meta["previous_last_step"] = before
-                self._restart_pending = True
-        if self._restart_pending and kind in ("resume", "train"):
+                self._restart_pending = before
+        if self._restart_pending is not None and kind in ("resume", "train"):
             # the earlier job's records are dropped from this job's first step on, as TensorBoard
-            # drops them: where its resume record says, or its first train record. Records before
-            # that (an evaluation of the restored checkpoint) drop nothing; an evaluation-only job
-            # drops nothing.
-            self._restart_pending = False
+            # drops them: where its resume record says, or its first train record, when that is at
+            # or before the last step logged. Records before it (an evaluation of the restored
+            # checkpoint) drop nothing; an evaluation-only job, or one that continues, drops nothing.
             start = record["from_step"] if kind == "resume" and isinstance(record.get("from_step"), int) else step
-            for grid in self.grids.values():
-                grid.restart(start)
+            if start <= self._restart_pending:
+                for grid in self.grids.values():
+                    grid.restart(start)
+            self._restart_pending = None
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
+        if kind == "train":
+            meta["trained"] = True  # a job that only evaluated dropped nothing: the one before it counts
         meta["records"] += 1
         self.step_min = step if self.step_min is None else min(self.step_min, step)
         self.step_max = step if self.step_max is None else max(self.step_max, step)
