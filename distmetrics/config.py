@@ -359,14 +359,15 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict:
         seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
+        for key_node, _ in node.value:  # the keys written in this mapping (a merge key's `<<: *x` may be overridden)
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                continue
+            key = key_node.value
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping (lines {seen[key] + 1} and "
                     f"{key_node.start_mark.line + 1}); give it once", key_node.start_mark)
-            if isinstance(key, str):
-                seen[key] = key_node.start_mark.line
+            seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node: Any) -> int:

@@ -225,6 +225,10 @@ def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, mess
     with pytest.raises(dm.ConfigError, match="leading 0"):
         dm.MetricsConfig.from_dict({}, ["log_interval=010"])
     assert dm.MetricsConfig.from_dict({}, ["log_interval=0x10"]).log_interval == 16
+    merged = tmp_path / "merged.yaml"  # YAML's merge key, and a key it brings given again: both as PyYAML reads them
+    merged.write_text("<<: {tensorboard: false, log_interval: 5}\nlog_interval: 7\n")
+    config = dm.MetricsConfig.from_yaml(merged)
+    assert (config.tensorboard, config.log_interval) == (False, 7)
 
 
 def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named():
