@@ -67,13 +67,10 @@ class IntervalClock:
         return seconds
 
     def restart(self) -> None:
-        """Start the interval again now, forgetting what was counted; a pause still open stays
-        open, counted from now (the first ``monitor.step`` inside an evaluation's pause: the
-        energy count starts the same way)."""
-        now = time.perf_counter()
-        self._start, self._pauses = now, []
-        if self._paused_at is not None:
-            self._paused_at = now
+        """Start the interval again now, forgetting what was counted (a pause still open ends: the
+        first ``monitor.step`` starts the count, as it starts the energy count and the step timer)."""
+        self.resume()
+        self._start, self._pauses = time.perf_counter(), []
 
 
 @dataclass

@@ -137,17 +137,17 @@ def test_an_evaluation_before_the_first_step_is_not_taken_from_training(nvml):
     assert m["power/max_w"] > 0
 
 
-def test_a_pause_open_at_the_first_step_counts_from_the_start(nvml):
-    # readings: built 0, pause 1_000, start 50_000, resume 80_000, log step 100_000:
-    # counted from the start, less the 30 J still paused after it = 20 J
-    nvml(devices={"GPU-0000": [0, 1_000, 50_000, 80_000, 100_000]})
+def test_a_pause_open_at_the_first_step_ends_there(nvml):
+    # readings: built 0, pause 1_000, start 50_000 (the pause ends: resume has nothing to read),
+    # log step 100_000: counted from the start = 50 J, as the step clock counts from there
+    nvml(devices={"GPU-0000": [0, 1_000, 50_000, 100_000]})
     from distmetrics.collectors.nvml import EnergyCollector
 
     energy = EnergyCollector(world_size=1, uuid="GPU-0000")
     energy.pause()
     energy.start()
     energy.resume()
-    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(20.0)
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(50.0)
 
 
 def test_not_supported_warns_once_and_reports_nothing(nvml, caplog):
@@ -304,19 +304,19 @@ def test_an_nvml_error_mid_run_turns_energy_off_with_a_warning(nvml, caplog):
     monitor.close()
 
 
-def test_a_pause_open_at_the_first_step_leaves_the_same_time_out_of_energy_and_step_time(nvml):
+def test_a_pause_open_at_the_first_step_ends_there_for_energy_as_for_every_clock(nvml):
     """pause(), the first monitor.step inside it, resume() 0.5 s later, step 2 1 s after step 1:
-    energy left the 0.5 s out, the step clock counted it (power/mean_w 150 W beside max 300 W on
-    one GPU). Both leave it out: 150 J of training over 0.5 s."""
-    # readings: built, pause, first step, resume (100 J paused), log step
-    nvml(devices={"GPU-0000": [0, 0, 0, 100_000, 250_000]})
+    energy left the 0.5 s out, the step clock and the step timer counted it (power/mean_w 150 W
+    beside max 300 W on one GPU). Every clock counts from the first step: 300 J over 1 s."""
+    # readings: built, pause, first step (the pause ends there), log step
+    nvml(devices={"GPU-0000": [0, 0, 0, 300_000]})
     from distmetrics.collectors.nvml import EnergyCollector
 
     class Clock(FakeClock):
         MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
 
     with Clock() as clock:
-        monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+        monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")], timing_log_level=0)
         monitor.pause()
         monitor.step(1, tokens=10)
         clock.advance(500)
@@ -324,8 +324,8 @@ def test_a_pause_open_at_the_first_step_leaves_the_same_time_out_of_energy_and_s
         clock.advance(500)
         m = monitor.step(2, tokens=10)
     monitor.close()
-    assert m["energy/total_j"] == pytest.approx(150.0)
-    assert m["train/step_time_ms"] == pytest.approx(500.0)
+    assert m["energy/total_j"] == pytest.approx(300.0)
+    assert m["train/step_time_ms"] == pytest.approx(1000.0) and m["timers/step"] == pytest.approx(1000.0)
     assert m["power/mean_w"] == pytest.approx(300.0) and m["power/max_w"] == pytest.approx(300.0)
 
 

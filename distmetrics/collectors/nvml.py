@@ -111,9 +111,11 @@ class EnergyCollector:
     def start(self) -> None:
         """Count from now (the Monitor calls this at the first ``monitor.step``, as it starts the
         step clock: building the Monitor is no step's energy). A pause before it (an evaluation
-        before training) is left behind, not subtracted from the training that follows."""
-        if self.enabled and self._measured(self._start_count) is not None and self._pause_start is not None:
-            self._pause_start = (self._last_mj, self._last_t)  # still paused: the pause counts from now
+        before training) is left behind and ends here, as it does for the step clock and the step
+        timer: every clock counts from the first step."""
+        if self.enabled:
+            self._pause_start = None
+            self._measured(self._start_count)
 
     def _start_count(self) -> bool:
         self._last_mj, self._last_t = self._read(), time.perf_counter()
