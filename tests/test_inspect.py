@@ -740,6 +740,18 @@ def test_an_invalid_value_names_key_value_and_what_is_accepted(tmp_path, text, v
     assert f"got {value!r}" in message  # as written ('' was quoted as [''])
 
 
+def test_one_section_with_both_log_tensor_stats_features_is_refused():
+    """Both are measured by the Monitor's hooks into one (layer, tensor): l1_norm 63.70 for 31.85."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    feature = {"enabled": True, "tensors": ["activation"], "stats": ["l1_norm"]}
+    with pytest.raises(ConfigError, match="section 's': both nvdlfw-inspect's LogTensorStats and "
+                                          "distmetrics.LogTensorStats"):
+        load_features({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                             "LogTensorStats": feature, "distmetrics": {"LogTensorStats": feature}}})
+
+
 def test_a_selector_without_a_value_is_named(tmp_path):
     """`exact_layer_names:` with nothing after it passed our check, and nvdlfw-inspect then said
     that no selector was given, naming neither file nor section."""

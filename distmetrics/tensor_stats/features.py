@@ -66,6 +66,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
         if empty:  # `exact_layer_names:` with nothing after it: nvdlfw-inspect said no selector was given
             raise ConfigError(f"{where}: layers.{empty[0]} has no value (YAML null); give it one, or leave the "
                               "key out")
+        if isinstance(body.get("LogTensorStats"), dict) and isinstance(body.get("distmetrics"), dict) and \
+                "LogTensorStats" in body["distmetrics"]:  # both measured by the hooks: every value counted twice
+            raise ConfigError(f"{where}: both nvdlfw-inspect's LogTensorStats and distmetrics.LogTensorStats; the "
+                              "Monitor's hooks measure both alike, so give the statistics in one of them")
         for key, value in body.items():
             if key in ("enabled", "layers"):
                 continue
