@@ -269,20 +269,20 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
 
 def _root_of(mesh: Any) -> Any:
     """The mesh a sub-mesh was taken from (``mesh["dp"]``, the mesh FSDP2 is given, inside a dp x
-    tp mesh), or ``mesh``: the layout needs every dimension (a sub-mesh's names alone took its
-    tensor-parallel ranks for data-parallel ones, doubling tokens/s and MFU)."""
+    tp mesh; a flattened ``dp_shard_cp``), or ``mesh``: the layout needs every dimension by its
+    name (a sub-mesh's names alone took tensor- or context-parallel ranks for data-parallel ones,
+    multiplying tokens/s and MFU)."""
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if get_root is not None else None
-    return mesh if root is None or root.mesh.numel() == mesh.mesh.numel() else root
+    return mesh if root is None else root
 
 
 def _first_copy_outside(mesh: Any) -> bool:
     """A DTensor on a sub-mesh (e.g. FSDP2's dp mesh inside a dp × tp mesh) has copies along the
     root mesh's other dimensions; only coordinate 0 there counts. Pipeline dimensions hold
     different layers, not copies."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    root = get_root() if get_root is not None else None
-    if root is None or root is mesh or root.mesh.numel() == mesh.mesh.numel():
+    root = _root_of(mesh)
+    if root is mesh or root.mesh.numel() == mesh.mesh.numel():
         return True
     mine = root.get_coordinate()
     if mine is None:

@@ -298,6 +298,12 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
         for step in range(1, 6):  # the sub-mesh FSDP2 is given: its root holds the tp dimension
             metrics = monitor.step(step, loss=1.0, tokens=8)
     out["mesh['dp']"] = metrics["train/consumed_tokens"]
+    cp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+    flat = cp["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's FSDP2 + CP mesh, as many ranks as its root
+    with dm.Monitor(quiet_config(log_interval=5, log_throughput=True), device_mesh=flat) as monitor:
+        for step in range(1, 6):
+            metrics = monitor.step(step, loss=1.0, tokens=8)
+    out["dp_shard_cp"] = metrics["train/consumed_tokens"]
     return out
 
 
@@ -310,6 +316,7 @@ def test_tensor_parallel_mesh_dimensions_count_tokens_once_and_an_unknown_name_i
     tokens, warned = result["model"]
     assert tokens == 80.0 and any("DeviceMesh dimension(s) 'model' are taken for data parallel" in w for w in warned)
     assert result["mesh['dp']"] == 40.0  # 80: the sub-mesh's names alone made both TP ranks data parallel
+    assert result["dp_shard_cp"] == 40.0  # 80: the flattened mesh's one name made both CP ranks data parallel
 
 
 def test_a_loss_that_still_requires_grad_is_taken_without_a_torch_warning(tmp_path):
