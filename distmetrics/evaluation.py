@@ -85,7 +85,7 @@ class EvalLog:
         eval_loss = metrics.get("eval/loss")
         if isinstance(eval_loss, float):
             if self.write_ppl:
-                metrics["eval/ppl"] = math.exp(eval_loss) if eval_loss < 709.0 else math.inf  # exp overflows there
+                metrics["eval/ppl"] = math.inf if eval_loss > 709.0 else math.exp(eval_loss)  # exp overflows there; NaN stays
             total_w = sum(w for _, w in self._train_losses)
             if total_w > 0:
                 train_mean = sum(v * w for v, w in self._train_losses) / total_w

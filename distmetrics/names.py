@@ -14,6 +14,7 @@ the other (or a log step refusing both).
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any, Iterable, Optional
 
@@ -109,7 +110,9 @@ def is_dtensor(t: Any) -> bool:
 def check_count(value: Any, what: str, *args: Any) -> None:
     """A count or a weight (tokens, a mean's weight, a duration): a Python number must be finite
     and >= 0 (a tensor is not read: that would wait for the device)."""
-    if (type(value) is float or type(value) is int) and not (math.isfinite(value) and value >= 0):
+    number = type(value) is float or type(value) is int or (
+        not isinstance(value, (torch.Tensor, bool)) and isinstance(value, numbers.Real))  # numpy's numbers too
+    if number and not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{what % args if args else what}: {value!r} is refused: accepted values are finite numbers "
                          ">= 0")
 

@@ -689,13 +689,16 @@ def test_a_users_sink_without_a_name_fails_alone_and_a_thing_that_is_no_sink_is_
 
 
 @pytest.mark.parametrize("call", ["step tokens", "record weight", "log_eval tokens", "log_eval time_ms"])
-@pytest.mark.parametrize("value", [-5, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+@pytest.mark.parametrize("value", [-5, float("nan"), float("inf"), "numpy -5"], ids=["negative", "nan", "inf", "numpy"])
 def test_a_count_or_weight_that_is_negative_or_not_finite_is_refused_at_the_call(call, value):
     """tokens 10 then -5 gave train/loss -1.0 for losses 1 and 3, and tokens/s -4.7e4; NaN tokens
     made train/loss NaN with health/nonfinite_loss 0; log_eval(time_ms=-5) a negative eval
     throughput. A refused call changes nothing: the step is made again with a good value."""
+    import numpy as np
+
     import distmetrics as dm
 
+    value = np.float64(-5.0) if value == "numpy -5" else value
     with dm.Monitor(quiet_config(log_interval=1)) as monitor:
         calls = {"step tokens": (lambda v: monitor.step(1, loss=1.0, tokens=v)),
                  "record weight": (lambda v: monitor.record("x", 1.0, weight=v)),
@@ -728,6 +731,7 @@ def test_small_surprises_at_the_edges_are_named(tmp_path):
         expected = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()]).norm()
         assert float(monitor.clip_grad_norm_(np.float32(1e9))) == pytest.approx(float(expected))
         assert monitor.log_eval(1, loss=800.0)["eval/ppl"] == math.inf
+        assert math.isnan(monitor.log_eval(3, loss=math.nan)["eval/ppl"])
         assert monitor.log_eval(2, loss=3.0)["eval/ppl"] == pytest.approx(math.exp(3.0))
     checked = run_python("-m", "distmetrics.cli", "check-config", tmp_path)
     assert checked.returncode == 2 and "is a folder; give the YAML file" in checked.stderr, checked.stderr

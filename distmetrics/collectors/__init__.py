@@ -47,7 +47,8 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     if config.log_memory:
         out.append(MemoryCollector())
     if config.log_energy:
-        out.append(EnergyCollector(layout.world_size))
+        ranks = torch.distributed.get_world_size(group) if group is not None else layout.world_size
+        out.append(EnergyCollector(ranks))  # the GPUs its reduction sums over
     if config.log_gpu_telemetry or (config.verbosity >= 1 and torch.cuda.is_available()):
         out.append(TelemetryCollector())
     if model is not None:
