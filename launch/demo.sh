@@ -22,6 +22,6 @@ done
 echo "demo run folder: $RUN_DIR"
 NPROC_PER_NODE=${NPROC_PER_NODE:-2} MASTER_PORT=${MASTER_PORT:-29517} \
   bash launch/torchrun.sh launch/train_fsdp.py --steps 40 --config configs/demo.yaml "output_dir=$RUN_DIR" "$@"
-echo "metrics: $RUN_DIR/metrics.jsonl   progress: $RUN_DIR/progress.txt   summary: distmetrics summary $RUN_DIR"
-echo "tensorboard --logdir $RUNS   (each demo run is one TensorBoard run)"
+echo "metrics: $RUN_DIR/metrics.jsonl   progress: $RUN_DIR/progress.txt   summary: $VENV/bin/distmetrics summary $RUN_DIR"
+echo "$VENV/bin/tensorboard --logdir $RUNS   (each demo run is one TensorBoard run)"
 "$PYTHON" -m distmetrics.cli report "$RUN_DIR" --out "$RUN_DIR/report.html"
