@@ -44,7 +44,8 @@ class RankInfo:
 
     rank: int
     hostname: str
-    local_rank: int
+    local_rank: Optional[int]
+    """From the launcher's variable, or its place among its host's ranks (filled in by the gather)."""
     pid: int
     gpu: Optional[dict] = None
     """The rank's GPU (name, SMs, capability, memory, UUID, driver, CUDA runtime), if any."""
@@ -96,7 +97,7 @@ _DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp")
 
 def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
     """Build the :class:`Layout` of this rank."""
-    layout = Layout(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    layout = Layout(local_rank=local_rank_from_env() or 0)
     if dist.is_available() and dist.is_initialized():
         layout.rank = dist.get_rank()
         layout.world_size = dist.get_world_size()
@@ -143,6 +144,20 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
                     setattr(layout, f"{attr}_size", device_mesh.size(names.index(dim_name)))
                     setattr(layout, f"{attr}_group", device_mesh.get_group(dim_name))
     return layout
+
+
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""Where launchers put a process's rank on its node: torchrun, srun, Open MPI, MPICH/Intel MPI."""
+
+
+def local_rank_from_env() -> Optional[int]:
+    """This process's rank on its node as its launcher says, or None (no launcher variable: the
+    start-up gather then counts it among the ranks on its host)."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def data_parallel_group(layout: Layout) -> Any:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .parallel import Layout, RankInfo
+from .parallel import Layout, RankInfo, local_rank_from_env
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks
@@ -180,13 +180,19 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
         from .collectors.nvml import gpu_model_info
 
         gpu = gpu_model_info(layout.rank)
-    mine = RankInfo(layout.rank, socket.gethostname(), layout.local_rank, os.getpid(), gpu, problem, settings)
+    mine = RankInfo(layout.rank, socket.gethostname(), local_rank_from_env(), os.getpid(), gpu, problem, settings)
     if layout.world_size == 1 or not dist.is_initialized():
+        mine.local_rank = layout.local_rank if mine.local_rank is None else mine.local_rank
         return [mine]
     if guard is not None:
         guard.enter("Monitor()")
     rows: list[Any] = [None] * layout.world_size
     dist.all_gather_object(rows, mine)
+    on_host: dict[str, int] = {}
+    for row in sorted(rows, key=lambda r: r.rank):  # no launcher variable: its place among its host's ranks
+        place = on_host[row.hostname] = on_host.get(row.hostname, -1) + 1
+        if row.local_rank is None:
+            row.local_rank = place
     return rows
 
 

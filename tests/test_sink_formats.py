@@ -189,3 +189,18 @@ def test_the_record_time_at_the_epoch_in_a_fresh_process():
 
     child = run_python("-c", "from distmetrics.sinks.jsonl import utc_now; print(utc_now(0.5))")
     assert child.stdout.strip() == "1970-01-01T00:00:00.500+00:00", child.stderr
+
+
+def test_the_console_shows_the_hottest_gpu_and_a_max_only_timer_block():
+    """verbosity 1 promises temperature: the line read gpu/temperature_c, which a minmax reduction
+    never writes (gpu/temperature_c/max is there). Under timing_log_option: max no timer block was
+    printed; Megatron prints "max time across ranks (ms):"."""
+    from distmetrics.sinks.console import format_timer_block, format_train_line
+
+    line = format_train_line({"gpu/temperature_c/max": 60.0, "gpu/temperature_c/min": 55.0}, 2, telemetry=True)
+    assert "temperature_c 60.0" in line
+    block = format_timer_block({"timers/fwd": 5.0, "timers/fwd/max_rank": 1, "timers/step": 12.5,
+                                "timers/step/max_rank": 0})
+    assert block.splitlines()[0] == "max time across ranks (ms):" and "fwd" in block and ": 5.00" in block
+    both = format_timer_block({"timers/fwd": 5.0, "timers/fwd/min": 4.0, "timers/fwd/max_rank": 1})
+    assert both.splitlines()[0] == "(min, max) time across ranks (ms):" and "(4.00, 5.00)" in both

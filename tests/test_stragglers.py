@@ -437,3 +437,52 @@ def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
             for slowest in (True, False):
                 assert lists.ranks(name, 5, slowest) == tensors.ranks(name, 5, slowest)
         assert lists.filled == tensors.filled
+
+
+def _local_ranks_without_torchrun(rank: int, world: int) -> dict:
+    import os
+
+    import distmetrics as dm
+
+    out = {}
+    for launcher in ("none", "srun"):
+        for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+            os.environ.pop(name, None)
+        if launcher == "srun":
+            os.environ["SLURM_LOCALID"] = str(world - 1 - rank)  # srun's numbering, not the global rank's order
+        with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+            out[launcher] = [h.local_rank for h in monitor.hosts]
+    return out
+
+
+def test_local_ranks_come_from_the_launcher_or_the_ranks_on_the_host():
+    """Launched by srun or mpirun (no LOCAL_RANK), every rank was named local rank 0 in straggler
+    reports: SLURM_LOCALID (and Open MPI's, MPICH's) are read, and without any, a rank's place
+    among its host's ranks."""
+    for out in run_ranks(_local_ranks_without_torchrun, 2, timeout=90):
+        assert out == {"none": [0, 1], "srun": [1, 0]}, out
+
+
+def _timer_zero_on_one_rank(rank: int, world: int) -> dict:
+    import distmetrics as dm
+
+    with FakeClock() as clock:
+        monitor = dm.Monitor(quiet_config(log_interval=3, timing_log_level=1, timing_log_option="minmax",
+                                          straggler_window=0))
+        for step in (1, 2, 3):
+            with monitor.timers("x", log_level=1):
+                clock.advance(5.0 if rank == 0 else 0.0)  # rank 1's timer times nothing (a stage without the work)
+            with monitor.timers("y", log_level=1):
+                clock.advance(10.0 / 3)  # every rank alike: 10 ms over the 3 steps
+            metrics = monitor.step(step)
+        monitor.close()
+    return metrics
+
+
+def test_a_timer_that_measured_nothing_is_left_out_of_the_minimum_and_equal_ranks_score_one():
+    """Megatron-core's reports leave a rank's 0 ms out ((5.00, 5.00)); timers/x/min was 0 from
+    rank 1. Every rank 10/3 ms: max_over_mean was 0.99999998 (a float32 max over a float64 mean)."""
+    m = run_ranks(_timer_zero_on_one_rank, 2, timeout=90)[0]
+    assert m["timers/x"] == pytest.approx(5.0) and m["timers/x/min"] == pytest.approx(5.0)
+    assert m["timers/x/min_rank"] == 0
+    assert m["stragglers/y/max_over_mean"] >= 1.0 and m["stragglers/y/max_over_mean"] == pytest.approx(1.0)

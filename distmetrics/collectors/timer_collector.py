@@ -130,7 +130,7 @@ class TimerCollector:
             ms = timer.take_interval_ms(running=not (step_timer and ctx.ended_at is not None))
             if step_timer:
                 timer.resume()  # a pause lasts to the log step at most, as the interval clock's
-            if ms is None or divisor == 0:
+            if ms is None or ms <= 0 or divisor == 0:  # 0 ms: nothing measured, left out as Megatron's reports do
                 continue
             per_step = ms / divisor
             out.append(Sample(f"timers/{name}", per_step, kind))
@@ -173,6 +173,6 @@ class TimerCollector:
         if rank < len(ctx.hosts):
             metrics[f"{prefix}/host"] = _host(rank, ctx.hosts)
             metrics[f"{prefix}/local_rank"] = _local_rank(rank, ctx.hosts)
-        if typical:
-            metrics[f"{prefix}/{ratio_name}"] = slowest / typical
+        if typical:  # the slowest over a mean or median is >= 1 (the max is float32 in the MAX pack, the mean float64)
+            metrics[f"{prefix}/{ratio_name}"] = max(1.0, slowest / typical)
 

@@ -98,9 +98,10 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
     if "train/eta_s" in m:
         fields.append(f"eta {format_duration(m['train/eta_s'])}")
     if telemetry:
-        for key in ("memory/max_allocated_gib", "memory/host_rss_gib", "power/mean_w", "gpu/temperature_c"):
-            if key in m:
-                fields.append(f"{key.split('/', 1)[1]} {_num(m[key], '.1f')}")
+        for key, label in (("memory/max_allocated_gib", "max_allocated_gib"), ("memory/host_rss_gib", "host_rss_gib"),
+                           ("power/mean_w", "mean_w"), ("gpu/temperature_c/max", "temperature_c")):
+            if key in m:  # the temperature is the hottest GPU's (a minmax reduction)
+                fields.append(f"{label} {_num(m[key], '.1f')}")
     return f"{head} {trend} " + " | ".join(fields)
 
 
@@ -121,17 +122,22 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
 
 
 def format_timer_block(m: dict[str, Any]) -> str:
-    """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``."""
-    times = {}
+    """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``, or
+    under ``timing_log_option: max`` (no minimum) its ``max time across ranks (ms):`` block."""
+    times, slowest = {}, {}
     for key, value in m.items():
         low = high = None
         if key.startswith("timers/") and key.endswith("/min"):
             name = key[len("timers/"):-len("/min")]
             high = m.get(f"timers/{name}")
             low, high = value, (m.get(f"timers/{name}/max") if isinstance(high, PerRank) else high)
+        elif key.startswith("timers/") and key.endswith("/max_rank"):  # under max: timers/<name> is the slowest
+            name = key[len("timers/"):-len("/max_rank")]
+            if f"timers/{name}/min" not in m and isinstance(m.get(f"timers/{name}"), (int, float)):
+                slowest[name] = (m[f"timers/{name}"], m[f"timers/{name}"])
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
             times[name] = (low, high)
-    return time_block(times)
+    return time_block(times) if times or not slowest else time_block(slowest, max_only=True)
 
 
 def format_duration(seconds: float) -> str:
