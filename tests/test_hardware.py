@@ -630,3 +630,26 @@ def test_a_torn_last_line_of_progress_txt_is_not_read(tmp_path):
         saved = _progress_jobs(out, [(1, 100, (100,)), (151, 200, (200,))], before_second=tear(cut))
         assert [(r["step"], r["checkpoint/tokens"]) for r in saved] == [(100, 1e5), (200, 1.5e5)], cut
         assert "9.99e+19" not in (out / "progress.txt").read_text()
+
+
+def _mfu_above_100(rank: int, world: int) -> list:
+    import logging
+
+    import distmetrics as dm
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    with FakeClock() as clock:
+        with dm.Monitor(quiet_config(log_interval=1, log_throughput=True, flops_per_token=1e12, peak_tflops=1.0)) as m:
+            for step in (1, 2, 3):
+                clock.advance(1000)
+                m.step(step, tokens=1000)
+    return [w for w in seen if "is above 100%" in w]
+
+
+def test_mfu_above_100_is_said_once_per_job_not_once_per_rank():
+    """Every rank computes the same MFU: each said it, 1,000 warnings on 1,000 ranks."""
+    said = run_ranks(_mfu_above_100, 2, timeout=90)
+    assert len(said[0]) == 1 and said[1] == []

@@ -43,7 +43,7 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     if config.log_throughput:
         out.append(ThroughputCollector(layout.world_size, config.resolved_flops_per_token,
                                        resolve_peak_tflops(config, layout.rank), config.total_steps,
-                                       config.sol_step_time_ms))
+                                       config.sol_step_time_ms, warns=layout.rank == 0))
     if config.log_memory:
         out.append(MemoryCollector())
     if config.log_energy:

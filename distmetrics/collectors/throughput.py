@@ -49,14 +49,14 @@ class ThroughputCollector:
 
     def __init__(self, world_size: int, flops_per_token: Optional[float] = None,
                  peak_tflops: Optional[float] = None, total_steps: Optional[int] = None,
-                 sol_step_time_ms: Optional[float] = None) -> None:
+                 sol_step_time_ms: Optional[float] = None, warns: bool = True) -> None:
         self.world_size = world_size
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
         self.total_steps = total_steps
         self.sol_step_time_ms = sol_step_time_ms
         self.consumed_tokens = 0.0
-        self._mfu_warned = False
+        self._mfu_warned = not warns  # the values are the same on every rank: one rank says it
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """None: the interval's time and tokens come in the context."""
