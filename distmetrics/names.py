@@ -93,6 +93,22 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
                          "value.full_tensor()")
 
 
+def local_tensor(value: Any, what: str) -> Any:
+    """A tensor a user hands over whole (per-sample losses, counts per expert) as this rank's
+    copy: refused on the meta device (no value) or as a DTensor whose piece is not the whole
+    (Partial, Shard); a Replicate DTensor is this rank's copy."""
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor and not value.is_meta:
+        return value
+    if value.is_meta:
+        raise ValueError(f"{what}: a tensor on the meta device holds no value")
+    if is_dtensor(value):
+        if not all(p.is_replicate() for p in value.placements):
+            raise ValueError(f"{what}: a DTensor with placements {tuple(value.placements)}: each rank's piece is not "
+                             "the value; pass a Replicate DTensor or value.full_tensor()")
+        return value.to_local()
+    return value
+
+
 def local_value(value: Any) -> Any:
     """A Replicate DTensor (checked by :func:`check_user_value`) as this rank's copy; else ``value``.
     Done where a user's value comes in, so no collector sees a DTensor (packed with tensors by

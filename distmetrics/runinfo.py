@@ -188,11 +188,14 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
         guard.enter("Monitor()")
     rows: list[Any] = [None] * layout.world_size
     dist.all_gather_object(rows, mine)
-    on_host: dict[str, int] = {}
-    for row in sorted(rows, key=lambda r: r.rank):  # no launcher variable: its place among its host's ranks
-        place = on_host[row.hostname] = on_host.get(row.hostname, -1) + 1
-        if row.local_rank is None:
-            row.local_rank = place
+    by_host: dict[str, list] = {}
+    for row in sorted(rows, key=lambda r: r.rank):
+        by_host.setdefault(row.hostname, []).append(row)
+    for host_rows in by_host.values():  # no launcher variable, or one every rank inherited alike (SLURM_LOCALID=0
+        given = [row.local_rank for row in host_rows]  # of one task that spawned its ranks): the place on the host
+        if None in given or len(set(given)) < len(given):
+            for place, row in enumerate(host_rows):
+                row.local_rank = place
     return rows
 
 

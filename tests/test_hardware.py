@@ -653,3 +653,28 @@ def test_mfu_above_100_is_said_once_per_job_not_once_per_rank():
     """Every rank computes the same MFU: each said it, 1,000 warnings on 1,000 ranks."""
     said = run_ranks(_mfu_above_100, 2, timeout=90)
     assert len(said[0]) == 1 and said[1] == []
+
+
+def _throughput_in_a_subgroup(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    metrics = None
+    with FakeClock() as clock:
+        with dm.Monitor(quiet_config(log_interval=2, log_throughput=True, flops_per_token=1e9, hang_timeout_s=0),
+                        group=groups[rank]) as monitor:
+            for step in (1, 2, 3):
+                clock.advance(1000)
+                metrics = monitor.step(step, tokens=1000) or metrics
+    return metrics
+
+
+def test_per_gpu_throughput_under_a_subgroup_is_over_the_groups_gpus():
+    """A Monitor given a one-rank group sums that group's tokens: divided by the world's 2 GPUs,
+    tokens/s per GPU read 500 for 1,000 (and TFLOP/s per GPU and MFU half)."""
+    for m in run_ranks(_throughput_in_a_subgroup, 2, timeout=90):
+        assert m["train/tokens_per_sec"] == pytest.approx(1000.0)
+        assert m["train/tokens_per_sec_per_gpu"] == pytest.approx(1000.0)
+        assert m["train/tflops_per_gpu"] == pytest.approx(1000.0 * 1e9 / 1e12)

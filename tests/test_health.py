@@ -409,3 +409,42 @@ def test_record_moe_refuses_bad_arguments_at_the_call(counts, layers):
         with pytest.raises(ValueError, match=r"record_moe\((tokens_per_expert|layer_numbers)=...\): expected"):
             monitor.record_moe(tokens_per_expert=counts, layer_numbers=layers)
         assert monitor.step(1, loss=2.0)["train/loss"] == 2.0 and not any(k.startswith("moe/") for k in monitor.last_metrics)
+
+
+def _losses_and_counts_as_dtensors(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        losses = distribute_tensor(torch.tensor([1.0, 3.0]), mesh, [Replicate()])
+        monitor.record_losses(losses, ["web", "code"])
+        counts = distribute_tensor(torch.tensor([[4.0, 0.0]]), mesh, [Replicate()])
+        monitor.record_moe(tokens_per_expert=counts, layer_numbers=[0])
+        for name, call in (("losses", lambda: monitor.record_losses(distribute_tensor(torch.ones(2), mesh, [Shard(0)]),
+                                                                      ["web", "code"])),
+                           ("meta", lambda: monitor.record_losses(torch.ones(2, device="meta"), ["web", "code"])),
+                           ("counts", lambda: monitor.record_moe(tokens_per_expert=distribute_tensor(
+                               torch.ones(1, 2), mesh, [Shard(1)])))):
+            try:
+                call()
+            except ValueError as err:
+                out[name] = str(err)
+        metrics = monitor.step(1)
+    out["metrics"] = {k: v for k, v in metrics.items() if k.startswith(("train/loss/", "moe/"))}
+    return out
+
+
+def test_per_sample_losses_and_expert_counts_as_dtensors_or_on_the_meta_device():
+    """A Replicate DTensor of counts failed at every log step (.tolist() of a DTensor); per-sample
+    losses as a DTensor raised torch's own error, and on the meta device failed inside the
+    reduction with the other rank waiting. A Replicate DTensor is this rank's copy; the others
+    are refused at the call."""
+    for out in run_ranks(_losses_and_counts_as_dtensors, 2, timeout=120):
+        assert out["metrics"]["train/loss/web"] == 1.0 * 1 and out["metrics"]["train/loss/code"] == 3.0
+        assert out["metrics"]["moe/expert_utilization"] == 0.5
+        assert "Shard(dim=0)" in out["losses"] and "meta device" in out["meta"] and "Shard(dim=1)" in out["counts"]

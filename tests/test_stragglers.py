@@ -445,11 +445,13 @@ def _local_ranks_without_torchrun(rank: int, world: int) -> dict:
     import distmetrics as dm
 
     out = {}
-    for launcher in ("none", "srun"):
+    for launcher in ("none", "srun", "inherited"):
         for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
             os.environ.pop(name, None)
         if launcher == "srun":
             os.environ["SLURM_LOCALID"] = str(world - 1 - rank)  # srun's numbering, not the global rank's order
+        if launcher == "inherited":  # one srun task that spawned its ranks: each inherits SLURM_LOCALID=0
+            os.environ["SLURM_LOCALID"] = "0"
         with dm.Monitor(quiet_config(log_interval=1)) as monitor:
             out[launcher] = [h.local_rank for h in monitor.hosts]
     return out
@@ -460,7 +462,7 @@ def test_local_ranks_come_from_the_launcher_or_the_ranks_on_the_host():
     reports: SLURM_LOCALID (and Open MPI's, MPICH's) are read, and without any, a rank's place
     among its host's ranks."""
     for out in run_ranks(_local_ranks_without_torchrun, 2, timeout=90):
-        assert out == {"none": [0, 1], "srun": [1, 0]}, out
+        assert out == {"none": [0, 1], "srun": [1, 0], "inherited": [0, 1]}, out
 
 
 def _timer_zero_on_one_rank(rank: int, world: int) -> dict:

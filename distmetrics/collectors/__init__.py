@@ -40,14 +40,14 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     # With them on, every rank's timer values also travel (in the one ALL gather).
     scores = config.straggler_window > 0 and layout.world_size > 1
     out.append(TimerCollector(timers, config.timing_log_option, per_rank=scores))
+    ranks = torch.distributed.get_world_size(group) if group is not None else layout.world_size  # the reduction's
     if config.log_throughput:
-        out.append(ThroughputCollector(layout.world_size, config.resolved_flops_per_token,
+        out.append(ThroughputCollector(ranks, config.resolved_flops_per_token,
                                        resolve_peak_tflops(config, layout.rank), config.total_steps,
                                        config.sol_step_time_ms, warns=layout.rank == 0))
     if config.log_memory:
         out.append(MemoryCollector())
     if config.log_energy:
-        ranks = torch.distributed.get_world_size(group) if group is not None else layout.world_size
         out.append(EnergyCollector(ranks))  # the GPUs its reduction sums over
     if config.log_gpu_telemetry or (config.verbosity >= 1 and torch.cuda.is_available()):
         out.append(TelemetryCollector())
