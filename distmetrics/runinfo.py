@@ -191,9 +191,12 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
     by_host: dict[str, list] = {}
     for row in sorted(rows, key=lambda r: r.rank):
         by_host.setdefault(row.hostname, []).append(row)
-    for host_rows in by_host.values():  # no launcher variable, or one every rank inherited alike (SLURM_LOCALID=0
-        given = [row.local_rank for row in host_rows]  # of one task that spawned its ranks): the place on the host
-        if None in given or len(set(given)) < len(given):
+    for host_rows in by_host.values():
+        # no launcher variable, or one every rank of the host inherited alike (SLURM_LOCALID=0 of one
+        # task that spawned its ranks): the place on the host. Two torchrun agents on one host name
+        # number their ranks 0, 1, 0, 1: those stay.
+        given = [row.local_rank for row in host_rows]
+        if None in given or (len(given) > 1 and len(set(given)) == 1):
             for place, row in enumerate(host_rows):
                 row.local_rank = place
     return rows
