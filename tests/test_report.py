@@ -415,6 +415,24 @@ def test_a_job_that_continues_after_the_last_step_drops_no_heatmap_value(tmp_pat
     assert grid.width == 2 and int(grid.count[:, 0].sum()) == 1300
 
 
+def test_the_last_step_before_a_job_is_the_one_the_monitor_reads(tmp_path):
+    """A job logging to step 100 that saved checkpoint 105, then a job starting at 103: the Monitor
+    reads 100 as the last step logged (train, eval and tensor_stats records) and drops nothing; the
+    report read 105 from the progress record and cleared its heatmap from 103."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+
+    def train(step, value):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": value}
+
+    _write(tmp_path / "metrics.jsonl", [run, *(train(s, 1.0) for s in range(10, 101, 10)),
+                                         {"kind": "progress", "step": 105, "message": "Saved checkpoint"}, dict(run),
+                                         *(train(s, 2.0) for s in (103, 113))])
+    data = load_metrics(tmp_path)
+    assert data.jobs[1]["previous_last_step"] == 100 and not data.jobs[1]["resumed_at_or_before_last"]
+    steps, values = data.grids[("module", "grad_norm")].logged()
+    assert values[:, 0].tolist() == [1.0] * 10 + [2.0, 2.0]
+
+
 def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
     from distmetrics.report.alerts import events_of
 

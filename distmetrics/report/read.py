@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ..runlog import metrics_files
+from ..sinks import DASHBOARD_KINDS
 from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
 
@@ -141,8 +142,8 @@ class RunData:
             meta["first_step"] = step
             # the last step logged before this job (as the Monitor reads it at a restart: the
             # latest job's, not the highest of all: after a rollback that one was abandoned)
-            before = next((job["last_step"] for job in reversed(self.jobs[:self._job])
-                           if job["last_step"] is not None and job.get("trained")), None)
+            before = next((job["last_logged"] for job in reversed(self.jobs[:self._job])
+                           if job.get("last_logged") is not None and job.get("trained")), None)
             if before is not None:
                 meta["resumed_at_or_before_last"] = step <= before
                 meta["previous_last_step"] = before
@@ -158,6 +159,8 @@ class RunData:
                     grid.restart(start)
             self._restart_pending = None
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
+        if kind in DASHBOARD_KINDS:  # what the Monitor reads as the last step logged (runlog.last_logged_step)
+            meta["last_logged"] = step if meta.get("last_logged") is None else max(meta["last_logged"], step)
         if kind == "train":
             meta["trained"] = True  # a job that only evaluated dropped nothing: the one before it counts
         meta["records"] += 1
