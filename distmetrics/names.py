@@ -71,7 +71,6 @@ def check_value(value: Any, what: str, *args: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
-
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r}")
@@ -83,17 +82,11 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
     reduction, after the other ranks had entered it) and no DTensor whose piece on this rank is
     not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's copy)."""
     check_value(value, what, *args)
-    if type(value) is float or type(value) is int or not isinstance(value, torch.Tensor):
-        return
-    if value.is_meta:
-        raise ValueError(f"{what % args if args else what}: a tensor on the meta device holds no value")
-    if type(value) is not torch.Tensor and is_dtensor(value) and not all(p.is_replicate() for p in value.placements):
-        raise ValueError(f"{what % args if args else what}: a DTensor with placements {tuple(value.placements)}: "
-                         "each rank's piece is not the value; pass a Replicate DTensor (loss_parallel's loss) or "
-                         "value.full_tensor()")
+    if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta):
+        user_tensor(value, what % args if args else what)
 
 
-def local_tensor(value: Any, what: str) -> Any:
+def user_tensor(value: Any, what: str) -> Any:
     """A tensor a user hands over whole (per-sample losses, counts per expert) as this rank's
     copy: refused on the meta device (no value) or as a DTensor whose piece is not the whole
     (Partial, Shard); a Replicate DTensor is this rank's copy."""
@@ -104,15 +97,15 @@ def local_tensor(value: Any, what: str) -> Any:
     if is_dtensor(value):
         if not all(p.is_replicate() for p in value.placements):
             raise ValueError(f"{what}: a DTensor with placements {tuple(value.placements)}: each rank's piece is not "
-                             "the value; pass a Replicate DTensor or value.full_tensor()")
+                             "the value; pass a Replicate DTensor (loss_parallel's loss) or value.full_tensor()")
         return value.to_local()
     return value
 
 
 def local_value(value: Any) -> Any:
-    """A Replicate DTensor (checked by :func:`check_user_value`) as this rank's copy; else ``value``.
-    Done where a user's value comes in, so no collector sees a DTensor (packed with tensors by
-    ``torch.cat`` on a GPU, it raised at every log step)."""
+    """This rank's piece of a DTensor (``to_local()``), else ``value`` (``parallel.local_tensor``).
+    Applied where a user's value comes in (a Replicate DTensor, checked by :func:`check_user_value`),
+    so no collector sees a DTensor (packed with tensors by ``torch.cat`` on a GPU, it raised)."""
     if type(value) is float or type(value) is int or type(value) is torch.Tensor or value is None:
         return value
     return value.to_local() if is_dtensor(value) else value

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .names import is_dtensor
+from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
 __all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
@@ -210,13 +210,6 @@ def counts_batch_tokens(layout: Layout) -> bool:
 def holds_first_replica(layout: Layout) -> bool:
     """True where this rank's weights are the copy that counts (data-parallel rank 0, TP/CP rank 0)."""
     return sees_distinct_tokens(layout) and layout.dp_rank == 0
-
-
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece: ``t.to_local()`` for a DTensor, else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, group: Any = None) -> bool:

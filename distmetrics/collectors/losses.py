@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..names import local_tensor
+from ..names import user_tensor
 from ..packing import weighted
 from .base import Alert, LogContext, Sample
 
@@ -27,9 +27,9 @@ class CategoryLosses:
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
         """Add per-sample ``losses`` under their categories (see ``Monitor.record_losses``)."""
-        losses = local_tensor(losses, "record_losses(per_sample_loss)")
-        weights = local_tensor(weights, "record_losses(weights=...)")
-        categories = local_tensor(categories, "record_losses(categories)")
+        losses = user_tensor(losses, "record_losses(per_sample_loss)")
+        weights = user_tensor(weights, "record_losses(weights=...)")
+        categories = user_tensor(categories, "record_losses(categories)")
         losses = losses.detach().reshape(-1).to(torch.float64)
         n = losses.numel()
         w = torch.ones_like(losses) if weights is None else torch.as_tensor(weights).detach().reshape(-1).to(

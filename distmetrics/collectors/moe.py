@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..interval import IntervalStats
-from ..names import check_user_value, local_tensor, local_value
+from ..names import check_user_value, local_value, user_tensor
 from .base import Alert, LogContext, Sample
 
 __all__ = ["MoECollector"]
@@ -45,7 +45,7 @@ class MoECollector:
                 self._stats.record(name, local_value(value), "mean")
 
     def _record_counts(self, tokens_per_expert: torch.Tensor, layer_numbers: Optional[Sequence[int]]) -> None:
-        tokens_per_expert = local_tensor(tokens_per_expert, "record_moe(tokens_per_expert=...)")
+        tokens_per_expert = user_tensor(tokens_per_expert, "record_moe(tokens_per_expert=...)")
         if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() not in (1, 2) \
                 or tokens_per_expert.shape[-1] == 0 or tokens_per_expert.is_meta:
             what = (f"a tensor of shape {tuple(tokens_per_expert.shape)}" if isinstance(tokens_per_expert, torch.Tensor)
