@@ -23,7 +23,8 @@ import yaml
 
 from .flops import model_flops_per_token
 from .redaction import redact_mapping
-from .validation import ConfigError, check_file_keys, check_types, checked_keywords, unknown_key
+from .validation import ConfigError, check_file_keys, check_types, checked_keywords, non_text_key, unknown_key
+from .yamlfile import StrictLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml"]
 
@@ -75,7 +76,7 @@ class MetricsConfig:
     json_log: bool = True
     """Write ``{output_dir}/metrics.jsonl``, one JSON object per record."""
     console: bool = True
-    """Write one line per log step through Python ``logging`` (logger ``distmetrics``)."""
+    """Write one line per log step through Python ``logging`` (logger ``distmetrics.console``)."""
     verbosity: int = 0
     """Console detail: -1 eval lines only, 0 one line per log step, 1 adds telemetry."""
     log_progress: bool = True
@@ -334,54 +335,6 @@ def _takes_number_not_text(hint: Any) -> bool:
     return any(a in (int, float) for a in args) and str not in args
 
 
-def read_yaml(path: Path, what: str = "metrics config file") -> Any:
-    """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
-    features file); every way it can be unreadable is a ConfigError."""
-    if path.is_dir():
-        raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
-    if not path.is_file():
-        raise ConfigError(f"{what} {str(path)!r} does not exist")
-    try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
-                          f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
-    except OSError as err:
-        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses what it would read silently otherwise: a key given twice
-    in one mapping (the last one won) and an integer written with a leading 0 (YAML 1.1, which
-    PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10)."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-        seen: dict = {}
-        for key_node, _ in node.value:  # the keys written in this mapping (a merge key's `<<: *x` may be overridden)
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
-                continue
-            key = key_node.value
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice in one mapping (lines {seen[key] + 1} and "
-                    f"{key_node.start_mark.line + 1}); give it once", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-    def construct_yaml_int(self, node: Any) -> int:
-        text = self.construct_scalar(node).replace("_", "").lstrip("+-")
-        if len(text) > 1 and text[0] == "0" and text[1].isdigit():
-            raise yaml.constructor.ConstructorError(
-                None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as octal, YAML 1.2 "
-                "as decimal; write it without the leading 0", node.start_mark)
-        return super().construct_yaml_int(node)
-
-
-_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
-
-
 def _apply_overrides(values: dict, items: list[str]) -> dict:
     if isinstance(items, (str, bytes)):  # iterated, a string's characters were the overrides
         raise ConfigError(f"overrides are a list of 'key=value' strings, got the string {items!r}: pass [{items!r}]")
@@ -392,9 +345,11 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
         parts = key.strip().split(".")
         _check_override_key(item, parts)
         try:
-            value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else None  # noqa: S506 - a SafeLoader
+            value = yaml.load(raw, Loader=StrictLoader) if raw.strip() else None  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            if isinstance(err, StrictLoader.Refused):  # read, but as YAML would read it wrongly: the fix is named
+                raise ConfigError(f"override {item!r}: {problem}") from None
             raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
                               f"to pass it as a string, quote it inside the value: {key}=\"'{raw}'\"") from None
         target = values
@@ -446,8 +401,7 @@ def _build(cls: type, values: dict, prefix: str):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
     keys = [key for key in values if not isinstance(key, str)]
     if keys:
-        raise ConfigError(f"{prefix}{keys[0]!r}: config keys are names (text), got {type(keys[0]).__name__} "
-                          f"{keys[0]!r}")
+        raise ConfigError(non_text_key(prefix, keys[0]))
     return cls(**values)
 
 

@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "unknown_key"]
+__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key", "unknown_key"]
 
 _INT64_LIMIT = 2 ** 63
 
@@ -47,10 +47,17 @@ def check_file_keys(cls: type, values: Any, prefix: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(non_text_key(prefix, key))
         if key not in fields:
             raise ConfigError(unknown_key(prefix, key, fields, value))
         if dataclasses.is_dataclass(hints[key]):
             check_file_keys(hints[key], value, f"{prefix}{key}.")
+
+
+def non_text_key(prefix: str, key: Any) -> str:
+    """``1: config keys are names (text), got int 1`` (YAML reads ``1: 2`` with an int key)."""
+    return f"{prefix}{key!r}: config keys are names (text), got {type(key).__name__} {key!r}"
 
 
 def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
@@ -78,7 +85,7 @@ def check_value(key: str, value: Any, expected: Any) -> None:
         return
     if choices and isinstance(value, bool):
         suggestion = {False: "disabled", True: "online"}.get(value)
-        instead = f"; write {key.rsplit('.', 1)[-1]}: {suggestion}" if suggestion in choices else ""
+        instead = f"; for {value!r} write the word {suggestion}" if suggestion in choices else ""  # YAML or key=value
         raise ConfigError(f"{key}={value!r}: YAML reads an unquoted off/on/no/yes as a boolean, not a word; "
                           f"accepted values are {', '.join(map(repr, choices))}{instead}")
     if choices and any(type(value) is type(c) for c in choices):

@@ -105,7 +105,7 @@ def test_bad_writer_rank_lists_the_accepted_values():
 def test_yaml_boolean_for_a_word_says_so_and_suggests_disabled():
     """``wandb_mode=off`` reaches the config as False (YAML 1.1 booleans)."""
     with pytest.raises(ConfigError, match=r"wandb_mode=False: YAML reads an unquoted off/on/no/yes as a boolean.*"
-                                          r"'online', 'offline', 'disabled'; write wandb_mode: disabled"):
+                                          r"'online', 'offline', 'disabled'; for False write the word disabled"):
         dm.MetricsConfig.from_dict({}, ["wandb_mode=off"])
 
 
@@ -222,8 +222,9 @@ def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, mess
     path.write_text(text)
     with pytest.raises(dm.ConfigError, match=re.escape(message)):
         dm.MetricsConfig.from_yaml(path)
-    with pytest.raises(dm.ConfigError, match="leading 0"):
+    with pytest.raises(dm.ConfigError, match="leading 0") as raised:
         dm.MetricsConfig.from_dict({}, ["log_interval=010"])
+    assert "quote it" not in str(raised.value)  # quoted, '010' is text where an int belongs: the fix is the 0
     assert dm.MetricsConfig.from_dict({}, ["log_interval=0x10"]).log_interval == 16
     merged = tmp_path / "merged.yaml"  # YAML's merge key, and a key it brings given again: both as PyYAML reads them
     merged.write_text("<<: {tensorboard: false, log_interval: 5}\nlog_interval: 7\n")
@@ -231,7 +232,7 @@ def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, mess
     assert (config.tensorboard, config.log_interval) == (False, 7)
 
 
-def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named():
+def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named(tmp_path):
     """from_yaml(p, "timing_log_level=1") iterated the string: "override 't' is not of the form
     key=value"; from_dict({1: 2}) raised TypeError: keywords must be strings."""
     import distmetrics as dm
@@ -241,3 +242,7 @@ def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named():
         dm.MetricsConfig.from_dict({}, "timing_log_level=1")
     with pytest.raises(dm.ConfigError, match="1: config keys are names"):
         dm.MetricsConfig.from_dict({1: 2})
+    path = tmp_path / "metrics.yaml"
+    path.write_text("log_interval: 5\n1: 2\n")
+    with pytest.raises(dm.ConfigError, match="metrics.yaml: 1: config keys are names"):  # was: unknown key '1'
+        dm.MetricsConfig.from_yaml(path)

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..config import ConfigError, TensorInspectConfig, read_yaml
+from ..config import ConfigError, TensorInspectConfig
+from ..yamlfile import read_yaml
 from .statistics import SUPPORTED_STATS
 
 __all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",

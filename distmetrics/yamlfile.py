@@ -1,0 +1,69 @@
+"""YAML files read strictly: what PyYAML would read silently otherwise is a ConfigError.
+
+A key given twice in one mapping (PyYAML keeps the last) and an integer with a leading 0
+(YAML 1.1, which PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10) are refused with
+the line they are on; a file that is missing, a folder, not UTF-8 or not YAML is named with
+what it was read as (a metrics config, a features file). Torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .validation import ConfigError
+
+__all__ = ["StrictLoader", "read_yaml"]
+
+
+def read_yaml(path: Path, what: str = "metrics config file") -> Any:
+    """The parsed content of a YAML file (``what`` names it in errors: a metrics config, a
+    features file); every way it can be unreadable is a ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not a UTF-8 text file "
+                          f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
+    except OSError as err:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses what it would read silently otherwise: a key given twice
+    in one mapping (the last one won) and an integer written with a leading 0 (YAML 1.1, which
+    PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10)."""
+
+    class Refused(yaml.constructor.ConstructorError):
+        """What this loader refuses (its message names the fix)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:  # the keys written in this mapping (a merge key's `<<: *x` may be overridden)
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                continue
+            key = key_node.value
+            if key in seen:
+                raise StrictLoader.Refused(
+                    None, None, f"key {key!r} is given twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); give it once", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        text = self.construct_scalar(node).replace("_", "").lstrip("+-")
+        if len(text) > 1 and text[0] == "0" and text[1].isdigit():
+            raise StrictLoader.Refused(
+                None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as octal, YAML 1.2 "
+                "as decimal; write it without the leading 0", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
