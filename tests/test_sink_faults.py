@@ -616,3 +616,61 @@ def test_wandb_start_leaves_sys_argv_alone_and_no_secret_reaches_its_files(tmp_p
     for path in files:
         assert secret.encode() not in path.read_bytes(), path
     assert read_offline_run(str(out))["config"]["argv"][-4:] == ["--hf-token", "***", "--seq-length", "128"]
+
+
+def _restart_on_full_disk_child(folder: str, result: str) -> None:
+    """Job A logs steps 1-10; job B restarts from step 5's checkpoint on a disk where no file can
+    grow (RLIMIT_FSIZE 0: every append fails with EFBIG) until its step 8 is written."""
+    import resource
+
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 11):
+            monitor.step(step, loss=1.0)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    with dm.Monitor(cfg) as monitor:
+        for step in range(6, 16):
+            monitor.step(step, loss=2.0)
+            if step == 8:
+                monitor.sinks.flush()  # TensorBoard tried its steps 6-8 on the full disk
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
+
+
+def test_a_restart_on_a_full_disk_keeps_its_job_header_and_tensorboards_purge_until_written(tmp_path):
+    """The purge order, the run record and progress.txt's "Starting job" line of a job that starts
+    on a full disk were each written once and lost: TensorBoard showed both jobs' values at steps
+    9 and 10, and summary read the two jobs as one (steps 9 and 10 twice, no restart). Each now goes
+    ahead of the first record written once room returns; steps 6-8 are lost and marked."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    child = run_child("_restart_on_full_disk_child", str(tmp_path / "run"), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
+        [(s, 1.0) for s in range(1, 6)] + [(s, 2.0) for s in range(9, 16)]
+    records = list(dm.read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    job_b = records[[i for i, r in enumerate(records) if r["kind"] == "run"][1]:]
+    gap = next(r for r in job_b if r["kind"] == "gap")
+    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (6, 8, 4)  # resume record + 3 train records
+    assert [r["step"] for r in job_b if r["kind"] == "train"] == list(range(9, 16))
+    summary = run_python_summary(tmp_path / "run")
+    assert "2 job(s)" in summary and "job 2:" in summary, summary
+    starts = [line for line in (tmp_path / "run" / "progress.txt").read_text().splitlines() if "Starting job" in line]
+    assert len(starts) == 2
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert len(_warnings(result, "jsonl", "cannot write")) == 1
+
+
+def run_python_summary(folder: Path) -> str:
+    return dist_utils.run_python("-m", "distmetrics.cli", "summary", folder).stdout

@@ -54,10 +54,12 @@ class AppendFile:
         if lines and self._end > 0:
             self._end = self._cut_torn_line(self._end)
 
-    def append(self, data: Union[bytes, Sequence[bytes]], step: int) -> bool:
+    def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True) -> bool:
         """Write ``data`` (bytes, or pieces written one after the other in one system call, not
         joined first) whole at the end of the file; on an OSError cut it back off, count the
-        record as lost (``step`` names it) and return False."""
+        record as lost (``step`` names it) and return False. ``counts=False``: ``data`` is not a
+        record but something the caller keeps and writes again ahead of the next (a file's or a
+        job's header, an order): a failure is not counted or said; a later record's is."""
         pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         size = sum(map(len, pieces))
         done = 0
@@ -73,7 +75,8 @@ class AppendFile:
                     done, view = done + wrote, view[wrote:]
         except OSError as err:
             self._roll_back(done)
-            self._count_lost(err, step)
+            if counts:
+                self._count_lost(err, step)
             return False
         self._end += size
         if self.lost is not None:

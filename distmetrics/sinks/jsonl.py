@@ -10,6 +10,8 @@ killed right after. A restart appends; a line torn by a crash during a write is 
 first. When a write fails (disk full), the part written is cut back off, later records are
 tried again, and the first record written after the failure is preceded by a ``gap`` record:
 ``{"kind": "gap", "step": N, "first_step": a, "last_step": b, "lost_records": n, "error": ...}``.
+A job's ``run`` record that could not be written goes ahead of the first record written (readers
+split the file into jobs at it), and is not counted as lost.
 
 Encoding is the training thread's main cost at thousands of names (a shortest float repr per
 value): with ``orjson`` installed (a dependency) a record encodes about 15x faster than with
@@ -55,15 +57,23 @@ class JsonlSink:
         self._file = AppendFile(self.path, self.name, lines=True,
                                 on_loss='a "gap" record')
         self._finite = FiniteCheck()
+        self._run: tuple = ()
+        """The job's ``run`` record if it could not be written: it goes ahead of the next record
+        (readers split the file into jobs at it; without it two jobs read as one)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
         pieces = _pieces(kind, step, metrics, self._finite)
+        if kind == "run":  # a job's header: kept until written
+            if not self._file.append(pieces, step, counts=False):
+                self._run = pieces
+            return
         lost = self._file.lost
         if lost is not None:  # the gap record and this one are written together, or neither
             pieces = (_line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
                                           "lost_records": lost.records, "error": lost.error}), *pieces)
-        self._file.append(pieces, step)
+        if self._file.append((*self._run, *pieces) if self._run else pieces, step):
+            self._run = ()
 
     def close(self) -> None:
         """Close the file (a warning if records were still failing to be written)."""

@@ -92,7 +92,10 @@ class TensorBoardSink:
                                   source_metadata=event_pb2.SourceMetadata(writer="distmetrics"))
         self._version = self._frame(version.SerializeToString())
         self._skipped: set[str] = set()
-        self._started = self._file.append(self._version, 0)
+        self._unwritten = b""
+        """The purge order (and the events behind it) when it could not be written: it goes ahead
+        of the next event, since without it TensorBoard shows two jobs' values at one step."""
+        self._started = self._file.append(self._version, 0, counts=False)
         self._before_start: Optional[collections.deque] = collections.deque(maxlen=KEPT_BEFORE_START)
         """(step, event) written before the job's first step: a purge from that step would drop
         those at or above it, so they are written again after it. None once the step is known."""
@@ -111,8 +114,9 @@ class TensorBoardSink:
 
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         data = self._frame(self._event(wall_time=time.time(), step=step, session_log=start).SerializeToString())
-        again = [event for at, event in kept if at >= step]
-        self._append(b"".join([data, *again]), step)
+        again = b"".join([data, *(event for at, event in kept if at >= step)])
+        if not self._append(again, step, counts=False):
+            self._unwritten = again
 
     def log_view(self, view: ScalarView, step: int) -> None:
         """Write one record's scalars and histograms as one event at ``step``."""
@@ -144,12 +148,13 @@ class TensorBoardSink:
         """Close the event file (a warning if events were still failing to be written)."""
         self._file.close()
 
-    def _append(self, data: bytes, step: int) -> bool:
-        """Write events whole (behind the file's version event until that is written)."""
-        if not self._started:  # the file's first event could not be written yet
-            data = self._version + data
-        written = self._file.append(data, step)
-        self._started = self._started or written
+    def _append(self, data: bytes, step: int, counts: bool = True) -> bool:
+        """Write events whole, behind what could not be written yet: the file's version event
+        (its first) and a purge order."""
+        head = (b"" if self._started else self._version) + self._unwritten
+        written = self._file.append(head + data if head else data, step, counts)
+        if written:
+            self._started, self._unwritten = True, b""
         return written
 
     def _frame(self, data: bytes) -> bytes:
