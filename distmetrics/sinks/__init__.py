@@ -192,13 +192,15 @@ class SinkSet:
                 self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None))
 
     def _write_queued(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        # on the writer thread a sink's sys.exit() would end the thread, and every queued sink
-        # with it, without a word: it fails that sink as any error does
-        self._deliver(self.queued, metrics, step, kind, caught=(Exception, SystemExit))
+        # on the writer thread any exception a sink raises (sys.exit(), an asyncio CancelledError
+        # from its client) would end the thread, and every queued sink with it, without a word: it
+        # fails that sink as an error does (the thread gets no KeyboardInterrupt: signals go to the
+        # main thread)
+        self._deliver(self.queued, metrics, step, kind, caught=(BaseException,))
 
     def _close_queued(self) -> None:
         for sink in self.queued:
-            self._close(sink, caught=(Exception, SystemExit))
+            self._close(sink, caught=(BaseException,))
         self.queued = []
 
     def _close(self, sink: Sink, caught: tuple = (Exception,)) -> None:

@@ -141,7 +141,7 @@ class WriterThread:
                 self._busy = True
             try:
                 self._handle(metrics, step, kind)
-            except Exception:  # noqa: BLE001 - the thread must outlive any record
+            except BaseException:  # noqa: BLE001 - the thread must outlive any record (a CancelledError too)
                 logger.exception("distmetrics: the writer thread could not write the %s record of step %d",
                                  kind, step)
             with self._cond:
@@ -149,5 +149,5 @@ class WriterThread:
                 self._cond.notify_all()
         try:
             self._finish()
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001
             logger.exception("distmetrics: the writer thread could not close its sinks")
