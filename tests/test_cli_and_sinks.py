@@ -3,6 +3,7 @@ barrier_with_L1_time switch."""
 
 import logging
 import math
+import os
 import sys
 
 import pytest
@@ -205,6 +206,32 @@ def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):
     finally:
         logging.getLogger("distmetrics.console").removeHandler(handler)
     assert len(lines) == 1 and lines[0].startswith(">> eval step 1 | loss 1.5000")
+
+
+def test_the_console_on_a_closed_stdout_is_turned_off_with_one_warning(tmp_path):
+    """stdout a pipe its reader closed (``| head -1``): logging's StreamHandler printed a
+    "Logging error" traceback per line and the sink stayed on, with no distmetrics warning."""
+    import subprocess
+
+    from distmetrics import read_jsonl
+
+    code = ("import logging, distmetrics as dm\n"
+            "cfg = dm.MetricsConfig(output_dir=%r, log_interval=1, tensorboard=False, timing_log_level=-1)\n"
+            "with dm.Monitor(cfg) as monitor:\n"
+            "    for step in range(1, 21):\n"
+            "        monitor.step(step, loss=2.0)\n" % str(tmp_path))
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout fails with EPIPE
+    try:
+        child = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    finally:
+        os.close(write)
+    assert child.returncode == 0, child.stderr
+    assert "Logging error" not in child.stderr, child.stderr
+    warned = [line for line in child.stderr.splitlines() if "the console sink failed" in line]
+    assert len(warned) == 1 and "Broken pipe" in warned[0], child.stderr
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, 21))
 
 
 def test_a_record_is_written_sorted_when_its_names_change_between_log_steps(tmp_path):

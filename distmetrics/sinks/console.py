@@ -42,7 +42,7 @@ class ConsoleSink:
         if self.logger.level == logging.NOTSET:
             self.logger.setLevel(logging.INFO)
         if not self.logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler(sys.stdout)
+            handler = _Stdout(sys.stdout)
             handler.setFormatter(logging.Formatter("%(message)s"))
             self.logger.addHandler(handler)
         self._last_loss: Optional[float] = None
@@ -65,6 +65,16 @@ class ConsoleSink:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class _Stdout(logging.StreamHandler):
+    """The handler the sink adds where logging is not configured: a failed write (stdout a closed
+    pipe, ``| head``; a full disk) raises into the sink, which is turned off with one warning
+    naming the cause. ``logging``'s own handling printed a traceback per line and went on. Where
+    logging is configured, its handlers' failures are handled as that configuration says."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        raise  # noqa: PLE0704 - called inside emit's except block: re-raises the write's error
 
 
 def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,
