@@ -51,6 +51,13 @@ class CheckpointLog:
             if line.iteration <= step and (base is None or line.iteration >= base.iteration):
                 base = line
         record = self._record_up_to(step, base)
+        known = max((c.iteration for c in (base, record) if c is not None), default=None)
+        if known is not None and known < step - 1:  # under either numbering a checkpoint lies between
+            logger.warning("distmetrics: progress.txt and %s have no checkpoint after iteration %d, and this job "
+                           "starts at step %d: FLOPs and tokens count on from iteration %d's and leave out the "
+                           "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or "
+                           "its line and record were lost, e.g. to a full disk).", self._metrics_file or "metrics.jsonl",
+                           known, step, known)
         if record is not None and (base is None or record.iteration > base.iteration):
             # its progress.txt line was lost (a full disk between the two writes, say)
             logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "

@@ -585,6 +585,30 @@ def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jso
     assert any("no \"Saved checkpoint\" line for iteration 20" in r.getMessage() for r in caplog.records)
 
 
+def test_a_checkpoint_lost_from_both_files_is_said_when_a_job_resumes_after_it(tmp_path, caplog):
+    """The disk filled after checkpoint 10: checkpoint 20's progress.txt line and its JSONL record
+    were both lost, and a job resuming from it (first step 21) counted on from checkpoint 10's
+    numbers, 10k tokens short at step 30, without a word. Which numbers it lost cannot be known;
+    that they are short is said. A job resuming right after a known checkpoint says nothing."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+
+    def lose_checkpoint_20(path):
+        for name in ("progress.txt", "metrics.jsonl"):
+            lines = (path.parent / name).read_text().splitlines(keepends=True)
+            (path.parent / name).write_text("".join(line for line in lines if not (
+                "Iteration: 20\t" in line or ('"kind":"progress"' in line and '"step":20,' in line))))
+
+    saved = _progress_jobs(tmp_path, [(1, 20, (10, 20)), (21, 30, (30,))], before_second=lose_checkpoint_20)
+    assert [(r["step"], r["checkpoint/tokens"]) for r in saved] == [(10, 1e4), (30, 2e4)]
+    said = [r.getMessage() for r in caplog.records if "have no checkpoint after iteration" in r.getMessage()]
+    assert len(said) == 1 and "after iteration 10, and this job starts at step 21" in said[0], said
+    caplog.clear()
+    _progress_jobs(tmp_path / "whole", [(1, 20, (10, 20)), (21, 30, (30,))])
+    assert not [r for r in caplog.records if "have no checkpoint after" in r.getMessage()]
+
+
 def test_a_job_with_no_checkpoint_line_reads_only_the_end_of_metrics_jsonl(tmp_path, monkeypatch):
     """Looking for a checkpoint whose only progress.txt line was lost reads the end of
     metrics.jsonl, not all of it (1.5 s a gigabyte here, at every restart of a job that saves no
