@@ -78,7 +78,7 @@ class MetricsConfig:
     console: bool = True
     """Write one line per log step through Python ``logging`` (logger ``distmetrics.console``)."""
     verbosity: int = 0
-    """Console detail: -1 eval lines only, 0 one line per log step, 1 adds telemetry."""
+    """Console detail: -1 eval lines and alerts only, 0 one line per log step, 1 adds telemetry."""
     log_progress: bool = True
     """Append Megatron-format lines to ``{output_dir}/progress.txt``."""
     total_steps: Optional[int] = None

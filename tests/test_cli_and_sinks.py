@@ -186,7 +186,8 @@ def test_all_option_timers_reach_tensorboard_as_summary_and_histogram(tmp_path):
         (truth.num, truth.min, truth.max, truth.sum, truth.sum_squares)
 
 
-def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):
+def test_verbosity_minus_one_prints_eval_lines_and_alerts_only(tmp_path):
+    """Alerts (a non-finite loss here) are printed at every verbosity: never silent."""
     import distmetrics as dm
 
     lines = []
@@ -203,9 +204,11 @@ def test_verbosity_minus_one_prints_eval_lines_only(tmp_path):
         with dm.Monitor(cfg) as monitor:
             monitor.step(1, loss=2.0)
             monitor.log_eval(1, loss=1.5)
+            monitor.step(2, loss=math.nan)
     finally:
         logging.getLogger("distmetrics.console").removeHandler(handler)
-    assert len(lines) == 1 and lines[0].startswith(">> eval step 1 | loss 1.5000")
+    assert len(lines) == 2 and lines[0].startswith(">> eval step 1 | loss 1.5000")
+    assert lines[1] == "!! step 2: non-finite loss in 1 rank-step(s)"
 
 
 def test_the_console_on_a_closed_stdout_is_turned_off_with_one_warning(tmp_path):

@@ -91,6 +91,21 @@ def test_skipped_steps_are_counted(tmp_path):
     assert "health/skipped_steps/max_rank" not in m
 
 
+def test_a_loss_that_stays_non_finite_is_one_alert_per_event(tmp_path):
+    """The non-finite loss alert was written at every log step while the loss stayed NaN (the
+    README says once per event, as the gradient alert is); the count stays in every record."""
+    import distmetrics as dm
+
+    losses = {4: math.nan, 7: math.inf, 9: math.nan, 16: math.nan}  # events: step 4, steps 7-10 (two log steps), 16
+    with dm.Monitor(_config(tmp_path, log_interval=2, console=False)) as monitor:
+        counts = [monitor.step(step, loss=losses.get(step, 1.0)) for step in range(1, 19)][1::2]
+    assert [m["health/nonfinite_loss"] for m in counts] == [0, 1, 0, 1, 1, 0, 0, 1, 0]
+    alerts = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r.get("alert") == "nonfinite_loss"]
+    assert [(a["step"], a["message"]) for a in alerts] == [(4, "non-finite loss in 1 rank-step(s)"),
+                                                           (8, "non-finite loss in 1 rank-step(s)"),
+                                                           (16, "non-finite loss in 1 rank-step(s)")]
+
+
 def _nan_scenario(rank: int, world: int, root: str) -> dict:
     import torch
 

@@ -65,7 +65,7 @@ class HealthCollector:
         self.grad_spikes = SpikeDetector(spike_factor)
         self._nonfinite_loss: Union[float, torch.Tensor] = 0.0
         self._skipped = 0
-        self._grads_bad = False
+        self._grads_bad = self._loss_bad = False  # the last log step had non-finite gradients, losses
 
     def record_step(self, loss: Any, skipped: bool, tokens: Any = None) -> None:
         """One step's loss (counted if non-finite, on device) and whether the optimizer skipped it.
@@ -113,9 +113,10 @@ class HealthCollector:
                                                   f"({len(ordered)} module(s): {', '.join(ordered)})",
                                 {"first_module": ordered[0], "modules": ordered}))
         self._grads_bad = bool(bad)
-        if metrics.get("health/nonfinite_loss"):
-            alerts.append(Alert("nonfinite_loss",
-                                f"non-finite loss in {int(metrics['health/nonfinite_loss'])} rank-step(s)"))
+        bad = metrics.get("health/nonfinite_loss")
+        if bad and not self._loss_bad:  # once per event, as for gradients: the count is in every record
+            alerts.append(Alert("nonfinite_loss", f"non-finite loss in {int(bad)} rank-step(s)"))
+        self._loss_bad = bool(bad)
         return alerts
 
     def close(self) -> None:
