@@ -175,7 +175,8 @@ class MetricsConfig:
     spike_factor: float = 5.0
     """A value above this many times its moving average is a spike."""
     log_validation_ppl_to_tensorboard: bool = True
-    """Write ``eval/ppl`` = exp(eval loss) with eval records."""
+    """Send ``eval/ppl`` = exp(eval loss) to TensorBoard and W&B (JSONL and the console always
+    have it), as Megatron's ``--log-validation-ppl-to-tensorboard``."""
 
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
     """Tensor statistics from an nvdlfw-inspect features file."""

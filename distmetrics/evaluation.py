@@ -31,9 +31,8 @@ class EvalLog:
     writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/loss/")
     """The names an eval record holds besides the user's own (``eval/loss/<category>`` under the prefix)."""
 
-    def __init__(self, group: Any, write_ppl: bool, guard: Any = None, layout: Any = None) -> None:
+    def __init__(self, group: Any, guard: Any = None, layout: Any = None) -> None:
         self.reducer = Reducer(group, guard=guard, call="monitor.log_eval")
-        self.write_ppl = write_ppl
         self.counts_tokens = layout is None or counts_batch_tokens(layout)
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()
@@ -84,8 +83,7 @@ class EvalLog:
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}
         eval_loss = metrics.get("eval/loss")
         if isinstance(eval_loss, float):
-            if self.write_ppl:
-                metrics["eval/ppl"] = math.inf if eval_loss > 709.0 else math.exp(eval_loss)  # exp overflows there; NaN stays
+            metrics["eval/ppl"] = math.inf if eval_loss > 709.0 else math.exp(eval_loss)  # exp overflows there; NaN stays
             total_w = sum(w for _, w in self._train_losses)
             if total_w > 0:
                 train_mean = sum(v * w for v, w in self._train_losses) / total_w

@@ -61,7 +61,7 @@ class Monitor:
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
-        self._eval = EvalLog(group, config.log_validation_ppl_to_tensorboard, self._guard, self.layout)
+        self._eval = EvalLog(group, self._guard, self.layout)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)

@@ -186,6 +186,44 @@ def test_all_option_timers_reach_tensorboard_as_summary_and_histogram(tmp_path):
         (truth.num, truth.min, truth.max, truth.sum, truth.sum_squares)
 
 
+@pytest.mark.parametrize("to_dashboards", [True, False])
+def test_timers_and_ppl_leave_the_dashboards_only_when_switched_off(tmp_path, to_dashboards):
+    """log_timers_to_tensorboard and log_validation_ppl_to_tensorboard decide what TensorBoard
+    (and W&B, through the same view) gets, as Megatron's flags do; JSONL and the console keep
+    both. log_validation_ppl_to_tensorboard: false took eval/ppl out of every sink."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    lines = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Capture()
+    logging.getLogger("distmetrics.console").addHandler(handler)
+    try:
+        cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, timing_log_level=0,
+                               log_timers_to_tensorboard=to_dashboards,
+                               log_validation_ppl_to_tensorboard=to_dashboards)
+        with dm.Monitor(cfg) as monitor:
+            monitor.step(1, loss=2.0)
+            monitor.step(2, loss=2.0)
+            monitor.log_eval(2, loss=math.log(8.0))
+    finally:
+        logging.getLogger("distmetrics.console").removeHandler(handler)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert ("timers/step" in tags, "eval/ppl" in tags) == (to_dashboards, to_dashboards)
+    assert {"train/loss", "eval/loss"} <= tags
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    assert "timers/step" in [r for r in records if r["kind"] == "train"][-1]
+    assert [round(r["eval/ppl"], 9) for r in records if r["kind"] == "eval"] == [8.0]
+    assert [line for line in lines if line.startswith(">> eval")][0].count("| ppl 8.00") == 1
+
+
 def test_verbosity_minus_one_prints_eval_lines_and_alerts_only(tmp_path):
     """Alerts (a non-finite loss here) are printed at every verbosity: never silent."""
     import distmetrics as dm

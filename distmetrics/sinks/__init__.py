@@ -13,7 +13,9 @@ file sinks catch their own write errors, keep trying and say what they lost
 Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a histogram (their
 ``/max``, ``/min``, ``/mean`` summary is in every record already) rather than one curve per rank:
 a sink that defines ``log_view(view, step)`` gets a :class:`ScalarView` instead, made once per
-record (train, eval and tensor_stats records; timers unless ``log_timers_to_tensorboard`` is false).
+record (train, eval and tensor_stats records; without ``timers/*`` where
+``log_timers_to_tensorboard`` is false, and without ``eval/ppl`` where
+``log_validation_ppl_to_tensorboard`` is: JSONL and the console keep them).
 """
 
 from __future__ import annotations
@@ -64,13 +66,15 @@ class ScalarView:
     histograms: dict[str, list[float]]
 
 
-def scalar_view(metrics: dict[str, Any], kind: str, include_timers: bool = True) -> Optional[ScalarView]:
-    """The dashboard view of a record, or None for kinds dashboards do not plot."""
+def scalar_view(metrics: dict[str, Any], kind: str, left_out: tuple[str, ...] = ()) -> Optional[ScalarView]:
+    """The dashboard view of a record, or None for kinds dashboards do not plot; ``left_out``:
+    names, and prefixes ending in ``/``, that dashboards do not get."""
     if kind not in DASHBOARD_KINDS:
         return None
     view = ScalarView({}, {})
+    prefixes = tuple(p for p in left_out if p.endswith("/"))
     for name, value in numeric_items(metrics):
-        if not include_timers and name.startswith("timers/"):
+        if left_out and (name in left_out or name.startswith(prefixes)):
             continue
         if isinstance(value, PerRank):
             if value.present():
@@ -84,14 +88,15 @@ class SinkSet:
     """The writer rank's sinks: those ``on_training_thread`` are written in the call, the others
     queued for the writer thread. A failing sink warns once, naming itself and the cause."""
 
-    def __init__(self, sinks: Iterable[Sink] = (), include_timers: bool = True) -> None:
+    def __init__(self, sinks: Iterable[Sink] = (), left_out: tuple[str, ...] = ()) -> None:
         self.inline: list[Sink] = []
         """Sinks written on the training thread (JSONL, progress.txt)."""
         self.queued: list[Sink] = []
         """Sinks written on the writer thread (TensorBoard, W&B, console, your own)."""
         self.failed: dict[str, str] = {}
         """Sinks dropped after a failure: name -> cause."""
-        self.include_timers = include_timers
+        self.left_out = left_out
+        """Names, and prefixes ending in ``/``, the dashboards do not get (:func:`scalar_view`)."""
         self.writer: Optional[WriterThread] = None
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
@@ -182,7 +187,7 @@ class SinkSet:
                         sink.purge_from(step if step >= 0 else None)
                 elif takes_view:
                     if view is False:
-                        view = scalar_view(metrics, kind, self.include_timers)
+                        view = scalar_view(metrics, kind, self.left_out)
                     if view is not None:
                         sink.log_view(view, step)
                 else:
@@ -258,7 +263,8 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     from .progress import ProgressSink
 
     cfg, out = config, Path(config.output_dir)
-    sinks = SinkSet(include_timers=cfg.log_timers_to_tensorboard)
+    sinks = SinkSet(left_out=(() if cfg.log_timers_to_tensorboard else ("timers/",))
+                    + (() if cfg.log_validation_ppl_to_tensorboard else ("eval/ppl",)))
     if cfg.json_log:
         sinks.add(lambda: JsonlSink(out / METRICS_FILE), JsonlSink.name, JsonlSink.fix)
     if cfg.console:
