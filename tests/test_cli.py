@@ -35,13 +35,16 @@ def test_commands_that_read_files_do_not_import_torch(tmp_path):
     run = _write_run(tmp_path / "run", [[10, 20]])
     probe = ("import atexit, runpy, sys\n"
              "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
-             "sys.argv = ['distmetrics'] + sys.argv[1:]\n"
-             "runpy.run_module('distmetrics.cli', run_name='__main__')\n")
-    for args in (["summary", run.parent], ["check-config", "configs/metrics.yaml", "log_interval=5"]):
+             "module, sys.argv = sys.argv[1], ['distmetrics'] + sys.argv[2:]\n"
+             "runpy.run_module(module, run_name='__main__')\n")
+    # python -m distmetrics.cli, and python -m distmetrics (the package's __main__)
+    for args in (["distmetrics", "summary", run.parent],
+                 ["distmetrics.cli", "check-config", "configs/metrics.yaml", "log_interval=5"]):
         out = subprocess.run([sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True,
                              cwd=ROOT, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "torch imported: False" in out.stdout, (args, out.stdout)
+        assert ("job 1:" in out.stdout) == (args[1] == "summary")
 
 
 def test_summary_accepts_a_run_folder_and_a_folder_of_runs(tmp_path):
@@ -131,7 +134,9 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
 
 
-def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path):
+def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, capsys):
+    from distmetrics.cli import main
+
     section = "s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n  distmetrics:\n    LogTensorStats:"
     cases = [
         (" null\n", "distmetrics.LogTensorStats must be a mapping of settings"),
@@ -160,15 +165,21 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path):
                           ("      tensors: [activation]\n      stats: [median]\n",
                            "stat 'median' is not one of min, max, mean, std, l1_norm, l2_norm")):
         cases.append((None, base + body, message))
-    for number, case in enumerate(cases):
+    for number, case in enumerate(cases):  # the first as a command, the rest through the same main() in-process
         text, message = (case[1], case[2]) if len(case) == 3 else (section + case[0], case[1])
         body = text
         features = tmp_path / f"features{number}.yaml"
         features.write_text(text)
-        out = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
-                   f"tensor_inspect.features={features}")
-        assert out.returncode == 2 and message in out.stderr and "section 's'" in out.stderr, (body, out.stderr)
-        assert "Traceback" not in out.stderr
+        args = ("check-config", ROOT / "configs" / "metrics.yaml", "tensor_inspect.enabled=true",
+                f"tensor_inspect.features={features}")
+        if number == 0:
+            out = _run(*args)
+            status, stderr = out.returncode, out.stderr
+        else:
+            capsys.readouterr()
+            status, stderr = main(list(map(str, args))), capsys.readouterr().err
+        assert status == 2 and message in stderr and "section 's'" in stderr, (body, stderr)
+        assert "Traceback" not in stderr
 
 
 def test_the_monitor_refuses_what_check_config_refuses(tmp_path):
