@@ -132,6 +132,31 @@ def test_a_job_that_evaluated_and_ended_before_its_first_step_does_not_hide_the_
     assert resume == [(51, 100)]
 
 
+def test_events_before_the_first_step_beyond_those_kept_are_said_to_be_hidden(tmp_path, caplog):
+    """A loop counting from 0 resumes at step 20 after evaluating checkpoint 20 on 18 datasets:
+    TensorBoard's drop from 20 hides what the job wrote there before its first step, and the sink
+    writes the last KEPT_BEFORE_START (16) again; the 2 older were hidden without a word."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+    from distmetrics.sinks.tensorboard import KEPT_BEFORE_START
+
+    _job(tmp_path, range(1, 41), loss=1.0)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    evals = KEPT_BEFORE_START + 2
+    with dm.Monitor(_config(tmp_path, log_interval=10)) as monitor:
+        for n in range(evals):
+            monitor.log_eval(20, loss=1.0 + n / 100, tokens=10)
+        for step in range(20, 40):
+            monitor.step(step, loss=2.0, tokens=100)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    shown = [round(e.value, 6) for e in acc.Scalars("eval/loss") if e.step == 20]
+    assert shown == [round(1.0 + n / 100, 6) for n in range(evals - KEPT_BEFORE_START, evals)]
+    said = [r.getMessage() for r in caplog.records if "hidden by the drop" in r.getMessage()]
+    assert len(said) == 1 and "up to 2 earlier ones (steps 20-20)" in said[0], said
+
+
 def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, caplog):
     """The last step logged is read from metrics.jsonl: with json_log off a job restarting from an
     earlier checkpoint cannot drop the earlier job's TensorBoard events, and said nothing of it."""

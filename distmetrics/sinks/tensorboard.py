@@ -99,6 +99,9 @@ class TensorBoardSink:
         self._before_start: Optional[collections.deque] = collections.deque(maxlen=KEPT_BEFORE_START)
         """(step, event) written before the job's first step: a purge from that step would drop
         those at or above it, so they are written again after it. None once the step is known."""
+        self._not_kept: Optional[tuple[int, int, int]] = None
+        """(how many, the lowest step, the highest) of the events written before the first step
+        that fell out of ``_before_start``: a purge at or below their steps hides them."""
 
     def purge_from(self, step: Optional[int]) -> None:
         """Have TensorBoard drop the folder's events at steps >= ``step`` (an earlier job's, when a
@@ -110,6 +113,12 @@ class TensorBoardSink:
         kept, self._before_start = self._before_start or (), None
         if step is None:
             return
+        if self._not_kept is not None and self._not_kept[2] >= step:
+            count, first, last = self._not_kept
+            logger.warning("distmetrics: the tensorboard sink writes again after the drop from step %d the last %d "
+                           "events this job wrote before its first step; up to %d earlier one%s (steps %d-%d) are "
+                           "hidden by the drop (metrics.jsonl has them).", step, KEPT_BEFORE_START, count,
+                           "" if count == 1 else "s", first, last)
         from tensorboard.compat.proto import event_pb2
 
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
@@ -142,6 +151,10 @@ class TensorBoardSink:
             return
         data = self._frame(event.SerializeToString())
         if self._append(data, step) and self._before_start is not None:
+            if len(self._before_start) == KEPT_BEFORE_START:
+                at = self._before_start[0][0]
+                count, first, last = self._not_kept or (0, at, at)
+                self._not_kept = (count + 1, min(first, at), max(last, at))
             self._before_start.append((step, data))
 
     def close(self) -> None:
