@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .parallel import Layout, RankInfo, local_rank_from_env
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
-from .sinks import SinkSet, open_sinks
+from .sinks import SinkSet, open_sinks, sink_name
 from .sinks.appendfile import describe_os_error
 
 __all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
@@ -274,9 +274,11 @@ def resumed_at(first: int, sinks: SinkSet) -> None:
     if last is None or first > last:
         sinks.purge_from(None)  # nothing to drop: TensorBoard stops keeping what it would write again
         return
+    names = {sink_name(sink) for sink in sinks.sinks}  # those still on: a sink that failed does neither
+    said = ([f"TensorBoard drops the earlier events from step {first} on"] if "tensorboard" in names else []) + \
+        (["metrics.jsonl keeps both jobs' records (each job starts with a run record)"] if "jsonl" in names else [])
     message = (f"this job starts at step {first}, at or before step {last}, the last step an earlier job logged "
-               f"here: TensorBoard drops the earlier events from step {first} on; metrics.jsonl keeps both "
-               "jobs' records (each job starts with a run record)")
+               f"here" + (f": {'; '.join(said)}" if said else ""))
     logger.warning("distmetrics: %s", message)
     sinks.purge_from(first)
     sinks.log({"message": message, "last_logged_step": last, "from_step": first}, first, "resume")

@@ -157,6 +157,15 @@ def test_events_before_the_first_step_beyond_those_kept_are_said_to_be_hidden(tm
     assert len(said) == 1 and "up to 2 earlier ones (steps 20-20)" in said[0], said
 
 
+def test_the_resume_warning_says_only_what_the_sinks_on_do(tmp_path, caplog):
+    """A restart with TensorBoard off was told "TensorBoard drops the earlier events"."""
+    _job(tmp_path, range(1, 41), loss=1.0)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    _job(tmp_path, range(21, 41), loss=2.0, tensorboard=False)
+    said = [r.getMessage() for r in caplog.records if "this job starts at step 21" in r.getMessage()]
+    assert len(said) == 1 and "TensorBoard" not in said[0] and "metrics.jsonl keeps both jobs' records" in said[0]
+
+
 def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, caplog):
     """The last step logged is read from metrics.jsonl: with json_log off a job restarting from an
     earlier checkpoint cannot drop the earlier job's TensorBoard events, and said nothing of it."""
