@@ -111,6 +111,8 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
+    import distmetrics as dm
+
     out = {}
     gen = torch.Generator().manual_seed(100 + rank)
     data = torch.randn(6, 8, generator=gen)
@@ -132,6 +134,30 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
         model = sharded(mesh)
         out[layout] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
 
+    # Between log steps, with every norm and timer on: no collective but the clip's one all-reduce,
+    # and no .item() (timers, clip, optimizer step, monitor.step; FSDP2's own collectives in forward
+    # and backward are not counted).
+    from tests.dist_utils import CollectiveCounter
+
+    model = sharded(init_device_mesh("cpu", (world,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    monitor = dm.Monitor(quiet_config(log_interval=3, log_params_norm=True, log_update_norm=True,
+                                      timing_log_level=2), model=model, optimizer=optimizer)
+    counts = []
+    for step in range(1, 7):
+        with monitor.timers("forward-backward", log_level=1):
+            model(data).pow(2).mean().backward()
+        with CollectiveCounter() as clip:
+            monitor.clip_grad_norm_(MAX_NORM)
+        with CollectiveCounter() as rest:
+            with monitor.timers("optimizer", log_level=1):
+                optimizer.step()
+                optimizer.zero_grad()
+            monitor.step(step, loss=1.0, tokens=6)
+        counts.append((step, clip.collectives, clip.items, rest.collectives, rest.items))
+    monitor.close()
+    out["counted"] = counts
+
     # FSDP2 + TP on a dp × tp mesh; LayerNorms are replicated over tp.
     mesh_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _net()
@@ -146,7 +172,6 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
 
     # Pipeline stages on a pp × dp mesh with plain parameters (torch.distributed.pipelining holds
     # them so), each stage's replicated over dp by DDP: stage s holds layers.s under its global name.
-    import distmetrics as dm
 
     mesh_pp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh_pp.get_local_rank("pp"), mesh_pp.get_local_rank("dp")
@@ -180,6 +205,17 @@ def test_pipeline_stages_with_plain_parameters_on_a_mesh_count_every_stage_once(
         assert r["metrics"]["grad_norm"] == pytest.approx(r["truth"]["total"], rel=REL)
         for module, value in r["truth"]["modules"].items():
             assert r["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
+
+
+def test_between_log_steps_nothing_crosses_ranks_and_a_clip_is_one_all_reduce(dtensor_results):
+    """The README's claims, with FSDP2 on 4 ranks and per-module, parameter and update norms and
+    level-2 timers on: a clip makes one all-reduce and no .item(); the rest of a step that is not a
+    log step (timers, optimizer step, monitor.step) makes none of either."""
+    for rank, result in enumerate(dtensor_results):
+        counted = result["counted"]
+        assert [(c[1], c[2]) for c in counted] == [(1, 0)] * 6, (rank, counted)
+        assert [(c[3], c[4]) for c in counted if c[0] % 3] == [(0, 0)] * 4, (rank, counted)
+        assert all(c[3] > 0 for c in counted if c[0] % 3 == 0), (rank, counted)  # log steps reduce
 
 
 def _check(result: dict, per_module_names: set | None = None) -> None:
