@@ -488,3 +488,37 @@ def test_the_readme_names_the_healthy_bands_the_report_draws():
         low, high = (float(v.split()[0]) for v in healthy.split("…"))
         rows[name.split("`")[1]] = (low, high)
     assert rows == {name: (low, high) for name, (low, high, _) in HEALTHY_BANDS.items()}
+
+
+@pytest.mark.parametrize("how", ["rss", "max", "mean"])
+def test_heatmap_rows_beyond_max_rows_merge_neighbours_as_the_readme_says(how):
+    """1,001 modules or ranks drawn as at most MAX_ROWS (500) rows: 3 neighbours per row (the last
+    holds 2), norms as the root-sum-square of the merged values, ranks by their max, ratios by
+    their mean; a row whose values are all missing stays missing, and a non-finite flag in any
+    merged row marks the merged one. Truth: float64 loops over the groups, by hand."""
+    import math
+
+    import numpy as np
+
+    from distmetrics.report import heatmap
+
+    rng = np.random.default_rng(0)
+    n, bins = 1001, 4
+    values = rng.uniform(0.1, 2.0, size=(bins, n))
+    values[:, 30:33] = np.nan  # a whole group with no value
+    values[1, 7] = np.nan  # one missing value in a group
+    flags = np.zeros((bins, n), dtype=bool)
+    flags[2, 1000] = True
+    row_name = "rank" if how == "max" else "module"
+    merged, merged_flags, names, k = heatmap._merge_rows(values, flags, [f"m{i}" for i in range(n)], how, row_name)
+    assert k == 3 and merged.shape == (bins, 334) and merged.shape[1] <= heatmap.MAX_ROWS
+    for b in range(bins):
+        for g in range(334):
+            group = [float(values[b, i]) for i in range(3 * g, min(3 * g + 3, n)) if not math.isnan(values[b, i])]
+            truth = (math.nan if not group else math.sqrt(math.fsum(v * v for v in group)) if how == "rss"
+                     else max(group) if how == "max" else math.fsum(group) / len(group))
+            got = float(merged[b, g])
+            assert (math.isnan(truth) and math.isnan(got)) or abs(got - truth) <= 1e-12 * truth, (b, g, got, truth)
+    assert merged_flags[2, 333] and merged_flags.sum() == 1
+    assert names[0] == ("ranks 0-2" if how == "max" else "m0 (+2)")
+    assert names[-1] == ("ranks 999-1000" if how == "max" else "m999 (+1)")
