@@ -47,6 +47,8 @@ class AppendFile:
         self.sink = sink
         self.on_loss = on_loss
         self.lost: Optional[Lost] = None
+        self._held: list = []  # pieces of a header not written yet (append_header), and its step
+        self._held_step = 0
         self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # every write at the end
@@ -54,13 +56,24 @@ class AppendFile:
         if lines and self._end > 0:
             self._end = self._cut_torn_line(self._end)
 
+    def append_header(self, data: Union[bytes, Sequence[bytes]], step: int) -> bool:
+        """Write ``data``, which is not a record but what must precede the records after it (a
+        file's first event, a job's ``run`` record or "Starting job" line, TensorBoard's order to
+        drop an earlier job's steps). If it cannot be written it is held, not counted as lost,
+        and written ahead of the next record, or at ``close()``; True if written now."""
+        if not self._held:
+            self._held_step = step
+        self._held.extend(_pieces(data))
+        return self.append((), step, counts=False)
+
     def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True) -> bool:
         """Write ``data`` (bytes, or pieces written one after the other in one system call, not
-        joined first) whole at the end of the file; on an OSError cut it back off, count the
-        record as lost (``step`` names it) and return False. ``counts=False``: ``data`` is not a
-        record but something the caller keeps and writes again ahead of the next (a file's or a
-        job's header, an order): a failure is not counted or said; a later record's is."""
-        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        joined first) whole at the end of the file, behind any held header
+        (:meth:`append_header`); on an OSError cut it back off, count the record as lost
+        (``step`` names it; not with ``counts=False``) and return False."""
+        pieces = _pieces(data)
+        if self._held:
+            pieces = [*self._held, *pieces]
         size = sum(map(len, pieces))
         done = 0
         try:
@@ -79,6 +92,7 @@ class AppendFile:
                 self._count_lost(err, step)
             return False
         self._end += size
+        self._held = []
         if self.lost is not None:
             lost, self.lost = self.lost, None
             logger.warning("distmetrics: the %s sink writes %s again from step %d; %d record%s (steps %d-%d) "
@@ -91,6 +105,8 @@ class AppendFile:
         """Close the file; warn if records were still failing to be written."""
         if self._fd < 0:
             return
+        if self._held:  # a header that never found a record to precede it: now or never (counted)
+            self.append((), self._held_step)
         if self._cut_at is not None:
             try:
                 os.ftruncate(self._fd, self._cut_at)
@@ -147,6 +163,10 @@ class AppendFile:
         logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
                        "before appending.", self.sink, size - pos, self.path)
         return pos
+
+
+def _pieces(data: Union[bytes, Sequence[bytes]]) -> Sequence[bytes]:
+    return (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 def describe_os_error(err: OSError) -> str:

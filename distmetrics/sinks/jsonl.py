@@ -57,23 +57,18 @@ class JsonlSink:
         self._file = AppendFile(self.path, self.name, lines=True,
                                 on_loss='a "gap" record')
         self._finite = FiniteCheck()
-        self._run: tuple = ()
-        """The job's ``run`` record if it could not be written: it goes ahead of the next record
-        (readers split the file into jobs at it; without it two jobs read as one)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
         pieces = _pieces(kind, step, metrics, self._finite)
-        if kind == "run":  # a job's header: kept until written
-            if not self._file.append(pieces, step, counts=False):
-                self._run = pieces
+        if kind == "run":  # a job's header (readers split the file into jobs at it): held until written
+            self._file.append_header(pieces, step)
             return
         lost = self._file.lost
         if lost is not None:  # the gap record and this one are written together, or neither
             pieces = (_line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
                                           "lost_records": lost.records, "error": lost.error}), *pieces)
-        if self._file.append((*self._run, *pieces) if self._run else pieces, step):
-            self._run = ()
+        self._file.append(pieces, step)
 
     def close(self) -> None:
         """Close the file (a warning if records were still failing to be written)."""

@@ -49,17 +49,12 @@ class ProgressSink:
         self.world_size = world_size
         self._file = AppendFile(self.path, self.name, lines=True)  # whole lines only, as for JSONL
         self._step = 0
-        self._start = b""
-        """The job's "Starting job" line (with the time it started) if it could not be written: it
-        goes ahead of the next line (read_progress finds the jobs, and their start, by it)."""
-        start = self._line("Starting job")
-        if not self._file.append(start, 0, counts=False):
-            self._start = start
+        # read_progress finds the jobs, and their start, by this line: held until written
+        self._file.append_header(self._line("Starting job"), 0)
 
     def write(self, message: str) -> None:
         """Append one line with ``message``."""
-        if self._file.append(self._start + self._line(message), self._step):
-            self._start = b""
+        self._file.append(self._line(message), self._step)
 
     def _line(self, message: str) -> bytes:
         return progress_line(message, self.world_size).encode("utf-8", "backslashreplace")
@@ -73,8 +68,6 @@ class ProgressSink:
     def close(self) -> None:
         """Close the file, with the "Starting job" line if it is not written yet (a job that saved
         no checkpoint writes no other line); a warning if lines were still failing to be written."""
-        if self._start:
-            self._file.append(self._start, self._step)
         self._file.close()
 
 

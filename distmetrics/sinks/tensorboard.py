@@ -88,14 +88,11 @@ class TensorBoardSink:
         self.path = Path(log_dir) / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                                      f"{os.getpid()}.{next(_file_number)}")
         self._file = AppendFile(self.path, self.name, lines=False)
-        version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
-                                  source_metadata=event_pb2.SourceMetadata(writer="distmetrics"))
-        self._version = self._frame(version.SerializeToString())
+        version = self._frame(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
+                                              source_metadata=event_pb2.SourceMetadata(writer="distmetrics"))
+                              .SerializeToString())
         self._skipped: set[str] = set()
-        self._unwritten = b""
-        """The purge order (and the events behind it) when it could not be written: it goes ahead
-        of the next event, since without it TensorBoard shows two jobs' values at one step."""
-        self._started = self._file.append(self._version, 0, counts=False)
+        self._file.append_header(version, 0)  # the file's first event
         self._before_start: Optional[collections.deque] = collections.deque(maxlen=KEPT_BEFORE_START)
         """(step, event) written before the job's first step: a purge from that step would drop
         those at or above it, so they are written again after it. None once the step is known."""
@@ -123,9 +120,8 @@ class TensorBoardSink:
 
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         data = self._frame(self._event(wall_time=time.time(), step=step, session_log=start).SerializeToString())
-        again = b"".join([data, *(event for at, event in kept if at >= step)])
-        if not self._append(again, step, counts=False):
-            self._unwritten = again
+        # without it TensorBoard shows two jobs' values at one step: held until written
+        self._file.append_header([data, *(event for at, event in kept if at >= step)], step)
 
     def log_view(self, view: ScalarView, step: int) -> None:
         """Write one record's scalars and histograms as one event at ``step``."""
@@ -150,7 +146,7 @@ class TensorBoardSink:
             self._skip(f"step {step}", err)
             return
         data = self._frame(event.SerializeToString())
-        if self._append(data, step) and self._before_start is not None:
+        if self._file.append(data, step) and self._before_start is not None:
             if len(self._before_start) == KEPT_BEFORE_START:
                 at = self._before_start[0][0]
                 count, first, last = self._not_kept or (0, at, at)
@@ -160,15 +156,6 @@ class TensorBoardSink:
     def close(self) -> None:
         """Close the event file (a warning if events were still failing to be written)."""
         self._file.close()
-
-    def _append(self, data: bytes, step: int, counts: bool = True) -> bool:
-        """Write events whole, behind what could not be written yet: the file's version event
-        (its first) and a purge order."""
-        head = (b"" if self._started else self._version) + self._unwritten
-        written = self._file.append(head + data if head else data, step, counts)
-        if written:
-            self._started, self._unwritten = True, b""
-        return written
 
     def _frame(self, data: bytes) -> bytes:
         """One TFRecord: length, its masked CRC-32C, the data, its masked CRC-32C."""
