@@ -273,6 +273,21 @@ def test_the_console_on_a_closed_stdout_is_turned_off_with_one_warning(tmp_path)
     warned = [line for line in child.stderr.splitlines() if "the console sink failed" in line]
     assert len(warned) == 1 and "Broken pipe" in warned[0], child.stderr
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, 21))
+    # a handler of the user's added after the Monitor still gets every line; the stdout handler goes
+    code = code.replace("with dm.Monitor(cfg) as monitor:\n", "with dm.Monitor(cfg) as monitor:\n"
+                        "    logging.getLogger().addHandler(logging.FileHandler(%r))\n" % str(tmp_path / "user.log"))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        child = subprocess.run([sys.executable, "-c", code.replace(str(tmp_path), str(tmp_path / "again"))],
+                               stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    finally:
+        os.close(write)
+    assert child.returncode == 0 and "Logging error" not in child.stderr, child.stderr
+    logged = (tmp_path / "again" / "user.log").read_text().splitlines()  # the paths above moved to again/
+    assert len([line for line in logged if line.startswith(":: step")]) == 20, logged
+    assert len([line for line in logged if "stdout handler cannot write ([Errno 32] Broken pipe (EPIPE))" in line]) == 1
 
 
 def test_a_record_is_written_sorted_when_its_names_change_between_log_steps(tmp_path):

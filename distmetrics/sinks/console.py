@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from ..megatron_text import time_block
 from ..per_rank import PerRank
+from .appendfile import describe_os_error
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
@@ -41,10 +42,11 @@ class ConsoleSink:
         self.logger = logging.getLogger(LOGGER_NAME)
         if self.logger.level == logging.NOTSET:
             self.logger.setLevel(logging.INFO)
+        self._stdout: Optional[_Stdout] = None
         if not self.logger.handlers and not logging.getLogger().handlers:
-            handler = _Stdout(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            self.logger.addHandler(handler)
+            self._stdout = _Stdout(sys.stdout)
+            self._stdout.setFormatter(logging.Formatter("%(message)s"))
+            self.logger.addHandler(self._stdout)
         self._last_loss: Optional[float] = None
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
@@ -62,19 +64,40 @@ class ConsoleSink:
             self.logger.info(format_eval_line(metrics, step))
         elif kind == "alert":
             self.logger.warning("!! step %d: %s", step, metrics.get("message", metrics))
+        if self._stdout is not None and self._stdout.failed is not None:
+            self._stdout_failed()
+
+    def _stdout_failed(self) -> None:
+        """The stdout handler could not write: it goes; with no other handler the sink is turned
+        off (raising the cause), else the lines go on to the handlers added since, with a warning."""
+        error, handler, self._stdout = self._stdout.failed, self._stdout, None
+        self.logger.removeHandler(handler)
+        if not self.logger.hasHandlers():
+            raise error
+        logging.getLogger("distmetrics").warning(
+            "distmetrics: the console sink's stdout handler cannot write (%s) and is removed; its lines go on to "
+            "the other logging handlers.", describe_os_error(error))
 
     def close(self) -> None:
         """Nothing to release."""
 
 
 class _Stdout(logging.StreamHandler):
-    """The handler the sink adds where logging is not configured: a failed write (stdout a closed
-    pipe, ``| head``; a full disk) raises into the sink, which is turned off with one warning
-    naming the cause. ``logging``'s own handling printed a traceback per line and went on. Where
-    logging is configured, its handlers' failures are handled as that configuration says."""
+    """The handler the sink adds where logging is not configured. A write that fails (stdout a
+    closed pipe, ``| head``; a full disk: an OSError) is kept in ``failed`` for the sink to raise
+    once the record has been through every handler, so the sink is turned off with one warning
+    naming the cause; ``logging``'s own handling printed a traceback per line and went on. Other
+    errors (a line the stream's encoding cannot write) are logging's, as are the failures of
+    handlers configured elsewhere."""
+
+    failed: Optional[OSError] = None
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        raise  # noqa: PLE0704 - called inside emit's except block: re-raises the write's error
+        error = sys.exc_info()[1]  # called inside emit's except block
+        if isinstance(error, OSError):
+            self.failed = error
+        else:
+            super().handleError(record)
 
 
 def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,
