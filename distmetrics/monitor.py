@@ -246,7 +246,7 @@ class Monitor:
         """Take samples from every collector → one reduction → finalize in order → write
         (``ended_at``: see :attr:`LogContext.ended_at`)."""
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
-                         module_order=self._module_order, ended_at=ended_at)
+                         module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
         ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)

@@ -106,6 +106,37 @@ def test_a_loss_that_stays_non_finite_is_one_alert_per_event(tmp_path):
                                                            (16, "non-finite loss in 1 rank-step(s)")]
 
 
+def test_a_log_step_that_raised_after_the_alert_was_decided_does_not_hide_the_event(tmp_path):
+    """The loss is NaN from step 3 on; a collector finalizing after health raises at step 4, so
+    that log step writes nothing. Once per event was decided by what health had seen, not what
+    was written: no alert was ever written, while every record counted the NaNs."""
+    import distmetrics as dm
+
+    class RaisesOnce:
+        name, after, writes = "raises_once", ("health",), ()
+
+        def take_samples(self, ctx):
+            return []
+
+        def finalize(self, metrics, ctx):
+            if ctx.step == 4:
+                raise RuntimeError("a collector's own failure")
+            return []
+
+        def close(self):
+            pass
+
+    with dm.Monitor(_config(tmp_path, log_interval=2, console=False), collectors=[RaisesOnce()]) as monitor:
+        for step in range(1, 9):
+            try:
+                monitor.step(step, loss=math.nan if step >= 3 else 1.0)
+            except RuntimeError:
+                assert step == 4
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["health/nonfinite_loss"]) for r in records if r["kind"] == "train"] == [(2, 0), (6, 2), (8, 2)]
+    assert [r["step"] for r in records if r.get("alert") == "nonfinite_loss"] == [6]
+
+
 def _nan_scenario(rank: int, world: int, root: str) -> dict:
     import torch
 

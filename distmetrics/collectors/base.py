@@ -67,6 +67,10 @@ class LogContext:
     (a final checkpoint save, teardown) is no step's time. None at a log step."""
     reduced: Any = None
     """After the reduction: the :class:`~distmetrics.reduce.Reduced` result (see :meth:`keys_under`)."""
+    previous: dict = field(default_factory=dict)
+    """The last train record written (empty before the first): "once per event" is decided
+    against what was written, so a log step that raised after a collector's ``finalize`` hides
+    no event's alert."""
 
     def keys_under(self, metrics: dict[str, Any], prefixes: tuple) -> tuple:
         """The reduction's metric keys that start with one of ``prefixes``: worked out once per

@@ -65,7 +65,6 @@ class HealthCollector:
         self.grad_spikes = SpikeDetector(spike_factor)
         self._nonfinite_loss: Union[float, torch.Tensor] = 0.0
         self._skipped = 0
-        self._grads_bad = self._loss_bad = False  # the last log step had non-finite gradients, losses
 
     def record_step(self, loss: Any, skipped: bool, tokens: Any = None) -> None:
         """One step's loss (counted if non-finite, on device) and whether the optimizer skipped it.
@@ -104,7 +103,7 @@ class HealthCollector:
                 if ratio is not None:
                     metrics[f"health/{name}_spike_factor"] = ratio
         bad = metrics.get("grad_nonfinite_modules")
-        if bad and not self._grads_bad:
+        if bad and not ctx.previous.get("grad_nonfinite_modules"):  # once per event: the last record had none
             names = bad.split(",")
             order = list(ctx.module_order)
             ordered = [m for m in order if m in names] + [m for m in names if m not in order]
@@ -112,11 +111,9 @@ class HealthCollector:
             alerts.append(Alert("nonfinite_grad", f"non-finite gradient first in module {ordered[0]!r} "
                                                   f"({len(ordered)} module(s): {', '.join(ordered)})",
                                 {"first_module": ordered[0], "modules": ordered}))
-        self._grads_bad = bool(bad)
         bad = metrics.get("health/nonfinite_loss")
-        if bad and not self._loss_bad:  # once per event, as for gradients: the count is in every record
+        if bad and not ctx.previous.get("health/nonfinite_loss"):  # once per event; the count is in every record
             alerts.append(Alert("nonfinite_loss", f"non-finite loss in {int(bad)} rank-step(s)"))
-        self._loss_bad = bool(bad)
         return alerts
 
     def close(self) -> None:
