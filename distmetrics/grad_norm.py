@@ -88,12 +88,14 @@ class GradientNorms:
                 plan.param_routes.clear()
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
-             error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> tuple[Any, GradMeasurement]:
+             error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
+             loss_scale: Optional[torch.Tensor] = None) -> tuple[Any, GradMeasurement]:
         """Measure, then scale every gradient by ``min(1, max_norm / (total + 1e-6))`` (torch's
-        formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement)."""
+        formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement).
+        ``loss_scale``: see :meth:`measure`; the coefficient is the unscaled total's."""
         max_norm = float(max_norm)
         with torch.no_grad():
-            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach)
+            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale)
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 note_clip(measured, max_norm, local_tensor(result))
@@ -102,8 +104,12 @@ class GradientNorms:
         return result, measured
 
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
-                foreach: Optional[bool] = None) -> tuple[Any, Optional[GradMeasurement]]:
-        """(the total norm as torch returns it, the measurement); one all-reduce."""
+                foreach: Optional[bool] = None, loss_scale: Optional[torch.Tensor] = None,
+                ) -> tuple[Any, Optional[GradMeasurement]]:
+        """(the total norm as torch returns it, the measurement); one all-reduce. ``loss_scale``
+        (a tensor, read on its device: no host sync): the gradients hold the loss times it (fp16
+        training under Megatron, which divides it out inside ``optimizer.step()``); every norm
+        is of the gradients divided by it."""
         p = float(norm_type)
         plan = self.plans.for_parameters(parameters)
         grads = list(map(grad_of, plan.params))
@@ -128,6 +134,8 @@ class GradientNorms:
         finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p == 0 else norms
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check)
+        if loss_scale is not None and p != 0:
+            _unscale(measured, loss_scale, p)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
@@ -189,6 +197,17 @@ def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+def _unscale(measured: GradMeasurement, loss_scale: torch.Tensor, p: float) -> None:
+    """Norms of gradients that hold the loss times ``loss_scale`` as those of the gradients
+    without it: the total divided by the scale, sums of p-th powers by its p-th power (on the
+    device, no host sync)."""
+    inv = loss_scale.reshape(()).to(measured.total.device, torch.float64).reciprocal()
+    power = inv if measured.kind != "sum" else inv * inv if p == 2.0 else inv.pow(p)
+    measured.total = measured.total * inv
+    measured.local_total = measured.local_total * power.to(measured.local_total.device, measured.local_total.dtype)
+    measured.buckets = measured.buckets * power.to(measured.buckets.device, measured.buckets.dtype)
+
 
 def norm_kind(p: float) -> str:
     """How the per-tensor norms of order ``p`` combine across tensors and ranks: "sum" (of p-th

@@ -17,6 +17,7 @@ Nothing here is needed (or applied) when CUDA is available.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -93,10 +94,12 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
 
 
 def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, distributed: bool = True,
-                        bf16: bool = False, weight_decay: float = 0.01) -> tuple:
+                        bf16: bool = False, weight_decay: float = 0.01, fp16: bool = False,
+                        loss_scale: Optional[float] = None) -> tuple:
     """``model`` under Megatron's ``DistributedDataParallel`` (fp32 gradient reduction, no
     overlap) and its Adam from ``get_megatron_optimizer`` (the ``DistributedOptimizer`` when
-    ``distributed``; Megatron clips at ``clip_grad``), built through :func:`cuda_on_cpu`."""
+    ``distributed``; Megatron clips at ``clip_grad``; ``fp16`` with a static ``loss_scale``, or
+    Megatron's dynamic one where None), built through :func:`cuda_on_cpu`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -106,7 +109,7 @@ def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, dis
     ddp.broadcast_params()
     with cuda_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, fp16=False,
+            optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, fp16=fp16, loss_scale=loss_scale,
             use_distributed_optimizer=distributed, clip_grad=clip_grad), [ddp])
     return ddp, optimizer
 

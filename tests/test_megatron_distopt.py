@@ -21,12 +21,14 @@ from tests.dist_utils import quiet_config, run_ranks, squares_by_name, subtree_n
 REL = 1e-6
 STEPS = 2
 CLIP = 0.05  # small, so every step clips
+LOSS_SCALE = 1024.0
 
 
-def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = True, bf16: bool = False):
+def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = True, bf16: bool = False,
+           fp16: bool = False):
     """A GPTModel under Megatron's DDP with the distributed optimizer (or, ``distributed=False``,
-    the plain one; ``bf16``: in Megatron's ``Float16Module`` with fp32 main copies), and a
-    Monitor on it."""
+    the plain one; ``bf16``/``fp16``: in Megatron's ``Float16Module`` with fp32 main copies, fp16
+    with a loss scale of LOSS_SCALE), and a Monitor on it."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
@@ -37,10 +39,11 @@ def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = T
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     apply_cpu_adaptations(seed=1234)
     model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=tp, tied=True)
-    if bf16:
-        model.config.bf16 = True
+    if bf16 or fp16:
+        model.config.bf16, model.config.fp16 = bf16, fp16
         model = Float16Module(model.config, model)
-    ddp, optimizer = wrap_with_optimizer(model, lr=1e-2, clip_grad=clip_grad, distributed=distributed, bf16=bf16)
+    ddp, optimizer = wrap_with_optimizer(model, lr=1e-2, clip_grad=clip_grad, distributed=distributed, bf16=bf16,
+                                         fp16=fp16, loss_scale=LOSS_SCALE if fp16 else None)
     cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
     torch.manual_seed(0)
@@ -171,6 +174,29 @@ def _mixed_precision_run(tp: int, world: int) -> dict:
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}}
 
 
+def _fp16_run(distributed: bool, monitor_clips: bool) -> dict:
+    """fp16 with a static loss scale: the gradients hold the loss times LOSS_SCALE until Megatron
+    divides it out inside ``optimizer.step()``; the loss is scaled as Megatron's schedules scale
+    it (``optimizer.scale_loss``). Megatron clips and we measure, or we clip and it does not."""
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(1, clip_grad=0.0 if monitor_clips else CLIP, distributed=distributed, fp16=True)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    optimizer.scale_loss(ddp(tokens, position_ids, mask, labels=labels).float().mean()).backward()
+    ddp.finish_grad_sync()
+    ours = float(monitor.clip_grad_norm_(CLIP) if monitor_clips else monitor.measure_grad_norms())
+    with cuda_on_cpu():
+        _, megatron_norm, _ = optimizer.step()
+    metrics = monitor.step(1)
+    monitor.close()
+    return {"ours": ours, "megatron": float(megatron_norm), "logged": metrics["grad_norm"],
+            "ratio": metrics.get("grad_clip_ratio"), "scale": float(optimizer.get_loss_scale())}
+
+
 def _unattached(rank: int) -> str:
     """The distributed optimizer's model, the optimizer not given to the Monitor."""
     from megatron.core import parallel_state as ps
@@ -203,6 +229,10 @@ def _scenarios(rank: int, world: int) -> dict:
         out[f"clip_scale_tp{tp}"] = max(float(p.abs().max()) for p in ours_clips.values())
     out["mixed_precision"] = _mixed_precision_run(2, world)
     ps.destroy_model_parallel()
+    for distributed in (False, True):
+        for monitor_clips in (False, True):
+            out[f"fp16_{distributed}_{monitor_clips}"] = _fp16_run(distributed, monitor_clips)
+            ps.destroy_model_parallel()
     out["unattached"] = _unattached(rank)
     ps.destroy_model_parallel()
     return out
@@ -232,6 +262,23 @@ def test_norms_are_exact_under_the_distributed_optimizer(results, tp):
 def test_our_clip_scales_what_megatrons_clip_would(results, tp):
     for rank_result in results:
         assert rank_result[f"clip_tp{tp}"] <= 1e-6 * rank_result[f"clip_scale_tp{tp}"]
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_fp16_norms_and_clipping_are_of_the_gradients_without_the_loss_scale(results, distributed):
+    """Under fp16 the gradients hold the loss times the loss scale until Megatron's step divides
+    it out: our norm was Megatron's times 1,024, grad_clip_ratio too, and our clip made every
+    update 1,024 times too small. Now: Megatron measures, after our clip at CLIP (Megatron not
+    clipping), the norm of the gradients we clipped to CLIP; where Megatron clips, our norm is its."""
+    for rank_result in results:
+        megatron_clips = rank_result[f"fp16_{distributed}_False"]
+        assert megatron_clips["scale"] == LOSS_SCALE
+        assert megatron_clips["ours"] == pytest.approx(megatron_clips["megatron"], rel=1e-5)
+        assert megatron_clips["logged"] == pytest.approx(megatron_clips["megatron"], rel=1e-5)
+        assert megatron_clips["ratio"] == pytest.approx(megatron_clips["megatron"] / CLIP, rel=1e-5)
+        ours_clip = rank_result[f"fp16_{distributed}_True"]
+        assert ours_clip["ours"] == pytest.approx(megatron_clips["ours"], rel=1e-5)  # the same first step
+        assert ours_clip["megatron"] == pytest.approx(CLIP, rel=1e-4)
 
 
 def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):

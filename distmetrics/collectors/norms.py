@@ -69,6 +69,7 @@ class NormCollector:
         self._hooks: list = []
         self._stepping = 0  # inner optimizer steps under way
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
+        self._loss_scale: Optional[Callable[[], torch.Tensor]] = None  # an attached fp16 optimizer's
         self._families = Families()
         self._flags: Optional[Reducer] = None  # reduces per-module non-finite counts, when there are any
         self._guard: Any = None
@@ -88,6 +89,9 @@ class NormCollector:
         targets = [optimizer]
         if is_megatron_optimizer(optimizer):
             self._optimizer_clip = float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)
+            parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            if any(getattr(part, "grad_scaler", None) is not None for part in parts):  # fp16: scaled gradients
+                self._loss_scale = optimizer.get_loss_scale
             shards = MegatronShards(optimizer)
             if shards.active:
                 self.grads.attach_shards(shards)
@@ -135,7 +139,8 @@ class NormCollector:
         if max_norm is None:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
         self._check_norm_type(norm_type, "clip_grad_norm_")
-        result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
+                                           self._loss_scale() if self._loss_scale is not None else None)
         self._keep(measured)
         return result
 
@@ -143,7 +148,8 @@ class NormCollector:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
         self._check_norm_type(norm_type, "measure_grad_norms")
-        result, measured = self.grads.measure(None, norm_type)
+        result, measured = self.grads.measure(None, norm_type,
+                                              loss_scale=self._loss_scale() if self._loss_scale is not None else None)
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
         self._keep(measured)
