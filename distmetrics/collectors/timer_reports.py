@@ -93,11 +93,15 @@ class MegatronReports:
         seconds = {}
         for name in names:
             timer = self._timers.get(name)
-            if timer is not None:
+            if timer is not None and name not in seconds:  # a name listed again: read once, below
                 seconds[name] = timer.elapsed(reset=reset)
         table = self._gather(names, seconds)
         column = {name: i for i, name in enumerate(self._agreed or names)}
-        return table[:, [column[name] for name in names]]
+        picked = table[:, [column[name] for name in names]]
+        if reset:  # as Megatron reads a name listed again: after the reset of its first reading, 0
+            for i in [i for i, name in enumerate(names) if name in names[:i]]:
+                picked[:, i] = 0.0
+        return picked
 
     def _get_global_min_max_time(self, names: list, reset: bool, barrier: bool,
                                  normalizer: float) -> dict[str, tuple[float, float]]:

@@ -39,7 +39,7 @@ SCENARIO = {  # name -> seconds on rank 0, rank 1 (None: the timer does not exis
 }
 NAMES = list(SCENARIO)
 CASES = ["text_n1", "text_n10", "text_zero_only", "text_empty", "log_records", "log_stdout",
-         "write_summarywriter", "write_wandb", "text_after_reset"]
+         "write_summarywriter", "write_wandb", "text_twice_kept", "text_twice_reset", "text_after_reset"]
 
 
 def _outputs(timers_cls, rank: int) -> dict:
@@ -77,6 +77,9 @@ def _outputs(timers_cls, rank: int) -> dict:
         finally:
             wandb.log = saved
         r["write_wandb"] = logged
+        twice = ["fwd", "fwd", "only-rank0"]  # a name listed twice: read twice, after its reset the second time
+        r["text_twice_kept"] = timers.get_all_timers_string(twice, reset=False)
+        r["text_twice_reset"] = timers.get_all_timers_string(twice)
         timers.get_all_timers_string(NAMES)  # reset=True: consumed
         r["text_after_reset"] = timers.get_all_timers_string(NAMES)
         out[option] = r
