@@ -101,17 +101,18 @@ def pipeline_forward_backward(model, tokens, labels, position_ids, mask, args, t
         model.set_input_tensor(input_tensor)
     with timers("forward-compute", log_level=2):
         output = model(tokens, position_ids, mask, labels=labels if last else None)
-    loss = None
+    loss, grad = None, None
+    if not last:  # the exchange is timed apart from the compute, as Megatron's schedules time it
+        with timers("forward-send", log_level=2):
+            dist.send(output.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty(shape)
+        with timers("backward-recv", log_level=2):
+            dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
     with timers("backward-compute", log_level=2):
         if last:
             loss = output.float().mean()
             loss.backward()
         else:
-            with timers("forward-send", log_level=2):
-                dist.send(output.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            grad = torch.empty(shape)
-            with timers("backward-recv", log_level=2):
-                dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
             output.backward(grad)
     if not first:
         with timers("backward-send", log_level=2):
