@@ -34,6 +34,7 @@ class CheckpointLog:
         path = Path(config.output_dir) / "progress.txt"
         self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
+        self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
 
     def start_at(self, step: int) -> None:
         """This job's first step is ``step`` (its first ``monitor.step``, the step after an
@@ -53,11 +54,11 @@ class CheckpointLog:
         record = self._record_up_to(step, base)
         known = max((c.iteration for c in (base, record) if c is not None), default=None)
         if known is not None and known < step - 1:  # under either numbering a checkpoint lies between
-            logger.warning("distmetrics: progress.txt and %s have no checkpoint after iteration %d, and this job "
-                           "starts at step %d: FLOPs and tokens count on from iteration %d's and leave out the "
-                           "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or "
-                           "its line and record were lost, e.g. to a full disk).", self._metrics_file or "metrics.jsonl",
-                           known, step, known)
+            files = "progress.txt" + (" and metrics.jsonl" if self._metrics_file is not None else "")
+            self._short = (f"{files} have no checkpoint after iteration {known}, and this job started at step {step}: "
+                           f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
+                           "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
+                           "line and record were lost, e.g. to a full disk)")
         if record is not None and (base is None or record.iteration > base.iteration):
             # its progress.txt line was lost (a full disk between the two writes, say)
             logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
@@ -85,6 +86,9 @@ class CheckpointLog:
             dist.all_reduce(tokens, group=group)
         if not is_writer:
             return None
+        if self._short:  # said at the first checkpoint: a job that saves none counts nothing
+            logger.warning("distmetrics: %s.", self._short)
+            self._short = ""
         return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token,
                                  self.world_size)
 

@@ -603,9 +603,14 @@ def test_a_checkpoint_lost_from_both_files_is_said_when_a_job_resumes_after_it(t
     saved = _progress_jobs(tmp_path, [(1, 20, (10, 20)), (21, 30, (30,))], before_second=lose_checkpoint_20)
     assert [(r["step"], r["checkpoint/tokens"]) for r in saved] == [(10, 1e4), (30, 2e4)]
     said = [r.getMessage() for r in caplog.records if "have no checkpoint after iteration" in r.getMessage()]
-    assert len(said) == 1 and "after iteration 10, and this job starts at step 21" in said[0], said
+    assert len(said) == 1 and "after iteration 10, and this job started at step 21" in said[0], said
     caplog.clear()
     _progress_jobs(tmp_path / "whole", [(1, 20, (10, 20)), (21, 30, (30,))])
+    assert not [r for r in caplog.records if "have no checkpoint after" in r.getMessage()]
+    import distmetrics as dm  # a job that saves no checkpoint (it only evaluates) counts nothing: says nothing
+
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False)) as monitor:
+        monitor.log_eval(25, loss=1.0)
     assert not [r for r in caplog.records if "have no checkpoint after" in r.getMessage()]
 
 
