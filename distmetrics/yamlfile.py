@@ -32,14 +32,17 @@ def read_yaml(path: Path, what: str = "metrics config file") -> Any:
                           f"({err.reason} at byte {err.start}); it must be a YAML text file") from None
     except OSError as err:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except StrictLoader.Refused as err:  # valid YAML, read as YAML 1.1 would read it wrongly
+        raise ConfigError(f"{what} {str(path)!r}, line {err.problem_mark.line + 1}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
 
 
 class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader that refuses what it would read silently otherwise: a key given twice
-    in one mapping (the last one won) and an integer written with a leading 0 (YAML 1.1, which
-    PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10)."""
+    in one mapping (the last one won), an integer written with a leading 0 (YAML 1.1, which
+    PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10) and a number in base 60 (YAML 1.1
+    reads ``1:30`` as 90; YAML 1.2 as text)."""
 
     class Refused(yaml.constructor.ConstructorError):
         """What this loader refuses (its message names the fix)."""
@@ -63,7 +66,19 @@ class StrictLoader(yaml.SafeLoader):
             raise StrictLoader.Refused(
                 None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as octal, YAML 1.2 "
                 "as decimal; write it without the leading 0", node.start_mark)
+        self._not_base_60(node)
         return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: Any) -> float:
+        self._not_base_60(node)
+        return super().construct_yaml_float(node)
+
+    def _not_base_60(self, node: Any) -> None:
+        if ":" in str(node.value):
+            raise StrictLoader.Refused(
+                None, None, f"{node.value!r} is a number in base 60 to YAML 1.1 (1:30 is 90), text to YAML 1.2; "
+                "write the number, or quote the text", node.start_mark)
 
 
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)

@@ -211,7 +211,9 @@ def test_a_hang_timeout_beyond_what_the_store_can_wait_is_refused_naming_the_key
 
 
 @pytest.mark.parametrize("text,message", [
-    ("log_interval: 010\n", "the number '010' has a leading 0: YAML 1.1 reads it as octal"),
+    ("log_interval: 010\n", "line 1: the number '010' has a leading 0: YAML 1.1 reads it as octal"),
+    ("console: false\nlog_interval: 1:30\n", "line 2: '1:30' is a number in base 60 to YAML 1.1 (1:30 is 90)"),
+    ("log_interval: 08\n", "log_interval='08' has type str; accepted: int; write it without the leading 0"),
     ("log_interval: 10\nconsole: false\nlog_interval: 20\n", "key 'log_interval' is given twice in one mapping "
                                                               "(lines 1 and 3)")])
 def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, message):
@@ -225,6 +227,8 @@ def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, mess
     with pytest.raises(dm.ConfigError, match="leading 0") as raised:
         dm.MetricsConfig.from_dict({}, ["log_interval=010"])
     assert "quote it" not in str(raised.value)  # quoted, '010' is text where an int belongs: the fix is the 0
+    with pytest.raises(dm.ConfigError, match="write it without the leading 0"):  # 08: not octal, so text to YAML 1.1
+        dm.MetricsConfig.from_dict({}, ["log_interval=08"])
     assert dm.MetricsConfig.from_dict({}, ["log_interval=0x10"]).log_interval == 16
     merged = tmp_path / "merged.yaml"  # YAML's merge key, and a key it brings given again: both as PyYAML reads them
     merged.write_text("<<: {tensorboard: false, log_interval: 5}\nlog_interval: 7\n")
