@@ -78,15 +78,22 @@ def test_a_resumed_job_that_evaluates_before_its_first_step_purges_after_that_ev
 
 
 @pytest.mark.parametrize("then", ["steps from 21", "steps from 20 (a loop counting from 0)", "nothing (evaluation only)"])
-def test_a_job_that_evaluates_a_restored_checkpoint_first_replaces_the_steps_it_trains_and_no_others(tmp_path, then):
+def test_a_job_that_evaluates_a_restored_checkpoint_first_replaces_the_steps_it_trains_and_no_others(tmp_path, then,
+                                                                                                      monkeypatch):
     """Job 1 trains steps 1-40 and evaluates at 20 and 40; job 2 restores step 20's checkpoint and
     evaluates it first. The purge was decided at that evaluation, from step 21: an evaluation-only
     job hid job 1's steps 21-40 for good (nothing replaced them), and a loop counting from 0
     (whose first step is 20) showed both jobs' step 20. What TensorBoard shows is worked out from
-    the scenario: job 1's events below job 2's first step, and all of job 2's."""
+    the scenario: job 1's events below job 2's first step, and all of job 2's. The two event files
+    are numbered 9 and 10 in one process: TensorBoard reads a folder's files in name order, and
+    ".10" sorted before ".9", so job 2's purge came first and dropped nothing (seen in a full run)."""
+    import itertools
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import distmetrics as dm
+
+    monkeypatch.setattr("distmetrics.sinks.tensorboard._file_number", itertools.count(9))
 
     with dm.Monitor(_config(tmp_path, log_interval=10)) as monitor:
         for step in range(1, 41):

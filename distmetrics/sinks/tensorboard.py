@@ -84,9 +84,11 @@ class TensorBoardSink:
 
         self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c()
         self._histogram = summary.make_histogram
-        # the file name TensorBoard's own writer uses, so `tensorboard --logdir` finds it
+        # the file name TensorBoard's own writer uses, so `tensorboard --logdir` finds it; TensorBoard
+        # reads a folder's files in name order, and a job's purge drops what it read before: the pid and
+        # the counter are zero-padded, so a file made later in the same second sorts after (".10" < ".9")
         self.path = Path(log_dir) / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                                     f"{os.getpid()}.{next(_file_number)}")
+                                     f"{os.getpid():07d}.{next(_file_number):06d}")
         self._file = AppendFile(self.path, self.name, lines=False)
         version = self._frame(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
                                               source_metadata=event_pb2.SourceMetadata(writer="distmetrics"))
