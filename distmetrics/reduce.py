@@ -36,6 +36,7 @@ This module knows tensors and process groups, not what the metrics mean.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -155,7 +156,8 @@ class Reduced:
     def to_metrics(self, take: bool = False) -> dict[str, Any]:
         """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
         for ``all``, ``x`` (every rank's value) and its summary ``x/max``, ``x/min``, ``x/mean``
-        over the ranks that sent one (NaN left out of the summary). ``take``: the result is
+        over the ranks that sent one (NaN on any of them makes each NaN, as a ``max``'s NaN wins:
+        a rank gone bad shows on the dashboards, which get the summary). ``take``: the result is
         built in ``values`` itself, which is left empty (no copy of a large dict)."""
         out: dict[str, Any] = self.values if take else dict(self.values)
         if take:
@@ -173,10 +175,12 @@ class Reduced:
 
 
 def _summary(values: PerRank) -> dict[str, float]:
-    present = [v for v in values if v is not None and v == v]  # v == v: not NaN
+    present = [v for v in values if v is not None]
     if not present:
         return {}
-    return {"max": max(present), "min": min(present), "mean": sum(present) / len(present)}
+    if any(v != v for v in present):  # NaN
+        return {"max": math.nan, "min": math.nan, "mean": math.nan}
+    return {"max": max(present), "min": min(present), "mean": math.fsum(present) / len(present)}
 
 
 class Reducer:

@@ -433,6 +433,39 @@ def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):
     assert [r["step"] for r in rows if "eval/loss" in r] == [20, 40]
 
 
+def test_an_all_metric_that_cannot_be_binned_skips_its_histogram_not_the_wandb_sink(tmp_path, caplog):
+    """A NaN in an ``all`` metric (numpy cannot bin it) or a value near 1e17 (too many bins) raised
+    in wandb.Histogram, and the W&B sink was off for the rest of the run. The histogram holds the
+    finite values; W&B skips one it cannot bin, with one warning; the summary shows the NaN (it
+    was left out of it, so the dashboards saw none)."""
+    pytest.importorskip("wandb")
+    import logging
+
+    import distmetrics as dm
+    from tests.wandb_reader import read_offline_run
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    cfg = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True, wandb_project="p",
+                       wandb_mode="offline")
+    values = {1: 1.0, 2: 2.0, 3: math.nan, 4: math.nan, 5: 1e17, 6: 1e17, 7: 3.0, 8: 3.0}
+    with dm.Monitor(cfg) as monitor:
+        for step, value in values.items():
+            monitor.record("probe", value, reduce="all")
+            monitor.step(step, loss=1.0)
+        failed = dict(monitor.sinks.failed)
+    assert failed == {}
+    rows = {r["step"]: r for r in read_offline_run(str(tmp_path))["history"] if "train/loss" in r}
+    assert sorted(rows) == [2, 4, 6, 8]
+    assert math.isnan(rows[4]["probe/max"]) and math.isnan(rows[4]["probe/mean"])
+    assert rows[6]["probe/max"] == 1e17 and rows[8]["probe/max"] == 3.0
+    histograms = [step for step, row in sorted(rows.items()) if "probe/values" in row]  # W&B's nested histogram
+    assert histograms == [2, 8]
+    skipped = [r.getMessage() for r in caplog.records if "skipped the histogram probe" in r.getMessage()]
+    assert len(skipped) == 1 and "at step 6" in skipped[0]
+    train = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert math.isnan(train[1]["probe/rank0"]) and math.isnan(train[1]["probe/max"])
+
+
 def _dtensor_loss(rank: int, world: int, device_path: bool) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh

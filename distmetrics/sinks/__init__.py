@@ -21,6 +21,7 @@ record (train, eval and tensor_stats records; without ``timers/*`` where
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
@@ -77,8 +78,9 @@ def scalar_view(metrics: dict[str, Any], kind: str, left_out: tuple[str, ...] = 
         if left_out and (name in left_out or name.startswith(prefixes)):
             continue
         if isinstance(value, PerRank):
-            if value.present():
-                view.histograms[name] = value.present()
+            finite = [v for v in value.present() if math.isfinite(v)]  # binning needs them (the summary has NaN)
+            if finite:
+                view.histograms[name] = finite
         else:
             view.scalars[name] = value
     return view

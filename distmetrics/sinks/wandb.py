@@ -66,6 +66,7 @@ class WandbSink:
         self.unsent = 0
         """Rows dropped because W&B was still starting and the buffer was full."""
         self._problem_reported = False
+        self._skipped: set[str] = set()  # histograms W&B could not bin, warned about once each
         self._log_offset = 0
         settings: dict[str, Any] = {"init_timeout": START_TIMEOUT_S}
         argv = redact_argv(sys.argv)
@@ -92,7 +93,14 @@ class WandbSink:
         """Log one record's scalars and histograms as one row at ``step`` (kept while W&B starts)."""
         row: dict[str, Any] = dict(view.scalars)
         for name, values in view.histograms.items():
-            row[name] = self._wandb.Histogram(values)
+            try:
+                row[name] = self._wandb.Histogram(values)
+            except (ValueError, TypeError, OverflowError) as err:  # numpy's bins (values around 1e16 and up)
+                if name not in self._skipped:
+                    self._skipped.add(name)
+                    logger.warning("distmetrics: the wandb sink skipped the histogram %s at step %d, which W&B cannot "
+                                   "bin (%s: %s); its /max, /min and /mean and the rest of the row are sent, and "
+                                   "the sink goes on.", name, step, type(err).__name__, err)
         self._pending.append((row, step))
         if len(self._pending) > START_BUFFER_ROWS:
             self._pending.popleft()
