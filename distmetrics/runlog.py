@@ -98,19 +98,24 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     tensor_stats record of the latest job that trained (a job that only evaluated dropped nothing
     from TensorBoard: the steps after its evaluation are still the job before's), or of the last
     such record where no job trained; None (no file, no such record). Read from the end, a block
-    at a time, up to the latest train record: cheap on a long file."""
+    at a time, up to the job's train record before its last (an evaluation numbered ahead of
+    training is written before the record close() writes) or its start: cheap on a long file."""
     highest: list = [None]  # of the job read so far, from its end
+    trains = [0]
 
     def latest_training_job(record: dict) -> bool:
         kind, step = record.get("kind"), record.get("step")
-        if kind == "run":  # the start of a job that did not train: the one before it counts
+        if kind == "run":  # a job's start: of the job that trained, or of one that did not (the one before counts)
+            if trains[0]:
+                return True
             highest[0] = None
         elif kind in DASHBOARD_KINDS and isinstance(step, int):
             highest[0] = step if highest[0] is None else max(highest[0], step)
-            return kind == "train"
+            trains[0] += kind == "train"
+            return trains[0] == 2
         return False
 
-    if last_record(path, latest_training_job) is not None:
+    if last_record(path, latest_training_job) is not None or trains[0]:  # or a file that starts in that job
         return highest[0]
     record = last_record(path, lambda r: r.get("kind") in DASHBOARD_KINDS and isinstance(r.get("step"), int))
     return None if record is None else record["step"]

@@ -164,6 +164,31 @@ def test_events_before_the_first_step_beyond_those_kept_are_said_to_be_hidden(tm
     assert len(said) == 1 and "up to 2 earlier ones (steps 20-20)" in said[0], said
 
 
+def test_an_evaluation_numbered_ahead_of_the_last_step_counts_as_logged(tmp_path):
+    """Job 1 evaluates as step 11 after its step 10 (a loop that numbers an evaluation by the step
+    to come), and close() then writes step 10's record after it. The last step logged was read as
+    10 (the backward read stopped at the last train record), so job 2, evaluating checkpoint 11 and
+    stepping from 11, was no restart: TensorBoard showed both jobs' evaluation at 11."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    with dm.Monitor(_config(tmp_path, log_interval=4)) as monitor:
+        for step in range(1, 11):
+            monitor.step(step, loss=1.0, tokens=100)
+        monitor.log_eval(11, loss=1.8, tokens=10)
+    with dm.Monitor(_config(tmp_path, log_interval=4)) as monitor:
+        monitor.log_eval(11, loss=2.5, tokens=10)
+        for step in range(11, 21):
+            monitor.step(step, loss=2.0, tokens=100)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(11, 2.5)]
+    resume = [(r["from_step"], r["last_logged_step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
+              if r["kind"] == "resume"]
+    assert resume == [(11, 11)]
+
+
 def test_the_resume_warning_says_only_what_the_sinks_on_do(tmp_path, caplog):
     """A restart with TensorBoard off was told "TensorBoard drops the earlier events"."""
     _job(tmp_path, range(1, 41), loss=1.0)
