@@ -286,6 +286,22 @@ def weighted(value: Any, weight: Any) -> Any:
     return value * weight
 
 
+def masked(value: Any, weight: Any) -> Any:
+    """``value``, and 0 where ``weight`` is 0 (a summed mean's Σ value·weight: as :func:`weighted`)."""
+    if isinstance(weight, torch.Tensor) and not (weight.is_cpu and weight.dim() == 0):
+        return torch.where(weight != 0, value, 0.0)  # on the weight's device: no sync
+    if float(weight) != 0:  # a number, or a 0-d host tensor (read without waiting for a device)
+        return value
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+
+
+def masked_host(values: Sequence[float], weights: Sequence[float]) -> Sequence[float]:
+    """:func:`masked` of each host number and its weight."""
+    if 0 in weights:
+        return [value if weight != 0 else 0.0 for value, weight in zip(values, weights)]
+    return values
+
+
 def weighted_host(values: Sequence[float], weights: Sequence[float]) -> Iterable[float]:
     """:func:`weighted` of each host number and its weight, in one C loop unless a weight is 0
     (a Python call per element costs about 5x the multiplication at hundreds of names)."""
@@ -298,8 +314,8 @@ def mean_parts(s: Any) -> tuple[Number, Number]:
     """The two SUM-pack lanes of a sum or mean sample: (value·weight, weight)."""
     if s.reduce == "sum":
         return s.value, 1.0
-    if s.summed:
-        return s.value, s.weight
+    if s.summed:  # Σ value·weight already: where the weight is 0 it holds nothing, NaN or not
+        return masked(s.value, s.weight), s.weight
     value = s.value.to(torch.float64) if isinstance(s.value, torch.Tensor) else s.value  # the product in float64,
     weight = s.weight.to(torch.float64) if isinstance(s.weight, torch.Tensor) else s.weight  # as on the host
     return weighted(value, weight), s.weight

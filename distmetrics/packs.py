@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
-                      mean_parts, tuple_getter, weighted, weighted_host)
+                      masked, masked_host, mean_parts, tuple_getter, weighted, weighted_host)
 
 __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "sum_pack_tensor", "all_row_on_host",
            "all_row_tensor"]
@@ -111,7 +111,8 @@ def sum_lanes_on_host(layout: PackLayout, samples: list) -> Optional[tuple[Seque
         weight = host_values(s.weight, n) if s.reduce == "mean" else [1.0] * n
         if vector is None or weight is None:
             return None
-        values.extend(vector if s.reduce == "sum" or s.summed else weighted_host(vector, weight))
+        values.extend(vector if s.reduce == "sum" else masked_host(vector, weight) if s.summed
+                      else weighted_host(vector, weight))
         weights.extend(weight)
         signature.append(s.names)
     values.append(0.0)  # the lanes of a name no sample holds
@@ -210,4 +211,4 @@ def _mean_lanes(s: Any, value: float, weight: float) -> tuple[float, float]:
     """The two SUM-pack lanes of a sum or mean value (as :func:`~distmetrics.packing.mean_parts`)."""
     if s.reduce == "sum":
         return value, 1.0
-    return (value, weight) if s.summed else (weighted(value, weight), weight)
+    return (masked(value, weight), weight) if s.summed else (weighted(value, weight), weight)

@@ -108,6 +108,15 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
                      Sample("zv", torch.tensor([1.0, math.nan if rank == 3 else 2.0]), "mean",
                             weight=torch.tensor([1.0, 0.0 if rank == 3 else 1.0]), names=("zv/a", "zv/b"))])
     out["weight0"] = (res.values["z"], res.values["zt"], res.values["zv/a"], res.values.get("zv/b"))
+    # the summed form (value = Σ value·weight already): rank 3's NaN or Inf of weight 0 counts for nothing too
+    bad = math.nan if rank == 3 else float(rank)
+    rs = Reducer()
+    res = rs.reduce([Sample("zs", bad, "mean", weight=0.0 if rank == 3 else 1.0, summed=True),
+                     Sample("zst", torch.tensor(math.inf if rank == 3 else 2.0 * rank), "mean",
+                            weight=torch.tensor(0.0 if rank == 3 else 2.0), summed=True),
+                     Sample("zsv", torch.tensor([bad, 1.0]), "mean", weight=torch.tensor([0.0 if rank == 3 else 1.0, 1.0]),
+                            summed=True, names=("zsv/a", "zsv/b"))])
+    out["summed_weight0"] = (res.values["zs"], res.values["zst"], res.values["zsv/a"], res.values["zsv/b"])
 
     # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
     r4 = Reducer()
@@ -203,6 +212,12 @@ def test_nan_on_one_rank_is_never_hidden(results):
 def test_a_nan_of_weight_0_does_not_make_the_mean_nan(results):
     # (0 + 1 + 2) / 3, (0 + 2 + 4) / 6; a vector's element of weight 0 on rank 3 likewise
     assert results[0]["weight0"] == (pytest.approx(1.0), pytest.approx(1.0), 1.0, 2.0)
+
+
+def test_a_summed_mean_of_weight_0_does_not_make_the_mean_nan(results):
+    """A summed sample's value of weight 0 went into the mean unmasked: NaN or Inf on every rank."""
+    # Σ(value·weight) / Σ weight: (0 + 1 + 2) / 3; (0 + 2 + 4) / 6; vector: (0 + 1 + 2) / 3, (1 + 1 + 1 + 1) / 4
+    assert results[0]["summed_weight0"] == (pytest.approx(1.0),) * 4
 
 
 def test_conflicting_kinds_raise_on_every_rank(results):
