@@ -86,6 +86,9 @@ class Sample:
         if not isinstance(self.name, str):
             raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
         check_reduce(self.name, self.reduce)
+        if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given
+            raise ValueError(f"Sample {self.name!r}: low is the min lane of a minmax, not used by {self.reduce!r}; "
+                             "give a min the value itself")
         if self.names is None:
             check_value(self.value, "Sample %r", self.name)
             check_value(self.weight, "Sample %r weight", self.name)

@@ -269,6 +269,7 @@ def test_unknown_reduce_kind_is_rejected():
     (("x", "tensor2", "max"), ValueError, "Sample 'x': expected a number or a 1-element tensor, got a tensor of shape"),
     (("x", 1.0, "mean", None), TypeError, "Sample 'x' weight: expected a number"),
     (("x", 1.0, "minmax", 1.0, False, "low"), TypeError, "Sample 'x' low: expected a number"),
+    (("x", 1.0, "min", 1.0, False, -10.0), ValueError, "Sample 'x': low is the min lane of a minmax, not used by 'min'"),
     ((7, 1.0, "mean"), TypeError, "a metric name is a str, got int 7"),
 ])
 def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, error, message):
