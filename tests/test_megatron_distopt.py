@@ -194,7 +194,8 @@ def _fp16_run(distributed: bool, monitor_clips: bool) -> dict:
     metrics = monitor.step(1)
     monitor.close()
     return {"ours": ours, "megatron": float(megatron_norm), "logged": metrics["grad_norm"],
-            "ratio": metrics.get("grad_clip_ratio"), "scale": float(optimizer.get_loss_scale())}
+            "ratio": metrics.get("grad_clip_ratio"), "scale": float(optimizer.get_loss_scale()),
+            "logged_scale": metrics.get("loss_scale")}
 
 
 def _unattached(rank: int) -> str:
@@ -272,7 +273,7 @@ def test_fp16_norms_and_clipping_are_of_the_gradients_without_the_loss_scale(res
     clipping), the norm of the gradients we clipped to CLIP; where Megatron clips, our norm is its."""
     for rank_result in results:
         megatron_clips = rank_result[f"fp16_{distributed}_False"]
-        assert megatron_clips["scale"] == LOSS_SCALE
+        assert megatron_clips["scale"] == LOSS_SCALE == megatron_clips["logged_scale"]
         assert megatron_clips["ours"] == pytest.approx(megatron_clips["megatron"], rel=1e-5)
         assert megatron_clips["logged"] == pytest.approx(megatron_clips["megatron"], rel=1e-5)
         assert megatron_clips["ratio"] == pytest.approx(megatron_clips["megatron"] / CLIP, rel=1e-5)

@@ -45,7 +45,7 @@ class NormCollector:
     after = ()
     writes = ("grad_norm", "grad_norm/", "param_norm", "param_norm/", "update_norm", "update_norm/",
               "relative_update_norm", "relative_update_norm/", "effective_lr_ratio", "effective_lr_ratio/",
-              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params")
+              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params", "loss_scale")
 
     def __init__(self, model: torch.nn.Module, layout: Any, group: Any = None, depth: Optional[int] = None,
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,
@@ -212,6 +212,8 @@ class NormCollector:
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
+        if self._loss_scale is not None:  # an attached fp16 optimizer's, as Megatron logs it (the same on every rank)
+            out.append(Sample("loss_scale", self._loss_scale().reshape(()), "mean"))
         update, self._update = self._update, None
         if update is not None and self._update_step != ctx.step:
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)
