@@ -180,7 +180,10 @@ class Monitor:
     def attach_megatron_optimizer(self, optimizer: Any) -> None:
         """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned
         gradient slices and fp32 main shards; update-norm hooks (``Monitor(optimizer=)`` does this)."""
-        self._norms("attach_megatron_optimizer").attach_optimizer(optimizer, self._log_step_ahead)
+        norms = self._norms("attach_megatron_optimizer")
+        norms.attach_optimizer(optimizer, self._log_step_ahead)
+        if norms.writes_loss_scale:  # kept from the user only where written: torch.amp loops record their own
+            self._by_name["train"].names.reserve(["loss_scale"], "the 'norms' collector (the fp16 optimizer's)")
 
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:

@@ -93,6 +93,11 @@ def split_jobs(records: list[dict[str, Any]]) -> list[Job]:
     return jobs
 
 
+_READ_PAST_LAST_TRAIN = 10_000
+"""Records read back past a job's last train record for the one before it (an interval's
+evaluations and statistics are far fewer)."""
+
+
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     """The last step the dashboards show from a metrics.jsonl: the highest step of a train, eval or
     tensor_stats record of the latest job that trained (a job that only evaluated dropped nothing
@@ -101,10 +106,11 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     at a time, up to the job's train record before its last (an evaluation numbered ahead of
     training is written before the record close() writes) or its start: cheap on a long file."""
     highest: list = [None]  # of the job read so far, from its end
-    trains = [0]
+    trains, since = [0], [0]  # train records read; records read since the first
 
     def latest_training_job(record: dict) -> bool:
         kind, step = record.get("kind"), record.get("step")
+        since[0] += trains[0] > 0
         if kind == "run":  # a job's start: of the job that trained, or of one that did not (the one before counts)
             if trains[0]:
                 return True
@@ -112,8 +118,9 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
         elif kind in DASHBOARD_KINDS and isinstance(step, int):
             highest[0] = step if highest[0] is None else max(highest[0], step)
             trains[0] += kind == "train"
-            return trains[0] == 2
-        return False
+            if trains[0] == 2:
+                return True
+        return since[0] >= _READ_PAST_LAST_TRAIN  # a job of one train record: not the whole of a long one
 
     if last_record(path, latest_training_job) is not None or trains[0]:  # or a file that starts in that job
         return highest[0]

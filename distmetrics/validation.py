@@ -96,7 +96,7 @@ def check_value(key: str, value: Any, expected: Any) -> None:
     hint = ""
     if type(value) is float and value.is_integer() and abs(value) < 2**53 and _matches(int(value), expected):
         hint = f"; write {int(value)}"  # 1e5 where an int belongs
-    elif isinstance(value, str) and re.fullmatch(r"[-+]?0[0-9_]+", value) and _matches(0, expected):
+    elif isinstance(value, str) and re.fullmatch(r"[-+]?0[0-9][0-9_]*", value) and _matches(0, expected):
         hint = "; write it without the leading 0"  # YAML 1.1 reads 08 and 09 as text, 010 as octal
     raise ConfigError(f"{key}={_short(value)} has type {type(value).__name__}; accepted: {_describe(expected)}{hint}")
 

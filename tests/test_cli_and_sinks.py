@@ -288,6 +288,11 @@ def test_the_console_on_a_closed_stdout_is_turned_off_with_one_warning(tmp_path)
     logged = (tmp_path / "again" / "user.log").read_text().splitlines()  # the paths above moved to again/
     assert len([line for line in logged if line.startswith(":: step")]) == 20, logged
     assert len([line for line in logged if "stdout handler cannot write ([Errno 32] Broken pipe (EPIPE))" in line]) == 1
+    # sys.stdout closed by the script: a ValueError, not an OSError, from the same write
+    closed = subprocess.run([sys.executable, "-c", "import sys; sys.stdout.close()\n" + code.replace(
+        str(tmp_path), str(tmp_path / "closed"))], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert closed.returncode == 0 and "Logging error" not in closed.stderr, closed.stderr
 
 
 def test_a_record_is_written_sorted_when_its_names_change_between_log_steps(tmp_path):

@@ -433,6 +433,18 @@ def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):
     assert [r["step"] for r in rows if "eval/loss" in r] == [20, 40]
 
 
+def test_loss_scale_is_a_users_name_where_no_fp16_megatron_optimizer_writes_it(tmp_path):
+    """A torch.amp loop records its GradScaler's scale as loss_scale: refused once the name was
+    reserved for the Megatron fp16 optimizer's, with none attached."""
+    import torch
+
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=1), model=torch.nn.Linear(2, 2)) as monitor:
+        monitor.record("loss_scale", 65536.0)
+        assert monitor.step(1, loss=1.0)["loss_scale"] == 65536.0
+
+
 def test_an_all_metric_that_cannot_be_binned_skips_its_histogram_not_the_wandb_sink(tmp_path, caplog):
     """A NaN in an ``all`` metric (numpy cannot bin it) or a value near 1e17 (too many bins) raised
     in wandb.Histogram, and the W&B sink was off for the rest of the run. The histogram holds the

@@ -609,3 +609,15 @@ def test_mostly_means_two_gloo_ranks():
     results = run_ranks(_run, 2)
     assert results[0]["metrics"] == results[1]["metrics"]  # the same dict on every rank
     _check(results[0], 2)
+
+
+def test_an_all_summary_of_opposite_infinities_or_huge_values_is_nan_or_inf_not_an_error():
+    """The summary's mean of +inf and -inf is NaN and of two 1e308 inf, as a plain sum gives (an
+    exact fsum raised: the log step failed on every rank); a NaN on any rank makes each NaN."""
+    from distmetrics.per_rank import PerRank
+    from distmetrics.reduce import _summary
+
+    assert math.isnan(_summary(PerRank([math.inf, -math.inf]))["mean"])
+    assert _summary(PerRank([1e308, 1e308])) == {"max": 1e308, "min": 1e308, "mean": math.inf}
+    assert all(math.isnan(v) for v in _summary(PerRank([1.0, math.nan, None])).values())
+    assert _summary(PerRank([None, 2.0, 4.0])) == {"max": 4.0, "min": 2.0, "mean": 3.0}

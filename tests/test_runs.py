@@ -278,3 +278,21 @@ def test_throughput_counts_the_tokens_of_the_steps_it_timed_on_every_rank(tmp_pa
     assert per_step[1]["train/step_time_ms"] == pytest.approx(max(STEP_MS))
     assert per_step[1]["train/tokens_per_sec"] == pytest.approx(2 * 10 / (max(STEP_MS) / 1000))
     assert results[1][5] == results[0][5]
+
+
+def test_the_last_step_logged_reads_back_a_bounded_number_of_records_past_the_last_train_record(tmp_path, monkeypatch):
+    """A last job of one train record was read back whole to find the one before (a long job
+    that logged once, say): past its last train record at most _READ_PAST_LAST_TRAIN records."""
+    import json
+
+    from distmetrics import runlog
+
+    lines = [{"kind": "run", "step": 0}] + [{"kind": "eval", "step": s, "eval/loss": 1.0} for s in range(1, 31)]
+    lines.append({"kind": "train", "step": 40, "train/loss": 1.0})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    decoded, decode = [], runlog.decode_line
+    monkeypatch.setattr(runlog, "decode_line", lambda line: decoded.append(line) or decode(line) if line else None)
+    monkeypatch.setattr(runlog, "_READ_PAST_LAST_TRAIN", 10)
+    assert runlog.last_logged_step(path) == 40
+    assert len(decoded) == 11  # the train record and 10 before it, not all 32

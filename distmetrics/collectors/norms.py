@@ -45,7 +45,7 @@ class NormCollector:
     after = ()
     writes = ("grad_norm", "grad_norm/", "param_norm", "param_norm/", "update_norm", "update_norm/",
               "relative_update_norm", "relative_update_norm/", "effective_lr_ratio", "effective_lr_ratio/",
-              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params", "loss_scale")
+              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params")
 
     def __init__(self, model: torch.nn.Module, layout: Any, group: Any = None, depth: Optional[int] = None,
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,
@@ -73,6 +73,11 @@ class NormCollector:
         self._families = Families()
         self._flags: Optional[Reducer] = None  # reduces per-module non-finite counts, when there are any
         self._guard: Any = None
+
+    @property
+    def writes_loss_scale(self) -> bool:
+        """Whether ``loss_scale`` is written (an fp16 Megatron optimizer is attached)."""
+        return self._loss_scale is not None
 
     @property
     def replans(self) -> int:
@@ -140,7 +145,7 @@ class NormCollector:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
         self._check_norm_type(norm_type, "clip_grad_norm_")
         result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
-                                           self._loss_scale() if self._loss_scale is not None else None)
+                                           self._scale_now())
         self._keep(measured)
         return result
 
@@ -148,12 +153,15 @@ class NormCollector:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
         self._check_norm_type(norm_type, "measure_grad_norms")
-        result, measured = self.grads.measure(None, norm_type,
-                                              loss_scale=self._loss_scale() if self._loss_scale is not None else None)
+        result, measured = self.grads.measure(None, norm_type, loss_scale=self._scale_now())
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
         self._keep(measured)
         return measured.total if measured is not None else result.to(torch.float64)
+
+    def _scale_now(self) -> Optional[torch.Tensor]:
+        """The attached fp16 optimizer's loss scale now (a tensor on its device), or None."""
+        return self._loss_scale() if self._loss_scale is not None else None
 
     def _check_norm_type(self, norm_type: Any, caller: str) -> None:
         """One family of norm types per run: ``grad_norm`` is reduced across ranks as a sum for a
@@ -213,7 +221,7 @@ class NormCollector:
             if self.per_module:
                 out.append(_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
         if self._loss_scale is not None:  # an attached fp16 optimizer's, as Megatron logs it (the same on every rank)
-            out.append(Sample("loss_scale", self._loss_scale().reshape(()), "mean"))
+            out.append(Sample("loss_scale", self._scale_now().reshape(()), "mean"))
         update, self._update = self._update, None
         if update is not None and self._update_step != ctx.step:
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)

@@ -105,8 +105,9 @@ class AppendFile:
         """Close the file; warn if records were still failing to be written."""
         if self._fd < 0:
             return
-        if self._held:  # a header that never found a record to precede it: now or never (counted)
-            self.append((), self._held_step)
+        if self._held:  # a header that never found a record to precede it: now or never (counted, unless
+            # records were lost too: the warning below counts those)
+            self.append((), self._held_step if self.lost is None else self.lost.last_step, counts=self.lost is None)
         if self._cut_at is not None:
             try:
                 os.ftruncate(self._fd, self._cut_at)
@@ -127,7 +128,8 @@ class AppendFile:
                            "whole record; every later record is tried again%s.", self.sink, self.path, step,
                            self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss else "")
         else:
-            self.lost.last_step = step
+            self.lost.first_step = min(self.lost.first_step, step)
+            self.lost.last_step = max(self.lost.last_step, step)
             self.lost.records += 1
 
     def _roll_back(self, written: int) -> None:

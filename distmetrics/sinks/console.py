@@ -76,7 +76,8 @@ class ConsoleSink:
             raise error
         logging.getLogger("distmetrics").warning(
             "distmetrics: the console sink's stdout handler cannot write (%s) and is removed; its lines go on to "
-            "the other logging handlers.", describe_os_error(error))
+            "the other logging handlers.",
+            describe_os_error(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
         """Nothing to release."""
@@ -90,12 +91,12 @@ class _Stdout(logging.StreamHandler):
     errors (a line the stream's encoding cannot write) are logging's, as are the failures of
     handlers configured elsewhere."""
 
-    failed: Optional[OSError] = None
+    failed: Optional[Exception] = None
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         error = sys.exc_info()[1]  # called inside emit's except block
-        if isinstance(error, OSError):
-            self.failed = error
+        if isinstance(error, OSError) or (isinstance(error, ValueError) and "closed file" in str(error)):
+            self.failed = error  # the stream cannot be written (a closed sys.stdout raises the ValueError)
         else:
             super().handleError(record)
 

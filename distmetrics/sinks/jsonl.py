@@ -64,15 +64,22 @@ class JsonlSink:
         if kind == "run":  # a job's header (readers split the file into jobs at it): held until written
             self._file.append_header(pieces, step)
             return
-        lost = self._file.lost
-        if lost is not None:  # the gap record and this one are written together, or neither
-            pieces = (_line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
-                                          "lost_records": lost.records, "error": lost.error}), *pieces)
+        if self._file.lost is not None:  # the gap record and this one are written together, or neither
+            pieces = (self._gap(step), *pieces)
         self._file.append(pieces, step)
 
     def close(self) -> None:
-        """Close the file (a warning if records were still failing to be written)."""
+        """Close the file, with a gap record where records were lost since the last one written
+        (if there is room now); a warning if records were still failing to be written."""
+        lost = self._file.lost
+        if lost is not None:
+            self._file.append(self._gap(lost.last_step), lost.last_step, counts=False)
         self._file.close()
+
+    def _gap(self, step: int) -> bytes:
+        lost = self._file.lost
+        return _line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
+                                   "lost_records": lost.records, "error": lost.error})
 
 
 def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
