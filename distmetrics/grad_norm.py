@@ -129,13 +129,13 @@ class GradientNorms:
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
         norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
+        if loss_scale is not None and p != 0:  # each norm of the gradients without it (before any p-th power)
+            norms = norms * loss_scale.reshape(()).to(norms.device, torch.float64).reciprocal()
         # a p = 0 norm counts non-zero elements and cannot see a NaN: one more pass finds them (a 1-norm:
         # defined on an empty slice; NaN or inf where a gradient holds one, or sums past the float range)
         finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p == 0 else norms
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check)
-        if loss_scale is not None and p != 0:
-            _unscale(measured, loss_scale, p)
         measured.missing = float(len(plan.params) - len(index))
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
@@ -197,17 +197,6 @@ def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def _unscale(measured: GradMeasurement, loss_scale: torch.Tensor, p: float) -> None:
-    """Norms of gradients that hold the loss times ``loss_scale`` as those of the gradients
-    without it: the total divided by the scale, sums of p-th powers by its p-th power (on the
-    device, no host sync)."""
-    inv = loss_scale.reshape(()).to(measured.total.device, torch.float64).reciprocal()
-    power = inv if measured.kind != "sum" else inv * inv if p == 2.0 else inv.pow(p)
-    measured.total = measured.total * inv
-    measured.local_total = measured.local_total * power.to(measured.local_total.device, measured.local_total.dtype)
-    measured.buckets = measured.buckets * power.to(measured.buckets.device, measured.buckets.dtype)
-
 
 def norm_kind(p: float) -> str:
     """How the per-tensor norms of order ``p`` combine across tensors and ranks: "sum" (of p-th

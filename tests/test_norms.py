@@ -956,3 +956,27 @@ def test_a_sum_of_squares_past_the_float_range_is_not_a_nonfinite_gradient():
         with_inf = monitor.step(2)
     assert overflowed["grad_nonfinite"] == 0 and "grad_nonfinite_modules" not in overflowed
     assert with_inf["grad_nonfinite"] == 1 and with_inf["grad_nonfinite_modules"] == "1"
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, 0.5, math.inf, -math.inf, 0.0, 40.0])
+def test_norms_of_scaled_gradients_with_their_loss_scale_are_those_of_the_gradients(norm_type):
+    """fp16 gradients hold the loss times the loss scale: measured with it (a 0-d tensor, as
+    Megatron's get_loss_scale() gives), every norm, bucket and count is the one of the gradients
+    divided by it, measured apart; each tensor's norm is divided before any p-th power (p = 40 of
+    gradients times 2**16 would overflow a power taken first)."""
+    import torch
+
+    from distmetrics.grad_norm import GradientNorms
+
+    model = _net()
+    model(torch.randn(5, 8, generator=torch.Generator().manual_seed(3))).pow(2).mean().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    _, truth = GradientNorms(model).measure(None, norm_type)
+    scale = 2.0 ** 16
+    for n, p in model.named_parameters():
+        p.grad = plain[n] * scale
+    returned, measured = GradientNorms(model).measure(None, norm_type, loss_scale=torch.tensor([scale]))
+    assert float(measured.total) == pytest.approx(float(truth.total), rel=1e-12)
+    assert float(returned) == pytest.approx(float(truth.total), rel=1e-6)  # in the gradients' dtype, as torch's
+    assert torch.allclose(measured.buckets, truth.buckets, rtol=1e-12, atol=0)
+    assert float(measured.nonfinite) == float(truth.nonfinite) == 0.0
