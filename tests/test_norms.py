@@ -962,8 +962,8 @@ def test_a_sum_of_squares_past_the_float_range_is_not_a_nonfinite_gradient():
 def test_norms_of_scaled_gradients_with_their_loss_scale_are_those_of_the_gradients(norm_type):
     """fp16 gradients hold the loss times the loss scale: measured with it (a 0-d tensor, as
     Megatron's get_loss_scale() gives), every norm, bucket and count is the one of the gradients
-    divided by it, measured apart; each tensor's norm is divided before any p-th power (p = 40 of
-    gradients times 2**16 would overflow a power taken first)."""
+    divided by it, measured apart. (Where |g·scale|^p overflows float64 inside a tensor's norm,
+    p = 40 with Megatron's first dynamic scale of 2**32, the norm is inf either way.)"""
     import torch
 
     from distmetrics.grad_norm import GradientNorms
