@@ -25,7 +25,7 @@ from .parallel import Layout, detect_layout
 from .reduce import Reducer
 from .runinfo import first_step, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet, check_sinks
-from .tensor_stats.lifecycle import build_model, collectors_for
+from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for
 
 __all__ = ["Monitor"]
 
@@ -71,6 +71,7 @@ class Monitor:
             sinks, problem = check_sinks(sinks), None
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
+        problem = problem or check_inspection(config, self.world_size)  # a features file one rank cannot read
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:

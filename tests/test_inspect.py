@@ -303,6 +303,21 @@ def _monitor_with(features, tmp_path, **extra):
      "key 'transformer_engine' needs TransformerEngine"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"}, "Bogus": {}}}, "unknown key 'Bogus'"),
     ({"s": {"enabled": True}}, "'layers' needs one of"),
+    # raised from inside nvdlfw-inspect (re.error, left running), read letter by letter (f|c|1 takes
+    # fc2 too), a schedule null that raised a TypeError mid-training, a feature that logged nothing:
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc(1"},
+            "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}},
+     r"layer_name_regex_pattern 'fc\(1' is not a regular expression"),
+    ({"s": {"enabled": True, "layers": {"layer_types": "fc1"},
+            "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}},
+     "layers.layer_types must be a list of names such as"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+            "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"],
+                                               "start_step": 2, "end_step": None}}}},
+     "end_step for tensor 'activation' has no value"),
+    ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+            "distmetrics": {"LogTensorStats": {"tensors": ["activation"], "stats": ["mean"]}}}},
+     "distmetrics.LogTensorStats needs 'enabled'"),
     ({name: {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
              "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}
       for name in ("a", "b")}, "multiple debug configs targeting the same layer"),
@@ -811,3 +826,65 @@ def test_nvdlfw_base_log_tensor_stats_through_the_hooks_is_exact_across_ranks(tm
                  "l1_norm": full.abs().sum(), "l2_norm": full.norm()}
         for stat, value in truth.items():
             assert record[f"tensor_stats/fc1/activation/{stat}"] == pytest.approx(float(value), rel=1e-9), (step, stat)
+
+
+def _features_on_one_rank(rank: int, world: int, root: str) -> str:
+    import distmetrics as dm
+
+    features = Path(root) / "features.yaml"
+    if rank == 0:
+        features.write_text(FEATURES)
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 wrote its file; rank 1 reads a path that does not exist on its host
+    path = str(features) if rank == 0 else str(Path(root) / "elsewhere" / "features.yaml")
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out", tensorboard=False, console=False, hang_timeout_s=20,
+                           tensor_inspect={"enabled": True, "features": path})
+    try:
+        dm.Monitor(cfg, model=_model())
+        return "no error"
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_features_file_one_rank_cannot_read_is_raised_on_every_rank(tmp_path):
+    """The features file was checked after the start-up gather: the rank that could not read it
+    raised, and the other waited in the inspector's first collective (no message, past
+    hang_timeout_s). It is checked before, and the gather says it on every rank."""
+    for message in run_ranks(_features_on_one_rank, 2, str(tmp_path), timeout=120):
+        assert "rank 1: " in message and "elsewhere/features.yaml' does not exist" in message, message
+
+
+def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does(tmp_path):
+    """Two tensors_struct entries for one tensor: nvdlfw-inspect's own feature uses the first
+    (max at every step); through our hooks the last one won (min at steps 1 and 3)."""
+    import torch
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "LogTensorStats": {"enabled": True, "tensors_struct": [
+                          {"tensor": "activation", "stats": ["max"], "freq": 1},
+                          {"tensor": "activation", "stats": ["min"], "freq": 2}]}}}
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, log_progress=False,
+                                          tensorboard=False, tensor_inspect={"enabled": True, "features": features}),
+                         model=_model())
+    for step in (1, 2, 3):
+        monitor.model(torch.randn(4, 6)).sum().backward()
+        monitor.step(step)
+    monitor.close()
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert [(r["step"], sorted(k for k in r if k.startswith("tensor_stats/"))) for r in records] == \
+        [(s, ["tensor_stats/fc1/activation/max"]) for s in (1, 2, 3)]
+
+
+def test_the_dynamic_range_of_a_tensor_holding_nan_is_nan():
+    """amax > 0 is False for NaN: the dynamic range read 0.0, a healthy-looking value."""
+    import torch
+
+    from distmetrics.tensor_stats.statistics import partials, stat_value
+
+    values = {part: float(v) for part, v in partials(torch.tensor([1.0, math.nan, 4.0], dtype=torch.float64)).items()}
+    assert math.isnan(stat_value("dynamic_range", values))
+    finite = {part: float(v) for part, v in partials(torch.tensor([1.0, -4.0], dtype=torch.float64)).items()}
+    assert stat_value("dynamic_range", finite) == 2.0

@@ -28,6 +28,7 @@ FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
 _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
 _ENTRY_KEYS = {"tensor", "stats", "freq", "start_step", "end_step", "start_end_list"}
+_SCHEDULE_KEYS = ("freq", "start_step", "end_step", "start_end_list")
 """The settings of one ``tensors_struct`` entry."""
 _BASE_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm")
 """nvdlfw-inspect's own ``LogTensorStats`` statistics."""
@@ -67,6 +68,7 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
         if empty:  # `exact_layer_names:` with nothing after it: nvdlfw-inspect said no selector was given
             raise ConfigError(f"{where}: layers.{empty[0]} has no value (YAML null); give it one, or leave the "
                               "key out")
+        _check_selectors(where, layers)
         if isinstance(body.get("LogTensorStats"), dict) and isinstance(body.get("distmetrics"), dict) and \
                 "LogTensorStats" in body["distmetrics"]:  # both measured by the hooks: every value counted twice
             raise ConfigError(f"{where}: both nvdlfw-inspect's LogTensorStats and distmetrics.LogTensorStats; the "
@@ -88,6 +90,25 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
     return {section: _exact_names_as_pattern(f"{source}: section {section!r}", body) for section, body in spec.items()}
+
+
+def _check_selectors(where: str, layers: dict) -> None:
+    """A pattern that compiles, and layer types as a list: nvdlfw-inspect raised re.error from
+    inside its start for the one, and read ``layer_types: fc1`` letter by letter (``f|c|1``,
+    which selects fc2 too) for the other."""
+    pattern = layers.get("layer_name_regex_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"{where}: layers.layer_name_regex_pattern must be a regular expression (text), "
+                              f"got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"{where}: layers.layer_name_regex_pattern {pattern!r} is not a regular expression "
+                              f"({err})") from None
+    types = layers.get("layer_types")
+    if types is not None and not (isinstance(types, list) and types and all(isinstance(t, str) and t for t in types)):
+        raise ConfigError(f"{where}: layers.layer_types must be a list of names such as [fc1, fc2], got {types!r}")
 
 
 def _exact_names_as_pattern(where: str, body: dict) -> dict:
@@ -132,6 +153,8 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
     training, not at the first selected step (or, worse, is ignored)."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
+    if "enabled" not in cfg:  # nvdlfw-inspect asserts it; without it the feature logged nothing, silently
+        raise ConfigError(f"{where}: {feature} needs 'enabled' (true or false)")
     for entry in _tensor_entries(where, cfg, feature):
         unknown = set(entry) - _ENTRY_KEYS
         if strict and "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
@@ -147,8 +170,11 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
         for stat in stats:  # nvdlfw-inspect's own feature takes any case; ours the names as listed
             if not isinstance(stat, str) or (stat if strict else stat.lower()) not in supported:
                 raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
-        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in
-                                                 ("freq", "start_step", "end_step", "start_end_list")})
+        for key in _SCHEDULE_KEYS:  # read as given where the schedule is applied: a TypeError mid-training
+            if (key in entry and entry[key] is None) or (key not in entry and key in cfg and cfg[key] is None):
+                raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} has no value (YAML null); give "
+                                  "one, or leave the key out")
+        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS})
 
 
 def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> None:

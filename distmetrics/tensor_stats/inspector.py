@@ -193,8 +193,9 @@ class TensorInspector:
         and micro-batch: ranks with batches of unequal size got statistics of zero-padded
         tensors (or gloo aborted), a layer run on some ranks only hung its peers in the hook,
         and the last micro-batch's value replaced the others'."""
-        entries = {entry["tensor"]: dict(feature, **entry)
-                   for entry in _tensor_entries(name, feature, "LogTensorStats")}
+        entries: dict = {}
+        for entry in _tensor_entries(name, feature, "LogTensorStats"):
+            entries.setdefault(entry["tensor"], dict(feature, **entry))  # as nvdlfw-inspect: a tensor's first entry
 
         def call(tensor_name: str, tensor: torch.Tensor) -> None:
             entry = entries.get(tensor_name)

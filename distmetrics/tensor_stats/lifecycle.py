@@ -73,6 +73,22 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
     return inspector
 
 
+def check_inspection(config: MetricsConfig, world_size: int) -> Optional[str]:
+    """What is wrong with ``tensor_inspect`` on this rank (a features file it cannot read, bad
+    YAML), checked before the Monitor's first collective so that every rank raises it (a rank
+    raising alone left the others waiting in the next collective): the message, or None. In a
+    job of one rank the ConfigError itself is raised."""
+    if not config.tensor_inspect.enabled or current() is not None:  # started early: checked then
+        return None
+    try:
+        check_inspect_config(config.tensor_inspect)
+    except ConfigError as err:
+        if world_size == 1:
+            raise
+        return str(err)
+    return None
+
+
 def collectors_for(config: MetricsConfig, model: Any, layout: Any) -> list:
     """The Monitor's tensor statistics collector (the running inspector, attached to ``model``),
     or none when ``tensor_inspect.enabled`` is false."""

@@ -74,5 +74,7 @@ def stat_value(stat: str, v: dict) -> float:
     if stat == "cur_amax":
         return amax
     if stat == "dynamic_range":
+        if math.isnan(amax):  # a NaN in the tensor: no range (amax > 0 is False for NaN: it read 0)
+            return math.nan
         return math.log2(amax) - math.log2(v["minabs"]) if amax > 0 and math.isfinite(v["minabs"]) else 0.0
     return v[stat]  # min, max, mean
