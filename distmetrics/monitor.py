@@ -23,7 +23,7 @@ from .names import check_step, local_value
 from .naming import module_order
 from .parallel import Layout, detect_layout
 from .reduce import Reducer
-from .runinfo import first_step, open_writer_sinks, resumed_at, start_up
+from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet, check_sinks
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for
 
@@ -72,7 +72,8 @@ class Monitor:
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         problem = problem or check_inspection(config, self.world_size)  # a features file one rank cannot read
-        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem)
+        local_order = module_order(model)
+        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem, local_order)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(
@@ -83,7 +84,7 @@ class Monitor:
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
             self.timers = self._by_name["timers"].timers
-            self._module_order = module_order(model)
+            self._module_order = job_module_order(self.hosts, local_order)
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)

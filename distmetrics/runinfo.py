@@ -111,10 +111,11 @@ class OutputClaim:
             self._file = None
 
 
-def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool,
-             problem: Optional[str] = None) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
+             modules: Sequence[str] = ()) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
-    raises on every rank when one rank has a problem (``problem``: one found by the caller)."""
+    raises on every rank when one rank has a problem (``problem``: one found by the caller).
+    ``modules``: this rank's model's module names in model order (see :func:`job_module_order`)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"WORLD_SIZE={world} in the environment but torch.distributed is not initialised: call "
@@ -122,7 +123,8 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool,
                            "believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
     settings = tuple(_setting(config, key) for key in SHARED_KEYS)
-    hosts = gather_rank_info(layout, guard, problem or (claim.problem if claim is not None else None), settings)
+    hosts = gather_rank_info(layout, guard, problem or (claim.problem if claim is not None else None), settings,
+                             modules)
     problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem] + _differing_settings(hosts)
     if problems:
         if claim is not None:
@@ -172,15 +174,17 @@ def _some_ranks(ranks: list[int], shown: int = 4) -> str:
 
 
 def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,
-                     settings: tuple = ()) -> list[RankInfo]:
-    """Every rank's host, local rank, GPU, start-up problem and shared config values, in one
-    ``all_gather_object``."""
+                     settings: tuple = (), modules: Sequence[str] = ()) -> list[RankInfo]:
+    """Every rank's host, local rank, GPU, start-up problem and shared config values, and with
+    pipeline stages each stage's module order from one of its ranks, in one ``all_gather_object``."""
     gpu = None
     if torch.cuda.is_available():
         from .collectors.nvml import gpu_model_info
 
         gpu = gpu_model_info(layout.rank)
     mine = RankInfo(layout.rank, socket.gethostname(), local_rank_from_env(), os.getpid(), gpu, problem, settings)
+    if layout.pp_size > 1 and layout.tp_rank == layout.dp_rank == layout.cp_rank == 0:  # one rank per stage
+        mine.stage_modules = (layout.pp_rank, tuple(modules))
     if layout.world_size == 1 or not dist.is_initialized():
         mine.local_rank = layout.local_rank if mine.local_rank is None else mine.local_rank
         return [mine]
@@ -200,6 +204,17 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
             for place, row in enumerate(host_rows):
                 row.local_rank = place
     return rows
+
+
+def job_module_order(hosts: list[RankInfo], local: Sequence[str]) -> list[str]:
+    """The job's module names in model order, the same on every rank: with pipeline stages, each
+    stage's in stage order (a rank holds its stage's modules only: the writer's alone put the last
+    stage first in the report, and each stage named a different module as the first non-finite
+    one); else this rank's (``local``)."""
+    stages = sorted((h.stage_modules for h in hosts if h.stage_modules is not None), key=lambda s: s[0])
+    if not stages:
+        return list(local)
+    return list(dict.fromkeys(name for _, names in stages for name in names))
 
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,

@@ -283,7 +283,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
         total = monitor.clip_grad_norm_(math.inf)
         metrics = monitor.step(1)
         monitor.close()
-        return {"truth": truth, "returned": float(total), "metrics": metrics}
+        return {"truth": truth, "returned": float(total), "metrics": metrics, "order": monitor._module_order}
 
     # --- TP=2 × DP=2, a real forward/backward, gradients in main_grad (Megatron DDP's buffer)
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -412,6 +412,18 @@ def test_moe_counts_summed_over_tp_as_megatron_sums_them_count_each_token_once(m
 
 def test_megatron_tp_model_has_a_tp_duplicated_layernorm(megatron_results):
     assert megatron_results[0]["tp2"]["layernorm_is_duplicated"]
+
+
+def test_the_module_order_is_the_whole_models_in_stage_order_on_every_rank(megatron_results):
+    """Each rank's order was its stage's modules alone: the run record (the writer's) put the last
+    stage's layers first in the report, and health/first_nonfinite_module was ordered differently
+    per stage. Now every rank holds the stages' orders in stage order."""
+    orders = [r["pp2"]["order"] for r in megatron_results]
+    assert all(order == orders[0] for order in orders)
+    layers = [name for name in orders[0] if name.count(".") == 2 and name.startswith("decoder.layers.")]
+    assert layers == [f"decoder.layers.{i}" for i in range(4)]
+    assert orders[0].index("embedding") < orders[0].index("decoder.layers.0")
+    assert orders[0].index("decoder.layers.3") < orders[0].index("output_layer")
 
 
 def test_pipeline_stages_report_global_layer_names(megatron_results):
