@@ -93,6 +93,7 @@ def test_the_quickstart_runs_under_torchrun_with_the_shipped_config_and_writes_i
                           "--master-port", str(free_port()), str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert ":: step 20/20 [100.0%]" in run.stdout, run.stdout[-2000:]  # total_steps reaches the config: progress
     records = list(dm.read_jsonl(tmp_path / "runs/default/metrics.jsonl"))  # relative to the working directory
     assert records[0]["kind"] == "run" and records[0]["world_size"] == 2
     train = [r for r in records if r["kind"] == "train"]
