@@ -49,7 +49,7 @@ def add_check_config(commands) -> None:
     parser = commands.add_parser("check-config", help="validate a metrics config YAML (and overrides) with every "
                                                       "check the Monitor makes before it starts")
     parser.add_argument("path")
-    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("overrides", nargs="*", default=[])  # a default: not listed as required
     parser.set_defaults(run=run_check_config)
 
 

@@ -368,13 +368,14 @@ def _apply_overrides(values: dict, items: list[str]) -> dict:
 
 
 def _source(message: str, overrides: list[str], path: Optional[Path]) -> str:
-    """``message`` (which starts with ``key=value`` where one key is at fault) led by where that
-    value came from: the last override that set the key or a section holding it, else the file."""
-    key = re.match(r"[\w.]+(?==)", message)
-    if key is not None:
+    """``message`` (which names the keys at fault as ``key=value``, the first at its start) led by
+    where a value came from: the last override that set one of them or a section holding it
+    (``enabled=true`` given by an override makes the file's missing ``features`` an error), else
+    the file."""
+    for key in re.findall(r"(?:^|(?<=\s))([\w.]+)(?==)", message):
         for item in reversed(overrides):
             set_key = item.split("=", 1)[0].strip()
-            if key[0] == set_key or key[0].startswith(set_key + "."):
+            if key == set_key or key.startswith(set_key + "."):
                 return f"override {item!r}: {message}"
     return f"{path}: {message}" if path is not None else message
 

@@ -8,6 +8,7 @@ what it was read as (a metrics config, a features file). Torch-free.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ def read_yaml(path: Path, what: str = "metrics config file") -> Any:
     if path.is_dir():
         raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
     if not path.is_file():
-        raise ConfigError(f"{what} {str(path)!r} does not exist")
+        where = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+        raise ConfigError(f"{what} {str(path)!r} does not exist{where}")
     try:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as err:

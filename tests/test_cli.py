@@ -102,6 +102,15 @@ def test_summary_reports_each_job_and_a_job_that_logs_steps_again(tmp_path):
     assert "logs step 30 again: job 1 logged up to step 40" in second
 
 
+def test_check_config_without_a_path_names_the_path_alone(capsys):
+    """argparse listed the optional overrides as required too."""
+    from distmetrics.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["check-config"])
+    assert capsys.readouterr().err.strip().endswith("the following arguments are required: path")
+
+
 def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(bytes(range(256)))

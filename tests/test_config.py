@@ -250,3 +250,22 @@ def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named(tmp_
     path.write_text("log_interval: 5\n1: 2\n")
     with pytest.raises(dm.ConfigError, match="metrics.yaml: 1: config keys are names"):  # was: unknown key '1'
         dm.MetricsConfig.from_yaml(path)
+
+
+def test_an_error_two_keys_make_names_the_override_that_set_either():
+    """enabled=true from an override with the file's features unset was blamed on the file."""
+    import distmetrics as dm
+    from tests.dist_utils import ROOT
+
+    with pytest.raises(dm.ConfigError, match=r"^override 'tensor_inspect.enabled=true': tensor_inspect.features=None"):
+        dm.MetricsConfig.from_yaml(ROOT / "configs" / "metrics.yaml", ["tensor_inspect.enabled=true"])
+
+
+def test_a_config_file_not_found_by_a_relative_path_names_the_working_directory(tmp_path, monkeypatch):
+    """The quickstart's configs/metrics.yaml run from outside the checkout: the message named the
+    path alone."""
+    import distmetrics as dm
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(dm.ConfigError, match=f"does not exist \\(relative to the working directory {re.escape(str(tmp_path))}\\)"):
+        dm.MetricsConfig.from_yaml("configs/metrics.yaml")
