@@ -118,6 +118,24 @@ def quiet_megatron_warnings() -> None:
         warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r".*megatron")
 
 
+def run_trainer(main) -> None:
+    """``main()``, then :func:`exit_after_teardown`. A config error (``dm.ConfigError``: a key or
+    value every rank refuses alike) or the trainer's own refusal of its arguments is said in one
+    line by rank 0, exit status 2, as the ``distmetrics`` command says it, not as a traceback per
+    rank."""
+    try:
+        main()
+    except (dm.ConfigError, SystemExit) as err:
+        message = str(err) if isinstance(err, dm.ConfigError) else err.code
+        if not isinstance(message, str):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
+    exit_after_teardown()
+
+
 def exit_after_teardown() -> None:
     """End the process without interpreter finalization (after ``destroy_process_group``).
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distmetrics as dm
-from common import GPT, MarkovData, exit_after_teardown, lr_at, metrics_config
+from common import GPT, MarkovData, lr_at, metrics_config, run_trainer
 
 
 # --- parallelism -------------------------------------------------------------------------------
@@ -160,5 +160,4 @@ def evaluate(model: nn.Module, data: MarkovData, args: argparse.Namespace, dp_ra
 
 
 if __name__ == "__main__":
-    main()
-    exit_after_teardown()
+    run_trainer(main)  # see common.run_trainer

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 
 import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import MarkovData, exit_after_teardown, lr_at, metrics_config, quiet_megatron_warnings
+from common import MarkovData, lr_at, metrics_config, quiet_megatron_warnings, run_trainer
 from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
 
 
@@ -150,6 +151,9 @@ def main(argv=None) -> dict:
     quiet_megatron_warnings()  # before megatron-core is imported
     if args.fp8 and not args.te:
         raise SystemExit("--fp8 needs --te (TransformerEngine layers, on a GPU)")
+    if args.te and importlib.util.find_spec("transformer_engine") is None:  # megatron-core: a NameError deep inside
+        raise SystemExit("--te needs TransformerEngine (and a GPU): install transformer_engine, or leave --te out "
+                         "for Megatron's local layers")
     if args.use_distributed_optimizer and args.pp > 1:
         raise SystemExit("--use-distributed-optimizer: this trainer's own pipeline send/recv does not run Megatron's "
                          "DDP across stages; use --pp 1")
@@ -230,5 +234,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    exit_after_teardown()  # see common.exit_after_teardown
+    run_trainer(main)  # see common.run_trainer

@@ -252,3 +252,17 @@ def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
     records = list(dm.read_jsonl(fresh / "metrics.jsonl"))
     assert [r["kind"] for r in records] == ["run", "train", "train"]
     assert (earlier / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'
+
+
+@pytest.mark.parametrize("script,args,said", [
+    ("train_fsdp.py", ["log_intervall=5"], "error: override 'log_intervall=5': unknown config key 'log_intervall'"),
+    ("train_megatron.py", ["--te"], "error: --te needs TransformerEngine (and a GPU)"),
+])
+def test_a_trainer_refusing_its_arguments_says_it_in_one_line(tmp_path, script, args, said):
+    """A config typo printed a traceback per rank with the message in the middle; --te without
+    TransformerEngine a NameError from inside megatron-core. One line on rank 0, exit status 2."""
+    from tests.dist_utils import run_python
+
+    run = run_python(f"launch/{script}", "--steps", "2", *args, f"output_dir={tmp_path}", timeout=180)
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(said), run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
