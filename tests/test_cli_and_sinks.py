@@ -1,6 +1,7 @@
 """The command line, a sink whose package is missing, CPU-staged update-norm snapshots, and the
 barrier_with_L1_time switch."""
 
+import contextlib
 import logging
 import math
 import os
@@ -186,15 +187,9 @@ def test_all_option_timers_reach_tensorboard_as_summary_and_histogram(tmp_path):
         (truth.num, truth.min, truth.max, truth.sum, truth.sum_squares)
 
 
-@pytest.mark.parametrize("to_dashboards", [True, False])
-def test_timers_and_ppl_leave_the_dashboards_only_when_switched_off(tmp_path, to_dashboards):
-    """log_timers_to_tensorboard and log_validation_ppl_to_tensorboard decide what TensorBoard
-    (and W&B, through the same view) gets, as Megatron's flags do; JSONL and the console keep
-    both. log_validation_ppl_to_tensorboard: false took eval/ppl out of every sink."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    import distmetrics as dm
-
+@contextlib.contextmanager
+def console_lines():
+    """The console sink's lines, as a list filled while the context is open."""
     lines = []
 
     class Capture(logging.Handler):
@@ -204,15 +199,26 @@ def test_timers_and_ppl_leave_the_dashboards_only_when_switched_off(tmp_path, to
     handler = Capture()
     logging.getLogger("distmetrics.console").addHandler(handler)
     try:
-        cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, timing_log_level=0,
-                               log_timers_to_tensorboard=to_dashboards,
-                               log_validation_ppl_to_tensorboard=to_dashboards)
-        with dm.Monitor(cfg) as monitor:
-            monitor.step(1, loss=2.0)
-            monitor.step(2, loss=2.0)
-            monitor.log_eval(2, loss=math.log(8.0))
+        yield lines
     finally:
         logging.getLogger("distmetrics.console").removeHandler(handler)
+
+
+@pytest.mark.parametrize("to_dashboards", [True, False])
+def test_timers_and_ppl_leave_the_dashboards_only_when_switched_off(tmp_path, to_dashboards):
+    """log_timers_to_tensorboard and log_validation_ppl_to_tensorboard decide what TensorBoard
+    (and W&B, through the same view) gets, as Megatron's flags do; JSONL and the console keep
+    both. log_validation_ppl_to_tensorboard: false took eval/ppl out of every sink."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, timing_log_level=0,
+                           log_timers_to_tensorboard=to_dashboards, log_validation_ppl_to_tensorboard=to_dashboards)
+    with console_lines() as lines, dm.Monitor(cfg) as monitor:
+        monitor.step(1, loss=2.0)
+        monitor.step(2, loss=2.0)
+        monitor.log_eval(2, loss=math.log(8.0))
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -228,23 +234,12 @@ def test_verbosity_minus_one_prints_eval_lines_and_alerts_only(tmp_path):
     """Alerts (a non-finite loss here) are printed at every verbosity: never silent."""
     import distmetrics as dm
 
-    lines = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    handler = Capture()
-    logging.getLogger("distmetrics.console").addHandler(handler)
-    try:
-        cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, verbosity=-1, tensorboard=False,
-                               timing_log_level=1)
-        with dm.Monitor(cfg) as monitor:
-            monitor.step(1, loss=2.0)
-            monitor.log_eval(1, loss=1.5)
-            monitor.step(2, loss=math.nan)
-    finally:
-        logging.getLogger("distmetrics.console").removeHandler(handler)
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, verbosity=-1, tensorboard=False,
+                           timing_log_level=1)
+    with console_lines() as lines, dm.Monitor(cfg) as monitor:
+        monitor.step(1, loss=2.0)
+        monitor.log_eval(1, loss=1.5)
+        monitor.step(2, loss=math.nan)
     assert len(lines) == 2 and lines[0].startswith(">> eval step 1 | loss 1.5000")
     assert lines[1] == "!! step 2: non-finite loss in 1 rank-step(s)"
 
