@@ -6,6 +6,7 @@ last step an earlier job logged. No torch: the command line reads runs with this
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -40,7 +41,8 @@ class Job:
 
 def metrics_files(path: Union[str, Path]) -> list[Path]:
     """The metrics.jsonl files a path names: the file itself, a run folder's file, or each run
-    folder's file in a folder of run folders (``runs/demo/<time>/``), oldest name first."""
+    folder's file in a folder of run folders at any depth (``runs/`` holding ``runs/fsdp/`` and
+    ``runs/demo/<time>/``; a run folder's own subfolders are not searched), in name order."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -48,7 +50,13 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if (path / METRICS_FILE).is_file():
         return [path / METRICS_FILE]
-    found = sorted(path.glob(f"*/{METRICS_FILE}"))
+    found = []
+    for folder, subfolders, files in os.walk(path):
+        if METRICS_FILE in files and Path(folder) != path:
+            found.append(Path(folder) / METRICS_FILE)
+            subfolders.clear()  # a run folder: its tensorboard/ and wandb/ hold no runs
+        subfolders.sort()
+    found.sort()
     if not found:
         raise ValueError(f"{str(path)!r} is a folder without {METRICS_FILE} (nor run folders holding one)")
     return found

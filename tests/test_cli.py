@@ -57,6 +57,12 @@ def test_summary_accepts_a_run_folder_and_a_folder_of_runs(tmp_path):
     assert both.returncode == 0, both.stderr
     assert both.stdout.index("20260101-000000") < both.stdout.index("20260102-000000")
     assert "last step 30" in both.stdout
+    # runs/ holding runs/fsdp/ and runs/demo/<time>/: the deeper ones were skipped without a word
+    _write_run(tmp_path / "fsdp", [[10, 20, 30, 40]])
+    (tmp_path / "fsdp" / "tensorboard").mkdir()
+    every = _run("summary", tmp_path)
+    assert every.returncode == 0, every.stderr
+    assert all(name in every.stdout for name in ("20260101-000000", "20260102-000000", "fsdp")), every.stdout
 
 
 def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
