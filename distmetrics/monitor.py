@@ -53,7 +53,10 @@ class Monitor:
                  device_mesh: Any = None, sinks: tuple = (), collectors: tuple = ()) -> None:
         self.config = config = MetricsConfig.coerce(config)
         self.layout: Layout = detect_layout(device_mesh)
-        if model is not None and not isinstance(model, torch.nn.Module):
+        # a features file one rank cannot read: said on every rank by the start-up gather, and no
+        # model factory runs (it would start the inspector on that rank alone)
+        inspection = check_inspection(config, self.layout.world_size)
+        if model is not None and not isinstance(model, torch.nn.Module) and inspection is None:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
@@ -71,9 +74,8 @@ class Monitor:
             sinks, problem = check_sinks(sinks), None
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
-        problem = problem or check_inspection(config, self.world_size)  # a features file one rank cannot read
-        local_order = module_order(model)
-        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem, local_order)
+        self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
+                                     config_problem=problem is None and inspection is not None)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(
@@ -84,7 +86,7 @@ class Monitor:
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
             self.timers = self._by_name["timers"].timers
-            self._module_order = job_module_order(self.hosts, local_order)
+            self._module_order = job_module_order(self.layout, module_order(model), self._guard)
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)

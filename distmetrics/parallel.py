@@ -53,9 +53,9 @@ class RankInfo:
     """Why this rank cannot start (e.g. the writer cannot write ``output_dir``); every rank raises it."""
     settings: tuple = ()
     """The config values every rank must share (``runinfo.SHARED_KEYS``), compared at start-up."""
-    stage_modules: Optional[tuple] = None
-    """(pipeline stage, its module names in model order), sent by one rank per stage when there
-    are several: the job's model order is the stages' in stage order."""
+    config_problem: bool = False
+    """``problem`` is a config error (the features file, say): raised as a ConfigError where every
+    rank's problem is one."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from .parallel import Layout, RankInfo, local_rank_from_env
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
+from .validation import ConfigError
 from .sinks.appendfile import describe_os_error
 
 __all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
@@ -112,10 +113,10 @@ class OutputClaim:
 
 
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
-             modules: Sequence[str] = ()) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+             config_problem: bool = False) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
-    raises on every rank when one rank has a problem (``problem``: one found by the caller).
-    ``modules``: this rank's model's module names in model order (see :func:`job_module_order`)."""
+    raises on every rank when one rank has a problem (``problem``: one found by the caller;
+    ``config_problem``: a config error, raised as a ConfigError where every problem is one)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"WORLD_SIZE={world} in the environment but torch.distributed is not initialised: call "
@@ -123,13 +124,20 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
                            "believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
     settings = tuple(_setting(config, key) for key in SHARED_KEYS)
-    hosts = gather_rank_info(layout, guard, problem or (claim.problem if claim is not None else None), settings,
-                             modules)
-    problems = [f"rank {h.rank}: {h.problem}" for h in hosts if h.problem] + _differing_settings(hosts)
+    claimed = claim.problem if claim is not None else None
+    hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None)
+    by_problem: dict[str, list[int]] = {}
+    for h in hosts:
+        if h.problem:
+            by_problem.setdefault(h.problem, []).append(h.rank)
+    problems = [f"{_some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + _differing_settings(hosts)
     if problems:
         if claim is not None:
             claim.release()
-        raise ValueError("distmetrics cannot start: " + "; ".join(problems))
+        message = "distmetrics cannot start: " + "; ".join(problems)
+        if by_problem and all(h.config_problem for h in hosts if h.problem) and len(problems) == len(by_problem):
+            raise ConfigError(message)  # the same on every rank: a config error, as a job of one rank raises it
+        raise ValueError(message)
     return hosts, claim
 
 
@@ -174,17 +182,16 @@ def _some_ranks(ranks: list[int], shown: int = 4) -> str:
 
 
 def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,
-                     settings: tuple = (), modules: Sequence[str] = ()) -> list[RankInfo]:
-    """Every rank's host, local rank, GPU, start-up problem and shared config values, and with
-    pipeline stages each stage's module order from one of its ranks, in one ``all_gather_object``."""
+                     settings: tuple = (), config_problem: bool = False) -> list[RankInfo]:
+    """Every rank's host, local rank, GPU, start-up problem and shared config values, in one
+    ``all_gather_object``."""
     gpu = None
     if torch.cuda.is_available():
         from .collectors.nvml import gpu_model_info
 
         gpu = gpu_model_info(layout.rank)
-    mine = RankInfo(layout.rank, socket.gethostname(), local_rank_from_env(), os.getpid(), gpu, problem, settings)
-    if layout.pp_size > 1 and layout.tp_rank == layout.dp_rank == layout.cp_rank == 0:  # one rank per stage
-        mine.stage_modules = (layout.pp_rank, tuple(modules))
+    mine = RankInfo(layout.rank, socket.gethostname(), local_rank_from_env(), os.getpid(), gpu, problem, settings,
+                    config_problem)
     if layout.world_size == 1 or not dist.is_initialized():
         mine.local_rank = layout.local_rank if mine.local_rank is None else mine.local_rank
         return [mine]
@@ -206,15 +213,20 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
     return rows
 
 
-def job_module_order(hosts: list[RankInfo], local: Sequence[str]) -> list[str]:
+def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None) -> list[str]:
     """The job's module names in model order, the same on every rank: with pipeline stages, each
-    stage's in stage order (a rank holds its stage's modules only: the writer's alone put the last
-    stage first in the report, and each stage named a different module as the first non-finite
-    one); else this rank's (``local``)."""
-    stages = sorted((h.stage_modules for h in hosts if h.stage_modules is not None), key=lambda s: s[0])
-    if not stages:
+    stage's in stage order, gathered over this rank's pipeline group (the stages' lists: what it
+    receives grows with the model, not the world; a rank holds its stage's modules only: the
+    writer's alone put the last stage first in the report, and each stage named a different
+    module as the first non-finite one); else this rank's (``local``)."""
+    group = layout.pp_group
+    if layout.pp_size <= 1 or group is None or not (dist.is_available() and dist.is_initialized()):
         return list(local)
-    return list(dict.fromkeys(name for _, names in stages for name in names))
+    if guard is not None:
+        guard.enter("Monitor()")
+    stages: list[Any] = [None] * layout.pp_size
+    dist.all_gather_object(stages, (layout.pp_rank, tuple(local)), group=group)
+    return list(dict.fromkeys(name for _, names in sorted(stages, key=lambda s: s[0]) for name in names))
 
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,

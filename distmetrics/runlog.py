@@ -50,9 +50,14 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if (path / METRICS_FILE).is_file():
         return [path / METRICS_FILE]
-    found = []
-    for folder, subfolders, files in os.walk(path):
-        if METRICS_FILE in files and Path(folder) != path:
+    found, seen = [], set()
+    for folder, subfolders, files in os.walk(path, followlinks=True):  # runs linked in are runs too
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            subfolders.clear()
+            continue
+        seen.add(real)
+        if METRICS_FILE in files:
             found.append(Path(folder) / METRICS_FILE)
             subfolders.clear()  # a run folder: its tensorboard/ and wandb/ hold no runs
         subfolders.sort()

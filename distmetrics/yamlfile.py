@@ -25,7 +25,10 @@ def read_yaml(path: Path, what: str = "metrics config file") -> Any:
     if path.is_dir():
         raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
     if not path.is_file():
-        where = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+        try:
+            where = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+        except OSError:  # the working directory was removed
+            where = " (relative to a working directory that no longer exists)"
         raise ConfigError(f"{what} {str(path)!r} does not exist{where}")
     try:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 - a SafeLoader

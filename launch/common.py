@@ -119,20 +119,19 @@ def quiet_megatron_warnings() -> None:
 
 
 def run_trainer(main) -> None:
-    """``main()``, then :func:`exit_after_teardown`. A config error (``dm.ConfigError``: a key or
-    value every rank refuses alike) or the trainer's own refusal of its arguments is said in one
-    line by rank 0, exit status 2, as the ``distmetrics`` command says it, not as a traceback per
-    rank."""
+    """``main()``, then :func:`exit_after_teardown`. A config error (``dm.ConfigError``) or the
+    trainer's own refusal of its arguments is one line per rank that raised it (``error: ...``,
+    with ``[rank N]`` under a launcher: a rank's own problem shows too), exit status 2, as the
+    ``distmetrics`` command says it, not a traceback per rank."""
     try:
         main()
     except (dm.ConfigError, SystemExit) as err:
         message = str(err) if isinstance(err, dm.ConfigError) else err.code
         if not isinstance(message, str):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {message}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)
+        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+        print(f"{f'[rank {rank}] ' if rank is not None else ''}error: {message}", file=sys.stderr)
+        _leave(2)
     exit_after_teardown()
 
 
@@ -144,6 +143,11 @@ def exit_after_teardown() -> None:
     finalizing the thread exits mid-destructor and the process aborts ("terminate called
     without an active exception", about 1 run in 25 of this trainer on 2 CPU ranks). Files
     are closed by then (``monitor.close()``); flush the streams and leave."""
+    _leave(0)
+
+
+def _leave(status: int) -> None:
+    """Flush both streams, then end the process at once (no interpreter finalization)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

@@ -60,9 +60,15 @@ def test_summary_accepts_a_run_folder_and_a_folder_of_runs(tmp_path):
     # runs/ holding runs/fsdp/ and runs/demo/<time>/: the deeper ones were skipped without a word
     _write_run(tmp_path / "fsdp", [[10, 20, 30, 40]])
     (tmp_path / "fsdp" / "tensorboard").mkdir()
+    _write_run(tmp_path / "fsdp" / "tensorboard" / "not-a-run", [[10]])  # a run folder's own folders: not searched
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    _write_run(elsewhere / "r1", [[10, 20]])
+    (tmp_path / "linked").symlink_to(elsewhere / "r1")  # a run linked in is a run
+    (tmp_path / "demo" / "loop").symlink_to(tmp_path)  # a link back up the tree is read once
     every = _run("summary", tmp_path)
     assert every.returncode == 0, every.stderr
-    assert all(name in every.stdout for name in ("20260101-000000", "20260102-000000", "fsdp")), every.stdout
+    assert all(name in every.stdout for name in ("20260101-000000", "20260102-000000", "fsdp", "linked")), every.stdout
+    assert "not-a-run" not in every.stdout
 
 
 def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):

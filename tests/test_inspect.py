@@ -828,7 +828,7 @@ def test_nvdlfw_base_log_tensor_stats_through_the_hooks_is_exact_across_ranks(tm
             assert record[f"tensor_stats/fc1/activation/{stat}"] == pytest.approx(float(value), rel=1e-9), (step, stat)
 
 
-def _features_on_one_rank(rank: int, world: int, root: str) -> str:
+def _features_missing_on(rank: int, world: int, root: str, missing: str, factory: bool) -> tuple:
     import distmetrics as dm
 
     features = Path(root) / "features.yaml"
@@ -836,23 +836,29 @@ def _features_on_one_rank(rank: int, world: int, root: str) -> str:
         features.write_text(FEATURES)
     import torch.distributed as dist
 
-    dist.barrier()  # rank 0 wrote its file; rank 1 reads a path that does not exist on its host
-    path = str(features) if rank == 0 else str(Path(root) / "elsewhere" / "features.yaml")
+    dist.barrier()  # rank 0 wrote its file; a rank named in `missing` reads a path its host does not have
+    path = str(Path(root) / "elsewhere" / "features.yaml") if str(rank) in missing else str(features)
     cfg = dm.MetricsConfig(output_dir=f"{root}/out", tensorboard=False, console=False, hang_timeout_s=20,
                            tensor_inspect={"enabled": True, "features": path})
     try:
-        dm.Monitor(cfg, model=_model())
-        return "no error"
+        dm.Monitor(cfg, model=_model if factory else _model())
+        return "no error", None
     except ValueError as err:
-        return str(err)
+        return str(err), type(err).__name__
 
 
-def test_a_features_file_one_rank_cannot_read_is_raised_on_every_rank(tmp_path):
-    """The features file was checked after the start-up gather: the rank that could not read it
-    raised, and the other waited in the inspector's first collective (no message, past
-    hang_timeout_s). It is checked before, and the gather says it on every rank."""
-    for message in run_ranks(_features_on_one_rank, 2, str(tmp_path), timeout=120):
-        assert "rank 1: " in message and "elsewhere/features.yaml' does not exist" in message, message
+@pytest.mark.parametrize("factory", [False, True], ids=["a model", "a model factory"])
+@pytest.mark.parametrize("missing", ["1", "01"], ids=["on rank 1", "on every rank"])
+def test_a_features_file_a_rank_cannot_read_is_raised_on_every_rank(tmp_path, missing, factory):
+    """The features file was checked after the start-up gather (with a model factory, when the
+    inspector started): the rank that could not read it raised, and the other waited in the next
+    collective (no message until hang_timeout_s). It is checked before, the gather says it on
+    every rank, once for the ranks that share it, as a ConfigError where every rank's problem is
+    a config error."""
+    for message, kind in run_ranks(_features_missing_on, 2, str(tmp_path), missing, factory, timeout=120):
+        ranks = "rank 1: " if missing == "1" else "ranks 0, 1: "
+        assert ranks in message and "elsewhere/features.yaml' does not exist" in message, message
+        assert message.count("does not exist") == 1 and kind == "ConfigError", (message, kind)
 
 
 def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does(tmp_path):

@@ -265,4 +265,5 @@ def test_a_trainer_refusing_its_arguments_says_it_in_one_line(tmp_path, script, 
 
     run = run_python(f"launch/{script}", "--steps", "2", *args, f"output_dir={tmp_path}", timeout=180)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(said), run.stderr[-2000:]
+    assert len([line for line in run.stderr.splitlines() if "error: " in line]) == 1  # one process, one line
     assert "Traceback" not in run.stderr

@@ -28,8 +28,9 @@ FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
 _SELECTORS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
 _FEATURE_KEYS = {"enabled", "tensors", "tensors_struct", "stats", "freq", "start_step", "end_step", "start_end_list"}
 _ENTRY_KEYS = {"tensor", "stats", "freq", "start_step", "end_step", "start_end_list"}
-_SCHEDULE_KEYS = ("freq", "start_step", "end_step", "start_end_list")
 """The settings of one ``tensors_struct`` entry."""
+_SCHEDULE_KEYS = ("freq", "start_step", "end_step", "start_end_list")
+"""The keys of a tensor's schedule."""
 _BASE_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm")
 """nvdlfw-inspect's own ``LogTensorStats`` statistics."""
 
