@@ -83,7 +83,8 @@ class EvalLog:
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}
         eval_loss = metrics.get("eval/loss")
         if isinstance(eval_loss, float):
-            metrics["eval/ppl"] = math.inf if eval_loss > 709.0 else math.exp(eval_loss)  # exp overflows there; NaN stays
+            # exp overflows above 709; a NaN loss stays NaN
+            metrics["eval/ppl"] = math.inf if eval_loss > 709.0 else math.exp(eval_loss)
             total_w = sum(w for _, w in self._train_losses)
             if total_w > 0:
                 train_mean = sum(v * w for v, w in self._train_losses) / total_w

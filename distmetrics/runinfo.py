@@ -26,8 +26,8 @@ from .parallel import Layout, RankInfo, local_rank_from_env
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
-from .validation import ConfigError
 from .sinks.appendfile import describe_os_error
+from .validation import ConfigError
 
 __all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
            "OutputClaim"]

@@ -13,7 +13,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key", "unknown_key"]
+__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key",
+           "unknown_key"]
 
 _INT64_LIMIT = 2 ** 63
 

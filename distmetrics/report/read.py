@@ -68,7 +68,8 @@ class RunData:
         self._plans: dict[tuple, _Plan] = {}
         self._job = -1
         self._job_started = False
-        self._restart_pending: Optional[int] = None  # the last step logged before a job whose first step is not seen yet
+        # the last step logged before a job whose first step is not seen yet
+        self._restart_pending: Optional[int] = None
 
     def read(self) -> "RunData":
         """Read the file (a line cut short by a crash is counted in ``bad_lines`` and skipped)."""

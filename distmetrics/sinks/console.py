@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from ..megatron_text import time_block
 from ..per_rank import PerRank
-from .appendfile import describe_os_error
+from . import failure_cause
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
@@ -76,8 +76,7 @@ class ConsoleSink:
             raise error
         logging.getLogger("distmetrics").warning(
             "distmetrics: the console sink's stdout handler cannot write (%s) and is removed; its lines go on to "
-            "the other logging handlers.",
-            describe_os_error(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}")
+            "the other logging handlers.", failure_cause(error))
 
     def close(self) -> None:
         """Nothing to release."""

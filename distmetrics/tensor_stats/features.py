@@ -108,8 +108,13 @@ def _check_selectors(where: str, layers: dict) -> None:
             raise ConfigError(f"{where}: layers.layer_name_regex_pattern {pattern!r} is not a regular expression "
                               f"({err})") from None
     types = layers.get("layer_types")
-    if types is not None and not (isinstance(types, list) and types and all(isinstance(t, str) and t for t in types)):
+    if types is not None and not _names(types):
         raise ConfigError(f"{where}: layers.layer_types must be a list of names such as [fc1, fc2], got {types!r}")
+
+
+def _names(value: Any) -> bool:
+    """A non-empty list of non-empty names (layer types, exact layer names)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(n, str) and n for n in value)
 
 
 def _exact_names_as_pattern(where: str, body: dict) -> dict:
@@ -124,7 +129,7 @@ def _exact_names_as_pattern(where: str, body: dict) -> dict:
     given = names
     if isinstance(names, str):
         names = [names]
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+    if not _names(names):
         raise ConfigError(f"{where}: exact_layer_names must be a list of layer names such as "
                           f"[model.decoder.layers.1.mlp.linear_fc1], got {given!r}")
     pattern = "^(?:" + "|".join(re.escape(n) for n in names) + r")\Z"
