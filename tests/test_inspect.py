@@ -894,3 +894,36 @@ def test_the_dynamic_range_of_a_tensor_holding_nan_is_nan():
     assert math.isnan(stat_value("dynamic_range", values))
     finite = {part: float(v) for part, v in partials(torch.tensor([1.0, -4.0], dtype=torch.float64)).items()}
     assert stat_value("dynamic_range", finite) == 2.0
+
+
+@pytest.mark.parametrize("namespace", ["distmetrics", "LogTensorStats"])
+def test_start_end_list_selects_the_steps_nvdlfw_inspect_selects_an_open_end_included(tmp_path, namespace):
+    """nvdlfw-inspect reads a ``start_end_list`` pair as start <= iteration < end, with -1 as no
+    end; the open end was refused, and an empty pair ([3, 3]) passed and selected nothing."""
+    import torch
+    from nvdlfw_inspect.logging import enable_logging_at_current_step
+    from torch import nn
+
+    import distmetrics as dm
+
+    pairs = [[1, 3], [5, -1]]
+    stats = {"enabled": True, "tensors_struct": [{"tensor": "activation", "stats": ["max"], "start_end_list": pairs,
+                                                  "freq": 2 if namespace == "LogTensorStats" else 1}]}
+    body = {"distmetrics": {"LogTensorStats": stats}} if namespace == "distmetrics" else {"LogTensorStats": stats}
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"model\.0$"}, **body}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    model = nn.Sequential(nn.Linear(3, 3))
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in range(1, 11):  # iteration = step - 1
+            model(torch.randn(2, 3))
+            monitor.step(step)
+    got = [r["step"] - 1 for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    freq = stats["tensors_struct"][0]["freq"]
+    assert got == [i for i in range(10) if enable_logging_at_current_step(i, freq, 0, -1, pairs)]
+    assert got[-1] >= 8  # the open end: past every finite one
+
+    stats["tensors_struct"][0]["start_end_list"] = [[3, 3]]
+    with pytest.raises(ValueError, match=r"start_end_list for tensor 'activation' must be a list of \[start, end\] "
+                                         r"step pairs, each selecting start <= step < end"):
+        dm.Monitor(cfg.replace(output_dir=str(tmp_path / "empty")), model=model)

@@ -195,11 +195,13 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> No
         if value is not None and not whole(value, -1 if key == "end_step" else 0):
             raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
                               f"(end_step -1: no end), got {value!r}")
-    pairs = schedule["start_end_list"]
+    pairs = schedule["start_end_list"]  # nvdlfw-inspect's reading: start <= step < end, or no end at -1
     if pairs is not None and not (isinstance(pairs, list) and all(
-            isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and whole(p[1], p[0]) for p in pairs)):
+            isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and (p[1] == -1 or whole(p[1], p[0] + 1))
+            for p in pairs)):
         raise ConfigError(f"{where}: {feature} start_end_list for tensor {tensor!r} must be a list of "
-                          f"[start, end] step pairs with start <= end, got {pairs!r}")
+                          f"[start, end] step pairs, each selecting start <= step < end (end -1: no end; "
+                          f"start < end), got {pairs!r}")
 
 
 def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensorStats") -> list[dict]:
