@@ -473,6 +473,8 @@ def test_a_synthetic_run_with_every_feature(tmp_path):
     assert "nonfinite_grad" in page and "layers." in page  # the alert with its first module
     assert "tensor_stats/&lt;layer&gt;/activation/max" in page and "modules outside" in page
     assert "power_w" in page and "sm_clock_mhz" in page  # the stragglers record's columns
+    assert "<th></th>" not in page  # every column of every table is named
+    assert "step columns" not in page and re.search(r"\d+ columns \(each \d+ step\(s\) wide", page)
     for data in embedded_pngs(page):
         assert colours(decode_png(data)) > 16
 

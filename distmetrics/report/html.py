@@ -94,7 +94,7 @@ def _legend() -> str:
                     for k, (lo, hi, why) in HEALTHY_BANDS.items())
     return (f"<p class=note>Marks on every step plot: <b>- - -</b> a restart (new job) {marks}; a red x at the "
             "top: a non-finite value. Healthy bands (green):</p>"
-            f"<table><tr><th>metric</th><th>low</th><th>high</th><th></th></tr>{bands}</table>")
+            f"<table><tr><th>metric</th><th>low</th><th>high</th><th>why</th></tr>{bands}</table>")
 
 
 def _jobs_table(data: RunData) -> str:
@@ -110,4 +110,4 @@ def _jobs_table(data: RunData) -> str:
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"
             "<th>world size</th><th>hosts</th><th>job id</th><th>layout</th><th>torch</th><th>distmetrics</th>"
-            "<th></th></tr>" + "".join(rows) + "</table>")
+            "<th>note</th></tr>" + "".join(rows) + "</table>")
