@@ -927,3 +927,74 @@ def test_start_end_list_selects_the_steps_nvdlfw_inspect_selects_an_open_end_inc
     with pytest.raises(ValueError, match=r"start_end_list for tensor 'activation' must be a list of \[start, end\] "
                                          r"step pairs, each selecting start <= step < end"):
         dm.Monitor(cfg.replace(output_dir=str(tmp_path / "empty")), model=model)
+
+
+def _tp_and_cp_activations(rank: int, world: int, root: str) -> dict:
+    """2 data-parallel x 2 tensor-parallel ranks: fc1 column-parallel (each TP rank holds half of its
+    output, and of fc2's input and of fc1's output gradient), fc2 row-parallel (an all-reduced output:
+    a copy on each TP rank); then 2 data-parallel x 2 context-parallel ranks, each a different half of
+    every sequence. The truth: the float64 tensors of an unsharded copy on every rank's whole input."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import distmetrics as dm
+
+    stats = ["min", "max", "mean", "std", "l1_norm", "l2_norm"]
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"model\.fc[12]$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation", "input", "gradient"],
+                                                          "stats": stats, "freq": 1}}}}
+    results = {}
+    for parallel in ("tp", "cp"):
+        torch.manual_seed(0)  # the same weights on every rank
+        model = nn.Sequential()
+        model.add_module("fc1", nn.Linear(6, 8))
+        model.add_module("fc2", nn.Linear(8, 5))
+        reference = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", parallel))
+        dp, peer = mesh.get_local_rank("dp"), mesh.get_local_rank(parallel)
+        x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(dp))  # one data-parallel batch
+        if parallel == "tp":
+            parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        else:
+            x = x.chunk(2, dim=1)[peer].contiguous()  # this rank's half of every sequence
+        cfg = dm.MetricsConfig(output_dir=f"{root}/{parallel}", log_interval=1, console=False, tensorboard=False,
+                               timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+        with dm.Monitor(cfg, model=model, device_mesh=mesh) as monitor:
+            model(x).pow(2).sum().backward()
+            monitor.step(1)
+        # the truth: every data-parallel batch (every chunk) through the unsharded float64 copy
+        xs = [None] * world
+        torch.distributed.all_gather_object(xs, x)
+        if parallel == "tp":
+            whole = torch.cat([xs[r].reshape(-1, 6) for r in (0, 2)]).double()  # TP peers hold the same batch
+        else:
+            whole = torch.cat([t.reshape(-1, 6) for t in xs]).double()  # every rank a different chunk
+        whole.requires_grad_(True)
+        h = nn.functional.linear(whole, reference["fc1.weight"], reference["fc1.bias"])
+        h.retain_grad()
+        y = nn.functional.linear(h, reference["fc2.weight"], reference["fc2.bias"])
+        y.retain_grad()
+        y.pow(2).sum().backward()
+        results[parallel] = {"truth": {("fc1", "activation"): h, ("fc1", "input"): whole, ("fc1", "gradient"): h.grad,
+                                       ("fc2", "activation"): y, ("fc2", "input"): h, ("fc2", "gradient"): y.grad},
+                             "got": [r for r in dm.read_jsonl(f"{root}/{parallel}/metrics.jsonl")
+                                     if r["kind"] == "tensor_stats"] if rank == 0 else None}
+        results[parallel]["truth"] = {key: {stat: _expected(t.detach().reshape(-1).tolist(), stat) for stat in stats}
+                                      for key, t in results[parallel]["truth"].items()}
+    return results
+
+
+def test_tensor_and_context_parallel_activations_are_those_of_the_whole_tensor(tmp_path):
+    """Activations were measured on TP/CP rank 0 only: a column-parallel layer's output (half of it
+    on each TP rank) and context parallelism's sequence chunks were described by one piece (l1_norm
+    half the whole's). A piece counts on every rank; a copy (a row-parallel layer's all-reduced
+    output, fc1's input on TP peers) once."""
+    results = run_ranks(_tp_and_cp_activations, 4, str(tmp_path), timeout=240)[0]
+    for parallel, result in results.items():
+        (record,) = result["got"]
+        for (layer, tensor), truth in result["truth"].items():
+            for stat, value in truth.items():
+                got = record[f"tensor_stats/{layer}/{tensor}/{stat}"]
+                assert got == pytest.approx(value, rel=1e-5, abs=1e-6), (parallel, layer, tensor, stat, got, value)  # fp32

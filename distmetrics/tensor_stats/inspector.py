@@ -19,9 +19,13 @@ Two paths, one features file:
 A section that yields no value on a step it selects is named in one warning (e.g. a feature that
 nothing calls on the layers it selects).
 
-TP/CP peers see the same activations, and data-parallel replicas hold the same weights: only
-the rank that represents them contributes (:mod:`distmetrics.parallel`), so counts and norms
-are not multiplied.
+Data-parallel replicas hold the same weights: only the rank that owns one contributes
+(:mod:`distmetrics.parallel`), so counts and norms are not multiplied. Activations, inputs and
+gradients are measured on every rank: tensor- and context-parallel peers hold either copies of
+one tensor (a row-parallel layer's all-reduced output) or different pieces of it (a
+column-parallel layer's output, sequence-parallel regions, context parallelism's sequence
+chunks), which no hook can tell apart. The merge does: a peer whose partials equal, bit for bit,
+those of the lowest rank of its TP x CP group holds a copy and is left out; pieces are merged.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel import data_parallel_group, local_tensor, owns_local_piece, sees_distinct_tokens
+from ..parallel import data_parallel_group, local_tensor, owns_local_piece
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .features import _logs_at, _tensor_entries, stats_step
@@ -45,6 +49,7 @@ __all__ = ["TensorInspector", "ForwardingLogger"]
 logger = logging.getLogger("distmetrics")
 
 _FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
+_PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
 
 
 class ForwardingLogger:
@@ -213,8 +218,6 @@ class TensorInspector:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
         if tensor_name == "weight" and not owns_local_piece(tensor, tensor, layer, self.layout):
             return  # a replica of a weight (or of its shard) another rank reports; shards count everywhere
-        if tensor_name != "weight" and not sees_distinct_tokens(self.layout):
-            return  # a tensor-/context-parallel peer: the same activations as its rank 0
         x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
         if x.numel() == 0:
             return
@@ -245,6 +248,7 @@ class TensorInspector:
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
+            samples.append(Sample(_PEERS, float(_peer_group(self.layout)), "all"))
             metrics = _combine(self.reducer.reduce(samples, tag=step).per_rank)
             self._name_silent_sections(metrics)
             self.partials = {}
@@ -304,10 +308,20 @@ class TensorInspector:
         self._hooks = []
 
 
+def _peer_group(layout: Any) -> int:
+    """A number naming this rank's tensor- x context-parallel group: its ranks share the
+    pipeline stage and the data-parallel rank, no other rank shares both."""
+    if layout is None:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return layout.dp_rank * layout.pp_size + layout.pp_rank
+
+
 def _combine(per_rank: dict[str, PerRank]) -> dict:
-    """Every rank's partials → merged statistics; forwarded values → the lowest rank's."""
+    """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
+    rank's tensor left out); forwarded values → the lowest rank's."""
     groups: dict[tuple, dict[str, list]] = {}
     out = {}
+    peers = per_rank.pop(_PEERS, None)
     for name, values in per_rank.items():
         if name.startswith(_FORWARDED):
             # Reduced by TE over its group already; where ranks still differ (weights, which
@@ -322,7 +336,8 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
     # One table [key, part, rank] (NaN where a rank sent nothing) merged in one pass over the
     # ranks: at thousands of ranks a merge per rank and key would take seconds.
     rows = [[math.nan if v is None else v for v in groups[key][part]] for key in keys for part in PARTS]
-    merged = merge_ranks(torch.tensor(rows, dtype=torch.float64).view(len(keys), len(PARTS), -1))
+    table = torch.tensor(rows, dtype=torch.float64).view(len(keys), len(PARTS), -1)
+    merged = merge_ranks(_without_copies(table, peers))
     columns = {part: merged[part].tolist() for part in PARTS}
     for i, (layer, tensor_name, stats) in enumerate(keys):
         if columns["n"][i] == 0:  # no rank sent this key
@@ -332,6 +347,20 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
+
+
+def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tensor:
+    """``table[key, part, rank]`` with the ranks that hold a copy of their TP/CP group's first
+    rank's tensor marked as sending nothing (NaN): every part equal to that rank's, bit for bit
+    (NaN to NaN). A rank whose piece differs (a shard, a sequence chunk) stays."""
+    if peers is None or len(set(peers)) == len(peers):
+        return table
+    first: dict = {}
+    leaders = torch.tensor([first.setdefault(group, rank) for rank, group in enumerate(peers)])
+    lead = table[:, :, leaders]
+    same = ((table == lead) | (torch.isnan(table) & torch.isnan(lead))).all(dim=1)
+    copies = same & (leaders != torch.arange(len(peers)))
+    return torch.where(copies.unsqueeze(1), math.nan, table)
 
 
 def _config_for_layer(manager: Any, is_layer_in_cfg: Any, name: str) -> dict:
