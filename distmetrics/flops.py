@@ -7,13 +7,15 @@ collector turns it into TFLOP/s per GPU and MFU, checkpoints into cumulative FLO
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 __all__ = ["PEAK_TFLOPS", "peak_tflops_for", "model_flops_per_token", "mfu_pct"]
 
 # Dense peak TFLOP/s of one GPU by math precision (no structured sparsity), from the vendors'
-# data sheets. Matched against torch.cuda.get_device_name() in order: the first key contained
-# in the name wins, so the more specific names come first.
+# data sheets. Matched against torch.cuda.get_device_name() in order: the first key found in the
+# name as a whole word wins (no letter or digit either side: "A100" is not in "RTX A1000", nor
+# "B200" in "GB200", nor "A10" in "A10G"), so the more specific names come first.
 PEAK_TFLOPS = {
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0},
     # the NVL boards: half the data sheets' figures "with sparsity" (bf16 1,671, tf32 835, fp8 3,341)
@@ -33,7 +35,7 @@ PEAK_TFLOPS = {
 def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
     """The peak for a GPU name and precision, or None when the table does not know it."""
     for key, peaks in PEAK_TFLOPS.items():
-        if key in device_name:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
             return peaks.get(dtype)
     return None
 

@@ -404,6 +404,10 @@ def test_peak_lookup_by_gpu_name_and_dtype():
     assert peak_tflops_for("NVIDIA H200", "fp8") == 1979.0
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
     assert peak_tflops_for("Some Future GPU", "bf16") is None
+    # a key inside another GPU's name gave that GPU a peak not its own (GB200 read as B200)
+    for other in ("NVIDIA GB200", "NVIDIA RTX A1000 6GB Laptop GPU", "NVIDIA A10G", "NVIDIA H100X"):
+        assert peak_tflops_for(other, "bf16") is None, other
+    assert peak_tflops_for("NVIDIA A10", "bf16") == 125.0 and peak_tflops_for("Tesla V100-SXM2-32GB", "fp16") == 125.0
 
 
 # --- progress.txt -----------------------------------------------------------------------------
