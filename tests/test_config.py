@@ -82,10 +82,10 @@ def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
     takes a number, config files and overrides read it as YAML 1.2 does, and keys that take text
     keep it as written. A whole number where an int belongs is refused with the int to write."""
     path = tmp_path / "model.yaml"
-    path.write_text("num_params: 7e9\nnum_layers: 32\nhidden_size: 4096\nseq_length: 4096\n"
+    path.write_text("num_params: 7e10\nnum_layers: 32\nhidden_size: 4096\nseq_length: 4096\n"
                     "peak_tflops: .989e3\nsol_step_time_ms: 1.5E+3\n")
     cfg = dm.MetricsConfig.from_yaml(path, ["num_active_params=1_3e9"])
-    assert (cfg.num_params, cfg.peak_tflops, cfg.sol_step_time_ms, cfg.num_active_params) == (7e9, 989.0, 1500.0,
+    assert (cfg.num_params, cfg.peak_tflops, cfg.sol_step_time_ms, cfg.num_active_params) == (7e10, 989.0, 1500.0,
                                                                                               13e9)
     assert cfg.resolved_flops_per_token == 6 * 13e9 + 6 * 32 * 4096 * 4096  # a causal mask: half of 12·L·h·s
     with pytest.raises(ConfigError, match=r"^override 'total_steps=1e5': total_steps=100000\.0 has type float; "
@@ -189,7 +189,10 @@ def test_a_model_description_whose_flops_overflow_is_refused():
     (dict(num_params=7e9, num_layers=32), r"^num_layers=32 without hidden_size and seq_length"),
     (dict(num_active_params=1e9), r"^num_active_params=1000000000\.0 without num_params: a model description"),
     (dict(num_layers=2, hidden_size=8, seq_length=16), r"^num_layers=2, hidden_size=8, seq_length=16 without num_params"),
-], ids=["no num_layers", "num_layers alone", "active without num_params", "attention without num_params"])
+    (dict(num_params=1e9, num_active_params=2e9),  # it gave 6 * 2e9, more than the whole model
+     r"^num_active_params=2000000000\.0: accepted values are at most num_params \(1000000000\.0\)"),
+], ids=["no num_layers", "num_layers alone", "active without num_params", "attention without num_params",
+        "more active than all"])
 def test_a_partial_model_description_is_refused_not_left_out_of_mfu(keys, message):
     """Before, a missing attention field dropped 12·L·h·s without a word (MFU about 13% low for a
     7B model at 4k) and num_active_params alone gave no FLOPs at all. A whole one is accepted."""
