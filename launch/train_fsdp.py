@@ -97,7 +97,9 @@ def main(argv=None) -> dict:
     dp_shard = args.dp_shard or world // (args.dp_replicate * args.tp)
     torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
     model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
+    # N of 6·N: the matrix multiplies' weights, the output layer's included (Megatron-LM's count:
+    # 12·L·h² + V·h here), not the embeddings, norms and biases, which cost no matrix multiply
+    n_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     model, mesh, dp_rank, dp_size = parallelize(model, device, world, args.dp_replicate, dp_shard, args.tp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
@@ -136,10 +138,16 @@ def main(argv=None) -> dict:
             last = metrics
         if step == 1:
             last["first_grad_norm"] = float(grad_norm)
+        # evaluation and saving are not training: paused, their time stays out of the next
+        # interval's step time, tokens/s, MFU and ETA
         if args.eval_every and step % args.eval_every == 0:
+            monitor.pause()
             monitor.log_eval(step, **evaluate(model, data, args, dp_rank, device))
+            monitor.resume()
         if args.save_every and step % args.save_every == 0:
+            monitor.pause()
             monitor.checkpoint_saved(step)  # a real trainer saves here; progress.txt records it
+            monitor.resume()
     monitor.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -267,3 +267,27 @@ def test_a_trainer_refusing_its_arguments_says_it_in_one_line(tmp_path, script, 
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(said), run.stderr[-2000:]
     assert len([line for line in run.stderr.splitlines() if "error: " in line]) == 1  # one process, one line
     assert "Traceback" not in run.stderr
+
+
+def test_the_fsdp_trainer_keeps_evaluation_out_of_the_step_time_and_counts_megatrons_n(tmp_path):
+    """The trainer logged an evaluation's wall time as training (no monitor.pause()): an interval
+    holding a 1 s evaluation read a step time of ~500 ms for 20 ms steps, tokens/s and MFU low by as
+    much. And it gave num_params every parameter (embeddings, norms, biases): FLOPs per token 11 %
+    above Megatron-LM's count, N = the matrix multiplies' weights, the output layer's included."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv.pop(1)); import train_fsdp as t; "
+            "real = t.evaluate; t.evaluate = lambda *a: (time.sleep(1.0), real(*a))[1]; t.main()")
+    args = ["--steps", "4", "--eval-every", "2", "--save-every", "0", "--layers", "2", "--d-model", "32",
+            "--vocab", "128", "log_interval=2", "console=false", "tensorboard=false", f"output_dir={tmp_path}"]
+    env = _env()
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, "-c", code, str(ROOT / "launch"), *args], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    (after_eval,) = [r for r in records if r["kind"] == "train" and r["step"] == 4]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
+    assert after_eval["train/step_time_ms"] < 250, after_eval  # 500 ms with the evaluation counted
+    layers, d, vocab = 2, 32, 128
+    run_record = next(r for r in records if r["kind"] == "run")
+    assert run_record["config"]["num_params"] == 12 * layers * d * d + vocab * d, run_record["config"]
