@@ -204,3 +204,14 @@ def test_the_console_shows_the_hottest_gpu_and_a_max_only_timer_block():
     assert block.splitlines()[0] == "max time across ranks (ms):" and "fwd" in block and ": 5.00" in block
     both = format_timer_block({"timers/fwd": 5.0, "timers/fwd/min": 4.0, "timers/fwd/max_rank": 1})
     assert both.splitlines()[0] == "(min, max) time across ranks (ms):" and "(4.00, 5.00)" in both
+
+
+def test_the_console_line_rounds_into_the_next_unit_and_keeps_sub_millisecond_steps():
+    """999,960 tokens/s read "1000.0k tok/s", and a 0.4 ms step "0 ms"."""
+    from distmetrics.sinks.console import format_eval_line, format_train_line
+
+    line = format_train_line({"train/tokens_per_sec": 999_960.0, "train/step_time_ms": 0.42}, 2)
+    assert "1.0M tok/s" in line and "0.42 ms" in line, line
+    line = format_train_line({"train/tokens_per_sec": 999_940.0, "train/step_time_ms": 156.4}, 2)
+    assert "999.9k tok/s" in line and "156 ms" in line, line
+    assert "0.9 ms" in format_eval_line({"eval/loss": 1.0, "eval/time_ms": 0.9}, 2)

@@ -121,7 +121,7 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
     if "train/tokens_per_sec" in m:
         fields.append(f"{_si(m['train/tokens_per_sec'])} tok/s")
     if "train/step_time_ms" in m:
-        fields.append(f"{m['train/step_time_ms']:.0f} ms")
+        fields.append(_ms(m['train/step_time_ms']))
     if "train/mfu_pct" in m:
         fields.append(f"mfu {m['train/mfu_pct']:.1f}")
     if "moe/aux_loss" in m:
@@ -150,7 +150,7 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
     if "eval/tokens_per_sec" in m:
         fields.append(f"{_si(m['eval/tokens_per_sec'])} tok/s")
     if "eval/time_ms" in m:
-        fields.append(f"{m['eval/time_ms']:.0f} ms")
+        fields.append(_ms(m['eval/time_ms']))
     return " | ".join(fields)
 
 
@@ -195,7 +195,13 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _si(v: float) -> str:
+    """One decimal and a unit; a value that rounds up to the next unit takes it (999,960: 1.0M)."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(v) >= scale:
+        if abs(v) >= scale * 0.99995 and (unit == "G" or abs(v) < scale * 999.95):
             return f"{v / scale:.1f}{unit}"
     return f"{v:.1f}"
+
+
+def _ms(v: float) -> str:
+    """Milliseconds to the millisecond; below 10, with the digits that say something (0.42 ms)."""
+    return f"{v:.0f} ms" if abs(v) >= 9.5 or not math.isfinite(v) else f"{v:.2g} ms"
