@@ -112,16 +112,23 @@ class OutputClaim:
             self._file = None
 
 
+LAUNCHER_WORLD_SIZES = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Where launchers put the number of processes started together: torchrun, srun (a job step's
+tasks; not SLURM_NTASKS, which a batch script running one process has too), Open MPI, MPICH."""
+
+
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
              config_problem: bool = False) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
     raises on every rank when one rank has a problem (``problem``: one found by the caller;
     ``config_problem``: a config error, raised as a ConfigError where every problem is one)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"WORLD_SIZE={world} in the environment but torch.distributed is not initialised: call "
-                           "torch.distributed.init_process_group(...) before Monitor(...), or every rank would "
-                           "believe it is alone and write its own files")
+    if not (dist.is_available() and dist.is_initialized()):
+        for variable in LAUNCHER_WORLD_SIZES:
+            world = os.environ.get(variable, "").strip()
+            if world.isdigit() and int(world) > 1:
+                raise RuntimeError(f"{variable}={world} in the environment but torch.distributed is not initialised: "
+                                   "call torch.distributed.init_process_group(...) before Monitor(...), or every rank "
+                                   "would believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
     settings = tuple(_setting(config, key) for key in SHARED_KEYS)
     claimed = claim.problem if claim is not None else None
