@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .runlog import last_record
 from .sinks.jsonl import METRICS_FILE
-from .sinks.progress import Saved, checkpoint_message, read_progress
+from .sinks.progress import Saved, checkpoint_message, no_progress, read_progress
 
 __all__ = ["CheckpointLog", "checkpoint_record"]
 
@@ -32,8 +32,9 @@ class CheckpointLog:
         self.world_size = world_size
         self.job_start = time.time()
         path = Path(config.output_dir) / "progress.txt"
-        self.resumed = read_progress(path, world_size) if is_writer and config.log_progress else {}
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
+        self._progress = config.log_progress  # else metrics.jsonl alone tells of earlier checkpoints
+        self.resumed = {} if not is_writer else read_progress(path, world_size) if self._progress else no_progress()
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
 
     def start_at(self, step: int) -> None:
@@ -54,16 +55,19 @@ class CheckpointLog:
         record = self._record_up_to(step, base)
         known = max((c.iteration for c in (base, record) if c is not None), default=None)
         if known is not None and known < step - 1:  # under either numbering a checkpoint lies between
-            files = "progress.txt" + (" and metrics.jsonl" if self._metrics_file is not None else "")
+            files = " and ".join(name for name, on in (("progress.txt", self._progress),
+                                                       ("metrics.jsonl", self._metrics_file is not None)) if on)
             self._short = (f"{files} have no checkpoint after iteration {known}, and this job started at step {step}: "
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
         if record is not None and (base is None or record.iteration > base.iteration):
-            # its progress.txt line was lost (a full disk between the two writes, say)
-            logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
-                           "checkpoint this job resumes from (%s has its record: the line was lost, e.g. to a full "
-                           "disk); FLOPs and tokens count on from that record.", record.iteration, self._metrics_file)
+            # its progress.txt line was lost (a full disk between the two writes, say), or there is no progress.txt
+            if self._progress:
+                logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
+                               "checkpoint this job resumes from (%s has its record: the line was lost, e.g. to a full "
+                               "disk); FLOPs and tokens count on from that record.", record.iteration,
+                               self._metrics_file)
             self.resumed["last_tokens"], self.resumed["last_flops"] = record.tokens, record.flops
             return
         if not saved:
@@ -99,7 +103,7 @@ class CheckpointLog:
         one's, near the end; with none, the record of a lost only line is near the end too (the disk
         filled shortly before this restart): a job that saved no checkpoint does not read all of a
         long metrics.jsonl."""
-        if self._metrics_file is None or not self.resumed:
+        if self._metrics_file is None:
             return None
         return _saved_record(self._metrics_file, lambda iteration: iteration <= step,
                              within=None if base is not None else _NO_LINE_WITHIN)

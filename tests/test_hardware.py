@@ -711,3 +711,63 @@ def test_per_gpu_throughput_under_a_subgroup_is_over_the_groups_gpus():
         assert m["train/tokens_per_sec"] == pytest.approx(1000.0)
         assert m["train/tokens_per_sec_per_gpu"] == pytest.approx(1000.0)
         assert m["train/tflops_per_gpu"] == pytest.approx(1000.0 * 1e9 / 1e12)
+
+
+def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoint_it_loaded(tmp_path):
+    """Job A (8 GPUs) saved 10 and 20; job B (1 GPU, a new streak) rolled back to 10 and saved 20 and
+    30; job C (1 GPU) resumes from B's 30. The streak's FLOPs were counted from the last line before
+    B's "Starting job" (A's 20: 2e10), not from the checkpoint B loaded (1e10): C's cumulative
+    throughput was negative. The lines are Megatron's, written as B would have."""
+    import distmetrics as dm
+    from distmetrics.sinks.progress import progress_line
+
+    now = dt.datetime.now().replace(microsecond=0)
+    b_start = now - dt.timedelta(hours=1)
+
+    def saved(iteration, flops, tokens_b, world, when):
+        return progress_line(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative "
+                             f"throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in "
+                             f"billions): {tokens_b:.2f}", world, "1", when)
+
+    (tmp_path / "progress.txt").write_text("".join([
+        progress_line("Starting job", 8, "1", b_start - dt.timedelta(hours=3)),
+        saved(10, 1e16, 10.0, 8, b_start - dt.timedelta(hours=2)),
+        saved(20, 2e16, 20.0, 8, b_start - dt.timedelta(hours=1)),
+        progress_line("Starting job", 1, "1", b_start),
+        saved(20, 1.3e16, 13.0, 1, b_start + dt.timedelta(minutes=20)),
+        saved(30, 1.6e16, 16.0, 1, b_start + dt.timedelta(minutes=40))]))
+    flops_per_token = 1e6
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
+                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
+        for step in (31, 32):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(32)
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    flops = 1.6e16 + 2000 * flops_per_token
+    assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
+    expected = (flops - 1e16) / 3600 / 1e12  # since B started, from the 1e16 of the checkpoint it loaded
+    assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.parametrize("rollback", [False, True], ids=["from the last checkpoint", "from an older one"])
+def test_without_progress_txt_a_restart_counts_checkpoints_on_from_metrics_jsonl(tmp_path, rollback, caplog):
+    """log_progress: false: a restart's checkpoints counted tokens and FLOPs from 0 again, without a
+    word, though metrics.jsonl held the earlier checkpoints' exact numbers (the README says a
+    restart takes them from there)."""
+    import distmetrics as dm
+
+    first, last = (11, 20) if rollback else (21, 30)
+    base = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=10,
+                            flops_per_token=1e9, timing_log_level=-1, log_memory=False, straggler_window=0,
+                            log_progress=False)
+    for start, end, checkpoints in ((1, 20, (10, 20)), (first, last, (last,))):
+        with dm.Monitor(base) as monitor:
+            for step in range(start, end + 1):
+                monitor.step(step, loss=1.0, tokens=1000)
+                if step in checkpoints:
+                    monitor.checkpoint_saved(step)
+    saved = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    assert [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"]) for r in saved] == [
+        (10, 1e4, 1e13), (20, 2e4, 2e13), (last, last * 1000.0, last * 1e12)]
+    assert not (tmp_path / "progress.txt").exists()
+    assert "progress.txt" not in caplog.text

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Union
 
 from .appendfile import AppendFile, describe_os_error
 
-__all__ = ["ProgressSink", "progress_line", "read_progress", "checkpoint_message", "Saved"]
+__all__ = ["ProgressSink", "progress_line", "read_progress", "no_progress", "checkpoint_message", "Saved"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -82,8 +82,7 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
     its newline (a crash during the write) is left out: its numbers may be cut short. A line
     whose fields do not read is skipped.
     """
-    state = {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0,
-             "saved": []}
+    state = no_progress()
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
@@ -93,6 +92,7 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
                        path, describe_os_error(err))
         return state
     lines = text.split("\n")[:-1]  # the part after the last newline is torn (or empty)
+    before_streak = None  # the lines before the streak's first "Starting job", until that job's first save
     for line in lines:
         fields = line.strip().split("\t")
         if len(fields) < 4:
@@ -107,16 +107,43 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
                               tokens=float(fields[8].split(": ")[1]) * 1e9)
             except (IndexError, ValueError):
                 continue
+            if before_streak is not None and world_in_line == world_size:
+                state["start_flops"] = _resumed_from(before_streak, saved)
+                before_streak = None
             state["checkpoints"] += 1
             state["saved"].append(saved)
             state["last_flops"], state["last_tokens"] = saved.flops, saved.tokens
         if world_in_line != world_size:  # a different world size restarts the streak
-            state["start_time"] = state["start_flops"] = None
+            state["start_time"] = state["start_flops"] = before_streak = None
             continue
         if fields[3] == "Starting job" and state["start_time"] is None:
             state["start_time"] = _dt.datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
             state["start_flops"] = state["last_flops"]
+            before_streak = list(state["saved"])
     return state
+
+
+def no_progress() -> dict:
+    """What :func:`read_progress` reads from a file with no line."""
+    return {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0,
+            "saved": []}
+
+
+def _resumed_from(earlier: list, first: Saved) -> float:
+    """The FLOPs of the checkpoint the first job of a streak resumed from, told by its first save
+    (``first``): the latest of the ``earlier`` lines of the highest iteration below it, or one of
+    its iteration with its FLOPs (saved again before training), 0 if none (a start from scratch).
+    After a rollback that is not the last line before the job (which made the streak's FLOPs,
+    and its cumulative throughput, negative)."""
+    again = [line for line in earlier
+             if line.iteration == first.iteration and f"{line.flops:.2e}" == f"{first.flops:.2e}"]
+    if again:
+        return again[-1].flops
+    base = None
+    for line in earlier:
+        if line.iteration < first.iteration and (base is None or line.iteration >= base.iteration):
+            base = line
+    return base.flops if base is not None else 0.0
 
 
 def checkpoint_message(iteration: int, job_tflops: float, cumulative_tflops: float, flops: float,
