@@ -55,7 +55,7 @@ class Monitor:
         self.layout: Layout = detect_layout(device_mesh)
         # a features file one rank cannot read: said on every rank by the start-up gather, and no
         # model factory runs (it would start the inspector on that rank alone)
-        inspection = check_inspection(config, self.layout.world_size)
+        inspection, features = check_inspection(config, self.layout.world_size)
         if model is not None and not isinstance(model, torch.nn.Module) and inspection is None:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
@@ -75,7 +75,7 @@ class Monitor:
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
-                                     config_problem=problem is None and inspection is not None)
+                                     config_problem=problem is None and inspection is not None, features=features)
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(

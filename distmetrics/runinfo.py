@@ -118,10 +118,11 @@ tasks; not SLURM_NTASKS, which a batch script running one process has too), Open
 
 
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
-             config_problem: bool = False) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+             config_problem: bool = False, features: Optional[str] = None) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
     raises on every rank when one rank has a problem (``problem``: one found by the caller;
-    ``config_problem``: a config error, raised as a ConfigError where every problem is one)."""
+    ``config_problem``: a config error, raised as a ConfigError where every problem is one;
+    ``features``: the digest of the tensor statistics' features, compared as a shared key)."""
     if not (dist.is_available() and dist.is_initialized()):
         for variable in LAUNCHER_WORLD_SIZES:
             world = os.environ.get(variable, "").strip()
@@ -130,7 +131,7 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
                                    "call torch.distributed.init_process_group(...) before Monitor(...), or every rank "
                                    "would believe it is alone and write its own files")
     claim = OutputClaim(config) if is_writer else None
-    settings = tuple(_setting(config, key) for key in SHARED_KEYS)
+    settings = tuple(features if key == "tensor_inspect.features" else _setting(config, key) for key in SHARED_KEYS)
     claimed = claim.problem if claim is not None else None
     hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None)
     by_problem: dict[str, list[int]] = {}
@@ -152,12 +153,13 @@ SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_op
                "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every",
-               "tensor_inspect.enabled")
+               "tensor_inspect.enabled", "tensor_inspect.features")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, or
 which rank writes: a rank given another value than the others would hang, count wrong or write
 nothing, so ``Monitor()`` refuses a difference on every rank (``timing_log_level`` and
 ``barrier_with_L1_time``: a timer started with ``barrier=True`` waits at a barrier only where its
-level is enabled). The sinks' keys matter on the writer only."""
+level is enabled; ``tensor_inspect.features``: the features' content, as a digest). The sinks'
+keys matter on the writer only."""
 
 
 def _setting(config: Any, key: str) -> Any:
@@ -173,8 +175,8 @@ def _differing_settings(hosts: list[RankInfo]) -> list[str]:
     for i, key in enumerate(SHARED_KEYS):
         ranks_by_value: dict = {}
         for h in hosts:
-            if len(h.settings) == len(SHARED_KEYS):
-                ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)
+            if len(h.settings) == len(SHARED_KEYS) and not (key == "tensor_inspect.features" and h.settings[i] is None):
+                ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)  # (None: the file failed, said)
         if len(ranks_by_value) > 1:
             held = "; ".join(f"{value} on {_some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
             problems.append(f"config key {key} differs between ranks ({held}); every rank must be given the same "

@@ -6,6 +6,7 @@ SIGABRT or a silently wrong record."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -294,7 +295,11 @@ def _differing_settings(rank: int, world: int, root: str) -> tuple:
 
     differing = dict(writer_rank="last", log_grad_norm_per_module=False, timing_log_level=2,
                      barrier_with_L1_time=False) if rank == 0 else {}
-    return _outcome(lambda: dm.Monitor(quiet_config(output_dir=root, json_log=True, **differing)))
+    stats = ["max", "mean"] if rank == 0 else ["mean", "max"]  # the same statistics, listed in another order
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": stats}}}}
+    return _outcome(lambda: dm.Monitor(quiet_config(output_dir=root, json_log=True, **differing,
+                                                    tensor_inspect={"enabled": True, "features": features})))
 
 
 def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key_and_values(tmp_path):
@@ -307,6 +312,9 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
         # a timer started with barrier=True waited at a barrier on rank 0 only (level 2 enabled there)
         assert "config key timing_log_level differs between ranks (2 on rank 0; -1 on rank 1)" in message
         assert "config key barrier_with_L1_time differs between ranks (False on rank 0; True on rank 1)" in message
+        # each statistic was merged over the ranks that listed the statistics alike: one rank's value
+        assert re.search(r"config key tensor_inspect.features differs between ranks \('content \w+' on rank 0; "
+                         r"'content \w+' on rank 1\)", message), message
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
 
 

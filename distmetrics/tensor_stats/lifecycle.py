@@ -8,6 +8,8 @@ the inspector that is running, which our feature reports to (:func:`accumulate`)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -73,20 +75,31 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
     return inspector
 
 
-def check_inspection(config: MetricsConfig, world_size: int) -> Optional[str]:
+def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[str], Optional[str]]:
     """What is wrong with ``tensor_inspect`` on this rank (a features file it cannot read, bad
     YAML), checked before the Monitor's first collective so that every rank raises it (a rank
     raising alone left the others waiting in the next collective): the message, or None. In a
-    job of one rank the ConfigError itself is raised."""
-    if not config.tensor_inspect.enabled or current() is not None:  # started early: checked then
-        return None
+    job of one rank the ConfigError itself is raised. Second, a digest of the features this rank
+    runs, which the start-up gather compares: ranks given different files (statistics listed in
+    another order, another layer, another ``freq``) merged each statistic over the ranks that
+    asked for it alike, and wrote one group's value over another's."""
+    if not config.tensor_inspect.enabled:
+        return None, None
+    if current() is not None:  # started early: checked then
+        return None, _digest(current().spec)
     try:
-        check_inspect_config(config.tensor_inspect)
+        spec, _ = check_inspect_config(config.tensor_inspect)
     except ConfigError as err:
         if world_size == 1:
             raise
-        return str(err)
-    return None
+        return str(err), None
+    return None, _digest(spec)
+
+
+def _digest(spec: dict) -> str:
+    """A short digest of a features mapping, the same for the same content however written."""
+    text = json.dumps(spec, sort_keys=True, default=repr)
+    return "content " + hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
 def collectors_for(config: MetricsConfig, model: Any, layout: Any) -> list:
