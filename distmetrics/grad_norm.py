@@ -233,6 +233,8 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
     low-precision groups accumulate in float32. With several groups, the index that restores
     the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
     groups = _groups(tensors) if groups is None else groups
+    if (p == math.inf or p < 0) and any(t.numel() == 0 for t in tensors):
+        tensors = _identities_for_empty(tensors, p)
     parts = []
     for (dev, dtype), positions in groups.items():
         group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
@@ -258,6 +260,15 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
                 orders.clear()
             orders[grouped] = order
     return torch.cat(parts)[order]
+
+
+def _identities_for_empty(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """Empty tensors (an FSDP2 shard of a parameter with fewer rows than ranks: a 1-element bias on
+    rank 1 of 2) as one element whose p-norm changes nothing in the total: 0 for ∞ (the max), ∞
+    for -∞ (the min) and p < 0 (|∞|^p = 0: no term). torch has no norm of an empty tensor for
+    these p: the rank raised and its peers waited in the clip's all-reduce."""
+    fill = 0.0 if p == math.inf else math.inf
+    return [torch.full((1,), fill, dtype=t.dtype, device=t.device) if t.numel() == 0 else t for t in tensors]
 
 
 def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from tests.dist_utils import run_python, run_ranks
 
 NORM_TYPES = (2.0, 1.5, math.inf, -math.inf, 0.0)
+SHARDED_NORM_TYPES = (2.0, 1.5, math.inf, -math.inf, -1.0)  # 0 is refused over shards
 
 
 def _one_rank_without_gradients(rank: int, world: int) -> dict:
@@ -45,6 +46,19 @@ def _one_rank_without_gradients(rank: int, world: int) -> dict:
         out["sharded_p0"] = "no error"
     except ValueError as err:
         out["sharded_p0"] = str(err)
+    # FSDP2 shards of fewer rows than ranks: rank 1 holds empty pieces (3 rows: 2 + 1; 1 row: 1 + 0),
+    # which torch has no ∞, -∞ or p < 0 norm of: that rank raised, the other waited in the all-reduce
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 1))
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(4, 8)).pow(2).sum().backward()
+    whole = torch.cat([q.grad.full_tensor().reshape(-1).double() for q in model.parameters()])
+    out["empty"] = {"pieces": [q.grad.to_local().numel() for q in model.parameters()], "returned": {}, "truth": {}}
+    for p in SHARDED_NORM_TYPES:
+        out["empty"]["returned"][p] = float(dm.clip_grad_norm_(model.parameters(), 1e9, norm_type=p).full_tensor())
+        out["empty"]["truth"][p] = float(torch.linalg.vector_norm(whole, p))
     return out
 
 
@@ -59,6 +73,14 @@ def test_a_rank_without_gradients_returns_the_global_total(without_gradients, p)
     assert truth > 0
     for rank_result in without_gradients:
         assert rank_result["returned"][p] == pytest.approx(truth, rel=1e-6)
+
+
+@pytest.mark.parametrize("p", SHARDED_NORM_TYPES)
+def test_empty_fsdp2_pieces_count_for_nothing_whatever_the_norm(without_gradients, p):
+    """A 1-element bias and a 1-row weight sharded over 2 ranks: rank 1's pieces are empty."""
+    assert 0 in without_gradients[1]["empty"]["pieces"]
+    for rank_result in without_gradients:
+        assert rank_result["empty"]["returned"][p] == pytest.approx(rank_result["empty"]["truth"][p], rel=1e-6)
 
 
 def test_a_rank_without_gradients_raises_with_the_others_for_p0_over_shards(without_gradients):
