@@ -21,7 +21,7 @@ from .guard import CollectiveGuard
 from .interval import now
 from .names import check_step, local_value
 from .naming import module_order
-from .parallel import Layout, detect_layout
+from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
 from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet, check_sinks
@@ -59,6 +59,10 @@ class Monitor:
         if model is not None and not isinstance(model, torch.nn.Module) and inspection is None:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
+        if device_mesh is None and self.layout.source == "data-parallel":  # a model parallelized over a named mesh
+            mesh = model_parallel_mesh(model)
+            if mesh is not None:
+                self.layout = detect_layout(mesh)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.writer_rank = 0 if config.writer_rank == "first" else self.world_size - 1
         self.is_writer = self.rank == self.writer_rank

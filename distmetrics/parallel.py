@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
-__all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
+__all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens", "tp_cp_leader",
+           "model_parallel_mesh",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
            "is_dtensor"]
 
@@ -204,6 +205,23 @@ def sees_distinct_tokens(layout: Layout) -> bool:
     return layout.tp_rank == 0 and layout.cp_rank == 0
 
 
+def tp_cp_leader(layout: Layout) -> int:
+    """The global rank of the first rank of this rank's tensor- x context-parallel group (the
+    ranks that see the same tokens): Megatron's group, the DeviceMesh ranks that differ from this
+    one in tp/cp coordinates only, or this rank alone."""
+    if layout.source == "megatron":
+        ps = _megatron_parallel_state()
+        if ps is not None:
+            return min(dist.get_process_group_ranks(ps.get_tensor_and_context_parallel_group()))
+    mesh = layout.device_mesh
+    if layout.source == "device_mesh" and mesh is not None and mesh.get_coordinate() is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        model = _MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]
+        at = tuple(0 if i < len(names) and names[i] in model else c for i, c in enumerate(mesh.get_coordinate()))
+        return int(mesh.mesh[at])
+    return layout.rank
+
+
 def counts_batch_tokens(layout: Layout) -> bool:
     """True on one rank per data-parallel replica of a batch: the one that counts its tokens.
     Every pipeline stage sees the batch; the last stage (which holds the loss) counts it."""
@@ -276,6 +294,22 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
                 "for Shard and Replicate placements only (reduce the gradient before measuring)"
             )
     return _first_copy_outside(mesh)
+
+
+def model_parallel_mesh(model: Any) -> Any:
+    """The root DeviceMesh of ``model``'s first DTensor parameter where it has a tensor- or
+    context-parallel dimension (a model parallelized over a named mesh, given to the Monitor
+    without ``device_mesh``), else None: without it every TP rank counted its batch's tokens and
+    its copy of a replicated activation's statistics."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and is_dtensor(param):
+            root = _root_of(mesh)
+            names = set(root.mesh_dim_names or ())
+            return root if names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]) else None
+    return None
 
 
 def _root_of(mesh: Any) -> Any:

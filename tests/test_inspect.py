@@ -946,7 +946,8 @@ def _tp_and_cp_activations(rank: int, world: int, root: str) -> dict:
                       "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation", "input", "gradient"],
                                                           "stats": stats, "freq": 1}}}}
     results = {}
-    for parallel in ("tp", "cp"):
+    for case in ("tp", "tp without device_mesh", "cp"):
+        parallel = case.split()[0]
         torch.manual_seed(0)  # the same weights on every rank
         model = nn.Sequential()
         model.add_module("fc1", nn.Linear(6, 8))
@@ -959,11 +960,12 @@ def _tp_and_cp_activations(rank: int, world: int, root: str) -> dict:
             parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         else:
             x = x.chunk(2, dim=1)[peer].contiguous()  # this rank's half of every sequence
-        cfg = dm.MetricsConfig(output_dir=f"{root}/{parallel}", log_interval=1, console=False, tensorboard=False,
+        out = f"{root}/{len(results)}"
+        cfg = dm.MetricsConfig(output_dir=out, log_interval=1, console=False, tensorboard=False,
                                timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
-        with dm.Monitor(cfg, model=model, device_mesh=mesh) as monitor:
+        with dm.Monitor(cfg, model=model, device_mesh=None if "without" in case else mesh) as monitor:
             model(x).pow(2).sum().backward()
-            monitor.step(1)
+            monitor.step(1, tokens=x.shape[0] * 4)  # the data-parallel batch's tokens, counted once per replica
         # the truth: every data-parallel batch (every chunk) through the unsharded float64 copy
         xs = [None] * world
         torch.distributed.all_gather_object(xs, x)
@@ -977,12 +979,13 @@ def _tp_and_cp_activations(rank: int, world: int, root: str) -> dict:
         y = nn.functional.linear(h, reference["fc2.weight"], reference["fc2.bias"])
         y.retain_grad()
         y.pow(2).sum().backward()
-        results[parallel] = {"truth": {("fc1", "activation"): h, ("fc1", "input"): whole, ("fc1", "gradient"): h.grad,
-                                       ("fc2", "activation"): y, ("fc2", "input"): h, ("fc2", "gradient"): y.grad},
-                             "got": [r for r in dm.read_jsonl(f"{root}/{parallel}/metrics.jsonl")
-                                     if r["kind"] == "tensor_stats"] if rank == 0 else None}
-        results[parallel]["truth"] = {key: {stat: _expected(t.detach().reshape(-1).tolist(), stat) for stat in stats}
-                                      for key, t in results[parallel]["truth"].items()}
+        records = list(dm.read_jsonl(f"{out}/metrics.jsonl")) if rank == 0 else []
+        results[case] = {"truth": {("fc1", "activation"): h, ("fc1", "input"): whole, ("fc1", "gradient"): h.grad,
+                                   ("fc2", "activation"): y, ("fc2", "input"): h, ("fc2", "gradient"): y.grad},
+                         "got": [r for r in records if r["kind"] == "tensor_stats"],
+                         "tokens": [r["train/consumed_tokens"] for r in records if r["kind"] == "train"]}
+        results[case]["truth"] = {key: {stat: _expected(t.detach().reshape(-1).tolist(), stat) for stat in stats}
+                                  for key, t in results[case]["truth"].items()}
     return results
 
 
@@ -990,9 +993,11 @@ def test_tensor_and_context_parallel_activations_are_those_of_the_whole_tensor(t
     """Activations were measured on TP/CP rank 0 only: a column-parallel layer's output (half of it
     on each TP rank) and context parallelism's sequence chunks were described by one piece (l1_norm
     half the whole's). A piece counts on every rank; a copy (a row-parallel layer's all-reduced
-    output, fc1's input on TP peers) once."""
+    output, fc1's input on TP peers) once. Without device_mesh the mesh is read from the model's
+    DTensors: copies counted once per TP rank (l1_norm x2) and so were the batch's tokens."""
     results = run_ranks(_tp_and_cp_activations, 4, str(tmp_path), timeout=240)[0]
     for parallel, result in results.items():
+        assert result["tokens"] == [2 * 8], (parallel, result["tokens"])  # 2 replicas of 8 tokens
         (record,) = result["got"]
         for (layer, tensor), truth in result["truth"].items():
             for stat, value in truth.items():

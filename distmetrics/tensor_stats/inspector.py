@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel import data_parallel_group, local_tensor, owns_local_piece
+from ..parallel import data_parallel_group, local_tensor, owns_local_piece, tp_cp_leader
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .features import _logs_at, _tensor_entries, stats_step
@@ -87,6 +87,7 @@ class TensorInspector:
         self.reducer = Reducer(group)
         self.iteration = init_training_step
         self.layout: Any = None
+        self._leader = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.selected: dict[str, list[str]] = {}
         self.layer_names: set[str] = set()
         self._hooks: list = []
@@ -108,6 +109,7 @@ class TensorInspector:
         """TE's features reduce over nvdlfw-inspect's tensor reduction group: the data-parallel
         peers (pipeline stages and tensor-parallel ranks hold different layers or shards)."""
         self.layout = layout
+        self._leader = tp_cp_leader(layout)  # the same on TP/CP peers: their copies are told apart at the merge
         group = data_parallel_group(layout)
         if group is not None:
             self.debug_api.set_tensor_reduction_group(group)
@@ -248,7 +250,7 @@ class TensorInspector:
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
-            samples.append(Sample(_PEERS, float(_peer_group(self.layout)), "all"))
+            samples.append(Sample(_PEERS, float(self._leader), "all"))
             metrics = _combine(self.reducer.reduce(samples, tag=step).per_rank)
             self._name_silent_sections(metrics)
             self.partials = {}
@@ -306,14 +308,6 @@ class TensorInspector:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-
-
-def _peer_group(layout: Any) -> int:
-    """A number naming this rank's tensor- x context-parallel group: its ranks share the
-    pipeline stage and the data-parallel rank, no other rank shares both."""
-    if layout is None:
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return layout.dp_rank * layout.pp_size + layout.pp_rank
 
 
 def _combine(per_rank: dict[str, PerRank]) -> dict:
