@@ -48,8 +48,8 @@ from .names import REDUCE_KINDS, NameRegistry, check_reduce, check_value
 from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
                       collective_device)
-from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack, sum_lanes_on_host,
-                    sum_pack_tensor)
+from .packs import (all_row_on_host, all_row_tensor, control_value, interleave, max_lanes_on_host, max_pack,
+                    sum_lanes_on_host, sum_pack_tensor)
 from .per_rank import PerRank
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -394,17 +394,20 @@ class Reducer:
                 "calls with the same step numbers (with hang_timeout_s on, the arrival check names the "
                 "other ranks' calls first). Where every rank made the same call, the ranks' metric layouts "
                 "differ: a bug, please report it with the metric names in use")
-        if control[3] != tag or control[4] != -tag:
+        (high, high_rank), (low, low_rank) = control_value(control[3]), control_value(control[4])
+        if high != tag or -low != tag:
             raise RuntimeError(
-                f"distmetrics: ranks are out of step: this reduction was called at steps "
-                f"{-control[4]}..{control[3]} on different ranks; every rank must call "
-                "monitor.step with the same step numbers")
-        if control[5] != steps or control[6] != -steps:
+                f"distmetrics: ranks are out of step: this reduction was called at step {-low} on rank {low_rank} "
+                f"and at step {high} on rank {high_rank} (this rank: {tag}); every rank must call monitor.step "
+                "with the same step numbers")
+        (high, high_rank), (low, low_rank) = control_value(control[5]), control_value(control[6])
+        if high != steps or -low != steps:
             raise RuntimeError(
                 f"distmetrics: ranks made different numbers of monitor.step calls before the log step of step "
-                f"{tag}: {-control[6]}..{control[5]} on different ranks (this rank: {steps}), so their values "
-                "cover different steps; every rank must call monitor.step at every step (skipped=True for a "
-                "step the optimizer skipped)")
+                f"{tag}: {-low} on rank {low_rank}, {high} on rank {high_rank} (this rank: {steps}), so their values "
+                "cover different steps; every rank must call monitor.step at every step, with the same step "
+                "numbers (a step number skipped on one rank is a call it did not make; skipped=True for a step "
+                "the optimizer skipped)")
         return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
 
     # --- SUM pack ------------------------------------------------------------------------
