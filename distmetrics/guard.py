@@ -80,6 +80,16 @@ class CollectiveGuard:
         if self.store is not None and time.monotonic() - self._published > self.publish_every_s:
             self._publish()
 
+    def leave(self, how: str) -> None:
+        """This rank is done with the Monitor (``how``: closed, or left after an error): published
+        at once, so a rank still waiting names that rather than the last call published."""
+        self._last = f"{how}, after {self._last}" if self._last else how
+        if self.store is not None:
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store's host rank has ended: nobody to tell
+                pass
+
     def enter(self, call: str, step: Optional[int] = None) -> None:
         """Wait until every rank arrives at this call (the same call, step and position in the
         sequence of guarded calls); raise :class:`HangError` after ``timeout_s``."""

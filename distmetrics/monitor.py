@@ -250,7 +250,7 @@ class Monitor:
         if exc_type is None:
             self.close()
         else:  # another rank may be gone: no collective, just close the files
-            self._shutdown()
+            self._shutdown(f"left its Monitor on {exc_type.__name__}")
 
     # --- the log step --------------------------------------------------------------------
     def _log(self, step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
@@ -327,7 +327,9 @@ class Monitor:
         """The clocks, the step timer and the tensor statistics' hooks: what ``pause()`` stops."""
         return self._clocks() + [self._by_name[name] for name in ("timers", "tensor_stats") if name in self._by_name]
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, how: str = "closed its Monitor") -> None:
+        if not self._closed:
+            self._guard.leave(how)  # a rank still waiting for this one says so
         self._closed = True
         for collector in self.collectors:
             collector.close()

@@ -762,3 +762,28 @@ def test_small_surprises_at_the_edges_are_named(tmp_path):
     pytest.importorskip("matplotlib")
     report = run_python("-m", "distmetrics.cli", "report", run)
     assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr[-2000:]
+
+
+def _one_rank_leaves(rank: int, world: int, how: str) -> tuple:
+    """Rank 1 closes its Monitor after the log step at 2 (nothing left to write: no collective), or
+    leaves it on an error at step 3; rank 0 goes on to the log step at 4."""
+    import distmetrics as dm
+
+    def run():
+        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=3.0)) as monitor:
+            for step in (1, 2, 3, 4):
+                if rank == 1 and step == 3:
+                    if how == "close":
+                        monitor.close()
+                        return
+                    raise KeyError("the loop's own error")
+                monitor.step(step, loss=1.0)
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("how,said", [("close", "closed its Monitor"), ("error", "left its Monitor on KeyError")])
+def test_a_rank_waiting_for_one_that_left_its_monitor_says_so(how, said):
+    """The waiting rank named the leaver's last published call (monitor.step(step=2)), not that it had
+    closed its Monitor or left it on an error."""
+    kind, message, _ = run_ranks(_one_rank_leaves, 2, how, timeout=120)[0]
+    assert kind == "HangError" and f"rank 1: last call {said}, after monitor.step(step=2)" in message, message
