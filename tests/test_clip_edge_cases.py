@@ -56,9 +56,14 @@ def _one_rank_without_gradients(rank: int, world: int) -> dict:
     model(torch.randn(4, 8)).pow(2).sum().backward()
     whole = torch.cat([q.grad.full_tensor().reshape(-1).double() for q in model.parameters()])
     out["empty"] = {"pieces": [q.grad.to_local().numel() for q in model.parameters()], "returned": {}, "truth": {}}
+    out["empty"]["nonfinite"] = {}
     for p in SHARDED_NORM_TYPES:
         out["empty"]["returned"][p] = float(dm.clip_grad_norm_(model.parameters(), 1e9, norm_type=p).full_tensor())
         out["empty"]["truth"][p] = float(torch.linalg.vector_norm(whole, p))
+        with dm.Monitor(dm.MetricsConfig(log_interval=1, json_log=False, console=False, tensorboard=False,
+                                         log_progress=False, timing_log_level=-1), model=model) as monitor:
+            monitor.clip_grad_norm_(1e9, norm_type=p)
+            out["empty"]["nonfinite"][p] = monitor.step(1)["grad_nonfinite"]  # an empty piece is no NaN or inf
     return out
 
 
@@ -81,6 +86,7 @@ def test_empty_fsdp2_pieces_count_for_nothing_whatever_the_norm(without_gradient
     assert 0 in without_gradients[1]["empty"]["pieces"]
     for rank_result in without_gradients:
         assert rank_result["empty"]["returned"][p] == pytest.approx(rank_result["empty"]["truth"][p], rel=1e-6)
+        assert rank_result["empty"]["nonfinite"][p] == 0
 
 
 def test_a_rank_without_gradients_raises_with_the_others_for_p0_over_shards(without_gradients):
