@@ -24,7 +24,7 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     renegotiates and sends the pack again, so only the control lanes matter. ``call``: see
     :meth:`PackLayout.mark`."""
     pack = torch.full((CONTROL_LANES + layout.n_max,), INT64_MIN, dtype=torch.int64, device=device)
-    keys, positions = control_lanes(layout, tag, stale, call, steps, rank), list(range(CONTROL_LANES))
+    keys, positions = control_lanes(layout, tag, stale, call, steps), list(range(CONTROL_LANES))
     pieces = Pieces(layout, device, torch.float32)
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
@@ -52,33 +52,20 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     return pack
 
 
-RANK_SLOTS = 1 << 21
-"""Ranks told apart in the control lanes (a step and its rank share one int64 lane)."""
-
-
-def control_lanes(layout: PackLayout, tag: int, stale: bool, call: int, steps: int = 0, rank: int = 0) -> list[int]:
+def control_lanes(layout: PackLayout, tag: int, stale: bool, call: int, steps: int = 0) -> list[int]:
     """The MAX pack's first lanes: stale, the layout's mark (and its negation), the step (and its
     negation), the monitor.step calls of the interval (and their negation): after the MAX
     all-reduce every rank holds the same and the maximum of each and of its negation differ when
-    ranks differ. The step and call lanes also carry the lowest rank holding the maximum (of the
-    value, of its negation), read back by :func:`control_value`, so a difference names the ranks."""
+    ranks differ."""
     mark = layout.mark(call)
-    low = RANK_SLOTS - 1 - rank % RANK_SLOTS
-    return [int(stale), mark, -mark, tag * RANK_SLOTS + low, -tag * RANK_SLOTS + low,
-            steps * RANK_SLOTS + low, -steps * RANK_SLOTS + low]
-
-
-def control_value(lane: int) -> tuple[int, int]:
-    """A step or call lane after the all-reduce: (the value, the lowest rank holding it)."""
-    value, low = divmod(int(lane), RANK_SLOTS)
-    return value, RANK_SLOTS - 1 - low
+    return [int(stale), mark, -mark, tag, -tag, steps, -steps]
 
 
 def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int,
                       call: int = 0, steps: int = 0) -> Optional[list[int]]:
     """:func:`max_pack` as a list of int64 keys when every max/min value is a number on the host
     (None: a vector or a value on a device)."""
-    lanes = control_lanes(layout, tag, stale, call, steps, rank) + [INT64_MIN] * layout.n_max
+    lanes = control_lanes(layout, tag, stale, call, steps) + [INT64_MIN] * layout.n_max
     for s in samples if not stale else ():
         if s.reduce not in ("max", "min", "minmax"):
             continue

@@ -48,7 +48,7 @@ from .names import REDUCE_KINDS, NameRegistry, check_reduce, check_value
 from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
                       decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
                       collective_device)
-from .packs import (all_row_on_host, all_row_tensor, control_value, interleave, max_lanes_on_host, max_pack,
+from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
 from .per_rank import PerRank
 
@@ -394,21 +394,32 @@ class Reducer:
                 "calls with the same step numbers (with hang_timeout_s on, the arrival check names the "
                 "other ranks' calls first). Where every rank made the same call, the ranks' metric layouts "
                 "differ: a bug, please report it with the metric names in use")
-        (high, high_rank), (low, low_rank) = control_value(control[3]), control_value(control[4])
-        if high != tag or -low != tag:
+        if control[3] != tag or control[4] != -tag:  # every rank sees it: one more gather names the ranks
             raise RuntimeError(
-                f"distmetrics: ranks are out of step: this reduction was called at step {-low} on rank {low_rank} "
-                f"and at step {high} on rank {high_rank} (this rank: {tag}); every rank must call monitor.step "
-                "with the same step numbers")
-        (high, high_rank), (low, low_rank) = control_value(control[5]), control_value(control[6])
-        if high != steps or -low != steps:
+                f"distmetrics: ranks are out of step: this reduction was called at {self._whose(tag, 'step ')} "
+                f"(this rank: step {tag}); every rank must call monitor.step with the same step numbers")
+        if control[5] != steps or control[6] != -steps:
             raise RuntimeError(
                 f"distmetrics: ranks made different numbers of monitor.step calls before the log step of step "
-                f"{tag}: {-low} on rank {low_rank}, {high} on rank {high_rank} (this rank: {steps}), so their values "
-                "cover different steps; every rank must call monitor.step at every step, with the same step "
-                "numbers (a step number skipped on one rank is a call it did not make; skipped=True for a step "
-                "the optimizer skipped)")
+                f"{tag}: {self._whose(steps)} (this rank: {steps}), so their values cover different "
+                "steps; every rank must call monitor.step at every step, with the same step numbers (a step "
+                "number skipped on one rank is a call it did not make; skipped=True for a step the optimizer "
+                "skipped)")
         return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
+
+    def _whose(self, value: int, unit: str = "") -> str:
+        """Which ranks hold which value of a control lane (a step, a count of calls), from one gather
+        of every rank's value: made only where the MAX pack found ranks differ, on every rank alike."""
+        from .runinfo import some_ranks
+
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, mine, group=self.group)
+        ranks: dict[int, list[int]] = {}
+        for rank, row in enumerate(rows):
+            ranks.setdefault(int(row.item()), []).append(global_rank(self.group, rank))
+        parts = [f"{unit}{v} on {some_ranks(r)}" for v, r in sorted(ranks.items())]
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
     # --- SUM pack ------------------------------------------------------------------------
     def _sum_pack(self, samples: list[Sample], distributed: bool) -> tuple[Sequence[float], Sequence[float]]:

@@ -29,7 +29,7 @@ from .sinks import SinkSet, open_sinks, sink_name
 from .sinks.appendfile import describe_os_error
 from .validation import ConfigError
 
-__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
+__all__ = ["start_up", "some_ranks", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
            "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
@@ -138,7 +138,7 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
     for h in hosts:
         if h.problem:
             by_problem.setdefault(h.problem, []).append(h.rank)
-    problems = [f"{_some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + _differing_settings(hosts)
+    problems = [f"{some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + _differing_settings(hosts)
     if problems:
         if claim is not None:
             claim.release()
@@ -178,13 +178,13 @@ def _differing_settings(hosts: list[RankInfo]) -> list[str]:
             if len(h.settings) == len(SHARED_KEYS) and not (key == "tensor_inspect.features" and h.settings[i] is None):
                 ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)  # (None: the file failed, said)
         if len(ranks_by_value) > 1:
-            held = "; ".join(f"{value} on {_some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
+            held = "; ".join(f"{value} on {some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
             problems.append(f"config key {key} differs between ranks ({held}); every rank must be given the same "
                             "value")
     return problems
 
 
-def _some_ranks(ranks: list[int], shown: int = 4) -> str:
+def some_ranks(ranks: list[int], shown: int = 4) -> str:
     """``rank 3``, ``ranks 0, 1, 2, 4 and 1020 more``."""
     more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:shown]))}{more}"
