@@ -61,6 +61,13 @@ class CheckpointLog:
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
+        earlier = bool(saved) or (self._metrics_file is not None and _size(self._metrics_file) > 0)
+        if known is None and step > 1 and earlier:  # a resume, with files of earlier jobs that tell of no checkpoint
+            where = " or ".join(name for name, on in (
+                ("progress.txt", self._progress),
+                (f"the last {_NO_LINE_WITHIN >> 20} MiB of metrics.jsonl", self._metrics_file is not None)) if on)
+            self._short = (f"no checkpoint up to iteration {step} was found in {where} (this job started at step "
+                           f"{step}): its checkpoints' FLOPs and tokens count from this job on")
         if record is not None and (base is None or record.iteration > base.iteration):
             # its progress.txt line was lost (a full disk between the two writes, say), or there is no progress.txt
             if self._progress:
@@ -74,6 +81,8 @@ class CheckpointLog:
             return
         if base is not saved[-1]:  # a rollback: not the last line's numbers
             self.resumed["last_flops"], self.resumed["last_tokens"] = (base.flops, base.tokens) if base else (0.0, 0.0)
+            if self.resumed.get("streak_unsaved"):  # the streak's jobs saved nothing yet: it starts from here too
+                self.resumed["start_flops"] = self.resumed["last_flops"]
         if base is not None and self._metrics_file is not None:  # the text's rounded numbers made exact
             if record is None or record.iteration != base.iteration:  # a later job wrote an older one's since
                 record = _saved_record(self._metrics_file, lambda iteration: iteration == base.iteration)
@@ -107,6 +116,13 @@ class CheckpointLog:
             return None
         return _saved_record(self._metrics_file, lambda iteration: iteration <= step,
                              within=None if base is not None else _NO_LINE_WITHIN)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 _NO_LINE_WITHIN = 64 << 20

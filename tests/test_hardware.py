@@ -713,11 +713,13 @@ def test_per_gpu_throughput_under_a_subgroup_is_over_the_groups_gpus():
         assert m["train/tflops_per_gpu"] == pytest.approx(1000.0 * 1e9 / 1e12)
 
 
-def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoint_it_loaded(tmp_path):
+@pytest.mark.parametrize("b_saved", [True, False], ids=["B saved", "B saved nothing"])
+def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoint_it_loaded(tmp_path, b_saved):
     """Job A (8 GPUs) saved 10 and 20; job B (1 GPU, a new streak) rolled back to 10 and saved 20 and
     30; job C (1 GPU) resumes from B's 30. The streak's FLOPs were counted from the last line before
     B's "Starting job" (A's 20: 2e10), not from the checkpoint B loaded (1e10): C's cumulative
-    throughput was negative. The lines are Megatron's, written as B would have."""
+    throughput was negative. Where B saved nothing, C itself rolls back to 10 and the streak counts
+    from there (it was negative too). The lines are Megatron's, written as B would have."""
     import distmetrics as dm
     from distmetrics.sinks.progress import progress_line
 
@@ -733,17 +735,18 @@ def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoin
         progress_line("Starting job", 8, "1", b_start - dt.timedelta(hours=3)),
         saved(10, 1e16, 10.0, 8, b_start - dt.timedelta(hours=2)),
         saved(20, 2e16, 20.0, 8, b_start - dt.timedelta(hours=1)),
-        progress_line("Starting job", 1, "1", b_start),
-        saved(20, 1.3e16, 13.0, 1, b_start + dt.timedelta(minutes=20)),
-        saved(30, 1.6e16, 16.0, 1, b_start + dt.timedelta(minutes=40))]))
+        progress_line("Starting job", 1, "1", b_start)] + ([
+            saved(20, 1.3e16, 13.0, 1, b_start + dt.timedelta(minutes=20)),
+            saved(30, 1.6e16, 16.0, 1, b_start + dt.timedelta(minutes=40))] if b_saved else [])))
     flops_per_token = 1e6
+    first = 31 if b_saved else 11
     with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
                                      flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
-        for step in (31, 32):
+        for step in (first, first + 1):
             monitor.step(step, loss=1.0, tokens=1000)
-        monitor.checkpoint_saved(32)
+        monitor.checkpoint_saved(first + 1)
     (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
-    flops = 1.6e16 + 2000 * flops_per_token
+    flops = (1.6e16 if b_saved else 1e16) + 2000 * flops_per_token
     assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
     expected = (flops - 1e16) / 3600 / 1e12  # since B started, from the 1e16 of the checkpoint it loaded
     assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
@@ -771,3 +774,29 @@ def test_without_progress_txt_a_restart_counts_checkpoints_on_from_metrics_jsonl
         (10, 1e4, 1e13), (20, 2e4, 2e13), (last, last * 1000.0, last * 1e12)]
     assert not (tmp_path / "progress.txt").exists()
     assert "progress.txt" not in caplog.text
+
+
+def test_a_resume_that_finds_no_earlier_checkpoint_says_so_at_its_first(tmp_path, caplog, monkeypatch):
+    """log_progress: false, and the checkpoint of job 1 lies before the part of metrics.jsonl searched
+    (records of many names after it): job 2 counted tokens and FLOPs from 0 without a word."""
+    import distmetrics as dm
+    from distmetrics import checkpoints
+
+    monkeypatch.setattr(checkpoints, "_NO_LINE_WITHIN", 1 << 20)
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=1,
+                           flops_per_token=1e9, timing_log_level=-1, log_memory=False, straggler_window=0,
+                           log_progress=False)
+    wide = {f"extra/value_{i}": float(i) for i in range(4000)}  # about 90 KB a record
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 21):
+            monitor.step(step, loss=1.0, tokens=1000, **(wide if step > 5 else {}))
+            if step == 5:
+                monitor.checkpoint_saved(5)
+    assert (tmp_path / "metrics.jsonl").stat().st_size > 1 << 20
+    with dm.Monitor(cfg) as monitor:
+        for step in (21, 22):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(22)
+    last = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"][-1]
+    assert last["checkpoint/tokens"] == 2000.0  # this job's alone, and said:
+    assert "no checkpoint up to iteration 21 was found in the last 1 MiB of metrics.jsonl" in caplog.text

@@ -120,13 +120,14 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
             state["start_time"] = _dt.datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
             state["start_flops"] = state["last_flops"]
             before_streak = list(state["saved"])
+    state["streak_unsaved"] = before_streak is not None  # its first job saved nothing: its start is not known
     return state
 
 
 def no_progress() -> dict:
     """What :func:`read_progress` reads from a file with no line."""
     return {"start_time": None, "start_flops": None, "last_flops": 0.0, "last_tokens": 0.0, "checkpoints": 0,
-            "saved": []}
+            "saved": [], "streak_unsaved": False}
 
 
 def _resumed_from(earlier: list, first: Saved) -> float:
