@@ -113,8 +113,9 @@ class OutputClaim:
 
 
 LAUNCHER_WORLD_SIZES = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-"""Where launchers put the number of processes started together: torchrun, srun (a job step's
-tasks; not SLURM_NTASKS, which a batch script running one process has too), Open MPI, MPICH."""
+"""Where launchers put the number of processes started together: torchrun (refused: one job),
+srun (a job step's tasks; not SLURM_NTASKS, which a batch script running one process has too),
+Open MPI, MPICH (a warning: they also start sweeps of separate jobs)."""
 
 
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
@@ -126,10 +127,17 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
     if not (dist.is_available() and dist.is_initialized()):
         for variable in LAUNCHER_WORLD_SIZES:
             world = os.environ.get(variable, "").strip()
-            if world.isdigit() and int(world) > 1:
-                raise RuntimeError(f"{variable}={world} in the environment but torch.distributed is not initialised: "
-                                   "call torch.distributed.init_process_group(...) before Monitor(...), or every rank "
-                                   "would believe it is alone and write its own files")
+            if not (world.isdigit() and int(world) > 1):
+                continue
+            said = (f"{variable}={world} in the environment but torch.distributed is not initialised: call "
+                    "torch.distributed.init_process_group(...) before Monitor(...), or every rank believes it is "
+                    "alone and writes its own files")
+            if variable == "WORLD_SIZE":  # torchrun's processes are one job
+                raise RuntimeError(said)
+            # srun and mpirun also start sweeps of separate 1-process jobs (each its own output_dir)
+            logger.warning("distmetrics: %s (where these processes are separate jobs, give each its own "
+                           "output_dir and ignore this)", said)
+            break
     claim = OutputClaim(config) if is_writer else None
     settings = tuple(features if key == "tensor_inspect.features" else _setting(config, key) for key in SHARED_KEYS)
     claimed = claim.problem if claim is not None else None
