@@ -308,7 +308,8 @@ def model_parallel_mesh(model: Any) -> Any:
         if mesh is not None and is_dtensor(param):
             root = _root_of(mesh)
             names = set(root.mesh_dim_names or ())
-            return root if names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]) else None
+            whole = not dist.is_initialized() or root.size() == dist.get_world_size()  # not one replica's mesh
+            return root if whole and names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]) else None
     return None
 
 

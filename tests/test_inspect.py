@@ -1003,3 +1003,18 @@ def test_tensor_and_context_parallel_activations_are_those_of_the_whole_tensor(t
             for stat, value in truth.items():
                 got = record[f"tensor_stats/{layer}/{tensor}/{stat}"]
                 assert got == pytest.approx(value, rel=1e-5, abs=1e-6), (parallel, layer, tensor, stat, got, value)  # fp32
+
+
+def test_the_features_digest_compared_at_start_up_reads_content_not_layout():
+    """The same content in another key order has one digest; statistics listed in another order do not
+    (each rank merged only with the ranks listing them alike); keys of mixed types (YAML's 1: beside
+    text) digest too (sorting them raised TypeError, on one rank alone where the files differed)."""
+    from distmetrics.tensor_stats.lifecycle import _digest
+
+    stats = {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max", "mean"]}}
+    one = {"a": {"enabled": True, "layers": {"layer_types": ["fc1"]}, "distmetrics": stats}, "b": {"enabled": False}}
+    assert _digest(one) == _digest(dict(reversed(list(one.items()))))
+    other = {"a": {**one["a"], "distmetrics": {"LogTensorStats": {**stats["LogTensorStats"], "stats": ["mean", "max"]}}},
+             "b": {"enabled": False}}
+    assert _digest(one) != _digest(other)
+    assert _digest({1: {"enabled": False}, "a": one["a"]}).startswith("content ")

@@ -9,7 +9,6 @@ the inspector that is running, which our feature reports to (:func:`accumulate`)
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -98,8 +97,17 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
 
 def _digest(spec: dict) -> str:
     """A short digest of a features mapping, the same for the same content however written."""
-    text = json.dumps(spec, sort_keys=True, default=repr)
-    return "content " + hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return "content " + hashlib.sha256(repr(_canonical(spec)).encode("utf-8")).hexdigest()[:12]
+
+
+def _canonical(value: Any) -> Any:
+    """Mappings as sorted (key, value) pairs, whatever the keys' types (YAML's ``1:`` beside text:
+    sorting them as they are raised TypeError, on this rank alone where the files differ)."""
+    if isinstance(value, dict):
+        return sorted(((repr(k), _canonical(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def collectors_for(config: MetricsConfig, model: Any, layout: Any) -> list:
