@@ -8,6 +8,10 @@ the collectors derive values from the result, and the writer rank sends it to th
 
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
+from functools import partial
 from typing import Any, Optional, Union
 
 import torch
@@ -28,6 +32,8 @@ from .sinks import SinkSet, check_sinks
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for
 
 __all__ = ["Monitor"]
+
+logger = logging.getLogger("distmetrics")
 
 Number = Union[int, float, torch.Tensor]
 
@@ -96,6 +102,9 @@ class Monitor:
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
             opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
             self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
+            self._at_exit = partial(_open_at_exit, weakref.ref(self)) if self.is_writer else None
+            if self._at_exit is not None:
+                atexit.register(self._at_exit)
         except BaseException:
             for collector in built:
                 collector.close()
@@ -330,6 +339,8 @@ class Monitor:
     def _shutdown(self, how: str = "closed its Monitor") -> None:
         if not self._closed:
             self._guard.leave(how)  # a rank still waiting for this one says so
+            if getattr(self, "_at_exit", None) is not None:
+                atexit.unregister(self._at_exit)
         self._closed = True
         for collector in self.collectors:
             collector.close()
@@ -338,3 +349,15 @@ class Monitor:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
+
+
+def _open_at_exit(ref: "weakref.ref[Monitor]") -> None:
+    """At the exit of a process whose writer Monitor was never closed: say what that left
+    unwritten (the steps since the last log step: close() writes them, a collective no exit hook
+    can make)."""
+    monitor = ref()
+    if monitor is None or monitor._closed or not monitor._steps_in_interval:
+        return
+    logger.warning("distmetrics: the process ends with its Monitor open: the %d step(s) up to step %s since the "
+                   "last log step are not written (monitor.close(), called on every rank, writes them)",
+                   monitor._steps_in_interval, monitor._last_step)
