@@ -336,6 +336,12 @@ class Monitor:
         """The clocks, the step timer and the tensor statistics' hooks: what ``pause()`` stops."""
         return self._clocks() + [self._by_name[name] for name in ("timers", "tensor_stats") if name in self._by_name]
 
+    def __del__(self) -> None:
+        try:  # a Monitor left open in a function that returned (collected before the process ends)
+            _say_unwritten(self, "a Monitor is collected")
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
     def _shutdown(self, how: str = "closed its Monitor") -> None:
         if not self._closed:
             self._guard.leave(how)  # a rank still waiting for this one says so
@@ -352,12 +358,20 @@ class Monitor:
 
 
 def _open_at_exit(ref: "weakref.ref[Monitor]") -> None:
-    """At the exit of a process whose writer Monitor was never closed: say what that left
-    unwritten (the steps since the last log step: close() writes them, a collective no exit hook
-    can make)."""
+    """At the exit of a process whose writer Monitor is still open: :func:`_say_unwritten`."""
     monitor = ref()
-    if monitor is None or monitor._closed or not monitor._steps_in_interval:
+    if monitor is not None:
+        _say_unwritten(monitor, "the process ends with a Monitor open")
+
+
+def _say_unwritten(monitor: "Monitor", when: str) -> None:
+    """Say, once, what a writer Monitor never closed leaves unwritten: the steps since the last log
+    step (close() writes them, a collective no exit hook or finalizer can make)."""
+    if getattr(monitor, "_closed", True) or not getattr(monitor, "_steps_in_interval", 0) or \
+            getattr(monitor, "_at_exit", None) is None:
         return
-    logger.warning("distmetrics: the process ends with its Monitor open: the %d step(s) up to step %s since the "
-                   "last log step are not written (monitor.close(), called on every rank, writes them)",
+    atexit.unregister(monitor._at_exit)
+    monitor._at_exit = None
+    logger.warning("distmetrics: %s, never closed: the %d step(s) up to step %s since the last log step are not "
+                   "written (monitor.close(), called on every rank, writes them)", when,
                    monitor._steps_in_interval, monitor._last_step)
