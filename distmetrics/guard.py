@@ -136,7 +136,8 @@ class CollectiveGuard:
             seq, last, stamp = raw.decode().split("|") if raw else (
                 "0", "nothing published (it has not reached Monitor(), died before, or runs with "
                 "hang_timeout_s 0)", str(now))
-            if int(seq) != self._seq or last != waiting:
+            arrived = last == waiting or last.endswith(f", after {waiting}")  # then left (its own HangError)
+            if int(seq) != self._seq or not arrived:
                 missing.append(f"rank {r}: last call {last} (published {now - float(stamp):.1f} s ago)")
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
         return (f"distmetrics: rank {self.rank} waited {self.timeout_s:g} s (hang_timeout_s) at {waiting}, "

@@ -767,6 +767,33 @@ def test_small_surprises_at_the_edges_are_named(tmp_path):
     assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr[-2000:]
 
 
+def _one_rank_missing_two_waiting(rank: int, world: int) -> tuple:
+    """Rank 2 never reaches the log step at 4 (it raises later); rank 1 arrives there at once and
+    rank 0 1 s later: rank 1 times out first and leaves its Monitor on that HangError."""
+    import distmetrics as dm
+
+    def run():
+        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=2.0)) as monitor:
+            for step in (1, 2, 3, 4):
+                if step == 3 and rank == 2:
+                    time.sleep(5)
+                    raise KeyError("late")
+                if step == 4 and rank == 0:
+                    time.sleep(1.0)
+                monitor.step(step, loss=1.0)
+    return _outcome(run)
+
+
+def test_a_rank_that_arrived_and_left_on_its_own_hang_error_is_not_named_as_missing():
+    """Rank 1 arrived, timed out and left; rank 0, timing out after it, named rank 1 among the ranks
+    that did not arrive (its "left its Monitor on HangError, after monitor.step(step=4)")."""
+    outcomes = run_ranks(_one_rank_missing_two_waiting, 3, timeout=120)
+    for rank in (0, 1):
+        kind, message, _ = outcomes[rank]
+        assert kind == "HangError" and "rank 2: last call monitor.step(step=2)" in message, message
+        assert "rank 1:" not in message and "rank 0:" not in message, message
+
+
 def _one_rank_leaves(rank: int, world: int, how: str) -> tuple:
     """Rank 1 closes its Monitor after the log step at 2 (nothing left to write: no collective), or
     leaves it on an error at step 3; rank 0 goes on to the log step at 4."""
