@@ -34,6 +34,8 @@ class CheckpointLog:
         path = Path(config.output_dir) / "progress.txt"
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
         self._progress = config.log_progress  # else metrics.jsonl alone tells of earlier checkpoints
+        # earlier jobs' records (read before this job's sinks open: its own run record is not one)
+        self._earlier = self._metrics_file is not None and _size(self._metrics_file) > 0
         self.resumed = {} if not is_writer else read_progress(path, world_size) if self._progress else no_progress()
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
 
@@ -61,8 +63,7 @@ class CheckpointLog:
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
-        earlier = bool(saved) or (self._metrics_file is not None and _size(self._metrics_file) > 0)
-        if known is None and step > 1 and earlier:  # a resume, with files of earlier jobs that tell of no checkpoint
+        if known is None and step > 1 and (saved or self._earlier):  # a resume, with files of earlier jobs that tell of no checkpoint
             where = " or ".join(name for name, on in (
                 ("progress.txt", self._progress),
                 (f"the last {_NO_LINE_WITHIN >> 20} MiB of metrics.jsonl", self._metrics_file is not None)) if on)

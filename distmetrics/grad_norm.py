@@ -135,8 +135,10 @@ class GradientNorms:
         # defined on an empty slice; NaN or inf where a gradient holds one, or sums past the float range)
         finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p == 0 else norms
         if p < 0 and any(t.numel() == 0 for t in locals_):  # an empty piece's norm (its identity, inf) is no NaN
-            empty = torch.tensor([t.numel() == 0 for t in locals_], device=norms.device)
-            finite_check = torch.where(empty, torch.zeros_like(norms), norms)
+            empty = tuple(t.numel() == 0 for t in locals_)
+            if not route.empty or route.empty[0] != empty:  # kept with the route: one copy to the device
+                route.empty = (empty, torch.tensor(empty, device=norms.device))
+            finite_check = torch.where(route.empty[1], torch.zeros_like(norms), norms)
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check)
         measured.missing = float(len(plan.params) - len(index))

@@ -308,8 +308,16 @@ def model_parallel_mesh(model: Any) -> Any:
         if mesh is not None and is_dtensor(param):
             root = _root_of(mesh)
             names = set(root.mesh_dim_names or ())
-            whole = not dist.is_initialized() or root.size() == dist.get_world_size()  # not one replica's mesh
-            return root if whole and names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]) else None
+            if not names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]):
+                return None
+            if dist.is_initialized() and root.size() != dist.get_world_size():  # one replica's mesh
+                if dist.get_rank() == 0:
+                    logger.warning("distmetrics: the model's DeviceMesh has dimensions %s but spans %d of the %d "
+                                   "ranks, so it cannot say which ranks are data-parallel: pass device_mesh= (the "
+                                   "whole job's mesh), or every tensor-parallel rank counts its batch's tokens",
+                                   root.mesh_dim_names, root.size(), dist.get_world_size())
+                return None
+            return root
     return None
 
 

@@ -416,8 +416,8 @@ class Reducer:
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(rows, mine, group=self.group)
         ranks: dict[int, list[int]] = {}
-        for rank, row in enumerate(rows):
-            ranks.setdefault(int(row.item()), []).append(global_rank(self.group, rank))
+        for rank, held in enumerate(torch.cat(rows).tolist()):  # one copy to the host
+            ranks.setdefault(held, []).append(global_rank(self.group, rank))
         parts = [f"{unit}{v} on {some_ranks(r)}" for v, r in sorted(ranks.items())]
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 

@@ -800,3 +800,8 @@ def test_a_resume_that_finds_no_earlier_checkpoint_says_so_at_its_first(tmp_path
     last = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"][-1]
     assert last["checkpoint/tokens"] == 2000.0  # this job's alone, and said:
     assert "no checkpoint up to iteration 21 was found in the last 1 MiB of metrics.jsonl" in caplog.text
+    caplog.clear()  # a job resuming into a fresh folder (its own run record is there by then) is not told
+    with dm.Monitor(cfg.replace(output_dir=str(tmp_path / "fresh"))) as monitor:
+        monitor.step(1001, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(1001)
+    assert "no checkpoint up to" not in caplog.text
