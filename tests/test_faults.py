@@ -776,7 +776,7 @@ def _one_rank_missing_two_waiting(rank: int, world: int) -> tuple:
         with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=2.0)) as monitor:
             for step in (1, 2, 3, 4):
                 if step == 3 and rank == 2:
-                    time.sleep(5)
+                    time.sleep(5)  # past rank 0's time-out (3 s) with room on a loaded machine
                     raise KeyError("late")
                 if step == 4 and rank == 0:
                     time.sleep(1.0)
@@ -800,7 +800,7 @@ def _one_rank_leaves(rank: int, world: int, how: str) -> tuple:
     import distmetrics as dm
 
     def run():
-        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=3.0)) as monitor:
+        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=2.0)) as monitor:
             for step in (1, 2, 3, 4):
                 if rank == 1 and step == 3:
                     if how == "close":
