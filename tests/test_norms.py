@@ -992,3 +992,32 @@ def test_norms_of_scaled_gradients_with_their_loss_scale_are_those_of_the_gradie
     assert float(returned) == pytest.approx(float(truth.total), rel=1e-6)  # in the gradients' dtype, as torch's
     assert torch.allclose(measured.buckets, truth.buckets, rtol=1e-12, atol=0)
     assert float(measured.nonfinite) == float(truth.nonfinite) == 0.0
+
+
+def _part_world_mesh(rank: int, world: int) -> tuple:
+    """A (dp, tp) DeviceMesh made on every rank that spans rank 0 alone; the model's weight a DTensor on it there."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from distmetrics.parallel import model_parallel_mesh
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    mesh = DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("dp", "tp"))
+    model = torch.nn.Linear(2, 2)
+    if mesh.get_coordinate() is not None:
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate(), Replicate()]))
+    return model_parallel_mesh(model) is None, said
+
+
+def test_a_model_mesh_spanning_part_of_the_job_is_named_not_taken():
+    """Without device_mesh=, a model's mesh with a tp dimension is taken for the layout only where it spans
+    every rank (a part of the job cannot say which ranks are data-parallel); that is said, not skipped."""
+    (none, said), (other_none, other_said) = run_ranks(_part_world_mesh, 2, timeout=60)
+    assert none and other_none and other_said == []
+    assert len(said) == 1 and "spans 1 of the 2 ranks" in said[0] and "pass device_mesh=" in said[0], said
