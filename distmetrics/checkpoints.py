@@ -63,7 +63,7 @@ class CheckpointLog:
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
-        if known is None and step > 1 and (saved or self._earlier):  # a resume, with files of earlier jobs that tell of no checkpoint
+        if known is None and step > 1 and (saved or self._earlier):  # a resume; earlier jobs' files: no checkpoint
             where = " or ".join(name for name, on in (
                 ("progress.txt", self._progress),
                 (f"the last {_NO_LINE_WITHIN >> 20} MiB of metrics.jsonl", self._metrics_file is not None)) if on)

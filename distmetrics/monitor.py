@@ -85,7 +85,8 @@ class Monitor:
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
-                                     config_problem=problem is None and inspection is not None, features=features)
+                                     config_problem=problem is None and inspection is not None,
+                                     derived={"tensor_inspect.features": features})
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(

@@ -93,6 +93,8 @@ _PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
 _MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel"}), "cp": frozenset({"cp", "context_parallel"}),
                        "pp": _PIPELINE_DIMS}
 """Mesh dimension names of tensor, context and pipeline parallelism."""
+_TP_CP_DIMS = _MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]
+"""Mesh dimension names whose ranks work on one batch (its tokens counted once)."""
 _MODEL_DIMS = frozenset().union(*_MODEL_DIMS_BY_KIND.values())
 """Mesh dimensions that are not data parallel."""
 _DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp")
@@ -216,8 +218,7 @@ def tp_cp_leader(layout: Layout) -> int:
     mesh = layout.device_mesh
     if layout.source == "device_mesh" and mesh is not None and mesh.get_coordinate() is not None:
         names = tuple(mesh.mesh_dim_names or ())
-        model = _MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]
-        at = tuple(0 if i < len(names) and names[i] in model else c for i, c in enumerate(mesh.get_coordinate()))
+        at = tuple(0 if i < len(names) and names[i] in _TP_CP_DIMS else c for i, c in enumerate(mesh.get_coordinate()))
         return int(mesh.mesh[at])
     return layout.rank
 
@@ -308,7 +309,7 @@ def model_parallel_mesh(model: Any) -> Any:
         if mesh is not None and is_dtensor(param):
             root = _root_of(mesh)
             names = set(root.mesh_dim_names or ())
-            if not names & (_MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]):
+            if not names & _TP_CP_DIMS:
                 return None
             if dist.is_initialized() and root.size() != dist.get_world_size():  # one replica's mesh
                 if dist.get_rank() == 0:

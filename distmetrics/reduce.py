@@ -50,7 +50,7 @@ from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entri
                       collective_device)
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
-from .per_rank import PerRank
+from .per_rank import PerRank, some_ranks
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
@@ -410,8 +410,6 @@ class Reducer:
     def _whose(self, value: int, unit: str = "") -> str:
         """Which ranks hold which value of a control lane (a step, a count of calls), from one gather
         of every rank's value: made only where the MAX pack found ranks differ, on every rank alike."""
-        from .runinfo import some_ranks
-
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(rows, mine, group=self.group)

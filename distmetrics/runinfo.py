@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from .parallel import Layout, RankInfo, local_rank_from_env
+from .per_rank import some_ranks
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
 from .sinks.appendfile import describe_os_error
 from .validation import ConfigError
 
-__all__ = ["start_up", "some_ranks", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
+__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
            "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
@@ -119,11 +120,13 @@ Open MPI, MPICH (a warning: they also start sweeps of separate jobs)."""
 
 
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
-             config_problem: bool = False, features: Optional[str] = None) -> tuple[list[RankInfo], Optional[OutputClaim]]:
+             config_problem: bool = False,
+             derived: Optional[dict] = None) -> tuple[list[RankInfo], Optional[OutputClaim]]:
     """The checks every rank passes before training starts, and every rank's info (one gather):
     raises on every rank when one rank has a problem (``problem``: one found by the caller;
     ``config_problem``: a config error, raised as a ConfigError where every problem is one;
-    ``features``: the digest of the tensor statistics' features, compared as a shared key)."""
+    ``derived``: values of shared keys read from what the config names rather than the config
+    itself, e.g. the features file's content; :data:`NOT_READ` where this rank could not)."""
     if not (dist.is_available() and dist.is_initialized()):
         for variable in LAUNCHER_WORLD_SIZES:
             world = os.environ.get(variable, "").strip()
@@ -139,7 +142,8 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
                            "output_dir and ignore this)", said)
             break
     claim = OutputClaim(config) if is_writer else None
-    settings = tuple(features if key == "tensor_inspect.features" else _setting(config, key) for key in SHARED_KEYS)
+    derived = derived or {}
+    settings = tuple(derived[key] if key in derived else _setting(config, key) for key in SHARED_KEYS)
     claimed = claim.problem if claim is not None else None
     hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None)
     by_problem: dict[str, list[int]] = {}
@@ -166,8 +170,11 @@ SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_op
 which rank writes: a rank given another value than the others would hang, count wrong or write
 nothing, so ``Monitor()`` refuses a difference on every rank (``timing_log_level`` and
 ``barrier_with_L1_time``: a timer started with ``barrier=True`` waits at a barrier only where its
-level is enabled; ``tensor_inspect.features``: the features' content, as a digest). The sinks'
-keys matter on the writer only."""
+level is enabled; ``tensor_inspect.features``: the features' content, as a digest, given to
+:func:`start_up` as derived). The sinks' keys matter on the writer only."""
+
+NOT_READ = "<not read on this rank: its problem is said>"
+"""A derived shared value a rank could not read; not compared (its problem is raised)."""
 
 
 def _setting(config: Any, key: str) -> Any:
@@ -183,19 +190,13 @@ def _differing_settings(hosts: list[RankInfo]) -> list[str]:
     for i, key in enumerate(SHARED_KEYS):
         ranks_by_value: dict = {}
         for h in hosts:
-            if len(h.settings) == len(SHARED_KEYS) and not (key == "tensor_inspect.features" and h.settings[i] is None):
-                ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)  # (None: the file failed, said)
+            if len(h.settings) == len(SHARED_KEYS) and h.settings[i] != NOT_READ:
+                ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)
         if len(ranks_by_value) > 1:
             held = "; ".join(f"{value} on {some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
             problems.append(f"config key {key} differs between ranks ({held}); every rank must be given the same "
                             "value")
     return problems
-
-
-def some_ranks(ranks: list[int], shown: int = 4) -> str:
-    """``rank 3``, ``ranks 0, 1, 2, 4 and 1020 more``."""
-    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:shown]))}{more}"
 
 
 def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,

@@ -270,5 +270,6 @@ def test_a_config_file_not_found_by_a_relative_path_names_the_working_directory(
     import distmetrics as dm
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(dm.ConfigError, match=f"does not exist \\(relative to the working directory {re.escape(str(tmp_path))}\\)"):
+    where = re.escape(str(tmp_path))
+    with pytest.raises(dm.ConfigError, match=f"does not exist \\(relative to the working directory {where}\\)"):
         dm.MetricsConfig.from_yaml("configs/metrics.yaml")

@@ -596,7 +596,7 @@ def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout):
     for rank, out in enumerate(results):
         kind, message, _ = out["train"]
         assert kind == "RuntimeError" and "different numbers of monitor.step calls before the log step of step 4: " \
-            f"1 on rank 1 and 2 on rank 0 (this rank: {2 - rank})" in message, (rank, kind, message)  # who, not only what
+            f"1 on rank 1 and 2 on rank 0 (this rank: {2 - rank})" in message, (rank, kind, message)  # who, not what
         kind, message, _ = out["tensor_stats"]  # the statistics of step 3 on rank 0 meet step 4's on rank 1
         if timeout:
             assert kind == "HangError" and f"(step={3 + rank})" in message and f"(step={4 - rank})" in message, message

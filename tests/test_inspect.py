@@ -943,7 +943,8 @@ def _tp_and_cp_activations(rank: int, world: int, root: str) -> dict:
 
     stats = ["min", "max", "mean", "std", "l1_norm", "l2_norm"]
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"model\.fc[12]$"},
-                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation", "input", "gradient"],
+                      "distmetrics": {"LogTensorStats": {"enabled": True,
+                                                          "tensors": ["activation", "input", "gradient"],
                                                           "stats": stats, "freq": 1}}}}
     results = {}
     for case in ("tp", "tp without device_mesh", "cp"):
@@ -1002,7 +1003,8 @@ def test_tensor_and_context_parallel_activations_are_those_of_the_whole_tensor(t
         for (layer, tensor), truth in result["truth"].items():
             for stat, value in truth.items():
                 got = record[f"tensor_stats/{layer}/{tensor}/{stat}"]
-                assert got == pytest.approx(value, rel=1e-5, abs=1e-6), (parallel, layer, tensor, stat, got, value)  # fp32
+                # the model runs in float32
+                assert got == pytest.approx(value, rel=1e-5, abs=1e-6), (parallel, layer, tensor, stat, got, value)
 
 
 def test_the_features_digest_compared_at_start_up_reads_content_not_layout():
@@ -1014,7 +1016,8 @@ def test_the_features_digest_compared_at_start_up_reads_content_not_layout():
     stats = {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max", "mean"]}}
     one = {"a": {"enabled": True, "layers": {"layer_types": ["fc1"]}, "distmetrics": stats}, "b": {"enabled": False}}
     assert _digest(one) == _digest(dict(reversed(list(one.items()))))
-    other = {"a": {**one["a"], "distmetrics": {"LogTensorStats": {**stats["LogTensorStats"], "stats": ["mean", "max"]}}},
+    reordered = {"LogTensorStats": {**stats["LogTensorStats"], "stats": ["mean", "max"]}}
+    other = {"a": {**one["a"], "distmetrics": reordered},
              "b": {"enabled": False}}
     assert _digest(one) != _digest(other)
     assert _digest({1: {"enabled": False}, "a": one["a"]}).startswith("content ")

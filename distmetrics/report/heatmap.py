@@ -53,9 +53,9 @@ def heatmap(figs: Figures, grid: StepGrid, title: str, labels: list, order: Opti
         ax.axvline(step, color="white", ls="--", lw=1.4, zorder=5)
         ax.axvline(step, color="black", ls=(0, (3, 3)), lw=0.8, zorder=6)
     _colour_bar(fig, drawn, bar_axes, norm, log, colour_label, band)
+    merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]})" if merged > 1 else ""
     caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
-               "wide: the mean of its log steps' values)" + (f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]})"
-                                         if merged > 1 else "")
+               "wide: the mean of its log steps' values)" + merges
                + "; grey: no value; magenta x: a non-finite value in the bin")
     return figs.png(fig, title, caption)
 

@@ -152,7 +152,8 @@ def _straggler_record(figs: Figures) -> str:
                             + "</tr>")
     return (f"<p>The last <code>stragglers</code> record (step {step}, job {job}; score over the last "
             f"{escape(record.get('window'))} log steps: the fastest rank's median ms per step / the rank's):</p>"
-            "<table><tr><th>side</th>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows) + "</table>")
+            "<table><tr><th>side</th>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows)
+            + "</table>")
 
 
 def _timer_table(figs: Figures) -> str:

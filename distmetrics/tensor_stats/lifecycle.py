@@ -8,13 +8,14 @@ the inspector that is running, which our feature reports to (:func:`accumulate`)
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
+from ..packing import digest
+from ..runinfo import NOT_READ
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
@@ -91,13 +92,13 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
     except ConfigError as err:
         if world_size == 1:
             raise
-        return str(err), None
+        return str(err), NOT_READ
     return None, _digest(spec)
 
 
 def _digest(spec: dict) -> str:
     """A short digest of a features mapping, the same for the same content however written."""
-    return "content " + hashlib.sha256(repr(_canonical(spec)).encode("utf-8")).hexdigest()[:12]
+    return f"content {digest(repr(_canonical(spec)).encode('utf-8')):014x}"
 
 
 def _canonical(value: Any) -> Any:
