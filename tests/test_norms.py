@@ -258,6 +258,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
     from launch.megatron_cpu import apply_cpu_adaptations, build_gpt
 
     import distmetrics as dm
+    from distmetrics.parallel import tp_cp_leader
 
     out = {}
     cfg = quiet_config(log_interval=1, log_params_norm=True)
@@ -322,7 +323,8 @@ def _megatron_layouts(rank: int, world: int) -> dict:
                                 "moe/expert_utilization": float((moe_truth > 0).double().mean())},
                   "layernorm_is_duplicated": not getattr(
                       dict(model.named_parameters())["decoder.layers.0.input_layernorm.weight"],
-                      "tensor_model_parallel", False)}
+                      "tensor_model_parallel", False),
+                  "tp_cp_leader": tp_cp_leader(monitor.layout)}
     ps.destroy_model_parallel()
 
     # --- PP=2 × TP=2, a tied embedding across stages, gradients set per layout rules:
@@ -408,6 +410,12 @@ def test_moe_counts_summed_over_tp_as_megatron_sums_them_count_each_token_once(m
         r = rank_result["tp2"]
         for name, value in r["moe_truth"].items():
             assert r["metrics"][name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_megatron_tensor_parallel_peers_are_told_by_the_first_rank_of_their_group(megatron_results):
+    """Tensor statistics tell TP copies apart within a TP x CP group; Megatron's default rank order
+    (tp-cp-ep-dp-pp) makes ranks 0-1 and 2-3 the TP groups at TP 2 of 4 ranks."""
+    assert [r["tp2"]["tp_cp_leader"] for r in megatron_results] == [0, 0, 2, 2]
 
 
 def test_megatron_tp_model_has_a_tp_duplicated_layernorm(megatron_results):
