@@ -394,7 +394,9 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
     """(b) the log step on the training thread with every sink on (JSONL, progress.txt, console,
     TensorBoard, W&B offline) against no sink, at ``sizes`` metric names, once W&B's run exists
     (:func:`_wait_for_wandb`); then the JSONL sink alone against no sink, to show how much of
-    what every sink adds is the line written on the training thread. Each pair is timed in rounds
+    what every sink adds is the line written on the training thread; then the least a line on the
+    training thread can cost (:class:`_BareLine`: the record encoded by orjson and written, nothing
+    else) against no sink, the floor under the JSONL sink's figure. Each pair is timed in rounds
     of its own: a third call in the same rounds changes which call follows the writer thread's
     and W&B's work, and with it both ratios (all against none read 1.03-1.15x that way)."""
     import importlib.util
@@ -415,20 +417,50 @@ def bench_sinks_log_step(sizes, repeats: int) -> list[dict]:
             monitors = {"none": dm.Monitor(none, collectors=[_NamedValues(names)]),
                         "all": dm.Monitor(every, collectors=[_NamedValues(names)]),
                         "jsonl": dm.Monitor(none.replace(json_log=True, output_dir=os.path.join(out, "jsonl")),
-                                            collectors=[_NamedValues(names)])}
+                                            collectors=[_NamedValues(names)]),
+                        "bare": dm.Monitor(none.replace(output_dir=os.path.join(out, "bare")),
+                                           sinks=[_BareLine(os.path.join(out, "bare.jsonl"))],
+                                           collectors=[_NamedValues(names)])}
             _wait_for_wandb(monitors["all"])
             calls = {name: (lambda _, m=m, steps=itertools.count(1): m.step(next(steps), loss=1.0), m.sinks.flush)
                      for name, m in monitors.items()}  # each monitor counts its own steps over both pairs
             timed = _timed_log_steps("none", {k: calls[k] for k in ("none", "all")}, repeats, least_s=SINKS_LEAST_S)
             alone = _timed_log_steps("none", {k: calls[k] for k in ("none", "jsonl")}, repeats, least_s=SINKS_LEAST_S)
+            floor = _timed_log_steps("none", {k: calls[k] for k in ("none", "bare")}, repeats, least_s=SINKS_LEAST_S)
             for monitor in monitors.values():
                 monitor.close()
         (base, _, _), (ours, writer, ratio) = timed["none"], timed["all"]
         (base_alone, _, _), (jsonl, _, jsonl_ratio) = alone["none"], alone["jsonl"]
+        (base_floor, _, _), (bare, _, bare_ratio) = floor["none"], floor["bare"]
         rows.append({"names": names, "wandb": wandb, "no_sinks_ms": base * 1e3, "all_sinks_ms": ours * 1e3,
                      "writer_ms": writer * 1e3, "all_vs_none": ratio, "jsonl_pair_no_sinks_ms": base_alone * 1e3,
-                     "jsonl_only_ms": jsonl * 1e3, "jsonl_vs_none": jsonl_ratio})
+                     "jsonl_only_ms": jsonl * 1e3, "jsonl_vs_none": jsonl_ratio,
+                     "bare_pair_no_sinks_ms": base_floor * 1e3, "bare_line_ms": bare * 1e3,
+                     "bare_line_vs_none": bare_ratio})
     return rows
+
+
+class _BareLine:
+    """The least a line written on the training thread costs: the record as orjson encodes it
+    (NaN as null, no check, no kind, step or time) and one ``write``. Not a sink to use: it
+    measures the floor that encoding and writing a line put under any such sink."""
+
+    name = "bare_line"
+    fix = ""
+    on_training_thread = True
+
+    def __init__(self, path: str) -> None:
+        import orjson
+
+        self._dumps, self._newline = orjson.dumps, orjson.OPT_APPEND_NEWLINE
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def log(self, metrics: dict, step: int, kind: str) -> None:
+        os.write(self._fd, self._dumps(metrics, option=self._newline))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
 
 
 # --- 7. command-line start-up --------------------------------------------------------------------
@@ -517,6 +549,8 @@ def main(argv=None) -> dict:
               f"thread {r['writer_ms']:.2f} ms per record", flush=True)
         print(f"         JSONL alone: no sinks {r['jsonl_pair_no_sinks_ms']:.2f} ms | JSONL {r['jsonl_only_ms']:.2f} ms = "
               f"{r['jsonl_vs_none']:.3f}x", flush=True)
+        print(f"         a bare line (orjson + write, nothing else): no sinks {r['bare_pair_no_sinks_ms']:.2f} ms | "
+              f"bare line {r['bare_line_ms']:.2f} ms = {r['bare_line_vs_none']:.3f}x", flush=True)
     from benchmarks import cold
 
     results.update(cold.main(4 * repeats))
