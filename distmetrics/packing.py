@@ -1,6 +1,6 @@
-"""How values sit in the reducer's packs: the agreed layout of names, the order-preserving
-int64 keys of the MAX pack (float32 value in the high 32 bits, rank in the low 32), and the
-assembly of one pack from scalar and vector samples with one index tensor and one value tensor.
+"""How values sit in the reducer's packs: the agreed layout of names and the assembly of one
+pack from scalar and vector samples with one index tensor and one value tensor. The MAX pack's
+order-preserving keys are in :mod:`distmetrics.maxkeys`.
 
 :mod:`distmetrics.reduce` issues the collectives; this module only names the gather function
 and maps a group's ranks to global ranks for it.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import operator
-import struct
 import zlib
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -20,20 +18,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
-           "mean_parts", "decode_max", "decode_sum", "decode_all", "encode_keys", "encode_key", "host_number",
-           "host_values", "tuple_getter", "HOST_DECODE_LANES",
-           "gather_single", "global_rank", "INT64_MIN", "CONTROL_LANES"]
+           "mean_parts", "decode_sum", "decode_all", "host_number", "host_values", "tuple_getter",
+           "gather_single", "global_rank", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
-INT64_MIN = -(2**63)
-"""The empty MAX lane (no rank sent the name)."""
-_LOW32 = 2**32 - 1
 CONTROL_LANES = 7
 """MAX-pack lanes before the values: stale flag, digest, -digest, step, -step, steps in the
 interval, -steps in the interval."""
-HOST_DECODE_LANES = 256
-"""MAX packs up to this many lanes are decoded in Python, larger ones with tensor operations."""
-_FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")
 
 
 _METRIC_KEYS = {  # reduce kind → the keys ``Reduced.to_metrics`` writes for a name
@@ -333,23 +324,6 @@ def _stack(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
     return order, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result: Any) -> None:
-    """MAX-pack lanes (a tensor, or a list of keys) → ``result.maxima``/``minima`` as (value, rank)."""
-    if isinstance(lanes, list):
-        values, ranks, present = _decode_keys_on_host(lanes)
-    elif layout.n_max <= HOST_DECODE_LANES:
-        values, ranks, present = _decode_keys_on_host(lanes.cpu().tolist())
-    else:
-        values, ranks, present = _decode_keys(lanes.cpu())
-    for name, base in layout.max_index.items():
-        kind = layout.kinds[name]
-        if kind != "min" and present[base]:
-            result.maxima[name] = (values[base], ranks[base])
-        low = base + 1 if kind == "minmax" else base
-        if kind != "max" and present[low]:
-            result.minima[name] = (-values[low] if not math.isnan(values[low]) else values[low], ranks[low])
-
-
 def decode_sum(layout: PackLayout, totals: Sequence[float], weights: Sequence[float], result: Any) -> None:
     """SUM-pack totals (Σ value·weight) and weights, in the layout's order → ``result.values``
     (a name no rank sent, or only with weight 0, is absent) and ``result.sum_weights``."""
@@ -385,48 +359,6 @@ def decode_all(layout: PackLayout, rows: list[list[float]], ranks: list[int], si
         if seen:
             out[name] = per
     return out
-
-
-def encode_keys(values: torch.Tensor, rank: int) -> torch.Tensor:
-    """float32 values → int64 keys ordered like the floats, with the rank in the low bits."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    bits = torch.where(torch.isnan(values), torch.full_like(bits, 0x7FFFFFFF), bits)
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return key * (2**32) + (_LOW32 - rank)
-
-
-def _decode_keys(lanes: torch.Tensor) -> tuple[list[float], list[int], list[bool]]:
-    present = (lanes != INT64_MIN).tolist()
-    key = lanes >> 32
-    ranks = (_LOW32 - (lanes & _LOW32)).tolist()
-    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
-    values = bits.view(torch.float32).tolist()
-    return values, ranks, present
-
-
-def encode_key(value: float, rank: int) -> int:
-    """:func:`encode_keys` of one number, on the host (no tensor): the same int64 key."""
-    if value != value:
-        bits = 0x7FFFFFFF
-    else:
-        try:
-            bits = _INT32.unpack(_FLOAT32.pack(value))[0]
-        except OverflowError:  # beyond float32's range: the cast gives ±inf
-            bits = _INT32.unpack(_FLOAT32.pack(math.copysign(math.inf, value)))[0]
-    key = bits if bits >= 0 else bits ^ 0x7FFFFFFF
-    return key * (2**32) + (_LOW32 - rank)
-
-
-def _decode_keys_on_host(lanes: list[int]) -> tuple[list[float], list[int], list[bool]]:
-    """:func:`_decode_keys` of a few lanes in Python (cheaper than a dozen tensor operations)."""
-    values, ranks, present = [], [], []
-    for lane in lanes:
-        key = lane >> 32
-        bits = key if key >= 0 else key ^ 0x7FFFFFFF
-        values.append(_FLOAT32.unpack(_INT32.pack(bits))[0])
-        ranks.append(_LOW32 - (lane & _LOW32))
-        present.append(lane != INT64_MIN)
-    return values, ranks, present
 
 
 def gather_single():

@@ -10,8 +10,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .packing import (CONTROL_LANES, INT64_MIN, PackLayout, Pieces, encode_key, encode_keys, host_number, host_values,
-                      masked, masked_host, mean_parts, tuple_getter, weighted, weighted_host)
+from .maxkeys import INT64_MIN, encode_key, encode_keys
+from .packing import (CONTROL_LANES, PackLayout, Pieces, host_number, host_values, masked, masked_host, mean_parts,
+                      tuple_getter, weighted, weighted_host)
 
 __all__ = ["max_lanes_on_host", "max_pack", "sum_lanes_on_host", "interleave", "sum_pack_tensor", "all_row_on_host",
            "all_row_tensor"]

@@ -1,6 +1,6 @@
 """Packing samples and reducing them across ranks: at most one collective per reduce kind.
 
-A :class:`Sample` is ``(name, value, reduce)``, or a vector: a 1-D tensor with one name per
+A :class:`~distmetrics.samples.Sample` is ``(name, value, reduce)``, or a vector: a 1-D tensor with one name per
 element (every module's norm, every layer's statistic), which enters a pack as one slice.
 At a log step :meth:`Reducer.reduce` packs
 
@@ -36,82 +36,22 @@ This module knows tensors and process groups, not what the metrics mean.
 
 from __future__ import annotations
 
-import math
 import zlib
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from .names import REDUCE_KINDS, NameRegistry, check_reduce, check_value
-from .packing import (CONTROL_LANES, HOST_DECODE_LANES, PackLayout, decode_entries, decode_max, decode_sum, digest,
-                      decode_all, encode_entries, entries_of, gather_single, global_rank, value_device,
-                      collective_device)
+from .maxkeys import HOST_DECODE_LANES, decode_max
+from .packing import (CONTROL_LANES, PackLayout, collective_device, decode_all, decode_entries, decode_sum, digest,
+                      encode_entries, entries_of, gather_single, global_rank, value_device)
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
+from .names import REDUCE_KINDS, NameRegistry, check_reduce
 from .per_rank import PerRank, some_ranks
+from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
-
-Number = Union[int, float, torch.Tensor]
-_checked_names: dict[int, tuple] = {}  # id → the vector names tuples found to hold only str (kept alive here)
-
-
-@dataclass
-class Sample:
-    """One rank's value of one metric (or of several, as a vector) and how it combines across ranks.
-
-    For ``mean``, the cross-rank result is Σ value·weight / Σ weight; a rank with weight 0
-    has nothing to contribute (e.g. a pipeline stage without the loss). When ``summed`` is
-    true, ``value`` is already Σ value·weight over the interval (the accumulator's form).
-    With ``names``, ``value`` is a 1-D tensor holding one value per name (``weight`` and
-    ``low`` a number or a tensor of the same length); ``name`` then names the family in
-    messages. Pass the same ``names`` tuple at every log step: its layout is cached.
-    """
-
-    name: str
-    value: Number
-    reduce: str = "mean"
-    weight: Number = 1.0
-    summed: bool = False
-    low: Optional[Number] = None
-    """For ``minmax``: the value for the min lane when it differs (an interval's minimum)."""
-    names: Optional[tuple] = None
-    """Element names of a vector sample."""
-
-    def __post_init__(self) -> None:
-        # Refused here, in the collector's take_samples, not in a pack after some collective:
-        # a rank that fails there leaves the others waiting in the next one.
-        if not isinstance(self.name, str):
-            raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
-        check_reduce(self.name, self.reduce)
-        if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given
-            raise ValueError(f"Sample {self.name!r}: low is the min lane of a minmax, not used by {self.reduce!r}; "
-                             "give a min the value itself")
-        if self.names is None:
-            check_value(self.value, "Sample %r", self.name)
-            check_value(self.weight, "Sample %r weight", self.name)
-            if self.low is not None:
-                check_value(self.low, "Sample %r low", self.name)
-        else:
-            if not isinstance(self.names, tuple):
-                self.names = tuple(self.names)
-            if self.names is not _checked_names.get(id(self.names)):  # collectors pass the same tuple each time
-                if not all(isinstance(name, str) for name in self.names):
-                    raise TypeError(f"vector sample {self.name!r}: element names are str, got {self.names!r:.300}")
-                if len(_checked_names) >= 256:
-                    _checked_names.clear()
-                _checked_names[id(self.names)] = self.names
-            if not isinstance(self.value, torch.Tensor) or self.value.shape != (len(self.names),):
-                shape = tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else type(self.value).__name__
-                raise ValueError(f"vector sample {self.name!r}: {len(self.names)} names need a 1-D tensor of "
-                                 f"{len(self.names)} values, got {shape}")
-            for part, given in (("weight", self.weight), ("low", self.low)):
-                if isinstance(given, torch.Tensor) and (given.dim() != 1 or given.numel() != len(self.names)):
-                    raise ValueError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
-                                     f"{len(self.names)} values (one per name), got shape {tuple(given.shape)}")
-
 
 def _check_written_names(union: dict[str, str]) -> None:
     """Refuse a union of names in which one name writes what another writes (``x`` as ``minmax``
@@ -122,68 +62,6 @@ def _check_written_names(union: dict[str, str]) -> None:
     registry = NameRegistry()
     for name, kind in union.items():
         registry.add(name, kind, f"metric {name!r}, sent by some rank,")
-
-
-@dataclass
-class Reduced:
-    """The result of one reduction, identical on every rank."""
-
-    values: dict[str, float] = field(default_factory=dict)
-    """``sum`` and ``mean`` results."""
-    maxima: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """``max``/``minmax`` results: (value, global rank holding it)."""
-    minima: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """``min``/``minmax`` results: (value, global rank holding it)."""
-    per_rank: dict[str, PerRank] = field(default_factory=dict)
-    """``all`` results."""
-    kinds: dict[str, str] = field(default_factory=dict)
-    """The reduce kind of every name in the agreed layout."""
-    layout: Optional[PackLayout] = None
-    """The agreed layout (its key index is cached there)."""
-    sum_weights: Sequence[float] = ()
-    """The SUM pack's weight lanes in the layout's order (a mean's denominator: see :meth:`weight`)."""
-
-    def weight(self, name: str) -> Optional[float]:
-        """The total weight behind a ``mean`` result (Σ weight over ranks and steps: the tokens
-        that ``train/loss`` averages over), or None where there is none."""
-        at = self.layout.sum_index.get(name) if self.layout is not None and self.sum_weights else None
-        return None if at is None else self.sum_weights[at // 2]
-
-    def keys_under(self, prefixes: tuple) -> tuple:
-        """Every key :meth:`to_metrics` can write for the agreed names that starts with one of
-        ``prefixes`` (present this time or not), worked out once per layout."""
-        if self.layout is None:
-            return tuple(key for key in self.to_metrics() if key.startswith(prefixes))
-        return self.layout.metric_keys(prefixes)
-
-    def to_metrics(self, take: bool = False) -> dict[str, Any]:
-        """Flat names: ``x`` for sum/mean/max/min, ``x/max``/``x/min`` for minmax, ranks beside;
-        for ``all``, ``x`` (every rank's value) and its summary ``x/max``, ``x/min``, ``x/mean``
-        over the ranks that sent one (NaN on any of them makes each NaN, as a ``max``'s NaN wins:
-        a rank gone bad shows on the dashboards, which get the summary). ``take``: the result is
-        built in ``values`` itself, which is left empty (no copy of a large dict)."""
-        out: dict[str, Any] = self.values if take else dict(self.values)
-        if take:
-            self.values = {}
-        for name, (value, rank) in self.maxima.items():
-            key = name if self.kinds[name] == "max" else f"{name}/max"
-            out[key], out[f"{name}/max_rank"] = value, rank
-        for name, (value, rank) in self.minima.items():
-            key = name if self.kinds[name] == "min" else f"{name}/min"
-            out[key], out[f"{name}/min_rank"] = value, rank
-        for name, values in self.per_rank.items():
-            out[name] = values
-            out.update({f"{name}/{stat}": v for stat, v in _summary(values).items()})
-        return out
-
-
-def _summary(values: PerRank) -> dict[str, float]:
-    present = [v for v in values if v is not None]
-    if not present:
-        return {}
-    if any(v != v for v in present):  # NaN
-        return {"max": math.nan, "min": math.nan, "mean": math.nan}
-    return {"max": max(present), "min": min(present), "mean": sum(present) / len(present)}  # inf - inf: NaN
 
 
 class Reducer:

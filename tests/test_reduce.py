@@ -340,7 +340,7 @@ def test_keys_made_on_the_host_equal_the_tensor_keys_and_decode_alike():
 
     import torch
 
-    from distmetrics.packing import INT64_MIN, _decode_keys, _decode_keys_on_host, encode_key, encode_keys
+    from distmetrics.maxkeys import INT64_MIN, _decode_keys, _decode_keys_on_host, encode_key, encode_keys
 
     rng = random.Random(0)
     values = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1e39, -1e300, 1.0000001]
@@ -405,7 +405,7 @@ def test_a_max_pack_of_more_lanes_than_the_host_decodes_reduces_like_a_small_one
     """300 max names and a minmax vector (over 256 MAX lanes: the tensor decoding) against hand maxima."""
     import torch
 
-    from distmetrics.packing import HOST_DECODE_LANES
+    from distmetrics.maxkeys import HOST_DECODE_LANES
     from distmetrics.reduce import Reducer, Sample
 
     monkeypatch.setattr(Reducer, "host_packs", host_packs)
@@ -616,7 +616,7 @@ def test_an_all_summary_of_opposite_infinities_or_huge_values_is_nan_or_inf_not_
     """The summary's mean of +inf and -inf is NaN and of two 1e308 inf, as a plain sum gives (an
     exact fsum raised: the log step failed on every rank); a NaN on any rank makes each NaN."""
     from distmetrics.per_rank import PerRank
-    from distmetrics.reduce import _summary
+    from distmetrics.samples import _summary
 
     assert math.isnan(_summary(PerRank([math.inf, -math.inf]))["mean"])
     assert _summary(PerRank([1e308, 1e308])) == {"max": 1e308, "min": 1e308, "mean": math.inf}
