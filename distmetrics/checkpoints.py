@@ -77,6 +77,8 @@ class CheckpointLog:
                                "disk); FLOPs and tokens count on from that record.", record.iteration,
                                self._metrics_file)
             self.resumed["last_tokens"], self.resumed["last_flops"] = record.tokens, record.flops
+            if self.resumed.get("streak_unsaved"):  # the streak's jobs saved nothing: it starts from this one
+                self.resumed["start_flops"] = record.flops
             return
         if not saved:
             return

@@ -8,6 +8,7 @@ a GPU machine. Host memory, throughput, MFU, SOL, ETA and progress.txt are real.
 """
 
 import datetime as dt
+import json
 import logging
 import math
 import sys
@@ -750,6 +751,39 @@ def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoin
     assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
     expected = (flops - 1e16) / 3600 / 1e12  # since B started, from the 1e16 of the checkpoint it loaded
     assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_a_streak_that_saved_nothing_counts_from_a_checkpoint_whose_line_was_lost(tmp_path, caplog):
+    """Job A (8 GPUs) saved 10, then 20, whose progress.txt line was lost (its metrics.jsonl record
+    was written); job B (1 GPU, a new streak) saved nothing; job C (1 GPU) resumes from 20. The
+    checkpoint is counted from the record, and so must the streak's start be: it stayed at line
+    10's FLOPs, and C's cumulative throughput counted A's 1e16 FLOPs from 10 to 20 as the streak's."""
+    import distmetrics as dm
+    from distmetrics.sinks.progress import progress_line
+
+    now = dt.datetime.now().replace(microsecond=0)
+    b_start = now - dt.timedelta(hours=1)
+    (tmp_path / "progress.txt").write_text("".join([
+        progress_line("Starting job", 8, "1", b_start - dt.timedelta(hours=3)),
+        progress_line("Saved checkpoint\tIteration: 10\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative throughput: "
+                      "1.0 TFLOP/s/GPU\tFloating-point operations: 1.00e+16\tTokens (in billions): 10.00", 8, "1",
+                      b_start - dt.timedelta(hours=2)),
+        progress_line("Starting job", 1, "1", b_start)]))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "progress", "step": 20, "checkpoint/tokens": 2e10, "checkpoint/floating_point_operations": 2e16},
+        separators=(",", ":")) + "\n")  # as the JSONL sink writes it
+    flops_per_token = 1e6
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
+                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
+        for step in (21, 22):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(22)
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress" and r["step"] == 22]
+    flops = 2e16 + 2000 * flops_per_token
+    assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
+    expected = (flops - 2e16) / 3600 / 1e12  # the streak's work: from the 2e16 of the checkpoint C (and B) loaded
+    assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(expected, rel=1e-2)
+    assert "no \"Saved checkpoint\" line for iteration 20" in caplog.text
 
 
 @pytest.mark.parametrize("rollback", [False, True], ids=["from the last checkpoint", "from an older one"])
