@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import sys
 from typing import Any, Iterable, Optional
 
 import torch
@@ -63,17 +64,34 @@ def check_name(name: Any, what: str) -> None:
 
 
 def check_value(value: Any, what: str, *args: Any) -> None:
-    """A number or a 1-element tensor (None is checked by the caller). The message names
-    ``what % args`` (formatted only for a bad value: this runs for every sample)."""
-    if type(value) is float or type(value) is int:
+    """A number (a Python or numpy number, not a bool) within float64's range, or a 1-element
+    tensor (None is checked by the caller). The message names ``what % args`` (formatted only
+    for a bad value: this runs for every sample). An int beyond float64 (``10**400``) failed
+    inside a pack, after the other ranks had entered the collective."""
+    if type(value) is float or type(value) is int and -_FLOAT_MAX <= value <= _FLOAT_MAX:
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value.layout is not torch.strided:
+            raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
+                             f"{value.layout} tensor; pass a dense one (.to_dense())")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
-                        f"{type(value).__name__} {value!r}")
+                        f"{type(value).__name__} {value!r:.100}")
+    elif isinstance(value, numbers.Integral) and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+        raise ValueError(f"{what % args if args else what}: {_shown(value)} is beyond float64's range (about "
+                         "±1.8e308), in which every value is reduced")
+
+
+_FLOAT_MAX = int(sys.float_info.max)
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: an integer of hundreds of digits by its first ones and its length."""
+    text = repr(value)
+    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) and len(text) > 24 else text
 
 
 def check_user_value(value: Any, what: str, *args: Any) -> None:
@@ -121,9 +139,10 @@ def check_count(value: Any, what: str, *args: Any) -> None:
     and >= 0 (a tensor is not read: that would wait for the device)."""
     number = type(value) is float or type(value) is int or (
         not isinstance(value, (torch.Tensor, bool)) and isinstance(value, numbers.Real))  # numpy's numbers too
-    if number and not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{what % args if args else what}: {value!r} is refused: accepted values are finite numbers "
-                         ">= 0")
+    if number and not (value >= 0 and (value <= _FLOAT_MAX if isinstance(value, numbers.Integral) else
+                                       math.isfinite(value))):
+        raise ValueError(f"{what % args if args else what}: {_shown(value)} is refused: accepted values are finite "
+                         "numbers >= 0")
 
 
 def check_step(step: Any, what: str, last: Optional[int] = None) -> None:

@@ -385,6 +385,45 @@ def _monitor(tmp_path, **extra):
     return dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_interval=4, **extra))
 
 
+def test_an_integer_beyond_float64_is_refused_naming_the_argument_and_the_step_can_be_retried(tmp_path):
+    """loss=10**400 passed the check and raised a bare OverflowError ("int too large to convert to
+    float") inside the step, after the step number was taken: the retry was refused as not
+    increasing. In a collector's Sample it failed inside the pack, after the other ranks had
+    entered the collective."""
+    import distmetrics as dm
+
+    monitor = _monitor(tmp_path)
+    for kwargs, what in (({"loss": 10**400}, "loss"), ({"lr": -10**400}, "lr"), ({"tokens": 10**400}, "tokens"),
+                         ({"acc": 10**400}, "acc")):
+        with pytest.raises(ValueError, match=f"monitor.step\\({what}=...\\): -?10000000000.*digits.* beyond float64"):
+            monitor.step(1, **kwargs)
+    with pytest.raises(ValueError, match="monitor.record\\('x'\\): 100000000000... \\(401 digits\\) is beyond"):
+        monitor.record("x", 10**400)
+    for step in (1, 2, 3, 4):
+        monitor.step(step, loss=1.0)
+    monitor.close()
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["step"] == 4 and record["train/loss"] == 1.0 and "x" not in record
+
+
+def test_numpy_numbers_are_taken_as_the_numbers_they_hold(tmp_path):
+    """np.float64 was accepted (a float subclass) but np.float32 and np.int64, which numpy code and
+    ``tensor.numpy()[0]`` hand over, were refused as "expected a number"."""
+    import numpy as np
+
+    import distmetrics as dm
+
+    monitor = _monitor(tmp_path, log_throughput=True)
+    for step in (1, 2, 3, 4):
+        monitor.record("acc", np.float32(0.25 * step), reduce="max")
+        monitor.step(step, loss=np.float32(step), tokens=np.int64(10 * step), lr=np.float32(0.5), width=np.int16(3))
+    monitor.close()
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["train/loss"] == (1 * 10 + 2 * 20 + 3 * 30 + 4 * 40) / 100  # token-weighted
+    assert record["train/consumed_tokens"] == 100 and record["train/lr"] == 0.5
+    assert record["acc"] == 1.0 and record["train/width"] == 3.0
+
+
 def test_a_refused_step_records_nothing_and_can_be_retried(tmp_path):
     import distmetrics as dm
 
