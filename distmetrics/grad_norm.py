@@ -53,7 +53,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     dtype; a replicated DTensor when the gradients are DTensors). Gradients that are
     DTensors (FSDP2, HSDP, TP) count by their placements; plain tensors under an initialised
     process group are treated as data-parallel replicas (DDP) and counted once, Megatron's
-    parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world).
+    parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world), and one
+    more at the first call with a norm type (:meth:`GradientNorms._agree`).
     """
     key = id(group)
     measurer = _MODULE_LEVEL.get(key)
@@ -77,6 +78,9 @@ class GradientNorms:
         self.group = group
         self.model = model
         self.shards: Optional[MegatronShards] = None
+        self.guard: Any = None
+        """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
+        self._agreed: set[float] = set()  # norm types every rank was found to pass
 
     def attach_shards(self, shards: MegatronShards) -> None:
         """Count the slices Megatron's distributed optimizer gives this rank (see
@@ -111,6 +115,8 @@ class GradientNorms:
         training under Megatron, which divides it out inside ``optimizer.step()``); every norm
         is of the gradients divided by it."""
         p = float(norm_type)
+        if p not in self._agreed:
+            self._agree(p)
         plan = self.plans.for_parameters(parameters)
         grads = list(map(grad_of, plan.params))
         if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
@@ -151,6 +157,26 @@ class GradientNorms:
                 "`error_if_nonfinite=False`")
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
+
+    def _agree(self, p: float) -> None:
+        """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
+        one small all-reduce (after the Monitor's arrival check, where there is one). A rank passing
+        another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
+        MAX, in which every rank waited without a word) or took another root (1 against 2: a
+        total that differed between ranks)."""
+        if p != p:
+            raise ValueError("norm_type=nan: accepted values are numbers (inf and -inf included) and 'inf'")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            if self.guard is not None:
+                self.guard.enter("the first gradient norm with a norm_type")
+            lanes = torch.tensor([p, -p], dtype=torch.float64, device=collective_device(self.group))
+            dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
+            high, low = lanes.tolist()
+            if high != -low:
+                raise ValueError(f"norm_type={p:g} on this rank, but the ranks passed norm types from {-low:g} to "
+                                 f"{high:g} at their first gradient norm with it: every rank must pass the same "
+                                 "norm_type (ranks reducing different norms wait for each other or disagree)")
+        self._agreed.add(p)
 
     def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` (``param`` or laid out like it): the distributed

@@ -64,6 +64,21 @@ def _one_rank_without_gradients(rank: int, world: int) -> dict:
                                          log_progress=False, timing_log_level=-1), model=model) as monitor:
             monitor.clip_grad_norm_(1e9, norm_type=p)
             out["empty"]["nonfinite"][p] = monitor.step(1)["grad_nonfinite"]  # an empty piece is no NaN or inf
+    # ranks passing different norm types: 2 against inf reduced a SUM against a MAX (every rank waited
+    # without a word); 3 against 4 gave each rank another total
+    out["differing"] = {}
+    for case, mine in (("function, 3 against 4", 3.0 + rank), ("Monitor, 2 against inf", (2.0, math.inf)[rank])):
+        try:
+            if case.startswith("function"):
+                dm.clip_grad_norm_(model.parameters(), 1e9, norm_type=mine)
+            else:
+                with dm.Monitor(dm.MetricsConfig(log_interval=1, json_log=False, console=False, tensorboard=False,
+                                                 log_progress=False, timing_log_level=-1, hang_timeout_s=60),
+                                model=model) as monitor:
+                    monitor.clip_grad_norm_(1e9, norm_type=mine)
+            out["differing"][case] = "no error"
+        except ValueError as err:
+            out["differing"][case] = str(err)
     return out
 
 
@@ -92,6 +107,14 @@ def test_empty_fsdp2_pieces_count_for_nothing_whatever_the_norm(without_gradient
 def test_a_rank_without_gradients_raises_with_the_others_for_p0_over_shards(without_gradients):
     for rank_result in without_gradients:
         assert "norm_type=0" in rank_result["sharded_p0"] and "sharded" in rank_result["sharded_p0"]
+
+
+def test_ranks_passing_different_norm_types_raise_together_naming_them(without_gradients):
+    expected = {"function, 3 against 4": ("3", "4"), "Monitor, 2 against inf": ("2", "inf")}
+    for rank, rank_result in enumerate(without_gradients):
+        for case, (low, high) in expected.items():
+            message = rank_result["differing"][case]
+            assert f"the ranks passed norm types from {low} to {high}" in message, (rank, case, message)
 
 
 class _HostToDevice:

@@ -279,8 +279,9 @@ class NormCollector:
         return []
 
     def use_guard(self, guard: Any) -> None:
-        """The Monitor's hang guard, for the reduction that names non-finite modules."""
-        self._guard = guard
+        """The Monitor's hang guard, for the reduction that names non-finite modules and the
+        check that every rank passes the same norm type."""
+        self._guard = self.grads.guard = guard
 
     def _nonfinite_modules(self, grad: Optional[GradMeasurement], step: int) -> list[str]:
         """The modules whose gradient holds NaN or inf on some rank: each rank's per-module counts,
