@@ -11,7 +11,9 @@ skipped a call, made another one, hangs elsewhere or died), every waiting rank r
 of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
 second — less often above 1,000 ranks: every ``world_size / 1000`` seconds, so the store takes at
 most about 1,000 such writes a second from the whole job). Calls that differ between ranks (``log_eval`` on one, ``step`` on another) raise it
-too, instead of mixing collectives until the process group aborts.
+too, instead of mixing collectives until the process group aborts. A rank that has left its
+Monitor (closed it, or left it on an error) will not come: the ranks waiting for it raise when
+they see that, a few seconds in, rather than at ``hang_timeout_s``.
 """
 
 from __future__ import annotations
@@ -105,45 +107,76 @@ class CollectiveGuard:
                 self.store.delete_key(self._previous)
                 self.store.delete_key(self._previous + "|done")
         self._previous = key
-        try:
-            self.store.wait([key + "|done"], _dt.timedelta(seconds=self.timeout_s))
+        started = time.monotonic()
+        try:  # the healthy call returns here at once
+            self.store.wait([key + "|done"], _dt.timedelta(seconds=min(self.timeout_s, _FIRST_WAIT_S)))
             return
         except Exception as err:  # noqa: BLE001 - DistStoreError on timeout; any store failure is a hang too
             failure = err
+        # then a look every 2 x publish_every_s (not waits that time out: c10d warns at each), which also
+        # sees a rank that has left its Monitor: it will not come, and the wait ends there
+        while "timeout" in str(failure).lower() and time.monotonic() - started < self.timeout_s:
+            try:
+                if self.store.check([key + "|done"]):
+                    return
+                rows = self._rows()
+            except Exception as err:  # noqa: BLE001 - the store itself is gone: said by the report
+                failure = err
+                break
+            if any(last.startswith(_LEFT) and not self._arrived(last, seq, call, step) for seq, last, _ in rows):
+                break
+            time.sleep(max(0.0, min(2 * self.publish_every_s, self.timeout_s - (time.monotonic() - started))))
         # raised here, not in the except clause: the store's timeout is no news, but an exception the
         # caller is handling (close() in a finally after its own error) stays attached as the context
-        raise HangError(self._report(call, step, failure))
+        raise HangError(self._report(call, step, failure, time.monotonic() - started))
 
     def _publish(self) -> None:
         self._published = time.monotonic()
         self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}")
 
-    def _report(self, call: str, step: Optional[int], err: BaseException) -> str:
-        waiting = _describe(call, step)
+    def _rows(self) -> list[tuple[int, str, float]]:
+        """Every rank's published (guarded call number, last call, when), by rank."""
         keys = [f"rank{r}" for r in range(self.world)]
-        try:  # a rank that never made a guarded call has no key: get() would wait for it (30 min), so
-            # the keys are checked first: all at once (one request), one by one only if some are missing
-            present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
-            found = dict(zip(present, self.store.multi_get(present) if present else []))
+        # a rank that never made a guarded call has no key: get() would wait for it (30 min), so the keys
+        # are checked first: all at once (one request), one by one only if some are missing
+        present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
+        found = dict(zip(present, self.store.multi_get(present) if present else []))
+        rows = []
+        for key in keys:
+            raw = found.get(key)
+            seq, last, stamp = raw.decode().split("|") if raw else (
+                "0", "nothing published (it has not reached Monitor(), died before, or runs with "
+                "hang_timeout_s 0)", str(time.time()))
+            rows.append((int(seq), last, float(stamp)))
+        return rows
+
+    def _arrived(self, last: str, seq: int, call: str, step: Optional[int]) -> bool:
+        """Whether a rank's published ``last`` call is this one (or it left after it: its own HangError)."""
+        waiting = _describe(call, step)
+        return seq == self._seq and (last == waiting or last.endswith(f", after {waiting}"))
+
+    def _report(self, call: str, step: Optional[int], err: BaseException, waited: float) -> str:
+        waiting = _describe(call, step)
+        try:
+            rows = self._rows()
         except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
             return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
                     f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has ended: it may have died, "
                     "or raised its own HangError first (its message names the ranks that did not arrive)")
-        rows = [found.get(key) for key in keys]
-        missing = []
         now = time.time()
-        for r, raw in enumerate(rows):
-            seq, last, stamp = raw.decode().split("|") if raw else (
-                "0", "nothing published (it has not reached Monitor(), died before, or runs with "
-                "hang_timeout_s 0)", str(now))
-            arrived = last == waiting or last.endswith(f", after {waiting}")  # then left (its own HangError)
-            if int(seq) != self._seq or not arrived:
-                missing.append(f"rank {r}: last call {last} (published {now - float(stamp):.1f} s ago)")
+        missing = [f"rank {r}: last call {last} (published {now - stamp:.1f} s ago)"
+                   for r, (seq, last, stamp) in enumerate(rows) if not self._arrived(last, seq, call, step)]
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
-        return (f"distmetrics: rank {self.rank} waited {self.timeout_s:g} s (hang_timeout_s) at {waiting}, "
+        wait = (f"{self.timeout_s:g} s (hang_timeout_s)" if waited >= self.timeout_s else
+                f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: a rank has left its Monitor)")
+        return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, "
                 f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
                 f"are not collectives are published at most every {self.publish_every_s:g} s.)")
+
+
+_LEFT = ("closed its Monitor", "left its Monitor on ")  # what leave() publishes first
+_FIRST_WAIT_S = 2.0  # the arrival check's first wait, before it looks at what the ranks published
 
 
 def _describe(call: str, step: Optional[int]) -> str:

@@ -839,7 +839,7 @@ def _one_rank_leaves(rank: int, world: int, how: str) -> tuple:
     import distmetrics as dm
 
     def run():
-        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=2.0)) as monitor:
+        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=120.0)) as monitor:
             for step in (1, 2, 3, 4):
                 if rank == 1 and step == 3:
                     if how == "close":
@@ -853,9 +853,13 @@ def _one_rank_leaves(rank: int, world: int, how: str) -> tuple:
 @pytest.mark.parametrize("how,said", [("close", "closed its Monitor"), ("error", "left its Monitor on KeyError")])
 def test_a_rank_waiting_for_one_that_left_its_monitor_says_so(how, said):
     """The waiting rank named the leaver's last published call (monitor.step(step=2)), not that it had
-    closed its Monitor or left it on an error."""
-    kind, message, _ = run_ranks(_one_rank_leaves, 2, how, timeout=120)[0]
+    closed its Monitor or left it on an error; and it waited all of hang_timeout_s (300 s by default)
+    for a rank whose leaving it could read in the store."""
+    kind, message, _ = run_ranks(_one_rank_leaves, 2, how, timeout=240)[0]
     assert kind == "HangError" and f"rank 1: last call {said}, after monitor.step(step=2)" in message, message
+    waited = float(re.search(r"waited ([0-9.]+) s \(of hang_timeout_s 120: a rank has left its Monitor\)",
+                             message).group(1))
+    assert waited < 60, message  # it saw the rank leave: not the 120 s of hang_timeout_s
 
 
 @pytest.mark.parametrize("how", ["never closed", "closed", "in a function"])
