@@ -154,18 +154,61 @@ def test_a_rank_step_with_no_tokens_counts_for_nothing_even_with_a_nan_loss(tens
         assert metrics["train/loss/a"] == pytest.approx(1.5) and metrics["probe"] == 5.0
 
 
-def _eval_of_uneven_ranks(rank: int, world: int) -> list:
+def _eval_of_uneven_ranks(rank: int, world: int) -> dict:
+    import logging
+
     import distmetrics as dm
 
+    out = {}
     with dm.Monitor(quiet_config()) as monitor:  # time_ms= and its written name alike
-        return [monitor.log_eval(5, loss=2.0, tokens=100, time_ms=1000.0 * (2 * rank + 1)),
-                monitor.log_eval(6, loss=2.0, tokens=100, **{"eval/time_ms": 1000.0 * (2 * rank + 1)})]
+        out["uneven"] = [monitor.log_eval(5, loss=2.0, tokens=100, time_ms=1000.0 * (2 * rank + 1)),
+                         monitor.log_eval(6, loss=2.0, tokens=100, **{"eval/time_ms": 1000.0 * (2 * rank + 1)})]
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    # rank 1 gives no tokens (weight 1 per step) where rank 0 gives 100: the mean was (1·200 + 3·2) / 202;
+    # then rank 0 alone gives tokens at one step and none at the next
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        for step in (1, 2):
+            metrics = monitor.step(step, loss=1.0 + 2 * rank, tokens=None if rank else 100)
+        out["train across ranks"] = metrics
+        for step in (3, 4):
+            metrics = monitor.step(step, loss=1.0, tokens=100 if rank or step == 3 else None)
+        out["train across steps"] = metrics
+        for step in (5, 6):
+            metrics = monitor.step(step, loss=1.0 + 2 * rank)
+        out["train by steps"] = metrics
+        out["eval across ranks"] = monitor.log_eval(6, loss=1.0 + 2 * rank, tokens=None if rank else 100)
+    out["said"] = said
+    return out
 
 
-def test_eval_tokens_per_second_is_over_the_slowest_ranks_time():
+@pytest.fixture(scope="module")
+def two_ranks_eval():
+    return run_ranks(_eval_of_uneven_ranks, 2)
+
+
+def test_losses_weighted_by_tokens_on_some_ranks_or_steps_and_by_steps_on_others_are_left_out(two_ranks_eval):
+    """tokens=None on one rank and tokens on another mixed step counts into token weights: train/loss
+    1.0198 (neither the mean per token nor per step), and the same for eval/loss, without a word."""
+    for rank, out in enumerate(two_ranks_eval):
+        assert "train/loss" not in out["train across ranks"] and "train/loss" not in out["train across steps"]
+        assert "eval/loss" not in out["eval across ranks"] and "eval/ppl" not in out["eval across ranks"]
+        assert out["train by steps"]["train/loss"] == 2.0  # tokens=None everywhere: a mean per step
+        said = [m for m in out["said"] if "is left out" in m]
+        if rank == 0:
+            assert len(said) == 2, said  # one warning for train records, one for eval records
+            assert "rank 1 passed its losses with tokens=None and rank 0 with tokens" in said[0], said
+            assert "eval/loss" in said[1] and "rank 1 passed its losses with tokens=None" in said[1], said
+        else:
+            assert said == []
+
+
+def test_eval_tokens_per_second_is_over_the_slowest_ranks_time(two_ranks_eval):
     """An evaluation lasts as long as its slowest rank (the others wait for it at its end), as a
     training step does: 200 tokens over 3 s, not over the ranks' mean of 2 s."""
-    for metrics in (m for both in run_ranks(_eval_of_uneven_ranks, 2) for m in both):
+    for metrics in (m for out in two_ranks_eval for m in out["uneven"]):
         assert metrics["eval/time_ms"] == 3000.0 and metrics["eval/time_ms/max_rank"] == 1
         assert metrics["eval/tokens_per_sec"] == pytest.approx(200 / 3.0)
 
@@ -262,6 +305,16 @@ def test_a_failing_sink_warns_once_and_the_others_go_on(run):
     assert "broken" in results[0]["failed_sinks"] and "disk full" in results[0]["failed_sinks"]["broken"]
     records = list((root / "first" / "rank0" / "metrics.jsonl").read_text().splitlines())
     assert len(records) >= 4  # run + 2 train + eval were all written after the failure
+
+
+def test_perplexity_is_inf_only_where_exp_overflows():
+    """eval/ppl was inf from a loss of 709, where exp(709.5) = 1.35e308 is still a float."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config()) as monitor:
+        assert monitor.log_eval(1, loss=709.5)["eval/ppl"] == math.exp(709.5)
+        assert monitor.log_eval(2, loss=709.8)["eval/ppl"] == math.inf
+        assert math.isnan(monitor.log_eval(3, loss=math.nan)["eval/ppl"])
 
 
 def test_eval_is_token_weighted_with_ppl_and_gap(run):

@@ -14,6 +14,7 @@ measures one step fewer than it holds, and its throughput counts the tokens of t
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Union
 
 import torch
@@ -24,7 +25,7 @@ from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "mixed_weights"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -32,7 +33,31 @@ TOKENS = "_train/tokens"
 """Internal lane: the interval's tokens (sum over the ranks that count them)."""
 UNTIMED_TOKENS = "_train/untimed_tokens"
 """Internal lane: the tokens of the step that started the clock (sum), not in the timed span."""
+LOSS_WEIGHTS = "_train/loss_weights"
+"""Internal lane: what this rank weighted its losses by in the interval (minmax): 1 tokens, 2
+steps (``tokens=None``), 3 both; a mean of losses weighted by either on different ranks (or
+steps) is neither."""
 Number = Union[int, float, torch.Tensor]
+logger = logging.getLogger("distmetrics")
+_BY_TOKENS, _BY_STEPS = 1, 2
+
+
+def loss_weights(tokens: Any) -> int:
+    """What a loss given with ``tokens`` is weighted by (a :data:`LOSS_WEIGHTS` bit)."""
+    return _BY_STEPS if tokens is None else _BY_TOKENS
+
+
+def mixed_weights(metrics: dict[str, Any], lane: str) -> str:
+    """Take the reduced ``minmax`` lane ``lane`` (the OR of :func:`loss_weights` over each rank's
+    losses) out of ``metrics``: which ranks weighted their losses by tokens at some steps and by
+    steps (``tokens=None``) at others, or "" where every rank weighted them alike."""
+    high, high_rank, low, low_rank = (metrics.pop(f"{lane}/{end}", None) for end in ("max", "max_rank", "min",
+                                                                                     "min_rank"))
+    if high is None or high == low != _BY_TOKENS | _BY_STEPS:
+        return ""
+    if high == _BY_TOKENS | _BY_STEPS:
+        return f"rank {int(high_rank)} passed losses with tokens=None at some steps and with tokens at others"
+    return f"rank {int(high_rank)} passed its losses with tokens=None and rank {int(low_rank)} with tokens"
 
 
 class StepValues:
@@ -55,6 +80,8 @@ class StepValues:
         self._starting = False
         self._timed = 0
         self._untimed_tokens: Number = 0.0
+        self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
+        self._mixed_said = False
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any]) -> None:
@@ -87,6 +114,7 @@ class StepValues:
             self._timed += 1
         if loss is not None:
             self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
+            self._loss_weights |= loss_weights(tokens)
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
             self.job_tokens = self.job_tokens + as_number(tokens)
@@ -119,7 +147,9 @@ class StepValues:
         seconds = self.clock.take(until=ctx.ended_at)  # close(): up to the last monitor.step
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
-        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
+        weights, self._loss_weights = self._loss_weights, 0
+        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")] \
+            + ([Sample(LOSS_WEIGHTS, weights, "minmax")] if weights else [])
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
@@ -129,6 +159,14 @@ class StepValues:
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
+        mixed = mixed_weights(metrics, LOSS_WEIGHTS)
+        if mixed:
+            metrics.pop("train/loss", None)  # the same on every rank: every rank leaves it out
+            if not self._mixed_said and ctx.layout.rank == 0:
+                self._mixed_said = True
+                logger.warning("distmetrics: train/loss is left out of the record of step %d, and of every record "
+                               "where this recurs: %s; a mean weighted by tokens at some and by steps at others is "
+                               "neither. Pass tokens with every loss, or with none.", ctx.step, mixed)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
