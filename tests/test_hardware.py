@@ -270,6 +270,23 @@ def test_a_counter_that_goes_back_is_a_reset_not_a_wrap(nvml, caplog):
     assert len(said) == 1
 
 
+@pytest.mark.parametrize("readings,joules", [
+    ([1_000, 2_000, 5_000, 500], 1.5),  # reset after the pause: the 1 J before it, the 0.5 J since the reset
+    ([1_000, 2_000, 100, 600], 1.5),  # reset during the pause: the 1 J before it, the 0.5 J after it
+    ([1_000, 200, 300, 800], 0.7),  # reset before the pause: the 0.2 J since the reset, the 0.5 J after it
+], ids=["after the pause", "during the pause", "before the pause"])
+def test_a_counter_reset_in_an_interval_with_a_pause_counts_every_span_it_can(nvml, readings, joules):
+    """Readings: start, pause, resume, log step (mJ). A reset after the pause subtracted the paused
+    energy, read before the reset, from the reading after it: max(0, 500 - 3,000) = 0 J."""
+    nvml(devices={"GPU-0000": readings})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    energy = EnergyCollector(world_size=1, uuid="GPU-0000")
+    energy.pause()
+    energy.resume()
+    assert {s.name: s.value for s in energy.take_samples(_ctx())}["energy/total_j"] == pytest.approx(joules)
+
+
 def test_the_first_record_at_log_interval_1_has_no_power_over_no_time(nvml):
     """At log_interval 1 the first monitor.step starts the count and logs at once: the record
     measured no step (README) yet held power/max_w = min_w = 0 W and j_per_gpu_per_step 0, or

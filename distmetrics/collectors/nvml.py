@@ -61,9 +61,9 @@ class EnergyCollector:
         self.world_size = world_size
         self.enabled = False
         self.job_mj = 0.0  # this rank's energy since the start, pauses excluded
-        self._paused_mj = 0
+        self._counted_mj = 0  # this interval's energy up to the last pause (counted span by span)
         self._paused_s = 0.0
-        self._pause_start: Optional[tuple[float, float]] = None
+        self._pause_start: Optional[float] = None  # when the pause began
         self._reset_said = False
         self.uuid = uuid
         try:
@@ -93,7 +93,7 @@ class EnergyCollector:
         if not self._reset_said:
             self._reset_said = True
             logger.warning("distmetrics: the GPU energy counter of %s went back from %d to %d mJ (reset, e.g. "
-                           "by a driver reload): the energy before the reset in that interval is not counted.",
+                           "by a driver reload): the energy between the reading before it and the reset is not counted.",
                            self.uuid, before_mj, now_mj)
         return now_mj
 
@@ -119,22 +119,26 @@ class EnergyCollector:
 
     def _start_count(self) -> bool:
         self._last_mj, self._last_t = self._read(), time.perf_counter()
-        self._paused_mj, self._paused_s = 0, 0.0
+        self._counted_mj, self._paused_s = 0, 0.0
         return True
 
     def pause(self) -> None:
-        """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does."""
+        """Stop counting (evaluation, checkpointing), as Megatron's energy monitor does: the span
+        since the last reading is counted now, so a counter reset later costs only what follows it."""
         if self.enabled and self._pause_start is None:
-            self._pause_start = self._measured(lambda: (self._read(), time.perf_counter()))
-
-    def resume(self) -> None:
-        """Count again after :meth:`pause`; the paused energy and time are left out."""
-        if self.enabled and self._pause_start is not None:
-            mj, t = self._pause_start
             now_mj = self._measured(self._read)
             if now_mj is not None:
-                self._paused_mj += self._delta(now_mj, mj)
-                self._paused_s += time.perf_counter() - t
+                self._counted_mj += self._delta(now_mj, self._last_mj)
+                self._pause_start = time.perf_counter()
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause` from the counter's reading now: the paused energy and
+        time are left out."""
+        if self.enabled and self._pause_start is not None:
+            now_mj = self._measured(self._read)
+            if now_mj is not None:
+                self._last_mj = now_mj
+                self._paused_s += time.perf_counter() - self._pause_start
             self._pause_start = None
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
@@ -146,9 +150,9 @@ class EnergyCollector:
         if now_mj is None:
             return []
         now_t = time.perf_counter()
-        joules = max(0.0, self._delta(now_mj, self._last_mj) - self._paused_mj) / 1000.0
+        joules = (self._counted_mj + self._delta(now_mj, self._last_mj)) / 1000.0
         seconds = max(1e-9, now_t - self._last_t - self._paused_s)
-        self._last_mj, self._last_t, self._paused_mj, self._paused_s = now_mj, now_t, 0, 0.0
+        self._last_mj, self._last_t, self._counted_mj, self._paused_s = now_mj, now_t, 0, 0.0
         self.job_mj += joules * 1000.0
         return [Sample("energy/total_j", joules, "sum"),
                 Sample("energy/job_total_j", self.job_mj / 1000.0, "sum"),
