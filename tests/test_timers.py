@@ -626,3 +626,17 @@ def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
         timers(name, log_level=0)
     timers("fwd-min", log_level=0).start()  # Megatron's names pass
     timers("optimizer/inner", log_level=0).start()
+
+
+def test_a_tie_for_the_slowest_rank_names_the_lowest_under_every_option():
+    """Under ``all`` the straggler of a timer that two ranks took equally long for was the highest of
+    them (rank 1), under ``minmax`` the lowest (rank 0: the MAX pack's keys prefer it)."""
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.timer_collector import TimerCollector
+    from distmetrics.collectors.timers import Timers
+    from distmetrics.per_rank import PerRank
+
+    collector = TimerCollector(Timers(log_level=0, log_option="all", use_cuda=False), "all")
+    metrics = {"timers/fwd": PerRank([10.0, 10.0, 4.0])}
+    collector.finalize(metrics, LogContext(step=1, steps=1, layout=None))
+    assert metrics["stragglers/fwd/rank"] == 0

@@ -154,7 +154,8 @@ class TimerCollector:
             for key in ctx.keys_under(metrics, ("timers/",)):
                 value = metrics.get(key)
                 if isinstance(value, PerRank) and value.present():
-                    slowest, rank = max((v, r) for r, v in enumerate(value) if v is not None)
+                    slowest, rank = max((v, -r) for r, v in enumerate(value) if v is not None)  # ties: the lowest
+                    rank = -rank  # rank, as the MAX pack names under minmax
                     self._straggler(metrics, ctx, key[len("timers/"):], slowest, rank,
                                     "max_over_median", statistics.median(value.present()))
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:
