@@ -228,7 +228,26 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
         if None in given or (len(given) > 1 and len(set(given)) == 1):
             for place, row in enumerate(host_rows):
                 row.local_rank = place
+    if layout.rank == 0:
+        _say_shared_gpus(by_host)
     return rows
+
+
+def _say_shared_gpus(by_host: dict[str, list]) -> None:
+    """Warn where ranks of one host use one GPU (no ``torch.cuda.set_device(local_rank)`` before the
+    Monitor: every rank on cuda:0): each reads that GPU's energy counter and memory as its own."""
+    for host, host_rows in by_host.items():
+        users: dict[str, list[int]] = {}
+        for row in host_rows:
+            if row.gpu and row.gpu.get("uuid"):
+                users.setdefault(row.gpu["uuid"], []).append(row.rank)
+        for uuid, ranks in users.items():
+            if len(ranks) > 1:
+                logger.warning("distmetrics: %s on %s all use GPU %s: call torch.cuda.set_device(local_rank) "
+                               "before Monitor() and the model. As it is, each of them reads that GPU's energy "
+                               "counter and memory as its own: energy totals count that GPU once per rank.",
+                               some_ranks(ranks), host, uuid)
+                return  # one warning names the first such GPU
 
 
 def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None) -> list[str]:

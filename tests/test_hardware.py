@@ -856,3 +856,24 @@ def test_a_resume_that_finds_no_earlier_checkpoint_says_so_at_its_first(tmp_path
         monitor.step(1001, loss=1.0, tokens=1000)
         monitor.checkpoint_saved(1001)
     assert "no checkpoint up to" not in caplog.text
+
+
+def test_ranks_of_one_host_on_one_gpu_are_named_at_start_up(caplog):
+    """Without torch.cuda.set_device(local_rank) every rank of a host opens cuda:0: each read that GPU's
+    energy counter as its own and the job's energy total counted it once per rank, without a word.
+    The start-up gather holds every rank's GPU UUID (a GPU cannot exist here: the rows are made by
+    hand, as the gather would return them)."""
+    from distmetrics.parallel import RankInfo
+    from distmetrics.runinfo import _say_shared_gpus
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    rows = {"node-a": [RankInfo(r, "node-a", r, 100 + r, {"uuid": "GPU-0000" if r < 2 else f"GPU-{r}"})
+                       for r in range(3)],
+            "node-b": [RankInfo(r, "node-b", r - 3, 100 + r, {"uuid": f"GPU-{r}"}) for r in range(3, 5)]}
+    _say_shared_gpus(rows)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ranks 0, 1 on node-a all use GPU GPU-0000" in said[0], said
+    assert "torch.cuda.set_device(local_rank)" in said[0]
+    caplog.clear()
+    _say_shared_gpus({"node-b": rows["node-b"], "node-c": [RankInfo(5, "node-c", 0, 1, None)]})
+    assert caplog.records == []
