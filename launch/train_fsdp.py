@@ -164,6 +164,8 @@ def evaluate(model: nn.Module, data: MarkovData, args: argparse.Namespace, dp_ra
         logits = model(batch[:, :-1])
         total += F.cross_entropy(logits.reshape(-1, args.vocab).float(), batch[:, 1:].reshape(-1), reduction="sum")
         count += batch[:, 1:].numel()
+    if device.type == "cuda":  # the forwards' time, not the time to queue them
+        torch.cuda.synchronize(device)
     return {"loss": total / count, "tokens": count, "time_ms": (time.perf_counter() - start) * 1000}
 
 
