@@ -238,14 +238,17 @@ class MetricsConfig:
     # --- construction --------------------------------------------------------------------
     @classmethod
     def coerce(cls, config: Union["MetricsConfig", dict, None]) -> "MetricsConfig":
-        """A MetricsConfig as given, the defaults for None, or one built from a mapping."""
+        """A checked copy of a MetricsConfig (a field set after it was made, ``log_interval = 0``,
+        is checked like the constructor's: it failed at the first step, or ran), the defaults for
+        None, or one built from a mapping. The Monitor keeps its copy: later changes to yours do
+        not reach it."""
         if config is None:
             return cls()
         if isinstance(config, dict):
             return cls.from_dict(config)
         if not isinstance(config, cls):
             raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}")
-        return config
+        return config.replace()
 
     @classmethod
     def from_dict(cls, values: dict, overrides: Optional[list[str]] = None) -> "MetricsConfig":

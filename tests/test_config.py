@@ -273,3 +273,25 @@ def test_a_config_file_not_found_by_a_relative_path_names_the_working_directory(
     where = re.escape(str(tmp_path))
     with pytest.raises(dm.ConfigError, match=f"does not exist \\(relative to the working directory {where}\\)"):
         dm.MetricsConfig.from_yaml("configs/metrics.yaml")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("log_interval", 0, "log_interval=0: accepted values are integers >= 1"),
+    ("log_interval", 2.5, "log_interval=2.5 has type float; accepted: int"),
+    ("writer_rank", "middle", "writer_rank='middle': accepted values are 'first', 'last'"),
+    ("output_dir", "", "output_dir='': accepted values are a non-empty path"),
+])
+def test_a_config_changed_after_it_was_made_is_checked_by_the_monitor(tmp_path, key, value, message):
+    """A field set on a MetricsConfig after it was made was not checked: log_interval 0 failed at the
+    first step with a ZeroDivisionError, 2.5 ran, writer_rank 'middle' was taken for 'last' and an
+    empty output_dir wrote into the working directory. The Monitor keeps a checked copy."""
+    import distmetrics as dm
+
+    config = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False)
+    setattr(config, key, value)
+    with pytest.raises(dm.ConfigError, match=re.escape(message)):
+        dm.Monitor(config)
+    config = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=2)
+    with dm.Monitor(config) as monitor:
+        config.log_interval = 1  # too late: the Monitor keeps its copy
+        assert monitor.step(1) is None and monitor.config.log_interval == 2
