@@ -93,13 +93,13 @@ class GradientNorms:
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
-             loss_scale: Optional[torch.Tensor] = None) -> tuple[Any, GradMeasurement]:
+             loss_scale: Optional[torch.Tensor] = None, call: str = "clip_grad_norm_") -> tuple[Any, GradMeasurement]:
         """Measure, then scale every gradient by ``min(1, max_norm / (total + 1e-6))`` (torch's
         formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement).
         ``loss_scale``: see :meth:`measure`; the coefficient is the unscaled total's."""
         max_norm = float(max_norm)
         with torch.no_grad():
-            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale)
+            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call)
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 note_clip(measured, max_norm, local_tensor(result))
@@ -109,14 +109,14 @@ class GradientNorms:
 
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                 foreach: Optional[bool] = None, loss_scale: Optional[torch.Tensor] = None,
-                ) -> tuple[Any, Optional[GradMeasurement]]:
+                call: str = "measure") -> tuple[Any, Optional[GradMeasurement]]:
         """(the total norm as torch returns it, the measurement); one all-reduce. ``loss_scale``
         (a tensor, read on its device: no host sync): the gradients hold the loss times it (fp16
         training under Megatron, which divides it out inside ``optimizer.step()``); every norm
-        is of the gradients divided by it."""
+        is of the gradients divided by it. ``call`` names the caller in errors and the arrival check."""
         p = float(norm_type)
         if p not in self._agreed:
-            self._agree(p)
+            self._agree(p, call)
         plan = self.plans.for_parameters(parameters)
         grads = list(map(grad_of, plan.params))
         if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
@@ -158,24 +158,24 @@ class GradientNorms:
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
 
-    def _agree(self, p: float) -> None:
+    def _agree(self, p: float, call: str) -> None:
         """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
         one small all-reduce (after the Monitor's arrival check, where there is one). A rank passing
         another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
         MAX, in which every rank waited without a word) or took another root (1 against 2: a
         total that differed between ranks)."""
         if p != p:
-            raise ValueError("norm_type=nan: accepted values are numbers (inf and -inf included) and 'inf'")
+            raise ValueError(f"{call}(norm_type=nan): accepted values are numbers (inf and -inf included) and 'inf'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.guard is not None:
-                self.guard.enter("the first gradient norm with a norm_type")
+                self.guard.enter(f"{call}(norm_type check)")
             lanes = torch.tensor([p, -p], dtype=torch.float64, device=collective_device(self.group))
             dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
             high, low = lanes.tolist()
             if high != -low:
-                raise ValueError(f"norm_type={p:g} on this rank, but the ranks passed norm types from {-low:g} to "
-                                 f"{high:g} at their first gradient norm with it: every rank must pass the same "
-                                 "norm_type (ranks reducing different norms wait for each other or disagree)")
+                raise ValueError(f"{call}(norm_type={p:g}) on this rank, but the ranks passed norm types from "
+                                 f"{-low:g} to {high:g} at their first gradient norm with it: every rank must pass "
+                                 "the same norm_type (ranks reducing different norms wait for each other or disagree)")
         self._agreed.add(p)
 
     def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:

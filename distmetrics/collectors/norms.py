@@ -145,7 +145,7 @@ class NormCollector:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
         self._check_norm_type(norm_type, "clip_grad_norm_")
         result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
-                                           self._scale_now())
+                                           self._scale_now(), "monitor.clip_grad_norm_")
         self._keep(measured)
         return result
 
@@ -153,7 +153,8 @@ class NormCollector:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
         self._check_norm_type(norm_type, "measure_grad_norms")
-        result, measured = self.grads.measure(None, norm_type, loss_scale=self._scale_now())
+        result, measured = self.grads.measure(None, norm_type, loss_scale=self._scale_now(),
+                                              call="monitor.measure_grad_norms")
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
         self._keep(measured)
