@@ -18,6 +18,7 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
+from .collectors.base import check_collectors
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -81,7 +82,7 @@ class Monitor:
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         try:
-            sinks, problem = check_sinks(sinks), None
+            sinks, collectors, problem = check_sinks(sinks), check_collectors(collectors), None
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,

@@ -125,6 +125,11 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
         except (AssertionError, AttributeError, RuntimeError):
             layout.expert_group = None
     elif device_mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got "
+                            f"{type(device_mesh).__name__} {device_mesh!r:.80}")
         device_mesh = _root_of(device_mesh)
         layout.source = "device_mesh"
         layout.device_mesh = device_mesh

@@ -424,6 +424,45 @@ def test_numpy_numbers_are_taken_as_the_numbers_they_hold(tmp_path):
     assert record["acc"] == 1.0 and record["train/width"] == 3.0
 
 
+@pytest.mark.parametrize("call,error,message", [
+    (lambda m, t: m.timers("x", "1"), "TimerError", "timers('x', log_level='1'): accepted values are the integers 0 to 2"),
+    (lambda m, t: m.record_losses([1.0, 2.0], ["a", "b"]), "TypeError",
+     "record_losses(per_sample_loss=...): expected a tensor of per-sample losses (reduction='none'), got list"),
+    (lambda m, t: m.record_losses(t.ones(2), t.tensor([0.5, 1.7]), names=["a", "b"]), "TypeError",
+     "record_losses(categories=...): a tensor of categories holds integer ids, got torch.float32"),
+    (lambda m, t: m.record_losses(t.ones(2), ["", "b"]), "ValueError",
+     "record_losses: category '': metric name 'train/loss/' is refused"),
+    (lambda m, t: m.record_losses(t.ones(1), ["\ud800"]), "ValueError", "is not valid UTF-8"),
+], ids=["timer log level as text", "losses as a list", "float category ids", "empty category", "surrogate category"])
+def test_arguments_of_the_wrong_kind_are_named_with_what_is_accepted(call, error, message):
+    """Each raised an error from deep inside (''<' not supported between int and str', ''list' object
+    has no attribute 'detach''), or was taken: float ids cut to integers, a category '' written as
+    'train/loss/', a surrogate that TensorBoard then skipped."""
+    import torch
+
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1, timing_log_level=0)) as monitor:
+        with pytest.raises(Exception, match=re.escape(message)) as raised:
+            call(monitor, torch)
+        assert type(raised.value).__name__ == error
+        assert not any(k.startswith("train/loss/") for k in monitor.step(1))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"collectors": [object()]}, "is not a collector: it lacks a name (a non-empty str), take_samples(), finalize(), "
+                                 "close()"),
+    ({"collectors": "abc"}, "Monitor(collectors=...): expected a list or tuple of collectors, got str 'abc'"),
+    ({"device_mesh": "cpu"}, "device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got str 'cpu'"),
+])
+def test_a_monitor_given_something_else_than_a_collector_or_a_mesh_says_what_it_takes(kwargs, message):
+    """AttributeErrors about 'name' and 'mesh_dim_names'."""
+    import distmetrics as dm
+
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        dm.Monitor(quiet_config(), **kwargs)
+
+
 def test_a_refused_step_records_nothing_and_can_be_retried(tmp_path):
     import distmetrics as dm
 

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 
 from ..reduce import Sample
 
-__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order"]
+__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors"]
 
 
 @dataclass
@@ -169,3 +169,22 @@ def finalize_order(collectors: Sequence[Any]) -> list[Any]:
     for c in collectors:
         visit(c, ())
     return ordered
+
+
+def check_collectors(collectors: Any) -> tuple:
+    """The user's extra collectors as a tuple; raises naming one that is not a collector (a ``name``
+    and callable ``take_samples``, ``finalize`` and ``close``)."""
+    if collectors is None:
+        return ()
+    if isinstance(collectors, (str, bytes)) or not isinstance(collectors, (list, tuple)):
+        raise TypeError(f"Monitor(collectors=...): expected a list or tuple of collectors, got "
+                        f"{type(collectors).__name__} {collectors!r:.80}")
+    for collector in collectors:
+        name = getattr(collector, "name", None)
+        missing = [verb for verb in ("take_samples", "finalize", "close") if not callable(getattr(collector, verb, None))]
+        if not isinstance(name, str) or not name or missing:
+            lacks = ", ".join((["a name (a non-empty str)"] if not isinstance(name, str) or not name else []) +
+                              [f"{verb}()" for verb in missing])
+            raise TypeError(f"Monitor(collectors=...): {collector!r:.80} is not a collector: it lacks {lacks} "
+                            "(see distmetrics.collectors.base.Collector)")
+    return tuple(collectors)

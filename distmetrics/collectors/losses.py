@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..names import user_tensor
+from ..names import check_name, user_tensor
 from ..packing import weighted
 from .base import Alert, LogContext, Sample
 
@@ -27,6 +27,9 @@ class CategoryLosses:
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
         """Add per-sample ``losses`` under their categories (see ``Monitor.record_losses``)."""
+        if not isinstance(losses, torch.Tensor):
+            raise TypeError(f"record_losses(per_sample_loss=...): expected a tensor of per-sample losses "
+                            f"(reduction='none'), got {type(losses).__name__} {losses!r:.80}")
         losses = user_tensor(losses, "record_losses(per_sample_loss)")
         weights = user_tensor(weights, "record_losses(weights=...)")
         categories = user_tensor(categories, "record_losses(categories)")
@@ -37,6 +40,9 @@ class CategoryLosses:
         if w.numel() != n:
             raise ValueError(f"record_losses: {n} losses but {w.numel()} weights")
         if isinstance(categories, torch.Tensor):
+            if categories.is_floating_point() or categories.is_complex():
+                raise TypeError(f"record_losses(categories=...): a tensor of categories holds integer ids, got "
+                                f"{categories.dtype} (its ids were cut to integers)")
             if categories.numel() != n:
                 raise ValueError(f"record_losses: {n} losses but {categories.numel()} categories")
             if names is None:
@@ -86,6 +92,7 @@ class CategoryLosses:
         if name not in self._index:
             if "/" in name:
                 raise ValueError(f"record_losses: category {name!r} may not contain '/'")
+            check_name(f"{self.prefix}/{name}", f"record_losses: category {name!r}")  # not empty, UTF-8
             self._index[name] = len(self.names)
             self.names.append(name)
         return self._index[name]

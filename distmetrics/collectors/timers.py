@@ -304,8 +304,12 @@ class Timers(MegatronReports):
                 raise TimerError(f"input log level {log_level} does not match already existing log level "
                                  f"{self._log_levels[name]} for {name} timer")
             return timer
-        if log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL:
-            return self._dummy_timer  # the disabled path: a lookup and two comparisons
+        try:
+            if log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL:
+                return self._dummy_timer  # the disabled path: a lookup and two comparisons
+        except TypeError:
+            raise TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
+                             f"{_MAX_LOG_LEVEL}") from None
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
         if log_level > _MAX_LOG_LEVEL:
