@@ -1021,3 +1021,22 @@ def test_the_features_digest_compared_at_start_up_reads_content_not_layout():
              "b": {"enabled": False}}
     assert _digest(one) != _digest(other)
     assert _digest({1: {"enabled": False}, "a": one["a"]}).startswith("content ")
+
+
+@pytest.mark.parametrize("section,message", [
+    ("enabled: 'false'", "section 's': enabled must be true or false (unquoted), got str 'false'"),
+    ("enabled: true\n    distmetrics:\n      LogTensorStats: {enabled: 'no', tensors: [activation], stats: [max]}",
+     "distmetrics.LogTensorStats: enabled must be true or false (unquoted), got str 'no'"),
+    ("enabled: true\n    distmetrics:\n      LogTensorStats: {enabled: true, tensors: [activation], stats: [max], "
+     "start_step: 10, end_step: 2}", "end_step 2 for tensor 'activation' is before start_step 10: no step is selected"),
+])
+def test_a_quoted_enabled_and_an_end_before_the_start_are_refused(tmp_path, section, message):
+    """``enabled: 'false'`` (text, which nvdlfw-inspect tests for truth) turned the section on; an
+    end_step before the start_step was taken and collected nothing, without a word."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    path = tmp_path / "features.yaml"
+    path.write_text(f"s:\n    {section}\n    layers: {{layer_name_regex_pattern: fc1}}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_features(str(path))

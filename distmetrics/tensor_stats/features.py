@@ -62,6 +62,7 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
         where = f"{source}: section {section!r}"
         if not isinstance(body, dict) or "enabled" not in body:
             raise ConfigError(f"{where} needs 'enabled' and 'layers'")
+        _check_enabled(where, body["enabled"])
         layers = body.get("layers")
         if not isinstance(layers, dict) or not any(k in layers for k in _SELECTORS):
             raise ConfigError(f"{where}: 'layers' needs one of {', '.join(_SELECTORS)}")
@@ -161,6 +162,7 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
         raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
     if "enabled" not in cfg:  # nvdlfw-inspect asserts it; without it the feature logged nothing, silently
         raise ConfigError(f"{where}: {feature} needs 'enabled' (true or false)")
+    _check_enabled(f"{where}: {feature}", cfg["enabled"])
     for entry in _tensor_entries(where, cfg, feature):
         unknown = set(entry) - _ENTRY_KEYS
         if strict and "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
@@ -183,6 +185,13 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
         _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS})
 
 
+def _check_enabled(where: str, value: Any) -> None:
+    """``enabled`` is true or false: nvdlfw-inspect tests it for truth, so the text ``"false"``
+    (quoted in YAML) turned a section on."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: enabled must be true or false (unquoted), got {type(value).__name__} {value!r}")
+
+
 def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> None:
     def whole(value: Any, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
@@ -195,6 +204,10 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> No
         if value is not None and not whole(value, -1 if key == "end_step" else 0):
             raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
                               f"(end_step -1: no end), got {value!r}")
+    start, end = schedule["start_step"] or 0, schedule["end_step"]
+    if end is not None and end != -1 and end < start:
+        raise ConfigError(f"{where}: {feature} end_step {end} for tensor {tensor!r} is before start_step {start}: "
+                          "no step is selected (end_step -1: no end)")
     pairs = schedule["start_end_list"]  # nvdlfw-inspect's reading: start <= step < end, or no end at -1
     if pairs is not None and not (isinstance(pairs, list) and all(
             isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and (p[1] == -1 or whole(p[1], p[0] + 1))
