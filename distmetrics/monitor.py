@@ -274,7 +274,12 @@ class Monitor:
         ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
-        alerts = [alert for c in self.collectors for alert in c.finalize(metrics, ctx)]
+        alerts, failure = [], None
+        for collector in self.collectors:
+            try:
+                alerts += collector.finalize(metrics, ctx)
+            except Exception as err:  # noqa: BLE001 - raised below, once the record is written
+                failure = failure or err
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"))
         written = self._written_order(metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
@@ -282,6 +287,8 @@ class Monitor:
         for alert in alerts:
             self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
         self.last_metrics = metrics
+        if failure is not None:  # from the reduced values, the same on every rank: every rank raises it
+            raise failure
         return metrics
 
     def _written_order(self, metrics: dict[str, Any]) -> list[str]:

@@ -107,9 +107,10 @@ def test_a_loss_that_stays_non_finite_is_one_alert_per_event(tmp_path):
 
 
 def test_a_log_step_that_raised_after_the_alert_was_decided_does_not_hide_the_event(tmp_path):
-    """The loss is NaN from step 3 on; a collector finalizing after health raises at step 4, so
-    that log step writes nothing. Once per event was decided by what health had seen, not what
-    was written: no alert was ever written, while every record counted the NaNs."""
+    """The loss is NaN from step 3 on; a collector finalizing after health raises at step 4. Once
+    per event was decided by what health had seen, not what was written: when that log step wrote
+    nothing, no alert was ever written, while every record counted the NaNs. Now the record and
+    its alert are written before the error comes out of monitor.step."""
     import distmetrics as dm
 
     class RaisesOnce:
@@ -133,8 +134,9 @@ def test_a_log_step_that_raised_after_the_alert_was_decided_does_not_hide_the_ev
             except RuntimeError:
                 assert step == 4
     records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
-    assert [(r["step"], r["health/nonfinite_loss"]) for r in records if r["kind"] == "train"] == [(2, 0), (6, 2), (8, 2)]
-    assert [r["step"] for r in records if r.get("alert") == "nonfinite_loss"] == [6]
+    assert [(r["step"], r["health/nonfinite_loss"]) for r in records if r["kind"] == "train"] == [
+        (2, 0), (4, 2), (6, 2), (8, 2)]
+    assert [r["step"] for r in records if r.get("alert") == "nonfinite_loss"] == [4]
 
 
 def _nan_scenario(rank: int, world: int, root: str) -> dict:
@@ -391,32 +393,43 @@ def _moe_expert_counts_differ(rank: int, world: int) -> dict:
 
     import distmetrics as dm
 
+    import tempfile
+
     out = {}
     for when in ("first log step", "after a consistent one"):
-        monitor = dm.Monitor(quiet_config(log_interval=1))
+        folder = tempfile.mkdtemp() if rank == 0 else ""
+        monitor = dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=folder or "unused"))
         if when != "first log step":
             monitor.record_moe(tokens_per_expert=torch.tensor([[5.0] * 6]), layer_numbers=[1])
-            out["consistent"] = {k: v for k, v in monitor.step(1).items() if k.startswith("moe/")}
+            out["consistent"] = {k: v for k, v in monitor.step(1, loss=1.0).items() if k.startswith("moe/")}
         counts = [5.0] * 4 if rank == 0 else [5.0, 5.0, 5.0, 5.0, 0.0, 30.0]  # rank 0 gives 4 experts, rank 1 6
         monitor.record_moe(tokens_per_expert=torch.tensor([counts]), layer_numbers=[1])
         try:
-            monitor.step(2)
+            monitor.step(2, loss=1.0)
             out[when] = "no error"
         except ValueError as err:
             out[when] = str(err)
         monitor.close()
+        if rank == 0:  # the step's record, written before the error was raised
+            out[when + " written"] = [(r["step"], "train/loss" in r) for r in dm.read_jsonl(f"{folder}/metrics.jsonl")
+                                      if r["kind"] == "train"]
     return out
 
 
 def test_moe_counts_of_different_expert_numbers_across_ranks_are_refused_on_every_rank():
     """Rank 0 passes layer 1's tokens per expert for 4 experts, rank 1 for 6: the union of names
     read rank 0's missing experts as idle (utilisation 0.83 and imbalance 2.57 on both ranks, no
-    error). The SUM pack's weights say how many ranks counted each expert: no extra collective."""
-    for out in run_ranks(_moe_expert_counts_differ, 2, timeout=120):
+    error). The SUM pack's weights say how many ranks counted each expert: no extra collective. The
+    error is raised once the step's record is written (it was raised in place of it: the interval's
+    loss, throughput and the rest were lost)."""
+    outs = run_ranks(_moe_expert_counts_differ, 2, timeout=120)
+    for out in outs:
         assert out["consistent"]["moe/expert_utilization"] == 1.0 and out["consistent"]["moe/load_imbalance"] == 1.0
         for when in ("first log step", "after a consistent one"):
             assert "ranks gave layer 1 counts of different numbers of experts: experts 4-5 were counted by 1 " \
                    "rank(s), others by 2" in out[when], (when, out[when])
+    assert outs[0]["first log step written"] == [(2, True)]
+    assert outs[0]["after a consistent one written"] == [(1, True), (2, True)]
 
 
 @pytest.mark.parametrize("ids,names,expected", [
