@@ -10,8 +10,9 @@ skipped a call, made another one, hangs elsewhere or died), every waiting rank r
 :class:`HangError` naming the ranks that did not arrive and the last monitor call and step each
 of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
 second — less often above 1,000 ranks: every ``world_size / 1000`` seconds, so the store takes at
-most about 1,000 such writes a second from the whole job). Calls that differ between ranks (``log_eval`` on one, ``step`` on another) raise it
-too, instead of mixing collectives until the process group aborts. A rank that has left its
+most about 1,000 such writes a second from the whole job). Calls that differ between ranks
+(``log_eval`` on one, ``step`` on another) raise it too, instead of mixing collectives until the
+process group aborts. A rank that has left its
 Monitor (closed it, or left it on an error) will not come: the ranks waiting for it raise when
 they see that, a few seconds in, rather than at ``hang_timeout_s``.
 """

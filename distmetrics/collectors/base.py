@@ -181,7 +181,8 @@ def check_collectors(collectors: Any) -> tuple:
                         f"{type(collectors).__name__} {collectors!r:.80}")
     for collector in collectors:
         name = getattr(collector, "name", None)
-        missing = [verb for verb in ("take_samples", "finalize", "close") if not callable(getattr(collector, verb, None))]
+        missing = [verb for verb in ("take_samples", "finalize", "close")
+                   if not callable(getattr(collector, verb, None))]
         if not isinstance(name, str) or not name or missing:
             lacks = ", ".join((["a name (a non-empty str)"] if not isinstance(name, str) or not name else []) +
                               [f"{verb}()" for verb in missing])

@@ -93,7 +93,8 @@ class EnergyCollector:
         if not self._reset_said:
             self._reset_said = True
             logger.warning("distmetrics: the GPU energy counter of %s went back from %d to %d mJ (reset, e.g. "
-                           "by a driver reload): the energy between the reading before it and the reset is not counted.",
+                           "by a driver reload): the energy between the reading before it and the reset is not "
+                           "counted.",
                            self.uuid, before_mj, now_mj)
         return now_mj
 

@@ -148,8 +148,10 @@ class StepValues:
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         weights, self._loss_weights = self._loss_weights, 0
-        return self.stats.take_samples() + [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")] \
-            + ([Sample(LOSS_WEIGHTS, weights, "minmax")] if weights else [])
+        lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
+        if weights:
+            lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
+        return self.stats.take_samples() + lanes
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
