@@ -113,6 +113,11 @@ def check_layout(model: Any, params: list, names: list[str], shards: Optional[Me
         if getattr(param, "_is_flat_param", False):
             raise LayoutError(f"parameter {name!r} is an FSDP1 FlatParameter (several parameters flattened and "
                               "sharded together); norms per parameter need FSDP2 (fully_shard) or DDP")
+        if getattr(param, "_fsdp_flattened", False):  # use_orig_params=True: views of a FlatParameter's shard
+            raise LayoutError(f"parameter {name!r} belongs to an FSDP1 module (FullyShardedDataParallel with "
+                              "use_orig_params=True: each rank's view holds its part of a flattened shard, which "
+                              "looks like a whole replicated tensor); norms per parameter need FSDP2 (fully_shard) "
+                              "or DDP")
         if hasattr(param, "ds_id") or hasattr(param, "ds_tensor"):
             raise LayoutError(f"parameter {name!r} is partitioned by DeepSpeed ZeRO, which this library's "
                               "ownership rule does not describe")

@@ -718,27 +718,35 @@ def test_clip_grad_norm_takes_torchs_call_shapes():
         monitor.clip_grad_norm_(model.parameters())
 
 
-def _fsdp1(rank: int, world: int) -> str:
+def _fsdp1(rank: int, world: int) -> dict:
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     import distmetrics as dm
 
-    model = FullyShardedDataParallel(_net(), device_id=torch.device("cpu"))
-    model(torch.randn(4, 8)).sum().backward()
-    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
-    try:
-        monitor.clip_grad_norm_(1.0)
-        return "no error"
-    except ValueError as err:
-        return str(err)
-    finally:
-        monitor.close()
+    out = {}
+    for orig in (False, True):
+        model = FullyShardedDataParallel(_net(), device_id=torch.device("cpu"), use_orig_params=orig)
+        model(torch.randn(4, 8)).sum().backward()
+        monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+        try:
+            monitor.clip_grad_norm_(1.0)
+            out[orig] = "no error"
+        except ValueError as err:
+            out[orig] = str(err)
+        finally:
+            monitor.close()
+    return out
 
 
 def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
-    for rank, message in enumerate(run_ranks(_fsdp1, 2)):  # every rank refuses, so none waits in a collective
-        assert "FlatParameter" in message and "_flat_param" in message, (rank, message)
+    """With use_orig_params=True the parameters are views of each rank's flat shard under their own
+    names: taken for DDP replicas, rank 0's parts of its shard alone were counted (grad_norm 0.074
+    for 0.310, modules missing), without a word."""
+    for rank, messages in enumerate(run_ranks(_fsdp1, 2)):  # every rank refuses, so none waits in a collective
+        assert "FlatParameter" in messages[False] and "_flat_param" in messages[False], (rank, messages)
+        assert "belongs to an FSDP1 module (FullyShardedDataParallel with use_orig_params=True" in messages[True]
+        assert "parameter 'inp.weight'" in messages[True], (rank, messages)
 
 
 def test_megatrons_decoupled_grad_is_read_when_present():
