@@ -1040,3 +1040,38 @@ def test_a_quoted_enabled_and_an_end_before_the_start_are_refused(tmp_path, sect
     path.write_text(f"s:\n    {section}\n    layers: {{layer_name_regex_pattern: fc1}}\n")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_features(str(path))
+
+
+@pytest.mark.parametrize("wrap", ["torch.compile", "checkpoint wrapper", "both"])
+def test_a_wrapped_model_gets_the_statistics_and_names_of_the_bare_one(tmp_path, wrap):
+    """Under torch.compile the first forward raised InternalTorchDynamoError (ModuleNotFoundError: No
+    module named 'distmetrics_stats'): Dynamo traced our hook into nvdlfw-inspect's feature. And the
+    statistics kept the wrapper levels that norm names drop (tensor_stats/_orig_mod.fc1/...,
+    tensor_stats/_checkpoint_wrapped_module.fc1/...), so a layer changed its name with a wrapper."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["max", "l1_norm"], "freq": 1}}}}
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    got = {}
+    for case in ("bare", wrap):
+        model = torch.nn.Sequential()
+        model.add_module("block", _model())
+        if case in ("checkpoint wrapper", "both"):  # model.block._checkpoint_wrapped_module.fc1
+            apply_activation_checkpointing(model, check_fn=lambda m, block=model.block: m is block)
+        if case in ("torch.compile", "both"):
+            model = torch.compile(model, backend="eager")
+        out = tmp_path / case.replace(" ", "_")
+        cfg = dm.MetricsConfig(output_dir=str(out), log_interval=1, console=False, tensorboard=False,
+                               timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+        with dm.Monitor(cfg, model=model) as monitor:
+            model(x).sum().backward()
+            monitor.step(1)
+        (record,) = [r for r in dm.read_jsonl(out / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+        got[case] = {k: v for k, v in record.items() if k.startswith("tensor_stats/")}
+    assert sorted(got["bare"]) == [f"tensor_stats/block.fc1/activation/{stat}" for stat in ("l1_norm", "max")]
+    assert got[wrap] == pytest.approx(got["bare"], rel=1e-6)

@@ -174,6 +174,7 @@ class TensorInspector:
         else:
             call = self._base_feature(name, feature)
 
+        @torch.compiler.disable  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced)
         def forward_hook(mod, inputs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward

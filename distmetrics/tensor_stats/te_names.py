@@ -1,12 +1,14 @@
 """TransformerEngine's (and nvdlfw-inspect's) logged names → ours.
 
 TE logs ``<layer>_<tensor>_<stat>``; we write ``tensor_stats/<layer>/<tensor>/<stat>`` with the
-``model.`` prefix that ``infer_and_assign_layer_names`` adds taken off.
+``model.`` prefix that ``infer_and_assign_layer_names`` adds taken off, and wrapper levels too.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ..naming import strip_wrappers
 
 __all__ = ["metric_name", "strip_model", "TE_TENSORS"]
 
@@ -32,5 +34,6 @@ def metric_name(name: str, layers: Any = ()) -> str:
 
 
 def strip_model(layer: str) -> str:
-    """``model.decoder.layers.1.mlp`` → ``decoder.layers.1.mlp``."""
-    return layer[len("model."):] if layer.startswith("model.") else layer
+    """``model.module.decoder.layers.1.mlp`` → ``decoder.layers.1.mlp``: nvdlfw-inspect's ``model.``
+    and the wrapper levels (DDP's ``module.``, ``_orig_mod.``, ...) that norm names drop too."""
+    return strip_wrappers(layer[len("model."):] if layer.startswith("model.") else layer)
