@@ -4,17 +4,17 @@ Every collective the monitor makes (start-up, log steps, evaluation, checkpoints
 statistics steps, Megatron's timer reports) is preceded by an arrival check through the c10d
 store the process group was made with — not a collective: each rank adds itself to a counter
 keyed by (the guarded call's sequence number, the call, the step) and waits for the last one to
-mark it complete. When ranks make the same calls in the same order that costs two store
-round trips per guarded call. When some rank does not arrive within ``hang_timeout_s`` (it
+mark it complete. When ranks make the same calls in the same order that costs three store
+round trips per guarded call (two for the last rank to arrive) and a publish. When some rank does not arrive within ``hang_timeout_s`` (it
 skipped a call, made another one, hangs elsewhere or died), every waiting rank raises
 :class:`HangError` naming the ranks that did not arrive and the last monitor call and step each
 of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
 second — less often above 1,000 ranks: every ``world_size / 1000`` seconds, so the store takes at
 most about 1,000 such writes a second from the whole job). Calls that differ between ranks
 (``log_eval`` on one, ``step`` on another) raise it too, instead of mixing collectives until the
-process group aborts. A rank that has left its
-Monitor (closed it, or left it on an error) will not come: the ranks waiting for it raise when
-they see that, a few seconds in, rather than at ``hang_timeout_s``.
+process group aborts. A rank that has left its Monitor (closed it, or left it on an error) will
+not come: it marks its next guarded call done with ``left``, and the ranks waiting there raise at
+once rather than at ``hang_timeout_s`` (the third round trip reads which of the two the mark is).
 """
 
 from __future__ import annotations
@@ -85,48 +85,43 @@ class CollectiveGuard:
 
     def leave(self, how: str) -> None:
         """This rank is done with the Monitor (``how``: closed, or left after an error): published
-        at once, so a rank still waiting names that rather than the last call published."""
+        at once, so a rank still waiting names that rather than the last call published; and the
+        next guarded call is marked done with ``left``, so the ranks waiting there (it will not
+        come) stop waiting at once."""
         self._last = f"{how}, after {self._last}" if self._last else how
         if self.store is not None:
             try:
                 self._publish()
+                self.store.set(_done(self._seq + 1), _LEFT_MARK)
             except Exception:  # noqa: BLE001 - the store's host rank has ended: nobody to tell
                 pass
 
     def enter(self, call: str, step: Optional[int] = None) -> None:
         """Wait until every rank arrives at this call (the same call, step and position in the
-        sequence of guarded calls); raise :class:`HangError` after ``timeout_s``."""
+        sequence of guarded calls); raise :class:`HangError` after ``timeout_s``, or as soon as a
+        rank that has not arrived leaves its Monitor."""
         self._last = _describe(call, step)
         if self.store is None:
             return
         self._seq += 1
-        key = f"{self._seq}|{call}|{step}"
+        key, done = f"{self._seq}|{call}|{step}", _done(self._seq)
         self._publish()
-        if self.store.add(key, 1) == self.world:
-            self.store.set(key + "|done", "1")
+        last = self.store.add(key, 1) == self.world
+        if last:
+            self.store.set(done, "1")
             if self._previous:  # every rank added itself here, so every rank is past the previous call
                 self.store.delete_key(self._previous)
-                self.store.delete_key(self._previous + "|done")
+                self.store.delete_key(_done(self._seq - 1))
         self._previous = key
         started = time.monotonic()
-        try:  # the healthy call returns here at once
-            self.store.wait([key + "|done"], _dt.timedelta(seconds=min(self.timeout_s, _FIRST_WAIT_S)))
-            return
+        try:
+            self.store.wait([done], _dt.timedelta(seconds=self.timeout_s))
+            # done by every rank's arrival, or by a rank that left (leave()): read unless this rank made it
+            if last or self.store.get(done) != _LEFT_MARK.encode():
+                return
+            failure: BaseException = HangError("a rank that did not arrive has left its Monitor")
         except Exception as err:  # noqa: BLE001 - DistStoreError on timeout; any store failure is a hang too
             failure = err
-        # then a look every 2 x publish_every_s (not waits that time out: c10d warns at each), which also
-        # sees a rank that has left its Monitor: it will not come, and the wait ends there
-        while "timeout" in str(failure).lower() and time.monotonic() - started < self.timeout_s:
-            try:
-                if self.store.check([key + "|done"]):
-                    return
-                rows = self._rows()
-            except Exception as err:  # noqa: BLE001 - the store itself is gone: said by the report
-                failure = err
-                break
-            if any(last.startswith(_LEFT) and not self._arrived(last, seq, call, step) for seq, last, _ in rows):
-                break
-            time.sleep(max(0.0, min(2 * self.publish_every_s, self.timeout_s - (time.monotonic() - started))))
         # raised here, not in the except clause: the store's timeout is no news, but an exception the
         # caller is handling (close() in a finally after its own error) stays attached as the context
         raise HangError(self._report(call, step, failure, time.monotonic() - started))
@@ -168,16 +163,21 @@ class CollectiveGuard:
         missing = [f"rank {r}: last call {last} (published {now - stamp:.1f} s ago)"
                    for r, (seq, last, stamp) in enumerate(rows) if not self._arrived(last, seq, call, step)]
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
-        wait = (f"{self.timeout_s:g} s (hang_timeout_s)" if waited >= self.timeout_s else
-                f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: a rank has left its Monitor)")
+        wait = (f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: a rank has left its Monitor)"
+                if isinstance(err, HangError) else f"{self.timeout_s:g} s (hang_timeout_s)")
         return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, "
                 f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
                 f"are not collectives are published at most every {self.publish_every_s:g} s.)")
 
 
-_LEFT = ("closed its Monitor", "left its Monitor on ")  # what leave() publishes first
-_FIRST_WAIT_S = 2.0  # the arrival check's first wait, before it looks at what the ranks published
+_LEFT_MARK = "left"  # a guarded call's done key set by a rank that left its Monitor instead of arriving
+
+
+def _done(seq: int) -> str:
+    """The key that marks guarded call number ``seq`` done (by position: a rank leaving knows its
+    next call's number, not the call)."""
+    return f"{seq}|done"
 
 
 def _describe(call: str, step: Optional[int]) -> str:
