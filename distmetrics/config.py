@@ -286,7 +286,7 @@ class MetricsConfig:
         """A copy with some keys changed (checked like the constructor)."""
         values = self.to_dict()
         values.update(changes)
-        return MetricsConfig.from_dict(values)
+        return type(self).from_dict(values)
 
     def to_dict(self, redact: bool = False) -> dict:
         """Plain mapping of every key; ``redact`` hides the values of secret keys and the

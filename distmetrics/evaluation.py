@@ -7,14 +7,13 @@ peers that see the same batch do not multiply ``eval/tokens_per_sec``."""
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Optional, Union
 
 import torch
 
 from .collectors.losses import CategoryLosses
-from .collectors.steps import loss_weights, mixed_weights
+from .collectors.steps import MixedWeights, loss_weights
 from .interval import as_number
 from .names import NameRegistry, check_count, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
@@ -25,7 +24,6 @@ __all__ = ["EvalLog"]
 Number = Union[int, float, torch.Tensor]
 _TOKENS = "_eval/tokens"
 _LOSS_WEIGHTS = "_eval/loss_weights"  # minmax: what each rank weighted its loss by (steps.LOSS_WEIGHTS)
-logger = logging.getLogger("distmetrics")
 
 
 class EvalLog:
@@ -42,8 +40,7 @@ class EvalLog:
         self.names = NameRegistry()
         self.use_names(self.names)
         self._train_losses: list[tuple[float, float]] = []
-        self.rank = 0 if layout is None else layout.rank
-        self._mixed_said = False
+        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", 0 if layout is None else layout.rank)
 
     def use_names(self, names: NameRegistry) -> None:
         """Check eval names against ``names`` (the Monitor shares one registry between
@@ -85,15 +82,7 @@ class EvalLog:
                     if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
-        mixed = mixed_weights(metrics, _LOSS_WEIGHTS)
-        if mixed:
-            metrics.pop("eval/loss", None)  # the same on every rank: every rank leaves it out
-            if not self._mixed_said and self.rank == 0:
-                self._mixed_said = True
-                logger.warning("distmetrics: eval/loss (and eval/ppl, eval/gap) is left out of the eval record of "
-                               "step %d, and of every eval record where this recurs: %s; a mean weighted by tokens "
-                               "on some ranks and by ranks on others is neither. Pass tokens with every loss, or with "
-                               "none.", step, mixed)
+        self._mixed.check(metrics, step)  # eval/ppl and eval/gap go with eval/loss
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
             metrics["eval/tokens_per_sec"] = metrics[_TOKENS] / (metrics["eval/time_ms"] / 1000.0)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}

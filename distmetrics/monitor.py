@@ -279,6 +279,9 @@ class Monitor:
             try:
                 alerts += collector.finalize(metrics, ctx)
             except Exception as err:  # noqa: BLE001 - raised below, once the record is written
+                if failure is not None:  # one error is raised: the others are said
+                    logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
+                                   collector.name, step, type(err).__name__, err)
                 failure = failure or err
         self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"))
         written = self._written_order(metrics)

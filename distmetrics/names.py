@@ -74,15 +74,17 @@ def check_value(value: Any, what: str, *args: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
-        if value.layout is not torch.strided:
-            raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
-                             f"{value.layout} tensor; pass a dense one (.to_dense())")
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r:.100}")
-    elif isinstance(value, numbers.Integral) and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+    elif not _in_range(value):
         raise ValueError(f"{what % args if args else what}: {_shown(value)} is beyond float64's range (about "
                          "±1.8e308), in which every value is reduced")
+
+
+def _in_range(value: Any) -> bool:
+    """Whether a number converts to a float64 (an int or a Fraction beyond its range does not)."""
+    return not isinstance(value, numbers.Rational) or -_FLOAT_MAX <= value <= _FLOAT_MAX
 
 
 _FLOAT_MAX = int(sys.float_info.max)
@@ -91,7 +93,9 @@ _FLOAT_MAX = int(sys.float_info.max)
 def _shown(value: Any) -> str:
     """A value as a message shows it: an integer of hundreds of digits by its first ones and its length."""
     text = repr(value)
-    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) and len(text) > 24 else text
+    if len(text) <= 24:
+        return text
+    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) else f"{text[:24]}... ({len(text)} characters)"
 
 
 def check_user_value(value: Any, what: str, *args: Any) -> None:
@@ -100,18 +104,22 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
     reduction, after the other ranks had entered it) and no DTensor whose piece on this rank is
     not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's copy)."""
     check_value(value, what, *args)
-    if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta):
+    if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta
+                                            or value.layout is not torch.strided):
         user_tensor(value, what % args if args else what)
 
 
 def user_tensor(value: Any, what: str) -> Any:
     """A tensor a user hands over whole (per-sample losses, counts per expert) as this rank's
-    copy: refused on the meta device (no value) or as a DTensor whose piece is not the whole
-    (Partial, Shard); a Replicate DTensor is this rank's copy."""
-    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor and not value.is_meta:
+    copy: refused on the meta device (no value), sparse, or as a DTensor whose piece is not the
+    whole (Partial, Shard); a Replicate DTensor is this rank's copy."""
+    if not isinstance(value, torch.Tensor) or (type(value) is torch.Tensor and not value.is_meta
+                                               and value.layout is torch.strided):
         return value
     if value.is_meta:
         raise ValueError(f"{what}: a tensor on the meta device holds no value")
+    if value.layout is not torch.strided:
+        raise ValueError(f"{what}: expected a dense tensor, got a {value.layout} one; pass value.to_dense()")
     if is_dtensor(value):
         if not all(p.is_replicate() for p in value.placements):
             raise ValueError(f"{what}: a DTensor with placements {tuple(value.placements)}: each rank's piece is not "
@@ -139,8 +147,7 @@ def check_count(value: Any, what: str, *args: Any) -> None:
     and >= 0 (a tensor is not read: that would wait for the device)."""
     number = type(value) is float or type(value) is int or (
         not isinstance(value, (torch.Tensor, bool)) and isinstance(value, numbers.Real))  # numpy's numbers too
-    if number and not (value >= 0 and (value <= _FLOAT_MAX if isinstance(value, numbers.Integral) else
-                                       math.isfinite(value))):
+    if number and not (value >= 0 and _in_range(value) and math.isfinite(value)):
         raise ValueError(f"{what % args if args else what}: {_shown(value)} is refused: accepted values are finite "
                          "numbers >= 0")
 

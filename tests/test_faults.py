@@ -206,6 +206,7 @@ def _clip_on_one_rank(rank: int, world: int) -> tuple:
     model = torch.nn.Linear(4, 4)
     monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S), model=model)
     model(torch.ones(2, 4)).sum().backward()
+    monitor.clip_grad_norm_(1.0)  # the first clip (every rank): the norm-type check, guarded; later ones are not
     monitor.step(1)
     if rank == 0:
         time.sleep(1.1)  # calls that are not collectives are published at most once a second
@@ -217,7 +218,7 @@ def test_a_clip_on_one_rank_is_named_as_the_call_it_hangs_in():
     """The clip's all-reduce is not guarded (it runs every step); the rank waiting at the log step
     named the clipping rank's call before it (monitor.step(step=1))."""
     kind, message, _ = run_ranks(_clip_on_one_rank, 2, may_die=(0,), timeout=60)[1]
-    assert kind == "HangError" and "rank 0: last call monitor.clip_grad_norm_(" in message, message
+    assert kind == "HangError" and "rank 0: last call monitor.clip_grad_norm_()" in message, message
 
 
 def _killed(rank: int, world: int) -> tuple:
@@ -433,7 +434,12 @@ def test_numpy_numbers_are_taken_as_the_numbers_they_hold(tmp_path):
     (lambda m, t: m.record_losses(t.ones(2), ["", "b"]), "ValueError",
      "record_losses: category '': metric name 'train/loss/' is refused"),
     (lambda m, t: m.record_losses(t.ones(1), ["\ud800"]), "ValueError", "is not valid UTF-8"),
-], ids=["timer log level as text", "losses as a list", "float category ids", "empty category", "surrogate category"])
+    (lambda m, t: m.step(1, loss=t.ones(1).to_sparse()), "ValueError",
+     "monitor.step(loss=...): expected a dense tensor, got a torch.sparse_coo one"),
+    (lambda m, t: m.step(1, loss=__import__("fractions").Fraction(10**400)), "ValueError",
+     "monitor.step(loss=...): Fraction(100000000000000... (414 characters) is beyond float64's range"),
+], ids=["timer log level as text", "losses as a list", "float category ids", "empty category", "surrogate category",
+        "sparse loss", "a fraction beyond float64"])
 def test_arguments_of_the_wrong_kind_are_named_with_what_is_accepted(call, error, message):
     """Each raised an error from deep inside (''<' not supported between int and str', ''list' object
     has no attribute 'detach''), or was taken: float ids cut to integers, a category '' written as

@@ -570,3 +570,35 @@ def test_a_replicate_dtensor_loss_is_the_loss_and_a_partial_one_is_refused(devic
     for out in run_ranks(_dtensor_loss, 2, device_path, timeout=120):
         assert out["train/loss"] == pytest.approx(out["truth"], rel=1e-6)
         assert "a DTensor with placements (Partial(sum),)" in out["partial"]
+
+
+def test_a_second_collectors_finalize_error_is_said_and_the_first_raised_after_the_record(tmp_path, caplog):
+    """The first error comes out of monitor.step once the record is written; a later collector's
+    error in the same log step was dropped without a word."""
+    import logging
+
+    import distmetrics as dm
+
+    class Raises:
+        after, writes = (), ()
+
+        def __init__(self, name):
+            self.name = name
+
+        def take_samples(self, ctx):
+            return []
+
+        def finalize(self, metrics, ctx):
+            raise RuntimeError(f"{self.name} failed")
+
+        def close(self):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    cfg = quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path))
+    with dm.Monitor(cfg, collectors=[Raises("first"), Raises("second")]) as monitor:
+        with pytest.raises(RuntimeError, match="first failed"):
+            monitor.step(1, loss=2.0)
+    assert [(r["step"], r["train/loss"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] \
+        == [(1, 2.0)]
+    assert "the second collector's finalize also failed at step 1: RuntimeError: second failed" in caplog.text

@@ -25,7 +25,7 @@ from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "mixed_weights"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -47,17 +47,31 @@ def loss_weights(tokens: Any) -> int:
     return _BY_STEPS if tokens is None else _BY_TOKENS
 
 
-def mixed_weights(metrics: dict[str, Any], lane: str) -> str:
-    """Take the reduced ``minmax`` lane ``lane`` (the OR of :func:`loss_weights` over each rank's
-    losses) out of ``metrics``: which ranks weighted their losses by tokens at some steps and by
-    steps (``tokens=None``) at others, or "" where every rank weighted them alike."""
-    high, high_rank, low, low_rank = (metrics.pop(f"{lane}/{end}", None) for end in ("max", "max_rank", "min",
-                                                                                     "min_rank"))
-    if high is None or high == low != _BY_TOKENS | _BY_STEPS:
-        return ""
-    if high == _BY_TOKENS | _BY_STEPS:
-        return f"rank {int(high_rank)} passed losses with tokens=None at some steps and with tokens at others"
-    return f"rank {int(high_rank)} passed its losses with tokens=None and rank {int(low_rank)} with tokens"
+class MixedWeights:
+    """A reduced ``minmax`` lane (the OR of :func:`loss_weights` over each rank's losses) taken
+    out of a record: where ranks weighted their losses by tokens at some steps and by steps
+    (``tokens=None``) at others, the loss (``loss``) is left out of it, with one warning from
+    rank 0."""
+
+    def __init__(self, lane: str, loss: str, rank: int) -> None:
+        self.lane, self.loss, self.rank = lane, loss, rank
+        self._said = False
+
+    def check(self, metrics: dict[str, Any], step: int) -> None:
+        high, high_rank, low, low_rank = (metrics.pop(f"{self.lane}/{end}", None)
+                                          for end in ("max", "max_rank", "min", "min_rank"))
+        if high is None or high == low != _BY_TOKENS | _BY_STEPS:
+            return
+        metrics.pop(self.loss, None)  # the same on every rank: every rank leaves it out
+        if self._said or self.rank != 0:
+            return
+        self._said = True
+        how = (f"rank {int(high_rank)} passed losses with tokens=None at some steps and with tokens at others"
+               if high == _BY_TOKENS | _BY_STEPS else
+               f"rank {int(high_rank)} passed its losses with tokens=None and rank {int(low_rank)} with tokens")
+        logger.warning("distmetrics: %s is left out of the record of step %d, and of every record where this "
+                       "recurs: %s; a mean weighted by tokens at some and by steps at others is neither. Pass "
+                       "tokens with every loss, or with none.", self.loss, step, how)
 
 
 class StepValues:
@@ -81,7 +95,7 @@ class StepValues:
         self._timed = 0
         self._untimed_tokens: Number = 0.0
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
-        self._mixed_said = False
+        self._mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.rank)
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any]) -> None:
@@ -161,14 +175,7 @@ class StepValues:
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
-        mixed = mixed_weights(metrics, LOSS_WEIGHTS)
-        if mixed:
-            metrics.pop("train/loss", None)  # the same on every rank: every rank leaves it out
-            if not self._mixed_said and ctx.layout.rank == 0:
-                self._mixed_said = True
-                logger.warning("distmetrics: train/loss is left out of the record of step %d, and of every record "
-                               "where this recurs: %s; a mean weighted by tokens at some and by steps at others is "
-                               "neither. Pass tokens with every loss, or with none.", ctx.step, mixed)
+        self._mixed.check(metrics, ctx.step)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""

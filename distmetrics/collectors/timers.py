@@ -312,6 +312,9 @@ class Timers(MegatronReports):
                              f"{_MAX_LOG_LEVEL}") from None
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
+        if type(log_level) is not int:  # 1.5, True: compared like numbers above
+            raise TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
+                             f"{_MAX_LOG_LEVEL}")
         if log_level > _MAX_LOG_LEVEL:
             raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL}")
         if log_level > self._log_level:
