@@ -4,17 +4,18 @@ Every collective the monitor makes (start-up, log steps, evaluation, checkpoints
 statistics steps, Megatron's timer reports) is preceded by an arrival check through the c10d
 store the process group was made with — not a collective: each rank adds itself to a counter
 keyed by (the guarded call's sequence number, the call, the step) and waits for the last one to
-mark it complete. When ranks make the same calls in the same order that costs three store
-round trips per guarded call (two for the last rank to arrive) and a publish. When some rank does not arrive within ``hang_timeout_s`` (it
-skipped a call, made another one, hangs elsewhere or died), every waiting rank raises
-:class:`HangError` naming the ranks that did not arrive and the last monitor call and step each
-of them made (each rank publishes its guarded calls, and its other monitor calls at most once a
-second — less often above 1,000 ranks: every ``world_size / 1000`` seconds, so the store takes at
-most about 1,000 such writes a second from the whole job). Calls that differ between ranks
-(``log_eval`` on one, ``step`` on another) raise it too, instead of mixing collectives until the
-process group aborts. A rank that has left its Monitor (closed it, or left it on an error) will
-not come: it marks its next guarded call done with ``left``, and the ranks waiting there raise at
-once rather than at ``hang_timeout_s`` (the third round trip reads which of the two the mark is).
+mark it complete. When ranks make the same calls in the same order that costs three store round
+trips per guarded call (two for the last rank to arrive) and a publish. When some rank does not
+arrive within ``hang_timeout_s`` (it skipped a call, made another one, hangs elsewhere or died),
+every waiting rank raises :class:`HangError` naming the ranks that did not arrive and the last
+monitor call and step each of them made (each rank publishes its guarded calls, and its other
+monitor calls at most once a second — less often above 1,000 ranks: every ``world_size / 1000``
+seconds, so the store takes at most about 1,000 such writes a second from the whole job). Calls
+that differ between ranks (``log_eval`` on one, ``step`` on another) raise it too, instead of
+mixing collectives until the process group aborts. A rank that has left its Monitor (closed it,
+or left it on an error) will not come: it marks its next guarded call done with ``left``, and
+the ranks waiting there raise at once rather than at ``hang_timeout_s`` (the third round trip
+reads which of the two the mark is).
 """
 
 from __future__ import annotations

@@ -95,7 +95,9 @@ def _shown(value: Any) -> str:
     text = repr(value)
     if len(text) <= 24:
         return text
-    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) else f"{text[:24]}... ({len(text)} characters)"
+    if isinstance(value, int):
+        return f"{text[:12]}... ({len(text)} digits)"
+    return f"{text[:24]}... ({len(text)} characters)"
 
 
 def check_user_value(value: Any, what: str, *args: Any) -> None:
