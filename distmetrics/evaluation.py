@@ -7,6 +7,7 @@ peers that see the same batch do not multiply ``eval/tokens_per_sec``."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional, Union
 
@@ -24,6 +25,7 @@ __all__ = ["EvalLog"]
 Number = Union[int, float, torch.Tensor]
 _TOKENS = "_eval/tokens"
 _LOSS_WEIGHTS = "_eval/loss_weights"  # minmax: what each rank weighted its loss by (steps.LOSS_WEIGHTS)
+logger = logging.getLogger("distmetrics")
 
 
 class EvalLog:
@@ -39,7 +41,8 @@ class EvalLog:
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()
         self.use_names(self.names)
-        self._train_losses: list[tuple[float, float]] = []
+        self._train_losses: list[tuple[float, float, Optional[int]]] = []
+        self._gap_said = False
         self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", 0 if layout is None else layout.rank)
 
     def use_names(self, names: NameRegistry) -> None:
@@ -49,11 +52,12 @@ class EvalLog:
         names.reserve(self.writes, "monitor.log_eval")
         self.names = names
 
-    def note_train_loss(self, loss: Any, weight: Optional[float]) -> None:
+    def note_train_loss(self, loss: Any, weight: Optional[float], by: Optional[int] = None) -> None:
         """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the
-        rank-steps whose loss counted: a skipped step's did not), for ``eval/gap``."""
+        rank-steps whose loss counted: a skipped step's did not), for ``eval/gap``; ``by``: which
+        of the two (:func:`~distmetrics.collectors.steps.loss_weights`)."""
         if isinstance(loss, float) and weight:
-            self._train_losses.append((loss, weight))
+            self._train_losses.append((loss, weight, by))
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
             scalars: dict[str, Number]) -> dict[str, Any]:
@@ -92,9 +96,16 @@ class EvalLog:
                 metrics["eval/ppl"] = math.exp(eval_loss)
             except OverflowError:  # a loss above about 709.78
                 metrics["eval/ppl"] = math.inf
-            total_w = sum(w for _, w in self._train_losses)
-            if total_w > 0:
-                train_mean = sum(v * w for v, w in self._train_losses) / total_w
+            total_w = sum(w for _, w, _ in self._train_losses)
+            if len({by for _, _, by in self._train_losses}) > 1:  # tokens in some records, steps in others
+                if not self._gap_said and self._mixed.rank == 0:
+                    self._gap_said = True
+                    logger.warning("distmetrics: eval/gap is left out of the eval record of step %d, and of every "
+                                   "one where this recurs: the train records since the last evaluation weighted "
+                                   "their losses by tokens in some and by steps (tokens=None) in others, so they "
+                                   "have no common mean. Pass tokens with every loss, or with none.", step)
+            elif total_w > 0:
+                train_mean = sum(v * w for v, w, _ in self._train_losses) / total_w
                 metrics["eval/gap"] = eval_loss - train_mean
         self._train_losses = []
         return metrics

@@ -283,7 +283,8 @@ class Monitor:
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
                                    collector.name, step, type(err).__name__, err)
                 failure = failure or err
-        self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"))
+        self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
+                                   self._by_name["train"].mixed.by)
         written = self._written_order(metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
         self._write(metrics, step, "train")

@@ -602,3 +602,26 @@ def test_a_second_collectors_finalize_error_is_said_and_the_first_raised_after_t
     assert [(r["step"], r["train/loss"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] \
         == [(1, 2.0)]
     assert "the second collector's finalize also failed at step 1: RuntimeError: second failed" in caplog.text
+
+
+def test_eval_gap_is_left_out_where_train_records_weighted_their_losses_differently(caplog):
+    """Each train record weighs its loss alike (tokens, or steps with tokens=None), but eval/gap averaged
+    one record's mean over 200 tokens with another's over 2 steps: the token record all but decided it."""
+    import logging
+
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        for step in (1, 2):
+            monitor.step(step, loss=1.0, tokens=100)
+        for step in (3, 4):
+            monitor.step(step, loss=3.0)
+        mixed = monitor.log_eval(4, loss=2.5)
+        for step in (5, 6):
+            monitor.step(step, loss=3.0)
+        alike = monitor.log_eval(6, loss=2.5)
+    assert "eval/gap" not in mixed and mixed["eval/loss"] == 2.5
+    assert alike["eval/gap"] == pytest.approx(-0.5)  # the records since the last evaluation: steps alone
+    said = [r.getMessage() for r in caplog.records if "eval/gap is left out" in r.getMessage()]
+    assert len(said) == 1 and "step 4" in said[0], said

@@ -55,12 +55,15 @@ class MixedWeights:
 
     def __init__(self, lane: str, loss: str, rank: int) -> None:
         self.lane, self.loss, self.rank = lane, loss, rank
+        self.by: Optional[int] = None
+        """What the last record's loss was weighted by (:func:`loss_weights`), or None (no loss, or mixed)."""
         self._said = False
 
     def check(self, metrics: dict[str, Any], step: int) -> None:
         high, high_rank, low, low_rank = (metrics.pop(f"{self.lane}/{end}", None)
                                           for end in ("max", "max_rank", "min", "min_rank"))
-        if high is None or high == low != _BY_TOKENS | _BY_STEPS:
+        self.by = high if high is not None and high == low != _BY_TOKENS | _BY_STEPS else None
+        if high is None or self.by is not None:
             return
         metrics.pop(self.loss, None)  # the same on every rank: every rank leaves it out
         if self._said or self.rank != 0:
@@ -95,7 +98,8 @@ class StepValues:
         self._timed = 0
         self._untimed_tokens: Number = 0.0
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
-        self._mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.rank)
+        self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.rank)
+        """What train/loss was weighted by (``.by``: in the last record)."""
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any]) -> None:
@@ -175,7 +179,7 @@ class StepValues:
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
-        self._mixed.check(metrics, ctx.step)
+        self.mixed.check(metrics, ctx.step)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
