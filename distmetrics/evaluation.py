@@ -43,7 +43,8 @@ class EvalLog:
         self.use_names(self.names)
         self._train_losses: list[tuple[float, float, Optional[int]]] = []
         self._gap_said = False
-        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", 0 if layout is None else layout.rank)
+        self.rank = 0 if layout is None else layout.rank
+        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.rank)
 
     def use_names(self, names: NameRegistry) -> None:
         """Check eval names against ``names`` (the Monitor shares one registry between
@@ -98,7 +99,7 @@ class EvalLog:
                 metrics["eval/ppl"] = math.inf
             total_w = sum(w for _, w, _ in self._train_losses)
             if len({by for _, _, by in self._train_losses}) > 1:  # tokens in some records, steps in others
-                if not self._gap_said and self._mixed.rank == 0:
+                if not self._gap_said and self.rank == 0:
                     self._gap_said = True
                     logger.warning("distmetrics: eval/gap is left out of the eval record of step %d, and of every "
                                    "one where this recurs: the train records since the last evaluation weighted "

@@ -278,6 +278,11 @@ class Timer(TimerBase):
             self._pending.clear()
 
 
+def _bad_level(name: str, log_level: Any) -> TimerError:
+    return TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
+                      f"{_MAX_LOG_LEVEL}")
+
+
 class Timers(MegatronReports):
     """A drop-in for ``megatron.core.timers.Timers``: ``timers(name, log_level)``, plus Megatron's
     ``log``/``write``/``get_all_timers_string`` (see :class:`MegatronReports`)."""
@@ -307,14 +312,12 @@ class Timers(MegatronReports):
         try:
             if log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL:
                 return self._dummy_timer  # the disabled path: a lookup and two comparisons
-        except TypeError:
-            raise TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
-                             f"{_MAX_LOG_LEVEL}") from None
+        except TypeError:  # text
+            raise _bad_level(name, log_level) from None
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
         if type(log_level) is not int:  # 1.5, True: compared like numbers above
-            raise TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
-                             f"{_MAX_LOG_LEVEL}")
+            raise _bad_level(name, log_level)
         if log_level > _MAX_LOG_LEVEL:
             raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL}")
         if log_level > self._log_level:
