@@ -55,6 +55,23 @@ def _out_of_step(rank: int, world: int) -> dict:
     monitor.step(1)
     out["bad_sample"] = _outcome(lambda: monitor.step(2))
     dist.barrier()
+    # 5. Megatron's timer report with barrier=True on rank 0 while rank 1 makes a log step
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
+    monitor.step(1)
+    monitor.timers("fwd", 1).start()
+    report = lambda: monitor.timers.get_all_timers_string(["fwd"], barrier=True)  # noqa: E731
+    out["report_vs_step"] = _outcome(report if rank == 0 else lambda: monitor.step(2))
+    dist.barrier()
+    # 6. a timer started with barrier=True on rank 1 only (a step later than its last publish), while
+    # rank 0 makes a log step: rank 0 names it; rank 1 waits in the barrier, met below by rank 0's
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
+    monitor.step(1)
+    if rank == 0:
+        out["timer_barrier_one_rank"] = _outcome(lambda: monitor.step(2))
+        dist.barrier()
+    else:
+        time.sleep(monitor._guard.publish_every_s + 0.2)
+        out["timer_barrier_one_rank"] = _outcome(lambda: monitor.timers("fwd", 1).start(barrier=True))
     return out
 
 
@@ -85,7 +102,9 @@ def out_of_step():
 
 @pytest.mark.parametrize("case,calls", [
     ("eval_vs_step", {0: "monitor.log_eval(step=2)", 1: "monitor.step(step=2)"}),
-    ("checkpoint_one_rank", {0: "monitor.checkpoint_saved(step=1)", 1: "monitor.step(step=2)"})])
+    ("checkpoint_one_rank", {0: "monitor.checkpoint_saved(step=1)", 1: "monitor.step(step=2)"}),
+    # the report's barrier came before its arrival check: rank 0 waited there unnamed, without a bound
+    ("report_vs_step", {0: "timers report (log, write or get_all_timers_string)", 1: "monitor.step(step=2)"})])
 def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_of_step, case, calls):
     for rank in (0, 1):
         kind, message, _ = out_of_step[rank][case]
@@ -104,6 +123,14 @@ def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_
     assert kind == "HangError" and "waited 2 s (hang_timeout_s) at monitor.step(step=2)" in message
     assert "ranks that did not arrive: rank 0: last call" in message
     assert seconds < TIMEOUT_S + 10
+
+
+def test_a_timer_barrier_on_one_rank_is_named_by_the_rank_that_went_on(out_of_step):
+    """A timer's barrier is not an arrival check (it can come every step); it is published as
+    the rank's last call, so the rank that went on names it rather than the step before."""
+    kind, message, _ = out_of_step[0]["timer_barrier_one_rank"]
+    assert kind == "HangError" and "rank 1: last call timers('fwd').start(barrier=True)" in message, message
+    assert out_of_step[1]["timer_barrier_one_rank"][0] == "ok"  # met by rank 0's own barrier after its error
 
 
 def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):

@@ -98,7 +98,7 @@ class TimerCollector:
 
     def use_guard(self, guard: Any) -> None:
         """Guard Megatron's timer reports (each is a collective) with the Monitor's arrival check."""
-        self.timers.guard = guard
+        self.timers.use_guard(guard)
 
     def mark_step(self) -> None:
         """A step ended and the next begins (called by ``monitor.step``): a lap of the step

@@ -86,9 +86,12 @@ class MegatronReports:
     # --- Megatron's helpers (some Megatron-LM code calls them) -----------------------------------
     def _get_elapsed_time_all_ranks(self, names: list, reset: bool, barrier: bool) -> Optional[torch.Tensor]:
         """``[world, len(names)]`` float32 seconds of every rank (0 where a rank has no time)."""
-        if len(names) == 0 and _world()[0] == 1:  # a rank asking for none still joins the gather
+        world, _ = _world()
+        if len(names) == 0 and world == 1:  # a rank asking for none still joins the gather
             return None
-        if barrier and dist.is_available() and dist.is_initialized():
+        if world > 1 and self.guard is not None:  # before the barrier: a rank that does not come is named
+            self.guard.enter("timers report (log, write or get_all_timers_string)")
+        if barrier and world > 1:
             dist.barrier()
         seconds = {}
         for name in names:
@@ -145,8 +148,6 @@ class MegatronReports:
         if world == 1:
             self._agreed = list(names)
             return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
-        if self.guard is not None:
-            self.guard.enter("timers report (log, write or get_all_timers_string)")
         if self._agreed is None:
             self._negotiate(names)
         while True:

@@ -94,7 +94,7 @@ class Timer(TimerBase):
 
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event", "_elapsed", "_active",
                  "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start",
-                 "_unread_laps")
+                 "_unread_laps", "guard")
 
     def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name
@@ -113,6 +113,7 @@ class Timer(TimerBase):
         self.spans = 0  # start/stop pairs completed this interval
         self._interval_start: Any = None  # where a running span's share of this interval begins (ns or event)
         self._unread_laps = False  # CUDA laps counted whose time is read with the running span
+        self.guard: Any = None  # the Monitor's CollectiveGuard (set by Timers.use_guard)
 
     def set_barrier_group(self, barrier_group: Any) -> None:
         """The process group that ``barrier=True`` waits for (default: the world)."""
@@ -123,7 +124,7 @@ class Timer(TimerBase):
         if self._started:
             raise TimerError(f"timer has already been started (timer {self.name!r}); stop() it first")
         if barrier and self._barriers and dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self._group)
+            self._barrier("start")
         if self._use_cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
@@ -138,7 +139,7 @@ class Timer(TimerBase):
         if not self._started:
             raise TimerError(f"timer is not started (timer {self.name!r}); call start() first")
         if barrier and self._barriers and dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self._group)
+            self._barrier("stop")
         if self._use_cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -153,6 +154,15 @@ class Timer(TimerBase):
             self._interval_ns += now - self._interval_start
         self._started = False
         self.spans += 1
+
+    def _barrier(self, where: str) -> None:
+        """A real barrier, not an arrival check (it may come every step: the c10d store would take
+        every rank's requests each time). Under a Monitor the call is noted first, so where a rank
+        does not come, the ranks that went on raise at their next guarded call naming this one's
+        timer barrier as its last call (it waits in the barrier until the process group's timeout)."""
+        if self.guard is not None:
+            self.guard.note(f"timers({self.name!r}).{where}(barrier=True)")
+        dist.barrier(group=self._group)
 
     def reset(self) -> None:
         """Forget the time since the last reset; a running timer stops without counting (as
@@ -327,8 +337,16 @@ class Timers(MegatronReports):
     def _make(self, name: str, log_level: int, cls: type) -> Timer:
         _check_timer_name(name)
         timer = self._timers[name] = cls(name, self._use_cuda, self._group, self._barrier_ok)
+        timer.guard = self.guard
         self._log_levels[name] = log_level
         return timer
+
+    def use_guard(self, guard: Any) -> None:
+        """The Monitor's arrival check: before each report (a collective), and told of each timer's
+        ``barrier=True`` (see :meth:`Timer._barrier`)."""
+        self.guard = guard
+        for timer in self._timers.values():
+            timer.guard = guard
 
     @property
     def names(self) -> list[str]:
