@@ -668,7 +668,7 @@ def test_a_lock_file_unlinked_at_every_try_gives_up_naming_output_dir(tmp_path, 
     dm.Monitor(quiet_config(output_dir=str(out), json_log=True)).close()
 
 
-def _skipped_step(rank: int, world: int, timeout: float) -> dict:
+def _skipped_step(rank: int, world: int, timeout: float, root: str) -> dict:
     import torch
 
     import distmetrics as dm
@@ -680,7 +680,7 @@ def _skipped_step(rank: int, world: int, timeout: float) -> dict:
     for case in ("train", "tensor_stats"):
         model = torch.nn.Sequential()
         model.add_module("fc", torch.nn.Linear(2, 2))
-        inspect = {"enabled": True, "features": features, "log_dir": f"/tmp/dm-skipped-{os.getpid()}"} \
+        inspect = {"enabled": True, "features": features, "log_dir": f"{root}/rank{rank}"} \
             if case == "tensor_stats" else {"enabled": False}
         monitor = dm.Monitor(quiet_config(log_interval=2 if case == "train" else 100, hang_timeout_s=timeout,
                                           tensor_inspect=inspect), model=model)
@@ -698,12 +698,12 @@ def _skipped_step(rank: int, world: int, timeout: float) -> dict:
 
 
 @pytest.mark.parametrize("timeout", [0.0, 3.0], ids=["arrival check off", "arrival check on"])
-def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout):
+def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout, tmp_path):
     """Rank 1 skips step 3 (log_interval 2). Its step 4 record went through with the mean of the
     three steps it made, a consumed_tokens of 700, and a different step time on each rank; with
     tensor statistics every later record mixed rank 0's step s with rank 1's step s + 1 (means 70
     for 53). Both now raise, naming what differs."""
-    results = run_ranks(_skipped_step, 2, timeout, timeout=150)
+    results = run_ranks(_skipped_step, 2, timeout, str(tmp_path), timeout=150)
     for rank, out in enumerate(results):
         kind, message, _ = out["train"]
         assert kind == "RuntimeError" and "different numbers of monitor.step calls before the log step of step 4: " \
