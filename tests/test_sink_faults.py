@@ -506,28 +506,35 @@ def _wandb_unreachable_child(out: str, result: str, close: str = "1") -> None:
                                         "train_records": len(records)}))
 
 
-@pytest.mark.parametrize("close", ["1", "0"], ids=["closed", "exit-without-close"])
-def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_path, monkeypatch, close):
+def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_path, monkeypatch):
+    """Two children, run side by side (each mostly waits on W&B's retries): one closes its
+    Monitor, one exits without ``close()``."""
+    from concurrent.futures import ThreadPoolExecutor
+
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")  # a well-formed fake
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    child = run_child("_wandb_unreachable_child", str(tmp_path / "out"), str(tmp_path / "result.json"), close)
-    assert child.returncode == 0, child.stderr
-    result = json.loads((tmp_path / "result.json").read_text())
-    at_exit = json.loads((tmp_path / "result.json.exit").read_text())
-    assert result["starting"] and result["train_records"] == 20
-    reported = [w for w in at_exit["warnings"] if "the wandb sink failed" in w]
-    # closed: the sink gave up at its deadline; at exit, the wait came first and W&B's own timeout
-    # may have ended wandb.init by then (its error is the one said)
-    causes = ("wandb.init did not finish within 3 s",) + (("wandb.init failed",) if close == "0" else ())
-    assert len(reported) == 1 and any(c in reported[0] for c in causes), at_exit["warnings"]
-    assert "20 rows logged meanwhile not sent" in reported[0]
-    # wandb.init was still running when the sink gave up: the exit waited for it, and said so (a
-    # thread left inside it could abort the exit: SIGABRT, status 134, seen 2 times in 80 runs)
-    assert at_exit["alive"] == [], at_exit
-    assert any("waiting up to 20 s for wandb.init, still running after the wandb sink's 3 s" in w
-               for w in at_exit["warnings"]), at_exit["warnings"]
+    with ThreadPoolExecutor(2) as pool:
+        children = {close: pool.submit(run_child, "_wandb_unreachable_child", str(tmp_path / close / "out"),
+                                       str(tmp_path / close / "result.json"), close) for close in ("1", "0")}
+    for close, child in children.items():
+        child = child.result()
+        assert child.returncode == 0, child.stderr
+        result = json.loads((tmp_path / close / "result.json").read_text())
+        at_exit = json.loads((tmp_path / close / "result.json.exit").read_text())
+        assert result["starting"] and result["train_records"] == 20
+        reported = [w for w in at_exit["warnings"] if "the wandb sink failed" in w]
+        # closed: the sink gave up at its deadline; at exit, the wait came first and W&B's own timeout
+        # may have ended wandb.init by then (its error is the one said)
+        causes = ("wandb.init did not finish within 3 s",) + (("wandb.init failed",) if close == "0" else ())
+        assert len(reported) == 1 and any(c in reported[0] for c in causes), (close, at_exit["warnings"])
+        assert "20 rows logged meanwhile not sent" in reported[0]
+        # wandb.init was still running when the sink gave up: the exit waited for it, and said so (a
+        # thread left inside it could abort the exit: SIGABRT, status 134, seen 2 times in 80 runs)
+        assert at_exit["alive"] == [], (close, at_exit)
+        assert any("waiting up to 20 s for wandb.init, still running after the wandb sink's 3 s" in w
+                   for w in at_exit["warnings"]), (close, at_exit["warnings"])
 
 
 def _wandb_init_never_returns_child(out: str, result: str) -> None:
