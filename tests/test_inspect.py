@@ -464,13 +464,14 @@ def test_selectors_see_the_model_prefix_and_metric_names_leave_it_off(tmp_path):
             monitor.step(1)
 
 
-def _activation_stats_run(tmp_path, name: str, train_step) -> dict:
-    """Two steps of ``train_step(model, step)`` with fc1's activation statistics every step; the
-    tensor_stats records by step."""
+def _activation_stats_run(tmp_path, name: str, train_step, gradient: bool = False) -> dict:
+    """Two steps of ``train_step(model, step)`` with fc1's activation statistics every step (and
+    its output's gradient's: ``train_step`` returns both truths then); the tensor_stats records by step."""
     import distmetrics as dm
 
+    tensors = ["activation", "gradient"] if gradient else ["activation"]
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
-                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": tensors,
                                                           "stats": ["max", "mean", "l1_norm", "l2_norm"], "freq": 1}}}}
     cfg = dm.MetricsConfig(output_dir=str(tmp_path / name), log_interval=1, console=False, tensorboard=False,
                            timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
@@ -481,18 +482,21 @@ def _activation_stats_run(tmp_path, name: str, train_step) -> dict:
             truth[step] = train_step(model, monitor, step)
             monitor.step(step)
     records = {r["step"]: r for r in dm.read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "tensor_stats"}
-    for step, activation in truth.items():
-        for stat, value in (("max", activation.max()), ("mean", activation.mean()),
-                            ("l1_norm", activation.abs().sum()), ("l2_norm", activation.norm())):
-            assert records[step][f"tensor_stats/fc1/activation/{stat}"] == pytest.approx(float(value), rel=1e-6), \
-                (name, step, stat)
+    for step, tensors_truth in truth.items():
+        for tensor, x in zip(tensors, tensors_truth if gradient else (tensors_truth,)):
+            for stat, value in (("max", x.max()), ("mean", x.mean()), ("l1_norm", x.abs().sum()),
+                                ("l2_norm", x.norm())):
+                assert records[step].get(f"tensor_stats/fc1/{tensor}/{stat}") == pytest.approx(float(value), rel=1e-6), \
+                    (name, step, tensor, stat)
     return records
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_activation_recomputation_is_not_counted_twice(tmp_path, reentrant):
     """Activation checkpointing (Megatron's recompute) runs the layer's forward again inside
-    backward: the hook counted the activations twice (l1_norm 2x, l2_norm sqrt(2)x)."""
+    backward: the hook counted the activations twice (l1_norm 2x, l2_norm sqrt(2)x). Reentrant
+    checkpointing runs the first forward under no_grad: its output's gradient was never hooked
+    (no gradient statistics, without a word); the recomputation's, which backward reaches, is."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -500,9 +504,12 @@ def test_activation_recomputation_is_not_counted_twice(tmp_path, reentrant):
         x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)).requires_grad_()  # reentrant: recomputes
         hidden = checkpoint(lambda inputs: torch.tanh(model.fc1(inputs)), x, use_reentrant=reentrant)
         model.fc2(hidden).sum().backward()
-        return torch.nn.functional.linear(x, model.fc1.weight, model.fc1.bias).detach().double().reshape(-1)
+        w1, b1, w2 = (t.detach().double() for t in (model.fc1.weight, model.fc1.bias, model.fc2.weight))
+        activation = torch.nn.functional.linear(x.detach().double(), w1, b1).requires_grad_()
+        (torch.tanh(activation) @ w2.T).sum().backward()  # fc2's bias adds no gradient
+        return activation.detach().reshape(-1), activation.grad.reshape(-1)
 
-    _activation_stats_run(tmp_path, "recompute", train_step)
+    _activation_stats_run(tmp_path, "recompute", train_step, gradient=True)
 
 
 @pytest.mark.parametrize("how", ["paused", "eval mode"])

@@ -96,6 +96,10 @@ class TensorInspector:
         self._sections: list = []  # (name, nvdlfw's parsed section) of the enabled sections
         self._silent: set = set()  # sections already named for yielding nothing
         self._weights_done: set = set()  # (layer, feature) whose weight was logged this step
+        # layer -> forwards of this step run without grad whose gradient is owed: reentrant activation
+        # checkpointing (torch's use_reentrant=True, Megatron's recompute) runs the forward under no_grad,
+        # then again inside backward, where that recomputation's output is backpropagated
+        self._gradient_owed: dict[str, int] = {}
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
@@ -178,9 +182,15 @@ class TensorInspector:
         def forward_hook(mod, inputs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward
-            if not self.active or self.paused or not mod.training or torch._C._current_graph_task_id() != -1:
+            # (but see _gradient_owed)
+            if not self.active or self.paused or not mod.training:
                 return
             out = output[0] if isinstance(output, (tuple, list)) else output
+            if torch._C._current_graph_task_id() != -1:
+                if self._gradient_owed.get(name) and isinstance(out, torch.Tensor) and out.requires_grad:
+                    self._gradient_owed[name] -= 1
+                    out.register_hook(lambda grad: call("gradient", grad))
+                return
             if "activation" in tensors and isinstance(out, torch.Tensor):
                 call("activation", out)
             if "input" in tensors and inputs and isinstance(inputs[0], torch.Tensor):
@@ -189,8 +199,11 @@ class TensorInspector:
                     and (name, namespace) not in self._weights_done:  # once per step, not per micro-batch
                 self._weights_done.add((name, namespace))
                 call("weight", mod.weight)
-            if "gradient" in tensors and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda grad: call("gradient", grad))
+            if "gradient" in tensors and isinstance(out, torch.Tensor):
+                if out.requires_grad:
+                    out.register_hook(lambda grad: call("gradient", grad))
+                elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
+                    self._gradient_owed[name] = self._gradient_owed.get(name, 0) + 1
 
         self._hooks.append(module.register_forward_hook(forward_hook))
 
@@ -257,6 +270,7 @@ class TensorInspector:
             self.partials = {}
             self.forwarded = {}
         self._weights_done = set()
+        self._gradient_owed = {}
         self.iteration += 1
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
