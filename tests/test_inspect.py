@@ -6,6 +6,7 @@ import math
 import re
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -288,6 +289,17 @@ def _monitor_with(features, tmp_path, **extra):
     return dm.Monitor(cfg, model=_model())
 
 
+def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, namespace: Optional[str] = "distmetrics"):
+    """A features mapping of one section: LogTensorStats of fc1's activation (its mean) with
+    ``feature``'s keys changed (None: removed), in ``namespace`` (None: nvdlfw-inspect's base)."""
+    settings = {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}
+    settings.update(feature or {})
+    settings = {k: v for k, v in settings.items() if v is not None}
+    section = {"enabled": True, "layers": layers or {"layer_name_regex_pattern": "fc1"}}
+    section.update({namespace: {"LogTensorStats": settings}} if namespace else {"LogTensorStats": settings})
+    return {"s": section}
+
+
 @pytest.mark.parametrize("features,message", [
     ("/nonexistent/features.yaml", "file '/nonexistent/features.yaml' does not exist"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "nothing-matches"},
@@ -321,6 +333,22 @@ def _monitor_with(features, tmp_path, **extra):
     ({name: {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
              "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}
       for name in ("a", "b")}, "multiple debug configs targeting the same layer"),
+    # accepted, and nvdlfw-inspect then ignored the key (the section's other selector chose every
+    # layer of layer 1), failed inside its start, read the tensor's first entry only (the second's
+    # statistics never came), selected no step, or read the empty tensors_struct and logged nothing:
+    (_section({"layer_numbers": [1], "layer_type": ["fc1"]}), r"unknown key\(s\) \['layer_type'\] in layers"),
+    (_section({"layer_numbers": 1}), "layers.layer_numbers must be a list of layer numbers and ranges"),
+    (_section(feature={"tensors": None, "tensors_struct": [{"tensor": "activation", "stats": ["max"]},
+                                          {"tensor": "activation", "stats": ["std"]}]}),
+     "tensor 'activation' is listed twice in distmetrics.LogTensorStats"),
+    (_section(feature={"start_end_list": [[1, 2]], "freq": 2}),
+     r"selects no step: no multiple of freq 2 lies in start_end_list \[\[1, 2\]\]"),
+    (_section(feature={"start_step": 3, "end_step": 3, "freq": 2}),
+     "selects no step: no multiple of freq 2 lies in start_step 3 to end_step 3"),
+    (_section(feature={"tensors_struct": []}), "has both 'tensors' and 'tensors_struct'"),
+    (_section(namespace=None, feature={"frequency": 2}), r"unknown key\(s\) \['frequency'\] in LogTensorStats;"),
+    (_section(namespace=None, feature={"tensors": None, "tensors_struct": [{"tensor": "activation", "freqq": 2}]}),
+     r"unknown key\(s\) \['freqq'\] in a LogTensorStats.tensors_struct entry"),
 ])
 def test_bad_features_fail_before_training_with_a_clear_error(tmp_path, features, message):
     import nvdlfw_inspect.api as debug_api
@@ -889,6 +917,31 @@ def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does
     records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
     assert [(r["step"], sorted(k for k in r if k.startswith("tensor_stats/"))) for r in records] == \
         [(s, ["tensor_stats/fc1/activation/max"]) for s in (1, 2, 3)]
+
+
+def test_a_later_entry_for_a_tensor_selects_no_step_of_its_own(tmp_path, caplog):
+    """nvdlfw-inspect reads the first entry (max, every second iteration); the second one's
+    schedule (every step) still made every step a statistics step: a gather at the steps between,
+    which brought nothing, and a warning that the section yielded no value."""
+    import torch
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "LogTensorStats": {"enabled": True, "tensors_struct": [
+                          {"tensor": "activation", "stats": ["max"], "freq": 2},
+                          {"tensor": "activation", "stats": ["min"], "freq": 1}]}}}
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, log_progress=False,
+                                          tensorboard=False, tensor_inspect={"enabled": True, "features": features}),
+                         model=_model())
+    for step in (1, 2, 3):  # iterations 0, 1, 2
+        monitor.model(torch.randn(4, 6)).sum().backward()
+        monitor.step(step)
+    monitor.close()
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert [(r["step"], sorted(k for k in r if k.startswith("tensor_stats/"))) for r in records] == \
+        [(s, ["tensor_stats/fc1/activation/max"]) for s in (1, 3)]
+    assert not [r.message for r in caplog.records if "no value came" in r.getMessage()]
 
 
 def test_the_dynamic_range_of_a_tensor_holding_nan_is_nan():

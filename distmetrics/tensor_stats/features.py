@@ -86,8 +86,7 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
             elif key == "distmetrics":
                 _check_our_features(where, value)
             elif key == "LogTensorStats":  # nvdlfw's own base-namespace feature
-                _check_feature(where, "LogTensorStats", value, _BASE_STATS, ("activation", "input", "weight",
-                                                                              "gradient"), strict=False)
+                _check_feature(where, "LogTensorStats", value, _BASE_STATS, TENSORS, strict=False)
             else:
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
@@ -95,9 +94,19 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
 
 
 def _check_selectors(where: str, layers: dict) -> None:
-    """A pattern that compiles, and layer types as a list: nvdlfw-inspect raised re.error from
-    inside its start for the one, and read ``layer_types: fc1`` letter by letter (``f|c|1``,
-    which selects fc2 too) for the other."""
+    """Known selectors only, a pattern that compiles, layer types as a list, layer numbers as
+    nvdlfw-inspect reads them: it ignored an unknown key (``layer_type:``, so the section's other
+    selectors chose more layers), raised re.error from inside its start for a bad pattern, read
+    ``layer_types: fc1`` letter by letter (``f|c|1``, which selects fc2 too), and failed on
+    ``layer_numbers: 1`` with "'int' object is not iterable"."""
+    unknown = [key for key in layers if key not in _SELECTORS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} in layers; accepted: {', '.join(_SELECTORS)}")
+    numbers = layers.get("layer_numbers")
+    if numbers is not None and not (numbers == "all" or (isinstance(numbers, list) and numbers and all(
+            _layer_number(n) for n in numbers))):
+        raise ConfigError(f"{where}: layers.layer_numbers must be a list of layer numbers and ranges such as "
+                          f"[1, 3, '5-7'], or 'all'; got {numbers!r}")
     pattern = layers.get("layer_name_regex_pattern")
     if pattern is not None:
         if not isinstance(pattern, str):
@@ -111,6 +120,15 @@ def _check_selectors(where: str, layers: dict) -> None:
     types = layers.get("layer_types")
     if types is not None and not _names(types):
         raise ConfigError(f"{where}: layers.layer_types must be a list of names such as [fc1, fc2], got {types!r}")
+
+
+def _layer_number(value: Any) -> bool:
+    """A layer number (``3``), an inclusive range (``'5-7'``) or ``'all'``, as nvdlfw-inspect reads them."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, str) and (value == "all" or re.fullmatch(r"\d+-\d+", value) is not None)
 
 
 def _names(value: Any) -> bool:
@@ -146,31 +164,37 @@ def _check_our_features(where: str, features: Any) -> None:
         if not isinstance(cfg, dict):
             raise ConfigError(f"{where}: distmetrics.LogTensorStats must be a mapping of settings "
                               f"({', '.join(sorted(_FEATURE_KEYS))}), got {cfg!r}")
-        unknown = set(cfg) - _FEATURE_KEYS
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in distmetrics.LogTensorStats; "
-                              f"accepted: {sorted(_FEATURE_KEYS)}")
         _check_feature(where, "distmetrics.LogTensorStats", cfg, SUPPORTED_STATS, TENSORS, strict=True)
 
 
 def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensors: tuple, strict: bool) -> None:
-    """Every tensor entry of a LogTensorStats feature: a non-empty list of known statistics and a
-    schedule (freq, start_step, end_step, start_end_list) of whole steps; ``strict`` (ours): known
-    tensors and entry keys too (nvdlfw's own takes any tensor name). A bad entry fails here, before
-    training, not at the first selected step (or, worse, is ignored)."""
+    """Every tensor entry of a LogTensorStats feature: known keys (a typo, ``freqq:`` or ``stat:``,
+    was ignored), a non-empty list of known statistics and a schedule (freq, start_step, end_step,
+    start_end_list) of whole steps that selects some step; ``strict`` (ours): known tensors and one
+    entry per tensor too (nvdlfw's own takes any tensor name, and a tensor's first entry, as
+    nvdlfw-inspect reads it, ignoring the rest). A bad entry fails here, before training, not at the
+    first selected step (or, worse, is ignored)."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
+    unknown = set(cfg) - _FEATURE_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in {feature}; accepted: {sorted(_FEATURE_KEYS)}")
     if "enabled" not in cfg:  # nvdlfw-inspect asserts it; without it the feature logged nothing, silently
         raise ConfigError(f"{where}: {feature} needs 'enabled' (true or false)")
     _check_enabled(f"{where}: {feature}", cfg["enabled"])
+    seen: set = set()
     for entry in _tensor_entries(where, cfg, feature):
         unknown = set(entry) - _ENTRY_KEYS
-        if strict and "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
+        if "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in a {feature}.tensors_struct entry; "
                               f"accepted: {sorted(_ENTRY_KEYS)}")
         tensor = entry.get("tensor")
         if strict and tensor not in tensors:
             raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(tensors)}")
+        if strict and isinstance(tensor, str) and tensor in seen:  # nvdlfw's own: its first, as nvdlfw-inspect
+            raise ConfigError(f"{where}: tensor {tensor!r} is listed twice in {feature}; nvdlfw-inspect reads its "
+                              "first entry only: give its statistics and schedule in one")
+        seen.add(tensor)
         stats = entry.get("stats", cfg.get("stats"))
         if not isinstance(stats, list) or not stats:
             raise ConfigError(f"{where}: {feature} stats must be a non-empty list of statistics "
@@ -215,6 +239,13 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> No
         raise ConfigError(f"{where}: {feature} start_end_list for tensor {tensor!r} must be a list of "
                           f"[start, end] step pairs, each selecting start <= step < end (end -1: no end; "
                           f"start < end), got {pairs!r}")
+    # the steps selected are the multiples of freq in the ranges (a multiple of 0: step 0 counts)
+    ranges = [(a, None if b == -1 else b - 1) for a, b in pairs] if pairs else \
+        [(start, None if end is None or end == -1 else end)]
+    if not any(last is None or -(-first // freq) * freq <= last for first, last in ranges):
+        shown = f"start_end_list {pairs}" if pairs else f"start_step {start} to end_step {end}"
+        raise ConfigError(f"{where}: {feature} for tensor {tensor!r} selects no step: no multiple of freq {freq} "
+                          f"lies in {shown} (a step is logged where step % freq == 0)")
 
 
 def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensorStats") -> list[dict]:
@@ -222,6 +253,9 @@ def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensor
     with a ``tensor``) or ``tensors`` (a list of names) with the shared settings (marked ``_shared``:
     their keys are the feature's)."""
     struct, tensors = cfg.get("tensors_struct"), cfg.get("tensors")
+    if "tensors_struct" in cfg and "tensors" in cfg:  # nvdlfw-inspect reads tensors_struct only (even empty)
+        raise ConfigError(f"{where}: {feature} has both 'tensors' and 'tensors_struct'; nvdlfw-inspect reads "
+                          "tensors_struct alone: give one of them")
     if struct:
         if not isinstance(struct, list) or not all(isinstance(e, dict) for e in struct):
             raise ConfigError(f"{where}: {feature}.tensors_struct must be a list of mappings "
@@ -297,10 +331,19 @@ def stats_step(spec: dict, iteration: int, hooked_only: bool = False) -> bool:
         for namespace, cfg in features:
             if not isinstance(cfg, dict) or not cfg.get("enabled"):
                 continue
-            for entry in cfg.get("tensors_struct") or [cfg]:
+            for entry in _first_entries(cfg.get("tensors_struct")) or [cfg]:
                 if _logs_at(namespace, dict(cfg, **entry), iteration):
                     return True
     return False
+
+
+def _first_entries(struct: Any) -> list:
+    """A ``tensors_struct``'s entries, each tensor's first only: the one nvdlfw-inspect reads (a
+    later entry's schedule gathered values at steps that then brought none, and a warning)."""
+    first: dict = {}
+    for entry in struct or ():
+        first.setdefault(entry.get("tensor"), entry)
+    return list(first.values())
 
 
 def _logs_at(namespace: str, cfg: dict, iteration: int) -> bool:
