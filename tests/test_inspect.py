@@ -440,6 +440,59 @@ def test_transformer_engine_metric_names_map_to_ours():
     assert _metric_name("model.pre_weight_proj_activation_mse") == "tensor_stats/pre_weight_proj/activation/mse"
 
 
+def test_a_section_selecting_a_wrapper_level_name_is_not_called_silent(tmp_path, caplog):
+    """Metric names leave the wrapper level off (``module.``), and the check for sections that
+    yielded nothing rebuilt layer names from them: ``^model\\.module\\.fc1$`` matched none, and
+    a section whose values were written was named as yielding none."""
+    import torch
+
+    import distmetrics as dm
+
+    class Wrapper(torch.nn.Module):  # DDP's level, without a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    model = Wrapper(_model())
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"^model\.module\.fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"],
+                                                          "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    with dm.Monitor(cfg, model=model) as monitor:
+        model(torch.randn(3, 6)).sum().backward()
+        monitor.step(1)
+    [record] = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert "tensor_stats/fc1/activation/max" in record
+    assert not [r.getMessage() for r in caplog.records if "no value came" in r.getMessage()]
+
+
+def test_a_tensor_name_holding_an_underscore_is_kept_whole(tmp_path):
+    """nvdlfw-inspect's base LogTensorStats called from the user's code for a tensor the features
+    file names ``attn_scores``: written as ``attn/attn/scores_max`` (split at the first ``_``)."""
+    import nvdlfw_inspect.api as debug_api
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Sequential()
+    model.add_module("attn", torch.nn.Linear(4, 4))
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "attn$"},
+                      "LogTensorStats": {"enabled": True, "tensors": ["attn_scores"], "stats": ["max"], "freq": 1}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    scores = torch.arange(6.0).reshape(2, 3)
+    with dm.Monitor(cfg, model=model) as monitor:
+        debug_api.log_tensor_stats("model.attn", tensor=scores, tensor_name="attn_scores")
+        monitor.step(1)
+    [record] = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert {k: v for k, v in record.items() if k.startswith("tensor_stats/")} == \
+        {"tensor_stats/attn/attn_scores/max": 5.0}
+
+
 def test_a_model_given_to_initialize_and_to_the_monitor_is_hooked_once(tmp_path):
     """Hooked twice, every activation would count twice and the std would come out wrong."""
     import torch

@@ -90,6 +90,7 @@ class TensorInspector:
         self._leader = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.selected: dict[str, list[str]] = {}
         self.layer_names: set[str] = set()
+        self._tensor_names = _tensor_names(spec)  # the tensors the file names (a name may hold '_')
         self._hooks: list = []
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
@@ -227,7 +228,7 @@ class TensorInspector:
 
     def metric_name(self, logged: str) -> str:
         """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
-        return metric_name(logged, self.layer_names)
+        return metric_name(logged, self.layer_names, self._tensor_names)
 
     # --- accumulation (called through the feature) ----------------------------------------
     def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
@@ -279,7 +280,11 @@ class TensorInspector:
         """Warn once per section that selects this step but yielded no value (on global rank 0)."""
         from nvdlfw_inspect.config_manager import is_layer_in_cfg
 
-        layers = {"model." + key.split("/")[1] for key in metrics if key.count("/") >= 3}
+        full: dict[str, list] = {}  # a metric's layer -> the layer names it stands for (wrapper levels kept)
+        for layer in self.layer_names:
+            full.setdefault(strip_model(layer), []).append(layer)
+        layers = {name for key in metrics if key.count("/") >= 3
+                  for name in full.get(key.split("/")[1], ["model." + key.split("/")[1]])}
         for section, cfg in self._sections:
             if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
                 continue
@@ -356,6 +361,26 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
+
+
+def _tensor_names(spec: dict) -> set:
+    """Every tensor name a features file gives (``tensors`` lists, ``tensors_struct`` entries) in any
+    namespace; TE's and nvdlfw-inspect's features read nothing else."""
+    names: set = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            tensors, struct = node.get("tensors"), node.get("tensors_struct")
+            if isinstance(tensors, list):
+                names.update(t for t in tensors if isinstance(t, str))
+            for entry in struct if isinstance(struct, list) else ():
+                if isinstance(entry, dict) and isinstance(entry.get("tensor"), str):
+                    names.add(entry["tensor"])
+            for value in node.values():
+                visit(value)
+
+    visit(spec)
+    return names
 
 
 def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tensor:

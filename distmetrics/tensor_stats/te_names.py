@@ -15,15 +15,22 @@ __all__ = ["metric_name", "strip_model", "TE_TENSORS"]
 TE_TENSORS = ("activation", "gradient", "weight", "output", "wgrad", "dgrad", "input")
 
 
-def metric_name(name: str, layers: Any = ()) -> str:
+def metric_name(name: str, layers: Any = (), tensors: Any = ()) -> str:
     """TE's ``<layer>_<tensor>_<stat>`` → ``tensor_stats/<layer>/<tensor>/<stat>``.
 
     The longest known layer name that prefixes ``name`` wins, so a layer whose own name holds
-    ``_weight_`` or ``_input_`` is not split there; without a known layer, the last
-    ``_<tensor>_`` (stat names hold none)."""
+    ``_weight_`` or ``_input_`` is not split there; after it, the longest tensor name of TE's or of
+    ``tensors`` (the features file's) that the rest starts with, so a tensor named ``attn_scores``
+    is not split at its own ``_``; else the rest up to its first ``_``. Without a known layer, the
+    last ``_<tensor>_`` (stat names hold none)."""
+    known = sorted({*TE_TENSORS, *tensors}, key=len, reverse=True)
     for layer in sorted(layers, key=len, reverse=True):
         if name.startswith(layer + "_"):
-            tensor_name, _, stat = name[len(layer) + 1:].partition("_")
+            rest = name[len(layer) + 1:]
+            tensor_name = next((t for t in known if rest.startswith(t + "_") and len(rest) > len(t) + 1), None)
+            stat = rest[len(tensor_name) + 1:] if tensor_name else None
+            if tensor_name is None:
+                tensor_name, _, stat = rest.partition("_")
             if stat:
                 return f"tensor_stats/{strip_model(layer)}/{tensor_name}/{stat}"
     hits = [(name.rfind(f"_{t}_"), t) for t in TE_TENSORS if f"_{t}_" in name]
