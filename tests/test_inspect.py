@@ -949,32 +949,12 @@ def test_a_features_file_a_rank_cannot_read_is_raised_on_every_rank(tmp_path, mi
         assert message.count("does not exist") == 1 and kind == "ConfigError", (message, kind)
 
 
-def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does(tmp_path):
+@pytest.mark.parametrize("freqs,steps", [((1, 2), (1, 2, 3)), ((2, 1), (1, 3))], ids=["first every step",
+                                                                             "first every second step"])
+def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does(tmp_path, caplog, freqs, steps):
     """Two tensors_struct entries for one tensor: nvdlfw-inspect's own feature uses the first
-    (max at every step); through our hooks the last one won (min at steps 1 and 3)."""
-    import torch
-
-    import distmetrics as dm
-
-    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
-                      "LogTensorStats": {"enabled": True, "tensors_struct": [
-                          {"tensor": "activation", "stats": ["max"], "freq": 1},
-                          {"tensor": "activation", "stats": ["min"], "freq": 2}]}}}
-    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, log_progress=False,
-                                          tensorboard=False, tensor_inspect={"enabled": True, "features": features}),
-                         model=_model())
-    for step in (1, 2, 3):
-        monitor.model(torch.randn(4, 6)).sum().backward()
-        monitor.step(step)
-    monitor.close()
-    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
-    assert [(r["step"], sorted(k for k in r if k.startswith("tensor_stats/"))) for r in records] == \
-        [(s, ["tensor_stats/fc1/activation/max"]) for s in (1, 2, 3)]
-
-
-def test_a_later_entry_for_a_tensor_selects_no_step_of_its_own(tmp_path, caplog):
-    """nvdlfw-inspect reads the first entry (max, every second iteration); the second one's
-    schedule (every step) still made every step a statistics step: a gather at the steps between,
+    (max); through our hooks the last one won (min at steps 1 and 3). And the second one's
+    schedule alone (every step) still made a statistics step: a gather at the steps between,
     which brought nothing, and a warning that the section yielded no value."""
     import torch
 
@@ -982,8 +962,8 @@ def test_a_later_entry_for_a_tensor_selects_no_step_of_its_own(tmp_path, caplog)
 
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
                       "LogTensorStats": {"enabled": True, "tensors_struct": [
-                          {"tensor": "activation", "stats": ["max"], "freq": 2},
-                          {"tensor": "activation", "stats": ["min"], "freq": 1}]}}}
+                          {"tensor": "activation", "stats": ["max"], "freq": freqs[0]},
+                          {"tensor": "activation", "stats": ["min"], "freq": freqs[1]}]}}}
     monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, log_progress=False,
                                           tensorboard=False, tensor_inspect={"enabled": True, "features": features}),
                          model=_model())
@@ -993,8 +973,8 @@ def test_a_later_entry_for_a_tensor_selects_no_step_of_its_own(tmp_path, caplog)
     monitor.close()
     records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
     assert [(r["step"], sorted(k for k in r if k.startswith("tensor_stats/"))) for r in records] == \
-        [(s, ["tensor_stats/fc1/activation/max"]) for s in (1, 3)]
-    assert not [r.message for r in caplog.records if "no value came" in r.getMessage()]
+        [(s, ["tensor_stats/fc1/activation/max"]) for s in steps]
+    assert not [r.getMessage() for r in caplog.records if "no value came" in r.getMessage()]
 
 
 def test_the_dynamic_range_of_a_tensor_holding_nan_is_nan():
