@@ -183,7 +183,7 @@ class Monitor:
         all-reduce of one number (2-4 for p = 0, ±inf); per-module norms ride the log step's pack."""
         norms = self._norms("clip_grad_norm_")
         self._guard.note("monitor.clip_grad_norm_")  # a collective not guarded (every step): named if it hangs
-        return norms.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        return norms.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, self._last_step)
 
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
@@ -194,7 +194,7 @@ class Monitor:
         if not self._is_log_step(step):
             return None
         self._guard.note("monitor.measure_grad_norms")  # a collective not guarded: named if it hangs
-        return norms.measure(norm_type)
+        return norms.measure(norm_type, self._last_step)
 
     def attach_megatron_optimizer(self, optimizer: Any) -> None:
         """Read an optimizer built after the Monitor: Megatron's distributed optimizer's owned

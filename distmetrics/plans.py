@@ -61,6 +61,7 @@ class Plan:
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, id of the Buckets) → (Buckets, element names, every)
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
+    given: bool = False  # the parameters a clip was given (not the model's trainable ones): frozen ones too
 
     @functools.cached_property
     def every_index(self) -> tuple:
@@ -112,7 +113,9 @@ class ParamPlans:
                 return plan  # the same gradients as the model's trainable parameters
         plan = self._custom.get(signature)
         if plan is None:
-            plan = self._custom[signature] = self._build(list(zip(self._names(params), params)), signature)
+            unique = list({id(q): q for q in params}.values())  # a parameter listed twice (a tied weight) counts once
+            plan = self._custom[signature] = self._build(list(zip(self._names(unique), unique)), signature)
+            plan.given = True
             while len(self._custom) > 4:
                 self._custom.popitem(last=False)
         return plan

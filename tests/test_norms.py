@@ -1038,3 +1038,153 @@ def test_a_model_mesh_spanning_part_of_the_job_is_named_not_taken():
     (none, said), (other_none, other_said) = run_ranks(_part_world_mesh, 2, timeout=60)
     assert none and other_none and other_said == []
     assert len(said) == 1 and "spans 1 of the 2 ranks" in said[0] and "pass device_mesh=" in said[0], said
+
+
+# --- fine-tuning: frozen parameters, parameters given to the clip, several clips, update norms ---
+
+def _three_linears():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    for name, (a, b) in (("enc", (4, 4)), ("mid", (4, 4)), ("dec", (4, 2))):
+        model.add_module(name, nn.Linear(a, b))
+    return model
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "swap"])
+def test_parameters_frozen_or_unfrozen_after_the_optimizer_step_keep_its_update_under_their_names(change):
+    """Gradual unfreezing at the end of a step (after ``optimizer.step()``, before ``monitor.step``):
+    the update, bucketed by the step's parameters, was named by the log step's: mid's update
+    written as update_norm/enc (swap), or the log step raised on a vector of the wrong length."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    if change in ("unfreeze", "swap"):
+        model.enc.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    for step in (1, 2, 3):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+        monitor.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        truth = {}
+        for name, p in model.named_parameters():
+            module = name.split(".")[0]
+            truth[module] = truth.get(module, 0.0) + float((p.detach().double() - before[name]).pow(2).sum())
+        if step == 2:  # the callback at the end of step 2: enc trains from now on; mid stops, but for unfreeze
+            model.enc.requires_grad_(True)
+            model.mid.requires_grad_(change == "unfreeze")
+        metrics = monitor.step(step)
+        logged = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("update_norm/")}
+        assert logged == pytest.approx({m: math.sqrt(v) for m, v in truth.items() if v > 0}, rel=1e-6), (step, change)
+    monitor.close()
+
+
+def test_two_clips_in_one_step_over_different_parameters_are_said_once(caplog):
+    """A clip per parameter group: grad_norm is the last group's (0.385 of 0.478, no word)."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    for step in (1, 2):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        monitor.clip_grad_norm_(model.enc.parameters(), 1.0)
+        last = monitor.clip_grad_norm_(list(model.mid.parameters()) + list(model.dec.parameters()), 1.0)
+        assert monitor.step(step)["grad_norm"] == pytest.approx(float(last), rel=1e-6)
+        monitor.clip_grad_norm_(1.0)  # the model's, twice in a step: the same parameters, nothing said
+        monitor.clip_grad_norm_(1.0)
+        model.zero_grad()
+    monitor.close()
+    said = [r.getMessage() for r in caplog.records if "called twice between two monitor.step" in r.getMessage()]
+    assert len(said) == 1 and "(2, then 4: one call per parameter group?)" in said[0], said
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["model's parameters", "and one from the loss"])
+def test_a_tied_weight_listed_twice_counts_once_and_is_scaled_once(extra):
+    """Parameters listed per module, the tied embedding/head weight twice (torch's clip counts it
+    twice and scales it twice). With a parameter from outside the model in the list it was counted
+    twice (grad_norm 6.6% high, the tied gradient scaled by coef²); without one, once."""
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed, model.mid, model.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight
+    temp = nn.Parameter(torch.ones(()))
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    (model.head(model.mid(model.embed(torch.randint(0, 10, (3,))))) * temp).logsumexp(-1).mean().backward()
+    listed = [p for m in (model.embed, model.mid, model.head) for p in m.parameters()] + ([temp] if extra else [])
+    unique = list({id(p): p for p in listed}.values())
+    grads = {id(p): p.grad.double().clone() for p in unique}
+    truth = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+    total = monitor.clip_grad_norm_(listed, 0.01)
+    assert float(total) == pytest.approx(truth, rel=1e-6)
+    coef = 0.01 / (truth + 1e-6)
+    for p in unique:
+        assert torch.allclose(p.grad.double(), grads[id(p)] * coef, rtol=1e-5), p.shape
+    assert monitor.step(1)["grad_norm"] == pytest.approx(truth, rel=1e-6)
+    monitor.close()
+
+
+def test_frozen_parameters_given_to_the_clip_are_not_missing_gradients():
+    """A frozen base and its adapters, clipped with a parameter from the loss: the frozen weights
+    (which have no gradient, as they should not) were counted in grad_missing_params (6 for 0)."""
+    import itertools
+
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    model.enc.requires_grad_(False)
+    temp, unused = nn.Parameter(torch.ones(())), nn.Parameter(torch.ones(()))  # unused: trainable, no gradient
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    (model(torch.randn(3, 4)) * temp).pow(2).mean().backward()
+    monitor.clip_grad_norm_(itertools.chain(model.parameters(), [temp, unused]), 1.0)
+    assert monitor.step(1)["grad_missing_params"] == 1.0
+    monitor.close()
+
+
+def test_update_norms_that_cannot_come_are_said_once(caplog):
+    """log_update_norm without an optimizer, or with one replaced by a new one (gradual
+    unfreezing rebuilds it): records without update_norm, and no word."""
+    import torch
+
+    import distmetrics as dm
+
+    def said():
+        return [r.getMessage() for r in caplog.records if "update_norm" in r.getMessage()]
+
+    model = _three_linears()
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model)
+    for step in (1, 2):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        assert "update_norm" not in monitor.step(step)
+    monitor.close()
+    assert len(said()) == 1 and "log_update_norm is on but no optimizer was given" in said()[0], said()
+    caplog.clear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    for step in (1, 2, 3, 4):
+        if step == 3:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # rebuilt, not given to the Monitor
+        if step == 4:
+            monitor.attach_megatron_optimizer(optimizer)  # given: update norms again
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert ("update_norm" in monitor.step(step)) == (step != 3)
+    monitor.close()
+    assert len(said()) == 1 and "the record of step 3 has no update_norm: the optimizer given" in said()[0], said()

@@ -13,6 +13,7 @@ of non-finite tensors is not 0 (one more reduction, then).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from typing import Any, Callable, Optional
@@ -26,6 +27,8 @@ from ..parallel import local_tensor
 from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
 from .norm_tree import Families, subtree_values
+
+logger = logging.getLogger("distmetrics")
 
 __all__ = ["NormCollector", "subtree_values", "FIRST_STEP"]
 
@@ -60,8 +63,14 @@ class NormCollector:
         self.snapshot_device = snapshot
         self._grad: Optional[GradMeasurement] = None  # the latest measurement
         self._grad_plan: Optional[Plan] = None
+        self._grad_after: Any = None  # the last monitor.step number before that measurement
+        self._warned_partial = False  # a second measurement over other parameters in one step was said
+        self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
+        self._optimizer_steps_logged = 0  # ... at the last log step
+        self._warned_update = False  # update_norm missing from a record was said
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
+        self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
         self._update_step: Optional[int] = None  # the log step the update was measured for
         self._snapshot_step: Optional[int] = None
         self._snapshot: Optional[list] = None
@@ -115,6 +124,7 @@ class NormCollector:
         def after(opt: Any, args: Any, kwargs: Any) -> None:
             self._stepping -= 1
             if self._stepping == 0:  # after the last of a chained optimizer's inner steps
+                self._optimizer_steps += 1
                 self.diff()
 
         for target in targets:
@@ -133,7 +143,7 @@ class NormCollector:
 
     # --- gradients ----------------------------------------------------------------------
     def clip(self, parameters: Any, max_norm: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
-             foreach: Optional[bool] = None) -> Any:
+             foreach: Optional[bool] = None, after_step: Any = None) -> Any:
         """``torch.nn.utils.clip_grad_norm_`` (see :mod:`distmetrics.grad_norm`), or the short form
         ``clip(max_norm[, norm_type])`` for the model's parameters; the measurement is kept for
         the log step."""
@@ -146,10 +156,10 @@ class NormCollector:
         self._check_norm_type(norm_type, "clip_grad_norm_")
         result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                                            self._scale_now(), "monitor.clip_grad_norm_")
-        self._keep(measured)
+        self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result
 
-    def measure(self, norm_type: Any = 2.0) -> torch.Tensor:
+    def measure(self, norm_type: Any = 2.0, after_step: Any = None) -> torch.Tensor:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
         self._check_norm_type(norm_type, "measure_grad_norms")
@@ -157,7 +167,7 @@ class NormCollector:
                                               call="monitor.measure_grad_norms")
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
-        self._keep(measured)
+        self._keep(measured, after_step, "monitor.measure_grad_norms")
         return measured.total if measured is not None else result.to(torch.float64)
 
     def _scale_now(self) -> Optional[torch.Tensor]:
@@ -180,10 +190,27 @@ class NormCollector:
                 "use norm types of one family for the whole run (p-norms with p >= 0; or inf; or -inf), or a new "
                 "Monitor for the other")
 
-    def _keep(self, measured: Optional[GradMeasurement]) -> None:
+    def _keep(self, measured: Optional[GradMeasurement], after_step: Any = None, caller: str = "") -> None:
+        """Keep the latest measurement for the log step. One made in the same step as the one kept
+        (``after_step``: the last ``monitor.step`` number before both) over other parameters — a
+        clip per parameter group — replaces it: said once (rank 0), since ``grad_norm`` is then
+        the last call's parameters' norm, not the step's."""
         if measured is not None:
             measured.locals = measured.groups = None
+            kept = self._grad
+            if kept is not None and self._grad_after == after_step and kept.plan is not measured.plan \
+                    and not self._warned_partial:
+                self._warned_partial = True
+                if self.layout.rank == 0:
+                    logger.warning(
+                        "distmetrics: %s was called twice between two monitor.step calls, on different "
+                        "parameters (%d, then %d: one call per parameter group?); grad_norm, its per-module values "
+                        "and grad_clip_ratio are the last call's parameters' only, not the step's. Measure all "
+                        "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
+                        "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
+                        len(measured.plan.params))
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
+        self._grad_after = after_step
 
     # --- optimizer hooks for update norms -------------------------------------------------
     def snapshot(self) -> None:
@@ -208,6 +235,7 @@ class NormCollector:
             new = [t.to("cpu") for t in new]
         torch._foreach_sub_(old, new)
         self._update, self._update_step = self._bucket_squares(plan, old), self._snapshot_step
+        self._update_plan = plan  # parameters frozen or added before the log step do not rename its buckets
 
     # --- log step ------------------------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:
@@ -226,6 +254,8 @@ class NormCollector:
         update, self._update = self._update, None
         if update is not None and self._update_step != ctx.step:
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)
+        if self.log_update_norm:
+            self._say_no_update(update is None, ctx.step)
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
@@ -236,9 +266,28 @@ class NormCollector:
             if update is not None:
                 out.append(Sample("update_norm", update.sum(), "sum"))
                 if self.per_module:
-                    owned = self._param_route(plan, update.device).owned_buckets
-                    out.append(_vector(plan, "update_norm", update, "sum", owned))
+                    owned = self._param_route(self._update_plan, update.device).owned_buckets
+                    out.append(_vector(self._update_plan, "update_norm", update, "sum", owned))
         return out
+
+    def _say_no_update(self, missing: bool, step: int) -> None:
+        """Once (rank 0): ``log_update_norm`` is on but no optimizer was given, or the one given did
+        not step since the last log step (replaced by a new one, or skipped by a GradScaler), so the
+        record has no ``update_norm``."""
+        stepped, self._optimizer_steps_logged = self._optimizer_steps != self._optimizer_steps_logged, \
+            self._optimizer_steps
+        if self._warned_update or not missing or (self._hooks and stepped):
+            return
+        self._warned_update = True
+        if self.layout.rank != 0:
+            return
+        if not self._hooks:
+            logger.warning("distmetrics: log_update_norm is on but no optimizer was given (Monitor(optimizer=...) or "
+                           "monitor.attach_megatron_optimizer(optimizer)): no record has update_norm")
+        else:
+            logger.warning("distmetrics: the record of step %d has no update_norm: the optimizer given to the Monitor "
+                           "did not step since the last log step (skipped by a GradScaler, or replaced: give a new "
+                           "optimizer to monitor.attach_megatron_optimizer(optimizer))", step)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients.
