@@ -1,14 +1,20 @@
 """Subtree norms from the modules that own parameters: every module's value over its subtree
 (a sum of p-th powers, or a max or min), and where each family's names sit in a log step's
-metrics, worked out once per set of names."""
+metrics, worked out once per set of names; the per-module vector samples the
+families are sent as, and the p-th roots taken of them."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
-from ..packing import tuple_getter
+import torch
 
-__all__ = ["Families", "Found", "subtree_values"]
+from ..packing import tuple_getter
+from ..plans import Buckets, Plan
+from .base import Sample
+
+__all__ = ["Families", "Found", "subtree_values", "roots", "module_vector"]
 
 
 def subtree_values(leaves: dict[str, float], combine: Callable[[float, float], float]) -> dict[str, float]:
@@ -101,3 +107,28 @@ class Found:
                 modules.setdefault(family, []).append(module)
                 own.setdefault(family, []).append(key)
         self.leaves = {family: _Leaves(family, names, chains, own[family]) for family, names in modules.items()}
+
+
+def roots(values: list[float], p: float) -> list[float]:
+    """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN)."""
+    if p == 2.0:
+        try:
+            return list(map(math.sqrt, values))
+        except ValueError:  # a negative sum
+            return [math.sqrt(v) if v >= 0 else math.nan for v in values]
+    return [v ** (1.0 / p) if v >= 0 else math.nan for v in values]
+
+
+def module_vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:
+    """One vector sample of ``values[buckets]``, named ``<family>/<module>`` (names cached; every
+    bucket in order, as on one rank, takes ``values`` as they are)."""
+    key = (family, id(buckets))  # routes keep their Buckets: no hash of every id at each log step
+    cached = plan.vectors.get(key)
+    if cached is None or cached[0] is not buckets:
+        if len(plan.vectors) >= 64:  # routes made anew (the gradients present changed): keep a few
+            plan.vectors.clear()
+        names = tuple(f"{family}/{plan.buckets[i]}" for i in buckets.ids)
+        cached = plan.vectors[key] = (buckets, names, buckets.ids == tuple(range(len(plan.buckets))))
+    _, names, every = cached
+    picked = values if every else values.index_select(0, buckets.index.to(values.device))
+    return Sample(family, picked, kind, names=names)

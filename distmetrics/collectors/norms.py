@@ -21,12 +21,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..grad_norm import GradientNorms, GradMeasurement, norm_kind, note_clip, per_tensor_norms
-from ..plans import Buckets, Plan, route_of
+from ..plans import Plan, route_of
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
 from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
-from .norm_tree import Families, subtree_values
+from .norm_tree import Families, module_vector, roots, subtree_values
 
 logger = logging.getLogger("distmetrics")
 
@@ -248,7 +248,7 @@ class NormCollector:
             out.append(Sample("grad_nonfinite", grad.nonfinite, "sum"))
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
-                out.append(_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
+                out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
         if self._loss_scale is not None:  # an attached fp16 optimizer's, as Megatron logs it (the same on every rank)
             out.append(Sample("loss_scale", self._scale_now().reshape(()), "mean"))
         update, self._update = self._update, None
@@ -262,12 +262,12 @@ class NormCollector:
             out.append(Sample("param_norm", squares.sum(), "sum"))
             if self.per_module:
                 owned = self._param_route(plan, squares.device).owned_buckets
-                out.append(_vector(plan, "param_norm", squares, "sum", owned))
+                out.append(module_vector(plan, "param_norm", squares, "sum", owned))
             if update is not None:
                 out.append(Sample("update_norm", update.sum(), "sum"))
                 if self.per_module:
                     owned = self._param_route(self._update_plan, update.device).owned_buckets
-                    out.append(_vector(self._update_plan, "update_norm", update, "sum", owned))
+                    out.append(module_vector(self._update_plan, "update_norm", update, "sum", owned))
         return out
 
     def _say_no_update(self, missing: bool, step: int) -> None:
@@ -312,9 +312,9 @@ class NormCollector:
             leaves = found.leaves.get(family)
             if leaves is not None:
                 values = leaves.subtrees(leaves.read(metrics), family_kind)
-                metrics.update(zip(leaves.out_keys, _roots(values, family_p) if root else values))
+                metrics.update(zip(leaves.out_keys, roots(values, family_p) if root else values))
             if root and family in metrics:
-                metrics[family] = _roots([metrics[family]], family_p)[0]
+                metrics[family] = roots([metrics[family]], family_p)[0]
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
@@ -340,7 +340,7 @@ class NormCollector:
         if self._flags is None:
             self._flags = Reducer(self.group, guard=self._guard, call="monitor.step (non-finite modules)")
         samples = [] if grad is None else [
-            _vector(grad.plan, "_grad_bad", grad.bad_buckets(), "sum", grad.local_buckets)]
+            module_vector(grad.plan, "_grad_bad", grad.bad_buckets(), "sum", grad.local_buckets)]
         counts = self._flags.reduce(samples, tag=step).values
         return [name[len("_grad_bad/"):] for name, count in counts.items() if count]
 
@@ -401,28 +401,3 @@ def _is_number(value: Any) -> bool:
     """A max_norm: a real number (numpy's too: ``np.float32(1.0)``), or a 0-d tensor that is no parameter."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)) or \
         (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad and value.grad is None)
-
-
-def _roots(values: list[float], p: float) -> list[float]:
-    """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN)."""
-    if p == 2.0:
-        try:
-            return list(map(math.sqrt, values))
-        except ValueError:  # a negative sum
-            return [math.sqrt(v) if v >= 0 else math.nan for v in values]
-    return [v ** (1.0 / p) if v >= 0 else math.nan for v in values]
-
-
-def _vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:
-    """One vector sample of ``values[buckets]``, named ``<family>/<module>`` (names cached; every
-    bucket in order, as on one rank, takes ``values`` as they are)."""
-    key = (family, id(buckets))  # routes keep their Buckets: no hash of every id at each log step
-    cached = plan.vectors.get(key)
-    if cached is None or cached[0] is not buckets:
-        if len(plan.vectors) >= 64:  # routes made anew (the gradients present changed): keep a few
-            plan.vectors.clear()
-        names = tuple(f"{family}/{plan.buckets[i]}" for i in buckets.ids)
-        cached = plan.vectors[key] = (buckets, names, buckets.ids == tuple(range(len(plan.buckets))))
-    _, names, every = cached
-    picked = values if every else values.index_select(0, buckets.index.to(values.device))
-    return Sample(family, picked, kind, names=names)
