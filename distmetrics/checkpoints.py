@@ -100,13 +100,18 @@ class CheckpointLog:
         if self.world_size > 1 and dist.is_initialized():
             tokens = tokens.to(device)
             dist.all_reduce(tokens, group=group)
+        total = float(tokens.cpu()[0])
+        if not (total >= 0 and math.isfinite(total)):  # the same on every rank: every rank raises
+            raise ValueError(f"monitor.checkpoint_saved({step}): this job's tokens summed over ranks are {total!r}: a "
+                             "tensor given as monitor.step(tokens=...) held NaN, inf or a negative count on some "
+                             "rank; accepted values are finite numbers >= 0. No progress line was written (a restart "
+                             "would count on from it)")
         if not is_writer:
             return None
         if self._short:  # said at the first checkpoint: a job that saves none counts nothing
             logger.warning("distmetrics: %s.", self._short)
             self._short = ""
-        return checkpoint_record(step, self.resumed, self.job_start, float(tokens.cpu()[0]), flops_per_token,
-                                 self.world_size)
+        return checkpoint_record(step, self.resumed, self.job_start, total, flops_per_token, self.world_size)
 
 
     def _record_up_to(self, step: int, base: Optional[Saved]) -> Optional[Saved]:

@@ -273,8 +273,9 @@ class Monitor:
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
         ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
-        self._by_name["train"].to_context(metrics, ctx)  # wall time and tokens move into ctx
-        alerts, failure = [], None
+        train = self._by_name["train"]
+        train.to_context(metrics, ctx)  # wall time and tokens move into ctx
+        alerts, (failure, train.refused) = [], (train.refused, None)  # bad tokens: raised once the record is written
         for collector in self.collectors:
             try:
                 alerts += collector.finalize(metrics, ctx)

@@ -157,7 +157,8 @@ def check_count(value: Any, what: str, *args: Any) -> None:
 def check_step(step: Any, what: str, last: Optional[int] = None) -> None:
     """A step number: an int from 0 to 2**63 - 1 (it travels in an int64 lane), above ``last``."""
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
-        raise ValueError(f"{what}: step={step!r}: accepted values are integers from 0 to 2**63 - 1")
+        raise ValueError(f"{what}: step={step!r}: accepted values are Python ints from 0 to 2**63 - 1 "
+                         "(int(step) for a numpy integer or a tensor)")
     if last is not None and step <= last:
         raise ValueError(f"{what}: step={step} does not increase (the last step was {last})")
 

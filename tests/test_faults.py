@@ -534,7 +534,7 @@ def test_a_name_that_is_not_a_string_and_a_step_beyond_int64_are_refused(tmp_pat
     monitor = _monitor(tmp_path)
     with pytest.raises(TypeError, match="a metric name is a str, got int 123"):
         monitor.record(123, 1.0)
-    with pytest.raises(ValueError, match="accepted values are integers from 0 to 2\\*\\*63 - 1"):
+    with pytest.raises(ValueError, match="accepted values are Python ints from 0 to 2\\*\\*63 - 1"):
         monitor.step(2 ** 63)
     monitor.close()
 
@@ -576,7 +576,7 @@ def test_a_scalar_given_as_none_is_a_step_without_that_value():
 
 def test_a_log_eval_step_that_no_lane_can_hold_is_refused(tmp_path):
     monitor = _monitor(tmp_path)
-    with pytest.raises(ValueError, match="monitor.log_eval: step='1': accepted values are integers from 0"):
+    with pytest.raises(ValueError, match="monitor.log_eval: step='1': accepted values are Python ints from 0"):
         monitor.log_eval("1", loss=2.0)
     monitor.close()
 
@@ -778,7 +778,7 @@ def test_checkpoint_saved_refuses_a_step_that_is_not_a_step(tmp_path):
 
     with dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_progress=True)) as monitor:
         for step in (None, "2", -1):
-            with pytest.raises(ValueError, match=r"monitor.checkpoint_saved: step=.*accepted values are integers"):
+            with pytest.raises(ValueError, match=r"monitor.checkpoint_saved: step=.*accepted values are Python ints"):
                 monitor.checkpoint_saved(step)
     assert "Iteration" not in (tmp_path / "progress.txt").read_text()
 
@@ -859,7 +859,7 @@ def test_small_surprises_at_the_edges_are_named(tmp_path):
     model = torch.nn.Linear(3, 1)
     model(torch.ones(2, 3)).sum().backward()
     with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
-        with pytest.raises(ValueError, match=r"monitor.measure_grad_norms: step='2': accepted values are integers"):
+        with pytest.raises(ValueError, match=r"monitor.measure_grad_norms: step='2': accepted values are Python ints"):
             monitor.measure_grad_norms(step="2")
         expected = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()]).norm()
         assert float(monitor.clip_grad_norm_(np.float32(1e9))) == pytest.approx(float(expected))

@@ -4,6 +4,7 @@ so; throughput starts at the first ``monitor.step``, not when the Monitor is bui
 a :class:`~tests.dist_utils.FakeClock` the test advances by hand)."""
 
 import logging
+import math
 
 import pytest
 
@@ -296,3 +297,34 @@ def test_the_last_step_logged_reads_back_a_bounded_number_of_records_past_the_la
     monkeypatch.setattr(runlog, "_READ_PAST_LAST_TRAIN", 10)
     assert runlog.last_logged_step(path) == 40
     assert len(decoded) == 11  # the train record and 10 before it, not all 32
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1e6], ids=["nan", "negative"])
+def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(tmp_path, bad):
+    """A tensor count is not read at the call (that would wait for the device). One holding NaN
+    (or a negative count) at step 3 made step 5's train/loss, tokens/s and consumed tokens NaN
+    (or -2.5e6 tokens/s) without a word, and progress.txt's token count NaN for every later
+    checkpoint, across restarts. The log step writes its record without them and raises; a
+    checkpoint saved before any log step raises before writing its progress line."""
+    import torch
+
+    import distmetrics as dm
+
+    def job(out, log_interval):
+        cfg = dm.MetricsConfig(output_dir=str(out), log_interval=log_interval, console=False, tensorboard=False,
+                               log_memory=False, flops_per_token=6.0)
+        with FakeClock() as clock, dm.Monitor(cfg) as monitor:
+            for step in range(1, 6):
+                clock.advance(100)
+                monitor.step(step, loss=2.0, tokens=torch.tensor(bad if step == 3 else 1000.0))
+            monitor.checkpoint_saved(5)
+
+    with pytest.raises(ValueError, match=r"monitor.step\(tokens=...\): the tokens of the steps up to step 5, summed "
+                                         r"over ranks, are (nan|-99\d000.0): a tensor given as tokens held NaN"):
+        job(tmp_path / "log", 5)
+    [record] = [r for r in dm.read_jsonl(tmp_path / "log" / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["step"] == 5 and not any(k.startswith(("train/loss", "train/tokens", "train/consumed")) for k in record)
+    with pytest.raises(ValueError, match=r"monitor.checkpoint_saved\(5\): this job's tokens summed over ranks are"):
+        job(tmp_path / "checkpoint", 10)
+    assert not (tmp_path / "checkpoint" / "progress.txt").exists() or \
+        "Saved checkpoint" not in (tmp_path / "checkpoint" / "progress.txt").read_text()

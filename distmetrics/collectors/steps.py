@@ -15,6 +15,7 @@ measures one step fewer than it holds, and its throughput counts the tokens of t
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -92,6 +93,7 @@ class StepValues:
         self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
+        self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._starting = False
@@ -175,6 +177,16 @@ class StepValues:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
         the steps the clock measured and their tokens)."""
         ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
+        if ctx.tokens is not None and not (ctx.tokens >= 0 and math.isfinite(ctx.tokens)):
+            # a tensor count is not read at the call (a device sync): NaN, inf or a negative count on some
+            # rank shows here, in the sum (a negative one only where it outweighs the rest)
+            self.refused = ValueError(
+                f"monitor.step(tokens=...): the tokens of the steps up to step {ctx.step}, summed over ranks, are "
+                f"{ctx.tokens!r}: a tensor given as tokens held NaN, inf or a negative count on some rank; accepted "
+                "values are finite numbers >= 0. This record was written without train/loss (weighted by them) "
+                "and the throughput; the job's token count (checkpoints, progress.txt) holds them from now on")
+            ctx.tokens = None
+            metrics.pop("train/loss", None)
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
