@@ -567,8 +567,8 @@ def _activation_stats_run(tmp_path, name: str, train_step, gradient: bool = Fals
         for tensor, x in zip(tensors, tensors_truth if gradient else (tensors_truth,)):
             for stat, value in (("max", x.max()), ("mean", x.mean()), ("l1_norm", x.abs().sum()),
                                 ("l2_norm", x.norm())):
-                assert records[step].get(f"tensor_stats/fc1/{tensor}/{stat}") == pytest.approx(float(value), rel=1e-6), \
-                    (name, step, tensor, stat)
+                logged = records[step].get(f"tensor_stats/fc1/{tensor}/{stat}")
+                assert logged == pytest.approx(float(value), rel=1e-6), (name, step, tensor, stat)
     return records
 
 
