@@ -147,11 +147,11 @@ class GradientNorms:
             finite_check = torch.where(route.empty[1], torch.zeros_like(norms), norms)
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check)
-        if plan.given:  # the parameters a clip was given may include frozen ones: not missing
+        missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
+        if missing and plan.given:  # the parameters a clip was given may include frozen ones: not missing
             with_grad = set(index)
-            measured.missing = float(sum(q.requires_grad and i not in with_grad for i, q in enumerate(plan.params)))
-        else:  # the model's trainable parameters without a gradient
-            measured.missing = float(len(plan.params) - len(index))
+            missing = sum(q.requires_grad and i not in with_grad for i, q in enumerate(plan.params))
+        measured.missing = float(missing)
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
         if error_if_nonfinite and not bool(torch.isfinite(measured.total)):

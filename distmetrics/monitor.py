@@ -275,7 +275,8 @@ class Monitor:
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         train = self._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
-        alerts, (failure, train.refused) = [], (train.refused, None)  # bad tokens: raised once the record is written
+        failure, train.refused = train.refused, None  # tokens found bad: raised once the record is written
+        alerts = []
         for collector in self.collectors:
             try:
                 alerts += collector.finalize(metrics, ctx)

@@ -20,7 +20,7 @@ from ..yamlfile import read_yaml
 from .statistics import SUPPORTED_STATS
 
 __all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",
-           "FEATURES_DIR", "TENSORS"]
+           "tensor_names", "FEATURES_DIR", "TENSORS"]
 
 TENSORS = ("activation", "input", "weight", "gradient")
 FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
@@ -358,3 +358,23 @@ def _logs_at(namespace: str, cfg: dict, iteration: int) -> bool:
 
     return enable_logging_at_current_step(iteration, freq, cfg.get("start_step", 0), cfg.get("end_step", -1),
                                           cfg.get("start_end_list"))
+
+
+def tensor_names(spec: dict) -> set:
+    """Every tensor name a features file gives (``tensors`` lists, ``tensors_struct`` entries) in any
+    namespace; TE's and nvdlfw-inspect's features read nothing else."""
+    names: set = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            tensors, struct = node.get("tensors"), node.get("tensors_struct")
+            if isinstance(tensors, list):
+                names.update(t for t in tensors if isinstance(t, str))
+            for entry in struct if isinstance(struct, list) else ():
+                if isinstance(entry, dict) and isinstance(entry.get("tensor"), str):
+                    names.add(entry["tensor"])
+            for value in node.values():
+                visit(value)
+
+    visit(spec)
+    return names

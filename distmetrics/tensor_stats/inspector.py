@@ -40,7 +40,8 @@ from ..config import ConfigError
 from ..parallel import data_parallel_group, local_tensor, owns_local_piece, tp_cp_leader
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
-from .features import _logs_at, _tensor_entries, stats_step
+from .features import _logs_at, _tensor_entries, stats_step, tensor_names
+from .selection import config_for_layer, example_names, numbered
 from .statistics import PARTS, merge, merge_ranks, partials, stat_value
 from .te_names import metric_name, strip_model
 
@@ -90,7 +91,8 @@ class TensorInspector:
         self._leader = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.selected: dict[str, list[str]] = {}
         self.layer_names: set[str] = set()
-        self._tensor_names = _tensor_names(spec)  # the tensors the file names (a name may hold '_')
+        self._tensor_names = tensor_names(spec)  # the tensors the file names (a name may hold '_')
+        self._full_names: Optional[dict[str, list]] = None  # see _name_silent_sections
         self._hooks: list = []
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
@@ -135,12 +137,13 @@ class TensorInspector:
         self.debug_api.infer_and_assign_layer_names(model)
         modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
         self.layer_names.update(name for _, name in modules)
+        self._full_names = None  # made again from the names at the next statistics step that needs it
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
-        matched = [any(_numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
+        matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
         error = None
         for module, name in modules:
             try:
-                cfg = _config_for_layer(ConfigManager, is_layer_in_cfg, name)
+                cfg = config_for_layer(ConfigManager, is_layer_in_cfg, name)
             except ValueError as err:  # two sections target one layer
                 error = f"tensor_inspect.features: {err}"
                 break
@@ -158,7 +161,7 @@ class TensorInspector:
         unmatched = [section for section, hit in zip(sections, flags[:-1]) if not hit]
         if unmatched:
             raise ConfigError(f"tensor_inspect.features: section(s) {unmatched} select no layer of the model on any "
-                              f"rank (layer names look like {_example_names(model)})")
+                              f"rank (layer names look like {example_names(model)})")
 
     def _any_rank(self, flags: list) -> list:
         """Element-wise OR of ``flags`` over the reducer's ranks (one all-reduce)."""
@@ -280,15 +283,17 @@ class TensorInspector:
         """Warn once per section that selects this step but yielded no value (on global rank 0)."""
         from nvdlfw_inspect.config_manager import is_layer_in_cfg
 
-        full: dict[str, list] = {}  # a metric's layer -> the layer names it stands for (wrapper levels kept)
-        for layer in self.layer_names:
-            full.setdefault(strip_model(layer), []).append(layer)
+        full = self._full_names
+        if full is None:  # a metric's layer -> the layer names it stands for (wrapper levels kept)
+            full = self._full_names = {}
+            for layer in self.layer_names:
+                full.setdefault(strip_model(layer), []).append(layer)
         layers = {name for key in metrics if key.count("/") >= 3
                   for name in full.get(key.split("/")[1], ["model." + key.split("/")[1]])}
         for section, cfg in self._sections:
             if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
                 continue
-            if not any(_numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
+            if not any(numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
                 self._silent.add(section)
                 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                     logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
@@ -363,26 +368,6 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
     return out
 
 
-def _tensor_names(spec: dict) -> set:
-    """Every tensor name a features file gives (``tensors`` lists, ``tensors_struct`` entries) in any
-    namespace; TE's and nvdlfw-inspect's features read nothing else."""
-    names: set = set()
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            tensors, struct = node.get("tensors"), node.get("tensors_struct")
-            if isinstance(tensors, list):
-                names.update(t for t in tensors if isinstance(t, str))
-            for entry in struct if isinstance(struct, list) else ():
-                if isinstance(entry, dict) and isinstance(entry.get("tensor"), str):
-                    names.add(entry["tensor"])
-            for value in node.values():
-                visit(value)
-
-    visit(spec)
-    return names
-
-
 def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tensor:
     """``table[key, part, rank]`` with the ranks that hold a copy of their TP/CP group's first
     rank's tensor marked as sending nothing (NaN): every part equal to that rank's, bit for bit
@@ -395,39 +380,3 @@ def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tens
     same = ((table == lead) | (torch.isnan(table) & torch.isnan(lead))).all(dim=1)
     copies = same & (leaders != torch.arange(len(peers)))
     return torch.where(copies.unsqueeze(1), math.nan, table)
-
-
-def _config_for_layer(manager: Any, is_layer_in_cfg: Any, name: str) -> dict:
-    """nvdlfw-inspect's ``ConfigManager.get_config_for_layer`` with each section asked on its own
-    (:func:`_numbered`): a ``layer_numbers`` section that cannot read a number from ``name`` does
-    not select it, and the other sections still may (nvdlfw-inspect 0.2.2 raises for the whole
-    lookup). The answer goes into nvdlfw-inspect's cache, where its own feature calls look."""
-    found: dict = {}
-    for spec in manager.configs:
-        if _numbered(is_layer_in_cfg, name, spec):
-            if found:
-                raise ValueError(f"[NVDLFW INSPECT ERROR] Found multiple debug configs targeting the same layer(s): "
-                                 f"{name}.")
-            found = spec.extension_config
-    manager.layer_name_to_config_cache[name] = found
-    return found
-
-
-def _numbered(select: Any, name: str, *args: Any) -> Any:
-    """``select(name, *args)`` (nvdlfw-inspect's layer lookup), or None for a layer whose name holds
-    no single layer number where a section selects ``layer_numbers``: nvdlfw-inspect 0.2.2 raises
-    IndexError for a name without a number (the root module, ``model``) and ValueError for one with
-    several; neither is a layer those numbers select."""
-    try:
-        return select(name, *args)
-    except IndexError:
-        return None
-    except ValueError as err:
-        if "Could not extract layer number" in str(err):
-            return None
-        raise
-
-
-def _example_names(model: torch.nn.Module) -> list:
-    names = [getattr(m, "name", None) for m in model.modules()]
-    return [n for n in names if isinstance(n, str)][:4]
