@@ -131,9 +131,9 @@ class Monitor:
         if scalars:
             scalars = {name: local_value(value) for name, value in scalars.items()}
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
-            first_step(self._clocks())
-            self._counts_from(step)
+            self._counts_from(step)  # reads the earlier job's files back: not this step's time
             resumed_at(step, self.sinks)
+            first_step(self._clocks())
             if "norms" in self._by_name:  # what was measured before the step's number was known
                 self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
         self._last_step = step

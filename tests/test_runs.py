@@ -243,6 +243,35 @@ def test_the_first_interval_starts_at_the_first_step(tmp_path):
     assert metrics["train/consumed_tokens"] == 500
 
 
+def test_a_restart_reading_back_its_files_leaves_the_read_out_of_the_first_step_time(tmp_path, monkeypatch):
+    """A job restarted from a checkpoint reads metrics.jsonl back at its first step to find the
+    checkpoint's record (a long file, long to read). The clocks started before that read, so the
+    first record's step time, tokens/s and MFU counted it while timers/step did not (580 ms
+    against 3 ms on a 500 MiB file). Here the read takes 1000 ms of a :class:`FakeClock` (the
+    read itself is real); steps take 20 ms."""
+    import distmetrics as dm
+    from distmetrics import checkpoints
+
+    with FakeClock() as clock, dm.Monitor(_config(tmp_path, log_interval=5, tensorboard=False)) as monitor:
+        for step in range(1, 11):
+            clock.advance(20.0)
+            monitor.step(step, tokens=100)
+        monitor.checkpoint_saved(10)
+    read = checkpoints.CheckpointLog._record_up_to
+
+    def slow_read(self, *args):
+        clock.advance(1000.0)
+        return read(self, *args)
+
+    monkeypatch.setattr(checkpoints.CheckpointLog, "_record_up_to", slow_read)
+    with FakeClock() as clock, dm.Monitor(_config(tmp_path, log_interval=5, tensorboard=False)) as monitor:
+        for step in range(11, 16):
+            clock.advance(20.0)
+            metrics = monitor.step(step, tokens=100)
+    assert metrics["train/step_time_ms"] == pytest.approx(20.0)
+    assert metrics["train/tokens_per_sec"] == pytest.approx(400 / 0.080)
+
+
 STEP_MS = [10.0, 20.0]  # each rank's milliseconds per step on its fake clock
 
 
