@@ -143,7 +143,11 @@ def test_two_simulated_nodes_write_one_set_of_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "progress.txt", "tensorboard"]
 
 
-def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path):
+@pytest.mark.parametrize("nodes, first", [("gpu[07-10]", "gpu07"), ("gpu[07-08,11],cpu3", "gpu07"), ("gpu05", "gpu05"),
+                                          ("login1,gpu[01-04]", "login1"), ("node-a,node-b[1-3]", "node-a")])
+def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path, nodes, first):
+    """One srun of torchrun per node, rendezvous on the allocation's first node: a plain first
+    name before a bracketed range (``login1,gpu[01-04]``) was read as ``login1,gpu01``."""
     script = ROOT / "launch" / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     stub = tmp_path / "bin"
@@ -151,7 +155,7 @@ def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path):
     (stub / "srun").write_text('#!/usr/bin/env bash\necho "srun $*"\n')
     (stub / "srun").chmod(0o755)
     env = _env(PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_ID="9001", SLURM_JOB_NUM_NODES="4",
-               SLURM_JOB_NODELIST="gpu[07-10]", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(ROOT),
+               SLURM_JOB_NODELIST=nodes, SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(ROOT),
                PYTHON="python3")
     run = subprocess.run(["bash", str(script), "launch/train_fsdp.py", "--steps", "10"], env=env,
                          capture_output=True, text=True, timeout=30)
@@ -159,7 +163,7 @@ def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path):
     line = run.stdout.strip()
     assert line.startswith("srun --kill-on-bad-exit=1 --ntasks-per-node=1 python3 -m torch.distributed.run")
     assert "--nnodes 4 --nproc-per-node 8" in line
-    assert "--rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 9001" in line
+    assert f"--rdzv-backend c10d --rdzv-endpoint {first}:29500 --rdzv-id 9001" in line
     assert line.endswith("launch/train_fsdp.py --steps 10")
 
 
