@@ -182,9 +182,9 @@ def _job_lines(number: int, job: Job, previous) -> list[str]:
     lines = [head, f"  {len(train)} train, {len(evals)} eval, {len(alerts)} alert record(s)"]
     earlier = previous.logged_steps() if previous is not None else []
     for resume in job.of_kind("resume"):
+        dropped = "; TensorBoard dropped the earlier events from there on" if resume.get("tensorboard_dropped") else ""
         lines.append(f"  resumed at step {resume.get('from_step', resume['step'])} (step "
-                     f"{resume.get('last_logged_step')} was logged before; TensorBoard dropped the earlier events "
-                     "from there on)")
+                     f"{resume.get('last_logged_step')} was logged before{dropped})")
     if earlier and job.logged_steps() and not job.of_kind("resume") and job.logged_steps()[0] <= earlier[-1]:
         lines.append(f"  logs step {job.logged_steps()[0]} again: job {number - 1} logged up to step {earlier[-1]}")
     for label, record in (("first", train[0] if train else None), ("last", train[-1] if train else None)):

@@ -345,4 +345,5 @@ def resumed_at(first: int, sinks: SinkSet) -> None:
                f"here" + (f": {'; '.join(said)}" if said else ""))
     logger.warning("distmetrics: %s", message)
     sinks.purge_from(first)
-    sinks.log({"message": message, "last_logged_step": last, "from_step": first}, first, "resume")
+    sinks.log({"message": message, "last_logged_step": last, "from_step": first,
+               "tensorboard_dropped": "tensorboard" in names}, first, "resume")

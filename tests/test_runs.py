@@ -48,7 +48,20 @@ def test_a_job_resuming_at_a_logged_step_purges_the_stale_tensorboard_tail_and_s
     assert len(starts) == 2  # progress.txt appends per job, as Megatron's does
     summary = run_python("-m", "distmetrics.cli", "summary", tmp_path)
     job2 = summary.stdout.split("job 2:")[1]
-    assert "resumed at step 21 (step 40 was logged before" in job2 and "first step 30: loss=2" in job2
+    assert "resumed at step 21 (step 40 was logged before; TensorBoard dropped" in job2
+    assert "first step 30: loss=2" in job2
+
+
+def test_the_summary_of_a_resume_without_tensorboard_says_nothing_of_tensorboard(tmp_path, capsys):
+    """The summary said TensorBoard dropped the earlier job's events where TensorBoard was off."""
+    from distmetrics import cli
+
+    _job(tmp_path, range(1, 41), loss=1.0, tensorboard=False)
+    _job(tmp_path, range(21, 41), loss=2.0, tensorboard=False)
+    capsys.readouterr()
+    assert cli.main(["summary", str(tmp_path)]) == 0
+    job2 = capsys.readouterr().out.split("job 2:")[1]
+    assert "resumed at step 21 (step 40 was logged before)" in job2
 
 
 def test_a_resumed_job_that_evaluates_before_its_first_step_purges_after_that_evaluation(tmp_path):
