@@ -24,7 +24,7 @@ import yaml
 from .flops import model_flops_per_token
 from .redaction import redact_mapping
 from .validation import ConfigError, check_file_keys, check_types, checked_keywords, non_text_key, unknown_key
-from .yamlfile import StrictLoader, read_yaml
+from .yamlfile import ConfigLoader, StrictLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml"]
 
@@ -261,7 +261,7 @@ class MetricsConfig:
         """Read a YAML file of config keys; ``overrides`` are ``key=value`` strings applied after.
         Every error names where the value came from: the file's path, or the override."""
         path = Path(path)
-        values = read_yaml(path)
+        values = read_yaml(path, loader=ConfigLoader)
         try:
             if values is not None and not isinstance(values, dict):
                 raise ConfigError(f"a config file is a mapping of keys to values, got {type(values).__name__}")
