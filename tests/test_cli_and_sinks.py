@@ -340,3 +340,25 @@ def test_a_skipped_steps_loss_is_left_out_of_train_loss_and_its_tokens_count(tmp
             metrics = monitor.step(step, loss=loss, tokens=10 * step, skipped=step == 3)
     assert metrics["train/loss"] == pytest.approx((1 * 10 + 2 * 20 + 4 * 40) / 70)
     assert metrics["health/skipped_steps"] == 1 and metrics["train/consumed_tokens"] == 100
+
+
+class _LineSink:
+    def log(self, metrics, step, kind):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sinks, message", [
+    ([_LineSink], r"_LineSink is a class; pass an instance of it: sinks=\[_LineSink\(...\)\]"),
+    (_LineSink(), r"expected a list or tuple of sink objects, got _LineSink"),
+    ([print], r"is not a sink: a sink has log\(metrics, step, kind\)")], ids=["class", "not a list", "no log"])
+def test_a_sink_that_cannot_be_one_is_refused_when_the_monitor_is_built(tmp_path, sinks, message):
+    """A sink class given where an instance belongs passed the check (its log and close are
+    functions) and failed at the first record with "the type sink failed (TypeError ...)"."""
+    import distmetrics as dm
+
+    with pytest.raises(ValueError, match=r"^distmetrics cannot start: rank 0: Monitor\(sinks=...\): .*" + message):
+        dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False), sinks=sinks)
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -242,6 +242,9 @@ def check_sinks(sinks: Any) -> tuple:
         raise TypeError(f"Monitor(sinks=...): expected a list or tuple of sink objects, got {type(sinks).__name__} "
                         f"{sinks!r}")
     for sink in sinks:
+        if isinstance(sink, type):  # its log and close are functions too: it failed at the first record
+            raise TypeError(f"Monitor(sinks=...): {sink.__name__} is a class; pass an instance of it: "
+                            f"sinks=[{sink.__name__}(...)]")
         writes = callable(getattr(sink, "log", None)) or callable(getattr(sink, "log_view", None))
         if not writes or not callable(getattr(sink, "close", None)):
             raise TypeError(f"Monitor(sinks=...): {sink!r} is not a sink: a sink has log(metrics, step, kind) (or "
