@@ -164,6 +164,41 @@ def _nan_scenario(rank: int, world: int, root: str) -> dict:
     return {"seen": seen, "console": [l for l in handler.lines if l.startswith("!!")]}
 
 
+def _nan_between_log_steps(rank: int, world: int, root: str) -> list:
+    import torch
+
+    import distmetrics as dm
+    from tests.test_norms import _net
+
+    model = _net()
+    out = []
+    with dm.Monitor(_config(f"{root}/r{rank}", log_interval=3), model=model) as monitor:
+        for step in range(1, 10):
+            model.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            if rank == 1 and step in (2, 4, 5):  # one replica's gradient overflows at steps no log step sees
+                model.blocks[1].fc2.weight.grad[0, 0] = math.inf
+            monitor.clip_grad_norm_(1.0)
+            monitor.clip_grad_norm_(1.0)  # twice in one step (counted once)
+            m = monitor.step(step, loss=1.0)
+            if m is not None:
+                out.append((step, m["grad_nonfinite"], m["grad_nonfinite_steps"]))
+    return out
+
+
+def test_non_finite_gradients_between_log_steps_are_counted_and_said(tmp_path):
+    """A step whose gradients overflowed between two log steps left no trace: the log step's
+    record had grad_nonfinite 0 and no alert (the clip had run, on NaN, unseen). The count rides
+    the log step's pack; the alert is said once per event."""
+    import distmetrics as dm
+
+    results = run_ranks(_nan_between_log_steps, 2, str(tmp_path))
+    assert results[0] == results[1] == [(3, 0, 1), (6, 0, 2), (9, 0, 0)]
+    alerts = [r for r in dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl") if r["kind"] == "alert"]
+    assert [(a["step"], a["alert"], a["steps"]) for a in alerts] == [(3, "nonfinite_grad", 1)]
+    assert "non-finite gradients in 1 step(s) since the last log step" in alerts[0]["message"]
+
+
 def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     import distmetrics as dm
 

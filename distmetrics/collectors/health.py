@@ -111,6 +111,10 @@ class HealthCollector:
             alerts.append(Alert("nonfinite_grad", f"non-finite gradient first in module {ordered[0]!r} "
                                                   f"({len(ordered)} module(s): {', '.join(ordered)})",
                                 {"first_module": ordered[0], "modules": ordered}))
+        steps = metrics.get("grad_nonfinite_steps")
+        if steps and not metrics.get("grad_nonfinite") and not ctx.previous.get("grad_nonfinite_steps"):
+            alerts.append(Alert("nonfinite_grad", f"non-finite gradients in {int(steps)} step(s) since the last log "
+                                                  "step, not in this one's", {"steps": int(steps)}))
         bad = metrics.get("health/nonfinite_loss")
         if bad and not ctx.previous.get("health/nonfinite_loss"):  # once per event; the count is in every record
             alerts.append(Alert("nonfinite_loss", f"non-finite loss in {int(bad)} rank-step(s)"))

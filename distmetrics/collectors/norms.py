@@ -48,7 +48,8 @@ class NormCollector:
     after = ()
     writes = ("grad_norm", "grad_norm/", "param_norm", "param_norm/", "update_norm", "update_norm/",
               "relative_update_norm", "relative_update_norm/", "effective_lr_ratio", "effective_lr_ratio/",
-              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params")
+              "grad_clip_ratio", "grad_nonfinite", "grad_nonfinite_modules", "grad_missing_params",
+              "grad_nonfinite_steps")
 
     def __init__(self, model: torch.nn.Module, layout: Any, group: Any = None, depth: Optional[int] = None,
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,
@@ -64,6 +65,8 @@ class NormCollector:
         self._grad: Optional[GradMeasurement] = None  # the latest measurement
         self._grad_plan: Optional[Plan] = None
         self._grad_after: Any = None  # the last monitor.step number before that measurement
+        self._bad_steps: Optional[torch.Tensor] = None  # measured steps of the interval with a non-finite norm
+        self._bad_now: Optional[torch.Tensor] = None  # ... whether the latest step's was (1.0 or 0.0)
         self._warned_partial = False  # a second measurement over other parameters in one step was said
         self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
         self._optimizer_steps_logged = 0  # ... at the last log step
@@ -209,8 +212,26 @@ class NormCollector:
                         "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
                         "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
                         len(measured.plan.params))
+        if measured is not None:
+            self._count_nonfinite(measured, same_step=kept is not None and self._grad_after == after_step)
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
         self._grad_after = after_step
+
+    def _count_nonfinite(self, measured: GradMeasurement, same_step: bool) -> None:
+        """Count the steps of the interval whose gradients held NaN or inf, on this rank's local
+        tensors or in the total norm, on their device (no host sync): a step between two log steps
+        whose gradients overflowed left no trace in the log step's record. Two measurements in one
+        step count once."""
+        bad = torch.isfinite(measured.checked).logical_not().any()
+        if measured.total is not None:
+            bad = bad | torch.isfinite(measured.total).logical_not().reshape(())
+        bad = bad.to(torch.float64)
+        if same_step and self._bad_now is not None:
+            self._bad_now = torch.maximum(self._bad_now, bad)
+            return
+        if self._bad_now is not None:
+            self._bad_steps = self._bad_now if self._bad_steps is None else self._bad_steps + self._bad_now
+        self._bad_now = bad
 
     # --- optimizer hooks for update norms -------------------------------------------------
     def snapshot(self) -> None:
@@ -249,6 +270,10 @@ class NormCollector:
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
+        if self._bad_now is not None and self.log_grad_norm:  # the most steps a rank saw
+            bad = self._bad_now if self._bad_steps is None else self._bad_steps + self._bad_now
+            out.append(Sample("grad_nonfinite_steps", bad, "max"))
+        self._bad_steps = self._bad_now = None
         if self._loss_scale is not None:  # an attached fp16 optimizer's, as Megatron logs it (the same on every rank)
             out.append(Sample("loss_scale", self._scale_now().reshape(()), "mean"))
         update, self._update = self._update, None
@@ -306,6 +331,7 @@ class NormCollector:
             if bad:
                 metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
         metrics.pop("grad_missing_params/max_rank", None)
+        metrics.pop("grad_nonfinite_steps/max_rank", None)
         for family in _FAMILIES:
             family_kind, family_p = (kind, p) if family == "grad_norm" else ("sum", 2.0)
             root = family_kind == "sum" and family_p != 0
