@@ -615,6 +615,43 @@ def test_a_rank_asking_a_report_for_no_timers_still_joins_the_others():
     assert text0 is None and "opt" in text1 and logged0 and logged1
 
 
+def _union_reports(rank, world):
+    import distmetrics as dm
+
+    texts = []
+    with FakeClock() as clock:
+        monitor = dm.Monitor(quiet_config(log_interval=100, timing_log_level=1))
+
+        def run(name, ms):
+            with monitor.timers(name, log_level=1):
+                clock.advance(ms[rank])
+
+        run("fwd", [10, 10])
+        run("bwd", [100, 40])
+        texts.append(monitor.timers.get_all_timers_string(["fwd"] if rank == 0 else ["fwd", "bwd"]))
+        run("bwd", [7, 9])
+        texts.append(monitor.timers.get_all_timers_string(["bwd"]))
+        run("bwd", [5, 6])
+        texts.append(monitor.timers.get_all_timers_string(["fwd"]))  # bwd asked by no rank: kept
+        texts.append(monitor.timers.get_all_timers_string(["bwd"]))
+        monitor.close()
+    return texts
+
+
+def test_a_report_of_names_one_rank_did_not_ask_for_holds_that_ranks_time():
+    """Rank 0 asks for fwd, rank 1 for fwd and bwd (the union is reported): rank 0 sent 0 for
+    its bwd, so rank 1 printed (40, 40) for a slowest rank at 100 ms, and rank 0's bwd, not read,
+    reported 107 ms at the next report."""
+    texts = run_ranks(_union_reports, 2, timeout=120)
+
+    def bwd(text):
+        return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("bwd")]
+
+    assert bwd(texts[1][0]) == ["(40.00, 100.00)"] and bwd(texts[0][0]) == []
+    assert [bwd(texts[r][1]) for r in (0, 1)] == [["(7.00, 9.00)"]] * 2
+    assert [bwd(texts[r][3]) for r in (0, 1)] == [["(5.00, 6.00)"]] * 2
+
+
 @pytest.mark.parametrize("name", ["fwd/min", "fwd/max_rank", "a/rank3", "", "/fwd", "_x", None, 5])
 def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
     """A timer named ``fwd/min`` overwrote ``timers/fwd/min`` (3 ms for fwd's 10-12 ms) and, with

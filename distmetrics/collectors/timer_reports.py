@@ -98,7 +98,7 @@ class MegatronReports:
             timer = self._timers.get(name)
             if timer is not None and name not in seconds:  # a name listed again: read once, below
                 seconds[name] = timer.elapsed(reset=reset)
-        table = self._gather(names, seconds)
+        table = self._gather(names, seconds, reset)
         column = {name: i for i, name in enumerate(self._agreed or names)}
         picked = table[:, [column[name] for name in names]]
         if reset:  # as Megatron reads a name listed again: after the reset of its first reading, 0
@@ -141,23 +141,38 @@ class MegatronReports:
         return text if reported else None
 
     # --- the gather ----------------------------------------------------------------------------
-    def _gather(self, names: list, seconds: dict[str, float]) -> torch.Tensor:
-        """One all-gather of a float32 row: a "my names changed" flag, then the agreed names'
-        seconds; renegotiates (every rank, told by the same gather) when a flag is up."""
+    def _gather(self, names: list, seconds: dict[str, float], reset: bool) -> torch.Tensor:
+        """One all-gather of a float32 row: a "my names changed" flag, which of the agreed names
+        this rank asked for, then their seconds; renegotiates (every rank, told by the same
+        gather) when a flag is up. A timer this rank has but did not ask for, which another rank
+        asked for (the union), is sent too, and reset (``reset``) as its report reads it."""
         world, _ = _world()
         if world == 1:
             self._agreed = list(names)
             return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
         if self._agreed is None:
             self._negotiate(names)
+        asked = set(names)
         while True:
             agreed = self._agreed
-            flag = 0.0 if set(names) <= set(agreed) else 1.0
-            row = torch.tensor([flag] + [float(seconds.get(n, 0.0)) for n in agreed], dtype=torch.float32)
-            table = _all_gather_rows(row, world)
+            flag = 0.0 if asked <= set(agreed) else 1.0
+            mine = [float(n in asked) for n in agreed]
+            values = [float(seconds[n] if n in seconds else self._peek(n)) for n in agreed]
+            table = _all_gather_rows(torch.tensor([flag] + mine + values, dtype=torch.float32), world)
             if not bool((table[:, 0] > 0).any()):
-                return table[:, 1:]
+                break
             self._negotiate(names)
+        if reset:
+            wanted = table[:, 1:1 + len(agreed)].amax(0) > 0
+            for name in [n for i, n in enumerate(agreed) if bool(wanted[i]) and n not in asked]:
+                if name in self._timers:
+                    self._timers[name].elapsed(reset=True)
+        return table[:, 1 + len(agreed):]
+
+    def _peek(self, name: str) -> float:
+        """The seconds of a timer this rank did not ask for (0 where it has none), not reset."""
+        timer = self._timers.get(name)
+        return timer.elapsed(reset=False) if timer is not None else 0.0
 
     def _negotiate(self, names: list) -> None:
         rows: list[Any] = [None] * dist.get_world_size()
