@@ -224,6 +224,32 @@ def test_host_memory_and_energy_across_ranks():
     assert m["power/max_w"] == pytest.approx(20.0) and m["power/min_w"] == pytest.approx(10.0)  # J over 1 s
 
 
+def _intervals_that_differ(rank: int, world: int) -> dict:
+    # both GPUs draw 10 W: rank 0's 10 J over its 1 s interval, rank 1's 20 J over 2 s
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 0, 10_000 * (rank + 1)]})
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    class Clock(FakeClock):
+        MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
+
+    with Clock() as clock:
+        monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")])
+        monitor.step(1)
+        clock.advance(1000 * (rank + 1))
+        m = monitor.step(2)
+    monitor.close()
+    return {k: v for k, v in m.items() if k.startswith(("energy/", "power/"))}
+
+
+def test_mean_power_is_each_gpus_over_its_own_ranks_interval():
+    """Ranks whose intervals differ (arrival skew, a slow rank): the mean was the energy of all
+    over the longest interval (30 J / 2 s / 2 GPUs: 7.5 W for two GPUs drawing 10 W)."""
+    m = run_ranks(_intervals_that_differ, 2)[0]
+    assert m["power/mean_w"] == pytest.approx(10.0)
+    assert m["power/max_w"] == pytest.approx(10.0) and m["power/min_w"] == pytest.approx(10.0)
+    assert m["energy/total_j"] == pytest.approx(30.0)
+
+
 def _one_gpu_unmeasured(rank: int, world: int) -> dict:
     # rank 0's counter: built, first step, log step 2 (30 J over the one timed 1 s step); rank 1's
     # GPU has no counter (NOT_SUPPORTED)

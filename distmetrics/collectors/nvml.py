@@ -24,6 +24,7 @@ __all__ = ["EnergyCollector", "TelemetryCollector", "cuda_device_uuid", "open_nv
 logger = logging.getLogger("distmetrics")
 _COUNTER_RANGE = 2 ** 64  # the energy counter is an unsigned 64-bit number of mJ
 _GPUS = "_energy/gpus"  # an internal lane: how many ranks' GPUs were measured
+_POWER = "_energy/power_w"  # another: each measured GPU's mean power over its own interval, summed
 
 
 def cuda_device_uuid(index: Optional[int] = None) -> str:
@@ -158,14 +159,15 @@ class EnergyCollector:
         return [Sample("energy/total_j", joules, "sum"),
                 Sample("energy/job_total_j", self.job_mj / 1000.0, "sum"),
                 Sample("power/w", joules / seconds, "minmax"),
+                Sample(_POWER, joules / seconds, "sum"),
                 Sample(_GPUS, 1.0, "sum")]
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Energy per GPU per step and per token, mean power over the record's interval. Per GPU
-        means per GPU measured; where some rank's GPU was not (no counter, NVML failed), the
-        totals and the energy per token, which need every GPU's, are left out and
-        ``energy/gpus_measured`` says how many were."""
-        gpus = metrics.pop(_GPUS, None)
+        """Energy per GPU per step and per token, mean power per GPU (each GPU's over its own
+        rank's interval). Per GPU means per GPU measured; where some rank's GPU was not (no
+        counter, NVML failed), the totals and the energy per token, which need every GPU's, are
+        left out and ``energy/gpus_measured`` says how many were."""
+        gpus, power = metrics.pop(_GPUS, None), metrics.pop(_POWER, None)
         if "energy/total_j" not in metrics:
             return []
         total = metrics["energy/total_j"]
@@ -186,8 +188,8 @@ class EnergyCollector:
         metrics["energy/j_per_gpu_per_step"] = total / gpus / steps
         if tokens and gpus == self.world_size:
             metrics["energy/j_per_token"] = total / tokens
-        if ctx.interval_s and ctx.interval_s > 0:  # the record's own interval, as train/step_time_ms
-            metrics["power/mean_w"] = total / ctx.interval_s / gpus
+        if power is not None:  # each GPU's energy over its own rank's interval (they differ by the ranks' skew)
+            metrics["power/mean_w"] = power / gpus
         return self._rename_power(metrics)
 
     @staticmethod
