@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
@@ -26,6 +27,7 @@ from .guard import CollectiveGuard
 from .interval import now
 from .names import check_step, local_value
 from .naming import module_order
+from .packing import global_rank
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
 from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
@@ -71,7 +73,9 @@ class Monitor:
             if mesh is not None:
                 self.layout = detect_layout(mesh)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
-        self.writer_rank = 0 if config.writer_rank == "first" else self.world_size - 1
+        # the group's first or last rank (a Monitor on a group without global rank 0 writes too)
+        size = self.world_size if group is None else dist.get_world_size(group)
+        self.writer_rank = global_rank(group, 0 if config.writer_rank == "first" else size - 1)
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step")

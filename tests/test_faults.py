@@ -225,6 +225,35 @@ def test_a_monitor_on_a_sub_group_says_the_arrival_check_is_off():
         assert any("arrival check (hang_timeout_s=2) cannot run" in m for m in seen), seen
 
 
+def _two_groups(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    groups = [dist.new_group([0]), dist.new_group([1, 2])]
+    mine = 0 if rank == 0 else 1
+    for writer in ("first", "last"):
+        cfg = quiet_config(output_dir=f"{root}/{writer}/g{mine}", json_log=True, writer_rank=writer, log_interval=2,
+                           hang_timeout_s=0)
+        with dm.Monitor(cfg, group=groups[mine]) as monitor:
+            for step in (1, 2):
+                monitor.step(step, loss=float(rank))
+
+
+def test_a_monitor_on_a_group_without_global_rank_0_writes_from_the_groups_own_rank(tmp_path):
+    """The writer was global rank 0 (or the world's last): a Monitor on ranks [1, 2] computed its
+    records and wrote none, without a word."""
+    import distmetrics as dm
+
+    run_ranks(_two_groups, 3, str(tmp_path), timeout=120)
+    for writer in ("first", "last"):
+        for group, loss, ranks in ((0, 0.0, [0]), (1, 1.5, [1, 2])):
+            records = list(dm.read_jsonl(tmp_path / writer / f"g{group}" / "metrics.jsonl"))
+            assert [r["train/loss"] for r in records if r["kind"] == "train"] == [loss]
+            [run] = [r for r in records if r["kind"] == "run"]
+            assert run["writer_rank"] == (ranks[0] if writer == "first" else ranks[-1])
+
+
 def _clip_on_one_rank(rank: int, world: int) -> tuple:
     import torch
 
