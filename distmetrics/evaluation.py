@@ -25,6 +25,7 @@ __all__ = ["EvalLog"]
 Number = Union[int, float, torch.Tensor]
 _TOKENS = "_eval/tokens"
 _LOSS_WEIGHTS = "_eval/loss_weights"  # minmax: what each rank weighted its loss by (steps.LOSS_WEIGHTS)
+_LEAST = {"tokens": "_eval/least_tokens", "time_ms": "_eval/least_time_ms"}  # min: a bad tensor on any rank
 logger = logging.getLogger("distmetrics")
 
 
@@ -45,6 +46,7 @@ class EvalLog:
         self._gap_said = False
         self.rank = 0 if layout is None else layout.rank
         self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.rank)
+        self.refused: Optional[ValueError] = None  # tokens or time_ms found bad: raised after the record
 
     def use_names(self, names: NameRegistry) -> None:
         """Check eval names against ``names`` (the Monitor shares one registry between
@@ -52,6 +54,26 @@ class EvalLog:
         names.reserve(["eval/loss"], "monitor.log_eval(loss=...)")
         names.reserve(self.writes, "monitor.log_eval")
         self.names = names
+
+    def _refuse_bad_counts(self, metrics: dict[str, Any], step: int) -> None:
+        """Tokens or time_ms given as tensors are not read at the call (a device sync): NaN, inf or
+        a negative count on some rank shows here, in the least any rank gave and in the sum or
+        max. What they weigh or divide is left out of the record, which is written, and
+        :attr:`refused` is raised after it (on every rank: every rank sees the same values)."""
+        bad = []
+        for key, total_key, drop in (("tokens", _TOKENS, ("eval/loss", _TOKENS)),
+                                     ("time_ms", "eval/time_ms", ("eval/time_ms",))):
+            least, total = metrics.get(_LEAST[key]), metrics.get(total_key)
+            if any(v is not None and not (v >= 0 and math.isfinite(v)) for v in (least, total)):
+                summed = "summed over ranks" if key == "tokens" else "the slowest rank's"
+                bad.append(f"{key}: {summed} {total!r}, the least a rank gave {least!r}")
+                for name in drop:
+                    metrics.pop(name, None)
+        if bad:
+            self.refused = ValueError(
+                f"monitor.log_eval(step={step}): {'; '.join(bad)}: a tensor given held NaN, inf or a negative value on "
+                "some rank; accepted values are finite numbers >= 0. The eval record was written without what they "
+                "weigh or divide (eval/loss, eval/ppl, eval/gap, eval/tokens_per_sec; eval/time_ms)")
 
     def note_train_loss(self, loss: Any, weight: Optional[float], by: Optional[int] = None) -> None:
         """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the
@@ -85,8 +107,11 @@ class EvalLog:
             samples.append(Sample(_TOKENS, as_number(tokens), "sum"))
         samples += [Sample(names[key], as_number(value), kinds[key]) for key, value in scalars.items()
                     if value is not None]
+        samples += [Sample(_LEAST[key], as_number(value), "min") for key, value in (("tokens", tokens),
+                    ("time_ms", scalars.get("time_ms"))) if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
+        self._refuse_bad_counts(metrics, step)
         self._mixed.check(metrics, step)  # eval/ppl and eval/gap go with eval/loss
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
             metrics["eval/tokens_per_sec"] = metrics[_TOKENS] / (metrics["eval/time_ms"] / 1000.0)

@@ -218,6 +218,9 @@ class Monitor:
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
             self._counts_from(step + 1)
         self._write(metrics, step, "eval")
+        refused, self._eval.refused = self._eval.refused, None
+        if refused is not None:  # bad tokens or time_ms in tensors: the record without them is written
+            raise refused
         return metrics
 
     def pause(self) -> None:

@@ -341,6 +341,53 @@ def test_the_last_step_logged_reads_back_a_bounded_number_of_records_past_the_la
     assert len(decoded) == 11  # the train record and 10 before it, not all 32
 
 
+EVAL_CASES = {"negative": (-5.0, 10.0), "cancel": (-10.0, 10.0), "nan": (math.nan, 10.0), "good": (10.0, 10.0)}
+
+
+def _bad_eval_tokens(rank: int, world: int, root: str) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    cfg = dm.MetricsConfig(output_dir=root, console=False, tensorboard=False, log_memory=False)
+    with dm.Monitor(cfg) as monitor:
+        for step, (case, tokens) in enumerate(EVAL_CASES.items(), start=1):
+            try:
+                monitor.log_eval(step, loss=torch.tensor(1.0 + rank), tokens=torch.tensor(tokens[rank]), time_ms=100.0)
+                out[case] = "ok"
+            except ValueError as err:
+                out[case] = str(err)
+        try:
+            monitor.log_eval(9, loss=2.0, tokens=10, time_ms=torch.tensor(math.nan if rank else 50.0))
+        except ValueError as err:
+            out["time_ms"] = str(err)
+    return out
+
+
+def test_bad_eval_tokens_in_a_tensor_are_refused_after_the_record_on_every_rank(tmp_path):
+    """log_eval checked tokens given as tensors nowhere: -5 on one rank gave eval/loss 1.33 for
+    1.5 and 500 tokens/s; -10 and 10 dropped eval/loss without a word; NaN made everything NaN."""
+    import distmetrics as dm
+
+    results = run_ranks(_bad_eval_tokens, 2, str(tmp_path))
+    assert results[0] == results[1]
+    out = results[0]
+    assert out["good"] == "ok"
+    for case, shown in (("negative", "summed over ranks 5.0, the least a rank gave -5.0"),
+                        ("cancel", "summed over ranks 0.0, the least a rank gave -10.0"), ("nan", "nan")):
+        assert out[case].startswith(f"monitor.log_eval(step={list(EVAL_CASES).index(case) + 1}): tokens: "), out[case]
+        assert shown in out[case] and "held NaN, inf or a negative value on some rank" in out[case]
+    assert out["time_ms"].startswith("monitor.log_eval(step=9): time_ms: the slowest rank's")
+    records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"}
+    assert sorted(records) == [1, 2, 3, 4, 9]  # every record written
+    assert records[4]["eval/loss"] == pytest.approx(1.5) and records[4]["eval/tokens_per_sec"] == pytest.approx(200.0)
+    for step in (1, 2, 3):
+        assert not any(k in records[step] for k in ("eval/loss", "eval/ppl", "eval/tokens_per_sec")), records[step]
+    assert "eval/time_ms" not in records[9] and "eval/tokens_per_sec" not in records[9]
+    assert records[9]["eval/loss"] == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("bad", [math.nan, -1e6], ids=["nan", "negative"])
 def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(tmp_path, bad):
     """A tensor count is not read at the call (that would wait for the device). One holding NaN
