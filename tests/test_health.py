@@ -2,6 +2,7 @@
 the writer, loss by category and MoE statistics across real gloo ranks against hand
 computations, and the console line checked field by field."""
 
+import itertools
 import logging
 import math
 
@@ -474,16 +475,20 @@ def test_moe_counts_of_different_expert_numbers_across_ranks_are_refused_on_ever
     ([0, 1, 7], ["web", "code"], {"web": 1.0, "code": 5.0})], ids=["unnamed id", "-1", "-100", "beyond the names"])
 def test_a_category_id_that_names_does_not_name_counts_in_no_category(ids, names, expected):
     """An id without a name was counted under category 0's name (web 3.0 for 1.0), and a negative
-    ignore index wrapped around to the last category's."""
+    ignore index wrapped around to the last category's. Given as a list of ids: -1 counted in the
+    last category, -100 or an id a dict does not name raised a bare IndexError or KeyError."""
     import torch
 
     import distmetrics as dm
 
-    for weights in (None, torch.tensor([2.0, 2.0, 2.0])):
+    for categories, weights in itertools.product((torch.tensor(ids), list(ids)), (None, torch.tensor([2.0] * 3))):
         with dm.Monitor(quiet_config(log_interval=1)) as monitor:
-            monitor.record_losses(torch.tensor([1.0, 5.0, 9.0]), torch.tensor(ids), weights=weights, names=names)
+            monitor.record_losses(torch.tensor([1.0, 5.0, 9.0]), categories, weights=weights, names=names)
             metrics = monitor.step(1)
         assert {k[len("train/loss/"):]: v for k, v in metrics.items() if k.startswith("train/loss/")} == expected
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor, \
+            pytest.raises(TypeError, match=r"with names= the categories are integer ids, got str 'web'"):
+        monitor.record_losses(torch.tensor([1.0]), ["web"], names=names)
 
 
 @pytest.mark.parametrize("counts,layers", [

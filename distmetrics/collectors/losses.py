@@ -3,6 +3,7 @@ a task), accumulated on device and written as ``<split>/loss/<category>``."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -62,7 +63,14 @@ class CategoryLosses:
             categories = list(categories)
             if len(categories) != n:
                 raise ValueError(f"record_losses: {n} losses but {len(categories)} categories")
-            labels = [str(c) if names is None else str(names[c]) for c in categories]
+            if names is not None:
+                self._lookup(names)  # checked, and every category it names known, as for a tensor of ids
+            labels = [str(c) if names is None else _named(names, c) for c in categories]
+            if None in labels:  # an id names= does not name (-100, -1: an ignore index) counts in no category
+                kept = [i for i, label in enumerate(labels) if label is not None]
+                where = _to_device(torch.tensor(kept, dtype=torch.long), losses.device)
+                losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
+                weights = None if weights is None else w
             index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
         self._grow(losses.device)
         # a sample of weight 0 counts for nothing, even its NaN (the loss of an all-masked sample)
@@ -135,6 +143,17 @@ class LossCollector:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _named(names: Union[Sequence[str], dict], category: Any) -> Optional[str]:
+    """The name ``names`` (a list, or a dict id → name) gives an integer category id; None for an
+    id it does not name (an ignore index such as -100 or -1), which counts in no category."""
+    if isinstance(category, bool) or not isinstance(category, numbers.Integral):
+        raise TypeError(f"record_losses(categories=...): with names= the categories are integer ids, got "
+                        f"{type(category).__name__} {category!r:.40}")
+    if isinstance(names, dict):
+        return str(names[category]) if category in names else None
+    return str(names[category]) if 0 <= category < len(names) else None
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
