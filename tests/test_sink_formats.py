@@ -4,6 +4,7 @@ the standard library as the fallback) write the same values; the TensorBoard rec
 
 import itertools
 import json
+import logging
 import math
 import random
 
@@ -215,3 +216,17 @@ def test_the_console_line_rounds_into_the_next_unit_and_keeps_sub_millisecond_st
     line = format_train_line({"train/tokens_per_sec": 999_940.0, "train/step_time_ms": 156.4}, 2)
     assert "999.9k tok/s" in line and "156 ms" in line, line
     assert "0.9 ms" in format_eval_line({"eval/loss": 1.0, "eval/time_ms": 0.9}, 2)
+
+
+def test_the_trend_mark_skips_a_non_finite_loss_and_moe_fields_are_named(caplog):
+    """The README's reading of the line: no mark where the loss is NaN, the next line compared with
+    the last finite loss; aux and imbal are moe/aux_loss and moe/load_imbalance."""
+    from distmetrics.sinks.console import ConsoleSink
+
+    sink = ConsoleSink()
+    with caplog.at_level(logging.INFO, logger="distmetrics.console"):
+        for step, loss in ((1, 2.0), (2, math.nan), (3, 2.5)):
+            sink.log({"train/loss": loss, "moe/aux_loss": 0.0123, "moe/load_imbalance": 1.456}, step, "train")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(":: step")]
+    assert [line.split(" loss ")[0] for line in lines] == [":: step 1  ", ":: step 2  ", ":: step 3 /"]
+    assert lines[0].endswith("| aux 0.0123 | imbal 1.46")
