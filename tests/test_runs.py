@@ -418,3 +418,16 @@ def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(t
         job(tmp_path / "checkpoint", 10)
     assert not (tmp_path / "checkpoint" / "progress.txt").exists() or \
         "Saved checkpoint" not in (tmp_path / "checkpoint" / "progress.txt").read_text()
+    # a job that goes on after the refusal: its token count leaves the refused interval out (it
+    # held the bad count for the rest of the job, so every later checkpoint raised)
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path / "on"), log_interval=5, console=False, tensorboard=False,
+                           log_memory=False)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 11):
+            try:
+                monitor.step(step, loss=2.0, tokens=torch.tensor(bad if step == 3 else 1000.0))
+            except ValueError:
+                assert step == 5
+        monitor.checkpoint_saved(10)
+    [saved] = [r for r in dm.read_jsonl(tmp_path / "on" / "metrics.jsonl") if r["kind"] == "progress"]
+    assert saved["checkpoint/tokens"] == 5000.0

@@ -93,6 +93,7 @@ class StepValues:
         self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
+        self._job_tokens_logged: Number = 0.0  # ... up to the last log step whose tokens were good
         self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
@@ -184,9 +185,13 @@ class StepValues:
                 f"monitor.step(tokens=...): the tokens of the steps up to step {ctx.step}, summed over ranks, are "
                 f"{ctx.tokens!r}: a tensor given as tokens held NaN, inf or a negative count on some rank; accepted "
                 "values are finite numbers >= 0. This record was written without train/loss (weighted by them) "
-                "and the throughput; the job's token count (checkpoints, progress.txt) holds them from now on")
+                "and the throughput; the job's token count (checkpoints, progress.txt) leaves this interval's "
+                "tokens out")
             ctx.tokens = None
             metrics.pop("train/loss", None)
+            self.job_tokens = self._job_tokens_logged  # every rank: each sees the same sum
+        elif ctx.tokens is not None:
+            self._job_tokens_logged = self.job_tokens
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
