@@ -185,8 +185,9 @@ def _job_lines(number: int, job: Job, previous) -> list[str]:
         dropped = "; TensorBoard dropped the earlier events from there on" if resume.get("tensorboard_dropped") else ""
         lines.append(f"  resumed at step {resume.get('from_step', resume['step'])} (step "
                      f"{resume.get('last_logged_step')} was logged before{dropped})")
-    if earlier and job.logged_steps() and not job.of_kind("resume") and job.logged_steps()[0] <= earlier[-1]:
-        lines.append(f"  logs step {job.logged_steps()[0]} again: job {number - 1} logged up to step {earlier[-1]}")
+    first = train[0]["step"] if train else None  # an evaluation of the restored checkpoint before it is no resume
+    if earlier and first is not None and not job.of_kind("resume") and first <= max(earlier):
+        lines.append(f"  logs step {first} again: job {number - 1} logged up to step {max(earlier)}")
     for label, record in (("first", train[0] if train else None), ("last", train[-1] if train else None)):
         if record is not None:
             fields = [f"{k.split('/')[-1]}={_fmt(record[k])}" for k in _SUMMARY_KEYS if k in record]

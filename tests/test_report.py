@@ -453,6 +453,59 @@ def test_gap_and_resume_records_are_events_not_metrics(tmp_path):
     assert "3 metric records" in page and "Other metrics" not in page and "lost_records" not in page
 
 
+def test_a_restarted_jobs_flags_at_a_step_the_earlier_job_flagged_too_are_listed(tmp_path):
+    """Job 1 skipped a step in the interval of step 20, and so did job 2, restarted from step 11:
+    the alert table kept job 1's row alone (events were one per step and kind, across jobs), and
+    a spike's factor could be the other job's."""
+    from distmetrics.report.alerts import events_of
+
+    run = {"kind": "run", "step": 0, "world_size": 1}
+
+    def train(step, skipped, factor):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "health/skipped_steps": skipped,
+                "health/loss_spike": int(factor > 0), "health/loss_spike_factor": factor}
+
+    _write(tmp_path / "metrics.jsonl", [run, train(10, 0, 0.0), train(20, 1, 6.0), dict(run),
+                                         {"kind": "resume", "step": 11, "message": "m", "last_logged_step": 20,
+                                          "from_step": 11}, train(20, 1, 9.0)])
+    events = [(e["job"], e["step"], e["type"], e["message"]) for e in events_of(load_metrics(tmp_path))
+              if e["type"] != "resume"]
+    assert sorted(events) == [(0, 20, "loss_spike", "loss spike: 6 x the moving average"),
+                              (0, 20, "skipped_steps", "1 skipped step(s)"),
+                              (1, 20, "loss_spike", "loss spike: 9 x the moving average"),
+                              (1, 20, "skipped_steps", "1 skipped step(s)")]
+
+
+@pytest.mark.parametrize("second", ["eval first", "eval first, then resume"])
+def test_a_job_that_evaluates_its_checkpoint_and_goes_on_is_no_resume(tmp_path, capsys, second):
+    """Job 1 trains to step 30 and saves it; job 2 evaluates checkpoint 30, then trains from 31:
+    summary said "logs step 30 again" and the report "resumed at step 30 <= last logged 30" (the
+    Monitor, rightly, wrote no resume record). A job resuming from step 21 after evaluating step
+    20 was said to resume at 20."""
+    from distmetrics import cli
+
+    run = {"kind": "run", "step": 0, "world_size": 1}
+    job1 = [run] + [{"kind": "train", "step": s, "train/loss": 1.0} for s in (10, 20, 30)]
+    if second == "eval first":
+        job2 = [dict(run), {"kind": "eval", "step": 30, "eval/loss": 2.0}, {"kind": "train", "step": 40,
+                                                                              "train/loss": 1.0}]
+    else:
+        job2 = [dict(run), {"kind": "eval", "step": 20, "eval/loss": 2.0},
+                {"kind": "resume", "step": 21, "message": "m", "last_logged_step": 30, "from_step": 21},
+                {"kind": "train", "step": 30, "train/loss": 1.0}]
+    _write(tmp_path / "metrics.jsonl", job1 + job2)
+    job = load_metrics(tmp_path).jobs[1]
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["summary", str(tmp_path)]) == 0
+    summary = capsys.readouterr().out
+    if second == "eval first":
+        assert not job.get("resumed_at_or_before_last") and "again" not in summary and "resumed" not in page
+    else:
+        assert job["resumed_at_or_before_last"] and "resumed at step 21 &lt;= last logged 30" in page
+        assert "resumed at step 21 (step 30 was logged before" in summary
+
+
 def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):
     monkeypatch.setattr("distmetrics.report.store.MAX_COLUMNS", 8)
     grid = StepGrid("module", "grad_norm")

@@ -24,30 +24,34 @@ _FLAGS = (("health/loss_spike", "loss_spike", "health/loss_spike_factor", "loss 
 
 def events_of(data: RunData) -> list[dict]:
     """Alert, gap and resume records and the health metrics' flags, in job and step order (one per
-    step and kind)."""
+    job, step and kind: a restarted job's step is its own, beside the earlier job's)."""
     events = [dict(a, source="alert") for a in data.alerts] + [dict(e, source="record") for e in data.events]
-    have = {(e["step"], e["type"]) for e in events}
+    have = {(e["job"], e["step"], e["type"]) for e in events}
     for found in data.first_nonfinite:  # the first non-finite module, written beside the metrics
         for event in events:
-            if event["step"] == found["step"] and event["type"] == "nonfinite_grad" and not event.get("first_module"):
+            if (event["job"], event["step"]) == (found["job"], found["step"]) and event["type"] == "nonfinite_grad" \
+                    and not event.get("first_module"):
                 event["first_module"] = found["module"]
-        if (found["step"], "nonfinite_grad") not in have:
+        if (found["job"], found["step"], "nonfinite_grad") not in have:
             events.append({"step": found["step"], "job": found["job"], "type": "nonfinite_grad", "source": "metric",
                            "message": "non-finite gradient", "first_module": found["module"]})
-            have.add((found["step"], "nonfinite_grad"))
+            have.add((found["job"], found["step"], "nonfinite_grad"))
     table = data.scalars
     for key, kind, factor_key, message in _FLAGS:
         if not table.has(key):
             continue
         steps, jobs, values = table.series(key)
-        factors = dict(zip(*table.series(factor_key)[::2])) if factor_key and table.has(factor_key) else {}
+        factors = {}
+        if factor_key and table.has(factor_key):
+            factor_steps, factor_jobs, factor_values = table.series(factor_key)
+            factors = dict(zip(zip(factor_jobs.tolist(), factor_steps.tolist()), factor_values.tolist()))
         for i in np.flatnonzero(np.nan_to_num(values, nan=1.0) > 0):
-            step = int(steps[i])
-            if (step, kind) in have:
+            step, job = int(steps[i]), int(jobs[i])
+            if (job, step, kind) in have:
                 continue
-            have.add((step, kind))
-            value = float(factors.get(steps[i], values[i]))
-            events.append({"step": step, "job": int(jobs[i]), "type": kind, "source": "metric", "first_module": None,
+            have.add((job, step, kind))
+            value = float(factors.get((jobs[i].item(), steps[i].item()), values[i]))
+            events.append({"step": step, "job": job, "type": kind, "source": "metric", "first_module": None,
                            "message": message.format(value) if math.isfinite(value) else f"{key} = {value}"})
     events.sort(key=lambda e: (e["job"], e["step"]))
     return events

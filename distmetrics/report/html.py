@@ -102,7 +102,7 @@ def _jobs_table(data: RunData) -> str:
     for job in data.jobs:
         note = ""
         if job.get("resumed_at_or_before_last"):
-            note = f"resumed at step {job['first_step']} <= last logged {job['previous_last_step']}"
+            note = f"resumed at step {job['resumed_at']} <= last logged {job['previous_last_step']}"
         elif job["index"] > 0:
             note = "restart"
         cells = (job["index"], job["time"], job["first_step"], job["last_step"], job["records"], job["world_size"],

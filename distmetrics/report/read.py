@@ -146,7 +146,6 @@ class RunData:
             before = next((job["last_logged"] for job in reversed(self.jobs[:self._job])
                            if job.get("last_logged") is not None and job.get("trained")), None)
             if before is not None:
-                meta["resumed_at_or_before_last"] = step <= before
                 meta["previous_last_step"] = before
                 self._restart_pending = before
         if self._restart_pending is not None and kind in ("resume", "train"):
@@ -155,7 +154,9 @@ class RunData:
             # or before the last step logged. Records before it (an evaluation of the restored
             # checkpoint) drop nothing; an evaluation-only job, or one that continues, drops nothing.
             start = record["from_step"] if kind == "resume" and isinstance(record.get("from_step"), int) else step
+            meta["resumed_at_or_before_last"] = start <= self._restart_pending
             if start <= self._restart_pending:
+                meta["resumed_at"] = start
                 for grid in self.grids.values():
                     grid.restart(start)
             self._restart_pending = None
