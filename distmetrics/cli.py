@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from .config import MetricsConfig, TensorInspectConfig
@@ -35,11 +36,25 @@ def main(argv=None) -> int:
         add(commands)
     args = parser.parse_args(argv)
     try:
-        print(args.run(args))
+        text = args.run(args)
     except (ValueError, OSError, MissingExtra) as err:  # ConfigError, NotAMetricsFile are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        _print(text)
+    except BrokenPipeError:  # a reader that stopped reading (| head): the command did its work
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail flushing at exit
     return 0
+
+
+def _print(text: str) -> None:
+    """``text`` on stdout; where stdout cannot encode some of it (a folder name that is not
+    UTF-8, read as surrogates, on a strict UTF-8 stream) those characters as escapes."""
+    try:
+        print(text)
+    except UnicodeEncodeError:
+        encoding = sys.stdout.encoding or "utf-8"
+        print(text.encode(encoding, "backslashreplace").decode(encoding))
 
 
 # --- check-config ------------------------------------------------------------------------

@@ -288,6 +288,25 @@ def test_a_run_folder_whose_name_is_not_utf8_gets_its_report(tmp_path):
     assert "run-?" in (run / "report.html").read_text(encoding="utf-8")
 
 
+def test_a_folder_name_that_is_not_utf8_on_a_strict_stdout_and_a_reader_that_stops(tmp_path):
+    """On a strict UTF-8 stdout (PYTHONIOENCODING=utf-8, a UTF-8 locale) summary printed nothing and
+    both commands exited 2 ("surrogates not allowed"), report after writing its pages; a reader
+    that stopped reading (``| head -1``) made the command exit 2 with "Broken pipe"."""
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/run-\xff"))
+    run.mkdir()
+    _write(run / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                   {"kind": "train", "step": 1, "train/loss": 1.0}])
+    for command in ("summary", "report"):
+        done = run_python("-m", "distmetrics.cli", command, tmp_path, env={"PYTHONIOENCODING": "utf-8"})
+        assert done.returncode == 0 and not done.stderr, done.stderr
+        assert "run-\\udcff" in done.stdout, done.stdout
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    reader = subprocess.Popen([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()  # the reader goes away before the command prints
+    assert reader.wait(timeout=120) == 0 and reader.stderr.read() == b""
+
+
 def test_the_report_never_imports_torch_nor_pyplot(tmp_path):
     """torch made unimportable; the package's own __init__ (which imports the Monitor) left out."""
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "train/loss": 1.0}\n'
