@@ -71,7 +71,7 @@ def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
     """The jobs of a metrics.jsonl and the number of lines that are not records (a line cut
     short by a crash). A file none of whose lines is a record is refused with ``ValueError``."""
     records, unreadable = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:  # lines end at \n only, as written
         for line in f:
             if not line.strip():
                 continue
@@ -88,8 +88,8 @@ def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
 def not_a_metrics_file(path: Union[str, Path], lines: int) -> str:
     """What ``summary`` and ``report`` say of a file none of whose ``lines`` (not counting blank
     ones) is a record."""
-    what = f"none of its {lines} non-blank line(s) is" if lines else "it holds no line, so no"
-    return (f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} a JSON record with 'kind' and 'step' "
+    what = f"none of its {lines} non-blank line(s) is a JSON record" if lines else "it is empty, no JSON record"
+    return (f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} with 'kind' and 'step' "
             "(give a run directory or the metrics.jsonl distmetrics wrote)")
 
 

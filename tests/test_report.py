@@ -256,6 +256,34 @@ def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", '{"step": 3, "x": 1}\n', '{"kind": "train", "step": 3.0}\n'],
+                         ids=["empty", "blank lines", "no kind", "a float step"])
+def test_summary_and_report_refuse_the_same_files(tmp_path, capsys, text):
+    """An empty file, or records without a kind or with a float step: summary refused them
+    (status 2), the report wrote a page."""
+    from distmetrics import cli
+    from distmetrics.report import NotAMetricsFile
+
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert cli.main(["summary", str(tmp_path)]) == 2
+    with pytest.raises(NotAMetricsFile, match="is not a distmetrics metrics.jsonl"):
+        write_report(tmp_path)
+    said = capsys.readouterr().err
+    assert ("it is empty, no JSON record with 'kind'" in said) == (not text.strip()), said
+
+
+def test_a_byte_that_is_not_utf8_in_a_text_value_loses_no_record_of_the_report(tmp_path):
+    """A host name holding \\xff: the report counted its whole record as unreadable (its loss and
+    norms missing from every plot) where summary read it."""
+    lines = [json.dumps({"kind": "run", "step": 0, "world_size": 1}).encode(),
+             b'{"kind": "train", "step": 1, "train/loss": 1.5, "stragglers/step/host": "n\xff1"}',
+             json.dumps({"kind": "train", "step": 2, "train/loss": 1.0}).encode()]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    data = load_metrics(tmp_path)
+    assert data.bad_lines == 0 and data.records == 2
+    assert data.scalars.series("train/loss")[2].tolist() == [1.5, 1.0]
+
+
 def test_a_folder_of_run_folders_gets_one_report_per_run_as_summary_reads_it(tmp_path):
     # launch/demo.sh's layout: runs/demo/<date-time>/metrics.jsonl, one folder per demo run
     runs = tmp_path / "runs" / "demo"

@@ -65,7 +65,7 @@ def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathL
 
     path = metrics_path(run)
     data = load(path)
-    if data.bad_lines and data.bad_lines == data.lines - data.blank_lines:
+    if data.bad_lines == data.lines - data.blank_lines:  # not one record (an empty file too), as summary says
         from ..runlog import not_a_metrics_file
 
         raise NotAMetricsFile(not_a_metrics_file(path, data.bad_lines))

@@ -82,6 +82,12 @@ class RunData:
                     continue
                 try:
                     record = json.loads(raw)
+                except UnicodeDecodeError:  # a byte that is not UTF-8 in a text value: read as summary reads it
+                    try:
+                        record = json.loads(raw.decode("utf-8", "replace"))
+                    except ValueError:
+                        self.bad_lines += 1
+                        continue
                 except ValueError:
                     self.bad_lines += 1
                     continue
@@ -112,7 +118,7 @@ class RunData:
 
     def _take(self, record: dict) -> None:
         kind, step = record.get("kind"), _step_of(record)
-        if step is None:
+        if step is None or not isinstance(kind, str):  # as summary reads the file (runlog.read_jobs)
             self.bad_lines += 1
             return
         if kind == "gpu_model":  # once per job at start: not on the step axis
@@ -303,13 +309,9 @@ def _natural_key(text: str) -> list:
 
 
 def _step_of(record: dict) -> Optional[int]:
+    """The record's step: an int, as the Monitor writes it (summary reads no other)."""
     step = record.get("step")
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    try:
-        return int(step)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: a step of 1e400 (read as inf)
-        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _number(value: Any) -> float:
