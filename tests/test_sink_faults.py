@@ -728,3 +728,40 @@ def test_records_lost_until_close_are_counted_and_marked_once_there_is_room(tmp_
         assert text == ""
         said = [w for w in warnings if "closed" in w and "not written" in w]
         assert len(said) == 1 and "with 4 records (steps 1-4) not written" in said[0], warnings
+
+
+class _Refusing:
+    """Your own sink posting to a URL that starts refusing at ``from_step`` (and at close)."""
+
+    name = "http"
+    fix = "check the URL"
+
+    def __init__(self, url: str, from_step: int) -> None:
+        self.url, self.from_step, self.steps = url, from_step, []
+
+    def log(self, metrics, step, kind):
+        if step >= self.from_step:
+            raise ConnectionError(f"{self.url} refused")
+        self.steps.append(step)
+
+    def close(self):
+        raise ConnectionError(f"{self.url} refused at close")
+
+
+def test_two_failing_sinks_of_one_name_are_each_said_once(tmp_path, caplog):
+    """Two of your sinks named "http": the second's failure was not said (failures were once per
+    name) though it was dropped, so its records stopped without a word."""
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    a, b = _Refusing("http://a", 3), _Refusing("http://b", 6)
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False),
+                    sinks=[a, b]) as monitor:
+        for step in range(1, 9):
+            monitor.step(step, loss=1.0)
+    assert a.steps == [0, 1, 2] and b.steps == [0, 1, 2, 3, 4, 5]  # the run record at step 0
+    assert monitor.sinks.failed == {"http": "ConnectionError: http://a refused",
+                                    "http #2": "ConnectionError: http://b refused"}
+    said = [r.getMessage() for r in caplog.records if "sink failed" in r.getMessage()]
+    assert len(said) == 2 and "the http sink failed (ConnectionError: http://a refused)" in said[0], said
+    assert "the http #2 sink failed (ConnectionError: http://b refused)" in said[1], said

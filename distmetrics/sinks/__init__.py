@@ -96,7 +96,8 @@ class SinkSet:
         self.queued: list[Sink] = []
         """Sinks written on the writer thread (TensorBoard, W&B, console, your own)."""
         self.failed: dict[str, str] = {}
-        """Sinks dropped after a failure: name -> cause."""
+        """Sinks dropped after a failure: name (``name #2`` for a second sink of one name) -> cause."""
+        self._failed_sinks: list = []  # the sink objects dropped: each is said once
         self.left_out = left_out
         """Names, and prefixes ending in ``/``, the dashboards do not get (:func:`scalar_view`)."""
         self.writer: Optional[WriterThread] = None
@@ -196,7 +197,7 @@ class SinkSet:
                     sink.log(metrics, step, kind)
             except caught as err:
                 sinks.remove(sink)
-                self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None))
+                self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None), sink=sink)
 
     def _write_queued(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         # on the writer thread any exception a sink raises (sys.exit(), an asyncio CancelledError
@@ -214,12 +215,22 @@ class SinkSet:
         try:
             sink.close()
         except caught as err:
-            self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True)
+            self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None), closing=True,
+                       sink=sink)
 
     def _fail(self, name: str, err: BaseException, fix: str, install: Optional[str] = None,
-              closing: bool = False) -> None:
-        if name in self.failed:
+              closing: bool = False, sink: Any = None) -> None:
+        """Say once per sink that it failed and is off (``sink``: None where creating it failed).
+        Two sinks of one name (two of your HTTP sinks) are each said: the second as ``name #2``."""
+        if any(sink is seen for seen in self._failed_sinks) or (sink is None and name in self.failed):
             return
+        if sink is not None:
+            self._failed_sinks.append(sink)
+        key, n = name, 1
+        while key in self.failed:
+            n += 1
+            key = f"{name} #{n}"
+        name = key
         self.failed[name] = cause = failure_cause(err)
         advice = install if isinstance(err, ImportError) and install else ("" if isinstance(err, OSError) else fix)
         logger.warning("distmetrics: the %s sink failed %s(%s)%s%s", name, "at close " if closing else "", cause,
