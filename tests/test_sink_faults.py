@@ -652,10 +652,11 @@ def _restart_on_full_disk_child(folder: str, result: str) -> None:
 
 
 def test_a_restart_on_a_full_disk_keeps_its_job_header_and_tensorboards_purge_until_written(tmp_path):
-    """The purge order, the run record and progress.txt's "Starting job" line of a job that starts
-    on a full disk were each written once and lost: TensorBoard showed both jobs' values at steps
-    9 and 10, and summary read the two jobs as one (steps 9 and 10 twice, no restart). Each now goes
-    ahead of the first record written once room returns; steps 6-8 are lost and marked."""
+    """The purge order, the run and resume records and progress.txt's "Starting job" line of a job
+    that starts on a full disk were each written once and lost: TensorBoard showed both jobs'
+    values at steps 9 and 10, and summary read the two jobs as one (steps 9 and 10 twice, no
+    restart), then missed the restart. Each now goes ahead of the first record written once room
+    returns; steps 6-8 are lost and marked."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import distmetrics as dm
@@ -669,10 +670,12 @@ def test_a_restart_on_a_full_disk_keeps_its_job_header_and_tensorboards_purge_un
     records = list(dm.read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     job_b = records[[i for i, r in enumerate(records) if r["kind"] == "run"][1]:]
     gap = next(r for r in job_b if r["kind"] == "gap")
-    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (6, 8, 4)  # resume record + 3 train records
+    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (6, 8, 3)  # 3 train records
     assert [r["step"] for r in job_b if r["kind"] == "train"] == list(range(9, 16))
+    [resume] = [r for r in job_b if r["kind"] == "resume"]  # held with the run record: it was lost too
+    assert resume["from_step"] == 6 and resume["last_logged_step"] == 10
     summary = run_python_summary(tmp_path / "run")
-    assert "2 job(s)" in summary and "job 2:" in summary, summary
+    assert "2 job(s)" in summary and "job 2:" in summary and "resumed at step 6 (step 10" in summary, summary
     starts = [line for line in (tmp_path / "run" / "progress.txt").read_text().splitlines() if "Starting job" in line]
     assert len(starts) == 2
     result = json.loads((tmp_path / "result.json").read_text())

@@ -61,7 +61,8 @@ class JsonlSink:
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
         pieces = _pieces(kind, step, metrics, self._finite)
-        if kind == "run":  # a job's header (readers split the file into jobs at it): held until written
+        if kind in ("run", "resume"):  # a job's header (readers split the file into jobs at it, and say where it
+            # resumed from the resume record): held until written, ahead of the next record
             self._file.append_header(pieces, step)
             return
         if self._file.lost is not None:  # the gap record and this one are written together, or neither
