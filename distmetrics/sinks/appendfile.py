@@ -66,11 +66,13 @@ class AppendFile:
         self._held.extend(_pieces(data))
         return self.append((), step, counts=False)
 
-    def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True) -> bool:
+    def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True,
+               closing: bool = False) -> bool:
         """Write ``data`` (bytes, or pieces written one after the other in one system call, not
         joined first) whole at the end of the file, behind any held header
         (:meth:`append_header`); on an OSError cut it back off, count the record as lost
-        (``step`` names it; not with ``counts=False``) and return False."""
+        (``step`` names it; not with ``counts=False``) and return False. ``closing``: the last
+        write before :meth:`close` (a mark of the records lost), so no "again from" is said."""
         pieces = _pieces(data)
         if self._held:
             pieces = [*self._held, *pieces]
@@ -95,8 +97,9 @@ class AppendFile:
         self._held = []
         if self.lost is not None:
             lost, self.lost = self.lost, None
-            logger.warning("distmetrics: the %s sink writes %s again from step %d; %d record%s (steps %d-%d) "
-                           "could not be written%s.", self.sink, self.path, step, lost.records,
+            again = "closes %s" if closing else "writes %s again from step %d"
+            logger.warning(f"distmetrics: the %s sink {again}; %d record%s (steps %d-%d) could not be written%s.",
+                           self.sink, self.path, *(() if closing else (step,)), lost.records,
                            "" if lost.records == 1 else "s", lost.first_step, lost.last_step,
                            f"; {self.on_loss} marks them" if self.on_loss else "")
         return True

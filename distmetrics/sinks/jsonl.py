@@ -74,7 +74,7 @@ class JsonlSink:
         (if there is room now); a warning if records were still failing to be written."""
         lost = self._file.lost
         if lost is not None:
-            self._file.append(self._gap(lost.last_step), lost.last_step, counts=False)
+            self._file.append(self._gap(lost.last_step), lost.last_step, counts=False, closing=True)
         self._file.close()
 
     def _gap(self, step: int) -> bytes:
