@@ -223,6 +223,19 @@ def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, 
     assert len(said) == 1 and str(tmp_path / "tensorboard") in said[0]
 
 
+def test_a_tensorboard_dir_shared_with_another_output_dir_is_said(tmp_path, caplog):
+    """A restart writing to a new output_dir and the earlier job's tensorboard_dir: TensorBoard showed
+    both jobs' values at steps 21-40 without a word (metrics.jsonl, read for a restart, was the new
+    folder's). A fresh job in a fresh folder is said nothing."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    _job(tmp_path / "fresh", range(1, 11), loss=1.0)
+    _job(tmp_path / "job1", range(1, 41), loss=1.0, tensorboard_dir=str(tmp_path / "tb"))
+    assert not [r for r in caplog.records if "holds TensorBoard events" in r.getMessage()]
+    _job(tmp_path / "job2", range(21, 41), loss=2.0, tensorboard_dir=str(tmp_path / "tb"))
+    said = [r.getMessage() for r in caplog.records if "holds TensorBoard events" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "job2" / "metrics.jsonl") in said[0] and "shared" in said[0]
+
+
 def test_a_job_continuing_after_the_last_logged_step_purges_nothing(tmp_path, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
