@@ -20,7 +20,7 @@ for arg in "$@"; do
   case $arg in output_dir=*) RUN_DIR=${arg#output_dir=} ;; esac
 done
 echo "demo run folder: $RUN_DIR"
-NPROC_PER_NODE=${NPROC_PER_NODE:-2} MASTER_PORT=${MASTER_PORT:-29517} \
+NPROC_PER_NODE=${NPROC_PER_NODE:-2} \
   bash launch/torchrun.sh launch/train_fsdp.py --steps 40 --config configs/demo.yaml "output_dir=$RUN_DIR" "$@"
 echo "metrics: $RUN_DIR/metrics.jsonl   progress: $RUN_DIR/progress.txt   summary: $VENV/bin/distmetrics summary $RUN_DIR"
 echo "$VENV/bin/tensorboard --logdir $RUNS   (each demo run is one TensorBoard run)"

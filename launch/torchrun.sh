@@ -5,10 +5,13 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh launch/train_fsdp.py   # on node0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 launch/torchrun.sh launch/train_fsdp.py   # on node1
 #
-# Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
-# NPROC_PER_NODE (the GPU count, else 2 CPU ranks), RDZV_ID (distmetrics), PYTHON (the project's
-# virtual environment when there is one: $DISTMETRICS_VENV, else .venv, as launch/setup.sh makes it;
-# otherwise python3). The trainers pick NCCL when CUDA is available and gloo otherwise.
+# Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (one node: a free
+# port; several: 29500), NPROC_PER_NODE (the GPUs CUDA_VISIBLE_DEVICES lists, else the node's GPU
+# count, else 2 CPU ranks), RDZV_ID (distmetrics), PYTHON (the project's virtual environment when
+# there is one: $DISTMETRICS_VENV, else .venv, as launch/setup.sh makes it; otherwise python3).
+# One node without RDZV_ID meets on MASTER_PORT alone, so a port another job holds fails at once
+# (a shared c10d rendezvous made a second job wait, silent, as the first one's spare); several
+# nodes meet through c10d rendezvous. The trainers pick NCCL when CUDA is available, else gloo.
 set -euo pipefail
 if [ -z "${PYTHON:-}" ]; then
   ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,12 +29,24 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job may use, not all the node's
+    IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+    gpus=${#visible[@]}
+  else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
   NPROC_PER_NODE=$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)
 fi
+if [ "$NNODES" = 1 ] && [ -z "${RDZV_ID:-}" ]; then
+  if [ -n "${MASTER_PORT:-}" ]; then
+    RDZV=(--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  else
+    RDZV=(--standalone)  # a free port of this node
+  fi
+else
+  RDZV=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-distmetrics}")
+fi
 exec "$PYTHON" -m torch.distributed.run \
-  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
-  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-distmetrics}" \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" "${RDZV[@]}" \
   "$@"

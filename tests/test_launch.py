@@ -205,6 +205,61 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
     assert missing.returncode == 2 and "has no bin/python" in missing.stderr
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ({}, "--nproc-per-node 8 --standalone x.py"),
+    ({"MASTER_PORT": "1234"}, "--nproc-per-node 8 --master-addr 127.0.0.1 --master-port 1234 x.py"),
+    ({"NNODES": "2", "MASTER_ADDR": "n0"}, "8 --rdzv-backend c10d --rdzv-endpoint n0:29500 --rdzv-id distmetrics x.py"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, "--nproc-per-node 3 --standalone x.py"),
+    ({"CUDA_VISIBLE_DEVICES": ""}, "--nproc-per-node 2 --standalone x.py")])
+def test_torchrun_sh_command_lines(tmp_path, extra, expected):
+    """One node: its own rendezvous on a free port, or on MASTER_PORT alone (a c10d rendezvous with a
+    fixed id made a second job on the node wait, silent, as the first's spare until it ended);
+    the GPUs CUDA_VISIBLE_DEVICES lists, not every GPU nvidia-smi sees (8 here)."""
+    stub = _stub_python(tmp_path / "venv")
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/usr/bin/env bash\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    env = _env(PYTHON=str(stub), PATH=f"{smi.parent}:{os.environ['PATH']}", **extra)
+    for key in {"NPROC_PER_NODE", "MASTER_PORT", "NNODES", "RDZV_ID", "CUDA_VISIBLE_DEVICES"} - set(extra):
+        env.pop(key, None)
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "x.py"], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.strip().endswith(expected), run.stdout + run.stderr
+
+
+def test_a_second_job_on_a_node_starts_on_its_own_port_or_fails_at_once(tmp_path):
+    """Real torchrun: a second job started while the first runs waited, silent, as the first one's
+    spare until it ended (one c10d rendezvous, one id, port 29500). Without MASTER_PORT each job
+    takes a free port; with a port another process holds a job exits with an error at once."""
+    import socket
+
+    script = tmp_path / "hello.py"
+    script.write_text("import sys, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "sys.stdout.write(f'world {dist.get_world_size()}\\n')\nsys.stdout.flush()\ntime.sleep(float(sys.argv[1]))\n"
+                      "dist.destroy_process_group()\n")
+    env = _env(NPROC_PER_NODE="2")
+    env.pop("MASTER_PORT", None)
+    first = subprocess.Popen(["bash", str(ROOT / "launch" / "torchrun.sh"), str(script), "60"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert first.stdout.readline().startswith("world 2")  # the first job runs
+        run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), str(script), "0"], env=env,
+                             capture_output=True, text=True, timeout=50)
+        assert run.returncode == 0 and run.stdout.count("world 2") == 2, run.stdout + run.stderr[-3000:]
+        assert first.poll() is None  # the second ran beside it, not after it
+    finally:
+        first.kill()
+        first.wait()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env["MASTER_PORT"] = str(held.getsockname()[1])
+        run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), str(script)], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "world" not in run.stdout, run.stdout
+
+
 def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     """launch/test.sh on a machine where torch sees a GPU (the stand-in interpreter answers yes to
     every check): with no argument the whole suite, then tests/test_cuda.py alone; given a test
