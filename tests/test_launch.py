@@ -236,8 +236,8 @@ def test_a_second_job_on_a_node_starts_on_its_own_port_or_fails_at_once(tmp_path
 
     script = tmp_path / "hello.py"
     script.write_text("import sys, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                      "sys.stdout.write(f'world {dist.get_world_size()}\\n')\nsys.stdout.flush()\ntime.sleep(float(sys.argv[1]))\n"
-                      "dist.destroy_process_group()\n")
+                      "sys.stdout.write(f'world {dist.get_world_size()}\\n')\nsys.stdout.flush()\n"
+                      "time.sleep(float(sys.argv[1]))\ndist.destroy_process_group()\n")
     env = _env(NPROC_PER_NODE="2")
     env.pop("MASTER_PORT", None)
     first = subprocess.Popen(["bash", str(ROOT / "launch" / "torchrun.sh"), str(script), "60"], env=env,
