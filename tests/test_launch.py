@@ -144,16 +144,25 @@ def test_two_simulated_nodes_write_one_set_of_files(tmp_path):
 
 
 @pytest.mark.parametrize("nodes, first", [("gpu[07-10]", "gpu07"), ("gpu[07-08,11],cpu3", "gpu07"), ("gpu05", "gpu05"),
-                                          ("login1,gpu[01-04]", "login1"), ("node-a,node-b[1-3]", "node-a")])
+                                          ("login1,gpu[01-04]", "login1"), ("node-a,node-b[1-3]", "node-a"),
+                                          ("rack[1-2]-node[01-02]", "rack1-node01"), ("gpu[01-02]-ib", "gpu01-ib"),
+                                          ("scontrol:gpu[1-2]", "from-scontrol")])
 def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path, nodes, first):
     """One srun of torchrun per node, rendezvous on the allocation's first node: a plain first
-    name before a bracketed range (``login1,gpu[01-04]``) was read as ``login1,gpu01``."""
+    name before a bracketed range (``login1,gpu[01-04]``) was read as ``login1,gpu01``, and a name
+    with text after its range (``gpu[01-02]-ib``) or two ranges lost the rest. Where scontrol
+    is installed, its first host name is taken."""
     script = ROOT / "launch" / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "srun").write_text('#!/usr/bin/env bash\necho "srun $*"\n')
     (stub / "srun").chmod(0o755)
+    if nodes.startswith("scontrol:"):
+        nodes = nodes.split(":", 1)[1]
+        (stub / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && printf '
+                                       '"from-scontrol\\nsecond\\n"\n')
+        (stub / "scontrol").chmod(0o755)
     env = _env(PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_ID="9001", SLURM_JOB_NUM_NODES="4",
                SLURM_JOB_NODELIST=nodes, SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(ROOT),
                PYTHON="python3")
@@ -165,6 +174,27 @@ def test_slurm_script_parses_and_runs_one_torchrun_agent_per_node(tmp_path, node
     assert "--nnodes 4 --nproc-per-node 8" in line
     assert f"--rdzv-backend c10d --rdzv-endpoint {first}:29500 --rdzv-id 9001" in line
     assert line.endswith("launch/train_fsdp.py --steps 10")
+
+
+def test_slurm_script_outside_an_allocation_or_with_a_bad_venv_stops_with_one_message(tmp_path):
+    """Without SLURM_JOB_NODELIST the message was printed and the script went on (inside
+    ``export MASTER_ADDR=$(...)``), to srun with ``--rdzv-endpoint :29500`` and exit 0; a
+    DISTMETRICS_VENV without bin/python fell back to python3 without a word."""
+    script = ROOT / "launch" / "slurm.sbatch"
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "srun").write_text('#!/usr/bin/env bash\necho "srun $*"\n')
+    (stub / "srun").chmod(0o755)
+    base = _env(PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_ID="9001", SLURM_JOB_NUM_NODES="2",
+                SLURM_JOB_NODELIST="gpu[1-2]", SLURM_SUBMIT_DIR=str(tmp_path))
+    base.pop("PYTHON", None)
+    for drop in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        env = {k: v for k, v in base.items() if k != drop}
+        run = subprocess.run(["bash", str(script), "x.py"], env=env, capture_output=True, text=True, timeout=30)
+        assert run.returncode != 0 and "srun" not in run.stdout and run.stderr.count("not inside a SLURM allocation") == 1
+    run = subprocess.run(["bash", str(script), "x.py"], env=dict(base, DISTMETRICS_VENV="nowhere"), capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 2 and "DISTMETRICS_VENV=nowhere has no bin/python" in run.stderr and not run.stdout
 
 
 def test_demo_config_loads():
