@@ -191,7 +191,8 @@ def test_slurm_script_outside_an_allocation_or_with_a_bad_venv_stops_with_one_me
     for drop in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
         env = {k: v for k, v in base.items() if k != drop}
         run = subprocess.run(["bash", str(script), "x.py"], env=env, capture_output=True, text=True, timeout=30)
-        assert run.returncode != 0 and "srun" not in run.stdout and run.stderr.count("not inside a SLURM allocation") == 1
+        assert run.returncode != 0 and "srun" not in run.stdout
+        assert run.stderr.count("not inside a SLURM allocation") == 1, run.stderr
     run = subprocess.run(["bash", str(script), "x.py"], env=dict(base, DISTMETRICS_VENV="nowhere"), capture_output=True,
                          text=True, timeout=30)
     assert run.returncode == 2 and "DISTMETRICS_VENV=nowhere has no bin/python" in run.stderr and not run.stdout
