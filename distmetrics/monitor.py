@@ -333,13 +333,14 @@ class Monitor:
         return step if self._is_log_step(step) else None
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
-        """Whether ``step`` (default: the next, predicted as the last + 1) is a log step; before the
-        first ``monitor.step``, with no ``step``, True (see :meth:`_log_step_ahead`)."""
+        """Whether ``step`` (default: the next, predicted as the last + 1) is a log step, or the
+        job's last (``total_steps``: ``close()`` writes its record); before the first
+        ``monitor.step``, with no ``step``, True (see :meth:`_log_step_ahead`)."""
         if step is None:
             if self._last_step is None:
                 return True
             step = self._last_step + 1
-        return step % self.config.log_interval == 0
+        return step % self.config.log_interval == 0 or step == self.config.total_steps
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer:

@@ -164,7 +164,7 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
 SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_option", "barrier_with_L1_time",
                "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
-               "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every",
+               "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",
                "tensor_inspect.enabled", "tensor_inspect.features")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, or
 which rank writes: a rank given another value than the others would hang, count wrong or write

@@ -598,6 +598,28 @@ def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
     assert monitor.measure_grad_norms(step=5) is not None
 
 
+def test_the_last_step_is_measured_for_the_record_close_writes(tmp_path):
+    """5 steps at log_interval 2 (Megatron's distributed optimizer clips; the loop measures): the
+    record close() writes for steps 4-5 had no grad_norm, step 5 never being a log step."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _net()
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, total_steps=5, console=False,
+                           tensorboard=False)
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in range(1, 6):
+            model.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            measured = monitor.measure_grad_norms(step=step)
+            assert (measured is None) == (step in (1, 3))
+            monitor.step(step)
+    truth = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()) ** 0.5
+    last = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["step"] == 5 and last["grad_norm"] == pytest.approx(truth, rel=1e-6)
+
+
 @pytest.mark.parametrize("start", [0, 1000, 3])
 def test_the_first_step_is_measured_whatever_its_number_and_kept_only_if_it_is_logged(start):
     """Before the first monitor.step its number is unknown (a job starts at 0, or resumes at a
