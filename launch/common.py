@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import sys
 import warnings
 from typing import Optional
@@ -122,7 +123,11 @@ def run_trainer(main) -> None:
     """``main()``, then :func:`exit_after_teardown`. A config error (``dm.ConfigError``) or the
     trainer's own refusal of its arguments is one line per rank that raised it (``error: ...``,
     with ``[rank N]`` under a launcher: a rank's own problem shows too), exit status 2, as the
-    ``distmetrics`` command says it, not a traceback per rank."""
+    ``distmetrics`` command says it, not a traceback per rank. SIGTERM (how torchrun stops the
+    other ranks when one fails, and how Slurm's scancel and time limit stop a job) ends the
+    trainer as an exit (status 143), so the open Monitor's exit warning names the steps since
+    the last log step that are not written; Python's default ends the process without a word."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         main()
     except (dm.ConfigError, SystemExit) as err:
@@ -133,6 +138,11 @@ def run_trainer(main) -> None:
         print(f"{f'[rank {rank}] ' if rank is not None else ''}error: {message}", file=sys.stderr)
         _leave(2)
     exit_after_teardown()
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    sys.exit(128 + signum)
 
 
 def exit_after_teardown() -> None:

@@ -198,6 +198,35 @@ def test_slurm_script_outside_an_allocation_or_with_a_bad_venv_stops_with_one_me
     assert run.returncode == 2 and "DISTMETRICS_VENV=nowhere has no bin/python" in run.stderr and not run.stdout
 
 
+def test_a_trainer_stopped_by_sigterm_says_which_steps_are_not_written(tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one fails, Slurm stops a job with it: the
+    steps since the last log step were lost without the exit warning SIGINT gives."""
+    import signal
+    import time
+
+    env = _env()
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())
+    out = tmp_path / "run"
+    trainer = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train_fsdp.py"), "--steps", "100000",
+                                "--eval-every", "0", "--save-every", "0", f"output_dir={out}", "log_interval=5",
+                                "tensorboard=false", "console=false"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while '"kind":"train"' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists()
+                                       else ""):
+            assert time.monotonic() < deadline and trainer.poll() is None, "no train record"
+            time.sleep(0.2)
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=60) == 143
+    finally:
+        trainer.kill()
+    said = trainer.stderr.read()
+    assert "since the last log step" in said and "not written" in said, said[-2000:]
+
+
 def test_demo_config_loads():
     cfg = dm.MetricsConfig.from_yaml(ROOT / "configs" / "demo.yaml")
     assert cfg.timing_log_level == 1 and cfg.output_dir == "runs/demo"
