@@ -5,6 +5,7 @@ the clean exit. Tests and benchmarks import it as ``launch.common``.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -117,6 +118,28 @@ def quiet_megatron_warnings() -> None:
     import, ~30 lines around 2 lines of metrics). Other warnings, distmetrics' own included, stay."""
     for message in KNOWN_MEGATRON_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r".*megatron")
+
+
+class TrainerArgs(argparse.ArgumentParser):
+    """The trainers' argument parser: a refused argument is one line (``run_trainer`` prefixes
+    the rank), not argparse's usage block from every rank interleaved."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{message} (see --help)")
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
+def check_divides(what: str, total: int, parts: int, parts_what: str) -> None:
+    """Refuse a layout whose ``parts`` do not divide ``total`` (one line, before any collective)."""
+    if total % parts:
+        raise SystemExit(f"{what} {total} is not divisible by {parts_what} {parts}")
 
 
 def run_trainer(main) -> None:

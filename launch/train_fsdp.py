@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distmetrics as dm
-from common import GPT, MarkovData, lr_at, metrics_config, run_trainer
+from common import GPT, MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, positive, run_trainer
 
 
 # --- parallelism -------------------------------------------------------------------------------
@@ -68,19 +68,20 @@ def parallelize(model: GPT, device: torch.device, world: int, dp_replicate: int,
 # --- training ----------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = TrainerArgs(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="metrics config YAML (configs/*.yaml)")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 shard degree (default: world / replicate / tp)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicate degree")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dp-shard", type=positive, default=None,
+                   help="FSDP2 shard degree (default: world / replicate / tp)")
+    p.add_argument("--dp-replicate", type=positive, default=1, help="HSDP replicate degree")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--micro-batch", type=positive, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=positive, default=1)
+    p.add_argument("--seq-len", type=positive, default=32)
+    p.add_argument("--vocab", type=positive, default=128)
+    p.add_argument("--d-model", type=positive, default=64)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -93,7 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_divides("--d-model", args.d_model, args.heads, "--heads")
+    check_divides("--heads", args.heads, args.tp, "--tp")
     device, rank, world = setup_distributed()
+    check_divides("the world size", world, args.dp_replicate * args.tp, "--dp-replicate × --tp")
     dp_shard = args.dp_shard or world // (args.dp_replicate * args.tp)
     torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
     model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len).to(device)

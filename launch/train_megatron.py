@@ -22,22 +22,23 @@ import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import MarkovData, lr_at, metrics_config, quiet_megatron_warnings, run_trainer
+from common import (MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, positive, quiet_megatron_warnings,
+                    run_trainer)
 from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = TrainerArgs(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="metrics config YAML")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--pp", type=positive, default=1)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--micro-batch", type=positive, default=4)
+    p.add_argument("--seq-len", type=positive, default=16)
+    p.add_argument("--vocab", type=positive, default=64)
+    p.add_argument("--hidden", type=positive, default=32)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -154,6 +155,9 @@ def main(argv=None) -> dict:
     if args.te and importlib.util.find_spec("transformer_engine") is None:  # megatron-core: a NameError deep inside
         raise SystemExit("--te needs TransformerEngine (and a GPU): install transformer_engine, or leave --te out "
                          "for Megatron's local layers")
+    check_divides("--layers", args.layers, args.pp, "--pp")
+    check_divides("--heads", args.heads, args.tp, "--tp")
+    check_divides("--hidden", args.hidden, args.heads, "--heads")
     if args.use_distributed_optimizer and args.pp > 1:
         raise SystemExit("--use-distributed-optimizer: this trainer's own pipeline send/recv does not run Megatron's "
                          "DDP across stages; use --pp 1")
@@ -167,6 +171,7 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     from megatron.core import parallel_state as ps
 
+    check_divides("the world size", dist.get_world_size(), args.tp * args.pp, "--tp × --pp")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     apply_cpu_adaptations(args.seed)
     layer_offset = ps.get_pipeline_model_parallel_rank() * (args.layers // args.pp)

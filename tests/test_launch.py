@@ -376,10 +376,18 @@ def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
 @pytest.mark.parametrize("script,args,said", [
     ("train_fsdp.py", ["log_intervall=5"], "error: override 'log_intervall=5': unknown config key 'log_intervall'"),
     ("train_megatron.py", ["--te"], "error: --te needs TransformerEngine (and a GPU)"),
-])
+    ("train_fsdp.py", ["--stepz", "5"], "error: unrecognized arguments: --stepz (see --help)"),
+    ("train_fsdp.py", ["--tp", "0"], "error: argument --tp: 0 is not a whole number >= 1 (see --help)"),
+    ("train_fsdp.py", ["--grad-accum", "0"], "error: argument --grad-accum: 0 is not a whole number >= 1"),
+    ("train_fsdp.py", ["--heads", "3"], "error: --d-model 64 is not divisible by --heads 3"),
+    ("train_fsdp.py", ["--tp", "2"], "error: the world size 1 is not divisible by --dp-replicate × --tp 2"),
+    ("train_megatron.py", ["--layers", "3", "--pp", "2"], "error: --layers 3 is not divisible by --pp 2"),
+], ids=["config key", "--te", "unknown option", "--tp 0", "--grad-accum 0", "heads", "layout", "megatron layers"])
 def test_a_trainer_refusing_its_arguments_says_it_in_one_line(tmp_path, script, args, said):
     """A config typo printed a traceback per rank with the message in the middle; --te without
-    TransformerEngine a NameError from inside megatron-core. One line on rank 0, exit status 2."""
+    TransformerEngine a NameError from inside megatron-core; an unknown option argparse's usage
+    block per rank; --tp 0 a ZeroDivisionError, --heads 3 a reshape error, --grad-accum 0 a run
+    that trained on nothing. One line on rank 0, exit status 2."""
     from tests.dist_utils import run_python
 
     run = run_python(f"launch/{script}", "--steps", "2", *args, f"output_dir={tmp_path}", timeout=180)
