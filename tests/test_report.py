@@ -448,6 +448,33 @@ def test_a_resume_inside_a_heatmap_bin_shows_none_of_the_abandoned_steps(tmp_pat
     assert steps.max() < 1101  # job 1's abandoned steps after job 2's last are gone
 
 
+def test_a_resume_before_the_first_step_logged_puts_its_steps_in_their_own_bins(tmp_path):
+    """Job 1 logs steps 100-200; job 2 rolls back to step 50 (a checkpoint older than the file's
+    first logged step) and logs 50-150: its steps 50-100 were all folded into the bin of step 100
+    (their mean, 75.5) and the heatmap began at 94.5."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["a"]}
+
+    def train(step, value):
+        return {"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": value}
+
+    _write(tmp_path / "metrics.jsonl", [run, *(train(s, float(s)) for s in range(100, 201, 10)), dict(run),
+                                         {"kind": "resume", "step": 50, "message": "m", "last_logged_step": 200,
+                                          "from_step": 50}, *(train(s, s + 0.5) for s in range(50, 151, 10))])
+    grid = load_metrics(tmp_path).grids[("module", "grad_norm")]
+    steps, values = grid.logged()
+    assert grid.width == 1 and list(zip(steps.tolist(), values[:, 0].tolist())) == [(s, s + 0.5)
+                                                                                    for s in range(50, 151, 10)]
+    assert grid.image()[2] < 50
+    full = StepGrid("module", "x")  # every bin in use: moving them right halves them first
+    for step in range(1000, 1000 + full.bins):
+        full.add(step, 0, slice(0, 1), 1, np.array([float(step)]))
+    full.add(10, 1, slice(0, 1), 1, np.array([10.0]))
+    steps, values = full.logged()
+    assert full.first <= 10 and steps[0] == pytest.approx(full.first + (full.width - 1) / 2) and values[0, 0] == 10.0
+    assert sum(full.count[:, 0]) == full.bins + 1 and values[-1, 0] == pytest.approx(999 + full.bins - full.width / 2
+                                                                                      + 0.5)
+
+
 def test_a_job_that_continues_after_the_last_step_drops_no_heatmap_value(tmp_path):
     """Job 2 starts at step 1202, after job 1's last (1201), in a bin two steps wide holding job 1's
     1201: a continuation drops nothing (the bin holding its first step was cleared)."""

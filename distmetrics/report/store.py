@@ -121,10 +121,12 @@ class StepGrid:
         """One record's values of this family (``rows``: where ``values`` go)."""
         if self.first is None:
             self.first = step
-        b = max(0, (step - self.first) // self.width)
+        elif step < self.first:  # a job resumed before the first step seen (a rollback past it)
+            self._extend_back(step)
+        b = (step - self.first) // self.width
         while b >= self.bins:
             self._halve()
-            b = max(0, (step - self.first) // self.width)
+            b = (step - self.first) // self.width
         if nrows > self.capacity:
             self._grow(nrows)
         self.rows = max(self.rows, nrows)
@@ -217,6 +219,20 @@ class StepGrid:
             new[:, : old.shape[1]] = old
             setattr(self, attr, new)
         self.capacity = capacity
+
+    def _extend_back(self, step: int) -> None:
+        """Move the bins right (halving them where they would not fit) until bin 0 holds ``step``."""
+        while step < self.first:
+            k = -((step - self.first) // self.width)  # bins to add in front
+            used = np.flatnonzero(self.seen)
+            if (int(used[-1]) if used.size else 0) + k >= self.bins:
+                self._halve()
+                continue
+            for attr in ("total", "count", "nonfinite", "seen"):
+                array = getattr(self, attr)
+                array[k:] = array[:-k].copy()
+                array[:k] = 0
+            self.first -= k * self.width
 
     def _halve(self) -> None:
         h = self.bins // 2
