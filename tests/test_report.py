@@ -580,6 +580,16 @@ def test_a_job_that_evaluates_its_checkpoint_and_goes_on_is_no_resume(tmp_path, 
         assert "resumed at step 21 (step 30 was logged before" in summary
 
 
+def test_the_summary_row_gives_every_jobs_world_size(tmp_path):
+    """Jobs on 2, 2 and 1 ranks: the summary said "world size 1", the last job's."""
+    records = []
+    for world, step in ((2, 10), (2, 20), (1, 30)):
+        records += [{"kind": "run", "step": 0, "world_size": world}, {"kind": "train", "step": step, "train/loss": 1.0}]
+    _write(tmp_path / "metrics.jsonl", records)
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    assert "<td>world size</td><td>2, 1 (the jobs ran on different world sizes)</td>" in page
+
+
 def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):
     monkeypatch.setattr("distmetrics.report.store.MAX_COLUMNS", 8)
     grid = StepGrid("module", "grad_norm")

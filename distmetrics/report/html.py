@@ -75,7 +75,8 @@ def render_report(data: RunData, out: Union[str, os.PathLike]) -> str:
 
 def _summary(data: RunData, figs: Figures, drawn_s: float) -> str:
     ranks = max([g.rows for (kind, _), g in data.grids.items() if kind == "rank"] + [0])
-    world = next((j["world_size"] for j in reversed(data.jobs) if j.get("world_size")), None)
+    sizes = list(dict.fromkeys(j["world_size"] for j in data.jobs if j.get("world_size")))
+    world = ", ".join(map(str, sizes)) + (" (the jobs ran on different world sizes)" if len(sizes) > 1 else "")
     rows = (("file", f"{data.path} ({data.path.stat().st_size / 2**20:.1f} MiB, {data.lines} lines, "
                      f"{data.bad_lines} unreadable)"),
             ("records", f"{data.records} metric records, {len(data.jobs)} job(s), {len(data.alerts)} alert record(s)"),
