@@ -135,17 +135,19 @@ class ParamPlans:
     def model_plan(self) -> Plan:
         """The plan of the model's trainable parameters, rebuilt when they changed: a parameter
         registered anywhere (torch's global registration hooks), one replaced in its module,
-        frozen or unfrozen (a check of each cached slot, far cheaper than ``named_parameters``)."""
+        frozen or unfrozen, a module inserted, replaced or removed in place (a check of each
+        cached slot, far cheaper than ``named_parameters``: :class:`Slots`)."""
         plan = self.plan
         if plan is not None and plan.generation == _REGISTRATIONS[0] and plan.slots.intact():
             return plan
         slots = Slots(self.model)
         rename = module_name_map(self.model)
         named = [(global_param_name(n, rename), q) for n, q in self.model.named_parameters() if q.requires_grad]
-        signature = tuple(id(q) for _, q in named)
+        signature = tuple((n, id(q)) for n, q in named)  # a module moved renames its parameters
         if plan is None or plan.signature != signature:
             if plan is not None:
                 self.replans += 1
+                self._custom.clear()  # named after the model as it was
             plan = self.plan = self._build(named, signature)
         plan.slots, plan.generation = slots, _REGISTRATIONS[0]
         return plan
@@ -213,27 +215,43 @@ _CLASS_GRADS: dict[type, bool] = {}  # parameter class → it defines main_grad 
 
 class Slots:
     """Where each parameter of a model lives (its module's ``_parameters`` dict and key, in
-    ``named_parameters`` order, shared ones once) and whether it requires a gradient, checked at
-    every clip in two C-level passes (no Python step per parameter). A parameter replaced or
-    set to None in its module, or frozen or unfrozen, is seen; so is one registered anywhere,
-    by torch's registration hooks (:data:`_REGISTRATIONS`)."""
+    ``named_parameters`` order, shared ones once) and whether it requires a gradient, and where
+    each module lives (its parent's ``_modules`` dict and key), checked at every clip in a few
+    C-level passes (no Python step per parameter or module). A parameter replaced or set to None
+    in its module, frozen or unfrozen, is seen; so is a module inserted, replaced or removed in
+    place (``ModuleList.insert``, ``del model.layers[0]``, ``parent._modules[k] = m``: torch's
+    registration hooks do not fire for those), and a parameter registered anywhere, by torch's
+    registration hooks (:data:`_REGISTRATIONS`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         seen: set = set()
         self.dicts, self.keys, self.params = [], [], []
-        for module in model.modules():
+        self.parents: list = []  # one per module edge (parent, key, child), in three lists
+        self.edge_keys: list = []
+        self.children: list = []
+        self.modules = list(model.modules())
+        for module in self.modules:
+            for key, child in module._modules.items():
+                self.parents.append(module)
+                self.edge_keys.append(key)
+                self.children.append(child)
             for key, param in module._parameters.items():
                 if param is not None and id(param) not in seen:
                     seen.add(id(param))
                     self.dicts.append(module._parameters)
                     self.keys.append(key)
                     self.params.append(param)
+        self.sizes = list(map(len, map(_MODULES, self.modules)))
         self.requires_grad = list(map(_REQUIRES_GRAD, self.params))
 
     def intact(self) -> bool:
-        """Is every parameter still in its slot, with the same ``requires_grad``?"""
+        """Is every parameter still in its slot, with the same ``requires_grad``, and every module
+        in its place in its parent's ``_modules`` now, none added to one?"""
         return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.params)) and \
-            list(map(_REQUIRES_GRAD, self.params)) == self.requires_grad
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires_grad and \
+            all(map(operator.is_, map(dict.get, map(_MODULES, self.parents), self.edge_keys), self.children)) and \
+            list(map(len, map(_MODULES, self.modules))) == self.sizes
 
 
+_MODULES = operator.attrgetter("_modules")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -598,6 +598,64 @@ def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
     assert monitor.measure_grad_norms(step=5) is not None
 
 
+@pytest.mark.parametrize("change", ["insert", "_modules", "del attribute", "pop", "del item"])
+def test_a_module_inserted_replaced_or_removed_in_place_is_measured_as_it_now_is(change):
+    """ModuleList.insert, ``parent._modules[k] = m`` of a module built earlier, ``del model.a``,
+    ``layers.pop()`` and ``del layers[0]`` fire none of torch's registration hooks: the plan kept
+    the old parameters, so the short-form clip returned 5.12 for torch's 6.43 and left the new
+    module's gradients unclipped, and per-module names and param_norm held removed modules."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    spare = nn.Linear(4, 4)  # built before the change (a pool of layers)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    model.a = nn.Linear(4, 4)
+    monitor = _plain_monitor(model, log_params_norm=True)
+
+    def step(number):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(number))
+        for layer in model.layers:
+            x = layer(x)
+        (x.pow(2).sum() + (model.a(x).sum() if hasattr(model, "a") else 0)).backward()
+        copies = [p.grad.clone() for p in model.parameters()]
+        total = float(monitor.clip_grad_norm_(0.1))
+        reference = [nn.Parameter(torch.zeros_like(g)) for g in copies]
+        for q, g in zip(reference, copies):
+            q.grad = g
+        assert total == pytest.approx(float(torch.nn.utils.clip_grad_norm_(reference, 0.1)), rel=1e-6)
+        for p, q in zip(model.parameters(), reference):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=0), "a gradient torch clips was left unclipped"
+        metrics = monitor.step(number)
+        model.zero_grad()
+        return metrics
+
+    step(1)
+    if change == "insert":
+        model.layers.insert(0, spare)
+    elif change == "_modules":
+        model.layers._modules["1"] = spare
+    elif change == "del attribute":
+        del model.a
+    elif change == "pop":
+        model.layers.pop(2)
+    else:
+        del model.layers[0]
+    metrics = step(2)
+    modules = {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()}
+    assert {k[len("param_norm/"):] for k in metrics if k.startswith("param_norm/")} >= modules
+    assert not [k for k in metrics if k.startswith("param_norm/") and k[len("param_norm/"):] not in modules
+                and not any(m.startswith(k[len("param_norm/"):] + ".") for m in modules)], sorted(metrics)
+    truth = sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()) ** 0.5
+    assert metrics["param_norm"] == pytest.approx(truth, rel=1e-6) and metrics["grad_missing_params"] == 0
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        own = sum(float(q.detach().double().pow(2).sum()) for n, q in model.named_parameters()
+                  if n.rsplit(".", 1)[0] == module) ** 0.5
+        assert metrics[f"param_norm/{module}"] == pytest.approx(own, rel=1e-6), module
+
+
 def test_the_last_step_is_measured_for_the_record_close_writes(tmp_path):
     """5 steps at log_interval 2 (Megatron's distributed optimizer clips; the loop measures): the
     record close() writes for steps 4-5 had no grad_norm, step 5 never being a log step."""
