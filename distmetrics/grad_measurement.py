@@ -33,6 +33,7 @@ class GradMeasurement:
     max_norm: Optional[float] = None
     coef: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
+    bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)
     plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too

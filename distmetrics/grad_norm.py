@@ -68,6 +68,11 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
 _MODULE_LEVEL: "OrderedDict[int, GradientNorms]" = OrderedDict()
 
 
+class NonfiniteNormError(RuntimeError):
+    """``error_if_nonfinite=True`` and some rank's gradients hold NaN or inf (torch raises a
+    RuntimeError with this message; every rank raises this one, none waits)."""
+
+
 class GradientNorms:
     """Measures (and clips) the gradients of a model's parameters, or of any parameters given."""
 
@@ -154,8 +159,10 @@ class GradientNorms:
         measured.missing = float(missing)
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
-        if error_if_nonfinite and not bool(torch.isfinite(measured.total)):
-            raise RuntimeError(
+        # as torch raises where its total is not finite: on a rank whose replica alone holds NaN or
+        # inf that is the rank's own total, for p > 0 (for p <= 0 an inf or NaN element can leave it finite)
+        if error_if_nonfinite and not bool(torch.isfinite(measured.total) & ((measured.bad_anywhere == 0) | (p <= 0))):
+            raise NonfiniteNormError(
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
@@ -321,16 +328,23 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     per-tensor values that are non-finite exactly where a gradient is (default ``norms``)."""
     kind = norm_kind(p)
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
+    # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
+    # one GPU) must not hide behind the copy on the owning rank. Its count rides the total's
+    # all-reduce (a lane on every rank, whatever it owns): how many ranks' local gradients hold
+    # NaN or inf, or the most any rank's do (max, min kinds), the same on every rank.
+    check = norms if finite_check is None else finite_check
+    bad = torch.isfinite(check).logical_not().sum().to(torch.float64).reshape(1)
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        total = _all_reduce_one(local, kind, group).pow(1.0 / p)
+        total, bad = _all_reduce(torch.cat([local.reshape(1), bad]), kind, group)
+        total = total.pow(1.0 / p)
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
         counted = (norms > 0).to(torch.float64)
         contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
-        total, flag = _all_reduce(torch.cat([local.reshape(1), flag]), kind, group)
+        total, flag, bad = _all_reduce(torch.cat([local.reshape(1), flag, bad]), kind, group)
         if flag > 0:
             raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
                              "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
@@ -344,19 +358,17 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
         local = with_identity.max() if kind == "max" else with_identity.min()
         if kind == "max":
-            total = _all_reduce_one(local, kind, group)
+            total, bad = _all_reduce(torch.cat([local.reshape(1), bad]), kind, group)
         else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
             held = owned.any().to(torch.float64)
-            total, none_held = _all_reduce(torch.stack([local, -held]), kind, group)
-            total = torch.where(none_held < 0, total, torch.zeros_like(total))
-    # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
-    # one GPU) must not hide behind the copy on the owning rank.
-    check = norms if finite_check is None else finite_check
+            total, none_held, least = _all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad]), kind, group)
+            total, bad = torch.where(none_held < 0, total, torch.zeros_like(total)), -least
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
     # p-th powers (p > 0) of norms (>= 0) of every local tensor add up to NaN or inf wherever one norm is NaN or inf
     measured.summed_check = kind == "sum" and p > 0 and every and check is norms
     measured.on_host = device.type == "cpu"
     measured.total = total
+    measured.bad_anywhere = bad
     return measured
 
 

@@ -200,6 +200,41 @@ def test_non_finite_gradients_between_log_steps_are_counted_and_said(tmp_path):
     assert "non-finite gradients in 1 step(s) since the last log step" in alerts[0]["message"]
 
 
+def _nan_on_one_replica(rank: int, world: int, root: str) -> dict:
+    import torch
+
+    import distmetrics as dm
+    from tests.test_norms import _net
+
+    model = _net()
+    out = {"counts": [], "raised": []}
+    with dm.Monitor(_config(f"{root}/r{rank}", log_interval=3), model=model) as monitor:
+        for step in range(1, 7):
+            model.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            if (step, rank) in ((2, 1), (4, 2), (5, 1)):  # one replica's copy alone (rank 0 owns replicated weights)
+                model.blocks[1].fc2.weight.grad[0, 0] = math.nan
+            try:
+                monitor.clip_grad_norm_(1.0, error_if_nonfinite=step == 5)
+            except RuntimeError as err:
+                out["raised"].append((step, str(err)[:41]))
+            m = monitor.step(step, loss=1.0)
+            if m is not None:
+                out["counts"].append((step, m["grad_nonfinite_steps"]))
+    return out
+
+
+def test_non_finite_gradients_on_one_replica_are_counted_and_raised_on_every_rank(tmp_path):
+    """NaN in one replica's copy only (rank 0 owns the replicated weights): error_if_nonfinite
+    raised nowhere and the NaN went on to that rank's optimizer (torch raises on that rank);
+    grad_nonfinite_steps was the most steps a rank saw (1 for NaN at step 2 on rank 1 and step 4
+    on rank 2), and a step whose clip raised was not counted."""
+    results = run_ranks(_nan_on_one_replica, 3, str(tmp_path))
+    for out in results:
+        assert out["counts"] == [(3, 1), (6, 2)], out
+        assert out["raised"] == [(5, "The total norm of order 2.0 for gradients")], out
+
+
 def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     import distmetrics as dm
 

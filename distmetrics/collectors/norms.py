@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, norm_kind, note_clip, per_tensor_norms
+from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip, per_tensor_norms
 from ..plans import Plan, route_of
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
@@ -157,8 +157,13 @@ class NormCollector:
         if max_norm is None:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
         self._check_norm_type(norm_type, "clip_grad_norm_")
-        result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
-                                           self._scale_now(), "monitor.clip_grad_norm_")
+        try:
+            result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
+                                               self._scale_now(), "monitor.clip_grad_norm_")
+        except NonfiniteNormError:  # a step whose gradients held NaN or inf, though not kept (on every rank)
+            same_step = self._grad is not None and self._grad_after == after_step
+            self._count_bad(torch.ones((), dtype=torch.float64), same_step)
+            raise
         self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result
 
@@ -218,14 +223,17 @@ class NormCollector:
         self._grad_after = after_step
 
     def _count_nonfinite(self, measured: GradMeasurement, same_step: bool) -> None:
-        """Count the steps of the interval whose gradients held NaN or inf, on this rank's local
-        tensors or in the total norm, on their device (no host sync): a step between two log steps
-        whose gradients overflowed left no trace in the log step's record. Two measurements in one
-        step count once."""
-        bad = torch.isfinite(measured.checked).logical_not().any()
-        if measured.total is not None:
-            bad = bad | torch.isfinite(measured.total).logical_not().reshape(())
-        bad = bad.to(torch.float64)
+        """Count the steps of the interval whose gradients held NaN or inf, on some rank's local
+        tensors (a lane of the clip's all-reduce) or in the total norm, on their device (no host
+        sync): a step between two log steps whose gradients overflowed left no trace in the log
+        step's record. Two measurements in one step count once."""
+        bad = torch.isfinite(measured.total).logical_not().reshape(())
+        if measured.bad_anywhere is not None:  # the same on every rank: the steps counted are every rank's
+            bad = bad | (measured.bad_anywhere > 0).reshape(())
+        self._count_bad(bad.to(torch.float64), same_step)
+
+    def _count_bad(self, bad: torch.Tensor, same_step: bool) -> None:
+        """Count one step (``bad``: 1.0 or 0.0, a 0-d float64 tensor) of :meth:`_count_nonfinite`."""
         if same_step and self._bad_now is not None:
             self._bad_now = torch.maximum(self._bad_now, bad)
             return
@@ -270,7 +278,7 @@ class NormCollector:
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
-        if self._bad_now is not None and self.log_grad_norm:  # the most steps a rank saw
+        if self._bad_now is not None and self.log_grad_norm:  # the same on every rank
             bad = self._bad_now if self._bad_steps is None else self._bad_steps + self._bad_now
             out.append(Sample("grad_nonfinite_steps", bad, "max"))
         self._bad_steps = self._bad_now = None
