@@ -82,7 +82,13 @@ class CollectiveGuard:
         """Remember this rank's latest monitor call (published at most every :attr:`publish_every_s`)."""
         self._last = _describe(call, step)
         if self.store is not None and time.monotonic() - self._published > self.publish_every_s:
-            self._publish()
+            try:
+                self._publish()
+            except Exception as err:  # noqa: BLE001 - the store's host rank has ended: said as a hang is
+                failure = err
+            else:
+                return
+            raise HangError(self._report(call, step, failure, 0.0))
 
     def leave(self, how: str) -> None:
         """This rank is done with the Monitor (``how``: closed, or left after an error): published
@@ -100,30 +106,42 @@ class CollectiveGuard:
     def enter(self, call: str, step: Optional[int] = None) -> None:
         """Wait until every rank arrives at this call (the same call, step and position in the
         sequence of guarded calls); raise :class:`HangError` after ``timeout_s``, or as soon as a
-        rank that has not arrived leaves its Monitor."""
+        rank that has not arrived leaves its Monitor, or one that did gives up waiting. A rank
+        arriving after another gave up raises too (it must not enter the collective alone), and
+        so does every rank where the store cannot be reached (its host, rank 0, has ended)."""
         self._last = _describe(call, step)
         if self.store is None:
             return
         self._seq += 1
         key, done = f"{self._seq}|{call}|{step}", _done(self._seq)
-        self._publish()
-        last = self.store.add(key, 1) == self.world
-        if last:
-            self.store.set(done, "1")
-            if self._previous:  # every rank added itself here, so every rank is past the previous call
-                self.store.delete_key(self._previous)
-                self.store.delete_key(_done(self._seq - 1))
-        self._previous = key
         started = time.monotonic()
+        failure: Optional[BaseException] = None
         try:
-            self.store.wait([done], _dt.timedelta(seconds=self.timeout_s))
-            # done by every rank's arrival, or by a rank that left (leave()): read unless this rank made it
-            if last or self.store.get(done) != _LEFT_MARK.encode():
+            self._publish()
+            last = self.store.add(key, 1) == self.world
+            if last:  # the last to arrive marks the call done, unless a rank left or gave up before it came
+                mark = self.store.compare_set(done, "", _DONE_MARK)
+            else:
+                try:
+                    self.store.wait([done], _dt.timedelta(seconds=self.timeout_s))
+                    mark = self.store.get(done)
+                except Exception as err:  # noqa: BLE001 - DistStoreError on timeout
+                    failure = err  # gave up, unless the last rank marked the call done just now
+                    mark = self.store.compare_set(done, "", _GAVE_UP_MARK)
+            if mark == _DONE_MARK.encode():
+                if last and self._previous:  # every rank added itself here, so every rank is past the previous call
+                    self.store.delete_key(self._previous)
+                    self.store.delete_key(_done(self._seq - 1))
+                self._previous = key
                 return
-            failure: BaseException = HangError("a rank that did not arrive has left its Monitor")
-        except Exception as err:  # noqa: BLE001 - DistStoreError on timeout; any store failure is a hang too
+            if mark == _LEFT_MARK.encode():
+                failure = HangError("a rank has left its Monitor")
+            elif failure is None:  # this rank arrived after another had given up: it must not go on alone
+                failure = HangError("another rank gave up waiting here after hang_timeout_s, before every rank "
+                                    "arrived")
+        except Exception as err:  # noqa: BLE001 - any store failure (its host rank has ended) is a hang too
             failure = err
-        # raised here, not in the except clause: the store's timeout is no news, but an exception the
+        # raised here, not in an except clause: the store's error is no news, but an exception the
         # caller is handling (close() in a finally after its own error) stays attached as the context
         raise HangError(self._report(call, step, failure, time.monotonic() - started))
 
@@ -164,7 +182,7 @@ class CollectiveGuard:
         missing = [f"rank {r}: last call {last} (published {now - stamp:.1f} s ago)"
                    for r, (seq, last, stamp) in enumerate(rows) if not self._arrived(last, seq, call, step)]
         who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
-        wait = (f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: a rank has left its Monitor)"
+        wait = (f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: {err})"
                 if isinstance(err, HangError) else f"{self.timeout_s:g} s (hang_timeout_s)")
         return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, "
                 f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
@@ -172,7 +190,9 @@ class CollectiveGuard:
                 f"are not collectives are published at most every {self.publish_every_s:g} s.)")
 
 
-_LEFT_MARK = "left"  # a guarded call's done key set by a rank that left its Monitor instead of arriving
+_DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
+_LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving
+_GAVE_UP_MARK = "gave up"  # ... by a rank that waited hang_timeout_s (a rank arriving later must not go on)
 
 
 def _done(seq: int) -> str:

@@ -294,6 +294,52 @@ def test_a_killed_rank_is_named_by_the_rank_waiting_for_it():
     assert kind == "HangError" and "rank 1: last call monitor.step(step=1)" in message
 
 
+def _late(rank: int, world: int, late_s: list) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S))
+    monitor.step(1)
+    time.sleep(late_s[rank])
+    arrived = time.monotonic()
+    kind, message, _ = _outcome(lambda: monitor.step(2))
+    waited = time.monotonic() - arrived
+    time.sleep(max(0.0, max(late_s) + 1.0 - late_s[rank] - waited))  # rank 0 (the store's host) goes on
+    return kind, message, waited
+
+
+@pytest.mark.parametrize("late_s", [[0.0, 1.75 * TIMEOUT_S], [0.0, 0.5 * TIMEOUT_S, 1.75 * TIMEOUT_S]],
+                         ids=["2 ranks", "3 ranks"])
+def test_a_rank_arriving_after_another_gave_up_raises_at_once(late_s):
+    """Rank 0 raised its HangError after hang_timeout_s; a rank arriving later counted itself the
+    last arrival, went into the log step's collective alone and waited there without a message
+    (28 s, until rank 0's process ended; for ever where rank 0 catches its error and goes on, as here)."""
+    results = run_ranks(_late, len(late_s), late_s, timeout=120)
+    for rank, (kind, message, waited) in enumerate(results):
+        assert kind == "HangError", (rank, kind, message)
+        assert waited < TIMEOUT_S + 5, (rank, waited, message)
+    assert "gave up waiting here after hang_timeout_s" in results[-1][1], results[-1][1]
+
+
+def _store_host_killed(rank: int, world: int) -> tuple:
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S))
+    monitor.step(1)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    return _outcome(lambda: (monitor.step(2), monitor.close()))
+
+
+def test_the_rank_hosting_the_store_killed_is_said_as_a_hang_not_a_bare_network_error():
+    """Rank 0 hosts the c10d store: killed, the other rank's next guarded call raised a bare
+    DistNetworkError ("Connection reset by peer") from the store, naming neither distmetrics
+    nor the call."""
+    kind, message, _ = run_ranks(_store_host_killed, 2, may_die=(0,), timeout=60)[1]
+    assert kind == "HangError" and "the c10d store became unreachable" in message, (kind, message)
+    assert "monitor.step(step=2)" in message, message
+
+
 def _dies_before_monitor(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
