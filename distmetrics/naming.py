@@ -26,15 +26,17 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
     """Module path → user-facing name (see the module docstring); the root maps to ``""``."""
     out = {"": ""}
     experts: dict[str, list] = {"": []}  # the nearest MoE layer's global expert indices
+    modules = {"": model}
     for name, module in model.named_modules():
         if not name:
             continue
+        modules[name] = module
         parent, _, leaf = name.rpartition(".")
         base = out.get(parent, strip_wrappers(parent))
         indices = getattr(module, "local_expert_indices", None)
         experts[name] = list(indices) if isinstance(indices, (list, tuple)) else experts.get(parent, [])
         number = getattr(module, "layer_number", None)
-        if leaf in _WRAPPER_LEVELS:
+        if leaf in _WRAPPER_LEVELS and _wraps(modules.get(parent)):
             clean = base
         elif isinstance(number, int) and leaf.isdigit() and parent.split(".")[-1] == "layers":
             clean = f"{base}.{number - 1}" if base else str(number - 1)
@@ -44,6 +46,15 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
             clean = f"{base}.{leaf}" if base else leaf
         out[name] = clean
     return out
+
+
+def _wraps(parent: Optional[torch.nn.Module]) -> bool:
+    """Whether ``parent`` is a wrapper level (DDP, ``torch.compile``'s, activation checkpointing's,
+    Megatron's Float16Module): its one child module is the model and it holds no parameter of
+    its own. A model's own submodule named ``module`` beside others is not one: dropping its
+    name merged ``module.proj`` with a sibling ``proj``."""
+    return parent is not None and len(parent._modules) == 1 and not any(
+        q is not None for q in parent._parameters.values())
 
 
 def strip_wrappers(name: str) -> str:

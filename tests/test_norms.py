@@ -656,6 +656,39 @@ def test_a_module_inserted_replaced_or_removed_in_place_is_measured_as_it_now_is
         assert metrics[f"param_norm/{module}"] == pytest.approx(own, rel=1e-6), module
 
 
+def test_a_submodule_named_module_beside_others_is_not_a_wrapper_level():
+    """A model's own child called ``module`` (beside a ``proj``) was dropped as DDP's wrapper level:
+    ``module.proj`` and ``proj`` merged into one grad_norm/proj (their hypot). Under DDP and
+    torch.compile the wrapper levels still go."""
+    import torch
+    from torch import nn
+
+    from distmetrics.naming import module_name_map
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3, 3, bias=False)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = Inner()
+            self.proj = nn.Linear(3, 3, bias=False)
+
+    torch.manual_seed(0)
+    model = Model()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    monitor = _plain_monitor(model)
+    monitor.clip_grad_norm_(1e9)
+    metrics = monitor.step(1)
+    assert metrics["grad_norm/module.proj"] == pytest.approx(float(model.module.proj.weight.grad.norm()), rel=1e-6)
+    assert metrics["grad_norm/proj"] == pytest.approx(float(model.proj.weight.grad.norm()), rel=1e-6)
+    wrapped = torch.compile(nn.Sequential(model))  # _orig_mod and the Sequential's one child: no own parameters
+    assert module_name_map(wrapped)["_orig_mod.0.module.proj"] == "0.module.proj"
+
+
 def test_the_last_step_is_measured_for_the_record_close_writes(tmp_path):
     """5 steps at log_interval 2 (Megatron's distributed optimizer clips; the loop measures): the
     record close() writes for steps 4-5 had no grad_norm, step 5 never being a log step."""
