@@ -69,7 +69,7 @@ class EvalLog:
                 bad.append(f"{key}: {summed} {total!r}, the least a rank gave {least!r}")
                 for name in drop:
                     metrics.pop(name, None)
-        if bad:
+        if bad and self.refused is None:
             self.refused = ValueError(
                 f"monitor.log_eval(step={step}): {'; '.join(bad)}: a tensor given held NaN, inf or a negative value on "
                 "some rank; accepted values are finite numbers >= 0. The eval record was written without what they "
@@ -111,6 +111,7 @@ class EvalLog:
                     ("time_ms", scalars.get("time_ms"))) if value is not None]
         samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
+        self.refused, self.reducer.refused = self.reducer.refused, None  # a name whose kind differs between ranks
         self._refuse_bad_counts(metrics, step)
         self._mixed.check(metrics, step)  # eval/ppl and eval/gap go with eval/loss
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):

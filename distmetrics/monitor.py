@@ -283,6 +283,8 @@ class Monitor:
         train = self._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
         failure, train.refused = train.refused, None  # tokens found bad: raised once the record is written
+        refused, self._reducer.refused = self._reducer.refused, None  # a name whose kind differs between ranks
+        failure = failure or refused
         alerts = []
         for collector in self.collectors:
             try:

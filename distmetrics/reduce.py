@@ -88,6 +88,9 @@ class Reducer:
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
         self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
+        self.refused: Optional[ValueError] = None
+        """Names whose reduce kind differs between ranks (or from an earlier log step), found by the
+        last negotiation: left out of it, for the caller to raise once the rest is written."""
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
         self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
         self.collectives = 0
@@ -124,10 +127,10 @@ class Reducer:
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
         else:
             if self._layout is None:
-                self._negotiate(samples)
+                samples = self._negotiate(samples)
             lanes = self._all_reduce_max(samples, tag, steps)
             if lanes is None:  # some rank holds a name the cached layout lacks
-                self._negotiate(samples)
+                samples = self._negotiate(samples)
                 lanes = self._all_reduce_max(samples, tag, steps)
                 assert lanes is not None
         layout = self._layout
@@ -193,9 +196,12 @@ class Reducer:
         return True
 
     # --- negotiation ---------------------------------------------------------------------
-    def _negotiate(self, samples: list[Sample]) -> None:
+    def _negotiate(self, samples: list[Sample]) -> list[Sample]:
         """Agree on the union of names: every rank's digest and payload size in one gather,
-        then one broadcast per distinct name set, from the lowest rank holding it."""
+        then one broadcast per distinct name set, from the lowest rank holding it. A name whose
+        kind differs between ranks, or from an earlier log step, is left out (every rank sees the
+        same payloads, so every rank leaves it out) and said in :attr:`refused`; returns
+        ``samples`` without those names' samples."""
         payload = encode_entries(sorted(entries_of(samples)))
         world = dist.get_world_size(self.group)
         device = self.device
@@ -208,6 +214,7 @@ class Reducer:
         self.negotiation_bytes += table.numel() * 8
         me = dist.get_rank(self.group)
         union: dict[str, str] = {}
+        refused: dict[str, str] = {}  # name -> why
         senders: dict[int, tuple[int, int]] = {}
         for r, (name_set, size) in enumerate(rows):
             senders.setdefault(name_set, (r, size))
@@ -222,19 +229,25 @@ class Reducer:
                 self.collectives += 1
                 self.negotiation_bytes += size
             for name, kind in decode_entries(bytes(buffer.cpu().numpy()) if sender != me else payload):
-                if union.setdefault(name, kind) != kind:
-                    # Every rank sees the same payloads, so every rank raises: no hang.
-                    raise ValueError(
-                        f"metric {name!r} is reduced as {union[name]!r} on one rank and {kind!r} "
-                        "on another; every rank must use the same reduce kind for a name"
-                    )
-        _check_written_names(union)
+                if union.setdefault(name, kind) != kind and name not in refused:
+                    refused[name] = (f"metric {name!r} is reduced as {union[name]!r} on one rank and {kind!r} "
+                                     "on another; every rank must use the same reduce kind for a name")
         for name, kind in union.items():  # a rank's own check sees its own calls only
-            if self._agreed.setdefault(name, kind) != kind:
-                raise ValueError(f"metric {name!r} was reduced as {self._agreed[name]!r} at an earlier log step "
+            if name not in refused and self._agreed.get(name, kind) != kind:
+                refused[name] = (f"metric {name!r} was reduced as {self._agreed[name]!r} at an earlier log step "
                                  f"(on some rank) and now as {kind!r} (on another); a name keeps one reduce kind "
                                  "for the whole run")
+        for name in refused:
+            del union[name]
+        _check_written_names(union)
+        for name, kind in union.items():
+            self._agreed.setdefault(name, kind)
         self._layout = PackLayout(union.items())
+        if not refused:
+            return samples
+        # the same on every rank: the rest is reduced and written, then the caller raises this
+        self.refused = ValueError("; ".join(refused.values()) + " (left out of this record)")
+        return [s for s in samples if not refused.keys() & set(s.names if s.names is not None else (s.name,))]
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool, steps: int = 0) -> Union[torch.Tensor, list[int]]:

@@ -816,13 +816,14 @@ def test_a_value_on_the_meta_device_is_refused_at_the_call_before_any_collective
     assert results[0]["step 2"][0] == "ok" and results[1]["step 2"][0] == "ok"
 
 
-def _after_a_raising_log_step(rank: int, world: int) -> list:
+def _after_a_raising_log_step(rank: int, world: int, root: str) -> list:
     import distmetrics as dm
     from tests.dist_utils import FakeClock
 
     seen = []
     with FakeClock() as clock:
-        monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, hang_timeout_s=30))
+        monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, hang_timeout_s=30, output_dir=root,
+                                          json_log=True, log_throughput=True))
         for step in range(1, 7):
             with monitor.timers("fwd", log_level=1):
                 clock.advance(10.0)
@@ -838,12 +839,19 @@ def _after_a_raising_log_step(rank: int, world: int) -> list:
     return seen
 
 
-def test_a_log_step_that_raised_leaves_the_next_interval_whole():
+def test_a_log_step_that_raised_leaves_the_next_interval_whole(tmp_path):
     """The collectors had started a new interval when the reduction raised, but the Monitor's
     count of the interval's steps was reset only after it: the next interval's timers were
-    divided by 4 steps for 2 (timers/fwd 5 ms for 10)."""
-    for seen in run_ranks(_after_a_raising_log_step, 2, timeout=90):
+    divided by 4 steps for 2 (timers/fwd 5 ms for 10). And the interval of the name reduced two
+    ways was lost whole: no record of step 2, its tokens never counted (consumed tokens 800 at
+    step 6 for 1,200). Now the name alone is left out of that record, which is written."""
+    import distmetrics as dm
+
+    for seen in run_ranks(_after_a_raising_log_step, 2, str(tmp_path), timeout=90):
         assert seen == [(2, "ValueError"), (4, 10.0), (6, 10.0)], seen
+    train = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(train) == [2, 4, 6] and "x" not in train[2] and train[2]["train/loss"] == 1.0
+    assert train[6]["train/consumed_tokens"] == 1200
 
 
 def test_checkpoint_saved_refuses_a_step_that_is_not_a_step(tmp_path):
