@@ -104,6 +104,9 @@ class ParamPlans:
             params = [parameters]
         else:
             params = list(parameters)
+            if dict in set(map(type, params)):  # an optimizer's param_groups
+                raise TypeError("clip_grad_norm_(parameters=...): got a dict (an optimizer's param_groups?); pass "
+                                "the parameters: [p for group in optimizer.param_groups for p in group['params']]")
             if not params and not isinstance(parameters, (list, tuple)):
                 warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
         signature = tuple(id(q) for q in params)

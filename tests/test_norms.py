@@ -689,6 +689,19 @@ def test_a_submodule_named_module_beside_others_is_not_a_wrapper_level():
     assert module_name_map(wrapped)["_orig_mod.0.module.proj"] == "0.module.proj"
 
 
+def test_an_optimizers_param_groups_given_as_parameters_are_named_for_what_they_are():
+    """clip_grad_norm_(optimizer.param_groups, ...) raised AttributeError: 'dict' object has no
+    attribute '__dict__' from inside the plan."""
+    import torch
+
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    monitor = _plain_monitor(model)
+    with pytest.raises(TypeError, match=r"got a dict \(an optimizer's param_groups\?\); pass the parameters"):
+        monitor.clip_grad_norm_(optimizer.param_groups, 1.0)
+
+
 def test_the_last_step_is_measured_for_the_record_close_writes(tmp_path):
     """5 steps at log_interval 2 (Megatron's distributed optimizer clips; the loop measures): the
     record close() writes for steps 4-5 had no grad_norm, step 5 never being a log step."""
