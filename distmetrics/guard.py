@@ -137,8 +137,8 @@ class CollectiveGuard:
             if mark == _LEFT_MARK.encode():
                 failure = HangError("a rank has left its Monitor")
             elif failure is None:  # this rank arrived after another had given up: it must not go on alone
-                failure = HangError("another rank gave up waiting here after hang_timeout_s, before every rank "
-                                    "arrived")
+                failure = HangError("another rank gave up waiting at this guarded call after hang_timeout_s, "
+                                    "before every rank arrived")
         except Exception as err:  # noqa: BLE001 - any store failure (its host rank has ended) is a hang too
             failure = err
         # raised here, not in an except clause: the store's error is no news, but an exception the

@@ -118,13 +118,12 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
                             summed=True, names=("zsv/a", "zsv/b"))])
     out["summed_weight0"] = (res.values["zs"], res.values["zst"], res.values["zsv/a"], res.values["zsv/b"])
 
-    # 5. conflicting kinds across ranks raise on every rank, nobody hangs.
+    # 5. conflicting kinds across ranks: the name is left out on every rank, nobody hangs, and the
+    # reducer holds the error its caller raises once the rest is written
     r4 = Reducer()
-    try:
-        r4.reduce([Sample("c", 1.0, "sum" if rank == 0 else "mean")])
-        out["conflict"] = None
-    except ValueError as err:
-        out["conflict"] = str(err)
+    res = r4.reduce([Sample("c", 1.0, "sum" if rank == 0 else "mean"), Sample("d", float(rank), "sum")])
+    out["conflict"] = str(r4.refused) if r4.refused is not None else None
+    out["conflict_rest"] = dict(res.values)
     return out
 
 
@@ -223,6 +222,7 @@ def test_a_summed_mean_of_weight_0_does_not_make_the_mean_nan(results):
 def test_conflicting_kinds_raise_on_every_rank(results):
     for r in results:
         assert r["conflict"] is not None and "'c'" in r["conflict"] and "same reduce kind" in r["conflict"]
+        assert r["conflict_rest"] == {"d": 0 + 1 + 2 + 3}  # the rest is reduced
 
 
 def test_ranks_out_of_step_raise_on_every_rank(results):
