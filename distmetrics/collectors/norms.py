@@ -162,7 +162,7 @@ class NormCollector:
                                                self._scale_now(), "monitor.clip_grad_norm_")
         except NonfiniteNormError:  # a step whose gradients held NaN or inf, though not kept (on every rank)
             same_step = self._grad is not None and self._grad_after == after_step
-            self._count_bad(torch.ones((), dtype=torch.float64), same_step)
+            self._count_bad(1.0, same_step)
             raise
         self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result
@@ -227,18 +227,26 @@ class NormCollector:
         tensors (a lane of the clip's all-reduce) or in the total norm, on their device (no host
         sync): a step between two log steps whose gradients overflowed left no trace in the log
         step's record. Two measurements in one step count once."""
-        bad = torch.isfinite(measured.total).logical_not().reshape(())
-        if measured.bad_anywhere is not None:  # the same on every rank: the steps counted are every rank's
-            bad = bad | (measured.bad_anywhere > 0).reshape(())
-        self._count_bad(bad.to(torch.float64), same_step)
+        total, anywhere = measured.total, measured.bad_anywhere
+        if measured.on_host:  # numbers: reading a CPU tensor waits for nothing, and is cheaper than ops on it
+            bad: Any = float(not (math.isfinite(float(total)) and (anywhere is None or float(anywhere) == 0)))
+        else:
+            bad = torch.isfinite(total).logical_not().reshape(())
+            if anywhere is not None:  # the same on every rank: the steps counted are every rank's
+                bad = bad | (anywhere > 0).reshape(())
+            bad = bad.to(torch.float64)
+        self._count_bad(bad, same_step)
 
-    def _count_bad(self, bad: torch.Tensor, same_step: bool) -> None:
-        """Count one step (``bad``: 1.0 or 0.0, a 0-d float64 tensor) of :meth:`_count_nonfinite`."""
-        if same_step and self._bad_now is not None:
-            self._bad_now = torch.maximum(self._bad_now, bad)
+    def _count_bad(self, bad: Any, same_step: bool) -> None:
+        """Count one step (``bad``: 1.0 or 0.0, a number or a 0-d float64 tensor on the device) of
+        :meth:`_count_nonfinite`."""
+        now = self._bad_now
+        if same_step and now is not None:
+            numbers = not isinstance(now, torch.Tensor) and not isinstance(bad, torch.Tensor)
+            self._bad_now = max(now, bad) if numbers else torch.maximum(torch.as_tensor(now), torch.as_tensor(bad))
             return
-        if self._bad_now is not None:
-            self._bad_steps = self._bad_now if self._bad_steps is None else self._bad_steps + self._bad_now
+        if now is not None:
+            self._bad_steps = now if self._bad_steps is None else self._bad_steps + now
         self._bad_now = bad
 
     # --- optimizer hooks for update norms -------------------------------------------------
