@@ -4,7 +4,6 @@ counts the non-finite gradients when a log step asks."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -33,12 +32,12 @@ class GradMeasurement:
     max_norm: Optional[float] = None
     coef: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
+    local_nonfinite: Optional[torch.Tensor] = None  # how many local tensors hold NaN or inf (0-d float64)
     bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)
     plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
 
-    summed_check: bool = False  # local_total is non-finite whenever some checked value is (a sum of p-th powers)
     on_host: bool = False  # the values are on the CPU: reading them waits for no device
     _local_value: Optional[float] = None
 
@@ -53,14 +52,10 @@ class GradMeasurement:
 
     @property
     def nonfinite(self) -> Union[float, torch.Tensor]:
-        """How many local tensors hold NaN or ±inf, counted when asked (at a log step): a
-        number where the values are on the host (0 without a pass where a finite sum of
-        p-th powers shows none is), else a tensor on their device (no sync)."""
-        if not self.on_host:
-            return torch.isfinite(self.checked).logical_not().sum().to(torch.float64)
-        if self.summed_check and math.isfinite(self.local_value):
-            return 0.0
-        return float(self.checked.numel() - int(torch.isfinite(self.checked).sum()))
+        """How many local tensors hold NaN or ±inf (counted with the measurement, for the lane of
+        its all-reduce): a number where the values are on the host, else a tensor on their device
+        (no sync)."""
+        return float(self.local_nonfinite) if self.on_host else self.local_nonfinite
 
     def bad_buckets(self) -> torch.Tensor:
         """Per bucket: how many of its local tensors hold NaN or ±inf (made only when asked: a

@@ -333,7 +333,8 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     # all-reduce (a lane on every rank, whatever it owns): how many ranks' local gradients hold
     # NaN or inf, or the most any rank's do (max, min kinds), the same on every rank.
     check = norms if finite_check is None else finite_check
-    bad = torch.isfinite(check).logical_not().sum().to(torch.float64).reshape(1)
+    local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
+    bad = local_bad.reshape(1)
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
@@ -364,11 +365,9 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
             total, none_held, least = _all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad]), kind, group)
             total, bad = torch.where(none_held < 0, total, torch.zeros_like(total)), -least
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
-    # p-th powers (p > 0) of norms (>= 0) of every local tensor add up to NaN or inf wherever one norm is NaN or inf
-    measured.summed_check = kind == "sum" and p > 0 and every and check is norms
     measured.on_host = device.type == "cpu"
     measured.total = total
-    measured.bad_anywhere = bad
+    measured.local_nonfinite, measured.bad_anywhere = local_bad, bad
     return measured
 
 

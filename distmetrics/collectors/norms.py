@@ -65,8 +65,8 @@ class NormCollector:
         self._grad: Optional[GradMeasurement] = None  # the latest measurement
         self._grad_plan: Optional[Plan] = None
         self._grad_after: Any = None  # the last monitor.step number before that measurement
-        self._bad_steps: Optional[torch.Tensor] = None  # measured steps of the interval with a non-finite norm
-        self._bad_now: Optional[torch.Tensor] = None  # ... whether the latest step's was (1.0 or 0.0)
+        self._bad_steps: Any = None  # measured steps of the interval with non-finite gradients (a number or 0-d tensor)
+        self._bad_now: Any = None  # ... whether the latest step's were (1.0 or 0.0)
         self._warned_partial = False  # a second measurement over other parameters in one step was said
         self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
         self._optimizer_steps_logged = 0  # ... at the last log step
@@ -217,7 +217,6 @@ class NormCollector:
                         "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
                         "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
                         len(measured.plan.params))
-        if measured is not None:
             self._count_nonfinite(measured, same_step=kept is not None and self._grad_after == after_step)
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
         self._grad_after = after_step
