@@ -284,6 +284,8 @@ class Monitor:
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
         failure, train.refused = train.refused, None  # tokens found bad: raised once the record is written
         refused, self._reducer.refused = self._reducer.refused, None  # a name whose kind differs between ranks
+        if refused is not None and failure is not None:  # one error is raised: the other is said
+            logger.warning("distmetrics: step %d: %s", step, refused)
         failure = failure or refused
         alerts = []
         for collector in self.collectors:

@@ -301,8 +301,8 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
                        "from an earlier checkpoint is not recognised (the last step logged is read from "
                        "metrics.jsonl): TensorBoard will show both jobs' values at the steps they share. Set "
                        "json_log: true to have it drop the earlier job's.", config.resolved_tensorboard_dir)
-    elif config.json_log and config.tensorboard and last_logged is None \
-            and _has_events(config.resolved_tensorboard_dir):
+    elif config.json_log and config.tensorboard and config.tensorboard_dir and last_logged is None \
+            and _has_events(config.resolved_tensorboard_dir):  # (its own folder: a job that logged nothing yet)
         logger.warning("distmetrics: %s holds TensorBoard events, and %s has no step logged to tell a restart from (a "
                        "tensorboard_dir shared with another output_dir?): where they hold steps this job logs too, "
                        "TensorBoard will show both jobs' values at them. Give each output_dir its own "

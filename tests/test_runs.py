@@ -226,9 +226,13 @@ def test_without_metrics_jsonl_a_restart_is_said_not_to_be_recognised(tmp_path, 
 def test_a_tensorboard_dir_shared_with_another_output_dir_is_said(tmp_path, caplog):
     """A restart writing to a new output_dir and the earlier job's tensorboard_dir: TensorBoard showed
     both jobs' values at steps 21-40 without a word (metrics.jsonl, read for a restart, was the new
-    folder's). A fresh job in a fresh folder is said nothing."""
+    folder's). A fresh job in a fresh folder, or one restarted in its own folder before it logged a
+    step, is said nothing."""
     caplog.set_level(logging.WARNING, logger="distmetrics")
     _job(tmp_path / "fresh", range(1, 11), loss=1.0)
+    for _ in range(2):  # a job that ended before its first log step, restarted: its own folder, no word
+        _job(tmp_path / "early", [], loss=1.0)
+    assert list((tmp_path / "early" / "tensorboard").iterdir())
     _job(tmp_path / "job1", range(1, 41), loss=1.0, tensorboard_dir=str(tmp_path / "tb"))
     assert not [r for r in caplog.records if "holds TensorBoard events" in r.getMessage()]
     _job(tmp_path / "job2", range(21, 41), loss=2.0, tensorboard_dir=str(tmp_path / "tb"))
