@@ -26,6 +26,7 @@ from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
 from ..reduce import Reducer
 from .base import Alert, LogContext, Sample
+from .nonfinite_steps import NonfiniteSteps
 from .norm_tree import Families, module_vector, roots, subtree_values
 
 logger = logging.getLogger("distmetrics")
@@ -65,8 +66,7 @@ class NormCollector:
         self._grad: Optional[GradMeasurement] = None  # the latest measurement
         self._grad_plan: Optional[Plan] = None
         self._grad_after: Any = None  # the last monitor.step number before that measurement
-        self._bad_steps: Any = None  # measured steps of the interval with non-finite gradients (a number or 0-d tensor)
-        self._bad_now: Any = None  # ... whether the latest step's were (1.0 or 0.0)
+        self._nonfinite_steps = NonfiniteSteps()
         self._warned_partial = False  # a second measurement over other parameters in one step was said
         self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
         self._optimizer_steps_logged = 0  # ... at the last log step
@@ -162,7 +162,7 @@ class NormCollector:
                                                self._scale_now(), "monitor.clip_grad_norm_")
         except NonfiniteNormError:  # a step whose gradients held NaN or inf, though not kept (on every rank)
             same_step = self._grad is not None and self._grad_after == after_step
-            self._count_bad(1.0, same_step)
+            self._nonfinite_steps.count(1.0, same_step)
             raise
         self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result
@@ -217,36 +217,9 @@ class NormCollector:
                         "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
                         "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
                         len(measured.plan.params))
-            self._count_nonfinite(measured, same_step=kept is not None and self._grad_after == after_step)
+            self._nonfinite_steps.measured(measured, same_step=kept is not None and self._grad_after == after_step)
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
         self._grad_after = after_step
-
-    def _count_nonfinite(self, measured: GradMeasurement, same_step: bool) -> None:
-        """Count the steps of the interval whose gradients held NaN or inf, on some rank's local
-        tensors (a lane of the clip's all-reduce) or in the total norm, on their device (no host
-        sync): a step between two log steps whose gradients overflowed left no trace in the log
-        step's record. Two measurements in one step count once."""
-        total, anywhere = measured.total, measured.bad_anywhere
-        if measured.on_host:  # numbers: reading a CPU tensor waits for nothing, and is cheaper than ops on it
-            bad: Any = float(not (math.isfinite(float(total)) and (anywhere is None or float(anywhere) == 0)))
-        else:
-            bad = torch.isfinite(total).logical_not().reshape(())
-            if anywhere is not None:  # the same on every rank: the steps counted are every rank's
-                bad = bad | (anywhere > 0).reshape(())
-            bad = bad.to(torch.float64)
-        self._count_bad(bad, same_step)
-
-    def _count_bad(self, bad: Any, same_step: bool) -> None:
-        """Count one step (``bad``: 1.0 or 0.0, a number or a 0-d float64 tensor on the device) of
-        :meth:`_count_nonfinite`."""
-        now = self._bad_now
-        if same_step and now is not None:
-            numbers = not isinstance(now, torch.Tensor) and not isinstance(bad, torch.Tensor)
-            self._bad_now = max(now, bad) if numbers else torch.maximum(torch.as_tensor(now), torch.as_tensor(bad))
-            return
-        if now is not None:
-            self._bad_steps = now if self._bad_steps is None else self._bad_steps + now
-        self._bad_now = bad
 
     # --- optimizer hooks for update norms -------------------------------------------------
     def snapshot(self) -> None:
@@ -285,10 +258,9 @@ class NormCollector:
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
-        if self._bad_now is not None and self.log_grad_norm:  # the same on every rank
-            bad = self._bad_now if self._bad_steps is None else self._bad_steps + self._bad_now
+        bad = self._nonfinite_steps.take()
+        if bad is not None and self.log_grad_norm:  # the same on every rank
             out.append(Sample("grad_nonfinite_steps", bad, "max"))
-        self._bad_steps = self._bad_now = None
         if self._loss_scale is not None:  # an attached fp16 optimizer's, as Megatron logs it (the same on every rank)
             out.append(Sample("loss_scale", self._scale_now().reshape(()), "mean"))
         update, self._update = self._update, None
