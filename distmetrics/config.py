@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
-
 from .flops import model_flops_per_token
+from .overrides import apply_overrides, exponent_numbers, source_of
 from .redaction import redact_mapping
-from .validation import ConfigError, check_file_keys, check_types, checked_keywords, non_text_key, unknown_key
-from .yamlfile import ConfigLoader, StrictLoader, read_yaml
+from .validation import ConfigError, check_file_keys, check_types, checked_keywords, non_text_key
+from .yamlfile import ConfigLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml"]
 
@@ -276,11 +272,11 @@ class MetricsConfig:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
-        merged = _apply_overrides(dict(values), overrides)
+        merged = apply_overrides(cls, dict(values), overrides)
         try:
-            return _build(cls, _exponent_numbers(cls, merged), "")
+            return _build(cls, exponent_numbers(cls, merged), "")
         except ConfigError as err:
-            raise ConfigError(_source(str(err), overrides, path)) from None
+            raise ConfigError(source_of(str(err), overrides, path)) from None
 
     def replace(self, **changes: Any) -> "MetricsConfig":
         """A copy with some keys changed (checked like the constructor)."""
@@ -310,98 +306,10 @@ class MetricsConfig:
 
 def parse_overrides(items: list[str]) -> dict:
     """``["a=1", "tensor_inspect.enabled=true"]`` → nested mapping with YAML-typed values (keys checked)."""
-    return _apply_overrides({}, items)
+    return apply_overrides(MetricsConfig, {}, items)
 
 
 # --- helpers ----------------------------------------------------------------------------
-
-
-_EXPONENT_FORM = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+")
-
-
-def _exponent_numbers(cls: type, values: dict) -> dict:
-    """``values`` with text in exponent form (``7e9``, ``.989e3``, ``1.5E-4``) as floats where the
-    key takes a number and not text. PyYAML follows YAML 1.1, whose floats need a dot and a signed
-    exponent (``7.0e+9``), so ``num_params: 7e9`` reaches the config as text; YAML 1.2 reads a
-    float. Keys that take text (``output_dir: 1e3``, a run name) keep it as written."""
-    hints = typing.get_type_hints(cls)
-    out = dict(values)
-    for key, value in values.items():
-        hint = hints.get(key)
-        if hint is None:
-            continue  # an unknown key: refused by name when the dataclass is built
-        if isinstance(value, dict) and dataclasses.is_dataclass(hint):
-            out[key] = _exponent_numbers(hint, value)
-        elif isinstance(value, str) and _EXPONENT_FORM.fullmatch(value.strip()) and _takes_number_not_text(hint):
-            out[key] = float(value.replace("_", ""))
-    return out
-
-
-def _takes_number_not_text(hint: Any) -> bool:
-    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    return any(a in (int, float) for a in args) and str not in args
-
-
-def _apply_overrides(values: dict, items: list[str]) -> dict:
-    if isinstance(items, (str, bytes)):  # iterated, a string's characters were the overrides
-        raise ConfigError(f"overrides are a list of 'key=value' strings, got the string {items!r}: pass [{items!r}]")
-    for item in items:
-        if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        _check_override_key(item, parts)
-        try:
-            value = yaml.load(raw, Loader=StrictLoader) if raw.strip() else None  # noqa: S506 - a SafeLoader
-        except yaml.YAMLError as err:
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            if isinstance(err, StrictLoader.Refused):  # read, but as YAML would read it wrongly: the fix is named
-                raise ConfigError(f"override {item!r}: {problem}") from None
-            raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
-                              f"to pass it as a string, quote it inside the value: {key}=\"'{raw}'\"") from None
-        target = values
-        for part in parts[:-1]:
-            existing = target.get(part)
-            if existing is None:
-                existing = target[part] = {}
-            elif dataclasses.is_dataclass(existing):
-                existing = target[part] = dataclasses.asdict(existing)
-            elif not isinstance(existing, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            target = existing
-        target[parts[-1]] = value
-    return values
-
-
-def _source(message: str, overrides: list[str], path: Optional[Path]) -> str:
-    """``message`` (which names the keys at fault as ``key=value``, the first at its start) led by
-    where a value came from: the last override that set one of them or a section holding it
-    (``enabled=true`` given by an override makes the file's missing ``features`` an error), else
-    the file."""
-    for key in re.findall(r"(?:^|(?<=\s))([\w.]+)(?==)", message):
-        for item in reversed(overrides):
-            set_key = item.split("=", 1)[0].strip()
-            if key == set_key or key.startswith(set_key + "."):
-                return f"override {item!r}: {message}"
-    return f"{path}: {message}" if path is not None else message
-
-
-def _check_override_key(item: str, parts: list[str]) -> None:
-    """An override's dotted key names real keys as far as the config's sections go."""
-    section: Any = MetricsConfig
-    for depth, part in enumerate(parts):
-        if section is None:  # inside a free-form mapping (an inline features file): anything goes
-            return
-        prefix = "".join(p + "." for p in parts[:depth])
-        if not part:
-            raise ConfigError(f"override {item!r}: empty key")
-        fields = {f.name: f for f in dataclasses.fields(section)}
-        if part not in fields:
-            raise ConfigError(f"override {item!r}: {unknown_key(prefix, part, fields)}")
-        hint = typing.get_type_hints(section)[part]
-        section = hint if dataclasses.is_dataclass(hint) else None
-        if section is None and depth < len(parts) - 1 and typing.get_origin(hint) not in (Union, types.UnionType):
-            raise ConfigError(f"override {item!r}: {prefix}{part} is not a section")
 
 
 def _build(cls: type, values: dict, prefix: str):

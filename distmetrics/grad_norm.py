@@ -35,12 +35,10 @@ from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
 from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
+from .tensor_norms import groups_of, per_tensor_norms, scale_
 
-__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "norm_kind", "per_tensor_norms"]
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "norm_kind"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
-_NATIVE_P = (1.0, 2.0, math.inf, -math.inf, 0.0)
 _ROUTES_KEPT = 8  # gradient sets whose routing a plan keeps (the most recently used)
 
 
@@ -108,7 +106,7 @@ class GradientNorms:
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 note_clip(measured, max_norm, local_tensor(result))
-                _scale(measured.locals, measured.coef, foreach, measured.groups)
+                scale_(measured.locals, measured.coef, foreach, measured.groups)
                 measured.locals = measured.groups = None
         return result, measured
 
@@ -134,7 +132,7 @@ class GradientNorms:
             plan.checked = True
         plain = plan.plain and self.shards is None  # each gradient is this rank's piece as it is
         locals_ = grads if plain else [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
-        groups = _groups(locals_)
+        groups = groups_of(locals_)
         # A rank without gradients still joins the all-reduce with the identity of every lane,
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
@@ -250,76 +248,6 @@ def norm_kind(p: float) -> str:
     return "count" if p == 0 else "sum"
 
 
-def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
-    """Positions of the tensors by (device, dtype)."""
-    if tensors and tensors[0].is_cpu:  # on the host, no device object per tensor to make and compare
-        dtypes = list(map(_DTYPE, tensors))
-        if dtypes.count(dtypes[0]) == len(dtypes) and all(map(_IS_CPU, tensors)):
-            return {(tensors[0].device, dtypes[0]): list(range(len(tensors)))}
-    keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
-    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype
-        return {keys[0]: list(range(len(keys)))}
-    out: dict[tuple, list[int]] = {}
-    for i, key in enumerate(keys):
-        out.setdefault(key, []).append(i)
-    return out
-
-
-_DEVICE, _DTYPE, _IS_CPU = operator.attrgetter("device"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
-
-
-def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
-                     device: torch.device, orders: Optional[dict] = None,
-                     groups: Optional[dict] = None) -> torch.Tensor:
-    """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
-    low-precision groups accumulate in float32. With several groups, the index that restores
-    the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
-    groups = _groups(tensors) if groups is None else groups
-    if (p == math.inf or p < 0) and any(t.numel() == 0 for t in tensors):
-        tensors = _identities_for_empty(tensors, p)
-    parts = []
-    for (dev, dtype), positions in groups.items():
-        group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
-        # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
-        # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
-        acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in _LOW_PRECISION else None)
-        if _use_foreach(foreach, dev, group):
-            norms = torch._foreach_norm(group, p, dtype=acc)
-        else:
-            norms = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
-        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
-    if len(parts) < 2:
-        return parts[0] if parts else torch.empty(0, dtype=torch.float64, device=device)
-    grouped = tuple(i for positions in groups.values() for i in positions)
-    order = orders.get(grouped) if orders is not None else None
-    if order is None:
-        inverse = [0] * len(grouped)
-        for k, i in enumerate(grouped):
-            inverse[i] = k
-        order = torch.tensor(inverse, dtype=torch.long, device=device)
-        if orders is not None:
-            if len(orders) >= 4:  # the dtypes of a gradient set rarely change; keep a few
-                orders.clear()
-            orders[grouped] = order
-    return torch.cat(parts)[order]
-
-
-def _identities_for_empty(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
-    """Empty tensors (an FSDP2 shard of a parameter with fewer rows than ranks: a 1-element bias on
-    rank 1 of 2) as one element whose p-norm changes nothing in the total: 0 for ∞ (the max), ∞
-    for -∞ (the min) and p < 0 (|∞|^p = 0: no term). torch has no norm of an empty tensor for
-    these p: the rank raised and its peers waited in the clip's all-reduce."""
-    fill = 0.0 if p == math.inf else math.inf
-    return [torch.full((1,), fill, dtype=t.dtype, device=t.device) if t.numel() == 0 else t for t in tensors]
-
-
-def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -> bool:
-    supported = device.type in _FOREACH_DEVICES
-    if foreach and not supported:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return bool(foreach) or (foreach is None and supported)
-
-
 def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
              group: Any, device: torch.device, sharded: bool = False, every: bool = False,
              finite_check: Optional[torch.Tensor] = None) -> GradMeasurement:
@@ -396,19 +324,6 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     n = values.numel()
     out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
     return out.to(home)
-
-
-def _scale(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool],
-           groups: Optional[dict] = None) -> None:
-    """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
-    for (dev, dtype), positions in (_groups(tensors) if groups is None else groups).items():
-        group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
-        factor = coef.to(device=dev)
-        if _use_foreach(foreach, dev, group):
-            torch._foreach_mul_(group, factor)
-        else:
-            for t in group:
-                t.mul_(factor)
 
 
 def _as_torch_returns(total: torch.Tensor, grads: list, dtypes: Optional[set] = None) -> Any:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip, per_tensor_norms
+from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip
+from ..tensor_norms import per_tensor_norms
 from ..plans import Plan, route_of
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..parallel import local_tensor
