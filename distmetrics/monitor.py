@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import weakref
 from functools import partial
 from typing import Any, Optional, Union
@@ -23,6 +24,7 @@ from .collectors.base import check_collectors
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
+from .exits import check_thread, close_parts, open_at_exit, say_unwritten
 from .guard import CollectiveGuard
 from .interval import now
 from .names import check_step, local_value
@@ -78,8 +80,10 @@ class Monitor:
         self.writer_rank = global_rank(group, 0 if config.writer_rank == "first" else size - 1)
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
-        self._reducer = Reducer(group, guard=self._guard, call="monitor.step")
+        self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=size)
         self._eval = EvalLog(group, self._guard, self.layout)
+        self._eval.reducer.world = size
+        self._thread: Optional[int] = None  # the thread that makes the Monitor's calls (the first to make one)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
@@ -108,7 +112,9 @@ class Monitor:
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
             opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
             self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
-            self._at_exit = partial(_open_at_exit, weakref.ref(self)) if self.is_writer else None
+            # at exit with the Monitor open: the writer says what is not written, and every rank leaves, so
+            # a rank waiting for this one raises now rather than at hang_timeout_s
+            self._at_exit = partial(open_at_exit, weakref.ref(self)) if self.is_writer or self._guard.enabled else None
             if self._at_exit is not None:
                 atexit.register(self._at_exit)
         except BaseException:
@@ -244,6 +250,7 @@ class Monitor:
         check_step(step, "monitor.checkpoint_saved")
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
+        self._reducer.check_world("monitor.checkpoint_saved")
         self._guard.enter("monitor.checkpoint_saved", step)
         record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
                                          self._reducer.group, self._reducer.device, self.is_writer)
@@ -258,8 +265,10 @@ class Monitor:
             if self._steps_in_interval > 0 and self._last_step is not None:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
-        finally:
-            self._shutdown()
+        except BaseException:
+            self._shutdown(quiet=True)  # the error that stopped the record is the one raised
+            raise
+        self._shutdown()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -267,8 +276,10 @@ class Monitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # another rank may be gone: no collective, just close the files
-            self._shutdown(f"left its Monitor on {exc_type.__name__}")
+        else:  # another rank may be gone: no collective, just close the files (the caller's error goes on)
+            how = f"left its Monitor on {exc_type.__name__}"
+            say_unwritten(self, how, "no collective is made after an error: another rank may be gone")
+            self._shutdown(how, quiet=True)
 
     # --- the log step --------------------------------------------------------------------
     def _log(self, step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
@@ -278,7 +289,13 @@ class Monitor:
                          module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
         samples = [s for c in self.collectors for s in c.take_samples(ctx)]
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
-        ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
+        try:
+            ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
+        except BaseException as err:
+            if self.is_writer:  # said here: the interval's samples are taken, and nothing will write them
+                logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it "
+                               "since the last log step are not written", step, type(err).__name__, steps)
+            raise
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         train = self._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
@@ -364,41 +381,29 @@ class Monitor:
         return self._clocks() + [self._by_name[name] for name in ("timers", "tensor_stats") if name in self._by_name]
 
     def __del__(self) -> None:
-        try:  # a Monitor left open in a function that returned (collected before the process ends)
-            _say_unwritten(self, "a Monitor is collected")
+        try:  # a Monitor left open in a function or a notebook cell that raised: said, and its files, writer
+            # thread and output_dir let go (no collective: the other ranks' Monitors may be gone)
+            if not self._closed:
+                say_unwritten(self, "a Monitor is collected, never closed")
+                self._shutdown("its Monitor was collected, never closed", quiet=True)
         except Exception:  # noqa: BLE001 - nothing may escape a finalizer
             pass
 
-    def _shutdown(self, how: str = "closed its Monitor") -> None:
-        if not self._closed:
-            self._guard.leave(how)  # a rank still waiting for this one says so
-            if getattr(self, "_at_exit", None) is not None:
-                atexit.unregister(self._at_exit)
+    def _shutdown(self, how: str = "closed its Monitor", quiet: bool = False) -> None:
+        """Leave the arrival check, close every collector, then the sinks (always: a collector that
+        fails to close is said, and its error raised once the sinks are closed, unless ``quiet``:
+        another error is on its way)."""
+        if self._closed:
+            return
+        self._guard.leave(how)  # a rank still waiting for this one says so
+        if getattr(self, "_at_exit", None) is not None:
+            atexit.unregister(self._at_exit)
         self._closed = True
-        for collector in self.collectors:
-            collector.close()
-        self.sinks.close()
+        close_parts(self.collectors, self.sinks, quiet)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
-
-
-def _open_at_exit(ref: "weakref.ref[Monitor]") -> None:
-    """At the exit of a process whose writer Monitor is still open: :func:`_say_unwritten`."""
-    monitor = ref()
-    if monitor is not None:
-        _say_unwritten(monitor, "the process ends with a Monitor open")
-
-
-def _say_unwritten(monitor: "Monitor", when: str) -> None:
-    """Say, once, what a writer Monitor never closed leaves unwritten: the steps since the last log
-    step (close() writes them, a collective no exit hook or finalizer can make)."""
-    if getattr(monitor, "_closed", True) or not getattr(monitor, "_steps_in_interval", 0) or \
-            getattr(monitor, "_at_exit", None) is None:
-        return
-    atexit.unregister(monitor._at_exit)
-    monitor._at_exit = None
-    logger.warning("distmetrics: %s, never closed: the %d step(s) up to step %s since the last log step are not "
-                   "written (monitor.close(), called on every rank, writes them)", when,
-                   monitor._steps_in_interval, monitor._last_step)
+        thread = threading.get_ident()
+        if thread != self._thread:
+            self._thread = check_thread(self._thread, thread)

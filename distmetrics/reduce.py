@@ -79,8 +79,11 @@ class Reducer:
     as a GPU's values are (tests run both)."""
 
     def __init__(self, group: Optional[Any] = None, device: Optional[torch.device] = None, guard: Any = None,
-                 call: str = "reduce") -> None:
+                 call: str = "reduce", world: Optional[int] = None) -> None:
         self.group = group
+        self.world = world
+        """The number of ranks the reduction is for (the Monitor's), checked at every :meth:`reduce`;
+        None: whatever the process group has."""
         self.guard = guard  # a CollectiveGuard: every rank must arrive at this call first
         self.call = call
         self._call_coded: tuple = (None, 0)  # (call, its code)
@@ -102,6 +105,25 @@ class Reducer:
         """True when there is a process group of more than one rank to reduce over."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
+    def check_world(self, call: str) -> None:
+        """Raise, before any collective, where the process group no longer has :attr:`world` ranks:
+        destroyed before ``close()`` (reduced alone, one rank's values were written as the job's),
+        or made after a 1-rank Monitor (each rank wrote its own values as the job's)."""
+        if self.world is None:
+            return
+        now = dist.get_world_size(self.group) if self.distributed else 1
+        if now == self.world:
+            return
+        if self.world > 1:
+            where = "is not initialised now (destroy_process_group() before close()?)" if now == 1 else \
+                f"has {now} ranks now"
+            raise RuntimeError(f"{call}: this Monitor was made for {self.world} ranks, but torch.distributed {where}: "
+                               "one rank's values are not the job's, and nothing is written; close the Monitor on "
+                               "every rank before destroying the process group")
+        raise RuntimeError(f"{call}: this Monitor was made before init_process_group, for 1 rank, but the process "
+                           f"group has {now} ranks now: each rank would write its own values as the job's; make the "
+                           "Monitor after init_process_group")
+
     @property
     def device(self) -> torch.device:
         """Where packs travel: CUDA for NCCL, else CPU."""
@@ -118,6 +140,7 @@ class Reducer:
         different steps.
         """
         samples = self._check(samples)
+        self.check_world(self.call)
         distributed = self.distributed
         if distributed and self.guard is not None:
             self.guard.enter(self.call, tag)

@@ -1038,3 +1038,208 @@ def test_a_process_ending_with_its_monitor_open_says_what_is_not_written(tmp_pat
     steps = [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     said = "never closed: the 1 step(s) up to step 3 since the last log step are not written"
     assert (steps, run.stderr.count(said)) == (([2, 3], 0) if how == "closed" else ([2], 1)), run.stderr
+
+
+# --- a Monitor's lifecycle: errors, exits, threads, the process group -----------------------------
+
+def _destroyed_before_close(rank: int, world: int, root: str, port: int) -> tuple:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(output_dir=root, log_interval=5, json_log=True))
+    for step in range(1, 8):
+        monitor.step(step, loss=float(step + rank), tokens=1)
+    dist.destroy_process_group()
+    outcome = _outcome(monitor.close)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")  # for the harness
+    dist.barrier()
+    return outcome
+
+
+def test_a_process_group_destroyed_before_close_writes_nothing_as_the_jobs_and_says_so(tmp_path):
+    """close() after destroy_process_group() reduced alone and wrote rank 0's loss (6.5) and tokens
+    (12) as the job's (7.0 and 14) for steps 6-7, without a word."""
+    import distmetrics as dm
+    from tests.dist_utils import free_port
+
+    for kind, message, _ in run_ranks(_destroyed_before_close, 2, str(tmp_path), free_port(), timeout=120):
+        assert kind == "RuntimeError" and "made for 2 ranks, but torch.distributed is not initialised" in message
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [5]
+
+
+def _made_before_init(rank: int, world: int, port: int) -> tuple:
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    dist.destroy_process_group()
+    os.environ.pop("WORLD_SIZE")  # a script spawning its ranks itself, with no launcher's variables
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.barrier()  # both ranks are connected before either refuses (and ends)
+    monitor.step(1, loss=1.0)
+    outcome = _outcome(lambda: monitor.step(2, loss=1.0))
+    dist.barrier()
+    return outcome
+
+
+def test_a_monitor_made_for_one_rank_refuses_a_process_group_of_more():
+    """Each rank took itself for a 1-rank job at the log step: each wrote its own files, with
+    world_size 1 and tokens/s per GPU the job's."""
+    from tests.dist_utils import free_port
+
+    for kind, message, _ in run_ranks(_made_before_init, 2, free_port(), timeout=120):
+        assert kind == "RuntimeError" and "made before init_process_group, for 1 rank" in message
+        assert "the process group has 2 ranks now" in message
+
+
+def _user_parts():
+    class Failing:
+        name, after = "failing", ()
+
+        def take_samples(self, ctx):
+            return []
+
+        def finalize(self, metrics, ctx):
+            return []
+
+        def close(self):
+            raise OSError("the collector's own file")
+
+    class Slow:  # a sink on the writer thread, slower than the close() that follows the last step
+        name = "slow"
+
+        def __init__(self):
+            self.seen = []
+
+        def log(self, metrics, step, kind):
+            time.sleep(0.05)
+            self.seen.append((kind, step))
+
+        def close(self):
+            pass
+
+    return Failing(), Slow()
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_a_collector_that_fails_to_close_leaves_the_sinks_written_and_the_folder_free(tmp_path, how, caplog):
+    """A user collector raising in close() stopped close() before the sinks: the queued records were
+    not written when it returned, the folder stayed locked (a new Monitor was refused as "in use by
+    another Monitor", naming its own process), and inside `with` its error replaced the user's."""
+    import distmetrics as dm
+
+    failing, slow = _user_parts()
+    cfg = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)
+    monitor = dm.Monitor(cfg, collectors=[failing], sinks=[slow])
+    if how == "close":
+        monitor.step(1)
+        with pytest.raises(OSError, match="the collector's own file"):
+            monitor.close()
+    else:
+        with pytest.raises(KeyError, match="the loop's own error"):
+            with monitor:
+                monitor.step(1)
+                raise KeyError("the loop's own error")
+    assert ("train", 1) in slow.seen
+    assert "the failing collector failed to close: OSError: the collector's own file" in caplog.text
+    dm.Monitor(cfg).close()  # the folder is free
+
+
+def test_an_error_inside_with_says_the_steps_it_leaves_unwritten(tmp_path, caplog):
+    """Leaving a Monitor on an error (no collective: another rank may be gone) dropped the steps
+    since the last log step without a word, where a Monitor never closed says them at exit."""
+    import distmetrics as dm
+
+    with pytest.raises(KeyError):
+        with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=5, json_log=True)) as monitor:
+            for step in range(1, 8):
+                monitor.step(step, loss=1.0)
+            raise KeyError("the loop's own error")
+    assert "left its Monitor on KeyError: the 2 step(s) up to step 7 since the last log step are not written " \
+           "(no collective is made after an error" in caplog.text
+
+
+def test_a_monitor_called_from_a_second_thread_says_so(tmp_path):
+    """An evaluation thread calling log_eval while the main thread called step took the same
+    arrival-check number: a HangError naming the waiting rank itself, or gloo's "collective
+    mismatch" abort (SIGABRT)."""
+    import threading
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+    monitor.step(1, loss=1.0)
+    errors = []
+
+    def evaluate():
+        try:
+            monitor.log_eval(1, loss=2.0)
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=evaluate, name="eval-thread")
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "called here from thread 'eval-thread'" in errors[0], errors
+    assert "used from thread 'MainThread'" in errors[0]
+    monitor.step(2, loss=1.0)
+    monitor.close()
+
+
+_EXITS = """
+import os, sys, time
+import torch.distributed as dist
+import distmetrics as dm
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+monitor = dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], log_interval=2, hang_timeout_s=60, console=False,
+                                      tensorboard=False, json_log=False, log_progress=False, timing_log_level=-1))
+monitor.step(1, loss=1.0)
+if rank == 1:
+    time.sleep(1.0)
+    raise KeyError("the loader's own error")  # uncaught: the process ends with its Monitor open
+start = time.monotonic()
+try:
+    monitor.step(2, loss=1.0)
+except Exception as err:
+    print("WAITED", round(time.monotonic() - start, 1), type(err).__name__, err, flush=True)
+    time.sleep(1.0)
+"""
+
+
+def test_a_rank_ending_on_an_uncaught_error_is_named_at_once_not_at_hang_timeout_s(tmp_path):
+    """A rank that ended on an uncaught error, its Monitor open, was waited for until hang_timeout_s
+    (5 min by default: gloo alone raises at once), so a launcher's SIGTERM killed the others first,
+    with no message from them."""
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _EXITS, str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1]) for r in range(2)]
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=60)
+    assert "HangError" in out and "rank 1: last call its process ended with the Monitor open" in out, out + err
+    assert float(out.split("WAITED ")[1].split()[0]) < 30, out  # not the 60 s of hang_timeout_s
+
+
+def test_a_monitor_dropped_unclosed_lets_go_of_its_files_thread_and_folder(tmp_path):
+    """A Monitor left open in a notebook cell that raised kept its writer thread, its files and the
+    output_dir lock until the process ended: the cell run again was refused as "in use by another
+    Monitor" (its own process), and a sweep ran out of file descriptors."""
+    import gc
+    import threading
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, timing_log_level=-1)
+    before = threading.active_count()
+    monitor = dm.Monitor(cfg)
+    monitor.step(1, loss=1.0)
+    del monitor
+    gc.collect()
+    assert threading.active_count() == before
+    dm.Monitor(cfg).close()  # the folder is free
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1]

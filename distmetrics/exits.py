@@ -1,0 +1,76 @@
+"""How a Monitor ends when it is not closed in order: at the exit of a process that left it open,
+on an error inside ``with``, when it is collected, when a collector fails to close; and the one
+thread its calls come from."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+__all__ = ["open_at_exit", "say_unwritten", "close_parts", "check_thread"]
+
+logger = logging.getLogger("distmetrics")
+
+
+def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
+    """At the exit of a process whose Monitor is still open (an uncaught error, or no close()): the
+    writer says what is not written (:func:`say_unwritten`), and the rank leaves the arrival check,
+    so the ranks waiting for it at a guarded call raise now, naming it."""
+    monitor = ref()
+    if monitor is None or monitor._closed:
+        return
+    say_unwritten(monitor, "the process ends with a Monitor open, never closed")
+    monitor._guard.leave("its process ended with the Monitor open")
+
+
+def say_unwritten(monitor: "Monitor", when: str,
+                   why: str = "monitor.close(), called on every rank, writes them") -> None:
+    """Say, once, on the writer rank, what a Monitor not closed leaves unwritten: the steps since the
+    last log step (close() writes them, a collective no exit hook, finalizer or error can make)."""
+    if getattr(monitor, "_closed", True) or getattr(monitor, "_at_exit", None) is None:
+        return
+    atexit.unregister(monitor._at_exit)
+    monitor._at_exit = None
+    if monitor.is_writer and monitor._steps_in_interval:
+        logger.warning("distmetrics: %s: the %d step(s) up to step %s since the last log step are not written (%s)",
+                       when, monitor._steps_in_interval, monitor._last_step, why)
+
+
+def _thread_name(ident: int) -> str:
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread.name
+    return str(ident)
+
+
+def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
+    """Close every collector, then the sinks, always: a collector that fails to close is said, and
+    its error raised once the sinks are closed, unless ``quiet`` (another error is on its way)."""
+    failure: Optional[BaseException] = None
+    try:
+        for collector in collectors:
+            try:
+                collector.close()
+            except Exception as err:  # noqa: BLE001 - the sinks are closed all the same
+                logger.warning("distmetrics: the %s collector failed to close: %s: %s", collector.name,
+                               type(err).__name__, err)
+                failure = failure or err
+    finally:
+        sinks.close()
+    if failure is not None and not quiet:
+        raise failure
+
+
+def check_thread(first: Optional[int], thread: int) -> int:
+    """``thread`` if it is the first to call the Monitor (``first`` None); else raise."""
+    if first is not None:
+        raise RuntimeError(f"this Monitor is used from thread {_thread_name(first)!r}, and called here from thread "
+                           f"{_thread_name(thread)!r}: a Monitor takes every call from one thread (its log steps and "
+                           "evaluations are collectives every rank makes in one order); make the calls from that thread")
+    return thread
