@@ -327,13 +327,14 @@ def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
 
 
 def _as_torch_returns(total: torch.Tensor, grads: list, dtypes: Optional[set] = None) -> Any:
-    """The total as torch returns it: the gradients' (promoted) dtype on the first gradient's
+    """The total as torch returns it: the gradients' (promoted, real) dtype on the first gradient's
     device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors.
     ``dtypes``: the gradients' distinct dtypes, when known (promoted pairwise, the few there are)."""
     if not grads:  # torch returns a float32 zero for no gradients
         return total.to(torch.get_default_dtype())
     first = grads[0]
     dtype = functools.reduce(torch.promote_types, dtypes if dtypes is not None else {g.dtype for g in grads})
+    dtype = dtype.to_real()  # a norm is real: complex64 gradients give a float32 total, as torch's
     value = total.to(device=local_tensor(first).device, dtype=dtype)
     if is_dtensor(first):
         from torch.distributed.tensor import DTensor, Replicate

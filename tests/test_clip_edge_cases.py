@@ -4,9 +4,11 @@ without gradients, the routing cache, clipping precision against torch's own
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
+import torch
 
 from tests.dist_utils import run_python, run_ranks
 
@@ -235,3 +237,26 @@ def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
         total, measured = norms.measure(model.parameters())
         assert float(total) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(truth, 1e9)), rel=1e-6)
         assert (measured.plan is norms.plans.model_plan()) == (step in (0, 2))
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+def test_complex_gradients_clip_as_torch_clips_them(p):
+    """A complex parameter made the clip raise "clamp is not supported for complex types": the total
+    was cast to the gradients' complex dtype, where torch returns a real one."""
+    import warnings
+
+    import distmetrics as dm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that complex modules are new
+        ours = torch.nn.Linear(3, 2).to(torch.complex64)
+    theirs = copy.deepcopy(ours)
+    x = torch.randn(4, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    for model in (ours, theirs):
+        model(x).abs().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type=p)
+    total = dm.clip_grad_norm_(ours.parameters(), 0.5, norm_type=p)
+    assert total.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(total, expected)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
