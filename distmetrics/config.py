@@ -50,6 +50,12 @@ class TensorInspectConfig:
                 f"tensor_inspect.init_training_step={self.init_training_step!r}: "
                 "accepted values are integers >= 0"
             )
+        if isinstance(self.features, str) and not self.features.strip():
+            raise ConfigError(f"tensor_inspect.features={self.features!r}: give a features YAML path or an inline "
+                              "mapping")
+        if self.feature_dirs is not None and not all(isinstance(d, str) and d.strip() for d in self.feature_dirs):
+            raise ConfigError(f"tensor_inspect.feature_dirs={self.feature_dirs!r}: accepted values are a list of "
+                              "folder paths (text)")
         if self.enabled and self.features is None:
             raise ConfigError(
                 "tensor_inspect.features=None while tensor_inspect.enabled=True: "

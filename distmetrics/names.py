@@ -74,6 +74,9 @@ def check_value(value: Any, what: str, *args: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a "
                              f"tensor of shape {tuple(value.shape)}")
+        if value.is_complex():  # its imaginary part was dropped without a word (a loss raised mid-call)
+            raise TypeError(f"{what % args if args else what}: expected a real number, got a tensor of "
+                            f"{value.dtype} (pass .real, .abs() or the value you mean)")
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got "
                         f"{type(value).__name__} {value!r:.100}")

@@ -165,13 +165,14 @@ SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_op
                "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",
-               "tensor_inspect.enabled", "tensor_inspect.features")
+               "tensor_inspect.enabled", "tensor_inspect.features", "tensor_inspect.init_training_step")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, or
 which rank writes: a rank given another value than the others would hang, count wrong or write
 nothing, so ``Monitor()`` refuses a difference on every rank (``timing_log_level`` and
 ``barrier_with_L1_time``: a timer started with ``barrier=True`` waits at a barrier only where its
 level is enabled; ``tensor_inspect.features``: the features' content, as a digest, given to
-:func:`start_up` as derived). The sinks' keys matter on the writer only."""
+:func:`start_up` as derived; ``tensor_inspect.init_training_step``: which steps the statistics'
+collective runs at). The sinks' keys matter on the writer only."""
 
 NOT_READ = "<not read on this rank: its problem is said>"
 """A derived shared value a rank could not read; not compared (its problem is raised)."""

@@ -1243,3 +1243,25 @@ def test_a_monitor_dropped_unclosed_lets_go_of_its_files_thread_and_folder(tmp_p
     assert threading.active_count() == before
     dm.Monitor(cfg).close()  # the folder is free
     assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1]
+
+
+@pytest.mark.parametrize("call", ["loss", "scalar", "eval"])
+def test_a_complex_value_is_refused_at_the_call(tmp_path, call):
+    """A complex 1-element tensor passed the check: as the loss it raised an error naming no
+    argument with the step half recorded (a retry was refused), and as any other value its
+    imaginary part was dropped (train/c = 3.0 for 3+4j)."""
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    value = torch.tensor(3 + 4j)
+    with pytest.raises(TypeError, match=r"expected a real number, got a tensor of torch.complex64"):
+        if call == "loss":
+            monitor.step(1, loss=value)
+        elif call == "scalar":
+            monitor.step(1, loss=1.0, c=value)
+        else:
+            monitor.log_eval(1, loss=value)
+    assert monitor.step(1, loss=1.0)["train/loss"] == 1.0  # nothing was recorded: the step is retried
+    monitor.close()

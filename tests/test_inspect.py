@@ -1168,3 +1168,69 @@ def test_a_wrapped_model_gets_the_statistics_and_names_of_the_bare_one(tmp_path,
         got[case] = {k: v for k, v in record.items() if k.startswith("tensor_stats/")}
     assert sorted(got["bare"]) == [f"tensor_stats/block.fc1/activation/{stat}" for stat in ("l1_norm", "max")]
     assert got[wrap] == pytest.approx(got["bare"], rel=1e-6)
+
+
+def _log_dir_unmakeable_on(rank: int, world: int, root: str, key: str) -> tuple:
+    import distmetrics as dm
+
+    features = Path(root) / f"features{rank}.yaml"
+    features.write_text(FEATURES)
+    blocker = Path(root) / f"a_file{rank}"
+    blocker.write_text("")  # a folder under a file cannot be made
+    bad = str(blocker / "sub")
+    inspect = {"enabled": True, "features": str(features)}
+    if key == "tensor_inspect.log_dir":
+        inspect["log_dir"] = bad if rank == 1 else f"{root}/logs{rank}"
+    out = bad if key == "output_dir" and rank == 1 else f"{root}/out{rank}"
+    cfg = dm.MetricsConfig(output_dir=out, tensorboard=False, console=False, json_log=False, log_progress=False,
+                           hang_timeout_s=20, tensor_inspect=inspect)
+    try:
+        dm.Monitor(cfg, model=_model()).close()
+        return "no error", None
+    except ValueError as err:
+        return str(err), type(err).__name__
+
+
+@pytest.mark.parametrize("key", ["tensor_inspect.log_dir", "output_dir"])
+def test_a_log_folder_one_rank_cannot_make_is_raised_on_every_rank(tmp_path, key):
+    """nvdlfw-inspect's log folder was made after the start-up check: the rank that could not make
+    it raised a bare NotADirectoryError, and the other waited in the statistics' first collective
+    (not covered by hang_timeout_s) until that rank's process ended."""
+    for message, kind in run_ranks(_log_dir_unmakeable_on, 2, str(tmp_path), key, timeout=120):
+        assert kind == "ConfigError" and f"rank 1: {key}: nvdlfw-inspect's log folder" in message, (kind, message)
+        assert "Not a directory" in message, message
+
+
+def _init_step_differs(rank: int, world: int, root: str) -> tuple:
+    import distmetrics as dm
+
+    features = Path(root) / f"features{rank}.yaml"
+    features.write_text(FEATURES)
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out", tensorboard=False, console=False, hang_timeout_s=20,
+                           tensor_inspect={"enabled": True, "features": str(features),
+                                           "init_training_step": 3 * rank})
+    try:
+        dm.Monitor(cfg, model=_model()).close()
+        return "no error"
+    except ValueError as err:
+        return str(err)
+
+
+def test_an_init_training_step_that_differs_between_ranks_is_refused_at_start(tmp_path):
+    """It decides at which steps the statistics' collective runs: ranks given 0 and 3 met at
+    different steps, and raised a HangError blaming the loop's calls after hang_timeout_s, with
+    no train record written."""
+    for message in run_ranks(_init_step_differs, 2, str(tmp_path), timeout=120):
+        assert "tensor_inspect.init_training_step" in message and "differs between ranks" in message, message
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"features": ""}, "tensor_inspect.features='': give a features YAML path"),
+    ({"features": "f.yaml", "feature_dirs": [None]}, "tensor_inspect.feature_dirs=[None]: accepted values are a list"),
+])
+def test_an_empty_features_path_or_a_feature_folder_that_is_no_path_is_named(value, message):
+    """features="" was read as the folder '.'; feature_dirs=[None] raised a bare TypeError from os.stat."""
+    import distmetrics as dm
+
+    with pytest.raises(dm.ConfigError, match=re.escape(message)):
+        dm.MetricsConfig(tensor_inspect=value)

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
 from ..packing import digest
 from ..runinfo import NOT_READ
+from ..sinks.appendfile import describe_os_error
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
@@ -89,11 +90,27 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
         return None, _digest(current().spec)
     try:
         spec, _ = check_inspect_config(config.tensor_inspect)
+        _check_log_dir(config)
     except ConfigError as err:
         if world_size == 1:
             raise
         return str(err), NOT_READ
     return None, _digest(spec)
+
+
+def _check_log_dir(config: MetricsConfig) -> None:
+    """nvdlfw-inspect's log folder, made now: every rank writes its own, and one that could not be
+    made failed on that rank alone, after the start-up check, while the others waited in the
+    statistics' first collective."""
+    key, log_dir = ("tensor_inspect.log_dir", config.tensor_inspect.log_dir) if config.tensor_inspect.log_dir \
+        else ("output_dir", str(Path(config.output_dir) / "tensor_inspect"))
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        if not os.access(log_dir, os.W_OK):
+            raise PermissionError(f"{log_dir} is not writable")
+    except OSError as err:
+        raise ConfigError(f"{key}: nvdlfw-inspect's log folder {log_dir!r} cannot be made on this rank (with tensor "
+                          f"statistics on, every rank writes one): {describe_os_error(err)}") from None
 
 
 def _digest(spec: dict) -> str:
