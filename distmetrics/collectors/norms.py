@@ -39,6 +39,7 @@ FIRST_STEP = -1
 known yet, so the update is measured and tagged with the number when it comes (:meth:`NormCollector.first_step`)."""
 
 _FAMILIES = ("grad_norm", "param_norm", "update_norm")
+_LACKS_UPDATE = "_norms/lacks_update"  # an internal lane: some rank holds parameters but measured no update
 _PREFIXES = ("grad_norm/", "param_norm/", "update_norm/")
 
 
@@ -267,8 +268,9 @@ class NormCollector:
         update, self._update = self._update, None
         if update is not None and self._update_step != ctx.step:
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)
-        if self.log_update_norm:
-            self._say_no_update(update is None, ctx.step)
+        if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
+            lacks = self._lacks_update(update is None)
+            out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
@@ -283,24 +285,40 @@ class NormCollector:
                     out.append(module_vector(self._update_plan, "update_norm", update, "sum", owned))
         return out
 
-    def _say_no_update(self, missing: bool, step: int) -> None:
-        """Once (rank 0): ``log_update_norm`` is on but no optimizer was given, or the one given did
-        not step since the last log step (replaced by a new one, or skipped by a GradScaler), so the
-        record has no ``update_norm``."""
+    def _lacks_update(self, missing: bool) -> bool:
+        """This rank owns trainable parameters but measured no update for the log step: no optimizer
+        was given to its Monitor, or the one given did not step since the last log step (replaced by
+        a new one, or skipped by a GradScaler). An update measured for a predicted log step that was
+        not one is no lack: every rank missed it alike."""
         stepped, self._optimizer_steps_logged = self._optimizer_steps != self._optimizer_steps_logged, \
             self._optimizer_steps
-        if self._warned_update or not missing or (self._hooks and stepped):
+        if not missing or (self._hooks and stepped):
+            return False
+        plan = self.grads.plans.model_plan()
+        pieces = self._param_pieces(plan)
+        if not pieces:
+            return False
+        route = self._param_route(plan, pieces[0].device)  # a replica rank 0 counts for (DDP) lacks nothing
+        return route.every or bool(route.owned.any())
+
+    def _drop_partial_update(self, metrics: dict[str, Any], step: int) -> None:
+        """Some rank lacks an update (:meth:`_lacks_update`): the others' sum is not the model's
+        update, so the record has no ``update_norm`` (a pipeline stage, or a rank, not given the
+        optimizer wrote the other stages' part as the whole); said once, naming a rank."""
+        rank = metrics.pop(f"{_LACKS_UPDATE}/max_rank", None)
+        if not metrics.pop(_LACKS_UPDATE, 0):
+            return
+        for key in [k for k in metrics if k == "update_norm" or k.startswith("update_norm/")]:
+            del metrics[key]
+        if self._warned_update or self.layout.rank != 0:
             return
         self._warned_update = True
-        if self.layout.rank != 0:
-            return
-        if not self._hooks:
-            logger.warning("distmetrics: log_update_norm is on but no optimizer was given (Monitor(optimizer=...) or "
-                           "monitor.attach_megatron_optimizer(optimizer)): no record has update_norm")
-        else:
-            logger.warning("distmetrics: the record of step %d has no update_norm: the optimizer given to the Monitor "
-                           "did not step since the last log step (skipped by a GradScaler, or replaced: give a new "
-                           "optimizer to monitor.attach_megatron_optimizer(optimizer))", step)
+        logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
+                       "rank %s owns trainable parameters but measured no update since the last log step. No "
+                       "optimizer was given to its Monitor (Monitor(optimizer=...) or "
+                       "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or the one "
+                       "given did not step (skipped by a GradScaler, or replaced: attach the new one)",
+                       step, "?" if rank is None else int(rank))
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Subtree values, roots (p-th roots of Σ nᵖ), ratios, modules with non-finite gradients.
@@ -308,6 +326,8 @@ class NormCollector:
         (:class:`~distmetrics.collectors.norm_tree.Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
+        if self.log_update_norm:
+            self._drop_partial_update(metrics, ctx.step)
         keys = ctx.keys_under(metrics, _PREFIXES)
         if not all(map(metrics.__contains__, keys)):  # a name the reduction did not send this time
             keys = tuple(key for key in keys if key in metrics)
