@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 from functools import partial
@@ -383,7 +384,7 @@ class Monitor:
     def __del__(self) -> None:
         try:  # a Monitor left open in a function or a notebook cell that raised: said, and its files, writer
             # thread and output_dir let go (no collective: the other ranks' Monitors may be gone)
-            if not self._closed:
+            if not self._closed and not sys.is_finalizing():  # at the interpreter's end: the exit hooks did it
                 say_unwritten(self, "a Monitor is collected, never closed")
                 self._shutdown("its Monitor was collected, never closed", quiet=True)
         except Exception:  # noqa: BLE001 - nothing may escape a finalizer

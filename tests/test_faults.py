@@ -1038,6 +1038,7 @@ def test_a_process_ending_with_its_monitor_open_says_what_is_not_written(tmp_pat
     steps = [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     said = "never closed: the 1 step(s) up to step 3 since the last log step are not written"
     assert (steps, run.stderr.count(said)) == (([2, 3], 0) if how == "closed" else ([2], 1)), run.stderr
+    assert "failed to close" not in run.stderr, run.stderr  # not closed again as the interpreter ends
 
 
 # --- a Monitor's lifecycle: errors, exits, threads, the process group -----------------------------

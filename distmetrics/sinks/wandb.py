@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from ..redaction import redact_argv
 from . import ScalarView
+from .writer import exit_hooks_last
 
 __all__ = ["WandbSink", "START_TIMEOUT_S", "START_BUFFER_ROWS"]
 
@@ -123,6 +124,12 @@ class WandbSink:
 
     def _start(self, kwargs: dict) -> None:
         try:
+            # W&B's service starts here, and with it the exit hook that shuts it down: exit hooks run last
+            # registered first, so the writer thread's is moved after it, and a process that ends while
+            # wandb.init runs, or with rows queued, writes them before W&B goes (it had lost them all)
+            if hasattr(self._wandb, "setup"):
+                self._wandb.setup()
+                exit_hooks_last()
             run = self._wandb.init(**kwargs)
             # every chart's x axis is the record's step, a value of each row: W&B's own step
             # (``log(step=)``) must grow, and a row of a lower step than the last was dropped with

@@ -18,9 +18,10 @@ import atexit
 import collections
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
-__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S"]
+__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S", "exit_hooks_last"]
 
 MAX_RECORDS = 256
 """Records the queue holds at most (at log_interval 1 and 1 s per step: four minutes behind)."""
@@ -59,6 +60,7 @@ class WriterThread:
         self._thread = threading.Thread(target=self._run, name="distmetrics-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a script that never calls close() still gets its records
+        _LIVE.add(self)
 
     def put(self, metrics: dict[str, Any], step: int, kind: str, keep: bool = False) -> None:
         """Queue one record; never waits for the sinks (drops the oldest record when full). A
@@ -151,3 +153,17 @@ class WriterThread:
             self._finish()
         except BaseException:  # noqa: BLE001
             logger.exception("distmetrics: the writer thread could not close its sinks")
+
+
+_LIVE: "weakref.WeakSet[WriterThread]" = weakref.WeakSet()  # writer threads not closed yet
+
+
+def exit_hooks_last() -> None:
+    """Move the exit hooks of the writer threads still open after every hook registered so far:
+    exit hooks run last registered first, and a library started after the writer (``wandb.init``,
+    which registers the shutdown of W&B's service) would otherwise end before the writer has
+    written its queue through it."""
+    for writer in list(_LIVE):
+        if not writer._closing:
+            atexit.unregister(writer.close)
+            atexit.register(writer.close)
