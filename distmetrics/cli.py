@@ -18,7 +18,8 @@ import sys
 
 from .config import MetricsConfig, TensorInspectConfig
 from .report import MissingExtra
-from .runlog import Job, metrics_files, read_jobs
+from .runlog import Records, metrics_files, split_jobs
+from .sinks import DASHBOARD_KINDS
 
 __all__ = ["main", "check_features", "summarise"]
 
@@ -180,8 +181,11 @@ def run_summary(args: argparse.Namespace) -> str:
 def summarise(path) -> str:
     """A few lines per job of a metrics.jsonl: its ranks and versions, first/last train record,
     last eval, alerts, records that could not be written (``gap``), and whether it resumed at or
-    before a step an earlier job logged."""
-    jobs, unreadable = read_jobs(path)
+    before a step an earlier job logged. The file is read a line at a time and each job keeps only
+    what it shows (:class:`_JobSummary`): memory does not grow with the number of records."""
+    records = Records(path)
+    jobs = split_jobs(records, _JobSummary)
+    unreadable = records.unreadable
     skipped = f", {unreadable} unreadable line(s) skipped (a crash cuts the line being written)" if unreadable else ""
     lines = [f"{path}: {len(jobs)} job(s){skipped}"]
     for number, job in enumerate(jobs, start=1):
@@ -189,29 +193,71 @@ def summarise(path) -> str:
     return "\n".join(lines)
 
 
-def _job_lines(number: int, job: Job, previous) -> list[str]:
-    run, train, evals, alerts = job.run or {}, job.of_kind("train"), job.of_kind("eval"), job.of_kind("alert")
+_RUN_KEYS = ("time", "world_size", "hosts", "layout", "torch_version")
+"""The fields of a job's ``run`` record that its summary shows."""
+
+
+class _JobSummary:
+    """What ``summary`` shows of one job, taken from its records as they are read: the shown fields
+    of its ``run`` record and of its first and last train record, its last eval, its train, eval
+    and alert counts, a line per alert, resume and gap record, and the highest step it logged for
+    the dashboards (the job after it says when it logs that step again)."""
+
+    def __init__(self, run):
+        self.started = run is not None
+        """False for records that precede every run record."""
+        self.run = {k: run[k] for k in _RUN_KEYS if k in run} if run is not None else {}
+        self.train = self.evals = 0
+        self.first = self.last = self.last_eval = None
+        self.last_logged = None
+        """The highest step of the job's train, eval and tensor_stats records."""
+        self.resumes, self.alerts, self.gaps = [], [], []
+
+    def add(self, record: dict) -> None:
+        """Take one more of the job's records, in file order."""
+        kind, step = record.get("kind"), record["step"]
+        if kind in DASHBOARD_KINDS:
+            self.last_logged = step if self.last_logged is None else max(self.last_logged, step)
+        if kind == "train":
+            self.train += 1
+            self.last = {k: record[k] for k in ("step", *_SUMMARY_KEYS) if k in record}
+            if self.first is None:
+                self.first = self.last
+        elif kind == "eval":
+            self.evals += 1
+            self.last_eval = (step, record.get("eval/loss"))
+        elif kind == "alert":
+            self.alerts.append(f"  alert step {step}: {record.get('message')}")
+        elif kind == "resume":
+            dropped = ("; TensorBoard dropped the earlier events from there on" if record.get("tensorboard_dropped")
+                       else "")
+            self.resumes.append(f"  resumed at step {record.get('from_step', step)} (step "
+                                f"{record.get('last_logged_step')} was logged before{dropped})")
+        elif kind == "gap":
+            self.gaps.append(f"  lost {record.get('lost_records')} record(s), steps {record.get('first_step')}-"
+                             f"{record.get('last_step')}: {record.get('error')} (written again from step {step})")
+
+
+def _job_lines(number: int, job: _JobSummary, previous) -> list[str]:
+    run = job.run
     head = f"job {number}: " + (f"started {run.get('time')}, world size {run.get('world_size')}, hosts "
                                 f"{', '.join(run.get('hosts', []))}, layout {run.get('layout')}, torch "
-                                f"{run.get('torch_version')}" if job.run else "records before any run record")
-    lines = [head, f"  {len(train)} train, {len(evals)} eval, {len(alerts)} alert record(s)"]
-    earlier = previous.logged_steps() if previous is not None else []
-    for resume in job.of_kind("resume"):
-        dropped = "; TensorBoard dropped the earlier events from there on" if resume.get("tensorboard_dropped") else ""
-        lines.append(f"  resumed at step {resume.get('from_step', resume['step'])} (step "
-                     f"{resume.get('last_logged_step')} was logged before{dropped})")
-    first = train[0]["step"] if train else None  # an evaluation of the restored checkpoint before it is no resume
-    if earlier and first is not None and not job.of_kind("resume") and first <= max(earlier):
-        lines.append(f"  logs step {first} again: job {number - 1} logged up to step {max(earlier)}")
-    for label, record in (("first", train[0] if train else None), ("last", train[-1] if train else None)):
+                                f"{run.get('torch_version')}" if job.started else "records before any run record")
+    lines = [head, f"  {job.train} train, {job.evals} eval, {len(job.alerts)} alert record(s)"]
+    earlier = previous.last_logged if previous is not None else None
+    lines += job.resumes
+    # an evaluation of the restored checkpoint before the first train record is no resume
+    first = job.first["step"] if job.first is not None else None
+    if earlier is not None and first is not None and not job.resumes and first <= earlier:
+        lines.append(f"  logs step {first} again: job {number - 1} logged up to step {earlier}")
+    for label, record in (("first", job.first), ("last", job.last)):
         if record is not None:
             fields = [f"{k.split('/')[-1]}={_fmt(record[k])}" for k in _SUMMARY_KEYS if k in record]
             lines.append(f"  {label} step {record['step']}: " + " ".join(fields))
-    if evals:
-        lines.append(f"  last eval step {evals[-1]['step']}: loss={_fmt(evals[-1].get('eval/loss'))}")
-    lines += [f"  alert step {alert['step']}: {alert.get('message')}" for alert in alerts]
-    lines += [f"  lost {gap.get('lost_records')} record(s), steps {gap.get('first_step')}-{gap.get('last_step')}: "
-              f"{gap.get('error')} (written again from step {gap['step']})" for gap in job.of_kind("gap")]
+    if job.last_eval is not None:
+        lines.append(f"  last eval step {job.last_eval[0]}: loss={_fmt(job.last_eval[1])}")
+    lines += job.alerts
+    lines += job.gaps
     return lines
 
 

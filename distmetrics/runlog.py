@@ -9,13 +9,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from .sinks import DASHBOARD_KINDS
 from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE, decode_line
 
-__all__ = ["METRICS_FILE", "Job", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
+__all__ = ["METRICS_FILE", "Job", "Records", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
+           "last_record"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -29,6 +30,10 @@ class Job:
     precede every run record."""
     records: list[dict[str, Any]] = field(default_factory=list)
     """The job's other records, in file order."""
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Keep one more of the job's records (:func:`split_jobs` calls it in file order)."""
+        self.records.append(record)
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         """The job's records of one kind (``train``, ``eval``, ``alert``, ``resume``, ...)."""
@@ -67,22 +72,38 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
     return found
 
 
+class Records:
+    """The records of a metrics.jsonl in file order, each line decoded as the iteration reaches it:
+    a file of any size is read in the memory of one line. ``unreadable`` counts the lines read so
+    far that are not records (a line cut short by a crash); a file none of whose lines is a record
+    is refused with ``ValueError`` at the end of the iteration."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = path
+        self.unreadable = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.unreadable, found = 0, False
+        with open(self.path, encoding="utf-8", errors="replace", newline="\n") as f:  # lines end at \n only, as written
+            for line in f:
+                if not line.strip():
+                    continue
+                record = decode_line(line)
+                if record is not None and isinstance(record.get("kind"), str) and isinstance(record.get("step"), int):
+                    found = True
+                    yield record
+                else:
+                    self.unreadable += 1
+        if not found:
+            raise ValueError(not_a_metrics_file(self.path, self.unreadable))
+
+
 def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
-    """The jobs of a metrics.jsonl and the number of lines that are not records (a line cut
-    short by a crash). A file none of whose lines is a record is refused with ``ValueError``."""
-    records, unreadable = [], 0
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:  # lines end at \n only, as written
-        for line in f:
-            if not line.strip():
-                continue
-            record = decode_line(line)
-            if record is not None and isinstance(record.get("kind"), str) and isinstance(record.get("step"), int):
-                records.append(record)
-            else:
-                unreadable += 1
-    if not records:
-        raise ValueError(not_a_metrics_file(path, unreadable))
-    return split_jobs(records), unreadable
+    """The jobs of a metrics.jsonl, every record held, and the number of lines that are not records
+    (a line cut short by a crash). A file none of whose lines is a record is refused with
+    ``ValueError``. ``summary`` reads the file through :class:`Records` and keeps only what it shows."""
+    records = Records(path)
+    return split_jobs(records), records.unreadable
 
 
 def not_a_metrics_file(path: Union[str, Path], lines: int) -> str:
@@ -93,16 +114,18 @@ def not_a_metrics_file(path: Union[str, Path], lines: int) -> str:
             "(give a run directory or the metrics.jsonl distmetrics wrote)")
 
 
-def split_jobs(records: list[dict[str, Any]]) -> list[Job]:
-    """Records in file order → jobs (a ``run`` record starts each)."""
-    jobs: list[Job] = []
+def split_jobs(records: Iterable[dict[str, Any]], job: Callable[[Optional[dict[str, Any]]], Any] = Job) -> list:
+    """Records in file order → jobs (a ``run`` record starts each): ``job(run)`` makes each one (run
+    None for records that precede every run record) and its ``add`` takes the job's other records
+    as they come; a :class:`Job` keeps them all."""
+    jobs: list = []
     for record in records:
         if record.get("kind") == "run":
-            jobs.append(Job(record))
+            jobs.append(job(record))
         else:
             if not jobs:
-                jobs.append(Job(None))
-            jobs[-1].records.append(record)
+                jobs.append(job(None))
+            jobs[-1].add(record)
     return jobs
 
 
