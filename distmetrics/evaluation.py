@@ -42,7 +42,7 @@ class EvalLog:
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()
         self.use_names(self.names)
-        self._train_losses: list[tuple[float, float, Optional[int]]] = []
+        self._train_losses = _TrainLosses()  # the train records' losses since the last evaluation
         self._gap_said = False
         self.rank = 0 if layout is None else layout.rank
         self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.rank)
@@ -80,7 +80,7 @@ class EvalLog:
         rank-steps whose loss counted: a skipped step's did not), for ``eval/gap``; ``by``: which
         of the two (:func:`~distmetrics.collectors.steps.loss_weights`)."""
         if isinstance(loss, float) and weight:
-            self._train_losses.append((loss, weight, by))
+            self._train_losses.add(loss, weight, by)
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
             scalars: dict[str, Number]) -> dict[str, Any]:
@@ -123,8 +123,8 @@ class EvalLog:
                 metrics["eval/ppl"] = math.exp(eval_loss)
             except OverflowError:  # a loss above about 709.78
                 metrics["eval/ppl"] = math.inf
-            total_w = sum(w for _, w, _ in self._train_losses)
-            if len({by for _, _, by in self._train_losses}) > 1:  # tokens in some records, steps in others
+            total_w = self._train_losses.weight
+            if len(self._train_losses.by) > 1:  # tokens in some records, steps in others
                 if not self._gap_said and self.rank == 0:
                     self._gap_said = True
                     logger.warning("distmetrics: eval/gap is left out of the eval record of step %d, and of every "
@@ -132,7 +132,26 @@ class EvalLog:
                                    "their losses by tokens in some and by steps (tokens=None) in others, so they "
                                    "have no common mean. Pass tokens with every loss, or with none.", step)
             elif total_w > 0:
-                train_mean = sum(v * w for v, w, _ in self._train_losses) / total_w
+                train_mean = self._train_losses.weighted / total_w
                 metrics["eval/gap"] = eval_loss - train_mean
-        self._train_losses = []
+        self._train_losses = _TrainLosses()
         return metrics
+
+
+class _TrainLosses:
+    """The train records' losses since the last evaluation as sums, added in record order (the
+    mean is the one a list of them gave, to the bit), in constant memory: a job that never
+    evaluates kept a tuple per log step."""
+
+    def __init__(self) -> None:
+        self.weighted = 0.0
+        """Σ loss × weight."""
+        self.weight = 0.0
+        """Σ weight."""
+        self.by: set = set()
+        """What the weights count (tokens, steps) in the records."""
+
+    def add(self, loss: float, weight: float, by: Optional[int]) -> None:
+        self.weighted += loss * weight
+        self.weight += weight
+        self.by.add(by)

@@ -362,3 +362,25 @@ def test_a_sink_that_cannot_be_one_is_refused_when_the_monitor_is_built(tmp_path
     with pytest.raises(ValueError, match=r"^distmetrics cannot start: rank 0: Monitor\(sinks=...\): .*" + message):
         dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False), sinks=sinks)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_each_monitor_prints_to_the_stdout_of_its_own_time(tmp_path):
+    """The console's stdout handler outlived its Monitor: a second Monitor (a notebook's next cell,
+    a capture) printed through the first one's stream, a closed file: nothing, and no warning."""
+    import subprocess
+
+    code = ("import contextlib, io, distmetrics as dm\n"
+            "cfg = dm.MetricsConfig(output_dir=%r, log_interval=1, tensorboard=False, json_log=False, "
+            "timing_log_level=-1)\n"
+            "captured = []\n"
+            "for run in range(2):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        with dm.Monitor(cfg) as monitor:\n"
+            "            for step in range(1, 4):\n"
+            "                monitor.step(step, loss=2.0)\n"
+            "    captured.append(sum(line.startswith(':: step') for line in out.getvalue().splitlines()))\n"
+            "print(captured)\n" % str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "[3, 3]", (child.stdout, child.stderr)

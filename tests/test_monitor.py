@@ -625,3 +625,26 @@ def test_eval_gap_is_left_out_where_train_records_weighted_their_losses_differen
     assert alike["eval/gap"] == pytest.approx(-0.5)  # the records since the last evaluation: steps alone
     said = [r.getMessage() for r in caplog.records if "eval/gap is left out" in r.getMessage()]
     assert len(said) == 1 and "step 4" in said[0], said
+
+
+def test_a_job_that_never_evaluates_keeps_no_train_loss_per_log_step():
+    """The train losses an eval/gap needs were kept as a tuple per log step until the next
+    log_eval: a job that never evaluates grew by about 150 bytes a log step on every rank."""
+    import tracemalloc
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    for step in range(1, 51):
+        monitor.step(step, loss=float(step), tokens=10)
+    tracemalloc.start()
+    try:
+        for step in range(51, 1051):
+            monitor.step(step, loss=float(step), tokens=10)
+        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*distmetrics/evaluation.py")])
+    finally:
+        tracemalloc.stop()
+    assert sum(stat.size for stat in kept.statistics("filename")) < 4096
+    assert monitor.log_eval(1051, loss=1000.0, tokens=10)["eval/gap"] == pytest.approx(1000.0 - 525.5)  # the mean of steps 1-1050
+    monitor.close()

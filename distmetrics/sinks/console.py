@@ -79,7 +79,11 @@ class ConsoleSink:
             "the other logging handlers.", failure_cause(error))
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Remove the stdout handler this sink added: it writes to the ``sys.stdout`` of its time
+        (a capture, a notebook cell's), and the next Monitor's sink adds its own, to the stdout of then."""
+        if self._stdout is not None:
+            self.logger.removeHandler(self._stdout)
+            self._stdout = None
 
 
 class _Stdout(logging.StreamHandler):
