@@ -1,0 +1,134 @@
+"""The parameter side of :class:`~distmetrics.collectors.norms.NormCollector`: parameter and
+update norms from this rank's pieces of the parameters (the distributed optimizer's fp32 main
+shards, Megatron's ``main_param``, a DTensor's local shard), the snapshot and diff around
+``optimizer.step()``, the update's ratios, and the check that no rank owning parameters lacks
+an update."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ..grad_norm import GradMeasurement
+from ..parallel import local_tensor
+from ..plans import Plan, route_of
+from ..tensor_norms import per_tensor_norms
+
+logger = logging.getLogger("distmetrics")
+
+__all__ = ["ParamSide"]
+
+_LACKS_UPDATE = "_norms/lacks_update"  # an internal lane: some rank owns parameters but measured no update
+
+
+class ParamSide:
+    """Methods of the norm collector that read the parameters (a mixin: the state is the
+    collector's, set in its ``__init__``: ``grads``, ``layout``, ``snapshot_device``, the
+    snapshot and update fields, the optimizer hooks and step counts)."""
+
+    def snapshot(self) -> None:
+        """Copy the local shards before ``optimizer.step()`` (log steps only)."""
+        plan = self.grads.plans.model_plan()
+        locals_ = self._param_pieces(plan)
+        if self.snapshot_device == "cpu":
+            self._snapshot = [t.to("cpu", copy=True) for t in locals_]
+        else:
+            self._snapshot = torch._foreach_mul(locals_, 1.0)
+
+    def diff(self) -> None:
+        """After ``optimizer.step()``: per-bucket ‖P_new − P_old‖², then drop the snapshot."""
+        if self._snapshot is None:
+            return
+        plan = self.grads.plans.model_plan()
+        old, self._snapshot = self._snapshot, None
+        new = self._param_pieces(plan)
+        if len(new) != len(old):
+            return  # the model changed during the step; skip this measurement
+        if self.snapshot_device == "cpu":
+            new = [t.to("cpu") for t in new]
+        torch._foreach_sub_(old, new)
+        self._update, self._update_step = self._bucket_squares(plan, old), self._snapshot_step
+        self._update_plan = plan  # parameters frozen or added before the log step do not rename its buckets
+
+    def _lacks_update(self, missing: bool) -> bool:
+        """This rank owns trainable parameters but measured no update for the log step: no optimizer
+        was given to its Monitor, or the one given did not step since the last log step (replaced by
+        a new one, or skipped by a GradScaler). An update measured for a predicted log step that was
+        not one is no lack: every rank missed it alike."""
+        stepped, self._optimizer_steps_logged = self._optimizer_steps != self._optimizer_steps_logged, \
+            self._optimizer_steps
+        if not missing or (self._hooks and stepped):
+            return False
+        plan = self.grads.plans.model_plan()
+        pieces = self._param_pieces(plan)
+        if not pieces:
+            return False
+        route = self._param_route(plan, pieces[0].device)  # a replica rank 0 counts for (DDP) lacks nothing
+        return route.every or bool(route.owned.any())
+
+    def _drop_partial_update(self, metrics: dict[str, Any], step: int) -> None:
+        """Some rank lacks an update (:meth:`_lacks_update`): the others' sum is not the model's
+        update, so the record has no ``update_norm`` (a pipeline stage, or a rank, not given the
+        optimizer wrote the other stages' part as the whole); said once, naming a rank."""
+        rank = metrics.pop(f"{_LACKS_UPDATE}/max_rank", None)
+        if not metrics.pop(_LACKS_UPDATE, 0):
+            return
+        for key in [k for k in metrics if k == "update_norm" or k.startswith("update_norm/")]:
+            del metrics[key]
+        if self._warned_update or self.layout.rank != 0:
+            return
+        self._warned_update = True
+        logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
+                       "rank %s owns trainable parameters but measured no update since the last log step. No "
+                       "optimizer was given to its Monitor (Monitor(optimizer=...) or "
+                       "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or the one "
+                       "given did not step (skipped by a GradScaler, or replaced: attach the new one)",
+                       step, "?" if rank is None else int(rank))
+
+    def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement], keys: list[str]) -> None:
+        """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2),
+        for the update-norm ``keys`` (the total and every subtree)."""
+        coef = float(grad.coef) if grad is not None and grad.coef is not None else 1.0
+        same_norm = grad is None or grad.norm_type == 2.0
+        for key in keys:
+            suffix = key[len("update_norm"):]
+            param = metrics.get(f"param_norm{suffix}")
+            if param:
+                metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
+            g = metrics.get(f"grad_norm{suffix}")
+            if g and same_norm:
+                metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
+
+    def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
+        """This rank's piece of every parameter: the distributed optimizer's fp32 main shard,
+        the fp32 main copy Megatron's mixed-precision optimizer updates (``main_param``: it
+        copies it into the 16-bit parameter only after the inner step), a DTensor's local
+        shard, or the parameter."""
+        shards = self.grads.shards
+        out = []
+        for p in plan.params:
+            main = shards.main_shard(p) if shards is not None else None
+            if main is None and not getattr(p, "main_param_sharded", False):
+                main = getattr(p, "main_param", None)
+            out.append(main.detach() if main is not None else local_tensor(p.detach()))
+        return out
+
+    def _param_route(self, plan: Plan, device: torch.device) -> Any:
+        """The params' :class:`~distmetrics.plans.Route` on ``device`` (cached)."""
+        route = plan.param_routes.get(device)
+        if route is None:
+            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
+            route = plan.param_routes[device] = route_of(plan, list(range(len(plan.params))), weights, device)
+        return route
+
+    def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates)."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        route = self._param_route(plan, device)
+        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders)
+        squares = norms * norms
+        contrib = squares if route.every else torch.where(route.owned, squares, torch.zeros_like(squares))
+        return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
+            0, route.bucket_idx, contrib)
