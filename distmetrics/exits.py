@@ -71,6 +71,7 @@ def check_thread(first: Optional[int], thread: int) -> int:
     """``thread`` if it is the first to call the Monitor (``first`` None); else raise."""
     if first is not None:
         raise RuntimeError(f"this Monitor is used from thread {_thread_name(first)!r}, and called here from thread "
-                           f"{_thread_name(thread)!r}: a Monitor takes every call from one thread (its log steps and "
-                           "evaluations are collectives every rank makes in one order); make the calls from that thread")
+                           f"{_thread_name(thread)!r}: a Monitor takes every call from one thread (its log steps "
+                           "and evaluations are collectives every rank makes in one order); make the calls from "
+                           "that thread")
     return thread

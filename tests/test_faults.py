@@ -1053,7 +1053,8 @@ def _destroyed_before_close(rank: int, world: int, root: str, port: int) -> tupl
         monitor.step(step, loss=float(step + rank), tokens=1)
     dist.destroy_process_group()
     outcome = _outcome(monitor.close)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")  # for the harness
+    # made again for the harness, which destroys it
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     dist.barrier()
     return outcome
 
