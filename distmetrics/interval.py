@@ -83,10 +83,16 @@ class _Slot:
 
 
 class IntervalStats:
-    """Per-name accumulators for one log interval."""
+    """Per-name accumulators for one log interval.
+
+    A log step costs the names recorded since the last one, not every name ever recorded: a
+    name's accumulator is kept for the next interval (the same names at every log step make no
+    new ones) and dropped at the log step after an interval without it. Its reduce kind and
+    ``last`` are kept for good, so a name that comes back keeps them."""
 
     def __init__(self) -> None:
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, _Slot] = {}  # the names recorded in this interval or the last one
+        self._kinds: dict[str, tuple[str, bool]] = {}  # every name recorded → (reduce, last) at its first record
 
     def __contains__(self, name: str) -> bool:
         return name in self._slots and self._slots[name].value is not None
@@ -97,8 +103,8 @@ class IntervalStats:
         check_reduce(name, reduce)
         slot = self._slots.get(name)
         if slot is None:
-            slot = self._slots[name] = _Slot(reduce, last)
-        elif slot.reduce != reduce:
+            slot = self._slots[name] = _Slot(*self._kinds.setdefault(name, (reduce, last)))
+        if slot.reduce != reduce:
             raise ValueError(
                 f"metric {name!r} was recorded with reduce={slot.reduce!r}, now reduce={reduce!r}; "
                 "a name keeps one reduce kind"
@@ -129,9 +135,10 @@ class IntervalStats:
         """This interval's samples (one per name recorded since the last call); the interval
         starts again."""
         out: list[Sample] = []
+        kept: dict[str, _Slot] = {}
         for name, slot in self._slots.items():
             if slot.value is None:
-                continue
+                continue  # not recorded in this interval: no sample, and its slot goes
             if slot.last:
                 out.append(Sample(name, slot.value, slot.reduce))
             elif slot.reduce == "mean":
@@ -144,7 +151,10 @@ class IntervalStats:
                 out.append(Sample(name, slot.value, "minmax", low=slot.low))
             else:
                 out.append(Sample(name, slot.value, slot.reduce))
-        self._slots = {n: _Slot(s.reduce, s.last) for n, s in self._slots.items()}
+            kept[name] = slot
+        for slot in kept.values():  # once every Sample is made: one that raised leaves the interval whole
+            slot.value, slot.weight, slot.low = None, 0.0, None
+        self._slots = kept
         return out
 
 

@@ -172,6 +172,7 @@ class NameRegistry:
 
     def __init__(self) -> None:
         self._writers: dict[str, str] = {}  # a written name → who writes it
+        self._rank_shaped: dict[str, list[str]] = {}  # "x" → the written names "x/rank<N>", in the order written
         self._prefixes: dict[str, str] = {}  # "memory/" → who writes every name under it
         self._claimed: dict[str, str] = {}  # user name → reduce kind
         self._records: dict[str, str] = {}  # user name → the record kind it is written in
@@ -180,7 +181,10 @@ class NameRegistry:
         """Names (or prefixes ending in ``/``: every name under it) that ``who`` writes; a name
         reserved already keeps its first writer."""
         for name in names:
-            (self._prefixes if name.endswith("/") else self._writers).setdefault(name, who)
+            if name.endswith("/"):
+                self._prefixes.setdefault(name, who)
+            elif name not in self._writers:
+                self._write(name, who)
 
     def reserve_writers(self, writers: Iterable[Any]) -> "NameRegistry":
         """Reserve what each collector declares in its ``writes`` (a user's collector may
@@ -226,10 +230,20 @@ class NameRegistry:
             raise ValueError(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
                              f"{rank.group(1)!r}")
         if kind == "all":
-            clash = [n for n in self._writers if _RANK.match(n) and _RANK.match(n).group(1) == name]
+            clash = self._rank_shaped.get(name)
             if clash:
                 raise ValueError(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
                                  f"{self._writers[clash[0]]} writes already")
         for other in written:
-            self._writers[other] = f"{what} ({name!r}, {kind})"
+            self._write(other, f"{what} ({name!r}, {kind})")
         self._claimed[name] = kind
+
+    def _write(self, name: str, who: str) -> None:
+        """Remember that ``who`` writes ``name``, and under its base name where it has the shape of
+        an ``all`` metric's rank (``x/rank0``): :meth:`add` looks an ``all`` ``x`` up there rather
+        than matching every name written so far (quadratic in a negotiation's names)."""
+        if name not in self._writers:
+            rank = _RANK.match(name)
+            if rank:
+                self._rank_shaped.setdefault(rank.group(1), []).append(name)
+        self._writers[name] = who
