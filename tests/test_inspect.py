@@ -1198,7 +1198,7 @@ def test_a_log_folder_one_rank_cannot_make_is_raised_on_every_rank(tmp_path, key
     (not covered by hang_timeout_s) until that rank's process ended."""
     for message, kind in run_ranks(_log_dir_unmakeable_on, 2, str(tmp_path), key, timeout=120):
         assert kind == "ConfigError" and f"rank 1: {key}: nvdlfw-inspect's log folder" in message, (kind, message)
-        assert "Not a directory" in message, message
+        assert "a_file1 is not a folder" in message, message
 
 
 def _init_step_differs(rank: int, world: int, root: str) -> tuple:

@@ -16,7 +16,6 @@ from typing import Any, Optional, Union
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
 from ..packing import digest
 from ..runinfo import NOT_READ
-from ..sinks.appendfile import describe_os_error
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
@@ -99,18 +98,30 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
 
 
 def _check_log_dir(config: MetricsConfig) -> None:
-    """nvdlfw-inspect's log folder, made now: every rank writes its own, and one that could not be
-    made failed on that rank alone, after the start-up check, while the others waited in the
+    """nvdlfw-inspect's log folder, checked now: every rank writes its own, and one that could not
+    be made failed on that rank alone, after the start-up check, while the others waited in the
     statistics' first collective."""
     key, log_dir = ("tensor_inspect.log_dir", config.tensor_inspect.log_dir) if config.tensor_inspect.log_dir \
         else ("output_dir", str(Path(config.output_dir) / "tensor_inspect"))
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-        if not os.access(log_dir, os.W_OK):
-            raise PermissionError(f"{log_dir} is not writable")
-    except OSError as err:
+    problem = _unmakeable(Path(log_dir))
+    if problem:
         raise ConfigError(f"{key}: nvdlfw-inspect's log folder {log_dir!r} cannot be made on this rank (with tensor "
-                          f"statistics on, every rank writes one): {describe_os_error(err)}") from None
+                          f"statistics on, every rank writes one): {problem}")
+
+
+def _unmakeable(folder: Path) -> str:
+    """Why ``folder`` cannot be made (or written, where it is): the first part of it that exists
+    is not a folder, or cannot be written; '' if it can. Nothing is made here: a Monitor refused
+    at start leaves ``output_dir`` as it was."""
+    folder = folder.absolute()
+    for part in (folder, *folder.parents):
+        if part.exists():
+            if not part.is_dir():
+                return f"{part} is not a folder"
+            if not os.access(part, os.W_OK | os.X_OK):
+                return f"{part} cannot be written (permission denied)"
+            return ""
+    return ""
 
 
 def _digest(spec: dict) -> str:
