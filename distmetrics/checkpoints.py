@@ -40,6 +40,17 @@ class CheckpointLog:
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
 
     def start_at(self, step: int) -> None:
+        """Where this job's checkpoints count on from (:meth:`_resumed_from`); a job that loaded a
+        checkpoint older than its streak's start (a start from scratch, a rollback past the streak's
+        first job) starts a streak of its own, as a job of another world size does: the streak's
+        FLOPs counted from its start would leave this job's out, and its cumulative throughput was
+        negative."""
+        self._resumed_from(step)
+        start, origin = self.resumed.get("start_flops"), self.resumed.get("last_flops", 0.0)
+        if start is not None and origin < start:
+            self.resumed["start_time"] = self.resumed["start_flops"] = None
+
+    def _resumed_from(self, step: int) -> None:
         """This job's first step is ``step`` (its first ``monitor.step``, the step after an
         evaluation or a checkpoint saved first): it resumed from the checkpoint saved just before
         it, numbered ``step - 1`` where steps count from 1 (Megatron's and torchtitan's numbering)

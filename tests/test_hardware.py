@@ -903,3 +903,39 @@ def test_ranks_of_one_host_on_one_gpu_are_named_at_start_up(caplog):
     caplog.clear()
     _say_shared_gpus({"node-b": rows["node-b"], "node-c": [RankInfo(5, "node-c", 0, 1, None)]})
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("first", [1, 6], ids=["from scratch", "rolled back past the streak's start"])
+def test_a_job_behind_its_streaks_start_starts_a_streak_of_its_own(tmp_path, first):
+    """Job A (8 GPUs) saved 5 and 10; job B (1 GPU, a new streak) resumed from A's 10 and saved 20;
+    job C (1 GPU) starts from scratch, or from A's 5, older than B's start. C's FLOPs counted on
+    from what it loaded, its streak's from B's 1e16: its cumulative throughput was negative
+    (-17819.3 TFLOP/s/GPU in a run)."""
+    import distmetrics as dm
+    from distmetrics.sinks.progress import progress_line
+
+    now = dt.datetime.now().replace(microsecond=0)
+
+    def saved(iteration, flops, tokens_b, world, when):
+        return progress_line(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative "
+                             f"throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in "
+                             f"billions): {tokens_b:.2f}", world, "1", when)
+
+    (tmp_path / "progress.txt").write_text("".join([
+        progress_line("Starting job", 8, "1", now - dt.timedelta(hours=4)),
+        saved(5, 0.5e16, 5.0, 8, now - dt.timedelta(hours=3, minutes=30)),
+        saved(10, 1e16, 10.0, 8, now - dt.timedelta(hours=3)),
+        progress_line("Starting job", 1, "1", now - dt.timedelta(hours=2)),
+        saved(20, 2e16, 20.0, 1, now - dt.timedelta(hours=1))]))
+    flops_per_token = 1e6
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
+                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
+        for step in (first, first + 1):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(first + 1)
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    origin = 0.0 if first == 1 else 0.5e16  # the checkpoint C loaded: none, or A's 5 (older than B's start)
+    assert record["checkpoint/floating_point_operations"] == pytest.approx(origin + 2000 * flops_per_token)
+    assert record["checkpoint/cumulative_tflops_per_gpu"] > 0
+    assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(record["checkpoint/job_tflops_per_gpu"],
+                                                                          rel=0.5)
