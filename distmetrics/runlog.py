@@ -15,7 +15,7 @@ from .sinks import DASHBOARD_KINDS
 from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE, decode_line
 
-__all__ = ["METRICS_FILE", "Job", "Records", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
+__all__ = ["METRICS_FILE", "TRAINING_KINDS", "Job", "Records", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
            "last_record"]
 
 logger = logging.getLogger("distmetrics")
@@ -129,6 +129,9 @@ def split_jobs(records: Iterable[dict[str, Any]], job: Callable[[Optional[dict[s
     return jobs
 
 
+TRAINING_KINDS = ("train", "tensor_stats")
+"""Records only a job that trained writes (tensor statistics come at training steps, before a log
+step: a job that crashed after one and before its first log step trained all the same)."""
 _READ_PAST_LAST_TRAIN = 10_000
 """Records read back past a job's last train record for the one before it (an interval's
 evaluations and statistics are far fewer)."""
@@ -136,8 +139,9 @@ evaluations and statistics are far fewer)."""
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     """The last step the dashboards show from a metrics.jsonl: the highest step of a train, eval or
-    tensor_stats record of the latest job that trained (a job that only evaluated dropped nothing
-    from TensorBoard: the steps after its evaluation are still the job before's), or of the last
+    tensor_stats record of the latest job that trained (wrote a train or tensor_stats record: a job
+    that only evaluated dropped nothing from TensorBoard: the steps after its evaluation are still
+    the job before's), or of the last
     such record where no job trained; None (no file, no such record). Read from the end, a block
     at a time, up to the job's train record before its last (an evaluation numbered ahead of
     training is written before the record close() writes) or its start: cheap on a long file."""
@@ -153,7 +157,7 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
             highest[0] = None
         elif kind in DASHBOARD_KINDS and isinstance(step, int):
             highest[0] = step if highest[0] is None else max(highest[0], step)
-            trains[0] += kind == "train"
+            trains[0] += kind in TRAINING_KINDS
             if trains[0] == 2:
                 return True
         return since[0] >= _READ_PAST_LAST_TRAIN  # a job of one train record: not the whole of a long one

@@ -448,3 +448,24 @@ def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(t
         monitor.checkpoint_saved(10)
     [saved] = [r for r in dm.read_jsonl(tmp_path / "on" / "metrics.jsonl") if r["kind"] == "progress"]
     assert saved["checkpoint/tokens"] == 5000.0
+
+
+def test_a_job_that_wrote_tensor_statistics_and_crashed_before_its_first_log_step_counts_as_trained(tmp_path):
+    """Job 2 resumed at 11, wrote tensor statistics at step 15 and crashed before its first log
+    step: taken for a job that did not train, job 3 (from checkpoint 14) was no restart, and
+    TensorBoard showed step 15's statistics twice."""
+    import json
+
+    import distmetrics as dm
+    from distmetrics.runlog import last_logged_step
+
+    lines = [{"kind": "run", "step": 0}, {"kind": "train", "step": 10, "train/loss": 1.0},
+             {"kind": "run", "step": 0}, {"kind": "tensor_stats", "step": 15, "tensor_stats/fc1/activation/max": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert last_logged_step(tmp_path / "metrics.jsonl") == 15
+    with dm.Monitor(_config(tmp_path, log_interval=5)) as monitor:
+        for step in range(15, 21):
+            monitor.step(step, loss=2.0, tokens=100)
+    resume = [(r["from_step"], r["last_logged_step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
+              if r["kind"] == "resume"]
+    assert resume == [(15, 15)]

@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..runlog import metrics_files
+from ..runlog import TRAINING_KINDS as _TRAINING_KINDS, metrics_files
 from ..sinks import DASHBOARD_KINDS
 from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
@@ -154,7 +154,7 @@ class RunData:
             if before is not None:
                 meta["previous_last_step"] = before
                 self._restart_pending = before
-        if self._restart_pending is not None and kind in ("resume", "train"):
+        if self._restart_pending is not None and kind in ("resume", *_TRAINING_KINDS):
             # the earlier job's records are dropped from this job's first step on, as TensorBoard
             # drops them: where its resume record says, or its first train record, when that is at
             # or before the last step logged. Records before it (an evaluation of the restored
@@ -169,7 +169,7 @@ class RunData:
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
         if kind in DASHBOARD_KINDS:  # what the Monitor reads as the last step logged (runlog.last_logged_step)
             meta["last_logged"] = step if meta.get("last_logged") is None else max(meta["last_logged"], step)
-        if kind == "train":
+        if kind in _TRAINING_KINDS:
             meta["trained"] = True  # a job that only evaluated dropped nothing: the one before it counts
         meta["records"] += 1
         self.step_min = step if self.step_min is None else min(self.step_min, step)
