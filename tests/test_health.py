@@ -582,3 +582,20 @@ def test_per_sample_losses_and_expert_counts_as_dtensors_or_on_the_meta_device()
         assert out["metrics"]["train/loss/web"] == 1.0 * 1 and out["metrics"]["train/loss/code"] == 3.0
         assert out["metrics"]["moe/expert_utilization"] == 0.5
         assert "Shard(dim=0)" in out["losses"] and "meta device" in out["meta"] and "Shard(dim=1)" in out["counts"]
+
+
+def test_loss_categories_keep_one_names_tuple_between_log_steps():
+    """A new tuple of record names at every log step: the pack layout, which knows a vector by its
+    names' tuple, rebuilt its positions and copied them to the device at each (host-to-device
+    syncs on a GPU)."""
+    import torch
+
+    from distmetrics.collectors.losses import CategoryLosses
+
+    losses = CategoryLosses("train/loss")
+    made = []
+    for categories in (["a", "b"], ["b", "a"], ["a", "c"]):
+        losses.record(torch.ones(2), categories)
+        made.append(losses.take_samples()[0].names)
+    assert made[0] is made[1] and made[0] == ("train/loss/a", "train/loss/b")
+    assert made[2] == ("train/loss/a", "train/loss/b", "train/loss/c")

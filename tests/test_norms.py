@@ -1370,3 +1370,25 @@ def test_a_stage_whose_monitor_has_no_optimizer_gives_no_partial_update_norm(cas
         assert [got for got, _ in result["rows"]] == [None, None]
     (message,) = results[0]["said"]
     assert f"rank {case[5]} owns trainable parameters but measured no update" in message, message
+
+
+def test_the_update_ratios_take_the_clip_coefficient_from_the_reduced_total_not_the_device():
+    """effective_lr_ratio read the clip's coefficient back from its tensor at every log step with
+    update norms on: a device sync on a GPU. The reduced total on the host gives it."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    total = float(monitor.clip_grad_norm_(0.1))
+    before = [p.detach().double().clone() for p in model.parameters()]
+    optimizer.step()
+    update = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)))
+    monitor._by_name["norms"]._grad.coef = torch.empty((), device="meta")  # read back, it raises
+    metrics = monitor.step(1)
+    assert metrics["effective_lr_ratio"] == pytest.approx(update / (total * min(1.0, 0.1 / (total + 1e-6))), rel=1e-6)
+    monitor.close()

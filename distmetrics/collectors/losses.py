@@ -24,6 +24,7 @@ class CategoryLosses:
         self._index: dict[str, int] = {}
         self._sums: Optional[torch.Tensor] = None
         self._weights: Optional[torch.Tensor] = None
+        self._names_made: tuple = (-1, ())  # (categories named, their record names) at the last log step
 
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
@@ -81,8 +82,10 @@ class CategoryLosses:
         """One vector sample of every category's (Σ loss·w, Σ w); then start again."""
         if self._sums is None:
             return []
-        names = tuple(f"{self.prefix}/{name}" for name in self.names)
-        out = [Sample(self.prefix, self._sums, "mean", weight=self._weights, summed=True, names=names)]
+        if self._names_made[0] != len(self.names):  # the same tuple while no category is added: the pack's
+            # layout knows a vector by its names' tuple, and a new one each log step rebuilt its positions
+            self._names_made = (len(self.names), tuple(f"{self.prefix}/{name}" for name in self.names))
+        out = [Sample(self.prefix, self._sums, "mean", weight=self._weights, summed=True, names=self._names_made[1])]
         self._sums = self._weights = None
         return out
 

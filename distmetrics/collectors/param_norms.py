@@ -90,7 +90,15 @@ class ParamSide:
     def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement], keys: list[str]) -> None:
         """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2),
         for the update-norm ``keys`` (the total and every subtree)."""
-        coef = float(grad.coef) if grad is not None and grad.coef is not None else 1.0
+        coef = 1.0
+        if grad is not None and grad.coef is not None:  # the clip's coefficient, from the reduced total on the
+            # host where the record has it: reading the tensor back is a device sync on a GPU
+            total = metrics.get("grad_norm")
+            if isinstance(total, float) and grad.max_norm is not None:
+                coef = grad.max_norm / (total + 1e-6)
+                coef = coef if coef != coef else min(1.0, coef)  # NaN stays NaN, as torch.clamp keeps it
+            else:
+                coef = float(grad.coef)
         same_norm = grad is None or grad.norm_type == 2.0
         for key in keys:
             suffix = key[len("update_norm"):]
