@@ -4,11 +4,13 @@ thread its calls come from."""
 
 from __future__ import annotations
 
-import atexit
 import logging
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
+
+from .sinks.writer import forget_exit_hook
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -20,13 +22,17 @@ logger = logging.getLogger("distmetrics")
 
 def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
     """At the exit of a process whose Monitor is still open (an uncaught error, or no close()): the
-    writer says what is not written (:func:`say_unwritten`), and the rank leaves the arrival check,
-    so the ranks waiting for it at a guarded call raise now, naming it."""
+    writer says what is not written (:func:`say_unwritten`), and a process ending on an uncaught
+    error leaves the arrival check, so the ranks waiting for it at a guarded call raise now, naming
+    it, rather than at ``hang_timeout_s``."""
     monitor = ref()
     if monitor is None or monitor._closed:
         return
     say_unwritten(monitor, "the process ends with a Monitor open, never closed")
-    monitor._guard.leave("its process ended with the Monitor open")
+    error = getattr(sys, "last_value", None)  # set where the interpreter printed an uncaught error
+    if error is not None:  # only then: a close() in an exit hook of the user's may still come, and would
+        # meet its own mark (every rank's, where each made one)
+        monitor._guard.leave(f"its process ended on an uncaught {type(error).__name__} with the Monitor open")
 
 
 def say_unwritten(monitor: "Monitor", when: str,
@@ -35,7 +41,7 @@ def say_unwritten(monitor: "Monitor", when: str,
     last log step (close() writes them, a collective no exit hook, finalizer or error can make)."""
     if getattr(monitor, "_closed", True) or getattr(monitor, "_at_exit", None) is None:
         return
-    atexit.unregister(monitor._at_exit)
+    forget_exit_hook(monitor._at_exit)
     monitor._at_exit = None
     if monitor.is_writer and monitor._steps_in_interval:
         logger.warning("distmetrics: %s: the %d step(s) up to step %s since the last log step are not written (%s)",
@@ -46,7 +52,7 @@ def _thread_name(ident: int) -> str:
     for thread in threading.enumerate():
         if thread.ident == ident:
             return thread.name
-    return str(ident)
+    return f"a thread that has ended (id {ident})"
 
 
 def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
@@ -68,10 +74,10 @@ def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
 
 
 def check_thread(first: Optional[int], thread: int) -> int:
-    """``thread`` if it is the first to call the Monitor (``first`` None); else raise."""
+    """``thread`` if it is the first to make a collective call of the Monitor (``first`` None); else raise."""
     if first is not None:
-        raise RuntimeError(f"this Monitor is used from thread {_thread_name(first)!r}, and called here from thread "
-                           f"{_thread_name(thread)!r}: a Monitor takes every call from one thread (its log steps "
-                           "and evaluations are collectives every rank makes in one order); make the calls from "
-                           "that thread")
+        raise RuntimeError(f"this Monitor's collective calls come from thread {_thread_name(first)!r}, and this one "
+                           f"from thread {_thread_name(thread)!r}: its log steps, evaluations, checkpoints and clips "
+                           "are collectives every rank makes in one order, so they come from one thread; make the "
+                           "call from that one")
     return thread

@@ -8,7 +8,6 @@ the collectors derive values from the result, and the writer rank sends it to th
 
 from __future__ import annotations
 
-import atexit
 import logging
 import sys
 import threading
@@ -26,6 +25,7 @@ from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .exits import check_thread, close_parts, open_at_exit, say_unwritten
+from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .interval import now
 from .names import check_step, local_value
@@ -84,7 +84,7 @@ class Monitor:
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=size)
         self._eval = EvalLog(group, self._guard, self.layout)
         self._eval.reducer.world = size
-        self._thread: Optional[int] = None  # the thread that makes the Monitor's calls (the first to make one)
+        self._thread: Optional[int] = None  # the thread that makes the Monitor's collective calls (the first)
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
@@ -117,7 +117,7 @@ class Monitor:
             # a rank waiting for this one raises now rather than at hang_timeout_s
             self._at_exit = partial(open_at_exit, weakref.ref(self)) if self.is_writer or self._guard.enabled else None
             if self._at_exit is not None:
-                atexit.register(self._at_exit)
+                exit_hook_before_writers(self._at_exit)
         except BaseException:
             for collector in built:
                 collector.close()
@@ -136,7 +136,7 @@ class Monitor:
         loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
         overflow); its loss is left out of ``train/loss``, its tokens count. Extra ``scalars``
         are interval means under ``train/``."""
-        self._check_open()
+        self._check_open(collective=True)
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         loss, tokens, lr = local_value(loss), local_value(tokens), local_value(lr)  # a DTensor: this rank's copy
         if scalars:
@@ -220,7 +220,7 @@ class Monitor:
         """Reduce evaluation results now and write an ``eval`` record (every rank calls this):
         ``loss`` token-weighted across ranks (``None`` doesn't count), ``eval/ppl`` = exp(loss),
         ``eval/gap`` = eval loss − train loss since the last eval."""
-        self._check_open()
+        self._check_open(collective=True)
         metrics = self._eval.log(step, loss, tokens, scalars)
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
             self._counts_from(step + 1)
@@ -247,7 +247,7 @@ class Monitor:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
         floating-point operations, tokens; cumulative across restarts with the same world size).
         A collective (one all-reduce of the token count): every rank calls it."""
-        self._check_open()
+        self._check_open(collective=True)
         check_step(step, "monitor.checkpoint_saved")
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
@@ -369,7 +369,7 @@ class Monitor:
             self.sinks.log(metrics, step, kind)
 
     def _norms(self, caller: str):
-        self._check_open()
+        self._check_open(collective=True)
         if "norms" not in self._by_name:
             raise ValueError(f"{caller} needs the model: pass model= to Monitor(...)")
         return self._by_name["norms"]
@@ -398,13 +398,18 @@ class Monitor:
             return
         self._guard.leave(how)  # a rank still waiting for this one says so
         if getattr(self, "_at_exit", None) is not None:
-            atexit.unregister(self._at_exit)
+            forget_exit_hook(self._at_exit)
         self._closed = True
         close_parts(self.collectors, self.sinks, quiet)
 
-    def _check_open(self) -> None:
+    def _check_open(self, collective: bool = False) -> None:
+        """Refuse a call to a closed Monitor, and a ``collective`` one (a log step, an evaluation, a
+        checkpoint, a clip) from another thread than the first to make one: those are collectives
+        every rank makes in one order. ``record`` and the like may come from any thread (a hook the
+        autograd engine runs on its own thread during ``backward()``)."""
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
-        thread = threading.get_ident()
-        if thread != self._thread:
-            self._thread = check_thread(self._thread, thread)
+        if collective:
+            thread = threading.get_ident()
+            if thread != self._thread:
+                self._thread = check_thread(self._thread, thread)

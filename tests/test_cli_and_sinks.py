@@ -366,7 +366,9 @@ def test_a_sink_that_cannot_be_one_is_refused_when_the_monitor_is_built(tmp_path
 
 def test_each_monitor_prints_to_the_stdout_of_its_own_time(tmp_path):
     """The console's stdout handler outlived its Monitor: a second Monitor (a notebook's next cell,
-    a capture) printed through the first one's stream, a closed file: nothing, and no warning."""
+    a capture) printed through the first one's stream, a closed file: nothing, and no warning. Of
+    two Monitors open together, the one closed first takes the handler with it only when the other
+    has closed too."""
     import subprocess
 
     code = ("import contextlib, io, distmetrics as dm\n"
@@ -379,8 +381,15 @@ def test_each_monitor_prints_to_the_stdout_of_its_own_time(tmp_path):
             "            for step in range(1, 4):\n"
             "                monitor.step(step, loss=2.0)\n"
             "    captured.append(sum(line.startswith(':: step') for line in out.getvalue().splitlines()))\n"
-            "print(captured)\n" % str(tmp_path))
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"  # two open together: one closes first
+            "    a, b = dm.Monitor(cfg.replace(output_dir=%r)), dm.Monitor(cfg.replace(output_dir=%r))\n"
+            "    a.step(1, loss=2.0)\n"
+            "    a.close()\n"
+            "    b.step(1, loss=2.0)\n"
+            "    b.close()\n"
+            "captured.append(sum(line.startswith(':: step') for line in out.getvalue().splitlines()))\n"
+            "print(captured)\n" % (str(tmp_path), str(tmp_path / "a"), str(tmp_path / "b")))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert child.returncode == 0, child.stderr
-    assert child.stdout.strip() == "[3, 3]", (child.stdout, child.stderr)
+    assert child.stdout.strip() == "[3, 3, 2]", (child.stdout, child.stderr)

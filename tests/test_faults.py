@@ -1184,9 +1184,13 @@ def test_a_monitor_called_from_a_second_thread_says_so(tmp_path):
     thread = threading.Thread(target=evaluate, name="eval-thread")
     thread.start()
     thread.join()
-    assert len(errors) == 1 and "called here from thread 'eval-thread'" in errors[0], errors
-    assert "used from thread 'MainThread'" in errors[0]
-    monitor.step(2, loss=1.0)
+    assert len(errors) == 1 and "and this one from thread 'eval-thread'" in errors[0], errors
+    assert "collective calls come from thread 'MainThread'" in errors[0]
+    # a value recorded from another thread (a hook autograd runs on its own thread) is taken
+    recorder = threading.Thread(target=lambda: monitor.record("hooked", 3.0))
+    recorder.start()
+    recorder.join()
+    assert monitor.step(2, loss=1.0)["hooked"] == 3.0
     monitor.close()
 
 
@@ -1223,7 +1227,7 @@ def test_a_rank_ending_on_an_uncaught_error_is_named_at_once_not_at_hang_timeout
                               cwd=Path(__file__).resolve().parents[1]) for r in range(2)]
     out, err = procs[0].communicate(timeout=120)
     procs[1].communicate(timeout=60)
-    assert "HangError" in out and "rank 1: last call its process ended with the Monitor open" in out, out + err
+    assert "HangError" in out and "rank 1: last call its process ended on an uncaught KeyError with the Monitor open" in out, out + err
     assert float(out.split("WAITED ")[1].split()[0]) < 30, out  # not the 60 s of hang_timeout_s
 
 
@@ -1267,3 +1271,35 @@ def test_a_complex_value_is_refused_at_the_call(tmp_path, call):
             monitor.log_eval(1, loss=value)
     assert monitor.step(1, loss=1.0)["train/loss"] == 1.0  # nothing was recorded: the step is retried
     monitor.close()
+
+
+_CLOSED_AT_EXIT = """
+import atexit, os, sys
+import torch.distributed as dist
+import distmetrics as dm
+dist.init_process_group("gloo")
+monitors = []
+atexit.register(lambda: monitors[0].close())  # a trainer's cleanup, registered before the Monitor is made
+monitors.append(dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], log_interval=5, hang_timeout_s=20,
+                                            console=False, tensorboard=False, log_progress=False,
+                                            timing_log_level=-1)))
+for step in range(1, 8):
+    monitors[0].step(step, loss=1.0)
+"""
+
+
+def test_a_close_in_an_exit_hook_registered_before_the_monitor_writes_the_last_steps(tmp_path):
+    """Every rank's Monitor left the arrival check at exit, before the user's own exit hook (made
+    earlier, so run later) called close(): that close met its own mark, raised HangError on every
+    rank, and steps 6-7 were lost."""
+    import distmetrics as dm
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _CLOSED_AT_EXIT, str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1]) for r in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0 and "HangError" not in err, err
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [5, 7]

@@ -829,6 +829,9 @@ def test_a_script_that_never_closes_gets_its_wandb_rows_at_exit(tmp_path):
     assert "wandb sink failed" not in child.stderr, child.stderr
     hooks = json.loads((tmp_path / "hooks.json").read_text())
     teardown = max(i for i, name in enumerate(hooks) if "teardown_atexit" in name)
-    assert max(i for i, name in enumerate(hooks) if name == "WriterThread.close") > teardown, hooks
+    writer = max(i for i, name in enumerate(hooks) if name == "WriterThread.close")
+    assert writer > teardown, hooks
+    # the Monitor's own (saying what is not written, leaving the arrival check) still runs before the writer's
+    assert max(i for i, name in enumerate(hooks) if "open_at_exit" in name) > writer, hooks
     steps = [row["step"] for row in read_offline_run(str(tmp_path / "out"))["history"]]
     assert steps == list(range(1, 66)), steps

@@ -28,6 +28,7 @@ from . import failure_cause
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
 LOGGER_NAME = "distmetrics.console"
+_SHARED: dict = {}  # the stdout handler a sink added, and how many open sinks print through it
 
 
 class ConsoleSink:
@@ -43,10 +44,15 @@ class ConsoleSink:
         if self.logger.level == logging.NOTSET:
             self.logger.setLevel(logging.INFO)
         self._stdout: Optional[_Stdout] = None
-        if not self.logger.handlers and not logging.getLogger().handlers:
+        shared = _SHARED.get("handler")
+        if shared is not None and shared in self.logger.handlers:  # another open Monitor's: shared until both close
+            self._stdout = shared
+            _SHARED["users"] += 1
+        elif not self.logger.handlers and not logging.getLogger().handlers:
             self._stdout = _Stdout(sys.stdout)
             self._stdout.setFormatter(logging.Formatter("%(message)s"))
             self.logger.addHandler(self._stdout)
+            _SHARED.update(handler=self._stdout, users=1)
         self._last_loss: Optional[float] = None
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
@@ -72,6 +78,8 @@ class ConsoleSink:
         off (raising the cause), else the lines go on to the handlers added since, with a warning."""
         error, handler, self._stdout = self._stdout.failed, self._stdout, None
         self.logger.removeHandler(handler)
+        if _SHARED.get("handler") is handler:  # gone for every sink that shared it
+            _SHARED.clear()
         if not self.logger.hasHandlers():
             raise error
         logging.getLogger("distmetrics").warning(
@@ -79,11 +87,20 @@ class ConsoleSink:
             "the other logging handlers.", failure_cause(error))
 
     def close(self) -> None:
-        """Remove the stdout handler this sink added: it writes to the ``sys.stdout`` of its time
-        (a capture, a notebook cell's), and the next Monitor's sink adds its own, to the stdout of then."""
+        """Remove the stdout handler the sinks open together added, with the last of them to close:
+        it writes to the ``sys.stdout`` of its time (a capture, a notebook cell's), and the next
+        Monitor's sink adds its own, to the stdout of then."""
         if self._stdout is not None:
-            self.logger.removeHandler(self._stdout)
+            self._release(self._stdout)
             self._stdout = None
+
+    def _release(self, handler: "_Stdout") -> None:
+        if _SHARED.get("handler") is handler:
+            _SHARED["users"] -= 1
+            if _SHARED["users"] > 0:
+                return
+            _SHARED.clear()
+        self.logger.removeHandler(handler)
 
 
 class _Stdout(logging.StreamHandler):

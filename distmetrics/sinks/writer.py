@@ -21,7 +21,8 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S", "exit_hooks_last"]
+__all__ = ["WriterThread", "MAX_RECORDS", "MAX_NAMES", "POLL_S", "CLOSE_TIMEOUT_S", "exit_hooks_last",
+           "exit_hook_before_writers", "forget_exit_hook"]
 
 MAX_RECORDS = 256
 """Records the queue holds at most (at log_interval 1 and 1 s per step: four minutes behind)."""
@@ -158,12 +159,32 @@ class WriterThread:
 _LIVE: "weakref.WeakSet[WriterThread]" = weakref.WeakSet()  # writer threads not closed yet
 
 
+_BEFORE_WRITERS: "weakref.WeakSet[Callable[[], None]]" = weakref.WeakSet()  # exit hooks run ahead of the writers'
+
+
+def exit_hook_before_writers(hook: Callable[[], None]) -> None:
+    """Register ``hook`` to run at exit before the writer threads' exit hooks, even after
+    :func:`exit_hooks_last` moved those (a Monitor's: saying what is not written, and leaving the
+    arrival check, take no time; a writer's close may take long)."""
+    _BEFORE_WRITERS.add(hook)
+    atexit.register(hook)
+
+
+def forget_exit_hook(hook: Callable[[], None]) -> None:
+    """Unregister a hook of :func:`exit_hook_before_writers`."""
+    _BEFORE_WRITERS.discard(hook)
+    atexit.unregister(hook)
+
+
 def exit_hooks_last() -> None:
     """Move the exit hooks of the writer threads still open after every hook registered so far:
     exit hooks run last registered first, and a library started after the writer (``wandb.init``,
     which registers the shutdown of W&B's service) would otherwise end before the writer has
-    written its queue through it."""
+    written its queue through it. The hooks of :func:`exit_hook_before_writers` move after them."""
     for writer in list(_LIVE):
         if not writer._closing:
             atexit.unregister(writer.close)
             atexit.register(writer.close)
+    for hook in list(_BEFORE_WRITERS):
+        atexit.unregister(hook)
+        atexit.register(hook)
