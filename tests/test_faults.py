@@ -1227,7 +1227,8 @@ def test_a_rank_ending_on_an_uncaught_error_is_named_at_once_not_at_hang_timeout
                               cwd=Path(__file__).resolve().parents[1]) for r in range(2)]
     out, err = procs[0].communicate(timeout=120)
     procs[1].communicate(timeout=60)
-    assert "HangError" in out and "rank 1: last call its process ended on an uncaught KeyError with the Monitor open" in out, out + err
+    said = "rank 1: last call its process ended on an uncaught KeyError with the Monitor open"
+    assert "HangError" in out and said in out, out + err
     assert float(out.split("WAITED ")[1].split()[0]) < 30, out  # not the 60 s of hang_timeout_s
 
 
