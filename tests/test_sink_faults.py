@@ -788,6 +788,7 @@ def _wandb_never_closed_child(out: str, result: str) -> None:
     (behind a slow sink); the exit hooks' order, as registered, is written to ``result``."""
     import atexit
 
+    os.environ.pop("WANDB_SERVICE", None)  # a service of the test process's own W&B runs: this child starts its own
     registered = []
     real_register, real_unregister = atexit.register, atexit.unregister
 
