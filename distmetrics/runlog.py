@@ -15,8 +15,8 @@ from .sinks import DASHBOARD_KINDS
 from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE, decode_line
 
-__all__ = ["METRICS_FILE", "TRAINING_KINDS", "Job", "Records", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
-           "last_record"]
+__all__ = ["METRICS_FILE", "TRAINING_KINDS", "Job", "Records", "metrics_files", "read_jobs", "split_jobs",
+           "last_logged_step", "last_record"]
 
 logger = logging.getLogger("distmetrics")
 

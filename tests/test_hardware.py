@@ -757,6 +757,29 @@ def test_per_gpu_throughput_under_a_subgroup_is_over_the_groups_gpus():
         assert m["train/tflops_per_gpu"] == pytest.approx(1000.0 * 1e9 / 1e12)
 
 
+def _two_steps_and_a_checkpoint(folder, first: int, flops_per_token: float) -> dict:
+    """A job of steps ``first`` and ``first + 1`` (1,000 tokens each) saving a checkpoint after them
+    in ``folder``: its ``progress`` record."""
+    import distmetrics as dm
+
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(folder), log_interval=2, console=False, tensorboard=False,
+                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
+        for step in (first, first + 1):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(first + 1)
+    (record,) = [r for r in dm.read_jsonl(folder / "metrics.jsonl") if r["kind"] == "progress"]
+    return record
+
+
+def _saved_line(iteration, flops, tokens_b, world, when):
+    """A "Saved checkpoint" line of progress.txt as Megatron writes it (tokens in billions)."""
+    from distmetrics.sinks.progress import progress_line
+
+    return progress_line(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative "
+                         f"throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in "
+                         f"billions): {tokens_b:.2f}", world, "1", when)
+
+
 @pytest.mark.parametrize("b_saved", [True, False], ids=["B saved", "B saved nothing"])
 def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoint_it_loaded(tmp_path, b_saved):
     """Job A (8 GPUs) saved 10 and 20; job B (1 GPU, a new streak) rolled back to 10 and saved 20 and
@@ -764,32 +787,21 @@ def test_a_streak_that_began_with_a_rollback_counts_its_flops_from_the_checkpoin
     B's "Starting job" (A's 20: 2e10), not from the checkpoint B loaded (1e10): C's cumulative
     throughput was negative. Where B saved nothing, C itself rolls back to 10 and the streak counts
     from there (it was negative too). The lines are Megatron's, written as B would have."""
-    import distmetrics as dm
     from distmetrics.sinks.progress import progress_line
 
     now = dt.datetime.now().replace(microsecond=0)
     b_start = now - dt.timedelta(hours=1)
 
-    def saved(iteration, flops, tokens_b, world, when):
-        return progress_line(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative "
-                             f"throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in "
-                             f"billions): {tokens_b:.2f}", world, "1", when)
-
     (tmp_path / "progress.txt").write_text("".join([
         progress_line("Starting job", 8, "1", b_start - dt.timedelta(hours=3)),
-        saved(10, 1e16, 10.0, 8, b_start - dt.timedelta(hours=2)),
-        saved(20, 2e16, 20.0, 8, b_start - dt.timedelta(hours=1)),
+        _saved_line(10, 1e16, 10.0, 8, b_start - dt.timedelta(hours=2)),
+        _saved_line(20, 2e16, 20.0, 8, b_start - dt.timedelta(hours=1)),
         progress_line("Starting job", 1, "1", b_start)] + ([
-            saved(20, 1.3e16, 13.0, 1, b_start + dt.timedelta(minutes=20)),
-            saved(30, 1.6e16, 16.0, 1, b_start + dt.timedelta(minutes=40))] if b_saved else [])))
+            _saved_line(20, 1.3e16, 13.0, 1, b_start + dt.timedelta(minutes=20)),
+            _saved_line(30, 1.6e16, 16.0, 1, b_start + dt.timedelta(minutes=40))] if b_saved else [])))
     flops_per_token = 1e6
     first = 31 if b_saved else 11
-    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
-                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
-        for step in (first, first + 1):
-            monitor.step(step, loss=1.0, tokens=1000)
-        monitor.checkpoint_saved(first + 1)
-    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    record = _two_steps_and_a_checkpoint(tmp_path, first, flops_per_token)
     flops = (1.6e16 if b_saved else 1e16) + 2000 * flops_per_token
     assert record["checkpoint/floating_point_operations"] == pytest.approx(flops)
     expected = (flops - 1e16) / 3600 / 1e12  # since B started, from the 1e16 of the checkpoint it loaded
@@ -911,29 +923,18 @@ def test_a_job_behind_its_streaks_start_starts_a_streak_of_its_own(tmp_path, fir
     job C (1 GPU) starts from scratch, or from A's 5, older than B's start. C's FLOPs counted on
     from what it loaded, its streak's from B's 1e16: its cumulative throughput was negative
     (-17819.3 TFLOP/s/GPU in a run)."""
-    import distmetrics as dm
     from distmetrics.sinks.progress import progress_line
 
     now = dt.datetime.now().replace(microsecond=0)
 
-    def saved(iteration, flops, tokens_b, world, when):
-        return progress_line(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative "
-                             f"throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in "
-                             f"billions): {tokens_b:.2f}", world, "1", when)
-
     (tmp_path / "progress.txt").write_text("".join([
         progress_line("Starting job", 8, "1", now - dt.timedelta(hours=4)),
-        saved(5, 0.5e16, 5.0, 8, now - dt.timedelta(hours=3, minutes=30)),
-        saved(10, 1e16, 10.0, 8, now - dt.timedelta(hours=3)),
+        _saved_line(5, 0.5e16, 5.0, 8, now - dt.timedelta(hours=3, minutes=30)),
+        _saved_line(10, 1e16, 10.0, 8, now - dt.timedelta(hours=3)),
         progress_line("Starting job", 1, "1", now - dt.timedelta(hours=2)),
-        saved(20, 2e16, 20.0, 1, now - dt.timedelta(hours=1))]))
+        _saved_line(20, 2e16, 20.0, 1, now - dt.timedelta(hours=1))]))
     flops_per_token = 1e6
-    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
-                                     flops_per_token=flops_per_token, timing_log_level=-1)) as monitor:
-        for step in (first, first + 1):
-            monitor.step(step, loss=1.0, tokens=1000)
-        monitor.checkpoint_saved(first + 1)
-    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    record = _two_steps_and_a_checkpoint(tmp_path, first, flops_per_token)
     origin = 0.0 if first == 1 else 0.5e16  # the checkpoint C loaded: none, or A's 5 (older than B's start)
     assert record["checkpoint/floating_point_operations"] == pytest.approx(origin + 2000 * flops_per_token)
     assert record["checkpoint/cumulative_tflops_per_gpu"] > 0
