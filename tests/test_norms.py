@@ -1392,3 +1392,37 @@ def test_the_update_ratios_take_the_clip_coefficient_from_the_reduced_total_not_
     metrics = monitor.step(1)
     assert metrics["effective_lr_ratio"] == pytest.approx(update / (total * min(1.0, 0.1 / (total + 1e-6))), rel=1e-6)
     monitor.close()
+
+
+def _replica_without_optimizer(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)  # the same replica on both ranks (plain tensors: rank 0's count)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model,
+                         optimizer=optimizer if rank == 0 else None)
+    rows = []
+    for step in (1, 2):
+        before = [p.detach().double().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        truth = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)))
+        if step == 2 and rank == 1:  # where each parameter counts, read on the host: a device tensor is not read
+            for route in monitor._by_name["norms"].grads.plans.model_plan().param_routes.values():
+                route.owned = torch.empty(route.owned.shape, dtype=torch.bool, device="meta")
+        rows.append((monitor.step(step).get("update_norm"), truth))
+    monitor.close()
+    return rows
+
+
+def test_a_replica_that_counts_for_nothing_lacks_no_update_and_reads_no_device_value():
+    """Plain replicas count on rank 0: rank 1, not given the optimizer, owns no parameter, so the
+    update_norm rank 0 measured is the whole (not dropped); whether it owns one was read back from
+    a device tensor at each such log step (a sync on a GPU)."""
+    for rows in run_ranks(_replica_without_optimizer, 2, timeout=120):
+        for got, truth in rows:
+            assert got == pytest.approx(truth, rel=1e-6)

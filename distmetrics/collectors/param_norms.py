@@ -66,7 +66,7 @@ class ParamSide:
         if not pieces:
             return False
         route = self._param_route(plan, pieces[0].device)  # a replica rank 0 counts for (DDP) lacks nothing
-        return route.every or bool(route.owned.any())
+        return route.every or bool(route.owned_buckets.ids)  # on the host: no device sync
 
     def _drop_partial_update(self, metrics: dict[str, Any], step: int) -> None:
         """Some rank lacks an update (:meth:`_lacks_update`): the others' sum is not the model's
