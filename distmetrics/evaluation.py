@@ -36,8 +36,8 @@ class EvalLog:
     writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/loss/")
     """The names an eval record holds besides the user's own (``eval/loss/<category>`` under the prefix)."""
 
-    def __init__(self, group: Any, guard: Any = None, layout: Any = None) -> None:
-        self.reducer = Reducer(group, guard=guard, call="monitor.log_eval")
+    def __init__(self, group: Any, guard: Any = None, layout: Any = None, world: Optional[int] = None) -> None:
+        self.reducer = Reducer(group, guard=guard, call="monitor.log_eval", world=world)
         self.counts_tokens = layout is None or counts_batch_tokens(layout)
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()

@@ -15,7 +15,7 @@ from .sinks.writer import forget_exit_hook
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["open_at_exit", "say_unwritten", "close_parts", "check_thread"]
+__all__ = ["open_at_exit", "say_unwritten", "close_parts", "OneThread"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -73,11 +73,19 @@ def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
         raise failure
 
 
-def check_thread(first: Optional[int], thread: int) -> int:
-    """``thread`` if it is the first to make a collective call of the Monitor (``first`` None); else raise."""
-    if first is not None:
-        raise RuntimeError(f"this Monitor's collective calls come from thread {_thread_name(first)!r}, and this one "
-                           f"from thread {_thread_name(thread)!r}: its log steps, evaluations, checkpoints and clips "
-                           "are collectives every rank makes in one order, so they come from one thread; make the "
-                           "call from that one")
-    return thread
+class OneThread:
+    """The thread a Monitor's collective calls come from: the first to make one; another raises."""
+
+    def __init__(self) -> None:
+        self.ident: Optional[int] = None
+
+    def check(self) -> None:
+        thread = threading.get_ident()
+        if thread == self.ident:
+            return
+        if self.ident is not None:
+            raise RuntimeError(f"this Monitor's collective calls come from thread {_thread_name(self.ident)!r}, and "
+                               f"this one from thread {_thread_name(thread)!r}: its log steps, evaluations, "
+                               "checkpoints and clips are collectives every rank makes in one order, so they come "
+                               "from one thread; make the call from that one")
+        self.ident = thread

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import weakref
 from functools import partial
 from typing import Any, Optional, Union
@@ -24,7 +23,7 @@ from .collectors.base import check_collectors
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import check_thread, close_parts, open_at_exit, say_unwritten
+from .exits import OneThread, close_parts, open_at_exit, say_unwritten
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .interval import now
@@ -82,9 +81,8 @@ class Monitor:
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=size)
-        self._eval = EvalLog(group, self._guard, self.layout)
-        self._eval.reducer.world = size
-        self._thread: Optional[int] = None  # the thread that makes the Monitor's collective calls (the first)
+        self._eval = EvalLog(group, self._guard, self.layout, world=size)
+        self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
@@ -410,6 +408,4 @@ class Monitor:
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
         if collective:
-            thread = threading.get_ident()
-            if thread != self._thread:
-                self._thread = check_thread(self._thread, thread)
+            self._one_thread.check()

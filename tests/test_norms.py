@@ -1410,7 +1410,8 @@ def _replica_without_optimizer(rank: int, world: int) -> dict:
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         optimizer.step()
-        truth = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)))
+        moved = [float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)]
+        truth = math.sqrt(sum(moved))
         if step == 2 and rank == 1:  # where each parameter counts, read on the host: a device tensor is not read
             for route in monitor._by_name["norms"].grads.plans.model_plan().param_routes.values():
                 route.owned = torch.empty(route.owned.shape, dtype=torch.bool, device="meta")
