@@ -661,3 +661,18 @@ def test_heatmap_rows_beyond_max_rows_merge_neighbours_as_the_readme_says(how):
     assert merged_flags[2, 333] and merged_flags.sum() == 1
     assert names[0] == ("ranks 0-2" if how == "max" else "m0 (+2)")
     assert names[-1] == ("ranks 999-1000" if how == "max" else "m999 (+1)")
+
+
+def test_jobs_are_numbered_as_summary_numbers_them(tmp_path):
+    """The report's jobs table, restart labels and alert rows number jobs from 1, as `distmetrics summary`
+    does: a job called "job 2" in one is the same job in the other."""
+    generate(tmp_path / "metrics.jsonl", steps=60, ranks=4, modules=8)
+    page = Path(write_report(tmp_path, tmp_path / "report.html")).read_text(encoding="utf-8")
+    summary = subprocess.run([sys.executable, "-m", "distmetrics", "summary", str(tmp_path / "metrics.jsonl")],
+                             capture_output=True, text=True, check=True).stdout
+    in_summary = [int(n) for n in re.findall(r"^job (\d+):", summary, re.M)]
+    table = page[page.index("<th>first step</th>"):]
+    in_report = [int(n) for n in re.findall(r"<tr><td>(\d+)</td><td>\d{4}-", table)]
+    assert in_summary == in_report == list(range(1, len(in_summary) + 1)) and len(in_summary) >= 2
+    alert_rows = re.findall(r"<tr><td>\d+</td><td>(\d+)</td><td style=", page)
+    assert alert_rows and set(map(int, alert_rows)) <= set(in_summary)

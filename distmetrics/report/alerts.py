@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .figures import EVENT_COLOURS, Figures, escape, panel_figure, series_panel
+from .figures import EVENT_COLOURS, Figures, escape, job_number, panel_figure, series_panel
 from .read import RunData
 
 __all__ = ["events_of", "alert_section"]
@@ -73,7 +73,7 @@ def alert_section(figs: Figures, events: list[dict]) -> str:
         counts[event["type"]] = counts.get(event["type"], 0) + 1
     out.append("<p>" + ", ".join(f'<span class=ev style="color:{EVENT_COLOURS.get(k, "#000")}">{escape(k)}</span>: {n}'
                                  for k, n in counts.items()) + "</p>")
-    rows = [f'<tr><td>{e["step"]}</td><td>{e["job"]}</td>'
+    rows = [f'<tr><td>{e["step"]}</td><td>{job_number(e["job"])}</td>'
             f'<td style="color:{EVENT_COLOURS.get(e["type"], "#000")}">{escape(e["type"])}</td>'
             f'<td>{escape(e.get("first_module") or "")}</td><td>{escape(e.get("message", ""))}</td>'
             f'<td>{escape(e["source"])}</td></tr>' for e in events[:MAX_TABLE_ROWS]]

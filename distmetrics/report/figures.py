@@ -80,9 +80,13 @@ class Figures:
             ax.vlines([r[0] for r in self.restarts], 0, 1, transform=transform, colors="black",
                       linestyles="--", lw=0.8, alpha=0.6, zorder=5)
         else:
+            gap, labelled = 0.04 * (self.xlim[1] - self.xlim[0]), None  # labels closer than this would overlap
             for step, index in self.restarts:
                 ax.axvline(step, color="black", ls="--", lw=1.0, alpha=0.8, zorder=5)
-                ax.text(step, 0.99, f" job {index}", transform=transform, fontsize=7, va="top", ha="left", zorder=6)
+                if labelled is None or step - labelled >= gap:
+                    labelled = step
+                    ax.text(step, 0.99, f" job {job_number(index)}", transform=transform, fontsize=7, va="top",
+                            ha="left", zorder=6)
         if events:
             for kind, steps in self.events.items():
                 if steps.size:
@@ -195,6 +199,11 @@ def margins(fig, left: float, right: float, top: float, bottom: float, hspace: f
 def escape(value: Any) -> str:
     """HTML-escaped text."""
     return html.escape(str(value), quote=True)
+
+
+def job_number(index: int) -> int:
+    """A job as the report shows it: numbered from 1 in the file's order, as ``distmetrics summary`` does."""
+    return index + 1
 
 
 def fmt(value: Any) -> str:

@@ -11,7 +11,7 @@ from typing import Union
 import numpy as np
 
 from .alerts import alert_section, events_of
-from .figures import EVENT_COLOURS, HEALTHY_BANDS, Figures, escape, fmt
+from .figures import EVENT_COLOURS, HEALTHY_BANDS, Figures, escape, fmt, job_number
 from .read import RunData
 from .sections import (hardware_section, loss_section, norm_section, other_section, tensor_section,
                        throughput_section)
@@ -106,7 +106,7 @@ def _jobs_table(data: RunData) -> str:
             note = f"resumed at step {job['resumed_at']} <= last logged {job['previous_last_step']}"
         elif job["index"] > 0:
             note = "restart"
-        cells = (job["index"], job["time"], job["first_step"], job["last_step"], job["records"], job["world_size"],
+        cells = (job_number(job["index"]), job["time"], job["first_step"], job["last_step"], job["records"], job["world_size"],
                  job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"], note)
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .figures import Figures, escape, fmt, panel_figure, plot_series
+from .figures import Figures, escape, fmt, job_number, panel_figure, plot_series
 from .heatmap import heatmap
 
 __all__ = ["timer_section"]
@@ -150,7 +150,7 @@ def _straggler_record(figs: Figures) -> str:
             if isinstance(row, dict):
                 rows.append(f"<tr><td>{side}</td>" + "".join(f"<td>{escape(fmt(row.get(c)))}</td>" for c in columns)
                             + "</tr>")
-    return (f"<p>The last <code>stragglers</code> record (step {step}, job {job}; score over the last "
+    return (f"<p>The last <code>stragglers</code> record (step {step}, job {job_number(job)}; score over the last "
             f"{escape(record.get('window'))} log steps: the fastest rank's median ms per step / the rank's):</p>"
             "<table><tr><th>side</th>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows)
             + "</table>")
