@@ -37,7 +37,7 @@ from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
 from .tensor_norms import groups_of, per_tensor_norms, scale_
 
-__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "norm_kind"]
+__all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "clip_coefficient", "norm_kind"]
 
 _ROUTES_KEPT = 8  # gradient sets whose routing a plan keeps (the most recently used)
 
@@ -101,6 +101,8 @@ class GradientNorms:
         formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement).
         ``loss_scale``: see :meth:`measure`; the coefficient is the unscaled total's."""
         max_norm = float(max_norm)
+        if max_norm != max_norm:  # torch multiplies every gradient by NaN; refused before the collective
+            raise ValueError(f"{call}(max_norm=nan): accepted values are numbers (0, negative and inf included)")
         with torch.no_grad():
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call)
             if measured is not None:
@@ -140,14 +142,10 @@ class GradientNorms:
         norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
         if loss_scale is not None and p != 0:  # each norm of the gradients without it (before any p-th power)
             norms = norms * loss_scale.reshape(()).to(norms.device, torch.float64).reciprocal()
-        # a p = 0 norm counts non-zero elements and cannot see a NaN: one more pass finds them (a 1-norm:
-        # defined on an empty slice; NaN or inf where a gradient holds one, or sums past the float range)
-        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p == 0 else norms
-        if p < 0 and any(t.numel() == 0 for t in locals_):  # an empty piece's norm (its identity, inf) is no NaN
-            empty = tuple(t.numel() == 0 for t in locals_)
-            if not route.empty or route.empty[0] != empty:  # kept with the route: one copy to the device
-                route.empty = (empty, torch.tensor(empty, device=norms.device))
-            finite_check = torch.where(route.empty[1], torch.zeros_like(norms), norms)
+        # a p = 0 norm counts non-zero elements and cannot see a NaN, nor a p < 0 norm an inf (and an empty
+        # piece's is inf): one more pass finds them (a 1-norm: defined on an empty slice; NaN or inf where a
+        # gradient holds one, or sums past the float range)
+        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p <= 0 else norms
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check)
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
@@ -229,11 +227,21 @@ class GradientNorms:
 
 def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:
     """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
-    scale by, ``min(1, max_norm / (total + 1e-6))``, a tensor in ``total``'s dtype (default: the
-    float64 global total), with no host sync."""
+    scale by (:func:`clip_coefficient`) of ``total`` as returned (default: the float64 global
+    total), a tensor in its dtype, with no host sync."""
     measured.max_norm = max_norm
-    total = measured.total if total is None else total
-    measured.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    measured.coef = clip_coefficient(measured.total if total is None else total, measured.total, max_norm)
+
+
+def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's ``min(1, max_norm / (total + 1e-6))`` of the total it returns, in that total's dtype;
+    where that total overflowed its dtype (fp16 gradients of total above 65504) but the float64
+    ``exact`` total is finite, of the exact one, in the same dtype: torch's would be 0, every
+    gradient zeroed while the record says the total was finite. Host tensors give the same."""
+    coef = torch.clamp(max_norm / (returned + 1e-6), max=1.0)
+    exact = exact.to(coef.device)
+    overflowed = torch.isinf(returned) & torch.isfinite(exact)
+    return torch.where(overflowed, torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(coef.dtype), coef)
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ class Route:
     partial: bool = False  # some local piece is part of a tensor split over ranks
     orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
     every: bool = False  # every tensor counts on this rank
-    empty: tuple = ()  # (which local pieces are empty, that as a bool tensor on the device): p < 0 only
 
 
 @dataclass

@@ -260,3 +260,91 @@ def test_complex_gradients_clip_as_torch_clips_them(p):
     torch.testing.assert_close(total, expected)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def _clips_at_the_edges(rank: int, world: int) -> dict:
+    """Replicas on every rank (plain tensors under a process group), gradients set by hand."""
+    import math
+
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    out: dict = {}
+    # fp16 gradients whose total (69282) passes fp16's 65504 though each tensor's norm (40000) does not
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(3)]
+    for q in params:
+        q.grad = torch.full((4,), 20000.0, dtype=torch.float16)
+    returned = dm.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    out["fp16"] = {"returned": float(returned), "clipped": [q.grad.double().tolist() for q in params]}
+    # a clip that zeroes (max_norm 0) or flips (max_norm -1) the gradients, with update norms on
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    for step, max_norm in ((1, 0.0), (2, -1.0)):
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        grads = [q.grad.detach().double().clone() for q in model.parameters()]
+        before = [q.detach().double().clone() for q in model.parameters()]
+        monitor.clip_grad_norm_(max_norm)
+        optimizer.step()
+        metrics = monitor.step(step) or {}
+        after = [q.detach().double() for q in model.parameters()]
+        total = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        update = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(after, before)))
+        out[f"max_norm {max_norm:g}"] = {"metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}, "total": total,
+                         "update": update, "clipped": update / 0.1}
+    # norm types below 0: an inf gradient is non-finite there too, and a module whose every element is inf
+    for step, p in ((3, -1.0), (4, -2.0)):  # one family of norm types per Monitor: the sum's
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        for q in model[1].parameters():  # module 1 all inf: its sum of p-th powers is 0
+            q.grad.fill_(math.inf)
+        monitor.clip_grad_norm_(1e9, norm_type=p)
+        metrics = monitor.step(step) or {}
+        out[f"p {p:g}"] = {k: metrics.get(k) for k in ("grad_nonfinite", "grad_norm/1", "grad_norm")}
+    try:
+        monitor.clip_grad_norm_(float("nan"))
+        out["nan"] = "no error"
+    except ValueError as err:
+        out["nan"] = str(err)
+    monitor.close()
+    return out
+
+
+def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm():
+    """fp16 gradients of total 69282 (each tensor's norm 40000, within fp16) returned an inf total
+    and were all zeroed by a coefficient of 1/inf, with error_if_nonfinite=True not raising, while
+    the record said 69282, unclipped; they are now clipped by the finite total. A clip at
+    max_norm 0 made the log step raise ZeroDivisionError (effective_lr_ratio over a zero
+    gradient), and at max_norm -1 the ratio was negative. Under norm_type -1 an inf gradient was
+    (and -2) no grad_nonfinite, and a module all inf raised ZeroDivisionError (0 ** -1). max_norm NaN
+    made every gradient NaN without a word. Truth: float64 by hand."""
+    for out in run_ranks(_clips_at_the_edges, 2):
+        total = math.sqrt(12 * 20000.0 ** 2)
+        assert out["fp16"]["returned"] == math.inf  # fp16 cannot hold the total: torch's dtype kept
+        for grad in out["fp16"]["clipped"]:
+            assert grad == pytest.approx([20000.0 / total] * 4, rel=2e-3)  # clipped to norm 1, not zeroed
+        zeroed, flipped = out["max_norm 0"], out["max_norm -1"]
+        assert zeroed["update"] == 0.0 and "effective_lr_ratio" not in zeroed["metrics"]
+        assert zeroed["metrics"]["grad_norm"] == pytest.approx(zeroed["total"], rel=1e-6)
+        coef = 1.0 / (flipped["total"] + 1e-6)  # |coefficient| of max_norm -1
+        assert flipped["metrics"]["effective_lr_ratio"] == pytest.approx(
+            flipped["update"] / (flipped["total"] * coef), rel=1e-5) and flipped["metrics"]["effective_lr_ratio"] > 0
+        for p in (-1.0, -2.0):
+            assert out[f"p {p:g}"]["grad_nonfinite"] >= 1.0, (p, out)  # (counted on each replica)
+        assert out["p -1"]["grad_norm/1"] == math.inf  # torch: (Σ |inf|^-1)^-1 = 0^-1 = inf
+        assert "max_norm=nan" in out["nan"] and "accepted values" in out["nan"]
+
+
+def test_tensor_statistics_merge_an_inf_mean_across_micro_batches():
+    """Micro-batches [inf, 1] then [2, 3] gave mean NaN (inf + (-inf)·n/N), the reverse order inf;
+    a pairwise merge now gives the mean of the union as float64 does, as the cross-rank merge did."""
+    from distmetrics.tensor_stats.statistics import merge, partials
+
+    for first, second in (([math.inf, 1.0], [2.0, 3.0]), ([2.0, 3.0], [math.inf, 1.0]),
+                          ([-math.inf, 1.0], [2.0, 3.0]), ([1.0, 2.0, 3.0], [4.5, 7.0])):
+        merged = merge(*(partials(torch.tensor(x, dtype=torch.float64)) for x in (first, second)))
+        assert float(merged["mean"]) == float(torch.tensor(first + second, dtype=torch.float64).mean())

@@ -110,13 +110,14 @@ class Found:
 
 
 def roots(values: list[float], p: float) -> list[float]:
-    """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN)."""
+    """The p-th roots of sums of p-th powers (NaN for a negative sum; NaN stays NaN; a zero sum of
+    p < 0 powers, every element ±inf, gives inf as torch's norm does)."""
     if p == 2.0:
         try:
             return list(map(math.sqrt, values))
         except ValueError:  # a negative sum
             return [math.sqrt(v) if v >= 0 else math.nan for v in values]
-    return [v ** (1.0 / p) if v >= 0 else math.nan for v in values]
+    return [(v ** (1.0 / p) if v or p > 0 else math.inf) if v >= 0 else math.nan for v in values]
 
 
 def module_vector(plan: Plan, family: str, values: torch.Tensor, kind: str, buckets: Buckets) -> Sample:

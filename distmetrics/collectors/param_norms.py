@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..grad_norm import GradMeasurement
+from ..grad_norm import GradMeasurement, clip_coefficient
 from ..parallel import local_tensor
 from ..plans import Plan, route_of
 from ..tensor_norms import per_tensor_norms
@@ -95,8 +95,8 @@ class ParamSide:
             # host where the record has it: reading the tensor back is a device sync on a GPU
             total = metrics.get("grad_norm")
             if isinstance(total, float) and grad.max_norm is not None:
-                coef = grad.max_norm / (total + 1e-6)
-                coef = coef if coef != coef else min(1.0, coef)  # NaN stays NaN, as torch.clamp keeps it
+                exact = torch.tensor(total, dtype=torch.float64)  # host tensors: no device sync
+                coef = clip_coefficient(exact.to(grad.coef.dtype), exact, grad.max_norm).item()  # as the clip's
             else:
                 coef = float(grad.coef)
         same_norm = grad is None or grad.norm_type == 2.0
@@ -105,9 +105,9 @@ class ParamSide:
             param = metrics.get(f"param_norm{suffix}")
             if param:
                 metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
-            g = metrics.get(f"grad_norm{suffix}")
-            if g and same_norm:
-                metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / (g * coef)
+            clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
+            if clipped and same_norm:  # none where the clip zeroed the gradient (max_norm 0, an inf total)
+                metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / clipped
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
         """This rank's piece of every parameter: the distributed optimizer's fp32 main shard,

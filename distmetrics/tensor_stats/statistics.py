@@ -32,10 +32,11 @@ def partials(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def merge(a: dict, b: dict) -> dict:
-    """Chan et al.'s pairwise combination of (n, mean, M2) plus extremes and sums."""
+    """Chan et al.'s pairwise combination of (n, mean, M2) plus extremes and sums; the mean as the
+    weighted sum, as :func:`merge_ranks` (``a.mean + delta·n_b/n`` is NaN for an inf mean: inf − inf)."""
     n = a["n"] + b["n"]
     delta = b["mean"] - a["mean"]
-    return {"n": n, "mean": a["mean"] + delta * b["n"] / n,
+    return {"n": n, "mean": (a["mean"] * a["n"] + b["mean"] * b["n"]) / n,
             "m2": a["m2"] + b["m2"] + delta * delta * a["n"] * b["n"] / n,
             "min": torch.minimum(a["min"], b["min"]), "max": torch.maximum(a["max"], b["max"]),
             "l1": a["l1"] + b["l1"], "sumsq": a["sumsq"] + b["sumsq"],
