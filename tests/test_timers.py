@@ -663,6 +663,11 @@ def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
         timers(name, log_level=0)
     timers("fwd-min", log_level=0).start()  # Megatron's names pass
     timers("optimizer/inner", log_level=0).start()
+    disabled = Timers(log_level=0)  # the shipped timing_log_level: levels 1 and 2 give the dummy timer
+    for level in (1, 2, None):  # a bad name passed there until someone raised the level
+        with pytest.raises(TimerError, match="is refused"):
+            disabled(name, log_level=level)
+    assert disabled("fwd-min", log_level=2) is disabled("fwd-min", log_level=1)  # the dummy, as before
 
 
 def test_a_tie_for_the_slowest_rank_names_the_lowest_under_every_option():

@@ -310,6 +310,7 @@ class Timers(MegatronReports):
         self._timers: dict[str, Timer] = {}
         self._log_levels: dict[str, int] = {}
         self._dummy_timer = DummyTimer()
+        self._dummy_names: set[str] = set()  # names given to disabled levels, found good
         self._max_log_level = _MAX_LOG_LEVEL
 
     def __call__(self, name: str, log_level: Optional[int] = None) -> TimerBase:
@@ -320,10 +321,11 @@ class Timers(MegatronReports):
                                  f"{self._log_levels[name]} for {name} timer")
             return timer
         try:
-            if log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL:
-                return self._dummy_timer  # the disabled path: a lookup and two comparisons
+            disabled = log_level is not None and self._log_level < log_level <= _MAX_LOG_LEVEL
         except TypeError:  # text
             raise _bad_level(name, log_level) from None
+        if disabled:  # the disabled path: two lookups and two comparisons
+            return self._dummy_for(name)
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
         if type(log_level) is not int:  # 1.5, True: compared like numbers above
@@ -331,8 +333,16 @@ class Timers(MegatronReports):
         if log_level > _MAX_LOG_LEVEL:
             raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL}")
         if log_level > self._log_level:
-            return self._dummy_timer
+            return self._dummy_for(name)
         return self._make(name, log_level, Timer)
+
+    def _dummy_for(self, name: Any) -> TimerBase:
+        """The dummy timer of a disabled level, for a name that would be refused at an enabled one
+        too (checked once per name): a bad name fails at once, not when the level is raised."""
+        if type(name) is not str or name not in self._dummy_names:
+            _check_timer_name(name)
+            self._dummy_names.add(name)
+        return self._dummy_timer
 
     def _make(self, name: str, log_level: int, cls: type) -> Timer:
         _check_timer_name(name)
