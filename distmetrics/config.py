@@ -171,7 +171,8 @@ class MetricsConfig:
     straggler_report_ranks: int = 8
     """Slowest and fastest ranks listed in a ``stragglers`` record."""
     straggler_threshold: float = 0.9
-    """A rank whose score stays below this at every log step of a full window gets one alert."""
+    """A rank whose interval step time, against the fastest rank's in that interval, stays below this at every
+    log step of a full window gets one alert (the window's median score is the record's, not the alert's)."""
 
     # --- health and eval -----------------------------------------------------------------
     spike_factor: float = 5.0
