@@ -2,20 +2,28 @@
 
 Every collective the monitor makes (start-up, log steps, evaluation, checkpoints, close, tensor
 statistics steps, Megatron's timer reports) is preceded by an arrival check through the c10d
-store the process group was made with — not a collective: each rank adds itself to a counter
-keyed by (the guarded call's sequence number, the call, the step) and waits for the last one to
-mark it complete. When ranks make the same calls in the same order that costs three store round
-trips per guarded call (two for the last rank to arrive) and a publish. When some rank does not
-arrive within ``hang_timeout_s`` (it skipped a call, made another one, hangs elsewhere or died),
-every waiting rank raises :class:`HangError` naming the ranks that did not arrive and the last
-monitor call and step each of them made (each rank publishes its guarded calls, and its other
-monitor calls at most once a second — less often above 1,000 ranks: every ``world_size / 1000``
-seconds, so the store takes at most about 1,000 such writes a second from the whole job). Calls
-that differ between ranks (``log_eval`` on one, ``step`` on another) raise it too, instead of
-mixing collectives until the process group aborts. A rank that has left its Monitor (closed it,
-or left it on an error) will not come: it marks its next guarded call done with ``left``, and
-the ranks waiting there raise at once rather than at ``hang_timeout_s`` (the third round trip
-reads which of the two the mark is).
+store the process group was made with — not a collective: each rank adds ``1 + world * h`` to a
+counter keyed by the guarded call's sequence number, ``h`` a hash of the call and its step, and
+waits for the last one to mark it complete. The total says how many ranks arrived (it is a
+multiple of the world size once all have) and the sum of their hashes: the last rank compares
+that sum with ``world`` times its own hash, so ranks that made different calls there
+(``log_eval`` on one, ``step`` on another, or ``step(3)`` on one and ``step(4)`` on another) are
+known as soon as the last of them arrives. It marks the call ``differ`` instead of done, and
+every rank raises :class:`HangError` at once naming each rank's call, instead of waiting out
+``hang_timeout_s`` or mixing collectives until the process group aborts. (Two different calls
+leave a sum other than ``world * h`` unless their hashes are equal; three or more can also match
+it. Either happens about once in the number of values a hash takes — 2**32, and 2**62 /
+world**2 above 32,768 ranks, so that the total fits an int64 — and those ranks then meet in the
+collectives as they would with the check off.) When ranks make the same calls in the same order
+that costs three store round trips per guarded call (two for the last rank to arrive) and a
+publish. When some rank does not arrive within ``hang_timeout_s`` (it stopped calling, hangs elsewhere or
+died), every waiting rank raises :class:`HangError` naming the ranks that did not arrive and the
+last monitor call and step each of them made (each rank publishes its guarded calls, and its
+other monitor calls at most once a second — less often above 1,000 ranks: every ``world_size /
+1000`` seconds, so the store takes at most about 1,000 such writes a second from the whole job).
+A rank that has left its Monitor (closed it, or left it on an error) will not come: it marks its
+next guarded call done with ``left``, and the ranks waiting there raise at once rather than at
+``hang_timeout_s`` (the third round trip reads which mark it is).
 """
 
 from __future__ import annotations
@@ -24,9 +32,12 @@ import datetime as _dt
 import itertools
 import logging
 import time
+import zlib
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from .per_rank import some_ranks
 
 __all__ = ["CollectiveGuard", "HangError"]
 
@@ -49,6 +60,7 @@ class CollectiveGuard:
         self.timeout_s = float(timeout_s)
         self.store: Any = None
         self.rank, self.world = 0, 1
+        self._hashes = 2 ** 32  # the values a call's hash takes: fewer above 32,768 ranks (set with the world)
         self._seq = 0
         self._previous = ""  # the key of the last guarded call, deleted once every rank is past it
         self._published = 0.0
@@ -63,6 +75,8 @@ class CollectiveGuard:
                            "monitor call is not named, and the collective may hang.", self.timeout_s)
             return
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        # the counter's total, world + world**2 * (hashes below this) at most, stays below 2**63 (int64)
+        self._hashes = max(1, min(2 ** 32, 2 ** 62 // self.world ** 2))
         if self.world > 1:
             store = dist.distributed_c10d._get_default_store()
             self.store = dist.PrefixStore(f"distmetrics/guard/{monitor_id}/", store)
@@ -105,22 +119,25 @@ class CollectiveGuard:
 
     def enter(self, call: str, step: Optional[int] = None) -> None:
         """Wait until every rank arrives at this call (the same call, step and position in the
-        sequence of guarded calls); raise :class:`HangError` after ``timeout_s``, or as soon as a
-        rank that has not arrived leaves its Monitor, or one that did gives up waiting. A rank
-        arriving after another gave up raises too (it must not enter the collective alone), and
+        sequence of guarded calls); raise :class:`HangError` as soon as the last rank arrives where
+        the ranks made different calls, after ``timeout_s`` where some rank does not arrive, or as
+        soon as a rank that has not arrived leaves its Monitor, or one that did gives up waiting. A
+        rank arriving after another gave up raises too (it must not enter the collective alone), and
         so does every rank where the store cannot be reached (its host, rank 0, has ended)."""
         self._last = _describe(call, step)
         if self.store is None:
             return
         self._seq += 1
-        key, done = f"{self._seq}|{call}|{step}", _done(self._seq)
+        key, done = f"{self._seq}|arrived", _done(self._seq)
+        mine = 1 + self.world * (zlib.crc32(f"{call}|{step}".encode()) % self._hashes)
         started = time.monotonic()
         failure: Optional[BaseException] = None
         try:
             self._publish()
-            last = self.store.add(key, 1) == self.world
-            if last:  # the last to arrive marks the call done, unless a rank left or gave up before it came
-                mark = self.store.compare_set(done, "", _DONE_MARK)
+            total = self.store.add(key, mine)  # (ranks arrived) + world * (the sum of their hashes)
+            last = total % self.world == 0  # every rank adds 1 + a multiple of world: all of them are here
+            if last:  # the last to arrive marks the call done (or differ), unless a rank left or gave up before
+                mark = self.store.compare_set(done, "", _DONE_MARK if total == self.world * mine else _DIFFER_MARK)
             else:
                 try:
                     self.store.wait([done], _dt.timedelta(seconds=self.timeout_s))
@@ -134,7 +151,9 @@ class CollectiveGuard:
                     self.store.delete_key(_done(self._seq - 1))
                 self._previous = key
                 return
-            if mark == _LEFT_MARK.encode():
+            if mark == _DIFFER_MARK.encode():
+                failure = _Differ()
+            elif mark == _LEFT_MARK.encode():
                 failure = HangError("a rank has left its Monitor")
             elif failure is None:  # this rank arrived after another had given up: it must not go on alone
                 failure = HangError("another rank gave up waiting at this guarded call after hang_timeout_s, "
@@ -178,6 +197,8 @@ class CollectiveGuard:
             return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
                     f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has ended: it may have died, "
                     "or raised its own HangError first (its message names the ranks that did not arrive)")
+        if isinstance(err, _Differ):
+            return self._differ_report(waiting, rows)
         now = time.time()
         missing = [f"rank {r}: last call {last} (published {now - stamp:.1f} s ago)"
                    for r, (seq, last, stamp) in enumerate(rows) if not self._arrived(last, seq, call, step)]
@@ -189,10 +210,28 @@ class CollectiveGuard:
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
                 f"are not collectives are published at most every {self.publish_every_s:g} s.)")
 
+    def _differ_report(self, waiting: str, rows: list[tuple[int, str, float]]) -> str:
+        """Every rank arrived at this guarded call number, not all at one call: the calls, and who made each."""
+        ranks: dict[str, list[int]] = {}
+        for r, (seq, last, _) in enumerate(rows):  # a rank may have raised and left since: "closed ..., after <call>"
+            made = last.rpartition(", after ")[2]
+            ranks.setdefault(made if seq == self._seq else f"{made} (guarded call #{seq})", []).append(r)
+        calls = [f"{last} on {some_ranks(r)}" for last, r in ranks.items()]
+        more = f"; and {len(calls) - _CALLS_SHOWN} more calls" if len(calls) > _CALLS_SHOWN else ""
+        return (f"distmetrics: rank {self.rank} is at {waiting}, guarded call #{self._seq}, where the ranks made "
+                f"different calls: {'; '.join(calls[:_CALLS_SHOWN])}{more}. Every rank must make the same monitor "
+                "calls (step, log_eval, checkpoint_saved, close) with the same step numbers, in the same order.")
 
+
+class _Differ(Exception):
+    """The last rank to arrive found that the ranks made different calls (the ``differ`` mark)."""
+
+
+_CALLS_SHOWN = 8  # distinct calls named in the message where the ranks made different ones
 _DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
 _LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving
 _GAVE_UP_MARK = "gave up"  # ... by a rank that waited hang_timeout_s (a rank arriving later must not go on)
+_DIFFER_MARK = "differ"  # ... by the last rank to arrive, where the ranks' calls or steps differ
 
 
 def _done(seq: int) -> str:

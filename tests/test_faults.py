@@ -106,15 +106,52 @@ def out_of_step():
     # the report's barrier came before its arrival check: rank 0 waited there unnamed, without a bound
     ("report_vs_step", {0: "timers report (log, write or get_all_timers_string)", 1: "monitor.step(step=2)"})])
 def test_different_calls_on_different_ranks_raise_on_both_naming_the_other(out_of_step, case, calls):
+    """The last rank to arrive sees that the calls differ and marks the guarded call so: both raise
+    then, naming every rank's call (not "did not arrive" after hang_timeout_s)."""
     for rank in (0, 1):
         kind, message, _ = out_of_step[rank][case]
-        other = 1 - rank
         assert kind == "HangError", message
-        # the first to give up marks the call; the other raises then, at most hang_timeout_s in
-        assert f"waited {TIMEOUT_S:g} s (hang_timeout_s) at {calls[rank]}" in message or re.search(
-            rf"waited [0-9.]+ s \(of hang_timeout_s {TIMEOUT_S:g}: another rank gave up waiting at this guarded "
-            rf"call after hang_timeout_s, before every rank arrived\) at {re.escape(calls[rank])}", message), message
-        assert f"rank {other}: last call {calls[other]}" in message
+        assert f"rank {rank} is at {calls[rank]}, guarded call #" in message, message
+        assert f"where the ranks made different calls: {calls[0]} on rank 0; {calls[1]} on rank 1" in message, message
+
+
+def _at_different_calls(rank: int, world: int) -> dict:
+    """hang_timeout_s 60: log_eval on rank 0 where rank 1 makes a log step; then, log_interval 1,
+    step(3) on rank 0 where rank 1 (its loop skipped step 3) makes step(4)."""
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    out = {}
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=60))
+    monitor.step(1)
+    out["eval_vs_step"] = _outcome(lambda: monitor.log_eval(2, loss=1.0) if rank == 0 else monitor.step(2))
+    dist.barrier()
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=60))
+    for step in (1, 2):
+        monitor.step(step, loss=1.0)
+    out["step_vs_step"] = _outcome(lambda: monitor.step(3 + rank, loss=1.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def at_different_calls():
+    return run_ranks(_at_different_calls, 2, timeout=150)
+
+
+@pytest.mark.parametrize("case,calls", [
+    ("eval_vs_step", {0: "monitor.log_eval(step=2)", 1: "monitor.step(step=2)"}),
+    ("step_vs_step", {0: "monitor.step(step=3)", 1: "monitor.step(step=4)"})])
+def test_ranks_at_different_calls_or_steps_raise_at_once_naming_each_ranks_call(at_different_calls, case, calls):
+    """Each rank waited at a counter of its own call and step, so none completed and every rank
+    waited all of hang_timeout_s (300 s by default) for a HangError, although every rank had
+    arrived at that guarded call and the mismatch was known. The last to arrive now says so."""
+    for rank in (0, 1):
+        kind, message, seconds = at_different_calls[rank][case]
+        assert kind == "HangError", (rank, kind, message)
+        assert f"rank {rank} is at {calls[rank]}, guarded call #" in message, message
+        assert f"where the ranks made different calls: {calls[0]} on rank 0; {calls[1]} on rank 1" in message, message
+        assert seconds < 30, (seconds, message)  # at once, not at hang_timeout_s (60 s)
 
 
 def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_on_the_others(out_of_step):
@@ -775,20 +812,23 @@ def _skipped_step(rank: int, world: int, timeout: float, root: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("timeout", [0.0, 3.0], ids=["arrival check off", "arrival check on"])
+@pytest.mark.parametrize("timeout", [0.0, 60.0], ids=["arrival check off", "arrival check on"])
 def test_a_rank_that_skips_a_monitor_step_raises_on_every_rank(timeout, tmp_path):
     """Rank 1 skips step 3 (log_interval 2). Its step 4 record went through with the mean of the
     three steps it made, a consumed_tokens of 700, and a different step time on each rank; with
     tensor statistics every later record mixed rank 0's step s with rank 1's step s + 1 (means 70
-    for 53). Both now raise, naming what differs."""
+    for 53). Both now raise, naming what differs: with the arrival check, as soon as both arrive
+    (they waited all of hang_timeout_s at two different counters before)."""
     results = run_ranks(_skipped_step, 2, timeout, str(tmp_path), timeout=150)
     for rank, out in enumerate(results):
         kind, message, _ = out["train"]
         assert kind == "RuntimeError" and "different numbers of monitor.step calls before the log step of step 4: " \
             f"1 on rank 1 and 2 on rank 0 (this rank: {2 - rank})" in message, (rank, kind, message)  # who, not what
-        kind, message, _ = out["tensor_stats"]  # the statistics of step 3 on rank 0 meet step 4's on rank 1
+        kind, message, seconds = out["tensor_stats"]  # the statistics of step 3 on rank 0 meet step 4's on rank 1
         if timeout:
-            assert kind == "HangError" and f"(step={3 + rank})" in message and f"(step={4 - rank})" in message, message
+            assert kind == "HangError" and "where the ranks made different calls: monitor.step (tensor statistics)" \
+                "(step=3) on rank 0; monitor.step (tensor statistics)(step=4) on rank 1" in message, message
+            assert seconds < timeout / 2, (seconds, message)  # at once, not at hang_timeout_s
         else:
             assert kind == "RuntimeError" and "out of step" in message and "at step 3 on rank 0 and step 4 on rank 1" \
                 in message, message
