@@ -131,9 +131,11 @@ class Monitor:
 
         ``loss`` is averaged over ranks and steps weighted by ``tokens`` (this rank's tokens in
         the step; weight 1 when None); a rank with ``loss=None`` (a pipeline stage without the
-        loss) does not count. ``skipped=True``: the optimizer skipped the step (loss-scale
-        overflow); its loss is left out of ``train/loss``, its tokens count. Extra ``scalars``
-        are interval means under ``train/``."""
+        loss) does not count. Under gradient accumulation, one call per optimizer step: the
+        rank's token-weighted mean over its micro-batches and their summed tokens. ``skipped=True``:
+        the optimizer skipped the step (loss-scale overflow); its loss, and the ``record_losses``
+        samples since the last call, are left out of ``train/loss`` (and its categories), its tokens
+        count. Extra ``scalars`` are interval means under ``train/``."""
         self._check_open(collective=True)
         self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
         loss, tokens, lr = local_value(loss), local_value(tokens), local_value(lr)  # a DTensor: this rank's copy
@@ -150,6 +152,7 @@ class Monitor:
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
         self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
         self._by_name["health"].record_step(loss, skipped, tokens)
+        self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
         self._by_name["timers"].mark_step()
         self._stepped_at = now()  # where the close record's interval ends
         self._steps_in_interval += 1
@@ -189,15 +192,19 @@ class Monitor:
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
         every parallel layout; also ``clip_grad_norm_(max_norm)`` for the model's parameters. One
-        all-reduce of one number (2-4 for p = 0, ±inf); per-module norms ride the log step's pack."""
+        all-reduce of one number (2-4 for p = 0, ±inf); per-module norms ride the log step's pack.
+        Refused inside a gradient-accumulation window (:mod:`distmetrics.grad_sync`)."""
         norms = self._norms("clip_grad_norm_")
+        norms.sync.check("monitor.clip_grad_norm_")  # before any collective: not inside no_sync()
         self._guard.note("monitor.clip_grad_norm_")  # a collective not guarded (every step): named if it hangs
         return norms.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, self._last_step)
 
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
-        norm on a log step (``step``, default the last step + 1), None (and no work) otherwise."""
+        norm on a log step (``step``, default the last step + 1), None (and no work) otherwise;
+        refused inside a gradient-accumulation window on every step (:mod:`distmetrics.grad_sync`)."""
         norms = self._norms("measure_grad_norms")
+        norms.sync.check("monitor.measure_grad_norms")  # on every step: a call inside no_sync() is said at once
         if step is not None:
             check_step(step, "monitor.measure_grad_norms")
         if not self._is_log_step(step):

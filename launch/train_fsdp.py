@@ -122,22 +122,25 @@ def main(argv=None) -> dict:
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, args.lr, args.warmup, args.steps)
-        loss_sum = torch.zeros((), device=device)
+        # the step's loss is this rank's token-weighted mean over its micro-batches, reported once
+        # with their summed tokens (a mean of micro-batch means would be wrong for unequal lengths)
+        loss_sum = torch.zeros((), device=device)  # Σ over micro-batches of mean loss × tokens
         with timers("forward-backward", log_level=1):
-            for micro in range(args.grad_accum):
-                rows = data.batch(step * 1000 + micro, global_rows, args.seq_len)
-                batch = rows[dp_rank * args.micro_batch:(dp_rank + 1) * args.micro_batch].to(device)
+            mine = slice(dp_rank * args.micro_batch, (dp_rank + 1) * args.micro_batch)  # this rank's rows
+            batches = [data.batch(step * 1000 + micro, global_rows, args.seq_len)[mine]
+                       for micro in range(args.grad_accum)]
+            tokens = sum(batch[:, 1:].numel() for batch in batches)  # the targets the loss averages over
+            for batch in batches:
+                batch = batch.to(device)
                 logits = model(batch[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), batch[:, 1:].reshape(-1))
-                (loss / args.grad_accum).backward()
-                loss_sum += loss.detach()
-        grad_norm = monitor.clip_grad_norm_(args.max_grad_norm)
+                (loss * (batch[:, 1:].numel() / tokens)).backward()  # the gradient of the step's mean
+                loss_sum += loss.detach() * batch[:, 1:].numel()
+        grad_norm = monitor.clip_grad_norm_(args.max_grad_norm)  # after the last micro-batch's backward
         with timers("optimizer", log_level=1):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        tokens = args.micro_batch * args.seq_len * args.grad_accum
-        metrics = monitor.step(step, loss=loss_sum / args.grad_accum, tokens=tokens,
-                               lr=optimizer.param_groups[0]["lr"])
+        metrics = monitor.step(step, loss=loss_sum / tokens, tokens=tokens, lr=optimizer.param_groups[0]["lr"])
         if metrics is not None:
             last = metrics
         if step == 1:

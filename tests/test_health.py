@@ -314,6 +314,49 @@ def test_eval_loss_by_category_with_integer_ids(category_results):
     assert ev["eval/ppl"] == pytest.approx(math.exp(2.0))
 
 
+# (rank, step) → per-sample losses of category "all", token weights; steps 2 and 4 are skipped (4 is a log step)
+SKIPPED_STEP_DATA = {
+    (0, 1): ([2.0, 2.0], [1, 3]), (1, 1): ([2.0, 6.0], [2, 2]),
+    (0, 2): ([100.0], [4]), (1, 2): ([100.0, 100.0], [1, 1]),
+    (0, 3): ([4.0], [2]), (1, 3): ([1.0, 7.0], [1, 1]),
+    (0, 4): ([50.0], [1]), (1, 4): ([50.0], [9]),
+}
+SKIPPED_STEPS = {2, 4}
+
+
+def _categories_of_skipped_steps(rank: int, world: int) -> dict:
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        for step in (1, 2, 3, 4):
+            losses, weights = SKIPPED_STEP_DATA[(rank, step)]
+            monitor.record_losses(torch.tensor(losses), ["all"] * len(losses), weights=torch.tensor(weights))
+            if step == 2:  # an evaluation's samples in a skipped step are the evaluation's
+                monitor.record_losses(torch.tensor([3.0 + rank]), ["web"], split="eval")
+            metrics = monitor.step(step, loss=losses[0], skipped=step in SKIPPED_STEPS)
+            if metrics is not None:
+                out[step] = {k: v for k, v in metrics.items() if k.startswith("train/loss")}
+        out["eval"] = monitor.log_eval(4, loss=1.0, tokens=1)["eval/loss/web"]
+    return out
+
+
+def test_a_skipped_steps_category_losses_are_left_out_as_its_loss_is():
+    """train/loss left a skipped step out (as Megatron does) but train/loss/<category> counted its
+    samples: step 1 loss 2.0, step 2 loss 100 skipped gave train/loss 2.0 beside train/loss/all 51.0."""
+    results = run_ranks(_categories_of_skipped_steps, 2)
+    for log_step, steps in ((2, (1, 2)), (4, (3, 4))):
+        kept = [(loss, w) for (_, step), (losses, ws) in SKIPPED_STEP_DATA.items() if step in steps
+                and step not in SKIPPED_STEPS for loss, w in zip(losses, ws)]
+        truth = sum(loss * w for loss, w in kept) / sum(w for _, w in kept)
+        for rank, out in enumerate(results):
+            assert out[log_step]["train/loss/all"] == pytest.approx(truth, rel=1e-12), (rank, log_step)
+    assert results[0][2]["train/loss"] == pytest.approx(2.0) and results[0][4]["train/loss"] == pytest.approx(2.5)
+    assert results[0]["eval"] == pytest.approx(3.5)  # the eval split is not a training step's
+
+
 def test_moe_utilization_and_imbalance_against_hand_computation(category_results):
     m = category_results[0]["train"]
     totals = [[0] * 4 for _ in range(2)]

@@ -875,6 +875,79 @@ def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
         assert "parameter 'inp.weight'" in messages[True], (rank, messages)
 
 
+def _accumulation_windows(rank: int, world: int) -> dict:
+    """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
+    and HSDP (``set_requires_all_reduce``): a clip and a measurement between them, then after the
+    last backward. Truth: every rank's accumulated float64 gradients of an unwrapped copy, averaged."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import CollectiveCounter
+
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    reference = _net().double()
+    for x in data:
+        reference(x.double()).pow(2).mean().backward()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {n: p.grad for n, p in reference.named_parameters()})
+    truth = math.sqrt(sum(float((sum(g[n] for g in gathered) / world).pow(2).sum()) for n in gathered[0]))
+    out = {}
+    for kind in ("ddp", "fsdp2", "hsdp"):
+        model = _net()
+        if kind == "ddp":
+            model = DistributedDataParallel(model)
+        else:
+            shape, names = ((world,), ("shard",)) if kind == "fsdp2" else ((world, 1), ("replicate", "shard"))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        window = {"ddp": lambda on: contextlib.nullcontext() if on else model.no_sync(),
+                  "fsdp2": lambda on: model.set_requires_gradient_sync(on) or contextlib.nullcontext(),
+                  "hsdp": lambda on: model.set_requires_all_reduce(on) or contextlib.nullcontext()}[kind]
+        said = []
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            with window(False):
+                model(data[0]).pow(2).mean().backward()
+                with CollectiveCounter() as counter:
+                    for call in (lambda: monitor.clip_grad_norm_(MAX_NORM), monitor.measure_grad_norms):
+                        try:
+                            said.append(f"no error: {float(call()):.4f}")
+                        except ValueError as err:
+                            said.append(str(err))
+            with window(True):
+                model(data[1]).pow(2).mean().backward()
+                monitor.clip_grad_norm_(1e9)
+            metrics = monitor.step(1)
+        out[kind] = {"said": said, "collectives": counter.collectives, "grad_norm": metrics["grad_norm"],
+                     "truth": truth}
+    return out
+
+
+def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank():
+    """Inside DDP's no_sync() the clip measured rank 0's local gradients (grad_norm 0.0952 where the
+    synchronised gradients' is 0.2324) and scaled rank 1's by rank 0's coefficient; inside FSDP2's
+    set_requires_gradient_sync(False) the sharded .grad is None and the norm read 0. Each is refused
+    before any collective, naming the state and what to do; after the last backward the norm is exact."""
+    expected = {"ddp": ("is inside no_sync()", "outside no_sync()"),
+                "fsdp2": ("set_requires_gradient_sync(False)", "made with set_requires_gradient_sync(True)"),
+                "hsdp": ("set_requires_all_reduce(False)", "made with set_requires_all_reduce(True)")}
+    for rank, result in enumerate(run_ranks(_accumulation_windows, 2, timeout=240)):
+        for kind, (state, advice) in expected.items():
+            out = result[kind]
+            for said, call in zip(out["said"], ("monitor.clip_grad_norm_", "monitor.measure_grad_norms")):
+                assert said.startswith(f"{call}: the model's ") and state in said and advice in said, (rank, kind, said)
+                assert "after the last micro-batch's backward" in said, (rank, kind, said)
+            assert out["collectives"] == 0, (rank, kind)
+            assert out["grad_norm"] == pytest.approx(out["truth"], rel=REL), (rank, kind)
+
+
 def test_megatrons_decoupled_grad_is_read_when_present():
     import torch
 

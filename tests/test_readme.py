@@ -54,6 +54,72 @@ def test_the_adding_a_metric_example_runs_on_two_ranks_and_names_the_slow_rank(t
         assert record["data/wait_ms"] == pytest.approx(SLOW_MS)  # per step, not per interval
 
 
+ACCUMULATION_STEPS = 4
+
+
+def _micro_batch_tokens(rank: int, step: int) -> list[int]:
+    """Tokens of each of a rank's three micro-batches in a step: unequal within a step, across ranks and steps."""
+    return [1 + (3 * rank + 5 * step + 7 * i) % 6 for i in range(3)]
+
+
+def _run_gradient_accumulation(rank: int, world: int, root: str) -> dict:
+    """The README's gradient-accumulation loop under DDP. Truth: each step's per-token losses in
+    float64 from the weights the step starts with (read by the loader), gathered from every rank."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 1)
+
+        def forward(self, mb):
+            return types.SimpleNamespace(loss=self.proj(mb.x).pow(2).mean())
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sums = {}  # step → (Σ per-token loss, Σ tokens) of this rank
+
+    def loader():
+        for step in range(1, ACCUMULATION_STEPS + 1):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            batches = [types.SimpleNamespace(x=torch.randn(n, 4, generator=g), n_tokens=n)
+                       for n in _micro_batch_tokens(rank, step)]
+            w, b = model.module.proj.weight.detach().double(), model.module.proj.bias.detach().double()
+            sums[step] = (sum(float((mb.x.double() @ w.T + b).pow(2).sum()) for mb in batches),
+                          sum(mb.n_tokens for mb in batches))
+            yield batches
+
+    config = quiet_config(log_interval=2, json_log=True, output_dir=root)
+    namespace = {"model": model, "optimizer": optimizer, "loader": loader(), "total_steps": ACCUMULATION_STEPS,
+                 "monitor": dm.Monitor(config, model=model, optimizer=optimizer)}
+    exec(compile(readme_block("### Gradient accumulation"), "README.md", "exec"), namespace)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, sums)
+    records = [r for r in dm.read_jsonl(Path(root) / "metrics.jsonl") if r["kind"] == "train"] if rank == 0 else []
+    return {"sums": gathered, "records": records}
+
+
+def test_the_gradient_accumulation_example_reports_the_token_weighted_mean_over_every_micro_batch(tmp_path):
+    """The README said nothing of gradient accumulation, and the FSDP trainer reported the mean of its
+    micro-batch means, which weighs a short micro-batch's tokens more."""
+    result = run_ranks(_run_gradient_accumulation, 2, str(tmp_path))[0]
+    records = result["records"]
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        steps = (record["step"] - 1, record["step"])
+        loss = sum(sums[step][0] for sums in result["sums"] for step in steps)
+        tokens = sum(sums[step][1] for sums in result["sums"] for step in steps)
+        assert record["train/loss"] == pytest.approx(loss / tokens, rel=1e-6), record["step"]
+        assert "grad_norm" in record  # the clip after the last backward, outside no_sync(), is taken
+
+
 _QUICKSTART_PRELUDE = """
 import types
 import torch

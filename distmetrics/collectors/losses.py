@@ -1,5 +1,9 @@
 """Loss by category: per-sample losses with a category per sample (a data source, a language,
-a task), accumulated on device and written as ``<split>/loss/<category>``."""
+a task), accumulated on device and written as ``<split>/loss/<category>``.
+
+Training samples belong to the step ``monitor.step`` reports next: they wait there and join the
+interval at that call, or are dropped with it where the step is skipped, as its loss is left out of
+``train/loss``. Evaluation samples join at once (``log_eval`` writes them)."""
 
 from __future__ import annotations
 
@@ -18,12 +22,15 @@ __all__ = ["CategoryLosses", "LossCollector"]
 class CategoryLosses:
     """Per-category sums and weights of per-sample losses, on device, for one split."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, per_step: bool = False) -> None:
         self.prefix = prefix  # "train/loss" or "eval/loss"
+        self.per_step = per_step  # samples wait for the step's end (:meth:`end_step`)
         self.names: list[str] = []
         self._index: dict[str, int] = {}
-        self._sums: Optional[torch.Tensor] = None
-        self._weights: Optional[torch.Tensor] = None
+        self._sums: Optional[torch.Tensor] = None  # the interval's Σ loss·w per category
+        self._weights: Optional[torch.Tensor] = None  # ... and Σ w
+        self._step_sums: Optional[torch.Tensor] = None  # the same since the last end_step (per_step)
+        self._step_weights: Optional[torch.Tensor] = None
         self._names_made: tuple = (-1, ())  # (categories named, their record names) at the last log step
 
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
@@ -73,15 +80,37 @@ class CategoryLosses:
                 losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
                 weights = None if weights is None else w
             index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
-        self._grow(losses.device)
+        if self.per_step:
+            self._step_sums, self._step_weights = sums, totals = _grown(self._step_sums, self._step_weights,
+                                                                        len(self.names), losses.device)
+        else:
+            self._sums, self._weights = sums, totals = _grown(self._sums, self._weights, len(self.names),
+                                                              losses.device)
         # a sample of weight 0 counts for nothing, even its NaN (the loss of an all-masked sample)
-        self._sums.index_add_(0, index, losses if weights is None else weighted(losses, w))
-        self._weights.index_add_(0, index, w)
+        sums.index_add_(0, index, losses if weights is None else weighted(losses, w))
+        totals.index_add_(0, index, w)
+
+    def end_step(self, skipped: bool) -> None:
+        """The step the samples since the last call belong to has ended: they join the interval,
+        or are dropped where the step was ``skipped`` (on device: no host sync)."""
+        sums, weights, self._step_sums, self._step_weights = self._step_sums, self._step_weights, None, None
+        if sums is None or skipped:
+            return
+        if self._sums is None:
+            self._sums, self._weights = sums, weights
+            return
+        size = len(self.names)  # either may lack the categories named after its last sample
+        self._sums, self._weights = _grown(self._sums, self._weights, size, sums.device)
+        sums, weights = _grown(sums, weights, size, sums.device)
+        self._sums += sums
+        self._weights += weights
 
     def take_samples(self) -> list[Sample]:
         """One vector sample of every category's (Σ loss·w, Σ w); then start again."""
         if self._sums is None:
             return []
+        # a category named in a skipped step only has no slot yet: it gets one of weight 0
+        self._sums, self._weights = _grown(self._sums, self._weights, len(self.names), self._sums.device)
         if self._names_made[0] != len(self.names):  # the same tuple while no category is added: the pack's
             # layout knows a vector by its names' tuple, and a new one each log step rebuilt its positions
             self._names_made = (len(self.names), tuple(f"{self.prefix}/{name}" for name in self.names))
@@ -108,16 +137,6 @@ class CategoryLosses:
             self.names.append(name)
         return self._index[name]
 
-    def _grow(self, device: torch.device) -> None:
-        size = len(self.names)
-        if self._sums is None:
-            self._sums = torch.zeros(size, dtype=torch.float64, device=device)
-            self._weights = torch.zeros(size, dtype=torch.float64, device=device)
-        elif self._sums.numel() < size:
-            pad = torch.zeros(size - self._sums.numel(), dtype=torch.float64, device=device)
-            self._sums = torch.cat([self._sums, pad])
-            self._weights = torch.cat([self._weights, pad])
-
 
 class LossCollector:
     """Training loss by category (``train/loss/<category>``), one vector per log step."""
@@ -127,7 +146,7 @@ class LossCollector:
     writes = ("train/loss/",)
 
     def __init__(self) -> None:
-        self.train = CategoryLosses("train/loss")
+        self.train = CategoryLosses("train/loss", per_step=True)
 
     def split(self, name: str, eval_losses: CategoryLosses) -> CategoryLosses:
         """The accumulator of a split: ``train`` (written at the log step) or ``eval`` (kept by
@@ -135,6 +154,10 @@ class LossCollector:
         if name not in ("train", "eval"):
             raise ValueError(f"record_losses: split={name!r}; accepted values are 'train', 'eval'")
         return self.train if name == "train" else eval_losses
+
+    def end_step(self, skipped: bool) -> None:
+        """``monitor.step`` ended a step: its training samples join the interval unless it was skipped."""
+        self.train.end_step(skipped)
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's per-category sums."""
@@ -157,6 +180,19 @@ def _named(names: Union[Sequence[str], dict], category: Any) -> Optional[str]:
     if isinstance(names, dict):
         return str(names[category]) if category in names else None
     return str(names[category]) if 0 <= category < len(names) else None
+
+
+def _grown(sums: Optional[torch.Tensor], weights: Optional[torch.Tensor], size: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-category sums and weights with ``size`` slots: zeros where None, padded with zeros
+    where shorter (categories named since)."""
+    if sums is None:
+        return (torch.zeros(size, dtype=torch.float64, device=device),
+                torch.zeros(size, dtype=torch.float64, device=device))
+    if sums.numel() < size:
+        pad = torch.zeros(size - sums.numel(), dtype=torch.float64, device=sums.device)
+        return torch.cat([sums, pad]), torch.cat([weights, pad])
+    return sums, weights
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

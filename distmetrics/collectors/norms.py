@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip
+from ..grad_sync import GradSync
 from ..plans import Plan
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..reduce import Reducer
@@ -56,6 +57,8 @@ class NormCollector(ParamSide):
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,
                  log_update_norm: bool = False, snapshot: str = "device") -> None:
         self.grads = GradientNorms(model, layout, group, depth)
+        self.sync = GradSync(model)
+        """Refuses a measurement inside a gradient-accumulation window (:meth:`GradSync.check`)."""
         self.layout = layout
         self.group = group
         self.per_module = per_module

@@ -1,0 +1,103 @@
+"""Is the model's gradient synchronised? A norm taken inside a gradient-accumulation window reads
+gradients that are not yet reduced over the data-parallel ranks: under DDP's ``no_sync()`` each
+rank's own (the norm is rank 0's alone, and a clip scales every rank by rank 0's coefficient);
+under FSDP2's ``set_requires_gradient_sync(False)`` none at all (a sharded ``.grad`` is set by the
+synchronised backward), so the norm reads 0; under HSDP's ``set_requires_all_reduce(False)`` one
+replica's. Each is refused with a ``ValueError`` before the measurement's collectives. Every rank
+of a job is in the same window, so every rank raises and none waits.
+
+The flags are Python attributes (DDP's ``require_backward_grad_sync``, each FSDP2 parameter group's
+``reduce_grads`` and ``all_reduce_grads``): reading them waits for no device. The wrappers that
+hold them are found once, and again only after a module or parameter is registered somewhere.
+Megatron's DDP is not read here: its gradients are ready after ``finish_grad_sync()`` (README).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+
+from .plans import _REGISTRATIONS
+
+__all__ = ["GradSync"]
+
+_DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
+_REDUCES = operator.attrgetter("reduce_grads")
+_ALL_REDUCES = operator.attrgetter("all_reduce_grads")
+
+
+class GradSync:
+    """Checks that no DDP or FSDP2 wrapper in ``model`` (None: nothing to check) is inside a
+    gradient-accumulation window."""
+
+    def __init__(self, model: Optional[torch.nn.Module]) -> None:
+        self.model = model
+        self._found_at: Optional[int] = None  # _REGISTRATIONS when the wrappers were found
+        self._ddp: list = []  # DistributedDataParallel modules
+        self._groups: list = []  # FSDP2 parameter groups
+        self._replicated: list = []  # ... of them, those with a replicate dimension (HSDP)
+        self._names: dict[int, str] = {}  # id of a module or group → the model's name for its module
+
+    def check(self, call: str) -> None:
+        """Raise a ``ValueError`` naming the module and what to do where some wrapper's gradients
+        are not synchronised; ``call`` names the caller."""
+        if self.model is None:
+            return
+        if self._found_at != _REGISTRATIONS[0]:
+            self._find()
+        if all(map(_DDP_SYNC, self._ddp)) and all(map(_REDUCES, self._groups)) and \
+                all(map(_ALL_REDUCES, self._replicated)):
+            return
+        after = "after the last micro-batch's backward"
+        for module in self._ddp:
+            if not module.require_backward_grad_sync:
+                raise ValueError(
+                    f"{call}: the model's DistributedDataParallel module {self._names[id(module)]} is inside no_sync() "
+                    "(require_backward_grad_sync is False): its gradients are this rank's own, not yet all-reduced, "
+                    "so the norm would be this rank's, not the global one. Measure or clip the gradients "
+                    f"{after}, outside no_sync()")
+        for group in self._groups:
+            if not group.reduce_grads:
+                raise ValueError(
+                    f"{call}: the model's FSDP2 module {self._names[id(group)]} has gradient sync off "
+                    "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (.grad is None "
+                    "inside an accumulation window), so the norm would leave them out. Measure or clip the "
+                    f"gradients {after}, made with set_requires_gradient_sync(True)")
+        group = next(g for g in self._replicated if not g.all_reduce_grads)
+        raise ValueError(
+            f"{call}: the model's HSDP module {self._names[id(group)]} has the all-reduce over replicas off "
+            "(set_requires_all_reduce(False)): its gradients are this replica's only, so the norm would not be "
+            f"the global one. Measure or clip the gradients {after}, made with set_requires_all_reduce(True)")
+
+    def _find(self) -> None:
+        """The model's DDP modules and FSDP2 parameter groups, and their names."""
+        state_of = _state_getter()
+        self._ddp, self._groups, self._replicated, self._names = [], [], [], {}
+        seen: set = set()
+        for name, module in self.model.named_modules():
+            label = f"'{name}'" if name else "(the model itself)"
+            if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+                self._ddp.append(module)
+                self._names[id(module)] = label
+            state = state_of(module) if state_of is not None else None
+            for group in getattr(state, "_fsdp_param_groups", None) or ():
+                if id(group) in seen or not hasattr(group, "reduce_grads"):  # one state may manage several modules
+                    continue
+                seen.add(id(group))
+                self._groups.append(group)
+                self._names[id(group)] = label
+                if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
+                    self._replicated.append(group)  # all-reduced over replicas (HSDP)
+        self._found_at = _REGISTRATIONS[0]
+
+
+def _state_getter() -> Any:
+    """torch's lookup of a module's composable state (FSDP2 keeps its parameter groups there), or
+    None where torch.distributed lacks it."""
+    try:
+        from torch.distributed._composable_state import _get_module_state
+    except ImportError:
+        return None
+    return _get_module_state
