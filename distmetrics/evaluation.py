@@ -16,7 +16,7 @@ import torch
 from .collectors.losses import CategoryLosses
 from .collectors.steps import MixedWeights, loss_weights
 from .interval import as_number
-from .names import NameRegistry, check_count, check_step, check_user_value, local_value
+from .names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
 from .reduce import Reducer, Sample
 
@@ -93,6 +93,7 @@ class EvalLog:
         for what, value in (("tokens", tokens), ("time_ms", scalars.get("time_ms"))):
             if value is not None:
                 check_count(value, "monitor.log_eval(%s=...)", what)
+        check_spellings(scalars, "eval", "monitor.log_eval")  # before the eval categories are taken below
         loss, tokens, scalars = local_value(loss), local_value(tokens), {k: local_value(v) for k, v in scalars.items()}
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:

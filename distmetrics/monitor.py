@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.base import check_collectors
+from .collectors.base import check_collectors, take_samples
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -293,7 +293,7 @@ class Monitor:
         (``ended_at``: see :attr:`LogContext.ended_at`)."""
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
-        samples = [s for c in self.collectors for s in c.take_samples(ctx)]
+        samples, misnamed = take_samples(self.collectors, ctx)  # misnamed: raised once the record is written
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
         try:
             ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
@@ -305,11 +305,11 @@ class Monitor:
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
         train = self._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
-        failure, train.refused = train.refused, None  # tokens found bad: raised once the record is written
-        refused, self._reducer.refused = self._reducer.refused, None  # a name whose kind differs between ranks
-        if refused is not None and failure is not None:  # one error is raised: the other is said
-            logger.warning("distmetrics: step %d: %s", step, refused)
-        failure = failure or refused
+        # raised once the record is written: tokens found bad, names the ranks disagree on, a record key's sample
+        failure, *said = [e for e in (train.refused, self._reducer.refused, misnamed) if e is not None] or [None]
+        train.refused = self._reducer.refused = None
+        for other in said:  # one error is raised: the others are said
+            logger.warning("distmetrics: step %d: %s", step, other)
         alerts = []
         for collector in self.collectors:
             try:

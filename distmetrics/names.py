@@ -21,7 +21,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["NameRegistry", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "check_step", "written_names"]
+__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "check_step",
+           "check_spellings", "written_names"]
 
 REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 
@@ -157,6 +158,19 @@ def check_count(value: Any, what: str, *args: Any) -> None:
                          "numbers >= 0")
 
 
+def check_spellings(scalars: dict[str, Any], split: str, call: str) -> None:
+    """Refuse keyword values of one call that name one metric (``acc=`` and ``**{"train/acc": ...}``:
+    a name without ``/`` is written under ``split/``): their values were merged into one mean."""
+    if len(scalars) < 2 or not any("/" in key for key in scalars):
+        return
+    seen: dict[str, str] = {}
+    for key in scalars:
+        name = key if "/" in key else f"{split}/{key}"
+        if seen.setdefault(name, key) != key:
+            raise ValueError(f"{call}({seen[name]}=..., {key}=...): both name the metric {name!r} (a name without "
+                             f"'/' is written under '{split}/'); give it once")
+
+
 def check_step(step: Any, what: str, last: Optional[int] = None) -> None:
     """A step number: an int from 0 to 2**63 - 1 (it travels in an int64 lane), above ``last``."""
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
@@ -164,6 +178,15 @@ def check_step(step: Any, what: str, last: Optional[int] = None) -> None:
                          "(int(step) for a numpy integer or a tensor)")
     if last is not None and step <= last:
         raise ValueError(f"{what}: step={step} does not increase (the last step was {last})")
+
+
+class NameClash(ValueError):
+    """A name that would write a key another source writes; ``other`` is the metric name whose value
+    writes it (None where a collector or the Monitor writes it), so a negotiation can leave both out."""
+
+    def __init__(self, message: str, other: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.other = other
 
 
 class NameRegistry:
@@ -176,6 +199,7 @@ class NameRegistry:
         self._prefixes: dict[str, str] = {}  # "memory/" → who writes every name under it
         self._claimed: dict[str, str] = {}  # user name → reduce kind
         self._records: dict[str, str] = {}  # user name → the record kind it is written in
+        self._sources: dict[str, str] = {}  # a written name → the metric name whose value writes it (add)
 
     def reserve(self, names: Iterable[str], who: str) -> None:
         """Names (or prefixes ending in ``/``: every name under it) that ``who`` writes; a name
@@ -224,18 +248,19 @@ class NameRegistry:
         for other in written:
             who = self.writer_of(other)
             if who is not None:
-                raise ValueError(f"{source} would write {other!r}, which {who} writes already")
+                raise NameClash(f"{source} would write {other!r}, which {who} writes already", self._sources.get(other))
         rank = _RANK.match(name)
         if rank and self._claimed.get(rank.group(1)) == "all":
-            raise ValueError(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
-                             f"{rank.group(1)!r}")
+            raise NameClash(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
+                            f"{rank.group(1)!r}", rank.group(1))
         if kind == "all":
             clash = self._rank_shaped.get(name)
             if clash:
-                raise ValueError(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
-                                 f"{self._writers[clash[0]]} writes already")
+                raise NameClash(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
+                                f"{self._writers[clash[0]]} writes already", self._sources.get(clash[0]))
         for other in written:
             self._write(other, f"{what} ({name!r}, {kind})")
+            self._sources[other] = name
         self._claimed[name] = kind
 
     def _write(self, name: str, who: str) -> None:

@@ -47,21 +47,28 @@ from .packing import (CONTROL_LANES, PackLayout, collective_device, decode_all, 
                       encode_entries, entries_of, gather_single, global_rank, value_device)
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
-from .names import REDUCE_KINDS, NameRegistry, check_reduce
+from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
 from .per_rank import PerRank, some_ranks
 from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
-def _check_written_names(union: dict[str, str]) -> None:
-    """Refuse a union of names in which one name writes what another writes (``x`` as ``minmax``
-    on one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside
-    an ``all`` ``x``): one value would replace the other in the record. The rules of
-    :class:`~distmetrics.names.NameRegistry`, which each rank applies to its own names. Every rank
-    holds the same union, so every rank raises."""
+def _written_clashes(union: dict[str, str]) -> dict[str, str]:
+    """The names of a union in which one name writes what another writes (``x`` as ``minmax`` on
+    one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside an
+    ``all`` ``x``), both of each pair, with why: one value would replace the other in the record.
+    The rules of :class:`~distmetrics.names.NameRegistry`, which each rank applies to its own names.
+    Every rank holds the same union, in the same order, so every rank finds the same names."""
     registry = NameRegistry()
+    clashes: dict[str, str] = {}
     for name, kind in union.items():
-        registry.add(name, kind, f"metric {name!r}, sent by some rank,")
+        try:
+            registry.add(name, kind, f"metric {name!r}, sent by some rank,")
+        except NameClash as clash:
+            for each in (name, clash.other):
+                if each is not None:
+                    clashes.setdefault(each, str(clash))
+    return clashes
 
 
 class Reducer:
@@ -92,8 +99,9 @@ class Reducer:
         self._kinds: dict[str, str] = {}
         self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
         self.refused: Optional[ValueError] = None
-        """Names whose reduce kind differs between ranks (or from an earlier log step), found by the
-        last negotiation: left out of it, for the caller to raise once the rest is written."""
+        """Names whose reduce kind differs between ranks (or from an earlier log step), or that would
+        write one key, found by the last negotiation: left out of it, for the caller to raise once the
+        rest is written."""
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
         self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
         self.collectives = 0
@@ -222,9 +230,9 @@ class Reducer:
     def _negotiate(self, samples: list[Sample]) -> list[Sample]:
         """Agree on the union of names: every rank's digest and payload size in one gather,
         then one broadcast per distinct name set, from the lowest rank holding it. A name whose
-        kind differs between ranks, or from an earlier log step, is left out (every rank sees the
-        same payloads, so every rank leaves it out) and said in :attr:`refused`; returns
-        ``samples`` without those names' samples."""
+        kind differs between ranks, or from an earlier log step, and two names that would write one
+        key, are left out (every rank sees the same payloads, so every rank leaves them out) and said
+        in :attr:`refused`; returns ``samples`` without those names' samples."""
         payload = encode_entries(sorted(entries_of(samples)))
         world = dist.get_world_size(self.group)
         device = self.device
@@ -262,14 +270,17 @@ class Reducer:
                                  "for the whole run")
         for name in refused:
             del union[name]
-        _check_written_names(union)
+        clashes = _written_clashes(union)  # left out too, both names of each pair, then raised like the rest
+        for name, why in clashes.items():
+            del union[name]
+            refused[name] = why
         for name, kind in union.items():
             self._agreed.setdefault(name, kind)
         self._layout = PackLayout(union.items())
         if not refused:
             return samples
         # the same on every rank: the rest is reduced and written, then the caller raises this
-        self.refused = ValueError("; ".join(refused.values()) + " (left out of this record)")
+        self.refused = ValueError("; ".join(dict.fromkeys(refused.values())) + " (left out of this record)")
         return [s for s in samples if not refused.keys() & set(s.names if s.names is not None else (s.name,))]
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------

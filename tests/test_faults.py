@@ -196,29 +196,45 @@ def test_a_log_eval_met_by_a_log_step_of_the_same_number_raises_without_the_arri
         assert f"ranks made different monitor calls at step 2: this rank is in {call} " in message, message
 
 
-def _colliding_names(rank: int, world: int) -> dict:
+def _colliding_names(rank: int, world: int, root: str) -> dict:
     import distmetrics as dm
 
     out = {}
     for case, (mine, theirs) in {"minmax": (("x", "minmax"), ("x/max", "mean")),
                                  "all": (("x", "all"), ("x/rank0", "mean"))}.items():
-        monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S))
+        monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S, json_log=True,
+                                          output_dir=f"{root}/{case}"))
         name, reduce = mine if rank == 0 else theirs  # each rank's own check passes
-        monitor.record(name, 5.0, reduce=reduce)
-        out[case] = _outcome(lambda: monitor.step(1))
+        for step in (1, 2):
+            monitor.record(name, 5.0, reduce=reduce)
+            monitor.record("ok", 1.0 + rank)
+            out[case, step] = _outcome(lambda: monitor.step(step, loss=2.0 + rank))
+        monitor.close()
     return out
 
 
-def test_names_that_collide_only_across_ranks_raise_on_every_rank():
+def test_names_that_collide_only_across_ranks_raise_on_every_rank(tmp_path):
     """One rank's minmax x writes x/max, another rank sends x/max (or x/rank0 beside an 'all' x,
     which JSONL writes per rank): the record held one of the two values and the other vanished.
-    The agreed names go through the rules each rank applies to its own: both ranks raise."""
-    for result in run_ranks(_colliding_names, 2, timeout=60):
-        kind, message, _ = result["minmax"]
-        assert kind == "ValueError" and "would write 'x/max', which metric 'x'" in message, message
-        kind, message, _ = result["all"]
-        assert kind == "ValueError" and "'x/rank0', which JSONL uses for a rank of the 'all' metric 'x'" in message, \
-            message
+    The agreed names go through the rules each rank applies to its own: both ranks raise, at every
+    log step, once the record is written without either name (before, no record was written)."""
+    import distmetrics as dm
+
+    results = run_ranks(_colliding_names, 2, str(tmp_path), timeout=60)
+    for case in ("minmax", "all"):
+        records = [r for r in dm.read_jsonl(tmp_path / case / "metrics.jsonl") if r["kind"] == "train"]
+        assert [r["step"] for r in records] == [1, 2]
+        for record in records:  # the means of 2 and 3, and of 1 and 2
+            assert record["train/loss"] == 2.5 and record["ok"] == 1.5, record
+            assert not [key for key in record if key == "x" or key.startswith("x/")], record
+    for result in results:
+        for step in (1, 2):
+            kind, message, _ = result["minmax", step]
+            assert kind == "ValueError" and "would write 'x/max', which metric 'x'" in message, message
+            kind, message, _ = result["all", step]
+            assert kind == "ValueError" and "'x/rank0', which JSONL uses for a rank of the 'all' metric 'x'" in \
+                message, message
+            assert message.endswith("(left out of this record)"), message
 
 
 def _kind_flip(rank: int, world: int) -> tuple:
@@ -676,6 +692,66 @@ def test_a_refused_log_eval_changes_nothing_and_can_be_retried(tmp_path, argumen
     metrics = monitor.log_eval(1, loss=2.0, tokens=10)  # the retry keeps the refused call's categories
     monitor.close()
     assert metrics["eval/loss"] == 2.0 and metrics["eval/loss/web"] == 2.0
+
+
+def _refused_then_retried(rank: int, world: int) -> dict:
+    """Calls refused at the call on both ranks, each retried as it should have been made."""
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S))
+    out["step twice"] = _outcome(lambda: monitor.step(1, loss=1.0, acc=1.0, **{"train/acc": 3.0}))
+    out["record bad value"] = _outcome(lambda: monitor.record("x", "bad"))
+    out["record bad weight"] = _outcome(lambda: monitor.record("z", 1.0, weight=-1))
+    out["retries"] = _outcome(lambda: (monitor.record("x", 1.0 + rank, reduce="max"),  # another kind than mean
+                                       monitor.record("z", 2.0, reduce="sum")))
+    train = monitor.step(1 + (out["step twice"][0] == "ok"), loss=1.0, acc=1.0 + rank)
+    out["train"] = {k: train.get(k) for k in ("train/acc", "x", "x/max_rank", "z")}
+    monitor.record_losses(torch.tensor([1.0, 3.0 + rank]), ["web", "web"], split="eval")
+    out["eval twice"] = _outcome(lambda: monitor.log_eval(3, loss=2.0, acc2=1.0, **{"eval/acc2": 5.0}))
+    out["eval"] = monitor.log_eval(4, loss=2.0, acc2=1.0 + rank)
+    monitor.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def refused_then_retried():
+    return run_ranks(_refused_then_retried, 2, timeout=120)
+
+
+def test_a_metric_given_in_both_spellings_is_refused_at_the_call(refused_then_retried):
+    """monitor.step(acc=1, **{"train/acc": 3}) wrote one train/acc of 2.0, the mean of both, without
+    a word; log_eval(acc2=..., **{"eval/acc2": ...}) raised "appear twice in one reduction" from
+    inside the reduction. Both are refused at the call, naming both spellings, on every rank."""
+    for out in refused_then_retried:
+        kind, message, _ = out["step twice"]
+        assert kind == "ValueError" and message.startswith(
+            "monitor.step(acc=..., train/acc=...): both name the metric 'train/acc'"), message
+        kind, message, _ = out["eval twice"]
+        assert kind == "ValueError" and message.startswith(
+            "monitor.log_eval(acc2=..., eval/acc2=...): both name the metric 'eval/acc2'"), message
+        assert out["train"]["train/acc"] == 1.5 and out["eval"]["eval/acc2"] == 1.5  # the retries: 1 and 2
+
+
+def test_a_refused_log_eval_keeps_the_eval_loss_categories(refused_then_retried):
+    """The refused log_eval took the eval categories recorded for it, then raised: the retry's record
+    had no eval/loss/web. A refused call changes nothing."""
+    for out in refused_then_retried:
+        assert out["eval"]["eval/loss/web"] == (1.0 + 3.0 + 1.0 + 4.0) / 4
+
+
+def test_a_refused_record_claims_no_name(refused_then_retried):
+    """record("x", "bad") claimed x as a mean before its value was refused, so the retry
+    record("x", 1.0, reduce="max") was refused too ("recorded as 'mean' before"); the same for a
+    weight refused. The value and the weight are checked first."""
+    for out in refused_then_retried:
+        assert out["record bad value"][:2] == ("TypeError", "monitor.record('x'): expected a number or a 1-element "
+                                               "tensor, got str 'bad'")
+        assert out["record bad weight"][0] == "ValueError" and "-1 is refused" in out["record bad weight"][1]
+        assert out["retries"][0] == "ok", out["retries"]
+        assert out["train"]["x"] == 2.0 and out["train"]["x/max_rank"] == 1 and out["train"]["z"] == 4.0
 
 
 def test_a_scalar_given_as_none_is_a_step_without_that_value():

@@ -434,6 +434,49 @@ def test_record_losses_input_errors():
         monitor.record_losses(torch.tensor([1.0]), ["a"], split="test")
 
 
+def _category_labels(rank: int, world: int) -> dict:
+    import numpy as np
+    import torch
+
+    import distmetrics as dm
+
+    refused = {}
+    losses = torch.tensor([1.0, 2.0, 4.0])
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        for what, categories, names in (("int and str", [1, "1", "a"], None), ("bool", [1, True, "a"], None),
+                                        ("None", [None, "None", "a"], None), ("float", [1.0, 2, 2], None),
+                                        ("tensor", list(torch.tensor([0, 1, 0])), None),
+                                        ("names", [0, 1, 2], ["web", 7, "7"])):
+            try:
+                monitor.record_losses(losses, categories, names=names)
+                refused[what] = None
+            except (TypeError, ValueError) as err:
+                refused[what] = (type(err).__name__, str(err))
+        monitor.record_losses(losses, [3, np.int64(3), "web"])  # 3 and np.int64(3) are one label
+        monitor.record_losses(torch.tensor([8.0 + rank]), [3])
+        metrics = monitor.step(1)
+    return {"refused": refused, "metrics": {k: v for k, v in metrics.items() if k.startswith("train/loss/")}}
+
+
+def test_a_loss_category_is_a_str_or_an_int_and_two_of_one_name_are_refused():
+    """Categories were named with str(): 1 and "1" were one category, True was 1's, None was
+    "None" and a tensor's element "tensor(0)". A str or an int is taken; anything else, and two
+    labels of one call with one name, is refused at the call, which records nothing."""
+    results = run_ranks(_category_labels, 2, timeout=120)
+    for out in results:
+        refused = out["refused"]
+        assert refused["int and str"] == ("ValueError", "record_losses(categories=...): the categories 1 and '1' are "
+                                          "both named '1', so their losses would be one category's; give one of them")
+        for what, shown in (("bool", "bool True"), ("None", "NoneType None"), ("float", "float 1.0"),
+                            ("tensor", "Tensor tensor(0)")):
+            assert refused[what] == ("TypeError", "record_losses(categories=...): a category is a str or an int "
+                                     f"(not a bool), got {shown}"), refused[what]
+        assert refused["names"] == ("ValueError", "record_losses(names=...): the categories 7 and '7' are both "
+                                    "named '7', so their losses would be one category's; give one of them")
+        # every rank: 1, 2 (label 3) and 4 (web), then rank r's 8 + r (label 3)
+        assert out["metrics"] == {"train/loss/3": (1 + 2 + 8 + 1 + 2 + 9) / 6, "train/loss/web": 4.0}
+
+
 def test_integer_categories_need_not_be_numbered_from_zero():
     import torch
 

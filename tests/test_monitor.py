@@ -435,6 +435,58 @@ def test_a_metric_named_as_a_record_key_is_refused(tmp_path, name):
     assert last["kind"] == "train" and last["step"] == 1
 
 
+class _RecordKeys:
+    """A user's collector whose samples are named 'step' and, in a vector, 'time' beside one of its own."""
+
+    name, after, writes = "mine", (), ()
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        import torch
+
+        from distmetrics.reduce import Sample
+
+        vector = Sample("mine/v", torch.tensor([1.0, 2.0]), "max", names=("mine/a", "time"))
+        return [Sample("step", 7.0, "mean"), vector, Sample("mine/ok", 1.0 + self.rank, "mean")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _collector_record_keys(rank: int, world: int, root: str) -> dict:
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(output_dir=root, log_interval=1, json_log=True, hang_timeout_s=2.0),
+                    collectors=[_RecordKeys(rank)]) as monitor:
+        try:
+            monitor.step(1, loss=1.0 + rank)
+            return {"raised": None}
+        except ValueError as err:
+            return {"raised": str(err)}
+
+
+def test_a_collectors_sample_named_as_a_record_key_is_left_out_and_raised_after_the_record(tmp_path):
+    """A collector's Sample("step", 7.0) was written over the record's own step ("step": 7.0 in
+    metrics.jsonl, whose readers then skipped the line); the user's names were refused, the
+    collectors' were not. Left out on every rank, the record written, then raised naming both."""
+    import distmetrics as dm
+
+    for result in run_ranks(_collector_record_keys, 2, str(tmp_path), timeout=120):
+        assert result["raised"] == (
+            "the 'mine' collector handed over a sample named 'step'; the 'mine' collector handed over a vector "
+            "sample 'mine/v' with an element named 'time': every record's own keys are 'kind', 'step', 'time', which "
+            "a metric of that name replaced in metrics.jsonl; give it a prefix (e.g. 'mine/step'). The record was "
+            "written without it"), result
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["step"] == 1 and isinstance(record["time"], str)
+    assert record["train/loss"] == 1.5 and record["mine/ok"] == 1.5 and "mine/a" not in record  # means of 1 and 2
+
+
 def _record_then_eval(rank: int, world: int, order: str) -> dict:
     import distmetrics as dm
 

@@ -33,9 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from ..names import RECORD_KEYS
 from ..reduce import Sample
 
-__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors"]
+__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors", "take_samples"]
+
+_clean_names: dict[int, tuple] = {}  # id → vector names tuples found to hold no record key (kept alive here)
 
 
 @dataclass
@@ -139,6 +142,47 @@ class Collector(Protocol):
     def close(self) -> None:
         """Release what the collector holds (hooks, handles)."""
         ...
+
+
+def take_samples(collectors: Sequence[Any], ctx: LogContext) -> tuple[list, Optional[ValueError]]:
+    """Every collector's samples for a log step, and an error to raise once its record is written,
+    or None. A sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
+    element too) is left out, and the error names its collector: written, it replaced the record's
+    own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line."""
+    samples: list = []
+    refused: list[tuple[str, str, str]] = []  # (collector, what, key)
+    for collector in collectors:
+        for sample in collector.take_samples(ctx):
+            key = _record_key(sample)
+            if key is None:
+                samples.append(sample)
+            else:
+                what = f"a vector sample {sample.name!r} with an element" if sample.names is not None else "a sample"
+                refused.append((collector.name, what, key))
+    if not refused:
+        return samples, None
+    said = "; ".join(f"the {who!r} collector handed over {what} named {key!r}" for who, what, key in refused)
+    who, _, key = refused[0]
+    return samples, ValueError(f"{said}: every record's own keys are {', '.join(map(repr, RECORD_KEYS))}, which a "
+                               f"metric of that name replaced in metrics.jsonl; give it a prefix (e.g. '{who}/{key}'). "
+                               "The record was written without it")
+
+
+def _record_key(sample: Any) -> Optional[str]:
+    """The name of ``sample`` (or of an element of a vector) that is a record's own key, or None;
+    a vector's names tuple is checked once (collectors pass the same tuple at every log step)."""
+    names = getattr(sample, "names", None)
+    if names is None:
+        name = getattr(sample, "name", None)
+        return name if type(name) is str and name in RECORD_KEYS else None
+    if names is _clean_names.get(id(names)):
+        return None
+    key = next((name for name in names if name in RECORD_KEYS), None)
+    if key is None and type(names) is tuple:
+        if len(_clean_names) >= 256:
+            _clean_names.clear()
+        _clean_names[id(names)] = names
+    return key
 
 
 def finalize_order(collectors: Sequence[Any]) -> list[Any]:

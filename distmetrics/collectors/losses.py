@@ -8,7 +8,7 @@ interval at that call, or are dropped with it where the step is skipped, as its 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -71,15 +71,19 @@ class CategoryLosses:
             categories = list(categories)
             if len(categories) != n:
                 raise ValueError(f"record_losses: {n} losses but {len(categories)} categories")
-            if names is not None:
+            if names is None:  # each distinct category checked, named and given its slot once, not per sample
+                slot = {label: self._slot(name) for label, name in _labels(categories).items()}
+                slots = [slot[c] for c in categories]
+            else:
                 self._lookup(names)  # checked, and every category it names known, as for a tensor of ids
-            labels = [str(c) if names is None else _named(names, c) for c in categories]
-            if None in labels:  # an id names= does not name (-100, -1: an ignore index) counts in no category
-                kept = [i for i, label in enumerate(labels) if label is not None]
-                where = _to_device(torch.tensor(kept, dtype=torch.long), losses.device)
-                losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
-                weights = None if weights is None else w
-            index = _to_device(torch.tensor([self._slot(c) for c in labels], dtype=torch.long), losses.device)
+                labels = [_named(names, c) for c in categories]
+                if None in labels:  # an id names= does not name (-100, -1: an ignore index) counts in no category
+                    kept = [i for i, label in enumerate(labels) if label is not None]
+                    where = _to_device(torch.tensor(kept, dtype=torch.long), losses.device)
+                    losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
+                    weights = None if weights is None else w
+                slots = [self._slot(c) for c in labels]
+            index = _to_device(torch.tensor(slots, dtype=torch.long), losses.device)
         if self.per_step:
             self._step_sums, self._step_weights = sums, totals = _grown(self._step_sums, self._step_weights,
                                                                         len(self.names), losses.device)
@@ -125,7 +129,8 @@ class CategoryLosses:
             if not isinstance(key, int) or isinstance(key, bool) or key < 0:
                 raise ValueError(f"record_losses: names= maps integer category ids >= 0 to names; got the id {key!r}")
         lookup = torch.full((max(table, default=0) + 1,), -1, dtype=torch.long)  # -1: not named
-        lookup[list(table)] = torch.tensor([self._slot(str(name)) for name in table.values()], dtype=torch.long)
+        labels = _labels(table.values(), "names")  # checked as a list of categories is
+        lookup[list(table)] = torch.tensor([self._slot(labels[name]) for name in table.values()], dtype=torch.long)
         return lookup
 
     def _slot(self, name: str) -> int:
@@ -193,6 +198,26 @@ def _grown(sums: Optional[torch.Tensor], weights: Optional[torch.Tensor], size: 
         pad = torch.zeros(size - sums.numel(), dtype=torch.float64, device=sums.device)
         return torch.cat([sums, pad]), torch.cat([weights, pad])
     return sums, weights
+
+
+def _labels(categories: Iterable, what: str = "categories") -> dict:
+    """Each distinct category label (in the order first given) → its name: a str as it is, an int
+    (not a bool) as ``str()`` writes it. Other labels are refused (``str()`` named None "None" and a
+    0-d tensor "tensor(0)", and True merged with 1), and so are two labels of one call that give one
+    name (1 and "1" merged into one category)."""
+    for kind in set(map(type, categories)):  # every label's type, not the distinct labels': True == 1
+        if not issubclass(kind, str) and (not issubclass(kind, numbers.Integral) or issubclass(kind, bool)):
+            label = next(c for c in categories if type(c) is kind)
+            raise TypeError(f"record_losses({what}=...): a category is a str or an int (not a bool), got "
+                            f"{kind.__name__} {label!r:.40}")
+    named = {label: str(label) if isinstance(label, str) else str(int(label)) for label in dict.fromkeys(categories)}
+    if len(set(named.values())) < len(named):
+        first: dict = {}
+        for label, name in named.items():
+            if first.setdefault(name, label) is not label:
+                raise ValueError(f"record_losses({what}=...): the categories {first[name]!r} and {label!r} are both "
+                                 f"named {name!r}, so their losses would be one category's; give one of them")
+    return named
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

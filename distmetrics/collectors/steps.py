@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalClock, IntervalStats, as_number
-from ..names import NameRegistry, check_count, check_step, check_user_value, local_value
+from ..names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
@@ -116,6 +116,7 @@ class StepValues:
             check_count(tokens, "monitor.step(tokens=...)")
         if not isinstance(skipped, bool):
             raise TypeError(f"monitor.step(skipped={skipped!r}): accepted values are True and False")
+        check_spellings(scalars, "train", "monitor.step")
         for name in scalars:
             self.names.claim(name if "/" in name else f"train/{name}", "mean", f"monitor.step({name}=...)")
 
@@ -146,13 +147,14 @@ class StepValues:
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
-        """A user's own value for this interval (see ``Monitor.record``)."""
+        """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
+        a call refused for its value or weight claims nothing, so a retry may use another kind."""
         check_reduce(name if isinstance(name, str) else repr(name), reduce)
-        self.names.claim(name, reduce, "monitor.record")
         check_user_value(value, "monitor.record(%r)", name)
         check_user_value(weight, "monitor.record(%r, weight=...)", name)
         value, weight = local_value(value), local_value(weight)
         check_count(weight, "monitor.record(%r, weight=...)", name)
+        self.names.claim(name, reduce, "monitor.record")
         self.stats.record(name, value, reduce, weight=weight)
 
     def pause(self) -> None:

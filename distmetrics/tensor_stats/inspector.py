@@ -270,6 +270,9 @@ class TensorInspector:
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
             samples.append(Sample(_PEERS, float(self._leader), "all"))
             metrics = _combine(self.reducer.reduce(samples, tag=step).per_rank)
+            refused, self.reducer.refused = self.reducer.refused, None
+            if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
+                raise refused
             self._name_silent_sections(metrics)
             self.partials = {}
             self.forwarded = {}
