@@ -324,3 +324,54 @@ def test_p0_is_refused_on_every_rank_when_the_distributed_optimizer_splits_a_ten
     for rank_result in results:
         message = rank_result["count_tp1"]["p0"]
         assert isinstance(message, str) and "norm_type=0" in message and "distributed optimizer" in message
+
+
+def _moe_update(rank: int, world: int, distributed: bool) -> dict:
+    """A MoE GPTModel (4 experts over 2 expert-parallel ranks) under Megatron's DDP: its optimizer
+    is a ChainedOptimizer of a dense and an expert part. Gradients are written into main_grad (the
+    MoE forward needs CUDA): the same on both ranks for the dense (replicated) parameters."""
+    import zlib
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    apply_cpu_adaptations(seed=1234)
+    model = build_gpt(num_layers=2, experts=4, ep=2)
+    ddp, optimizer = wrap_with_optimizer(model, lr=1e-2, clip_grad=0.0, distributed=distributed)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=ddp, optimizer=optimizer)
+    ddp.zero_grad_buffer()
+    for name, p in model.named_parameters():
+        expert = not getattr(p, "allreduce", True)
+        seed = zlib.crc32(f"{name}|{rank if expert else ''}".encode())  # an expert's own on each rank
+        p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    ddp.finish_grad_sync()
+    before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    with cuda_on_cpu():
+        optimizer.step()
+    metrics = monitor.step(1) or {}
+    monitor.close()
+    squares = {"dense": 0.0, "expert": 0.0}
+    for name, p in model.named_parameters():
+        part = "dense" if getattr(p, "allreduce", True) else "expert"
+        squares[part] += float((p.detach().double() - before[name]).pow(2).sum())
+    return {"parts": len(getattr(optimizer, "chained_optimizers", [])), "squares": squares,
+            "update_norm": metrics.get("update_norm")}
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain optimizer", "distributed optimizer"])
+def test_update_norm_under_megatrons_chained_moe_optimizer_counts_every_part(distributed):
+    """A MoE model's Megatron optimizer chains a dense and an expert part, stepped one after the
+    other: the update norm was the expert part's alone (2.58 for 2.80; the dense modules' 0).
+    Truth: float64 parameter changes, the replicated dense part once, each rank's experts."""
+    import math
+
+    out = run_ranks(_moe_update, 2, distributed, timeout=300)
+    assert out[0]["parts"] == 2  # a dense and an expert optimizer
+    truth = math.sqrt(out[0]["squares"]["dense"] + sum(o["squares"]["expert"] for o in out))
+    assert out[0]["squares"]["dense"] > 0 and all(o["squares"]["expert"] > 0 for o in out)
+    written = [o["update_norm"] for o in out if o["update_norm"] is not None]
+    assert written and written[0] == pytest.approx(truth, rel=1e-6)

@@ -78,6 +78,7 @@ class NormCollector(ParamSide):
         self._update: Optional[torch.Tensor] = None
         self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
         self._update_step: Optional[int] = None  # the log step the update was measured for
+        self._update_parts: set = set()  # the inner optimizers whose steps it holds (:meth:`diff`)
         self._snapshot_step: Optional[int] = None
         self._snapshot: Optional[list] = None
         self._last_grad: Optional[GradMeasurement] = None
@@ -131,7 +132,7 @@ class NormCollector(ParamSide):
             self._stepping -= 1
             if self._stepping == 0:  # after the last of a chained optimizer's inner steps
                 self._optimizer_steps += 1
-                self.diff()
+                self.diff(id(opt))
 
         for target in targets:
             self._hooks += [target.register_step_pre_hook(before), target.register_step_post_hook(after)]

@@ -37,8 +37,12 @@ class ParamSide:
         else:
             self._snapshot = torch._foreach_mul(locals_, 1.0)
 
-    def diff(self) -> None:
-        """After ``optimizer.step()``: per-bucket ‖P_new − P_old‖², then drop the snapshot."""
+    def diff(self, part: Any = None) -> None:
+        """After ``optimizer.step()``: per-bucket ‖P_new − P_old‖², then drop the snapshot.
+        ``part``: the inner optimizer that stepped. Megatron's chained optimizer (dense and expert
+        parts) steps its parts one after the other, each snapshotted and diffed alone: the squares of
+        a part not yet in the update of this step add to it (the parts hold disjoint parameters),
+        where the last part's alone replaced the others' (an update of the experts only)."""
         if self._snapshot is None:
             return
         plan = self.grads.plans.model_plan()
@@ -49,7 +53,14 @@ class ParamSide:
         if self.snapshot_device == "cpu":
             new = [t.to("cpu") for t in new]
         torch._foreach_sub_(old, new)
-        self._update, self._update_step = self._bucket_squares(plan, old), self._snapshot_step
+        squares = self._bucket_squares(plan, old)
+        if self._update is not None and self._update_step == self._snapshot_step and self._update_plan is plan \
+                and part is not None and part not in self._update_parts:  # another part of one chained step
+            self._update = self._update + squares
+            self._update_parts.add(part)
+        else:  # a step of its own (the same optimizer stepping again for one step: the last step's update)
+            self._update, self._update_parts = squares, {part}
+        self._update_step = self._snapshot_step
         self._update_plan = plan  # parameters frozen or added before the log step do not rename its buckets
 
     def _lacks_update(self, missing: bool) -> bool:
