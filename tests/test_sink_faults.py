@@ -836,3 +836,43 @@ def test_a_script_that_never_closes_gets_its_wandb_rows_at_exit(tmp_path):
     assert max(i for i, name in enumerate(hooks) if "open_at_exit" in name) > writer, hooks
     steps = [row["step"] for row in read_offline_run(str(tmp_path / "out"))["history"]]
     assert steps == list(range(1, 66)), steps
+
+
+def _events_on_full_disk_child(folder: str) -> None:
+    """Steps 1-3 written; no file can grow (RLIMIT_FSIZE 0) for steps 4-5, where step 4's loss is
+    NaN (an alert, once per event) and an evaluation is logged; room again from step 6."""
+    import resource
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, timing_log_level=-1, tensorboard=False,
+                           log_throughput=False, log_memory=False, straggler_window=0)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 9):
+            if step == 4:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+            if step == 6:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+            monitor.step(step, loss=float("nan") if step in (4, 5) else 1.0)
+            if step == 4:
+                monitor.log_eval(step, loss=3.0)
+
+
+def test_an_alert_or_eval_record_the_full_disk_refused_is_written_once_room_returns(tmp_path):
+    """An alert is said once per event: the non-finite loss of steps 4-5, refused by the full disk,
+    was never written (every later record carried the count, no alert), nor the evaluation of
+    step 4. Such records are now kept and written ahead of the first record written again; the
+    gap counts the train records alone."""
+    import distmetrics as dm
+
+    child = run_child("_events_on_full_disk_child", str(tmp_path / "run"))
+    assert child.returncode == 0, child.stderr
+    records = list(dm.read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    kinds = [(r["kind"], r["step"]) for r in records if r["kind"] != "run"]
+    assert ("alert", 4) in kinds and ("eval", 4) in kinds, kinds
+    [gap] = [r for r in records if r["kind"] == "gap"]
+    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (4, 5, 2)  # train records 4 and 5
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 6, 7, 8]
+    assert [k for k in kinds if k[0] == "alert"] == [("alert", 4)]  # the event's one alert, not again at 6

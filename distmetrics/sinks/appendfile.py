@@ -61,10 +61,14 @@ class AppendFile:
         file's first event, a job's ``run`` record or "Starting job" line, TensorBoard's order to
         drop an earlier job's steps). If it cannot be written it is held, not counted as lost,
         and written ahead of the next record, or at ``close()``; True if written now."""
+        self.hold(data, step)
+        return self.append((), step, counts=False)
+
+    def hold(self, data: Union[bytes, Sequence[bytes]], step: int) -> None:
+        """Keep ``data`` to write ahead of the next record (or at ``close()``), without trying now."""
         if not self._held:
             self._held_step = step
         self._held.extend(_pieces(data))
-        return self.append((), step, counts=False)
 
     def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True,
                closing: bool = False) -> bool:

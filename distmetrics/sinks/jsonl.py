@@ -11,7 +11,9 @@ first. When a write fails (disk full), the part written is cut back off, later r
 tried again, and the first record written after the failure is preceded by a ``gap`` record:
 ``{"kind": "gap", "step": N, "first_step": a, "last_step": b, "lost_records": n, "error": ...}``.
 A job's ``run`` record that could not be written goes ahead of the first record written (readers
-split the file into jobs at it), and is not counted as lost.
+split the file into jobs at it), and is not counted as lost. So do the records of rare events
+(:data:`KEPT_KINDS`: an alert, an evaluation, a checkpoint's progress, a stragglers report), up
+to :data:`KEPT_AT_MOST` of them: an alert said once per event was lost for good with its record.
 
 Encoding is the training thread's main cost at thousands of names (a shortest float repr per
 value): with ``orjson`` installed (a dependency) a record encodes about 15x faster than with
@@ -38,6 +40,10 @@ except ImportError:  # the standard library writes the same values, slower
 
 __all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value", "METRICS_FILE", "NONFINITE"]
 
+KEPT_KINDS = frozenset(("alert", "eval", "progress", "stragglers"))
+"""Records kept while the file cannot be written, and written ahead of the next record that can."""
+KEPT_AT_MOST = 1000
+"""Kept records at most (beyond: lost and counted as a train record is)."""
 METRICS_FILE = "metrics.jsonl"
 """The name of the JSONL file in every run folder."""
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -57,6 +63,7 @@ class JsonlSink:
         self._file = AppendFile(self.path, self.name, lines=True,
                                 on_loss='a "gap" record')
         self._finite = FiniteCheck()
+        self._kept = 0  # records of KEPT_KINDS held since the file was last written
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
@@ -65,9 +72,13 @@ class JsonlSink:
             # resumed from the resume record): held until written, ahead of the next record
             self._file.append_header(pieces, step)
             return
-        if self._file.lost is not None:  # the gap record and this one are written together, or neither
-            pieces = (self._gap(step), *pieces)
-        self._file.append(pieces, step)
+        gap = (self._gap(step),) if self._file.lost is not None else ()  # written with this record, or neither
+        keep = kind in KEPT_KINDS and self._kept < KEPT_AT_MOST
+        if self._file.append((*gap, *pieces), step, counts=not keep):
+            self._kept = 0  # any record held went ahead of this one
+        elif keep:  # held, not lost: written ahead of the next record that can be (or at close)
+            self._file.hold(pieces, step)  # not tried alone: a write that worked would end the gap unmarked
+            self._kept += 1
 
     def close(self) -> None:
         """Close the file, with a gap record where records were lost since the last one written
