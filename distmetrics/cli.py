@@ -136,7 +136,16 @@ def run_report(args: argparse.Namespace) -> str:
     if args.out is not None and len(paths) > 1:
         raise ValueError(f"--out names one file but {args.path!r} holds {len(paths)} runs: give one run folder "
                          "with --out, or leave --out out for one report beside each run's metrics.jsonl")
-    return "\n".join(f"report: {write_report(path, args.out)}" for path in paths)
+    return "\n".join(f"report: {_report(write_report, path, args.out)}" for path in paths)
+
+
+def _report(write_report, path, out) -> str:
+    """One run's report. Data the report cannot hold in memory (a file that claims a rank grid of
+    a billion ranks) is a message naming the file, exit status 2, not a traceback."""
+    try:
+        return write_report(path, out)
+    except MemoryError as err:
+        raise ValueError(f"the report of {str(path)!r} cannot be drawn: {err or 'out of memory'}") from None
 
 
 def check_features(path: str, feature_dirs: list) -> dict:

@@ -2,8 +2,9 @@
 
 Wrapper levels (DDP's ``module.``, FSDP1's ``_fsdp_wrapped_module.``, ``torch.compile``'s
 ``_orig_mod.``, activation checkpointing's wrapper) are dropped; Megatron's stage-local layer
-index becomes the global ``layer_number - 1`` (so names match an unpipelined run), and an
-expert's rank-local index in ``local_experts`` its global expert index.
+index becomes the global ``layer_number - 1`` (so names match an unpipelined run) where the
+``layers`` list's numbers tell its layers apart, and an expert's rank-local index in
+``local_experts`` its global expert index.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 import torch
 
 __all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
-           "ROOT_MODULE", "root_name"]
+           "ROOT_MODULE", "root_name", "is_wrapper_level"]
 
 WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 _WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
@@ -27,6 +28,7 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
     out = {"": ""}
     experts: dict[str, list] = {"": []}  # the nearest MoE layer's global expert indices
     modules = {"": model}
+    numbered: dict[str, bool] = {}  # a `layers` list -> whether its layer numbers name its layers
     for name, module in model.named_modules():
         if not name:
             continue
@@ -36,9 +38,10 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
         indices = getattr(module, "local_expert_indices", None)
         experts[name] = list(indices) if isinstance(indices, (list, tuple)) else experts.get(parent, [])
         number = getattr(module, "layer_number", None)
-        if leaf in _WRAPPER_LEVELS and _wraps(modules.get(parent)):
+        if is_wrapper_level(modules.get(parent), leaf):
             clean = base
-        elif isinstance(number, int) and leaf.isdigit() and parent.split(".")[-1] == "layers":
+        elif leaf.isdigit() and parent.split(".")[-1] == "layers" and numbered.setdefault(
+                parent, _distinct_layer_numbers(modules.get(parent))):
             clean = f"{base}.{number - 1}" if base else str(number - 1)
         elif leaf.isdigit() and parent.split(".")[-1] == "local_experts" and int(leaf) < len(experts[parent]):
             clean = f"{base}.{experts[parent][int(leaf)]}"
@@ -46,6 +49,21 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
             clean = f"{base}.{leaf}" if base else leaf
         out[name] = clean
     return out
+
+
+def is_wrapper_level(parent: Optional[torch.nn.Module], leaf: str) -> bool:
+    """Whether child ``leaf`` of ``parent`` is a wrapper level whose name is left out of names: it
+    has a wrapper's name (``module``, ``_orig_mod``, ...) and ``parent`` only wraps it."""
+    return leaf in _WRAPPER_LEVELS and _wraps(parent)
+
+
+def _distinct_layer_numbers(layers: Optional[torch.nn.Module]) -> bool:
+    """Whether every child of ``layers`` carries a whole ``layer_number`` >= 1 and no two the same:
+    only then do the numbers name the layers (Megatron's). A model whose blocks carry some other
+    number (1, 1, 5) keeps the list's indices: the numbers merged two blocks into one name."""
+    children = list(layers._modules.values()) if layers is not None else []
+    numbers = [getattr(child, "layer_number", None) for child in children]
+    return bool(numbers) and all(type(n) is int and n >= 1 for n in numbers) and len(set(numbers)) == len(numbers)
 
 
 def _wraps(parent: Optional[torch.nn.Module]) -> bool:

@@ -1,7 +1,8 @@
 """A synthetic ``metrics.jsonl`` shaped like a large job's, for the report's tests and benchmark.
 
 Every train record holds what the Monitor writes with ``timing_log_option: all``, per-module
-norms and straggler scores: ``timers/<t>/rank<r>`` for 3 timers x ranks, 5 norm families x
+norms and straggler scores: ``timers/<t>/rank<r>`` for 3 timers x ranks (with the ``/max``,
+``/min`` and ``/mean`` an ``all`` metric writes beside them), 5 norm families x
 modules (``grad_norm/<module>`` ...), about 50 scalars, keys sorted as the Monitor writes them.
 Eval records every 10 log steps, ``stragglers`` every 10, ``tensor_stats`` every 50; three jobs
 (the second resumes before the first one's last step); a non-finite gradient with its alert,
@@ -92,7 +93,8 @@ class _Job:
                 "gpu/temperature_c/min", "moe/load_imbalance", "stragglers/score_min", "stragglers/score_min_rank",
                 "stragglers/score_min_local_rank"] + [f"train/loss/{c}" for c in CATEGORIES] \
             + [f"stragglers/{t}/{k}" for t in TIMERS for k in ("rank", "local_rank", "max_over_median", "score_min",
-                                                                "score_min_rank")]
+                                                                "score_min_rank")] \
+            + [f"timers/{t}/{k}" for t in TIMERS for k in ("max", "mean", "min")]
 
     def write_start(self, f, index: int, first: int) -> int:
         """The job's run record and its gpu_model record."""
@@ -191,6 +193,8 @@ class _Job:
         out.update({f"train/loss/{c}": loss + 0.3 * (k - 1) for k, c in enumerate(CATEGORIES)})
         for t in TIMERS:
             ms = timers[t]
+            out.update({f"timers/{t}/max": float(ms.max()), f"timers/{t}/mean": float(ms.mean()),
+                        f"timers/{t}/min": float(ms.min())})
             out.update({f"stragglers/{t}/rank": float(np.argmax(ms)),
                         f"stragglers/{t}/local_rank": float(np.argmax(ms) % 8),
                         f"stragglers/{t}/max_over_median": float(ms.max() / np.median(ms)),

@@ -244,7 +244,7 @@ def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     # which modules are bad travels only at a log step with a non-finite count: healthy steps pay nothing
     healthy, bad = seen[3]["collectives"], [seen[i]["collectives"] for i in (1, 2, 4)]
     assert all(n > healthy for n in bad) and results[1]["seen"][3]["collectives"] == healthy
-    assert seen[1]["grad_nonfinite_modules"] == "blocks.1.fc2,blocks.2.fc1"
+    assert seen[1]["grad_nonfinite_modules"] == ["blocks.1.fc2", "blocks.2.fc1"]
     assert seen[1]["health/first_nonfinite_module"] == "blocks.1.fc2"
     assert seen[2]["health/first_nonfinite_module"] is None  # the same event: no new alert
     assert seen[4]["health/first_nonfinite_module"] == "blocks.1.fc2"  # a new event after recovery
@@ -253,6 +253,48 @@ def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     assert alerts[0]["first_module"] == "blocks.1.fc2" and alerts[0]["modules"] == ["blocks.1.fc2", "blocks.2.fc1"]
     assert len(results[0]["console"]) == 2 and "blocks.1.fc2" in results[0]["console"][0]
     assert not (tmp_path / "r1").exists()
+
+
+def _nan_in_a_module_named_with_a_comma(rank: int, world: int, root: str) -> dict:
+    """Rank 1's gradient of the ModuleDict entry ``enc,dec`` holds a NaN; every other gradient is
+    finite. Returns the step's metrics and, as truth, the modules whose gradient any rank saw
+    non-finite."""
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "enc,dec": torch.nn.Linear(2, 2),
+                                 "z": torch.nn.Linear(2, 2)})
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    if rank == 1:
+        model["enc,dec"].weight.grad[0, 0] = math.nan
+    bad = [name for name, module in model.items()
+           if any(not torch.isfinite(p.grad).all() for p in module.parameters())]
+    every: list = [None] * world
+    dist.all_gather_object(every, bad)
+    with dm.Monitor(_config(f"{root}/r{rank}"), model=model) as monitor:
+        monitor.clip_grad_norm_(1.0)
+        metrics = monitor.step(1, loss=1.0)
+    keys = ("grad_nonfinite_modules", "health/first_nonfinite_module")
+    return {"truth": sorted(set().union(*every)), "metrics": {k: metrics.get(k) for k in keys}}
+
+
+def test_a_module_whose_name_holds_a_comma_is_one_module_in_the_alert(tmp_path):
+    """grad_nonfinite_modules was the names joined with "," and read back split at ",": the one
+    module ``enc,dec`` became two, enc (named first) and dec, in the record and the alert."""
+    import distmetrics as dm
+
+    result = run_ranks(_nan_in_a_module_named_with_a_comma, 2, str(tmp_path))[0]
+    assert result["truth"] == ["enc,dec"]
+    assert result["metrics"] == {"grad_nonfinite_modules": ["enc,dec"], "health/first_nonfinite_module": "enc,dec"}
+    records = list(dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl"))
+    [train] = [r for r in records if r["kind"] == "train"]
+    [alert] = [r for r in records if r["kind"] == "alert"]
+    assert train["grad_nonfinite_modules"] == result["truth"]  # a JSON list in the file
+    assert alert["first_module"] == "enc,dec" and alert["modules"] == result["truth"]
 
 
 def _categories_and_moe(rank: int, world: int) -> dict:

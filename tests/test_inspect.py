@@ -1234,3 +1234,94 @@ def test_an_empty_features_path_or_a_feature_folder_that_is_no_path_is_named(val
 
     with pytest.raises(dm.ConfigError, match=re.escape(message)):
         dm.MetricsConfig(tensor_inspect=value)
+
+
+# --- layer names as the model gives them --------------------------------------------------------
+
+def _named_layers(rank: int, world: int, root: str) -> dict:
+    """Two scenarios on every rank, activation statistics of every ``fc`` at step 1: a ModuleDict
+    key holding ``|``; under DDP, a model's own submodule ``module`` beside a sibling ``fc``.
+    Returns the float64 truth of each layer's activations, gathered over the ranks."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.ModuleDict({"fc": nn.Linear(3, 3)})  # the model's own, not DDP's level
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.module["fc"](x).sum() + 2 * self.fc(x).sum()
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"fc$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["max", "mean"], "freq": 1}}}}
+    x = torch.randn(2 + rank, 3, generator=torch.Generator().manual_seed(rank))  # ranks hold different batches
+    torch.manual_seed(0)
+    pipe = nn.ModuleDict({"a|b": nn.ModuleDict({"fc": nn.Linear(3, 3)}), "c": nn.ModuleDict({"fc": nn.Linear(3, 3)})})
+    net = DistributedDataParallel(Net())
+    layers = {"pipe": {"a|b.fc": pipe["a|b"]["fc"], "c.fc": pipe["c"]["fc"]},
+              "module": {"module.fc": net.module.module["fc"], "fc": net.module.fc}}
+    out = {}
+    for case, model in (("pipe", pipe), ("module", net)):
+        cfg = dm.MetricsConfig(output_dir=f"{root}/{case}{rank}", log_interval=1, console=False, tensorboard=False,
+                               timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+        out[case] = {}
+        with dm.Monitor(cfg, model=model) as monitor:
+            if case == "pipe":
+                sum(layer(x).sum() for layer in layers[case].values()).backward()
+            else:
+                model(x).backward()
+                monitor.clip_grad_norm_(math.inf)
+            try:  # the same error on every rank: the next scenario still runs
+                monitor.step(1, loss=1.0)
+            except ValueError as err:
+                out[case]["error"] = f"monitor.step raised {err!r}"
+        for name, layer in layers[case].items():
+            activation = _gather(torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double()))
+            out[case][name] = {"max": float(activation.max()), "mean": float(activation.mean())}
+    return out
+
+
+@pytest.fixture(scope="module")
+def named_layers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("named_layers")
+    return root, run_ranks(_named_layers, 2, str(root), timeout=240)[0]
+
+
+def _records(folder) -> dict:
+    import distmetrics as dm
+
+    return {r["kind"]: r for r in dm.read_jsonl(folder / "metrics.jsonl") if r["kind"] in ("train", "tensor_stats")}
+
+
+def test_a_layer_name_holding_a_pipe_gets_its_statistics_and_the_step_its_record(named_layers):
+    """A ModuleDict key ``a|b``: the statistics' internal names are ``|``-separated, and their split
+    raised ValueError (too many values to unpack) in monitor.step at every selected step, losing the
+    tensor_stats record and the step's train record with it."""
+    root, truth = named_layers
+    assert "error" not in truth["pipe"], truth["pipe"]["error"]
+    records = _records(root / "pipe0")
+    assert records["train"]["train/loss"] == 1.0
+    written = {k: v for k, v in records["tensor_stats"].items() if k.startswith("tensor_stats/")}
+    expected = {f"tensor_stats/{layer}/activation/{stat}": value
+                for layer, stats in truth["pipe"].items() for stat, value in stats.items()}
+    assert written == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_submodule_named_module_keeps_its_name_in_statistics_as_in_norm_names(named_layers):
+    """A model's own ``self.module`` beside ``self.fc`` (under DDP, whose ``module`` level goes):
+    statistics names dropped every ``module`` level, so module.fc and fc wrote one key,
+    tensor_stats/fc/..., holding module.fc's values; norm names keep module.fc apart."""
+    root, truth = named_layers
+    assert "error" not in truth["module"], truth["module"]["error"]
+    records = _records(root / "module0")
+    written = {k: v for k, v in records["tensor_stats"].items() if k.startswith("tensor_stats/")}
+    expected = {f"tensor_stats/{layer}/activation/{stat}": value
+                for layer, stats in truth["module"].items() for stat, value in stats.items()}
+    assert written == pytest.approx(expected, rel=1e-6)
+    assert {"grad_norm/module.fc", "grad_norm/fc"} <= set(records["train"])  # the same names

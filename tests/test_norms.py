@@ -548,7 +548,7 @@ def test_nonfinite_gradients_name_their_modules():
     monitor.clip_grad_norm_(1.0)
     m = monitor.step(1)
     assert m["grad_nonfinite"] == 1
-    assert m["grad_nonfinite_modules"] == "blocks.1.fc2"
+    assert m["grad_nonfinite_modules"] == ["blocks.1.fc2"]
     assert math.isnan(m["grad_norm"])
 
 
@@ -783,6 +783,49 @@ def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():
     assert names["module._orig_mod.layers.1"] == "layers.3"
 
 
+def _layer_numbers_that_name_no_layer(rank: int, world: int) -> dict:
+    """DDP over a ``layers`` list whose blocks carry ``layer_number`` 1, 1, 5 (the model's own
+    attribute, not Megatron's numbering): the norms logged, and float64 truth from the gradients."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    class Block(torch.nn.Module):
+        def __init__(self, number):
+            super().__init__()
+            self.layer_number = number
+            self.lin = torch.nn.Linear(3, 3)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(1), Block(1), Block(5)])
+
+        def forward(self, x):
+            return sum((i + 1) * block.lin(x).pow(2).sum() for i, block in enumerate(self.layers))
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Net())
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    model(torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))).backward()
+    squares = {name[len("module."):]: float(p.grad.double().pow(2).sum()) for name, p in model.named_parameters()}
+    monitor.clip_grad_norm_(math.inf)
+    metrics = monitor.step(1)
+    monitor.close()
+    return {"truth": subtree_norms(squares)["modules"],
+            "logged": {k[len("grad_norm/"):]: v for k, v in metrics.items() if k.startswith("grad_norm/")}}
+
+
+def test_layer_numbers_that_repeat_keep_the_list_indices(tmp_path):
+    """layer_number names a layer only where the list's numbers tell its layers apart: blocks
+    numbered 1, 1, 5 were grad_norm/layers.0 (the first two merged, sqrt(2)x) and layers.4."""
+    result = run_ranks(_layer_numbers_that_name_no_layer, 2)[0]
+    assert set(result["logged"]) == set(result["truth"])  # layers, layers.<i>, layers.<i>.lin for i = 0, 1, 2
+    for module, norm in result["truth"].items():
+        assert result["logged"][module] == pytest.approx(norm, rel=REL), module
+
+
 def test_bf16_gradients_are_measured_to_float32_not_bf16_precision():
     import torch
 
@@ -982,7 +1025,7 @@ def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
     m = monitor.step(1)
     monitor.close()
     assert math.isnan(m["grad_norm/0.1"]) and math.isnan(m["grad_norm/0"]) and m["grad_norm/0.0"] == 1.0
-    assert m["grad_norm/1"] == 1.0 and m["grad_nonfinite_modules"] == "0.1"
+    assert m["grad_norm/1"] == 1.0 and m["grad_nonfinite_modules"] == ["0.1"]
     for p in model.parameters():  # the clip above scaled every gradient by its NaN coefficient
         p.grad = torch.ones_like(p)
     model[0][1].weight.grad[0, 0] = math.inf  # p = 2: an infinite module, and so its block, is inf; the rest finite
@@ -991,7 +1034,7 @@ def test_a_nan_module_is_never_hidden_in_its_subtrees_max_or_min():
     m = monitor.step(1)
     monitor.close()
     assert m["grad_norm/0.1"] == math.inf and m["grad_norm/0"] == math.inf and m["grad_norm"] == math.inf
-    assert m["grad_norm/0.0"] == pytest.approx(12 ** 0.5) and m["grad_nonfinite_modules"] == "0.1"
+    assert m["grad_norm/0.0"] == pytest.approx(12 ** 0.5) and m["grad_nonfinite_modules"] == ["0.1"]
 
 
 def test_the_gradient_that_counts_is_read_from_the_parameter_or_from_its_class():
@@ -1161,7 +1204,7 @@ def test_a_nan_gradient_is_counted_and_named_under_every_norm_type_zero_included
     with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
         monitor.clip_grad_norm_(1e9, p)
         metrics = monitor.step(1)
-    assert metrics["grad_nonfinite"] == 1 and metrics["grad_nonfinite_modules"] == "1"
+    assert metrics["grad_nonfinite"] == 1 and metrics["grad_nonfinite_modules"] == ["1"]
 
 
 def test_a_sum_of_squares_past_the_float_range_is_not_a_nonfinite_gradient():
@@ -1183,7 +1226,7 @@ def test_a_sum_of_squares_past_the_float_range_is_not_a_nonfinite_gradient():
         monitor.clip_grad_norm_(1e9)
         with_inf = monitor.step(2)
     assert overflowed["grad_nonfinite"] == 0 and "grad_nonfinite_modules" not in overflowed
-    assert with_inf["grad_nonfinite"] == 1 and with_inf["grad_nonfinite_modules"] == "1"
+    assert with_inf["grad_nonfinite"] == 1 and with_inf["grad_nonfinite_modules"] == ["1"]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, 0.5, math.inf, -math.inf, 0.0, 40.0])

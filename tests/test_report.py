@@ -31,7 +31,7 @@ Image = pytest.importorskip("PIL.Image", reason="Pillow (the dev extra) decodes 
 
 from distmetrics.report import load_metrics, write_report  # noqa: E402
 from distmetrics.report.store import StepGrid  # noqa: E402
-from tests.dist_utils import free_port, run_python  # noqa: E402
+from tests.dist_utils import free_port, run_python, run_ranks  # noqa: E402
 from tests.synthetic_run import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,7 +364,8 @@ def test_restarts_nan_and_a_line_cut_short(tmp_path):
     def train(step, loss, rank1_ms):
         return {"kind": "train", "step": step, "time": "t", "train/loss": loss, "grad_norm/b.1": 1.0,
                 "grad_norm/b.10": 2.0, "grad_norm/b.2": 3.0, "grad_norm/c": 4.0, "timers/step/rank0": 10.0,
-                "timers/step/rank1": rank1_ms}
+                "timers/step/rank1": rank1_ms, "timers/step/max": max(10.0, rank1_ms),
+                "timers/step/min": min(10.0, rank1_ms), "timers/step/mean": (10.0 + rank1_ms) / 2}
 
     records = [run] + [train(s, 5.0 - s / 100, 20.0) for s in (10, 20, 30)]
     records += ['{"kind": "train", "step": 40, "train/lo\n']  # a crash cut this line short
@@ -588,6 +589,65 @@ def test_the_summary_row_gives_every_jobs_world_size(tmp_path):
     _write(tmp_path / "metrics.jsonl", records)
     page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
     assert "<td>world size</td><td>2, 1 (the jobs ran on different world sizes)</td>" in page
+
+
+def _names_like_ranks(rank: int, world: int, root: str) -> dict:
+    """A real 2-rank run writing names that end in ``/rank<N>`` without being a rank's value: a
+    metric ``u/rank0``, a metric ``data/rank2000000000``, a top-level module ``rank0``
+    (``grad_norm/rank0``), beside an ``all`` metric ``c/z`` (``c/z/rank0``, ``c/z/rank1``)."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Module()
+    model.rank0 = torch.nn.Linear(2, 2)
+    model.head = torch.nn.Linear(2, 2)
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1)
+    truth = []
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, float(step))
+            truth.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.rank0.parameters())))
+            monitor.record("u/rank0", 5.0 * step)
+            monitor.record("data/rank2000000000", 7.0)
+            monitor.record("c/z", 10.0 * step * (rank + 1), reduce="all")
+            monitor.clip_grad_norm_(math.inf)
+            monitor.step(step, loss=1.0)
+    return {"grad_norm/rank0": truth}
+
+
+def test_only_an_all_metrics_rank_values_are_read_per_rank(tmp_path):
+    """Any name ending in /rank<N> was read as rank N's value: data/rank2000000000 made the report
+    allocate a grid of 2e9 rows (numpy MemoryError, 14.6 TiB, an uncaught traceback), u/rank0 was
+    drawn as a ranks heatmap, and a module named rank0 dropped out of the module heatmap."""
+    truth = run_ranks(_names_like_ranks, 2, str(tmp_path))[0]
+    run = _report_cli(str(tmp_path))
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    data = load_metrics(tmp_path)
+    assert sorted(name for kind, name in data.grids if kind == "rank") == ["c/z"]
+    steps, values = data.grids[("rank", "c/z")].logged()
+    assert steps.tolist() == [1, 2] and values.tolist() == [[10.0, 20.0], [20.0, 40.0]]
+    for name, expected in (("u/rank0", [5.0, 10.0]), ("data/rank2000000000", [7.0, 7.0])):
+        steps, _, values = data.scalars.series(name)
+        assert steps.tolist() == [1, 2] and values.tolist() == expected, name
+    steps, values = data.grids[("module", "grad_norm")].logged()
+    assert values[:, data.modules.index("rank0")].tolist() == pytest.approx(truth["grad_norm/rank0"], rel=1e-6)
+
+
+def test_a_report_too_big_for_memory_is_exit_status_2_with_a_message(tmp_path, capsys, monkeypatch):
+    """Data the report cannot hold in memory ended in numpy's MemoryError traceback."""
+    from distmetrics import cli
+
+    def no_memory(self, n):  # what numpy raises (its _ArrayMemoryError is a MemoryError)
+        raise MemoryError(f"Unable to allocate 7.28 TiB for an array with shape (1000, {n}) and data type float64")
+
+    monkeypatch.setattr(StepGrid, "_grow", no_memory)
+    _write(tmp_path / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 2},
+                                        {"kind": "train", "step": 1, "grad_norm/a": 1.0}])
+    assert cli.main(["report", str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert "cannot be drawn" in said and "metrics.jsonl" in said and "Unable to allocate" in said, said
 
 
 def test_a_grid_stays_bounded_however_long_the_run(monkeypatch):

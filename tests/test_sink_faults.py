@@ -343,6 +343,48 @@ def test_tensorboard_skips_a_name_or_step_it_cannot_store_and_goes_on(tmp_path, 
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (4, 4.0)]
 
 
+def _beyond_float32(rank: int, world: int, root: str) -> list:
+    """Two log steps of means over 2 ranks: ``v/big`` (0 and 2e300: 1e300) and ``v/big_negative``
+    beyond float32's range, ``v/tiny`` (1e-50) below its smallest, ``v/ok``; the writer's warnings."""
+    import distmetrics as dm
+
+    warnings = Capture()
+    logging.getLogger("distmetrics").addHandler(warnings)
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, timing_log_level=-1, log_progress=False)
+    with dm.Monitor(cfg) as monitor:
+        for step in (1, 2):
+            monitor.record("v/big", 2e300 * rank)
+            monitor.record("v/big_negative", -2e300 * rank)
+            monitor.record("v/tiny", 1e-50)
+            monitor.record("v/ok", float(step))
+            monitor.step(step)
+    logging.getLogger("distmetrics").removeHandler(warnings)
+    return warnings.messages
+
+
+def test_a_finite_value_beyond_float32_is_skipped_by_tensorboard_with_one_warning(tmp_path):
+    """TensorBoard's scalars are float32: 1e300 was written as inf and -1e300 as -inf without a
+    word, while JSONL and W&B had the value. Skipped, with one warning naming it for the run; a
+    nonzero value below float32's smallest is written as 0 (float32's rounding, as the README says)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    messages = dist_utils.run_ranks(_beyond_float32, 2, str(tmp_path))[0]
+    big = (0.0 + 2e300) / 2  # the mean over the two ranks
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["v/big"], r["v/big_negative"], r["v/tiny"]) for r in records] == [(big, -big, 1e-50)] * 2
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert "v/big" not in tags and "v/big_negative" not in tags
+    assert [(e.step, e.value) for e in acc.Scalars("v/ok")] == [(1, 1.0), (2, 2.0)]
+    assert [e.value for e in acc.Scalars("v/tiny")] == [0.0, 0.0]
+    skipped = [m for m in messages if "tensorboard sink skipped" in m]
+    assert sorted(m.split("skipped ")[1].split(",")[0] for m in skipped) == ["'v/big'", "'v/big_negative'"], skipped
+    assert all("beyond float32's range" in m for m in skipped), skipped
+
+
 @pytest.mark.parametrize("unreadable", ["metrics.jsonl", "progress.txt"])
 def test_a_folder_where_a_metrics_file_belongs_turns_that_sink_off_with_a_warning(tmp_path, caplog, unreadable):
     """The writer rank reads metrics.jsonl and progress.txt back at start (a restart's last step,

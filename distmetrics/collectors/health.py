@@ -104,7 +104,7 @@ class HealthCollector:
                     metrics[f"health/{name}_spike_factor"] = ratio
         bad = metrics.get("grad_nonfinite_modules")
         if bad and not ctx.previous.get("grad_nonfinite_modules"):  # once per event: the last record had none
-            names = bad.split(",")
+            names = list(bad)
             order = list(ctx.module_order)
             ordered = [m for m in order if m in names] + [m for m in names if m not in order]
             metrics["health/first_nonfinite_module"] = ordered[0]

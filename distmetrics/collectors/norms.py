@@ -278,8 +278,8 @@ class NormCollector(ParamSide):
             del metrics[key]
         if metrics.get("grad_nonfinite"):  # some rank's gradient holds NaN or inf: every rank knows
             bad = self._nonfinite_modules(grad, ctx.step)
-            if bad:
-                metrics["grad_nonfinite_modules"] = ",".join(sorted(bad))
+            if bad:  # a list: a module's name may hold any character, a "," too
+                metrics["grad_nonfinite_modules"] = sorted(bad)
         metrics.pop("grad_missing_params/max_rank", None)
         metrics.pop("grad_nonfinite_steps/max_rank", None)
         for family in _FAMILIES:

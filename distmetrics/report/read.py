@@ -39,7 +39,9 @@ STRAGGLER_REPORTS_KEPT = 20
 EVENT_KINDS = ("gap", "resume")
 """Record kinds that say what happened to the file, not what was measured: listed with the
 alerts and marked on the plots, never drawn as curves nor counted as metric records."""
-_PER_RANK = re.compile(r"^(.+)/rank(\d+)$")
+_PER_RANK = re.compile(r"^(.+)/rank(0|[1-9]\d{0,8})$")
+_ALL_SUMMARY = ("max", "min", "mean")
+"""What an ``all`` metric writes beside its ``<name>/rank<r>`` values: ``<name>/max``, ``/min``, ``/mean``."""
 
 
 class RunData:
@@ -115,6 +117,7 @@ class RunData:
         if isinstance(modules, list) and modules:
             self.model_order = [str(m) for m in modules]
         self._job, self._job_started, self._restart_pending = len(self.jobs) - 1, False, None
+        self._plans.clear()  # which names are per rank depends on the job's world size
 
     def _take(self, record: dict) -> None:
         kind, step = record.get("kind"), _step_of(record)
@@ -210,7 +213,7 @@ class RunData:
                 continue
             position = len(numeric)
             numeric.append(key)
-            family = self._family_of(key)
+            family = self._family_of(key, record)
             if family is None:
                 scalar_positions.append(position)
                 scalar_columns.append(self.scalars.column(key))
@@ -227,10 +230,10 @@ class RunData:
                       for (kind, name), (positions, rows) in families.items()]
         return plan
 
-    def _family_of(self, key: str) -> Optional[tuple[str, str, int]]:
+    def _family_of(self, key: str, record: dict) -> Optional[tuple[str, str, int]]:
         """(grid kind, family name, row) of a per-rank, per-module or per-layer key; None for a scalar."""
         match = _PER_RANK.match(key)
-        if match:
+        if match and self._is_per_rank(match.group(1), int(match.group(2)), record):
             return "rank", match.group(1), int(match.group(2))
         head, _, rest = key.partition("/")
         if rest and head in MODULE_FAMILIES:
@@ -239,6 +242,15 @@ class RunData:
             layer, tensor, stat = rest.rsplit("/", 2)
             return "tensor", f"{tensor}/{stat}", self._row("layer", self.layers, layer)
         return None
+
+    def _is_per_rank(self, name: str, rank: int, record: dict) -> bool:
+        """Whether ``<name>/rank<rank>`` is a rank's value of an ``all`` metric, as the Monitor writes
+        them: beside ``<name>/max``, ``/min`` and ``/mean``, for a rank below the job's world size.
+        Any other (a metric of yours named ``u/rank0``, a module ``rank0``, ``data/rank2000000000``)
+        is a scalar, or a module's row: taken for a rank, it got a heatmap row per rank up to it."""
+        world = self.jobs[self._job].get("world_size") if self._job >= 0 else None
+        in_world = rank < world if isinstance(world, int) and not isinstance(world, bool) else True
+        return in_world and all(f"{name}/{summary}" in record for summary in _ALL_SUMMARY)
 
     def _row(self, kind: str, names: list[str], name: str) -> int:
         rows = self._rows[kind]

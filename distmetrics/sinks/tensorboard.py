@@ -8,8 +8,10 @@ binned as ``SummaryWriter.add_histogram`` bins them) is written on the writer th
 as a traceback on its own thread. A write that fails (disk full) is cut back off, so the file
 stays readable; later events are tried again and written once there is room (warnings say
 when it stops, when it resumes and how many events were lost). A value TensorBoard cannot
-store (a name that is not valid UTF-8, a step outside int64) is skipped with a warning; the
-rest of the record is written.
+store (a name that is not valid UTF-8, a step outside int64, a finite number beyond float32's
+range, which its scalars are) is skipped with a warning; the rest of the record is written. A
+nonzero number below float32's smallest is written as 0: float32's rounding, as 123456789 is
+written as 123456792.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
@@ -65,6 +68,8 @@ def _default_bins() -> list[float]:
 DEFAULT_BINS = _default_bins()
 """The histogram bucket limits ``SummaryWriter.add_histogram`` uses."""
 _file_number = itertools.count()
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a scalar beyond it (a finite one) would be stored as inf."""
 KEPT_BEFORE_START = 16
 """Events written before a job's first step kept to be written again after a purge (a job
 evaluates the checkpoint it restored once or a few times before it steps)."""
@@ -131,6 +136,10 @@ class TensorBoardSink:
         add = summary.value.add
         for name, value in view.scalars.items():
             try:
+                # two comparisons for a number in float32's range; NaN and inf are stored as they are
+                if not -FLOAT32_MAX <= value <= FLOAT32_MAX and math.isfinite(value):
+                    raise OverflowError(f"{value!r} is beyond float32's range (TensorBoard's scalars): it would "
+                                        f"be stored as {'inf' if value > 0 else '-inf'} (metrics.jsonl has it)")
                 add(tag=name, simple_value=value)
             except (ValueError, TypeError, OverflowError) as err:  # UnicodeEncodeError is a ValueError
                 self._skip(name, err)

@@ -43,7 +43,7 @@ from ..collectors.base import Alert, LogContext, Sample
 from .features import _logs_at, _tensor_entries, stats_step, tensor_names
 from .selection import config_for_layer, example_names, numbered
 from .statistics import PARTS, merge, merge_ranks, partials, stat_value
-from .te_names import metric_name, strip_model
+from .te_names import metric_layers, metric_name, strip_model
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
 
@@ -90,10 +90,12 @@ class TensorInspector:
         self.layout: Any = None
         self._leader = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.selected: dict[str, list[str]] = {}
-        self.layer_names: set[str] = set()
+        self.layer_names: dict[str, str] = {}  # nvdlfw-inspect's layer name -> ours (te_names.metric_layers)
         self._tensor_names = tensor_names(spec)  # the tensors the file names (a name may hold '_')
         self._full_names: Optional[dict[str, list]] = None  # see _name_silent_sections
         self._hooks: list = []
+        self._hooked: dict[str, set] = {}  # our layer name -> nvdlfw-inspect's names hooked under it
+        self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
         self._sections: list = []  # (name, nvdlfw's parsed section) of the enabled sections
@@ -136,7 +138,7 @@ class TensorInspector:
         self._models.append(model)
         self.debug_api.infer_and_assign_layer_names(model)
         modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
-        self.layer_names.update(name for _, name in modules)
+        self.layer_names.update(metric_layers(model))
         self._full_names = None  # made again from the names at the next statistics step that needs it
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
         matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
@@ -155,6 +157,9 @@ class TensorInspector:
                     tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
                     self._hook(module, name, tensors, namespace, feature)
         self._sections = list(zip(sections, ConfigManager.configs))
+        # A wrapper and the layer it wraps, both selected, measure the same tensors under one name:
+        # the innermost layer's count once (two values under one name would stop the reduction).
+        self._shadowed = {name for names in self._hooked.values() for name in sorted(names, key=len)[:-1]}
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:
             raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
@@ -174,6 +179,7 @@ class TensorInspector:
     def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict) -> None:
         """Call the feature on the module's tensors on the selected steps. nvdlfw-inspect's base
         ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called."""
+        self._hooked.setdefault(self._metric_layer(name), set()).add(name)
         if namespace == "distmetrics":
             log = self.debug_api.distmetrics.log_tensor_stats
 
@@ -233,9 +239,16 @@ class TensorInspector:
         """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
         return metric_name(logged, self.layer_names, self._tensor_names)
 
+    def _metric_layer(self, layer: str) -> str:
+        """Our name for nvdlfw-inspect's layer ``layer`` (as norm names name its module)."""
+        name = self.layer_names.get(layer)
+        return name if name is not None else strip_model(layer)
+
     # --- accumulation (called through the feature) ----------------------------------------
     def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
+        if layer in self._shadowed:
+            return
         if tensor_name == "weight" and not owns_local_piece(tensor, tensor, layer, self.layout):
             return  # a replica of a weight (or of its shard) another rank reports; shards count everywhere
         x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
@@ -261,10 +274,10 @@ class TensorInspector:
             if self.partials:
                 keys = tuple(sorted(self.partials))
                 names = self._vector_names.get(keys)
-                if names is None:
+                if names is None:  # the layer last: any character of a module's name may be in it
                     names = self._vector_names[keys] = tuple(
-                        f"{layer}|{tensor_name}|{','.join(self.requested[(layer, tensor_name)])}|{part}"
-                        for layer, tensor_name in keys for part in PARTS)
+                        f"{tensor}|{','.join(self.requested[(layer, tensor)])}|{part}|{self._metric_layer(layer)}"
+                        for layer, tensor in keys for part in PARTS)
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
@@ -290,9 +303,9 @@ class TensorInspector:
         if full is None:  # a metric's layer -> the layer names it stands for (wrapper levels kept)
             full = self._full_names = {}
             for layer in self.layer_names:
-                full.setdefault(strip_model(layer), []).append(layer)
-        layers = {name for key in metrics if key.count("/") >= 3
-                  for name in full.get(key.split("/")[1], ["model." + key.split("/")[1]])}
+                full.setdefault(self._metric_layer(layer), []).append(layer)
+        written = {key[len("tensor_stats/"):].rsplit("/", 2)[0] for key in metrics if key.count("/") >= 3}
+        layers = {name for layer in written for name in full.get(layer, ["model." + layer])}
         for section, cfg in self._sections:
             if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
                 continue
@@ -350,7 +363,7 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
             # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
             out[name[len(_FORWARDED):]] = values.present()[0]
             continue
-        layer, tensor_name, stats, part = name.split("|")
+        tensor_name, stats, part, layer = name.split("|", 3)  # the layer (ours already) last, "|" and all
         groups.setdefault((layer, tensor_name, stats), {})[part] = values
     keys = sorted(groups)
     if not keys:
@@ -365,7 +378,7 @@ def _combine(per_rank: dict[str, PerRank]) -> dict:
         if columns["n"][i] == 0:  # no rank sent this key
             continue
         values = {part: columns[part][i] for part in PARTS}
-        prefix = f"tensor_stats/{strip_model(layer)}/{tensor_name}"
+        prefix = f"tensor_stats/{layer}/{tensor_name}"
         for stat in stats.split(","):
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
