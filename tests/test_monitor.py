@@ -726,3 +726,15 @@ def test_a_log_step_keeps_the_slots_of_the_names_in_use_not_of_every_name_ever_r
         assert list(stats._slots) == fixed + once  # 60, not 10 + 50 per log step so far
     with pytest.raises(ValueError, match="metric 'once/0/0' was recorded with reduce='sum', now reduce='mean'"):
         stats.record("once/0/0", 1.0)
+
+
+def test_a_list_of_model_chunks_is_refused_naming_them(tmp_path):
+    """Megatron's virtual pipeline hands a list of model chunks: it was refused as "model must be a
+    torch.nn.Module or a callable that builds one, got list", which did not say why or what works."""
+    import torch
+
+    import distmetrics as dm
+
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(TypeError, match=r"a list of 2 modules \(Megatron's model chunks.*ModuleList\(chunks\)"):
+        dm.Monitor(quiet_config(output_dir=str(tmp_path)), model=chunks)

@@ -173,6 +173,11 @@ def build_model(config: MetricsConfig, layout: Any, factory: Any, optimizer: Any
     build leaves nothing running."""
     import torch
 
+    if isinstance(factory, (list, tuple)) and factory and all(isinstance(m, torch.nn.Module) for m in factory):
+        raise TypeError(
+            f"Monitor(model=...): a {type(factory).__name__} of {len(factory)} modules (Megatron's model chunks, the "
+            "virtual pipeline's stages) is not taken: one module per rank. torch.nn.ModuleList(chunks) gives exact "
+            "totals, with module names that start with the chunk's index ('0.decoder.layers.0', '1.decoder...')")
     if not callable(factory):
         raise TypeError(f"model must be a torch.nn.Module or a callable that builds one, got {type(factory).__name__}")
     started = None
