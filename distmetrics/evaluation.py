@@ -44,8 +44,8 @@ class EvalLog:
         self.use_names(self.names)
         self._train_losses = _TrainLosses()  # the train records' losses since the last evaluation
         self._gap_said = False
-        self.rank = 0 if layout is None else layout.rank
-        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.rank)
+        self.says = layout is None or layout.says_once  # warnings once per job: the first of its ranks
+        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.says)
         self.refused: Optional[ValueError] = None  # tokens or time_ms found bad: raised after the record
 
     def use_names(self, names: NameRegistry) -> None:
@@ -126,7 +126,7 @@ class EvalLog:
                 metrics["eval/ppl"] = math.inf
             total_w = self._train_losses.weight
             if len(self._train_losses.by) > 1:  # tokens in some records, steps in others
-                if not self._gap_said and self.rank == 0:
+                if not self._gap_said and self.says:
                     self._gap_said = True
                     logger.warning("distmetrics: eval/gap is left out of the eval record of step %d, and of every "
                                    "one where this recurs: the train records since the last evaluation weighted "

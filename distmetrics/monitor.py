@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
@@ -29,7 +28,6 @@ from .guard import CollectiveGuard
 from .interval import now
 from .names import check_step, local_value
 from .naming import module_order
-from .packing import global_rank
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
 from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
@@ -52,7 +50,10 @@ class Monitor:
             or a ``(model, optimizer)`` pair, called after nvdlfw-inspect starts, as
             TransformerEngine layers need (then see ``monitor.model``, ``monitor.optimizer``).
         optimizer: the optimizer (for update norms); optional.
-        group: process group to reduce over (default: the world).
+        group: process group to reduce over (default: the world). The Monitor's job is then that
+            group's ranks: every collective it makes runs over them and every count and record
+            describes them, so independent jobs can share one world; each rank of the group must
+            make the Monitor, and a rank outside it is refused.
         device_mesh: the user's ``DeviceMesh`` (tensor/pipeline coordinates from its dimension
             names when Megatron's ``parallel_state`` is not in use).
         sinks: extra sinks (``name``, ``fix``, ``log(metrics, step, kind)``, ``close()``) for the writer.
@@ -63,7 +64,7 @@ class Monitor:
                  optimizer: Optional[torch.optim.Optimizer] = None, group: Any = None,
                  device_mesh: Any = None, sinks: tuple = (), collectors: tuple = ()) -> None:
         self.config = config = MetricsConfig.coerce(config)
-        self.layout: Layout = detect_layout(device_mesh)
+        self.layout: Layout = detect_layout(device_mesh, group)  # the one place the Monitor's ranks are read
         # a features file one rank cannot read: said on every rank by the start-up gather, and no
         # model factory runs (it would start the inspector on that rank alone)
         inspection, features = check_inspection(config, self.layout.world_size)
@@ -71,17 +72,17 @@ class Monitor:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
         if device_mesh is None and self.layout.source == "data-parallel":  # a model parallelized over a named mesh
-            mesh = model_parallel_mesh(model)
+            mesh = model_parallel_mesh(model, self.layout)
             if mesh is not None:
-                self.layout = detect_layout(mesh)
+                self.layout = detect_layout(mesh, group)
+        # the global rank, and how many ranks the Monitor reduces over (its group's)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         # the group's first or last rank (a Monitor on a group without global rank 0 writes too)
-        size = self.world_size if group is None else dist.get_world_size(group)
-        self.writer_rank = global_rank(group, 0 if config.writer_rank == "first" else size - 1)
+        self.writer_rank = self.layout.ranks[0 if config.writer_rank == "first" else -1]
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
-        self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=size)
-        self._eval = EvalLog(group, self._guard, self.layout, world=size)
+        self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size)
+        self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size)
         self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned

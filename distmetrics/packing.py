@@ -344,17 +344,17 @@ def decode_sum(layout: PackLayout, totals: Sequence[float], weights: Sequence[fl
     result.values = dict(zip(layout.sum_names, totals))
 
 
-def decode_all(layout: PackLayout, rows: list[list[float]], ranks: list[int], size: int) -> dict[str, list]:
+def decode_all(layout: PackLayout, rows: list[list[float]]) -> dict[str, list]:
     """Every rank's ALL row (values, then a presence mask; by group rank) → every rank's value by
-    global rank (``None`` where a rank sent none), for the names some rank sent."""
+    group rank (``None`` where a rank sent none), for the names some rank sent."""
     n = layout.n_all
     out = {}
     for name, idx in layout.all_index.items():
-        per: list = [None] * size
+        per: list = [None] * len(rows)
         seen = False
         for r, row in enumerate(rows):
             if row[idx + n] > 0:
-                per[ranks[r]] = row[idx]
+                per[r] = row[idx]
                 seen = True
         if seen:
             out[name] = per

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
-__all__ = ["Layout", "detect_layout", "RankInfo", "data_parallel_group", "sees_distinct_tokens", "tp_cp_leader",
-           "model_parallel_mesh",
+__all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
+           "tp_cp_leader", "model_parallel_mesh",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
            "is_dtensor"]
 
@@ -64,7 +64,14 @@ class Layout:
     """This rank's place in the job."""
 
     rank: int = 0
+    """This rank's global rank (the world's numbering, also under ``Monitor(group=...)``)."""
     world_size: int = 1
+    """How many ranks the Monitor reduces over: its process group's (the world's by default)."""
+    ranks: tuple = (0,)
+    """The global ranks of the Monitor's process group in its rank order: every collective the
+    Monitor makes runs over them, and its records hold their values."""
+    group: Any = None
+    """The Monitor's process group (None: the world)."""
     local_rank: int = 0
     hostname: str = field(default_factory=socket.gethostname)
     tp_rank: int = 0
@@ -81,6 +88,12 @@ class Layout:
     dp_group: Any = None
     expert_group: Any = None
     device_mesh: Any = None
+
+    @property
+    def says_once(self) -> bool:
+        """True on the first of the Monitor's ranks, which gives a job's once-per-job warnings (under
+        ``Monitor(group=...)`` global rank 0 may be another job's: this job heard nothing)."""
+        return self.rank == self.ranks[0]
 
     @property
     def is_last_stage(self) -> bool:
@@ -101,13 +114,16 @@ _DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp")
 """Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, ...)."""
 
 
-def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
-    """Build the :class:`Layout` of this rank."""
+def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layout:
+    """Build the :class:`Layout` of this rank in a Monitor reducing over ``group`` (None: the
+    world); a rank outside ``group`` is refused (:func:`monitor_ranks`)."""
     layout = Layout(local_rank=local_rank_from_env() or 0)
+    layout.ranks = monitor_ranks(group)
     if dist.is_available() and dist.is_initialized():
         layout.rank = dist.get_rank()
-        layout.world_size = dist.get_world_size()
-        layout.dp_rank = layout.rank
+    layout.group = None if group is None or group is dist.group.WORLD else group
+    layout.world_size = len(layout.ranks)
+    layout.dp_rank = layout.ranks.index(layout.rank)
     ps = _megatron_parallel_state()
     if ps is not None:
         layout.source = "megatron"
@@ -141,7 +157,7 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
                 dp_rank = dp_rank * device_mesh.size(dim) + coords[dim]
         layout.dp_rank = dp_rank
         unknown = [name for name in names if name not in _MODEL_DIMS and not any(h in name for h in _DATA_HINTS)]
-        if unknown and layout.rank == 0:
+        if unknown and layout.says_once:
             logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
                            "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
                            "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
@@ -154,7 +170,34 @@ def detect_layout(device_mesh: Optional[Any] = None) -> Layout:
                 if attr in ("tp", "pp"):
                     setattr(layout, f"{attr}_size", device_mesh.size(names.index(dim_name)))
                     setattr(layout, f"{attr}_group", device_mesh.get_group(dim_name))
+    else:  # data parallel over the Monitor's ranks: nvdlfw-inspect's reduction group is theirs
+        layout.dp_group = layout.group
     return layout
+
+
+def monitor_ranks(group: Any = None) -> tuple[int, ...]:
+    """The global ranks a Monitor on ``group`` reduces over, in the group's rank order (the world's
+    for None or ``dist.group.WORLD``; ``(0,)`` without torch.distributed). A rank outside ``group``
+    is refused here, before the Monitor's first collective: the group's ranks go on without it."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is None or (initialised and group is dist.group.WORLD):
+        return tuple(range(dist.get_world_size())) if initialised else (0,)
+    if not initialised:
+        raise ValueError(f"Monitor(group={group!r}): torch.distributed is not initialised; call "
+                         "init_process_group(...) before making the group and the Monitor, or leave group= out")
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"Monitor(group=...): rank {dist.get_rank()} is not one of the group's ranks (on a rank "
+                         "outside it dist.new_group(ranks) returns a placeholder, not a group, so its ranks are not "
+                         "known here): make that group's Monitor on its ranks only, and give this rank a Monitor "
+                         "on a group that holds it, or none")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"Monitor(group=...): expected a torch.distributed process group (dist.new_group(ranks)) "
+                        f"or None for the world, got {type(group).__name__} {group!r:.80}")
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"Monitor(group=...): rank {dist.get_rank()} is not one of the group's ranks {list(ranks)}: "
+                         "make the Monitor on the group's ranks only")
+    return ranks
 
 
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
@@ -302,11 +345,12 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
     return _first_copy_outside(mesh)
 
 
-def model_parallel_mesh(model: Any) -> Any:
+def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
     """The root DeviceMesh of ``model``'s first DTensor parameter where it has a tensor- or
-    context-parallel dimension (a model parallelized over a named mesh, given to the Monitor
-    without ``device_mesh``), else None: without it every TP rank counted its batch's tokens and
-    its copy of a replicated activation's statistics."""
+    context-parallel dimension and spans the Monitor's ranks (``layout``'s; the world's without
+    it): a model parallelized over a named mesh, given to the Monitor without ``device_mesh``;
+    else None: without it every TP rank counted its batch's tokens and its copy of a replicated
+    activation's statistics."""
     if not isinstance(model, torch.nn.Module):
         return None
     for param in model.parameters():
@@ -316,12 +360,13 @@ def model_parallel_mesh(model: Any) -> Any:
             names = set(root.mesh_dim_names or ())
             if not names & _TP_CP_DIMS:
                 return None
-            if dist.is_initialized() and root.size() != dist.get_world_size():  # one replica's mesh
-                if dist.get_rank() == 0:
+            layout = layout or detect_layout()
+            if dist.is_initialized() and root.size() != layout.world_size:  # one replica's mesh
+                if layout.says_once:
                     logger.warning("distmetrics: the model's DeviceMesh has dimensions %s but spans %d of the %d "
                                    "ranks, so it cannot say which ranks are data-parallel: pass device_mesh= (the "
                                    "whole job's mesh), or every tensor-parallel rank counts its batch's tokens",
-                                   root.mesh_dim_names, root.size(), dist.get_world_size())
+                                   root.mesh_dim_names, root.size(), layout.world_size)
                 return None
             return root
     return None

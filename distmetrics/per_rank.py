@@ -7,7 +7,17 @@ __all__ = ["PerRank", "some_ranks"]
 
 
 class PerRank(list):
-    """Every rank's value of an ``all`` metric, indexed by rank; ``None`` where a rank had none."""
+    """Every rank's value of an ``all`` metric, in the order of the Monitor's ranks (its process
+    group's: by rank in the world's); ``None`` where a rank had none. ``ranks``: the global rank
+    of each place, where they are not 0, 1, 2, ... (a Monitor on a group other than the world)."""
+
+    def __init__(self, values=(), ranks=None) -> None:
+        super().__init__(values)
+        self.ranks = None if ranks is None else tuple(ranks)
+
+    def rank_ids(self):
+        """The global rank of each value (what ``<name>/rank<r>`` names in metrics.jsonl)."""
+        return range(len(self)) if self.ranks is None else self.ranks
 
     def present(self) -> list[float]:
         """The values of the ranks that sent one."""

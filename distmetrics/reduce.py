@@ -379,6 +379,7 @@ class Reducer:
             self.collectives += 1
             rows = out.view(world, 2 * n).cpu().tolist()
             ranks = [global_rank(self.group, r) for r in range(world)]
-        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        for name, values in decode_all(layout, rows, ranks, size).items():
-            result.per_rank[name] = PerRank(values)
+        # in the group's order, each value's global rank kept where they differ (a group other than the world)
+        kept = None if ranks == list(range(len(ranks))) else ranks
+        for name, values in decode_all(layout, rows).items():
+            result.per_rank[name] = PerRank(values, kept)

@@ -203,7 +203,8 @@ def _differing_settings(hosts: list[RankInfo]) -> list[str]:
 def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,
                      settings: tuple = (), config_problem: bool = False) -> list[RankInfo]:
     """Every rank's host, local rank, GPU, start-up problem and shared config values, in one
-    ``all_gather_object``."""
+    ``all_gather_object`` over the Monitor's ranks (its group's: another job sharing the world
+    neither waits for this one nor is compared with it), in their group's order."""
     gpu = None
     if torch.cuda.is_available():
         from .collectors.nvml import gpu_model_info
@@ -217,7 +218,7 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
     if guard is not None:
         guard.enter("Monitor()")
     rows: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(rows, mine)
+    dist.all_gather_object(rows, mine, group=layout.group)
     by_host: dict[str, list] = {}
     for row in sorted(rows, key=lambda r: r.rank):
         by_host.setdefault(row.hostname, []).append(row)
@@ -229,7 +230,7 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
         if None in given or (len(given) > 1 and len(set(given)) == 1):
             for place, row in enumerate(host_rows):
                 row.local_rank = place
-    if layout.rank == 0:
+    if layout.says_once:
         _say_shared_gpus(by_host)
     return rows
 
@@ -269,7 +270,8 @@ def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None) ->
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,
                modules: Sequence[str] = ()) -> dict[str, Any]:
-    """The fields of the ``run`` record: world, ranks and hosts, the model's module names in model
+    """The fields of the ``run`` record: the Monitor's ranks (its group's: their number as
+    ``world_size``, each by its global rank) and hosts, the model's module names in model
     order (nearest the input first; a report draws per-module norms in this order, the metric
     records hold them sorted by name), versions, the command line and the config, with secret
     values hidden (:mod:`distmetrics.redaction`)."""

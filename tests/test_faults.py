@@ -310,6 +310,174 @@ def test_a_monitor_on_a_group_without_global_rank_0_writes_from_the_groups_own_r
             assert run["writer_rank"] == (ranks[0] if writer == "first" else ranks[-1])
 
 
+JOB_RANKS = ((0, 1), (2, 3))
+"""Two independent jobs in one 4-rank world, each with its own ``Monitor(group=...)``."""
+JOB_LOG_INTERVAL = (2, 4)
+FWD_MS = {2: 10.0, 3: 30.0}
+"""Job 1's timed ``fwd`` per step (on the fake clock), by rank."""
+
+
+def _job_loss(rank: int, step: int) -> float:
+    return float((rank + 1) * step)
+
+
+def _job_tokens(rank: int) -> int:
+    return 10 * (rank + 1)
+
+
+def _two_jobs(rank: int, world: int, root: str) -> dict:
+    """Job 0 (ranks 0, 1) logs every 2 steps; job 1 (ranks 2, 3) every 4, times ``fwd`` behind a
+    barrier and prints Megatron's timer report at step 2. Each saves a checkpoint at step 4, 10 s
+    (on a hand-moved wall clock) after its Monitor was made."""
+    import logging
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+    import distmetrics.checkpoints as checkpoints
+    from tests.dist_utils import FakeClock
+
+    said, reports = [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: (reports if record.name == "distmetrics.timers" else said).append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    logging.getLogger("distmetrics.timers").setLevel(logging.INFO)
+    groups = [dist.new_group(list(ranks)) for ranks in JOB_RANKS]  # every rank makes every group
+    job = rank // 2
+    cfg = quiet_config(output_dir=f"{root}/job{job}", json_log=True, log_progress=True, log_throughput=True,
+                       log_interval=JOB_LOG_INTERVAL[job], timing_log_level=1, timing_log_option="minmax",
+                       flops_per_token=1e9, peak_tflops=0.1, hang_timeout_s=0)
+    out: dict = {"refused": _outcome(lambda: dm.Monitor(cfg, group=groups[1 - job]))}  # the other job's group
+    wall = [1_000_000.0]
+    saved_time, checkpoints.time = checkpoints.time, types.SimpleNamespace(time=lambda: wall[0])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    records, norms = {}, []
+    try:
+        with FakeClock() as clock, dm.Monitor(cfg, model=model, group=groups[job]) as monitor:
+            for step in (1, 2, 3, 4):
+                if job == 1:
+                    fwd = monitor.timers("fwd", log_level=1)
+                    fwd.start(barrier=True)
+                    clock.advance(FWD_MS[rank])
+                    fwd.stop(barrier=True)
+                    if step == 2:
+                        monitor.timers.log(["fwd"])
+                clock.advance(100.0)
+                torch.manual_seed(100 * rank + step)
+                model.zero_grad()
+                model(torch.randn(5, 4)).pow(2).sum().backward()
+                for p in model.parameters():  # data parallel within the job
+                    dist.all_reduce(p.grad, group=groups[job])
+                    p.grad /= len(JOB_RANKS[job])
+                truth = sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item()
+                norms.append((float(monitor.clip_grad_norm_(1e9)), truth))
+                monitor.record("rank_id", float(rank), reduce="all")
+                metrics = monitor.step(step, loss=_job_loss(rank, step), tokens=_job_tokens(rank))
+                if metrics is not None:
+                    ids = metrics["rank_id"]
+                    records[step] = {**{k: v for k, v in metrics.items() if k.startswith(("train/", "grad_norm",
+                                                                                         "timers/fwd"))},
+                                     "rank_id": (list(ids), list(ids.rank_ids()))}
+            wall[0] += 10.0
+            monitor.checkpoint_saved(4)
+    finally:
+        checkpoints.time = saved_time
+    out.update(records=records, norms=norms, said=said, reports=reports)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_jobs")
+    return root, run_ranks(_two_jobs, 4, str(root), timeout=180)
+
+
+def test_two_jobs_in_one_world_reduce_their_own_ranks_values_at_their_own_log_interval(two_jobs):
+    """The start-up gather ran over the world: two jobs' Monitors waited for each other, and with
+    different log_interval they were refused ("config key log_interval differs between ranks")."""
+    _, results = two_jobs
+    for job, ranks in enumerate(JOB_RANKS):
+        every = JOB_LOG_INTERVAL[job]
+        for rank in ranks:
+            records = results[rank]["records"]
+            assert sorted(records) == list(range(every, 5, every))
+            for step, record in records.items():
+                steps = range(step - every + 1, step + 1)
+                weighted = sum(_job_loss(r, s) * _job_tokens(r) for r in ranks for s in steps)
+                tokens = sum(_job_tokens(r) for r in ranks for _ in steps)
+                assert record["train/loss"] == pytest.approx(weighted / tokens, rel=1e-12)
+                assert record["train/consumed_tokens"] == step * sum(_job_tokens(r) for r in ranks)
+                assert record["grad_norm"] == pytest.approx(results[rank]["norms"][step - 1][1], rel=1e-6)
+            for measured, truth in results[rank]["norms"]:
+                assert measured == pytest.approx(truth, rel=1e-6)
+
+
+def test_a_barrier_timer_and_the_timer_report_of_one_job_wait_for_its_own_ranks_only(two_jobs):
+    """Timers ignored the group: barrier=True waited for the world, and timers.log gathered from
+    it, so job 1 hung there while job 0 trained on."""
+    _, results = two_jobs
+    for rank in JOB_RANKS[1]:
+        record = results[rank]["records"][4]
+        assert (record["timers/fwd"], record["timers/fwd/max_rank"]) == (pytest.approx(30.0), 3)
+        assert (record["timers/fwd/min"], record["timers/fwd/min_rank"]) == (pytest.approx(10.0), 2)
+    # Megatron's report on the job's last rank: two steps of each rank's fwd
+    assert results[3]["reports"] == ["(min, max) time across ranks (ms):\n    fwd " + "." * 44 + ": (20.00, 60.00)"]
+    assert results[2]["reports"] == [] and results[0]["reports"] == results[1]["reports"] == []
+
+
+def test_every_rank_values_of_a_job_in_a_group_are_its_ranks_named_by_global_rank(two_jobs):
+    """An ``all`` value was a list as long as the world, None for the other job's ranks."""
+    import distmetrics as dm
+
+    root, results = two_jobs
+    for job, ranks in enumerate(JOB_RANKS):
+        for rank in ranks:
+            for record in results[rank]["records"].values():
+                assert record["rank_id"] == ([float(r) for r in ranks], list(ranks))
+        trains = [r for r in dm.read_jsonl(root / f"job{job}" / "metrics.jsonl") if r["kind"] == "train"]
+        assert {k for r in trains for k in r if k.startswith("rank_id/rank")} == {f"rank_id/rank{r}" for r in ranks}
+
+
+def test_the_run_record_progress_and_checkpoint_of_a_job_in_a_group_count_its_own_gpus(two_jobs):
+    """The run record named the world's 4 ranks, progress.txt said "# GPUs: 4" and the checkpoint's
+    TFLOP/s/GPU divided the job's FLOPs by the world's 4 GPUs (half the truth)."""
+    import distmetrics as dm
+
+    root, _ = two_jobs
+    for job, ranks in enumerate(JOB_RANKS):
+        records = list(dm.read_jsonl(root / f"job{job}" / "metrics.jsonl"))
+        [run] = [r for r in records if r["kind"] == "run"]
+        assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == list(ranks)
+        assert run["writer_rank"] == ranks[0]
+        [saved] = [r for r in records if r["kind"] == "progress"]
+        tokens = 4 * sum(_job_tokens(r) for r in ranks)
+        assert saved["checkpoint/tokens"] == tokens
+        assert saved["checkpoint/job_tflops_per_gpu"] == pytest.approx(tokens * 1e9 / 10.0 / len(ranks) / 1e12)
+        lines = (root / f"job{job}" / "progress.txt").read_text().splitlines()
+        assert len(lines) == 2 and all("\t# GPUs: 2\t" in line for line in lines)
+
+
+def test_a_warning_once_per_job_is_said_by_each_jobs_first_rank(two_jobs):
+    """Once-per-job warnings were said by global rank 0 only: job 1 never heard its MFU was above 100%."""
+    _, results = two_jobs
+    for rank, out in enumerate(results):
+        said = [m for m in out["said"] if "is above 100%" in m]
+        assert len(said) == (1 if rank in (0, 2) else 0), out["said"]
+
+
+def test_a_rank_outside_the_group_is_refused_before_any_collective(two_jobs):
+    """get_world_size of the placeholder dist.new_group returns outside a group is -1: such a rank
+    was told its Monitor was "made before init_process_group" (or "Group rank -2 is not part of
+    group -100"), after the other ranks had gone into collectives."""
+    _, results = two_jobs
+    for rank, out in enumerate(results):
+        kind, message, _ = out["refused"]
+        assert kind == "ValueError" and f"rank {rank} is not one of the group's ranks" in message, message
+
+
 def _clip_on_one_rank(rank: int, world: int) -> tuple:
     import torch
 

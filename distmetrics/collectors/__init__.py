@@ -35,16 +35,18 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .timers import Timers
 
     out: list = [StepValues(layout)]
-    timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time)
+    # barrier=True and the timer reports wait for the Monitor's ranks (its group's), not the world's
+    timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time,
+                    barrier_group=layout.group)
     # straggler scores compare ranks: with one rank there is nothing to compare, so none are kept.
     # With them on, every rank's timer values also travel (in the one ALL gather).
     scores = config.straggler_window > 0 and layout.world_size > 1
     out.append(TimerCollector(timers, config.timing_log_option, per_rank=scores))
-    ranks = torch.distributed.get_world_size(group) if group is not None else layout.world_size  # the reduction's
+    ranks = layout.world_size  # the reduction's: the Monitor's group's
     if config.log_throughput:
         out.append(ThroughputCollector(ranks, config.resolved_flops_per_token,
-                                       resolve_peak_tflops(config, layout.rank), config.total_steps,
-                                       config.sol_step_time_ms, warns=layout.rank == 0))
+                                       resolve_peak_tflops(config, warns=layout.says_once), config.total_steps,
+                                       config.sol_step_time_ms, warns=layout.says_once))
     if config.log_memory:
         out.append(MemoryCollector())
     if config.log_energy:

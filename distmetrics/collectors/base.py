@@ -52,7 +52,8 @@ class LogContext:
     layout: Any
     """This rank's :class:`~distmetrics.parallel.Layout`."""
     hosts: Sequence[Any] = ()
-    """Every rank's :class:`~distmetrics.parallel.RankInfo` (host, local rank, GPU), by rank."""
+    """Every rank's :class:`~distmetrics.parallel.RankInfo` (global rank, host, local rank, GPU), in the
+    order of the Monitor's ranks (its group's rank order; by rank for the world)."""
     module_order: Sequence[str] = ()
     """The model's module names in model order (the first is nearest the input)."""
     interval_s: Optional[float] = None

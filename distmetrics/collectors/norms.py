@@ -205,15 +205,15 @@ class NormCollector(ParamSide):
     def _keep(self, measured: Optional[GradMeasurement], after_step: Any = None, caller: str = "") -> None:
         """Keep the latest measurement for the log step. One made in the same step as the one kept
         (``after_step``: the last ``monitor.step`` number before both) over other parameters — a
-        clip per parameter group — replaces it: said once (rank 0), since ``grad_norm`` is then
-        the last call's parameters' norm, not the step's."""
+        clip per parameter group — replaces it: said once (the job's first rank), since
+        ``grad_norm`` is then the last call's parameters' norm, not the step's."""
         if measured is not None:
             measured.locals = measured.groups = None
             kept = self._grad
             if kept is not None and self._grad_after == after_step and kept.plan is not measured.plan \
                     and not self._warned_partial:
                 self._warned_partial = True
-                if self.layout.rank == 0:
+                if self.layout.says_once:
                     logger.warning(
                         "distmetrics: %s was called twice between two monitor.step calls, on different "
                         "parameters (%d, then %d: one call per parameter group?); grad_norm, its per-module values "

@@ -88,7 +88,7 @@ class ParamSide:
             return
         for key in [k for k in metrics if k == "update_norm" or k.startswith("update_norm/")]:
             del metrics[key]
-        if self._warned_update or self.layout.rank != 0:
+        if self._warned_update or not self.layout.says_once:
             return
         self._warned_update = True
         logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "

@@ -52,10 +52,10 @@ class MixedWeights:
     """A reduced ``minmax`` lane (the OR of :func:`loss_weights` over each rank's losses) taken
     out of a record: where ranks weighted their losses by tokens at some steps and by steps
     (``tokens=None``) at others, the loss (``loss``) is left out of it, with one warning from
-    rank 0."""
+    the rank that ``says`` (the first of the Monitor's ranks)."""
 
-    def __init__(self, lane: str, loss: str, rank: int) -> None:
-        self.lane, self.loss, self.rank = lane, loss, rank
+    def __init__(self, lane: str, loss: str, says: bool) -> None:
+        self.lane, self.loss, self.says = lane, loss, says
         self.by: Optional[int] = None
         """What the last record's loss was weighted by (:func:`loss_weights`), or None (no loss, or mixed)."""
         self._said = False
@@ -67,7 +67,7 @@ class MixedWeights:
         if high is None or self.by is not None:
             return
         metrics.pop(self.loss, None)  # the same on every rank: every rank leaves it out
-        if self._said or self.rank != 0:
+        if self._said or not self.says:
             return
         self._said = True
         how = (f"rank {int(high_rank)} passed losses with tokens=None at some steps and with tokens at others"
@@ -101,7 +101,7 @@ class StepValues:
         self._timed = 0
         self._untimed_tokens: Number = 0.0
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
-        self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.rank)
+        self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.says_once)
         """What train/loss was weighted by (``.by``: in the last record)."""
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,

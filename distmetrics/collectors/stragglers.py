@@ -62,7 +62,8 @@ class StragglerCollector:
         self.window, self.report_every, self.report_ranks = window, report_every, report_ranks
         self.threshold = threshold
         self._windows: Any = None  # Windows or HostWindows: "" is the step time, else a timer's name
-        self._alerted: set[int] = set()
+        self._alerted: set[int] = set()  # places among the Monitor's ranks (as the windows index them)
+        self._ids: list[int] = []  # the global rank of each place (what records and alerts name)
         self._log_steps = 0
         self._gpu = _GpuReadings.open(uuid) if nvml else None
         self.clock = IntervalClock()
@@ -106,9 +107,10 @@ class StragglerCollector:
             if self._windows is None or self._windows.world != world:  # another world size: start over
                 self._windows = (HostWindows if world <= _HOST_WORLD else Windows)(self.window, world)
             self._windows.push(series)
-            for name, (value, rank) in zip(series, self._windows.slowest(list(series))):
+            self._ids = list(_rank_ids(next(iter(series.values()))))
+            for name, (value, place) in zip(series, self._windows.slowest(list(series))):
                 key = f"stragglers/{name}/score_min" if name else "stragglers/score_min"
-                _write_minimum(metrics, key, value, rank, ctx.hosts, with_host=not name)
+                _write_minimum(metrics, key, value, place, self._ids, ctx.hosts, with_host=not name)
             if step_ms is not None:
                 out += self._persistent(ctx.hosts)
         self._log_steps += 1
@@ -132,11 +134,11 @@ class StragglerCollector:
         if not new:
             return []
         scores = {r: self._windows.score("", r) for r in new}
-        named = [f"rank {r} ({_where(r, hosts)}, score {scores[r]:.2f})" for r in new[:self.report_ranks]]
+        named = [f"rank {self._ids[r]} ({_where(r, hosts)}, score {scores[r]:.2f})" for r in new[:self.report_ranks]]
         more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
         message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "
                    f"speed at each of the last {self.window} log steps")
-        return [Alert("straggler", message, {"ranks": new, "threshold": self.threshold,
+        return [Alert("straggler", message, {"ranks": [self._ids[r] for r in new], "threshold": self.threshold,
                                              "scores": [_finite(scores[r]) for r in new]})]
 
     def _report(self, names: list[str], gpu: dict, hosts: Sequence[Any]) -> dict:
@@ -147,8 +149,8 @@ class StragglerCollector:
 
         def rows(name: str, ranks: list[int]) -> list[dict]:
             out = []
-            for rank in ranks:
-                row = {"rank": rank, "host": _host(rank, hosts), "local_rank": _local_rank(rank, hosts),
+            for rank in ranks:  # a place among the Monitor's ranks; the row names its global rank
+                row = {"rank": self._ids[rank], "host": _host(rank, hosts), "local_rank": _local_rank(rank, hosts),
                        "score": _finite(windows.score(name, rank)), "ms": _finite(windows.median(name, rank))}
                 if not name:
                     row.update({key: _rank_value(values, rank) for key, values in gpu.items() if values is not None})
@@ -175,15 +177,15 @@ def _every_ranks_timers(metrics: dict[str, Any], ctx: LogContext) -> dict[str, P
     return found  # the lanes' summaries (``/max``...) start with "_": the Monitor leaves them out
 
 
-def _write_minimum(metrics: dict[str, Any], key: str, value: float, rank: int, hosts: Sequence[Any],
-                   with_host: bool) -> None:
+def _write_minimum(metrics: dict[str, Any], key: str, value: float, place: int, ids: Sequence[int],
+                   hosts: Sequence[Any], with_host: bool) -> None:
     if value == math.inf:  # no rank has a score
         return
     metrics[key] = value
-    metrics[f"{key}_rank"] = rank
-    if with_host and rank < len(hosts):
-        metrics[f"{key}_host"] = _host(rank, hosts)
-        metrics[f"{key}_local_rank"] = _local_rank(rank, hosts)
+    metrics[f"{key}_rank"] = ids[place]
+    if with_host and place < len(hosts):
+        metrics[f"{key}_host"] = _host(place, hosts)
+        metrics[f"{key}_local_rank"] = _local_rank(place, hosts)
 
 
 def _rank_value(values: Sequence[Optional[float]], rank: int) -> Optional[float]:
@@ -192,6 +194,17 @@ def _rank_value(values: Sequence[Optional[float]], rank: int) -> Optional[float]
 
 def _finite(value: Optional[float]) -> Optional[float]:
     return value if value is not None and math.isfinite(value) else None
+
+
+def _rank_ids(values: Sequence[Any]) -> Sequence[int]:
+    """The global rank of each place of a per-rank series (a :class:`PerRank` of a Monitor on a
+    group other than the world knows them; else places are ranks)."""
+    return values.rank_ids() if isinstance(values, PerRank) else range(len(values))
+
+
+def _place_of(rank: int, hosts: Sequence[Any]) -> int:
+    """Where global ``rank`` is among the Monitor's ranks (``hosts``, in their group's order)."""
+    return next((place for place, h in enumerate(hosts) if getattr(h, "rank", place) == rank), rank)
 
 
 def _host(rank: int, hosts: Sequence[Any]) -> Optional[str]:

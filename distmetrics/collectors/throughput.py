@@ -24,8 +24,9 @@ __all__ = ["ThroughputCollector", "resolve_peak_tflops", "mfu_pct", "peak_tflops
 logger = logging.getLogger("distmetrics")
 
 
-def resolve_peak_tflops(config: Any, rank: int = 0) -> Optional[float]:
-    """``peak_tflops`` from the config, else the table's value for this GPU and ``dtype``."""
+def resolve_peak_tflops(config: Any, warns: bool = True) -> Optional[float]:
+    """``peak_tflops`` from the config, else the table's value for this GPU and ``dtype``;
+    ``warns``: say when there is none (on one rank of the job: every rank would say it)."""
     import torch
 
     if config.peak_tflops is not None:
@@ -34,7 +35,7 @@ def resolve_peak_tflops(config: Any, rank: int = 0) -> Optional[float]:
         return None
     name = torch.cuda.get_device_name()
     peak = peak_tflops_for(name, config.dtype)
-    if peak is None and rank == 0 and config.resolved_flops_per_token:
+    if peak is None and warns and config.resolved_flops_per_token:
         logger.warning("distmetrics: no peak TFLOP/s known for %r in %s; set peak_tflops for MFU", name, config.dtype)
     return peak
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..reduce import PerRank
 from .base import Alert, LogContext, Sample
-from .stragglers import _host, _local_rank
+from .stragglers import _host, _local_rank, _place_of, _rank_ids
 from .timers import Timer, TimerError, Timers
 
 __all__ = ["StepTimer", "TimerCollector"]
@@ -148,15 +148,16 @@ class TimerCollector:
             for name in names:
                 base = f"timers/{name}"
                 slowest = metrics[base] = metrics.pop(f"{base}/max")
-                self._straggler(metrics, ctx, name, slowest, metrics[f"{base}/max_rank"],
+                rank = metrics[f"{base}/max_rank"]  # a global rank (the MAX pack's)
+                self._straggler(metrics, ctx, name, slowest, rank, _place_of(rank, ctx.hosts),
                                 "max_over_mean", metrics.get(f"{base}/mean"))
         elif self.option == "all":
             for key in ctx.keys_under(metrics, ("timers/",)):
                 value = metrics.get(key)
                 if isinstance(value, PerRank) and value.present():
-                    slowest, rank = max((v, -r) for r, v in enumerate(value) if v is not None)  # ties: the lowest
-                    rank = -rank  # rank, as the MAX pack names under minmax
-                    self._straggler(metrics, ctx, key[len("timers/"):], slowest, rank,
+                    slowest, place = max((v, -r) for r, v in enumerate(value) if v is not None)  # ties: the lowest
+                    place = -place  # rank, as the MAX pack names under minmax
+                    self._straggler(metrics, ctx, key[len("timers/"):], slowest, _rank_ids(value)[place], place,
                                     "max_over_median", statistics.median(value.present()))
         if "timers/step" in metrics and "train/step_time_ms" not in metrics:
             step = metrics["timers/step"]
@@ -167,13 +168,14 @@ class TimerCollector:
         """Nothing to release."""
 
     @staticmethod
-    def _straggler(metrics: dict[str, Any], ctx: LogContext, name: str, slowest: float, rank: int,
+    def _straggler(metrics: dict[str, Any], ctx: LogContext, name: str, slowest: float, rank: int, place: int,
                    ratio_name: str, typical: Optional[float]) -> None:
+        """``rank``: the slowest rank's global rank; ``place``: where it is among the Monitor's ranks."""
         prefix = f"stragglers/{name}"
         metrics[f"{prefix}/rank"] = rank
-        if rank < len(ctx.hosts):
-            metrics[f"{prefix}/host"] = _host(rank, ctx.hosts)
-            metrics[f"{prefix}/local_rank"] = _local_rank(rank, ctx.hosts)
+        if place < len(ctx.hosts):
+            metrics[f"{prefix}/host"] = _host(place, ctx.hosts)
+            metrics[f"{prefix}/local_rank"] = _local_rank(place, ctx.hosts)
         if typical:  # the slowest over a mean or median is >= 1 (the max is float32 in the MAX pack, the mean float64)
             metrics[f"{prefix}/{ratio_name}"] = max(1.0, slowest / typical)
 

@@ -36,6 +36,7 @@ class MegatronReports:
 
     _timers: dict
     _log_option: str
+    _group: Any  # the ranks a report gathers over (the Monitor's group; None: the world)
 
     def __init__(self) -> None:
         self._agreed: Optional[list[str]] = None  # the union of names the ranks asked for
@@ -56,10 +57,11 @@ class MegatronReports:
     def log(self, names: Optional[list] = None, rank: Optional[int] = None, normalizer: float = 1.0,
             reset: bool = True, barrier: bool = False) -> None:
         """The text block through ``logging`` (logger ``distmetrics.timers``, INFO) on ``rank``
-        (default: the last rank, as Megatron); nothing when there is nothing to report."""
+        (a global rank; default: the last of the timers' ranks, as Megatron); nothing when there is
+        nothing to report."""
         text = self.get_all_timers_string(names, normalizer, reset, barrier)
-        world, me = _world()
-        if (world - 1 if rank is None else rank) == me and text is not None:
+        ranks, me = _ranks(self._group)
+        if (ranks[-1] if rank is None else rank) == me and text is not None:
             logger.info(text)
 
     def write(self, names: Optional[list], writer: Any, iteration: int, normalizer: float = 1.0,
@@ -85,14 +87,15 @@ class MegatronReports:
 
     # --- Megatron's helpers (some Megatron-LM code calls them) -----------------------------------
     def _get_elapsed_time_all_ranks(self, names: list, reset: bool, barrier: bool) -> Optional[torch.Tensor]:
-        """``[world, len(names)]`` float32 seconds of every rank (0 where a rank has no time)."""
-        world, _ = _world()
+        """``[world, len(names)]`` float32 seconds of every rank of the timers' group (0 where a rank
+        has no time)."""
+        world, _ = _world(self._group)
         if len(names) == 0 and world == 1:  # a rank asking for none still joins the gather
             return None
         if world > 1 and self.guard is not None:  # before the barrier: a rank that does not come is named
             self.guard.enter("timers report (log, write or get_all_timers_string)")
         if barrier and world > 1:
-            dist.barrier()
+            dist.barrier(group=self._group)
         seconds = {}
         for name in names:
             timer = self._timers.get(name)
@@ -129,6 +132,7 @@ class MegatronReports:
         if table is None:
             return None
         text, reported = "times across ranks (ms):", False
+        ranks = _ranks(self._group)[0]  # a row's global rank
         for i, name in enumerate(names):
             first = True
             for rank in range(table.shape[0]):
@@ -137,7 +141,7 @@ class MegatronReports:
                     if first:
                         first = False
                         text += f"\n  {name}:"
-                    text += "\n     rank {:2d}: {:.2f}".format(rank, table[rank, i] / normalizer)
+                    text += "\n     rank {:2d}: {:.2f}".format(ranks[rank], table[rank, i] / normalizer)
         return text if reported else None
 
     # --- the gather ----------------------------------------------------------------------------
@@ -146,7 +150,7 @@ class MegatronReports:
         this rank asked for, then their seconds; renegotiates (every rank, told by the same
         gather) when a flag is up. A timer this rank has but did not ask for, which another rank
         asked for (the union), is sent too, and reset (``reset``) as its report reads it."""
-        world, _ = _world()
+        world, _ = _world(self._group)
         if world == 1:
             self._agreed = list(names)
             return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
@@ -158,7 +162,7 @@ class MegatronReports:
             flag = 0.0 if asked <= set(agreed) else 1.0
             mine = [float(n in asked) for n in agreed]
             values = [float(seconds[n] if n in seconds else self._peek(n)) for n in agreed]
-            table = _all_gather_rows(torch.tensor([flag] + mine + values, dtype=torch.float32), world)
+            table = _all_gather_rows(torch.tensor([flag] + mine + values, dtype=torch.float32), world, self._group)
             if not bool((table[:, 0] > 0).any()):
                 break
             self._negotiate(names)
@@ -175,20 +179,27 @@ class MegatronReports:
         return timer.elapsed(reset=False) if timer is not None else 0.0
 
     def _negotiate(self, names: list) -> None:
-        rows: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, list(names))
+        rows: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(rows, list(names), group=self._group)
         self._agreed = list(dict.fromkeys(name for row in rows for name in row))
 
 
-def _world() -> tuple[int, int]:
+def _world(group: Any) -> tuple[int, int]:
+    """The size of ``group`` (None: the world) and this rank's global rank."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
+        return dist.get_world_size(group), dist.get_rank()
     return 1, 0
 
 
-def _all_gather_rows(row: torch.Tensor, world: int) -> torch.Tensor:
-    device = collective_device()
+def _ranks(group: Any) -> tuple[list[int], int]:
+    """The global ranks of ``group`` (None: the world) in its order, and this rank's global rank."""
+    world, me = _world(group)
+    return (list(range(world)) if group is None or world == 1 else dist.get_process_group_ranks(group)), me
+
+
+def _all_gather_rows(row: torch.Tensor, world: int, group: Any = None) -> torch.Tensor:
+    device = collective_device(group)
     row = row.to(device)
     out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
-    gather_single()(out, row)
+    gather_single()(out, row, group=group)
     return out.view(world, row.numel()).cpu()

@@ -2,7 +2,7 @@
 
 Strict JSON: NaN and ±Inf are written as the strings ``"NaN"``, ``"Infinity"`` and
 ``"-Infinity"`` so that every JSON tool parses the file; :func:`read_jsonl` turns them back
-into floats. ``all`` metrics are written per rank as ``<name>/rank<r>``.
+into floats. ``all`` metrics are written per rank as ``<name>/rank<r>`` (``r``: the global rank).
 
 The file always ends with a whole line. It is written on the training thread, one ``write``
 per record, so every log step that returned has its line in the file even if the process is
@@ -115,7 +115,7 @@ def _pieces(kind: str, step: int, metrics: dict[str, Any], finite: "FiniteCheck"
         record = head
         for name, value in metrics.items():
             if isinstance(value, PerRank):
-                for rank, v in enumerate(value):
+                for rank, v in zip(value.rank_ids(), value):  # by global rank
                     if v is not None:
                         record[f"{name}/rank{rank}"] = v
             else:

@@ -116,8 +116,11 @@ class TensorInspector:
 
     def set_layout(self, layout: Any) -> None:
         """TE's features reduce over nvdlfw-inspect's tensor reduction group: the data-parallel
-        peers (pipeline stages and tensor-parallel ranks hold different layers or shards)."""
+        peers (pipeline stages and tensor-parallel ranks hold different layers or shards). The
+        statistics' own gather runs over the Monitor's ranks (``layout.group``)."""
         self.layout = layout
+        if getattr(layout, "group", None) is not self.reducer.group:
+            self.reducer = Reducer(layout.group)
         self._leader = tp_cp_leader(layout)  # the same on TP/CP peers: their copies are told apart at the merge
         group = data_parallel_group(layout)
         if group is not None:
@@ -311,7 +314,7 @@ class TensorInspector:
                 continue
             if not any(numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
                 self._silent.add(section)
-                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                if self.layout is None or self.layout.says_once:
                     logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
                                    "came from any of its layers (is its feature called on them?)", section,
                                    self.iteration)
