@@ -736,3 +736,15 @@ def test_jobs_are_numbered_as_summary_numbers_them(tmp_path):
     assert in_summary == in_report == list(range(1, len(in_summary) + 1)) and len(in_summary) >= 2
     alert_rows = re.findall(r"<tr><td>\d+</td><td>(\d+)</td><td style=", page)
     assert alert_rows and set(map(int, alert_rows)) <= set(in_summary)
+
+
+def test_a_group_jobs_rank_values_are_read_per_rank_by_their_global_ranks(tmp_path):
+    """A Monitor on ranks 2 and 3 of a world of 4 (Monitor(group=...)) writes x/rank2 and x/rank3
+    with world_size 2: the report took them for scalars (2 >= 2), not the job's ranks."""
+    _write(tmp_path / "metrics.jsonl", [
+        {"kind": "run", "step": 0, "world_size": 2, "ranks": [{"rank": 2, "host": "a"}, {"rank": 3, "host": "a"}]},
+        {"kind": "train", "step": 1, "x/rank2": 1.0, "x/rank3": 3.0, "x/max": 3.0, "x/min": 1.0, "x/mean": 2.0}])
+    data = load_metrics(tmp_path)
+    assert [name for kind, name in data.grids if kind == "rank"] == ["x"]
+    steps, values = data.grids[("rank", "x")].logged()
+    assert steps.tolist() == [1] and np.nanmax(values) == 3.0 and np.nanmin(values) == 1.0

@@ -880,13 +880,16 @@ def test_a_script_that_never_closes_gets_its_wandb_rows_at_exit(tmp_path):
     assert steps == list(range(1, 66)), steps
 
 
-def _events_on_full_disk_child(folder: str) -> None:
-    """Steps 1-3 written; no file can grow (RLIMIT_FSIZE 0) for steps 4-5, where step 4's loss is
-    NaN (an alert, once per event) and an evaluation is logged; room again from step 6."""
+def _events_on_full_disk_child(folder: str, recover: str, result: str) -> None:
+    """Steps 1-3 written; no file can grow (RLIMIT_FSIZE 0) from step 4, where the loss is NaN (an
+    alert, once per event) and an evaluation is logged; room again from step 6 (``recover`` "1") or
+    never."""
     import resource
 
     import distmetrics as dm
 
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
     cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, timing_log_level=-1, tensorboard=False,
                            log_throughput=False, log_memory=False, straggler_window=0)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -895,11 +898,13 @@ def _events_on_full_disk_child(folder: str) -> None:
         for step in range(1, 9):
             if step == 4:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
-            if step == 6:
+            if step == 6 and recover == "1":
                 resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
             monitor.step(step, loss=float("nan") if step in (4, 5) else 1.0)
             if step == 4:
                 monitor.log_eval(step, loss=3.0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # the result file
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
 
 
 def test_an_alert_or_eval_record_the_full_disk_refused_is_written_once_room_returns(tmp_path):
@@ -909,7 +914,7 @@ def test_an_alert_or_eval_record_the_full_disk_refused_is_written_once_room_retu
     gap counts the train records alone."""
     import distmetrics as dm
 
-    child = run_child("_events_on_full_disk_child", str(tmp_path / "run"))
+    child = run_child("_events_on_full_disk_child", str(tmp_path / "run"), "1", str(tmp_path / "result.json"))
     assert child.returncode == 0, child.stderr
     records = list(dm.read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     kinds = [(r["kind"], r["step"]) for r in records if r["kind"] != "run"]
@@ -918,3 +923,12 @@ def test_an_alert_or_eval_record_the_full_disk_refused_is_written_once_room_retu
     assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (4, 5, 2)  # train records 4 and 5
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 6, 7, 8]
     assert [k for k in kinds if k[0] == "alert"] == [("alert", 4)]  # the event's one alert, not again at 6
+    warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
+    assert len(_warnings({"warnings": warnings}, "jsonl", "cannot write")) == 1
+    # room never returns: the kept records are counted with the lost ones at close
+    child = run_child("_events_on_full_disk_child", str(tmp_path / "never"), "0", str(tmp_path / "never.json"))
+    assert child.returncode == 0, child.stderr
+    assert [r["kind"] for r in dm.read_jsonl(tmp_path / "never" / "metrics.jsonl")] == ["run"] + ["train"] * 3
+    warnings = json.loads((tmp_path / "never.json").read_text())["warnings"]
+    closed = _warnings({"warnings": warnings}, "jsonl", "closed")
+    assert len(closed) == 1 and "7 records (steps 4-8) not written" in closed[0], warnings  # 5 train, alert, eval

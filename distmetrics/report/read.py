@@ -63,6 +63,7 @@ class RunData:
         self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
         self.gpu_models: dict[str, int] = {}
         self.rank_hosts: dict[int, str] = {}
+        self._job_ranks: Optional[frozenset] = None  # the job's global ranks (its run record's)
         self.lines = self.blank_lines = self.bad_lines = self.records = 0
         self.step_min: Optional[int] = None
         self.step_max: Optional[int] = None
@@ -110,9 +111,11 @@ class RunData:
     def _start_job(self, record: dict) -> None:
         self.jobs.append(_job_meta(record, len(self.jobs)))
         ranks = record.get("ranks")
+        self._job_ranks = None  # the job's global ranks, where its run record lists them
         if isinstance(ranks, list) and ranks:
             self.rank_hosts = {int(r["rank"]): str(r.get("host", "")) for r in ranks
                                if isinstance(r, dict) and isinstance(r.get("rank"), int)}
+            self._job_ranks = frozenset(self.rank_hosts)
         modules = record.get("modules")
         if isinstance(modules, list) and modules:
             self.model_order = [str(m) for m in modules]
@@ -245,11 +248,16 @@ class RunData:
 
     def _is_per_rank(self, name: str, rank: int, record: dict) -> bool:
         """Whether ``<name>/rank<rank>`` is a rank's value of an ``all`` metric, as the Monitor writes
-        them: beside ``<name>/max``, ``/min`` and ``/mean``, for a rank below the job's world size.
-        Any other (a metric of yours named ``u/rank0``, a module ``rank0``, ``data/rank2000000000``)
-        is a scalar, or a module's row: taken for a rank, it got a heatmap row per rank up to it."""
-        world = self.jobs[self._job].get("world_size") if self._job >= 0 else None
-        in_world = rank < world if isinstance(world, int) and not isinstance(world, bool) else True
+        them: beside ``<name>/max``, ``/min`` and ``/mean``, for one of the job's ranks (its run
+        record's global ranks: a Monitor on ranks 2 and 3 writes ``/rank2``, ``/rank3``; else a
+        rank below its world size). Any other (a metric of yours named ``u/rank0``, a module
+        ``rank0``, ``data/rank2000000000``) is a scalar, or a module's row: taken for a rank, it got
+        a heatmap row per rank up to it."""
+        if self._job_ranks is not None:
+            in_world = rank in self._job_ranks
+        else:
+            world = self.jobs[self._job].get("world_size") if self._job >= 0 else None
+            in_world = rank < world if isinstance(world, int) and not isinstance(world, bool) else True
         return in_world and all(f"{name}/{summary}" in record for summary in _ALL_SUMMARY)
 
     def _row(self, kind: str, names: list[str], name: str) -> int:

@@ -31,6 +31,8 @@ class Lost:
     records: int
     error: str
     """The first failure, e.g. ``[Errno 28] No space left on device (ENOSPC)``."""
+    held: int = 0
+    """Records kept to be written later (``append(keep=True)``), not counted in ``records``."""
 
 
 class AppendFile:
@@ -71,12 +73,15 @@ class AppendFile:
         self._held.extend(_pieces(data))
 
     def append(self, data: Union[bytes, Sequence[bytes]], step: int, counts: bool = True,
-               closing: bool = False) -> bool:
+               closing: bool = False, keep: Union[bytes, Sequence[bytes], None] = None) -> bool:
         """Write ``data`` (bytes, or pieces written one after the other in one system call, not
         joined first) whole at the end of the file, behind any held header
         (:meth:`append_header`); on an OSError cut it back off, count the record as lost
         (``step`` names it; not with ``counts=False``) and return False. ``closing``: the last
-        write before :meth:`close` (a mark of the records lost), so no "again from" is said."""
+        write before :meth:`close` (a mark of the records lost), so no "again from" is said.
+        ``keep``: where it fails, this record (its pieces without any other written with it) is held
+        (:meth:`hold`) and written ahead of the next record, not lost; counted as lost only if it
+        never is. A failure is warned about either way."""
         pieces = _pieces(data)
         if self._held:
             pieces = [*self._held, *pieces]
@@ -94,7 +99,10 @@ class AppendFile:
                     done, view = done + wrote, view[wrote:]
         except OSError as err:
             self._roll_back(done)
-            if counts:
+            if keep is not None:
+                self._failing(err, step).held += 1
+                self.hold(keep, step)
+            elif counts:
                 self._count_lost(err, step)
             return False
         self._end += size
@@ -102,10 +110,15 @@ class AppendFile:
         if self.lost is not None:
             lost, self.lost = self.lost, None
             again = "closes %s" if closing else "writes %s again from step %d"
-            logger.warning(f"distmetrics: the %s sink {again}; %d record%s (steps %d-%d) could not be written%s.",
-                           self.sink, self.path, *(() if closing else (step,)), lost.records,
-                           "" if lost.records == 1 else "s", lost.first_step, lost.last_step,
-                           f"; {self.on_loss} marks them" if self.on_loss else "")
+            kept = f"; {lost.held} kept meanwhile went ahead" if lost.held else ""
+            if lost.records:
+                logger.warning(f"distmetrics: the %s sink {again}; %d record%s (steps %d-%d) could not be written%s%s.",
+                               self.sink, self.path, *(() if closing else (step,)), lost.records,
+                               "" if lost.records == 1 else "s", lost.first_step, lost.last_step,
+                               f"; {self.on_loss} marks them" if self.on_loss else "", kept)
+            else:
+                logger.warning(f"distmetrics: the %s sink {again}; no record was lost%s.",
+                               self.sink, self.path, *(() if closing else (step,)), kept)
         return True
 
     def close(self) -> None:
@@ -124,20 +137,27 @@ class AppendFile:
         self._fd = -1
         if self.lost is not None:
             lost = self.lost
+            records = lost.records + lost.held  # the kept ones found no room either
             logger.warning("distmetrics: the %s sink closed %s with %d record%s (steps %d-%d) not written: %s.",
-                           self.sink, self.path, lost.records, "" if lost.records == 1 else "s",
+                           self.sink, self.path, records, "" if records == 1 else "s",
                            lost.first_step, lost.last_step, lost.error)
 
-    def _count_lost(self, err: OSError, step: int) -> None:
+    def _failing(self, err: OSError, step: int) -> Lost:
+        """Writing fails: said at the first failure since writing last worked."""
         if self.lost is None:
-            self.lost = Lost(step, step, 1, describe_os_error(err))
+            self.lost = Lost(step, step, 0, describe_os_error(err))
             logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
                            "whole record; every later record is tried again%s.", self.sink, self.path, step,
                            self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss else "")
-        else:
-            self.lost.first_step = min(self.lost.first_step, step)
-            self.lost.last_step = max(self.lost.last_step, step)
-            self.lost.records += 1
+        return self.lost
+
+    def _count_lost(self, err: OSError, step: int) -> None:
+        lost = self._failing(err, step)
+        if lost.records == 0:
+            lost.first_step = lost.last_step = step
+        lost.first_step = min(lost.first_step, step)
+        lost.last_step = max(lost.last_step, step)
+        lost.records += 1
 
     def _roll_back(self, written: int) -> None:
         """Cut off the ``written`` bytes of a record that could not be written whole."""

@@ -63,7 +63,6 @@ class JsonlSink:
         self._file = AppendFile(self.path, self.name, lines=True,
                                 on_loss='a "gap" record')
         self._finite = FiniteCheck()
-        self._kept = 0  # records of KEPT_KINDS held since the file was last written
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
@@ -72,20 +71,20 @@ class JsonlSink:
             # resumed from the resume record): held until written, ahead of the next record
             self._file.append_header(pieces, step)
             return
-        gap = (self._gap(step),) if self._file.lost is not None else ()  # written with this record, or neither
-        keep = kind in KEPT_KINDS and self._kept < KEPT_AT_MOST
-        if self._file.append((*gap, *pieces), step, counts=not keep):
-            self._kept = 0  # any record held went ahead of this one
-        elif keep:  # held, not lost: written ahead of the next record that can be (or at close)
-            self._file.hold(pieces, step)  # not tried alone: a write that worked would end the gap unmarked
-            self._kept += 1
+        lost = self._file.lost
+        gap = (self._gap(step),) if lost is not None and lost.records else ()  # written with this record, or neither
+        # a record of a rare event is held where it cannot be written, not lost: written ahead of the next
+        # record that can be (or at close); not tried alone: a write that worked would end the gap unmarked
+        keep = kind in KEPT_KINDS and (lost is None or lost.held < KEPT_AT_MOST)
+        self._file.append((*gap, *pieces), step, keep=pieces if keep else None)
 
     def close(self) -> None:
         """Close the file, with a gap record where records were lost since the last one written
         (if there is room now); a warning if records were still failing to be written."""
         lost = self._file.lost
-        if lost is not None:
-            self._file.append(self._gap(lost.last_step), lost.last_step, counts=False, closing=True)
+        if lost is not None:  # the gap record where records were lost; else the records held, if any
+            self._file.append(self._gap(lost.last_step) if lost.records else (), lost.last_step, counts=False,
+                              closing=True)
         self._file.close()
 
     def _gap(self, step: int) -> bytes:
