@@ -82,7 +82,11 @@ class GradSync:
                 self._ddp.append(module)
                 self._names[id(module)] = label
             state = state_of(module) if state_of is not None else None
-            for group in getattr(state, "_fsdp_param_groups", None) or ():
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; before, one group or None:
+            if groups is None:  # a check that found no group would pass every window
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else ()
+            for group in groups:
                 if id(group) in seen or not hasattr(group, "reduce_grads"):  # one state may manage several modules
                     continue
                 seen.add(id(group))
