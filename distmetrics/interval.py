@@ -97,6 +97,10 @@ class IntervalStats:
     def __contains__(self, name: str) -> bool:
         return name in self._slots and self._slots[name].value is not None
 
+    def pending(self) -> list[str]:
+        """The names recorded since the last :meth:`take_samples`."""
+        return [name for name, slot in self._slots.items() if slot.value is not None]
+
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0,
                last: bool = False) -> None:
         """Add one step's value. Tensors are detached and kept on their device."""

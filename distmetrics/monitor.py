@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import weakref
 from functools import partial
 from typing import Any, Optional, Union
@@ -84,6 +85,9 @@ class Monitor:
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size)
         self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size)
         self._one_thread = OneThread()  # the thread of the collective calls
+        # record* may come from any thread: one at a time, and never while a log step takes the interval
+        # (a tensor add releases the GIL: records were lost, and an interval taken mid-add counted twice)
+        self._records = threading.RLock()
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
@@ -151,9 +155,10 @@ class Monitor:
         self._last_step = step
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
-        self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
-        self._by_name["health"].record_step(loss, skipped, tokens)
-        self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
+        with self._records:
+            self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
+            self._by_name["health"].record_step(loss, skipped, tokens)
+            self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
         self._by_name["timers"].mark_step()
         self._stepped_at = now()  # where the close record's interval ends
         self._steps_in_interval += 1
@@ -167,7 +172,8 @@ class Monitor:
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
         averaged (weighted by ``weight``), a sum added, max/min kept extreme, ``all`` averaged."""
         self._check_open()
-        self._by_name["train"].record(name, value, reduce, weight)
+        with self._records:
+            self._by_name["train"].record(name, value, reduce, weight)
 
     def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,
                       names=None, split: str = "train") -> None:
@@ -176,7 +182,9 @@ class Monitor:
         Written as ``<split>/loss/<category>`` (the mean per sample, or per token when ``weights``
         are token counts) at the log step (``train``) or :meth:`log_eval` (``eval``)."""
         self._check_open()
-        self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights, names)
+        with self._records:
+            self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights,
+                                                                               names)
 
     def record_moe(self, aux_loss: Optional[Number] = None, z_loss: Optional[Number] = None,
                    tokens_per_expert: Optional[torch.Tensor] = None, layer_numbers=None) -> None:
@@ -187,7 +195,8 @@ class Monitor:
         context parallelism, pass counts already summed over the TP x CP group (as Megatron's router
         sums them): TP/CP rank 0's are used."""
         self._check_open()
-        self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
+        with self._records:
+            self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
 
     def clip_grad_norm_(self, parameters: Any = None, max_norm: Any = None, norm_type: Union[float, str] = 2.0,
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
@@ -227,7 +236,8 @@ class Monitor:
         ``loss`` token-weighted across ranks (``None`` doesn't count), ``eval/ppl`` = exp(loss),
         ``eval/gap`` = eval loss − train loss since the last eval."""
         self._check_open(collective=True)
-        metrics = self._eval.log(step, loss, tokens, scalars)
+        with self._records:  # the eval categories are taken inside (a collective after: other threads wait)
+            metrics = self._eval.log(step, loss, tokens, scalars)
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
             self._counts_from(step + 1)
         self._write(metrics, step, "eval")
@@ -272,6 +282,14 @@ class Monitor:
             if self._steps_in_interval > 0 and self._last_step is not None:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
+            else:  # values recorded after the last step's record belong to a step that did not come
+                pending = self._by_name["train"].stats.pending()
+                if pending:
+                    logger.warning("distmetrics: close() on rank %d: %s recorded after the last monitor.step "
+                                   "(step %s, logged) are not written: a record belongs to the interval of the next "
+                                   "monitor.step; record before the step it belongs to", self.rank,
+                                   ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""),
+                                   self._last_step)
         except BaseException:
             self._shutdown(quiet=True)  # the error that stopped the record is the one raised
             raise
@@ -294,7 +312,8 @@ class Monitor:
         (``ended_at``: see :attr:`LogContext.ended_at`)."""
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
-        samples, misnamed = take_samples(self.collectors, ctx)  # misnamed: raised once the record is written
+        with self._records:  # no record lands in the interval while it is taken
+            samples, misnamed = take_samples(self.collectors, ctx)  # misnamed: raised once the record is written
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
         try:
             ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
