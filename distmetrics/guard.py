@@ -15,8 +15,9 @@ leave a sum other than ``world * h`` unless their hashes are equal; three or mor
 it. Either happens about once in the number of values a hash takes — 2**32, and 2**62 /
 world**2 above 32,768 ranks, so that the total fits an int64 — and those ranks then meet in the
 collectives as they would with the check off.) When ranks make the same calls in the same order
-that costs three store round trips per guarded call (two for the last rank to arrive) and a
-publish. When some rank does not arrive within ``hang_timeout_s`` (it stopped calling, hangs elsewhere or
+that costs a publish and three store round trips per guarded call (add, wait, get; the last rank
+to arrive: add, compare_set, and two deletions of the previous call's keys). When some rank
+does not arrive within ``hang_timeout_s`` (it stopped calling, hangs elsewhere or
 died), every waiting rank raises :class:`HangError` naming the ranks that did not arrive and the
 last monitor call and step each of them made (each rank publishes its guarded calls, and its
 other monitor calls at most once a second — less often above 1,000 ranks: every ``world_size /
