@@ -5,6 +5,7 @@ thread its calls come from."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -15,7 +16,7 @@ from .sinks.writer import forget_exit_hook
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["open_at_exit", "say_unwritten", "close_parts", "OneThread"]
+__all__ = ["open_at_exit", "say_unwritten", "say_log_step_lost", "close_parts", "OneThread"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -24,9 +25,10 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
     """At the exit of a process whose Monitor is still open (an uncaught error, or no close()): the
     writer says what is not written (:func:`say_unwritten`), and a process ending on an uncaught
     error leaves the arrival check, so the ranks waiting for it at a guarded call raise now, naming
-    it, rather than at ``hang_timeout_s``."""
+    it, rather than at ``hang_timeout_s``. Nothing in a process forked from the one that made it (the
+    hook is inherited): a child ending on an error would leave the arrival check as its parent's rank."""
     monitor = ref()
-    if monitor is None or monitor._closed:
+    if monitor is None or monitor._closed or monitor._pid != os.getpid():
         return
     say_unwritten(monitor, "the process ends with a Monitor open, never closed")
     error = getattr(sys, "last_value", None)  # set where the interpreter printed an uncaught error
@@ -46,6 +48,18 @@ def say_unwritten(monitor: "Monitor", when: str,
     if monitor.is_writer and monitor._steps_in_interval:
         logger.warning("distmetrics: %s: the %d step(s) up to step %s since the last log step are not written (%s)",
                        when, monitor._steps_in_interval, monitor._last_step, why)
+
+
+def say_log_step_lost(monitor: "Monitor", why: str) -> None:
+    """Say, once, on the writer rank, that a log step interrupted after its samples were taken (by
+    ``why``: an exception, a signal's too, or a close() from a signal handler) leaves its record unwritten:
+    its interval's steps went with the samples, so no close() or exit hook can write them. Not where the
+    record had reached the sinks already (a signal landing in the writer queue's put: close() drains it)."""
+    held, monitor._unwritten = monitor._unwritten, None
+    if held is not None and monitor.is_writer and not monitor.sinks.holds(held[0], "train"):  # not handed over
+        step, steps = held
+        logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it since "
+                       "the last log step are not written", step, why, steps)
 
 
 def _thread_name(ident: int) -> str:

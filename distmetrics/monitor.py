@@ -9,6 +9,7 @@ the collectors derive values from the result, and the writer rank sends it to th
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -23,7 +24,7 @@ from .collectors.base import check_collectors, take_samples
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import OneThread, close_parts, open_at_exit, say_unwritten
+from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_unwritten
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .interval import now
@@ -89,6 +90,8 @@ class Monitor:
         # (a tensor add releases the GIL: records were lost, and an interval taken mid-add counted twice)
         self._records = threading.RLock()
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
+        self._unwritten: Optional[tuple] = None  # (step, steps) of a log step whose record is not written yet
+        self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
         self.last_metrics: dict[str, Any] = {}
@@ -275,9 +278,12 @@ class Monitor:
             self.sinks.log(record, step, "progress")
 
     def close(self) -> None:
-        """Write the unfinished interval (a collective: every rank calls it), then close sinks."""
-        if self._closed:
+        """Write the unfinished interval (a collective: every rank calls it), then close sinks. Nothing
+        in a process forked from the one that made the Monitor (a copy: not its job)."""
+        if self._closed or self._forked():
             return
+        if self._unwritten is not None:  # a signal handler's close() inside a log step: its record is lost
+            say_log_step_lost(self, "monitor.close() was called during it")
         try:
             if self._steps_in_interval > 0 and self._last_step is not None:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
@@ -299,7 +305,7 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        if exc_type is None or self._forked():  # a forked child leaving the block: close() does nothing
             self.close()
         else:  # another rank may be gone: no collective, just close the files (the caller's error goes on)
             how = f"left its Monitor on {exc_type.__name__}"
@@ -315,35 +321,37 @@ class Monitor:
         with self._records:  # no record lands in the interval while it is taken
             samples, misnamed = take_samples(self.collectors, ctx)  # misnamed: raised once the record is written
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
+        # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
+        # write) or a close() from a signal handler says it is lost, as nothing else will write it
+        self._unwritten = (step, steps)
         try:
             ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
+            metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
+            train = self._by_name["train"]
+            train.to_context(metrics, ctx)  # wall time and tokens move into ctx
+            # raised once the record is written: tokens found bad, names the ranks disagree on, a record key's sample
+            failure, *said = [e for e in (train.refused, self._reducer.refused, misnamed) if e is not None] or [None]
+            train.refused = self._reducer.refused = None
+            for other in said:  # one error is raised: the others are said
+                logger.warning("distmetrics: step %d: %s", step, other)
+            alerts = []
+            for collector in self.collectors:
+                try:
+                    alerts += collector.finalize(metrics, ctx)
+                except Exception as err:  # noqa: BLE001 - raised below, once the record is written
+                    if failure is not None:  # one error is raised: the others are said
+                        logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
+                                       collector.name, step, type(err).__name__, err)
+                    failure = failure or err
+            self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
+                                       self._by_name["train"].mixed.by)
+            written = self._written_order(metrics)
+            metrics = dict(zip(written, map(metrics.__getitem__, written)))
+            self._write(metrics, step, "train")
+            self._unwritten = None
         except BaseException as err:
-            if self.is_writer:  # said here: the interval's samples are taken, and nothing will write them
-                logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it "
-                               "since the last log step are not written", step, type(err).__name__, steps)
+            say_log_step_lost(self, type(err).__name__)
             raise
-        metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
-        train = self._by_name["train"]
-        train.to_context(metrics, ctx)  # wall time and tokens move into ctx
-        # raised once the record is written: tokens found bad, names the ranks disagree on, a record key's sample
-        failure, *said = [e for e in (train.refused, self._reducer.refused, misnamed) if e is not None] or [None]
-        train.refused = self._reducer.refused = None
-        for other in said:  # one error is raised: the others are said
-            logger.warning("distmetrics: step %d: %s", step, other)
-        alerts = []
-        for collector in self.collectors:
-            try:
-                alerts += collector.finalize(metrics, ctx)
-            except Exception as err:  # noqa: BLE001 - raised below, once the record is written
-                if failure is not None:  # one error is raised: the others are said
-                    logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
-                                   collector.name, step, type(err).__name__, err)
-                failure = failure or err
-        self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
-                                   self._by_name["train"].mixed.by)
-        written = self._written_order(metrics)
-        metrics = dict(zip(written, map(metrics.__getitem__, written)))
-        self._write(metrics, step, "train")
         for alert in alerts:
             self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
         self.last_metrics = metrics
@@ -390,7 +398,7 @@ class Monitor:
         return step % self.config.log_interval == 0 or step == self.config.total_steps
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
-        if self.is_writer:
+        if self.is_writer and not self._closed:  # closed: by a signal handler, inside this log step
             self.sinks.log(metrics, step, kind)
 
     def _norms(self, caller: str):
@@ -409,11 +417,14 @@ class Monitor:
     def __del__(self) -> None:
         try:  # a Monitor left open in a function or a notebook cell that raised: said, and its files, writer
             # thread and output_dir let go (no collective: the other ranks' Monitors may be gone)
-            if not self._closed and not sys.is_finalizing():  # at the interpreter's end: the exit hooks did it
+            if not self._closed and not sys.is_finalizing() and not self._forked():  # at the end: the exit hooks did it
                 say_unwritten(self, "a Monitor is collected, never closed")
                 self._shutdown("its Monitor was collected, never closed", quiet=True)
         except Exception:  # noqa: BLE001 - nothing may escape a finalizer
             pass
+
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid  # a forked child (a DataLoader worker, an uploader of yours)
 
     def _shutdown(self, how: str = "closed its Monitor", quiet: bool = False) -> None:
         """Leave the arrival check, close every collector, then the sinks (always: a collector that

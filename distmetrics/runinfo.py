@@ -16,6 +16,7 @@ import os
 import platform
 import socket
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -40,7 +41,10 @@ _LOCK_NAME = ".distmetrics.lock"
 
 class OutputClaim:
     """The writer's hold on ``output_dir``: an exclusive lock on ``{output_dir}/.distmetrics.lock``
-    (released at close or when the process ends), refused while another Monitor holds it."""
+    (released at close or when the process ends), refused while another Monitor holds it. A forked
+    child closes its copy of the lock's file descriptor at once (:func:`_let_go_in_child`): a flock
+    lasts while any descriptor of it is open, so a child outliving a killed trainer (a DataLoader
+    worker, an uploader) would otherwise keep the next job out."""
 
     def __init__(self, config: Any) -> None:
         self.problem: Optional[str] = None
@@ -93,6 +97,7 @@ class OutputClaim:
             self.release()
             return True
         self._held = path / _LOCK_NAME
+        _HELD.add(self)
         try:  # who holds it, for a refused second writer's message; a full disk leaves it out
             os.ftruncate(self._file.fileno(), 0)  # past the text layer: nothing left buffered to fail at close
             os.pwrite(self._file.fileno(), f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
@@ -108,9 +113,26 @@ class OutputClaim:
         if self._held is not None:
             self._held.unlink(missing_ok=True)
             self._held = None
+            _HELD.discard(self)
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_HELD: "weakref.WeakSet[OutputClaim]" = weakref.WeakSet()  # the claims this process holds
+
+
+def _let_go_in_child() -> None:
+    """In a forked child: close the inherited descriptors of the parent's locks, and forget them, so
+    nothing in the child (no release(), no exit) unlinks the parent's lock file. Closing a copy does
+    not unlock: the parent's own descriptor keeps the lock."""
+    for claim in list(_HELD):
+        claim._held = None
+        claim.release()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)  # once per process: a child inherits the registration
 
 
 LAUNCHER_WORLD_SIZES = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

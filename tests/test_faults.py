@@ -1588,3 +1588,167 @@ def test_a_close_in_an_exit_hook_registered_before_the_monitor_writes_the_last_s
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0 and "HangError" not in err, err
     assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [5, 7]
+
+
+# --- forked children and signals ------------------------------------------------------------------
+
+_FORKED_EVALUATION = """
+import atexit, os, sys
+import torch.distributed as dist
+import distmetrics as dm
+rank, parent = int(os.environ["RANK"]), os.getpid()
+# registered first, so run last: the child ends once the exit hooks ran, without the interpreter's finalization,
+# where torch's gloo process group, collected in a child that has none of its threads, never returns
+atexit.register(lambda: os.getpid() != parent and os._exit(0))
+dist.init_process_group("gloo")
+monitor = dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], log_interval=2, hang_timeout_s=60, console=False,
+                                      tensorboard=False, log_progress=True, timing_log_level=-1))
+for step in range(1, 7):
+    monitor.step(step, loss=float(step))
+    if rank == 0 and step == 3:
+        evaluation = os.fork()  # the user's own evaluation process, forked with the Monitor open
+        if evaluation == 0:
+            if sys.argv[2] == "raise":
+                raise RuntimeError("the evaluation's own error")
+            sys.exit(0)
+        os.waitpid(evaluation, 0)
+monitor.close()
+print("CLOSED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ends", ["raise", "sysexit"])
+def test_a_child_forked_by_the_user_ends_without_touching_its_parents_monitor(tmp_path, ends):
+    """An evaluation process os.fork()ed on rank 0 ran the Monitor's inherited exit hook as it ended:
+    on an uncaught error it left the arrival check as rank 0, through the store's inherited socket,
+    and rank 1 raised HangError ("ended on an uncaught RuntimeError") with rank 0 alive; ending on
+    sys.exit it warned that steps were not written."""
+    import distmetrics as dm
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _FORKED_EVALUATION, str(tmp_path), ends],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1]) for r in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0 and out.split() == ["CLOSED"], out + err
+        assert "HangError" not in err and "never closed" not in err, err
+    records = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
+    assert records == [("run", 0), ("train", 2), ("train", 4), ("train", 6)], records  # none twice, none more
+    assert (tmp_path / "progress.txt").read_text().count("\n") == 1  # "Starting job" alone, as without a fork
+
+
+_OUTLIVED = """
+import os, signal, sys, time, multiprocessing
+import distmetrics as dm
+config = dm.MetricsConfig(output_dir=sys.argv[1], console=False, tensorboard=False, timing_log_level=-1)
+monitor = dm.Monitor(config)
+monitor.step(1, loss=1.0)
+uploader = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+uploader.start()
+try:
+    dm.Monitor(config)
+except ValueError as err:
+    print("SECOND", "in use by another Monitor" in str(err), flush=True)  # the trainer keeps its lock
+print("UPLOADER", uploader.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_forked_child_that_outlives_a_killed_trainer_does_not_keep_its_output_dir(tmp_path):
+    """A child forked after the Monitor (a multiprocessing uploader, a DataLoader worker) held a copy
+    of the output_dir lock's descriptor: with the trainer killed, the next job on that folder was
+    refused ("in use by another Monitor (pid <the dead trainer>)") until the child ended."""
+    import distmetrics as dm
+
+    trainer = subprocess.Popen([sys.executable, "-c", _OUTLIVED, str(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).resolve().parents[1])
+    lines = [trainer.stdout.readline().split() for _ in range(2)]
+    trainer.wait(timeout=60)
+    assert lines[0] == ["SECOND", "True"] and lines[1][0] == "UPLOADER", lines
+    uploader = int(lines[1][1])
+    try:
+        os.kill(uploader, 0)  # still alive: it sleeps 120 s
+        dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()  # the next job
+    finally:
+        os.kill(uploader, signal.SIGKILL)
+    assert trainer.returncode == -signal.SIGKILL
+
+
+class _Interrupted:
+    """A collector whose finalize, at the log step of ``step``, receives a real signal (SIGUSR1)."""
+
+    name, after = "interrupted", ()
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def take_samples(self, ctx):
+        return []
+
+    def finalize(self, metrics, ctx):
+        if ctx.step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            sum(range(10))  # the handler runs between these bytecodes
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("where", ["finalize", "encode"])
+@pytest.mark.parametrize("handler", ["exit", "close"])
+def test_a_signal_inside_a_log_step_after_its_samples_says_the_record_is_not_written(tmp_path, monkeypatch, caplog,
+                                                                                     where, handler):
+    """A signal whose handler raises (sys.exit, as the README suggests) or closes the Monitor, landing
+    after the log step's reduction (in a collector's finalize, in the JSONL encoding), lost the
+    record of that step and its steps without a word: they had been taken out of the interval, so
+    neither close() nor the exit hook saw them, and after a close() the record went to a writer
+    thread that had ended."""
+    import distmetrics as dm
+    from distmetrics.sinks import jsonl
+
+    if where == "encode":
+        real = jsonl._pieces
+
+        def pieces(kind, step, metrics, finite):
+            if kind == "train" and step == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                sum(range(10))
+            return real(kind, step, metrics, finite)
+
+        monkeypatch.setattr(jsonl, "_pieces", pieces)
+    _, queued = _user_parts()
+    monitor = dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True), sinks=[queued],
+                         collectors=[_Interrupted(4 if where == "finalize" else -1)])
+    closed = []
+
+    def on_signal(signum, frame):
+        if handler == "exit":
+            sys.exit(128 + signum)
+        monitor.close()
+        closed.append(list(queued.seen))
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        for step in (1, 2, 3):
+            monitor.step(step, loss=1.0)
+        if handler == "exit":
+            with pytest.raises(SystemExit):
+                monitor.step(4, loss=1.0)
+        else:
+            monitor.step(4, loss=1.0)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    monitor.close()
+    why = "SystemExit" if handler == "exit" else "monitor.close() was called during it"
+    said = f"the log step at step 4 did not complete ({why}): the 2 step(s) up to it since the last log step are " \
+           "not written"
+    assert caplog.text.count(said) == 1 and "cannot write" not in caplog.text, caplog.text  # nothing after close
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [2]
+    assert ("train", 4) not in queued.seen and closed in ([], [queued.seen]), (closed, queued.seen)

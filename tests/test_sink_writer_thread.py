@@ -5,6 +5,7 @@ oldest records are dropped and counted; close() drains the queue, and gives up a
 W&B that is still starting keeps the rows logged meanwhile and sends them once its run exists."""
 
 import logging
+import re
 import threading
 
 import pytest
@@ -401,6 +402,116 @@ def test_a_signal_handler_may_flush_while_the_training_thread_queues_a_record():
     child = run_child("tests.test_sink_writer_thread._flush_from_a_signal_handler_child", timeout=120)
     assert child.returncode == 0 and child.stdout.split() == ["handler", "flushed:", "True", "returned"], \
         child.stdout + child.stderr
+
+
+def _close_from_a_signal_handler_child() -> None:
+    """A preemption handler (SIGUSR1 here) that closes the metrics, arriving while the training
+    thread is inside put() holding the queue's lock."""
+    import collections
+    import os
+    import signal
+    import time
+
+    from distmetrics.sinks import SinkSet
+
+    class Kept:
+        name, fix = "kept", ""
+
+        def __init__(self):
+            self.seen = []
+
+        def log(self, metrics, step, kind):
+            self.seen.append(step)
+
+        def close(self):
+            self.seen.append("closed")
+
+    class Records(collections.deque):
+        armed = False
+
+        def append(self, item):
+            super().append(item)
+            if Records.armed:
+                Records.armed = False
+                os.kill(os.getpid(), signal.SIGUSR1)
+                sum(range(10))  # the handler runs between these bytecodes, inside put()'s lock
+
+    writer_module.CLOSE_TIMEOUT_S = 10.0  # a close that waits for its own lock gives up after this
+    kept = Kept()
+    sinks = SinkSet([kept])
+    sinks.writer._records = Records(sinks.writer._records)
+    waited = []
+
+    def close_metrics(signum, frame):
+        start = time.monotonic()
+        sinks.close()
+        waited.append(time.monotonic() - start)
+
+    signal.signal(signal.SIGUSR1, close_metrics)
+    for step in (1, 2, 3, 4):
+        sinks.log({"a": 1.0}, step, "train")
+    Records.armed = True
+    sinks.log({"a": 1.0}, 5, "train")
+    print("closed within 5 s:", waited[0] < 5, "seen:", *kept.seen, flush=True)
+
+
+def test_a_signal_handler_may_close_while_the_training_thread_queues_a_record():
+    """The handler's close() re-entered the queue's lock, held by put() on the same thread, then
+    joined the writer thread, which waited for that lock: a stall of CLOSE_TIMEOUT_S (90 s), then
+    every queued record was dropped."""
+    child = run_child("tests.test_sink_writer_thread._close_from_a_signal_handler_child", timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["closed", "within", "5", "s:", "True", "seen:", "1", "2", "3", "4", "5",
+                                    "closed"], child.stdout + child.stderr
+
+
+def _signal_in_close_child(out: str, done: str, name: str) -> None:
+    """40 records queued behind a slow sink of the user's; the signal (SIGTERM made sys.exit, as the
+    README shows, or Ctrl-C's SIGINT) arrives while close() waits for them to be written."""
+    import os
+    import signal
+    import sys
+    import time
+
+    class Slow:
+        name, fix = "slow", ""
+
+        def __init__(self):
+            self.go = threading.Event()
+
+        def log(self, metrics, step, kind):
+            self.go.wait(60)
+            time.sleep(0.05)
+            if kind == "train":
+                with open(done, "a") as f:
+                    f.write(f"{step}\n")
+
+        def close(self):
+            with open(done, "a") as f:
+                f.write("closed\n")
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    slow = Slow()
+    monitor = dm.Monitor(_config(out, log_progress=False), sinks=[slow])
+    for step in range(1, 41):
+        monitor.step(step, loss=1.0)
+    threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, name))).start()
+    slow.go.set()
+    monitor.close()
+
+
+@pytest.mark.parametrize("name,raised", [("SIGTERM", "SystemExit"), ("SIGINT", "KeyboardInterrupt")])
+def test_a_signal_during_close_leaves_the_queue_written_at_exit(tmp_path, name, raised):
+    """close() gave up its exit hook before waiting for the writer thread: the exception of a signal
+    arriving meanwhile ended the process with the queue unwritten (a sink got 9 of 40 records) and
+    never closed, without a word."""
+    done = tmp_path / "written.txt"
+    child = run_child("tests.test_sink_writer_thread._signal_in_close_child", str(tmp_path / "out"), str(done),
+                      name, timeout=120)
+    said = re.search(rf"close\(\) of the slow sinks was interrupted \({raised}\) with (\d+) records not written yet: "
+                     r"the writer thread goes on with them, and the exit waits for it again", child.stderr)
+    assert said and int(said.group(1)) > 0, child.stderr
+    assert done.read_text().split() == [str(step) for step in range(1, 41)] + ["closed"]
 
 
 def test_a_sink_put_on_the_lists_directly_is_written_and_one_kind_may_be_a_string():

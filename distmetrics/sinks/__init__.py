@@ -104,6 +104,7 @@ class SinkSet:
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
         self._closers: list = []
+        self._delivered: Optional[tuple] = None  # (step, kind) of the last record the training-thread sinks took
         self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
             self.attach(sink)
@@ -157,8 +158,14 @@ class SinkSet:
         full queue drops other records, never this one)."""
         if self.inline:
             self._deliver(self.inline, metrics, step, kind)
+        self._delivered = (step, kind)
         if self.queued:
             self.writer.put(dict(metrics), step, kind, keep)  # a copy: the caller may change its dict
+
+    def holds(self, step: int, kind: str) -> bool:
+        """Whether the record of ``step`` and ``kind`` reached the sinks: the training-thread ones took
+        it and the writer thread has it, queued or taken (asked of a log step a signal interrupted)."""
+        return self._delivered == (step, kind) and (self.writer is None or self.writer.holds(step, kind))
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the writer thread has written every queued record (at most ``timeout``

@@ -81,7 +81,10 @@ class AppendFile:
         write before :meth:`close` (a mark of the records lost), so no "again from" is said.
         ``keep``: where it fails, this record (its pieces without any other written with it) is held
         (:meth:`hold`) and written ahead of the next record, not lost; counted as lost only if it
-        never is. A failure is warned about either way."""
+        never is. A failure is warned about either way. Closed (by a signal handler's close, inside
+        this write): nothing is written, nothing said (the Monitor says what its close cut off)."""
+        if self._fd < 0:
+            return False
         pieces = _pieces(data)
         if self._held:
             pieces = [*self._held, *pieces]

@@ -9,7 +9,8 @@ caller pays for: up to milliseconds). The writer thread looks at the queue every
 so far that the queue is full (:data:`MAX_RECORDS` records or :data:`MAX_NAMES` metric names),
 the oldest record is dropped and counted — training never waits — with one warning when it
 starts and one at close with the count and the steps. ``close()`` drains the queue (bounded by
-:data:`CLOSE_TIMEOUT_S`), then closes those sinks on the thread.
+:data:`CLOSE_TIMEOUT_S`), then closes those sinks on the thread. The thread and its exit hook belong to
+the process that started them: in a process forked from it they do nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -53,7 +55,12 @@ class WriterThread:
         self._names = 0
         self._keeps = 0  # queued keep entries (never dropped)
         self._busy = False
+        self._taken: Optional[tuple] = None  # (step, kind) of the last record the thread took
         self._closing = False
+        self._finished = False  # the thread has closed the sinks and is ending
+        self._said = False  # close() has said what it had to (once)
+        self._interrupted = False  # a close() was interrupted (a signal's exception) before the thread ended
+        self._pid = os.getpid()  # a forked child inherits this object, not the thread: its close does nothing
         # put() takes the lock alone (no Python-level Condition call on the training thread). It is
         # re-entrant: a signal handler that flushes or closes runs on the thread that may hold it.
         self._lock = threading.RLock()
@@ -69,6 +76,8 @@ class WriterThread:
         size = 1 + len(metrics)
         first_drop = None
         with self._lock:
+            if self._closing:  # nothing would write it (a close() from a signal handler came first)
+                return
             self._records.append((metrics, step, kind, size, keep))
             self._names += size
             self._keeps += keep
@@ -99,6 +108,11 @@ class WriterThread:
                 return step
         return None
 
+    def holds(self, step: int, kind: str) -> bool:
+        """Whether the record of ``step`` and ``kind`` is queued, or the last the thread took."""
+        with self._cond:
+            return self._taken == (step, kind) or any(r[1:3] == (step, kind) for r in self._records)
+
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued record is written (at most ``timeout`` seconds, default
         :data:`CLOSE_TIMEOUT_S`); True if so."""
@@ -109,18 +123,28 @@ class WriterThread:
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Write what is queued, close the sinks (on the thread), wait at most ``timeout`` seconds
-        (default :data:`CLOSE_TIMEOUT_S`)."""
+        (default :data:`CLOSE_TIMEOUT_S`). The wait is on the queue's condition, which lets go of the
+        lock at every level: a signal handler that closes, landing in :meth:`put` on this thread, does
+        not wait for a lock its own thread holds. The exit hook stays until the wait is over: a close
+        interrupted by a signal's exception (Ctrl-C, SIGTERM made ``sys.exit``) says what is not written
+        yet, and the exit waits for the thread again. In a forked child (no thread) it does nothing."""
+        if os.getpid() != self._pid or self._said:
+            return
         timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
-        atexit.unregister(self.close)
         with self._cond:
-            if self._closing:
-                return
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            with self._cond:
-                left = len(self._records)
+            try:
+                finished = self._cond.wait_for(lambda: self._finished, timeout)
+            except BaseException as err:
+                self._say_interrupted(err)
+                raise
+            left = len(self._records)
+            self._said = True
+        atexit.unregister(self.close)
+        if finished:
+            self._thread.join()  # it only returns now: no lock needed
+        else:
             logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued "
                            "record%s not written; the run goes on without them.", self._sinks(), timeout, left,
                            "" if left == 1 else "s")
@@ -130,7 +154,26 @@ class WriterThread:
                            "for them.", self._dropped_for, self.dropped,
                            "" if self.dropped == 1 else "s", first, last)
 
+    def _say_interrupted(self, err: BaseException) -> None:
+        """Say how many records a close() interrupted by ``err`` leaves unwritten (held: the lock)."""
+        left = len(self._records)
+        if left:
+            later = ("they are not written" if self._interrupted else "the writer thread goes on with them, and "
+                     f"the exit waits for it again (at most {CLOSE_TIMEOUT_S:.0f} s)")
+            logger.warning("distmetrics: close() of the %s sinks was interrupted (%s) with %d record%s not written "
+                           "yet: %s.", self._sinks(), type(err).__name__, left, "" if left == 1 else "s", later)
+        self._interrupted = True
+
     def _run(self) -> None:
+        try:
+            self._write_all()
+        finally:
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    def _write_all(self) -> None:
+        """Write records until close() and the queue is empty, then close the sinks."""
         while True:
             with self._cond:
                 while not self._records and not self._closing:
@@ -139,6 +182,7 @@ class WriterThread:
                 if not self._records:
                     break
                 metrics, step, kind, size, keep = self._records.popleft()
+                self._taken = (step, kind)
                 self._names -= size
                 self._keeps -= keep
                 self._busy = True
@@ -182,7 +226,7 @@ def exit_hooks_last() -> None:
     which registers the shutdown of W&B's service) would otherwise end before the writer has
     written its queue through it. The hooks of :func:`exit_hook_before_writers` move after them."""
     for writer in list(_LIVE):
-        if not writer._closing:
+        if not writer._said:  # also one whose close() was interrupted: its exit hook waits for it again
             atexit.unregister(writer.close)
             atexit.register(writer.close)
     for hook in list(_BEFORE_WRITERS):
