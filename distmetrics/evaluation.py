@@ -7,6 +7,7 @@ peers that see the same batch do not multiply ``eval/tokens_per_sec``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any, Optional, Union
@@ -36,8 +37,12 @@ class EvalLog:
     writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/loss/")
     """The names an eval record holds besides the user's own (``eval/loss/<category>`` under the prefix)."""
 
-    def __init__(self, group: Any, guard: Any = None, layout: Any = None, world: Optional[int] = None) -> None:
+    def __init__(self, group: Any, guard: Any = None, layout: Any = None, world: Optional[int] = None,
+                 records: Any = None) -> None:
         self.reducer = Reducer(group, guard=guard, call="monitor.log_eval", world=world)
+        self._records = records if records is not None else contextlib.nullcontext()
+        """The Monitor's lock of its record calls: held while the eval categories are taken, not
+        through the collective (a thread of the user's may wait on a rank that waits on it)."""
         self.counts_tokens = layout is None or counts_batch_tokens(layout)
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()
@@ -110,7 +115,8 @@ class EvalLog:
                     if value is not None]
         samples += [Sample(_LEAST[key], as_number(value), "min") for key, value in (("tokens", tokens),
                     ("time_ms", scalars.get("time_ms"))) if value is not None]
-        samples += self.categories.take_samples()
+        with self._records:  # no record_losses(split="eval") lands in them while they are taken
+            samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
         self.refused, self.reducer.refused = self.reducer.refused, None  # a name whose kind differs between ranks
         self._refuse_bad_counts(metrics, step)

@@ -70,7 +70,9 @@ class CollectiveGuard:
         if self.timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()):
             return
         if group is not None and group is not dist.group.WORLD:
-            # the store's counters need every rank of the world: a sub-group is not guarded
+            # the store's counters need every rank of the world: a sub-group is not guarded (said by its first rank)
+            if dist.get_process_group_ranks(group)[0] != dist.get_rank():
+                return
             logger.warning("distmetrics: Monitor(group=...) reduces over a process group other than the world, where "
                            "the arrival check (hang_timeout_s=%g) cannot run: a rank that skips or mismatches a "
                            "monitor call is not named, and the collective may hang.", self.timeout_s)

@@ -140,7 +140,8 @@ class IntervalStats:
         starts again."""
         out: list[Sample] = []
         kept: dict[str, _Slot] = {}
-        for name, slot in self._slots.items():
+        taken = list(self._slots.items())  # a signal handler's record (this thread) may add a name meanwhile
+        for name, slot in taken:
             if slot.value is None:
                 continue  # not recorded in this interval: no sample, and its slot goes
             if slot.last:
@@ -158,6 +159,9 @@ class IntervalStats:
             kept[name] = slot
         for slot in kept.values():  # once every Sample is made: one that raised leaves the interval whole
             slot.value, slot.weight, slot.low = None, 0.0, None
+        if len(self._slots) != len(taken):  # names first recorded while these were taken: the next interval's
+            seen = dict(taken)
+            kept.update((name, slot) for name, slot in self._slots.items() if name not in seen)
         self._slots = kept
         return out
 

@@ -84,11 +84,11 @@ class Monitor:
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size)
-        self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size)
-        self._one_thread = OneThread()  # the thread of the collective calls
         # record* may come from any thread: one at a time, and never while a log step takes the interval
         # (a tensor add releases the GIL: records were lost, and an interval taken mid-add counted twice)
         self._records = threading.RLock()
+        self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size, records=self._records)
+        self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._unwritten: Optional[tuple] = None  # (step, steps) of a log step whose record is not written yet
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
@@ -239,8 +239,7 @@ class Monitor:
         ``loss`` token-weighted across ranks (``None`` doesn't count), ``eval/ppl`` = exp(loss),
         ``eval/gap`` = eval loss − train loss since the last eval."""
         self._check_open(collective=True)
-        with self._records:  # the eval categories are taken inside (a collective after: other threads wait)
-            metrics = self._eval.log(step, loss, tokens, scalars)
+        metrics = self._eval.log(step, loss, tokens, scalars)
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
             self._counts_from(step + 1)
         self._write(metrics, step, "eval")

@@ -140,6 +140,8 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
             layout.expert_group = ps.get_expert_model_parallel_group()
         except (AssertionError, AttributeError, RuntimeError):
             layout.expert_group = None
+        if layout.group is not None:  # Megatron's groups span the world it was initialised over
+            _check_within(layout, {"tensor": layout.tp_group, "pipeline": layout.pp_group, "data": layout.dp_group})
     elif device_mesh is not None:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -173,6 +175,20 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
     else:  # data parallel over the Monitor's ranks: nvdlfw-inspect's reduction group is theirs
         layout.dp_group = layout.group
     return layout
+
+
+def _check_within(layout: Layout, groups: dict) -> None:
+    """Refuse, before any collective, a Monitor on a group that does not hold the parallel groups
+    the layout came with (Megatron initialised over the world under ``Monitor(group=...)``): their
+    collectives would wait for another job's ranks, and stages, tokens and replicas be misread."""
+    for what, group in groups.items():
+        ranks = dist.get_process_group_ranks(group) if group is not None else []
+        outside = sorted(set(ranks) - set(layout.ranks))
+        if outside:
+            raise ValueError(f"Monitor(group=...): Megatron's {what}-parallel group of rank {layout.rank} holds "
+                             f"ranks {outside} outside the Monitor's group {list(layout.ranks)}: initialise "
+                             "parallel_state over the job's ranks (its groups inside the Monitor's), or leave group= "
+                             "out")
 
 
 def monitor_ranks(group: Any = None) -> tuple[int, ...]:

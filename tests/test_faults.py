@@ -1752,3 +1752,58 @@ def test_a_signal_inside_a_log_step_after_its_samples_says_the_record_is_not_wri
     assert caplog.text.count(said) == 1 and "cannot write" not in caplog.text, caplog.text  # nothing after close
     assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [2]
     assert ("train", 4) not in queued.seen and closed in ([], [queued.seen]), (closed, queued.seen)
+
+
+def _megatron_over_the_world_monitor_on_a_group(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import distmetrics as dm
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # one TP group over both ranks
+    mine = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    return _outcome(lambda: dm.Monitor(quiet_config(hang_timeout_s=TIMEOUT_S), group=mine))
+
+
+def test_a_monitor_on_a_group_that_does_not_hold_megatrons_groups_is_refused():
+    """Megatron initialised over the world, each job's Monitor on its own ranks: the start-up gather
+    ran over Megatron's groups, which hold the other job's ranks (a hang until gloo's timeout), and
+    stages, tokens and losses were read from the world's layout (a stage-0 job wrote a loss)."""
+    for rank, (kind, message, _) in enumerate(run_ranks(_megatron_over_the_world_monitor_on_a_group, 2, timeout=120)):
+        assert kind == "ValueError" and f"tensor-parallel group of rank {rank} holds ranks [{1 - rank}]" in message, \
+            message
+
+
+def _record_while_the_other_rank_is_late_to_eval(rank: int, world: int) -> dict:
+    import threading
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=100, hang_timeout_s=30.0))
+    monitor.step(1)
+    waited = []
+
+    def recorder():  # a thread of the user's recording while its main thread is in log_eval's collective
+        time.sleep(0.5)
+        start = time.monotonic()
+        monitor.record("u/x", 1.0)
+        waited.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=recorder)
+    if rank == 0:
+        thread.start()
+    else:
+        time.sleep(4.0)  # rank 0 waits for rank 1 at log_eval meanwhile
+    monitor.log_eval(1, loss=2.0)
+    if rank == 0:
+        thread.join()
+    monitor.close()
+    return {"waited": waited}
+
+
+def test_a_record_made_while_its_rank_waits_in_log_eval_does_not_wait_for_the_other_ranks():
+    """log_eval held the record lock through its arrival check and collective: a thread recording on
+    a rank that waited there waited for every other rank (and a thread that another rank waited on
+    deadlocked both, named a hang). The lock is held while the eval categories are taken only."""
+    out = run_ranks(_record_while_the_other_rank_is_late_to_eval, 2, timeout=120)
+    assert out[0]["waited"] and out[0]["waited"][0] < 2.0, out  # rank 1 came 3.5 s later: not waited for

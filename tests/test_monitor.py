@@ -810,3 +810,26 @@ def test_a_value_recorded_after_the_last_step_is_said_at_close(tmp_path, caplog)
     assert len(said) == 1 and "'final/accuracy'" in said[0] and "step 10" in said[0], caplog.text
     records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
     assert not any("final/accuracy" in r for r in records)
+
+
+def test_a_name_first_recorded_while_the_interval_is_taken_goes_to_the_next_interval(monkeypatch):
+    """A record from a signal handler runs on the thread that holds the record lock (it is
+    re-entrant): a new name recorded while a log step took the interval raised "dictionary changed
+    size during iteration" and lost every record of that log step."""
+    import distmetrics.interval as interval
+
+    stats = interval.IntervalStats()
+    stats.record("a", 1.0)
+    stats.record("b", 2.0, reduce="sum")
+    made = interval.Sample
+
+    def sample_and_record(*args, **kwargs):  # as a handler landing inside the loop would
+        if "late" not in stats._slots:
+            stats.record("late", 5.0, reduce="sum")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(interval, "Sample", sample_and_record)
+    first = {s.name: s.value for s in stats.take_samples()}
+    monkeypatch.setattr(interval, "Sample", made)
+    assert first == {"a": 1.0, "b": 2.0}
+    assert {s.name: s.value for s in stats.take_samples()} == {"late": 5.0}
