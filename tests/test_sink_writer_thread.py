@@ -358,12 +358,30 @@ def test_a_sink_that_names_its_kinds_gets_only_those_records(tmp_path, on_traini
     assert {"train", "eval"} <= {kind for kind, _ in every.records}
 
 
+def _signalling_queue() -> type:
+    """A deque for the writer's queue that sends SIGUSR1 to this process inside the append after
+    ``armed`` is set: the moment the training thread is inside put() holding the queue's lock."""
+    import collections
+    import os
+    import signal
+
+    class Records(collections.deque):
+        armed = False
+
+        def append(self, item):
+            super().append(item)
+            if Records.armed:
+                Records.armed = False
+                os.kill(os.getpid(), signal.SIGUSR1)
+                sum(range(10))  # the handler runs between these bytecodes, inside put()'s lock
+
+    return Records
+
+
 def _flush_from_a_signal_handler_child() -> None:
     """A preemption handler (SIGUSR1 here) that flushes the metrics, arriving while the training
     thread is inside put() holding the queue's lock (the deque stands in for the moment)."""
-    import collections
     import faulthandler
-    import os
     import signal
 
     from distmetrics.sinks import SinkSet
@@ -379,16 +397,7 @@ def _flush_from_a_signal_handler_child() -> None:
 
     sinks = SinkSet([Quiet()])
 
-    class Records(collections.deque):
-        armed = False
-
-        def append(self, item):
-            super().append(item)
-            if Records.armed:
-                Records.armed = False
-                os.kill(os.getpid(), signal.SIGUSR1)
-                sum(range(10))  # the handler runs between these bytecodes, inside put()'s lock
-
+    Records = _signalling_queue()
     sinks.writer._records = Records(sinks.writer._records)
     signal.signal(signal.SIGUSR1, lambda *_: print("handler flushed:", sinks.flush(timeout=5), flush=True))
     faulthandler.dump_traceback_later(30, exit=True)  # a deadlock ends the child with its stacks
@@ -407,8 +416,6 @@ def test_a_signal_handler_may_flush_while_the_training_thread_queues_a_record():
 def _close_from_a_signal_handler_child() -> None:
     """A preemption handler (SIGUSR1 here) that closes the metrics, arriving while the training
     thread is inside put() holding the queue's lock."""
-    import collections
-    import os
     import signal
     import time
 
@@ -426,16 +433,7 @@ def _close_from_a_signal_handler_child() -> None:
         def close(self):
             self.seen.append("closed")
 
-    class Records(collections.deque):
-        armed = False
-
-        def append(self, item):
-            super().append(item)
-            if Records.armed:
-                Records.armed = False
-                os.kill(os.getpid(), signal.SIGUSR1)
-                sum(range(10))  # the handler runs between these bytecodes, inside put()'s lock
-
+    Records = _signalling_queue()
     writer_module.CLOSE_TIMEOUT_S = 10.0  # a close that waits for its own lock gives up after this
     kept = Kept()
     sinks = SinkSet([kept])
