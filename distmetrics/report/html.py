@@ -106,8 +106,8 @@ def _jobs_table(data: RunData) -> str:
             note = f"resumed at step {job['resumed_at']} <= last logged {job['previous_last_step']}"
         elif job["index"] > 0:
             note = "restart"
-        cells = (job_number(job["index"]), job["time"], job["first_step"], job["last_step"], job["records"], job["world_size"],
-                 job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"], note)
+        cells = (job_number(job["index"]), job["time"], job["first_step"], job["last_step"], job["records"],
+                 job["world_size"], job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"], note)
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"
             "<th>world size</th><th>hosts</th><th>job id</th><th>layout</th><th>torch</th><th>distmetrics</th>"
