@@ -2,14 +2,22 @@
 gradients that are not yet reduced over the data-parallel ranks: under DDP's ``no_sync()`` each
 rank's own (the norm is rank 0's alone, and a clip scales every rank by rank 0's coefficient);
 under FSDP2's ``set_requires_gradient_sync(False)`` none at all (a sharded ``.grad`` is set by the
-synchronised backward), so the norm reads 0; under HSDP's ``set_requires_all_reduce(False)`` one
-replica's. Each is refused with a ``ValueError`` before the measurement's collectives. Every rank
-of a job is in the same window, so every rank raises and none waits.
+synchronised backward), so the norm reads 0; under HSDP's ``set_requires_all_reduce(False)`` none
+either (the reduce-scatter's output waits in the parameter group for a backward that all-reduces,
+also with one replica). Each is refused with a ``ValueError`` before the measurement's collectives.
+Every rank of a job is in the same window, so every rank raises and none waits.
 
-The flags are Python attributes (DDP's ``require_backward_grad_sync``, each FSDP2 parameter group's
-``reduce_grads`` and ``all_reduce_grads``): reading them waits for no device. The wrappers that
-hold them are found once, and again only after a module or parameter is registered somewhere.
-Megatron's DDP is not read here: its gradients are ready after ``finish_grad_sync()`` (README).
+The window may also have closed too late: the last micro-batch's backward ran inside it and the
+flags were set back only before the clip. DDP keeps a trace in ``require_forward_param_sync``:
+False after a forward with grad enabled inside ``no_sync()`` (and after one under
+``torch.no_grad()``, which cannot be told apart), True after a synchronised forward with grad.
+FSDP2 still holds the gradients that backward did not reduce (:func:`_held_back`). Both are refused.
+
+The flags and the held gradients are Python attributes (DDP's ``require_backward_grad_sync`` and
+``require_forward_param_sync``, each FSDP2 parameter group's ``reduce_grads``, ``all_reduce_grads``
+and held tensors): reading them waits for no device. The wrappers that hold them are found once,
+and again only after a module or parameter is registered somewhere. Megatron's DDP is not read
+here: its gradients are ready after ``finish_grad_sync()`` (README).
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ from .plans import _REGISTRATIONS
 __all__ = ["GradSync"]
 
 _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
+_DDP_FORWARD_SYNC = operator.attrgetter("require_forward_param_sync")  # the last forward's backward all-reduces
 _REDUCES = operator.attrgetter("reduce_grads")
 _ALL_REDUCES = operator.attrgetter("all_reduce_grads")
+_AFTER = "after the last micro-batch's backward"
 
 
 class GradSync:
     """Checks that no DDP or FSDP2 wrapper in ``model`` (None: nothing to check) is inside a
-    gradient-accumulation window."""
+    gradient-accumulation window, or left gradients of one unreduced."""
 
     def __init__(self, model: Optional[torch.nn.Module]) -> None:
         self.model = model
@@ -47,29 +57,47 @@ class GradSync:
             return
         if self._found_at != _REGISTRATIONS[0]:
             self._find()
-        if all(map(_DDP_SYNC, self._ddp)) and all(map(_REDUCES, self._groups)) and \
-                all(map(_ALL_REDUCES, self._replicated)):
+        if all(map(_DDP_SYNC, self._ddp)) and all(map(_DDP_FORWARD_SYNC, self._ddp)) and \
+                all(map(_REDUCES, self._groups)) and all(map(_ALL_REDUCES, self._replicated)) and \
+                not any(map(_held_back, self._groups)):
             return
-        after = "after the last micro-batch's backward"
+        raise ValueError(f"{call}: the model's {self._refusal()}")
+
+    def _refusal(self) -> str:
+        """What is not synchronised, in the words of the first wrapper found so (windows still open
+        first: they explain the gradients held back too), and what to do."""
         for module in self._ddp:
             if not module.require_backward_grad_sync:
-                raise ValueError(
-                    f"{call}: the model's DistributedDataParallel module {self._names[id(module)]} is inside no_sync() "
-                    "(require_backward_grad_sync is False): its gradients are this rank's own, not yet all-reduced, "
-                    "so the norm would be this rank's, not the global one. Measure or clip the gradients "
-                    f"{after}, outside no_sync()")
+                return (f"DistributedDataParallel module {self._names[id(module)]} is inside no_sync() "
+                        "(require_backward_grad_sync is False): its gradients are this rank's own, not yet "
+                        "all-reduced, so the norm would be this rank's, not the global one. Measure or clip the "
+                        f"gradients {_AFTER}, outside no_sync()")
+        for module in self._ddp:
+            if not module.require_forward_param_sync:
+                return (f"DistributedDataParallel module {self._names[id(module)]} ran its last forward inside "
+                        "no_sync() (or under torch.no_grad() after the backward; require_forward_param_sync is "
+                        "False): the backward of that forward did not all-reduce, so the gradients are this rank's "
+                        "own and the norm would be this rank's, not the global one. Run the last micro-batch's "
+                        f"forward and backward outside no_sync() and measure or clip the gradients {_AFTER}, with no "
+                        "forward under torch.no_grad() in between")
         for group in self._groups:
             if not group.reduce_grads:
-                raise ValueError(
-                    f"{call}: the model's FSDP2 module {self._names[id(group)]} has gradient sync off "
-                    "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (.grad is None "
-                    "inside an accumulation window), so the norm would leave them out. Measure or clip the "
-                    f"gradients {after}, made with set_requires_gradient_sync(True)")
-        group = next(g for g in self._replicated if not g.all_reduce_grads)
-        raise ValueError(
-            f"{call}: the model's HSDP module {self._names[id(group)]} has the all-reduce over replicas off "
-            "(set_requires_all_reduce(False)): its gradients are this replica's only, so the norm would not be "
-            f"the global one. Measure or clip the gradients {after}, made with set_requires_all_reduce(True)")
+                return (f"FSDP2 module {self._names[id(group)]} has gradient sync off "
+                        "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (.grad is None "
+                        "inside an accumulation window), so the norm would leave them out. Measure or clip the "
+                        f"gradients {_AFTER}, made with set_requires_gradient_sync(True)")
+        for group in self._replicated:
+            if not group.all_reduce_grads:
+                return (f"HSDP module {self._names[id(group)]} has the all-reduce over replicas off "
+                        "(set_requires_all_reduce(False)): its reduce-scattered gradients wait for a backward that "
+                        "all-reduces them and are not in .grad yet, so the norm would leave them out. Measure or clip "
+                        f"the gradients {_AFTER}, made with set_requires_all_reduce(True)")
+        group = next(filter(_held_back, self._groups))
+        kind = "HSDP" if group in self._replicated else "FSDP2"
+        return (f"{kind} module {self._names[id(group)]} holds gradients that its last backward did not reduce: "
+                "that backward ran with set_requires_gradient_sync(False) or set_requires_all_reduce(False), set back "
+                "to True only after it, so the sharded .grad leaves them out and the norm would too. Set them to True "
+                f"before the last micro-batch's backward and measure or clip the gradients {_AFTER}")
 
     def _find(self) -> None:
         """The model's DDP modules and FSDP2 parameter groups, and their names."""
@@ -95,6 +123,23 @@ class GradSync:
                 if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
                     self._replicated.append(group)  # all-reduced over replicas (HSDP)
         self._found_at = _REGISTRATIONS[0]
+
+
+def _held_back(group: Any) -> bool:
+    """Whether an FSDP2 parameter group holds gradients that a backward left unreduced, until a
+    backward with sync on reduces them with its own (torch 2.13's ``FSDPParamGroup.post_backward``):
+    a parameter's in its ``unsharded_accumulated_grad`` (reduce dtype) or its unsharded parameter's
+    ``.grad``, or HSDP's reduce-scattered ones not yet all-reduced in ``_partial_reduce_output``.
+    Attribute reads only: this runs at every clip, over every parameter FSDP2 manages."""
+    if getattr(group, "_partial_reduce_output", None) is not None:
+        return True
+    for fsdp_param in group.fsdp_params:
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            return True
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at its first all-gather
+        if unsharded is not None and unsharded.grad is not None:
+            return True
+    return False
 
 
 def _state_getter() -> Any:

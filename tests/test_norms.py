@@ -918,20 +918,11 @@ def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
         assert "parameter 'inp.weight'" in messages[True], (rank, messages)
 
 
-def _accumulation_windows(rank: int, world: int) -> dict:
-    """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
-    and HSDP (``set_requires_all_reduce``): a clip and a measurement between them, then after the
-    last backward. Truth: every rank's accumulated float64 gradients of an unwrapped copy, averaged."""
-    import contextlib
-
+def _micro_batches_and_truth(rank: int, world: int) -> tuple:
+    """This rank's two micro-batches, and the norm of every rank's accumulated float64 gradients of
+    an unwrapped copy, averaged over the ranks."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
-    import distmetrics as dm
-    from tests.dist_utils import CollectiveCounter
 
     data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
     reference = _net().double()
@@ -939,25 +930,43 @@ def _accumulation_windows(rank: int, world: int) -> dict:
         reference(x.double()).pow(2).mean().backward()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {n: p.grad for n, p in reference.named_parameters()})
-    truth = math.sqrt(sum(float((sum(g[n] for g in gathered) / world).pow(2).sum()) for n in gathered[0]))
+    return data, math.sqrt(sum(float((sum(g[n] for g in gathered) / world).pow(2).sum()) for n in gathered[0]))
+
+
+def _accumulation_windows(rank: int, world: int) -> dict:
+    """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
+    and HSDP (``set_requires_all_reduce``, over two replicas and over one): a clip and a measurement
+    between them, then after the last backward. Truth: :func:`_micro_batches_and_truth`."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import CollectiveCounter
+
+    data, truth = _micro_batches_and_truth(rank, world)
     out = {}
-    for kind in ("ddp", "fsdp2", "hsdp"):
+    for kind in ("ddp", "fsdp2", "hsdp", "hsdp one replica"):
         model = _net()
         if kind == "ddp":
             model = DistributedDataParallel(model)
         else:
-            shape, names = ((world,), ("shard",)) if kind == "fsdp2" else ((world, 1), ("replicate", "shard"))
+            shape, names = {"fsdp2": ((world,), ("shard",)), "hsdp": ((world, 1), ("replicate", "shard")),
+                            "hsdp one replica": ((1, world), ("replicate", "shard"))}[kind]
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         window = {"ddp": lambda on: contextlib.nullcontext() if on else model.no_sync(),
                   "fsdp2": lambda on: model.set_requires_gradient_sync(on) or contextlib.nullcontext(),
-                  "hsdp": lambda on: model.set_requires_all_reduce(on) or contextlib.nullcontext()}[kind]
+                  "hsdp": lambda on: model.set_requires_all_reduce(on) or contextlib.nullcontext()}[kind.split()[0]]
         said = []
         with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
             with window(False):
                 model(data[0]).pow(2).mean().backward()
+                grads_inside = sum(p.grad is not None for p in model.parameters())
                 with CollectiveCounter() as counter:
                     for call in (lambda: monitor.clip_grad_norm_(MAX_NORM), monitor.measure_grad_norms):
                         try:
@@ -969,18 +978,21 @@ def _accumulation_windows(rank: int, world: int) -> dict:
                 monitor.clip_grad_norm_(1e9)
             metrics = monitor.step(1)
         out[kind] = {"said": said, "collectives": counter.collectives, "grad_norm": metrics["grad_norm"],
-                     "truth": truth}
+                     "truth": truth, "grads_inside": grads_inside}
     return out
 
 
 def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank():
     """Inside DDP's no_sync() the clip measured rank 0's local gradients (grad_norm 0.0952 where the
     synchronised gradients' is 0.2324) and scaled rank 1's by rank 0's coefficient; inside FSDP2's
-    set_requires_gradient_sync(False) the sharded .grad is None and the norm read 0. Each is refused
-    before any collective, naming the state and what to do; after the last backward the norm is exact."""
+    set_requires_gradient_sync(False) the sharded .grad is None and the norm read 0, and so inside
+    HSDP's set_requires_all_reduce(False), with one replica too (the reduce-scatter's output waits for
+    the all-reduce). Each is refused before any collective, naming the state and what to do; after
+    the last backward the norm is exact."""
+    hsdp = ("set_requires_all_reduce(False)", "made with set_requires_all_reduce(True)")
     expected = {"ddp": ("is inside no_sync()", "outside no_sync()"),
                 "fsdp2": ("set_requires_gradient_sync(False)", "made with set_requires_gradient_sync(True)"),
-                "hsdp": ("set_requires_all_reduce(False)", "made with set_requires_all_reduce(True)")}
+                "hsdp": hsdp, "hsdp one replica": hsdp}
     for rank, result in enumerate(run_ranks(_accumulation_windows, 2, timeout=240)):
         for kind, (state, advice) in expected.items():
             out = result[kind]
@@ -989,6 +1001,117 @@ def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank()
                 assert "after the last micro-batch's backward" in said, (rank, kind, said)
             assert out["collectives"] == 0, (rank, kind)
             assert out["grad_norm"] == pytest.approx(out["truth"], rel=REL), (rank, kind)
+            assert out["grads_inside"] == 0 or kind == "ddp", (rank, kind)  # the norm would have read 0
+
+
+WINDOW_KINDS = ("ddp", "ddp static graph", "ddp find unused", "ddp in a wrapper", "compiled ddp", "fsdp2",
+                "fsdp2 no reshard", "fsdp2 mixed precision", "hsdp", "hsdp one replica")
+
+
+def _windows_closed_before_or_after_the_last_backward(rank: int, world: int) -> dict:
+    """Two micro-batches per step. "closed": the window (DDP's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync``, HSDP's ``set_requires_all_reduce``) holds the first micro-batch
+    only; two steps, an SGD step of lr 0 and an evaluation forward under torch.no_grad() between
+    them, so both steps' gradients are the truth of :func:`_micro_batches_and_truth`. "late": the
+    window holds both micro-batches' backwards and is closed (flags back on) only before the clip."""
+    import contextlib
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import CollectiveCounter
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    def build(kind):
+        if "ddp" in kind:
+            ddp = DistributedDataParallel(_net(), static_graph=kind == "ddp static graph",
+                                          find_unused_parameters=kind == "ddp find unused")
+            model = {"ddp in a wrapper": Wrapper, "compiled ddp": lambda m: torch.compile(m, backend="eager")}.get(
+                kind, lambda m: m)(ddp)
+            return model, lambda: ddp.no_sync()
+        shape = (1, world) if kind == "hsdp one replica" else (world, 1) if kind == "hsdp" else (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        options = {"mesh": mesh, "reshard_after_forward": kind != "fsdp2 no reshard"}
+        if kind == "fsdp2 mixed precision":
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        flag = model.set_requires_all_reduce if "hsdp" in kind else model.set_requires_gradient_sync
+
+        @contextlib.contextmanager
+        def window():
+            flag(False)
+            try:
+                yield
+            finally:
+                flag(True)
+        return model, window
+
+    data, truth = _micro_batches_and_truth(rank, world)
+    out: dict = {"truth": truth}
+    for kind in WINDOW_KINDS:
+        for late in (False, True) if kind != "ddp static graph" else (False,):  # torch's static graph: no
+            model, window = build(kind)                                         # no_sync() at the first step
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            said = []
+            with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+                for step in (1,) if late else (1, 2):
+                    with window() if late else contextlib.nullcontext():
+                        with contextlib.nullcontext() if late or kind == "ddp static graph" else window():
+                            model(data[0]).pow(2).mean().backward()
+                        model(data[1]).pow(2).mean().backward()
+                    with CollectiveCounter() as counter:
+                        try:
+                            said.append(float(monitor.clip_grad_norm_(1e9)))
+                        except ValueError as err:
+                            said.append((str(err), counter.collectives))
+                            break
+                    optimizer.step()
+                    monitor.step(step)
+                    with torch.no_grad():
+                        model(data[0])
+                    optimizer.zero_grad()
+            out[kind, late] = said
+    return out
+
+
+def test_a_window_closed_only_after_the_last_backward_is_refused_and_one_closed_before_is_not():
+    """Under DDP, a last micro-batch whose backward ran inside no_sync() and a clip after the block
+    gave rank 0's own norm (0.3527 for 0.3631) as the global one; under FSDP2 and HSDP, flags set back
+    to True after the last backward (it did not reduce) and before the clip gave 0.0 (every .grad
+    None). Each is refused on every rank before any collective; with the window closed before the
+    last backward (static graph, unused parameters, a wrapper, torch.compile, mixed precision, one
+    replica, an evaluation under torch.no_grad() after the optimizer step) the norm is exact."""
+    late = {"ddp": "DistributedDataParallel module (the model itself) ran its last forward inside no_sync()",
+            "ddp in a wrapper": "DistributedDataParallel module 'inner' ran its last forward inside no_sync()",
+            "compiled ddp": "DistributedDataParallel module '_orig_mod' ran its last forward inside no_sync()",
+            "fsdp2": "FSDP2 module (the model itself) holds gradients that its last backward did not reduce",
+            "hsdp": "HSDP module (the model itself) holds gradients that its last backward did not reduce"}
+    for rank, result in enumerate(run_ranks(_windows_closed_before_or_after_the_last_backward, 2, timeout=400)):
+        measured = {kind: result[kind, True] for kind in WINDOW_KINDS
+                    if (kind, True) in result and not isinstance(result[kind, True][0], tuple)}
+        assert not measured, f"rank {rank}: not refused, norms {measured} (truth {result['truth']:.4f})"
+        for kind in WINDOW_KINDS:
+            rel = 0.02 if kind == "fsdp2 mixed precision" else REL  # bf16 forward and backward
+            assert result[kind, False] == [pytest.approx(result["truth"], rel=rel)] * 2, (rank, kind)
+            if kind == "ddp static graph":
+                continue
+            [(said, collectives)] = result[kind, True]
+            expected = late[kind] if kind in late else late[kind.split()[0]]
+            assert said.startswith(f"monitor.clip_grad_norm_: the model's {expected}"), (rank, kind, said)
+            assert collectives == 0, (rank, kind)
 
 
 def test_megatrons_decoupled_grad_is_read_when_present():
