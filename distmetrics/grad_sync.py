@@ -8,13 +8,13 @@ also with one replica). Each is refused with a ``ValueError`` before the measure
 Every rank of a job is in the same window, so every rank raises and none waits.
 
 The window may also have closed too late: the last micro-batch's backward ran inside it and the
-flags were set back only before the clip. DDP keeps a trace in ``require_forward_param_sync``:
-False after a forward with grad enabled inside ``no_sync()`` (and after one under
-``torch.no_grad()``, which cannot be told apart), True after a synchronised forward with grad.
-FSDP2 still holds the gradients that backward did not reduce (:func:`_held_back`). Both are refused.
+flags were set back only before the clip. For DDP a forward pre-hook notes whether each forward
+with grad enabled ran inside ``no_sync()`` (one whose backward does not all-reduce); a forward
+under ``torch.no_grad()`` changes nothing. FSDP2 still holds the gradients that backward did not
+reduce (:func:`_held_back`). Both are refused.
 
-The flags and the held gradients are Python attributes (DDP's ``require_backward_grad_sync`` and
-``require_forward_param_sync``, each FSDP2 parameter group's ``reduce_grads``, ``all_reduce_grads``
+The flags and the held gradients are Python attributes (DDP's ``require_backward_grad_sync``, the
+hook's note, each FSDP2 parameter group's ``reduce_grads``, ``all_reduce_grads``
 and held tensors): reading them waits for no device. The wrappers that hold them are found once,
 and again only after a module or parameter is registered somewhere. Megatron's DDP is not read
 here: its gradients are ready after ``finish_grad_sync()`` (README).
@@ -32,7 +32,6 @@ from .plans import _REGISTRATIONS
 __all__ = ["GradSync"]
 
 _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
-_DDP_FORWARD_SYNC = operator.attrgetter("require_forward_param_sync")  # the last forward's backward all-reduces
 _REDUCES = operator.attrgetter("reduce_grads")
 _ALL_REDUCES = operator.attrgetter("all_reduce_grads")
 _AFTER = "after the last micro-batch's backward"
@@ -49,6 +48,10 @@ class GradSync:
         self._groups: list = []  # FSDP2 parameter groups
         self._replicated: list = []  # ... of them, those with a replicate dimension (HSDP)
         self._names: dict[int, str] = {}  # id of a module or group → the model's name for its module
+        self._unsynced: set[int] = set()  # DDP modules whose last forward with grad ran inside no_sync()
+        self._hooks: dict[int, Any] = {}  # id of a DDP module → its forward pre-hook's handle
+        if model is not None:  # now: the hooks see the first step's forwards
+            self._find()
 
     def check(self, call: str) -> None:
         """Raise a ``ValueError`` naming the module and what to do where some wrapper's gradients
@@ -57,7 +60,7 @@ class GradSync:
             return
         if self._found_at != _REGISTRATIONS[0]:
             self._find()
-        if all(map(_DDP_SYNC, self._ddp)) and all(map(_DDP_FORWARD_SYNC, self._ddp)) and \
+        if all(map(_DDP_SYNC, self._ddp)) and not self._unsynced and \
                 all(map(_REDUCES, self._groups)) and all(map(_ALL_REDUCES, self._replicated)) and \
                 not any(map(_held_back, self._groups)):
             return
@@ -73,13 +76,13 @@ class GradSync:
                         "all-reduced, so the norm would be this rank's, not the global one. Measure or clip the "
                         f"gradients {_AFTER}, outside no_sync()")
         for module in self._ddp:
-            if not module.require_forward_param_sync:
+            if id(module) in self._unsynced:
                 return (f"DistributedDataParallel module {self._names[id(module)]} ran its last forward inside "
-                        "no_sync() (or under torch.no_grad() after the backward; require_forward_param_sync is "
-                        "False): the backward of that forward did not all-reduce, so the gradients are this rank's "
-                        "own and the norm would be this rank's, not the global one. Run the last micro-batch's "
-                        f"forward and backward outside no_sync() and measure or clip the gradients {_AFTER}, with no "
-                        "forward under torch.no_grad() in between")
+                        "no_sync() (its last with grad enabled; one under torch.no_grad() does not count): the "
+                        "backward of that forward did not all-reduce, so the gradients are this rank's own and the "
+                        "norm would be this rank's, not the global one. Run the "
+                        f"last micro-batch's forward and backward outside no_sync() and measure or clip the gradients "
+                        f"{_AFTER}")
         for group in self._groups:
             if not group.reduce_grads:
                 return (f"FSDP2 module {self._names[id(group)]} has gradient sync off "
@@ -109,6 +112,8 @@ class GradSync:
             if isinstance(module, torch.nn.parallel.DistributedDataParallel):
                 self._ddp.append(module)
                 self._names[id(module)] = label
+                if id(module) not in self._hooks:
+                    self._hooks[id(module)] = module.register_forward_pre_hook(self._note_forward)
             state = state_of(module) if state_of is not None else None
             groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; before, one group or None:
             if groups is None:  # a check that found no group would pass every window
@@ -123,6 +128,23 @@ class GradSync:
                 if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
                     self._replicated.append(group)  # all-reduced over replicas (HSDP)
         self._found_at = _REGISTRATIONS[0]
+
+    def _note_forward(self, module: Any, args: Any) -> None:
+        """A DDP module's forward: with grad enabled, its backward all-reduces only outside
+        ``no_sync()``. A forward under ``torch.no_grad()`` (a reference model's, a GAN's generator
+        for the discriminator's step, an evaluation) leaves what the last one with grad said: DDP's
+        own ``require_forward_param_sync`` turns False there too, which refused working loops."""
+        if torch.is_grad_enabled():
+            if module.require_backward_grad_sync:
+                self._unsynced.discard(id(module))
+            else:
+                self._unsynced.add(id(module))
+
+    def close(self) -> None:
+        """Remove the forward hooks from the model's DDP modules."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
 
 
 def _held_back(group: Any) -> bool:

@@ -1666,3 +1666,45 @@ def test_a_replica_that_counts_for_nothing_lacks_no_update_and_reads_no_device_v
     for rows in run_ranks(_replica_without_optimizer, 2, timeout=120):
         for got, truth in rows:
             assert got == pytest.approx(truth, rel=1e-6)
+
+
+def _no_grad_forwards_between(rank: int, world: int) -> dict:
+    """Two DDP modules, a GAN's: the discriminator's step runs the generator under torch.no_grad()
+    (its last forward), and a reference forward of the discriminator under no_grad comes between
+    its backward and the clip (a DPO loop's reference log-probs, a metrics pass)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"G": DDP(torch.nn.Linear(4, 4)), "D": DDP(torch.nn.Linear(4, 1))})
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    out = {}
+    for step in (1, 2):
+        model.zero_grad()
+        with torch.no_grad():
+            fake = model["G"](torch.randn(8, 4) + rank)
+        model["D"](fake).pow(2).mean().backward()
+        with torch.no_grad():
+            model["D"](torch.randn(8, 4))  # a reference forward between the backward and the clip
+        grads = [p.grad.detach().double().clone() for p in model["D"].parameters()]
+        try:
+            out[step] = (float(monitor.clip_grad_norm_(model["D"].parameters(), 1e9)),
+                         sum(float(g.pow(2).sum()) for g in grads) ** 0.5)
+        except ValueError as err:
+            out[step] = str(err)
+        monitor.step(step)
+    monitor.close()
+    return out
+
+
+def test_forwards_under_no_grad_between_the_backward_and_the_clip_are_not_refused():
+    """DDP turns require_forward_param_sync False after any forward under torch.no_grad(): reading
+    it refused a GAN's discriminator clip (the generator ran under no_grad) and a clip after a
+    reference forward, though the backward had all-reduced. The check notes forwards with grad only."""
+    for out in run_ranks(_no_grad_forwards_between, 2):
+        for step in (1, 2):
+            assert isinstance(out[step], tuple), out[step]
+            returned, truth = out[step]
+            assert returned == pytest.approx(truth, rel=1e-6)  # the all-reduced gradients' norm

@@ -321,10 +321,11 @@ class NormCollector(ParamSide):
         return [name[len("_grad_bad/"):] for name, count in counts.items() if count]
 
     def close(self) -> None:
-        """Remove the optimizer hooks."""
+        """Remove the optimizer hooks, and the accumulation check's forward hooks."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.sync.close()
 
 def _is_number(value: Any) -> bool:
     """A max_norm: a real number (numpy's too: ``np.float32(1.0)``), or a 0-d tensor that is no parameter."""
