@@ -97,7 +97,7 @@ class Monitor:
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
         try:
-            sinks, collectors, problem = check_sinks(sinks), check_collectors(collectors), None
+            sinks, collectors, problem = check_sinks(sinks), check_collectors(collectors), self.layout.problem
         except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
@@ -289,12 +289,15 @@ class Monitor:
                 self._log(self._last_step, ended_at=self._stepped_at)
             else:  # values recorded after the last step's record belong to a step that did not come
                 pending = self._by_name["train"].stats.pending()
+                if self._by_name["losses"].train.pending():
+                    pending.append("record_losses' samples")
                 if pending:
-                    logger.warning("distmetrics: close() on rank %d: %s recorded after the last monitor.step "
-                                   "(step %s, logged) are not written: a record belongs to the interval of the next "
-                                   "monitor.step; record before the step it belongs to", self.rank,
-                                   ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""),
-                                   self._last_step)
+                    after = ("before any monitor.step" if self._last_step is None else
+                             f"after the last monitor.step (step {self._last_step}, logged)")
+                    logger.warning("distmetrics: close() on rank %d: %s recorded %s are not written: a record "
+                                   "belongs to the interval of the next monitor.step; record before the step it "
+                                   "belongs to", self.rank,
+                                   ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""), after)
         except BaseException:
             self._shutdown(quiet=True)  # the error that stopped the record is the one raised
             raise

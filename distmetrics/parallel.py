@@ -88,6 +88,8 @@ class Layout:
     dp_group: Any = None
     expert_group: Any = None
     device_mesh: Any = None
+    problem: Optional[str] = None
+    """Why the Monitor cannot use this layout (said on every rank by the start-up gather), or None."""
 
     @property
     def says_once(self) -> bool:
@@ -141,7 +143,8 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
         except (AssertionError, AttributeError, RuntimeError):
             layout.expert_group = None
         if layout.group is not None:  # Megatron's groups span the world it was initialised over
-            _check_within(layout, {"tensor": layout.tp_group, "pipeline": layout.pp_group, "data": layout.dp_group})
+            layout.problem = _outside(layout, {"tensor": layout.tp_group, "pipeline": layout.pp_group,
+                                               "data": layout.dp_group, "expert": layout.expert_group})
     elif device_mesh is not None:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -177,18 +180,19 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
     return layout
 
 
-def _check_within(layout: Layout, groups: dict) -> None:
-    """Refuse, before any collective, a Monitor on a group that does not hold the parallel groups
-    the layout came with (Megatron initialised over the world under ``Monitor(group=...)``): their
-    collectives would wait for another job's ranks, and stages, tokens and replicas be misread."""
+def _outside(layout: Layout, groups: dict) -> Optional[str]:
+    """Why a Monitor on a group cannot use the parallel groups the layout came with (Megatron
+    initialised over the world under ``Monitor(group=...)``: their collectives would wait for
+    another job's ranks, and stages, tokens and replicas be misread), or None. A rank's own groups
+    may lie inside while another's do not: the start-up gather says it on every rank together."""
     for what, group in groups.items():
         ranks = dist.get_process_group_ranks(group) if group is not None else []
         outside = sorted(set(ranks) - set(layout.ranks))
         if outside:
-            raise ValueError(f"Monitor(group=...): Megatron's {what}-parallel group of rank {layout.rank} holds "
-                             f"ranks {outside} outside the Monitor's group {list(layout.ranks)}: initialise "
-                             "parallel_state over the job's ranks (its groups inside the Monitor's), or leave group= "
-                             "out")
+            return (f"Monitor(group=...): Megatron's {what}-parallel group of rank {layout.rank} holds ranks "
+                    f"{outside} outside the Monitor's group {list(layout.ranks)}: initialise parallel_state over the "
+                    "job's ranks (its groups inside the Monitor's), or leave group= out")
+    return None
 
 
 def monitor_ranks(group: Any = None) -> tuple[int, ...]:

@@ -1762,18 +1762,24 @@ def _megatron_over_the_world_monitor_on_a_group(rank: int, world: int) -> tuple:
 
     import distmetrics as dm
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # one TP group over both ranks
-    mine = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # TP groups {0, 1} and {2, 3}
+    jobs = [dist.new_group([0, 1, 2]), dist.new_group([3])]  # every rank makes every group
+    mine = jobs[0] if rank < 3 else jobs[1]
     return _outcome(lambda: dm.Monitor(quiet_config(hang_timeout_s=TIMEOUT_S), group=mine))
 
 
-def test_a_monitor_on_a_group_that_does_not_hold_megatrons_groups_is_refused():
-    """Megatron initialised over the world, each job's Monitor on its own ranks: the start-up gather
-    ran over Megatron's groups, which hold the other job's ranks (a hang until gloo's timeout), and
-    stages, tokens and losses were read from the world's layout (a stage-0 job wrote a loss)."""
-    for rank, (kind, message, _) in enumerate(run_ranks(_megatron_over_the_world_monitor_on_a_group, 2, timeout=120)):
-        assert kind == "ValueError" and f"tensor-parallel group of rank {rank} holds ranks [{1 - rank}]" in message, \
-            message
+def test_a_monitor_on_a_group_that_does_not_hold_megatrons_groups_is_refused_on_every_rank():
+    """Megatron initialised over the world, a job's Monitor on ranks 0-2: the start-up gather ran
+    over Megatron's groups, which hold another job's rank 3 (a hang until gloo's timeout), and
+    stages, tokens and losses were read from the world's layout. Ranks 0 and 1, whose own groups lie
+    inside, raise with rank 2 (the start-up gather says it), rather than wait for it there."""
+    out = run_ranks(_megatron_over_the_world_monitor_on_a_group, 4, timeout=120)
+    for rank, (kind, message, _) in enumerate(out):
+        assert kind == "ValueError", (rank, kind, message)
+        if rank < 3:
+            assert "tensor-parallel group of rank 2 holds ranks [3]" in message, message
+        else:
+            assert "tensor-parallel group of rank 3 holds ranks [2]" in message, message
 
 
 def _record_while_the_other_rank_is_late_to_eval(rank: int, world: int) -> dict:

@@ -798,16 +798,20 @@ def test_records_from_several_threads_are_each_counted_once():
 def test_a_value_recorded_after_the_last_step_is_said_at_close(tmp_path, caplog):
     """A value recorded after the last monitor.step (a background thread's last one, a final
     accuracy) was dropped by close() without a word: it belongs to a step that never came."""
+    import torch
+
     import distmetrics as dm
 
     monitor = dm.Monitor(quiet_config(log_interval=5, output_dir=str(tmp_path), json_log=True))
     for step in range(1, 11):
         monitor.step(step, loss=1.0)
     monitor.record("final/accuracy", 0.9)
+    monitor.record_losses(torch.tensor([1.0]), ["web"])
     with caplog.at_level("WARNING", logger="distmetrics"):
         monitor.close()
     said = [r.getMessage() for r in caplog.records if "recorded after the last monitor.step" in r.getMessage()]
     assert len(said) == 1 and "'final/accuracy'" in said[0] and "step 10" in said[0], caplog.text
+    assert "record_losses" in said[0]
     records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
     assert not any("final/accuracy" in r for r in records)
 

@@ -94,6 +94,10 @@ class CategoryLosses:
         sums.index_add_(0, index, losses if weights is None else weighted(losses, w))
         totals.index_add_(0, index, w)
 
+    def pending(self) -> bool:
+        """Whether samples wait for a step's end (:meth:`end_step`)."""
+        return self._step_sums is not None
+
     def end_step(self, skipped: bool) -> None:
         """The step the samples since the last call belong to has ended: they join the interval,
         or are dropped where the step was ``skipped`` (on device: no host sync)."""
