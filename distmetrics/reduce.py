@@ -104,6 +104,7 @@ class Reducer:
         rest is written."""
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
         self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
+        self._group_ranks: Optional[tuple] = None  # (size, the group's global ranks where not 0..size-1)
         self.collectives = 0
         self.negotiations = 0
         self.negotiation_bytes = 0
@@ -361,6 +362,14 @@ class Reducer:
         totals = pack.cpu().tolist()
         return totals[0::2], totals[1::2]
 
+    def _rank_ids(self, world: int) -> Optional[list]:
+        """The global rank of each of the group's ranks, or None where they are 0, 1, ... (the
+        world); read once (a call per rank: a loop of thousands at every log step)."""
+        if self._group_ranks is None or self._group_ranks[0] != world:
+            ranks = [global_rank(self.group, r) for r in range(world)]
+            self._group_ranks = (world, None if ranks == list(range(world)) else ranks)
+        return self._group_ranks[1]
+
     # --- ALL pack ------------------------------------------------------------------------
     def _gather_all(self, samples: list[Sample], result: Reduced, distributed: bool) -> None:
         layout = self._layout
@@ -371,15 +380,14 @@ class Reducer:
         else:
             packed = all_row_tensor(layout, samples, self.device if distributed else value_device(samples))
             rows = None if distributed else packed.view(1, 2 * n).cpu().tolist()  # else: the gathered rows
-        ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+        # in the group's order, each value's global rank kept where they differ (a group other than the world)
+        kept = [dist.get_rank()] if dist.is_available() and dist.is_initialized() and dist.get_rank() else None
         if distributed:
             world = dist.get_world_size(self.group)
             out = torch.empty(world * 2 * n, dtype=torch.float64, device=self.device)
             gather_single()(out, packed.to(self.device), group=self.group)
             self.collectives += 1
             rows = out.view(world, 2 * n).cpu().tolist()
-            ranks = [global_rank(self.group, r) for r in range(world)]
-        # in the group's order, each value's global rank kept where they differ (a group other than the world)
-        kept = None if ranks == list(range(len(ranks))) else ranks
+            kept = self._rank_ids(world)
         for name, values in decode_all(layout, rows).items():
             result.per_rank[name] = PerRank(values, kept)
