@@ -29,7 +29,8 @@ in steady state no extra collective is issued. Negotiation gathers an 8-byte dig
 from every rank, then broadcasts each *distinct* name set once from the lowest rank holding
 it: its payload grows with the number of distinct sets (pipeline stages × expert ranks), not
 with the world size. Absent names are filled with the identity of their reduction, so a
-missing metric never hangs nor mixes values.
+missing metric never hangs nor mixes values. Names the ranks disagree on are left out, a
+vector's other elements kept, for as long as the ranks send them (:mod:`distmetrics.refusals`).
 
 This module knows tensors and process groups, not what the metrics mean.
 """
@@ -49,6 +50,7 @@ from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_ho
                     sum_lanes_on_host, sum_pack_tensor)
 from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
 from .per_rank import PerRank, some_ranks
+from .refusals import Refusals
 from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -100,8 +102,10 @@ class Reducer:
         self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
         self.refused: Optional[ValueError] = None
         """Names whose reduce kind differs between ranks (or from an earlier log step), or that would
-        write one key, found by the last negotiation: left out of it, for the caller to raise once the
-        rest is written."""
+        write one key, found by the last negotiation: left out of this reduction (the rest of a vector
+        is kept), for the caller to raise once the rest is written; set at each reduction they are left
+        out of."""
+        self._refusals: Optional[Refusals] = None  # the names the last negotiation refused
         self._checked: set = set()  # (names, reduce) of vector samples whose kinds were checked
         self._last_names: Optional[list] = None  # (names or name, reduce) per sample of the last reduction
         self._group_ranks: Optional[tuple] = None  # (size, the group's global ranks where not 0..size-1)
@@ -158,13 +162,19 @@ class Reducer:
                 self._layout = PackLayout(entries_of(samples))
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
         else:
+            given, moved = samples, False
             if self._layout is None:
-                samples = self._negotiate(samples)
-            lanes = self._all_reduce_max(samples, tag, steps)
+                samples = self._negotiate(given)
+            elif self._refusals is not None:  # a clash that lasts is left out again, not negotiated again
+                samples, sent = self._refusals.leave_out(given)
+                moved = sent != self._refusals.sent  # this rank's refused names changed: the clash may be over
+            lanes = self._all_reduce_max(samples, tag, steps, moved)
             if lanes is None:  # some rank holds a name the cached layout lacks
-                samples = self._negotiate(samples)
+                samples = self._negotiate(given)
                 lanes = self._all_reduce_max(samples, tag, steps)
                 assert lanes is not None
+            if self._refusals is not None:  # the same on every rank: the rest is written, then the caller raises
+                self.refused = self._refusals.error()
         layout = self._layout
         result = Reduced(kinds=layout.kinds, layout=layout)
         decode_max(layout, lanes, result)
@@ -232,8 +242,8 @@ class Reducer:
         """Agree on the union of names: every rank's digest and payload size in one gather,
         then one broadcast per distinct name set, from the lowest rank holding it. A name whose
         kind differs between ranks, or from an earlier log step, and two names that would write one
-        key, are left out (every rank sees the same payloads, so every rank leaves them out) and said
-        in :attr:`refused`; returns ``samples`` without those names' samples."""
+        key, are left out (every rank sees the same payloads, so every rank leaves them out) and kept
+        for later log steps; returns ``samples`` without those names (a vector keeps its other elements)."""
         payload = encode_entries(sorted(entries_of(samples)))
         world = dist.get_world_size(self.group)
         device = self.device
@@ -278,11 +288,8 @@ class Reducer:
         for name, kind in union.items():
             self._agreed.setdefault(name, kind)
         self._layout = PackLayout(union.items())
-        if not refused:
-            return samples
-        # the same on every rank: the rest is reduced and written, then the caller raises this
-        self.refused = ValueError("; ".join(dict.fromkeys(refused.values())) + " (left out of this record)")
-        return [s for s in samples if not refused.keys() & set(s.names if s.names is not None else (s.name,))]
+        self._refusals = Refusals(refused) if refused else None
+        return samples if self._refusals is None else self._refusals.first(samples)
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool, steps: int = 0) -> Union[torch.Tensor, list[int]]:
@@ -301,8 +308,9 @@ class Reducer:
             self._call_coded = (self.call, zlib.crc32(self.call.encode()))
         return self._call_coded[1]
 
-    def _all_reduce_max(self, samples: list[Sample], tag: int, steps: int = 0) -> Optional[Union[torch.Tensor, list[int]]]:
-        pack = self._max_pack(samples, tag, stale=not self._fits(samples), steps=steps)
+    def _all_reduce_max(self, samples: list[Sample], tag: int, steps: int = 0,
+                        stale: bool = False) -> Optional[Union[torch.Tensor, list[int]]]:
+        pack = self._max_pack(samples, tag, stale=stale or not self._fits(samples), steps=steps)
         pack = torch.tensor(pack, dtype=torch.int64) if isinstance(pack, list) else pack
         pack = pack.to(self.device)
         dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)

@@ -8,6 +8,20 @@ import pytest
 from tests.dist_utils import quiet_config, run_ranks
 
 WORLD = 4
+VECTOR = ("v/a", "v/b", "v/c")
+"""A vector sample's names on ranks 0-2; rank 3 sends v/a and v/c, and v/b as a sum of its own while
+the clash lasts (log steps 1-3)."""
+CLASH_STEPS = (1, 2, 3)
+
+
+def _vector_value(rank: int, step: int, name: str) -> float:
+    return 10.0 * step + rank + VECTOR.index(name) / 4
+
+
+def _timer_lanes(rank: int, step: int) -> tuple:
+    """(high, low) of the minmax vector's w/x and w/y on ``rank`` (rank 1 sends w/y/max too while
+    the clash lasts: what w/y writes)."""
+    return ([step * [3, 9, 1, 5][rank], step * (rank + 1)], [step * [2, 4, -6, 0][rank], -step * (rank + 1)])
 
 
 def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
@@ -124,6 +138,29 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
     res = r4.reduce([Sample("c", 1.0, "sum" if rank == 0 else "mean"), Sample("d", float(rank), "sum")])
     out["conflict"] = str(r4.refused) if r4.refused is not None else None
     out["conflict_rest"] = dict(res.values)
+
+    # 9. a refused element of a vector sample: the vector's other elements are written, a clash that
+    # lasts is not negotiated again at each log step, and once it ends the names are negotiated again.
+    r8 = Reducer()
+    mine = tuple(n for n in VECTOR if n != "v/b" or rank != 3)
+    steps = []
+    for step in (*CLASH_STEPS, 4):
+        high, low = _timer_lanes(rank, step)
+        samples = [Sample("v", torch.tensor([_vector_value(rank, step, n) for n in mine], dtype=torch.float64),
+                          "mean", weight=float(rank + 1), names=mine),
+                   Sample("w", torch.tensor(high, dtype=torch.float64), "minmax", low=torch.tensor(low),
+                          names=("w/x", "w/y")),
+                   Sample("ok", 1.0, "sum")]
+        if step in CLASH_STEPS and rank == 3:
+            samples.append(Sample("v/b", 7.0, "sum"))  # the vector's v/b elsewhere is a mean
+        if step in CLASH_STEPS and rank == 1:
+            samples.append(Sample("w/y/max", 7.0, "mean"))  # a key the minmax w/y writes
+        collectives, negotiations = r8.collectives, r8.negotiations
+        metrics = r8.reduce(samples, tag=step).to_metrics()
+        steps.append((metrics, None if r8.refused is None else str(r8.refused), r8.collectives - collectives,
+                      r8.negotiations - negotiations))
+        r8.refused = None  # the caller takes the error, as the Monitor does
+    out["refused_element"] = steps
     return out
 
 
@@ -223,6 +260,34 @@ def test_conflicting_kinds_raise_on_every_rank(results):
     for r in results:
         assert r["conflict"] is not None and "'c'" in r["conflict"] and "same reduce kind" in r["conflict"]
         assert r["conflict_rest"] == {"d": 0 + 1 + 2 + 3}  # the rest is reduced
+
+
+def test_a_refused_element_of_a_vector_leaves_out_only_itself_and_a_lasting_clash_is_not_negotiated_again(results):
+    """One refused name (another kind on one rank; a key another name writes) dropped the whole vector
+    sample it was in, and the names were negotiated again at every log step while the clash lasted."""
+    def mean(step: int, name: str, ranks: range) -> float:
+        return sum((r + 1) * _vector_value(r, step, name) for r in ranks) / sum(r + 1 for r in ranks)
+
+    for r in results:
+        for step, (metrics, refused, collectives, negotiations) in zip((*CLASH_STEPS, 4), r["refused_element"]):
+            high, low = zip(*(_timer_lanes(rank, step) for rank in range(WORLD)))
+            x_high, x_low = [h[0] for h in high], [lo[0] for lo in low]
+            assert metrics["v/a"] == pytest.approx(mean(step, "v/a", range(WORLD)))
+            assert metrics["v/c"] == pytest.approx(mean(step, "v/c", range(WORLD)))
+            assert (metrics["w/x/max"], metrics["w/x/max_rank"]) == (max(x_high), x_high.index(max(x_high)))
+            assert (metrics["w/x/min"], metrics["w/x/min_rank"]) == (min(x_low), x_low.index(min(x_low)))
+            assert metrics["ok"] == WORLD
+            if step in CLASH_STEPS:  # v/b, w/y and w/y/max left out; the error at every log step
+                assert not [key for key in metrics if key.startswith(("v/b", "w/y"))], metrics
+                assert "metric 'v/b' is reduced as 'mean' on one rank and 'sum' on another" in refused, refused
+                assert "'w/y/max'" in refused and refused.endswith("(left out of this record)"), refused
+                # step 1: digest gather + a broadcast for each of 3 distinct name sets, MAX, SUM; then MAX, SUM
+                assert (collectives, negotiations) == ((1 + 3 + 2, 1) if step == 1 else (2, 0)), step
+            else:  # the clash is over: flagged in the MAX pack, negotiated once, every name written
+                assert refused is None and (collectives, negotiations) == (1 + (1 + 2) + 2, 1)
+                assert metrics["v/b"] == pytest.approx(mean(step, "v/b", range(3)))
+                y_high = [h[1] for h in high]
+                assert (metrics["w/y/max"], metrics["w/y/max_rank"]) == (max(y_high), WORLD - 1)
 
 
 def test_ranks_out_of_step_raise_on_every_rank(results):

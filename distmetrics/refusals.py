@@ -1,0 +1,94 @@
+"""Names a negotiation refused, left out of the packs for as long as the ranks keep sending them.
+
+A negotiation refuses a name whose reduce kind differs between ranks (or from an earlier log step),
+and both names of a pair that would write one key. Such a name may be one element of a vector
+sample (one timer among the timers, one module among the per-module norms): only that element is
+left out, so the vector's other elements are still reduced and written.
+
+The refusal stays with the layout it was agreed with. At a later log step each rank leaves the same
+names out again, and raises the MAX pack's stale flag only where the refused names it sends have
+changed (the clash may be over then). A clash that lasts therefore costs no negotiation at each log
+step, and every rank still hands its caller the error there, as every rank holds the same refusal.
+
+This module knows samples and names, not process groups: :mod:`distmetrics.reduce` negotiates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["Refusals"]
+
+
+class Refusals:
+    """The names the last negotiation refused, with why (the same on every rank), and which of them
+    this rank sent then (:attr:`sent`)."""
+
+    def __init__(self, why: dict[str, str]) -> None:
+        self.why = why
+        self.message = "; ".join(dict.fromkeys(why.values())) + " (left out of this record)"
+        self.sent: frozenset = frozenset()
+        """The refused names this rank sent to the negotiation: another set at a later log step
+        raises the stale flag."""
+        self._vectors: dict[tuple, tuple] = {}  # (id(names), reduce) → (names, refused among them, kept names, index)
+
+    def error(self) -> ValueError:
+        """The error the reducer's caller raises once the record is written (a new one each log step:
+        one exception raised again and again would pile up tracebacks)."""
+        return ValueError(self.message)
+
+    def first(self, samples: Sequence[Any]) -> list:
+        """:meth:`leave_out` at the negotiation itself, where :attr:`sent` is taken."""
+        kept, self.sent = self.leave_out(samples)
+        return kept
+
+    def leave_out(self, samples: Sequence[Any]) -> tuple[list, frozenset]:
+        """``samples`` without the refused names (a vector keeps its other elements, as a vector),
+        and the refused names among them."""
+        kept: list = []
+        sent: set = set()
+        for s in samples:
+            if s.names is None:
+                if s.name in self.why:
+                    sent.add(s.name)
+                else:
+                    kept.append(s)
+                continue
+            _, refused, names, index = self._vector(s.names, s.reduce)
+            if not refused:
+                kept.append(s)
+                continue
+            sent.update(refused)
+            if names:
+                kept.append(_part(s, names, index))
+        return kept, frozenset(sent)
+
+    def _vector(self, names: tuple, reduce: str) -> tuple:
+        """Which of a vector's names are refused, the others and their positions; cached per tuple
+        (collectors pass the same one at each log step)."""
+        key = (id(names), reduce)
+        cached = self._vectors.get(key)
+        if cached is None or cached[0] is not names:
+            refused = frozenset(name for name in names if name in self.why)
+            positions = [i for i, name in enumerate(names) if name not in refused]
+            if len(self._vectors) >= 256:  # tuples made anew at each log step: keep a few
+                self._vectors.clear()
+            cached = self._vectors[key] = (names, refused, tuple(names[i] for i in positions),
+                                           {None: torch.tensor(positions, dtype=torch.long)})
+        return cached
+
+
+def _part(s: Any, names: tuple, index: dict) -> Any:
+    """A vector sample's elements at ``index`` (positions by device, filled as needed), named ``names``."""
+    def pick(values: Optional[Any]) -> Optional[Any]:
+        if not isinstance(values, torch.Tensor):
+            return values  # a number stands for every element
+        at = index.get(values.device)
+        if at is None:
+            at = index[values.device] = index[None].to(values.device)
+        return values.index_select(0, at)
+
+    return dataclasses.replace(s, value=pick(s.value), weight=pick(s.weight), low=pick(s.low), names=names)
