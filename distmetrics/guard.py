@@ -22,9 +22,12 @@ died), every waiting rank raises :class:`HangError` naming the ranks that did no
 last monitor call and step each of them made (each rank publishes its guarded calls, and its
 other monitor calls at most once a second — less often above 1,000 ranks: every ``world_size /
 1000`` seconds, so the store takes at most about 1,000 such writes a second from the whole job).
-A rank that has left its Monitor (closed it, or left it on an error) will not come: it marks its
-next guarded call done with ``left``, and the ranks waiting there raise at once rather than at
-``hang_timeout_s`` (the third round trip reads which mark it is).
+A rank that has left its Monitor (closed it, or left it on an error) will not come: it publishes
+how it left and marks its next guarded call done with ``left``, and the ranks waiting there raise
+at once rather than at ``hang_timeout_s`` (the third round trip reads which mark it is). Their
+message names the ranks whose published state says they left (how, and after which call) apart
+from those that had simply not arrived yet, which may be on their way: the mark says that some
+rank left, not which, and a slow rank is not one that left.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import itertools
 import logging
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -66,6 +69,7 @@ class CollectiveGuard:
         self._previous = ""  # the key of the last guarded call, deleted once every rank is past it
         self._published = 0.0
         self._last = "none since start-up"
+        self._left = ""  # how this rank left its Monitor ("closed its Monitor", ...); "" while it has not
         monitor_id = next(_MONITORS)
         if self.timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()):
             return
@@ -112,7 +116,7 @@ class CollectiveGuard:
         at once, so a rank still waiting names that rather than the last call published; and the
         next guarded call is marked done with ``left``, so the ranks waiting there (it will not
         come) stop waiting at once."""
-        self._last = f"{how}, after {self._last}" if self._last else how
+        self._left = how.replace("|", "/")  # one field of the published row
         if self.store is not None:
             try:
                 self._publish()
@@ -169,10 +173,11 @@ class CollectiveGuard:
 
     def _publish(self) -> None:
         self._published = time.monotonic()
-        self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}")
+        # read from both ends (_rows): a timer's name in the call may hold "|"
+        self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}|{self._left}")
 
-    def _rows(self) -> list[tuple[int, str, float]]:
-        """Every rank's published (guarded call number, last call, when), by rank."""
+    def _rows(self) -> list[_Row]:
+        """Every rank's published state (guarded call number, last call, when, how it left), by rank."""
         keys = [f"rank{r}" for r in range(self.world)]
         # a rank that never made a guarded call has no key: get() would wait for it (30 min), so the keys
         # are checked first: all at once (one request), one by one only if some are missing
@@ -181,16 +186,16 @@ class CollectiveGuard:
         rows = []
         for key in keys:
             raw = found.get(key)
-            seq, last, stamp = raw.decode().split("|") if raw else (
-                "0", "nothing published (it has not reached Monitor(), died before, or runs with "
-                "hang_timeout_s 0)", str(time.time()))
-            rows.append((int(seq), last, float(stamp)))
+            head, stamp, left = raw.decode().rsplit("|", 2) if raw else (
+                "0|nothing published (it has not reached Monitor(), died before, or runs with hang_timeout_s 0)",
+                str(time.time()), "")
+            seq, call = head.split("|", 1)
+            rows.append(_Row(int(seq), call, left, float(stamp)))
         return rows
 
-    def _arrived(self, last: str, seq: int, call: str, step: Optional[int]) -> bool:
-        """Whether a rank's published ``last`` call is this one (or it left after it: its own HangError)."""
-        waiting = _describe(call, step)
-        return seq == self._seq and (last == waiting or last.endswith(f", after {waiting}"))
+    def _arrived(self, row: _Row, call: str, step: Optional[int]) -> bool:
+        """Whether a rank's published call is this one (it may have left since: its own HangError)."""
+        return row.seq == self._seq and row.call == _describe(call, step)
 
     def _report(self, call: str, step: Optional[int], err: BaseException, waited: float) -> str:
         waiting = _describe(call, step)
@@ -203,27 +208,47 @@ class CollectiveGuard:
         if isinstance(err, _Differ):
             return self._differ_report(waiting, rows)
         now = time.time()
-        missing = [f"rank {r}: last call {last} (published {now - stamp:.1f} s ago)"
-                   for r, (seq, last, stamp) in enumerate(rows) if not self._arrived(last, seq, call, step)]
-        who = "; ".join(missing) or "none of the other ranks published a different call (they may have died)"
+        left, missing = [], []  # a rank that left will not come; one that has not arrived yet may be on its way
+        for r, row in enumerate(rows):
+            if not self._arrived(row, call, step):
+                (left if row.left else missing).append(f"rank {r}: last call {row.last} "
+                                                       f"(published {now - row.stamp:.1f} s ago)")
+        who = "; ".join(missing) or ("none" if left else
+                                     "none of the other ranks published a different call (they may have died)")
+        gone = f"ranks that left their Monitor and will not arrive: {'; '.join(left)}; " if left else ""
         wait = (f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: {err})"
                 if isinstance(err, HangError) else f"{self.timeout_s:g} s (hang_timeout_s)")
-        return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, "
-                f"guarded call #{self._seq}; ranks that did not arrive: {who}. Every rank must make the same "
+        return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, guarded call #{self._seq}; "
+                f"{gone}ranks that did not arrive{' yet' if left else ''}: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
                 f"are not collectives are published at most every {self.publish_every_s:g} s.)")
 
-    def _differ_report(self, waiting: str, rows: list[tuple[int, str, float]]) -> str:
+    def _differ_report(self, waiting: str, rows: list[_Row]) -> str:
         """Every rank arrived at this guarded call number, not all at one call: the calls, and who made each."""
         ranks: dict[str, list[int]] = {}
-        for r, (seq, last, _) in enumerate(rows):  # a rank may have raised and left since: "closed ..., after <call>"
-            made = last.rpartition(", after ")[2]
-            ranks.setdefault(made if seq == self._seq else f"{made} (guarded call #{seq})", []).append(r)
+        for r, row in enumerate(rows):  # a rank may have raised and left since: its call is the one it made
+            ranks.setdefault(row.call if row.seq == self._seq else f"{row.call} (guarded call #{row.seq})",
+                             []).append(r)
         calls = [f"{last} on {some_ranks(r)}" for last, r in ranks.items()]
         more = f"; and {len(calls) - _CALLS_SHOWN} more calls" if len(calls) > _CALLS_SHOWN else ""
         return (f"distmetrics: rank {self.rank} is at {waiting}, guarded call #{self._seq}, where the ranks made "
                 f"different calls: {'; '.join(calls[:_CALLS_SHOWN])}{more}. Every rank must make the same monitor "
                 "calls (step, log_eval, checkpoint_saved, close) with the same step numbers, in the same order.")
+
+
+class _Row(NamedTuple):
+    """One rank's published state: its guarded call number, its last monitor call, how it left its
+    Monitor ("" while it has not) and when it published."""
+
+    seq: int
+    call: str
+    left: str
+    stamp: float
+
+    @property
+    def last(self) -> str:
+        """The call, or how the rank left after it (``closed its Monitor, after monitor.step(step=2)``)."""
+        return f"{self.left}, after {self.call}" if self.left else self.call
 
 
 class _Differ(Exception):

@@ -1306,6 +1306,69 @@ def test_a_rank_waiting_for_one_that_left_its_monitor_says_so(how, said):
     assert waited < 60, message  # it saw the rank leave: not the 120 s of hang_timeout_s
 
 
+def _two_leave_one_late(rank: int, world: int) -> tuple:
+    """Rank 2 closes its Monitor and rank 3 leaves it on an error, both at step 3; rank 0 goes on to the
+    log step at 4 once both have left, and raises there; rank 1 comes to it only after rank 0 has raised
+    (each told through the store, so the order holds on a loaded machine), and rank 0 stays up (it hosts
+    the store) until rank 1 has raised."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    store = dist.PrefixStore("test/two_leave_one_late/", dist.distributed_c10d._get_default_store())
+
+    def run():
+        with dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=120.0)) as monitor:
+            for step in (1, 2, 3, 4):
+                if step == 3 and rank == 2:
+                    monitor.close()
+                    return
+                if step == 3 and rank == 3:
+                    raise KeyError("the loop's own error")
+                if step == 4:
+                    after = ["rank 2 left", "rank 3 left"] if rank == 0 else ["rank 0 raised"]
+                    store.wait(after, timedelta(seconds=60))
+                monitor.step(step, loss=1.0)
+    outcome = _outcome(run)
+    if rank in (2, 3):
+        store.set(f"rank {rank} left", "1")
+    elif rank == 0:
+        store.set("rank 0 raised", "1")
+        store.wait(["rank 1 raised"], timedelta(seconds=60))
+    elif rank == 1:
+        store.set("rank 1 raised", "1")
+    return outcome
+
+
+def _named(message: str, group: str) -> dict:
+    """The ranks a HangError names in ``group`` ("left" or "not arrived"), with what it says of each."""
+    found = re.search(r"ranks that left their Monitor and will not arrive: (.*?); ranks that did not arrive yet: "
+                      r"(.*?)\. Every rank", message)
+    assert found, message
+    listed = found.group(1 if group == "left" else 2)
+    return {int(r): said for r, said in re.findall(r"rank (\d+): last call (.*?) \(published", listed)}
+
+
+def test_a_hang_error_names_the_ranks_that_left_apart_from_the_ranks_still_on_their_way():
+    """Rank 0, at the log step where ranks 2 and 3 had left their Monitors and rank 1 was still on its
+    way, listed all three alike as ranks that did not arrive after "a rank has left its Monitor": the
+    healthy rank 1 read as one that had left. Each rank that raises now names the two that left (how,
+    after which call) and, apart, the ranks that had not arrived yet."""
+    outcomes = run_ranks(_two_leave_one_late, 4, timeout=120)
+    assert outcomes[2][0] == "ok" and outcomes[3][0] == "KeyError", outcomes
+    left = {2: "closed its Monitor, after monitor.step(step=2)",
+            3: "left its Monitor on KeyError, after monitor.step(step=2)"}
+    for rank, late in ((0, [1]), (1, [])):  # rank 0 had arrived (and left on its HangError) before rank 1 came
+        kind, message, seconds = outcomes[rank]
+        assert kind == "HangError" and "a rank has left its Monitor" in message, (rank, kind, message)
+        assert _named(message, "left") == left, message
+        assert sorted(_named(message, "not arrived")) == late, message
+        assert late or "ranks that did not arrive yet: none." in message, message
+        assert seconds < 60, message  # at once, not at hang_timeout_s (120 s)
+
+
 @pytest.mark.parametrize("how", ["never closed", "closed", "in a function"])
 def test_a_process_ending_with_its_monitor_open_says_what_is_not_written(tmp_path, how):
     """A script that never called close() lost the steps after its last log step without a word (the
