@@ -7,7 +7,8 @@ the device. At the log step :meth:`IntervalStats.take_samples` hands the reducer
 
 Interval semantics per reduce kind: ``mean`` is Σ value·weight / Σ weight over steps (and then
 ranks); ``sum`` is the total; ``max``/``min``/``minmax`` the extremes over steps; ``all`` each
-rank's mean over its steps. ``last=True`` keeps only the latest value (the learning rate).
+rank's mean over its steps. ``last=True`` keeps only the latest value and its weight (the learning
+rate, weighted 1 on the writer rank and 0 elsewhere: the sum across ranks adds only zeros to it).
 :class:`IntervalClock` is an interval's wall time on this rank, pauses left out.
 """
 
@@ -117,7 +118,7 @@ class IntervalStats:
         check_value(weight, "metric %r weight", name)
         value, weight = as_number(value), as_number(weight)
         if slot.last:
-            slot.value, slot.weight, slot.low = value, 1.0, value
+            slot.value, slot.weight, slot.low = value, weight, value
             return
         if reduce == "mean":
             slot.value = _add(slot.value, weighted(value, weight))
@@ -145,7 +146,7 @@ class IntervalStats:
             if slot.value is None:
                 continue  # not recorded in this interval: no sample, and its slot goes
             if slot.last:
-                out.append(Sample(name, slot.value, slot.reduce))
+                out.append(Sample(name, slot.value, slot.reduce, weight=slot.weight))
             elif slot.reduce == "mean":
                 out.append(Sample(name, slot.value, "mean", weight=slot.weight, summed=True))
             elif slot.reduce == "all":

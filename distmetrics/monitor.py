@@ -80,7 +80,7 @@ class Monitor:
         # the global rank, and how many ranks the Monitor reduces over (its group's)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         # the group's first or last rank (a Monitor on a group without global rank 0 writes too)
-        self.writer_rank = self.layout.ranks[0 if config.writer_rank == "first" else -1]
+        self.writer_rank = self.layout.writer(config.writer_rank)
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
         self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size)

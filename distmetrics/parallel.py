@@ -97,6 +97,11 @@ class Layout:
         ``Monitor(group=...)`` global rank 0 may be another job's: this job heard nothing)."""
         return self.rank == self.ranks[0]
 
+    def writer(self, which: str) -> int:
+        """The global rank that writes the records: the first or the last (``which``, the config's
+        ``writer_rank``) of the Monitor's ranks."""
+        return self.ranks[0 if which == "first" else -1]
+
     @property
     def is_last_stage(self) -> bool:
         """True on the last pipeline stage (the one holding the loss)."""

@@ -221,6 +221,67 @@ def test_lr_is_the_last_value_and_scalars_are_interval_means(run):
     assert logs[8]["probe/max"] == 28.0 and logs[8]["probe/max/max_rank"] == 2
 
 
+def _scheduled_lr(rank: int, world: int, root: str) -> dict:
+    """Every rank's SGD follows one cosine schedule from 0.1, written by the first rank and then by the
+    last; then the ranks follow different schedules, then the writer rank passes no lr."""
+    import logging
+
+    import torch
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    out: dict = {"said": said}
+    for writer in ("first", "last"):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+        given, returned = {}, {}
+        cfg = quiet_config(output_dir=f"{root}/{writer}", log_interval=1, json_log=True, writer_rank=writer)
+        with dm.Monitor(cfg) as monitor:
+            for step in range(1, STEPS + 1):
+                optimizer.step()
+                given[step] = scheduler.get_last_lr()[0]
+                returned[step] = monitor.step(step, loss=1.0, lr=given[step])["train/lr"]
+                scheduler.step()
+        written = {r["step"]: r["train/lr"] for r in dm.read_jsonl(f"{root}/{writer}/metrics.jsonl")
+                   if r["kind"] == "train"} if monitor.is_writer else None
+        out[writer] = {"given": given, "returned": returned, "written": written}
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        out["different"] = monitor.step(1, loss=1.0, lr=0.1 * (rank + 1))
+        out["writer gave none"] = monitor.step(2, loss=1.0, lr=None if rank == 0 else 0.1)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scheduled_lr(tmp_path_factory):
+    return run_ranks(_scheduled_lr, WORLD, str(tmp_path_factory.mktemp("lr")))
+
+
+@pytest.mark.parametrize("writer", ["first", "last"])
+def test_train_lr_is_written_exactly_as_the_scheduler_gave_it(scheduled_lr, writer):
+    """0.1 on 3 ranks is not a mean of them: (0.1 + 0.1 + 0.1) / 3 is 0.10000000000000002."""
+    writes = 0 if writer == "first" else WORLD - 1
+    assert scheduled_lr[writes][writer]["written"] == scheduled_lr[writes][writer]["given"]
+    assert scheduled_lr[writes][writer]["given"][1] == 0.1
+    for out in scheduled_lr:
+        assert out[writer]["returned"] == out[writer]["given"] == scheduled_lr[writes][writer]["given"]
+
+
+def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer_ranks(scheduled_lr):
+    assert all(out["different"]["train/lr"] == 0.1 for out in scheduled_lr)
+    # the writer rank gave none: the others' lr, as the MAX pack holds it (float32)
+    assert all(out["writer gave none"]["train/lr"] == pytest.approx(0.1, rel=1e-7) for out in scheduled_lr)
+    said = [line for line in scheduled_lr[0]["said"] if "learning rate" in line]
+    assert len(said) == 2 and all("writer rank's (rank 0)" in line for line in said), said
+    assert "0.3 on rank 2 and 0.1 on rank 0" in said[0]
+    assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is rank 1's, to float32" in said[1]
+    assert not any("learning rate" in line for out in scheduled_lr[1:] for line in out["said"])
+
+
 def test_tokens_per_second_counts_every_rank_once(run):
     _, results = run
     logs = results[0]["logs"]

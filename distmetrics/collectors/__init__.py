@@ -34,7 +34,7 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .timer_collector import TimerCollector
     from .timers import Timers
 
-    out: list = [StepValues(layout)]
+    out: list = [StepValues(layout, layout.writer(config.writer_rank))]
     # barrier=True and the timer reports wait for the Monitor's ranks (its group's), not the world's
     timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time,
                     barrier_group=layout.group)

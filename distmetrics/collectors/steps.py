@@ -26,7 +26,7 @@ from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights", "LearningRates"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -38,6 +38,9 @@ LOSS_WEIGHTS = "_train/loss_weights"
 """Internal lane: what this rank weighted its losses by in the interval (minmax): 1 tokens, 2
 steps (``tokens=None``), 3 both; a mean of losses weighted by either on different ranks (or
 steps) is neither."""
+LEARNING_RATES = "_train/lr"
+"""Internal lane: each rank's learning rate (minmax, float32), with two ranks or more: ``train/lr``
+is the writer rank's, so ranks that differ, or a writer rank that gives none, are said."""
 Number = Union[int, float, torch.Tensor]
 logger = logging.getLogger("distmetrics")
 _BY_TOKENS, _BY_STEPS = 1, 2
@@ -78,15 +81,49 @@ class MixedWeights:
                        "tokens with every loss, or with none.", self.loss, step, how)
 
 
+class LearningRates:
+    """The ranks' learning rates, a reduced ``minmax`` lane taken out of a record. ``train/lr`` is
+    the writer rank's own value (as Megatron and torchtitan log one rank's), so a job whose ranks
+    follow different schedules, or whose writer rank passes no ``lr``, is said once by the rank that
+    ``says``. The lane holds float32: learning rates alike to 7 digits look the same there."""
+
+    def __init__(self, lane: str, writer: int, says: bool) -> None:
+        self.lane, self.writer, self.says = lane, writer, says
+        self._said: set = set()  # "differ", "missing": each said once
+
+    def check(self, metrics: dict[str, Any], step: int) -> None:
+        high, high_rank, low, low_rank = (metrics.pop(f"{self.lane}/{end}", None)
+                                          for end in ("max", "max_rank", "min", "min_rank"))
+        if high is None:
+            return
+        if "train/lr" not in metrics:  # the writer rank gave none: the largest lr passed, as the MAX pack holds it
+            metrics["train/lr"] = high
+            if self.says and "missing" not in self._said:
+                self._said.add("missing")
+                logger.warning("distmetrics: train/lr is the writer rank's (rank %d) learning rate, and that rank "
+                               "passed no lr to monitor.step at step %d while rank %d did: train/lr is rank %d's, to "
+                               "float32's 7 digits, in every record where this recurs; pass lr on every rank",
+                               self.writer, step, int(high_rank), int(high_rank))
+        elif not self.says:
+            return
+        elif high > low and "differ" not in self._said:  # NaN on a rank makes both lanes NaN: not said
+            self._said.add("differ")
+            logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
+                           "%.7g on rank %d; train/lr is the writer rank's (rank %d). Said once: every rank's "
+                           "optimizer is expected to follow one schedule", step, high, int(high_rank), low,
+                           int(low_rank), self.writer)
+
+
 class StepValues:
-    """``train/loss`` (token-weighted), ``train/lr`` (last value), extra scalars, recorded values,
-    the interval's tokens and wall time."""
+    """``train/loss`` (token-weighted), ``train/lr`` (the writer rank's last value), extra scalars,
+    recorded values, the interval's tokens and wall time. ``writer`` is the global rank that writes
+    the records."""
 
     name = "train"
     after = ()
     writes = ("train/loss", "train/lr")
 
-    def __init__(self, layout: Any) -> None:
+    def __init__(self, layout: Any, writer: int) -> None:
         self.stats = IntervalStats()
         self.names = NameRegistry()  # the Monitor adds what its other collectors write
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
@@ -103,6 +140,12 @@ class StepValues:
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
         self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.says_once)
         """What train/loss was weighted by (``.by``: in the last record)."""
+        # train/lr weighs 1 on the writer rank and 0 elsewhere: the SUM pack adds only zeros to it, so
+        # it is written exactly as given (a mean of 0.1 over 3 ranks is 0.30000000000000004 / 3)
+        self._lr_weight = 1.0 if layout.rank == writer else 0.0
+        self.learning_rates = LearningRates(LEARNING_RATES, writer, layout.says_once) \
+            if layout.world_size > 1 else None
+        self._lr: Optional[Number] = None  # the interval's last lr, for the LEARNING_RATES lane
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any]) -> None:
@@ -141,7 +184,8 @@ class StepValues:
             self.stats.record(TOKENS, tokens, "sum")
             self.job_tokens = self.job_tokens + as_number(tokens)
         if lr is not None:
-            self.stats.record("train/lr", lr, "mean", last=True)
+            self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
+            self._lr = lr  # its lane is made at the log step: a step between them pays one assignment
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
@@ -171,9 +215,12 @@ class StepValues:
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         weights, self._loss_weights = self._loss_weights, 0
+        lr, self._lr = self._lr, None
         lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
         if weights:
             lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
+        if lr is not None and self.learning_rates is not None:
+            lanes.append(Sample(LEARNING_RATES, as_number(lr), "minmax"))
         return self.stats.take_samples() + lanes
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
@@ -199,6 +246,8 @@ class StepValues:
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
         self.mixed.check(metrics, ctx.step)
+        if self.learning_rates is not None:
+            self.learning_rates.check(metrics, ctx.step)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
