@@ -1392,7 +1392,13 @@ def test_a_process_ending_with_its_monitor_open_says_what_is_not_written(tmp_pat
 
 # --- a Monitor's lifecycle: errors, exits, threads, the process group -----------------------------
 
-def _destroyed_before_close(rank: int, world: int, root: str, port: int) -> tuple:
+def _rendezvous(tmp_path) -> str:
+    """Where ranks that make their process group again meet: a file, not a port picked ahead (by the
+    time they meet, the kernel may have handed that port to gloo's own sockets: EADDRINUSE)."""
+    return f"file://{tmp_path / 'rendezvous'}"
+
+
+def _destroyed_before_close(rank: int, world: int, root: str, rendezvous: str) -> tuple:
     import torch.distributed as dist
 
     import distmetrics as dm
@@ -1403,7 +1409,7 @@ def _destroyed_before_close(rank: int, world: int, root: str, port: int) -> tupl
     dist.destroy_process_group()
     outcome = _outcome(monitor.close)
     # made again for the harness, which destroys it
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=rendezvous)
     dist.barrier()
     return outcome
 
@@ -1412,14 +1418,13 @@ def test_a_process_group_destroyed_before_close_writes_nothing_as_the_jobs_and_s
     """close() after destroy_process_group() reduced alone and wrote rank 0's loss (6.5) and tokens
     (12) as the job's (7.0 and 14) for steps 6-7, without a word."""
     import distmetrics as dm
-    from tests.dist_utils import free_port
 
-    for kind, message, _ in run_ranks(_destroyed_before_close, 2, str(tmp_path), free_port(), timeout=120):
+    for kind, message, _ in run_ranks(_destroyed_before_close, 2, str(tmp_path), _rendezvous(tmp_path), timeout=120):
         assert kind == "RuntimeError" and "made for 2 ranks, but torch.distributed is not initialised" in message
     assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [5]
 
 
-def _made_before_init(rank: int, world: int, port: int) -> tuple:
+def _made_before_init(rank: int, world: int, rendezvous: str) -> tuple:
     import torch.distributed as dist
 
     import distmetrics as dm
@@ -1427,7 +1432,7 @@ def _made_before_init(rank: int, world: int, port: int) -> tuple:
     dist.destroy_process_group()
     os.environ.pop("WORLD_SIZE")  # a script spawning its ranks itself, with no launcher's variables
     monitor = dm.Monitor(quiet_config(log_interval=2))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=rendezvous)
     dist.barrier()  # both ranks are connected before either refuses (and ends)
     monitor.step(1, loss=1.0)
     outcome = _outcome(lambda: monitor.step(2, loss=1.0))
@@ -1435,12 +1440,10 @@ def _made_before_init(rank: int, world: int, port: int) -> tuple:
     return outcome
 
 
-def test_a_monitor_made_for_one_rank_refuses_a_process_group_of_more():
+def test_a_monitor_made_for_one_rank_refuses_a_process_group_of_more(tmp_path):
     """Each rank took itself for a 1-rank job at the log step: each wrote its own files, with
     world_size 1 and tokens/s per GPU the job's."""
-    from tests.dist_utils import free_port
-
-    for kind, message, _ in run_ranks(_made_before_init, 2, free_port(), timeout=120):
+    for kind, message, _ in run_ranks(_made_before_init, 2, _rendezvous(tmp_path), timeout=120):
         assert kind == "RuntimeError" and "made before init_process_group, for 1 rank" in message
         assert "the process group has 2 ranks now" in message
 
