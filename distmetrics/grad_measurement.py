@@ -37,6 +37,7 @@ class GradMeasurement:
     plan: Optional[Plan] = None  # the parameters measured
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
+    replicas: Optional[torch.Tensor] = None  # the reduced lanes of the replica check (distmetrics.replicas)
 
     on_host: bool = False  # the values are on the CPU: reading them waits for no device
     _local_value: Optional[float] = None

@@ -12,6 +12,10 @@ bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in fl
 scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
 total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
 
+Plain gradients beside DTensor ones (``fully_shard`` on some submodules only) count once, as
+copies of each other: every measurement checks that they are, in lanes of its one all-reduce, and
+every rank raises a ``ValueError`` together where they are not (:mod:`distmetrics.replicas`).
+
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
 (FSDP2, tensor parallel, split by the distributed optimizer) raises a ``ValueError`` on every
@@ -35,6 +39,7 @@ from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
 from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
+from . import replicas
 from .tensor_norms import groups_of, per_tensor_norms, scale_
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "clip_coefficient", "norm_kind"]
@@ -84,6 +89,7 @@ class GradientNorms:
         self.guard: Any = None
         """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
         self._agreed: set[float] = set()  # norm types every rank was found to pass
+        self._replicas_anywhere = False  # some rank measured plain gradients beside DTensors (found by _agree)
 
     def attach_shards(self, shards: MegatronShards) -> None:
         """Count the slices Megatron's distributed optimizer gives this rank (see
@@ -120,9 +126,9 @@ class GradientNorms:
         training under Megatron, which divides it out inside ``optimizer.step()``); every norm
         is of the gradients divided by it. ``call`` names the caller in errors and the arrival check."""
         p = float(norm_type)
-        if p not in self._agreed:
-            self._agree(p, call)
         plan = self.plans.for_parameters(parameters)
+        if p not in self._agreed:
+            self._agree(p, call, plan)
         grads = list(map(grad_of, plan.params))
         if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
             index = plan.every_index
@@ -146,8 +152,15 @@ class GradientNorms:
         # piece's is inf): one more pass finds them (a 1-norm: defined on an empty slice; NaN or inf where a
         # gradient holds one, or sums past the float range)
         finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p <= 0 else norms
+        kind = norm_kind(p)
+        extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
+            if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial, route.every, finite_check)
+                            p == 0 and route.partial, route.every, finite_check, extra)
+        if extra is not None and (self._checks_replicas(plan) or self._replicas_anywhere):
+            # the plain parameters' names are looked up on a refusal only (a pass over the parameters)
+            replicas.check(measured, kind, call, self.layout,
+                           lambda: [plan.names[i] for i in index if not is_dtensor(grad_of(plan.params[i]))])
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
         if missing and plan.given:  # the parameters a clip was given may include frozen ones: not missing
             with_grad = set(index)
@@ -165,20 +178,23 @@ class GradientNorms:
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
 
-    def _agree(self, p: float, call: str) -> None:
+    def _agree(self, p: float, call: str, plan: Plan) -> None:
         """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
         one small all-reduce (after the Monitor's arrival check, where there is one). A rank passing
         another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
         MAX, in which every rank waited without a word) or took another root (1 against 2: a
-        total that differed between ranks)."""
+        total that differed between ranks). A third lane says whether some rank's ``plan`` holds plain
+        gradients beside DTensors: then every rank reads the replica check (pipeline stages differ)."""
         if p != p:
             raise ValueError(f"{call}(norm_type=nan): accepted values are numbers (inf and -inf included) and 'inf'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.guard is not None:
                 self.guard.enter(f"{call}(norm_type check)")
-            lanes = torch.tensor([p, -p], dtype=torch.float64, device=collective_device(self.group))
+            lanes = torch.tensor([p, -p, float(self._checks_replicas(plan))], dtype=torch.float64,
+                                 device=collective_device(self.group))
             dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
-            high, low = lanes.tolist()
+            high, low, mixed = lanes.tolist()
+            self._replicas_anywhere = self._replicas_anywhere or mixed > 0
             if high != -low:
                 raise ValueError(f"{call}(norm_type={p:g}) on this rank, but the ranks passed norm types from "
                                  f"{-low:g} to {high:g} at their first gradient norm with it: every rank must pass "
@@ -208,11 +224,20 @@ class GradientNorms:
             weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
             cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
+            if self._checks_replicas(plan):
+                checked = [not is_dtensor(g) for g in grads]
+                cached.replica_weights = replicas.position_weights(index, checked, device)
+                cached.replica_owner = any(w for w, c in zip(weights, checked) if c)
             while len(plan.routing) > _ROUTES_KEPT:
                 plan.routing.popitem(last=False)
         else:
             plan.routing.move_to_end(key)
         return cached
+
+    def _checks_replicas(self, plan: Plan) -> bool:
+        """Does ``plan`` hold plain gradients beside DTensors that count once as copies
+        (:mod:`distmetrics.replicas`)? Megatron's plain parameters have rules of their own."""
+        return plan.mixed and self.layout.source != "megatron" and self.shards is None
 
     def _is_partial(self, param: Any, grad: torch.Tensor) -> bool:
         """Is this rank's piece of ``grad`` part of a tensor split over ranks: a tensor-parallel
@@ -260,10 +285,12 @@ def norm_kind(p: float) -> str:
 
 def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
              group: Any, device: torch.device, sharded: bool = False, every: bool = False,
-             finite_check: Optional[torch.Tensor] = None) -> GradMeasurement:
+             finite_check: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None) -> GradMeasurement:
     """Owned per-tensor norms → per-bucket values, this rank's total and the global total
     (``every``: this rank owns every tensor, as a single process does). ``finite_check``:
-    per-tensor values that are non-finite exactly where a gradient is (default ``norms``)."""
+    per-tensor values that are non-finite exactly where a gradient is (default ``norms``).
+    ``extra``: lanes that ride the all-reduce (reduced as the total is), kept as ``replicas``."""
+    tail = () if extra is None else (extra,)
     kind = norm_kind(p)
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
     # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
@@ -276,14 +303,15 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        total, bad = _all_reduce(torch.cat([local.reshape(1), bad]), kind, group)
-        total = total.pow(1.0 / p)
+        reduced = _all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
+        total, bad, extra = reduced[0].pow(1.0 / p), reduced[1], reduced[2:]
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
         counted = (norms > 0).to(torch.float64)
         contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
-        total, flag, bad = _all_reduce(torch.cat([local.reshape(1), flag, bad]), kind, group)
+        reduced = _all_reduce(torch.cat([local.reshape(1), flag, bad, *tail]), kind, group)
+        total, flag, bad, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
         if flag > 0:
             raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
                              "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
@@ -297,15 +325,18 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
         with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
         local = with_identity.max() if kind == "max" else with_identity.min()
         if kind == "max":
-            total, bad = _all_reduce(torch.cat([local.reshape(1), bad]), kind, group)
+            reduced = _all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
+            total, bad, extra = reduced[0], reduced[1], reduced[2:]
         else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
             held = owned.any().to(torch.float64)
-            total, none_held, least = _all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad]), kind, group)
+            reduced = _all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad, *tail]), kind, group)
+            total, none_held, least, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
             total, bad = torch.where(none_held < 0, total, torch.zeros_like(total)), -least
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
     measured.on_host = device.type == "cpu"
     measured.total = total
     measured.local_nonfinite, measured.bad_anywhere = local_bad, bad
+    measured.replicas = extra
     return measured
 
 

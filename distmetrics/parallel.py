@@ -162,9 +162,9 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
         names = tuple(device_mesh.mesh_dim_names or ())
         coords = device_mesh.get_coordinate() or []
         dp_rank = 0
-        for dim, name in enumerate(names):  # every dimension that is not tp/cp/pp is data parallel
-            if name not in _MODEL_DIMS:
-                dp_rank = dp_rank * device_mesh.size(dim) + coords[dim]
+        for dim, coordinate in enumerate(coords):  # every dimension that is not tp/cp/pp is data parallel,
+            if _dim_name(names, dim) not in _MODEL_DIMS:  # an unnamed one too (else each rank took itself for rank 0)
+                dp_rank = dp_rank * device_mesh.size(dim) + coordinate
         layout.dp_rank = dp_rank
         unknown = [name for name in names if name not in _MODEL_DIMS and not any(h in name for h in _DATA_HINTS)]
         if unknown and layout.says_once:
@@ -243,20 +243,27 @@ def data_parallel_group(layout: Layout) -> Any:
     """The process group of this rank's data-parallel peers (``None``: the whole world).
 
     Megatron's comes from ``parallel_state``. A DeviceMesh's is its one data-parallel
-    dimension, its data-parallel dimensions flattened (HSDP), or a group of this rank alone
-    when every dimension is tp/cp/pp. Made on first use and kept; every rank must ask
-    (flattening a mesh creates groups)."""
+    dimension, its data-parallel dimensions flattened (HSDP), the whole mesh where its
+    dimensions are unnamed, or a group of this rank alone when every dimension is tp/cp/pp.
+    Made on first use and kept; every rank must ask (flattening a mesh creates groups)."""
     if layout.dp_group is not None or layout.device_mesh is None:
         return layout.dp_group
     mesh = layout.device_mesh
     names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in _MODEL_DIMS)
-    if not names:
+    if not mesh.mesh_dim_names:  # unnamed dimensions are data parallel: the whole mesh
+        layout.dp_group = mesh.get_group() if mesh.ndim == 1 else dist.new_group(mesh.mesh.flatten().tolist())
+    elif not names:
         layout.dp_group = dist.new_group([layout.rank], use_local_synchronization=True)
     elif len(names) == 1:
         layout.dp_group = mesh.get_group(names[0])
     else:
         layout.dp_group = mesh[names]._flatten().get_group()
     return layout.dp_group
+
+
+def _dim_name(names: tuple, dim: int) -> str:
+    """The name of mesh dimension ``dim`` ("" where the mesh has no names)."""
+    return names[dim] if dim < len(names) else ""
 
 
 def _megatron_parallel_state():

@@ -42,6 +42,8 @@ class Route:
     partial: bool = False  # some local piece is part of a tensor split over ranks
     orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
     every: bool = False  # every tensor counts on this rank
+    replica_weights: Optional[torch.Tensor] = None  # plain tensors beside DTensors: see distmetrics.replicas
+    replica_owner: bool = False  # they count on this rank
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Plan:
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, id of the Buckets) → (Buckets, element names, every)
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
+    mixed: bool = False  # DTensors and plain tensors side by side (fully_shard on some submodules only)
     given: bool = False  # the parameters a clip was given (not the model's trainable ones): frozen ones too
 
     @functools.cached_property
@@ -174,8 +177,9 @@ class ParamPlans:
                 buckets.append(module)
             bucket_ids.append(index[module])
         params = [q for _, q in named]
+        dtensors = sum(map(is_dtensor, params))
         return Plan(params, names, buckets, torch.tensor(bucket_ids, dtype=torch.long), signature,
-                    plain=not any(is_dtensor(q) for q in params))
+                    plain=not dtensors, mixed=0 < dtensors < len(params))
 
 def buckets_of(ids: list[int], device: torch.device) -> Buckets:
     """A :class:`Buckets` of these ids on ``device``."""

@@ -2,7 +2,8 @@
 the full, unsharded tensors (DTensor ``full_tensor()``, Megatron TP all-gather along
 ``partition_dim``), never from the ownership weights under test.
 
-Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh (4 ranks, one spawn);
+Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh, FSDP2 on the blocks only
+beside the root's plain layers (4 ranks, one spawn);
 Megatron-Core TP=2 × DP=2 with ``main_grad``, Megatron PP=2 × TP=2 with a tied embedding, and
 mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn).
 """
@@ -170,6 +171,8 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
     out["fsdp2_tp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), tp_data,
                                       mesh=mesh_tp)
 
+    out.update(_blocks_sharded_root_plain(rank, world, data))
+
     # Pipeline stages on a pp × dp mesh with plain parameters (torch.distributed.pipelining holds
     # them so), each stage's replicated over dp by DDP: stage s holds layers.s under its global name.
 
@@ -187,6 +190,56 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
     out["pp_plain"] = {"truth": truth, "returned": returned, "metrics": monitor.step(1)}
     monitor.close()
     dist.barrier()
+    return out
+
+
+def _blocks_sharded_root_plain(rank: int, world: int, data) -> dict:
+    """``fully_shard`` on the blocks only: the root's own layers (``inp``, ``out``) stay plain tensors
+    on every rank. Where the loop averages their gradients itself (a hook after accumulation), the
+    norms are measured without and with the mesh given to ``fully_shard`` (unnamed) as ``device_mesh``;
+    where it does not, or one rank's differ by 1e-4 of one tensor, every rank must refuse."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def average(param) -> None:  # the loop's own data-parallel mean of a gradient nothing else reduces
+        dist.all_reduce(param.grad)
+        param.grad.div_(world)
+
+    def blocks_only(averaged: bool):
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        for p in model.parameters():
+            if averaged and not hasattr(p, "device_mesh"):
+                p.register_post_accumulate_grad_hook(average)
+        return model
+
+    out = {}
+    for case, given in (("blocks_only", None), ("blocks_only_mesh_given", mesh)):
+        model = blocks_only(averaged=True)
+        out[case] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, mesh=given)
+    refused = out["blocks_only_refused"] = {}
+    for case in ("own gradients, p=2", "own gradients, p=inf", "one tensor 1e-4 off on rank 1"):
+        model = blocks_only(averaged=not case.startswith("own"))
+        model(data).pow(2).mean().backward()
+        if case.startswith("one") and rank == 1:
+            model.out.bias.grad.mul_(1 + 1e-4)
+        before = [p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone()
+                  for p in model.parameters()]
+        try:
+            with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+                monitor.clip_grad_norm_(MAX_NORM, norm_type=math.inf if case.endswith("inf") else 2.0)
+            refused[case] = "no error"
+        except ValueError as err:
+            refused[case] = str(err)
+        after = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+        refused[case + ", scaled"] = any(not torch.equal(a, b) for a, b in zip(after, before))
     return out
 
 
@@ -246,6 +299,30 @@ def _check(result: dict, per_module_names: set | None = None) -> None:
 def test_norms_are_exact_under_dtensor_and_ddp_layouts(dtensor_results, layout):
     for rank_result in dtensor_results:
         _check(rank_result[layout])
+
+
+@pytest.mark.parametrize("layout", ["blocks_only", "blocks_only_mesh_given"])
+def test_norms_are_exact_with_fully_shard_on_the_blocks_only_and_the_roots_layers_plain(dtensor_results, layout):
+    """Gradient (total, returned, every module), parameter and update norms and the clip equal float64
+    truth from the full tensors on every rank, also with the unnamed mesh given as ``device_mesh``
+    (before, each rank took itself for data-parallel rank 0 there and counted the plain layers 4 times)."""
+    for rank_result in dtensor_results:
+        _check(rank_result[layout])
+
+
+def test_plain_gradients_that_differ_across_ranks_beside_fsdp2_shards_are_refused_on_every_rank(dtensor_results):
+    """Gradients of the root's plain layers left as each rank's own (nothing reduces them), or one
+    tensor 1e-4 off on one rank: each rank's true norm differs, so every rank raises (none waits, none
+    writes one rank's norm as the job's), naming the plain parameters, and no gradient is scaled."""
+    for rank, rank_result in enumerate(dtensor_results):
+        refused = rank_result["blocks_only_refused"]
+        for case in ("own gradients, p=2", "own gradients, p=inf", "one tensor 1e-4 off on rank 1"):
+            message = refused[case]
+            assert message.startswith("monitor.clip_grad_norm_: the gradients of the plain (not sharded) parameters "
+                                      "'inp.weight', 'inp.bias', 'out.weight', 'out.bias' differ across ranks"), \
+                (rank, case, message)
+            assert "all-reduce their gradients over the data-parallel ranks" in message
+            assert refused[case + ", scaled"] is False, (rank, case)
 
 
 # --- Megatron-Core ------------------------------------------------------------------------------
