@@ -31,6 +31,7 @@ class GradMeasurement:
     local_buckets: Buckets
     max_norm: Optional[float] = None
     coef: Optional[torch.Tensor] = None
+    megatron: bool = False  # Megatron's gradients (main_grad, decoupled_grad): its optimizer clips them in float32
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
     local_nonfinite: Optional[torch.Tensor] = None  # how many local tensors hold NaN or inf (0-d float64)
     bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)

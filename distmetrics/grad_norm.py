@@ -11,6 +11,9 @@ are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in
 bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64. Clipping
 scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
 total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
+Megatron's gradients (``main_grad``) get the coefficient Megatron's own clip computes, in
+float32 from the float64 total: its optimizer measures the clipped gradients in float32, and a
+bf16 coefficient is off by up to 0.4% (a clip at 0.05 read back as 0.05006).
 
 Plain gradients beside DTensor ones (``fully_shard`` on some submodules only) count once, as
 copies of each other: every measurement checks that they are, in lanes of its one all-reduce, and
@@ -40,7 +43,7 @@ from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_loca
 from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
 from . import replicas
-from .tensor_norms import groups_of, per_tensor_norms, scale_
+from .tensor_norms import groups_of, held_nonfinite, per_tensor_norms, scale_
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "clip_coefficient", "norm_kind"]
 
@@ -72,8 +75,11 @@ _MODULE_LEVEL: "OrderedDict[int, GradientNorms]" = OrderedDict()
 
 
 class NonfiniteNormError(RuntimeError):
-    """``error_if_nonfinite=True`` and some rank's gradients hold NaN or inf (torch raises a
-    RuntimeError with this message; every rank raises this one, none waits)."""
+    """``error_if_nonfinite=True`` and the total is not finite (torch raises a RuntimeError with
+    this message; every rank raises this one, none waits). ``held``: some rank's gradients hold
+    NaN or inf; False where finite gradients gave a total past the float range."""
+
+    held = True
 
 
 class GradientNorms:
@@ -113,6 +119,7 @@ class GradientNorms:
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call)
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
+                # (Megatron's for its gradients: see clip_coefficient)
                 note_clip(measured, max_norm, local_tensor(result))
                 scale_(measured.locals, measured.coef, foreach, measured.groups)
                 measured.locals = measured.groups = None
@@ -156,11 +163,14 @@ class GradientNorms:
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
             if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial, route.every, finite_check, extra)
+                            p == 0 and route.partial, route.every, finite_check, extra,
+                            locals_ if device.type == "cpu" else None)
         if extra is not None and (self._checks_replicas(plan) or self._replicas_anywhere):
             # the plain parameters' names are looked up on a refusal only (a pass over the parameters)
             replicas.check(measured, kind, call, self.layout,
                            lambda: [plan.names[i] for i in index if not is_dtensor(grad_of(plan.params[i]))])
+        # main_grad (or decoupled_grad) in place of .grad: Megatron's gradients, which its optimizer clips
+        measured.megatron = bool(grads) and grads[0] is not plan.params[index[0]].grad
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
         if missing and plan.given:  # the parameters a clip was given may include frozen ones: not missing
             with_grad = set(index)
@@ -171,10 +181,12 @@ class GradientNorms:
         # as torch raises where its total is not finite: on a rank whose replica alone holds NaN or
         # inf that is the rank's own total, for p > 0 (for p <= 0 an inf or NaN element can leave it finite)
         if error_if_nonfinite and not bool(torch.isfinite(measured.total) & ((measured.bad_anywhere == 0) | (p <= 0))):
-            raise NonfiniteNormError(
+            error = NonfiniteNormError(
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
+            error.held = bool(measured.bad_anywhere > 0)
+            raise error
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
 
@@ -253,19 +265,30 @@ class GradientNorms:
 def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:
     """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
     scale by (:func:`clip_coefficient`) of ``total`` as returned (default: the float64 global
-    total), a tensor in its dtype, with no host sync."""
+    total), a tensor, with no host sync."""
     measured.max_norm = max_norm
-    measured.coef = clip_coefficient(measured.total if total is None else total, measured.total, max_norm)
+    measured.coef = clip_coefficient(measured.total if total is None else total, measured.total, max_norm,
+                                     measured.megatron)
 
 
-def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: float) -> torch.Tensor:
+def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: float,
+                     megatron: bool = False) -> torch.Tensor:
     """torch's ``min(1, max_norm / (total + 1e-6))`` of the total it returns, in that total's dtype;
     where that total overflowed its dtype (fp16 gradients of total above 65504) but the float64
     ``exact`` total is finite, of the exact one, in the same dtype: torch's would be 0, every
-    gradient zeroed while the record says the total was finite. Host tensors give the same."""
+    gradient zeroed while the record says the total was finite. ``megatron``: Megatron's
+    (``clip_grad_by_total_norm_fp32``), of the ``exact`` total in float64, then float32, as its
+    Python-float coefficient multiplies its float32 gradients; a coefficient in the bf16 of
+    Megatron's default gradient buffers is off by up to 0.4%. Host tensors give the same."""
+    if megatron:
+        return torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(torch.float32)
     coef = torch.clamp(max_norm / (returned + 1e-6), max=1.0)
-    if returned.dtype != torch.float16:  # a bf16 or fp32 total overflows only past 3.4e38, as torch's does:
-        return coef  # checked for fp16 alone, whose 65504 a real total passes (11 device ops per clip less)
+    # bf16 and fp32: the returned total is the float64 one rounded, and past their 3.4e38 only where
+    # that one is inf too (a sum of squares that passed float32's range inside a tensor's norm, at
+    # ~1.8e19, made it inf), so there is nothing finite to clip by: checked for fp16 alone, whose
+    # 65504 a real total passes (11 device ops per clip less)
+    if returned.dtype != torch.float16:
+        return coef
     exact = exact.to(coef.device)
     overflowed = torch.isinf(returned) & torch.isfinite(exact)
     return torch.where(overflowed, torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(coef.dtype), coef)
@@ -285,10 +308,13 @@ def norm_kind(p: float) -> str:
 
 def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
              group: Any, device: torch.device, sharded: bool = False, every: bool = False,
-             finite_check: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None) -> GradMeasurement:
+             finite_check: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
+             tensors: Optional[list] = None) -> GradMeasurement:
     """Owned per-tensor norms → per-bucket values, this rank's total and the global total
     (``every``: this rank owns every tensor, as a single process does). ``finite_check``:
-    per-tensor values that are non-finite exactly where a gradient is (default ``norms``).
+    per-tensor values that are non-finite where a gradient is (default ``norms``), and where a
+    tensor's sum of powers passed its accumulation's range; ``tensors``: the local tensors, given
+    where the values are on the host, where those are told apart (:func:`held_nonfinite`).
     ``extra``: lanes that ride the all-reduce (reduced as the total is), kept as ``replicas``."""
     tail = () if extra is None else (extra,)
     kind = norm_kind(p)
@@ -299,6 +325,9 @@ def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor,
     # NaN or inf, or the most any rank's do (max, min kinds), the same on every rank.
     check = norms if finite_check is None else finite_check
     local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
+    if tensors is not None and float(local_bad):  # a host read: no device waits; a pass only over those tensors
+        check = held_nonfinite(check, tensors)
+        local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
     bad = local_bad.reshape(1)
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))

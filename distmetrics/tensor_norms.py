@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["groups_of", "per_tensor_norms", "scale_"]
+__all__ = ["groups_of", "per_tensor_norms", "held_nonfinite", "scale_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
@@ -70,6 +70,20 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
                 orders.clear()
             orders[grouped] = order
     return torch.cat(parts)[order]
+
+
+def held_nonfinite(norms: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``norms`` (per tensor, in order) with each value that is not finite but whose tensor holds
+    no NaN or inf made finite: its sum of powers passed the range it was accumulated in (float32
+    for bf16 and fp32 tensors: four elements of 3e19, a norm of 6e19, square past 3.4e38). One
+    pass over each such tensor, none over the others; the rest of ``norms`` is kept."""
+    suspects = torch.isfinite(norms).logical_not().nonzero().flatten().tolist()
+    finite = [i for i in suspects if bool(torch.isfinite(tensors[i]).all())]
+    if not finite:
+        return norms
+    out = norms.clone()
+    out[finite] = torch.finfo(out.dtype).max  # past the range its sum reached, and finite as its tensor is
+    return out
 
 
 def _identities_for_empty(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:

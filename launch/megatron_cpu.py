@@ -95,9 +95,10 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
 
 def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, distributed: bool = True,
                         bf16: bool = False, weight_decay: float = 0.01, fp16: bool = False,
-                        loss_scale: Optional[float] = None) -> tuple:
-    """``model`` under Megatron's ``DistributedDataParallel`` (fp32 gradient reduction, no
-    overlap) and its Adam from ``get_megatron_optimizer`` (the ``DistributedOptimizer`` when
+                        loss_scale: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> tuple:
+    """``model`` under Megatron's ``DistributedDataParallel`` (no overlap; fp32 gradient buffers
+    and reduction, or with ``grad_reduce_in_fp32=False``, Megatron's default, buffers in the
+    parameters' dtype) and its Adam from ``get_megatron_optimizer`` (the ``DistributedOptimizer`` when
     ``distributed``; Megatron clips at ``clip_grad``; ``fp16`` with a static ``loss_scale``, or
     Megatron's dynamic one where None), built through :func:`cuda_on_cpu`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -105,7 +106,8 @@ def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, dis
 
     with cuda_on_cpu():
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=False), model)
+            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=distributed, overlap_grad_reduce=False),
+            model)
     ddp.broadcast_params()
     with cuda_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(

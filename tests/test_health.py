@@ -255,6 +255,61 @@ def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     assert not (tmp_path / "r1").exists()
 
 
+def _finite_gradients_past_the_float32_range(rank: int, world: int, root: str, dtype: str) -> list:
+    """Replicas (DDP) whose gradients hold four elements of 3e19 in one tensor: finite, but their
+    squares sum past float32's 3.4e38 in that tensor's norm. Steps 1 and 2 (a log step) hold those
+    alone; step 4 (a log step) holds them in ``blocks.0.fc1`` and an inf in rank 1's
+    ``blocks.1.fc2``. Per log step: the record's counts and modules, whether every gradient was
+    finite, and our returned total and clipped gradients against torch's clip of copies."""
+    import torch
+
+    import distmetrics as dm
+    from tests.test_norms import _net
+
+    model = _net().to(getattr(torch, dtype))
+    out = []
+    with dm.Monitor(_config(f"{root}/r{rank}", log_interval=2), model=model) as monitor:
+        for step in range(1, 5):
+            model.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(model.inp.weight.dtype)) \
+                .float().sum().backward()
+            if step != 3:
+                model.blocks[0].fc1.weight.grad[0, :4] = 3e19
+            if step == 4 and rank == 1:
+                model.blocks[1].fc2.weight.grad[0, 0] = math.inf
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            theirs = [torch.zeros_like(p, requires_grad=True) for p in model.parameters()]
+            for p, q in zip(model.parameters(), theirs):
+                q.grad = p.grad.clone()
+            torch_total = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+            total = monitor.clip_grad_norm_(1.0)
+            m = monitor.step(step, loss=1.0)
+            if m is not None:
+                pairs = [(total, torch_total)] + [(p.grad, q.grad) for p, q in zip(model.parameters(), theirs)]
+                out.append({"step": step, "finite": finite, "grad_nonfinite": m["grad_nonfinite"],
+                            "modules": m.get("grad_nonfinite_modules"), "steps": m["grad_nonfinite_steps"],
+                            "as_torch": all(a.dtype == b.dtype and torch.allclose(a.double(), b.double(), 0, 0, True)
+                                            for a, b in pairs)})
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_finite_gradients_whose_norm_passes_the_float32_range_are_not_non_finite(tmp_path, dtype):
+    """bf16 and fp32 gradients accumulate their squares in float32: four elements of 3e19 (a
+    float64 norm of 6e19) gave an inf norm, counted as a NaN or inf gradient, named, and alerted
+    as "non-finite gradient first in module 'blocks.0.fc1'". Now only a gradient that holds NaN or
+    inf is counted (the inf beside them at step 4), and the total and the clip stay torch's (inf,
+    every gradient zeroed)."""
+    import distmetrics as dm
+
+    for out in run_ranks(_finite_gradients_past_the_float32_range, 2, str(tmp_path), dtype):
+        assert [(r["step"], r["grad_nonfinite"], r["modules"], r["steps"]) for r in out] == [
+            (2, 0, None, 0), (4, 1, ["blocks.1.fc2"], 1)]
+        assert out[0]["finite"] and all(r["as_torch"] for r in out)
+    alerts = [r for r in dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl") if r["kind"] == "alert"]
+    assert [(a["step"], a["alert"], a.get("first_module")) for a in alerts] == [(4, "nonfinite_grad", "blocks.1.fc2")]
+
+
 def _nan_in_a_module_named_with_a_comma(rank: int, world: int, root: str) -> dict:
     """Rank 1's gradient of the ModuleDict entry ``enc,dec`` holds a NaN; every other gradient is
     finite. Returns the step's metrics and, as truth, the modules whose gradient any rank saw

@@ -2,7 +2,8 @@
 and DP=2 × TP=2): our gradient, parameter and update norms against float64 truth from the full
 tensors and against the grad norm Megatron's optimizer reports; our clipping against Megatron's;
 the clip and effective-lr ratios when Megatron clips. Also Megatron's non-distributed
-mixed-precision optimizer (bf16, DP=2 × TP=2), whose update is its fp32 main copies'.
+mixed-precision optimizer (bf16, DP=2 × TP=2), whose update is its fp32 main copies', and (DP=4)
+our clip of its bf16 gradient buffers against its own.
 
 Megatron's DDP and optimizer run as they are, with ``launch/megatron_cpu.cuda_on_cpu`` around
 building them and ``optimizer.step()`` (it only sends CUDA allocations to the CPU and lets the
@@ -25,10 +26,11 @@ LOSS_SCALE = 1024.0
 
 
 def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = True, bf16: bool = False,
-           fp16: bool = False):
+           fp16: bool = False, grad_reduce_in_fp32: bool = True):
     """A GPTModel under Megatron's DDP with the distributed optimizer (or, ``distributed=False``,
     the plain one; ``bf16``/``fp16``: in Megatron's ``Float16Module`` with fp32 main copies, fp16
-    with a loss scale of LOSS_SCALE), and a Monitor on it."""
+    with a loss scale of LOSS_SCALE; ``grad_reduce_in_fp32=False``: gradient buffers in bf16/fp16,
+    Megatron's default), and a Monitor on it."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
@@ -43,7 +45,8 @@ def _setup(tp: int, clip_grad: float, attach: bool = True, distributed: bool = T
         model.config.bf16, model.config.fp16 = bf16, fp16
         model = Float16Module(model.config, model)
     ddp, optimizer = wrap_with_optimizer(model, lr=1e-2, clip_grad=clip_grad, distributed=distributed, bf16=bf16,
-                                         fp16=fp16, loss_scale=LOSS_SCALE if fp16 else None)
+                                         fp16=fp16, loss_scale=LOSS_SCALE if fp16 else None,
+                                         grad_reduce_in_fp32=grad_reduce_in_fp32)
     cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
     monitor = dm.Monitor(cfg, model=ddp, optimizer=optimizer if attach else None)
     torch.manual_seed(0)
@@ -198,6 +201,37 @@ def _fp16_run(distributed: bool, monitor_clips: bool) -> dict:
             "logged_scale": metrics.get("loss_scale")}
 
 
+def _bf16_buffers_run(monitor_clips: bool) -> dict:
+    """bf16 parameters and gradient buffers (``grad_reduce_in_fp32=False``) under Megatron's plain
+    mixed-precision optimizer: Megatron clips at CLIP, or we clip and it does not. The norm its
+    step reports (before its clip), and that of the fp32 gradients its inner step took (its main
+    copies' ``.grad``, after its clip)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from launch.megatron_cpu import cuda_on_cpu
+
+    ddp, optimizer, monitor = _setup(1, clip_grad=0.0 if monitor_clips else CLIP, distributed=False, bf16=True,
+                                     grad_reduce_in_fp32=False)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    ddp(tokens, position_ids, mask, labels=labels).float().mean().backward()
+    ddp.finish_grad_sync()
+    dtypes = sorted({str(p.main_grad.dtype) for p in ddp.parameters()})
+    if monitor_clips:
+        monitor.clip_grad_norm_(CLIP)
+    with cuda_on_cpu():
+        _, megatron_norm, _ = optimizer.step()
+    monitor.step(1)
+    monitor.close()
+    stepped = [p.grad for part in optimizer.chained_optimizers
+               for groups in (part.fp32_from_float16_groups, part.fp32_from_fp32_groups)
+               for group in groups for p in group]
+    return {"megatron": float(megatron_norm), "dtypes": dtypes,
+            "stepped": sum(float(g.to(torch.float64).pow(2).sum()) for g in stepped) ** 0.5}
+
+
 def _unattached(rank: int) -> str:
     """The distributed optimizer's model, the optimizer not given to the Monitor."""
     from megatron.core import parallel_state as ps
@@ -234,6 +268,9 @@ def _scenarios(rank: int, world: int) -> dict:
         for monitor_clips in (False, True):
             out[f"fp16_{distributed}_{monitor_clips}"] = _fp16_run(distributed, monitor_clips)
             ps.destroy_model_parallel()
+    for monitor_clips in (False, True):
+        out[f"bf16_buffers_{monitor_clips}"] = _bf16_buffers_run(monitor_clips)
+        ps.destroy_model_parallel()
     out["unattached"] = _unattached(rank)
     ps.destroy_model_parallel()
     return out
@@ -280,6 +317,21 @@ def test_fp16_norms_and_clipping_are_of_the_gradients_without_the_loss_scale(res
         ours_clip = rank_result[f"fp16_{distributed}_True"]
         assert ours_clip["ours"] == pytest.approx(megatron_clips["ours"], rel=1e-5)  # the same first step
         assert ours_clip["megatron"] == pytest.approx(CLIP, rel=1e-4)
+
+
+def test_our_clip_of_bf16_gradient_buffers_is_the_clip_megatron_makes(results):
+    """Megatron's default bf16 gradient buffers (``grad_reduce_in_fp32=False``): Megatron scales
+    fp32 copies by a float32 coefficient of its total. Ours was torch's, in bf16, from the bf16
+    total: Megatron's step measured our clip at 0.05 as 0.04984 here (0.3% off; 0.05006 on 2
+    ranks). Now it measures what its own clip gives (0.05 to 1e-6), within 2e-5: the bf16
+    rounding of the gradients our clip scales in place (5e-6 here)."""
+    for rank_result in results:
+        megatron_clips, ours = rank_result["bf16_buffers_False"], rank_result["bf16_buffers_True"]
+        assert megatron_clips["dtypes"] == ours["dtypes"] == ["torch.bfloat16"]
+        assert megatron_clips["megatron"] > 10 * CLIP  # its step clipped
+        assert megatron_clips["stepped"] == pytest.approx(CLIP, rel=1e-6)  # Megatron's own clip, on the same input
+        assert ours["megatron"] == pytest.approx(megatron_clips["stepped"], rel=2e-5)
+        assert ours["stepped"] == pytest.approx(megatron_clips["stepped"], rel=2e-5)
 
 
 def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):

@@ -4,7 +4,6 @@ gradients overflowed would otherwise leave no trace in the log step's record."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -24,20 +23,18 @@ class NonfiniteSteps:
 
     def measured(self, measured: GradMeasurement, same_step: bool) -> None:
         """Count a measurement's step: NaN or inf on some rank's local tensors (a lane of the
-        clip's all-reduce, the same on every rank) or in the total norm."""
-        total, anywhere = measured.total, measured.bad_anywhere
-        if measured.on_host:  # numbers: reading a CPU tensor waits for nothing, and is cheaper than ops on it
-            bad: Any = float(not (math.isfinite(float(total)) and (anywhere is None or float(anywhere) == 0)))
+        clip's all-reduce, the same on every rank). A total that is inf only because finite
+        gradients' sum of squares passed the float range is no such step."""
+        anywhere = measured.bad_anywhere
+        if measured.on_host:  # a number: reading a CPU tensor waits for nothing, and is cheaper than ops on it
+            bad: Any = float(float(anywhere) > 0)
         else:
-            bad = torch.isfinite(total).logical_not().reshape(())
-            if anywhere is not None:
-                bad = bad | (anywhere > 0).reshape(())
-            bad = bad.to(torch.float64)
+            bad = (anywhere > 0).reshape(()).to(torch.float64)
         self.count(bad, same_step)
 
     def count(self, bad: Any, same_step: bool) -> None:
         """Count one step (``bad``: 1.0 or 0.0, a number or a 0-d tensor); a clip that raised for
-        ``error_if_nonfinite`` counts 1.0."""
+        ``error_if_nonfinite`` counts whether some rank's gradients held NaN or inf."""
         now = self._now
         if same_step and now is not None:
             numbers = not isinstance(now, torch.Tensor) and not isinstance(bad, torch.Tensor)

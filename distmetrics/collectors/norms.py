@@ -164,9 +164,9 @@ class NormCollector(ParamSide):
         try:
             result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                                                self._scale_now(), "monitor.clip_grad_norm_")
-        except NonfiniteNormError:  # a step whose gradients held NaN or inf, though not kept (on every rank)
+        except NonfiniteNormError as error:  # a step whose gradients held NaN or inf, though not kept (every rank)
             same_step = self._grad is not None and self._grad_after == after_step
-            self._nonfinite_steps.count(1.0, same_step)
+            self._nonfinite_steps.count(1.0 if error.held else 0.0, same_step)
             raise
         self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result

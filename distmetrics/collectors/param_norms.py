@@ -107,7 +107,8 @@ class ParamSide:
             total = metrics.get("grad_norm")
             if isinstance(total, float) and grad.max_norm is not None:
                 exact = torch.tensor(total, dtype=torch.float64)  # host tensors: no device sync
-                coef = clip_coefficient(exact.to(grad.coef.dtype), exact, grad.max_norm).item()  # as the clip's
+                returned = exact.to(grad.coef.dtype)
+                coef = clip_coefficient(returned, exact, grad.max_norm, grad.megatron).item()  # as the clip's
             else:
                 coef = float(grad.coef)
         same_norm = grad is None or grad.norm_type == 2.0
