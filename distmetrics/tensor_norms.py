@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["groups_of", "per_tensor_norms", "held_nonfinite", "scale_"]
+__all__ = ["LOW_PRECISION", "groups_of", "per_tensor_norms", "held_nonfinite", "scale_"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+"""The dtypes whose norms (and update norms) are accumulated in float32."""
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mtia")
 _NATIVE_P = (1.0, 2.0, math.inf, -math.inf, 0.0)
 
@@ -50,7 +51,7 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
         group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
-        acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in _LOW_PRECISION else None)
+        acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in LOW_PRECISION else None)
         if _use_foreach(foreach, dev, group):
             norms = torch._foreach_norm(group, p, dtype=acc)
         else:

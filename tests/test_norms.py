@@ -1785,3 +1785,115 @@ def test_forwards_under_no_grad_between_the_backward_and_the_clip_are_not_refuse
             assert isinstance(out[step], tuple), out[step]
             returned, truth = out[step]
             assert returned == pytest.approx(truth, rel=1e-6)  # the all-reduced gradients' norm
+
+
+# --- low-precision parameters -----------------------------------------------------------
+
+def _low_precision_step(model, optimizer, data, snapshot="device") -> dict:
+    """One clipped step of a model whose parameters are bf16 (no mixed-precision policy): float64
+    truth from the full tensors before and after, and of the gradients as the clip left them."""
+    import torch
+
+    import distmetrics as dm
+
+    cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True, update_norm_snapshot=snapshot)
+    monitor = dm.Monitor(cfg, model=model, optimizer=optimizer)
+    model(data.to(torch.bfloat16)).float().pow(2).mean().backward()
+    grads = {_strip(n): _full(p.grad) for n, p in model.named_parameters()}
+    before = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    monitor.clip_grad_norm_(MAX_NORM)
+    clipped = {_strip(n): _full(p.grad) for n, p in model.named_parameters()}
+    optimizer.step()
+    after = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    metrics = monitor.step(1)
+    monitor.close()
+    return {"grad": _truth(grads), "clipped": _truth(clipped)["total"],
+            "update": _truth({n: after[n] - before[n] for n in after}),
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}}
+
+
+def _low_precision(rank: int, world: int) -> dict:
+    """bf16 parameters held as they are under DDP (both snapshot places) and FSDP2; an fp16 update
+    past 65504."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    out = {}
+    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + rank))
+    for layout, snapshot in (("ddp_bf16", "device"), ("ddp_bf16_cpu_snapshot", "cpu")):
+        model = DistributedDataParallel(_net().to(torch.bfloat16))
+        out[layout] = _low_precision_step(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, snapshot)
+    model = _net().to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out["fsdp2_bf16"] = _low_precision_step(model, torch.optim.AdamW(model.parameters(), lr=0.01), data)
+
+    class Negate(torch.optim.Optimizer):
+        """Every parameter becomes its negative: 40000 and -40000 are fp16 numbers, their difference is not."""
+
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.neg_()
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 4).to(torch.float16))
+    optimizer = Negate(model.parameters())
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    with torch.no_grad():
+        model.module.weight[0, 0] = 40000.0
+    before = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    optimizer.step()
+    after = {_strip(n): _full(p) for n, p in model.named_parameters()}
+    out["fp16_past_65504"] = {"update": _truth({n: after[n] - before[n] for n in after}),
+                              "metrics": monitor.step(1)}
+    monitor.close()
+
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def low_precision_results():
+    return run_ranks(_low_precision, 2, timeout=300)
+
+
+@pytest.mark.parametrize("layout", ["ddp_bf16", "ddp_bf16_cpu_snapshot", "fsdp2_bf16", "fp16_past_65504"])
+def test_updates_of_bf16_and_fp16_parameters_are_their_float64_difference(low_precision_results, layout):
+    """The update of a bf16/fp16 parameter is taken in float32: in its own dtype the difference
+    rounded each element where old and new differ by more than a factor of 2 (AdamW: 2.4e-5 of
+    the total, 4.8e-5 of a module), and an fp16 difference past 65504 was inf."""
+    for rank_result in low_precision_results:
+        r = rank_result[layout]
+        m = r["metrics"]
+        assert m["update_norm"] == pytest.approx(r["update"]["total"], rel=REL)
+        for module, value in r["update"]["modules"].items():
+            assert m[f"update_norm/{module}"] == pytest.approx(value, rel=REL, abs=1e-12), module
+
+
+def test_effective_lr_ratio_under_bf16_gradients_is_over_the_clip_coefficient_times_the_norm(low_precision_results):
+    """effective_lr_ratio divides by grad_norm times the clip's coefficient (bf16 here, from the
+    bf16 total, as torch's clip computes it): the clipped gradient before its elements are rounded
+    to bf16, within bf16's rounding unit 2**-8 of the norm of the gradients the clip stored."""
+    import torch
+
+    for rank_result in low_precision_results:
+        for layout in ("ddp_bf16", "fsdp2_bf16"):
+            r = rank_result[layout]
+            m = r["metrics"]
+            total = torch.tensor(m["grad_norm"], dtype=torch.bfloat16)
+            coef = float(torch.clamp(MAX_NORM / (total + 1e-6), max=1.0))
+            assert coef < 1.0  # the step was clipped
+            assert m["effective_lr_ratio"] == pytest.approx(r["update"]["total"] / (m["grad_norm"] * coef), rel=REL)
+            assert m["effective_lr_ratio"] == pytest.approx(r["update"]["total"] / r["clipped"], rel=2.0 ** -8)
+

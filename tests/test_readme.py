@@ -211,3 +211,54 @@ def test_grad_norm_model_is_the_root_modules_own_parameters():
     assert metrics["grad_norm/model"] == pytest.approx(float(model.pos.grad.double().norm()), rel=1e-6)
     children = (model.proj.weight.grad.double().pow(2).sum() + model.proj.bias.grad.double().pow(2).sum()).sqrt()
     assert metrics["grad_norm/proj"] == pytest.approx(float(children), rel=1e-6)
+
+
+def _run_grad_scaler(rank: int, world: int, root: str) -> dict:
+    """The README's torch.amp.GradScaler block under DDP with fp16 autocast, two steps. Truth: the
+    scaled gradients in float64, read as ``unscale_`` is called, over the scale (its first, 65536)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import subtree_norms
+
+    truths = []
+
+    class Scaler(torch.amp.GradScaler):
+        def unscale_(self, optimizer):
+            squares = {n.removeprefix("module."): float(p.grad.double().pow(2).sum()) / self.get_scale() ** 2
+                       for n, p in model.named_parameters()}
+            truths.append(subtree_norms(squares))
+            super().unscale_(optimizer)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                                        torch.nn.Linear(16, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(log_interval=1, json_log=True, output_dir=root, log_update_norm=True)
+    namespace = {"scaler": Scaler("cpu"), "optimizer": optimizer, "config": config,
+                 "monitor": dm.Monitor(config, model=model, optimizer=optimizer)}
+    for step in (1, 2):
+        data = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(data).float().pow(2).mean()
+        namespace.update(step=step, loss=loss)
+        exec(compile(readme_block("With torch's `torch.amp.GradScaler`"), "README.md", "exec"), namespace)
+    namespace["monitor"].close()
+    records = [r for r in dm.read_jsonl(Path(root) / "metrics.jsonl") if r["kind"] == "train"] if rank == 0 else []
+    return {"truths": truths, "records": records}
+
+
+def test_the_grad_scaler_example_measures_the_gradients_without_the_loss_scale(tmp_path):
+    """torch.amp.GradScaler keeps the loss scale in the gradients until unscale_: measured before
+    it, grad_norm is the scaled gradients' (65536 times too large). The README's order (unscale_,
+    then the clip) gives every norm of the gradients without it, and the scale it records."""
+    results = run_ranks(_run_grad_scaler, 2, str(tmp_path))
+    records = results[0]["records"]
+    assert [r["step"] for r in records] == [1, 2]
+    for record, truth, other in zip(records, results[0]["truths"], results[1]["truths"]):
+        assert truth["total"] == pytest.approx(other["total"], rel=1e-12)  # DDP: the ranks hold one gradient
+        assert record["grad_norm"] == pytest.approx(truth["total"], rel=1e-6)
+        for module, value in truth["modules"].items():
+            assert record[f"grad_norm/{module}"] == pytest.approx(value, rel=1e-6), module
+        assert record["loss_scale"] == 2.0 ** 16 and record["update_norm"] > 0  # no step skipped

@@ -14,13 +14,14 @@ import torch
 from ..grad_norm import GradMeasurement, clip_coefficient
 from ..parallel import local_tensor
 from ..plans import Plan, route_of
-from ..tensor_norms import per_tensor_norms
+from ..tensor_norms import LOW_PRECISION, groups_of, per_tensor_norms
 
 logger = logging.getLogger("distmetrics")
 
 __all__ = ["ParamSide"]
 
 _LACKS_UPDATE = "_norms/lacks_update"  # an internal lane: some rank owns parameters but measured no update
+_CHUNK = 1 << 24  # bf16/fp16 elements whose update is taken in float32 at once: 64 MiB of float32
 
 
 class ParamSide:
@@ -52,8 +53,12 @@ class ParamSide:
             return  # the model changed during the step; skip this measurement
         if self.snapshot_device == "cpu":
             new = [t.to("cpu") for t in new]
-        torch._foreach_sub_(old, new)
-        squares = self._bucket_squares(plan, old)
+        groups = groups_of(old)
+        if any(dtype in LOW_PRECISION for _, dtype in groups):
+            old, groups = _low_precision_updates(old, new, groups), None
+        else:  # fp32 parameters or fp32 main copies: the difference in place, in their dtype
+            torch._foreach_sub_(old, new)
+        squares = self._bucket_squares(plan, old, groups)
         if self._update is not None and self._update_step == self._snapshot_step and self._update_plan is plan \
                 and part is not None and part not in self._update_parts:  # another part of one chained step
             self._update = self._update + squares
@@ -143,12 +148,56 @@ class ParamSide:
             route = plan.param_routes[device] = route_of(plan, list(range(len(plan.params))), weights, device)
         return route
 
-    def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates)."""
+    def _bucket_squares(self, plan: Plan, tensors: list[torch.Tensor], groups: Optional[dict] = None) -> torch.Tensor:
+        """Per-bucket Σ w·‖t‖² for tensors laid out like the params (params or their updates);
+        ``groups``: their :func:`~distmetrics.tensor_norms.groups_of`, where known."""
         device = tensors[0].device if tensors else torch.device("cpu")
         route = self._param_route(plan, device)
-        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders)
+        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders, groups)
         squares = norms * norms
         contrib = squares if route.every else torch.where(route.owned, squares, torch.zeros_like(squares))
         return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
             0, route.bucket_idx, contrib)
+
+
+def _low_precision_updates(old: list[torch.Tensor], new: list[torch.Tensor], groups: dict) -> list[torch.Tensor]:
+    """Every piece's update ``old[i] − new[i]``: in place for fp32 pieces; for bf16/fp16 ones
+    (a model cast with ``.to(torch.bfloat16)``, FSDP2 or DDP without a mixed-precision policy) the
+    norm of the difference taken in float32, as a 1-element tensor (its norm is that norm). In
+    their own dtype the difference rounds every element where old and new differ by more than a
+    factor of 2 (~1e-5 relative on an AdamW step), and an fp16 difference past 65504 is inf. The
+    upcast is at most :data:`_CHUNK` elements at a time, a tensor split where longer: no float32
+    copy of the model beside the snapshot."""
+    updates = list(old)
+    for (_, dtype), positions in groups.items():
+        if dtype not in LOW_PRECISION:
+            torch._foreach_sub_([old[i] for i in positions], [new[i] for i in positions])
+            continue
+        pieces: dict[int, list[torch.Tensor]] = {}  # position -> its pieces' update norms (0-d, float64)
+        for chunk in _chunks(old, new, positions):
+            diff = torch.cat([o for _, o, _ in chunk]).to(torch.float32)
+            diff.sub_(torch.cat([n for _, _, n in chunk]))
+            views = list(diff.split([o.numel() for _, o, _ in chunk]))
+            norms = per_tensor_norms(views, 2.0, None, diff.device)
+            for k, (i, _, _) in enumerate(chunk):
+                pieces.setdefault(i, []).append(norms[k:k + 1])
+        for i, parts in pieces.items():  # a tensor in several pieces: the norm of their norms
+            updates[i] = parts[0] if len(parts) == 1 else torch.cat(parts).norm().reshape(1)
+    return updates
+
+
+def _chunks(old: list[torch.Tensor], new: list[torch.Tensor], positions: list[int]):
+    """Lists of (position, flat piece of old, the same piece of new), at most :data:`_CHUNK` elements each."""
+    chunk: list[tuple] = []
+    size = 0
+    for i in positions:
+        flat_old, flat_new = old[i].reshape(-1), new[i].reshape(-1)
+        for start in range(0, max(flat_old.numel(), 1), _CHUNK):
+            piece = flat_old[start:start + _CHUNK]
+            if chunk and size + piece.numel() > _CHUNK:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((i, piece, flat_new[start:start + _CHUNK]))
+            size += piece.numel()
+    if chunk:
+        yield chunk
