@@ -170,6 +170,28 @@ def test_the_queue_also_holds_at_most_max_names_metric_names(caplog):
     assert len(count) == 1 and "4 records (steps 1-4)" in count[0]
 
 
+def test_close_from_two_threads_at_once_says_the_dropped_records_once(caplog):
+    """Both closes passed the "said" check before either had waited, and each said the count."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    gate = Gate()
+    writer = writer_module.WriterThread(gate.log, lambda: None, lambda: "gate", max_records=2)
+    writer.put({}, 0, "run")
+    assert gate.entered.wait(60)  # the thread holds step 0
+    for step in range(1, 6):
+        writer.put({"m": 1.0}, step, "train")
+    closes = [threading.Thread(target=writer.close) for _ in range(2)]
+    for close in closes:
+        close.start()
+    while not writer._closing:  # the first close is waiting on the queue; the second is at its lock
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)
+    gate.opened.set()
+    for close in closes:
+        close.join(60)
+    count = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert len(count) == 1 and "3 records (steps 1-3)" in count[0], count
+
+
 def test_close_gives_up_on_a_sink_that_never_returns(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(writer_module, "CLOSE_TIMEOUT_S", 0.5)
     caplog.set_level(logging.WARNING, logger="distmetrics")

@@ -140,6 +140,8 @@ class WriterThread:
                 self._say_interrupted(err)
                 raise
             left = len(self._records)
+            if self._said:  # another thread's close() returned from this wait first, and says it
+                return
             self._said = True
         atexit.unregister(self.close)
         if finished:
