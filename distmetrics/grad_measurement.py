@@ -5,7 +5,7 @@ counts the non-finite gradients when a log step asks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -39,6 +39,8 @@ class GradMeasurement:
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
     replicas: Optional[torch.Tensor] = None  # the reduced lanes of the replica check (distmetrics.replicas)
+    replicas_differ: Optional[torch.Tensor] = None  # per stage, 1.0 where they differ (a Monitor's)
+    replica_names: Optional[Callable[[], list]] = None  # this rank's checked parameters' names, for a refusal
 
     on_host: bool = False  # the values are on the CPU: reading them waits for no device
     _local_value: Optional[float] = None

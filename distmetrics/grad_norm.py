@@ -17,7 +17,8 @@ bf16 coefficient is off by up to 0.4% (a clip at 0.05 read back as 0.05006).
 
 Plain gradients beside DTensor ones (``fully_shard`` on some submodules only) count once, as
 copies of each other: every measurement checks that they are, in lanes of its one all-reduce, and
-every rank raises a ``ValueError`` together where they are not (:mod:`distmetrics.replicas`).
+every rank raises a ``ValueError`` together where they are not (:mod:`distmetrics.replicas`): at the
+call without a Monitor, at the Monitor's log step with one (its clip reads nothing back to the host).
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
@@ -96,6 +97,10 @@ class GradientNorms:
         """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
         self._agreed: set[float] = set()  # norm types every rank was found to pass
         self._replicas_anywhere = False  # some rank measured plain gradients beside DTensors (found by _agree)
+        self.defers_replicas = False
+        """Leave the replica check's result on the device (``replicas_differ`` of a measurement), for a
+        Monitor's log step to raise (:class:`distmetrics.replicas.IntervalCheck`), instead of reading it
+        at each measurement (a device sync on a GPU)."""
 
     def attach_shards(self, shards: MegatronShards) -> None:
         """Count the slices Megatron's distributed optimizer gives this rank (see
@@ -164,11 +169,17 @@ class GradientNorms:
             if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, extra,
-                            locals_ if device.type == "cpu" else None)
+                            tensors=locals_ if device.type == "cpu" else None)
         if extra is not None and (self._checks_replicas(plan) or self._replicas_anywhere):
-            # the plain parameters' names are looked up on a refusal only (a pass over the parameters)
-            replicas.check(measured, kind, call, self.layout,
-                           lambda: [plan.names[i] for i in index if not is_dtensor(grad_of(plan.params[i]))])
+            positions = route.replica_positions  # their names are looked up on a refusal only
+
+            def names() -> list[str]:
+                return [plan.names[i] for i in positions]
+
+            if self.defers_replicas:
+                measured.replicas_differ, measured.replica_names = replicas.differing(measured, kind), names
+            else:
+                replicas.check(measured, kind, call, self.layout, names)
         # main_grad (or decoupled_grad) in place of .grad: Megatron's gradients, which its optimizer clips
         measured.megatron = bool(grads) and grads[0] is not plan.params[index[0]].grad
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
@@ -240,6 +251,7 @@ class GradientNorms:
                 checked = [not is_dtensor(g) for g in grads]
                 cached.replica_weights = replicas.position_weights(index, checked, device)
                 cached.replica_owner = any(w for w, c in zip(weights, checked) if c)
+                cached.replica_positions = tuple(i for i, c in zip(index, checked) if c)
             while len(plan.routing) > _ROUTES_KEPT:
                 plan.routing.popitem(last=False)
         else:

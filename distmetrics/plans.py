@@ -44,6 +44,7 @@ class Route:
     every: bool = False  # every tensor counts on this rank
     replica_weights: Optional[torch.Tensor] = None  # plain tensors beside DTensors: see distmetrics.replicas
     replica_owner: bool = False  # they count on this rank
+    replica_positions: tuple = ()  # their positions in the plan
 
 
 @dataclass

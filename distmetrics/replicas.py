@@ -8,8 +8,12 @@ every rank only where the loop all-reduces them itself (or wraps their module in
 differ, each rank's true norm is another, one rank's would be written as the job's, and a clip would
 scale every rank by it. So a measurement over such gradients carries a fingerprint of their
 per-tensor norms in lanes of its one all-reduce (a set of lanes per pipeline stage: stages hold
-different parameters), and every rank reads the result and raises together where the ranks of a
-stage disagree, before any gradient is scaled and before any other collective.
+different parameters); the reduced lanes are the same on every rank, so every rank raises together
+where the ranks of a stage disagree. :func:`distmetrics.clip_grad_norm_` reads them at once (:func:`check`),
+before any gradient is scaled and before any other collective. A Monitor's clip must not wait for the
+device at every step to read them (the library never does between log steps), so it keeps a flag on
+the device instead (:func:`differing`), OR-ed over the interval's measurements by :class:`IntervalCheck`,
+which rides the log step's MAX pack and is raised once that step's record is written.
 
 A fingerprint is an integer: each norm's natural logarithm on a grid of 2**-20 (norms about 1e-6
 apart, relatively, fall in different cells whatever their size), times a weight from the tensor's
@@ -25,11 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["carried", "position_weights", "lanes", "check", "disagreeing_stages", "refusal"]
+from .samples import Sample
+
+__all__ = ["carried", "position_weights", "lanes", "check", "differing", "IntervalCheck", "refusal", "LANES"]
 
 _CELLS = 2.0 ** 20  # grid cells per unit of log-norm
 _MODULUS = 2.0 ** 31
 _ZERO, _INF, _NAN = -1000.0, 1000.0, 2000.0  # outside any finite norm's log (|log| < 745): a 0, an inf, a NaN norm
+LANES = "_norms/replicas_differ"
+"""The internal lanes of :class:`IntervalCheck` in a Monitor's log step, ``<LANES>/stage<s>`` per pipeline stage."""
 
 
 def carried(layout: Any, group: Any) -> bool:
@@ -81,27 +89,83 @@ def _place(fingerprint: torch.Tensor, owner: bool, stage: int, stages: int, kind
 
 def check(measured: Any, kind: str, call: str, layout: Any, names: Callable[[], list[str]]) -> None:
     """Raise a ``ValueError`` where the ranks of some stage hold different plain gradients, from the
-    reduced lanes of ``measured`` (read on the host: a device sync on a GPU, made only in a job where
-    some rank measures such gradients). A NaN or inf in some rank's gradients is left to the
-    non-finite count and its alert. ``names()``: this rank's checked parameters, for the message."""
-    if float(measured.bad_anywhere) != 0:
-        return
-    bad = disagreeing_stages(measured.replicas, kind)
+    reduced lanes of ``measured`` (one read on the host: a device sync on a GPU, made only by
+    :func:`distmetrics.clip_grad_norm_`, in a job where some rank measures such gradients). A NaN or
+    inf in some rank's gradients is left to the non-finite count and its alert. ``names()``: this
+    rank's checked parameters, for the message."""
+    bad = [stage for stage, differ in enumerate(differing(measured, kind).tolist()) if differ]
     if bad:
         raise ValueError(refusal(call, names(), bad, layout.pp_rank, layout.pp_size))
 
 
-def disagreeing_stages(reduced: torch.Tensor, kind: str) -> list[int]:
-    """The stages whose ranks' fingerprints differ, from the reduced lanes (read on the host)."""
-    values = reduced.tolist()
-    if kind in ("sum", "count"):
-        return [s for s in range(len(values) // 3) if values[3 * s] != values[3 * s + 1] * values[3 * s + 2]]
-    return [s for s in range(len(values) // 2) if values[2 * s] + values[2 * s + 1] != 0]
+def differing(measured: Any, kind: str) -> torch.Tensor:
+    """Per pipeline stage, 1.0 where its ranks' fingerprints differ and no rank's gradients held NaN
+    or inf, else 0.0: a float64 tensor on the device of the reduced lanes of ``measured``, made with
+    device ops alone (no host read)."""
+    if kind in ("sum", "count"):  # (Σ fingerprints, Σ the owners' fingerprints, ranks): all equal the owner's
+        lanes = measured.replicas.reshape(-1, 3)
+        differ = lanes[:, 0] != lanes[:, 1] * lanes[:, 2]
+    else:  # (the most, −the least) of the fingerprints: the same where their sum is 0
+        lanes = measured.replicas.reshape(-1, 2)
+        differ = lanes[:, 0] + lanes[:, 1] != 0
+    return (differ & (measured.bad_anywhere == 0)).to(torch.float64)
 
 
-def refusal(call: str, names: list[str], bad: list[int], stage: int, stages: int) -> str:
+class IntervalCheck:
+    """A Monitor's check, made at its log step: the flags of :func:`differing` OR-ed (a max) over the
+    interval's measurements on the device, handed to the log step as a vector sample reduced as a max
+    (:data:`LANES`), and the ``ValueError`` every rank raises once the record is written, from the
+    reduced flags (the same on every rank: so is each measurement's). A clip goes on meanwhile: its
+    gradients are scaled by a norm that counts one rank's copies, until the log step says so."""
+
+    def __init__(self) -> None:
+        self._differ: Optional[torch.Tensor] = None  # per stage: 1.0 where some measurement of the interval differed
+        self._call = "monitor.clip_grad_norm_"  # the caller of the latest checked measurement, and its plain
+        # parameters' names (none on a rank that checked none: the reduced flags still say its stage's)
+        self._names: Optional[Callable[[], list[str]]] = None
+        self._lanes: tuple = ()  # the vector's element names, for the number of stages
+
+    def note(self, measured: Any, call: str) -> None:
+        """Add a measurement's flags (none where it was not checked) to the interval's, on the device."""
+        differ = getattr(measured, "replicas_differ", None)
+        if differ is None:
+            return
+        kept = self._differ
+        self._differ = differ if kept is None or kept.shape != differ.shape else torch.maximum(kept, differ)
+        self._call, self._names = call, measured.replica_names
+
+    def take(self) -> Optional[Sample]:
+        """The interval's flags as a vector sample (None where no measurement was checked); then start again."""
+        differ, self._differ = self._differ, None
+        if differ is None:
+            return None
+        return Sample(LANES, differ, "max", names=self._names_for(differ.numel()))
+
+    def refused(self, metrics: dict, layout: Any, step: int) -> Optional[ValueError]:
+        """The error of a log step whose reduced flags say some stage's ranks differed (None where
+        none did), the lanes taken out of ``metrics``: read on the host, where the reduction put them."""
+        bad = []
+        for stage, name in enumerate(self._names_for(layout.pp_size)):
+            if metrics.pop(name, 0) > 0:
+                bad.append(stage)
+            metrics.pop(f"{name}/max_rank", None)
+        if not bad:
+            return None
+        names = self._names() if self._names is not None else []
+        found = (f"Found at the log step of step {step}, from the measurements since the last one (their gradients "
+                 "were scaled all the same): its record is written without grad_norm, its per-module values, "
+                 "grad_clip_ratio and effective_lr_ratio, which would be one rank's")
+        return ValueError(refusal(self._call, names, bad, layout.pp_rank, layout.pp_size, found))
+
+    def _names_for(self, stages: int) -> tuple:
+        if len(self._lanes) != stages:
+            self._lanes = tuple(f"{LANES}/stage{stage}" for stage in range(stages))
+        return self._lanes
+
+
+def refusal(call: str, names: list[str], bad: list[int], stage: int, stages: int, found: str = "") -> str:
     """The error every rank raises: the plain parameters (this rank's, where its stage is one that
-    disagrees), and what to do."""
+    disagrees), and what to do; ``found``: when it was found, where that was not at the call."""
     if stage in bad and names:
         shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         what = f"the plain (not sharded) parameters {shown}"
@@ -112,4 +176,5 @@ def refusal(call: str, names: list[str], bad: list[int], stage: int, stages: int
             "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
             "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "
             "and DDP: all-reduce their gradients over the data-parallel ranks (sum, then divide by their number) "
-            "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules)")
+            "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules)"
+            + (f". {found}" if found else ""))

@@ -191,6 +191,40 @@ class CollectiveCounter:
                 setattr(dist, name, original)
 
 
+class HostReads:
+    """Counts the reads of a tensor's value on the host (``item``, ``tolist``, ``float()``, ``int()``,
+    ``bool()``): on a GPU each waits for the device. Patched on ``torch.Tensor`` while entered."""
+
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> "HostReads":
+        import torch
+
+        for name in self.NAMES:
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            original = getattr(torch.Tensor, name)
+
+            def read(t, *a, __orig=original, **k):
+                self.reads += 1
+                return __orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        for name, own in self._saved.items():
+            if own is None:  # inherited from torch's C base class: our wrapper goes, the base's shows again
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+
+
 class FakeClock:
     """A clock that moves only when the test calls :meth:`advance`, so a duration the library
     measures is a number the test chose, not a sleep's wall time.

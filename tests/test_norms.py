@@ -196,14 +196,13 @@ def _dtensor_layouts(rank: int, world: int) -> dict:
 def _blocks_sharded_root_plain(rank: int, world: int, data) -> dict:
     """``fully_shard`` on the blocks only: the root's own layers (``inp``, ``out``) stay plain tensors
     on every rank. Where the loop averages their gradients itself (a hook after accumulation), the
-    norms are measured without and with the mesh given to ``fully_shard`` (unnamed) as ``device_mesh``;
-    where it does not, or one rank's differ by 1e-4 of one tensor, every rank must refuse."""
+    norms are measured without and with the mesh given to ``fully_shard`` (unnamed) as ``device_mesh``,
+    and a Monitor's clips counted for host reads; where it does not, or one rank's differ by 1e-4 of one
+    tensor, every rank must refuse: under a Monitor at its log step, without one at the call."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import distmetrics as dm
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -224,23 +223,122 @@ def _blocks_sharded_root_plain(rank: int, world: int, data) -> dict:
     for case, given in (("blocks_only", None), ("blocks_only_mesh_given", mesh)):
         model = blocks_only(averaged=True)
         out[case] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, mesh=given)
-    refused = out["blocks_only_refused"] = {}
-    for case in ("own gradients, p=2", "own gradients, p=inf", "one tensor 1e-4 off on rank 1"):
-        model = blocks_only(averaged=not case.startswith("own"))
-        model(data).pow(2).mean().backward()
-        if case.startswith("one") and rank == 1:
-            model.out.bias.grad.mul_(1 + 1e-4)
-        before = [p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone()
-                  for p in model.parameters()]
-        try:
-            with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
-                monitor.clip_grad_norm_(MAX_NORM, norm_type=math.inf if case.endswith("inf") else 2.0)
-            refused[case] = "no error"
-        except ValueError as err:
-            refused[case] = str(err)
-        after = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
-        refused[case + ", scaled"] = any(not torch.equal(a, b) for a, b in zip(after, before))
+    out["blocks_only_refused"] = {case: _refused_under_a_monitor(blocks_only, case, rank, data) for case in _REFUSED}
+    out["blocks_only_refused_at_close"] = _refused_at_close(blocks_only(averaged=False), rank, data)
+    out["blocks_only_refused_at_the_call"] = {case: _refused_at_the_call(blocks_only, case, rank, data)
+                                              for case in _REFUSED}
+    out["blocks_only_host_reads"] = _host_reads_at_the_clips(blocks_only(averaged=True), data)
     return out
+
+
+_REFUSED = ("own gradients, p=2", "own gradients, p=inf", "one tensor 1e-4 off on rank 1, first step only")
+
+
+def _gradients(model, case: str, rank: int, data, step: int = 1) -> list:
+    """Backward on this rank's ``data``, each rank's plain gradients made to differ as ``case`` says
+    (its own where ``model`` does not average them, or rank 1's ``out.bias`` 1e-4 off at step 1);
+    returns copies of this rank's pieces of the gradients as they are before any clip."""
+    model.zero_grad()
+    model(data).pow(2).mean().backward()
+    if case.startswith("one") and rank == 1 and step == 1:
+        model.out.bias.grad.mul_(1 + 1e-4)
+    return [_local(p.grad).clone() for p in model.parameters()]
+
+
+def _local(grad):
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _scaled(model, before: list) -> bool:
+    return any(not _local(p.grad).equal(b) for p, b in zip(model.parameters(), before))
+
+
+def _refused_under_a_monitor(blocks_only, case: str, rank: int, data) -> dict:
+    """Two steps at ``log_interval: 2`` under a Monitor: where each step's clip, the log step's
+    ``monitor.step``, raised (the error's text), whether each clip scaled, and the record written."""
+    import distmetrics as dm
+
+    model = blocks_only(averaged=not case.startswith("own"))
+    norm_type = math.inf if case.endswith("inf") else 2.0
+    said = {"raised at": None, "scaled": []}
+    with dm.Monitor(quiet_config(log_interval=2), model=model) as monitor:
+        try:
+            for step in (1, 2):
+                said["raised at"] = f"clip {step}"
+                before = _gradients(model, case, rank, data, step)
+                monitor.clip_grad_norm_(MAX_NORM, norm_type=norm_type)
+                said["scaled"].append(_scaled(model, before))
+                said["raised at"] = f"monitor.step({step})"
+                monitor.step(step, loss=1.0)
+            said["raised at"] = None
+        except ValueError as err:
+            said["error"] = str(err)
+        said["record"] = dict(monitor.last_metrics)
+    return said
+
+
+def _refused_at_close(model, rank: int, data) -> dict:
+    """One step of each rank's own plain gradients before ``close()``, which writes the interval's record."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=10), model=model)
+    _gradients(model, "own gradients", rank, data)
+    monitor.clip_grad_norm_(MAX_NORM)
+    monitor.step(1, loss=1.0)
+    try:
+        monitor.close()
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    return {"error": error, "record": sorted(monitor.last_metrics)}
+
+
+def _refused_at_the_call(blocks_only, case: str, rank: int, data) -> dict:
+    """``distmetrics.clip_grad_norm_`` (no Monitor) on the same gradients: its error, and whether it scaled."""
+    import distmetrics as dm
+
+    model = blocks_only(averaged=not case.startswith("own"))
+    before = _gradients(model, case, rank, data)
+    try:
+        dm.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=math.inf if case.endswith("inf") else 2.0)
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    return {"error": error, "scaled": _scaled(model, before)}
+
+
+def _host_reads_at_the_clips(model, data) -> dict:
+    """Reads of a tensor's value on the host during each of three Monitor clips of averaged (agreeing)
+    plain gradients beside FSDP2 shards, with the measurements taken as on a GPU (``on_host`` False: a CPU
+    measurement may read its values, which waits for nothing), and the record ``close()`` writes."""
+    from distmetrics import grad_norm
+    from tests.dist_utils import HostReads
+
+    import distmetrics as dm
+
+    combine = grad_norm._combine
+
+    def as_on_a_gpu(*args, **kwargs):
+        kwargs["tensors"] = None  # given on the CPU only, where reading a count waits for nothing
+        measured = combine(*args, **kwargs)
+        measured.on_host = False
+        return measured
+
+    reads, grad_norm._combine = [], as_on_a_gpu
+    try:
+        with dm.Monitor(quiet_config(log_interval=10), model=model) as monitor:
+            for step in (1, 2, 3):
+                model.zero_grad()
+                model(data).pow(2).mean().backward()
+                with HostReads() as counted:
+                    monitor.clip_grad_norm_(MAX_NORM)
+                reads.append(counted.reads)
+                monitor.step(step, loss=1.0)
+        return {"reads": reads, "record": sorted(monitor.last_metrics)}
+    except ValueError as err:
+        return {"reads": reads, "error": str(err)}
+    finally:
+        grad_norm._combine = combine
 
 
 @pytest.fixture(scope="module")
@@ -310,19 +408,61 @@ def test_norms_are_exact_with_fully_shard_on_the_blocks_only_and_the_roots_layer
         _check(rank_result[layout])
 
 
+_PLAIN = ("the gradients of the plain (not sharded) parameters 'inp.weight', 'inp.bias', 'out.weight', 'out.bias' "
+          "differ across ranks")
+
+
 def test_plain_gradients_that_differ_across_ranks_beside_fsdp2_shards_are_refused_on_every_rank(dtensor_results):
     """Gradients of the root's plain layers left as each rank's own (nothing reduces them), or one
-    tensor 1e-4 off on one rank: each rank's true norm differs, so every rank raises (none waits, none
-    writes one rank's norm as the job's), naming the plain parameters, and no gradient is scaled."""
+    tensor 1e-4 off on one rank at the first of two steps: each rank's true norm differs, so under a
+    Monitor every rank raises at the log step (``log_interval: 2``; none waits, the clips waited for no
+    device), or at ``close()`` for the interval it writes, naming the plain parameters, once the record
+    is written without the gradient norms that would be one rank's (the loss is in it); the clips scaled
+    as usual."""
     for rank, rank_result in enumerate(dtensor_results):
-        refused = rank_result["blocks_only_refused"]
-        for case in ("own gradients, p=2", "own gradients, p=inf", "one tensor 1e-4 off on rank 1"):
-            message = refused[case]
-            assert message.startswith("monitor.clip_grad_norm_: the gradients of the plain (not sharded) parameters "
-                                      "'inp.weight', 'inp.bias', 'out.weight', 'out.bias' differ across ranks"), \
-                (rank, case, message)
+        for case in _REFUSED:
+            said = rank_result["blocks_only_refused"][case]
+            assert said["raised at"] == "monitor.step(2)", (rank, case, said)
+            message = said["error"]
+            assert message.startswith(f"monitor.clip_grad_norm_: {_PLAIN}"), (rank, case, message)
             assert "all-reduce their gradients over the data-parallel ranks" in message
-            assert refused[case + ", scaled"] is False, (rank, case)
+            assert "Found at the log step of step 2" in message, message
+            assert said["scaled"] == [True, True], (rank, case)
+            record = said["record"]
+            assert record["train/loss"] == 1.0 and record["grad_nonfinite"] == 0, (rank, case, record)
+            one_ranks = [k for k in record if k.startswith(("grad_norm", "grad_clip_ratio", "effective_lr_ratio"))]
+            assert one_ranks == [], (rank, case, one_ranks)
+            assert not [k for k in record if k.startswith("_")], (rank, case, record)
+        said = rank_result["blocks_only_refused_at_close"]  # the interval close() writes is checked alike
+        assert said["error"].startswith(f"monitor.clip_grad_norm_: {_PLAIN}"), (rank, said)
+        assert "Found at the log step of step 1" in said["error"], (rank, said)
+        assert "train/loss" in said["record"] and "grad_norm" not in said["record"], (rank, said)
+
+
+def test_distmetrics_clip_grad_norm_refuses_plain_gradients_that_differ_at_the_call_before_scaling(dtensor_results):
+    """Without a Monitor there is no log step: ``distmetrics.clip_grad_norm_`` reads the check at the
+    call, and every rank raises there, naming the plain parameters, before any gradient is scaled
+    (by their positions among the parameters given, 2 + 3 blocks of 6 before ``out``: it knows no model)."""
+    plain = _PLAIN.replace("'inp.weight', 'inp.bias', 'out.weight', 'out.bias'",
+                           "'unnamed.0', 'unnamed.1', 'unnamed.20', 'unnamed.21'")
+    for rank, rank_result in enumerate(dtensor_results):
+        for case in _REFUSED:
+            said = rank_result["blocks_only_refused_at_the_call"][case]
+            assert said["error"].startswith(f"clip_grad_norm_: {plain}"), (rank, case, said)
+            assert "Found at" not in said["error"]
+            assert said["scaled"] is False, (rank, case)
+
+
+def test_a_monitor_clip_of_plain_gradients_beside_fsdp2_shards_reads_nothing_back_from_the_device(dtensor_results):
+    """Plain gradients the loop averages, beside FSDP2 shards, measured as on a GPU: after the first
+    clip (whose norm-type check reads one small all-reduce), a clip reads no tensor's value on the host
+    (before, each read the replica check's lanes: a device sync at every step), and the interval's
+    record, written by ``close()``, has the gradient norms (the copies agree)."""
+    for rank, rank_result in enumerate(dtensor_results):
+        said = rank_result["blocks_only_host_reads"]
+        assert "error" not in said, (rank, said)
+        assert said["reads"][1:] == [0, 0], (rank, said)
+        assert "grad_norm" in said["record"] and "grad_clip_ratio" in said["record"], (rank, said)
 
 
 # --- Megatron-Core ------------------------------------------------------------------------------

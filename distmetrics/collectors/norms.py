@@ -25,6 +25,7 @@ from ..grad_sync import GradSync
 from ..plans import Plan
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..reduce import Reducer
+from ..replicas import IntervalCheck
 from .base import Alert, LogContext, Sample
 from .nonfinite_steps import NonfiniteSteps
 from .param_norms import _LACKS_UPDATE, ParamSide
@@ -57,6 +58,8 @@ class NormCollector(ParamSide):
                  per_module: bool = True, log_grad_norm: bool = True, log_params_norm: bool = False,
                  log_update_norm: bool = False, snapshot: str = "device") -> None:
         self.grads = GradientNorms(model, layout, group, depth)
+        self.grads.defers_replicas = True  # a clip waits for no device: the check is raised at the log step
+        self._replicas = IntervalCheck()
         self.sync = GradSync(model)
         """Refuses a measurement inside a gradient-accumulation window (:meth:`GradSync.check`)."""
         self.layout = layout
@@ -222,6 +225,7 @@ class NormCollector(ParamSide):
                         "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
                         len(measured.plan.params))
             self._nonfinite_steps.measured(measured, same_step=kept is not None and self._grad_after == after_step)
+            self._replicas.note(measured, caller)
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
         self._grad_after = after_step
 
@@ -237,6 +241,9 @@ class NormCollector(ParamSide):
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
+        differ = self._replicas.take()
+        if differ is not None:  # plain gradients beside DTensors were checked: whether they differed, OR-ed
+            out.append(differ)
         bad = self._nonfinite_steps.take()
         if bad is not None and self.log_grad_norm:  # the same on every rank
             out.append(Sample("grad_nonfinite_steps", bad, "max"))
@@ -268,6 +275,7 @@ class NormCollector(ParamSide):
         (:class:`~distmetrics.collectors.norm_tree.Families`)."""
         grad = self._last_grad
         p, kind = (grad.norm_type, grad.kind) if grad is not None else (2.0, "sum")
+        refused = self._replicas.refused(metrics, self.layout, ctx.step)
         if self.log_update_norm:
             self._drop_partial_update(metrics, ctx.step)
         keys = ctx.keys_under(metrics, _PREFIXES)
@@ -302,6 +310,9 @@ class NormCollector(ParamSide):
             for key in params.out_keys if params is not None else ():
                 del metrics[key]
             metrics.pop("param_norm", None)
+        if refused is not None:  # raised by the Monitor once the record is written, without one rank's norms
+            _drop_grad_norms(metrics)
+            raise refused
         return []
 
     def use_guard(self, guard: Any) -> None:
@@ -326,6 +337,17 @@ class NormCollector(ParamSide):
             hook.remove()
         self._hooks = []
         self.sync.close()
+
+
+def _drop_grad_norms(metrics: dict[str, Any]) -> None:
+    """Take out of a record the values a refused replica check makes one rank's: every gradient norm,
+    the clip ratio and the update over the clipped gradient."""
+    for key in [k for k in metrics if k in _ONE_RANKS or k.startswith(("grad_norm/", "effective_lr_ratio/"))]:
+        del metrics[key]
+
+
+_ONE_RANKS = ("grad_norm", "grad_clip_ratio", "effective_lr_ratio")
+
 
 def _is_number(value: Any) -> bool:
     """A max_norm: a real number (numpy's too: ``np.float32(1.0)``), or a 0-d tensor that is no parameter."""
