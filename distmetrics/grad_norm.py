@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import operator
 from collections import OrderedDict
 from typing import Any, Iterable, Optional, Union
@@ -38,13 +37,14 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .grad_combine import combine as _combine, norm_kind
 from .grad_measurement import GradMeasurement
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
 from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
 from . import replicas
-from .tensor_norms import groups_of, held_nonfinite, per_tensor_norms, scale_
+from .tensor_norms import groups_of, per_tensor_norms, scale_
 
 __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "clip_coefficient", "norm_kind"]
 
@@ -307,106 +307,6 @@ def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: floa
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def norm_kind(p: float) -> str:
-    """How the per-tensor norms of order ``p`` combine across tensors and ranks: "sum" (of p-th
-    powers), "count" (p = 0: tensors with a non-zero element, summed), "max" (inf), "min" (-inf)."""
-    if p == math.inf:
-        return "max"
-    if p == -math.inf:
-        return "min"
-    return "count" if p == 0 else "sum"
-
-
-def _combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
-             group: Any, device: torch.device, sharded: bool = False, every: bool = False,
-             finite_check: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
-             tensors: Optional[list] = None) -> GradMeasurement:
-    """Owned per-tensor norms → per-bucket values, this rank's total and the global total
-    (``every``: this rank owns every tensor, as a single process does). ``finite_check``:
-    per-tensor values that are non-finite where a gradient is (default ``norms``), and where a
-    tensor's sum of powers passed its accumulation's range; ``tensors``: the local tensors, given
-    where the values are on the host, where those are told apart (:func:`held_nonfinite`).
-    ``extra``: lanes that ride the all-reduce (reduced as the total is), kept as ``replicas``."""
-    tail = () if extra is None else (extra,)
-    kind = norm_kind(p)
-    zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
-    # Every local tensor is checked, owned or not: a NaN on one replica (silent corruption of
-    # one GPU) must not hide behind the copy on the owning rank. Its count rides the total's
-    # all-reduce (a lane on every rank, whatever it owns): how many ranks' local gradients hold
-    # NaN or inf, or the most any rank's do (max, min kinds), the same on every rank.
-    check = norms if finite_check is None else finite_check
-    local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
-    if tensors is not None and float(local_bad):  # a host read: no device waits; a pass only over those tensors
-        check = held_nonfinite(check, tensors)
-        local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
-    bad = local_bad.reshape(1)
-    if kind == "sum":
-        contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
-        buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        reduced = _all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
-        total, bad, extra = reduced[0].pow(1.0 / p), reduced[1], reduced[2:]
-    elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
-        counted = (norms > 0).to(torch.float64)
-        contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
-        buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
-        reduced = _all_reduce(torch.cat([local.reshape(1), flag, bad, *tail]), kind, group)
-        total, flag, bad, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
-        if flag > 0:
-            raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
-                             "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
-                             "norm_type other than 0")
-        kind = "sum"
-    else:
-        fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
-        contrib = norms if every else torch.where(owned, norms, torch.full_like(norms, fill))
-        reduce = "amax" if kind == "max" else "amin"
-        buckets = torch.full_like(zeros, fill).scatter_reduce(0, bucket_idx, contrib, reduce, include_self=True)
-        with_identity = torch.cat([contrib, torch.full((1,), fill, dtype=torch.float64, device=device)])
-        local = with_identity.max() if kind == "max" else with_identity.min()
-        if kind == "max":
-            reduced = _all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
-            total, bad, extra = reduced[0], reduced[1], reduced[2:]
-        else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
-            held = owned.any().to(torch.float64)
-            reduced = _all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad, *tail]), kind, group)
-            total, none_held, least, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
-            total, bad = torch.where(none_held < 0, total, torch.zeros_like(total)), -least
-    measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
-    measured.on_host = device.type == "cpu"
-    measured.total = total
-    measured.local_nonfinite, measured.bad_anywhere = local_bad, bad
-    measured.replicas = extra
-    return measured
-
-
-def _all_reduce_one(value: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
-    """:func:`_all_reduce` of one 0-d value (itself in a single process)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        return value
-    return _all_reduce(value.reshape(1), kind, group)[0]
-
-
-def _all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
-    """One all-reduce: SUM for sums and counts; MAX (MIN as the max of −v) with a NaN lane, since
-    gloo's MAX drops a NaN that arrives from another rank."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        return values
-    home = values.device
-    values = values.to(collective_device(group))
-    if kind in ("sum", "count"):
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-        return values.to(home)
-    sign = 1.0 if kind == "max" else -1.0
-    nan = torch.isnan(values).to(values.dtype)
-    packed = torch.cat([torch.nan_to_num(values * sign, nan=-math.inf), nan])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    n = values.numel()
-    out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
-    return out.to(home)
-
 
 def _as_torch_returns(total: torch.Tensor, grads: list, dtypes: Optional[set] = None) -> Any:
     """The total as torch returns it: the gradients' (promoted, real) dtype on the first gradient's
