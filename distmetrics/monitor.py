@@ -20,7 +20,7 @@ import torch
 
 from .checkpoints import CheckpointLog
 from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.base import check_collectors, take_samples
+from .collectors.base import check_collectors, misnamed_elsewhere, take_samples
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -329,6 +329,7 @@ class Monitor:
         try:
             ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
             metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
+            misnamed = misnamed_elsewhere(metrics, misnamed)
             train = self._by_name["train"]
             train.to_context(metrics, ctx)  # wall time and tokens move into ctx
             # raised once the record is written: tokens found bad, names the ranks disagree on, a record key's sample

@@ -501,8 +501,8 @@ class _RecordKeys:
 
     name, after, writes = "mine", (), ()
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, misnamed_on: tuple) -> None:
+        self.rank, self.misnamed_on = rank, misnamed_on
 
     def take_samples(self, ctx):
         import torch
@@ -510,7 +510,9 @@ class _RecordKeys:
         from distmetrics.reduce import Sample
 
         vector = Sample("mine/v", torch.tensor([1.0, 2.0]), "max", names=("mine/a", "time"))
-        return [Sample("step", 7.0, "mean"), vector, Sample("mine/ok", 1.0 + self.rank, "mean")]
+        if self.rank in self.misnamed_on:
+            return [Sample("step", 7.0, "mean"), vector, Sample("mine/ok", 1.0 + self.rank, "mean")]
+        return [Sample("mine/ok", 1.0 + self.rank, "mean")]
 
     def finalize(self, metrics, ctx):
         return []
@@ -519,11 +521,11 @@ class _RecordKeys:
         pass
 
 
-def _collector_record_keys(rank: int, world: int, root: str) -> dict:
+def _collector_record_keys(rank: int, world: int, root: str, misnamed_on: tuple = (0, 1)) -> dict:
     import distmetrics as dm
 
     with dm.Monitor(quiet_config(output_dir=root, log_interval=1, json_log=True, hang_timeout_s=2.0),
-                    collectors=[_RecordKeys(rank)]) as monitor:
+                    collectors=[_RecordKeys(rank, misnamed_on)]) as monitor:
         try:
             monitor.step(1, loss=1.0 + rank)
             return {"raised": None}
@@ -546,6 +548,20 @@ def test_a_collectors_sample_named_as_a_record_key_is_left_out_and_raised_after_
     (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert record["step"] == 1 and isinstance(record["time"], str)
     assert record["train/loss"] == 1.5 and record["mine/ok"] == 1.5 and "mine/a" not in record  # means of 1 and 2
+
+
+def test_a_sample_named_as_a_record_key_on_one_rank_raises_on_every_rank(tmp_path):
+    """Only the rank whose collector handed it over raised; the other went on to its next call and
+    waited there, until the arrival check said the first had left."""
+    import distmetrics as dm
+
+    results = run_ranks(_collector_record_keys, 2, str(tmp_path), (1,), timeout=120)
+    assert "the 'mine' collector handed over a sample named 'step'" in results[1]["raised"], results[1]
+    assert results[0]["raised"] == (
+        "rank 1's collectors handed over a sample named as one of a record's own keys ('kind', 'step', 'time'), "
+        "which that rank's error names. The record was written without it"), results[0]
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["step"] == 1 and record["mine/ok"] == 1.5 and not any(k.startswith("_") for k in record)
 
 
 def _record_then_eval(rank: int, world: int, order: str) -> dict:

@@ -162,11 +162,30 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext) -> tuple[list, Opti
                 refused.append((collector.name, what, key))
     if not refused:
         return samples, None
+    samples.append(Sample(MISNAMED, 1.0, "max"))  # every rank raises, not only this one (see misnamed_elsewhere)
     said = "; ".join(f"the {who!r} collector handed over {what} named {key!r}" for who, what, key in refused)
     who, _, key = refused[0]
     return samples, ValueError(f"{said}: every record's own keys are {', '.join(map(repr, RECORD_KEYS))}, which a "
                                f"metric of that name replaced in metrics.jsonl; give it a prefix (e.g. '{who}/{key}'). "
                                "The record was written without it")
+
+
+MISNAMED = "_monitor/misnamed"
+"""Internal lane: a rank's collector handed over a sample named as a record key (a max: 1 there)."""
+
+
+def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[ValueError]) -> Optional[ValueError]:
+    """This rank's error from :func:`take_samples`, or, where another rank's collector handed over a
+    sample named as a record key (the reduced :data:`MISNAMED` lane, taken out of ``metrics``), one
+    naming that rank: raised on every rank once the record is written, as the ranks must stay in
+    step (a rank that went on alone to its next call waited there for the one that raised)."""
+    flag, rank = metrics.pop(MISNAMED, None), metrics.pop(f"{MISNAMED}/max_rank", None)
+    if not flag or error is not None:
+        return error
+    who = "a rank's" if rank is None else f"rank {int(rank)}'s"
+    return ValueError(f"{who} collectors handed over a sample named as one of a record's own keys "
+                      f"({', '.join(map(repr, RECORD_KEYS))}), which that rank's error names. The record was "
+                      "written without it")
 
 
 def _record_key(sample: Any) -> Optional[str]:
