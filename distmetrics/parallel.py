@@ -251,7 +251,8 @@ def data_parallel_group(layout: Layout) -> Any:
     mesh = layout.device_mesh
     names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in _MODEL_DIMS)
     if not mesh.mesh_dim_names:  # unnamed dimensions are data parallel: the whole mesh
-        layout.dp_group = mesh.get_group() if mesh.ndim == 1 else dist.new_group(mesh.mesh.flatten().tolist())
+        layout.dp_group = mesh.get_group() if mesh.ndim == 1 else \
+            dist.new_group(mesh.mesh.flatten().tolist(), use_local_synchronization=True)  # the mesh's ranks ask
     elif not names:
         layout.dp_group = dist.new_group([layout.rank], use_local_synchronization=True)
     elif len(names) == 1:

@@ -252,6 +252,7 @@ def _scheduled_lr(rank: int, world: int, root: str) -> dict:
     with dm.Monitor(quiet_config(log_interval=1)) as monitor:
         out["different"] = monitor.step(1, loss=1.0, lr=0.1 * (rank + 1))
         out["writer gave none"] = monitor.step(2, loss=1.0, lr=None if rank == 0 else 0.1)
+        out["nan elsewhere"] = monitor.step(3, loss=1.0, lr=float("nan") if rank == 2 else 0.1)
     logging.getLogger("distmetrics").removeHandler(handler)
     return out
 
@@ -273,12 +274,15 @@ def test_train_lr_is_written_exactly_as_the_scheduler_gave_it(scheduled_lr, writ
 
 def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer_ranks(scheduled_lr):
     assert all(out["different"]["train/lr"] == 0.1 for out in scheduled_lr)
-    # the writer rank gave none: the others' lr, as the MAX pack holds it (float32)
-    assert all(out["writer gave none"]["train/lr"] == pytest.approx(0.1, rel=1e-7) for out in scheduled_lr)
+    # the writer rank gave none: the mean of the others' lr, in float64
+    assert all(out["writer gave none"]["train/lr"] == 0.1 for out in scheduled_lr)
+    assert all(out["nan elsewhere"]["train/lr"] == 0.1 for out in scheduled_lr)
     said = [line for line in scheduled_lr[0]["said"] if "learning rate" in line]
-    assert len(said) == 2 and all("writer rank's (rank 0)" in line for line in said), said
+    assert len(said) == 3 and all("writer rank's (rank 0)" in line for line in said), said
     assert "0.3 on rank 2 and 0.1 on rank 0" in said[0]
-    assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is rank 1's, to float32" in said[1]
+    assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
+    assert said[2] == ("distmetrics: some rank passed a learning rate of NaN at step 3; train/lr is the writer rank's (rank 0): "
+                       "0.1. Said once")
     assert not any("learning rate" in line for out in scheduled_lr[1:] for line in out["said"])
 
 

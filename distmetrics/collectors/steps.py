@@ -39,8 +39,9 @@ LOSS_WEIGHTS = "_train/loss_weights"
 steps (``tokens=None``), 3 both; a mean of losses weighted by either on different ranks (or
 steps) is neither."""
 LEARNING_RATES = "_train/lr"
-"""Internal lane: each rank's learning rate (minmax, float32), with two ranks or more: ``train/lr``
-is the writer rank's, so ranks that differ, or a writer rank that gives none, are said."""
+"""Internal lanes: each rank's learning rate (minmax, float32), and their mean (``<lane>/mean``), with two
+ranks or more: ``train/lr`` is the writer rank's, so ranks that differ, or a writer rank that gives none
+(then ``train/lr`` is the mean), are said."""
 Number = Union[int, float, torch.Tensor]
 logger = logging.getLogger("distmetrics")
 _BY_TOKENS, _BY_STEPS = 1, 2
@@ -94,19 +95,24 @@ class LearningRates:
     def check(self, metrics: dict[str, Any], step: int) -> None:
         high, high_rank, low, low_rank = (metrics.pop(f"{self.lane}/{end}", None)
                                           for end in ("max", "max_rank", "min", "min_rank"))
+        mean = metrics.pop(f"{self.lane}/mean", None)
         if high is None:
             return
-        if "train/lr" not in metrics:  # the writer rank gave none: the largest lr passed, as the MAX pack holds it
-            metrics["train/lr"] = high
+        if "train/lr" not in metrics:  # the writer rank gave none: the mean of the ranks that gave one (float64)
+            metrics["train/lr"] = mean
             if self.says and "missing" not in self._said:
                 self._said.add("missing")
                 logger.warning("distmetrics: train/lr is the writer rank's (rank %d) learning rate, and that rank "
-                               "passed no lr to monitor.step at step %d while rank %d did: train/lr is rank %d's, to "
-                               "float32's 7 digits, in every record where this recurs; pass lr on every rank",
-                               self.writer, step, int(high_rank), int(high_rank))
+                               "passed no lr to monitor.step at step %d while rank %d did: train/lr is the mean of "
+                               "the ranks that passed one, in every record where this recurs; pass lr on every rank",
+                               self.writer, step, int(high_rank))
         elif not self.says:
             return
-        elif high > low and "differ" not in self._said:  # NaN on a rank makes both lanes NaN: not said
+        elif high != high and "nan" not in self._said:  # NaN on some rank makes both lanes NaN
+            self._said.add("nan")
+            logger.warning("distmetrics: some rank passed a learning rate of NaN at step %d; train/lr is the writer rank's (rank %d): "
+                           "%s. Said once", step, self.writer, metrics["train/lr"])
+        elif high > low and "differ" not in self._said:
             self._said.add("differ")
             logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
                            "%.7g on rank %d; train/lr is the writer rank's (rank %d). Said once: every rank's "
@@ -220,7 +226,10 @@ class StepValues:
         if weights:
             lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
         if lr is not None and self.learning_rates is not None:
-            lanes.append(Sample(LEARNING_RATES, as_number(lr), "minmax"))
+            lr = as_number(lr)
+            # every rank's lr (float32, to say ranks that differ), and their mean (float64: train/lr where the
+            # writer rank gives none, as a loop passing lr beside the loss on the last pipeline stage does)
+            lanes += [Sample(LEARNING_RATES, lr, "minmax"), Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
         return self.stats.take_samples() + lanes
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
