@@ -110,8 +110,8 @@ class LearningRates:
             return
         elif high != high and "nan" not in self._said:  # NaN on some rank makes both lanes NaN
             self._said.add("nan")
-            logger.warning("distmetrics: some rank passed a learning rate of NaN at step %d; train/lr is the writer rank's (rank %d): "
-                           "%s. Said once", step, self.writer, metrics["train/lr"])
+            logger.warning("distmetrics: some rank passed a learning rate of NaN at step %d; train/lr is the writer "
+                           "rank's (rank %d): %s. Said once", step, self.writer, metrics["train/lr"])
         elif high > low and "differ" not in self._said:
             self._said.add("differ")
             logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
