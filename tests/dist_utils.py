@@ -192,32 +192,60 @@ class CollectiveCounter:
 
 
 class HostReads:
-    """Counts the reads of a tensor's value on the host (``item``, ``tolist``, ``float()``, ``int()``,
-    ``bool()``): on a GPU each waits for the device. Patched on ``torch.Tensor`` while entered."""
+    """Counts what would wait for the device on a GPU: reads of a tensor's value on the host
+    (``item``, ``tolist``, ``numpy``, ``float()``, ``int()``, ``bool()``, patched on ``torch.Tensor``:
+    on the CPU some never reach the dispatcher) and the operators whose result's size or value the
+    host needs (``nonzero``, a boolean mask's index, ``masked_select``, ``unique``, ``equal``,
+    ``allclose``, a scalar read: counted by a dispatch mode, on this thread) while entered."""
 
-    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+    NAMES = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__")
+    SYNCING = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "equal", "allclose",
+               "_local_scalar_dense", "is_nonzero")
 
     def __init__(self) -> None:
         self.reads = 0
+        self.seen: list = []  # what was counted, in order
         self._saved: dict = {}
+        self._mode: Any = None
 
     def __enter__(self) -> "HostReads":
         import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Syncing(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in HostReads.SYNCING or (name in ("index", "index_put", "index_put_") and any(
+                        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                        for i in (args[1] if len(args) > 1 else ()) if i is not None)):  # a mask: its size
+                    counter._count(name)
+                return func(*args, **(kwargs or {}))
 
         for name in self.NAMES:
             self._saved[name] = torch.Tensor.__dict__.get(name)
             original = getattr(torch.Tensor, name)
 
-            def read(t, *a, __orig=original, **k):
-                self.reads += 1
+            def read(t, *a, __orig=original, __name=name, **k):
+                counter._count(__name)
                 return __orig(t, *a, **k)
 
             setattr(torch.Tensor, name, read)
+        self._mode = Syncing()
+        self._mode.__enter__()
         return self
+
+    def _count(self, what: str) -> None:
+        if self.seen and self.seen[-1] in self.NAMES and what == "_local_scalar_dense":
+            return  # item() and the like reach the dispatcher too: one read
+        self.reads += 1
+        self.seen.append(what)
 
     def __exit__(self, *exc: Any) -> None:
         import torch
 
+        self._mode.__exit__(*exc)
         for name, own in self._saved.items():
             if own is None:  # inherited from torch's C base class: our wrapper goes, the base's shows again
                 delattr(torch.Tensor, name)
