@@ -40,6 +40,7 @@ from ..config import ConfigError
 from ..parallel import data_parallel_group, local_tensor, owns_local_piece, tp_cp_leader
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
+from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
 from .features import _logs_at, _tensor_entries, stats_step, tensor_names
 from .selection import config_for_layer, example_names, numbered
 from .statistics import PARTS, merge, merge_ranks, partials, stat_value
@@ -94,6 +95,7 @@ class TensorInspector:
         self._tensor_names = tensor_names(spec)  # the tensors the file names (a name may hold '_')
         self._full_names: Optional[dict[str, list]] = None  # see _name_silent_sections
         self._hooks: list = []
+        self._guards_held = False  # Dynamo guards on hooks while ours are on (compiled.hold_hook_guards)
         self._hooked: dict[str, set] = {}  # our layer name -> nvdlfw-inspect's names hooked under it
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
@@ -140,7 +142,8 @@ class TensorInspector:
             return  # initialize(config, model=...) then Monitor(config, model=...): hooks once
         self._models.append(model)
         self.debug_api.infer_and_assign_layer_names(model)
-        modules = [(m, m.name) for m in model.modules() if isinstance(getattr(m, "name", None), str)]
+        modules = named_layers(model)
+        fullgraph = fullgraph_owner(model)
         self.layer_names.update(metric_layers(model))
         self._full_names = None  # made again from the names at the next statistics step that needs it
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
@@ -156,7 +159,11 @@ class TensorInspector:
                 self.selected[name] = list(cfg)
             for namespace in ("distmetrics", "base"):  # the features our hooks call
                 feature = cfg.get(namespace, {}).get("LogTensorStats")
-                if feature and feature.get("enabled", False):
+                if not (feature and feature.get("enabled", False)):
+                    continue
+                if id(module) in fullgraph:  # else Dynamo's Unsupported at the hook, every rank, first forward
+                    error = error or fullgraph_error(name, fullgraph[id(module)])
+                else:
                     tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
                     self._hook(module, name, tensors, namespace, feature)
         self._sections = list(zip(sections, ConfigManager.configs))
@@ -170,6 +177,9 @@ class TensorInspector:
         if unmatched:
             raise ConfigError(f"tensor_inspect.features: section(s) {unmatched} select no layer of the model on any "
                               f"rank (layer names look like {example_names(model)})")
+        if self._hooks and not self._guards_held:
+            self._guards_held = True
+            hold_hook_guards(model, self.layout is None or self.layout.says_once)
 
     def _any_rank(self, flags: list) -> list:
         """Element-wise OR of ``flags`` over the reducer's ranks (one all-reduce)."""
@@ -352,6 +362,9 @@ class TensorInspector:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._guards_held:
+            self._guards_held = False
+            release_hook_guards()
 
 
 def _combine(per_rank: dict[str, PerRank]) -> dict:

@@ -43,6 +43,9 @@ def numbered(select: Any, name: str, *args: Any) -> Any:
 
 
 def example_names(model: torch.nn.Module) -> list:
-    """The first few layer names nvdlfw-inspect gave the model's modules (for an error message)."""
-    names = [getattr(m, "name", None) for m in model.modules()]
-    return [n for n in names if isinstance(n, str)][:4]
+    """The first few layer names nvdlfw-inspect gave the model's modules (for an error message), each
+    once: ``torch.compile``'s wrapper is no layer (it answers with the name of the module it wraps)."""
+    from .compiled import is_compile_wrapper
+
+    names = [getattr(m, "name", None) for m in model.modules() if not is_compile_wrapper(m)]
+    return list(dict.fromkeys(n for n in names if isinstance(n, str)))[:4]

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from ..naming import is_wrapper_level, strip_wrappers
+from .compiled import is_compile_wrapper
 
 __all__ = ["metric_name", "metric_layers", "strip_model", "TE_TENSORS"]
 
@@ -57,14 +58,18 @@ def metric_layers(model: torch.nn.Module) -> dict[str, str]:
         if not isinstance(name, str):
             continue
         # nvdlfw-inspect's name: "model", then one part per level of the path (a ModuleList's
-        # child its layer_number, which can hold a "." of its own)
-        parts, levels = name.split(".")[1:], path.split(".") if path else []
-        if name.split(".")[0] != "model" or len(parts) != len(levels):
+        # child its layer_number, which can hold a "." of its own) but torch.compile's _orig_mod
+        # (compiled.fold_compile_wrappers)
+        levels = path.split(".") if path else []
+        named = [at for at, level in enumerate(levels)
+                 if not (level == "_orig_mod" and is_compile_wrapper(modules.get(".".join(levels[:at]))))]
+        parts = name.split(".")[1:]
+        if name.split(".")[0] != "model" or len(parts) != len(named):
             out[name] = strip_model(name)
             continue
-        kept = [part for at, part in enumerate(parts)
+        kept = [part for part, at in zip(parts, named)
                 if not is_wrapper_level(modules.get(".".join(levels[:at])), levels[at])]
-        out[name] = ".".join(kept) if path else name
+        out[name] = ".".join(kept) if kept else strip_model(name)  # the root (under wrappers): "model"
     return out
 
 
