@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .grad_combine import combine as _combine, norm_kind
+from .eager import eager
 from .grad_measurement import GradMeasurement
 from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
@@ -51,6 +52,7 @@ __all__ = ["clip_grad_norm_", "GradientNorms", "GradMeasurement", "note_clip", "
 _ROUTES_KEPT = 8  # gradient sets whose routing a plan keeps (the most recently used)
 
 
+@eager
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                     foreach: Optional[bool] = None, group: Any = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from .naming import module_name_map
 from .plans import _REGISTRATIONS
 
 __all__ = ["GradSync"]
@@ -103,12 +104,14 @@ class GradSync:
                 f"before the last micro-batch's backward and measure or clip the gradients {_AFTER}")
 
     def _find(self) -> None:
-        """The model's DDP modules and FSDP2 parameter groups, and their names."""
+        """The model's DDP modules and FSDP2 parameter groups, and their names as the norms name them
+        (wrapper levels dropped: ``torch.compile(DDP(model))``'s DDP is the model itself, not ``_orig_mod``)."""
         state_of = _state_getter()
         self._ddp, self._groups, self._replicated, self._names = [], [], [], {}
         seen: set = set()
+        names = module_name_map(self.model)
         for name, module in self.model.named_modules():
-            label = f"'{name}'" if name else "(the model itself)"
+            label = f"'{names[name]}'" if names[name] else "(the model itself)"
             if isinstance(module, torch.nn.parallel.DistributedDataParallel):
                 self._ddp.append(module)
                 self._names[id(module)] = label

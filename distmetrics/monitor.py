@@ -4,6 +4,8 @@ Every rank calls every method. Between log steps the monitor only adds into devi
 no ``.item()``, no collective. At a log step (``step % log_interval == 0``) every collector
 hands over its samples, the reducer combines them in at most one collective per reduce kind,
 the collectors derive values from the result, and the writer rank sends it to the sinks.
+The per-step methods may be called from code ``torch.compile`` compiles: each is one graph break
+there, run eagerly (:mod:`distmetrics.eager`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .evaluation import EvalLog
 from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_unwritten
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
+from .eager import eager
 from .interval import now
 from .names import check_step, local_value
 from .naming import module_order
@@ -132,6 +135,7 @@ class Monitor:
             raise
 
     # --- the per-step API ----------------------------------------------------------------
+    @eager
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
              lr: Optional[Number] = None, skipped: bool = False, **scalars: Number) -> Optional[dict[str, Any]]:
         """Record one optimizer step; on a log step reduce and write, and return the metrics
@@ -170,6 +174,7 @@ class Monitor:
             self._write(stats, step, "tensor_stats")
         return self._log(step) if step % self.config.log_interval == 0 else None
 
+    @eager
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """Record a value for this interval under ``name`` as given, reduced across ranks as
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
@@ -178,6 +183,7 @@ class Monitor:
         with self._records:
             self._by_name["train"].record(name, value, reduce, weight)
 
+    @eager
     def record_losses(self, per_sample_loss: torch.Tensor, categories, weights: Optional[torch.Tensor] = None,
                       names=None, split: str = "train") -> None:
         """Per-sample losses (``reduction='none'``) with a category per sample: a list of names
@@ -189,6 +195,7 @@ class Monitor:
             self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights,
                                                                                names)
 
+    @eager
     def record_moe(self, aux_loss: Optional[Number] = None, z_loss: Optional[Number] = None,
                    tokens_per_expert: Optional[torch.Tensor] = None, layer_numbers=None) -> None:
         """MoE router statistics for this step: ``moe/aux_loss``, ``moe/z_loss`` (means) and, from
@@ -201,6 +208,7 @@ class Monitor:
         with self._records:
             self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
 
+    @eager
     def clip_grad_norm_(self, parameters: Any = None, max_norm: Any = None, norm_type: Union[float, str] = 2.0,
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
@@ -212,6 +220,7 @@ class Monitor:
         self._guard.note("monitor.clip_grad_norm_")  # a collective not guarded (every step): named if it hangs
         return norms.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, self._last_step)
 
+    @eager
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
         norm on a log step (``step``, default the last step + 1), None (and no work) otherwise;
@@ -233,6 +242,7 @@ class Monitor:
         if norms.writes_loss_scale:  # kept from the user only where written: torch.amp loops record their own
             self._by_name["train"].names.reserve(["loss_scale"], "the 'norms' collector (the fp16 optimizer's)")
 
+    @eager
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
                  **scalars: Number) -> dict[str, Any]:
         """Reduce evaluation results now and write an ``eval`` record (every rank calls this):
@@ -248,6 +258,7 @@ class Monitor:
             raise refused
         return metrics
 
+    @eager
     def pause(self) -> None:
         """Stop the training clocks, the step timer and the energy count (before evaluation or a
         checkpoint save), so tokens/s, MFU, the step time (``timers/step`` too), energy per token and
@@ -256,11 +267,13 @@ class Monitor:
         for clock in self._pausable():
             clock.pause()
 
+    @eager
     def resume(self) -> None:
         """Count again after :meth:`pause`."""
         for clock in self._pausable():
             clock.resume()
 
+    @eager
     def checkpoint_saved(self, step: int) -> None:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
         floating-point operations, tokens; cumulative across restarts with the same world size).

@@ -1313,7 +1313,7 @@ def test_a_window_closed_only_after_the_last_backward_is_refused_and_one_closed_
     replica, an evaluation under torch.no_grad() after the optimizer step) the norm is exact."""
     late = {"ddp": "DistributedDataParallel module (the model itself) ran its last forward inside no_sync()",
             "ddp in a wrapper": "DistributedDataParallel module 'inner' ran its last forward inside no_sync()",
-            "compiled ddp": "DistributedDataParallel module '_orig_mod' ran its last forward inside no_sync()",
+            "compiled ddp": "DistributedDataParallel module (the model itself) ran its last forward inside no_sync()",
             "fsdp2": "FSDP2 module (the model itself) holds gradients that its last backward did not reduce",
             "hsdp": "HSDP module (the model itself) holds gradients that its last backward did not reduce"}
     for rank, result in enumerate(run_ranks(_windows_closed_before_or_after_the_last_backward, 2, timeout=400)):

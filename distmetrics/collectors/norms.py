@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..eager import eager
 from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip
 from ..grad_sync import GradSync
 from ..plans import Plan
@@ -123,6 +124,9 @@ class NormCollector(ParamSide):
         if not self.log_update_norm:
             return
 
+        # run eagerly where torch.compile compiles optimizer.step() (torch's compiled-optimizer recipe):
+        # traced, they split its one graph into 7 or more
+        @eager
         def before(opt: Any, args: Any, kwargs: Any) -> None:
             if self._stepping == 0:
                 step = log_step_ahead()
@@ -131,6 +135,7 @@ class NormCollector(ParamSide):
                     self._snapshot_step = step
             self._stepping += 1
 
+        @eager
         def after(opt: Any, args: Any, kwargs: Any) -> None:
             self._stepping -= 1
             if self._stepping == 0:  # after the last of a chained optimizer's inner steps

@@ -1,7 +1,9 @@
 """Step timers: a drop-in for Megatron-Core's ``Timers``, reduced in one collective per log step.
 
 ``timers(name, log_level).start()/.stop()``; a timer above ``timing_log_level`` is a shared
-:class:`DummyTimer`, so a disabled timer costs a dictionary lookup and a method call. On CUDA
+:class:`DummyTimer`, so a disabled timer costs a dictionary lookup and a method call (inside code
+``torch.compile`` traces, nothing: see :meth:`Timers._dummy_for`). An enabled timer reads a clock
+Dynamo cannot trace: the compiled graph ends there (README, "Under torch.compile"). On CUDA
 a timer records events on the current stream and never synchronises on start/stop (Megatron's
 synchronises the device twice per timer); the events are resolved when read. On CPU it reads
 ``time.perf_counter_ns``.
@@ -26,6 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..eager import tracing
 from .timer_reports import MegatronReports, TimerError
 
 __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError"]
@@ -338,7 +341,13 @@ class Timers(MegatronReports):
 
     def _dummy_for(self, name: Any) -> TimerBase:
         """The dummy timer of a disabled level, for a name that would be refused at an enabled one
-        too (checked once per name): a bad name fails at once, not when the level is raised."""
+        too (checked once per name): a bad name fails at once, not when the level is raised. Traced by
+        ``torch.compile``: a new one, made in the graph's code, which Dynamo enters as a context
+        manager (the shared one, made outside, ended the graph at its ``with``), and no set of names
+        read or changed (a guard on it recompiled the caller once)."""
+        if tracing():
+            _check_timer_name(name)
+            return DummyTimer()
         if type(name) is not str or name not in self._dummy_names:
             _check_timer_name(name)
             self._dummy_names.add(name)
