@@ -17,8 +17,10 @@ bf16 coefficient is off by up to 0.4% (a clip at 0.05 read back as 0.05006).
 
 Plain gradients beside DTensor ones (``fully_shard`` on some submodules only) count once, as
 copies of each other: every measurement checks that they are, in lanes of its one all-reduce, and
-every rank raises a ``ValueError`` together where they are not (:mod:`distmetrics.replicas`): at the
-call without a Monitor, at the Monitor's log step with one (its clip reads nothing back to the host).
+every rank raises a ``ValueError`` together where they are not, or where no rank that holds them counts
+them (:mod:`distmetrics.replicas`): at the call without a Monitor (every rank holding DTensors reads the
+result there),
+at the Monitor's log step with one (its clip reads nothing back to the host).
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
 defined across ranks only for tensors held whole by their owner: a tensor sharded over ranks
@@ -63,7 +65,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     DTensors (FSDP2, HSDP, TP) count by their placements; plain tensors under an initialised
     process group are treated as data-parallel replicas (DDP) and counted once, Megatron's
     parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world), and one
-    more at the first call with a norm type (:meth:`GradientNorms._agree`).
+    more at the first call with a norm type (:meth:`GradientNorms._agree`). On more than one rank
+    outside Megatron, a call over DTensors reads the check of plain gradients beside them on the
+    host (:func:`distmetrics.replicas.check`; a device sync on a GPU); one over plain tensors alone
+    (DDP) reads nothing, unless some rank's first call held plain tensors beside DTensors.
     """
     key = id(group)
     measurer = _MODULE_LEVEL.get(key)
@@ -98,7 +103,7 @@ class GradientNorms:
         self.guard: Any = None
         """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
         self._agreed: set[float] = set()  # norm types every rank was found to pass
-        self._replicas_anywhere = False  # some rank measured plain gradients beside DTensors (found by _agree)
+        self._replicas_anywhere = False  # some rank's first plan held plain gradients beside DTensors (_agree)
         self.defers_replicas = False
         """Leave the replica check's result on the device (``replicas_differ`` of a measurement), for a
         Monitor's log step to raise (:class:`distmetrics.replicas.IntervalCheck`), instead of reading it
@@ -172,16 +177,21 @@ class GradientNorms:
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, extra,
                             tensors=locals_ if device.type == "cpu" else None)
-        if extra is not None and (self._checks_replicas(plan) or self._replicas_anywhere):
+        if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only
 
             def names() -> list[str]:
                 return [plan.names[i] for i in positions]
 
-            if self.defers_replicas:
+            # Read at the call (a device sync on a GPU) where some rank may hold plain gradients beside DTensors:
+            # on every rank with a DTensor too (one raising alone would leave the others at their next collective);
+            # a job with no DTensor (DDP, plain replicas) reads nothing
+            if not self.defers_replicas:
+                if not plan.plain or self._replicas_anywhere:
+                    replicas.check(measured, kind, call, self.layout, names)
+            elif self._checks_replicas(plan) or self._replicas_anywhere:  # raised at the log step, from the reduced
+                # flags on every rank (where a rank noted none, the others' arrive)
                 measured.replicas_differ, measured.replica_names = replicas.differing(measured, kind), names
-            else:
-                replicas.check(measured, kind, call, self.layout, names)
         # main_grad (or decoupled_grad) in place of .grad: Megatron's gradients, which its optimizer clips
         measured.megatron = bool(grads) and grads[0] is not plan.params[index[0]].grad
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
@@ -209,7 +219,8 @@ class GradientNorms:
         another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
         MAX, in which every rank waited without a word) or took another root (1 against 2: a
         total that differed between ranks). A third lane says whether some rank's ``plan`` holds plain
-        gradients beside DTensors: then every rank reads the replica check (pipeline stages differ)."""
+        gradients beside DTensors: then every rank of a Monitor notes the replica check's flags, so the log step's
+        names are the same on every rank from the first (a rank that holds none notes the others')."""
         if p != p:
             raise ValueError(f"{call}(norm_type=nan): accepted values are numbers (inf and -inf included) and 'inf'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:

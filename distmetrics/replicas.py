@@ -8,12 +8,18 @@ every rank only where the loop all-reduces them itself (or wraps their module in
 differ, each rank's true norm is another, one rank's would be written as the job's, and a clip would
 scale every rank by it. So a measurement over such gradients carries a fingerprint of their
 per-tensor norms in lanes of its one all-reduce (a set of lanes per pipeline stage: stages hold
-different parameters); the reduced lanes are the same on every rank, so every rank raises together
-where the ranks of a stage disagree. :func:`distmetrics.clip_grad_norm_` reads them at once (:func:`check`),
-before any gradient is scaled and before any other collective. A Monitor's clip must not wait for the
-device at every step to read them (the library never does between log steps), so it keeps a flag on
-the device instead (:func:`differing`), OR-ed over the interval's measurements by :class:`IntervalCheck`,
-which rides the log step's MAX pack and is raised once that step's record is written.
+different parameters), beside how many ranks hold such gradients and how many of those count them.
+A rank that holds none adds nothing (a pipeline stage without plain parameters, where no mesh says
+the stages apart). The reduced lanes are the same on every rank, so every rank raises together
+where the ranks of a stage that hold such gradients disagree, or where none of them counts them (the
+rank that counts plain tensors, rank 0 without a mesh, holds none: they would count for nothing).
+:func:`distmetrics.clip_grad_norm_` reads them at once (:func:`check`) on every rank, before any
+gradient is scaled and before any other collective: a rank cannot know that another holds such
+gradients, nor can it raise alone. A Monitor's clip must not wait for the device at every step to
+read them (the library never does between log steps), so it keeps a flag on the device instead
+(:func:`differing`), OR-ed over the interval's measurements by :class:`IntervalCheck`, which rides the
+log step's MAX pack (where a rank noted none, the others' arrive) and is raised once that step's
+record is written.
 
 A fingerprint is an integer: each norm's natural logarithm on a grid of 2**-20 (norms about 1e-6
 apart, relatively, fall in different cells whatever their size), times a weight from the tensor's
@@ -23,15 +29,16 @@ ranks: copies (the same bits) agree exactly, and no tolerance is needed.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .samples import Sample
 
-__all__ = ["carried", "position_weights", "lanes", "check", "differing", "IntervalCheck", "refusal", "LANES"]
+__all__ = ["carried", "position_weights", "lanes", "check", "differing", "IntervalCheck", "refusal", "LANES", "width",
+           "DIFFER", "UNCOUNTED"]
 
 _CELLS = 2.0 ** 20  # grid cells per unit of log-norm
 _MODULUS = 2.0 ** 31
@@ -58,57 +65,79 @@ def position_weights(positions: list[int], checked: list[bool], device: torch.de
 
 
 def lanes(norms: torch.Tensor, weights: Optional[torch.Tensor], owner: bool, layout: Any, kind: str) -> torch.Tensor:
-    """This rank's lanes for the measurement's all-reduce: per pipeline stage of ``layout``,
-    (fingerprint, the owner's fingerprint, 1) for a SUM (``kind`` sum or count), (fingerprint,
-    −fingerprint) for a MAX or MIN; the identity in the other stages' lanes. ``weights``: see
-    :func:`position_weights`; ``owner``: the checked tensors count on this rank."""
+    """This rank's lanes for the measurement's all-reduce, :func:`width` per pipeline stage of ``layout``:
+    in its own stage's, for a SUM (``kind`` sum or count), (fingerprint, counts × fingerprint, 1,
+    counts × 2**30 − 1), whose reduced last lane is negative exactly where ranks hold checked tensors and
+    none counts them; for a MAX (fingerprint, −fingerprint, counts), for a MIN (fingerprint, −fingerprint,
+    −counts), whose last is 0 exactly there (``counts``: 1 where the checked tensors count on this rank,
+    ``owner``). The identity in every other lane, and in all of them where this rank checks nothing
+    (``weights`` None, see :func:`position_weights`): a rank without plain gradients adds nothing."""
     stage, stages = layout.pp_rank, layout.pp_size
-    if weights is None:  # nothing checked here (a fingerprint of 0): the same lanes at every measurement
-        key = (stage, stages, kind, norms.device)
-        constant = _UNCHECKED.get(key)
-        if constant is None:
-            constant = _UNCHECKED[key] = _place(torch.zeros((), dtype=torch.float64, device=norms.device), False,
-                                                stage, stages, kind)
-        return constant
+    if weights is None:  # the same lanes at every measurement
+        return _placing(stage, stages, kind, None, norms.device)[0]
     logs = torch.nan_to_num(torch.log(norms), nan=_NAN, posinf=_INF, neginf=_ZERO)
     terms = torch.remainder(torch.round(logs * _CELLS) * weights, _MODULUS)
-    return _place(torch.remainder(terms.sum(), _MODULUS), owner, stage, stages, kind)
+    base, scale = _placing(stage, stages, kind, owner, norms.device)
+    return torch.addcmul(base, scale, torch.remainder(terms.sum(), _MODULUS))
 
 
-_UNCHECKED: dict = {}  # (stage, stages, kind, device) → the lanes of a rank that checks nothing
+def width(kind: str) -> int:
+    """Lanes per pipeline stage: two of the fingerprints, then (for a SUM) the ranks that hold checked
+    tensors, and the ranks that count them."""
+    return 4 if kind in ("sum", "count") else 3
 
 
-def _place(fingerprint: torch.Tensor, owner: bool, stage: int, stages: int, kind: str) -> torch.Tensor:
-    """The lanes of every stage, this rank's fingerprint in its own stage's."""
-    if kind in ("sum", "count"):
-        mine = torch.stack([fingerprint, fingerprint * float(owner), torch.ones_like(fingerprint)])
-        return F.pad(mine, (3 * stage, 3 * (stages - stage - 1)))
-    fill = float("-inf") if kind == "max" else float("inf")
-    return F.pad(torch.stack([fingerprint, -fingerprint]), (2 * stage, 2 * (stages - stage - 1)), value=fill)
+_COUNTS = 2.0 ** 30  # more than any number of ranks: the counting ranks' weight in a SUM's last lane
+_PLACINGS: dict = {}  # (stage, stages, kind, owner, device) → (base, scale), made once
+
+
+def _placing(stage: int, stages: int, kind: str, owner: Optional[bool], device: torch.device) -> tuple:
+    """(base, scale) on ``device``: a rank's lanes are ``base + fingerprint * scale``, one device op
+    (``owner`` None: a rank that checks nothing, whose lanes are ``base``, the identities)."""
+    key = (stage, stages, kind, owner, device)
+    cached = _PLACINGS.get(key)
+    if cached is None:
+        summed, counts = kind in ("sum", "count"), float(bool(owner))
+        base = torch.full((stages, width(kind)), 0.0 if summed else -math.inf if kind == "max" else math.inf,
+                          dtype=torch.float64)
+        scale = torch.zeros_like(base)
+        if owner is not None:
+            base[stage] = torch.tensor([0.0, 0.0, 1.0, counts * _COUNTS - 1.0] if summed else
+                                       [0.0, 0.0, -counts if kind == "min" else counts])
+            scale[stage, :2] = torch.tensor([1.0, counts if summed else -1.0])
+        cached = _PLACINGS[key] = (base.reshape(-1).to(device), scale.reshape(-1).to(device))
+    return cached
 
 
 def check(measured: Any, kind: str, call: str, layout: Any, names: Callable[[], list[str]]) -> None:
-    """Raise a ``ValueError`` where the ranks of some stage hold different plain gradients, from the
-    reduced lanes of ``measured`` (one read on the host: a device sync on a GPU, made only by
-    :func:`distmetrics.clip_grad_norm_`, in a job where some rank measures such gradients). A NaN or
-    inf in some rank's gradients is left to the non-finite count and its alert. ``names()``: this
-    rank's checked parameters, for the message."""
-    bad = [stage for stage, differ in enumerate(differing(measured, kind).tolist()) if differ]
-    if bad:
-        raise ValueError(refusal(call, names(), bad, layout.pp_rank, layout.pp_size))
+    """Raise a ``ValueError`` where the ranks of some stage hold different plain gradients, or ones
+    none of them counts, from the reduced lanes of ``measured`` (one read on the host: a device sync
+    on a GPU, made by :func:`distmetrics.clip_grad_norm_` on every rank holding DTensors).
+    A NaN or inf in some rank's gradients is left to the non-finite count and its alert. ``names()``:
+    this rank's checked parameters, for the message."""
+    codes = differing(measured, kind).tolist()
+    if any(codes):
+        raise ValueError(refusal(call, names(), codes, layout.pp_rank, layout.pp_size))
 
 
 def differing(measured: Any, kind: str) -> torch.Tensor:
-    """Per pipeline stage, 1.0 where its ranks' fingerprints differ and no rank's gradients held NaN
-    or inf, else 0.0: a float64 tensor on the device of the reduced lanes of ``measured``, made with
-    device ops alone (no host read)."""
-    if kind in ("sum", "count"):  # (Σ fingerprints, Σ the owners' fingerprints, ranks): all equal the owner's
-        lanes = measured.replicas.reshape(-1, 3)
-        differ = lanes[:, 0] != lanes[:, 1] * lanes[:, 2]
-    else:  # (the most, −the least) of the fingerprints: the same where their sum is 0
-        lanes = measured.replicas.reshape(-1, 2)
-        differ = lanes[:, 0] + lanes[:, 1] != 0
-    return (differ & (measured.bad_anywhere == 0)).to(torch.float64)
+    """Per pipeline stage, :data:`UNCOUNTED` or more where some of its ranks hold checked gradients but
+    none of those counts them, :data:`DIFFER` where their fingerprints differ and no rank's gradients
+    held NaN or inf, else 0.0 (a stage where no rank holds any too): a float64 tensor on the device
+    of the reduced lanes of ``measured``, made with device ops alone (no host read)."""
+    lanes = measured.replicas.view(-1, width(kind)).unbind(1)
+    if kind in ("sum", "count"):  # (Σ fingerprints, the counting rank's, ranks holding, 2**30 × counting − holding)
+        first, second, held, counted = lanes  # every holder's fingerprint equals the counting one's
+        differ, uncounted = first != second * held, counted < 0
+    else:  # (the most, −the least) of the holders' fingerprints: a sum of 0 where they agree, ±inf where none holds;
+        first, second, counted = lanes  # whether one counts them: ±1, 0 where none does, ∓inf where none holds
+        differ, uncounted = torch.nan_to_num(first + second, posinf=0.0, neginf=0.0) != 0, counted == 0
+    return (differ & (measured.bad_anywhere == 0)).to(torch.float64).add_(uncounted, alpha=UNCOUNTED)
+
+
+DIFFER, UNCOUNTED = 1.0, 2.0
+"""A stage's flag where its ranks' plain gradients differ, and where none of the ranks that hold them counts them
+(the larger: the interval's flags are OR-ed as a max)."""
 
 
 class IntervalCheck:
@@ -119,7 +148,7 @@ class IntervalCheck:
     gradients are scaled by a norm that counts one rank's copies, until the log step says so."""
 
     def __init__(self) -> None:
-        self._differ: Optional[torch.Tensor] = None  # per stage: 1.0 where some measurement of the interval differed
+        self._differ: Optional[torch.Tensor] = None  # per stage: the largest flag of the interval's measurements
         self._call = "monitor.clip_grad_norm_"  # the caller of the latest checked measurement, and its plain
         # parameters' names (none on a rank that checked none: the reduced flags still say its stage's)
         self._names: Optional[Callable[[], list[str]]] = None
@@ -142,20 +171,21 @@ class IntervalCheck:
         return Sample(LANES, differ, "max", names=self._names_for(differ.numel()))
 
     def refused(self, metrics: dict, layout: Any, step: int) -> Optional[ValueError]:
-        """The error of a log step whose reduced flags say some stage's ranks differed (None where
-        none did), the lanes taken out of ``metrics``: read on the host, where the reduction put them."""
-        bad = []
-        for stage, name in enumerate(self._names_for(layout.pp_size)):
-            if metrics.pop(name, 0) > 0:
-                bad.append(stage)
+        """The error of a log step whose reduced flags say some stage's plain gradients differed or
+        counted nowhere (None where none did), the lanes taken out of ``metrics``: read on the host,
+        where the reduction put them."""
+        codes = []
+        for name in self._names_for(layout.pp_size):
+            codes.append(metrics.pop(name, 0.0))
             metrics.pop(f"{name}/max_rank", None)
-        if not bad:
+        if not any(code > 0 for code in codes):
             return None
         names = self._names() if self._names is not None else []
         found = (f"Found at the log step of step {step}, from the measurements since the last one (their gradients "
-                 "were scaled all the same): its record is written without grad_norm, its per-module values, "
-                 "grad_clip_ratio and effective_lr_ratio, which would be one rank's")
-        return ValueError(refusal(self._call, names, bad, layout.pp_rank, layout.pp_size, found))
+                 "were scaled all the same): its record is written without grad_norm, param_norm and update_norm, "
+                 "their per-module values, grad_clip_ratio, relative_update_norm and effective_lr_ratio, which "
+                 "would be one rank's")
+        return ValueError(refusal(self._call, names, codes, layout.pp_rank, layout.pp_size, found))
 
     def _names_for(self, stages: int) -> tuple:
         if len(self._lanes) != stages:
@@ -163,18 +193,31 @@ class IntervalCheck:
         return self._lanes
 
 
-def refusal(call: str, names: list[str], bad: list[int], stage: int, stages: int, found: str = "") -> str:
-    """The error every rank raises: the plain parameters (this rank's, where its stage is one that
-    disagrees), and what to do; ``found``: when it was found, where that was not at the call."""
+def refusal(call: str, names: list[str], codes: list[float], stage: int, stages: int, found: str = "") -> str:
+    """The error every rank raises, from each stage's flag (``codes``, see :func:`differing`): the plain
+    parameters (this rank's, where its stage is one refused), and what to do; ``found``: when it was
+    found, where that was not at the call. Gradients no rank counts are said first: they are where
+    the count of copies is wrong whatever the gradients hold."""
+    uncounted = [s for s, code in enumerate(codes) if code >= UNCOUNTED]
+    bad = uncounted or [s for s, code in enumerate(codes) if code > 0]
     if stage in bad and names:
         shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         what = f"the plain (not sharded) parameters {shown}"
     else:
         what = "the plain (not sharded) parameters"
     where = f" of pipeline stage(s) {bad}" if stages > 1 else ""
+    tail = f". {found}" if found else ""
+    if uncounted:
+        return (f"{call}: the gradients of {what}{where} are held by ranks none of which counts them, so they would "
+                "count for nothing: beside FSDP2's sharded (DTensor) gradients a plain gradient counts once, on the "
+                "first data-parallel rank of its pipeline stage (the job's rank 0 where no mesh names a pipeline "
+                "dimension: every rank is then taken for a replica of one model), and that rank holds none of them "
+                "(a pipeline stage of its own?). Under pipeline parallelism, pass the DeviceMesh as the Monitor's "
+                "device_mesh= with its pipeline dimension named 'pp' (or 'pipeline', 'pipeline_parallel') and clip "
+                "with monitor.clip_grad_norm_ (distmetrics.clip_grad_norm_ takes no mesh)" + tail)
     return (f"{call}: the gradients of {what}{where} differ across ranks: beside FSDP2's sharded (DTensor) gradients "
             "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
             "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "
             "and DDP: all-reduce their gradients over the data-parallel ranks (sum, then divide by their number) "
             "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules)"
-            + (f". {found}" if found else ""))
+            + tail)

@@ -465,6 +465,218 @@ def test_a_monitor_clip_of_plain_gradients_beside_fsdp2_shards_reads_nothing_bac
         assert "grad_norm" in said["record"] and "grad_clip_ratio" in said["record"], (rank, said)
 
 
+def _plain_clips_read_nothing(rank: int, world: int) -> list:
+    """``distmetrics.clip_grad_norm_`` of plain replicated gradients (DDP's), measured as on a GPU: the
+    host reads of each of three calls."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics import grad_norm
+    from tests.dist_utils import HostReads
+
+    combine = grad_norm._combine
+
+    def as_on_a_gpu(*args, **kwargs):
+        kwargs["tensors"] = None  # given on the CPU only, where reading a count waits for nothing
+        measured = combine(*args, **kwargs)
+        measured.on_host = False
+        return measured
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    reads, grad_norm._combine = [], as_on_a_gpu
+    try:
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            with HostReads() as counted:
+                dm.clip_grad_norm_(model.parameters(), MAX_NORM)
+            reads.append(counted.reads)
+    finally:
+        grad_norm._combine = combine
+    return reads
+
+
+def test_a_module_level_clip_of_plain_replicas_reads_nothing_back_from_the_device():
+    """The replica check's result is read at the call only where DTensors are held: a DDP job's
+    ``distmetrics.clip_grad_norm_`` waits for the device at no call after its first (the norm-type
+    check), as torch's own clip."""
+    for rank, reads in enumerate(run_ranks(_plain_clips_read_nothing, 2, timeout=120)):
+        assert reads[1:] == [0, 0], (rank, reads)
+
+
+def _stage_with_plain_layer(mesh, plain_stage: int, rank: int) -> tuple:
+    """This rank's pipeline stage of a pp × dp mesh: its block ``layers.<stage>`` under FSDP2 over its dp
+    ranks and, on stage ``plain_stage`` only, a plain layer ``emb`` whose gradients the loop averages over
+    dp; after a backward, (the stage, {(name, 0): (‖full gradient‖², its largest |element|)} of its
+    parameters, in float64 from the full tensors)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    pp = mesh.get_local_rank("pp")
+    torch.manual_seed(700 + pp)  # the same stage weights on its dp ranks
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict({str(pp): torch.nn.Linear(8, 8)})
+    if pp == plain_stage:
+        stage.emb = torch.nn.Linear(8, 8)
+    fully_shard(stage.layers[str(pp)], mesh=mesh["dp"])
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(800 + rank))
+    stage.layers[str(pp)](stage.emb(data) if pp == plain_stage else data).pow(2).mean().backward()
+    for name, param in stage.named_parameters():
+        if name.startswith("emb."):  # nothing else reduces it
+            dist.all_reduce(param.grad, group=mesh.get_group("dp"))
+            param.grad.div_(mesh.size(1))
+    full = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).to(torch.float64)
+            for name, p in stage.named_parameters()}
+    return stage, {(name, 0): (float(g.pow(2).sum()), float(g.abs().max())) for name, g in full.items()}
+
+
+def _plain_on_some_ranks(rank: int, world: int) -> dict:
+    """Plain gradients beside FSDP2 shards held by some ranks only. (1) pp × dp = 2 × 2 with no
+    ``device_mesh`` (every rank taken for a replica of one model, counted on rank 0): a plain layer on
+    stage 0 alone, averaged over its dp ranks (p = 2 and inf), then on stage 1 alone, which rank 0 does
+    not hold; (2) the root's plain layers left as each rank's own under an optimizer with parameter and
+    update norms on, and the same averaged; (3) last, as nothing collective may follow it:
+    ``distmetrics.clip_grad_norm_`` first over the blocks alone (no rank holds plain gradients at the
+    norm type's first call), then with the root's own plain gradients on ranks 0 and 1 only."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    for plain_stage, norm_type in ((0, 2.0), (0, math.inf), (1, 2.0)):
+        stage, pieces = _stage_with_plain_layer(mesh, plain_stage, rank)
+        squares = squares_by_name({key: value[0] for key, value in pieces.items()}, world)
+        largest = squares_by_name({key: value[1] for key, value in pieces.items()}, world)
+        said = {"truth": math.sqrt(sum(squares.values())) if norm_type == 2.0 else max(largest.values())}
+        try:
+            with dm.Monitor(quiet_config(log_interval=1), model=stage) as monitor:
+                said["returned"] = float(_local(monitor.clip_grad_norm_(MAX_NORM, norm_type=norm_type)))
+                said["metrics"] = monitor.step(1, loss=1.0)
+        except ValueError as err:
+            said["error"] = str(err)
+        if plain_stage == 1:
+            try:
+                dm.clip_grad_norm_(stage.parameters(), MAX_NORM)
+                said["at the call"] = "no error"
+            except ValueError as err:
+                said["at the call"] = str(err)
+        out[f"plain on stage {plain_stage}, p={norm_type:g}"] = said
+
+    flat = init_device_mesh("cpu", (world,))
+    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + rank))
+
+    def average(param) -> None:  # the loop's own data-parallel mean of a gradient nothing else reduces
+        dist.all_reduce(param.grad)
+        param.grad.div_(world)
+
+    def blocks_only(averaged: bool):
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, mesh=flat)
+        for name, param in model.named_parameters():
+            if averaged and not name.startswith("blocks."):
+                param.register_post_accumulate_grad_hook(average)
+        return model
+
+    for averaged in (False, True):
+        model = blocks_only(averaged)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        said = {}
+        try:
+            with dm.Monitor(quiet_config(log_interval=2, log_params_norm=True, log_update_norm=True), model=model,
+                            optimizer=optimizer) as monitor:
+                for step in (1, 2):
+                    _gradients(model, "own gradients", rank, data)
+                    monitor.clip_grad_norm_(MAX_NORM)
+                    optimizer.step()
+                    monitor.step(step, loss=1.0)
+        except ValueError as err:
+            said["error"] = str(err)
+        said["record"] = sorted(monitor.last_metrics)
+        said["plain params"] = float(torch.cat([model.inp.weight.flatten(), model.out.weight.flatten()]).norm())
+        out[f"with updates, averaged={averaged}"] = said
+
+    group = dist.new_group(list(range(world)))  # a module-level clip of its own: no norm type checked yet
+    model = blocks_only(averaged=False)
+    _gradients(model, "own gradients", rank, data)
+    blocks = list(model.blocks.parameters())
+    dm.clip_grad_norm_(blocks, 1e9, group=group)
+    try:
+        dm.clip_grad_norm_(list(model.parameters()) if rank < 2 else blocks, MAX_NORM, group=group)
+        out["later clip"] = "no error"
+    except ValueError as err:
+        out["later clip"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_on_some_ranks():
+    return run_ranks(_plain_on_some_ranks, 4, timeout=240)
+
+
+@pytest.mark.parametrize("norm_type", ["2", "inf"])
+def test_plain_gradients_on_one_pipeline_stage_without_a_mesh_count_once_and_are_not_refused(plain_on_some_ranks,
+                                                                                             norm_type):
+    """Pipeline stages without ``device_mesh`` are one model's replicas to the Monitor: stage 0's plain
+    layer, averaged over its dp ranks, is counted on rank 0, and stage 1's ranks hold none, which adds
+    nothing to the check (before, each added a fingerprint of 0 and every rank raised that the
+    gradients differ). The norm equals float64 truth from the full tensors on every rank."""
+    for rank, result in enumerate(plain_on_some_ranks):
+        said = result[f"plain on stage 0, p={norm_type}"]
+        assert "error" not in said, (rank, said)
+        assert said["returned"] == pytest.approx(said["truth"], rel=REL), (rank, said)
+        assert said["metrics"]["grad_norm"] == pytest.approx(said["truth"], rel=REL), (rank, said)
+
+
+def test_plain_gradients_that_no_rank_counts_are_refused_saying_to_pass_the_pipeline_mesh(plain_on_some_ranks):
+    """The plain layer on stage 1 only, where rank 0, which counts plain tensors without a mesh, holds
+    none: they would count for nothing. Every rank raises, under a Monitor at its log step and with
+    ``distmetrics.clip_grad_norm_`` at the call, saying to pass ``device_mesh`` with a ``pp``
+    dimension, not that the gradients differ (they agree)."""
+    for rank, result in enumerate(plain_on_some_ranks):
+        said = result["plain on stage 1, p=2"]
+        for message in (said.get("error", "no error"), said["at the call"]):
+            assert "held by ranks none of which counts them" in message, (rank, message)
+            assert "device_mesh=" in message and "'pp'" in message, (rank, message)
+            assert "differ across ranks" not in message, (rank, message)
+        assert said["error"].startswith("monitor.clip_grad_norm_:"), (rank, said)
+        assert "Found at the log step of step 1" in said["error"], (rank, said)
+        assert said["at the call"].startswith("clip_grad_norm_:"), (rank, said)
+
+
+def test_a_refused_record_keeps_no_parameter_or_update_norm_of_one_rank(plain_on_some_ranks):
+    """Plain gradients each rank's own, under an optimizer: its steps make each rank's plain parameters
+    differ too (their norms differ by rank), so the refused log step's record is written without the
+    parameter and update norms and their ratios, which count the plain parameters on rank 0 alone,
+    as without the gradient norms; where the loop averages them, the same record has all of them."""
+    one_ranks = ("grad_norm", "grad_clip_ratio", "param_norm", "update_norm", "relative_update_norm",
+                 "effective_lr_ratio")
+    plain = [result["with updates, averaged=False"]["plain params"] for result in plain_on_some_ranks]
+    assert len(set(plain)) == len(plain), plain
+    for rank, result in enumerate(plain_on_some_ranks):
+        refused, kept = result["with updates, averaged=False"], result["with updates, averaged=True"]
+        assert "differ across ranks" in refused["error"] and "error" not in kept, (rank, refused, kept)
+        assert "train/loss" in refused["record"], (rank, refused)
+        assert [k for k in refused["record"] if k.split("/")[0] in one_ranks] == [], (rank, refused)
+        assert set(one_ranks) <= set(kept["record"]), (rank, kept)
+
+
+def test_a_later_clip_with_plain_gradients_on_some_ranks_only_raises_on_every_rank(plain_on_some_ranks):
+    """``distmetrics.clip_grad_norm_`` whose first call with the norm type held no plain gradients on any
+    rank, then plain ones on ranks 0 and 1 only, which differ: every rank reads the reduced check and
+    raises at the call (before, ranks 0 and 1 raised alone and ranks 2 and 3 went on, to wait at their
+    next collective for ever)."""
+    for rank, result in enumerate(plain_on_some_ranks):
+        message = result["later clip"]
+        assert message.startswith("clip_grad_norm_: the gradients of the plain (not sharded) parameters"), rank
+        assert "differ across ranks" in message, (rank, message)
+
+
 # --- Megatron-Core ------------------------------------------------------------------------------
 
 def _megatron_layouts(rank: int, world: int) -> dict:

@@ -345,13 +345,15 @@ class NormCollector(ParamSide):
 
 
 def _drop_grad_norms(metrics: dict[str, Any]) -> None:
-    """Take out of a record the values a refused replica check makes one rank's: every gradient norm,
-    the clip ratio and the update over the clipped gradient."""
-    for key in [k for k in metrics if k in _ONE_RANKS or k.startswith(("grad_norm/", "effective_lr_ratio/"))]:
+    """Take out of a record the values a refused replica check makes one rank's: every gradient norm
+    and the clip ratio; and, since the optimizer stepped each rank by its own plain gradients (so their
+    parameters differ too, and count on one rank), the parameter and update norms and their ratios."""
+    for key in [k for k in metrics if k in _ONE_RANKS or k.startswith(_ONE_RANKS_PREFIXES)]:
         del metrics[key]
 
 
-_ONE_RANKS = ("grad_norm", "grad_clip_ratio", "effective_lr_ratio")
+_ONE_RANKS = ("grad_norm", "grad_clip_ratio", "param_norm", "update_norm", "relative_update_norm", "effective_lr_ratio")
+_ONE_RANKS_PREFIXES = tuple(f"{family}/" for family in _ONE_RANKS if family != "grad_clip_ratio")
 
 
 def _is_number(value: Any) -> bool:
