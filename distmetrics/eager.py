@@ -39,13 +39,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 def eager(fn: F) -> F:
     """``fn``, run eagerly with Dynamo off for its frames (``torch.compiler.disable``: a graph break
     at the call) where the call comes from compiled code, and called directly otherwise."""
-    disabled = torch.compiler.disable(fn)
+    disabled: list = []  # made at the first call from compiled code: torch.compiler.disable imports
+    # torch._dynamo (0.8 s a process, every rank's and every DataLoader worker's that imports the script)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         # traced, tracing() is True and the callback is never read (Dynamo cannot trace the read)
         if tracing() or _dynamo_callback() is not None:
-            return disabled(*args, **kwargs)
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]

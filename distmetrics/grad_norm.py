@@ -18,8 +18,8 @@ bf16 coefficient is off by up to 0.4% (a clip at 0.05 read back as 0.05006).
 Plain gradients beside DTensor ones (``fully_shard`` on some submodules only) count once, as
 copies of each other: every measurement checks that they are, in lanes of its one all-reduce, and
 every rank raises a ``ValueError`` together where they are not, or where no rank that holds them counts
-them (:mod:`distmetrics.replicas`): at the call without a Monitor (every rank holding DTensors reads the
-result there),
+them (:mod:`distmetrics.replicas`): at the call without a Monitor (read there where such gradients are
+held),
 at the Monitor's log step with one (its clip reads nothing back to the host).
 
 ``p = 0`` follows torch: the total counts the tensors with any non-zero element. That is
@@ -65,10 +65,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     DTensors (FSDP2, HSDP, TP) count by their placements; plain tensors under an initialised
     process group are treated as data-parallel replicas (DDP) and counted once, Megatron's
     parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world), and one
-    more at the first call with a norm type (:meth:`GradientNorms._agree`). On more than one rank
-    outside Megatron, a call over DTensors reads the check of plain gradients beside them on the
-    host (:func:`distmetrics.replicas.check`; a device sync on a GPU); one over plain tensors alone
-    (DDP) reads nothing, unless some rank's first call held plain tensors beside DTensors.
+    more at the first call with a norm type (:meth:`GradientNorms._agree`). Where plain gradients
+    sit beside DTensors (on this rank, or on some rank at the first call with the norm type), each
+    call reads their check on the host (:func:`distmetrics.replicas.check`; a device sync on a GPU).
     """
     key = id(group)
     measurer = _MODULE_LEVEL.get(key)
@@ -183,11 +182,10 @@ class GradientNorms:
             def names() -> list[str]:
                 return [plan.names[i] for i in positions]
 
-            # Read at the call (a device sync on a GPU) where some rank may hold plain gradients beside DTensors:
-            # on every rank with a DTensor too (one raising alone would leave the others at their next collective);
-            # a job with no DTensor (DDP, plain replicas) reads nothing
+            # Read at the call (a device sync on a GPU) where this rank, or some rank at the first call with the
+            # norm type, held plain gradients beside DTensors: an FSDP2 or DDP job's clip reads nothing
             if not self.defers_replicas:
-                if not plan.plain or self._replicas_anywhere:
+                if self._checks_replicas(plan) or self._replicas_anywhere:
                     replicas.check(measured, kind, call, self.layout, names)
             elif self._checks_replicas(plan) or self._replicas_anywhere:  # raised at the log step, from the reduced
                 # flags on every rank (where a rank noted none, the others' arrive)

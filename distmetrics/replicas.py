@@ -112,7 +112,7 @@ def _placing(stage: int, stages: int, kind: str, owner: Optional[bool], device: 
 def check(measured: Any, kind: str, call: str, layout: Any, names: Callable[[], list[str]]) -> None:
     """Raise a ``ValueError`` where the ranks of some stage hold different plain gradients, or ones
     none of them counts, from the reduced lanes of ``measured`` (one read on the host: a device sync
-    on a GPU, made by :func:`distmetrics.clip_grad_norm_` on every rank holding DTensors).
+    on a GPU, made by :func:`distmetrics.clip_grad_norm_` where such gradients are held).
     A NaN or inf in some rank's gradients is left to the non-finite count and its alert. ``names()``:
     this rank's checked parameters, for the message."""
     codes = differing(measured, kind).tolist()

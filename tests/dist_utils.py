@@ -196,11 +196,12 @@ class HostReads:
     (``item``, ``tolist``, ``numpy``, ``float()``, ``int()``, ``bool()``, patched on ``torch.Tensor``:
     on the CPU some never reach the dispatcher) and the operators whose result's size or value the
     host needs (``nonzero``, a boolean mask's index, ``masked_select``, ``unique``, ``equal``,
-    ``allclose``, a scalar read: counted by a dispatch mode, on this thread) while entered."""
+    ``allclose``, ``bincount``, ``repeat_interleave`` by a tensor, a scalar read: counted by a dispatch
+    mode, on this thread) while entered."""
 
     NAMES = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__")
     SYNCING = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "equal", "allclose",
-               "_local_scalar_dense", "is_nonzero")
+               "_local_scalar_dense", "is_nonzero", "bincount", "_assert_async")
 
     def __init__(self) -> None:
         self.reads = 0
@@ -217,7 +218,8 @@ class HostReads:
         class Syncing(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = func.overloadpacket.__name__
-                if name in HostReads.SYNCING or (name in ("index", "index_put", "index_put_") and any(
+                if name in HostReads.SYNCING or (name == "repeat_interleave" and func._overloadname == "Tensor") or (
+                        name in ("index", "index_put", "index_put_") and any(
                         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                         for i in (args[1] if len(args) > 1 else ()) if i is not None)):  # a mask: its size
                     counter._count(name)

@@ -147,6 +147,12 @@ def _compiled_runs(rank: int, world: int, root: str) -> dict:
         results["no layer"] = "no error"
     except ValueError as err:
         results["no layer"] = str(err)
+    cfg = cfg.replace(tensor_inspect={"enabled": True, "features": _features(r"^model\.layers\.0\._orig_mod$")})
+    try:  # a selector written for the names a compiled block had before
+        dm.Monitor(cfg, model=model).close()
+        results["orig_mod"] = "no error"
+    except ValueError as err:
+        results["orig_mod"] = str(err)
     return results
 
 
@@ -173,7 +179,7 @@ def test_code_compiled_before_the_monitor_runs_with_its_hooks(compiled, how):
     result = compiled[f"{how}, warm-up, layers.1.fc1"]
     assert result["got"] == pytest.approx(result["truth"], rel=1e-5, abs=1e-7)
     [message] = result["said"]
-    assert "compiled code Dynamo held was dropped (torch._dynamo.reset())" in message
+    assert "the code Dynamo had compiled was dropped (torch._dynamo.reset_code_caches()" in message
 
 
 def test_the_dynamo_setting_is_named_in_a_warning_once(compiled):
@@ -199,6 +205,12 @@ def test_a_section_selecting_no_layer_of_a_compiled_model_lists_its_names_once(c
     assert compiled["no layer"].endswith(
         "select no layer of the model on any rank (layer names look like ['model', 'model.inp', 'model.layers.0', "
         "'model.layers.0.fc1'])"), compiled["no layer"]
+
+
+def test_a_selector_naming_the_compile_wrappers_level_is_told_the_names_have_none(compiled):
+    assert compiled["orig_mod"].endswith(
+        "; layer names have no '_orig_mod' level: torch.compile's wrapper takes the name of the module it wraps, "
+        "as an eager model names it"), compiled["orig_mod"]
 
 
 def _fullgraph(rank: int, world: int, root: str, how: str) -> str:

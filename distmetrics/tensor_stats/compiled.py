@@ -10,7 +10,8 @@
   one code object, so the code compiled for a block without hooks ran for the blocks with them, and
   code compiled before the hooks were added (a warm-up forward) ran on without them: no statistic,
   no word. While hooks are on, the setting is false (process-wide; the earlier value comes back
-  when the last hooks go), and compiled code held by then is dropped once (``torch._dynamo.reset()``).
+  when the last hooks go), and compiled code held by then is dropped once
+  (``torch._dynamo.reset_code_caches()``: the cached code alone).
 * ``fullgraph=True``: the hooks run outside the compiled graph (nvdlfw-inspect's calls cannot be
   traced), a graph break that fullgraph refuses (:func:`fullgraph_owner`).
 """
@@ -125,8 +126,9 @@ def hold_hook_guards(model: torch.nn.Module, says: bool) -> None:
         return  # already on: code compiled since then checks the hooks
     _HELD.saved, config.skip_nnmodule_hook_guards = True, False
     stale = _holds_compiled_code()
-    if stale:
-        torch._dynamo.reset()
+    if stale:  # the cached code alone: not the callbacks other tools registered, compiled autograd, CUDA graphs
+        drop = getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)
+        drop()
     compiled = any(is_compile_wrapper(m) or m.__dict__.get("_compiled_call_impl") is not None for m in model.modules())
     if says and (stale or (compiled and not _HELD.warned)):
         _HELD.warned = True
@@ -134,8 +136,8 @@ def hold_hook_guards(model: torch.nn.Module, says: bool) -> None:
             "distmetrics: tensor statistics set torch._dynamo.config.skip_nnmodule_hook_guards = False while their "
             "hooks are on (process-wide, restored at close): with Dynamo's default, code compiled for a module "
             "without hooks ran for modules with hooks and their statistics were missing%s",
-            "; compiled code Dynamo held was dropped (torch._dynamo.reset()) and compiles again at the next "
-            "forward" if stale else "")
+            "; the code Dynamo had compiled was dropped (torch._dynamo.reset_code_caches(): every compiled "
+            "function compiles again at its next call)" if stale else "")
 
 
 def release_hook_guards() -> None:

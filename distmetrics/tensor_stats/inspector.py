@@ -175,8 +175,11 @@ class TensorInspector:
             raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
         unmatched = [section for section, hit in zip(sections, flags[:-1]) if not hit]
         if unmatched:
+            orig = any("_orig_mod" in str(self.spec[section]) for section in unmatched)
             raise ConfigError(f"tensor_inspect.features: section(s) {unmatched} select no layer of the model on any "
-                              f"rank (layer names look like {example_names(model)})")
+                              f"rank (layer names look like {example_names(model)})" + (
+                                  "; layer names have no '_orig_mod' level: torch.compile's wrapper takes the name of "
+                                  "the module it wraps, as an eager model names it" if orig else ""))
         if self._hooks and not self._guards_held:
             self._guards_held = True
             hold_hook_guards(model, self.layout is None or self.layout.says_once)
