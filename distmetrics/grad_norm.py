@@ -8,7 +8,8 @@ counts once over all ranks. For a p-norm (any p torch accepts), each rank's owne
 Σ‖g‖ₚᵖ (inf: the max, −inf: the min), one all-reduce combines the ranks, and the same
 per-tensor norms are segment-summed into per-module buckets for the log step. Per-tensor norms
 are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in float32 for
-bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0) and combined in float64. Clipping
+bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0; on the CPU, 1- and 2-norms of long
+tensors in parts combined in float64: :mod:`distmetrics.tensor_norms`) and combined in float64. Clipping
 scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
 total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
 Megatron's gradients (``main_grad``) get the coefficient Megatron's own clip computes, in
@@ -308,8 +309,9 @@ def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: floa
     coef = torch.clamp(max_norm / (returned + 1e-6), max=1.0)
     # bf16 and fp32: the returned total is the float64 one rounded, and past their 3.4e38 only where
     # that one is inf too (a sum of squares that passed float32's range inside a tensor's norm, at
-    # ~1.8e19, made it inf), so there is nothing finite to clip by: checked for fp16 alone, whose
-    # 65504 a real total passes (11 device ops per clip less)
+    # ~1.8e19, made it inf) or passes 3.4e38 itself (long bf16 CPU tensors summed in float64), so there
+    # is nothing finite to clip by: checked for fp16 alone, whose 65504 a real total passes (11
+    # device ops per clip less)
     if returned.dtype != torch.float16:
         return coef
     exact = exact.to(coef.device)

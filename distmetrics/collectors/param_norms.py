@@ -21,7 +21,8 @@ logger = logging.getLogger("distmetrics")
 __all__ = ["ParamSide"]
 
 _LACKS_UPDATE = "_norms/lacks_update"  # an internal lane: some rank owns parameters but measured no update
-_CHUNK = 1 << 24  # bf16/fp16 elements whose update is taken in float32 at once: 64 MiB of float32
+_CHUNK = 1 << 23  # bf16/fp16 elements whose update is taken in float32 at once: old and new, 64 MiB of float32
+_CPU_CHUNK = 1 << 20  # on the CPU: old and new, 8 MiB of float32, which the cache holds (see _low_precision_updates)
 
 
 class ParamSide:
@@ -166,38 +167,49 @@ def _low_precision_updates(old: list[torch.Tensor], new: list[torch.Tensor], gro
     norm of the difference taken in float32, as a 1-element tensor (its norm is that norm). In
     their own dtype the difference rounds every element where old and new differ by more than a
     factor of 2 (~1e-5 relative on an AdamW step), and an fp16 difference past 65504 is inf. The
-    upcast is at most :data:`_CHUNK` elements at a time, a tensor split where longer: no float32
-    copy of the model beside the snapshot."""
+    old and new pieces of a chunk are upcast into two float32 buffers of at most :data:`_CHUNK`
+    elements (:data:`_CPU_CHUNK` on the CPU), reused for every chunk (a tensor split where longer),
+    and subtracted there in one operation: no float32 copy of the model beside the snapshot, no
+    copy besides the upcast, no operation per piece but the upcast's and the norm's. Buffers that
+    the CPU's cache holds are reused warm, where the fresh pages of large ones cost more than the
+    work (on the CPU, 2^20 elements took 1.5-1.8x less time than 2^24 for 8 x 8M, 200 x 300k and
+    2000 x 4096 bf16 elements)."""
     updates = list(old)
-    for (_, dtype), positions in groups.items():
+    for (device, dtype), positions in groups.items():
         if dtype not in LOW_PRECISION:
             torch._foreach_sub_([old[i] for i in positions], [new[i] for i in positions])
             continue
+        most = _CPU_CHUNK if device.type == "cpu" else _CHUNK
+        olds, news = torch.empty((2, min(most, sum(old[i].numel() for i in positions))), dtype=torch.float32,
+                                 device=device)
         pieces: dict[int, list[torch.Tensor]] = {}  # position -> its pieces' update norms (0-d, float64)
-        for chunk in _chunks(old, new, positions):
-            diff = torch.cat([o for _, o, _ in chunk]).to(torch.float32)
-            diff.sub_(torch.cat([n for _, _, n in chunk]))
-            views = list(diff.split([o.numel() for _, o, _ in chunk]))
-            norms = per_tensor_norms(views, 2.0, None, diff.device)
-            for k, (i, _, _) in enumerate(chunk):
-                pieces.setdefault(i, []).append(norms[k:k + 1])
+        for chunk in _chunks(old, new, positions, most):
+            sizes = [o.numel() for _, o, _ in chunk]
+            size = sum(sizes)
+            torch._foreach_copy_(list(olds[:size].split(sizes)), [o for _, o, _ in chunk])
+            torch._foreach_copy_(list(news[:size].split(sizes)), [n for _, _, n in chunk])
+            olds[:size].sub_(news[:size])
+            norms = per_tensor_norms(list(olds[:size].split(sizes)), 2.0, None, device).split(1)
+            for (i, _, _), norm in zip(chunk, norms):
+                pieces.setdefault(i, []).append(norm)
         for i, parts in pieces.items():  # a tensor in several pieces: the norm of their norms
             updates[i] = parts[0] if len(parts) == 1 else torch.cat(parts).norm().reshape(1)
     return updates
 
 
-def _chunks(old: list[torch.Tensor], new: list[torch.Tensor], positions: list[int]):
-    """Lists of (position, flat piece of old, the same piece of new), at most :data:`_CHUNK` elements each."""
+def _chunks(old: list[torch.Tensor], new: list[torch.Tensor], positions: list[int], most: int):
+    """Lists of (position, flat piece of old, the same piece of new), at most ``most`` elements each."""
     chunk: list[tuple] = []
     size = 0
     for i in positions:
         flat_old, flat_new = old[i].reshape(-1), new[i].reshape(-1)
-        for start in range(0, max(flat_old.numel(), 1), _CHUNK):
-            piece = flat_old[start:start + _CHUNK]
-            if chunk and size + piece.numel() > _CHUNK:
+        whole = flat_old.numel() <= most  # the usual case: no slicing
+        for start in range(0, max(flat_old.numel(), 1), most):
+            piece = flat_old if whole else flat_old[start:start + most]
+            if chunk and size + piece.numel() > most:
                 yield chunk
                 chunk, size = [], 0
-            chunk.append((i, piece, flat_new[start:start + _CHUNK]))
+            chunk.append((i, piece, flat_new if whole else flat_new[start:start + most]))
             size += piece.numel()
     if chunk:
         yield chunk
