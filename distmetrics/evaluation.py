@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .collectors.losses import CategoryLosses
-from .collectors.steps import MixedWeights, loss_weights
+from .collectors.steps import MixedWeights, StageLoss, loss_weights
 from .interval import as_number
 from .names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
@@ -44,6 +44,7 @@ class EvalLog:
         """The Monitor's lock of its record calls: held while the eval categories are taken, not
         through the collective (a thread of the user's may wait on a rank that waits on it)."""
         self.counts_tokens = layout is None or counts_batch_tokens(layout)
+        self.stage_loss = StageLoss(layout, "monitor.log_eval")
         self.categories = CategoryLosses("eval/loss")
         self.names = NameRegistry()
         self.use_names(self.names)
@@ -105,7 +106,7 @@ class EvalLog:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
             self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)", record="eval")
         samples = []
-        if loss is not None:
+        if loss is not None and not self.stage_loss.drops(loss):
             samples.append(Sample("eval/loss", as_number(loss), "mean",
                                   weight=1.0 if tokens is None else as_number(tokens)))
             samples.append(Sample(_LOSS_WEIGHTS, loss_weights(tokens), "minmax"))

@@ -379,11 +379,11 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
 
 
 def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
-    """The root DeviceMesh of ``model``'s first DTensor parameter where it has a tensor- or
-    context-parallel dimension and spans the Monitor's ranks (``layout``'s; the world's without
+    """The root DeviceMesh of ``model``'s first DTensor parameter where it has a tensor-, context-
+    or pipeline-parallel dimension and spans the Monitor's ranks (``layout``'s; the world's without
     it): a model parallelized over a named mesh, given to the Monitor without ``device_mesh``;
     else None: without it every TP rank counted its batch's tokens and its copy of a replicated
-    activation's statistics."""
+    activation's statistics, and every pipeline stage its batch's tokens."""
     if not isinstance(model, torch.nn.Module):
         return None
     for param in model.parameters():
@@ -391,8 +391,8 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
         if mesh is not None and is_dtensor(param):
             root = _root_of(mesh)
             names = set(root.mesh_dim_names or ())
-            if not names & _TP_CP_DIMS:
-                return None
+            if not names & (_TP_CP_DIMS | _PIPELINE_DIMS):  # a pipeline dimension too: else each stage's ranks
+                return None  # counted their batch's tokens (tokens/s, consumed tokens and MFU times the stages)
             layout = layout or detect_layout()
             if dist.is_initialized() and root.size() != layout.world_size:  # one replica's mesh
                 if layout.says_once:

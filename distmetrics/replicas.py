@@ -219,5 +219,7 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
             "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
             "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "
             "and DDP: all-reduce their gradients over the data-parallel ranks (sum, then divide by their number) "
-            "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules)"
+            "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules). "
+            "Where ranks hold different layers (pipeline stages), pass the DeviceMesh as the Monitor's device_mesh= "
+            "with its pipeline dimension named 'pp': without one, every rank is taken for a replica of one model"
             + tail)

@@ -918,3 +918,52 @@ def test_a_name_first_recorded_while_the_interval_is_taken_goes_to_the_next_inte
     monkeypatch.setattr(interval, "Sample", made)
     assert first == {"a": 1.0, "b": 2.0}
     assert {s.name: s.value for s in stats.take_samples()} == {"late": 5.0}
+
+
+def _pipeline_stages_on_a_mesh(rank: int, world: int) -> dict:
+    """A pp × dp = 2 × 2 mesh, each stage's layer under FSDP2 over its dp ranks, the Monitor given the
+    model and no device_mesh; the last stage passes the loss, the first torchtitan's placeholder of -1."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh["dp"])
+    with dm.Monitor(quiet_config(log_interval=1, log_throughput=True), model=model) as monitor:
+        loss = 2.0 + rank if stage == 1 else -1.0
+        for step in (1, 2):
+            metrics = monitor.step(step, loss=loss, tokens=10)
+        evaluated = monitor.log_eval(2, loss=loss, tokens=10)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"pp": (monitor.layout.pp_rank, monitor.layout.pp_size), "tokens": metrics["train/consumed_tokens"],
+            "loss": metrics["train/loss"], "eval": evaluated["eval/loss"],
+            "said": [line for line in said if "pipeline stage" in line]}
+
+
+def test_pipeline_stages_of_a_models_mesh_count_tokens_and_the_loss_once():
+    """Without device_mesh, a model's ("pp", "dp") mesh was dropped (only tp/cp dimensions were read): each
+    stage counted its batch's tokens (consumed tokens, tokens/s and MFU doubled), and torchtitan's
+    placeholder loss of -1 on the first stage was averaged into train/loss and eval/loss (1.5 for 4.5)."""
+    results = run_ranks(_pipeline_stages_on_a_mesh, 4, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["pp"] == (rank // 2, 2), (rank, out)
+        assert out["tokens"] == 40.0, (rank, out)  # 2 steps × 2 dp ranks × 10, once for the pipeline
+        assert out["loss"] == 4.5 and out["eval"] == 4.5, (rank, out)  # ranks 2 and 3: 4.0 and 5.0
+    assert results[0]["said"] == [
+        "distmetrics: monitor.step(loss=...) on pipeline stage 0 of 2 is left out, on every stage but the last: the "
+        "loss is the last stage's (a placeholder, as torchtitan passes on the other stages, would be averaged in); "
+        "pass loss=None there. Said once",
+        "distmetrics: monitor.log_eval(loss=...) on pipeline stage 0 of 2 is left out, on every stage but the last: "
+        "the loss is the last stage's (a placeholder, as torchtitan passes on the other stages, would be averaged "
+        "in); pass loss=None there. Said once"], results[0]["said"]
+    assert all(out["said"] == [] for out in results[1:])

@@ -26,7 +26,8 @@ from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights", "LearningRates"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights", "LearningRates",
+           "StageLoss"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -82,6 +83,31 @@ class MixedWeights:
                        "tokens with every loss, or with none.", self.loss, step, how)
 
 
+class StageLoss:
+    """Whether this rank's loss counts: under pipeline parallelism the last stage's alone (the model's
+    loss is computed there; torchtitan passes a placeholder of -1 on the other stages, which a mean
+    took in: 1.34 for 3.68), as tokens are counted there. A loss passed on another stage is left out,
+    said once by the first rank of the first stage."""
+
+    def __init__(self, layout: Any, call: str) -> None:
+        self.counts = layout is None or layout.pp_size <= 1 or layout.is_last_stage
+        self._says = layout is not None and not (layout.pp_rank or layout.dp_rank or layout.tp_rank or layout.cp_rank)
+        self._call = call
+        self._pp = (0, 1) if layout is None else (layout.pp_rank, layout.pp_size)
+
+    def drops(self, loss: Any) -> bool:
+        """True where ``loss`` (not None) is passed on a stage whose loss does not count."""
+        if self.counts or loss is None:
+            return False
+        if self._says:
+            self._says = False
+            logger.warning("distmetrics: %s(loss=...) on pipeline stage %d of %d is left out, on every stage but the "
+                           "last: the loss is the last stage's (a placeholder, as torchtitan passes on the other "
+                           "stages, would be averaged in); pass loss=None there. Said once", self._call,
+                           self._pp[0], self._pp[1])
+        return True
+
+
 class LearningRates:
     """The ranks' learning rates, a reduced ``minmax`` lane taken out of a record. ``train/lr`` is
     the writer rank's own value (as Megatron and torchtitan log one rank's), so a job whose ranks
@@ -135,6 +161,7 @@ class StepValues:
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
         self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
+        self.stage_loss = StageLoss(layout, "monitor.step")
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
         self._job_tokens_logged: Number = 0.0  # ... up to the last log step whose tokens were good
         self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
@@ -183,7 +210,7 @@ class StepValues:
                 self._untimed_tokens = as_number(tokens)
         else:
             self._timed += 1
-        if loss is not None:
+        if loss is not None and not self.stage_loss.drops(loss):
             self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
             self._loss_weights |= loss_weights(tokens)
         if tokens is not None and self.counts_tokens:
