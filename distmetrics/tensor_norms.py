@@ -60,11 +60,13 @@ _BLOCKED = (torch.float32, torch.bfloat16, torch.float16)  # float64 sums are ex
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
                      device: torch.device, orders: Optional[dict] = None,
-                     groups: Optional[dict] = None) -> torch.Tensor:
+                     groups: Optional[dict] = None, whole_up_to: int = CPU_WHOLE) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
     low-precision groups accumulate in float32, and long CPU tensors in float64 blocks
     (:func:`_blockwise`). With several groups, the index that restores
-    the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once."""
+    the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once.
+    ``whole_up_to``: the longest CPU tensor taken whole (lower where a call per tensor costs little:
+    the update norms of a log step)."""
     groups = groups_of(tensors) if groups is None else groups
     if (p == math.inf or p < 0) and any(t.numel() == 0 for t in tensors):
         tensors = _identities_for_empty(tensors, p)
@@ -74,8 +76,8 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
         acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in LOW_PRECISION else None)
-        if dev.type == "cpu" and p in (1.0, 2.0) and dtype in _BLOCKED and _holds_long(group, dev, dtype, orders):
-            norms = _blockwise(group, p, acc, foreach, dev)
+        if dev.type == "cpu" and p in (1.0, 2.0) and dtype in _BLOCKED and _holds_long(group, dev, dtype, orders, whole_up_to):
+            norms = _blockwise(group, p, acc, foreach, dev, whole_up_to)
         else:
             norms = _whole(group, p, acc, foreach, dev)
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
@@ -95,29 +97,30 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
     return torch.cat(parts)[order]
 
 
-def _holds_long(group: list[torch.Tensor], dev: torch.device, dtype: torch.dtype, orders: Optional[dict]) -> bool:
+def _holds_long(group: list[torch.Tensor], dev: torch.device, dtype: torch.dtype, orders: Optional[dict],
+                whole_up_to: int) -> bool:
     """Is some tensor of ``group`` longer than :data:`CPU_WHOLE`? Kept in ``orders`` (a route's, whose
     tensors keep their sizes): the scan costs 26 µs for 600 tensors, at every clip."""
-    key = ("long", dev, dtype)
+    key = ("long", dev, dtype, whole_up_to)
     found = orders.get(key) if orders is not None else None
     if found is None:
-        found = max(map(_NUMEL, group)) > CPU_WHOLE
+        found = max(map(_NUMEL, group)) > whole_up_to
         if orders is not None:
             orders[key] = found
     return found
 
 
 def _blockwise(group: list[torch.Tensor], p: float, acc: Optional[torch.dtype], foreach: Optional[bool],
-               device: torch.device) -> list[torch.Tensor]:
+               device: torch.device, whole_up_to: int = CPU_WHOLE) -> list[torch.Tensor]:
     """The p-norms (p = 1 or 2) of CPU tensors of one dtype: those up to :data:`CPU_WHOLE` elements
     taken whole as torch takes them, the longer ones as the float64 norm of the float64 norms of
     their blocks of :data:`CPU_BLOCK` elements (all blocks in one call)."""
     norms: list = [None] * len(group)
-    short = [k for k, t in enumerate(group) if t.numel() <= CPU_WHOLE]
+    short = [k for k, t in enumerate(group) if t.numel() <= whole_up_to]
     if short:
         for k, norm in zip(short, _whole([group[k] for k in short], p, acc, foreach, device)):
             norms[k] = norm
-    long_ = [k for k, t in enumerate(group) if t.numel() > CPU_WHOLE]
+    long_ = [k for k, t in enumerate(group) if t.numel() > whole_up_to]
     if group[0].dtype == torch.float32:  # rows in float32, combined in float64: as fast as torch's whole reduction
         for k in long_:
             norms[k] = _in_rows(group[k], p)
