@@ -47,8 +47,27 @@ def eager(fn: F) -> F:
         # traced, tracing() is True and the callback is never read (Dynamo cannot trace the read)
         if tracing() or _dynamo_callback() is not None:
             if not disabled:
-                disabled.append(torch.compiler.disable(fn))
+                disabled.append(_disable(fn, call.__code__))
             return disabled[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+_SKIPPED: set = set()  # the wrapper code objects Dynamo is told to leave alone
+
+
+def _disable(fn: Callable[..., Any], wrapper: Any) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``; and, once, Dynamo told to run frames of the ``wrapper`` code
+    (every wrapper's: they share it) as they are. Compiled, that small frame guarded on each method
+    it wraps and on the state of its own list: a recompile per method, and past 8 Dynamo's
+    recompile-limit warning, pointing here."""
+    if wrapper not in _SKIPPED:
+        _SKIPPED.add(wrapper)
+        try:
+            from torch._dynamo.eval_frame import skip_code
+
+            skip_code(wrapper)
+        except (ImportError, AttributeError):  # another torch: the frames are compiled, and work
+            pass
+    return torch.compiler.disable(fn)

@@ -241,3 +241,32 @@ def test_update_norm_hooks_leave_a_compiled_optimizer_step_one_graph(results):
         assert len(out[True]["logged"]) == 2
         for metric, exact in out[True]["logged"]:
             assert metric == pytest.approx(exact, rel=1e-5), rank
+
+
+def test_the_wrapper_frame_is_compiled_once_not_once_per_method():
+    """Dynamo compiled the small frame around each Monitor method called from compiled code, guarding on
+    the method and on the wrapper's own state: a recompile per method (seven cache entries for four
+    methods here) and, past 8, Dynamo's recompile-limit warning pointing into the library. The frame is
+    now left to run as it is after the first: one entry."""
+    import torch
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import distmetrics as dm
+
+    torch._dynamo.reset()
+    monitor = dm.Monitor(quiet_config(log_interval=4))
+
+    def forward(x):
+        y = x * 2
+        monitor.record("r", y.sum().detach())
+        monitor.record_moe(aux_loss=y.sum().detach())
+        monitor.pause()
+        monitor.resume()
+        return y
+
+    compiled = torch.compile(forward, backend="eager")
+    for step in range(1, 9):
+        compiled(torch.randn(3))
+        monitor.step(step)
+    monitor.close()
+    assert len(_debug_get_cache_entry_list(dm.Monitor.record.__code__)) <= 1
