@@ -244,3 +244,38 @@ def test_a_layer_inside_a_fullgraph_block_is_refused_at_start_on_every_rank(tmp_
         assert message.startswith("ConfigError: tensor_inspect.features: layer 'model.layers.0.fc1' is inside "
                                   "'layers.0', compiled with torch.compile(fullgraph=True)"), message
         assert "compile it without fullgraph=True, or select no layer inside it" in message
+
+
+def _other_tools_compile_state(rank: int, world: int, root: str) -> dict:
+    """A compile callback another tool registered and a function compiled before a Monitor with tensor
+    statistics on an eager model: what is left of them once the Monitor drops Dynamo's cached code."""
+    import torch
+    import torch._dynamo
+
+    import distmetrics as dm
+
+    seen: list = []
+    torch._dynamo.callback_handler.register_start_callback(lambda *a: seen.append("start"))
+
+    @torch.compile(backend="aot_eager")
+    def other(x):
+        return (x.sin() * 2).sum()
+
+    other(torch.randn(4))
+    callbacks = len(torch._dynamo.callback_handler.start_callbacks)
+    model = _net()
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": _features(r"fc1$")})
+    with dm.Monitor(cfg, model=model) as monitor:
+        model(torch.randn(4, 8)).backward()
+        other(torch.randn(4))  # compiles again (its code was dropped): the callback runs again
+        monitor.step(1)
+    return {"before": callbacks, "after": len(torch._dynamo.callback_handler.start_callbacks), "starts": len(seen)}
+
+
+def test_dropping_compiled_code_keeps_what_other_tools_registered_with_dynamo(tmp_path):
+    """torch._dynamo.reset() dropped other tools' compile callbacks (and compiled autograd, CUDA graphs)
+    with the cached code; only the code is dropped now."""
+    out = run_ranks(_other_tools_compile_state, 1, str(tmp_path), timeout=180)[0]
+    assert out["after"] == out["before"] >= 1, out
+    assert out["starts"] == 2, out  # the first compile, and the one after the code was dropped
