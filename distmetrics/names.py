@@ -239,10 +239,11 @@ class NameRegistry:
         self.add(name, kind, what)
         self._records[name] = record
 
-    def add(self, name: str, kind: str, what: str) -> None:
+    def add(self, name: str, kind: str, what: str, names_it: bool = False) -> None:
         """Remember what ``name`` (reduced as ``kind``, by ``what``) writes; raise where another name
         writes one of those keys (what :meth:`claim` checks after the name itself; internal lanes
-        pass here too: the reducer checks the names every rank sent with it)."""
+        pass here too: the reducer checks the names every rank sent with it). ``names_it``: ``what``
+        says the name already (the reducer's "metric 'x' from rank 3")."""
         source = f"{what} ({kind})"
         written = written_names(name, kind)
         for other in written:
@@ -259,7 +260,7 @@ class NameRegistry:
                 raise NameClash(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
                                 f"{self._writers[clash[0]]} writes already", self._sources.get(clash[0]))
         for other in written:
-            self._write(other, f"{what} ({name!r}, {kind})")
+            self._write(other, source if names_it else f"{what} ({name!r}, {kind})")
             self._sources[other] = name
         self._claimed[name] = kind
 

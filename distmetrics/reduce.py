@@ -55,17 +55,19 @@ from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
-def _written_clashes(union: dict[str, str]) -> dict[str, str]:
+def _written_clashes(union: dict[str, str], origin: Optional[dict[str, int]] = None) -> dict[str, str]:
     """The names of a union in which one name writes what another writes (``x`` as ``minmax`` on
     one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside an
     ``all`` ``x``), both of each pair, with why: one value would replace the other in the record.
     The rules of :class:`~distmetrics.names.NameRegistry`, which each rank applies to its own names.
-    Every rank holds the same union, in the same order, so every rank finds the same names."""
+    Every rank holds the same union, in the same order, so every rank finds the same names;
+    ``origin`` gives the rank that sent each name, for the message."""
     registry = NameRegistry()
     clashes: dict[str, str] = {}
     for name, kind in union.items():
         try:
-            registry.add(name, kind, f"metric {name!r}, sent by some rank,")
+            sent = f"rank {origin[name]}" if origin and name in origin else "some rank"
+            registry.add(name, kind, f"metric {name!r} from {sent}", names_it=True)
         except NameClash as clash:
             for each in (name, clash.other):
                 if each is not None:
@@ -257,6 +259,7 @@ class Reducer:
         me = dist.get_rank(self.group)
         union: dict[str, str] = {}
         refused: dict[str, str] = {}  # name -> why
+        origin: dict[str, int] = {}  # name -> the (global) rank that sent it first, for messages
         senders: dict[int, tuple[int, int]] = {}
         for r, (name_set, size) in enumerate(rows):
             senders.setdefault(name_set, (r, size))
@@ -270,18 +273,20 @@ class Reducer:
                 dist.broadcast(buffer, src=global_rank(self.group, sender), group=self.group)
                 self.collectives += 1
                 self.negotiation_bytes += size
+            rank = global_rank(self.group, sender)
             for name, kind in decode_entries(bytes(buffer.cpu().numpy()) if sender != me else payload):
+                origin.setdefault(name, rank)
                 if union.setdefault(name, kind) != kind and name not in refused:
-                    refused[name] = (f"metric {name!r} is reduced as {union[name]!r} on one rank and {kind!r} "
-                                     "on another; every rank must use the same reduce kind for a name")
+                    refused[name] = (f"metric {name!r} is reduced as {union[name]!r} on rank {origin[name]} and "
+                                     f"{kind!r} on rank {rank}; every rank must use the same reduce kind for a name")
         for name, kind in union.items():  # a rank's own check sees its own calls only
             if name not in refused and self._agreed.get(name, kind) != kind:
                 refused[name] = (f"metric {name!r} was reduced as {self._agreed[name]!r} at an earlier log step "
-                                 f"(on some rank) and now as {kind!r} (on another); a name keeps one reduce kind "
+                                 f"and now as {kind!r} on rank {origin[name]}; a name keeps one reduce kind "
                                  "for the whole run")
         for name in refused:
             del union[name]
-        clashes = _written_clashes(union)  # left out too, both names of each pair, then raised like the rest
+        clashes = _written_clashes(union, origin)  # left out too, both names of each pair, then raised like the rest
         for name, why in clashes.items():
             del union[name]
             refused[name] = why

@@ -230,10 +230,11 @@ def test_names_that_collide_only_across_ranks_raise_on_every_rank(tmp_path):
     for result in results:
         for step in (1, 2):
             kind, message, _ = result["minmax", step]
-            assert kind == "ValueError" and "would write 'x/max', which metric 'x'" in message, message
+            assert kind == "ValueError" and ("metric 'x/max' from rank 1 (mean) would write 'x/max', which metric 'x' "
+                                             "from rank 0 (minmax) writes already") in message, message
             kind, message, _ = result["all", step]
-            assert kind == "ValueError" and "'x/rank0', which JSONL uses for a rank of the 'all' metric 'x'" in \
-                message, message
+            assert kind == "ValueError" and ("metric 'x/rank0' from rank 1 (mean) would write 'x/rank0', which JSONL "
+                                             "uses for a rank of the 'all' metric 'x'") in message, message
             assert message.endswith("(left out of this record)"), message
 
 
@@ -256,7 +257,7 @@ def test_a_name_reduced_one_way_on_one_rank_and_another_way_later_on_another_rai
     in the next, and the record read 2, then 1, without a word. The agreed kinds are remembered."""
     for kind, message, _ in run_ranks(_kind_flip, 2, timeout=60):
         assert kind == "ValueError", message
-        assert "metric 'x' was reduced as 'sum' at an earlier log step (on some rank) and now as 'mean'" in message
+        assert "metric 'x' was reduced as 'sum' at an earlier log step and now as 'mean' on rank 1;" in message
 
 
 def _sub_group(rank: int, world: int) -> list:

@@ -279,7 +279,7 @@ def test_a_refused_element_of_a_vector_leaves_out_only_itself_and_a_lasting_clas
             assert metrics["ok"] == WORLD
             if step in CLASH_STEPS:  # v/b, w/y and w/y/max left out; the error at every log step
                 assert not [key for key in metrics if key.startswith(("v/b", "w/y"))], metrics
-                assert "metric 'v/b' is reduced as 'mean' on one rank and 'sum' on another" in refused, refused
+                assert "metric 'v/b' is reduced as 'mean' on rank 0 and 'sum' on rank 3;" in refused, refused
                 assert "'w/y/max'" in refused and refused.endswith("(left out of this record)"), refused
                 # step 1: digest gather + a broadcast for each of 3 distinct name sets, MAX, SUM; then MAX, SUM
                 assert (collectives, negotiations) == ((1 + 3 + 2, 1) if step == 1 else (2, 0)), step
@@ -472,11 +472,11 @@ def test_the_written_name_checks_of_a_negotiation_grow_with_its_names_not_their_
     assert rank.matches <= 10 * len(union)  # 5 each: the name and the 4 it writes (half a million before)
     clashes = _written_clashes({"x/rank0": "sum", **union, "x/rank1": "max", "x": "all"})
     assert set(clashes) == {"x", "x/rank0"} and clashes["x"] == clashes["x/rank0"] == (
-        "metric 'x', sent by some rank, (all): JSONL would write 'x''s ranks as 'x/rank0', which metric 'x/rank0', "
-        "sent by some rank, ('x/rank0', sum) writes already")
+        "metric 'x' from some rank (all): JSONL would write 'x''s ranks as 'x/rank0', which metric 'x/rank0' "
+        "from some rank (sum) writes already")
     clashes = _written_clashes({"x": "all", **union, "x/rank3": "sum"})
     assert set(clashes) == {"x", "x/rank3"} and clashes["x/rank3"] == (
-        "metric 'x/rank3', sent by some rank, (sum) would write 'x/rank3', which JSONL uses for a rank of the 'all' "
+        "metric 'x/rank3' from some rank (sum) would write 'x/rank3', which JSONL uses for a rank of the 'all' "
         "metric 'x'")
 
 
