@@ -20,7 +20,7 @@ def _features(regex: str) -> dict:
                       {"tensor": "gradient", "stats": STATS, "freq": 1}]}}}}
 
 
-def _net():
+def _net(blocks: int = BLOCKS):
     import torch
     from torch import nn
 
@@ -37,7 +37,7 @@ def _net():
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(8, 8)
-            self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+            self.layers = nn.ModuleList(Block() for _ in range(blocks))
             self.head = nn.Linear(8, 1)
 
         def forward(self, x):
@@ -279,3 +279,67 @@ def test_dropping_compiled_code_keeps_what_other_tools_registered_with_dynamo(tm
     out = run_ranks(_other_tools_compile_state, 1, str(tmp_path), timeout=180)[0]
     assert out["after"] == out["before"] >= 1, out
     assert out["starts"] == 2, out  # the first compile, and the one after the code was dropped
+
+
+def _ops_run_compiled(rank: int, world: int, root: str) -> dict:
+    """The operations of a forward that ran inside compiled graphs (each graph's operations, each time
+    it ran), on the second step (the first compiles), for the README's three ways of compiling a model
+    of 4 blocks (20 operations a forward), with and without a hooked fc1 in each block; the features
+    select no step, as on most steps of a run."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo import lookup_backend
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    import distmetrics as dm
+
+    def counting(ran: list):
+        aot_eager = lookup_backend("aot_eager")
+
+        def backend(gm, example_inputs):
+            ops = sum(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)
+            compiled = aot_eager(gm, example_inputs)
+
+            def run(*args):
+                ran.append(ops)
+                return compiled(*args)
+            return run
+        return backend
+
+    features = _features(r"fc1$")
+    for entry in features["s"]["distmetrics"]["LogTensorStats"]["tensors_struct"]:
+        entry["freq"] = 1000
+    out = {}
+    for how in ("torch.compile(model)", "block.compile()", "torch.compile(checkpoint_wrapper(block))"):
+        for stats in (False, True):
+            torch._dynamo.reset()
+            model, ran = _net(blocks=4), []
+            if how == "torch.compile(model)":
+                model = torch.compile(model, backend=counting(ran))
+            for i in range(4 if how != "torch.compile(model)" else 0):
+                if how == "block.compile()":
+                    model.layers[i].compile(backend=counting(ran))
+                else:
+                    model.layers[i] = torch.compile(checkpoint_wrapper(model.layers[i]), backend=counting(ran))
+            cfg = dm.MetricsConfig(output_dir=f"{root}/{len(out)}", console=False, tensorboard=False,
+                                   log_progress=False, timing_log_level=-1,
+                                   tensor_inspect={"enabled": stats, "features": features})
+            with dm.Monitor(cfg, model=model) as monitor:
+                for step in (1, 2):
+                    del ran[:]
+                    model(torch.randn(4, 8)).backward()
+                    monitor.step(step)
+            out[how, stats] = list(ran)
+    return out
+
+
+def test_the_operations_left_in_compiled_graphs_are_the_readmes(tmp_path):
+    """README (Tensor statistics, under torch.compile): a whole-model compile ran 12 of the 20
+    operations in compiled graphs (20 without statistics); per-block compile all 16 of the blocks', in
+    two graphs a block; a compiled checkpoint_wrapper(block) none (8 without)."""
+    out = run_ranks(_ops_run_compiled, 1, str(tmp_path), timeout=300)[0]
+    assert sum(out["torch.compile(model)", False]) == 20 and sum(out["torch.compile(model)", True]) == 12, out
+    assert out["block.compile()", False] == [4] * 4, out
+    assert sum(out["block.compile()", True]) == 16 and len(out["block.compile()", True]) == 2 * 4, out
+    assert sum(out["torch.compile(checkpoint_wrapper(block))", False]) == 8, out
+    assert out["torch.compile(checkpoint_wrapper(block))", True] == [], out
