@@ -134,10 +134,11 @@ class LearningRates:
                                self.writer, step, int(high_rank))
         elif not self.says:
             return
-        elif high != high and "nan" not in self._said:  # NaN on some rank makes both lanes NaN
+        elif high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with its rank
             self._said.add("nan")
-            logger.warning("distmetrics: some rank passed a learning rate of NaN at step %d; train/lr is the writer "
-                           "rank's (rank %d): %s. Said once", step, self.writer, metrics["train/lr"])
+            logger.warning("distmetrics: rank %d passed a learning rate of NaN at step %d (of the ranks that did, the "
+                           "highest); train/lr is the writer rank's (rank %d): %s. Said once", int(high_rank), step,
+                           self.writer, metrics["train/lr"])
         elif high > low and "differ" not in self._said:
             self._said.add("differ")
             logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
