@@ -164,13 +164,14 @@ class GradientNorms:
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
-        norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups)
+        norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups, longs=route.longs)
         if loss_scale is not None and p != 0:  # each norm of the gradients without it (before any p-th power)
             norms = norms * loss_scale.reshape(()).to(norms.device, torch.float64).reciprocal()
         # a p = 0 norm counts non-zero elements and cannot see a NaN, nor a p < 0 norm an inf (and an empty
         # piece's is inf): one more pass finds them (a 1-norm: defined on an empty slice; NaN or inf where a
         # gradient holds one, or sums past the float range)
-        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups) if p <= 0 else norms
+        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups, longs=route.longs) \
+            if p <= 0 else norms
         kind = norm_kind(p)
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
             if replicas.carried(self.layout, self.group) else None

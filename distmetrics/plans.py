@@ -41,6 +41,7 @@ class Route:
     local_buckets: Buckets  # buckets this rank holds a tensor of
     partial: bool = False  # some local piece is part of a tensor split over ranks
     orders: dict = field(default_factory=dict)  # grouping by (device, dtype) → index restoring input order
+    longs: dict = field(default_factory=dict)  # (device, dtype, whole_up_to) → a tensor of that group is long
     every: bool = False  # every tensor counts on this rank
     replica_weights: Optional[torch.Tensor] = None  # plain tensors beside DTensors: see distmetrics.replicas
     replica_owner: bool = False  # they count on this rank

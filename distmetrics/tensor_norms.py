@@ -60,13 +60,15 @@ _BLOCKED = (torch.float32, torch.bfloat16, torch.float16)  # float64 sums are ex
 
 def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bool],
                      device: torch.device, orders: Optional[dict] = None,
-                     groups: Optional[dict] = None, whole_up_to: int = CPU_WHOLE) -> torch.Tensor:
+                     groups: Optional[dict] = None, whole_up_to: int = CPU_WHOLE,
+                     longs: Optional[dict] = None) -> torch.Tensor:
     """Every tensor's p-norm (float64, in input order, on ``device``), per (device, dtype) group;
     low-precision groups accumulate in float32, and long CPU tensors in float64 blocks
     (:func:`_blockwise`). With several groups, the index that restores
     the input order is kept in ``orders`` (a :class:`Route`'s), so it crosses to the device once.
     ``whole_up_to``: the longest CPU tensor taken whole (lower where a call per tensor costs little:
-    the update norms of a log step)."""
+    the update norms of a log step). ``longs``: where a route keeps whether each group holds a long
+    CPU tensor (its tensors keep their sizes)."""
     groups = groups_of(tensors) if groups is None else groups
     if (p == math.inf or p < 0) and any(t.numel() == 0 for t in tensors):
         tensors = _identities_for_empty(tensors, p)
@@ -76,7 +78,8 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
         acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in LOW_PRECISION else None)
-        if dev.type == "cpu" and p in (1.0, 2.0) and dtype in _BLOCKED and _holds_long(group, dev, dtype, orders, whole_up_to):
+        blocked = dev.type == "cpu" and p in (1.0, 2.0) and dtype in _BLOCKED
+        if blocked and _holds_long(group, dev, dtype, longs, whole_up_to):
             norms = _blockwise(group, p, acc, foreach, dev, whole_up_to)
         else:
             norms = _whole(group, p, acc, foreach, dev)
@@ -97,16 +100,16 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
     return torch.cat(parts)[order]
 
 
-def _holds_long(group: list[torch.Tensor], dev: torch.device, dtype: torch.dtype, orders: Optional[dict],
+def _holds_long(group: list[torch.Tensor], dev: torch.device, dtype: torch.dtype, longs: Optional[dict],
                 whole_up_to: int) -> bool:
-    """Is some tensor of ``group`` longer than :data:`CPU_WHOLE`? Kept in ``orders`` (a route's, whose
+    """Is some tensor of ``group`` longer than ``whole_up_to``? Kept in ``longs`` (a route's, whose
     tensors keep their sizes): the scan costs 26 µs for 600 tensors, at every clip."""
-    key = ("long", dev, dtype, whole_up_to)
-    found = orders.get(key) if orders is not None else None
+    key = (dev, dtype, whole_up_to)
+    found = longs.get(key) if longs is not None else None
     if found is None:
         found = max(map(_NUMEL, group)) > whole_up_to
-        if orders is not None:
-            orders[key] = found
+        if longs is not None:
+            longs[key] = found
     return found
 
 
