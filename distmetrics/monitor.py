@@ -93,6 +93,7 @@ class Monitor:
         self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size, records=self._records)
         self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
+        self._stride = 1  # the last step's number less the one before: the next is predicted that far on
         self._unwritten: Optional[tuple] = None  # (step, steps) of a log step whose record is not written yet
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
         self._stepped_at: Optional[float] = None  # when the last monitor.step returned
@@ -159,6 +160,10 @@ class Monitor:
             first_step(self._clocks())
             if "norms" in self._by_name:  # what was measured before the step's number was known
                 self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
+        if self._last_step is not None:
+            if step != self._last_step + self._stride and "norms" in self._by_name and self._is_log_step(step):
+                self._by_name["norms"].unpredicted(step)  # its optimizer step was not snapshotted: said
+            self._stride = step - self._last_step  # steps 2, 4, 6...: the next log step is predicted
         self._last_step = step
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
@@ -223,7 +228,8 @@ class Monitor:
     @eager
     def measure_grad_norms(self, norm_type: float = 2.0, step: Optional[int] = None) -> Optional[torch.Tensor]:
         """Measure gradient norms without clipping (for code that clips elsewhere): the total
-        norm on a log step (``step``, default the last step + 1), None (and no work) otherwise;
+        norm on a log step (``step``, default the next step as predicted: the last + the last stride), None
+        (and no work) otherwise;
         refused inside a gradient-accumulation window on every step (:mod:`distmetrics.grad_sync`)."""
         norms = self._norms("measure_grad_norms")
         norms.sync.check("monitor.measure_grad_norms")  # on every step: a call inside no_sync() is said at once
@@ -395,22 +401,23 @@ class Monitor:
             self._checkpoints.start_at(first)
 
     def _log_step_ahead(self) -> Optional[int]:
-        """The step the next ``monitor.step`` is predicted to be (the last + 1), if it is a log step;
+        """The step the next ``monitor.step`` is predicted to be (the last + the last stride between two
+        steps, 1 at first), if it is a log step;
         before the first, ``FIRST_STEP``: its number is not known (a job may start or resume at any
         step), so it is treated as a log step."""
         if self._last_step is None:
             return FIRST_STEP
-        step = self._last_step + 1
+        step = self._last_step + self._stride
         return step if self._is_log_step(step) else None
 
     def _is_log_step(self, step: Optional[int] = None) -> bool:
-        """Whether ``step`` (default: the next, predicted as the last + 1) is a log step, or the
+        """Whether ``step`` (default: the next, predicted as in :meth:`_log_step_ahead`) is a log step, or the
         job's last (``total_steps``: ``close()`` writes its record); before the first
         ``monitor.step``, with no ``step``, True (see :meth:`_log_step_ahead`)."""
         if step is None:
             if self._last_step is None:
                 return True
-            step = self._last_step + 1
+            step = self._last_step + self._stride
         return step % self.config.log_interval == 0 or step == self.config.total_steps
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:

@@ -1675,9 +1675,10 @@ def test_a_log_step_without_the_norms_it_had_before_writes_none_of_them_and_hide
 
 
 def test_an_update_measured_for_a_step_that_is_not_logged_is_never_written_later():
-    """Update norms are snapshotted for the step predicted as the last + 1. With step numbers
-    advancing by 2 and log_interval 3, the optimizer step before step 4 is measured (step 3 was
-    predicted, a log step) but step 4 is not logged; step 6 must not get step 4's update."""
+    """Update norms are snapshotted for the step predicted as the last + the last stride (1 at first).
+    With step numbers advancing by 2 and log_interval 3, the optimizer step before step 4 is measured
+    (step 3 was predicted, a log step) but step 4 is not logged; step 6 gets its own update, not
+    step 4's."""
     import torch
 
     import distmetrics as dm
@@ -1696,8 +1697,43 @@ def test_an_update_measured_for_a_step_that_is_not_logged_is_never_written_later
             metrics = monitor.step(step)
             if metrics is not None:
                 written[step] = (metrics.get("update_norm"), truth ** 0.5)
-    assert written[6][0] is None  # not step 4's update
+    assert written[6][0] == pytest.approx(written[6][1], rel=1e-6)  # 4 -> 6 predicted: its own, not step 4's
     assert written[9][0] == pytest.approx(written[9][1], rel=1e-6)  # 8 -> 9 predicted: measured
+
+
+def test_step_numbers_that_advance_by_two_get_their_update_and_grad_norms(caplog):
+    """Steps 2, 4, 6... with log_interval 4: the next step was predicted as the last + 1, never a log
+    step, so every record lacked update_norm (and measure_grad_norms() measured nothing), unsaid. The
+    stride of the last two steps predicts it now: only step 4 (one step seen) misses its update, said
+    once; the others are the float64 truth."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    written = {}
+    with dm.Monitor(quiet_config(log_interval=4, log_update_norm=True), model=model, optimizer=opt) as monitor:
+        for step in range(2, 17, 2):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).sum().backward()
+            grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+            measured = monitor.measure_grad_norms()
+            before = [p.detach().double().clone() for p in model.parameters()]
+            opt.step()
+            update = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(),
+                                                                                                  before)))
+            metrics = monitor.step(step)
+            if metrics is not None:
+                written[step] = (metrics.get("update_norm"), update, measured, grad)
+    assert sorted(written) == [4, 8, 12, 16]
+    assert written[4][0] is None and written[4][2] is None  # steps 2 -> 4: step 3 predicted
+    for step in (8, 12, 16):
+        got_update, update, got_grad, grad = written[step]
+        assert got_update == pytest.approx(update, rel=1e-6) and float(got_grad) == pytest.approx(grad, rel=1e-6)
+    said = [r.getMessage() for r in caplog.records if "was not known to be a log step" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("distmetrics: the record of step 4 has no update_norm"), said
 
 
 def test_the_roots_own_parameters_beside_a_child_named_model_are_not_merged_with_it():

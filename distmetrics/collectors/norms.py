@@ -78,6 +78,8 @@ class NormCollector(ParamSide):
         self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
         self._optimizer_steps_logged = 0  # ... at the last log step
         self._warned_update = False  # update_norm missing from a record was said
+        self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
+        self._warned_unpredicted = False
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
         self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
@@ -103,6 +105,11 @@ class NormCollector(ParamSide):
     def replans(self) -> int:
         """How often the model's parameters changed and the plan was rebuilt."""
         return self.grads.plans.replans
+
+    def unpredicted(self, step: int) -> None:
+        """``step``, a log step, is not the step predicted before its optimizer step: its update, if
+        one is wanted, was not snapshotted (said once at its record)."""
+        self._unpredicted = step
 
     def attach_optimizer(self, optimizer: Any, log_step_ahead: Callable[[], Optional[int]]) -> None:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
@@ -260,6 +267,13 @@ class NormCollector(ParamSide):
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
+            if update is None and self._hooks and self._unpredicted == ctx.step and not self._warned_unpredicted \
+                    and self.layout.says_once:
+                self._warned_unpredicted = True
+                logger.warning("distmetrics: the record of step %d has no update_norm: the optimizer step before it "
+                               "was not known to be a log step's (the next step is predicted as the last plus the "
+                               "stride between the last two, so the first log step after a change of stride misses "
+                               "it). Said once", ctx.step)
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
