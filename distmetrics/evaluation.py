@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .collectors.losses import CategoryLosses
-from .collectors.steps import MixedWeights, StageLoss, loss_weights
+from .collectors.steps import MixedWeights, StageLoss, loss_weight, loss_weights
 from .interval import as_number
 from .names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
@@ -26,7 +26,9 @@ __all__ = ["EvalLog"]
 Number = Union[int, float, torch.Tensor]
 _TOKENS = "_eval/tokens"
 _LOSS_WEIGHTS = "_eval/loss_weights"  # minmax: what each rank weighted its loss by (steps.LOSS_WEIGHTS)
-_LEAST = {"tokens": "_eval/least_tokens", "time_ms": "_eval/least_time_ms"}  # min: a bad tensor on any rank
+_LOSS_TOKENS = "_eval/loss_tokens"  # sum: the loss_tokens that weigh eval/loss (where some rank gives them)
+_LEAST = {"tokens": "_eval/least_tokens", "time_ms": "_eval/least_time_ms",  # min: a bad tensor on any rank
+          "loss_tokens": "_eval/least_loss_tokens"}
 logger = logging.getLogger("distmetrics")
 
 
@@ -62,16 +64,17 @@ class EvalLog:
         self.names = names
 
     def _refuse_bad_counts(self, metrics: dict[str, Any], step: int) -> None:
-        """Tokens or time_ms given as tensors are not read at the call (a device sync): NaN, inf or
-        a negative count on some rank shows here, in the least any rank gave and in the sum or
-        max. What they weigh or divide is left out of the record, which is written, and
+        """Tokens, loss_tokens or time_ms given as tensors are not read at the call (a device sync):
+        NaN, inf or a negative count on some rank shows here, in the least any rank gave and in the
+        sum or max. What they weigh or divide is left out of the record, which is written, and
         :attr:`refused` is raised after it (on every rank: every rank sees the same values)."""
         bad = []
         for key, total_key, drop in (("tokens", _TOKENS, ("eval/loss", _TOKENS)),
+                                     ("loss_tokens", _LOSS_TOKENS, ("eval/loss",)),
                                      ("time_ms", "eval/time_ms", ("eval/time_ms",))):
             least, total = metrics.get(_LEAST[key]), metrics.get(total_key)
             if any(v is not None and not (v >= 0 and math.isfinite(v)) for v in (least, total)):
-                summed = "summed over ranks" if key == "tokens" else "the slowest rank's"
+                summed = "the slowest rank's" if key == "time_ms" else "summed over ranks"
                 bad.append(f"{key}: {summed} {total!r}, the least a rank gave {least!r}")
                 for name in drop:
                     metrics.pop(name, None)
@@ -89,27 +92,34 @@ class EvalLog:
             self._train_losses.add(loss, weight, by)
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
-            scalars: dict[str, Number]) -> dict[str, Any]:
-        """Reduce one evaluation (every rank) and return the ``eval`` record's metrics. Arguments
-        are checked before anything is reduced: a refused call changes nothing."""
+            scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> dict[str, Any]:
+        """Reduce one evaluation (every rank) and return the ``eval`` record's metrics; ``loss`` is
+        weighted by :func:`~distmetrics.collectors.steps.loss_weight`. Arguments are checked before
+        anything is reduced: a refused call changes nothing."""
         check_step(step, "monitor.log_eval")
-        for what, value in (("loss", loss), ("tokens", tokens), *scalars.items()):
+        for what, value in (("loss", loss), ("tokens", tokens), ("loss_tokens", loss_tokens), *scalars.items()):
             if value is not None:
                 check_user_value(value, "monitor.log_eval(%s=...)", what)
-        for what, value in (("tokens", tokens), ("time_ms", scalars.get("time_ms"))):
+        counts = (("tokens", tokens), ("loss_tokens", loss_tokens), ("time_ms", scalars.get("time_ms")))
+        for what, value in counts:
             if value is not None:
                 check_count(value, "monitor.log_eval(%s=...)", what)
         check_spellings(scalars, "eval", "monitor.log_eval")  # before the eval categories are taken below
-        loss, tokens, scalars = local_value(loss), local_value(tokens), {k: local_value(v) for k, v in scalars.items()}
+        loss, tokens, loss_tokens = local_value(loss), local_value(tokens), local_value(loss_tokens)
+        scalars = {k: local_value(v) for k, v in scalars.items()}
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
             self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)", record="eval")
         samples = []
         if loss is not None and not self.stage_loss.drops(loss):
+            weight = loss_weight(tokens, loss_tokens)
             samples.append(Sample("eval/loss", as_number(loss), "mean",
-                                  weight=1.0 if tokens is None else as_number(tokens)))
-            samples.append(Sample(_LOSS_WEIGHTS, loss_weights(tokens), "minmax"))
+                                  weight=1.0 if weight is None else as_number(weight)))
+            samples.append(Sample(_LOSS_WEIGHTS, loss_weights(weight), "minmax"))
+            if loss_tokens is not None:  # checked as tokens are: in their sum and in the least a rank gave
+                samples += [Sample(_LOSS_TOKENS, as_number(loss_tokens), "sum"),
+                            Sample(_LEAST["loss_tokens"], as_number(loss_tokens), "min")]
         if tokens is not None and self.counts_tokens:
             samples.append(Sample(_TOKENS, as_number(tokens), "sum"))
         samples += [Sample(names[key], as_number(value), kinds[key]) for key, value in scalars.items()

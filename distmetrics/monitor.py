@@ -138,20 +138,25 @@ class Monitor:
     # --- the per-step API ----------------------------------------------------------------
     @eager
     def step(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
-             lr: Optional[Number] = None, skipped: bool = False, **scalars: Number) -> Optional[dict[str, Any]]:
+             lr: Optional[Number] = None, skipped: bool = False, loss_tokens: Optional[Number] = None,
+             **scalars: Number) -> Optional[dict[str, Any]]:
         """Record one optimizer step; on a log step reduce and write, and return the metrics
         (the same on every rank; None on other steps).
 
         ``loss`` is averaged over ranks and steps weighted by ``tokens`` (this rank's tokens in
         the step; weight 1 when None); a rank with ``loss=None`` (a pipeline stage without the
-        loss) does not count. Under gradient accumulation, one call per optimizer step: the
-        rank's token-weighted mean over its micro-batches and their summed tokens. ``skipped=True``:
+        loss) does not count. ``loss_tokens``: the tokens this rank's ``loss`` is a mean over, where
+        they differ from ``tokens`` (context parallelism: ``tokens`` the whole sequences', counted for
+        the throughput, ``loss_tokens`` this rank's slice's); it then weighs the loss instead. Under
+        gradient accumulation, one call per optimizer step: the rank's token-weighted mean over its
+        micro-batches and their summed tokens. ``skipped=True``:
         the optimizer skipped the step (loss-scale overflow); its loss, and the ``record_losses``
         samples since the last call, are left out of ``train/loss`` (and its categories), its tokens
         count. Extra ``scalars`` are interval means under ``train/``."""
         self._check_open(collective=True)
-        self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars)
+        self._by_name["train"].check_step(step, self._last_step, loss, tokens, lr, skipped, scalars, loss_tokens)
         loss, tokens, lr = local_value(loss), local_value(tokens), local_value(lr)  # a DTensor: this rank's copy
+        loss_tokens = local_value(loss_tokens)
         if scalars:
             scalars = {name: local_value(value) for name, value in scalars.items()}
         if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
@@ -168,8 +173,8 @@ class Monitor:
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
         with self._records:
-            self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars)
-            self._by_name["health"].record_step(loss, skipped, tokens)
+            self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars, loss_tokens)
+            self._by_name["health"].record_step(loss, skipped, tokens if loss_tokens is None else loss_tokens)
             self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
         self._by_name["timers"].mark_step()
         self._stepped_at = now()  # where the close record's interval ends
@@ -250,12 +255,13 @@ class Monitor:
 
     @eager
     def log_eval(self, step: int, loss: Optional[Number] = None, tokens: Optional[Number] = None,
-                 **scalars: Number) -> dict[str, Any]:
+                 loss_tokens: Optional[Number] = None, **scalars: Number) -> dict[str, Any]:
         """Reduce evaluation results now and write an ``eval`` record (every rank calls this):
-        ``loss`` token-weighted across ranks (``None`` doesn't count), ``eval/ppl`` = exp(loss),
-        ``eval/gap`` = eval loss − train loss since the last eval."""
+        ``loss`` token-weighted across ranks (``None`` doesn't count; by ``loss_tokens`` where given,
+        as in :meth:`step`), ``eval/ppl`` = exp(loss), ``eval/gap`` = eval loss − train loss since the
+        last eval."""
         self._check_open(collective=True)
-        metrics = self._eval.log(step, loss, tokens, scalars)
+        metrics = self._eval.log(step, loss, tokens, scalars, loss_tokens)
         if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
             self._counts_from(step + 1)
         self._write(metrics, step, "eval")

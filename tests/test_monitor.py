@@ -967,3 +967,94 @@ def test_pipeline_stages_of_a_models_mesh_count_tokens_and_the_loss_once():
         "the loss is the last stage's (a placeholder, as torchtitan passes on the other stages, would be averaged "
         "in); pass loss=None there. Said once"], results[0]["said"]
     assert all(out["said"] == [] for out in results[1:])
+
+
+CP_MASKS = {  # (dp rank, step) -> the valid tokens of that replica's 8-token sequence; cp rank c holds [4c, 4c + 4)
+    (0, 1): "11101000", (1, 1): "11111110",
+    (0, 2): "10000111", (1, 2): "11010000",  # dp 1's cp rank 1 holds no valid token: a loss over nothing, NaN
+    (0, 3): "11111000", (1, 3): "01000011"}  # step 3: the evaluation's batch
+
+
+def cp_token_losses(dp: int, step: int) -> list:
+    """Every valid token's loss in replica ``dp``'s sequence at ``step``, by position."""
+    return [(i, 0.5 + 0.25 * i + dp + 0.1 * step) for i, bit in enumerate(CP_MASKS[dp, step]) if bit == "1"]
+
+
+def _context_parallel_losses(rank: int, world: int) -> dict:
+    """dp × cp = 2 × 2 ("dp", "cp"): each cp rank's loss is the mean over its slice's valid tokens, passed with
+    ``tokens`` the whole sequence's valid tokens (counted for throughput) and ``loss_tokens`` its slice's."""
+    import math
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp, cp = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+
+    def batch(step):
+        mine = [loss for i, loss in cp_token_losses(dp, step) if 4 * cp <= i < 4 * cp + 4]
+        return (sum(mine) / len(mine) if mine else math.nan), len(mine), len(cp_token_losses(dp, step))
+
+    out: dict = {}
+    with dm.Monitor(quiet_config(log_interval=2, log_throughput=True), device_mesh=mesh) as monitor:
+        for step in (1, 2):
+            loss, mine, whole = batch(step)
+            if step == 2:  # tensors at this step, numbers at the first
+                loss, mine = torch.tensor(loss, dtype=torch.float64), torch.tensor(mine)
+            out["train"] = monitor.step(step, loss=loss, tokens=whole, loss_tokens=mine)
+        loss, mine, whole = batch(3)
+        out["eval"] = monitor.log_eval(3, loss=loss, tokens=whole, loss_tokens=mine)
+        refused = []
+        for call in (lambda: monitor.step(3, loss=1.0, tokens=8, loss_tokens=-1),
+                     lambda: monitor.log_eval(3, loss=1.0, tokens=8, loss_tokens=math.nan)):
+            try:
+                call()
+            except ValueError as err:
+                refused.append(str(err))
+        out["refused"] = refused
+        bad = torch.tensor(math.nan if rank == 3 else 2.0)  # not read at the call: seen in the sum at the log step
+        try:
+            for step in (3, 4):
+                monitor.step(step, loss=1.0, tokens=8, loss_tokens=bad)
+        except ValueError as err:
+            out["tensor refused"] = (str(err), "train/loss" in monitor.last_metrics)
+    return out
+
+
+@pytest.fixture(scope="module")
+def context_parallel():
+    return run_ranks(_context_parallel_losses, 4, timeout=120)
+
+
+def _cp_truth(steps) -> float:
+    """Float64 mean over every valid token of every replica in ``steps``."""
+    losses = [loss for dp in (0, 1) for step in steps for _, loss in cp_token_losses(dp, step)]
+    return math.fsum(losses) / len(losses)
+
+
+def test_context_parallel_loss_is_weighted_by_loss_tokens_and_tokens_count_once(context_parallel):
+    """Under context parallelism tokens= is the whole sequences' (counted once, for throughput) while each cp
+    rank's loss is a mean over its own slice: weighted by tokens, a slice of 1 valid token weighs as much as its
+    peer's of 4 (eval/loss 1.956 for 1.925). loss_tokens= weighs each rank's loss by its slice's valid tokens;
+    an all-masked slice (loss NaN, loss_tokens 0) counts for nothing and is no non-finite loss."""
+    consumed = sum(len(cp_token_losses(dp, step)) for dp in (0, 1) for step in (1, 2))
+    for rank, out in enumerate(context_parallel):
+        assert out["eval"]["eval/loss"] == pytest.approx(_cp_truth((3,)), rel=1e-12), (rank, out["eval"])
+        assert out["train"]["train/loss"] == pytest.approx(_cp_truth((1, 2)), rel=1e-12), (rank, out["train"])
+        assert out["train"]["train/consumed_tokens"] == consumed == 18, (rank, out["train"])  # 36: once per cp rank
+        assert out["train"]["health/nonfinite_loss"] == 0, (rank, out["train"])
+        assert "train/loss_tokens" not in out["train"] and "eval/loss_tokens" not in out["eval"]
+
+
+def test_a_bad_loss_tokens_is_refused_naming_it(context_parallel):
+    """A number is refused at the call, before any collective (no rank waits); a tensor, not read at the call,
+    in its sum over ranks at the log step: the record is written without train/loss, then raised on every rank."""
+    for out in context_parallel:
+        assert [message.split(":")[0] for message in out["refused"]] == [
+            "monitor.step(loss_tokens=...)", "monitor.log_eval(loss_tokens=...)"], out["refused"]
+        assert all("accepted values are finite numbers >= 0" in message for message in out["refused"])
+        message, has_loss = out["tensor refused"]
+        assert message.startswith("monitor.step(loss_tokens=...): the loss_tokens of the steps up to step 4") \
+            and not has_loss, out["tensor refused"]

@@ -26,8 +26,8 @@ from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "loss_weights", "MixedWeights", "LearningRates",
-           "StageLoss"]
+__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS", "loss_weights", "loss_weight",
+           "MixedWeights", "LearningRates", "StageLoss"]
 
 INTERVAL_S = "_train/interval_s"
 """Internal lane: the interval's wall time in seconds (max across ranks)."""
@@ -35,6 +35,9 @@ TOKENS = "_train/tokens"
 """Internal lane: the interval's tokens (sum over the ranks that count them)."""
 UNTIMED_TOKENS = "_train/untimed_tokens"
 """Internal lane: the tokens of the step that started the clock (sum), not in the timed span."""
+LOSS_TOKENS = "_train/loss_tokens"
+"""Internal lane: the ``loss_tokens`` that weighed the interval's counted losses (sum over ranks), made only
+where some rank gives ``loss_tokens``: a tensor is not read at the call, so a bad one shows in this sum."""
 LOSS_WEIGHTS = "_train/loss_weights"
 """Internal lane: what this rank weighted its losses by in the interval (minmax): 1 tokens, 2
 steps (``tokens=None``), 3 both; a mean of losses weighted by either on different ranks (or
@@ -51,6 +54,14 @@ _BY_TOKENS, _BY_STEPS = 1, 2
 def loss_weights(tokens: Any) -> int:
     """What a loss given with ``tokens`` is weighted by (a :data:`LOSS_WEIGHTS` bit)."""
     return _BY_STEPS if tokens is None else _BY_TOKENS
+
+
+def loss_weight(tokens: Any, loss_tokens: Any) -> Any:
+    """The tokens a rank's loss is a mean over: ``loss_tokens`` where given, else ``tokens`` (None: by
+    steps). Under context parallelism each rank's loss is a mean over its slice of the sequences, while
+    ``tokens`` is the whole sequences' (the throughput's count): slices of unequal valid tokens weighed
+    alike would give a mean that is not the batch's."""
+    return tokens if loss_tokens is None else loss_tokens
 
 
 class MixedWeights:
@@ -182,15 +193,17 @@ class StepValues:
         self._lr: Optional[Number] = None  # the interval's last lr, for the LEARNING_RATES lane
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
-                   scalars: dict[str, Any]) -> None:
+                   scalars: dict[str, Any], loss_tokens: Any = None) -> None:
         """Refuse a step's arguments before anything is recorded (a refused call changes nothing);
         ``last`` is the last step recorded (None: none yet)."""
         check_step(step, "monitor.step", last)
-        for what, value in (("loss", loss), ("tokens", tokens), ("lr", lr), *scalars.items()):
+        counts = (("tokens", tokens), ("loss_tokens", loss_tokens))
+        for what, value in (("loss", loss), *counts, ("lr", lr), *scalars.items()):
             if value is not None:
                 check_user_value(value, "monitor.step(%s=...)", what)
-        if tokens is not None:
-            check_count(tokens, "monitor.step(tokens=...)")
+        for what, value in counts:
+            if value is not None:
+                check_count(value, "monitor.step(%s=...)", what)
         if not isinstance(skipped, bool):
             raise TypeError(f"monitor.step(skipped={skipped!r}): accepted values are True and False")
         check_spellings(scalars, "train", "monitor.step")
@@ -203,8 +216,9 @@ class StepValues:
         self._starting = True
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
-                    scalars: dict[str, Number]) -> None:
-        """One optimizer step's values (checked by :meth:`check_step` first)."""
+                    scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> None:
+        """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
+        :func:`loss_weight`, ``tokens`` counted for the throughput."""
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False
             if tokens is not None and self.counts_tokens:
@@ -212,8 +226,11 @@ class StepValues:
         else:
             self._timed += 1
         if loss is not None and not self.stage_loss.drops(loss):
-            self.stats.record("train/loss", loss, "mean", weight=1.0 if tokens is None else tokens)
-            self._loss_weights |= loss_weights(tokens)
+            weight = loss_weight(tokens, loss_tokens)
+            self.stats.record("train/loss", loss, "mean", weight=1.0 if weight is None else weight)
+            self._loss_weights |= loss_weights(weight)
+            if loss_tokens is not None:
+                self.stats.record(LOSS_TOKENS, loss_tokens, "sum")
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
             self.job_tokens = self.job_tokens + as_number(tokens)
@@ -278,6 +295,7 @@ class StepValues:
             self.job_tokens = self._job_tokens_logged  # every rank: each sees the same sum
         elif ctx.tokens is not None:
             self._job_tokens_logged = self.job_tokens
+        self._check_loss_tokens(metrics, ctx.step)
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
@@ -285,6 +303,20 @@ class StepValues:
         self.mixed.check(metrics, ctx.step)
         if self.learning_rates is not None:
             self.learning_rates.check(metrics, ctx.step)
+
+    def _check_loss_tokens(self, metrics: dict[str, Any], step: int) -> None:
+        """``loss_tokens`` given as tensors, checked in their sum over ranks as ``tokens`` are: NaN, inf
+        or a negative sum leaves ``train/loss`` (weighted by them) out of the record, then raises."""
+        total = metrics.pop(LOSS_TOKENS, None)
+        if total is None or (total >= 0 and math.isfinite(total)):
+            return
+        metrics.pop("train/loss", None)
+        if self.refused is None:  # bad tokens too: that error is raised, and train/loss is left out for both
+            self.refused = ValueError(
+                f"monitor.step(loss_tokens=...): the loss_tokens of the steps up to step {step}, summed over ranks, "
+                f"are {total!r}: a tensor given as loss_tokens held NaN, inf or a negative count on some rank; "
+                "accepted values are finite numbers >= 0. This record was written without train/loss (weighted by "
+                "them)")
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
