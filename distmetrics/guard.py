@@ -57,8 +57,8 @@ class HangError(RuntimeError):
 
 
 class CollectiveGuard:
-    """Arrival checks before collectives (see the module docstring); off when ``timeout_s`` is 0,
-    with one rank, or without a c10d store."""
+    """Arrival checks before collectives (see the module docstring); off when ``timeout_s`` is 0
+    (but for the first call: :meth:`_enter_off`), with one rank, or without a c10d store."""
 
     def __init__(self, timeout_s: float, group: Any = None) -> None:
         self.timeout_s = float(timeout_s)
@@ -70,8 +70,18 @@ class CollectiveGuard:
         self._published = 0.0
         self._last = "none since start-up"
         self._left = ""  # how this rank left its Monitor ("closed its Monitor", ...); "" while it has not
+        self._start_store: Any = None  # with the check off: the store, for the start-up call's check only
+        self._label = "hang_timeout_s"  # what the wait's bound is called in a report
         monitor_id = next(_MONITORS)
-        if self.timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self.timeout_s <= 0:  # off; but the first call is still checked, so a rank whose check is on is told at
+            # once (it waited hang_timeout_s at start-up for a rank that never came, then named it as not arrived)
+            if (group is None or group is dist.group.WORLD) and dist.get_world_size() > 1:
+                self.world, self.rank = dist.get_world_size(), dist.get_rank()
+                self._hashes = max(1, min(2 ** 32, 2 ** 62 // self.world ** 2))
+                self._start_store = dist.PrefixStore(f"distmetrics/guard/{monitor_id}/",
+                                                     dist.distributed_c10d._get_default_store())
             return
         if group is not None and group is not dist.group.WORLD:
             # the store's counters need every rank of the world: a sub-group is not guarded (said by its first rank)
@@ -133,6 +143,8 @@ class CollectiveGuard:
         so does every rank where the store cannot be reached (its host, rank 0, has ended)."""
         self._last = _describe(call, step)
         if self.store is None:
+            if self._start_store is not None and self._seq == 0:
+                self._enter_off(call, step)
             return
         self._seq += 1
         key, done = f"{self._seq}|arrived", _done(self._seq)
@@ -170,6 +182,17 @@ class CollectiveGuard:
         # raised here, not in an except clause: the store's error is no news, but an exception the
         # caller is handling (close() in a finally after its own error) stays attached as the context
         raise HangError(self._report(call, step, failure, time.monotonic() - started))
+
+    def _enter_off(self, call: str, step: Optional[int]) -> None:
+        """The first guarded call with the check off (``hang_timeout_s`` 0): checked as with it on, as
+        another call (every rank's check must agree), so ranks whose check is on and off raise at once
+        naming which is which; waiting at most :data:`START_WAIT_S` (a rank that does not come: named)."""
+        self.store, self.timeout_s, self._label = self._start_store, START_WAIT_S, "the start-up bound with " \
+            "hang_timeout_s 0"
+        try:
+            self.enter(f"{call} with hang_timeout_s 0 (the arrival check off)", step)
+        finally:
+            self.store, self.timeout_s, self._start_store = None, 0.0, None
 
     def _publish(self) -> None:
         self._published = time.monotonic()
@@ -216,8 +239,8 @@ class CollectiveGuard:
         who = "; ".join(missing) or ("none" if left else
                                      "none of the other ranks published a different call (they may have died)")
         gone = f"ranks that left their Monitor and will not arrive: {'; '.join(left)}; " if left else ""
-        wait = (f"{waited:.1f} s (of hang_timeout_s {self.timeout_s:g}: {err})"
-                if isinstance(err, HangError) else f"{self.timeout_s:g} s (hang_timeout_s)")
+        wait = (f"{waited:.1f} s (of {self._label} {self.timeout_s:g}: {err})"
+                if isinstance(err, HangError) else f"{self.timeout_s:g} s ({self._label})")
         return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, guarded call #{self._seq}; "
                 f"{gone}ranks that did not arrive{' yet' if left else ''}: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
@@ -255,6 +278,9 @@ class _Differ(Exception):
     """The last rank to arrive found that the ranks made different calls (the ``differ`` mark)."""
 
 
+START_WAIT_S = 600.0
+"""With the arrival check off, the longest a rank waits at the start-up check for the others (a
+collective waiting for a rank that never comes has no bound of its own: gloo's is 30 min)."""
 _CALLS_SHOWN = 8  # distinct calls named in the message where the ranks made different ones
 _DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
 _LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving

@@ -583,6 +583,29 @@ def test_a_rank_that_dies_before_any_monitor_call_is_named_within_the_timeout():
     assert seconds < TIMEOUT_S + 10
 
 
+def _check_on_one_rank_only(rank: int, world: int) -> dict:
+    """hang_timeout_s 60 on rank 0 and 0 (the check off) on rank 1; then 0 on both, with a log step."""
+    import distmetrics as dm
+
+    out = {"mixed": _outcome(lambda: dm.Monitor(quiet_config(hang_timeout_s=60 if rank == 0 else 0)))}
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=0))
+    out["all off"] = monitor.step(1, loss=1.0 + rank)["train/loss"]
+    monitor.close()
+    return out
+
+
+def test_a_rank_with_the_arrival_check_off_beside_ranks_with_it_on_is_named_at_once():
+    """Rank 0 waited its whole hang_timeout_s at start-up (300 s by default) for rank 1, which
+    skipped the check and waited in the start-up gather (then a bare gloo error there). The first
+    call is checked with the check off too, as another call: both raise at once, naming both."""
+    calls = {0: "Monitor()", 1: "Monitor() with hang_timeout_s 0 (the arrival check off)"}
+    for rank, out in enumerate(run_ranks(_check_on_one_rank_only, 2, timeout=120)):
+        kind, message, seconds = out["mixed"]
+        assert kind == "HangError" and seconds < 30, (rank, kind, seconds, message)
+        assert f"where the ranks made different calls: {calls[0]} on rank 0; {calls[1]} on rank 1" in message, message
+        assert out["all off"] == 1.5
+
+
 def _close_after_an_error(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
