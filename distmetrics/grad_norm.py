@@ -44,7 +44,8 @@ from .grad_combine import combine as _combine, norm_kind
 from .eager import eager
 from .grad_measurement import GradMeasurement
 from .megatron_optimizer import MegatronShards, check_layout
-from .parallel import Layout, detect_layout, is_dtensor, local_tensor, owns_local_piece, owns_shard_piece
+from .parallel import (Layout, detect_layout, is_dtensor, local_tensor, monitor_ranks, named_mesh_of, owns_local_piece,
+                       owns_shard_piece)
 from .packing import collective_device
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
 from . import replicas
@@ -246,18 +247,32 @@ class GradientNorms:
                 return owned
         return local_tensor(tensor)
 
-    def owns(self, param: Any, name: str, tensor: torch.Tensor) -> bool:
-        """Does this rank's piece of ``tensor`` count (:mod:`distmetrics.parallel`)?"""
+    def owns(self, param: Any, name: str, tensor: torch.Tensor, plan: Optional[Plan] = None) -> bool:
+        """Does this rank's piece of ``tensor`` (one of ``plan``'s) count (:mod:`distmetrics.parallel`)?"""
         if self.shards is not None and id(param) in self.shards.params:
             return owns_shard_piece(param, self.layout)
-        return owns_local_piece(tensor, param, name, self.layout, self.group)
+        reference = self._reference(plan) if plan is not None and is_dtensor(tensor) else None
+        return owns_local_piece(tensor, param, name, self.layout, self.group, reference)
+
+    def _reference(self, plan: Plan) -> Any:
+        """The mesh a DTensor's copies are told apart on where the layout has none (the module-level
+        clip, a pipeline stage's model): the layout mesh of ``plan``'s DTensors that names tp, cp or pp
+        and spans the ranks, else one that names them (torchtitan's TP weights' ``dp_shard_cp`` x ``tp``,
+        a stage's), found once per plan; None where none does."""
+        if self.layout.device_mesh is not None:
+            return None
+        if plan.reference is None:
+            ranks = self.layout.ranks if self.group in (None, self.layout.group) else monitor_ranks(self.group)
+            spanning, part = named_mesh_of(plan.params, ranks)
+            plan.reference = (spanning if spanning is not None else part,)
+        return plan.reference[0]
 
     def _routing(self, plan: Plan, grads: list, index: list[int], device: torch.device) -> Route:
         """The :class:`Route` of the params that have gradients, cached per plan and gradient set."""
         key = (index, device)
         cached = plan.routing.get(key)
         if cached is None:
-            weights = [self.owns(plan.params[i], plan.names[i], g) for g, i in zip(grads, index)]
+            weights = [self.owns(plan.params[i], plan.names[i], g, plan) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
             cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
             if self._checks_replicas(plan):

@@ -76,7 +76,8 @@ class Monitor:
         if model is not None and not isinstance(model, torch.nn.Module) and inspection is None:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
-        if device_mesh is None and self.layout.source == "data-parallel":  # a model parallelized over a named mesh
+        if self.layout.source == "data-parallel":  # a model parallelized over a named mesh (none given, or one
+            # that does not span the Monitor's ranks)
             mesh = model_parallel_mesh(model, self.layout)
             if mesh is not None:
                 self.layout = detect_layout(mesh, group)

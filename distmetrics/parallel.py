@@ -1,8 +1,8 @@
 """Where this rank sits, and what it counts: the one place of the ownership rule.
 
 The layout is read from Megatron-Core's ``parallel_state`` when it is initialised, else from a
-user's ``DeviceMesh`` (dimension names ``tp``, ``cp``, ``pp``; every other dimension is data
-parallel), else everything is data parallel.
+user's ``DeviceMesh`` (dimension names ``tp``, ``cp``, ``pp`` in any case; every other dimension is
+data parallel), else everything is data parallel.
 
 Every metric that sums over ranks must count each token, activation or tensor element once.
 Who does is decided here and nowhere else:
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
 __all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
-           "tp_cp_leader", "model_parallel_mesh",
+           "tp_cp_leader", "model_parallel_mesh", "named_mesh_of",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
            "is_dtensor"]
 
@@ -108,17 +108,32 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
-_PIPELINE_DIMS = frozenset({"pp", "pipeline", "pipeline_parallel"})
-"""Mesh dimension names of pipeline stages (different layers, not copies)."""
-_MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel"}), "cp": frozenset({"cp", "context_parallel"}),
-                       "pp": _PIPELINE_DIMS}
-"""Mesh dimension names of tensor, context and pipeline parallelism."""
-_TP_CP_DIMS = _MODEL_DIMS_BY_KIND["tp"] | _MODEL_DIMS_BY_KIND["cp"]
-"""Mesh dimension names whose ranks work on one batch (its tokens counted once)."""
-_MODEL_DIMS = frozenset().union(*_MODEL_DIMS_BY_KIND.values())
-"""Mesh dimensions that are not data parallel."""
-_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp")
-"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, ...)."""
+_MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "etp"}),
+                       "cp": frozenset({"cp", "context_parallel", "sp"}),
+                       "pp": frozenset({"pp", "pipeline", "pipeline_parallel"})}
+"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel), context (``sp``: Ulysses
+sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other dimension is data parallel."""
+_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world", "expert")
+"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, torchtitan's batch and
+world, ...); a ``_``-separated part ``ep`` too (expert parallel: its ranks see different batches)."""
+
+
+def _kind(name: str) -> Optional[str]:
+    """``tp``, ``cp`` or ``pp`` for a model-parallel mesh dimension's name, else None (data parallel)."""
+    low = name.lower()
+    return next((kind for kind, aliases in _MODEL_DIMS_BY_KIND.items() if low in aliases), None)
+
+
+def _folds(name: str) -> bool:
+    """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
+    ``dp_cp``): its ranks may share a batch, which its one coordinate cannot tell."""
+    return _kind(name) is None and any(_kind(part) for part in name.lower().split("_"))
+
+
+def _looks_data_parallel(name: str) -> bool:
+    """A name of a data-parallel dimension, not to be warned of (see :data:`_DATA_HINTS`)."""
+    low = name.lower()
+    return any(hint in low for hint in _DATA_HINTS) or "ep" in low.split("_")
 
 
 def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layout:
@@ -151,38 +166,82 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
             layout.problem = _outside(layout, {"tensor": layout.tp_group, "pipeline": layout.pp_group,
                                                "data": layout.dp_group, "expert": layout.expert_group})
     elif device_mesh is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(f"device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got "
-                            f"{type(device_mesh).__name__} {device_mesh!r:.80}")
-        device_mesh = _root_of(device_mesh)
-        layout.source = "device_mesh"
-        layout.device_mesh = device_mesh
-        names = tuple(device_mesh.mesh_dim_names or ())
-        coords = device_mesh.get_coordinate() or []
-        dp_rank = 0
-        for dim, coordinate in enumerate(coords):  # every dimension that is not tp/cp/pp is data parallel,
-            if _dim_name(names, dim) not in _MODEL_DIMS:  # an unnamed one too (else each rank took itself for rank 0)
-                dp_rank = dp_rank * device_mesh.size(dim) + coordinate
-        layout.dp_rank = dp_rank
-        unknown = [name for name in names if name not in _MODEL_DIMS and not any(h in name for h in _DATA_HINTS)]
-        if unknown and layout.says_once:
-            logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
-                           "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
-                           "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
-                           ", ".join(map(repr, unknown)))
-        for attr, aliases in _MODEL_DIMS_BY_KIND.items():
-            dim_name = next((name for name in names if name in aliases), None)
-            if dim_name is not None:
-                coordinate = device_mesh.get_local_rank(dim_name)
-                setattr(layout, f"{attr}_rank", coordinate)
-                if attr in ("tp", "pp"):
-                    setattr(layout, f"{attr}_size", device_mesh.size(names.index(dim_name)))
-                    setattr(layout, f"{attr}_group", device_mesh.get_group(dim_name))
-    else:  # data parallel over the Monitor's ranks: nvdlfw-inspect's reduction group is theirs
+        _read_mesh(layout, device_mesh)
+    if layout.source == "data-parallel":  # over the Monitor's ranks: nvdlfw-inspect's reduction group is theirs
         layout.dp_group = layout.group
     return layout
+
+
+def _read_mesh(layout: Layout, given: Any) -> None:
+    """Fill ``layout`` from the mesh whose dimension names say who is who (:func:`_layout_mesh`) where
+    it spans the Monitor's ranks; else say so and leave the layout data parallel (a part of the job
+    cannot say which of its ranks are data-parallel peers)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(given, DeviceMesh):
+        raise TypeError(f"device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got "
+                        f"{type(given).__name__} {given!r:.80}")
+    mesh = _layout_mesh(given)
+    names = tuple(mesh.mesh_dim_names or ())
+    if not _spans(mesh, layout.ranks):
+        if layout.says_once:
+            held, ranks = set(mesh.mesh.flatten().tolist()), set(layout.ranks)
+            logger.warning("distmetrics: device_mesh (dimensions %s) spans %d of the Monitor's %d ranks%s, so it "
+                           "cannot say which ranks are data-parallel (a mesh sliced or unflattened from a 1-D world "
+                           "mesh, as torchtitan's are, is read as it is) and is not read: pass the whole job's mesh "
+                           "(torchtitan: the data mesh, with its pp, dp, cp and tp dimensions)", names,
+                           len(held & ranks), len(ranks), f" and {len(held - ranks)} others" if held - ranks else "")
+        return
+    layout.source = "device_mesh"
+    layout.device_mesh = mesh
+    dp_rank = 0
+    for dim, coordinate in enumerate(mesh.get_coordinate() or []):  # every dimension that is not tp/cp/pp is
+        if _kind(_dim_name(names, dim)) is None:  # data parallel, an unnamed one too (else each rank took itself
+            dp_rank = dp_rank * mesh.size(dim) + coordinate  # for rank 0)
+    layout.dp_rank = dp_rank
+    if layout.says_once:
+        _say_names(names)
+    for attr in _MODEL_DIMS_BY_KIND:
+        dim_name = next((name for name in names if _kind(name) == attr), None)
+        if dim_name is not None:
+            setattr(layout, f"{attr}_rank", mesh.get_local_rank(dim_name))
+            if attr in ("tp", "pp"):
+                setattr(layout, f"{attr}_size", mesh.size(names.index(dim_name)))
+                setattr(layout, f"{attr}_group", mesh.get_group(dim_name))
+
+
+def _say_names(names: tuple) -> None:
+    """Warn of the layout mesh's dimensions taken for data parallel that may not be: an unknown name, or
+    one that folds a model-parallel dimension into data parallel (their ranks would each count a batch)."""
+    folded = [name for name in names if _folds(name)]
+    unknown = [name for name in names if _kind(name) is None and not _folds(name) and not _looks_data_parallel(name)]
+    if folded:
+        logger.warning("distmetrics: DeviceMesh dimension(s) %s fold context-, tensor- or pipeline-parallel ranks "
+                       "into data parallel: their cp/tp/pp part cannot be told apart, so each of their ranks counts "
+                       "its batch's tokens (tokens/s, consumed tokens and MFU times that part's size); pass the mesh "
+                       "with cp, tp and pp as dimensions of their own (torchtitan: the data mesh, not the dense "
+                       "compute mesh).", ", ".join(map(repr, folded)))
+    if unknown:
+        logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
+                       "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
+                       "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
+                       ", ".join(map(repr, unknown)))
+
+
+def _layout_mesh(mesh: Any) -> Any:
+    """The mesh whose dimension names say who is who for ``mesh``: the mesh it was sliced or
+    flattened from where that has more dimensions (``mesh["dp"]``, the mesh FSDP2 is given, of a
+    dp x tp mesh; a flattened ``dp_shard_cp``: their names alone took tensor- or context-parallel
+    ranks for data-parallel ones, multiplying tokens/s and MFU), else ``mesh`` itself (torchtitan's
+    meshes, unflattened from a 1-D world mesh whose one dimension names nothing)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    return root if root is not None and root.ndim > mesh.ndim else mesh
+
+
+def _spans(mesh: Any, ranks: tuple) -> bool:
+    """Does ``mesh`` hold exactly ``ranks`` (the Monitor's)?"""
+    return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
 
 
 def _outside(layout: Layout, groups: dict) -> Optional[str]:
@@ -249,7 +308,7 @@ def data_parallel_group(layout: Layout) -> Any:
     if layout.dp_group is not None or layout.device_mesh is None:
         return layout.dp_group
     mesh = layout.device_mesh
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in _MODEL_DIMS)
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if _kind(n) is None)
     if not mesh.mesh_dim_names:  # unnamed dimensions are data parallel: the whole mesh
         layout.dp_group = mesh.get_group() if mesh.ndim == 1 else \
             dist.new_group(mesh.mesh.flatten().tolist(), use_local_synchronization=True)  # the mesh's ranks ask
@@ -299,7 +358,7 @@ def tp_cp_leader(layout: Layout) -> int:
     mesh = layout.device_mesh
     if layout.source == "device_mesh" and mesh is not None and mesh.get_coordinate() is not None:
         names = tuple(mesh.mesh_dim_names or ())
-        at = tuple(0 if i < len(names) and names[i] in _TP_CP_DIMS else c for i, c in enumerate(mesh.get_coordinate()))
+        at = tuple(0 if _kind(_dim_name(names, i)) in ("tp", "cp") else c for i, c in enumerate(mesh.get_coordinate()))
         return int(mesh.mesh[at])
     return layout.rank
 
@@ -315,12 +374,14 @@ def holds_first_replica(layout: Layout) -> bool:
     return sees_distinct_tokens(layout) and layout.dp_rank == 0
 
 
-def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, group: Any = None) -> bool:
+def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, group: Any = None,
+                     reference: Any = None) -> bool:
     """Does this rank's local piece of ``t`` (a parameter or its gradient) count toward a norm?
 
     * DTensor (FSDP2, HSDP, TP, FSDP2+TP): yes iff the mesh coordinate is 0 on every mesh
       dimension whose placement is ``Replicate`` (``Shard`` dimensions count everywhere), and
-      0 on the root mesh's other dimensions holding copies; ``Partial`` is refused.
+      its mesh is the copy that counts among those of the job's mesh (:func:`_first_copy_outside`:
+      ``reference``, else the layout's mesh); ``Partial`` is refused.
     * Megatron-Core: ``tensor_model_parallel`` params count on every TP rank, others on TP rank 0;
       ``shared`` (the last stage's copy of a tied embedding) never; data-parallel replicas once;
       expert params once per expert-data-parallel group.
@@ -331,7 +392,9 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     * Anything else (DDP, no wrapper): replicas count on rank 0 of ``group`` only.
     """
     if is_dtensor(t):
-        return _owns_dtensor_piece(t, name)
+        if reference is None and layout is not None:
+            reference = layout.device_mesh
+        return _owns_dtensor_piece(t, name, reference)
     if layout.source == "megatron":
         return _megatron_owns(param, layout)
     if layout.source == "device_mesh":
@@ -358,7 +421,7 @@ def owns_shard_piece(param: Any, layout: Layout) -> bool:
     return layout.tp_rank == 0
 
 
-def _owns_dtensor_piece(t: Any, name: str) -> bool:
+def _owns_dtensor_piece(t: Any, name: str, reference: Any = None) -> bool:
     mesh = t.device_mesh
     coords = mesh.get_coordinate()
     if coords is None:  # this rank is not in the tensor's mesh
@@ -375,64 +438,67 @@ def _owns_dtensor_piece(t: Any, name: str) -> bool:
                 f"parameter {name!r} has a {kind} placement on mesh dimension {dim}; norms are defined "
                 "for Shard and Replicate placements only (reduce the gradient before measuring)"
             )
-    return _first_copy_outside(mesh)
+    return _first_copy_outside(mesh, reference)
 
 
 def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
-    """The root DeviceMesh of ``model``'s first DTensor parameter where it has a tensor-, context-
-    or pipeline-parallel dimension and spans the Monitor's ranks (``layout``'s; the world's without
-    it): a model parallelized over a named mesh, given to the Monitor without ``device_mesh``;
-    else None: without it every TP rank counted its batch's tokens and its copy of a replicated
-    activation's statistics, and every pipeline stage its batch's tokens."""
+    """The mesh that says ``model``'s layout (:func:`_layout_mesh` of a DTensor parameter's mesh)
+    where one has a tensor-, context- or pipeline-parallel dimension (or a name folding one, as
+    ``dp_shard_cp``) and spans the Monitor's ranks (``layout``'s; the world's without it): a model
+    parallelized over a named mesh, given to the Monitor without ``device_mesh`` (torchtitan's TP
+    weights sit on its compute mesh's ``dp_shard_cp`` x ``tp``, its other weights on
+    ``dp_shard_cp`` alone); else None: without it every TP rank counted its batch's tokens and its
+    copy of a replicated activation's statistics, and every pipeline stage its batch's tokens."""
     if not isinstance(model, torch.nn.Module):
         return None
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is not None and is_dtensor(param):
-            root = _root_of(mesh)
-            names = set(root.mesh_dim_names or ())
-            if not names & (_TP_CP_DIMS | _PIPELINE_DIMS):  # a pipeline dimension too: else each stage's ranks
-                return None  # counted their batch's tokens (tokens/s, consumed tokens and MFU times the stages)
-            layout = layout or detect_layout()
-            if dist.is_initialized() and root.size() != layout.world_size:  # one replica's mesh
-                if layout.says_once:
-                    logger.warning("distmetrics: the model's DeviceMesh has dimensions %s but spans %d of the %d "
-                                   "ranks, so it cannot say which ranks are data-parallel: pass device_mesh= (the "
-                                   "whole job's mesh), or every tensor-parallel rank counts its batch's tokens",
-                                   root.mesh_dim_names, root.size(), layout.world_size)
-                return None
-            return root
-    return None
+    layout = layout or detect_layout()
+    mesh, part = named_mesh_of(model.parameters(), layout.ranks)
+    if mesh is None and part is not None and layout.says_once:
+        logger.warning("distmetrics: the model's DeviceMesh has dimensions %s but spans %d of the %d ranks, so it "
+                       "cannot say which ranks are data-parallel: pass device_mesh= (the whole job's mesh), or every "
+                       "tensor-parallel rank counts its batch's tokens",
+                       part.mesh_dim_names, part.size(), layout.world_size)
+    return mesh
 
 
-def _root_of(mesh: Any) -> Any:
-    """The mesh a sub-mesh was taken from (``mesh["dp"]``, the mesh FSDP2 is given, inside a dp x
-    tp mesh; a flattened ``dp_shard_cp``), or ``mesh``: the layout needs every dimension by its
-    name (a sub-mesh's names alone took tensor- or context-parallel ranks for data-parallel ones,
-    multiplying tokens/s and MFU)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    root = get_root() if get_root is not None else None
-    return mesh if root is None else root
+def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
+    """(the first layout mesh of the DTensors among ``tensors`` that names a tensor-, context- or
+    pipeline-parallel dimension and spans ``ranks``, or None; the first that names one but spans
+    other ranks, or None). Each distinct mesh is read once."""
+    seen, part = set(), None
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
+            continue
+        seen.add(id(mesh))
+        mesh = _layout_mesh(mesh)
+        if any(_kind(name) or _folds(name) for name in mesh.mesh_dim_names or ()):
+            if _spans(mesh, ranks):
+                return mesh, part
+            if part is None:
+                part = mesh
+    return None, part
 
 
-def _first_copy_outside(mesh: Any) -> bool:
-    """A DTensor on a sub-mesh (e.g. FSDP2's dp mesh inside a dp × tp mesh) has copies along the
-    root mesh's other dimensions; only coordinate 0 there counts. Pipeline dimensions hold
-    different layers, not copies."""
-    root = _root_of(mesh)
-    if root is mesh or root.mesh.numel() == mesh.mesh.numel():
+def _first_copy_outside(mesh: Any, reference: Any = None) -> bool:
+    """Is this rank's copy of a DTensor on sub-mesh ``mesh`` the one that counts? A sub-mesh (FSDP2's
+    dp mesh inside a dp x tp mesh) has copies, its translates, along the other dimensions of the job's
+    mesh: ``reference`` where it holds ``mesh``'s ranks, else the mesh ``mesh`` was taken from
+    (:func:`_layout_mesh`). The translate holding the reference's origin counts: the rank at this rank's
+    coordinates on pipeline dimensions (they hold different layers, not copies) and 0 on every other
+    one, which also picks one of the copies of a sub-mesh that spans a dimension in part (dp_shard
+    inside dp)."""
+    ranks = mesh.mesh.flatten()
+    if reference is None or not bool(torch.isin(ranks, reference.mesh).all()):
+        reference = _layout_mesh(mesh)
+    if reference.mesh.numel() == ranks.numel():
         return True
-    mine = root.get_coordinate()
+    mine = reference.get_coordinate()
     if mine is None:
         return False
-    positions = torch.isin(root.mesh, mesh.mesh.flatten()).nonzero()  # root coordinates of the sub-mesh
-    names = root.mesh_dim_names or ()
-    for dim in range(root.mesh.ndim):
-        outside = positions[:, dim].unique().numel() == 1
-        name = names[dim] if dim < len(names) else ""
-        if outside and name not in _PIPELINE_DIMS and mine[dim] != 0:
-            return False
-    return True
+    names = reference.mesh_dim_names or ()
+    origin = tuple(c if _kind(_dim_name(names, dim)) == "pp" else 0 for dim, c in enumerate(mine))
+    return bool((ranks == reference.mesh[origin]).any())
 
 
 def _megatron_owns(p: Any, layout: Layout) -> bool:

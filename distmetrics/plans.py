@@ -66,6 +66,7 @@ class Plan:
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
     mixed: bool = False  # DTensors and plain tensors side by side (fully_shard on some submodules only)
     given: bool = False  # the parameters a clip was given (not the model's trainable ones): frozen ones too
+    reference: Optional[tuple] = None  # (the mesh its DTensors' copies are told apart on, or None), once found
 
     @functools.cached_property
     def every_index(self) -> tuple:

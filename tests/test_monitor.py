@@ -422,19 +422,54 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
         for step in range(1, 6):
             metrics = monitor.step(step, loss=1.0, tokens=8)
     out["dp_shard_cp"] = metrics["train/consumed_tokens"]
+    world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    unflattened = world_mesh._unflatten(0, (1, world), ("dp", "tp"))  # torchtitan's: its root is the world mesh
+    meshes = {names: init_device_mesh("cpu", (1, world)[-len(names):], mesh_dim_names=names)
+              for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("efsdp", "ep"), ("dp_shard_cp",))}
+    meshes.update({("world",): world_mesh, ("unflattened",): unflattened, ("unflattened['dp']",): unflattened["dp"]})
+    for names, mesh in meshes.items():
+        seen.clear()
+        with dm.Monitor(quiet_config(log_interval=5, log_throughput=True), device_mesh=mesh) as monitor:
+            for step in range(1, 6):
+                metrics = monitor.step(step, loss=1.0, tokens=8)
+        out[names] = (metrics["train/consumed_tokens"], list(seen))
     return out
 
 
-def test_tensor_parallel_mesh_dimensions_count_tokens_once_and_an_unknown_name_is_said():
+@pytest.fixture(scope="module")
+def mesh_names():
+    return run_ranks(_mesh_dim_names, 2, timeout=120)[0]
+
+
+def test_tensor_parallel_mesh_dimensions_count_tokens_once_and_an_unknown_name_is_said(mesh_names):
     """A DeviceMesh dimension named anything but tp/cp/pp was taken for data parallel without a
     word: tensor_parallel doubled tokens/s and MFU on 2 TP ranks. Its alias counts them once; an
     unknown name (model) still counts as data parallel, with a warning naming it."""
-    result = run_ranks(_mesh_dim_names, 2, timeout=120)[0]
+    result = mesh_names
     assert result["tp"] == (40.0, []) and result["tensor_parallel"] == (40.0, [])
     tokens, warned = result["model"]
     assert tokens == 80.0 and any("DeviceMesh dimension(s) 'model' are taken for data parallel" in w for w in warned)
     assert result["mesh['dp']"] == 40.0  # 80: the sub-mesh's names alone made both TP ranks data parallel
     assert result["dp_shard_cp"] == 40.0  # 80: the flattened mesh's one name made both CP ranks data parallel
+
+
+def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_are_said(mesh_names):
+    """TP in capitals, Ulysses' sp and expert TP (etp) share a batch; expert-parallel ranks (ep, efsdp) and
+    torchtitan's world mesh do not, and no warning tells to rename them. A dimension folding cp into data
+    parallel (dp_shard_cp, as its only dimension) counts each rank, said once. torchtitan's meshes,
+    unflattened from a 1-D world mesh, are read as they are (before, through that root: 80 tokens); a
+    sub-mesh of one that spans part of the job is said and not read."""
+    result = mesh_names
+    for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("unflattened",)):
+        assert result[names] == (40.0, []), names
+    for names in (("efsdp", "ep"), ("world",)):
+        assert result[names] == (80.0, []), names
+    tokens, warned = result[("dp_shard_cp",)]
+    assert tokens == 80.0 and len(warned) == 1, warned
+    assert "'dp_shard_cp' fold context-, tensor- or pipeline-parallel ranks into data parallel" in warned[0]
+    assert "pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
+    tokens, warned = result[("unflattened['dp']",)]
+    assert tokens == 80.0 and len(warned) == 1 and "spans 1 of the Monitor's 2 ranks" in warned[0], warned
 
 
 def test_a_loss_that_still_requires_grad_is_taken_without_a_torch_warning(tmp_path):

@@ -3,7 +3,8 @@ the full, unsharded tensors (DTensor ``full_tensor()``, Megatron TP all-gather a
 ``partition_dim``), never from the ownership weights under test.
 
 Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh, FSDP2 on the blocks only
-beside the root's plain layers (4 ranks, one spawn);
+beside the root's plain layers (4 ranks, one spawn); current torchtitan's meshes, unflattened from a 1-D
+world mesh: FSDP2 + TP, FSDP2 inside a dp dimension, pipeline stages (4 ranks, one spawn);
 Megatron-Core TP=2 × DP=2 with ``main_grad``, Megatron PP=2 × TP=2 with a tied embedding, and
 mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn).
 """
@@ -74,11 +75,11 @@ def _truth(named: dict) -> dict:
     return subtree_norms({name: float(t.pow(2).sum()) for name, t in named.items()})
 
 
-def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
+def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None, tokens=None):
     """One real step; returns truth and what the monitor reported, for rank 0 to compare."""
     import distmetrics as dm
 
-    cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True)
+    cfg = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True, log_throughput=tokens is not None)
     monitor = dm.Monitor(cfg, model=model, optimizer=optimizer, device_mesh=mesh)
     loss = model(data).pow(2).mean()
     loss.backward()
@@ -91,7 +92,7 @@ def _measure_layout(model, optimizer, data, monitor_group=None, mesh=None):
     clip_error = max(float((clipped[n] - grads[n] * coef).abs().max()) for n in grads)
     optimizer.step()
     after = {_strip(n): _full(p) for n, p in model.named_parameters()}
-    metrics = monitor.step(1, loss=loss.detach())
+    metrics = monitor.step(1, loss=loss.detach(), tokens=tokens)
     monitor.close()
     return {
         "grad": truth_grad,
@@ -1879,6 +1880,121 @@ def test_a_model_mesh_spanning_part_of_the_job_is_named_not_taken():
     (none, said), (other_none, other_said) = run_ranks(_part_world_mesh, 2, timeout=60)
     assert none and other_none and other_said == []
     assert len(said) == 1 and "spans 1 of the 2 ranks" in said[0] and "pass device_mesh=" in said[0], said
+
+
+# --- torchtitan's meshes: unflattened from a 1-D world mesh -------------------------------------
+
+def _torchtitan_meshes(pp: int, replicate: int, shard: int, cp: int, tp: int) -> tuple:
+    """torchtitan's ``ParallelDims.build_mesh``: a 1-D world mesh unflattened into the data mesh
+    (pp, dp, cp, tp) and the dense compute mesh (pp, dp_replicate, dp_shard_cp, tp). Every sub-mesh
+    FSDP2 and TP are given has the world mesh for its root, whose one dimension names nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (pp * replicate * shard * cp * tp,), mesh_dim_names=("world",))
+    data = world._unflatten(0, (pp, replicate * shard, cp, tp), ("pp", "dp", "cp", "tp"))
+    compute = world._unflatten(0, (pp, replicate, shard * cp, tp), ("pp", "dp_replicate", "dp_shard_cp", "tp"))
+    return data, compute
+
+
+def _unflattened_meshes(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import distmetrics as dm
+
+    def fsdp_tp():  # fsdp 2 x tp 2: the LayerNorms, inp and out sit on compute["dp_shard_cp"] alone
+        data, compute = _torchtitan_meshes(1, 1, 2, 1, 2)
+        model = _net()
+        for block in model.blocks:
+            parallelize_module(block, compute["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(block, mesh=compute["dp_shard_cp"])
+        fully_shard(model, mesh=compute["dp_shard_cp"])
+        batch = torch.randn(6, 8, generator=torch.Generator().manual_seed(200 + data.get_local_rank("dp")))
+        return model, batch, data
+
+    out = {}
+    for given in ("data_mesh", "model_only"):
+        model, batch, data = fsdp_tp()
+        out[given] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), batch, tokens=6,
+                                     mesh=data if given == "data_mesh" else None)
+
+    model, batch, _ = fsdp_tp()  # the module-level clip: no layout but the parameters'
+    model(batch).pow(2).mean().backward()
+    grads = {_strip(n): _full(p.grad) for n, p in model.named_parameters()}
+    truth = _truth(grads)["total"]
+    total = float(dm.clip_grad_norm_(model.parameters(), MAX_NORM))
+    coef = min(1.0, MAX_NORM / (truth + 1e-6))
+    error = max(float((_full(p.grad) - grads[_strip(n)] * coef).abs().max()) for n, p in model.named_parameters())
+    out["module_level"] = {"truth": truth, "returned": total, "clip_error": error,
+                           "clip_scale": max(float(g.abs().max()) for g in grads.values()) * coef}
+
+    # HSDP's replicate x shard folded into the data mesh's one dp dimension, FSDP2 on the shard ranks
+    # only (a sub-mesh covering dp in part): each replica holds a copy, one counts
+    data, compute = _torchtitan_meshes(1, 2, 2, 1, 1)
+    model = _net()
+    for block in model.blocks:
+        fully_shard(block, mesh=compute["dp_shard_cp"])
+    fully_shard(model, mesh=compute["dp_shard_cp"])
+    batch = torch.randn(6, 8, generator=torch.Generator().manual_seed(300 + compute.get_local_rank("dp_shard_cp")))
+    out["fsdp_in_dp"] = _measure_layout(model, torch.optim.AdamW(model.parameters(), lr=0.01), batch, mesh=data)
+
+    # pp 2 x dp 2: stage s holds layers.s, sharded over its dp ranks; torchtitan passes -1 as the loss
+    # of the stage that has none
+    data, compute = _torchtitan_meshes(2, 1, 2, 1, 1)
+    stage_index = data.get_local_rank("pp")
+    torch.manual_seed(500 + stage_index)
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict({str(stage_index): torch.nn.Linear(8, 8)})
+    layer = fully_shard(stage.layers[str(stage_index)], mesh=compute["dp_shard_cp"])
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_throughput=True), model=stage, device_mesh=data)
+    layer(torch.randn(6, 8, generator=torch.Generator().manual_seed(600 + rank))).pow(2).mean().backward()
+    squares = {(name, 0): float(_full(p.grad).pow(2).sum()) for name, p in stage.named_parameters()}
+    returned = float(monitor.clip_grad_norm_(math.inf))
+    metrics = monitor.step(1, loss=3.0 if stage_index == 1 else -1.0, tokens=10)
+    monitor.close()
+    out["pp"] = {"truth": subtree_norms(squares_by_name(squares, world)), "returned": returned, "metrics": metrics}
+    return out
+
+
+@pytest.fixture(scope="module")
+def unflattened_results():
+    return run_ranks(_unflattened_meshes, 4, timeout=300)
+
+
+@pytest.mark.parametrize("given", ["data_mesh", "model_only", "fsdp_in_dp"])
+def test_norms_and_tokens_are_exact_on_torchtitans_unflattened_meshes(unflattened_results, given):
+    """fsdp 2 x tp 2 as current torchtitan builds it (its meshes unflattened from a 1-D world mesh),
+    given the data mesh or the model only: the clip, total, per-module, parameter and update norms equal
+    float64 truth from the full tensors, and each batch's tokens count once (before, every mesh was read
+    through its root, which names nothing: the weights outside TP counted on both TP ranks, grad_norm
+    1.48 for a truth of 1.22, the clip too strong, and tokens counted twice). FSDP2 on the shard ranks
+    of the data mesh's dp dimension: one replica's copy counts."""
+    for rank_result in unflattened_results:
+        _check(rank_result[given])
+        if given != "fsdp_in_dp":
+            assert rank_result[given]["metrics"]["train/consumed_tokens"] == 12.0  # 2 replicas of 6
+
+
+def test_the_module_level_clip_is_exact_on_torchtitans_unflattened_meshes(unflattened_results):
+    """``dm.clip_grad_norm_`` has no mesh but the parameters': the TP weights' dp_shard_cp x tp mesh
+    says which copies of the other weights count."""
+    for rank_result in unflattened_results:
+        r = rank_result["module_level"]
+        assert r["returned"] == pytest.approx(r["truth"], rel=REL)
+        assert r["clip_error"] <= 1e-6 * r["clip_scale"]
+
+
+def test_an_unflattened_pp_x_dp_mesh_counts_every_stage_once_and_leaves_out_the_placeholder_loss(
+        unflattened_results):
+    for rank_result in unflattened_results:
+        r = rank_result["pp"]
+        assert r["returned"] == pytest.approx(r["truth"]["total"], rel=REL)
+        assert r["metrics"]["grad_norm"] == pytest.approx(r["truth"]["total"], rel=REL)
+        for module, value in r["truth"]["modules"].items():
+            assert r["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
+        assert r["metrics"]["train/loss"] == 3.0  # the last stage's, not averaged with stage 0's -1
+        assert r["metrics"]["train/consumed_tokens"] == 20.0  # 2 replicas of 10, not 4
 
 
 # --- fine-tuning: frozen parameters, parameters given to the clip, several clips, update norms ---

@@ -145,7 +145,7 @@ class ParamSide:
         """The params' :class:`~distmetrics.plans.Route` on ``device`` (cached)."""
         route = plan.param_routes.get(device)
         if route is None:
-            weights = [self.grads.owns(p, n, p) for p, n in zip(plan.params, plan.names)]
+            weights = [self.grads.owns(p, n, p, plan) for p, n in zip(plan.params, plan.names)]
             route = plan.param_routes[device] = route_of(plan, list(range(len(plan.params))), weights, device)
         return route
 
