@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .meshes import (MODEL_DIMS_BY_KIND, dim_kind, dim_name, first_copy_outside, layout_mesh, named_mesh_of, say_names,
+                     spans)
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
 __all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
@@ -108,34 +110,6 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
-_MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "etp"}),
-                       "cp": frozenset({"cp", "context_parallel", "sp"}),
-                       "pp": frozenset({"pp", "pipeline", "pipeline_parallel"})}
-"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel), context (``sp``: Ulysses
-sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other dimension is data parallel."""
-_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world", "expert")
-"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, torchtitan's batch and
-world, ...); a ``_``-separated part ``ep`` too (expert parallel: its ranks see different batches)."""
-
-
-def _kind(name: str) -> Optional[str]:
-    """``tp``, ``cp`` or ``pp`` for a model-parallel mesh dimension's name, else None (data parallel)."""
-    low = name.lower()
-    return next((kind for kind, aliases in _MODEL_DIMS_BY_KIND.items() if low in aliases), None)
-
-
-def _folds(name: str) -> bool:
-    """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
-    ``dp_cp``): its ranks may share a batch, which its one coordinate cannot tell."""
-    return _kind(name) is None and any(_kind(part) for part in name.lower().split("_"))
-
-
-def _looks_data_parallel(name: str) -> bool:
-    """A name of a data-parallel dimension, not to be warned of (see :data:`_DATA_HINTS`)."""
-    low = name.lower()
-    return any(hint in low for hint in _DATA_HINTS) or "ep" in low.split("_")
-
-
 def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layout:
     """Build the :class:`Layout` of this rank in a Monitor reducing over ``group`` (None: the
     world); a rank outside ``group`` is refused (:func:`monitor_ranks`)."""
@@ -173,7 +147,7 @@ def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layou
 
 
 def _read_mesh(layout: Layout, given: Any) -> None:
-    """Fill ``layout`` from the mesh whose dimension names say who is who (:func:`_layout_mesh`) where
+    """Fill ``layout`` from the mesh whose dimension names say who is who (:func:`layout_mesh`) where
     it spans the Monitor's ranks; else say so and leave the layout data parallel (a part of the job
     cannot say which of its ranks are data-parallel peers)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -181,9 +155,9 @@ def _read_mesh(layout: Layout, given: Any) -> None:
     if not isinstance(given, DeviceMesh):
         raise TypeError(f"device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got "
                         f"{type(given).__name__} {given!r:.80}")
-    mesh = _layout_mesh(given)
+    mesh = layout_mesh(given)
     names = tuple(mesh.mesh_dim_names or ())
-    if not _spans(mesh, layout.ranks):
+    if not spans(mesh, layout.ranks):
         if layout.says_once:
             held, ranks = set(mesh.mesh.flatten().tolist()), set(layout.ranks)
             logger.warning("distmetrics: device_mesh (dimensions %s) spans %d of the Monitor's %d ranks%s, so it "
@@ -196,52 +170,18 @@ def _read_mesh(layout: Layout, given: Any) -> None:
     layout.device_mesh = mesh
     dp_rank = 0
     for dim, coordinate in enumerate(mesh.get_coordinate() or []):  # every dimension that is not tp/cp/pp is
-        if _kind(_dim_name(names, dim)) is None:  # data parallel, an unnamed one too (else each rank took itself
+        if dim_kind(dim_name(names, dim)) is None:  # data parallel, an unnamed one too (else each rank took itself
             dp_rank = dp_rank * mesh.size(dim) + coordinate  # for rank 0)
     layout.dp_rank = dp_rank
     if layout.says_once:
-        _say_names(names)
-    for attr in _MODEL_DIMS_BY_KIND:
-        dim_name = next((name for name in names if _kind(name) == attr), None)
-        if dim_name is not None:
-            setattr(layout, f"{attr}_rank", mesh.get_local_rank(dim_name))
+        say_names(names)
+    for attr in MODEL_DIMS_BY_KIND:
+        named = next((name for name in names if dim_kind(name) == attr), None)
+        if named is not None:
+            setattr(layout, f"{attr}_rank", mesh.get_local_rank(named))
             if attr in ("tp", "pp"):
-                setattr(layout, f"{attr}_size", mesh.size(names.index(dim_name)))
-                setattr(layout, f"{attr}_group", mesh.get_group(dim_name))
-
-
-def _say_names(names: tuple) -> None:
-    """Warn of the layout mesh's dimensions taken for data parallel that may not be: an unknown name, or
-    one that folds a model-parallel dimension into data parallel (their ranks would each count a batch)."""
-    folded = [name for name in names if _folds(name)]
-    unknown = [name for name in names if _kind(name) is None and not _folds(name) and not _looks_data_parallel(name)]
-    if folded:
-        logger.warning("distmetrics: DeviceMesh dimension(s) %s fold context-, tensor- or pipeline-parallel ranks "
-                       "into data parallel: their cp/tp/pp part cannot be told apart, so each of their ranks counts "
-                       "its batch's tokens (tokens/s, consumed tokens and MFU times that part's size); pass the mesh "
-                       "with cp, tp and pp as dimensions of their own (torchtitan: the data mesh, not the dense "
-                       "compute mesh).", ", ".join(map(repr, folded)))
-    if unknown:
-        logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
-                       "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
-                       "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
-                       ", ".join(map(repr, unknown)))
-
-
-def _layout_mesh(mesh: Any) -> Any:
-    """The mesh whose dimension names say who is who for ``mesh``: the mesh it was sliced or
-    flattened from where that has more dimensions (``mesh["dp"]``, the mesh FSDP2 is given, of a
-    dp x tp mesh; a flattened ``dp_shard_cp``: their names alone took tensor- or context-parallel
-    ranks for data-parallel ones, multiplying tokens/s and MFU), else ``mesh`` itself (torchtitan's
-    meshes, unflattened from a 1-D world mesh whose one dimension names nothing)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    root = get_root() if get_root is not None else None
-    return root if root is not None and root.ndim > mesh.ndim else mesh
-
-
-def _spans(mesh: Any, ranks: tuple) -> bool:
-    """Does ``mesh`` hold exactly ``ranks`` (the Monitor's)?"""
-    return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
+                setattr(layout, f"{attr}_size", mesh.size(names.index(named)))
+                setattr(layout, f"{attr}_group", mesh.get_group(named))
 
 
 def _outside(layout: Layout, groups: dict) -> Optional[str]:
@@ -308,7 +248,7 @@ def data_parallel_group(layout: Layout) -> Any:
     if layout.dp_group is not None or layout.device_mesh is None:
         return layout.dp_group
     mesh = layout.device_mesh
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if _kind(n) is None)
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if dim_kind(n) is None)
     if not mesh.mesh_dim_names:  # unnamed dimensions are data parallel: the whole mesh
         layout.dp_group = mesh.get_group() if mesh.ndim == 1 else \
             dist.new_group(mesh.mesh.flatten().tolist(), use_local_synchronization=True)  # the mesh's ranks ask
@@ -319,11 +259,6 @@ def data_parallel_group(layout: Layout) -> Any:
     else:
         layout.dp_group = mesh[names]._flatten().get_group()
     return layout.dp_group
-
-
-def _dim_name(names: tuple, dim: int) -> str:
-    """The name of mesh dimension ``dim`` ("" where the mesh has no names)."""
-    return names[dim] if dim < len(names) else ""
 
 
 def _megatron_parallel_state():
@@ -358,7 +293,7 @@ def tp_cp_leader(layout: Layout) -> int:
     mesh = layout.device_mesh
     if layout.source == "device_mesh" and mesh is not None and mesh.get_coordinate() is not None:
         names = tuple(mesh.mesh_dim_names or ())
-        at = tuple(0 if _kind(_dim_name(names, i)) in ("tp", "cp") else c for i, c in enumerate(mesh.get_coordinate()))
+        at = tuple(0 if dim_kind(dim_name(names, i)) in ("tp", "cp") else c for i, c in enumerate(mesh.get_coordinate()))
         return int(mesh.mesh[at])
     return layout.rank
 
@@ -380,7 +315,7 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
 
     * DTensor (FSDP2, HSDP, TP, FSDP2+TP): yes iff the mesh coordinate is 0 on every mesh
       dimension whose placement is ``Replicate`` (``Shard`` dimensions count everywhere), and
-      its mesh is the copy that counts among those of the job's mesh (:func:`_first_copy_outside`:
+      its mesh is the copy that counts among those of the job's mesh (:func:`~distmetrics.meshes.first_copy_outside`:
       ``reference``, else the layout's mesh); ``Partial`` is refused.
     * Megatron-Core: ``tensor_model_parallel`` params count on every TP rank, others on TP rank 0;
       ``shared`` (the last stage's copy of a tied embedding) never; data-parallel replicas once;
@@ -438,11 +373,11 @@ def _owns_dtensor_piece(t: Any, name: str, reference: Any = None) -> bool:
                 f"parameter {name!r} has a {kind} placement on mesh dimension {dim}; norms are defined "
                 "for Shard and Replicate placements only (reduce the gradient before measuring)"
             )
-    return _first_copy_outside(mesh, reference)
+    return first_copy_outside(mesh, reference)
 
 
 def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
-    """The mesh that says ``model``'s layout (:func:`_layout_mesh` of a DTensor parameter's mesh)
+    """The mesh that says ``model``'s layout (:func:`layout_mesh` of a DTensor parameter's mesh)
     where one has a tensor-, context- or pipeline-parallel dimension (or a name folding one, as
     ``dp_shard_cp``) and spans the Monitor's ranks (``layout``'s; the world's without it): a model
     parallelized over a named mesh, given to the Monitor without ``device_mesh`` (torchtitan's TP
@@ -459,46 +394,6 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                        "tensor-parallel rank counts its batch's tokens",
                        part.mesh_dim_names, part.size(), layout.world_size)
     return mesh
-
-
-def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
-    """(the first layout mesh of the DTensors among ``tensors`` that names a tensor-, context- or
-    pipeline-parallel dimension and spans ``ranks``, or None; the first that names one but spans
-    other ranks, or None). Each distinct mesh is read once."""
-    seen, part = set(), None
-    for tensor in tensors:
-        mesh = getattr(tensor, "device_mesh", None)
-        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
-            continue
-        seen.add(id(mesh))
-        mesh = _layout_mesh(mesh)
-        if any(_kind(name) or _folds(name) for name in mesh.mesh_dim_names or ()):
-            if _spans(mesh, ranks):
-                return mesh, part
-            if part is None:
-                part = mesh
-    return None, part
-
-
-def _first_copy_outside(mesh: Any, reference: Any = None) -> bool:
-    """Is this rank's copy of a DTensor on sub-mesh ``mesh`` the one that counts? A sub-mesh (FSDP2's
-    dp mesh inside a dp x tp mesh) has copies, its translates, along the other dimensions of the job's
-    mesh: ``reference`` where it holds ``mesh``'s ranks, else the mesh ``mesh`` was taken from
-    (:func:`_layout_mesh`). The translate holding the reference's origin counts: the rank at this rank's
-    coordinates on pipeline dimensions (they hold different layers, not copies) and 0 on every other
-    one, which also picks one of the copies of a sub-mesh that spans a dimension in part (dp_shard
-    inside dp)."""
-    ranks = mesh.mesh.flatten()
-    if reference is None or not bool(torch.isin(ranks, reference.mesh).all()):
-        reference = _layout_mesh(mesh)
-    if reference.mesh.numel() == ranks.numel():
-        return True
-    mine = reference.get_coordinate()
-    if mine is None:
-        return False
-    names = reference.mesh_dim_names or ()
-    origin = tuple(c if _kind(_dim_name(names, dim)) == "pp" else 0 for dim, c in enumerate(mine))
-    return bool((ranks == reference.mesh[origin]).any())
 
 
 def _megatron_owns(p: Any, layout: Layout) -> bool:

@@ -1,0 +1,125 @@
+"""Device meshes by their dimension names: which dimensions are tensor-, context- and pipeline-parallel
+(every other one is data parallel), which mesh says who is who for a sub-mesh (the one it was sliced or
+flattened from, or itself where it was unflattened from a 1-D world mesh, as torchtitan's are), and which
+copy of a DTensor on a sub-mesh counts. Used by :mod:`distmetrics.parallel`, the one place of the
+ownership rule."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from .names import is_dtensor
+
+logger = logging.getLogger("distmetrics")
+
+__all__ = ["MODEL_DIMS_BY_KIND", "dim_kind", "dim_name", "folds", "say_names", "layout_mesh", "spans", "named_mesh_of",
+           "first_copy_outside"]
+
+MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "etp"}),
+                       "cp": frozenset({"cp", "context_parallel", "sp"}),
+                       "pp": frozenset({"pp", "pipeline", "pipeline_parallel"})}
+"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel), context (``sp``: Ulysses
+sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other dimension is data parallel."""
+_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world", "expert")
+"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, torchtitan's batch and
+world, ...); a ``_``-separated part ``ep`` too (expert parallel: its ranks see different batches)."""
+
+
+def dim_kind(name: str) -> Optional[str]:
+    """``tp``, ``cp`` or ``pp`` for a model-parallel mesh dimension's name, else None (data parallel)."""
+    low = name.lower()
+    return next((kind for kind, aliases in MODEL_DIMS_BY_KIND.items() if low in aliases), None)
+
+
+def folds(name: str) -> bool:
+    """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
+    ``dp_cp``): its ranks may share a batch, which its one coordinate cannot tell."""
+    return dim_kind(name) is None and any(dim_kind(part) for part in name.lower().split("_"))
+
+
+def _looks_data_parallel(name: str) -> bool:
+    """A name of a data-parallel dimension, not to be warned of (see :data:`_DATA_HINTS`)."""
+    low = name.lower()
+    return any(hint in low for hint in _DATA_HINTS) or "ep" in low.split("_")
+
+
+def say_names(names: tuple) -> None:
+    """Warn of the layout mesh's dimensions taken for data parallel that may not be: an unknown name, or
+    one that folds a model-parallel dimension into data parallel (their ranks would each count a batch)."""
+    folded = [name for name in names if folds(name)]
+    unknown = [name for name in names if dim_kind(name) is None and not folds(name) and not _looks_data_parallel(name)]
+    if folded:
+        logger.warning("distmetrics: DeviceMesh dimension(s) %s fold context-, tensor- or pipeline-parallel ranks "
+                       "into data parallel: their cp/tp/pp part cannot be told apart, so each of their ranks counts "
+                       "its batch's tokens (tokens/s, consumed tokens and MFU times that part's size); pass the mesh "
+                       "with cp, tp and pp as dimensions of their own (torchtitan: the data mesh, not the dense "
+                       "compute mesh).", ", ".join(map(repr, folded)))
+    if unknown:
+        logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
+                       "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
+                       "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
+                       ", ".join(map(repr, unknown)))
+
+
+def layout_mesh(mesh: Any) -> Any:
+    """The mesh whose dimension names say who is who for ``mesh``: the mesh it was sliced or
+    flattened from where that has more dimensions (``mesh["dp"]``, the mesh FSDP2 is given, of a
+    dp x tp mesh; a flattened ``dp_shard_cp``: their names alone took tensor- or context-parallel
+    ranks for data-parallel ones, multiplying tokens/s and MFU), else ``mesh`` itself (torchtitan's
+    meshes, unflattened from a 1-D world mesh whose one dimension names nothing)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    return root if root is not None and root.ndim > mesh.ndim else mesh
+
+
+def spans(mesh: Any, ranks: tuple) -> bool:
+    """Does ``mesh`` hold exactly ``ranks`` (the Monitor's)?"""
+    return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
+
+
+def dim_name(names: tuple, dim: int) -> str:
+    """The name of mesh dimension ``dim`` ("" where the mesh has no names)."""
+    return names[dim] if dim < len(names) else ""
+
+
+def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
+    """(the first layout mesh of the DTensors among ``tensors`` that names a tensor-, context- or
+    pipeline-parallel dimension and spans ``ranks``, or None; the first that names one but spans
+    other ranks, or None). Each distinct mesh is read once."""
+    seen, part = set(), None
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
+            continue
+        seen.add(id(mesh))
+        mesh = layout_mesh(mesh)
+        if any(dim_kind(name) or folds(name) for name in mesh.mesh_dim_names or ()):
+            if spans(mesh, ranks):
+                return mesh, part
+            if part is None:
+                part = mesh
+    return None, part
+
+
+def first_copy_outside(mesh: Any, reference: Any = None) -> bool:
+    """Is this rank's copy of a DTensor on sub-mesh ``mesh`` the one that counts? A sub-mesh (FSDP2's
+    dp mesh inside a dp x tp mesh) has copies, its translates, along the other dimensions of the job's
+    mesh: ``reference`` where it holds ``mesh``'s ranks, else the mesh ``mesh`` was taken from
+    (:func:`layout_mesh`). The translate holding the reference's origin counts: the rank at this rank's
+    coordinates on pipeline dimensions (they hold different layers, not copies) and 0 on every other
+    one, which also picks one of the copies of a sub-mesh that spans a dimension in part (dp_shard
+    inside dp)."""
+    ranks = mesh.mesh.flatten()
+    if reference is None or not bool(torch.isin(ranks, reference.mesh).all()):
+        reference = layout_mesh(mesh)
+    if reference.mesh.numel() == ranks.numel():
+        return True
+    mine = reference.get_coordinate()
+    if mine is None:
+        return False
+    names = reference.mesh_dim_names or ()
+    origin = tuple(c if dim_kind(dim_name(names, dim)) == "pp" else 0 for dim, c in enumerate(mine))
+    return bool((ranks == reference.mesh[origin]).any())
