@@ -36,6 +36,7 @@ class GradMeasurement:
     local_nonfinite: Optional[torch.Tensor] = None  # how many local tensors hold NaN or inf (0-d float64)
     bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)
     plan: Optional[Plan] = None  # the parameters measured
+    partial: bool = False  # made after another over other parameters in the same step: not the step's gradient
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
     replicas: Optional[torch.Tensor] = None  # the reduced lanes of the replica check (distmetrics.replicas)

@@ -31,12 +31,14 @@ from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
 from .interval import now
+from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
 from .naming import module_order
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
 from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet, check_sinks
+from .step_hooks import hooked_optimizer
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for
 
 __all__ = ["Monitor"]
@@ -76,6 +78,9 @@ class Monitor:
         if model is not None and not isinstance(model, torch.nn.Module) and inspection is None:
             model, optimizer = build_model(config, self.layout, model, optimizer)
         self.model, self.optimizer = model, optimizer
+        if optimizer is not None and model is not None and config.log_update_norm \
+                and not is_megatron_optimizer(optimizer):  # refused before any collective, on every rank alike
+            hooked_optimizer(optimizer, "Monitor(optimizer=...)")
         if self.layout.source == "data-parallel":  # a model parallelized over a named mesh (none given, or one
             # that does not span the Monitor's ranks)
             mesh = model_parallel_mesh(model, self.layout)
@@ -170,6 +175,8 @@ class Monitor:
             if step != self._last_step + self._stride and "norms" in self._by_name and self._is_log_step(step):
                 self._by_name["norms"].unpredicted(step)  # its optimizer step was not snapshotted: said
             self._stride = step - self._last_step  # steps 2, 4, 6...: the next log step is predicted
+        if "norms" in self._by_name:  # the step's optimizer steps are over: their update is the step's
+            self._by_name["norms"].end_step()
         self._last_step = step
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out

@@ -2462,3 +2462,292 @@ def test_effective_lr_ratio_under_bf16_gradients_is_over_the_clip_coefficient_ti
             assert m["effective_lr_ratio"] == pytest.approx(r["update"]["total"] / (m["grad_norm"] * coef), rel=REL)
             assert m["effective_lr_ratio"] == pytest.approx(r["update"]["total"] / r["clipped"], rel=2.0 ** -8)
 
+
+
+# --- updates of a step with several optimizer steps, steps that raise, wrapped optimizers ------------
+
+def _gan(dtype=None):
+    """A generator and a critic in one module whose forward is either one's WGAN loss (so DDP
+    averages the gradients of both); ``dtype``: the whole model's, or "mixed" (a bf16 critic)."""
+    import torch
+    from torch import nn
+
+    class GAN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.G = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            self.D = nn.Linear(8, 1)
+
+        def critic(self, x):
+            return self.D(x.to(self.D.weight.dtype)).float().mean()
+
+        def forward(self, who, z, real):
+            fake = self.G(z.to(self.G[0].weight.dtype))
+            if who == "G":
+                return -self.critic(fake)
+            unused = sum(p.sum() for p in self.G.parameters()).float()  # DDP: every parameter in the graph
+            return self.critic(fake.detach()) - self.critic(real) + 0 * unused
+
+    torch.manual_seed(0)
+    model = GAN()
+    if dtype == "mixed":
+        model.D.to(torch.bfloat16)
+    elif dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def _gan_step(net, who: str, generator, optimizers: dict, clip=None) -> None:
+    """One optimizer step of ``who`` on its loss through ``net`` (the model, or its DDP wrapper)."""
+    import torch
+
+    model = getattr(net, "module", net)
+    net(who, torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)).backward()
+    if clip is not None:  # a clip per network
+        clip(getattr(model, who).parameters(), 1e9)
+    optimizers[who].step()
+    for optimizer in optimizers.values():
+        optimizer.zero_grad()
+
+
+def _full_params(model) -> dict:
+    import torch
+
+    return {_strip(name): p.detach().to(torch.float64).clone() for name, p in model.named_parameters()}
+
+
+def _update_truth(before: dict, after: dict) -> dict:
+    """{"total", "modules"}: float64 norms of P_after − P_before on the full tensors."""
+    return subtree_norms({name: float((after[name] - before[name]).pow(2).sum()) for name in before})
+
+
+def _several_optimizer_steps(rank: int, world: int) -> dict:
+    """A WGAN under DDP, generator and critic each with its own Adam, both attached: n_critic
+    orders G, D, D and D, D, G between two monitor.step calls; then optimizers Monitor() refuses."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distmetrics as dm
+    from tests.dist_utils import CollectiveCounter
+
+    out: dict = {"rows": []}
+    for order in ("GDD", "DDG"):
+        model = _gan()
+        ddp = DDP(model)
+        optimizers = {"G": torch.optim.Adam(model.G.parameters(), lr=1e-2),
+                      "D": torch.optim.Adam(model.D.parameters(), lr=3e-2)}
+        monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=ddp, optimizer=optimizers["G"])
+        monitor.attach_megatron_optimizer(optimizers["D"])  # any optimizer: every one that moves the model
+        generator = torch.Generator().manual_seed(rank)  # each rank its own batches
+        for step in (1, 2):
+            before = _full_params(ddp)
+            for who in order:
+                _gan_step(ddp, who, generator, optimizers)
+            truth = _update_truth(before, _full_params(ddp))
+            metrics = monitor.step(step)
+            out["rows"].append((order, step, truth, {k: v for k, v in metrics.items() if k.startswith("update_norm")}))
+        monitor.close()
+
+    class Wrapper:  # holds the optimizer, but not in .optimizer: nothing to hook
+        def __init__(self, optimizer):
+            self.opt, self.param_groups = optimizer, optimizer.param_groups
+
+        def step(self):
+            self.opt.step()
+
+    out["refused"] = []
+    for given in (Wrapper(torch.optim.SGD(model.parameters(), lr=0.1)), object()):
+        with CollectiveCounter() as counter:
+            try:
+                dm.Monitor(quiet_config(log_update_norm=True), model=ddp, optimizer=given).close()
+            except Exception as err:  # noqa: BLE001 - which error, and after how many collectives
+                out["refused"].append((f"{type(err).__name__}: {err}", counter.collectives))
+    return out
+
+
+@pytest.fixture(scope="module")
+def several_optimizer_steps():
+    return run_ranks(_several_optimizer_steps, 2, timeout=180)
+
+
+def test_an_update_is_the_whole_steps_whatever_optimizers_step_in_it_and_their_order(several_optimizer_steps):
+    """A WGAN's generator and critic (n_critic 2), both attached, on 2 DDP ranks: a part stepping
+    again replaced the step's whole update, the other optimizer's squares too (G, D, D:
+    update_norm 0.018 for 0.095, update_norm/G 0.0 for 0.085). It is P after the step's last
+    optimizer step − P before its first, total and per module."""
+    for result in several_optimizer_steps:
+        assert [row[:2] for row in result["rows"]] == [("GDD", 1), ("GDD", 2), ("DDG", 1), ("DDG", 2)]
+        for order, step, truth, got in result["rows"]:
+            assert got["update_norm"] == pytest.approx(truth["total"], rel=1e-6), (order, step)
+            assert set(got) == {"update_norm"} | {f"update_norm/{module}" for module in truth["modules"]}
+            for module, value in truth["modules"].items():
+                assert got[f"update_norm/{module}"] == pytest.approx(value, rel=1e-6), (order, step, module)
+
+
+def test_an_optimizer_whose_step_runs_no_hooks_is_refused_on_every_rank_before_any_collective(
+        several_optimizer_steps):
+    """A wrapper that is no torch optimizer and holds none in .optimizer: a bare AttributeError
+    (register_step_pre_hook). Now a TypeError naming it and what is accepted, before any collective."""
+    for result in several_optimizer_steps:
+        (wrapper, wrapper_collectives), (other, other_collectives) = result["refused"]
+        assert wrapper.startswith("TypeError: Monitor(optimizer=...): got a tests.test_norms."), wrapper
+        assert ".Wrapper, which is no torch.optim.Optimizer" in wrapper, wrapper
+        assert "Accepted: a torch.optim.Optimizer" in wrapper, wrapper
+        assert other.startswith("TypeError: Monitor(optimizer=...): got a builtins.object,"), other
+        assert wrapper_collectives == 0 and other_collectives == 0
+
+
+@pytest.mark.parametrize("dtype,snapshot", [(None, "cpu"), ("bfloat16", "device"), ("mixed", "device")])
+def test_several_optimizer_steps_in_a_step_are_measured_whole_in_every_precision(dtype, snapshot):
+    """One rank, G then D twice, a clip per network: the step's update (float64 truth) from bf16
+    pieces (kept as copied) and fp32 ones (holding the difference, made the old parameters again
+    before the next optimizer step), the copy on the device or the CPU, let go at monitor.step; and no
+    total effective_lr_ratio, the step's whole update over the last clip's network's norm."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _gan(torch.bfloat16 if dtype == "bfloat16" else dtype)
+    optimizers = {"G": torch.optim.SGD(model.G.parameters(), lr=0.1),
+                  "D": torch.optim.SGD(model.D.parameters(), lr=0.3)}
+    config = quiet_config(log_interval=1, log_update_norm=True, log_params_norm=True, update_norm_snapshot=snapshot)
+    monitor = dm.Monitor(config, model=model, optimizer=optimizers["D"])
+    monitor.attach_megatron_optimizer(optimizers["G"])
+    generator = torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        before = _full_params(model)
+        for who in "GDD":
+            _gan_step(model, who, generator, optimizers, clip=monitor.clip_grad_norm_)
+        truth = _update_truth(before, _full_params(model))
+        metrics = monitor.step(step)
+        assert monitor._by_name["norms"]._snapshot is None
+        assert metrics["update_norm"] == pytest.approx(truth["total"], rel=1e-6), step
+        for module, value in truth["modules"].items():
+            assert metrics[f"update_norm/{module}"] == pytest.approx(value, rel=1e-6), (step, module)
+        assert "effective_lr_ratio" not in metrics and "effective_lr_ratio/D" in metrics
+    monitor.close()
+
+
+def _flaky_sgd(params, fail_at: set):
+    """An SGD whose step raises at the calls numbered in ``fail_at`` (an out-of-memory error the loop catches)."""
+    import torch
+
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls in fail_at:
+                raise RuntimeError("out of memory (simulated)")
+            return super().step(closure)
+
+    return Flaky(params, lr=0.1)
+
+
+@pytest.mark.parametrize("log_interval,fails,retry", [(1, 2, False), (2, 3, False), (1, 2, True)],
+                         ids=["at a log step", "before one", "retried"])
+def test_an_optimizer_step_that_raises_does_not_end_update_norms(log_interval, fails, retry, caplog):
+    """A step that raised left the hooks' count of steps under way at 1 for good: no update_norm
+    for the rest of the run, the snapshot never let go, a "did not step" warning at the next log
+    step. Now it is forgotten at its retry (measured from before the failed try) or monitor.step."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = _flaky_sgd(model.parameters(), {fails})
+    monitor = dm.Monitor(quiet_config(log_interval=log_interval, log_update_norm=True), model=model,
+                         optimizer=optimizer)
+    rows = []
+    for step in range(1, 7):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        before = _full_params(model)
+        try:
+            optimizer.step()
+        except RuntimeError:
+            if retry:
+                optimizer.step()
+        optimizer.zero_grad()
+        truth = _update_truth(before, _full_params(model))["total"]
+        metrics = monitor.step(step)
+        assert monitor._by_name["norms"]._snapshot is None, step
+        if metrics is not None:
+            rows.append((step, metrics.get("update_norm"), truth))
+    monitor.close()
+    raised_at_log_step = log_interval == 1 and not retry
+    for step, got, truth in rows:
+        if step == fails and raised_at_log_step:  # the step that raised moved nothing: no update, said
+            assert got is None
+        else:
+            assert got == pytest.approx(truth, rel=1e-6), (step, rows)
+    said = [r.getMessage() for r in caplog.records if "no update_norm" in r.getMessage()]
+    assert len(said) == raised_at_log_step, said
+
+
+def test_a_wrapper_subclassing_optimizer_without_its_init_is_hooked_through_its_optimizer():
+    """Accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer without calling its
+    __init__ and keeps the real one in .optimizer: Monitor() raised AttributeError
+    (_optimizer_step_pre_hooks), or, with hook dictionaries of its own, no hook ran."""
+    from collections import OrderedDict
+
+    import torch
+
+    import distmetrics as dm
+
+    class Accelerated(torch.optim.Optimizer):
+        def __init__(self, optimizer, own_hooks):
+            self.optimizer = optimizer
+            if own_hooks:
+                self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    for own_hooks in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        optimizer = Accelerated(torch.optim.SGD(model.parameters(), lr=0.1), own_hooks)
+        monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+        for step in (1, 2):
+            model(torch.randn(2, 4)).sum().backward()
+            before = _full_params(model)
+            optimizer.step()
+            model.zero_grad()
+            truth = _update_truth(before, _full_params(model))["total"]
+            assert monitor.step(step)["update_norm"] == pytest.approx(truth, rel=1e-6), (own_hooks, step)
+        monitor.close()
+
+
+def test_a_log_step_whose_step_a_grad_scaler_skipped_after_others_stepped_says_so_once(caplog):
+    """log_interval 2, the scaler skipping step 4's optimizer step (an inf gradient) after step 3's
+    stepped: the record had no update_norm and no word, where one is said."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = dm.Monitor(quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=optimizer)
+    records = {}
+    for step in range(1, 7):
+        scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+        if step == 4:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        metrics = monitor.step(step, skipped=step == 4)
+        if metrics is not None:
+            records[step] = "update_norm" in metrics
+    monitor.close()
+    assert records == {2: True, 4: False, 6: True}
+    said = [r.getMessage() for r in caplog.records if "no update_norm" in r.getMessage()]
+    assert len(said) == 1 and "the record of step 4 has no update_norm" in said[0], said
+    assert "skipped by a GradScaler" in said[0]

@@ -20,13 +20,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..eager import eager
 from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip
 from ..grad_sync import GradSync
 from ..plans import Plan
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer
 from ..reduce import Reducer
 from ..replicas import IntervalCheck
+from ..step_hooks import StepHooks, hooked_optimizer
 from .base import Alert, LogContext, Sample
 from .nonfinite_steps import NonfiniteSteps
 from .param_norms import _LACKS_UPDATE, ParamSide
@@ -75,8 +75,9 @@ class NormCollector(ParamSide):
         self._grad_after: Any = None  # the last monitor.step number before that measurement
         self._nonfinite_steps = NonfiniteSteps()
         self._warned_partial = False  # a second measurement over other parameters in one step was said
-        self._optimizer_steps = 0  # steps of the attached optimizer(s) (update-norm hooks)
-        self._optimizer_steps_logged = 0  # ... at the last log step
+        self._steps = StepHooks(self._before_step, self._after_step)  # the attached optimizers' (update norms)
+        self._stepped = False  # some attached optimizer stepped between the last two monitor.step calls
+        self._log_step_ahead: Callable[[], Optional[int]] = lambda: None
         self._warned_update = False  # update_norm missing from a record was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
@@ -84,12 +85,11 @@ class NormCollector(ParamSide):
         self._update: Optional[torch.Tensor] = None
         self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
         self._update_step: Optional[int] = None  # the log step the update was measured for
-        self._update_parts: set = set()  # the inner optimizers whose steps it holds (:meth:`diff`)
         self._snapshot_step: Optional[int] = None
-        self._snapshot: Optional[list] = None
+        self._snapshot: Optional[list] = None  # the pieces before the step's first optimizer step (:meth:`snapshot`)
+        self._snapshot_plan: Optional[Plan] = None  # the parameters they are of
+        self._diffed = False  # the snapshot's fp32 pieces hold the step's difference so far (:meth:`diff`)
         self._last_grad: Optional[GradMeasurement] = None
-        self._hooks: list = []
-        self._stepping = 0  # inner optimizer steps under way
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
         self._loss_scale: Optional[Callable[[], torch.Tensor]] = None  # an attached fp16 optimizer's
         self._families = Families()
@@ -114,11 +114,12 @@ class NormCollector(ParamSide):
     def attach_optimizer(self, optimizer: Any, log_step_ahead: Callable[[], Optional[int]]) -> None:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
         this rank owns and where its fp32 main parameters live; and, for update norms, snapshot
-        the (main) parameters before the step when it will be logged (``log_step_ahead()``: the
-        step it is predicted to be, or None when that is not a log step) and diff after it —
-        around the inner ``torch.optim`` step for Megatron's optimizers. A Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
+        the (main) parameters before the first optimizer step of a step that will be logged
+        (``log_step_ahead()``: the step it is predicted to be, or None when that is not a log step)
+        and diff after each (:meth:`diff`) — around the inner ``torch.optim`` step for Megatron's
+        optimizers, else around the optimizer's or the one it wraps (:func:`hooked_optimizer`).
+        A Megatron optimizer's ``config.clip_grad`` is the clip its step applies: gradients measured
         with :meth:`measure` count as clipped there (``grad_clip_ratio``, ``effective_lr_ratio``)."""
-        targets = [optimizer]
         if is_megatron_optimizer(optimizer):
             self._optimizer_clip = float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)
             parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
@@ -128,29 +129,29 @@ class NormCollector(ParamSide):
             if shards.active:
                 self.grads.attach_shards(shards)
             targets = shards.inner
+        elif self.log_update_norm:
+            targets = [hooked_optimizer(optimizer, "monitor.attach_megatron_optimizer(optimizer)")]
         if not self.log_update_norm:
             return
-
-        # run eagerly where torch.compile compiles optimizer.step() (torch's compiled-optimizer recipe):
-        # traced, they split its one graph into 7 or more
-        @eager
-        def before(opt: Any, args: Any, kwargs: Any) -> None:
-            if self._stepping == 0:
-                step = log_step_ahead()
-                if step is not None:
-                    self.snapshot()
-                    self._snapshot_step = step
-            self._stepping += 1
-
-        @eager
-        def after(opt: Any, args: Any, kwargs: Any) -> None:
-            self._stepping -= 1
-            if self._stepping == 0:  # after the last of a chained optimizer's inner steps
-                self._optimizer_steps += 1
-                self.diff(id(opt))
-
+        self._log_step_ahead = log_step_ahead
         for target in targets:
-            self._hooks += [target.register_step_pre_hook(before), target.register_step_post_hook(after)]
+            self._steps.attach(target)
+
+    def _before_step(self) -> None:
+        """An optimizer step starts, none under way: snapshot where its step will be logged."""
+        step = self._log_step_ahead()
+        if step is not None:
+            self.snapshot(step)
+
+    def _after_step(self) -> None:
+        """The optimizer step is over: the step's update so far."""
+        self.diff()
+
+    def end_step(self) -> None:
+        """``monitor.step``: the step's optimizer steps are over. Its update stays for the log step;
+        the snapshot is let go, and a step that raised under way is forgotten."""
+        self._stepped = self._steps.end_step()
+        self._snapshot = self._snapshot_plan = None
 
     def first_step(self, step: int, logged: bool) -> None:
         """The job's first ``monitor.step`` is ``step``: the measurements made before it, when its
@@ -220,22 +221,25 @@ class NormCollector(ParamSide):
     def _keep(self, measured: Optional[GradMeasurement], after_step: Any = None, caller: str = "") -> None:
         """Keep the latest measurement for the log step. One made in the same step as the one kept
         (``after_step``: the last ``monitor.step`` number before both) over other parameters — a
-        clip per parameter group — replaces it: said once (the job's first rank), since
-        ``grad_norm`` is then the last call's parameters' norm, not the step's."""
+        clip per parameter group, or per network of a GAN — replaces it: said once (the job's first
+        rank), since ``grad_norm`` is then the last call's parameters' norm, not the step's; and the
+        record has no total ``effective_lr_ratio`` (the whole step's update over a part's norm)."""
         if measured is not None:
             measured.locals = measured.groups = None
             kept = self._grad
-            if kept is not None and self._grad_after == after_step and kept.plan is not measured.plan \
-                    and not self._warned_partial:
-                self._warned_partial = True
-                if self.layout.says_once:
-                    logger.warning(
-                        "distmetrics: %s was called twice between two monitor.step calls, on different "
-                        "parameters (%d, then %d: one call per parameter group?); grad_norm, its per-module values "
-                        "and grad_clip_ratio are the last call's parameters' only, not the step's. Measure all "
-                        "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
-                        "returned norm with monitor.record(name, norm).", caller, len(kept.plan.params),
-                        len(measured.plan.params))
+            if kept is not None and self._grad_after == after_step and (kept.plan is not measured.plan or kept.partial):
+                measured.partial = True
+                if not self._warned_partial:
+                    self._warned_partial = True
+                    if self.layout.says_once:
+                        logger.warning(
+                            "distmetrics: %s was called twice between two monitor.step calls, on different "
+                            "parameters (%d, then %d: one call per parameter group?); grad_norm, its per-module "
+                            "values and grad_clip_ratio are the last call's parameters' only, not the step's, and "
+                            "such a record has no effective_lr_ratio (the step's whole update over a part's "
+                            "gradient norm). Measure all parameters in one call (monitor.clip_grad_norm_ takes a "
+                            "list), or record each group's returned norm with monitor.record(name, norm).", caller,
+                            len(kept.plan.params), len(measured.plan.params))
             self._nonfinite_steps.measured(measured, same_step=kept is not None and self._grad_after == after_step)
             self._replicas.note(measured, caller)
         self._grad, self._grad_plan = measured, measured.plan if measured is not None else None
@@ -267,8 +271,8 @@ class NormCollector(ParamSide):
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
-            if update is None and self._hooks and self._unpredicted == ctx.step and not self._warned_unpredicted \
-                    and self.layout.says_once:
+            if update is None and self._steps.attached and self._unpredicted == ctx.step \
+                    and not self._warned_unpredicted and self.layout.says_once:
                 self._warned_unpredicted = True
                 logger.warning("distmetrics: the record of step %d has no update_norm: the optimizer step before it "
                                "was not known to be a log step's (the next step is predicted as the last plus the "
@@ -352,9 +356,8 @@ class NormCollector(ParamSide):
 
     def close(self) -> None:
         """Remove the optimizer hooks, and the accumulation check's forward hooks."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._steps.close()
+        self._snapshot = self._snapshot_plan = None
         self.sync.close()
 
 

@@ -30,53 +30,63 @@ class ParamSide:
     collector's, set in its ``__init__``: ``grads``, ``layout``, ``snapshot_device``, the
     snapshot and update fields, the optimizer hooks and step counts)."""
 
-    def snapshot(self) -> None:
-        """Copy the local shards before ``optimizer.step()`` (log steps only)."""
+    def snapshot(self, step: int) -> None:
+        """Before an optimizer step of ``step``, a log step (or :data:`~.norms.FIRST_STEP`): copy the
+        local shards, or, where an earlier optimizer step of the same step was diffed (a GAN's
+        generator and critic, n_critic critic steps, a chained optimizer's parts), make the copy's fp32
+        pieces, which hold that difference, the parameters before the first step again (+ P now:
+        exact wherever the difference was), so that :meth:`diff` gives the whole step's update with
+        no second copy. A copy not yet diffed (a step that raised) holds them as it is."""
+        if self._snapshot is not None and self._snapshot_step == step:
+            if self._diffed:
+                self._diffed = False
+                old = self._snapshot
+                full = [i for (_, dtype), positions in groups_of(old).items() if dtype not in LOW_PRECISION
+                        for i in positions]  # bf16/fp16 pieces are kept as copied (:func:`_low_precision_updates`)
+                if full:
+                    now = self._param_pieces(self._snapshot_plan)
+                    torch._foreach_add_([old[i] for i in full], [self._here(now[i]) for i in full])
+            return
+        self._snapshot = None  # one copy at a time
         plan = self.grads.plans.model_plan()
         locals_ = self._param_pieces(plan)
         if self.snapshot_device == "cpu":
             self._snapshot = [t.to("cpu", copy=True) for t in locals_]
         else:
             self._snapshot = torch._foreach_mul(locals_, 1.0)
+        self._snapshot_step, self._snapshot_plan, self._diffed = step, plan, False
 
-    def diff(self, part: Any = None) -> None:
-        """After ``optimizer.step()``: per-bucket ‖P_new − P_old‖², then drop the snapshot.
-        ``part``: the inner optimizer that stepped. Megatron's chained optimizer (dense and expert
-        parts) steps its parts one after the other, each snapshotted and diffed alone: the squares of
-        a part not yet in the update of this step add to it (the parts hold disjoint parameters),
-        where the last part's alone replaced the others' (an update of the experts only)."""
-        if self._snapshot is None:
+    def diff(self) -> None:
+        """After an optimizer step: per-bucket ‖P_new − P_old‖² over the snapshot's parameters, P_old
+        those before the step's first optimizer step (:meth:`snapshot`), so the update is the sum of
+        the step's optimizer steps whatever their number and order. The copy is kept until
+        ``monitor.step``, its fp32 pieces holding the difference."""
+        if self._snapshot is None or self._diffed:
             return
-        plan = self.grads.plans.model_plan()
-        old, self._snapshot = self._snapshot, None
-        new = self._param_pieces(plan)
-        if len(new) != len(old):
-            return  # the model changed during the step; skip this measurement
-        if self.snapshot_device == "cpu":
-            new = [t.to("cpu") for t in new]
+        plan, old = self._snapshot_plan, self._snapshot
+        new = [self._here(t) for t in self._param_pieces(plan)]
         groups = groups_of(old)
         if any(dtype in LOW_PRECISION for _, dtype in groups):
-            old, groups = _low_precision_updates(old, new, groups), None
+            updates, groups = _low_precision_updates(old, new, groups), None
         else:  # fp32 parameters or fp32 main copies: the difference in place, in their dtype
             torch._foreach_sub_(old, new)
-        squares = self._bucket_squares(plan, old, groups)
-        if self._update is not None and self._update_step == self._snapshot_step and self._update_plan is plan \
-                and part is not None and part not in self._update_parts:  # another part of one chained step
-            self._update = self._update + squares
-            self._update_parts.add(part)
-        else:  # a step of its own (the same optimizer stepping again for one step: the last step's update)
-            self._update, self._update_parts = squares, {part}
+            updates = old
+        self._diffed = True
+        self._update = self._bucket_squares(plan, updates, groups)
         self._update_step = self._snapshot_step
         self._update_plan = plan  # parameters frozen or added before the log step do not rename its buckets
 
+    def _here(self, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` where the snapshot lives (``update_norm_snapshot``)."""
+        return piece.to("cpu") if self.snapshot_device == "cpu" else piece
+
     def _lacks_update(self, missing: bool) -> bool:
         """This rank owns trainable parameters but measured no update for the log step: no optimizer
-        was given to its Monitor, or the one given did not step since the last log step (replaced by
-        a new one, or skipped by a GradScaler). An update measured for a predicted log step that was
-        not one is no lack: every rank missed it alike."""
-        stepped, self._optimizer_steps_logged = self._optimizer_steps != self._optimizer_steps_logged, \
-            self._optimizer_steps
-        if not missing or (self._hooks and stepped):
+        was given to its Monitor, or none given stepped between the last two ``monitor.step`` calls
+        (replaced by a new one, skipped by a GradScaler while earlier steps of the interval stepped,
+        or raised). An update measured for a predicted log step that was not one is no lack: every
+        rank missed it alike."""
+        if not missing or (self._steps.attached and self._stepped):
             return False
         plan = self.grads.plans.model_plan()
         pieces = self._param_pieces(plan)
@@ -98,15 +108,17 @@ class ParamSide:
             return
         self._warned_update = True
         logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
-                       "rank %s owns trainable parameters but measured no update since the last log step. No "
+                       "rank %s owns trainable parameters but measured no update in the step. No "
                        "optimizer was given to its Monitor (Monitor(optimizer=...) or "
-                       "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or the one "
-                       "given did not step (skipped by a GradScaler, or replaced: attach the new one)",
+                       "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or none "
+                       "given stepped between this monitor.step and the one before (skipped by a GradScaler, raised, "
+                       "or replaced: attach the new one)",
                        step, "?" if rank is None else int(rank))
 
     def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement], keys: list[str]) -> None:
         """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2),
-        for the update-norm ``keys`` (the total and every subtree)."""
+        for the update-norm ``keys`` (the total and every subtree); no total effective_lr_ratio where
+        the last measurement is a part's (a clip per network: :meth:`NormCollector._keep`)."""
         coef = 1.0
         if grad is not None and grad.coef is not None:  # the clip's coefficient, from the reduced total on the
             # host where the record has it: reading the tensor back is a device sync on a GPU
@@ -124,7 +136,8 @@ class ParamSide:
             if param:
                 metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
             clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
-            if clipped and same_norm:  # none where the clip zeroed the gradient (max_norm 0, an inf total)
+            whole = suffix or grad is None or not grad.partial
+            if clipped and same_norm and whole:  # none where the clip zeroed the gradient (max_norm 0, an inf total)
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / clipped
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
