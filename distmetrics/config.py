@@ -211,7 +211,10 @@ class MetricsConfig:
         _require(self, "flops_per_token" if self.flops_per_token is not None else "num_params",
                  flops is None or math.isfinite(flops),
                  "model descriptions whose FLOPs per token (6·N + the attention term) fit a float")
-        _require(self, "output_dir", bool(self.output_dir), "a non-empty path")
+        _require(self, "output_dir", bool(self.output_dir.strip()), "a non-empty path (not only spaces)")
+        for name, unset in _UNSET_MEANS.items():  # a blank one was taken as unset without a word
+            value = getattr(self, name)
+            _require(self, name, value is None or bool(value.strip()), f"None ({unset}) or text that is not blank")
 
     def _check_model_description(self) -> None:
         """A model description (used where flops_per_token is not given) is whole: the attention
@@ -317,6 +320,12 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+_UNSET_MEANS = {"tensorboard_dir": "the default, {output_dir}/tensorboard", "wandb_project": "no W&B",
+                "wandb_exp_name": "W&B names the run", "wandb_entity": "W&B's default entity",
+                "wandb_save_dir": "the default, {output_dir}"}
+"""The text keys that may be None, and what None means for each: a blank value is refused rather
+than read as None (``wandb_project=""`` turned W&B off, ``wandb_save_dir=""`` wrote to output_dir)."""
 
 
 def _build(cls: type, values: dict, prefix: str):

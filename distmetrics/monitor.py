@@ -21,8 +21,8 @@ from typing import Any, Optional, Union
 import torch
 
 from .checkpoints import CheckpointLog
-from .collectors import LogContext, build_collectors, finalize_order
-from .collectors.base import check_collectors, misnamed_elsewhere, take_samples
+from .collectors import LogContext, build_collectors, finalize_order, planned_collectors
+from .collectors.base import ForeignNames, check_collectors, misnamed_elsewhere, take_samples
 from .collectors.norms import FIRST_STEP
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -39,7 +39,7 @@ from .reduce import Reducer
 from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
 from .sinks import SinkSet, check_sinks
 from .step_hooks import hooked_optimizer
-from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for
+from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for, planned_for
 
 __all__ = ["Monitor"]
 
@@ -106,9 +106,11 @@ class Monitor:
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
-        try:
-            sinks, collectors, problem = check_sinks(sinks), check_collectors(collectors), self.layout.problem
-        except TypeError as err:  # said on every rank by the start-up gather: no rank waits alone
+        try:  # the built-in collectors' classes: their writes, checked against the user's before any is made
+            built_in = [kind for kind, _ in planned_collectors(config, self.layout, model)] + planned_for(config)
+            sinks, problem = check_sinks(sinks), self.layout.problem
+            collectors = check_collectors(collectors, built_in, others=[("monitor.log_eval", EvalLog.writes)])
+        except (TypeError, ValueError) as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
                                      config_problem=problem is None and inspection is not None,
@@ -122,6 +124,7 @@ class Monitor:
             for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
+            self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
             self.timers = self._by_name["timers"].timers
             self._module_order = job_module_order(self.layout, module_order(model), self._guard)
             if optimizer is not None and "norms" in self._by_name:
@@ -354,7 +357,8 @@ class Monitor:
         ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
                          module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
         with self._records:  # no record lands in the interval while it is taken
-            samples, misnamed = take_samples(self.collectors, ctx)  # misnamed: raised once the record is written
+            # misnamed (a record key's or another writer's name): raised once the record is written
+            samples, misnamed = take_samples(self.collectors, ctx, self._foreign)
         steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
         # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
         # write) or a close() from a signal handler says it is lost, as nothing else will write it
@@ -365,7 +369,7 @@ class Monitor:
             misnamed = misnamed_elsewhere(metrics, misnamed)
             train = self._by_name["train"]
             train.to_context(metrics, ctx)  # wall time and tokens move into ctx
-            # raised once the record is written: tokens found bad, names the ranks disagree on, a record key's sample
+            # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample
             failure, *said = [e for e in (train.refused, self._reducer.refused, misnamed) if e is not None] or [None]
             train.refused = self._reducer.refused = None
             for other in said:  # one error is raised: the others are said

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 __all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "check_step",
-           "check_spellings", "written_names"]
+           "check_spellings", "written_names", "collector_label"]
 
 REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 
@@ -180,6 +180,11 @@ def check_step(step: Any, what: str, last: Optional[int] = None) -> None:
         raise ValueError(f"{what}: step={step} does not increase (the last step was {last})")
 
 
+def collector_label(name: str) -> str:
+    """How a collector named ``name`` is said as the writer of its ``writes``: "the 'memory' collector"."""
+    return f"the {name!r} collector"
+
+
 class NameClash(ValueError):
     """A name that would write a key another source writes; ``other`` is the metric name whose value
     writes it (None where a collector or the Monitor writes it), so a negotiation can leave both out."""
@@ -203,7 +208,9 @@ class NameRegistry:
 
     def reserve(self, names: Iterable[str], who: str) -> None:
         """Names (or prefixes ending in ``/``: every name under it) that ``who`` writes; a name
-        reserved already keeps its first writer."""
+        reserved already keeps its first writer (collectors whose ``writes`` overlap are refused
+        before, by :func:`~distmetrics.collectors.base.check_writes`, unless one runs after the
+        other and writes around it: the timers' ``stragglers/`` beside the stragglers collector's)."""
         for name in names:
             if name.endswith("/"):
                 self._prefixes.setdefault(name, who)
@@ -214,8 +221,14 @@ class NameRegistry:
         """Reserve what each collector declares in its ``writes`` (a user's collector may
         declare nothing); returns the registry."""
         for writer in writers:
-            self.reserve(getattr(writer, "writes", ()), f"the {writer.name!r} collector")
+            self.reserve(getattr(writer, "writes", ()), collector_label(writer.name))
         return self
+
+    @property
+    def size(self) -> int:
+        """How many names and prefixes are reserved or claimed. It only grows, so what was found
+        against the registry holds while its size is unchanged."""
+        return len(self._writers) + len(self._prefixes)
 
     def writer_of(self, name: str) -> Optional[str]:
         """Who writes ``name`` already (None: nobody)."""

@@ -294,3 +294,25 @@ def test_a_config_changed_after_it_was_made_is_checked_by_the_monitor(tmp_path, 
     with dm.Monitor(config) as monitor:
         config.log_interval = 1  # too late: the Monitor keeps its copy
         assert monitor.step(1) is None and monitor.config.log_interval == 2
+
+
+@pytest.mark.parametrize("key,value,unset", [
+    ("output_dir", "  ", None),
+    ("tensorboard_dir", "", "the default, {output_dir}/tensorboard"),
+    ("wandb_project", "", "no W&B"),
+    ("wandb_exp_name", "", "W&B names the run"),
+    ("wandb_entity", " ", "W&B's default entity"),
+    ("wandb_save_dir", "", "the default, {output_dir}"),
+])
+def test_a_blank_path_or_name_is_refused_naming_the_key_and_none_keeps_its_meaning(key, value, unset):
+    """wandb_project="" turned W&B off, wandb_save_dir="" and tensorboard_dir="" fell back to the
+    defaults, and output_dir="  " wrote into a folder named by two spaces, all without a word."""
+    accepted = "a non-empty path (not only spaces)" if unset is None else f"None ({unset}) or text that is not blank"
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r}: accepted values are {accepted}")):
+        dm.MetricsConfig(**{key: value})
+    with pytest.raises(ConfigError, match=re.escape(f"override {f'{key}={value!r}'!r}: {key}={value!r}")):
+        dm.MetricsConfig.from_dict({}, [f"{key}={value!r}"])  # quoted: '{key}=' alone is YAML's null, None
+    if unset is not None:
+        config = dm.MetricsConfig(**{key: None}, wandb_mode="offline")
+        assert getattr(config, key) is None
+        assert config.resolved_tensorboard_dir == "runs/default/tensorboard"

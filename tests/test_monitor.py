@@ -631,6 +631,213 @@ def test_one_name_in_train_and_eval_records_is_refused_on_every_rank(order):
         assert ("eval/time_ms" in r["train"]) == (order == "record first")  # the first writer keeps it
 
 
+# --- names another writer writes: a collector's writes and samples --------------------------------
+class _Named:
+    """A user's collector: ``mine/ok`` on every rank and, on the ranks in ``on``, ``samples``
+    ((name, value, reduce)); ``writes`` and ``after`` as given."""
+
+    name = "mine"
+
+    def __init__(self, rank: int, samples=(), on=(0, 1), writes=(), after=()) -> None:
+        self.rank, self.samples, self.on, self.writes, self.after = rank, samples, on, writes, after
+
+    def take_samples(self, ctx):
+        from distmetrics.reduce import Sample
+
+        own = [Sample("mine/ok", 1.0 + self.rank, "mean")]
+        return own + ([Sample(*sample) for sample in self.samples] if self.rank in self.on else [])
+
+    def finalize(self, metrics, ctx):
+        if self.after == ("memory",):  # derived from the memory collector's value, under its names
+            metrics["memory/host_rss_mib"] = metrics["memory/host_rss_gib"] * 1024
+        return []
+
+    def close(self):
+        pass
+
+
+OTHER_WRITERS = {"train/step_time_ms": "the 'throughput' collector",
+                 "train/tokens_per_sec": "the 'throughput' collector",
+                 "train/consumed_tokens": "the 'throughput' collector", "health/loss_spike": "the 'health' collector",
+                 "stragglers/score_min": "the 'timers' collector", "eval/loss": "monitor.log_eval(loss=...)"}
+"""Names a collector writes in finalize (or log_eval in eval records), and who: a user's sample of
+that name was overwritten there, its own ``/max_rank`` left in the record."""
+
+
+def _other_writers_names(rank: int, world: int, root: str) -> dict:
+    import distmetrics as dm
+
+    out: dict = {}
+    # writes overlapping the memory collector's, given on rank 1 only
+    try:
+        dm.Monitor(quiet_config(output_dir=f"{root}/overlap", json_log=True, log_memory=True, hang_timeout_s=10.0),
+                   collectors=[_Named(rank, writes=("memory/",))] if rank == 1 else [])
+        out["overlap"] = None
+    except ValueError as err:
+        out["overlap"] = str(err)
+    # the same names shared by a collector that runs after the memory collector and only derives values
+    with dm.Monitor(quiet_config(log_interval=1, log_memory=True),
+                    collectors=[_Named(rank, writes=("memory/",), after=("memory",))]) as monitor:
+        out["derived"] = monitor.step(1, loss=1.0)
+    # samples under other writers' names, handed over on rank 1 only, at two log steps
+    out["raised"] = []
+    samples = [("train/step_time_ms", 123.0, "max"), ("health", 7.0, "minmax")]
+    with dm.Monitor(quiet_config(output_dir=f"{root}/samples", json_log=True, log_interval=2, log_throughput=True,
+                                 hang_timeout_s=10.0), collectors=[_Named(rank, samples, on=(1,))]) as monitor:
+        for step in (1, 2, 3, 4):
+            try:
+                monitor.step(step, loss=1.0, tokens=10)
+            except ValueError as err:
+                out["raised"].append((step, str(err)))
+    # each name of another writer, on both ranks
+    out["each"] = {}
+    for name in OTHER_WRITERS:
+        with dm.Monitor(quiet_config(log_interval=2, log_throughput=True, straggler_window=2, hang_timeout_s=10.0),
+                        collectors=[_Named(rank, [(name, 99.0, "max")])]) as monitor:
+            monitor.step(1, loss=1.0, tokens=10)
+            try:
+                monitor.step(2, loss=1.0, tokens=10)
+            except ValueError as err:
+                out["each"][name] = (str(err), monitor.last_metrics)
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_writers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("other_writers")
+    return root, run_ranks(_other_writers_names, 2, str(root), timeout=180)
+
+
+def test_collectors_whose_writes_overlap_are_refused_at_construction_on_every_rank(other_writers):
+    """A collector declaring writes=("memory/",) beside log_memory=True was accepted (the first
+    writer kept the names without a word); then every log step raised "metric(s)
+    ['memory/host_rss_gib'] appear twice in one reduction" and no train record was ever written.
+    Refused at Monitor() on both ranks, though only rank 1 was given it, and the folder let go."""
+    import distmetrics as dm
+
+    root, results = other_writers
+    for result in results:
+        assert result["overlap"].startswith("distmetrics cannot start: rank 1: the 'mine' collector writes 'memory/', "
+                                            "which the 'memory' collector writes too"), result["overlap"]
+    with dm.Monitor(quiet_config(output_dir=str(root / "overlap"), json_log=True)):  # the folder is free
+        pass
+
+
+def test_a_collector_that_runs_after_another_may_derive_values_under_its_names(other_writers):
+    """Sharing names is for a collector that names the other in ``after`` (the timers' stragglers/
+    beside the stragglers collector's): it runs after it and writes around what it wrote."""
+    _, results = other_writers
+    for result in results:
+        derived = result["derived"]
+        assert derived["memory/host_rss_mib"] == derived["memory/host_rss_gib"] * 1024 > 0
+        assert derived["mine/ok"] == 1.5
+
+
+def test_a_collectors_sample_under_another_writers_name_is_left_out_and_raised_on_every_rank(other_writers):
+    """Sample("train/step_time_ms", 123.0, "max") was written over by the throughput collector's
+    finalize, leaving its train/step_time_ms/max_rank in the record; "health" as minmax wrote
+    health/max under the health collector's names. Only rank 1 hands them over; both ranks raise
+    at each log step, after the record is written without them."""
+    import distmetrics as dm
+
+    root, results = other_writers
+    assert [step for step, _ in results[1]["raised"]] == [2, 4] == [step for step, _ in results[0]["raised"]]
+    for _, said in results[1]["raised"]:
+        assert said.startswith("the 'mine' collector handed over a sample 'train/step_time_ms', which the 'throughput' "
+                               "collector writes; the 'mine' collector handed over a sample 'health' (minmax, which "
+                               "writes 'health/max'), which the 'health' collector writes: a collector sends the names "
+                               "it declares in its writes"), said
+    for _, said in results[0]["raised"]:
+        assert said == ("rank 1's collectors handed over a sample named as a name another writer writes, which that "
+                        "rank's error names. The record was written without it")
+    records = [r for r in dm.read_jsonl(root / "samples" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert record["mine/ok"] == 1.5 and record["train/step_time_ms"] != 123.0  # the throughput collector's
+        assert record["train/consumed_tokens"] == 40 * record["step"] // 2  # 10 tokens per rank and step
+        assert not any(k.startswith(("train/step_time_ms/", "health/max", "health/min", "_")) for k in record), record
+
+
+@pytest.mark.parametrize("name", OTHER_WRITERS)
+def test_each_name_another_writer_writes_is_refused_naming_it(other_writers, name):
+    _, results = other_writers
+    for result in results:
+        said, record = result["each"][name]
+        assert said.startswith(f"the 'mine' collector handed over a sample {name!r}, which {OTHER_WRITERS[name]} "
+                               "writes"), said
+        assert record.get(name) != 99.0 and f"{name}/max_rank" not in record and record["mine/ok"] == 1.5
+
+
+def test_a_collectors_names_are_looked_up_only_when_they_change(monkeypatch):
+    """The check runs when a collector's names (or the names written) change, not per name at every
+    log step: a model of thousands of names pays one tuple comparison per collector."""
+    import distmetrics as dm
+    from distmetrics.names import NameRegistry
+
+    looked_up = []
+    writer_of = NameRegistry.writer_of
+    monkeypatch.setattr(NameRegistry, "writer_of", lambda self, name: looked_up.append(name) or writer_of(self, name))
+    collector = _Named(0, [("mine/vector", 1.0, "sum")])
+    with dm.Monitor(quiet_config(log_interval=1), collectors=[collector]) as monitor:
+        counts = []
+        for step in (1, 2, 3):
+            monitor.step(step, loss=1.0)
+            counts.append(len(looked_up))
+        monitor.record("other/name", 1.0)  # a name joins the registry: looked up again, once
+        monitor.step(4, loss=1.0)
+        monitor.step(5, loss=1.0)
+        counts.append(len(looked_up))
+    assert counts[0] == 2 and counts[1:3] == [2, 2] and counts[3] == 2 + 2 + 1, (counts, looked_up)
+
+
+def test_the_built_in_collectors_share_names_only_with_one_they_run_after():
+    """The timers write train/step_time_ms only where the throughput collector wrote none, and
+    stragglers/<timer>/rank beside the stragglers collector's scores: the only overlaps among the
+    built-in collectors' writes (and log_eval's names), each between one and a collector it names in
+    ``after``. Without that, the same overlap is refused."""
+    from types import SimpleNamespace
+
+    import distmetrics as dm
+    from distmetrics.collectors import planned_collectors
+    from distmetrics.collectors.stragglers import StragglerCollector
+    from distmetrics.collectors.writes import check_writes
+    from distmetrics.evaluation import EvalLog
+    from distmetrics.tensor_stats.inspector import TensorInspector
+
+    config = dm.MetricsConfig(log_energy=True, log_gpu_telemetry=True, straggler_window=2)
+    kinds = [kind for kind, _ in planned_collectors(config, SimpleNamespace(world_size=2), model=object())]
+    kinds.append(TensorInspector)
+    assert {k.name for k in kinds} == {"train", "timers", "throughput", "memory", "energy", "gpu_telemetry", "norms",
+                                       "health", "losses", "moe", "stragglers", "tensor_stats"}
+    writers = [(k.name, k.after, k.writes) for k in kinds] + [("log_eval", (), EvalLog.writes)]
+
+    def overlap(a: str, b: str) -> bool:
+        return a == b or (a.endswith("/") and b.startswith(a)) or (b.endswith("/") and a.startswith(b))
+
+    shared = {(x[0], y[0]) for i, x in enumerate(writers) for y in writers[i + 1:]
+              if any(overlap(a, b) for a in x[2] for b in y[2])}
+    assert shared == {("timers", "throughput"), ("timers", "stragglers")}
+    for first, second in shared:
+        after = {name: after for name, after, _ in writers}
+        assert second in after[first] or first in after[second]
+    check_writes(kinds, [("monitor.log_eval", EvalLog.writes)])
+
+    class Alone(StragglerCollector):
+        after = ()
+
+    with pytest.raises(ValueError, match="^the 'stragglers' collector writes 'stragglers/', which the 'timers' "
+                                         "collector writes too"):
+        check_writes([Alone if kind is StragglerCollector else kind for kind in kinds])
+
+
+def test_writes_that_are_not_a_tuple_of_names_are_refused():
+    """writes = ("data/") is the string "data/": five one-letter names, each a prefix of nothing."""
+    import distmetrics as dm
+
+    with pytest.raises(ValueError, match=r"the 'mine' collector's writes='data/' is not a tuple of metric names"):
+        dm.Monitor(quiet_config(), collectors=[_Named(0, writes="data/")])
+
+
 def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):
     """A loop counting from 0 evaluates checkpoint s + 1 after step s; close() then writes the last
     interval at step 39, after the evaluation at 40. W&B's own step must grow, and it dropped that

@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .base import Alert, Collector, LogContext, Record, Sample, finalize_order
 
-__all__ = ["build_collectors", "Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order"]
+__all__ = ["build_collectors", "planned_collectors", "Collector", "LogContext", "Alert", "Record", "Sample",
+           "finalize_order"]
 
 
 def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, optimizer: Optional[Any] = None,
@@ -19,6 +20,14 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
 
     ``model`` enables norms, ``optimizer`` update norms (the Monitor attaches them). Tensor
     statistics come from :func:`distmetrics.tensor_stats.lifecycle.collectors_for`."""
+    return finalize_order([make() for _, make in planned_collectors(config, layout, model, group)])
+
+
+def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
+                       group: Any = None) -> list[tuple[type, Callable[[], Any]]]:
+    """The built-in collectors :func:`build_collectors` makes, each as its class and how it is made:
+    a class holds the collector's ``name``, ``after`` and ``writes``, which ``Monitor()`` checks
+    against a user's collectors before any collective (nothing is made, hooked or started here)."""
     import torch
 
     from ..parallel import sees_distinct_tokens
@@ -34,33 +43,37 @@ def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, opti
     from .timer_collector import TimerCollector
     from .timers import Timers
 
-    out: list = [StepValues(layout, layout.writer(config.writer_rank))]
-    # barrier=True and the timer reports wait for the Monitor's ranks (its group's), not the world's
-    timers = Timers(config.timing_log_level, config.timing_log_option, barrier_with_L1_time=config.barrier_with_L1_time,
-                    barrier_group=layout.group)
+    ranks = layout.world_size  # the reduction's: the Monitor's group's
     # straggler scores compare ranks: with one rank there is nothing to compare, so none are kept.
     # With them on, every rank's timer values also travel (in the one ALL gather).
-    scores = config.straggler_window > 0 and layout.world_size > 1
-    out.append(TimerCollector(timers, config.timing_log_option, per_rank=scores))
-    ranks = layout.world_size  # the reduction's: the Monitor's group's
+    scores = config.straggler_window > 0 and ranks > 1
+
+    def timers() -> TimerCollector:
+        # barrier=True and the timer reports wait for the Monitor's ranks (its group's), not the world's
+        made = Timers(config.timing_log_level, config.timing_log_option,
+                      barrier_with_L1_time=config.barrier_with_L1_time, barrier_group=layout.group)
+        return TimerCollector(made, config.timing_log_option, per_rank=scores)
+
+    out: list = [(StepValues, lambda: StepValues(layout, layout.writer(config.writer_rank))), (TimerCollector, timers)]
     if config.log_throughput:
-        out.append(ThroughputCollector(ranks, config.resolved_flops_per_token,
-                                       resolve_peak_tflops(config, warns=layout.says_once), config.total_steps,
-                                       config.sol_step_time_ms, warns=layout.says_once))
+        out.append((ThroughputCollector, lambda: ThroughputCollector(
+            ranks, config.resolved_flops_per_token, resolve_peak_tflops(config, warns=layout.says_once),
+            config.total_steps, config.sol_step_time_ms, warns=layout.says_once)))
     if config.log_memory:
-        out.append(MemoryCollector())
+        out.append((MemoryCollector, MemoryCollector))
     if config.log_energy:
-        out.append(EnergyCollector(ranks))  # the GPUs its reduction sums over
+        out.append((EnergyCollector, lambda: EnergyCollector(ranks)))  # the GPUs its reduction sums over
     if config.log_gpu_telemetry or (config.verbosity >= 1 and torch.cuda.is_available()):
-        out.append(TelemetryCollector())
+        out.append((TelemetryCollector, TelemetryCollector))
     if model is not None:
-        out.append(NormCollector(model, layout, group, depth=config.module_norm_depth,
-                                 per_module=config.log_grad_norm_per_module, log_grad_norm=config.log_grad_norm,
-                                 log_params_norm=config.log_params_norm, log_update_norm=config.log_update_norm,
-                                 snapshot=config.update_norm_snapshot))
-    out += [HealthCollector(config.spike_factor), LossCollector(), MoECollector(sees_distinct_tokens(layout))]
+        out.append((NormCollector, lambda: NormCollector(
+            model, layout, group, depth=config.module_norm_depth, per_module=config.log_grad_norm_per_module,
+            log_grad_norm=config.log_grad_norm, log_params_norm=config.log_params_norm,
+            log_update_norm=config.log_update_norm, snapshot=config.update_norm_snapshot)))
+    out += [(HealthCollector, lambda: HealthCollector(config.spike_factor)), (LossCollector, LossCollector),
+            (MoECollector, lambda: MoECollector(sees_distinct_tokens(layout)))]
     if scores:
-        out.append(StragglerCollector(config.straggler_window, config.straggler_report_every,
-                                      config.straggler_report_ranks, config.straggler_threshold,
-                                      nvml=config.log_energy or config.log_gpu_telemetry))
-    return finalize_order(out)
+        out.append((StragglerCollector, lambda: StragglerCollector(
+            config.straggler_window, config.straggler_report_every, config.straggler_report_ranks,
+            config.straggler_threshold, nvml=config.log_energy or config.log_gpu_telemetry)))
+    return out

@@ -23,9 +23,11 @@ most one collective per reduce kind, whatever the number of collectors and names
 every rank → write. What several collectors need (the step, the interval's steps, its wall
 time and tokens, the layout, the model's module order) comes in :class:`LogContext`, computed
 once; a collector never reads another collector's attributes, only the metric names of the
-collectors it declares in ``after``. What a collector declares in ``writes`` is kept from the
-user: ``monitor.record`` or a ``monitor.step`` scalar that would write one of those names is
-refused at its call, instead of two values of one name failing the log step.
+collectors it declares in ``after``. What a collector declares in ``writes`` is its own
+(:mod:`.writes`): ``Monitor()`` refuses two collectors whose ``writes`` overlap (unless one runs
+after the other, in ``after``), a collector's sample named as another writer's name is left out
+and raised, and ``monitor.record`` or a ``monitor.step`` scalar that would write one of those names
+is refused at its call, instead of two values of one name failing the log step.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 
 from ..names import RECORD_KEYS
 from ..reduce import Sample
+from .writes import ForeignNames, check_declared, check_writes
 
-__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors", "take_samples"]
+__all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors", "take_samples",
+           "ForeignNames"]
 
 _clean_names: dict[int, tuple] = {}  # id → vector names tuples found to hold no record key (kept alive here)
 
@@ -129,7 +133,9 @@ class Collector(Protocol):
     """Names of the collectors whose results :meth:`finalize` reads (run after them)."""
     writes: tuple
     """The metric names it writes, a name ending in ``/`` standing for every name under it (may be
-    empty); a user's own value under one of them is refused at its call."""
+    empty). They are its own: another collector's that overlap them are refused at ``Monitor()``
+    (unless one names the other in ``after``), and so is a user's value under one of them at its
+    call; its samples are named by them, or by names no other writer declares."""
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """This interval's samples on this rank; the interval starts again."""
@@ -145,47 +151,67 @@ class Collector(Protocol):
         ...
 
 
-def take_samples(collectors: Sequence[Any], ctx: LogContext) -> tuple[list, Optional[ValueError]]:
+def take_samples(collectors: Sequence[Any], ctx: LogContext,
+                 foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[ValueError]]:
     """Every collector's samples for a log step, and an error to raise once its record is written,
     or None. A sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
     element too) is left out, and the error names its collector: written, it replaced the record's
-    own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line."""
+    own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line. So is a sample
+    of a user's collector that ``foreign`` finds under another writer's name (:mod:`.writes`)."""
     samples: list = []
     refused: list[tuple[str, str, str]] = []  # (collector, what, key)
+    elsewhere: list[str] = []  # what each sample under another writer's name was
     for collector in collectors:
-        for sample in collector.take_samples(ctx):
+        got = collector.take_samples(ctx)
+        taken = foreign.refused(collector, got) if foreign is not None else None
+        if taken:
+            elsewhere += taken.values()
+            got = [sample for index, sample in enumerate(got) if index not in taken]
+        for sample in got:
             key = _record_key(sample)
             if key is None:
                 samples.append(sample)
             else:
                 what = f"a vector sample {sample.name!r} with an element" if sample.names is not None else "a sample"
                 refused.append((collector.name, what, key))
-    if not refused:
-        return samples, None
-    samples.append(Sample(MISNAMED, 1.0, "max"))  # every rank raises, not only this one (see misnamed_elsewhere)
-    said = "; ".join(f"the {who!r} collector handed over {what} named {key!r}" for who, what, key in refused)
-    who, _, key = refused[0]
-    return samples, ValueError(f"{said}: every record's own keys are {', '.join(map(repr, RECORD_KEYS))}, which a "
-                               f"metric of that name replaced in metrics.jsonl; give it a prefix (e.g. '{who}/{key}'). "
-                               "The record was written without it")
+    errors = []
+    if refused:
+        samples.append(Sample(MISNAMED, 1.0, "max"))  # every rank raises, not only this one (see misnamed_elsewhere)
+        said = "; ".join(f"the {who!r} collector handed over {what} named {key!r}" for who, what, key in refused)
+        who, _, key = refused[0]
+        errors.append(f"{said}: every record's own keys are {', '.join(map(repr, RECORD_KEYS))}, which a metric of "
+                      f"that name replaced in metrics.jsonl; give it a prefix (e.g. '{who}/{key}'). The record was "
+                      "written without it")
+    if elsewhere:
+        samples.append(Sample(FOREIGN, 1.0, "max"))
+        errors.append(f"{'; '.join(elsewhere)}: a collector sends the names it declares in its writes, or names no "
+                      "other writer declares (one key would hold both values: one replaced by the other, or every log "
+                      "step refusing both); give it names of its own. The record was written without it")
+    return samples, ValueError("; ".join(errors)) if errors else None
 
 
 MISNAMED = "_monitor/misnamed"
 """Internal lane: a rank's collector handed over a sample named as a record key (a max: 1 there)."""
+FOREIGN = "_monitor/foreign_name"
+"""Internal lane: a rank's collector handed over a sample under another writer's name (a max: 1 there)."""
+_ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.join(map(repr, RECORD_KEYS))})",
+              FOREIGN: "a sample named as a name another writer writes"}
 
 
 def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[ValueError]) -> Optional[ValueError]:
     """This rank's error from :func:`take_samples`, or, where another rank's collector handed over a
-    sample named as a record key (the reduced :data:`MISNAMED` lane, taken out of ``metrics``), one
-    naming that rank: raised on every rank once the record is written, as the ranks must stay in
-    step (a rank that went on alone to its next call waited there for the one that raised)."""
-    flag, rank = metrics.pop(MISNAMED, None), metrics.pop(f"{MISNAMED}/max_rank", None)
-    if not flag or error is not None:
+    sample named as a record key or as another writer's name (the reduced :data:`MISNAMED` and
+    :data:`FOREIGN` lanes, taken out of ``metrics``), one naming that rank: raised on every rank once
+    the record is written, as the ranks must stay in step (a rank that went on alone to its next
+    call waited there for the one that raised)."""
+    said = []
+    for lane, what in _ELSEWHERE.items():
+        flag, rank = metrics.pop(lane, None), metrics.pop(f"{lane}/max_rank", None)
+        if flag:
+            said.append(f"{'a rank' if rank is None else f'rank {int(rank)}'}'s collectors handed over {what}")
+    if not said or error is not None:
         return error
-    who = "a rank's" if rank is None else f"rank {int(rank)}'s"
-    return ValueError(f"{who} collectors handed over a sample named as one of a record's own keys "
-                      f"({', '.join(map(repr, RECORD_KEYS))}), which that rank's error names. The record was "
-                      "written without it")
+    return ValueError(f"{'; '.join(said)}, which that rank's error names. The record was written without it")
 
 
 def _record_key(sample: Any) -> Optional[str]:
@@ -235,11 +261,13 @@ def finalize_order(collectors: Sequence[Any]) -> list[Any]:
     return ordered
 
 
-def check_collectors(collectors: Any) -> tuple:
-    """The user's extra collectors as a tuple; raises naming one that is not a collector (a ``name``
-    and callable ``take_samples``, ``finalize`` and ``close``)."""
+def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequence[tuple] = ()) -> tuple:
+    """The user's extra collectors as a tuple; raises ``TypeError`` naming one that is not a collector
+    (a ``name``, callable ``take_samples``, ``finalize`` and ``close``, and ``writes``, if any, a tuple
+    of names), and ``ValueError`` where its name or its ``writes`` are another's (one of the ``built_in``
+    collectors or their classes, or another of the user's; ``others``: see :func:`.writes.check_writes`)."""
     if collectors is None:
-        return ()
+        collectors = ()
     if isinstance(collectors, (str, bytes)) or not isinstance(collectors, (list, tuple)):
         raise TypeError(f"Monitor(collectors=...): expected a list or tuple of collectors, got "
                         f"{type(collectors).__name__} {collectors!r:.80}")
@@ -252,4 +280,10 @@ def check_collectors(collectors: Any) -> tuple:
                               [f"{verb}()" for verb in missing])
             raise TypeError(f"Monitor(collectors=...): {collector!r:.80} is not a collector: it lacks {lacks} "
                             "(see distmetrics.collectors.base.Collector)")
+        check_declared(collector)
+    names = [c.name for c in built_in] + [c.name for c in collectors]
+    twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
+    if twice is not None:  # before its writes: they would seem to overlap another's
+        raise ValueError(f"two collectors are named {twice!r}; collector names must be unique")
+    check_writes(list(built_in) + list(collectors), others)
     return tuple(collectors)

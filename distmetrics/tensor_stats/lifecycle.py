@@ -145,6 +145,14 @@ def collectors_for(config: MetricsConfig, model: Any, layout: Any) -> list:
     return [start_for_monitor(config, model, layout)] if config.tensor_inspect.enabled else []
 
 
+def planned_for(config: MetricsConfig) -> list:
+    """The class of what :func:`collectors_for` makes (its ``name``, ``after`` and ``writes``), made
+    or not, for the Monitor's check of its collectors' names before any collective."""
+    from .inspector import TensorInspector
+
+    return [TensorInspector] if config.tensor_inspect.enabled else []
+
+
 def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
     """The Monitor's entry: attach to an inspector the user started early, or start one."""
     inspector = current()

@@ -1,0 +1,122 @@
+"""Which collector writes which names: the ``writes`` of the collector contract, enforced.
+
+A collector declares the names it writes in ``writes`` (a name ending in ``/`` stands for every
+name under it). Two collectors whose declarations overlap would put two values under one key:
+both handed over as samples, every log step refused them both ("appear twice in one reduction")
+and no record was written; a sample under a name another collector writes in ``finalize`` was
+overwritten there, leaving its own ``/max_rank`` behind. So:
+
+* :func:`check_writes`: ``Monitor()`` refuses overlapping declarations before any collective
+  (said on every rank by the start-up gather), naming both collectors and the names. Two collectors
+  may share names only where one names the other in ``after``: it runs after the other and writes
+  around what that one wrote in ``finalize`` (the timers write ``train/step_time_ms`` only where
+  throughput wrote none, and ``stragglers/<timer>/rank`` beside the stragglers collector's scores).
+* :class:`ForeignNames`: a user's collector sends the names it declares, or names no other writer
+  declares (another collector, ``monitor.step``, ``monitor.record``, ``log_eval``); a sample under
+  another's name (or one whose reduce kind writes one: ``x/max_rank``) is left out of the record and
+  raised once it is written, on every rank. Looked up only when the collector's names change.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Iterable, Optional, Sequence
+
+from ..names import REDUCE_KINDS, NameRegistry, collector_label, written_names
+from ..reduce import Sample
+
+__all__ = ["check_writes", "check_declared", "ForeignNames"]
+
+
+def check_declared(collector: Any) -> tuple:
+    """A user's collector's ``writes`` (none: ``()``); raises ``TypeError`` for anything but a list or
+    tuple of metric names (``writes = ("data/")`` is the string ``"data/"``: five one-letter names)."""
+    writes = getattr(collector, "writes", ())
+    if isinstance(writes, (list, tuple)) and all(isinstance(w, str) and w.strip("/") for w in writes):
+        return tuple(writes)
+    raise TypeError(f"Monitor(collectors=...): the {collector.name!r} collector's writes={writes!r:.80} is not a "
+                    "tuple of metric names (a name ending in '/' stands for every name under it), e.g. ('data/',)")
+
+
+def check_writes(collectors: Sequence[Any], others: Iterable[tuple[str, Sequence[str]]] = ()) -> None:
+    """Raise ``ValueError`` where two writers' ``writes`` overlap (one name, a name under the other's
+    prefix, or one prefix inside the other) and neither collector names the other in ``after``.
+    ``collectors``: collectors or their classes (``name``, ``after``, ``writes`` are read);
+    ``others``: ``(who, writes)`` of the Monitor's own writers (``log_eval``'s names), shared with none."""
+    writers = [(collector_label(c.name), c.name, tuple(getattr(c, "after", ())), tuple(getattr(c, "writes", ())))
+               for c in collectors]
+    writers += [(who, None, (), tuple(writes)) for who, writes in others]
+    held: dict[str, list[int]] = {}  # a declared name or prefix → the writers declaring it
+    for index, (who, name, after, writes) in enumerate(writers):
+        for mine in writes:
+            for theirs in _overlapping(mine, held):
+                for other in held[theirs]:
+                    other_who, other_name, other_after, _ = writers[other]
+                    if other == index or name is not None and (name in other_after or other_name in after):
+                        continue
+                    said = f"writes {mine!r}, which {other_who} writes too" if mine == theirs else \
+                        f"writes {mine!r} and {other_who} writes {theirs!r}"
+                    own = f" (e.g. under '{name}/')" if name is not None and not f"{name}/".startswith(theirs) else ""
+                    raise ValueError(f"{who} {said} (a name ending in '/' stands for every name under it): one key "
+                                     "would hold the values of both, one replacing the other or every log step "
+                                     f"refusing both; give {who} names of its own{own}. A collector that only "
+                                     "derives values from another's in finalize may share its names by naming it "
+                                     "in its after")
+        for mine in writes:
+            held.setdefault(mine, []).append(index)
+
+
+def _overlapping(mine: str, held: dict[str, list[int]]) -> list[str]:
+    """The declarations in ``held`` that overlap ``mine``: the same, a prefix it is under, or (``mine``
+    being a prefix) a name or prefix under it."""
+    return [theirs for theirs in held if theirs == mine or (theirs.endswith("/") and mine.startswith(theirs))
+            or (mine.endswith("/") and theirs.startswith(mine))]
+
+
+_KEYS = attrgetter("names", "name", "reduce")
+
+
+class ForeignNames:
+    """Keeps the user's ``collectors`` to the names they may send (see the module docstring),
+    against ``registry``, the Monitor's record of who writes what. The names of a collector's samples
+    (one tuple, built in C) are compared with those found clean at the last log step, while nothing
+    has joined the registry: the names themselves are looked up only when one of the two changed."""
+
+    def __init__(self, registry: NameRegistry, collectors: Iterable[Any]) -> None:
+        self._registry = registry
+        self._clean: dict[str, Optional[tuple]] = {c.name: None for c in collectors}  # (registry size, names)
+
+    def refused(self, collector: Any, samples: Sequence[Any]) -> dict[int, str]:
+        """The samples of ``collector`` that another writer's names hold, by index, each with what it is."""
+        if collector.name not in self._clean:
+            return {}
+        try:
+            names = (self._registry.size, tuple(map(_KEYS, samples)))
+        except AttributeError:  # not a Sample: the reducer refuses it, naming it
+            return {}
+        if names == self._clean[collector.name]:
+            return {}
+        own = collector_label(collector.name)
+        refused = {index: f"{own} handed over {said}" for index, said in
+                   ((index, self._foreign(sample, own)) for index, sample in enumerate(samples)) if said}
+        if not refused:
+            self._clean[collector.name] = names
+        return refused
+
+    def _foreign(self, sample: Any, own: str) -> Optional[str]:
+        """What ``sample`` is, where it writes a name another writer declares, else None."""
+        if not isinstance(sample, Sample) or sample.reduce not in REDUCE_KINDS:
+            return None  # the reducer refuses it, naming it
+        for element in sample.names if sample.names is not None else (sample.name,):
+            if type(element) is not str or element[:1] == "_":  # internal lanes; a bad name: the reducer says it
+                continue
+            for written in written_names(element, sample.reduce):
+                who = self._registry.writer_of(written)
+                if who is None or who == own:
+                    continue
+                what = f"a vector sample {sample.name!r} with an element {element!r}" if sample.names is not None \
+                    else f"a sample {element!r}"
+                if written != element:
+                    what += f" ({sample.reduce}, which writes {written!r})"
+                return f"{what}, which {who} writes"
+        return None
