@@ -15,36 +15,70 @@ reduce (:func:`_held_back`). Both are refused.
 
 The flags and the held gradients are Python attributes (DDP's ``require_backward_grad_sync``, the
 hook's note, each FSDP2 parameter group's ``reduce_grads``, ``all_reduce_grads``
-and held tensors): reading them waits for no device. The wrappers that hold them are found once,
-and again only after a module or parameter is registered somewhere. Megatron's DDP is not read
-here: its gradients are ready after ``finish_grad_sync()`` (README).
+and held tensors): reading them waits for no device. The wrappers that hold them are found when
+the Monitor is made, and again once the model may have changed: a module or parameter registered
+somewhere (torch's registration hooks), or a change those hooks do not see. ``fully_shard`` applied
+after the Monitor was made (Accelerate's ``prepare`` shards the model given in place) swaps each
+module's class and sets its parameters in their dicts directly; so each check also compares the
+root's class and the number of modules with composable state (FSDP2's) — two reads, no walk over
+the modules — and how often the norm plan read the model (:attr:`ParamPlans.reads`: a change in
+place, seen by an earlier clip). A DDP module made around the model given cannot be seen from it: that is said once
+(:func:`_note_ddp`). Megatron's DDP is not read here: its gradients are ready after
+``finish_grad_sync()`` (README).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+import weakref
 from typing import Any, Optional
 
 import torch
 
 from .naming import module_name_map
-from .plans import _REGISTRATIONS
+from .plans import _REGISTRATIONS, ParamPlans
+
+try:  # each module's composable state: FSDP2 keeps its parameter groups there
+    from torch.distributed._composable_state import _get_module_state, _module_state_mapping as _STATES
+except ImportError:  # torch.distributed lacks it: no FSDP2
+    _get_module_state, _STATES = None, {}
 
 __all__ = ["GradSync"]
+
+logger = logging.getLogger("distmetrics")
 
 _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
 _REDUCES = operator.attrgetter("reduce_grads")
 _ALL_REDUCES = operator.attrgetter("all_reduce_grads")
 _AFTER = "after the last micro-batch's backward"
 
+_IN_DDP: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+"""A module → a weak reference to the DistributedDataParallel module made around it."""
+
+
+def _note_ddp(parent: Any, name: str, child: Any) -> None:
+    """torch's module registration hook: ``DistributedDataParallel.__init__`` sets ``self.module``,
+    so a model given to the Monitor is known to be inside one, made before or after the Monitor."""
+    if name == "module" and isinstance(parent, torch.nn.parallel.DistributedDataParallel):
+        _IN_DDP[child] = weakref.ref(parent)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
+
 
 class GradSync:
     """Checks that no DDP or FSDP2 wrapper in ``model`` (None: nothing to check) is inside a
-    gradient-accumulation window, or left gradients of one unreduced."""
+    gradient-accumulation window, or left gradients of one unreduced. ``plans``, the norm plans of
+    ``model``, tell of changes made in place (:attr:`ParamPlans.reads`); ``say``: this rank gives the
+    job's once-per-job warnings."""
 
-    def __init__(self, model: Optional[torch.nn.Module]) -> None:
+    def __init__(self, model: Optional[torch.nn.Module], plans: Optional[ParamPlans] = None,
+                 say: bool = True) -> None:
         self.model = model
-        self._found_at: Optional[int] = None  # _REGISTRATIONS when the wrappers were found
+        self.plans = plans
+        self._say_ddp = say  # the model's DDP module, not seen from the model, is still to be said
+        self._found_at: tuple = ()  # what _changes() said when the wrappers were found
         self._ddp: list = []  # DistributedDataParallel modules
         self._groups: list = []  # FSDP2 parameter groups
         self._replicated: list = []  # ... of them, those with a replicate dimension (HSDP)
@@ -59,7 +93,7 @@ class GradSync:
         are not synchronised; ``call`` names the caller."""
         if self.model is None:
             return
-        if self._found_at != _REGISTRATIONS[0]:
+        if self._found_at != self._changes():
             self._find()
         if all(map(_DDP_SYNC, self._ddp)) and not self._unsynced and \
                 all(map(_REDUCES, self._groups)) and all(map(_ALL_REDUCES, self._replicated)) and \
@@ -103,10 +137,15 @@ class GradSync:
                 "to True only after it, so the sharded .grad leaves them out and the norm would too. Set them to True "
                 f"before the last micro-batch's backward and measure or clip the gradients {_AFTER}")
 
+    def _changes(self) -> tuple:
+        """What changes where the model's wrappers may have: registrations anywhere, the root's class
+        (``fully_shard(model)``), the modules with composable state (``fully_shard`` on some of them
+        only), the model's parameters or modules set in place (seen at a clip)."""
+        return _REGISTRATIONS[0], type(self.model), len(_STATES), self.plans.reads if self.plans else 0
+
     def _find(self) -> None:
         """The model's DDP modules and FSDP2 parameter groups, and their names as the norms name them
         (wrapper levels dropped: ``torch.compile(DDP(model))``'s DDP is the model itself, not ``_orig_mod``)."""
-        state_of = _state_getter()
         self._ddp, self._groups, self._replicated, self._names = [], [], [], {}
         seen: set = set()
         names = module_name_map(self.model)
@@ -117,7 +156,7 @@ class GradSync:
                 self._names[id(module)] = label
                 if id(module) not in self._hooks:
                     self._hooks[id(module)] = module.register_forward_pre_hook(self._note_forward)
-            state = state_of(module) if state_of is not None else None
+            state = _get_module_state(module) if _get_module_state is not None else None
             groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; before, one group or None:
             if groups is None:  # a check that found no group would pass every window
                 single = getattr(state, "_fsdp_param_group", None)
@@ -130,7 +169,14 @@ class GradSync:
                 self._names[id(group)] = label
                 if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
                     self._replicated.append(group)  # all-reduced over replicas (HSDP)
-        self._found_at = _REGISTRATIONS[0]
+        self._found_at = self._changes()
+        ddp = _IN_DDP.get(self.model)
+        if self._say_ddp and ddp is not None and ddp() is not None:
+            self._say_ddp = False
+            logger.warning("distmetrics: the model given to the Monitor is inside a DistributedDataParallel module, "
+                           "which cannot be seen from it: norms measured inside that module's no_sync() (each rank's "
+                           "own gradients, not all-reduced) are not refused. Give the Monitor the "
+                           "DistributedDataParallel module")
 
     def _note_forward(self, module: Any, args: Any) -> None:
         """A DDP module's forward: with grad enabled, its backward all-reduces only outside
@@ -165,13 +211,3 @@ def _held_back(group: Any) -> bool:
         if unsharded is not None and unsharded.grad is not None:
             return True
     return False
-
-
-def _state_getter() -> Any:
-    """torch's lookup of a module's composable state (FSDP2 keeps its parameter groups there), or
-    None where torch.distributed lacks it."""
-    try:
-        from torch.distributed._composable_state import _get_module_state
-    except ImportError:
-        return None
-    return _get_module_state

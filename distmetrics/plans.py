@@ -99,6 +99,11 @@ class ParamPlans:
         self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._outside: "OrderedDict[tuple, tuple]" = OrderedDict()  # signature → (model plan, params in one only)
         self.replans = 0
+        self.reads = 0
+        """How often the model's parameters and modules were read (:class:`Slots`): for the first plan,
+        and again after a change, also one that torch's registration hooks do not see (a parameter or
+        module set in its dict directly, as ``fully_shard`` does); :class:`~distmetrics.grad_sync.GradSync`
+        looks for wrappers again then."""
 
     def for_parameters(self, parameters: Any = None) -> Plan:
         """The plan of the model's trainable parameters, or of the parameters given (the
@@ -148,6 +153,7 @@ class ParamPlans:
         plan = self.plan
         if plan is not None and plan.generation == _REGISTRATIONS[0] and plan.slots.intact():
             return plan
+        self.reads += 1
         slots = Slots(self.model)
         rename = module_name_map(self.model)
         named = [(global_param_name(n, rename), q) for n, q in self.model.named_parameters() if q.requires_grad]

@@ -1445,6 +1445,81 @@ def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank()
             assert out["grads_inside"] == 0 or kind == "ddp", (rank, kind)  # the norm would have read 0
 
 
+def _wrapped_after_the_monitor(rank: int, world: int) -> dict:
+    """A Monitor given the model before ``fully_shard`` (Accelerate's ``prepare`` shards the module
+    object in place): on the blocks and the root, and on each block and layer with the root left a
+    plain module (its class unchanged). Two micro-batches, the first inside
+    ``set_requires_gradient_sync(False)``: a measurement and a clip there, then a clip after the last
+    backward against float64 of the ``full_tensor()`` gradients. Then a DDP module made around a
+    model already given to a Monitor, and what the Monitor's ranks said of it."""
+    import logging
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import CollectiveCounter
+
+    data, _ = _micro_batches_and_truth(rank, world)
+    out: dict = {}
+    for case in ("root and blocks", "layers only"):
+        model = _net()
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            sharded = [*model.blocks, model] if case == "root and blocks" else [*model.blocks, model.inp, model.out]
+            for module in sharded:
+                fully_shard(module)
+            said, collectives = [], []
+            for micro_batch, sync in enumerate((False, True)):
+                for module in sharded:
+                    module.set_requires_gradient_sync(sync)
+                model(data[micro_batch]).pow(2).mean().backward()
+                grads = [_full(p.grad) for p in model.parameters()] if sync else []  # inside: no .grad at all
+                truth = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+                with CollectiveCounter() as counter:
+                    for call in (monitor.measure_grad_norms, lambda: monitor.clip_grad_norm_(1e9)):
+                        try:
+                            said.append(float(call()))
+                        except ValueError as err:
+                            said.append(str(err))
+                collectives.append(counter.collectives)
+            monitor.step(1)
+        out[case] = {"said": said, "truth": truth, "collectives": collectives[0]}
+    heard: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    model = _net()
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        ddp = DistributedDataParallel(model)
+        for _ in range(2):
+            ddp(data[0]).pow(2).mean().backward()
+            monitor.clip_grad_norm_(1e9)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    out["heard"] = [message for message in heard if "DistributedDataParallel" in message]
+    return out
+
+
+def test_a_monitor_made_before_fully_shard_refuses_a_norm_inside_the_window_and_is_exact_after():
+    """Made before fully_shard (as with Accelerate: the Monitor, then prepare), the Monitor looked for
+    wrappers only at the last module registration, which fully_shard does not make: inside
+    set_requires_gradient_sync(False) the measurement and the clip returned 0.0 on both ranks. Each is
+    refused on every rank before any collective, with the root sharded or only the modules below it;
+    after the last backward the norm is exact. A DDP module made around a model already given is said once."""
+    for rank, result in enumerate(run_ranks(_wrapped_after_the_monitor, 2, timeout=240)):
+        for case in ("root and blocks", "layers only"):
+            out = result[case]
+            for said, call in zip(out["said"][:2], ("monitor.measure_grad_norms", "monitor.clip_grad_norm_")):
+                assert isinstance(said, str), (rank, case, said)  # not refused: the norm read 0.0
+                assert said.startswith(f"{call}: the model's FSDP2 module"), (rank, case, said)
+                assert "set_requires_gradient_sync(False)" in said, (rank, case, said)
+            assert out["collectives"] == 0, (rank, case)
+            assert out["said"][2:] == [pytest.approx(out["truth"], rel=REL)] * 2, (rank, case, out)
+        heard = result["heard"]  # the job's first rank says it, once
+        assert len(heard) == (rank == 0) and all("Give the Monitor the DistributedDataParallel module" in message
+                                                  for message in heard), (rank, heard)
+
+
 WINDOW_KINDS = ("ddp", "ddp static graph", "ddp find unused", "ddp in a wrapper", "compiled ddp", "fsdp2",
                 "fsdp2 no reshard", "fsdp2 mixed precision", "hsdp", "hsdp one replica")
 

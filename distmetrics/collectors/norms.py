@@ -61,7 +61,7 @@ class NormCollector(ParamSide):
         self.grads = GradientNorms(model, layout, group, depth)
         self.grads.defers_replicas = True  # a clip waits for no device: the check is raised at the log step
         self._replicas = IntervalCheck()
-        self.sync = GradSync(model)
+        self.sync = GradSync(model, self.grads.plans, layout.says_once)
         """Refuses a measurement inside a gradient-accumulation window (:meth:`GradSync.check`)."""
         self.layout = layout
         self.group = group
