@@ -293,7 +293,8 @@ def tp_cp_leader(layout: Layout) -> int:
     mesh = layout.device_mesh
     if layout.source == "device_mesh" and mesh is not None and mesh.get_coordinate() is not None:
         names = tuple(mesh.mesh_dim_names or ())
-        at = tuple(0 if dim_kind(dim_name(names, i)) in ("tp", "cp") else c for i, c in enumerate(mesh.get_coordinate()))
+        at = tuple(0 if dim_kind(dim_name(names, i)) in ("tp", "cp") else c
+                   for i, c in enumerate(mesh.get_coordinate()))
         return int(mesh.mesh[at])
     return layout.rank
 
