@@ -2826,3 +2826,32 @@ def test_a_log_step_whose_step_a_grad_scaler_skipped_after_others_stepped_says_s
     said = [r.getMessage() for r in caplog.records if "no update_norm" in r.getMessage()]
     assert len(said) == 1 and "the record of step 4 has no update_norm" in said[0], said
     assert "skipped by a GradScaler" in said[0]
+
+
+def test_a_tied_weight_counts_once_under_its_first_module():
+    """README (Norms): a head tied to the embedding adds nothing to the total twice and has no name of
+    its own; the embedding's norm is the tied weight's whole gradient (both uses), in float64."""
+    import torch
+
+    import distmetrics as dm
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mid = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.head(self.mid(self.embed(x))).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Tied()
+    model(torch.arange(5)).backward()
+    norm = lambda params: math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))  # noqa: E731
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        total = float(monitor.clip_grad_norm_(1e9))
+        metrics = monitor.step(1)
+    assert total == pytest.approx(norm(model.parameters()), rel=1e-6)  # parameters() lists the tied weight once
+    assert metrics["grad_norm/embed"] == pytest.approx(norm([model.embed.weight]), rel=1e-6)
+    assert "grad_norm/head" not in metrics and metrics["grad_norm"] == pytest.approx(total, rel=1e-6)
