@@ -252,7 +252,7 @@ def _scheduled_lr(rank: int, world: int, root: str) -> dict:
     with dm.Monitor(quiet_config(log_interval=1)) as monitor:
         out["different"] = monitor.step(1, loss=1.0, lr=0.1 * (rank + 1))
         out["writer gave none"] = monitor.step(2, loss=1.0, lr=None if rank == 0 else 0.1)
-        out["nan elsewhere"] = monitor.step(3, loss=1.0, lr=float("nan") if rank == 2 else 0.1)
+        out["nan elsewhere"] = monitor.step(3, loss=1.0, lr=float("nan") if rank >= 1 else 0.1)
     logging.getLogger("distmetrics").removeHandler(handler)
     return out
 
@@ -281,8 +281,8 @@ def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer
     assert len(said) == 3 and all("writer rank's (rank 0)" in line for line in said), said
     assert "0.3 on rank 2 and 0.1 on rank 0" in said[0]
     assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
-    assert said[2] == ("distmetrics: rank 2 passed a learning rate of NaN at step 3 (of the ranks that did, the "
-                       "highest); train/lr is the writer rank's (rank 0): 0.1. Said once")
+    assert said[2] == ("distmetrics: rank 1 passed a learning rate of NaN at step 3 (of the ranks that did, the "
+                       "lowest); train/lr is the writer rank's (rank 0): 0.1. Said once")
     assert not any("learning rate" in line for out in scheduled_lr[1:] for line in out["said"])
 
 

@@ -145,10 +145,10 @@ class LearningRates:
                                self.writer, step, int(high_rank))
         elif not self.says:
             return
-        elif high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with its rank
+        elif high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with the lowest such rank
             self._said.add("nan")
             logger.warning("distmetrics: rank %d passed a learning rate of NaN at step %d (of the ranks that did, the "
-                           "highest); train/lr is the writer rank's (rank %d): %s. Said once", int(high_rank), step,
+                           "lowest); train/lr is the writer rank's (rank %d): %s. Said once", int(high_rank), step,
                            self.writer, metrics["train/lr"])
         elif high > low and "differ" not in self._said:
             self._said.add("differ")
