@@ -252,6 +252,8 @@ class Monitor:
         if step is not None:
             check_step(step, "monitor.measure_grad_norms")
         if not self._is_log_step(step):
+            if step is None:  # predicted not to be logged: said at its record if it is (a change of stride)
+                norms.skipped_measure(self._last_step)
             return None
         self._guard.note("monitor.measure_grad_norms")  # a collective not guarded: named if it hangs
         return norms.measure(norm_type, self._last_step)

@@ -81,6 +81,7 @@ class NormCollector(ParamSide):
         self._warned_update = False  # update_norm missing from a record was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
+        self._skipped_after: Any = False  # measure_grad_norms() left out, predicted not logged: the step before
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
         self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
@@ -105,6 +106,25 @@ class NormCollector(ParamSide):
     def replans(self) -> int:
         """How often the model's parameters changed and the plan was rebuilt."""
         return self.grads.plans.replans
+
+    def skipped_measure(self, last_step: Any) -> None:
+        """``measure_grad_norms()`` measured nothing after ``last_step``: the next step was predicted
+        not to be logged."""
+        self._skipped_after = last_step
+
+    def _say_unpredicted(self, step: int, lacks_update: bool, lacks_grad: bool) -> None:
+        """A log step that was not predicted lacks what is measured ahead of it: its update norm, and
+        ``grad_norm`` where ``measure_grad_norms()`` was left out for it; said once."""
+        lacks = ["update_norm"] if lacks_update else []
+        if self._skipped_after is not False and lacks_grad:
+            lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: pass step=)")
+        self._skipped_after = False
+        if not lacks or self._unpredicted != step or self._warned_unpredicted or not self.layout.says_once:
+            return
+        self._warned_unpredicted = True
+        logger.warning("distmetrics: the record of step %d has no %s: the step was not known to be a log step (the "
+                       "next step is predicted as the last plus the stride between the last two, so the first log "
+                       "step after a change of stride misses it). Said once", step, " nor ".join(lacks))
 
     def unpredicted(self, step: int) -> None:
         """``step``, a log step, is not the step predicted before its optimizer step: its update, if
@@ -271,13 +291,7 @@ class NormCollector(ParamSide):
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
-            if update is None and self._steps.attached and self._unpredicted == ctx.step \
-                    and not self._warned_unpredicted and self.layout.says_once:
-                self._warned_unpredicted = True
-                logger.warning("distmetrics: the record of step %d has no update_norm: the optimizer step before it "
-                               "was not known to be a log step's (the next step is predicted as the last plus the "
-                               "stride between the last two, so the first log step after a change of stride misses "
-                               "it). Said once", ctx.step)
+        self._say_unpredicted(ctx.step, update is None and self.log_update_norm and self._steps.attached, grad is None)
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
