@@ -312,7 +312,8 @@ def test_a_blank_path_or_name_is_refused_naming_the_key_and_none_keeps_its_meani
         dm.MetricsConfig(**{key: value})
     with pytest.raises(ConfigError, match=re.escape(f"override {f'{key}={value!r}'!r}: {key}={value!r}")):
         dm.MetricsConfig.from_dict({}, [f"{key}={value!r}"])  # quoted: '{key}=' alone is YAML's null, None
-    if unset is not None:
+    if unset is not None:  # README: `wandb_project=` (a shell's `wandb_project=""`) is null
+        assert getattr(dm.MetricsConfig.from_dict({}, [f"{key}="]), key) is None
         config = dm.MetricsConfig(**{key: None}, wandb_mode="offline")
         assert getattr(config, key) is None
         assert config.resolved_tensorboard_dir == "runs/default/tensorboard"
