@@ -190,7 +190,7 @@ class CollectiveGuard:
         self.store, self.timeout_s, self._label = self._start_store, START_WAIT_S, "the start-up bound with " \
             "hang_timeout_s 0"
         try:
-            self.enter(f"{call} with hang_timeout_s 0 (the arrival check off)", step)
+            self.enter(f"{call}{_OFF}", step)
         finally:
             self.store, self.timeout_s, self._start_store = None, 0.0, None
 
@@ -253,10 +253,11 @@ class CollectiveGuard:
             ranks.setdefault(row.call if row.seq == self._seq else f"{row.call} (guarded call #{row.seq})",
                              []).append(r)
         calls = [f"{last} on {some_ranks(r)}" for last, r in ranks.items()]
+        same = " Give every rank the same hang_timeout_s." if any(_OFF in call for call in ranks) else ""
         more = f"; and {len(calls) - _CALLS_SHOWN} more calls" if len(calls) > _CALLS_SHOWN else ""
         return (f"distmetrics: rank {self.rank} is at {waiting}, guarded call #{self._seq}, where the ranks made "
                 f"different calls: {'; '.join(calls[:_CALLS_SHOWN])}{more}. Every rank must make the same monitor "
-                "calls (step, log_eval, checkpoint_saved, close) with the same step numbers, in the same order.")
+                f"calls (step, log_eval, checkpoint_saved, close) with the same step numbers, in the same order.{same}")
 
 
 class _Row(NamedTuple):
@@ -278,6 +279,7 @@ class _Differ(Exception):
     """The last rank to arrive found that the ranks made different calls (the ``differ`` mark)."""
 
 
+_OFF = " with hang_timeout_s 0 (the arrival check off)"  # the start-up call's text on a rank with the check off
 START_WAIT_S = 600.0
 """With the arrival check off, the longest a rank waits at the start-up check for the others (a
 collective waiting for a rank that never comes has no bound of its own: gloo's is 30 min)."""

@@ -60,7 +60,7 @@ def say_names(names: tuple) -> None:
     if unknown:
         logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
                        "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
-                       "tp, cp and pp (or tensor_parallel, context_parallel, pipeline, pipeline_parallel).",
+                       "tp, cp and pp (or tensor_parallel, etp, context_parallel, sp, pipeline, pipeline_parallel).",
                        ", ".join(map(repr, unknown)))
 
 

@@ -392,7 +392,8 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
     if mesh is None and part is not None and layout.says_once:
         logger.warning("distmetrics: the model's DeviceMesh has dimensions %s but spans %d of the %d ranks, so it "
                        "cannot say which ranks are data-parallel: pass device_mesh= (the whole job's mesh), or every "
-                       "tensor-parallel rank counts its batch's tokens",
+                       "tensor-parallel rank and pipeline stage counts its batch's tokens (and a loss passed on a "
+                       "stage other than the last is averaged in)",
                        part.mesh_dim_names, part.size(), layout.world_size)
     return mesh
 

@@ -603,6 +603,7 @@ def test_a_rank_with_the_arrival_check_off_beside_ranks_with_it_on_is_named_at_o
         kind, message, seconds = out["mixed"]
         assert kind == "HangError" and seconds < 30, (rank, kind, seconds, message)
         assert f"where the ranks made different calls: {calls[0]} on rank 0; {calls[1]} on rank 1" in message, message
+        assert message.endswith("Give every rank the same hang_timeout_s."), message
         assert out["all off"] == 1.5
 
 
