@@ -179,7 +179,7 @@ class Monitor:
                 self._by_name["norms"].unpredicted(step)  # its optimizer step was not snapshotted: said
             self._stride = step - self._last_step  # steps 2, 4, 6...: the next log step is predicted
         if "norms" in self._by_name:  # the step's optimizer steps are over: their update is the step's
-            self._by_name["norms"].end_step()
+            self._by_name["norms"].end_step(step)
         self._last_step = step
         self._guard.note("monitor.step", step)
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out

@@ -54,12 +54,17 @@ class StepHooks:
         self._before, self._after = before, after
         self._in_flight: list[int] = []  # ids of the optimizers whose step is under way, outermost first
         self._handles: list = []
-        self._steps = 0  # steps ended since the last monitor.step
+        self._steps: dict[int, int] = {}  # optimizer id -> its steps ended since the last monitor.step
 
     @property
     def attached(self) -> bool:
         """Whether some optimizer is attached."""
         return bool(self._handles)
+
+    @property
+    def count(self) -> int:
+        """How many optimizers are attached."""
+        return len(self._handles) // 2
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook ``optimizer``'s step (see :func:`hooked_optimizer`)."""
@@ -68,12 +73,12 @@ class StepHooks:
         self._handles += [optimizer.register_step_pre_hook(eager(self._pre)),
                           optimizer.register_step_post_hook(eager(self._post))]
 
-    def end_step(self) -> bool:
-        """``monitor.step``: whether some optimizer step ended since the last call; a step still
-        under way raised."""
-        stepped, self._steps = self._steps > 0, 0
+    def end_step(self) -> tuple[bool, bool]:
+        """``monitor.step``: whether some optimizer step ended since the last call, and whether one
+        optimizer's did more than once; a step still under way raised."""
+        steps, self._steps = self._steps, {}
         self._in_flight.clear()
-        return stepped
+        return bool(steps), any(n > 1 for n in steps.values())
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -92,5 +97,5 @@ class StepHooks:
         if id(optimizer) in self._in_flight:  # an inner step that raised and was caught inside it ends with it
             del self._in_flight[self._in_flight.index(id(optimizer)):]
         if not self._in_flight:
-            self._steps += 1
+            self._steps[id(optimizer)] = self._steps.get(id(optimizer), 0) + 1
             self._after()

@@ -2700,8 +2700,65 @@ def test_several_optimizer_steps_in_a_step_are_measured_whole_in_every_precision
         assert metrics["update_norm"] == pytest.approx(truth["total"], rel=1e-6), step
         for module, value in truth["modules"].items():
             assert metrics[f"update_norm/{module}"] == pytest.approx(value, rel=1e-6), (step, module)
-        assert "effective_lr_ratio" not in metrics and "effective_lr_ratio/D" in metrics
+        # the update holds two of D's steps, the gradient is the last one's: no ratio of them
+        assert not [key for key in metrics if key.startswith("effective_lr_ratio")], metrics
     monitor.close()
+
+
+def test_one_optimizer_stepping_twice_in_a_step_is_measured_whole_from_the_next_log_step(caplog):
+    """One optimizer: its copy goes right after its step (not held through a forward and backward
+    before monitor.step). Stepping twice in a step is then seen at the second step: that record has
+    no update_norm (said once), the later ones the whole step's (float64 truth), none a
+    effective_lr_ratio (two steps' update over the last gradient: 0.206 for an lr of 0.1)."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    written, held = {}, []
+    with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer) as monitor:
+        for step in (1, 2, 3):
+            before = [p.detach().double().clone() for p in model.parameters()]
+            for _ in range(2 if step > 1 else 1):
+                optimizer.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                monitor.clip_grad_norm_(1e9)
+                optimizer.step()
+                held.append(monitor._by_name["norms"]._snapshot is not None)
+            truth = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum()) for p, b in zip(model.parameters(),
+                                                                                                 before)))
+            written[step] = (monitor.step(step), truth)
+    assert held == [False, False, False, True, True], held  # kept once a second step was seen (step 3)
+    assert written[1][0]["update_norm"] == pytest.approx(written[1][1], rel=1e-6)
+    assert "effective_lr_ratio" in written[1][0]
+    assert "update_norm" not in written[2][0] and not any("effective_lr" in key for key in written[2][0])
+    assert written[3][0]["update_norm"] == pytest.approx(written[3][1], rel=1e-6)
+    assert not any("effective_lr" in key for key in written[3][0])
+    said = [r.getMessage() for r in caplog.records if "stepped more than once" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("distmetrics: the record of step 2 has no update_norm"), said
+
+
+def test_a_log_step_whose_own_optimizer_step_did_not_run_never_gets_an_earlier_update():
+    """Steps 1, 2, 4, 5, 6 with log_interval 3: after the jump from 2 to 4, the next step was predicted
+    as 6 and the optimizer step before step 5 was measured for it; step 6's own optimizer step did not
+    run (a skipped step). Step 6's record showed step 5's update; it has none now."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dm.Monitor(quiet_config(log_interval=3, log_update_norm=True), model=model, optimizer=optimizer) as monitor:
+        for step in (1, 2, 4, 5, 6):
+            optimizer.zero_grad()
+            model(torch.randn(4, 3)).pow(2).sum().backward()
+            if step != 6:
+                optimizer.step()
+            metrics = monitor.step(step)
+    assert metrics is not None and "update_norm" not in metrics, metrics
 
 
 def _flaky_sgd(params, fail_at: set):

@@ -77,6 +77,10 @@ class NormCollector(ParamSide):
         self._warned_partial = False  # a second measurement over other parameters in one step was said
         self._steps = StepHooks(self._before_step, self._after_step)  # the attached optimizers' (update norms)
         self._stepped = False  # some attached optimizer stepped between the last two monitor.step calls
+        self._repeated = False  # ... one of them more than once (the update then spans several gradients)
+        self._repeats_seen = False  # an optimizer stepped twice in one step once: copies are kept until monitor.step
+        self._dropped_step: Any = None  # a step whose update was left out (the copy went before its second step)
+        self._said_dropped = False
         self._log_step_ahead: Callable[[], Optional[int]] = lambda: None
         self._warned_update = False  # update_norm missing from a record was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
@@ -167,11 +171,14 @@ class NormCollector(ParamSide):
         """The optimizer step is over: the step's update so far."""
         self.diff()
 
-    def end_step(self) -> None:
-        """``monitor.step``: the step's optimizer steps are over. Its update stays for the log step;
-        the snapshot is let go, and a step that raised under way is forgotten."""
-        self._stepped = self._steps.end_step()
+    def end_step(self, step: int) -> None:
+        """``monitor.step(step)``: the step's optimizer steps are over. Its update stays for the log
+        step, and only for ``step`` (one measured for a predicted step that this is not is never
+        another's); the snapshot is let go, and a step that raised under way is forgotten."""
+        self._stepped, self._repeated = self._steps.end_step()
         self._snapshot = self._snapshot_plan = None
+        if self._update is not None and self._update_step != step:
+            self._update = None
 
     def first_step(self, step: int, logged: bool) -> None:
         """The job's first ``monitor.step`` is ``step``: the measurements made before it, when its
@@ -291,6 +298,12 @@ class NormCollector(ParamSide):
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
+        if self._dropped_step == ctx.step and not self._said_dropped and self.layout.says_once:
+            self._said_dropped = True
+            logger.warning("distmetrics: the record of step %d has no update_norm: an optimizer stepped more than once "
+                           "between two monitor.step calls, and its first step's copy of the parameters was let go; "
+                           "from the next log step on the copy is kept until monitor.step and the update is the "
+                           "step's whole (such records have no effective_lr_ratio). Said once", ctx.step)
         self._say_unpredicted(ctx.step, update is None and self.log_update_norm and self._steps.attached, grad is None)
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()

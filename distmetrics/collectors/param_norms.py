@@ -36,7 +36,15 @@ class ParamSide:
         generator and critic, n_critic critic steps, a chained optimizer's parts), make the copy's fp32
         pieces, which hold that difference, the parameters before the first step again (+ P now:
         exact wherever the difference was), so that :meth:`diff` gives the whole step's update with
-        no second copy. A copy not yet diffed (a step that raised) holds them as it is."""
+        no second copy. A copy not yet diffed (a step that raised) holds them as it is. The copy is kept
+        past :meth:`diff` only where a step may hold several optimizer steps (:attr:`_keeps_copy`); with
+        one optimizer that was not known at the step that first steps it twice, whose update is left out
+        (said at its record) and measured whole from then on."""
+        if self._snapshot is None and self._update is not None and self._update_step == step:
+            self._repeats_seen = True  # the copy went at the first: this step's update would be its last part's
+            self._update, self._update_step, self._dropped_step = None, None, step
+        if self._dropped_step == step:
+            return
         if self._snapshot is not None and self._snapshot_step == step:
             if self._diffed:
                 self._diffed = False
@@ -75,6 +83,15 @@ class ParamSide:
         self._update = self._bucket_squares(plan, updates, groups)
         self._update_step = self._snapshot_step
         self._update_plan = plan  # parameters frozen or added before the log step do not rename its buckets
+        if not self._keeps_copy:  # one optimizer stepping once a step: the copy goes now, not held through
+            self._snapshot = self._snapshot_plan = None  # a forward and backward before monitor.step
+
+    @property
+    def _keeps_copy(self) -> bool:
+        """Whether the copy is kept until ``monitor.step`` for further optimizer steps of the step:
+        several optimizers are attached (a GAN's, a chained optimizer's parts), or one stepped twice
+        in a step before."""
+        return self._steps.count > 1 or self._repeats_seen
 
     def _here(self, piece: torch.Tensor) -> torch.Tensor:
         """``piece`` where the snapshot lives (``update_norm_snapshot``)."""
@@ -136,7 +153,8 @@ class ParamSide:
             if param:
                 metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
             clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
-            whole = suffix or grad is None or not grad.partial
+            # none where the update holds several steps of one optimizer (n_critic) but the gradient is the last's
+            whole = not self._repeated and (suffix or grad is None or not grad.partial)
             if clipped and same_norm and whole:  # none where the clip zeroed the gradient (max_norm 0, an inf total)
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / clipped
 
