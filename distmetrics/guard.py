@@ -187,7 +187,8 @@ class CollectiveGuard:
         """The first guarded call with the check off (``hang_timeout_s`` 0): checked as with it on, as
         another call (every rank's check must agree), so ranks whose check is on and off raise at once
         naming which is which; waiting at most :data:`START_WAIT_S` (a rank that does not come: named)."""
-        self.store, self.timeout_s, self._label = self._start_store, START_WAIT_S, "the start-up bound with " \
+        bound = max(START_WAIT_S, _seconds(getattr(self._start_store, "timeout", None)))  # the job's own, if longer
+        self.store, self.timeout_s, self._label = self._start_store, bound, "the start-up bound with " \
             "hang_timeout_s 0"
         try:
             self.enter(f"{call}{_OFF}", step)
@@ -281,13 +282,21 @@ class _Differ(Exception):
 
 _OFF = " with hang_timeout_s 0 (the arrival check off)"  # the start-up call's text on a rank with the check off
 START_WAIT_S = 600.0
-"""With the arrival check off, the longest a rank waits at the start-up check for the others (a
-collective waiting for a rank that never comes has no bound of its own: gloo's is 30 min)."""
+"""With the arrival check off, the least time a rank waits at the start-up check for the others; the
+job's process-group timeout where it is longer (the store's, which the collectives share)."""
 _CALLS_SHOWN = 8  # distinct calls named in the message where the ranks made different ones
 _DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
 _LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving
 _GAVE_UP_MARK = "gave up"  # ... by a rank that waited hang_timeout_s (a rank arriving later must not go on)
 _DIFFER_MARK = "differ"  # ... by the last rank to arrive, where the ranks' calls or steps differ
+
+
+def _seconds(timeout: Any) -> float:
+    """A store's timeout (``init_process_group(timeout=...)``'s) in seconds; 0 where it has none."""
+    try:
+        return float(timeout.total_seconds())
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
 
 
 def _done(seq: int) -> str:

@@ -21,14 +21,18 @@ __all__ = ["StepHooks", "hooked_optimizer"]
 
 
 def hooked_optimizer(optimizer: Any, call: str) -> torch.optim.Optimizer:
-    """``optimizer``, or the first optimizer down its ``.optimizer`` chain, whose ``step()`` runs
-    step hooks; a ``TypeError`` naming ``call`` and what was given otherwise (no collective: the
+    """``optimizer``, or the first optimizer down its ``.optimizer`` chain (or the one a wrapper hands
+    ``register_step_pre_hook`` on to), whose ``step()`` runs step hooks; a ``TypeError`` naming ``call`` and what was given otherwise (no collective: the
     Monitor checks before its first one, and every rank passes the same kind of optimizer)."""
     current, seen = optimizer, set()
     while current is not None and id(current) not in seen:
         if _runs_hooks(current):
             return current
         seen.add(id(current))
+        # a wrapper that hands its attributes on (__getattr__) to the optimizer it holds: the hook method's owner
+        owner = getattr(getattr(current, "register_step_pre_hook", None), "__self__", None)
+        if owner is not None and owner is not current and _runs_hooks(owner):
+            return owner
         current = getattr(current, "optimizer", None)
     kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise TypeError(f"{call}: got a {kind}, which is no torch.optim.Optimizer whose step() runs step hooks and holds "

@@ -2856,6 +2856,31 @@ def test_a_wrapper_subclassing_optimizer_without_its_init_is_hooked_through_its_
         monitor.close()
 
 
+def test_a_wrapper_handing_its_attributes_on_is_hooked_through_the_optimizer_it_holds():
+    """A wrapper that forwards attributes (__getattr__) to an optimizer it keeps under another name
+    than .optimizer was measured before hooks went through .optimizer only, then refused."""
+    import torch
+
+    import distmetrics as dm
+
+    class Forwarding:
+        def __init__(self, optimizer):
+            self._inner = optimizer
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = Forwarding(torch.optim.SGD(model.parameters(), lr=0.1))
+    with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer) as monitor:
+        model(torch.randn(2, 4)).sum().backward()
+        before = _full_params(model)
+        optimizer.step()
+        truth = _update_truth(before, _full_params(model))["total"]
+        assert monitor.step(1)["update_norm"] == pytest.approx(truth, rel=1e-6)
+
+
 def test_a_log_step_whose_step_a_grad_scaler_skipped_after_others_stepped_says_so_once(caplog):
     """log_interval 2, the scaler skipping step 4's optimizer step (an inf gradient) after step 3's
     stepped: the record had no update_norm and no word, where one is said."""
