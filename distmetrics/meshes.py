@@ -36,8 +36,14 @@ def dim_kind(name: str) -> Optional[str]:
 
 def folds(name: str) -> bool:
     """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
-    ``dp_cp``): its ranks may share a batch, which its one coordinate cannot tell."""
-    return dim_kind(name) is None and any(dim_kind(part) for part in name.lower().split("_"))
+    ``dp_cp``), or expert parallelism's ``ep`` (torchtitan's borrows all of cp, and of tp where etp is
+    1): its ranks may share a batch, which its one coordinate cannot tell."""
+    low = name.lower()
+    return dim_kind(name) is None and (low in _BORROWING or any(dim_kind(part) for part in low.split("_")))
+
+
+_BORROWING = frozenset({"ep", "expert_parallel"})
+"""Names of dimensions that may hold context- or tensor-parallel ranks whole (see :func:`folds`)."""
 
 
 def _looks_data_parallel(name: str) -> bool:
@@ -52,11 +58,12 @@ def say_names(names: tuple) -> None:
     folded = [name for name in names if folds(name)]
     unknown = [name for name in names if dim_kind(name) is None and not folds(name) and not _looks_data_parallel(name)]
     if folded:
-        logger.warning("distmetrics: DeviceMesh dimension(s) %s fold context-, tensor- or pipeline-parallel ranks "
-                       "into data parallel: their cp/tp/pp part cannot be told apart, so each of their ranks counts "
-                       "its batch's tokens (tokens/s, consumed tokens and MFU times that part's size); pass the mesh "
-                       "with cp, tp and pp as dimensions of their own (torchtitan: the data mesh, not the dense "
-                       "compute mesh).", ", ".join(map(repr, folded)))
+        logger.warning("distmetrics: DeviceMesh dimension(s) %s may hold context-, tensor- or pipeline-parallel "
+                       "ranks (torchtitan's dp_shard_cp holds cp, its ep cp and, where etp is 1, tp): where they do "
+                       "(cp or tp above 1), that part cannot be told apart, so each of their ranks counts its "
+                       "batch's tokens (tokens/s, consumed tokens and MFU times that part's size); then pass the "
+                       "mesh with cp, tp and pp as dimensions of their own (torchtitan: the data mesh, not a compute "
+                       "mesh). Norms are exact either way.", ", ".join(map(repr, folded)))
     if unknown:
         logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
                        "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "

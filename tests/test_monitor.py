@@ -454,20 +454,21 @@ def test_tensor_parallel_mesh_dimensions_count_tokens_once_and_an_unknown_name_i
 
 
 def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_are_said(mesh_names):
-    """TP in capitals, Ulysses' sp and expert TP (etp) share a batch; expert-parallel ranks (ep, efsdp) and
-    torchtitan's world mesh do not, and no warning tells to rename them. A dimension folding cp into data
-    parallel (dp_shard_cp, as its only dimension) counts each rank, said once. torchtitan's meshes,
-    unflattened from a 1-D world mesh, are read as they are (before, through that root: 80 tokens); a
-    sub-mesh of one that spans part of the job is said and not read."""
+    """TP in capitals, Ulysses' sp and expert TP (etp) share a batch; expert-parallel data ranks (efsdp) and
+    torchtitan's world mesh do not, and no warning tells to rename them. A dimension that may fold cp
+    into data parallel (dp_shard_cp; torchtitan's ep, which borrows cp) counts each rank, said once.
+    torchtitan's meshes, unflattened from a 1-D world mesh, are read as they are (before, through that
+    root: 80 tokens); a sub-mesh of one that spans part of the job is said and not read."""
     result = mesh_names
-    for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("unflattened",)):
+    for names in (("dp", "TP"), ("dp", "sp"), ("unflattened",)):
         assert result[names] == (40.0, []), names
-    for names in (("efsdp", "ep"), ("world",)):
-        assert result[names] == (80.0, []), names
-    tokens, warned = result[("dp_shard_cp",)]
-    assert tokens == 80.0 and len(warned) == 1, warned
-    assert "'dp_shard_cp' fold context-, tensor- or pipeline-parallel ranks into data parallel" in warned[0]
-    assert "pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
+    assert result[("world",)] == (80.0, [])
+    for names, tokens in ((("dp_shard_cp",), 80.0), (("efsdp", "ep"), 80.0), (("ep", "etp"), 40.0)):
+        got, warned = result[names]
+        assert got == tokens and len(warned) == 1, (names, got, warned)
+        folded = "'dp_shard_cp'" if names == ("dp_shard_cp",) else "'ep'"
+        assert f"DeviceMesh dimension(s) {folded} may hold context-, tensor- or pipeline-parallel ranks" in warned[0]
+        assert "then pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
     tokens, warned = result[("unflattened['dp']",)]
     assert tokens == 80.0 and len(warned) == 1 and "spans 1 of the Monitor's 2 ranks" in warned[0], warned
 
