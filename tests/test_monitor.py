@@ -837,6 +837,7 @@ def test_writes_that_are_not_a_tuple_of_names_are_refused():
 
     with pytest.raises(ValueError, match=r"the 'mine' collector's writes='data/' is not a tuple of metric names"):
         dm.Monitor(quiet_config(), collectors=[_Named(0, writes="data/")])
+    dm.Monitor(quiet_config(), collectors=[_Named(0, writes={"data/"})]).close()  # a set of names is one
 
 
 def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):

@@ -29,11 +29,11 @@ __all__ = ["check_writes", "check_declared", "ForeignNames"]
 
 
 def check_declared(collector: Any) -> tuple:
-    """A user's collector's ``writes`` (none: ``()``); raises ``TypeError`` for anything but a list or
-    tuple of metric names (``writes = ("data/")`` is the string ``"data/"``: five one-letter names)."""
+    """A user's collector's ``writes`` (none: ``()``); raises ``TypeError`` for anything but a list,
+    tuple or set of metric names (``writes = ("data/")`` is the string ``"data/"``: five one-letter names)."""
     writes = getattr(collector, "writes", ())
-    if isinstance(writes, (list, tuple)) and all(isinstance(w, str) and w.strip("/") for w in writes):
-        return tuple(writes)
+    if isinstance(writes, (list, tuple, set, frozenset)) and all(isinstance(w, str) and w.strip("/") for w in writes):
+        return tuple(sorted(writes)) if isinstance(writes, (set, frozenset)) else tuple(writes)
     raise TypeError(f"Monitor(collectors=...): the {collector.name!r} collector's writes={writes!r:.80} is not a "
                     "tuple of metric names (a name ending in '/' stands for every name under it), e.g. ('data/',)")
 
