@@ -831,6 +831,22 @@ def test_the_built_in_collectors_share_names_only_with_one_they_run_after():
         check_writes([Alone if kind is StragglerCollector else kind for kind in kinds])
 
 
+def test_exact_names_of_ones_own_pass_and_a_built_in_prefix_is_its_collectors_whole():
+    """README (Adding a metric): writes=("train/data_wait_ms",) is written; writes=("train/",) is refused
+    at Monitor() (it covers train/loss); a sample under timers/ is refused with every timer off."""
+    import distmetrics as dm
+
+    sample = [("train/data_wait_ms", 1.5, "mean")]
+    with dm.Monitor(quiet_config(log_interval=1), collectors=[_Named(0, sample, on=(0,),
+                                                                     writes=("train/data_wait_ms",))]) as monitor:
+        assert monitor.step(1, loss=1.0)["train/data_wait_ms"] == 1.5
+    with pytest.raises(ValueError, match="the 'mine' collector writes 'train/' and the 'train' collector writes"):
+        dm.Monitor(quiet_config(), collectors=[_Named(0, sample, on=(0,), writes=("train/",))])
+    with dm.Monitor(quiet_config(log_interval=1), collectors=[_Named(0, [("timers/x", 1.0, "max")], on=(0,))]) as m:
+        with pytest.raises(ValueError, match="a sample 'timers/x', which the 'timers' collector writes"):
+            m.step(1, loss=1.0)
+
+
 def test_writes_that_are_not_a_tuple_of_names_are_refused():
     """writes = ("data/") is the string "data/": five one-letter names, each a prefix of nothing."""
     import distmetrics as dm
