@@ -122,7 +122,6 @@ class NormCollector(ParamSide):
         lacks = ["update_norm"] if lacks_update else []
         if self._skipped_after is not False and lacks_grad:
             lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: pass step=)")
-        self._skipped_after = False
         if not lacks or self._unpredicted != step or self._warned_unpredicted or not self.layout.says_once:
             return
         self._warned_unpredicted = True
@@ -298,13 +297,16 @@ class NormCollector(ParamSide):
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
-        if self._dropped_step == ctx.step and not self._said_dropped and self.layout.says_once:
-            self._said_dropped = True
-            logger.warning("distmetrics: the record of step %d has no update_norm: an optimizer stepped more than once "
-                           "between two monitor.step calls, and its first step's copy of the parameters was let go; "
-                           "from the next log step on the copy is kept until monitor.step and the update is the "
-                           "step's whole (such records have no effective_lr_ratio). Said once", ctx.step)
-        self._say_unpredicted(ctx.step, update is None and self.log_update_norm and self._steps.attached, grad is None)
+            if self._dropped_step == ctx.step and not self._said_dropped and self.layout.says_once:
+                self._said_dropped = True
+                logger.warning("distmetrics: the record of step %d has no update_norm: an optimizer stepped more than "
+                               "once between two monitor.step calls, and its first step's copy of the parameters was "
+                               "let go; from the next log step on the copy is kept until monitor.step and the update "
+                               "is the step's whole (such records have no effective_lr_ratio). Said once", ctx.step)
+        if self._unpredicted is not None:  # a log step that came unpredicted: what it lacks, said once
+            self._say_unpredicted(ctx.step, update is None and self.log_update_norm and self._steps.attached,
+                                  grad is None)
+        self._skipped_after, self._unpredicted = False, None
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
             squares = self._bucket_squares(plan, self._param_pieces(plan))
