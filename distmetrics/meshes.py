@@ -103,7 +103,9 @@ def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
             continue
         seen.add(id(mesh))
         mesh = layout_mesh(mesh)
-        if any(dim_kind(name) or folds(name) for name in mesh.mesh_dim_names or ()):
+        # an expert mesh's ep alone does not make it the job's (it may borrow cp and tp: see folds)
+        names = mesh.mesh_dim_names or ()
+        if any(dim_kind(name) or (folds(name) and name.lower() not in _BORROWING) for name in names):
             if spans(mesh, ranks):
                 return mesh, part
             if part is None:

@@ -58,6 +58,7 @@ class StepHooks:
         self._before, self._after = before, after
         self._in_flight: list[int] = []  # ids of the optimizers whose step is under way, outermost first
         self._handles: list = []
+        self._attached: set = set()  # ids of the optimizers hooked
         self._steps: dict[int, int] = {}  # optimizer id -> its steps ended since the last monitor.step
 
     @property
@@ -74,6 +75,9 @@ class StepHooks:
         """Hook ``optimizer``'s step (see :func:`hooked_optimizer`)."""
         # run eagerly where torch.compile compiles optimizer.step() (torch's compiled-optimizer recipe):
         # traced, they split its one graph into 7 or more
+        if id(optimizer) in self._attached:  # given twice (Monitor(optimizer=...), then attached): one step each
+            return
+        self._attached.add(id(optimizer))
         self._handles += [optimizer.register_step_pre_hook(eager(self._pre)),
                           optimizer.register_step_post_hook(eager(self._post))]
 
@@ -88,7 +92,7 @@ class StepHooks:
         """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._attached = [], set()
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._in_flight:  # its last step raised: that step, and any inside it, are over
@@ -98,8 +102,10 @@ class StepHooks:
         self._in_flight.append(id(optimizer))
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self._in_flight:  # an inner step that raised and was caught inside it ends with it
-            del self._in_flight[self._in_flight.index(id(optimizer)):]
+        if id(optimizer) not in self._in_flight:  # its step already ended here: the outer run of hooks torch
+            return  # runs twice (a subclass's step() calling super().step(), both hooked)
+        # an inner step that raised and was caught inside it ends with it
+        del self._in_flight[self._in_flight.index(id(optimizer)):]
         if not self._in_flight:
             self._steps[id(optimizer)] = self._steps.get(id(optimizer), 0) + 1
             self._after()

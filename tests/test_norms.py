@@ -2938,3 +2938,66 @@ def test_a_tied_weight_counts_once_under_its_first_module():
     assert total == pytest.approx(norm(model.parameters()), rel=1e-6)  # parameters() lists the tied weight once
     assert metrics["grad_norm/embed"] == pytest.approx(norm([model.embed.weight]), rel=1e-6)
     assert "grad_norm/head" not in metrics and metrics["grad_norm"] == pytest.approx(total, rel=1e-6)
+
+
+def test_hooks_that_run_twice_for_one_step_count_it_once():
+    """A subclass whose step() calls super().step() (torch hooks both classes' step once each was
+    made), or one optimizer given twice: the hooks ran pre, pre, post, post and the step counted twice,
+    which took effective_lr_ratio out of every record (an SGD's is its lr, 0.1) and held the copy."""
+    import torch
+
+    import distmetrics as dm
+
+    class Subclassed(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # the parent's step is hooked too
+    for case in ("subclass", "given twice"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = (Subclassed if case == "subclass" else torch.optim.SGD)(model.parameters(), lr=0.1)
+        with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model,
+                        optimizer=optimizer) as monitor:
+            if case == "given twice":
+                monitor.attach_megatron_optimizer(optimizer)
+            for step in (1, 2):
+                optimizer.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                monitor.clip_grad_norm_(1e9)
+                optimizer.step()
+                held = monitor._by_name["norms"]._snapshot is not None
+                metrics = monitor.step(step)
+                assert metrics["effective_lr_ratio"] == pytest.approx(0.1, rel=1e-5) and not held, (case, step)
+
+
+@pytest.mark.parametrize("steps,log_interval", [((1, 2, 3), 1), ((1, 3, 4, 5), 5)])
+def test_a_step_left_out_for_a_second_optimizer_step_is_said_and_only_that_step(caplog, steps, log_interval):
+    """One optimizer stepping twice, at every step from the first: the first record lost its
+    update_norm unsaid (the drop was filed under the placeholder of the first step's number). Or at
+    step 4 only, of steps 1, 3, 4, 5: after the jump from 1 to 3 the optimizer steps before step 4 were
+    taken for step 5's, the drop was filed under step 5, and step 5's own snapshot was refused, with a
+    wrong warning. Now the first is said, and step 5 is measured."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    written = {}
+    with dm.Monitor(quiet_config(log_interval=log_interval, log_update_norm=True), model=model,
+                    optimizer=optimizer) as monitor:
+        for step in steps:
+            for _ in range(2 if log_interval == 1 or step == 4 else 1):
+                optimizer.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                optimizer.step()
+            metrics = monitor.step(step)
+            if metrics is not None:
+                written[step] = "update_norm" in metrics
+    said = [r.getMessage() for r in caplog.records if "stepped more than once" in r.getMessage()]
+    if log_interval == 1:
+        assert written == {1: False, 2: True, 3: True} and len(said) == 1 and "step 1 " in said[0], (written, said)
+    else:
+        assert written == {5: True} and not said, (written, said)

@@ -178,6 +178,8 @@ class NormCollector(ParamSide):
         self._snapshot = self._snapshot_plan = None
         if self._update is not None and self._update_step != step:
             self._update = None
+        if self._dropped_step != step:  # a predicted step that this is not: its own snapshot is not refused later
+            self._dropped_step = None
 
     def first_step(self, step: int, logged: bool) -> None:
         """The job's first ``monitor.step`` is ``step``: the measurements made before it, when its
@@ -187,6 +189,8 @@ class NormCollector(ParamSide):
             self._update_step = step
         if self._snapshot_step == FIRST_STEP:
             self._snapshot_step = step
+        if self._dropped_step == FIRST_STEP:
+            self._dropped_step = step
         if not logged:
             self._grad = self._grad_plan = None
 
