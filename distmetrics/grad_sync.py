@@ -29,6 +29,7 @@ place, seen by an earlier clip). A DDP module made around the model given cannot
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import weakref
@@ -67,6 +68,27 @@ def _note_ddp(parent: Any, name: str, child: Any) -> None:
 torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 
 
+def _ddp_around(model: Any, search: bool) -> bool:
+    """Whether a live DDP module holds ``model``: noted by :func:`_note_ddp` where it was made after
+    this module's import; else (``search``: once) found among what refers to the model — its
+    ``_modules``, that dict's owner's ``__dict__``, the owner (``distmetrics`` imports this module at
+    the first ``dm.Monitor``, after Trainer or Accelerate wrapped the model). Each step is a scan of
+    the objects the collector tracks: about 15 ms per million objects."""
+    noted = _IN_DDP.get(model)
+    if noted is not None and noted() is not None:
+        return True
+    if not search:
+        return False
+    ddp = torch.nn.parallel.DistributedDataParallel
+    for modules in gc.get_referrers(model):
+        if type(modules) is dict and modules.get("module") is model:
+            for attributes in gc.get_referrers(modules):
+                if type(attributes) is dict and attributes.get("_modules") is modules:
+                    if any(isinstance(owner, ddp) for owner in gc.get_referrers(attributes)):
+                        return True
+    return False
+
+
 class GradSync:
     """Checks that no DDP or FSDP2 wrapper in ``model`` (None: nothing to check) is inside a
     gradient-accumulation window, or left gradients of one unreduced. ``plans``, the norm plans of
@@ -78,6 +100,7 @@ class GradSync:
         self.model = model
         self.plans = plans
         self._say_ddp = say  # the model's DDP module, not seen from the model, is still to be said
+        self._searched = False  # the heap was searched for a DDP module made around the model
         self._found_at: tuple = ()  # what _changes() said when the wrappers were found
         self._ddp: list = []  # DistributedDataParallel modules
         self._groups: list = []  # FSDP2 parameter groups
@@ -170,8 +193,8 @@ class GradSync:
                 if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
                     self._replicated.append(group)  # all-reduced over replicas (HSDP)
         self._found_at = self._changes()
-        ddp = _IN_DDP.get(self.model)
-        if self._say_ddp and ddp is not None and ddp() is not None:
+        searched, self._searched = self._searched, True
+        if self._say_ddp and not self._ddp and _ddp_around(self.model, not searched):
             self._say_ddp = False
             logger.warning("distmetrics: the model given to the Monitor is inside a DistributedDataParallel module, "
                            "which cannot be seen from it: norms measured inside that module's no_sync() (each rank's "

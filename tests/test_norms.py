@@ -3001,3 +3001,38 @@ def test_a_step_left_out_for_a_second_optimizer_step_is_said_and_only_that_step(
         assert written == {1: False, 2: True, 3: True} and len(said) == 1 and "step 1 " in said[0], (written, said)
     else:
         assert written == {5: True} and not said, (written, said)
+
+
+def _ddp_made_before_distmetrics(rank: int, world: int) -> dict:
+    """A DDP module made before distmetrics' first Monitor (as Trainer and Accelerate wrap the model,
+    then a callback makes the Monitor), the Monitor given the module inside it."""
+    import logging
+    import sys
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    loaded_before = "distmetrics.grad_sync" in sys.modules
+    model = torch.nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model)
+    import distmetrics as dm
+
+    heard: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        ddp(torch.randn(3, 4)).sum().backward()
+        monitor.clip_grad_norm_(1e9)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"loaded before": loaded_before, "heard": [m for m in heard if "DistributedDataParallel" in m]}
+
+
+def test_a_ddp_module_made_before_distmetrics_was_loaded_is_still_said():
+    """The registration hook that notes a DDP module around the model is installed when distmetrics
+    loads its Monitor, lazily at the first dm.Monitor: a DDP made before that (Trainer, Accelerate) was
+    never seen, and norms inside its no_sync() went unsaid. The objects referring to the model are
+    searched once instead."""
+    for rank, out in enumerate(run_ranks(_ddp_made_before_distmetrics, 2, timeout=120)):
+        assert not out["loaded before"], rank
+        assert len(out["heard"]) == (rank == 0), (rank, out["heard"])
