@@ -71,9 +71,9 @@ torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 def _ddp_around(model: Any, search: bool) -> bool:
     """Whether a live DDP module holds ``model``: noted by :func:`_note_ddp` where it was made after
     this module's import; else (``search``: once) found among what refers to the model — its
-    ``_modules``, that dict's owner's ``__dict__``, the owner (``distmetrics`` imports this module at
-    the first ``dm.Monitor``, after Trainer or Accelerate wrapped the model). Each step is a scan of
-    the objects the collector tracks: about 15 ms per million objects."""
+    ``_modules``, and that dict's owner, DDP's ``__dict__`` known by its keys (``distmetrics`` imports
+    this module at the first ``dm.Monitor``, after Trainer or Accelerate wrapped the model). Each step
+    is a scan of the objects the collector tracks: 0.01-0.1 s per million objects."""
     noted = _IN_DDP.get(model)
     if noted is not None and noted() is not None:
         return True
@@ -83,9 +83,11 @@ def _ddp_around(model: Any, search: bool) -> bool:
     for modules in gc.get_referrers(model):
         if type(modules) is dict and modules.get("module") is model:
             for attributes in gc.get_referrers(modules):
-                if type(attributes) is dict and attributes.get("_modules") is modules:
-                    if any(isinstance(owner, ddp) for owner in gc.get_referrers(attributes)):
-                        return True
+                if isinstance(attributes, ddp):  # reached from the object itself (a dict kept inline)
+                    return True
+                if type(attributes) is dict and attributes.get("_modules") is modules and \
+                        "require_backward_grad_sync" in attributes and "reducer" in attributes:  # DDP's __dict__
+                    return True
     return False
 
 

@@ -11,6 +11,7 @@ dictionaries that nothing reads, or none at all. So the hooks go on the first op
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -58,7 +59,8 @@ class StepHooks:
         self._before, self._after = before, after
         self._in_flight: list[int] = []  # ids of the optimizers whose step is under way, outermost first
         self._handles: list = []
-        self._attached: set = set()  # ids of the optimizers hooked
+        self._attached: "weakref.WeakSet" = weakref.WeakSet()  # the optimizers hooked (not by id: a new one
+        # may take a freed one's address)
         self._steps: dict[int, int] = {}  # optimizer id -> its steps ended since the last monitor.step
 
     @property
@@ -75,9 +77,9 @@ class StepHooks:
         """Hook ``optimizer``'s step (see :func:`hooked_optimizer`)."""
         # run eagerly where torch.compile compiles optimizer.step() (torch's compiled-optimizer recipe):
         # traced, they split its one graph into 7 or more
-        if id(optimizer) in self._attached:  # given twice (Monitor(optimizer=...), then attached): one step each
+        if optimizer in self._attached:  # given twice (Monitor(optimizer=...), then attached): one step each
             return
-        self._attached.add(id(optimizer))
+        self._attached.add(optimizer)
         self._handles += [optimizer.register_step_pre_hook(eager(self._pre)),
                           optimizer.register_step_post_hook(eager(self._post))]
 
@@ -92,7 +94,7 @@ class StepHooks:
         """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._attached = [], set()
+        self._handles, self._attached = [], weakref.WeakSet()
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._in_flight:  # its last step raised: that step, and any inside it, are over

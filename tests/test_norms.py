@@ -3036,3 +3036,30 @@ def test_a_ddp_module_made_before_distmetrics_was_loaded_is_still_said():
     for rank, out in enumerate(run_ranks(_ddp_made_before_distmetrics, 2, timeout=120)):
         assert not out["loaded before"], rank
         assert len(out["heard"]) == (rank == 0), (rank, out["heard"])
+
+
+def test_an_optimizer_replaced_and_attached_again_is_hooked_even_at_the_old_ones_address():
+    """Optimizers attached after the Monitor are not kept alive by it: a new one, attached as the
+    lacks-update warning says, may take the freed one's address, and a check of attached optimizers by
+    id hooked nothing (no update_norm for the rest of the job). Whatever the address, it is measured."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model) as monitor:
+        monitor.attach_megatron_optimizer(optimizer)
+        for step in range(1, 5):
+            if step == 3:  # a new phase, a new optimizer
+                del optimizer
+                optimizer = torch.optim.SGD(params, lr=0.1)
+                monitor.attach_megatron_optimizer(optimizer)
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            before = _full_params(model)
+            optimizer.step()
+            truth = _update_truth(before, _full_params(model))["total"]
+            assert monitor.step(step)["update_norm"] == pytest.approx(truth, rel=1e-6), step
