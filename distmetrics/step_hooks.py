@@ -23,8 +23,9 @@ __all__ = ["StepHooks", "hooked_optimizer"]
 
 def hooked_optimizer(optimizer: Any, call: str) -> torch.optim.Optimizer:
     """``optimizer``, or the first optimizer down its ``.optimizer`` chain (or the one a wrapper hands
-    ``register_step_pre_hook`` on to), whose ``step()`` runs step hooks; a ``TypeError`` naming ``call`` and what was given otherwise (no collective: the
-    Monitor checks before its first one, and every rank passes the same kind of optimizer)."""
+    ``register_step_pre_hook`` on to), whose ``step()`` runs step hooks; a ``TypeError`` naming
+    ``call`` and what was given otherwise (no collective: the Monitor checks before its first one, and
+    every rank passes the same kind of optimizer)."""
     current, seen = optimizer, set()
     while current is not None and id(current) not in seen:
         if _runs_hooks(current):

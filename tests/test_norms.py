@@ -1454,7 +1454,6 @@ def _wrapped_after_the_monitor(rank: int, world: int) -> dict:
     model already given to a Monitor, and what the Monitor's ranks said of it."""
     import logging
 
-    import torch
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
