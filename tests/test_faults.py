@@ -583,6 +583,27 @@ def test_a_rank_that_dies_before_any_monitor_call_is_named_within_the_timeout():
     assert seconds < TIMEOUT_S + 10
 
 
+def _late_with_the_check_off(rank: int, world: int) -> tuple:
+    """hang_timeout_s 0 on both ranks, the start-up bound lowered to 1 s; rank 1 comes 3 s late."""
+    import time
+
+    import distmetrics as dm
+    from distmetrics import guard
+
+    guard.START_WAIT_S = 1.0
+    if rank == 1:
+        time.sleep(3.0)
+    return _outcome(lambda: dm.Monitor(quiet_config(hang_timeout_s=0)).close())
+
+
+def test_with_the_check_off_the_start_up_check_waits_as_long_as_the_process_group_would():
+    """The start-up check made with hang_timeout_s 0 gave up after its own bound (600 s) where the
+    collective it stands before would have waited the process group's timeout (30 min here): a rank
+    that came late then made every rank raise. It waits the longer of the two now."""
+    for rank, (kind, message, _) in enumerate(run_ranks(_late_with_the_check_off, 2, timeout=60)):
+        assert kind == "ok", (rank, kind, message)
+
+
 def _check_on_one_rank_only(rank: int, world: int) -> dict:
     """hang_timeout_s 60 on rank 0 and 0 (the check off) on rank 1; then 0 on both, with a log step."""
     import distmetrics as dm

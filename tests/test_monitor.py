@@ -392,6 +392,38 @@ def test_eval_is_token_weighted_with_ppl_and_gap(run):
     assert math.isnan(ev["eval/gap"])
 
 
+def _experts_on_an_ep_mesh(rank: int, world: int) -> dict:
+    """A model whose expert weight is sharded over the ep dimension of a plain ("dp", "ep") mesh, the
+    Monitor given the model only."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import distmetrics as dm
+
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    model = torch.nn.Module()
+    model.experts = torch.nn.Parameter(distribute_tensor(torch.ones(world, 3), mesh["ep"], [Shard(0)]))
+    with dm.Monitor(quiet_config(), model=model) as monitor:
+        source = monitor.layout.source
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"source": source, "said": [m for m in seen if "DeviceMesh" in m]}
+
+
+def test_an_expert_meshs_ep_alone_does_not_make_it_the_jobs_mesh():
+    """Found among the parameters, a mesh naming only ep (which may borrow cp and tp ranks) was taken
+    as the job's layout mesh, with a warning that its ep may hold cp or tp ranks; the job is read as
+    data parallel, unsaid, as it was before ep was said to fold them."""
+    for rank, out in enumerate(run_ranks(_experts_on_an_ep_mesh, 2, timeout=120)):
+        assert out == {"source": "data-parallel", "said": []}, (rank, out)
+
+
 def _mesh_dim_names(rank: int, world: int) -> dict:
     import logging
 
