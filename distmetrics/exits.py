@@ -16,7 +16,7 @@ from .sinks.writer import forget_exit_hook
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["open_at_exit", "say_unwritten", "say_log_step_lost", "close_parts", "OneThread"]
+__all__ = ["open_at_exit", "say_unwritten", "say_log_step_lost", "say_pending", "close_parts", "OneThread"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -60,6 +60,20 @@ def say_log_step_lost(monitor: "Monitor", why: str) -> None:
         step, steps = held
         logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it since "
                        "the last log step are not written", step, why, steps)
+
+
+def say_pending(monitor: "Monitor") -> None:
+    """Say, at a close() with no step since the last record, the values recorded after it: a record
+    belongs to the interval of the next ``monitor.step``, which did not come, so they are not written."""
+    pending = monitor._by_name["train"].stats.pending()
+    if monitor._by_name["losses"].train.pending():
+        pending.append("record_losses' samples")
+    if pending:
+        after = ("before any monitor.step" if monitor._last_step is None else
+                 f"after the last monitor.step (step {monitor._last_step}, logged)")
+        logger.warning("distmetrics: close() on rank %d: %s recorded %s are not written: a record belongs to the "
+                       "interval of the next monitor.step; record before the step it belongs to", monitor.rank,
+                       ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""), after)
 
 
 def _thread_name(ident: int) -> str:

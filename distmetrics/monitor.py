@@ -10,7 +10,6 @@ there, run eagerly (:mod:`distmetrics.eager`).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -21,16 +20,16 @@ from typing import Any, Optional, Union
 import torch
 
 from .checkpoints import CheckpointLog
-from .collectors import LogContext, build_collectors, finalize_order, planned_collectors
-from .collectors.base import ForeignNames, check_collectors, misnamed_elsewhere, take_samples
-from .collectors.norms import FIRST_STEP
+from .collectors import build_collectors, finalize_order, planned_collectors
+from .collectors.base import ForeignNames, check_collectors
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_unwritten
+from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_pending, say_unwritten
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
 from .interval import now
+from .log_step import is_log_step, log_step, log_step_ahead
 from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
 from .naming import module_order
@@ -42,8 +41,6 @@ from .step_hooks import hooked_optimizer
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for, planned_for
 
 __all__ = ["Monitor"]
-
-logger = logging.getLogger("distmetrics")
 
 Number = Union[int, float, torch.Tensor]
 
@@ -326,16 +323,7 @@ class Monitor:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
             else:  # values recorded after the last step's record belong to a step that did not come
-                pending = self._by_name["train"].stats.pending()
-                if self._by_name["losses"].train.pending():
-                    pending.append("record_losses' samples")
-                if pending:
-                    after = ("before any monitor.step" if self._last_step is None else
-                             f"after the last monitor.step (step {self._last_step}, logged)")
-                    logger.warning("distmetrics: close() on rank %d: %s recorded %s are not written: a record "
-                                   "belongs to the interval of the next monitor.step; record before the step it "
-                                   "belongs to", self.rank,
-                                   ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""), after)
+                say_pending(self)
         except BaseException:
             self._shutdown(quiet=True)  # the error that stopped the record is the one raised
             raise
@@ -352,64 +340,10 @@ class Monitor:
             say_unwritten(self, how, "no collective is made after an error: another rank may be gone")
             self._shutdown(how, quiet=True)
 
-    # --- the log step --------------------------------------------------------------------
-    def _log(self, step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
-        """Take samples from every collector → one reduction → finalize in order → write
-        (``ended_at``: see :attr:`LogContext.ended_at`)."""
-        ctx = LogContext(step=step, steps=self._steps_in_interval, layout=self.layout, hosts=self.hosts,
-                         module_order=self._module_order, ended_at=ended_at, previous=self.last_metrics)
-        with self._records:  # no record lands in the interval while it is taken
-            # misnamed (a record key's or another writer's name): raised once the record is written
-            samples, misnamed = take_samples(self.collectors, ctx, self._foreign)
-        steps, self._steps_in_interval = self._steps_in_interval, 0  # the collectors started a new interval
-        # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
-        # write) or a close() from a signal handler says it is lost, as nothing else will write it
-        self._unwritten = (step, steps)
-        try:
-            ctx.reduced = self._reducer.reduce(samples, tag=step, steps=steps)
-            metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
-            misnamed = misnamed_elsewhere(metrics, misnamed)
-            train = self._by_name["train"]
-            train.to_context(metrics, ctx)  # wall time and tokens move into ctx
-            # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample
-            failure, *said = [e for e in (train.refused, self._reducer.refused, misnamed) if e is not None] or [None]
-            train.refused = self._reducer.refused = None
-            for other in said:  # one error is raised: the others are said
-                logger.warning("distmetrics: step %d: %s", step, other)
-            alerts = []
-            for collector in self.collectors:
-                try:
-                    alerts += collector.finalize(metrics, ctx)
-                except Exception as err:  # noqa: BLE001 - raised below, once the record is written
-                    if failure is not None:  # one error is raised: the others are said
-                        logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
-                                       collector.name, step, type(err).__name__, err)
-                    failure = failure or err
-            self._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
-                                       self._by_name["train"].mixed.by)
-            written = self._written_order(metrics)
-            metrics = dict(zip(written, map(metrics.__getitem__, written)))
-            self._write(metrics, step, "train")
-            self._unwritten = None
-        except BaseException as err:
-            say_log_step_lost(self, type(err).__name__)
-            raise
-        for alert in alerts:
-            self._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
-        self.last_metrics = metrics
-        if failure is not None:  # from the reduced values, the same on every rank: every rank raises it
-            raise failure
-        return metrics
-
-    def _written_order(self, metrics: dict[str, Any]) -> list[str]:
-        """The record's names sorted, without internal lanes ("_..."); sorted again only when the
-        names differ from the last log step's."""
-        made, written = self._record_order
-        names = tuple(metrics)
-        if names != made:
-            written = [k for k in sorted(names) if k[:1] != "_"]
-            self._record_order = (names, written)
-        return written
+    # --- the log step (:mod:`distmetrics.log_step`) ------------------------------------------
+    _log = log_step
+    _log_step_ahead = log_step_ahead
+    _is_log_step = is_log_step
 
     def _counts_from(self, first: int) -> None:
         """The job's own steps start at ``first``, as its first step, evaluation or checkpoint tells
@@ -419,26 +353,6 @@ class Monitor:
         if not self._counts_known:
             self._counts_known = True
             self._checkpoints.start_at(first)
-
-    def _log_step_ahead(self) -> Optional[int]:
-        """The step the next ``monitor.step`` is predicted to be (the last + the last stride between two
-        steps, 1 at first), if it is a log step;
-        before the first, ``FIRST_STEP``: its number is not known (a job may start or resume at any
-        step), so it is treated as a log step."""
-        if self._last_step is None:
-            return FIRST_STEP
-        step = self._last_step + self._stride
-        return step if self._is_log_step(step) else None
-
-    def _is_log_step(self, step: Optional[int] = None) -> bool:
-        """Whether ``step`` (default: the next, predicted as in :meth:`_log_step_ahead`) is a log step, or the
-        job's last (``total_steps``: ``close()`` writes its record); before the first
-        ``monitor.step``, with no ``step``, True (see :meth:`_log_step_ahead`)."""
-        if step is None:
-            if self._last_step is None:
-                return True
-            step = self._last_step + self._stride
-        return step % self.config.log_interval == 0 or step == self.config.total_steps
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer and not self._closed:  # closed: by a signal handler, inside this log step

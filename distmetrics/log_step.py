@@ -1,0 +1,105 @@
+"""The log step: every collector's samples taken, reduced in one pack per reduce kind, finalized in
+order and written (:func:`log_step`); and which step the next ``monitor.step`` is predicted to be, so
+that what must be measured before it (gradient norms, an update's snapshot) is measured only there.
+
+Functions of the :class:`~distmetrics.monitor.Monitor` they serve, kept here so the front object
+reads as its API."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from .collectors import LogContext
+from .collectors.base import misnamed_elsewhere, take_samples
+from .collectors.norms import FIRST_STEP
+from .exits import say_log_step_lost
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+__all__ = ["log_step", "log_step_ahead", "is_log_step"]
+
+logger = logging.getLogger("distmetrics")
+
+
+def log_step(monitor: "Monitor", step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
+    """Take samples from every collector → one reduction → finalize in order → write
+    (``ended_at``: see :attr:`LogContext.ended_at`)."""
+    ctx = LogContext(step=step, steps=monitor._steps_in_interval, layout=monitor.layout, hosts=monitor.hosts,
+                     module_order=monitor._module_order, ended_at=ended_at, previous=monitor.last_metrics)
+    with monitor._records:  # no record lands in the interval while it is taken
+        # misnamed (a record key's or another writer's name): raised once the record is written
+        samples, misnamed = take_samples(monitor.collectors, ctx, monitor._foreign)
+    steps, monitor._steps_in_interval = monitor._steps_in_interval, 0  # the collectors started a new interval
+    # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
+    # write) or a close() from a signal handler says it is lost, as nothing else will write it
+    monitor._unwritten = (step, steps)
+    try:
+        ctx.reduced = monitor._reducer.reduce(samples, tag=step, steps=steps)
+        metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
+        misnamed = misnamed_elsewhere(metrics, misnamed)
+        train = monitor._by_name["train"]
+        train.to_context(metrics, ctx)  # wall time and tokens move into ctx
+        # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample
+        failure, *said = [e for e in (train.refused, monitor._reducer.refused, misnamed) if e is not None] or [None]
+        train.refused = monitor._reducer.refused = None
+        for other in said:  # one error is raised: the others are said
+            logger.warning("distmetrics: step %d: %s", step, other)
+        alerts = []
+        for collector in monitor.collectors:
+            try:
+                alerts += collector.finalize(metrics, ctx)
+            except Exception as err:  # noqa: BLE001 - raised below, once the record is written
+                if failure is not None:  # one error is raised: the others are said
+                    logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
+                                   collector.name, step, type(err).__name__, err)
+                failure = failure or err
+        monitor._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
+                                      monitor._by_name["train"].mixed.by)
+        written = _written_order(monitor, metrics)
+        metrics = dict(zip(written, map(metrics.__getitem__, written)))
+        monitor._write(metrics, step, "train")
+        monitor._unwritten = None
+    except BaseException as err:
+        say_log_step_lost(monitor, type(err).__name__)
+        raise
+    for alert in alerts:
+        monitor._write(alert.to_record(), step, alert.kind)  # alerts, and records such as stragglers
+    monitor.last_metrics = metrics
+    if failure is not None:  # from the reduced values, the same on every rank: every rank raises it
+        raise failure
+    return metrics
+
+
+def _written_order(monitor: "Monitor", metrics: dict[str, Any]) -> list[str]:
+    """The record's names sorted, without internal lanes ("_..."); sorted again only when the
+    names differ from the last log step's."""
+    made, written = monitor._record_order
+    names = tuple(metrics)
+    if names != made:
+        written = [k for k in sorted(names) if k[:1] != "_"]
+        monitor._record_order = (names, written)
+    return written
+
+
+def log_step_ahead(monitor: "Monitor") -> Optional[int]:
+    """The step the next ``monitor.step`` is predicted to be (the last + the last stride between two
+    steps, 1 at first), if it is a log step;
+    before the first, ``FIRST_STEP``: its number is not known (a job may start or resume at any
+    step), so it is treated as a log step."""
+    if monitor._last_step is None:
+        return FIRST_STEP
+    step = monitor._last_step + monitor._stride
+    return step if is_log_step(monitor, step) else None
+
+
+def is_log_step(monitor: "Monitor", step: Optional[int] = None) -> bool:
+    """Whether ``step`` (default: the next, predicted as in :func:`log_step_ahead`) is a log step, or the
+    job's last (``total_steps``: ``close()`` writes its record); before the first
+    ``monitor.step``, with no ``step``, True (see :func:`log_step_ahead`)."""
+    if step is None:
+        if monitor._last_step is None:
+            return True
+        step = monitor._last_step + monitor._stride
+    return step % monitor.config.log_interval == 0 or step == monitor.config.total_steps
