@@ -1672,6 +1672,29 @@ def test_a_complex_value_is_refused_at_the_call(tmp_path, call):
     monitor.close()
 
 
+
+@pytest.mark.parametrize("call", ["tokens", "loss_tokens", "record", "eval"])
+def test_a_bool_tensor_is_refused_at_the_call_as_a_bool_is(tmp_path, call):
+    """A 1-element bool tensor (``mask.any()`` where ``mask.sum()`` was meant) passed as a count of 1,
+    though a Python bool is refused: now refused alike, naming the argument, with nothing recorded."""
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    flag = torch.tensor(True)
+    with pytest.raises(TypeError, match=rf"{call if call != 'record' else 'flag'}.*got a bool tensor"):
+        if call == "tokens":
+            monitor.step(1, loss=1.0, tokens=flag)
+        elif call == "loss_tokens":
+            monitor.step(1, loss=1.0, tokens=4, loss_tokens=flag)
+        elif call == "record":
+            monitor.record("flag", flag)
+        else:
+            monitor.log_eval(1, loss=1.0, tokens=flag)
+    assert monitor.step(1, loss=1.0, tokens=4)["train/loss"] == 1.0  # nothing was recorded: the step is retried
+    monitor.close()
+
 _CLOSED_AT_EXIT = """
 import atexit, os, sys
 import torch.distributed as dist
