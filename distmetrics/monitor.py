@@ -123,7 +123,8 @@ class Monitor:
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
             self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
             self.timers = self._by_name["timers"].timers
-            self._module_order = job_module_order(self.layout, module_order(model), self._guard)
+            self._module_order = job_module_order(self.layout, module_order(model), self._guard,
+                                                  chunked=isinstance(model, torch.nn.ModuleList))
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)

@@ -274,20 +274,33 @@ def _say_shared_gpus(by_host: dict[str, list]) -> None:
                 return  # one warning names the first such GPU
 
 
-def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None) -> list[str]:
+def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None, chunked: bool = False) -> list[str]:
     """The job's module names in model order, the same on every rank: with pipeline stages, each
     stage's in stage order, gathered over this rank's pipeline group (the stages' lists: what it
     receives grows with the model, not the world; a rank holds its stage's modules only: the
     writer's alone put the last stage first in the report, and each stage named a different
-    module as the first non-finite one); else this rank's (``local``)."""
+    module as the first non-finite one); else this rank's (``local``). ``chunked``: the model is a
+    ``ModuleList`` of virtual pipeline chunks (names start with the chunk's index) on every rank of the
+    group: the model runs chunk 0 of every stage, then chunk 1 of every stage, and is ordered so."""
     group = layout.pp_group
     if layout.pp_size <= 1 or group is None or not (dist.is_available() and dist.is_initialized()):
         return list(local)
     if guard is not None:
         guard.enter("Monitor()")
     stages: list[Any] = [None] * layout.pp_size
-    dist.all_gather_object(stages, (layout.pp_rank, tuple(local)), group=group)
-    return list(dict.fromkeys(name for _, names in sorted(stages, key=lambda s: s[0]) for name in names))
+    dist.all_gather_object(stages, (layout.pp_rank, tuple(local), chunked), group=group)
+    if all(chunks for _, _, chunks in stages):
+        keyed = sorted((_chunk_index(name), stage, at, name)
+                       for stage, names, _ in stages for at, name in enumerate(names))
+        return list(dict.fromkeys(name for *_, name in keyed))
+    return list(dict.fromkeys(name for _, names, _ in sorted(stages, key=lambda s: s[0]) for name in names))
+
+
+def _chunk_index(name: str) -> int:
+    """The virtual pipeline chunk a module of a ``ModuleList`` of chunks belongs to (its name's first
+    part); -1 for the root's own name, which comes first."""
+    first = name.split(".", 1)[0]
+    return int(first) if first.isdigit() else -1
 
 
 def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int,

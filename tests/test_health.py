@@ -352,6 +352,57 @@ def test_a_module_whose_name_holds_a_comma_is_one_module_in_the_alert(tmp_path):
     assert alert["first_module"] == "enc,dec" and alert["modules"] == result["truth"]
 
 
+
+def _interleaved_stages_with_nans(rank: int, world: int, root: str) -> dict:
+    """Two pipeline stages, each a ``ModuleList`` of two virtual chunks as Megatron's interleaved
+    schedule lays them out: chunk c of stage s holds global layer 2c + s (Megatron's ``layer_number``
+    is one more), stage 0's chunk 0 the embedding, stage 1's chunk 1 the output layer. NaN gradients
+    in layer 1 (stage 1, chunk 0) and layer 2 (stage 0, chunk 1): the model runs layer 1 first."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    chunks = torch.nn.ModuleList()
+    for chunk in range(2):
+        part = torch.nn.Module()
+        if rank == 0 and chunk == 0:
+            part.embedding = torch.nn.Linear(2, 2)
+        part.decoder = torch.nn.Module()
+        layer = torch.nn.Linear(2, 2)
+        layer.layer_number = 2 * chunk + rank + 1
+        part.decoder.layers = torch.nn.ModuleList([layer])
+        if rank == 1 and chunk == 1:
+            part.output_layer = torch.nn.Linear(2, 2)
+        chunks.append(part)
+    for p in chunks.parameters():
+        p.grad = torch.ones_like(p)
+    chunks[1 - rank].decoder.layers[0].weight.grad[0, 0] = math.nan  # layers 2 (stage 0) and 1 (stage 1)
+    with dm.Monitor(_config(f"{root}/r{rank}"), model=chunks, device_mesh=mesh) as monitor:
+        monitor.clip_grad_norm_(1.0)
+        metrics = monitor.step(1, loss=1.0 if rank == 1 else None)
+    return {"first": metrics.get("health/first_nonfinite_module"), "modules": metrics.get("grad_nonfinite_modules"),
+            "order": [n for n in monitor._module_order if ".layers." in n or n.endswith(("embedding", "output_layer"))]}
+
+
+def test_an_interleaved_pipelines_modules_are_ordered_chunk_by_chunk_across_stages(tmp_path):
+    """Megatron's interleaved schedule runs chunk 0 of every stage, then chunk 1 of every stage. The
+    stages' lists were joined stage by stage (layer 2, on stage 0's chunk 1, before layer 1, on stage
+    1's chunk 0), so the module named first non-finite was layer 2, and the report's rows were out of
+    model order."""
+    import distmetrics as dm
+
+    results = run_ranks(_interleaved_stages_with_nans, 2, str(tmp_path))
+    assert all(r == results[0] for r in results)
+    assert results[0]["order"] == ["0.embedding", "0.decoder.layers.0", "0.decoder.layers.1",
+                                   "1.decoder.layers.2", "1.decoder.layers.3", "1.output_layer"]
+    assert results[0]["first"] == "0.decoder.layers.1"
+    assert results[0]["modules"] == ["0.decoder.layers.1", "1.decoder.layers.2"]
+    [run] = [r for r in dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl") if r["kind"] == "run"]
+    assert [n for n in run["modules"] if ".layers." in n or n.endswith(("embedding", "output_layer"))] == \
+        results[0]["order"]  # the report's rows
+
 def _categories_and_moe(rank: int, world: int) -> dict:
     import torch
 
