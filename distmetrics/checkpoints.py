@@ -80,12 +80,17 @@ class CheckpointLog:
                 (f"the last {_NO_LINE_WITHIN >> 20} MiB of metrics.jsonl", self._metrics_file is not None)) if on)
             self._short = (f"no checkpoint up to iteration {step} was found in {where} (this job started at step "
                            f"{step}): its checkpoints' FLOPs and tokens count from this job on")
-        if record is not None and (base is None or record.iteration > base.iteration):
-            # its progress.txt line was lost (a full disk between the two writes, say), or there is no progress.txt
+        later = record is not None and base is not None and record.iteration == base.iteration and \
+            not _rounds_alike(record, base) and _has_record_of(self._metrics_file, base)
+        if record is not None and (base is None or record.iteration > base.iteration or later):
+            # its progress.txt line was lost (a full disk between the two writes, say), or there is no progress.txt;
+            # later: the line there is of an earlier save of that iteration (a rollback's), whose record comes
+            # before this one in metrics.jsonl
             if self._progress:
                 logger.warning("distmetrics: progress.txt has no \"Saved checkpoint\" line for iteration %d, the "
-                               "checkpoint this job resumes from (%s has its record: the line was lost, e.g. to a full "
-                               "disk); FLOPs and tokens count on from that record.", record.iteration,
+                               "checkpoint this job resumes from%s (%s has its record: the line was lost, e.g. to a "
+                               "full disk); FLOPs and tokens count on from that record.", record.iteration,
+                               " (its line is an earlier job's save of that iteration)" if later else "",
                                self._metrics_file)
             self.resumed["last_tokens"], self.resumed["last_flops"] = record.tokens, record.flops
             if self.resumed.get("streak_unsaved"):  # the streak's jobs saved nothing: it starts from this one
@@ -153,16 +158,35 @@ def _saved_record(path: Path, accept: Callable[[int], bool],
     """The numbers of the last ``progress`` record of metrics.jsonl whose iteration
     ``accept`` takes (FLOPs nan where the record has none: not known), or None (``within``: see
     :func:`last_record`)."""
-    record = last_record(path, lambda r: r.get("kind") == "progress" and "checkpoint/tokens" in r
-                         and isinstance(r.get("step"), int) and accept(r["step"]), starts=b'{"kind":"progress"',
-                         within=within)
-    if record is None:
+    record = last_record(path, lambda r: _as_saved(r) is not None and accept(r["step"]),
+                         starts=b'{"kind":"progress"', within=within)
+    return None if record is None else _as_saved(record)
+
+
+def _has_record_of(path: Optional[Path], line: Saved) -> bool:
+    """Whether metrics.jsonl holds a ``progress`` record of the save a progress.txt ``line`` tells of (its
+    iteration, numbers that round to its text)."""
+    return path is not None and last_record(path, lambda r: (saved := _as_saved(r)) is not None and
+                                            saved.iteration == line.iteration and _rounds_alike(saved, line),
+                                            starts=b'{"kind":"progress"') is not None
+
+
+def _as_saved(record: dict) -> Optional[Saved]:
+    """A ``progress`` record of a checkpoint's numbers as :class:`Saved` (FLOPs nan where it has none:
+    not known), or None for any other record."""
+    if record.get("kind") != "progress" or not isinstance(record.get("step"), int):
         return None
-    tokens = record["checkpoint/tokens"]
+    tokens = record.get("checkpoint/tokens")
     flops = record.get("checkpoint/floating_point_operations", math.nan)
     if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
         return None
     return Saved(record["step"], float(tokens), float(flops))
+
+
+def _rounds_alike(exact: Saved, line: Saved) -> bool:
+    """Whether a checkpoint's exact numbers are the ones a progress.txt ``line`` shows (tokens to 0.01
+    billion, FLOPs to three digits)."""
+    return f"{exact.tokens / 10**9:.2f}" == f"{line.tokens / 10**9:.2f}" and f"{exact.flops:.2e}" == f"{line.flops:.2e}"
 
 
 def _exact_numbers(resumed: dict, record: Optional[Saved]) -> None:
@@ -173,8 +197,7 @@ def _exact_numbers(resumed: dict, record: Optional[Saved]) -> None:
     if record is None:
         return
     tokens, flops = record.tokens, record.flops
-    if f"{tokens / 10**9:.2f}" != f"{resumed['last_tokens'] / 10**9:.2f}" or \
-            f"{flops:.2e}" != f"{resumed['last_flops']:.2e}":
+    if not _rounds_alike(record, Saved(record.iteration, resumed["last_tokens"], resumed["last_flops"])):
         return
     if resumed.get("start_flops") == resumed["last_flops"]:  # the streak began after that checkpoint
         resumed["start_flops"] = flops

@@ -633,6 +633,36 @@ def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jso
     assert any("no \"Saved checkpoint\" line for iteration 20" in r.getMessage() for r in caplog.records)
 
 
+
+def test_a_lost_line_of_a_checkpoint_saved_again_after_a_rollback_is_counted_on_from_its_record(tmp_path, caplog):
+    """Job a saved 10 and 20; job b rolled back to 10 and saved 20 again with other numbers (twice a's
+    tokens a step), and that line was lost (its metrics.jsonl record was written); job c resumes from
+    20. progress.txt's line of iteration 20 is a's, whose numbers the record does not round to: c
+    counted on from a's text (FLOPs 3e13 for 5e13, tokens 10k for 50k: the text's 0.00 billion)
+    without a word. The record comes after a's own record of 20 in metrics.jsonl: it is the later
+    save, and is taken, with the warning."""
+    import logging
+
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=10,
+                           flops_per_token=1e9, timing_log_level=-1, log_memory=False, straggler_window=0)
+    for first, last, tokens in ((1, 20, 1000), (11, 20, 3000), (21, 30, 1000)):
+        if first == 21:  # b's "Saved checkpoint ... Iteration: 20" never written
+            progress = tmp_path / "progress.txt"
+            progress.write_text("".join(progress.read_text().splitlines(keepends=True)[:-1]))
+        with dm.Monitor(cfg) as monitor:
+            for step in range(first, last + 1):
+                monitor.step(step, loss=1.0, tokens=tokens)
+                if step % 10 == 0:
+                    monitor.checkpoint_saved(step)
+    saved = [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"])
+             for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"]
+    assert saved == [(10, 1e4, 1e13), (20, 2e4, 2e13), (20, 4e4, 4e13), (30, 5e4, 5e13)]  # 1,000 or 3,000 a step
+    assert "no \"Saved checkpoint\" line for iteration 20" in caplog.text
+    assert "Floating-point operations: 5.00e+13" in (tmp_path / "progress.txt").read_text().splitlines()[-1]
+
 def test_a_checkpoint_lost_from_both_files_is_said_when_a_job_resumes_after_it(tmp_path, caplog):
     """The disk filled after checkpoint 10: checkpoint 20's progress.txt line and its JSONL record
     were both lost, and a job resuming from it (first step 21) counted on from checkpoint 10's
