@@ -10,7 +10,8 @@ building them and ``optimizer.step()`` (it only sends CUDA allocations to the CP
 ``torch.cuda.*Tensor`` type checks pass; see its docstring). The truth: every rank's local
 gradient (``main_grad`` before ``finish_grad_sync``, unreduced) summed over the data-parallel
 group in float64, counted once per (global name, tensor-parallel partition); parameters from the
-full, all-gathered model before and after the step.
+full, all-gathered model before and after the step. Also Megatron-Core's interleaved pipeline
+schedule itself (``get_forward_backward_func``, PP=2 × virtual 2 × DP=2) under a Monitor.
 """
 
 from __future__ import annotations
@@ -427,3 +428,119 @@ def test_update_norm_under_megatrons_chained_moe_optimizer_counts_every_part(dis
     assert out[0]["squares"]["dense"] > 0 and all(o["squares"]["expert"] > 0 for o in out)
     written = [o["update_norm"] for o in out if o["update_norm"] is not None]
     assert written and written[0] == pytest.approx(truth, rel=1e-6)
+
+
+def _interleaved_schedule(rank: int, world: int, out: str) -> dict:
+    """Megatron-Core's own interleaved 1F1B schedule (``get_forward_backward_func``) on pipeline 2 ×
+    virtual 2 × data parallel 2: each rank a ``ModuleList`` of two GPTModel chunks, one layer each
+    (chunk c of stage s holds global layer 2c + s), under Megatron's DDP and plain optimizer, which
+    clips at a value that does not bind; the Monitor measures between the schedule and the step."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, cpu_model_construction, cuda_on_cpu
+
+    micro_batches, batch, seq, vocab = 4, 2, 16, 64
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    apply_cpu_adaptations(seed=1234)
+    # batch_p2p_comm=False: Megatron's batched exchange calls torch.cuda.synchronize() after each one, which
+    # CPU-only torch refuses; unbatched isend/irecv between the stages waits on the requests alone.
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, pipeline_model_parallel_size=2,
+                               virtual_pipeline_model_parallel_size=2, hidden_dropout=0.0, attention_dropout=0.0,
+                               batch_p2p_comm=False)
+    chunks = []
+    with cpu_model_construction():
+        for vp in range(2):
+            chunks.append(GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                                   max_sequence_length=seq, share_embeddings_and_output_weights=True, vp_stage=vp,
+                                   pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                                   post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    with cuda_on_cpu():
+        ddps = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=c is not chunks[0]) for c in chunks]
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1e6), ddps)
+    for ddp in ddps:
+        ddp.broadcast_params()
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_throughput=True, json_log=True, output_dir=out,
+                                      writer_rank="last"), model=torch.nn.ModuleList(ddps), optimizer=optimizer)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [ddp.no_sync for ddp in ddps]
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = monitor.timers
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).view(1, 1, seq, seq)
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+
+        def loss_func(per_token):  # the schedule divides it by the micro-batches for the backward
+            loss = per_token.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return model(tokens, position_ids, mask, labels=labels), loss_func
+
+    last_stage = ps.is_pipeline_last_stage()
+    steps = []
+    for step in (1, 2):
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        rows = torch.randint(0, vocab, (micro_batches, batch, seq + 1),
+                             generator=torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank()))
+        # each chunk reads every micro-batch: the first stage takes its tokens, the last its labels
+        data = [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+        # The schedule allocates its token count and the stages' receive buffers on "cuda": cuda_on_cpu sends
+        # them to the CPU (launch/megatron_cpu.py).
+        with cuda_on_cpu():
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=[iter(data), iter(data)], model=ddps,
+                num_microbatches=micro_batches, seq_length=seq, micro_batch_size=batch, forward_only=False)
+        ours = float(monitor.measure_grad_norms())
+        with cuda_on_cpu():
+            _, megatron_norm, _ = optimizer.step()
+        loss = torch.stack([x["lm loss"] for x in losses]).mean() if last_stage else None
+        metrics = monitor.step(step, loss=loss, tokens=micro_batches * batch * seq, lr=1e-2)
+        steps.append({"ours": ours, "megatron": float(megatron_norm),
+                      "losses": [float(x["lm loss"]) for x in losses] if last_stage else [],
+                      "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, float)}})
+    monitor.close()
+    ps.destroy_model_parallel()
+    return {"steps": steps}
+
+
+def test_megatrons_interleaved_pipeline_schedule_is_measured_in_model_order(tmp_path):
+    """Megatron-Core's interleaved schedule, run as Megatron runs it (PP 2 × VPP 2 × DP 2): the grad
+    norm is the one Megatron's optimizer reports; per-layer names are global, each layer once; the
+    run record lists the modules chunk by chunk across stages (stage by stage put layer 2, on stage
+    0's chunk 1, before layer 1); the loss is the mean of the last stage's micro-batch losses; tokens
+    count once per data-parallel replica, not once per stage."""
+    import math
+    import re
+
+    import distmetrics as dm
+
+    results = run_ranks(_interleaved_schedule, 4, str(tmp_path), timeout=240)
+    writer = results[3]["steps"]  # writer_rank: last, a last-stage rank
+    for step, record in enumerate(writer, start=1):
+        m = record["metrics"]
+        for rank_result in results:  # every rank's Megatron step reports the one norm
+            assert m["grad_norm"] == pytest.approx(rank_result["steps"][step - 1]["megatron"], rel=REL)
+            assert rank_result["steps"][step - 1]["ours"] == pytest.approx(m["grad_norm"], rel=REL)
+        layers = {k.split("/", 1)[1] for k in m if re.fullmatch(r"grad_norm/\d+\.decoder\.layers\.\d+", k)}
+        assert layers == {"0.decoder.layers.0", "0.decoder.layers.1", "1.decoder.layers.2", "1.decoder.layers.3"}
+        micro_losses = [x for rank_result in results for x in rank_result["steps"][step - 1]["losses"]]
+        assert len(micro_losses) == 2 * 4  # two last-stage replicas, four micro-batches each
+        assert m["train/loss"] == pytest.approx(math.fsum(micro_losses) / len(micro_losses), rel=REL)
+        assert m["train/consumed_tokens"] == step * 2 * 4 * 2 * 16  # replicas × micro-batches × batch × seq
+    [run] = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "run"]
+    top = [n for n in run["modules"] if re.fullmatch(r"\d+\.(embedding|decoder\.layers\.\d+|output_layer)", n)]
+    assert top == ["0.embedding", "0.decoder.layers.0", "0.decoder.layers.1", "1.decoder.layers.2",
+                   "1.decoder.layers.3", "1.output_layer"]
