@@ -37,13 +37,10 @@ from typing import Any, Optional
 
 import torch
 
+from .fsdp_state import STATES as _STATES, fsdp_groups
 from .naming import module_name_map
 from .plans import _REGISTRATIONS, ParamPlans
 
-try:  # each module's composable state: FSDP2 keeps its parameter groups there
-    from torch.distributed._composable_state import _get_module_state, _module_state_mapping as _STATES
-except ImportError:  # torch.distributed lacks it: no FSDP2
-    _get_module_state, _STATES = None, {}
 
 __all__ = ["GradSync"]
 
@@ -181,12 +178,7 @@ class GradSync:
                 self._names[id(module)] = label
                 if id(module) not in self._hooks:
                     self._hooks[id(module)] = module.register_forward_pre_hook(self._note_forward)
-            state = _get_module_state(module) if _get_module_state is not None else None
-            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; before, one group or None:
-            if groups is None:  # a check that found no group would pass every window
-                single = getattr(state, "_fsdp_param_group", None)
-                groups = [single] if single is not None else ()
-            for group in groups:
+            for group in fsdp_groups(module):  # none found would pass every window: every torch's layout read
                 if id(group) in seen or not hasattr(group, "reduce_grads"):  # one state may manage several modules
                     continue
                 seen.add(id(group))

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from .fsdp_state import sharded_params
 from .naming import global_param_name, module_name_map, root_name
 from .parallel import is_dtensor
 
@@ -126,8 +127,11 @@ class ParamPlans:
                 return plan  # the same gradients as the model's trainable parameters
         plan = self._custom.get(signature)
         if plan is None:
+            sharded = sharded_params(self.model)  # FSDP2's unsharded stand-ins (model.parameters() after a forward)
             unique = list({id(q): q for q in params}.values())  # a parameter listed twice (a tied weight) counts once
-            plan = self._custom[signature] = self._build(list(zip(self._names(unique), unique)), signature)
+            names = self._names(unique)
+            unique = [sharded.get(id(q), q) for q in unique]
+            plan = self._custom[signature] = self._build(list(zip(names, unique)), signature)
             plan.given = True
             while len(self._custom) > 4:
                 self._custom.popitem(last=False)
@@ -156,7 +160,9 @@ class ParamPlans:
         self.reads += 1
         slots = Slots(self.model)
         rename = module_name_map(self.model)
-        named = [(global_param_name(n, rename), q) for n, q in self.model.named_parameters() if q.requires_grad]
+        sharded = sharded_params(self.model)  # FSDP2's unsharded stand-ins: their sharded parameters hold the grads
+        named = [(global_param_name(n, rename), sharded.get(id(q), q)) for n, q in self.model.named_parameters()
+                 if q.requires_grad]
         signature = tuple((n, id(q)) for n, q in named)  # a module moved renames its parameters
         if plan is None or plan.signature != signature:
             if plan is not None:

@@ -1374,6 +1374,74 @@ def _micro_batches_and_truth(rank: int, world: int) -> tuple:
     return data, math.sqrt(sum(float((sum(g[n] for g in gathered) / world).pow(2).sum()) for n in gathered[0]))
 
 
+
+def _fsdp2_parameters_left_unsharded(rank: int, world: int) -> dict:
+    """FSDP2 with ``fully_shard`` on the blocks and the root, where parameters are registered unsharded
+    at the clip: a forward under ``torch.no_grad()`` between the backward and the clip (the root does
+    not reshard after its forward), or ``set_reshard_after_backward(False)``. The clip by the model
+    (``clip_grad_norm_(max_norm)``) and by the parameters (``model.parameters()`` read after the
+    forward), then an SGD step. Truth: float64 over the optimizer's (sharded) parameters' full tensors."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for case in ("no_grad forward", "no reshard after backward", "given parameters"):
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if case == "no reshard after backward":
+            model.set_reshard_after_backward(False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        with dm.Monitor(quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True), model=model,
+                        optimizer=optimizer) as monitor:
+            model(x).pow(2).mean().backward()
+            if case != "no reshard after backward":
+                with torch.no_grad():
+                    model(x)  # a metrics pass
+            grads = [_full(p.grad) for p in held]
+            truth = float(torch.cat([g.reshape(-1) for g in grads]).norm())
+            stand_ins = sum(type(p) is not type(held[0]) for p in model.parameters())
+            torch_reads = [p.grad for p in model.parameters() if p.grad is not None]  # what torch's clip sums
+            parameters = list(model.parameters()) if case == "given parameters" else None
+            returned = float(monitor.clip_grad_norm_(parameters, MAX_NORM))
+            clipped = float(torch.cat([_full(p.grad).reshape(-1) for p in held]).norm())
+            before = [_full(p) for p in held]
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics = monitor.step(1)
+            update = float(torch.cat([(_full(p) - b).reshape(-1) for p, b in zip(held, before)]).norm())
+            params = float(torch.cat([_full(p).reshape(-1) for p in held]).norm())
+        out[case] = {"truth": truth, "returned": returned, "clipped": clipped, "stand_ins": stand_ins,
+                     "torch_reads": len(torch_reads),
+                     "grad_norm": metrics["grad_norm"], "missing": metrics.get("grad_missing_params"),
+                     "update": (metrics["update_norm"], update), "param": (metrics["param_norm"], params)}
+    return out
+
+
+def test_fsdp2_parameters_left_unsharded_at_the_clip_are_read_through_their_sharded_ones():
+    """A no_grad forward between the backward and the clip leaves FSDP2's root unsharded: its
+    parameters were read as the plain unsharded copies, which hold no gradient (grad_norm 2.63 for
+    3.94 on a like model, 8 of 20 gradients left unclipped, update_norm 29x low, param_norm of the
+    stale copy); so did every module after a backward with set_reshard_after_backward(False). The
+    sharded parameters FSDP2 reduces gradients into, the optimizer's, are read instead."""
+    for result in run_ranks(_fsdp2_parameters_left_unsharded, 2, timeout=240):
+        for case, out in result.items():
+            assert out["stand_ins"] > 0, case  # the case does leave parameters unsharded
+            assert out["returned"] == pytest.approx(out["truth"], rel=REL), case
+            assert out["grad_norm"] == pytest.approx(out["truth"], rel=REL), case
+            assert out["clipped"] == pytest.approx(MAX_NORM, rel=1e-5), case
+            assert not out["missing"], case
+            assert out["update"][0] == pytest.approx(out["update"][1], rel=1e-5), case
+            assert out["param"][0] == pytest.approx(out["param"][1], rel=REL), case
+        assert result["no reshard after backward"]["torch_reads"] == 0  # torch's clip: a norm of 0
+
 def _accumulation_windows(rank: int, world: int) -> dict:
     """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
     and HSDP (``set_requires_all_reduce``, over two replicas and over one): a clip and a measurement
