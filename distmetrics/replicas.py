@@ -215,6 +215,8 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
                 "(a pipeline stage of its own?). Under pipeline parallelism, pass the DeviceMesh as the Monitor's "
                 "device_mesh= with its pipeline dimension named 'pp' (or 'pipeline', 'pipeline_parallel') and clip "
                 "with monitor.clip_grad_norm_ (distmetrics.clip_grad_norm_ takes no mesh)" + tail)
+    if stage in bad and names:  # one fingerprint of them all is compared: which of them differ is not known
+        what += f" (this rank's; {'one or more of them' if len(names) > 1 else 'it'})"
     return (f"{call}: the gradients of {what}{where} differ across ranks: beside FSDP2's sharded (DTensor) gradients "
             "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
             "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "

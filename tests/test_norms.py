@@ -410,7 +410,7 @@ def test_norms_are_exact_with_fully_shard_on_the_blocks_only_and_the_roots_layer
 
 
 _PLAIN = ("the gradients of the plain (not sharded) parameters 'inp.weight', 'inp.bias', 'out.weight', 'out.bias' "
-          "differ across ranks")
+          "(this rank's; one or more of them) differ across ranks")  # one fingerprint of them all: which is not known
 
 
 def test_plain_gradients_that_differ_across_ranks_beside_fsdp2_shards_are_refused_on_every_rank(dtensor_results):
