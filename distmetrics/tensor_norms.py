@@ -77,7 +77,9 @@ def per_tensor_norms(tensors: list[torch.Tensor], p: float, foreach: Optional[bo
         group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
         # float32 accumulation keeps bf16/fp16 norms exact to float32; p other than 1, 2, ±inf, 0
         # raise each element to a power, which float32 rounds too coarsely for 1e-6 of float64
-        acc = torch.float64 if p not in _NATIVE_P else (torch.float32 if dtype in LOW_PRECISION else None)
+        # (complex tensors: in complex128, the only wide dtype torch takes for them; the norm is real)
+        acc = (torch.complex128 if dtype.is_complex else torch.float64) if p not in _NATIVE_P else \
+            (torch.float32 if dtype in LOW_PRECISION else None)
         blocked = dev.type == "cpu" and p in (1.0, 2.0) and dtype in _BLOCKED
         if blocked and _holds_long(group, dev, dtype, longs, whole_up_to):
             norms = _blockwise(group, p, acc, foreach, dev, whole_up_to)

@@ -239,10 +239,12 @@ def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
         assert (measured.plan is norms.plans.model_plan()) == (step in (0, 2))
 
 
-@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.0, 0.5, -1.0])
 def test_complex_gradients_clip_as_torch_clips_them(p):
     """A complex parameter made the clip raise "clamp is not supported for complex types": the total
-    was cast to the gradients' complex dtype, where torch returns a real one."""
+    was cast to the gradients' complex dtype, where torch returns a real one. For p other than 1, 2
+    and ±inf the norm is accumulated wider, which for a complex tensor was asked in float64: torch
+    refuses a real dtype for complex input (complex128 now)."""
     import warnings
 
     import distmetrics as dm
