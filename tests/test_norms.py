@@ -897,6 +897,32 @@ def _plain_monitor(model, **cfg):
     return dm.Monitor(quiet_config(**{"log_interval": 1, **cfg}), model=model)
 
 
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "measured"])
+def test_an_inf_gradient_norm_leaves_no_effective_lr_ratio(clip):
+    """Finite gradients whose float32 sum of squares passes float32's range (4 x 3e19) give an inf
+    total, as torch's: the clip's coefficient is 0, and inf x 0 wrote effective_lr_ratio NaN (and a
+    measurement alone wrote update / inf = 0.0), for the total and the module. Neither says anything:
+    the ratio is left out there."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = _plain_monitor(model, log_update_norm=True, log_params_norm=True)
+    monitor.attach_megatron_optimizer(optimizer)
+    model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        model[0].bias.grad.fill_(3e19)
+    assert math.isinf(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))  # torch's
+    total = monitor.clip_grad_norm_(1.0) if clip else monitor.measure_grad_norms()
+    assert math.isinf(float(total))
+    optimizer.step()
+    metrics = monitor.step(1)
+    assert metrics["update_norm"] >= 0 and "effective_lr_ratio" not in metrics, metrics
+    assert "effective_lr_ratio/0" not in metrics  # the module of the inf norm; module 1's is finite where measured
+    assert not [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
+    monitor.close()
+
 def test_inf_norm_is_the_largest_element():
     import torch
 

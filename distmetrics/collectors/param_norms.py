@@ -7,6 +7,7 @@ an update."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -155,7 +156,9 @@ class ParamSide:
             clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
             # none where the update holds several steps of one optimizer (n_critic) but the gradient is the last's
             whole = not self._repeated and (suffix or grad is None or not grad.partial)
-            if clipped and same_norm and whole:  # none where the clip zeroed the gradient (max_norm 0, an inf total)
+            # none where the clip zeroed the gradient (max_norm 0) or the norm is not finite (inf x a coefficient
+            # of 0 is NaN; an inf norm, by a sum of squares past float32 too, leaves no ratio to tell)
+            if clipped and math.isfinite(clipped) and same_norm and whole:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / clipped
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
