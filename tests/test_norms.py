@@ -923,6 +923,30 @@ def test_an_inf_gradient_norm_leaves_no_effective_lr_ratio(clip):
     assert not [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
     monitor.close()
 
+
+def test_a_lazy_modules_parameters_before_its_first_forward_count_as_empty():
+    """A log step before a lazy module's first forward (``nn.LazyLinear``, its parameters still
+    ``UninitializedParameter``s) raised torch's "Attempted to use an uninitialized parameter" from the
+    parameter norms, and the record was lost. They hold no value yet: they count as empty, and after
+    the forward every norm is float64 truth's."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    monitor = _plain_monitor(model, log_params_norm=True)
+    first = monitor.step(0)
+    assert first["param_norm/0"] == 0.0
+    assert first["param_norm"] == pytest.approx(float(torch.cat([p.detach().double().reshape(-1)
+                                                                   for p in model[2].parameters()]).norm()), rel=REL)
+    model(torch.randn(5, 7)).sum().backward()
+    monitor.clip_grad_norm_(1e9)
+    metrics = monitor.step(1)
+    assert metrics["param_norm"] == pytest.approx(
+        float(torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]).norm()), rel=REL)
+    assert metrics["grad_norm"] == pytest.approx(
+        float(torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm()), rel=REL)
+    monitor.close()
+
 def test_inf_norm_is_the_largest_element():
     import torch
 

@@ -26,6 +26,10 @@ _CHUNK = 1 << 23  # bf16/fp16 elements whose update is taken in float32 at once:
 _CPU_CHUNK = 1 << 20  # on the CPU: old and new, 8 MiB of float32, which the cache holds (see _low_precision_updates)
 
 
+_LAZY = torch.nn.parameter.UninitializedParameter
+"""A lazy module's parameter before its first forward (``nn.LazyLinear``): its class until then."""
+
+
 class ParamSide:
     """Methods of the norm collector that read the parameters (a mixin: the state is the
     collector's, set in its ``__init__``: ``grads``, ``layout``, ``snapshot_device``, the
@@ -172,6 +176,8 @@ class ParamSide:
             main = shards.main_shard(p) if shards is not None else None
             if main is None and not getattr(p, "main_param_sharded", False):
                 main = getattr(p, "main_param", None)
+            if main is None and isinstance(p, _LAZY):  # a lazy module's before its first forward: no value yet
+                main = torch.empty(0, dtype=p.dtype, device=p.device)
             out.append(main.detach() if main is not None else local_tensor(p.detach()))
         return out
 
