@@ -239,6 +239,34 @@ def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
         assert (measured.plan is norms.plans.model_plan()) == (step in (0, 2))
 
 
+
+def test_the_short_form_counts_a_frozen_parameter_with_a_gradient_as_torchs_clip_of_the_model_does():
+    """``monitor.clip_grad_norm_(max_norm)`` clips the model's parameters, and torch's clip of
+    ``model.parameters()`` counts a parameter frozen after the backward, whose ``.grad`` an optimizer
+    still applies: the short form left it out (5.13 for 5.52 on a like model) and left that gradient
+    unclipped. Frozen parameters without a gradient change nothing (the model's plan is kept)."""
+    import copy
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    theirs = copy.deepcopy(ours)
+    x = torch.randn(4, 3)
+    for model in (ours, theirs):
+        model(x).sum().backward()
+        model[0].weight.requires_grad_(False)  # frozen after the backward: its .grad stays
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=ours)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+    torch.testing.assert_close(monitor.clip_grad_norm_(0.5), expected)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    ours[0].weight.grad = None
+    monitor.clip_grad_norm_(0.5)
+    assert monitor._by_name["norms"].grads.plans.model_plan().frozen == [ours[0].weight]
+    monitor.close()
+
 @pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.0, 0.5, -1.0])
 def test_complex_gradients_clip_as_torch_clips_them(p):
     """A complex parameter made the clip raise "clamp is not supported for complex types": the total
