@@ -39,13 +39,15 @@ def fsdp_groups(module: torch.nn.Module) -> tuple:
 
 def sharded_params(model: Optional[torch.nn.Module]) -> dict[int, torch.nn.Parameter]:
     """The id of each parameter FSDP2 has registered in place of a sharded one for now (a group not
-    resharded: see the module docstring) → that sharded parameter. Empty where every group is
-    sharded, or no module is FSDP2's (one lookup per module: read where the parameters changed)."""
-    if model is None or not STATES:
+    resharded: see the module docstring) → that sharded parameter: of ``model``'s modules, or with no
+    model (``distmetrics.clip_grad_norm_``, given parameters alone) of every module with composable
+    state in the process. Empty where every group is sharded, or no module is FSDP2's (one lookup per
+    module: read where the parameters changed, or a parameter list is new)."""
+    if not STATES:
         return {}
     out: dict[int, torch.nn.Parameter] = {}
     seen: set = set()
-    for module in model.modules():
+    for module in model.modules() if model is not None else list(STATES):
         for group in fsdp_groups(module):
             if id(group) in seen or getattr(group, "is_sharded", True):
                 continue
