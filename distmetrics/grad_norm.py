@@ -165,20 +165,21 @@ class GradientNorms:
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
-        norms = per_tensor_norms(locals_, p, foreach, device, route.orders, groups, longs=route.longs)
+        measured_locals = _summed(locals_, grads, route.summed) if route.summed else locals_  # scaled: locals_
+        norms = per_tensor_norms(measured_locals, p, foreach, device, route.orders, groups, longs=route.longs)
         if loss_scale is not None and p != 0:  # each norm of the gradients without it (before any p-th power)
             norms = norms * loss_scale.reshape(()).to(norms.device, torch.float64).reciprocal()
         # a p = 0 norm counts non-zero elements and cannot see a NaN, nor a p < 0 norm an inf (and an empty
         # piece's is inf): one more pass finds them (a 1-norm: defined on an empty slice; NaN or inf where a
         # gradient holds one, or sums past the float range)
-        finite_check = per_tensor_norms(locals_, 1.0, foreach, device, route.orders, groups, longs=route.longs) \
-            if p <= 0 else norms
+        finite_check = per_tensor_norms(measured_locals, 1.0, foreach, device, route.orders, groups,
+                                        longs=route.longs) if p <= 0 else norms
         kind = norm_kind(p)
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
             if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, extra,
-                            tensors=locals_ if device.type == "cpu" else None)
+                            tensors=measured_locals if device.type == "cpu" else None)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only
 
@@ -252,7 +253,7 @@ class GradientNorms:
         if self.shards is not None and id(param) in self.shards.params:
             return owns_shard_piece(param, self.layout)
         reference = self._reference(plan) if plan is not None and is_dtensor(tensor) else None
-        return owns_local_piece(tensor, param, name, self.layout, self.group, reference)
+        return owns_local_piece(tensor, param, name, self.layout, self.group, reference, summed=True)
 
     def _reference(self, plan: Plan) -> Any:
         """The mesh a DTensor's copies are told apart on where the layout has none (the module-level
@@ -275,6 +276,8 @@ class GradientNorms:
             weights = [self.owns(plan.params[i], plan.names[i], g, plan) for g, i in zip(grads, index)]
             cached = plan.routing[key] = route_of(plan, index, weights, device)
             cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
+            cached.summed = tuple(k for k, g in enumerate(grads) if is_dtensor(g) and
+                                  any(placement.is_partial() for placement in g.placements))
             if self._checks_replicas(plan):
                 checked = [not is_dtensor(g) for g in grads]
                 cached.replica_weights = replicas.position_weights(index, checked, device)
@@ -297,9 +300,24 @@ class GradientNorms:
         whole tensor?"""
         if getattr(param, "tensor_model_parallel", False) and self.layout.tp_size > 1:
             return True
-        if is_dtensor(grad):
-            return any(not placement.is_replicate() for placement in grad.placements)
+        if is_dtensor(grad):  # a Partial one is measured reduced, whole (_summed)
+            return any(not (placement.is_replicate() or placement.is_partial()) for placement in grad.placements)
         return self.shards is not None and self.shards.splits(param)
+
+
+def _summed(locals_: list, grads: list, positions: tuple) -> list:
+    """``locals_`` with the gradients at ``positions``, Partial DTensors (SequenceParallel's norm weights
+    under tensor parallelism alone: each rank holds a part of a sum), as this rank's piece of their
+    sum: one all-reduce each over the mesh dimensions they are Partial on, as torch's clip of DTensors
+    makes. The clip scales the parts (``locals_``): the sum scales with them."""
+    from torch.distributed.tensor import Replicate
+
+    out = list(locals_)
+    for k in positions:
+        grad = grads[k]
+        whole = [Replicate() if placement.is_partial() else placement for placement in grad.placements]
+        out[k] = local_tensor(grad.redistribute(grad.device_mesh, whole))
+    return out
 
 
 def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:

@@ -311,13 +311,14 @@ def holds_first_replica(layout: Layout) -> bool:
 
 
 def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, group: Any = None,
-                     reference: Any = None) -> bool:
+                     reference: Any = None, summed: bool = False) -> bool:
     """Does this rank's local piece of ``t`` (a parameter or its gradient) count toward a norm?
 
     * DTensor (FSDP2, HSDP, TP, FSDP2+TP): yes iff the mesh coordinate is 0 on every mesh
       dimension whose placement is ``Replicate`` (``Shard`` dimensions count everywhere), and
       its mesh is the copy that counts among those of the job's mesh (:func:`~distmetrics.meshes.first_copy_outside`:
-      ``reference``, else the layout's mesh); ``Partial`` is refused.
+      ``reference``, else the layout's mesh); ``Partial`` is refused, unless ``summed``: the caller
+      measures the reduced tensor, the same on every rank of that dimension, a copy as ``Replicate``.
     * Megatron-Core: ``tensor_model_parallel`` params count on every TP rank, others on TP rank 0;
       ``shared`` (the last stage's copy of a tied embedding) never; data-parallel replicas once;
       expert params once per expert-data-parallel group.
@@ -330,7 +331,7 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     if is_dtensor(t):
         if reference is None and layout is not None:
             reference = layout.device_mesh
-        return _owns_dtensor_piece(t, name, reference)
+        return _owns_dtensor_piece(t, name, reference, summed)
     if layout.source == "megatron":
         return _megatron_owns(param, layout)
     if layout.source == "device_mesh":
@@ -357,14 +358,14 @@ def owns_shard_piece(param: Any, layout: Layout) -> bool:
     return layout.tp_rank == 0
 
 
-def _owns_dtensor_piece(t: Any, name: str, reference: Any = None) -> bool:
+def _owns_dtensor_piece(t: Any, name: str, reference: Any = None, summed: bool = False) -> bool:
     mesh = t.device_mesh
     coords = mesh.get_coordinate()
     if coords is None:  # this rank is not in the tensor's mesh
         return False
     for dim, placement in enumerate(t.placements):
         kind = type(placement).__name__
-        if placement.is_replicate():
+        if placement.is_replicate() or summed and placement.is_partial():
             if coords[dim] != 0:
                 return False
         elif placement.is_shard() or "Shard" in kind:  # Shard, _StridedShard (FSDP2 over TP)

@@ -48,6 +48,7 @@ class Route:
     replica_weights: Optional[torch.Tensor] = None  # plain tensors beside DTensors: see distmetrics.replicas
     replica_owner: bool = False  # they count on this rank
     replica_positions: tuple = ()  # their positions in the plan
+    summed: tuple = ()  # positions (among the gradients) of Partial DTensor gradients: measured reduced
 
 
 @dataclass

@@ -1499,6 +1499,62 @@ def test_fsdp2_parameters_left_unsharded_at_the_clip_are_read_through_their_shar
             assert out["param"][0] == pytest.approx(out["param"][1], rel=REL), case
         assert result["no reshard after backward"]["torch_reads"] == 0  # torch's clip: a norm of 0
 
+
+def _sequence_parallel_alone(rank: int, world: int) -> dict:
+    """Tensor parallelism alone (no FSDP) with SequenceParallel on a LayerNorm: its gradients are
+    Partial DTensors (each rank holds a part of the sum over the sequence). The Monitor's clip and
+    ``distmetrics.clip_grad_norm_``; truth: float64 of the gradients' full tensors (the sums)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for how in ("monitor", "function"):
+        torch.manual_seed(0)
+        model = _net().blocks[0]
+        parallelize_module(model, mesh, {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                                         "fc2": RowwiseParallel(output_layouts=Shard(1))})
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)).chunk(world, dim=1)[rank]
+        model(x).pow(2).sum().backward()
+        full = {n: _full(p.grad) for n, p in model.named_parameters()}
+        partial = sorted(n for n, p in model.named_parameters() if p.grad.placements[0].is_partial())
+        with dm.Monitor(quiet_config(log_interval=1), model=model, device_mesh=mesh) as monitor:
+            if how == "monitor":
+                returned = monitor.clip_grad_norm_(MAX_NORM)
+            else:
+                returned = dm.clip_grad_norm_(model.parameters(), MAX_NORM)
+                monitor.measure_grad_norms()
+            metrics = monitor.step(1)
+        out[how] = {"truth": _truth(full), "partial": partial, "returned": float(returned.full_tensor()),
+                    "clipped": {n: _full(p.grad).flatten().tolist() for n, p in model.named_parameters()},
+                    "full": {n: t.flatten().tolist() for n, t in full.items()},
+                    "metrics": {k: v for k, v in metrics.items() if k.startswith("grad_norm")}}
+    return out
+
+
+def test_partial_gradients_of_sequence_parallel_alone_are_measured_as_their_sums():
+    """Under tensor parallelism with no FSDP, SequenceParallel's norm weights have Partial gradients:
+    the norms refused them ("reduce the gradient before measuring"), where torch's clip measures
+    them. They are measured reduced (one all-reduce each, as torch's), counted once, and the clip
+    scales the parts, so the sums scale."""
+    for result in run_ranks(_sequence_parallel_alone, 2, timeout=240):
+        for how, out in result.items():
+            assert out["partial"] == ["norm.bias", "norm.weight"], how  # the case holds Partial gradients
+            total = out["truth"]["total"]
+            assert out["returned"] == pytest.approx(total, rel=REL), how
+            coef = MAX_NORM / (total + 1e-6)
+            for name, grad in out["full"].items():
+                assert out["clipped"][name] == pytest.approx([g * coef for g in grad], rel=1e-5, abs=1e-9), (how, name)
+            if how == "monitor":
+                assert out["metrics"]["grad_norm"] == pytest.approx(total, rel=REL)
+                for module, value in out["truth"]["modules"].items():
+                    assert out["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
+
 def _accumulation_windows(rank: int, world: int) -> dict:
     """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
     and HSDP (``set_requires_all_reduce``, over two replicas and over one): a clip and a measurement
