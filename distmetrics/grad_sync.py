@@ -142,7 +142,8 @@ class GradSync:
                         f"{_AFTER}")
         for group in self._groups:
             if not group.reduce_grads:
-                return (f"FSDP2 module {self._names[id(group)]} has gradient sync off "
+                kind = "HSDP" if group in self._replicated else "FSDP2"
+                return (f"{kind} module {self._names[id(group)]} has gradient sync off "
                         "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (.grad is None "
                         "inside an accumulation window), so the norm would leave them out. Measure or clip the "
                         f"gradients {_AFTER}, made with set_requires_gradient_sync(True)")

@@ -1570,20 +1570,23 @@ def _accumulation_windows(rank: int, world: int) -> dict:
 
     data, truth = _micro_batches_and_truth(rank, world)
     out = {}
-    for kind in ("ddp", "fsdp2", "hsdp", "hsdp one replica"):
+    for kind in ("ddp", "fsdp2", "hsdp", "hsdp one replica", "hsdp gradient sync"):
         model = _net()
         if kind == "ddp":
             model = DistributedDataParallel(model)
         else:
             shape, names = {"fsdp2": ((world,), ("shard",)), "hsdp": ((world, 1), ("replicate", "shard")),
-                            "hsdp one replica": ((1, world), ("replicate", "shard"))}[kind]
+                            "hsdp one replica": ((1, world), ("replicate", "shard")),
+                            "hsdp gradient sync": ((world, 1), ("replicate", "shard"))}[kind]
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         window = {"ddp": lambda on: contextlib.nullcontext() if on else model.no_sync(),
                   "fsdp2": lambda on: model.set_requires_gradient_sync(on) or contextlib.nullcontext(),
-                  "hsdp": lambda on: model.set_requires_all_reduce(on) or contextlib.nullcontext()}[kind.split()[0]]
+                  "hsdp": lambda on: model.set_requires_all_reduce(on) or contextlib.nullcontext(),
+                  "hsdp gradient sync": lambda on: model.set_requires_gradient_sync(on) or contextlib.nullcontext(),
+                  }[kind if kind == "hsdp gradient sync" else kind.split()[0]]
         said = []
         with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
             with window(False):
@@ -1614,7 +1617,9 @@ def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank()
     hsdp = ("set_requires_all_reduce(False)", "made with set_requires_all_reduce(True)")
     expected = {"ddp": ("is inside no_sync()", "outside no_sync()"),
                 "fsdp2": ("set_requires_gradient_sync(False)", "made with set_requires_gradient_sync(True)"),
-                "hsdp": hsdp, "hsdp one replica": hsdp}
+                "hsdp": hsdp, "hsdp one replica": hsdp,
+                "hsdp gradient sync": ("HSDP module (the model itself) has gradient sync off",
+                                       "made with set_requires_gradient_sync(True)")}
     for rank, result in enumerate(run_ranks(_accumulation_windows, 2, timeout=240)):
         for kind, (state, advice) in expected.items():
             out = result[kind]
