@@ -439,6 +439,33 @@ def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
         assert lists.filled == tensors.filled
 
 
+
+@pytest.mark.parametrize("world", [3, 40])
+def test_a_series_absent_for_a_whole_window_is_forgotten_and_changes_no_number(world):
+    """A timer named once per step by mistake (f"fwd_{step}"), or once per checkpoint: every series
+    ever seen was kept, a NaN column added to every row of the window and its median taken at every
+    log step for the rest of the run (30 ms a log step on 2 ranks after 5,000 names). A series absent
+    for a whole window (all NaN there) is dropped; the others' numbers are those of windows that never
+    saw it, bit for bit, and one that comes back starts with an empty window, as a new one does."""
+    import random
+
+    from distmetrics.collectors.straggler_scores import HostWindows, Windows
+
+    rng = random.Random(world)
+    for kind in (HostWindows, Windows):
+        seeing, plain = kind(4, world), kind(4, world)
+        for step in range(40):
+            step_times = {"": [rng.uniform(1, 100) for _ in range(world)]}
+            seeing.push({**step_times, f"fwd_{step}": [rng.uniform(1, 100) for _ in range(world)]})
+            plain.push(step_times)
+            for rank in range(world):
+                assert seeing.score("", rank) == plain.score("", rank)
+                assert seeing.median("", rank) == plain.median("", rank)
+            assert seeing.slowest([""]) == plain.slowest([""])
+        assert sorted(seeing.index) == ["", "fwd_36", "fwd_37", "fwd_38", "fwd_39"], kind  # the window's 4
+        seeing.push({"": [1.0] * world, "fwd_0": [2.0] * world})  # back after 40 log steps: a new series
+        assert seeing.median("fwd_0", 0) == 2.0
+
 def _local_ranks_without_torchrun(rank: int, world: int) -> dict:
     import os
 

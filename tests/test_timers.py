@@ -682,3 +682,30 @@ def test_a_tie_for_the_slowest_rank_names_the_lowest_under_every_option():
     metrics = {"timers/fwd": PerRank([10.0, 10.0, 4.0])}
     collector.finalize(metrics, LogContext(step=1, steps=1, layout=None))
     assert metrics["stragglers/fwd/rank"] == 0
+
+
+def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_timers_used(caplog):
+    """``timers(f"fwd_{step}")`` (a name made per step by mistake) kept a timer per name, and every
+    log step went through every timer ever made: its cost grew with the run, with no word. The log
+    step reads the timers used since the last one (and those still running); a warning at 1,000
+    names says what is wrong. Each record holds the step's own timer and the step timer."""
+    import distmetrics as dm
+    from distmetrics.collectors.timers import MANY_TIMERS
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    held = {}
+    with dm.Monitor(quiet_config(log_interval=1, timing_log_level=1, log_throughput=False)) as monitor:
+        long_running = monitor.timers("load", log_level=1)
+        long_running.start()  # across every log step: read at each
+        for step in range(1, MANY_TIMERS + 5):
+            with monitor.timers(f"fwd_{step}", log_level=1):
+                pass
+            metrics = monitor.step(step)
+            held[step] = (len(monitor.timers.in_use), sorted(k for k in metrics if k.startswith("timers/")
+                                                              and k.count("/") == 1))
+        long_running.stop()
+    assert max(used for used, _ in held.values()) == 2  # after each log step: the step timer and load
+    assert all(names == sorted([f"timers/fwd_{step}", "timers/load", "timers/step"]) for step, (_, names)
+               in held.items() if step > 1), held[2]
+    said = [r.getMessage() for r in caplog.records if "timer names so far" in r.getMessage()]
+    assert len(said) == 1 and "'fwd_998'" in said[0]  # the step timer and load are two of the thousand

@@ -31,9 +31,15 @@ class Windows:
         self.filled = self._next = 0
         self._times = self._scores = torch.empty(0, world, dtype=torch.float64)
         self._streak = torch.zeros(world, dtype=torch.int64)  # log steps in a row below the threshold
+        self._seen = SeenAt(size)
 
     def push(self, series: dict[str, Sequence[Optional[float]]]) -> None:
         """This log step's values of each series (every rank's, None: none)."""
+        gone = self._seen.push(series)
+        if gone:  # absent for a whole window: all NaN, no median; dropped (a timer named once, say)
+            keep = [at for name, at in self.index.items() if name not in gone]
+            self.index = {name: k for k, name in enumerate(n for n in self.index if n not in gone)}
+            self.ring = self.ring[:, keep]
         new = [name for name in series if name not in self.index]
         if new:
             self.index.update({name: len(self.index) + i for i, name in enumerate(new)})
@@ -92,9 +98,15 @@ class HostWindows:
         self._medians: list[list[float]] = []
         self._scores: list[list[float]] = []
         self._streak = [0] * world
+        self._seen = SeenAt(size)
 
     def push(self, series: dict[str, Sequence[Optional[float]]]) -> None:
         """This log step's values of each series (every rank's, None: none)."""
+        gone = self._seen.push(series)
+        if gone:  # absent for a whole window (see Windows.push)
+            keep = [at for name, at in self.index.items() if name not in gone]
+            self.index = {name: k for k, name in enumerate(n for n in self.index if n not in gone)}
+            self.rows = [[row[at] for at in keep] for row in self.rows]
         for name in series:
             if name not in self.index:
                 self.index[name] = len(self.index)
@@ -146,6 +158,29 @@ class HostWindows:
         """The ``n`` slowest (or fastest) ranks of series ``name`` (NaN never; ties: lower rank first)."""
         scores = torch.tensor(self._scores[self.index[name]], dtype=torch.float64)
         return slowest_ranks(scores, n) if slowest else fastest_ranks(scores, n)
+
+
+class SeenAt:
+    """The log step each series was last pushed at, to drop one absent for a whole window (its rows
+    all NaN: no median, no score), which a job whose series come and go (a timer per checkpoint, one
+    named per step by mistake) kept, and went through at every push, for the rest of the run."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.pushes = size, 0
+        self.last: dict[str, int] = {}
+
+    def push(self, series: dict) -> set:
+        """Note this push's series; the names, among those seen before, absent for the last ``size``
+        pushes (forgotten here too)."""
+        self.pushes += 1
+        for name in series:
+            self.last[name] = self.pushes
+        if len(self.last) == len(series):  # every series seen is in this push: none can be gone
+            return set()
+        gone = {name for name, at in self.last.items() if self.pushes - at >= self.size}
+        for name in gone:
+            del self.last[name]
+        return gone
 
 
 def _valid_number(value: Optional[float]) -> float:

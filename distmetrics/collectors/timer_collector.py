@@ -8,6 +8,7 @@ minimum instead of counting as 0.
 
 from __future__ import annotations
 
+import operator
 import statistics
 from typing import Any, Optional
 
@@ -17,6 +18,9 @@ from .stragglers import _host, _local_rank, _place_of, _rank_ids
 from .timers import Timer, TimerError, Timers
 
 __all__ = ["StepTimer", "TimerCollector"]
+
+
+_ORDER = operator.attrgetter("order")
 
 
 class StepTimer(Timer):
@@ -122,7 +126,10 @@ class TimerCollector:
         """``timers/<name>``: this rank's milliseconds per step over the interval."""
         out = []
         kind = self.option
-        for name, timer in self.timers._timers.items():
+        in_use = self.timers.in_use  # the timers started in the interval (or running into it), by creation
+        in_use.sort(key=_ORDER)
+        for timer in in_use:
+            name = timer.name
             # The step timer runs from one monitor.step to the next: average over its spans; in the
             # record close() writes, up to the last monitor.step (after it comes no step's time).
             step_timer = timer is self._step_timer
@@ -138,6 +145,7 @@ class TimerCollector:
                 out.append(Sample(f"timers/{name}/mean", per_step, "mean"))
             if self.per_rank:
                 out.append(Sample(f"_ranks/timers/{name}", per_step, "all"))
+        in_use[:] = [timer for timer in in_use if timer._used]  # running across the log step: in the next
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:

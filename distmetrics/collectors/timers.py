@@ -21,6 +21,7 @@ turns every timer into ``timers/<name>`` (see that module).
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from typing import Any, Optional
@@ -34,6 +35,9 @@ from .timer_reports import MegatronReports, TimerError
 __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError"]
 
 _MAX_LOG_LEVEL = 2
+MANY_TIMERS = 1000
+"""Timer names (of enabled and disabled levels) past which a name made per step is suspected, once."""
+logger = logging.getLogger("distmetrics")
 _LOG_OPTIONS = ("max", "minmax", "all")
 
 
@@ -97,7 +101,7 @@ class Timer(TimerBase):
 
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event", "_elapsed", "_active",
                  "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start",
-                 "_unread_laps", "guard")
+                 "_unread_laps", "guard", "in_use", "order")
 
     def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name
@@ -117,6 +121,8 @@ class Timer(TimerBase):
         self._interval_start: Any = None  # where a running span's share of this interval begins (ns or event)
         self._unread_laps = False  # CUDA laps counted whose time is read with the running span
         self.guard: Any = None  # the Monitor's CollectiveGuard (set by Timers.use_guard)
+        self.in_use: Optional[list] = None  # where its Timers note the timers used in an interval (_used)
+        self.order = 0  # its place among its Timers' timers, in creation order
 
     def set_barrier_group(self, barrier_group: Any) -> None:
         """The process group that ``barrier=True`` waits for (default: the world)."""
@@ -135,7 +141,10 @@ class Timer(TimerBase):
         else:
             self._start_ns = self._interval_start = time.perf_counter_ns()
         self._started = True
-        self._used = True
+        if not self._used:
+            self._used = True
+            if self.in_use is not None:  # the log step reads these only, not every timer ever made
+                self.in_use.append(self)
 
     def stop(self, barrier: bool = False) -> None:
         """Stop timing and add the span."""
@@ -315,6 +324,7 @@ class Timers(MegatronReports):
         self._dummy_timer = DummyTimer()
         self._dummy_names: set[str] = set()  # names given to disabled levels, found good
         self._max_log_level = _MAX_LOG_LEVEL
+        self.in_use: list[Timer] = []  # the timers started since the last log step, or still running
 
     def __call__(self, name: str, log_level: Optional[int] = None) -> TimerBase:
         timer = self._timers.get(name)
@@ -351,14 +361,25 @@ class Timers(MegatronReports):
         if type(name) is not str or name not in self._dummy_names:
             _check_timer_name(name)
             self._dummy_names.add(name)
+            self._say_many(name)
         return self._dummy_timer
 
     def _make(self, name: str, log_level: int, cls: type) -> Timer:
         _check_timer_name(name)
         timer = self._timers[name] = cls(name, self._use_cuda, self._group, self._barrier_ok)
         timer.guard = self.guard
+        timer.in_use, timer.order = self.in_use, len(self._timers)
         self._log_levels[name] = log_level
+        self._say_many(name)
         return timer
+
+    def _say_many(self, name: str) -> None:
+        """Warn once where the timer names reach :data:`MANY_TIMERS`: a name made per step or per event
+        (``timers(f"fwd_{step}")``) keeps a timer, and a straggler series, per name for the run."""
+        if len(self._timers) + len(self._dummy_names) == MANY_TIMERS:
+            logger.warning("distmetrics: %d timer names so far (the latest %r): is a timer named per step or per "
+                           "event (an f-string)? Each name is a timer kept for the run, and a metric of its own; "
+                           "name the work, and record what varies with monitor.record", MANY_TIMERS, name)
 
     def use_guard(self, guard: Any) -> None:
         """The Monitor's arrival check: before each report (a collective), and told of each timer's
