@@ -107,6 +107,7 @@ class GradSync:
         self._names: dict[int, str] = {}  # id of a module or group → the model's name for its module
         self._unsynced: set[int] = set()  # DDP modules whose last forward with grad ran inside no_sync()
         self._hooks: dict[int, Any] = {}  # id of a DDP module → its forward pre-hook's handle
+        self._said_join = False  # a DDP module's forward inside join() was warned about
         if model is not None:  # now: the hooks see the first step's forwards
             self._find()
 
@@ -201,6 +202,14 @@ class GradSync:
         ``no_sync()``. A forward under ``torch.no_grad()`` (a reference model's, a GAN's generator
         for the discriminator's step, an evaluation) leaves what the last one with grad said: DDP's
         own ``require_forward_param_sync`` turns False there too, which refused working loops."""
+        if not self._said_join and getattr(getattr(module, "_join_config", None), "enable", False):
+            self._said_join = True
+            logger.warning("distmetrics: DistributedDataParallel module %s runs inside join() (uneven inputs): a rank "
+                           "that runs out of inputs first shadows DDP's own collectives, not the Monitor's, so a "
+                           "clip or log step on the ranks still training meets DDP's collectives there and the job "
+                           "stops (gloo: a size mismatch; NCCL: a hang). Give every rank the same number of steps "
+                           "(DistributedSampler(drop_last=True), or stop every rank at the shortest one's end)",
+                           self._names.get(id(module), "(the model itself)"))
         if torch.is_grad_enabled():
             if module.require_backward_grad_sync:
                 self._unsynced.discard(id(module))

@@ -1695,6 +1695,37 @@ def test_a_bool_tensor_is_refused_at_the_call_as_a_bool_is(tmp_path, call):
     assert monitor.step(1, loss=1.0, tokens=4)["train/loss"] == 1.0  # nothing was recorded: the step is retried
     monitor.close()
 
+
+def _inside_ddp_join(rank: int, world: int) -> dict:
+    """Two steps inside DDP's join() with even inputs (which works), the warnings caught."""
+    import logging
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        with model.join():
+            for step in (1, 2):
+                model(torch.randn(3, 4)).sum().backward()
+                monitor.clip_grad_norm_(1.0)
+                monitor.step(step)
+    return {"join": [m for m in said if "inside join()" in m]}
+
+
+def test_ddp_join_is_said_once_before_any_clip():
+    """Under DDP's join() a rank out of inputs shadows DDP's collectives, not the Monitor's: the clip's
+    all-reduce met DDP's on the joined rank and gloo aborted on a size mismatch, with no word from the
+    Monitor (on NCCL a hang). The first forward inside join() says so, once, on every rank."""
+    for result in run_ranks(_inside_ddp_join, 2):
+        assert len(result["join"]) == 1 and "the same number of steps" in result["join"][0], result
+
 _CLOSED_AT_EXIT = """
 import atexit, os, sys
 import torch.distributed as dist
