@@ -165,7 +165,8 @@ class GradientNorms:
         # on the device the collective needs, and returns the same total as every other rank.
         device = locals_[0].device if locals_ else collective_device(self.group)
         route = self._routing(plan, grads, index, device)
-        measured_locals = _summed(locals_, grads, route.summed) if route.summed else locals_  # scaled: locals_
+        # as measured (Partial DTensors summed, sparse ones' values); scaled by a clip: locals_
+        measured_locals = _measured(locals_, grads, route) if route.summed or route.sparse else locals_
         norms = per_tensor_norms(measured_locals, p, foreach, device, route.orders, groups, longs=route.longs)
         if loss_scale is not None and p != 0:  # each norm of the gradients without it (before any p-th power)
             norms = norms * loss_scale.reshape(()).to(norms.device, torch.float64).reciprocal()
@@ -278,6 +279,7 @@ class GradientNorms:
             cached.partial = any(self._is_partial(plan.params[i], g) for g, i in zip(grads, index))
             cached.summed = tuple(k for k, g in enumerate(grads) if is_dtensor(g) and
                                   any(placement.is_partial() for placement in g.placements))
+            cached.sparse = tuple(k for k, g in enumerate(grads) if g.layout is torch.sparse_coo)
             if self._checks_replicas(plan):
                 checked = [not is_dtensor(g) for g in grads]
                 cached.replica_weights = replicas.position_weights(index, checked, device)
@@ -305,18 +307,23 @@ class GradientNorms:
         return self.shards is not None and self.shards.splits(param)
 
 
-def _summed(locals_: list, grads: list, positions: tuple) -> list:
-    """``locals_`` with the gradients at ``positions``, Partial DTensors (SequenceParallel's norm weights
-    under tensor parallelism alone: each rank holds a part of a sum), as this rank's piece of their
-    sum: one all-reduce each over the mesh dimensions they are Partial on, as torch's clip of DTensors
-    makes. The clip scales the parts (``locals_``): the sum scales with them."""
-    from torch.distributed.tensor import Replicate
-
+def _measured(locals_: list, grads: list, route: Route) -> list:
+    """``locals_`` as their norms are taken: Partial DTensor gradients (SequenceParallel's norm weights
+    under tensor parallelism alone: each rank holds a part of a sum) as this rank's piece of their sum,
+    one all-reduce each over the mesh dimensions they are Partial on, as torch's clip of DTensors makes;
+    sparse ones (``nn.Embedding(sparse=True)``) as their coalesced values, duplicate indices summed
+    (torch's clip has no norm of a sparse tensor). The clip scales ``locals_``: sums and values scale
+    with them."""
     out = list(locals_)
-    for k in positions:
-        grad = grads[k]
-        whole = [Replicate() if placement.is_partial() else placement for placement in grad.placements]
-        out[k] = local_tensor(grad.redistribute(grad.device_mesh, whole))
+    if route.summed:
+        from torch.distributed.tensor import Replicate
+
+        for k in route.summed:
+            grad = grads[k]
+            whole = [Replicate() if placement.is_partial() else placement for placement in grad.placements]
+            out[k] = local_tensor(grad.redistribute(grad.device_mesh, whole))
+    for k in route.sparse:
+        out[k] = locals_[k].coalesce().values()
     return out
 
 

@@ -49,6 +49,7 @@ class Route:
     replica_owner: bool = False  # they count on this rank
     replica_positions: tuple = ()  # their positions in the plan
     summed: tuple = ()  # positions (among the gradients) of Partial DTensor gradients: measured reduced
+    sparse: tuple = ()  # ... of sparse (COO) gradients: measured by their coalesced values
 
 
 @dataclass

@@ -267,6 +267,43 @@ def test_the_short_form_counts_a_frozen_parameter_with_a_gradient_as_torchs_clip
     assert monitor._by_name["norms"].grads.plans.model_plan().frozen == [ours[0].weight]
     monitor.close()
 
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 0.0])
+def test_sparse_gradients_clip_as_torch_clips_their_dense_twins(p):
+    """``nn.Embedding(sparse=True)``: torch's clip raises NotImplementedError on a sparse gradient
+    (naming no parameter), and so did ours; measure_grad_norms gave no grad_norm at all. A sparse
+    gradient is measured by its coalesced values (an index seen twice summed first) and scaled as it
+    is: the norm and the clipped gradients are torch's clip's on the same model with a dense embedding."""
+    import copy
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    class Net(torch.nn.Module):
+        def __init__(self, sparse):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 4, sparse=sparse)
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.emb(x)).pow(2).sum()
+
+    torch.manual_seed(0)
+    ours = Net(sparse=True)
+    theirs = Net(sparse=False)
+    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for model in (ours, theirs):
+        model(torch.tensor([1, 3, 3, 7])).backward()  # index 3 twice: an uncoalesced sparse gradient
+    assert ours.emb.weight.grad.is_sparse and not ours.emb.weight.grad.is_coalesced()
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type=p)
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=ours)
+    total = monitor.clip_grad_norm_(0.5, norm_type=p)
+    torch.testing.assert_close(total, expected)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad)
+    assert monitor.step(1)["grad_norm"] == pytest.approx(float(expected), rel=1e-6)
+    monitor.close()
+
 @pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.0, 0.5, -1.0])
 def test_complex_gradients_clip_as_torch_clips_them(p):
     """A complex parameter made the clip raise "clamp is not supported for complex types": the total
