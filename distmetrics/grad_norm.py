@@ -320,10 +320,13 @@ def _measured(locals_: list, grads: list, route: Route) -> list:
 
         for k in route.summed:
             grad = grads[k]
+            if not is_dtensor(grad):  # the route is kept per gradient set, not per layout: as found now
+                continue
             whole = [Replicate() if placement.is_partial() else placement for placement in grad.placements]
             out[k] = local_tensor(grad.redistribute(grad.device_mesh, whole))
     for k in route.sparse:
-        out[k] = locals_[k].coalesce().values()
+        if locals_[k].layout is torch.sparse_coo:
+            out[k] = locals_[k].coalesce().values()
     return out
 
 
