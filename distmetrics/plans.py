@@ -4,7 +4,6 @@ cached plan that is rebuilt only when the model's parameters change."""
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import warnings
 from collections import OrderedDict
@@ -70,7 +69,6 @@ class Plan:
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is
     mixed: bool = False  # DTensors and plain tensors side by side (fully_shard on some submodules only)
     given: bool = False  # the parameters a clip was given (not the model's trainable ones): frozen ones too
-    frozen: list = field(default_factory=list)  # the model's other parameters (requires_grad False)
     reference: Optional[tuple] = None  # (the mesh its DTensors' copies are told apart on, or None), once found
 
     @functools.cached_property
@@ -114,12 +112,7 @@ class ParamPlans:
         """The plan of the model's trainable parameters, or of the parameters given (the
         model's plan when they are the same gradients)."""
         if parameters is None:
-            plan = self.model_plan()
-            # frozen with a gradient (frozen after a backward, say): counted, as torch's clip of model.parameters()
-            # counts them (an optimizer still steps a gradient it finds)
-            if plan.frozen and not all(map(operator.is_, map(_GRAD, plan.frozen), itertools.repeat(None))):
-                return self.for_parameters(self.model.parameters())
-            return plan
+            return self.model_plan()
         if isinstance(parameters, torch.Tensor):
             params = [parameters]
         else:
@@ -170,8 +163,8 @@ class ParamPlans:
         slots = Slots(self.model)
         rename = module_name_map(self.model)
         sharded = sharded_params(self.model)  # FSDP2's unsharded stand-ins: their sharded parameters hold the grads
-        every = [(n, sharded.get(id(q), q)) for n, q in self.model.named_parameters()]
-        named = [(global_param_name(n, rename), q) for n, q in every if q.requires_grad]
+        named = [(global_param_name(n, rename), sharded.get(id(q), q)) for n, q in self.model.named_parameters()
+                 if q.requires_grad]
         signature = tuple((n, id(q)) for n, q in named)  # a module moved renames its parameters
         if plan is None or plan.signature != signature:
             if plan is not None:
@@ -179,7 +172,6 @@ class ParamPlans:
                 self._custom.clear()  # named after the model as it was
             plan = self.plan = self._build(named, signature)
         plan.slots, plan.generation = slots, _REGISTRATIONS[0]
-        plan.frozen = [q for _, q in every if not q.requires_grad]
         return plan
 
     def _names(self, params: list) -> list[str]:
@@ -285,5 +277,4 @@ class Slots:
 
 
 _MODULES = operator.attrgetter("_modules")
-_GRAD = operator.attrgetter("grad")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -240,32 +240,36 @@ def test_torchs_call_shape_follows_a_frozen_parameter_that_gains_a_gradient():
 
 
 
-def test_the_short_form_counts_a_frozen_parameter_with_a_gradient_as_torchs_clip_of_the_model_does():
-    """``monitor.clip_grad_norm_(max_norm)`` clips the model's parameters, and torch's clip of
-    ``model.parameters()`` counts a parameter frozen after the backward, whose ``.grad`` an optimizer
-    still applies: the short form left it out (5.13 for 5.52 on a like model) and left that gradient
-    unclipped. Frozen parameters without a gradient change nothing (the model's plan is kept)."""
+def test_the_short_form_leaves_out_a_frozen_parameters_gradient_which_the_model_parameters_count():
+    """A GAN's critic frozen (``requires_grad_(False)``) for the generator's step keeps its last
+    gradients: the short form ``clip_grad_norm_(max_norm)`` takes the model's trainable parameters,
+    the generator's, and leaves the critic's gradients as they are; given ``model.parameters()`` it
+    counts them, as torch's clip of those does (the README's rule)."""
     import copy
 
     import distmetrics as dm
     from tests.dist_utils import quiet_config
 
     torch.manual_seed(0)
-    ours = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
-    theirs = copy.deepcopy(ours)
+    gan = torch.nn.ModuleDict({"G": torch.nn.Linear(3, 3), "D": torch.nn.Linear(3, 1)})
+    copies = [copy.deepcopy(gan) for _ in range(3)]  # ours (short form), ours (given), torch's
     x = torch.randn(4, 3)
-    for model in (ours, theirs):
-        model(x).sum().backward()
-        model[0].weight.requires_grad_(False)  # frozen after the backward: its .grad stays
-    monitor = dm.Monitor(quiet_config(log_interval=1), model=ours)
+    for model in copies:
+        model["D"](model["G"](x)).sum().backward()
+        model["D"].requires_grad_(False)  # the generator's step: the critic's gradients stay
+    short, given, theirs = copies
+    monitors = [dm.Monitor(quiet_config(log_interval=1), model=m) for m in (short, given)]
+    critic = [p.grad.clone() for p in short["D"].parameters()]
+    generator = torch.nn.utils.get_total_norm([p.grad for p in short["G"].parameters()])
+    torch.testing.assert_close(monitors[0].clip_grad_norm_(0.5), generator)
+    for p, before in zip(short["D"].parameters(), critic):
+        torch.testing.assert_close(p.grad, before)  # not scaled
     expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
-    torch.testing.assert_close(monitor.clip_grad_norm_(0.5), expected)
-    for a, b in zip(ours.parameters(), theirs.parameters()):
+    torch.testing.assert_close(monitors[1].clip_grad_norm_(given.parameters(), 0.5), expected)
+    for a, b in zip(given.parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
-    ours[0].weight.grad = None
-    monitor.clip_grad_norm_(0.5)
-    assert monitor._by_name["norms"].grads.plans.model_plan().frozen == [ours[0].weight]
-    monitor.close()
+    for monitor in monitors:
+        monitor.close()
 
 
 @pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 0.0])
