@@ -216,7 +216,7 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
                 "device_mesh= with its pipeline dimension named 'pp' (or 'pipeline', 'pipeline_parallel') and clip "
                 "with monitor.clip_grad_norm_ (distmetrics.clip_grad_norm_ takes no mesh)" + tail)
     if stage in bad and names:  # one fingerprint of them all is compared: which of them differ is not known
-        what += f" (this rank's; {'one or more of them' if len(names) > 1 else 'it'})"
+        what += " (this rank's; one or more of them)" if len(names) > 1 else " (this rank's)"
     return (f"{call}: the gradients of {what}{where} differ across ranks: beside FSDP2's sharded (DTensor) gradients "
             "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
             "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "

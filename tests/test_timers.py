@@ -709,3 +709,19 @@ def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_tim
                in held.items() if step > 1), held[2]
     said = [r.getMessage() for r in caplog.records if "timer names so far" in r.getMessage()]
     assert len(said) == 1 and "'fwd_998'" in said[0]  # the step timer and load are two of the thousand
+
+
+def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():
+    """``monitor.pause()`` before ``monitor.step`` (an evaluation at the end of the loop body, resumed
+    by the log step): the log step's resume of the step timer noted it among the timers in use while
+    that list was read, one more entry at every such log step, for the rest of the run."""
+    import time
+
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=2, timing_log_level=1, log_throughput=False)) as monitor:
+        for step in range(1, 21):
+            time.sleep(0.001)
+            monitor.pause()
+            if monitor.step(step):
+                assert [t.name for t in monitor.timers.in_use] == ["step"], step

@@ -126,9 +126,9 @@ class TimerCollector:
         """``timers/<name>``: this rank's milliseconds per step over the interval."""
         out = []
         kind = self.option
-        in_use = self.timers.in_use  # the timers started in the interval (or running into it), by creation
-        in_use.sort(key=_ORDER)
-        for timer in in_use:
+        in_use = self.timers.in_use  # the timers started in the interval (or running into it)
+        # by creation; a copy: the step timer's resume() below notes it in in_use again where it was paused
+        for timer in sorted(in_use, key=_ORDER):
             name = timer.name
             # The step timer runs from one monitor.step to the next: average over its spans; in the
             # record close() writes, up to the last monitor.step (after it comes no step's time).
@@ -145,7 +145,7 @@ class TimerCollector:
                 out.append(Sample(f"timers/{name}/mean", per_step, "mean"))
             if self.per_rank:
                 out.append(Sample(f"_ranks/timers/{name}", per_step, "all"))
-        in_use[:] = [timer for timer in in_use if timer._used]  # running across the log step: in the next
+        in_use[:] = [timer for timer in dict.fromkeys(in_use) if timer._used]  # running on: in the next
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
