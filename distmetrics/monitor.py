@@ -183,7 +183,8 @@ class Monitor:
         # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
         with self._records:
             self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars, loss_tokens)
-            self._by_name["health"].record_step(loss, skipped, tokens if loss_tokens is None else loss_tokens)
+            counted = loss if self._by_name["train"].stage_loss.counts else None  # a placeholder is no loss
+            self._by_name["health"].record_step(counted, skipped, tokens if loss_tokens is None else loss_tokens)
             self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
         self._by_name["timers"].mark_step()
         self._stepped_at = now()  # where the close record's interval ends

@@ -403,6 +403,28 @@ def test_an_interleaved_pipelines_modules_are_ordered_chunk_by_chunk_across_stag
     assert [n for n in run["modules"] if ".layers." in n or n.endswith(("embedding", "output_layer"))] == \
         results[0]["order"]  # the report's rows
 
+
+def _placeholder_loss_on_the_first_stage(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    with dm.Monitor(_config(f"{root}/r{rank}", console=False), device_mesh=mesh) as monitor:
+        metrics = monitor.step(1, loss=math.nan if rank == 0 else 2.0)  # a placeholder on stage 0
+    return {k: metrics.get(k) for k in ("train/loss", "health/nonfinite_loss")}
+
+
+def test_a_placeholder_loss_left_out_of_the_loss_is_left_out_of_the_health_counts(tmp_path):
+    """A loss passed on a pipeline stage other than the last is left out of train/loss (said once),
+    but the health collector took it in: a NaN placeholder counted as a non-finite loss at every
+    step, with an alert, while train/loss was finite."""
+    import distmetrics as dm
+
+    for result in run_ranks(_placeholder_loss_on_the_first_stage, 2, str(tmp_path)):
+        assert result == {"train/loss": 2.0, "health/nonfinite_loss": 0.0}
+    assert not [r for r in dm.read_jsonl(tmp_path / "r0" / "metrics.jsonl") if r["kind"] == "alert"]
+
 def _categories_and_moe(rank: int, world: int) -> dict:
     import torch
 
