@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import logging
 import operator
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -211,7 +212,7 @@ class GradSync:
                            "(DistributedSampler(drop_last=True), or stop every rank at the shortest one's end)",
                            self._names.get(id(module), "(the model itself)"))
         if torch.is_grad_enabled():
-            if module.require_backward_grad_sync:
+            if module.require_backward_grad_sync or _from_pipeline_stage():
                 self._unsynced.discard(id(module))
             else:
                 self._unsynced.add(id(module))
@@ -221,6 +222,22 @@ class GradSync:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+
+
+def _from_pipeline_stage() -> bool:
+    """Whether this forward comes from ``torch.distributed.pipelining``'s stage, which runs every
+    forward inside ``no_sync()`` and all-reduces at the last micro-batch's backward all the same (it
+    readies DDP's reducer itself): not a window left open. Read from the caller frames, only for a
+    forward inside ``no_sync()``."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward_maybe_with_nosync" and "pipelining" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _held_back(group: Any) -> bool:

@@ -1555,6 +1555,47 @@ def test_partial_gradients_of_sequence_parallel_alone_are_measured_as_their_sums
                 for module, value in out["truth"]["modules"].items():
                     assert out["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
 
+
+def _ddp_stages_under_torch_pipelining(rank: int, world: int) -> dict:
+    """Two pipeline stages (torch.distributed.pipelining, Schedule1F1B, 2 micro-batches), each a DDP
+    module over its data-parallel group of one rank: the stage runs every forward inside no_sync()
+    and all-reduces at the last micro-batch's backward itself. The Monitor's clip; truth: float64 of
+    both stages' gradients, gathered."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2 * world)]
+    part = torch.nn.Sequential(*layers[2 * rank: 2 * rank + 2])
+    model = DistributedDataParallel(part, process_group=mesh["dp"].get_group())
+    stage = PipelineStage(model, rank, world, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, 2, loss_fn=lambda out, target: (out - target).pow(2).mean())
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(4, 8)
+    with dm.Monitor(quiet_config(log_interval=1), model=model, device_mesh=mesh) as monitor:
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        squares = sum(float(p.grad.double().pow(2).sum()) for p in part.parameters())
+        every = [None] * world
+        dist.all_gather_object(every, squares)
+        returned = float(monitor.clip_grad_norm_(1e9))
+    return {"returned": returned, "truth": sum(every) ** 0.5}
+
+
+def test_ddp_stages_of_torch_pipelining_are_not_taken_for_an_open_no_sync_window():
+    """torch.distributed.pipelining runs a DDP stage's every forward inside no_sync() and readies DDP's
+    reducer itself for the last micro-batch's backward, which all-reduces: the clip refused it on every
+    rank ("ran its last forward inside no_sync()"), advice no loop on torch's schedules can follow."""
+    for result in run_ranks(_ddp_stages_under_torch_pipelining, 2):
+        assert result["returned"] == pytest.approx(result["truth"], rel=REL)
+
 def _accumulation_windows(rank: int, world: int) -> dict:
     """Two micro-batches per step under DDP (``no_sync()``), FSDP2 (``set_requires_gradient_sync``)
     and HSDP (``set_requires_all_reduce``, over two replicas and over one): a clip and a measurement
