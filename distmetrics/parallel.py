@@ -396,7 +396,29 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                        "tensor-parallel rank and pipeline stage counts its batch's tokens (and a loss passed on a "
                        "stage other than the last is averaged in)",
                        part.mesh_dim_names, part.size(), layout.world_size)
+    elif mesh is None and part is None and layout.says_once:
+        loose = _mesh_short_of(model.parameters(), layout.ranks)
+        if loose is not None:
+            logger.warning("distmetrics: the model's DTensors sit on a DeviceMesh of %d of the %d ranks (dimensions "
+                           "%s) and no mesh names a tensor-, context- or pipeline-parallel dimension, so which of the "
+                           "other ranks are data-parallel copies and which pipeline stages or tensor-parallel peers "
+                           "cannot be told: every rank counts its batch's tokens (a mesh unflattened from a 1-D world "
+                           "mesh names nothing above its own dimensions). Pass device_mesh= (the whole job's mesh)",
+                           loose.size(), layout.world_size, loose.mesh_dim_names)
     return mesh
+
+
+def _mesh_short_of(tensors: Any, ranks: tuple) -> Any:
+    """The first layout mesh of the DTensors among ``tensors`` that does not span ``ranks``, or None."""
+    seen = set()
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
+            continue
+        seen.add(id(mesh))
+        if not spans(layout_mesh(mesh), ranks):
+            return layout_mesh(mesh)
+    return None
 
 
 def _megatron_owns(p: Any, layout: Layout) -> bool:

@@ -1350,3 +1350,35 @@ def test_a_bad_loss_tokens_is_refused_naming_it(context_parallel):
         message, has_loss = out["tensor refused"]
         assert message.startswith("monitor.step(loss_tokens=...): the loss_tokens of the steps up to step 4") \
             and not has_loss, out["tensor refused"]
+
+
+def _stages_on_an_unflattened_mesh(rank: int, world: int) -> dict:
+    """A pp × dp = 2 × 1 mesh unflattened from the 1-D world mesh (current torchtitan's way), each
+    stage's layer under FSDP2 over its dp mesh (one rank), the Monitor given no device_mesh."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))._unflatten(0, (world, 1), ("pp", "dp"))
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh["dp"])
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        monitor.step(1, loss=1.0 if rank == world - 1 else None, tokens=10)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"said": [line for line in said if "sit on a DeviceMesh of 1 of the 2 ranks" in line]}
+
+
+def test_a_models_mesh_short_of_the_ranks_naming_nothing_above_it_is_said():
+    """FSDP2 over the dp mesh of a pp × dp mesh unflattened from the world's: that mesh's root names
+    nothing, so no mesh says the other rank is a pipeline stage, and each stage counted its tokens
+    (consumed tokens × pp), unsaid, where the README says it is said once. Now it is (the writer)."""
+    results = run_ranks(_stages_on_an_unflattened_mesh, 2, timeout=120)
+    assert len(results[0]["said"]) == 1 and "Pass device_mesh=" in results[0]["said"][0], results[0]
