@@ -106,9 +106,10 @@ def _shown(value: Any) -> str:
 
 def check_user_value(value: Any, what: str, *args: Any) -> None:
     """:func:`check_value` for a value a user hands over (``monitor.step``, ``record``,
-    ``log_eval``, ``record_moe``): also no bool tensor (as no Python bool), no tensor on the meta device (it failed inside the
-    reduction, after the other ranks had entered it) and no DTensor whose piece on this rank is
-    not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's copy)."""
+    ``log_eval``, ``record_moe``): also no bool tensor (as no Python bool), no tensor on the meta
+    device (it failed inside the reduction, after the other ranks had entered it) and no DTensor whose
+    piece on this rank is not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's
+    copy)."""
     check_value(value, what, *args)
     if isinstance(value, torch.Tensor) and value.dtype == torch.bool:  # as a Python bool is: a mask's or a test's
         # result, counted as 0 or 1 without a word (tokens=mask.any() for mask.sum())
