@@ -302,7 +302,7 @@ class GradientNorms:
         whole tensor?"""
         if getattr(param, "tensor_model_parallel", False) and self.layout.tp_size > 1:
             return True
-        if is_dtensor(grad):  # a Partial one is measured reduced, whole (_summed)
+        if is_dtensor(grad):  # a Partial one is measured reduced, whole (_measured)
             return any(not (placement.is_replicate() or placement.is_partial()) for placement in grad.placements)
         return self.shards is not None and self.shards.splits(param)
 

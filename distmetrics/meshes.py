@@ -7,7 +7,7 @@ ownership rule."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ from .names import is_dtensor
 logger = logging.getLogger("distmetrics")
 
 __all__ = ["MODEL_DIMS_BY_KIND", "dim_kind", "dim_name", "folds", "say_names", "layout_mesh", "spans", "named_mesh_of",
-           "first_copy_outside"]
+           "layout_meshes_of", "first_copy_outside"]
 
 MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "etp"}),
                        "cp": frozenset({"cp", "context_parallel", "sp"}),
@@ -96,13 +96,8 @@ def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
     """(the first layout mesh of the DTensors among ``tensors`` that names a tensor-, context- or
     pipeline-parallel dimension and spans ``ranks``, or None; the first that names one but spans
     other ranks, or None). Each distinct mesh is read once."""
-    seen, part = set(), None
-    for tensor in tensors:
-        mesh = getattr(tensor, "device_mesh", None)
-        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
-            continue
-        seen.add(id(mesh))
-        mesh = layout_mesh(mesh)
+    part = None
+    for mesh in layout_meshes_of(tensors):
         # an expert mesh's ep alone does not make it the job's (it may borrow cp and tp: see folds)
         names = mesh.mesh_dim_names or ()
         if any(dim_kind(name) or (folds(name) and name.lower() not in _BORROWING) for name in names):
@@ -111,6 +106,17 @@ def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
             if part is None:
                 part = mesh
     return None, part
+
+
+def layout_meshes_of(tensors: Any) -> Iterator[Any]:
+    """The layout mesh (:func:`layout_mesh`) of each distinct mesh of the DTensors among ``tensors``."""
+    seen = set()
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
+            continue
+        seen.add(id(mesh))
+        yield layout_mesh(mesh)
 
 
 def first_copy_outside(mesh: Any, reference: Any = None) -> bool:

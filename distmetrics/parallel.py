@@ -29,8 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .meshes import (MODEL_DIMS_BY_KIND, dim_kind, dim_name, first_copy_outside, layout_mesh, named_mesh_of, say_names,
-                     spans)
+from .meshes import (MODEL_DIMS_BY_KIND, dim_kind, dim_name, first_copy_outside, layout_mesh, layout_meshes_of,
+                     named_mesh_of, say_names, spans)
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
 __all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
@@ -397,7 +397,7 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                        "stage other than the last is averaged in)",
                        part.mesh_dim_names, part.size(), layout.world_size)
     elif mesh is None and part is None and layout.says_once:
-        loose = _mesh_short_of(model.parameters(), layout.ranks)
+        loose = next((m for m in layout_meshes_of(model.parameters()) if not spans(m, layout.ranks)), None)
         if loose is not None:
             logger.warning("distmetrics: the model's DTensors sit on a DeviceMesh of %d of the %d ranks (dimensions "
                            "%s) and no mesh names a tensor-, context- or pipeline-parallel dimension, so which of the "
@@ -406,19 +406,6 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                            "mesh names nothing above its own dimensions). Pass device_mesh= (the whole job's mesh)",
                            loose.size(), layout.world_size, loose.mesh_dim_names)
     return mesh
-
-
-def _mesh_short_of(tensors: Any, ranks: tuple) -> Any:
-    """The first layout mesh of the DTensors among ``tensors`` that does not span ``ranks``, or None."""
-    seen = set()
-    for tensor in tensors:
-        mesh = getattr(tensor, "device_mesh", None)
-        if mesh is None or id(mesh) in seen or not is_dtensor(tensor):
-            continue
-        seen.add(id(mesh))
-        if not spans(layout_mesh(mesh), ranks):
-            return layout_mesh(mesh)
-    return None
 
 
 def _megatron_owns(p: Any, layout: Layout) -> bool:

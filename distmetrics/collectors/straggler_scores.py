@@ -37,8 +37,7 @@ class Windows:
         """This log step's values of each series (every rank's, None: none)."""
         gone = self._seen.push(series)
         if gone:  # absent for a whole window: all NaN, no median; dropped (a timer named once, say)
-            keep = [at for name, at in self.index.items() if name not in gone]
-            self.index = {name: k for k, name in enumerate(n for n in self.index if n not in gone)}
+            self.index, keep = self._seen.without(self.index, gone)
             self.ring = self.ring[:, keep]
         new = [name for name in series if name not in self.index]
         if new:
@@ -104,8 +103,7 @@ class HostWindows:
         """This log step's values of each series (every rank's, None: none)."""
         gone = self._seen.push(series)
         if gone:  # absent for a whole window (see Windows.push)
-            keep = [at for name, at in self.index.items() if name not in gone]
-            self.index = {name: k for k, name in enumerate(n for n in self.index if n not in gone)}
+            self.index, keep = self._seen.without(self.index, gone)
             self.rows = [[row[at] for at in keep] for row in self.rows]
         for name in series:
             if name not in self.index:
@@ -181,6 +179,13 @@ class SeenAt:
         for name in gone:
             del self.last[name]
         return gone
+
+    @staticmethod
+    def without(index: dict[str, int], gone: set) -> tuple[dict[str, int], list[int]]:
+        """``index`` (series name -> its row) without the series ``gone``, renumbered in order, and the
+        old rows kept, in that order."""
+        kept = [(name, at) for name, at in index.items() if name not in gone]
+        return {name: k for k, (name, _) in enumerate(kept)}, [at for _, at in kept]
 
 
 def _valid_number(value: Optional[float]) -> float:
