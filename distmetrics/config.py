@@ -75,6 +75,11 @@ class MetricsConfig:
     """Folder for ``metrics.jsonl``, ``progress.txt`` and (by default) TensorBoard events."""
     writer_rank: Literal["first", "last"] = "first"
     """Which rank writes: ``first`` (rank 0) or ``last`` (world-1, where Megatron's loss lives)."""
+    pipeline_style: Literal["loop", "v"] = "loop"
+    """Which pipeline rank holds which stages, as torchtitan names it: ``loop`` (rank r holds
+    stages r, r + pp, ...: the last stage, which computes the loss, on the last pipeline rank) or
+    ``v`` (rank r holds stages r and 2·pp − 1 − r, as ``ScheduleZBVZeroBubble`` and
+    ``ScheduleDualPipeV`` place them: the last stage on pipeline rank 0)."""
     json_log: bool = True
     """Write ``{output_dir}/metrics.jsonl``, one JSON object per record."""
     console: bool = True

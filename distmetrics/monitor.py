@@ -83,6 +83,7 @@ class Monitor:
             mesh = model_parallel_mesh(model, self.layout)
             if mesh is not None:
                 self.layout = detect_layout(mesh, group)
+        self.layout.pp_style = config.pipeline_style  # which pipeline rank holds the last stage
         # the global rank, and how many ranks the Monitor reduces over (its group's)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         # the group's first or last rank (a Monitor on a group without global rank 0 writes too)

@@ -80,6 +80,9 @@ class Layout:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    pp_style: str = "loop"
+    """The config's ``pipeline_style``: ``loop`` (the last stage on the last pipeline rank) or ``v``
+    (on pipeline rank 0)."""
     cp_rank: int = 0
     dp_rank: int = 0
     """Data-parallel rank within this model-parallel slice (Megatron: within the stage)."""
@@ -106,8 +109,9 @@ class Layout:
 
     @property
     def is_last_stage(self) -> bool:
-        """True on the last pipeline stage (the one holding the loss)."""
-        return self.pp_rank == self.pp_size - 1
+        """True on the rank holding the last pipeline stage (the one computing the loss): the last
+        pipeline rank, or the first under ``pipeline_style="v"``."""
+        return self.pp_rank == (0 if self.pp_style == "v" else self.pp_size - 1)
 
 
 def detect_layout(device_mesh: Optional[Any] = None, group: Any = None) -> Layout:

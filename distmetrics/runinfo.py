@@ -183,8 +183,8 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
     return hosts, claim
 
 
-SHARED_KEYS = ("log_interval", "writer_rank", "timing_log_level", "timing_log_option", "barrier_with_L1_time",
-               "log_grad_norm", "log_grad_norm_per_module",
+SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_level", "timing_log_option",
+               "barrier_with_L1_time", "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",
                "tensor_inspect.enabled", "tensor_inspect.features", "tensor_inspect.init_training_step")
@@ -281,7 +281,8 @@ def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None, ch
     writer's alone put the last stage first in the report, and each stage named a different
     module as the first non-finite one); else this rank's (``local``). ``chunked``: the model is a
     ``ModuleList`` of virtual pipeline chunks (names start with the chunk's index) on every rank of the
-    group: the model runs chunk 0 of every stage, then chunk 1 of every stage, and is ordered so."""
+    group, ordered by the stage each chunk is (:func:`_stage_of`): chunk 0 of every rank, then chunk 1
+    of every rank (in reverse rank order under ``pipeline_style="v"``)."""
     group = layout.pp_group
     if layout.pp_size <= 1 or group is None or not (dist.is_available() and dist.is_initialized()):
         return list(local)
@@ -290,10 +291,20 @@ def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None, ch
     stages: list[Any] = [None] * layout.pp_size
     dist.all_gather_object(stages, (layout.pp_rank, tuple(local), chunked), group=group)
     if all(chunks for _, _, chunks in stages):
-        keyed = sorted((_chunk_index(name), stage, at, name)
-                       for stage, names, _ in stages for at, name in enumerate(names))
+        keyed = sorted((_stage_of(_chunk_index(name), rank, layout), rank, at, name)
+                       for rank, names, _ in stages for at, name in enumerate(names))
         return list(dict.fromkeys(name for *_, name in keyed))
     return list(dict.fromkeys(name for _, names, _ in sorted(stages, key=lambda s: s[0]) for name in names))
+
+
+def _stage_of(chunk: int, pp_rank: int, layout: Layout) -> int:
+    """The pipeline stage that chunk ``chunk`` of pipeline rank ``pp_rank`` is: ``chunk·pp + pp_rank``
+    (``loop``); under ``v`` the odd chunks run back down the ranks (rank r holds stages r and
+    2·pp − 1 − r). The root's own name (chunk -1) comes first."""
+    if chunk < 0:
+        return -1
+    pp = layout.pp_size
+    return chunk * pp + (pp - 1 - pp_rank if layout.pp_style == "v" and chunk % 2 else pp_rank)
 
 
 def _chunk_index(name: str) -> int:

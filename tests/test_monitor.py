@@ -1212,9 +1212,10 @@ def test_a_name_first_recorded_while_the_interval_is_taken_goes_to_the_next_inte
     assert {s.name: s.value for s in stats.take_samples()} == {"late": 5.0}
 
 
-def _pipeline_stages_on_a_mesh(rank: int, world: int) -> dict:
+def _pipeline_stages_on_a_mesh(rank: int, world: int, style: str) -> dict:
     """A pp × dp = 2 × 2 mesh, each stage's layer under FSDP2 over its dp ranks, the Monitor given the
-    model and no device_mesh; the last stage passes the loss, the first torchtitan's placeholder of -1."""
+    model and no device_mesh; the pipeline rank holding the last stage (the last, or the first under
+    ``pipeline_style="v"``) passes the loss, the other torchtitan's placeholder of -1."""
     import logging
 
     import torch
@@ -1231,34 +1232,90 @@ def _pipeline_stages_on_a_mesh(rank: int, world: int) -> dict:
     stage = mesh.get_coordinate()[0]
     model = torch.nn.Linear(4, 4)
     fully_shard(model, mesh=mesh["dp"])
-    with dm.Monitor(quiet_config(log_interval=1, log_throughput=True), model=model) as monitor:
-        loss = 2.0 + rank if stage == 1 else -1.0
+    with dm.Monitor(quiet_config(log_interval=1, log_throughput=True, pipeline_style=style), model=model) as monitor:
+        loss = 2.0 + rank % 2 + 2 if stage == (0 if style == "v" else 1) else -1.0
         for step in (1, 2):
             metrics = monitor.step(step, loss=loss, tokens=10)
         evaluated = monitor.log_eval(2, loss=loss, tokens=10)
     logging.getLogger("distmetrics").removeHandler(handler)
     return {"pp": (monitor.layout.pp_rank, monitor.layout.pp_size), "tokens": metrics["train/consumed_tokens"],
             "loss": metrics["train/loss"], "eval": evaluated["eval/loss"],
-            "said": [line for line in said if "pipeline stage" in line]}
+            "said": [line for line in said if "on pipeline rank" in line]}
 
 
-def test_pipeline_stages_of_a_models_mesh_count_tokens_and_the_loss_once():
+@pytest.mark.parametrize("style", ["loop", "v"])
+def test_pipeline_stages_of_a_models_mesh_count_tokens_and_the_loss_once(style):
     """Without device_mesh, a model's ("pp", "dp") mesh was dropped (only tp/cp dimensions were read): each
     stage counted its batch's tokens (consumed tokens, tokens/s and MFU doubled), and torchtitan's
-    placeholder loss of -1 on the first stage was averaged into train/loss and eval/loss (1.5 for 4.5)."""
-    results = run_ranks(_pipeline_stages_on_a_mesh, 4, timeout=120)
+    placeholder loss of -1 on the first stage was averaged into train/loss and eval/loss (1.5 for 4.5).
+    Under pipeline_style="v" (ZBV, DualPipeV) the last stage is on pipeline rank 0: its loss was left out
+    there, and train/loss with it."""
+    results = run_ranks(_pipeline_stages_on_a_mesh, 4, style, timeout=120)
     for rank, out in enumerate(results):
         assert out["pp"] == (rank // 2, 2), (rank, out)
         assert out["tokens"] == 40.0, (rank, out)  # 2 steps × 2 dp ranks × 10, once for the pipeline
-        assert out["loss"] == 4.5 and out["eval"] == 4.5, (rank, out)  # ranks 2 and 3: 4.0 and 5.0
-    assert results[0]["said"] == [
-        "distmetrics: monitor.step(loss=...) on pipeline stage 0 of 2 is left out, on every stage but the last: the "
-        "loss is the last stage's (a placeholder, as torchtitan passes on the other stages, would be averaged in); "
-        "pass loss=None there. Said once",
-        "distmetrics: monitor.log_eval(loss=...) on pipeline stage 0 of 2 is left out, on every stage but the last: "
-        "the loss is the last stage's (a placeholder, as torchtitan passes on the other stages, would be averaged "
-        "in); pass loss=None there. Said once"], results[0]["said"]
-    assert all(out["said"] == [] for out in results[1:])
+        assert out["loss"] == 4.5 and out["eval"] == 4.5, (rank, out)  # the loss holder's dp ranks: 4.0 and 5.0
+    says, holder = (2, 0) if style == "v" else (0, 1)  # the first rank of the first pipeline rank without the loss
+    where = ("pipeline_style='v' puts on pipeline rank 0 ('loop': on the last)" if style == "v" else
+             "pipeline_style='loop' puts on pipeline rank 1 ('v': on rank 0, as ZBV and DualPipeV schedules do)")
+    assert results[says]["said"] == [
+        f"distmetrics: monitor.{call}(loss=...) on pipeline rank {1 - holder} of 2 is left out: the loss is the last "
+        f"stage's, which {where}; a placeholder, as torchtitan passes on the other stages, would be averaged in: "
+        "pass loss=None there. Said once" for call in ("step", "log_eval")], results[says]["said"]
+    assert all(out["said"] == [] for rank, out in enumerate(results) if rank != says)
+
+
+def _v_shaped_schedule(rank: int, world: int, schedule_name: str, out: str) -> dict:
+    """torch.distributed.pipelining's V-shaped schedule over 2 pipeline ranks, 4 stages of one layer
+    each: rank r holds stages r and 3 − r, so the last stage (the loss) is on rank 0. The Monitor is
+    given ``ModuleList([stage r, stage 3 − r])`` and ``pipeline_style="v"``. Truth: the loss of the
+    whole model in float64, and float64 of both ranks' gradients."""
+    from collections import OrderedDict
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2 * world)]
+    held = (rank, 2 * world - 1 - rank)
+    parts = [torch.nn.Sequential(OrderedDict([(f"layer{s}", layers[s])])) for s in held]
+    stages = [pipelining.PipelineStage(part, s, 2 * world, torch.device("cpu"), group=mesh["pp"].get_group())
+              for part, s in zip(parts, held)]
+    schedule = getattr(pipelining, schedule_name)(stages, 4, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    x, target = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    truth_loss = torch.nn.functional.mse_loss(torch.nn.Sequential(*layers).double()(x.double()), target.double())
+    layers = [layer.float() for layer in layers]
+    config = quiet_config(output_dir=out, json_log=True, log_interval=1, pipeline_style="v", log_throughput=True)
+    with dm.Monitor(config, model=torch.nn.ModuleList(parts), device_mesh=mesh) as monitor:
+        losses: list = []
+        schedule.step(x, target=target, losses=losses) if rank == 0 else schedule.step()
+        squares = [None] * world
+        dist.all_gather_object(squares, sum(float(p.grad.double().pow(2).sum()) for p in monitor.model.parameters()))
+        monitor.clip_grad_norm_(1e9)
+        metrics = monitor.step(1, loss=torch.stack(losses).mean().item() if losses else None, tokens=64)
+    return {"loss": metrics["train/loss"], "truth_loss": float(truth_loss), "tokens": metrics["train/consumed_tokens"],
+            "grad_norm": metrics["grad_norm"], "truth_norm": sum(squares) ** 0.5, "losses_here": len(losses)}
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
+def test_v_shaped_pipeline_schedules_hold_the_loss_on_the_first_pipeline_rank(schedule_name, tmp_path):
+    """ZBV and DualPipeV put the last stage on pipeline rank 0: with pipeline_style="v" its loss is the
+    one counted (it was left out there, so the record had no train/loss), tokens count once, and the
+    run record lists the modules in stage order (it took the looped order: stage 0, 1, 3, 2)."""
+    results = run_ranks(_v_shaped_schedule, 2, schedule_name, str(tmp_path), timeout=120)
+    assert [out["losses_here"] for out in results] == [4, 0]  # torch's schedule: the loss on rank 0 alone
+    for out in results:
+        assert out["loss"] == pytest.approx(out["truth_loss"], rel=1e-5), out
+        assert out["grad_norm"] == pytest.approx(out["truth_norm"], rel=1e-5), out
+        assert out["tokens"] == 64.0, out
+    run = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert run["kind"] == "run"
+    assert [name for name in run["modules"] if "layer" in name] == ["0.layer0", "0.layer1", "1.layer2", "1.layer3"]
 
 
 CP_MASKS = {  # (dp rank, step) -> the valid tokens of that replica's 8-token sequence; cp rank c holds [4c, 4c + 4)

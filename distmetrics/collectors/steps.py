@@ -97,14 +97,17 @@ class MixedWeights:
 class StageLoss:
     """Whether this rank's loss counts: under pipeline parallelism the last stage's alone (the model's
     loss is computed there; torchtitan passes a placeholder of -1 on the other stages, which a mean
-    took in: 1.34 for 3.68), as tokens are counted there. A loss passed on another stage is left out,
-    said once by the first rank of the first stage."""
+    took in: 1.34 for 3.68), as tokens are counted there. A loss passed on another pipeline rank is
+    left out, said once by the first rank of the first pipeline rank that does not hold the last stage
+    (``Layout.is_last_stage``: the last pipeline rank, or the first under ``pipeline_style="v"``)."""
 
     def __init__(self, layout: Any, call: str) -> None:
         self.counts = layout is None or layout.pp_size <= 1 or layout.is_last_stage
-        self._says = layout is not None and not (layout.pp_rank or layout.dp_rank or layout.tp_rank or layout.cp_rank)
+        v = layout is not None and layout.pp_style == "v"
+        self._says = layout is not None and layout.pp_rank == int(v) and not (
+            layout.dp_rank or layout.tp_rank or layout.cp_rank)
         self._call = call
-        self._pp = (0, 1) if layout is None else (layout.pp_rank, layout.pp_size)
+        self._pp = (0, 1, v) if layout is None else (layout.pp_rank, layout.pp_size, v)
 
     def drops(self, loss: Any) -> bool:
         """True where ``loss`` (not None) is passed on a stage whose loss does not count."""
@@ -112,10 +115,13 @@ class StageLoss:
             return False
         if self._says:
             self._says = False
-            logger.warning("distmetrics: %s(loss=...) on pipeline stage %d of %d is left out, on every stage but the "
-                           "last: the loss is the last stage's (a placeholder, as torchtitan passes on the other "
-                           "stages, would be averaged in); pass loss=None there. Said once", self._call,
-                           self._pp[0], self._pp[1])
+            rank, size, v = self._pp
+            where = ("pipeline_style='v' puts on pipeline rank 0 ('loop': on the last)" if v else
+                     f"pipeline_style='loop' puts on pipeline rank {size - 1} ('v': on rank 0, as ZBV and "
+                     "DualPipeV schedules do)")
+            logger.warning("distmetrics: %s(loss=...) on pipeline rank %d of %d is left out: the loss is the last "
+                           "stage's, which %s; a placeholder, as torchtitan passes on the other stages, would be "
+                           "averaged in: pass loss=None there. Said once", self._call, rank, size, where)
         return True
 
 
