@@ -292,9 +292,12 @@ class GradientNorms:
         return cached
 
     def _checks_replicas(self, plan: Plan) -> bool:
-        """Does ``plan`` hold plain gradients beside DTensors that count once as copies
-        (:mod:`distmetrics.replicas`)? Megatron's plain parameters have rules of their own."""
-        return plan.mixed and self.layout.source != "megatron" and self.shards is None
+        """Does ``plan`` hold plain gradients that count once as copies (:mod:`distmetrics.replicas`):
+        beside DTensors, or, under a Monitor (whose log step reads the check: no device sync), a model
+        of plain tensors only (DDP's replicas, or the loop's own, which a pipeline stage of its own or a
+        rank training a model of its own is not)? Megatron's plain parameters have rules of their own."""
+        return (plan.mixed or (plan.plain and self.defers_replicas)) and self.layout.source != "megatron" \
+            and self.shards is None
 
     def _is_partial(self, param: Any, grad: torch.Tensor) -> bool:
         """Is this rank's piece of ``grad`` part of a tensor split over ranks: a tensor-parallel

@@ -217,11 +217,12 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
                 "with monitor.clip_grad_norm_ (distmetrics.clip_grad_norm_ takes no mesh)" + tail)
     if stage in bad and names:  # one fingerprint of them all is compared: which of them differ is not known
         what += " (this rank's; one or more of them)" if len(names) > 1 else " (this rank's)"
-    return (f"{call}: the gradients of {what}{where} differ across ranks: beside FSDP2's sharded (DTensor) gradients "
-            "a plain gradient is counted once, as the copy every rank holds, so the norm would be one rank's, not "
-            "each rank's, and a clip would scale every rank by it. Nothing reduces a parameter outside fully_shard "
-            "and DDP: all-reduce their gradients over the data-parallel ranks (sum, then divide by their number) "
-            "before measuring or clipping, or shard them too (fully_shard(model) on the root, after its submodules). "
-            "Where ranks hold different layers (pipeline stages), pass the DeviceMesh as the Monitor's device_mesh= "
-            "with its pipeline dimension named 'pp': without one, every rank is taken for a replica of one model"
-            + tail)
+    return (f"{call}: the gradients of {what}{where} differ across ranks: a plain (not DTensor) gradient is counted "
+            "once, as the copy every data-parallel rank holds (DDP's, or the loop's own beside FSDP2's sharded "
+            "gradients), so the norm would be one rank's, not each rank's, and a clip would scale every rank by it. "
+            "Nothing reduces a parameter outside fully_shard and DDP: all-reduce their gradients over the "
+            "data-parallel ranks (sum, then divide by their number) before measuring or clipping, or shard them too "
+            "(fully_shard(model) on the root, after its submodules). Where ranks hold different layers (pipeline "
+            "stages), pass the DeviceMesh as the Monitor's device_mesh= with its pipeline dimension named 'pp': "
+            "without one, every rank is taken for a replica of one model; where each rank trains a model of its "
+            "own, give each rank a Monitor of its own (Monitor(group=...))" + tail)

@@ -9,6 +9,7 @@ Megatron-Core TP=2 × DP=2 with ``main_grad``, Megatron PP=2 × TP=2 with a tied
 mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn).
 """
 
+import json
 import math
 import zlib
 from pathlib import Path
@@ -438,6 +439,54 @@ def test_plain_gradients_that_differ_across_ranks_beside_fsdp2_shards_are_refuse
         assert said["error"].startswith(f"monitor.clip_grad_norm_: {_PLAIN}"), (rank, said)
         assert "Found at the log step of step 1" in said["error"], (rank, said)
         assert "train/loss" in said["record"] and "grad_norm" not in said["record"], (rank, said)
+
+
+def _plain_models_of_their_own(rank: int, world: int, case: str, out: str) -> dict:
+    """A plain model (no DDP, no DTensor) under a Monitor on 2 ranks, clipped at every step, log_interval 2:
+    ``own``, each rank's own weights and batches; ``stages``, each rank a pipeline stage of its own, no
+    mesh given; ``ddp``, the same model under DDP. Truth: each rank's float64 norm."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(rank if case != "ddp" else 0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    if case == "stages":
+        model = model[rank]  # stage r holds layer r: names '0.weight' ... differ too
+    if case == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    returned, truth, error = [], [], None
+    try:
+        with dm.Monitor(quiet_config(log_interval=2, output_dir=f"{out}/{case}", json_log=True), model=model) as m:
+            for step in (1, 2):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+                model(x).pow(2).mean().backward()
+                truth.append(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()) ** 0.5)
+                returned.append(float(m.clip_grad_norm_(1e9)))
+                m.step(step, loss=1.0)
+                model.zero_grad()
+    except ValueError as err:
+        error = str(err)
+    return {"returned": returned, "truth": truth, "error": error}
+
+
+@pytest.mark.parametrize("case", ["own", "stages", "ddp"])
+def test_plain_gradients_that_differ_across_ranks_of_a_plain_model_are_refused_at_the_log_step(case, tmp_path):
+    """Plain gradients with no DTensor beside them were taken for replicas unchecked: a rank training a model
+    of its own, or a pipeline stage given no mesh, had rank 0's norm written as the job's and every rank's
+    clip scaled by it (rank 1 returned rank 0's norm). Under a Monitor they are checked as beside FSDP2's
+    shards: every rank raises at the log step, once the record is written without the gradient norms; DDP's
+    replicas pass, exact."""
+    results = run_ranks(_plain_models_of_their_own, 2, case, str(tmp_path), timeout=120)
+    if case == "ddp":
+        for out in results:
+            assert out["error"] is None and out["returned"] == pytest.approx(out["truth"], rel=REL), out
+        return
+    for out in results:
+        assert out["error"] is not None and "differ across ranks" in out["error"], out
+        assert "Found at the log step of step 2" in out["error"], out
+    record = [json.loads(line) for line in (tmp_path / case / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 2 and record["train/loss"] == 1.0 and "grad_norm" not in record, record
 
 
 def test_distmetrics_clip_grad_norm_refuses_plain_gradients_that_differ_at_the_call_before_scaling(dtensor_results):
