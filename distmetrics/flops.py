@@ -10,7 +10,7 @@ import math
 import re
 from typing import Optional
 
-__all__ = ["PEAK_TFLOPS", "peak_tflops_for", "model_flops_per_token", "mfu_pct"]
+__all__ = ["PEAK_TFLOPS", "peak_tflops_for", "is_mig", "model_flops_per_token", "mfu_pct"]
 
 # Dense peak TFLOP/s of one GPU by math precision (no structured sparsity), from the vendors'
 # data sheets. Matched against torch.cuda.get_device_name() in order: the first key found in the
@@ -33,11 +33,20 @@ PEAK_TFLOPS = {
 
 
 def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
-    """The peak for a GPU name and precision, or None when the table does not know it."""
+    """The peak for a GPU name and precision, or None when the table does not know it, or the name
+    is a MIG instance's (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``: a slice of the GPU, whose peak is a
+    part of the board's that the name does not give exactly)."""
+    if is_mig(device_name):
+        return None
     for key, peaks in PEAK_TFLOPS.items():
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
             return peaks.get(dtype)
     return None
+
+
+def is_mig(device_name: str) -> bool:
+    """Whether ``device_name`` names a MIG instance (the word ``MIG`` in it)."""
+    return re.search(r"(?<![A-Za-z0-9])MIG(?![A-Za-z0-9])", device_name) is not None
 
 
 def model_flops_per_token(num_params: float, num_layers: Optional[int] = None, hidden_size: Optional[int] = None,

@@ -27,7 +27,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[float] = None) ->
     """Take samples from every collector → one reduction → finalize in order → write
     (``ended_at``: see :attr:`LogContext.ended_at`)."""
     ctx = LogContext(step=step, steps=monitor._steps_in_interval, layout=monitor.layout, hosts=monitor.hosts,
-                     module_order=monitor._module_order, ended_at=ended_at, previous=monitor.last_metrics)
+                     module_order=monitor._module_order, ended_at=ended_at, previous=monitor.last_metrics,
+                     stride=max(1, monitor._stride))
     with monitor._records:  # no record lands in the interval while it is taken
         # misnamed (a record key's or another writer's name): raised once the record is written
         samples, misnamed = take_samples(monitor.collectors, ctx, monitor._foreign)

@@ -397,6 +397,21 @@ def test_throughput_mfu_sol_eta_against_hand_computation(caplog):
     assert any("above 100%" in r.getMessage() for r in caplog.records)
 
 
+def test_eta_counts_the_calls_left_when_steps_are_numbered_with_a_stride():
+    """Steps numbered 2, 4, ..., 20 with total_steps 20, 100 ms a call: after step 4, eight calls (6 ... 20)
+    are left, 0.8 s. The ETA multiplied the time per call by the step numbers left, 1.6 s."""
+    import distmetrics as dm
+
+    etas = {}
+    with FakeClock() as clock, dm.Monitor(quiet_config(log_interval=4, log_throughput=True, total_steps=20)) as monitor:
+        for step in range(2, 21, 2):
+            clock.advance(100.0)
+            metrics = monitor.step(step)
+            if metrics:
+                etas[step] = metrics["train/eta_s"]
+    assert etas == pytest.approx({4: 0.8, 8: 0.6, 12: 0.4, 16: 0.2, 20: 0.0}), etas
+
+
 def _megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int, heads: int, ffn: int) -> float:
     """Megatron-LM's ``num_floating_point_operations`` (megatron/training/training.py, the dense
     GPT branch: multi-head attention, no SwiGLU, no MoE, no MTP) over one sequence, per token,
@@ -452,6 +467,30 @@ def test_peak_lookup_by_gpu_name_and_dtype():
     for other in ("NVIDIA GB200", "NVIDIA RTX A1000 6GB Laptop GPU", "NVIDIA A10G", "NVIDIA H100X"):
         assert peak_tflops_for(other, "bf16") is None, other
     assert peak_tflops_for("NVIDIA A10", "bf16") == 125.0 and peak_tflops_for("Tesla V100-SXM2-32GB", "fp16") == 125.0
+    # a MIG instance's name holds the board's: its slice was given the whole board's peak (MFU 7x low at 1g)
+    for mig in ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA H100 MIG 7g.80gb"):
+        assert peak_tflops_for(mig, "bf16") is None, mig
+
+
+def test_a_gpu_without_a_known_peak_is_said_with_why_and_gets_no_mfu(monkeypatch, caplog):
+    """The GPU's name comes from torch.cuda, which this machine lacks: ``is_available`` and
+    ``get_device_name`` are replaced (the narrowest boundary). A MIG slice gets no peak, and the
+    warning says it is a slice."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.throughput import resolve_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = dm.MetricsConfig(num_params=7e9)
+    for name, peak, why in (("NVIDIA H100 80GB HBM3", 989.0, None), ("NVIDIA GB200", None, ""),
+                            ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None, " (a MIG instance: a slice of the GPU's peak)")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, n=name: n)
+        caplog.clear()
+        assert resolve_peak_tflops(config) == peak, name
+        said = [r.getMessage() for r in caplog.records if "no peak TFLOP/s" in r.getMessage()]
+        assert said == ([] if why is None else
+                        [f"distmetrics: no peak TFLOP/s known for {name!r}{why} in bf16; set peak_tflops for MFU"]), said
 
 
 # --- progress.txt -----------------------------------------------------------------------------

@@ -69,6 +69,9 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
+    stride: int = 1
+    """The last step's number less the one before (at least 1): steps numbered 2, 4, 6... leave
+    half as many calls as numbers to ``total_steps``."""
     ended_at: Optional[float] = None
     """The record ``close()`` writes: when the last ``monitor.step`` returned (a reading of
     :func:`distmetrics.interval.now`). The interval ends there, not at ``close()``: what came after

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..flops import PEAK_TFLOPS, mfu_pct, model_flops_per_token, peak_tflops_for
+from ..flops import PEAK_TFLOPS, is_mig, mfu_pct, model_flops_per_token, peak_tflops_for
 from .base import Alert, LogContext, Sample
 
 __all__ = ["ThroughputCollector", "resolve_peak_tflops", "mfu_pct", "peak_tflops_for", "model_flops_per_token",
@@ -36,7 +36,9 @@ def resolve_peak_tflops(config: Any, warns: bool = True) -> Optional[float]:
     name = torch.cuda.get_device_name()
     peak = peak_tflops_for(name, config.dtype)
     if peak is None and warns and config.resolved_flops_per_token:
-        logger.warning("distmetrics: no peak TFLOP/s known for %r in %s; set peak_tflops for MFU", name, config.dtype)
+        why = " (a MIG instance: a slice of the GPU's peak)" if is_mig(name) else ""
+        logger.warning("distmetrics: no peak TFLOP/s known for %r%s in %s; set peak_tflops for MFU", name, why,
+                       config.dtype)
     return peak
 
 
@@ -79,7 +81,7 @@ class ThroughputCollector:
         if self.sol_step_time_ms:
             metrics["train/sol_pct"] = 100.0 * self.sol_step_time_ms / (step_s * 1000.0)
         if self.total_steps:
-            metrics["train/eta_s"] = max(0, self.total_steps - ctx.step) * step_s
+            metrics["train/eta_s"] = -(-max(0, self.total_steps - ctx.step) // ctx.stride) * step_s  # calls left
         if tokens is None:
             return []
         metrics["train/tokens_per_sec"] = tokens / seconds
