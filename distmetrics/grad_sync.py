@@ -23,8 +23,8 @@ module's class and sets its parameters in their dicts directly; so each check al
 root's class and the number of modules with composable state (FSDP2's) — two reads, no walk over
 the modules — and how often the norm plan read the model (:attr:`ParamPlans.reads`: a change in
 place, seen by an earlier clip). A DDP module made around the model given cannot be seen from it: that is said once
-(:func:`_note_ddp`). Megatron's DDP is not read here: its gradients are ready after
-``finish_grad_sync()`` (README).
+(:func:`_note_ddp`). Megatron's DDP is not read here: its gradients are final after
+``finalize_model_grads`` (README).
 """
 
 from __future__ import annotations
