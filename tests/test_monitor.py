@@ -1265,6 +1265,46 @@ def test_pipeline_stages_of_a_models_mesh_count_tokens_and_the_loss_once(style):
     assert all(out["said"] == [] for rank, out in enumerate(results) if rank != says)
 
 
+def _tokens_on_the_first_stage_only(rank: int, world: int) -> dict:
+    """pp × dp = 2 × 2, each stage's layer under FSDP2 over its dp ranks: the first stage (where a data
+    loader is) passes tokens, the last the loss alone."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    last = mesh.get_coordinate()[0] == 1
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh["dp"])
+    records = []
+    with dm.Monitor(quiet_config(log_interval=1, log_throughput=True), model=model) as monitor:
+        for step in (1, 2, 3):
+            records.append(monitor.step(step, loss=1.0 if last else None, tokens=None if last else 100))
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"names": sorted({k for r in records for k in r}), "said": [s for s in said if "tokens=" in s]}
+
+
+def test_tokens_given_only_where_they_do_not_count_are_said():
+    """Tokens passed on the first pipeline stage alone (where the batch is loaded), none on the last, where
+    they count: the records had no throughput and checkpoints counted 0 tokens, unsaid. Said once now, by
+    the first rank; and no internal lane reaches the records."""
+    results = run_ranks(_tokens_on_the_first_stage_only, 4, timeout=120)
+    for out in results:
+        assert "train/consumed_tokens" not in out["names"] and "train/loss" in out["names"], out
+        assert not [name for name in out["names"] if name.startswith("_")], out
+    assert len(results[0]["said"]) == 1 and results[0]["said"][0].startswith(
+        "distmetrics: step 1: monitor.step(tokens=...) was given only on ranks that do not count tokens"), results[0]
+    assert all(out["said"] == [] for out in results[1:])
+
+
 def _v_shaped_schedule(rank: int, world: int, schedule_name: str, out: str) -> dict:
     """torch.distributed.pipelining's V-shaped schedule over 2 pipeline ranks, 4 stages of one layer
     each: rank r holds stages r and 3 − r, so the last stage (the loss) is on rank 0. The Monitor is

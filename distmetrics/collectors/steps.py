@@ -38,6 +38,10 @@ UNTIMED_TOKENS = "_train/untimed_tokens"
 LOSS_TOKENS = "_train/loss_tokens"
 """Internal lane: the ``loss_tokens`` that weighed the interval's counted losses (sum over ranks), made only
 where some rank gives ``loss_tokens``: a tensor is not read at the call, so a bad one shows in this sum."""
+UNCOUNTED_TOKENS = "_train/uncounted_tokens"
+"""Internal lane: 1 where this rank was given ``tokens`` in the interval but does not count them (a pipeline
+rank without the last stage, a tensor- or context-parallel rank other than 0; max), made only there: tokens
+given there alone, with none where they count, would leave the throughput out unsaid."""
 LOSS_WEIGHTS = "_train/loss_weights"
 """Internal lane: what this rank weighted its losses by in the interval (minmax): 1 tokens, 2
 steps (``tokens=None``), 3 both; a mean of losses weighted by either on different ranks (or
@@ -197,6 +201,8 @@ class StepValues:
         self.learning_rates = LearningRates(LEARNING_RATES, writer, layout.says_once) \
             if layout.world_size > 1 else None
         self._lr: Optional[Number] = None  # the interval's last lr, for the LEARNING_RATES lane
+        self._uncounted = False  # tokens given in the interval on this rank, which does not count them
+        self._says_uncounted = layout.says_once
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any], loss_tokens: Any = None) -> None:
@@ -240,6 +246,8 @@ class StepValues:
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
             self.job_tokens = self.job_tokens + as_number(tokens)
+        elif tokens is not None:
+            self._uncounted = True
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
             self._lr = lr  # its lane is made at the log step: a step between them pays one assignment
@@ -276,6 +284,9 @@ class StepValues:
         lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
         if weights:
             lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
+        if self._uncounted:
+            self._uncounted = False
+            lanes.append(Sample(UNCOUNTED_TOKENS, 1.0, "max"))
         if lr is not None and self.learning_rates is not None:
             lr = as_number(lr)
             # every rank's lr (float32, to say ranks that differ), and their mean (float64: train/lr where the
@@ -302,6 +313,7 @@ class StepValues:
         elif ctx.tokens is not None:
             self._job_tokens_logged = self.job_tokens
         self._check_loss_tokens(metrics, ctx.step)
+        self._check_uncounted(metrics.pop(UNCOUNTED_TOKENS, None), ctx)
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
@@ -309,6 +321,19 @@ class StepValues:
         self.mixed.check(metrics, ctx.step)
         if self.learning_rates is not None:
             self.learning_rates.check(metrics, ctx.step)
+
+    def _check_uncounted(self, uncounted: Optional[float], ctx: LogContext) -> None:
+        """Say once where tokens were given in the interval only on ranks that do not count them: the
+        record has no throughput, MFU or consumed tokens, and the checkpoints' lines count 0 tokens."""
+        if not uncounted or ctx.tokens is not None or not self._says_uncounted:
+            return
+        self._says_uncounted = False
+        logger.warning("distmetrics: step %d: monitor.step(tokens=...) was given only on ranks that do not count "
+                       "tokens: they count once per data-parallel replica, on the rank of the last pipeline stage "
+                       "(pipeline_style decides which) at tensor- and context-parallel rank 0, which were given "
+                       "none. Pass the tokens there too (every rank may pass the same number): until then the "
+                       "records have no throughput, MFU or consumed tokens, and checkpoints count no tokens. Said "
+                       "once", ctx.step)
 
     def _check_loss_tokens(self, metrics: dict[str, Any], step: int) -> None:
         """``loss_tokens`` given as tensors, checked in their sum over ranks as ``tokens`` are: NaN, inf
