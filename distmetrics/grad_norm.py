@@ -112,12 +112,17 @@ class GradientNorms:
 
     def attach_shards(self, shards: MegatronShards) -> None:
         """Count the slices Megatron's distributed optimizer gives this rank (see
-        :mod:`distmetrics.megatron_optimizer`); cached ownership is recomputed."""
-        self.shards = shards
+        :mod:`distmetrics.megatron_optimizer`), beside those of the optimizers attached before (a
+        chained optimizer's parts attached one by one); cached ownership and layout checks are redone."""
+        if self.shards is None:
+            self.shards = shards
+        else:
+            self.shards.merge(shards)
         for plan in [self.plans.plan, *self.plans._custom.values()]:
             if plan is not None:
                 plan.routing.clear()
                 plan.param_routes.clear()
+                plan.checked = False
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None,

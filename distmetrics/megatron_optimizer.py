@@ -12,10 +12,15 @@ params on every TP rank, others on TP rank 0; ``shared`` never). Parameter and u
 from the fp32 main-parameter shards the optimizer updates, and the update is measured around the
 inner ``torch.optim`` step (hooks on it).
 
+The optimizers attached to one Monitor accumulate (:meth:`MegatronShards.merge`): a MoE model's
+``ChainedOptimizer`` holds a dense and an expert ``DistributedOptimizer``, each sharding buffers of
+its own, and attached part by part each part's range map counts beside the others'.
+
 Never silently wrong: :func:`check_layout` refuses, at the first measurement, layouts whose
 gradients no rule here describes — a model under Megatron's DDP with the distributed optimizer
-but no optimizer attached, FSDP1 flat parameters, DeepSpeed ZeRO partitions — naming the
-parameter and what was found.
+but no optimizer attached, or a parameter of its gradient buffers that no attached optimizer
+shards (one part of a chained optimizer attached without the other), FSDP1 flat parameters,
+DeepSpeed ZeRO partitions — naming the parameter and what was found.
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ class MegatronShards:
         self.main: dict[int, torch.Tensor] = {}  # id(model param) → the fp32 shard the optimizer updates
         for part in self.distributed:
             self._read(part)
+
+    def merge(self, other: "MegatronShards") -> None:
+        """Count ``other``'s parts too (an optimizer attached after this one): range maps and main
+        shards accumulate, keyed by parameter, so a part or parameter attached twice counts once."""
+        self.distributed += [p for p in other.distributed if not any(p is q for q in self.distributed)]
+        self.inner += [p for p in other.inner if not any(p is q for q in self.inner)]
+        self.ranges.update(other.ranges)
+        self.params |= other.params
+        self.main.update(other.main)
 
     @property
     def active(self) -> bool:
@@ -103,12 +117,21 @@ class MegatronShards:
 
 def check_layout(model: Any, params: list, names: list[str], shards: Optional[MegatronShards]) -> None:
     """Raise :class:`LayoutError` for a layout no ownership rule describes (see the module doc)."""
-    ddp_config = getattr(model, "ddp_config", None)
-    if getattr(ddp_config, "use_distributed_optimizer", False) and (shards is None or not shards.active):
+    sharded = _distributed_buffer_params(model)
+    if sharded is not None and (shards is None or not shards.active):
         raise LayoutError(
             f"parameter {names[0]!r}: the model is wrapped in Megatron-Core's DistributedDataParallel with "
             "use_distributed_optimizer=True, so each data-parallel rank holds a reduced shard of the gradient only; "
             "attach the optimizer (Monitor(..., optimizer=opt) or monitor.attach_megatron_optimizer(opt))")
+    for param, name in zip(params, names):
+        if sharded and id(param) in sharded and id(param) not in shards.params:
+            raise LayoutError(
+                f"parameter {name!r} is in a gradient buffer of Megatron-Core's DistributedDataParallel with "
+                "use_distributed_optimizer=True, but no attached optimizer shards it, so which slice of its "
+                "reduce-scattered gradient this rank holds is unknown; attach the other optimizer(s) too: the "
+                "ChainedOptimizer itself (Monitor(..., optimizer=opt)), or each of its parts "
+                "(monitor.attach_megatron_optimizer(part) for every part of opt.chained_optimizers, a MoE "
+                "model's dense and expert ones)")
     for param, name in zip(params, names):
         if getattr(param, "_is_flat_param", False):
             raise LayoutError(f"parameter {name!r} is an FSDP1 FlatParameter (several parameters flattened and "
@@ -121,3 +144,18 @@ def check_layout(model: Any, params: list, names: list[str], shards: Optional[Me
         if hasattr(param, "ds_id") or hasattr(param, "ds_tensor"):
             raise LayoutError(f"parameter {name!r} is partitioned by DeepSpeed ZeRO, which this library's "
                               "ownership rule does not describe")
+
+
+def _distributed_buffer_params(model: Any) -> Optional[set[int]]:
+    """The ids of the parameters in the gradient buffers (dense and expert) of the Megatron DDP
+    modules in ``model`` that use the distributed optimizer; None when it holds no such module."""
+    found: Optional[set[int]] = None
+    for module in model.modules() if isinstance(model, torch.nn.Module) else []:
+        if not getattr(getattr(module, "ddp_config", None), "use_distributed_optimizer", False):
+            continue
+        found = found if found is not None else set()
+        for name in ("buffers", "expert_parallel_buffers"):
+            buffers = getattr(module, name, None)  # attributes of Megatron's DDP (nn.Module.buffers is a method)
+            for buffer in buffers if isinstance(buffers, (list, tuple)) else []:
+                found.update(id(p) for p in getattr(buffer, "param_index_map", {}))
+    return found
