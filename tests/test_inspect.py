@@ -358,6 +358,147 @@ def test_bad_features_fail_before_training_with_a_clear_error(tmp_path, features
     assert debug_api.DEBUG_MANAGER is None  # nothing left running
 
 
+_STRUCT_WITHOUT_TENSOR = {"tensors": None, "tensors_struct": [{"stats": ["max"]}]}
+
+
+@pytest.mark.parametrize("features,init,message", [
+    (_section({"layer_name_regex": "fc1"}), 0,
+     "section 's': unknown key(s) ['layer_name_regex'] in layers; did you mean 'layer_name_regex_pattern'?"),
+    (_section(feature=_STRUCT_WITHOUT_TENSOR), 0,
+     "section 's': the 'tensor' key is missing in the distmetrics.LogTensorStats.tensors_struct entry"),
+    (_section(namespace=None, feature=_STRUCT_WITHOUT_TENSOR), 0,
+     "section 's': the 'tensor' key is missing in the LogTensorStats.tensors_struct entry"),
+    (_section(namespace=None, feature={"freq": 0}), 0,
+     "section 's': LogTensorStats for tensor 'activation': freq must be a whole number of steps >= 1, got 0"),
+    (_section(feature={"tensors": ["input"], "start_step": 2, "end_step": 4}), 10,
+     "section 's': distmetrics.LogTensorStats for tensor 'input' selects no step of this job: no multiple of freq "
+     "1 in start_step 2 to end_step 4 is at or after tensor_inspect.init_training_step 10"),
+    (_section(namespace=None, feature={"start_end_list": [[0, 10]]}), 10,
+     "section 's': LogTensorStats for tensor 'activation' selects no step of this job: no multiple of freq 1 in "
+     "start_end_list [[0, 10]] is at or after tensor_inspect.init_training_step 10"),
+], ids=["layers typo alone", "entry without tensor", "base entry without tensor", "freq 0",
+        "end before init_training_step", "start_end_list before init_training_step"])
+def test_a_features_error_names_the_section_feature_tensor_and_key(tmp_path, capsys, features, init, message):
+    """A typo that was the only key of ``layers`` was reported as a missing selector; an entry
+    without ``tensor`` as ``tensor None``; ``freq: 0`` without its feature and tensor; and a
+    schedule that ends before init_training_step was accepted and logged nothing. The Monitor,
+    check-config and check-features say the same."""
+    import yaml
+
+    from distmetrics.cli import main
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _monitor_with(features, tmp_path, init_training_step=init)
+    path = tmp_path / "features.yaml"
+    path.write_text(yaml.safe_dump(features))
+    commands = [["check-config", str(Path(__file__).resolve().parents[1] / "configs" / "metrics.yaml"),
+                 "tensor_inspect.enabled=true", f"tensor_inspect.features={path}",
+                 f"tensor_inspect.init_training_step={init}"]]
+    commands += [["check-features", str(path)]] if init == 0 else []
+    for argv in commands:
+        capsys.readouterr()
+        status, err = main(argv), capsys.readouterr().err
+        assert status == 2 and message in err and str(path) in err, (argv, err)
+
+
+@pytest.mark.parametrize("schedule", [
+    {"start_step": 2, "end_step": 4}, {"start_step": 2, "end_step": 10}, {"start_step": 3, "end_step": 9, "freq": 5},
+    {"start_step": 8, "end_step": 10, "freq": 5}, {"start_end_list": [[0, 10]]}, {"start_end_list": [[0, 11]]},
+    {"start_end_list": [[0, 4], [9, 12]], "freq": 4}, {"start_end_list": [[0, 4], [9, 12]], "freq": 5},
+    {"start_step": 3, "end_step": -1, "freq": 7}, {"freq": 3},
+])
+def test_a_schedule_is_refused_exactly_when_nvdlfw_inspect_selects_no_iteration_from_init_training_step(schedule):
+    """nvdlfw-inspect counts iterations from init_training_step; the check counted from 0, so a
+    schedule that ended before the job's first iteration passed and logged nothing."""
+    from nvdlfw_inspect.logging import enable_logging_at_current_step
+
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    init = 10
+    logs = any(enable_logging_at_current_step(i, schedule.get("freq", 1), schedule.get("start_step", 0),
+                                              schedule.get("end_step", -1), schedule.get("start_end_list"))
+               for i in range(init, init + 100))
+    for namespace in ("distmetrics", None):
+        features = _section(namespace=namespace, feature=schedule)
+        if logs:
+            load_features(features, init_training_step=init)
+        else:
+            with pytest.raises(ConfigError, match=r"selects no step of this job: .*init_training_step 10,"):
+                load_features(features, init_training_step=init)
+
+
+def _from_init_training_step(rank: int, world: int, root: str) -> dict:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    def config(features: dict) -> "dm.MetricsConfig":
+        return dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                                hang_timeout_s=20, tensor_inspect={"enabled": True, "features": features,
+                                                                   "init_training_step": 10,
+                                                                   "log_dir": f"{root}/inspect{rank}"})
+
+    fc1 = {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+           "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max", "std"],
+                                              "start_step": 2, "end_step": 4}}}
+    try:  # ends before the job's first iteration: refused on both ranks, before any collective
+        dm.Monitor(config({"fc1": fc1}), model=_model()).close()
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    fc1["distmetrics"]["LogTensorStats"].update(start_step=10, end_step=11)  # iterations 10 and 11: steps 1 and 2
+    typo = {"enabled": True, "layers": {"layer_name_regex_pattern": "fc2$"},
+            "LogTensorStats": {"enabled": True, "tensors": ["activations"], "stats": ["max"]}}
+    warnings: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    model = _model()
+    seen: dict = {}
+    model.fc1.register_forward_hook(lambda m, i, o: seen.setdefault(step, []).append(o.detach().double().reshape(-1)))
+    with dm.Monitor(config({"fc1": fc1, "typo": typo}), model=model) as monitor:
+        for step in (1, 2, 3):
+            x = torch.randn(3 + rank, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).sum().backward()
+            monitor.step(step)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    parts = [None] * world
+    dist.all_gather_object(parts, {s: torch.cat(v).tolist() for s, v in seen.items()})  # the truth, after the run
+    return {"refused": refused, "warnings": [w for w in warnings if "no value came" in w], "truth": parts}
+
+
+def test_statistics_count_from_init_training_step_and_an_unknown_base_tensor_is_named(tmp_path):
+    """On 2 gloo ranks with init_training_step 10: a schedule ending at iteration 4 is refused on
+    both ranks (it was accepted and logged nothing); one of iterations 10-11 logs steps 1 and 2,
+    equal to the float64 statistics of both ranks' activations; and a base LogTensorStats tensor
+    name the hooks do not measure (``activations``) is named, with the four they do, at the step
+    records name (1), not nvdlfw-inspect's iteration alone."""
+    import torch
+
+    import distmetrics as dm
+
+    results = run_ranks(_from_init_training_step, 2, str(tmp_path), timeout=150)
+    for result in results:
+        assert "distmetrics.LogTensorStats for tensor 'activation' selects no step of this job" in result["refused"]
+        assert "start_step 2 to end_step 4 is at or after tensor_inspect.init_training_step 10" in result["refused"]
+    stats = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+    assert sorted(stats) == [1, 2]
+    for step, record in stats.items():
+        full = torch.tensor([v for rank in results[0]["truth"] for v in rank[step]], dtype=torch.float64)
+        assert record["tensor_stats/fc1/activation/max"] == pytest.approx(float(full.max()), rel=1e-12)
+        assert record["tensor_stats/fc1/activation/std"] == pytest.approx(float(full.std()), rel=1e-9)
+        assert not any("fc2" in key for key in record)
+    [warning] = results[0]["warnings"]
+    assert results[1]["warnings"] == []  # said once, by the first rank
+    for part in ("section 'typo' selects step 1 (nvdlfw-inspect's iteration 10)", "for tensor(s) 'activations'",
+                 "measure activation, input, weight, gradient", "your own debug_api.log_tensor_stats calls"):
+        assert part in warning, warning
+
+
 def test_unparsable_features_file_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("s: [unclosed\n")

@@ -8,6 +8,7 @@ feature folders without ``allow_custom_feature_dirs``.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import os
@@ -20,7 +21,7 @@ from ..yamlfile import read_yaml
 from .statistics import SUPPORTED_STATS
 
 __all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "stats_step",
-           "tensor_names", "FEATURES_DIR", "TENSORS"]
+           "selected_tensors", "tensor_names", "FEATURES_DIR", "TENSORS"]
 
 TENSORS = ("activation", "input", "weight", "gradient")
 FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
@@ -44,13 +45,15 @@ def check_inspect_config(config: TensorInspectConfig,
     # Feature folders of the user's own may register the transformer_engine namespace (an
     # emulation, a fork); they stand in for TE's, and nvdlfw-inspect checks them at start.
     check_custom_dirs(config)
-    spec = load_features(config.features, te_available=True if config.feature_dirs else None, dirs_option=dirs_option)
+    spec = load_features(config.features, te_available=True if config.feature_dirs else None, dirs_option=dirs_option,
+                         init_training_step=config.init_training_step)
     return spec, _feature_dirs(config, spec)
 
 
 def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
-                  dirs_option: str = "tensor_inspect.feature_dirs") -> dict:
-    """Read and check a features YAML (path or mapping); returns the mapping."""
+                  dirs_option: str = "tensor_inspect.feature_dirs", init_training_step: int = 0) -> dict:
+    """Read and check a features YAML (path or mapping); returns the mapping. A schedule must
+    select a step at or after ``init_training_step``, the job's first iteration."""
     source = spec if isinstance(spec, str) else "<inline features>"
     if isinstance(spec, str):
         spec = read_yaml(Path(spec), "tensor_inspect.features: file")
@@ -64,6 +67,8 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
             raise ConfigError(f"{where} needs 'enabled' and 'layers'")
         _check_enabled(where, body["enabled"])
         layers = body.get("layers")
+        if isinstance(layers, dict):  # a typo first: it may be the only key (`layer_name_regex: fc1`)
+            _check_known(where, list(layers), _SELECTORS, "layers")
         if not isinstance(layers, dict) or not any(k in layers for k in _SELECTORS):
             raise ConfigError(f"{where}: 'layers' needs one of {', '.join(_SELECTORS)}")
         empty = [k for k in _SELECTORS if k in layers and layers[k] is None]
@@ -84,9 +89,10 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
                                       f"a feature folder given with {dirs_option} that registers that "
                                       "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
             elif key == "distmetrics":
-                _check_our_features(where, value)
+                _check_our_features(where, value, init_training_step)
             elif key == "LogTensorStats":  # nvdlfw's own base-namespace feature
-                _check_feature(where, "LogTensorStats", value, _BASE_STATS, TENSORS, strict=False)
+                _check_feature(where, "LogTensorStats", value, _BASE_STATS, TENSORS, strict=False,
+                               first=init_training_step)
             else:
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
@@ -98,10 +104,8 @@ def _check_selectors(where: str, layers: dict) -> None:
     nvdlfw-inspect reads them: it ignored an unknown key (``layer_type:``, so the section's other
     selectors chose more layers), raised re.error from inside its start for a bad pattern, read
     ``layer_types: fc1`` letter by letter (``f|c|1``, which selects fc2 too), and failed on
-    ``layer_numbers: 1`` with "'int' object is not iterable"."""
-    unknown = [key for key in layers if key not in _SELECTORS]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} in layers; accepted: {', '.join(_SELECTORS)}")
+    ``layer_numbers: 1`` with "'int' object is not iterable". Unknown keys are refused before (see
+    :func:`_check_known`)."""
     numbers = layers.get("layer_numbers")
     if numbers is not None and not (numbers == "all" or (isinstance(numbers, list) and numbers and all(
             _layer_number(n) for n in numbers))):
@@ -120,6 +124,19 @@ def _check_selectors(where: str, layers: dict) -> None:
     types = layers.get("layer_types")
     if types is not None and not _names(types):
         raise ConfigError(f"{where}: layers.layer_types must be a list of names such as [fc1, fc2], got {types!r}")
+
+
+def _check_known(where: str, keys: list, known: Any, place: str) -> None:
+    """Refuse keys that are not in ``known``, each named with the closest known key (a typo,
+    ``freqq:`` or ``layer_name_regex:``, was ignored)."""
+    unknown = [key for key in keys if key not in known]
+    if not unknown:
+        return
+    close = [(key, difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)) for key in unknown]
+    hint = ", ".join(repr(match[0]) if len(unknown) == 1 else f"{match[0]!r} for {key!r}"
+                     for key, match in close if match)
+    raise ConfigError(f"{where}: unknown key(s) {sorted(unknown, key=str)} in {place}; "
+                      f"{f'did you mean {hint}? Accepted' if hint else 'accepted'}: {', '.join(sorted(known))}")
 
 
 def _layer_number(value: Any) -> bool:
@@ -155,7 +172,7 @@ def _exact_names_as_pattern(where: str, body: dict) -> dict:
     return {**body, "layers": {"layer_name_regex_pattern": pattern}}
 
 
-def _check_our_features(where: str, features: Any) -> None:
+def _check_our_features(where: str, features: Any, first: int = 0) -> None:
     if not isinstance(features, dict):
         raise ConfigError(f"{where}: 'distmetrics' must map feature names to settings")
     for name, cfg in features.items():
@@ -164,31 +181,33 @@ def _check_our_features(where: str, features: Any) -> None:
         if not isinstance(cfg, dict):
             raise ConfigError(f"{where}: distmetrics.LogTensorStats must be a mapping of settings "
                               f"({', '.join(sorted(_FEATURE_KEYS))}), got {cfg!r}")
-        _check_feature(where, "distmetrics.LogTensorStats", cfg, SUPPORTED_STATS, TENSORS, strict=True)
+        _check_feature(where, "distmetrics.LogTensorStats", cfg, SUPPORTED_STATS, TENSORS, strict=True, first=first)
 
 
-def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensors: tuple, strict: bool) -> None:
+def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensors: tuple, strict: bool,
+                   first: int = 0) -> None:
     """Every tensor entry of a LogTensorStats feature: known keys (a typo, ``freqq:`` or ``stat:``,
     was ignored), a non-empty list of known statistics and a schedule (freq, start_step, end_step,
     start_end_list) of whole steps that selects some step; ``strict`` (ours): known tensors and one
     entry per tensor too (nvdlfw's own takes any tensor name, and a tensor's first entry, as
     nvdlfw-inspect reads it, ignoring the rest). A bad entry fails here, before training, not at the
-    first selected step (or, worse, is ignored)."""
+    first selected step (or, worse, is ignored). ``first``: the job's first iteration
+    (``init_training_step``), from which the schedule must select a step."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
-    unknown = set(cfg) - _FEATURE_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in {feature}; accepted: {sorted(_FEATURE_KEYS)}")
+    _check_known(where, list(cfg), _FEATURE_KEYS, feature)
     if "enabled" not in cfg:  # nvdlfw-inspect asserts it; without it the feature logged nothing, silently
         raise ConfigError(f"{where}: {feature} needs 'enabled' (true or false)")
     _check_enabled(f"{where}: {feature}", cfg["enabled"])
     seen: set = set()
     for entry in _tensor_entries(where, cfg, feature):
-        unknown = set(entry) - _ENTRY_KEYS
-        if "_shared" not in entry and unknown:  # a typo (stat: for stats:) would be ignored
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in a {feature}.tensors_struct entry; "
-                              f"accepted: {sorted(_ENTRY_KEYS)}")
+        if "_shared" not in entry:  # a typo (stat: for stats:) would be ignored
+            _check_known(where, list(entry), _ENTRY_KEYS, f"a {feature}.tensors_struct entry")
         tensor = entry.get("tensor")
+        if tensor is None and "_shared" not in entry:  # nvdlfw's own too: the hooks read entry["tensor"]
+            said = "has no value (YAML null)" if "tensor" in entry else "is missing"
+            raise ConfigError(f"{where}: the 'tensor' key {said} in the {feature}.tensors_struct entry {entry}; "
+                              "give the tensor it measures, such as tensor: activation")
         if strict and tensor not in tensors:
             raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(tensors)}")
         if strict and isinstance(tensor, str) and tensor in seen:  # nvdlfw's own: its first, as nvdlfw-inspect
@@ -206,7 +225,7 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
             if (key in entry and entry[key] is None) or (key not in entry and key in cfg and cfg[key] is None):
                 raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} has no value (YAML null); give "
                                   "one, or leave the key out")
-        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS})
+        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS}, first)
 
 
 def _check_enabled(where: str, value: Any) -> None:
@@ -216,13 +235,16 @@ def _check_enabled(where: str, value: Any) -> None:
         raise ConfigError(f"{where}: enabled must be true or false (unquoted), got {type(value).__name__} {value!r}")
 
 
-def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> None:
+def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict, first: int = 0) -> None:
+    """Whole steps that select some iteration the job runs: nvdlfw-inspect counts iterations from
+    ``first`` (``init_training_step``), so a schedule that ends before it logged nothing, silently."""
     def whole(value: Any, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
     freq = schedule["freq"] if schedule["freq"] is not None else 1
     if not whole(freq, 1):
-        raise ConfigError(f"{where}: freq must be a whole number of steps >= 1, got {freq!r}")
+        raise ConfigError(f"{where}: {feature} for tensor {tensor!r}: freq must be a whole number of steps >= 1, "
+                          f"got {freq!r}")
     for key in ("start_step", "end_step"):
         value = schedule[key]
         if value is not None and not whole(value, -1 if key == "end_step" else 0):
@@ -242,10 +264,18 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict) -> No
     # the steps selected are the multiples of freq in the ranges (a multiple of 0: step 0 counts)
     ranges = [(a, None if b == -1 else b - 1) for a, b in pairs] if pairs else \
         [(start, None if end is None or end == -1 else end)]
-    if not any(last is None or -(-first // freq) * freq <= last for first, last in ranges):
-        shown = f"start_end_list {pairs}" if pairs else f"start_step {start} to end_step {end}"
+
+    def selects(least: int) -> bool:  # some multiple of freq at or after `least` in a range
+        return any(last is None or -(-max(a, least) // freq) * freq <= last for a, last in ranges)
+
+    shown = f"start_end_list {pairs}" if pairs else f"start_step {start} to end_step {end}"
+    if not selects(0):
         raise ConfigError(f"{where}: {feature} for tensor {tensor!r} selects no step: no multiple of freq {freq} "
                           f"lies in {shown} (a step is logged where step % freq == 0)")
+    if not selects(first):
+        raise ConfigError(f"{where}: {feature} for tensor {tensor!r} selects no step of this job: no multiple of "
+                          f"freq {freq} in {shown} is at or after tensor_inspect.init_training_step {first}, the "
+                          "job's first iteration (iterations count from it)")
 
 
 def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensorStats") -> list[dict]:
@@ -321,20 +351,33 @@ def check_custom_dirs(config: TensorInspectConfig) -> None:
 def stats_step(spec: dict, iteration: int, hooked_only: bool = False) -> bool:
     """Does any enabled feature log at this iteration? ``hooked_only``: only the features our
     module hooks call (our namespace and nvdlfw's base ``LogTensorStats``); otherwise also TE's."""
-    for body in spec.values():
-        if not body.get("enabled"):
-            continue
-        features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats")),
-                    ("base", body.get("LogTensorStats"))]
-        if not hooked_only:
-            features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
-        for namespace, cfg in features:
-            if not isinstance(cfg, dict) or not cfg.get("enabled"):
-                continue
-            for entry in _first_entries(cfg.get("tensors_struct")) or [cfg]:
-                if _logs_at(namespace, dict(cfg, **entry), iteration):
-                    return True
-    return False
+    return any(_logs_at(namespace, dict(cfg, **entry), iteration) for body in spec.values()
+               for namespace, cfg in _enabled_features(body, hooked_only)
+               for entry in _first_entries(cfg.get("tensors_struct")) or [cfg])
+
+
+def selected_tensors(body: dict, iteration: int) -> list:
+    """The tensor names a section's enabled features select at ``iteration`` (each tensor's first
+    ``tensors_struct`` entry, as nvdlfw-inspect reads them), each once, in the file's order."""
+    names: dict = {}
+    for namespace, cfg in _enabled_features(body, hooked_only=False):
+        struct = _first_entries(cfg.get("tensors_struct"))
+        for entry in struct or [cfg]:
+            if _logs_at(namespace, dict(cfg, **entry), iteration):
+                names.update(dict.fromkeys([entry.get("tensor")] if struct else cfg.get("tensors") or ()))
+    return [name for name in names if name is not None]
+
+
+def _enabled_features(body: dict, hooked_only: bool) -> list:
+    """(namespace, settings) of an enabled section's enabled features: those our hooks call, and
+    TE's unless ``hooked_only``."""
+    if not body.get("enabled"):
+        return []
+    features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats")),
+                ("base", body.get("LogTensorStats"))]
+    if not hooked_only:
+        features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
+    return [(namespace, cfg) for namespace, cfg in features if isinstance(cfg, dict) and cfg.get("enabled")]
 
 
 def _first_entries(struct: Any) -> list:

@@ -41,7 +41,8 @@ from ..parallel import data_parallel_group, local_tensor, owns_local_piece, tp_c
 from ..reduce import PerRank, Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
-from .features import _logs_at, _tensor_entries, stats_step, tensor_names
+from .features import TENSORS, _enabled_features, _logs_at, _tensor_entries, selected_tensors, stats_step, \
+    tensor_names
 from .selection import config_for_layer, example_names, numbered
 from .statistics import PARTS, merge, merge_ranks, partials, stat_value
 from .te_names import metric_layers, metric_name, strip_model
@@ -302,7 +303,7 @@ class TensorInspector:
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
-            self._name_silent_sections(metrics)
+            self._name_silent_sections(metrics, step)
             self.partials = {}
             self.forwarded = {}
         self._weights_done = set()
@@ -311,8 +312,11 @@ class TensorInspector:
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
 
-    def _name_silent_sections(self, metrics: dict) -> None:
-        """Warn once per section that selects this step but yielded no value (on global rank 0)."""
+    def _name_silent_sections(self, metrics: dict, step: int) -> None:
+        """Warn once per section that selects this step but yielded no value (on global rank 0),
+        naming the step as records do and nvdlfw-inspect's iteration, and the tensor names that
+        brought nothing: nvdlfw's base ``LogTensorStats`` takes any name (a user's own calls log
+        theirs), so ``tensors: [activations]`` was accepted and measured nothing."""
         from nvdlfw_inspect.config_manager import is_layer_in_cfg
 
         full = self._full_names
@@ -328,9 +332,18 @@ class TensorInspector:
             if not any(numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
                 self._silent.add(section)
                 if self.layout is None or self.layout.says_once:
-                    logger.warning("distmetrics: tensor_inspect.features section %r selects step %d but no value "
-                                   "came from any of its layers (is its feature called on them?)", section,
-                                   self.iteration)
+                    logger.warning(self._silent_message(section, step))
+
+    def _silent_message(self, section: str, step: int) -> str:
+        """The warning for a section that brought no value at ``step`` (see _name_silent_sections)."""
+        body = self.spec[section]
+        names = selected_tensors(body, self.iteration)
+        named = f" for tensor(s) {', '.join(map(repr, names))}" if names else ""
+        hint = f"; the Monitor's hooks measure {', '.join(TENSORS)} of a layer run in a training forward of " \
+            "that step, and other tensor names come only from your own debug_api.log_tensor_stats calls" \
+            if _enabled_features(body, hooked_only=True) else " (is its feature called on them?)"
+        return (f"distmetrics: tensor_inspect.features section {section!r} selects step {step} (nvdlfw-inspect's "
+                f"iteration {self.iteration}) but no value came from any of its layers{named}{hint}")
 
     def pause(self) -> None:
         """``monitor.pause()``: forwards until :meth:`resume` are an evaluation's, not the step's."""
