@@ -1466,3 +1466,143 @@ def test_a_submodule_named_module_keeps_its_name_in_statistics_as_in_norm_names(
                 for layer, stats in truth["module"].items() for stat, value in stats.items()}
     assert written == pytest.approx(expected, rel=1e-6)
     assert {"grad_norm/module.fc", "grad_norm/fc"} <= set(records["train"])  # the same names
+
+
+# --- what a layer's tensors are, however it is called or wrapped ---------------------------------
+
+def _layer_tensors(rank: int, world: int, root: str) -> dict:
+    """Two scenarios, two steps each, on every rank. ``mixed``: FSDP2 with
+    MixedPrecisionPolicy(param_dtype=bf16), ``weight`` statistics of a layer that is its own unit
+    (fc1), one nested in a unit (blk.fc2), one in the root's unit (fc3) and one that is its own
+    unit with reshard_after_forward=False (fc4), an SGD step between the steps; returns the float64
+    truth of each full fp32 parameter and of its bf16 copy. ``calls``: fc1 called with its input
+    as a keyword argument, a module returning a dict, a Sequential asked for its weight; returns the
+    gathered inputs and activations and the warnings this rank gave."""
+    import logging
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import distmetrics as dm
+
+    def features(pattern: str, tensors: list) -> dict:
+        return {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": pattern},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": tensors,
+                                                          "stats": ["min", "max", "std", "l2_norm"], "freq": 1}}}}
+
+    def config(case: str, feats: dict, **extra) -> dm.MetricsConfig:
+        return dm.MetricsConfig(output_dir=f"{root}/{case}", log_interval=1, console=False, tensorboard=False,
+                                timing_log_level=-1, tensor_inspect={"enabled": True, "features": feats}, **extra)
+
+    def stats(t) -> dict:
+        t = t.detach().double().reshape(-1)
+        return {"min": float(t.min()), "max": float(t.max()), "std": float(t.std()), "l2_norm": float(t.norm())}
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(6, 8))
+    model.add_module("blk", nn.Sequential())
+    model.blk.add_module("fc2", nn.Linear(8, 8))
+    model.add_module("fc3", nn.Linear(8, 8))
+    model.add_module("fc4", nn.Linear(8, 3))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fully_shard(model.fc1, mesh=mesh, mp_policy=policy)
+    fully_shard(model.blk, mesh=mesh, mp_policy=policy)
+    fully_shard(model.fc4, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    layers = {"fc1": model.fc1, "blk.fc2": model.blk.fc2, "fc3": model.fc3, "fc4": model.fc4}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mixed: dict = {}
+    with dm.Monitor(config("mixed", features(r"fc\d$", ["weight"])), model=model, device_mesh=mesh) as monitor:
+        for step in (1, 2):
+            full = {name: layer.weight.full_tensor() for name, layer in layers.items()}  # fp32, the optimizer's
+            mixed[step] = {name: {"fp32": stats(w), "bf16": stats(w.to(torch.bfloat16))} for name, w in full.items()}
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))).float().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(step)
+
+    class DictOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 2)
+
+        def forward(self, x):
+            return {"out": self.fc(x)}
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(6, 4))
+    model.add_module("blk", nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    model.add_module("d", DictOutput())
+    feats = {**features(r"fc1$", ["input"]), "block": features(r"blk$", ["weight", "activation"])["s"],
+             "dict": features(r"\.d$", ["activation", "gradient"])["s"]}
+    warnings: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    calls: dict = {}
+    try:
+        with dm.Monitor(config("calls", feats), model=model) as monitor:
+            for step in (1, 2):
+                x = torch.randn(3 + rank, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+                hidden = model.fc1(input=x)
+                activation = model.blk(hidden)
+                (activation.sum() + model.d(x)["out"].sum()).backward()
+                calls[step] = {"input": stats(_gather(x)), "activation": stats(_gather(activation))}
+                monitor.step(step)
+    finally:
+        logging.getLogger("distmetrics").removeHandler(handler)
+    return {"mixed": mixed, "calls": calls, "warnings": [w for w in warnings if "has none to measure" in w]}
+
+
+@pytest.fixture(scope="module")
+def layer_tensors(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layer_tensors")
+    return root, run_ranks(_layer_tensors, 2, str(root), timeout=240)
+
+
+def _tensor_stats_by_step(folder) -> dict:
+    import distmetrics as dm
+
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("tensor_stats/")}
+            for r in dm.read_jsonl(folder / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+
+
+def test_a_weight_under_fsdp2_mixed_precision_is_the_fp32_parameter_however_its_layer_is_wrapped(layer_tensors):
+    """Under MixedPrecisionPolicy(param_dtype=bf16) a layer's weight statistics depended on its
+    wrapping: its own unit gave the fp32 sharded parameter, a layer nested in a unit, in the root's
+    or under reshard_after_forward=False the bf16 compute copy (l2_norm 1.22816 for 1.22840). Every
+    layer gives the parameter the optimizer steps, as param_norm does."""
+    root, ranks = layer_tensors
+    records = _tensor_stats_by_step(root / "mixed")
+    assert sorted(records) == [1, 2]
+    for step, layers in ranks[0]["mixed"].items():
+        for layer, truth in layers.items():
+            # the bf16 copy differs: a test that tells the two apart
+            assert truth["bf16"]["l2_norm"] != pytest.approx(truth["fp32"]["l2_norm"], rel=1e-6), (step, layer)
+            for stat, value in truth["fp32"].items():
+                got = records[step].get(f"tensor_stats/{layer}/weight/{stat}")
+                assert got == pytest.approx(value, rel=1e-9), (step, layer, stat, got, value)
+
+
+def test_an_input_given_by_keyword_is_measured_and_a_tensor_a_layer_cannot_give_is_named_once(layer_tensors):
+    """``fc1(input=x)`` passes no positional argument: its input was dropped. A module returning a
+    dict has no activation or gradient to measure, a Sequential no weight: they were dropped with,
+    at best, a warning that the section yielded nothing. Keyword inputs count; each tensor a layer
+    cannot give is named once per layer and tensor with the reason, by the first rank, for all steps."""
+    root, ranks = layer_tensors
+    records = _tensor_stats_by_step(root / "calls")
+    assert sorted(records) == [1, 2]
+    for step, truth in ranks[0]["calls"].items():
+        expected = {f"tensor_stats/fc1/input/{stat}": value for stat, value in truth["input"].items()}
+        expected.update({f"tensor_stats/blk/activation/{stat}": value for stat, value in truth["activation"].items()})
+        assert records[step] == pytest.approx(expected, rel=1e-9), step
+    said = ranks[0]["warnings"]
+    assert len(said) == 3 and not ranks[1]["warnings"], ranks
+    assert "tensor 'weight' on layer 'model.blk'" in said[0] and "a Sequential has no 'weight' tensor" in said[0]
+    for tensor, message in zip(("activation", "gradient"), said[1:]):
+        assert f"tensor {tensor!r} on layer 'model.d'" in message and "its output is a dict" in message

@@ -9,7 +9,7 @@ Two paths, one features file:
   on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
   ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
-  over all ranks in one vectorised pass.
+  over all ranks in one vectorised pass (:mod:`~distmetrics.tensor_stats.rank_merge`).
 * ``transformer_engine:`` sections (TE layers on a GPU) and nvdlfw's base features called from
   the user's code: TE (or the base feature) computes and reduces these itself and logs them (TE inside ``debug_api.step()``);
   they arrive through a :class:`ForwardingLogger` and join the same all-gather on the steps the YAML
@@ -17,8 +17,10 @@ Two paths, one features file:
   join too). A value logged on any other step rides the next log step's MAX pack.
 
 A section that yields no value on a step it selects is named in one warning (e.g. a feature that
-nothing calls on the layers it selects).
+nothing calls on the layers it selects), and so is a tensor it selects that a layer cannot give (a
+dict output, a container without a weight: :mod:`~distmetrics.tensor_stats.layer_tensors`).
 
+A weight is the parameter the optimizer steps (FSDP2's sharded one, however the layer is wrapped).
 Data-parallel replicas hold the same weights: only the rank that owns one contributes
 (:mod:`distmetrics.parallel`), so counts and norms are not multiplied. Activations, inputs and
 gradients are measured on every rank: tensor- and context-parallel peers hold either copies of
@@ -31,28 +33,27 @@ those of the lowest rank of its TP x CP group holds a copy and is left out; piec
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Optional
 
 import torch
 
 from ..config import ConfigError
-from ..parallel import data_parallel_group, local_tensor, owns_local_piece, tp_cp_leader
-from ..reduce import PerRank, Reducer
+from ..parallel import data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, tp_cp_leader
+from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
 from .features import TENSORS, _enabled_features, _logs_at, _tensor_entries, selected_tensors, stats_step, \
     tensor_names
+from .layer_tensors import OptimizerWeights, Unreadable, first_tensor_argument, output_kind, output_tensor
 from .selection import config_for_layer, example_names, numbered
-from .statistics import PARTS, merge, merge_ranks, partials, stat_value
+from .rank_merge import FORWARDED, PEERS, combine
+from .statistics import PARTS, merge, partials
 from .te_names import metric_layers, metric_name, strip_model
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
 
 logger = logging.getLogger("distmetrics")
 
-_FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
-_PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
 
 
 class ForwardingLogger:
@@ -104,6 +105,8 @@ class TensorInspector:
         self._sections: list = []  # (name, nvdlfw's parsed section) of the enabled sections
         self._silent: set = set()  # sections already named for yielding nothing
         self._weights_done: set = set()  # (layer, feature) whose weight was logged this step
+        self._optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
+        self._unreadable = Unreadable()  # names a selected tensor a layer cannot give, once
         # layer -> forwards of this step run without grad whose gradient is owed: reentrant activation
         # checkpointing (torch's use_reentrant=True, Megatron's recompute) runs the forward under no_grad,
         # then again inside backward, where that recomputation's output is backpropagated
@@ -125,6 +128,7 @@ class TensorInspector:
         if getattr(layout, "group", None) is not self.reducer.group:
             self.reducer = Reducer(layout.group)
         self._leader = tp_cp_leader(layout)  # the same on TP/CP peers: their copies are told apart at the merge
+        self._unreadable.says = holds_first_replica(layout)
         group = data_parallel_group(layout)
         if group is not None:
             self.debug_api.set_tensor_reduction_group(group)
@@ -142,6 +146,7 @@ class TensorInspector:
         if any(m is model for m in self._models):
             return  # initialize(config, model=...) then Monitor(config, model=...): hooks once
         self._models.append(model)
+        self._optimizer_weights.models.append(model)
         self.debug_api.infer_and_assign_layer_names(model)
         modules = named_layers(model)
         fullgraph = fullgraph_owner(model)
@@ -206,33 +211,45 @@ class TensorInspector:
             call = self._base_feature(name, feature)
 
         @torch.compiler.disable  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced)
-        def forward_hook(mod, inputs, output):
+        def forward_hook(mod, args, kwargs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward
             # (but see _gradient_owed)
             if not self.active or self.paused or not mod.training:
                 return
-            out = output[0] if isinstance(output, (tuple, list)) else output
+            out = output_tensor(output)
             if torch._C._current_graph_task_id() != -1:
-                if self._gradient_owed.get(name) and isinstance(out, torch.Tensor) and out.requires_grad:
+                if self._gradient_owed.get(name) and out is not None and out.requires_grad:
                     self._gradient_owed[name] -= 1
                     out.register_hook(lambda grad: call("gradient", grad))
                 return
-            if "activation" in tensors and isinstance(out, torch.Tensor):
+            if out is None:
+                for tensor_name in [t for t in ("activation", "gradient") if t in tensors]:
+                    self._unreadable(name, tensor_name, f"its output is {output_kind(output)}, not a tensor "
+                                     "or a tuple or list whose first item is one")
+            if "activation" in tensors and out is not None:
                 call("activation", out)
-            if "input" in tensors and inputs and isinstance(inputs[0], torch.Tensor):
-                call("input", inputs[0])
-            if "weight" in tensors and isinstance(getattr(mod, "weight", None), torch.Tensor) \
-                    and (name, namespace) not in self._weights_done:  # once per step, not per micro-batch
-                self._weights_done.add((name, namespace))
-                call("weight", mod.weight)
-            if "gradient" in tensors and isinstance(out, torch.Tensor):
+            if "input" in tensors:
+                inputs = first_tensor_argument(args, kwargs)
+                if inputs is None:
+                    self._unreadable(name, "input", "no argument of its call is a tensor")
+                else:
+                    call("input", inputs)
+            if "weight" in tensors and (name, namespace) not in self._weights_done:
+                self._weights_done.add((name, namespace))  # once per step, not per micro-batch
+                weight = getattr(mod, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    call("weight", self._optimizer_weights(weight))
+                else:
+                    inside = " (select the layers inside it)" if next(mod.children(), None) is not None else ""
+                    self._unreadable(name, "weight", f"a {type(mod).__name__} has no 'weight' tensor{inside}")
+            if "gradient" in tensors and out is not None:
                 if out.requires_grad:
                     out.register_hook(lambda grad: call("gradient", grad))
                 elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
                     self._gradient_owed[name] = self._gradient_owed.get(name, 0) + 1
 
-        self._hooks.append(module.register_forward_hook(forward_hook))
+        self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
     def _base_feature(self, name: str, feature: dict) -> Any:
         """nvdlfw-inspect's base ``LogTensorStats`` of layer ``name`` through our hooks: its
@@ -297,9 +314,9 @@ class TensorInspector:
                         for layer, tensor in keys for part in PARTS)
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
-            samples += [Sample(f"{_FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
-            samples.append(Sample(_PEERS, float(self._leader), "all"))
-            metrics = _combine(self.reducer.reduce(samples, tag=step).per_rank)
+            samples += [Sample(f"{FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
+            samples.append(Sample(PEERS, float(self._leader), "all"))
+            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank)
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
@@ -382,49 +399,3 @@ class TensorInspector:
             self._guards_held = False
             release_hook_guards()
 
-
-def _combine(per_rank: dict[str, PerRank]) -> dict:
-    """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
-    rank's tensor left out); forwarded values → the lowest rank's."""
-    groups: dict[tuple, dict[str, list]] = {}
-    out = {}
-    peers = per_rank.pop(_PEERS, None)
-    for name, values in per_rank.items():
-        if name.startswith(_FORWARDED):
-            # Reduced by TE over its group already; where ranks still differ (weights, which
-            # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
-            out[name[len(_FORWARDED):]] = values.present()[0]
-            continue
-        tensor_name, stats, part, layer = name.split("|", 3)  # the layer (ours already) last, "|" and all
-        groups.setdefault((layer, tensor_name, stats), {})[part] = values
-    keys = sorted(groups)
-    if not keys:
-        return out
-    # One table [key, part, rank] (NaN where a rank sent nothing) merged in one pass over the
-    # ranks: at thousands of ranks a merge per rank and key would take seconds.
-    rows = [[math.nan if v is None else v for v in groups[key][part]] for key in keys for part in PARTS]
-    table = torch.tensor(rows, dtype=torch.float64).view(len(keys), len(PARTS), -1)
-    merged = merge_ranks(_without_copies(table, peers))
-    columns = {part: merged[part].tolist() for part in PARTS}
-    for i, (layer, tensor_name, stats) in enumerate(keys):
-        if columns["n"][i] == 0:  # no rank sent this key
-            continue
-        values = {part: columns[part][i] for part in PARTS}
-        prefix = f"tensor_stats/{layer}/{tensor_name}"
-        for stat in stats.split(","):
-            out[f"{prefix}/{stat}"] = stat_value(stat, values)
-    return out
-
-
-def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tensor:
-    """``table[key, part, rank]`` with the ranks that hold a copy of their TP/CP group's first
-    rank's tensor marked as sending nothing (NaN): every part equal to that rank's, bit for bit
-    (NaN to NaN). A rank whose piece differs (a shard, a sequence chunk) stays."""
-    if peers is None or len(set(peers)) == len(peers):
-        return table
-    first: dict = {}
-    leaders = torch.tensor([first.setdefault(group, rank) for rank, group in enumerate(peers)])
-    lead = table[:, :, leaders]
-    same = ((table == lead) | (torch.isnan(table) & torch.isnan(lead))).all(dim=1)
-    copies = same & (leaders != torch.arange(len(peers)))
-    return torch.where(copies.unsqueeze(1), math.nan, table)

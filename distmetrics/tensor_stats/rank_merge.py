@@ -1,0 +1,65 @@
+"""Every rank's gathered tensor statistics → the values written: partials merged over the ranks
+in one vectorised pass (a tensor- or context-parallel peer's copy of its group's first rank's
+tensor left out), values TE and nvdlfw-inspect logged themselves taken from the lowest rank."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..reduce import PerRank
+from .statistics import PARTS, merge_ranks, stat_value
+
+__all__ = ["FORWARDED", "PEERS", "combine"]
+
+FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
+PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
+
+
+def combine(per_rank: dict[str, PerRank]) -> dict:
+    """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
+    rank's tensor left out); forwarded values → the lowest rank's."""
+    groups: dict[tuple, dict[str, list]] = {}
+    out = {}
+    peers = per_rank.pop(PEERS, None)
+    for name, values in per_rank.items():
+        if name.startswith(FORWARDED):
+            # Reduced by TE over its group already; where ranks still differ (weights, which
+            # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
+            out[name[len(FORWARDED):]] = values.present()[0]
+            continue
+        tensor_name, stats, part, layer = name.split("|", 3)  # the layer (ours already) last, "|" and all
+        groups.setdefault((layer, tensor_name, stats), {})[part] = values
+    keys = sorted(groups)
+    if not keys:
+        return out
+    # One table [key, part, rank] (NaN where a rank sent nothing) merged in one pass over the
+    # ranks: at thousands of ranks a merge per rank and key would take seconds.
+    rows = [[math.nan if v is None else v for v in groups[key][part]] for key in keys for part in PARTS]
+    table = torch.tensor(rows, dtype=torch.float64).view(len(keys), len(PARTS), -1)
+    merged = merge_ranks(_without_copies(table, peers))
+    columns = {part: merged[part].tolist() for part in PARTS}
+    for i, (layer, tensor_name, stats) in enumerate(keys):
+        if columns["n"][i] == 0:  # no rank sent this key
+            continue
+        values = {part: columns[part][i] for part in PARTS}
+        prefix = f"tensor_stats/{layer}/{tensor_name}"
+        for stat in stats.split(","):
+            out[f"{prefix}/{stat}"] = stat_value(stat, values)
+    return out
+
+
+def _without_copies(table: torch.Tensor, peers: Optional[PerRank]) -> torch.Tensor:
+    """``table[key, part, rank]`` with the ranks that hold a copy of their TP/CP group's first
+    rank's tensor marked as sending nothing (NaN): every part equal to that rank's, bit for bit
+    (NaN to NaN). A rank whose piece differs (a shard, a sequence chunk) stays."""
+    if peers is None or len(set(peers)) == len(peers):
+        return table
+    first: dict = {}
+    leaders = torch.tensor([first.setdefault(group, rank) for rank, group in enumerate(peers)])
+    lead = table[:, :, leaders]
+    same = ((table == lead) | (torch.isnan(table) & torch.isnan(lead))).all(dim=1)
+    copies = same & (leaders != torch.arange(len(peers)))
+    return torch.where(copies.unsqueeze(1), math.nan, table)
