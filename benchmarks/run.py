@@ -259,6 +259,45 @@ def bench_timer_pairs(pairs: int, repeats: int) -> dict:
     return {"enabled_pair_us": (on - base) / pairs * 1e6, "disabled_pair_us": (off - base) / pairs * 1e6}
 
 
+# --- 4c. a tensor-statistics hook on a step the features file does not select ------------------
+
+def bench_inspect_hook(forwards: int, repeats: int) -> dict:
+    """A forward of a hooked layer (``nn.Identity``, so the hook's cost is not hidden in the layer's)
+    on a step the YAML does not select, against the same layer unhooked (another module of one
+    model, not selected): what the hook adds to every forward outside ``torch.compile``; and what a
+    hook that does nothing adds, torch's own share of it (a module with a forward hook takes
+    ``Module.__call__``'s slower path)."""
+    import tempfile
+
+    import distmetrics as dm
+
+    model = torch.nn.Sequential()
+    model.add_module("hooked", torch.nn.Identity())
+    model.add_module("plain", torch.nn.Identity())
+    model.add_module("noop", torch.nn.Identity())
+    model.noop.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
+    x = torch.randn(2, 2)
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"hooked$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                         "stats": ["max"], "freq": 10 ** 6, "start_step": 10 ** 6}}}}
+
+    def forwards_of(layer):
+        def run():
+            for _ in range(forwards):
+                layer(x)
+        return run
+
+    with tempfile.TemporaryDirectory() as out:
+        config = dm.MetricsConfig(output_dir=out, log_interval=1, console=False, tensorboard=False,
+                                  timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+        with dm.Monitor(config, model=model) as monitor:
+            monitor.step(1)
+            base, hooked = median_pair(forwards_of(model.plain), forwards_of(model.hooked), repeats)
+            base_noop, noop = median_pair(forwards_of(model.plain), forwards_of(model.noop), repeats)
+    return {"unhooked_forward_us": base / forwards * 1e6, "hooked_forward_us": hooked / forwards * 1e6,
+            "hook_us": (hooked - base) / forwards * 1e6, "noop_hook_us": (noop - base_noop) / forwards * 1e6}
+
+
 # --- 5. update norms --------------------------------------------------------------------------
 
 def bench_update_norms(params: float, repeats: int) -> dict:
@@ -528,6 +567,10 @@ def main(argv=None) -> dict:
     results["timers"] = bench_timer_pairs(20000 if args.quick else 100000, repeats)
     print(f"   start+stop: enabled {results['timers']['enabled_pair_us']:.2f} us (target <= 2) | "
           f"disabled {results['timers']['disabled_pair_us']:.3f} us (target <= 0.3)", flush=True)
+    print("4c. a tensor-statistics hook on a step the features file does not select", flush=True)
+    results["inspect_hook"] = h = bench_inspect_hook(20000 if args.quick else 100000, repeats)
+    print(f"   nn.Identity forward: unhooked {h['unhooked_forward_us']:.2f} us | hooked {h['hooked_forward_us']:.2f} us "
+          f"= +{h['hook_us']:.2f} us a forward (a hook that does nothing: +{h['noop_hook_us']:.2f} us)", flush=True)
     print("5. update norms", flush=True)
     results["update_norms"] = bench_update_norms(20e6, repeats)
     u = results["update_norms"]

@@ -13,9 +13,9 @@ inspected)::
 
 Parts: :mod:`.features` (reading and checking a features file), :mod:`.lifecycle`
 (nvdlfw-inspect's start, the running inspector, the reset), :mod:`.inspector` (hooks, per-step
-reduction, forwarding), :mod:`.layer_tensors` (what a hooked layer's tensors are), :mod:`.statistics` (mergeable partials),
-:mod:`.rank_merge` (every rank's partials merged), :mod:`.te_names` (TE's names), :mod:`.compiled` (the hooks
-under ``torch.compile``).
+reduction, forwarding), :mod:`.layer_tensors` (what a hooked layer's tensors are),
+:mod:`.statistics` (mergeable partials), :mod:`.rank_merge` (every rank's partials merged),
+:mod:`.te_names` (TE's names), :mod:`.compiled` (the hooks under ``torch.compile``).
 ``distmetrics.inspect`` is the same module under its earlier name.
 """
 

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
+from ..eager import eager
 from ..parallel import data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, tp_cp_leader
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
@@ -210,7 +211,7 @@ class TensorInspector:
         else:
             call = self._base_feature(name, feature)
 
-        @torch.compiler.disable  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced)
+        @eager  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced); a plain call outside
         def forward_hook(mod, args, kwargs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward
