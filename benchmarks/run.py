@@ -569,8 +569,9 @@ def main(argv=None) -> dict:
           f"disabled {results['timers']['disabled_pair_us']:.3f} us (target <= 0.3)", flush=True)
     print("4c. a tensor-statistics hook on a step the features file does not select", flush=True)
     results["inspect_hook"] = h = bench_inspect_hook(20000 if args.quick else 100000, repeats)
-    print(f"   nn.Identity forward: unhooked {h['unhooked_forward_us']:.2f} us | hooked {h['hooked_forward_us']:.2f} us "
-          f"= +{h['hook_us']:.2f} us a forward (a hook that does nothing: +{h['noop_hook_us']:.2f} us)", flush=True)
+    print(f"   nn.Identity forward: unhooked {h['unhooked_forward_us']:.2f} us | hooked "
+          f"{h['hooked_forward_us']:.2f} us = +{h['hook_us']:.2f} us a forward (a hook that does nothing: "
+          f"+{h['noop_hook_us']:.2f} us)", flush=True)
     print("5. update norms", flush=True)
     results["update_norms"] = bench_update_norms(20e6, repeats)
     u = results["update_norms"]
