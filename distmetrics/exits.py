@@ -53,11 +53,21 @@ def say_unwritten(monitor: "Monitor", when: str,
 def say_log_step_lost(monitor: "Monitor", why: str) -> None:
     """Say, once, on the writer rank, that a log step interrupted after its samples were taken (by
     ``why``: an exception, a signal's too, or a close() from a signal handler) leaves its record unwritten:
-    its interval's steps went with the samples, so no close() or exit hook can write them. Not where the
-    record had reached the sinks already (a signal landing in the writer queue's put: close() drains it)."""
+    its interval's steps went with the samples, so no close() or exit hook can write them. Not where
+    every sink had the record already (close() drains the writer queue); where some have it (a signal
+    landing between the JSONL write and the writer queue's put), the sinks with it and those without."""
     held, monitor._unwritten = monitor._unwritten, None
-    if held is not None and monitor.is_writer and not monitor.sinks.holds(held[0], "train"):  # not handed over
-        step, steps = held
+    if held is None or not monitor.is_writer:
+        return
+    step, steps = held
+    have, lack = monitor.sinks.placed(step, "train")
+    if not lack:  # handed over whole
+        return
+    if have:
+        logger.warning("distmetrics: the log step at step %d did not complete (%s): its record of the %d step(s) "
+                       "up to it since the last log step is written to %s, not to %s", step, why, steps,
+                       ", ".join(have), ", ".join(lack))
+    else:
         logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it since "
                        "the last log step are not written", step, why, steps)
 
@@ -65,7 +75,7 @@ def say_log_step_lost(monitor: "Monitor", why: str) -> None:
 def say_pending(monitor: "Monitor") -> None:
     """Say, at a close() with no step since the last record, the values recorded after it: a record
     belongs to the interval of the next ``monitor.step``, which did not come, so they are not written."""
-    pending = monitor._by_name["train"].stats.pending()
+    pending = [name for name in monitor._by_name["train"].stats.pending() if name[:1] != "_"]  # ours: not said
     if monitor._by_name["losses"].train.pending():
         pending.append("record_losses' samples")
     if pending:

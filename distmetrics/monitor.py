@@ -28,15 +28,15 @@ from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
-from .interval import now
 from .log_step import is_log_step, log_step, log_step_ahead
 from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
 from .naming import module_order
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
-from .runinfo import first_step, job_module_order, open_writer_sinks, resumed_at, start_up
+from .runinfo import job_module_order, open_writer_sinks, start_up
 from .sinks import SinkSet, check_sinks
+from .step_count import StepCall, count_step, finish_step, step_under_way
 from .step_hooks import hooked_optimizer
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for, planned_for
 
@@ -97,6 +97,7 @@ class Monitor:
         self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size, records=self._records)
         self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
+        self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)
         self._stride = 1  # the last step's number less the one before: the next is predicted that far on
         self._unwritten: Optional[tuple] = None  # (step, steps) of a log step whose record is not written yet
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
@@ -167,29 +168,9 @@ class Monitor:
         loss_tokens = local_value(loss_tokens)
         if scalars:
             scalars = {name: local_value(value) for name, value in scalars.items()}
-        if self._last_step is None:  # the clocks start; a job resuming at a step logged before says so
-            self._counts_from(step)  # reads the earlier job's files back: not this step's time
-            resumed_at(step, self.sinks)
-            first_step(self._clocks())
-            if "norms" in self._by_name:  # what was measured before the step's number was known
-                self._by_name["norms"].first_step(step, step % self.config.log_interval == 0)
-        if self._last_step is not None:
-            if step != self._last_step + self._stride and "norms" in self._by_name and self._is_log_step(step):
-                self._by_name["norms"].unpredicted(step)  # its optimizer step was not snapshotted: said
-            self._stride = step - self._last_step  # steps 2, 4, 6...: the next log step is predicted
-        if "norms" in self._by_name:  # the step's optimizer steps are over: their update is the step's
-            self._by_name["norms"].end_step(step)
-        self._last_step = step
-        self._guard.note("monitor.step", step)
-        # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
-        with self._records:
-            self._by_name["train"].record_step(None if skipped else loss, tokens, lr, scalars, loss_tokens)
-            counted = loss if self._by_name["train"].stage_loss.counts else None  # a placeholder is no loss
-            self._by_name["health"].record_step(counted, skipped, tokens if loss_tokens is None else loss_tokens)
-            self._by_name["losses"].end_step(skipped)  # its record_losses samples: left out with it where skipped
-        self._by_name["timers"].mark_step()
-        self._stepped_at = now()  # where the close record's interval ends
-        self._steps_in_interval += 1
+        count_step(self, StepCall(step, loss, tokens, lr, skipped, scalars, loss_tokens))
+        if self._closed:  # by a signal handler's close() during the count: its record has this step
+            return None
         stats = self._by_name["tensor_stats"].end_step(step) if "tensor_stats" in self._by_name else None
         if stats:  # a collective only on steps the features YAML selects
             self._write(stats, step, "tensor_stats")
@@ -321,6 +302,8 @@ class Monitor:
             return
         if self._unwritten is not None:  # a signal handler's close() inside a log step: its record is lost
             say_log_step_lost(self, "monitor.close() was called during it")
+        if step_under_way(self):  # a signal handler's close() inside monitor.step: the step is counted whole
+            finish_step(self)
         try:
             if self._steps_in_interval > 0 and self._last_step is not None:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in

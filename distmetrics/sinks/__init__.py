@@ -104,7 +104,7 @@ class SinkSet:
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
         self._closers: list = []
-        self._delivered: Optional[tuple] = None  # (step, kind) of the last record the training-thread sinks took
+        self._took: dict[int, tuple] = {}  # id(sink) -> (step, kind) of the last record a training-thread sink took
         self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
             self.attach(sink)
@@ -157,15 +157,24 @@ class SinkSet:
         """Write one record to the training-thread sinks and queue it for the others (``keep``: a
         full queue drops other records, never this one)."""
         if self.inline:
-            self._deliver(self.inline, metrics, step, kind)
-        self._delivered = (step, kind)
+            self._deliver(self.inline, metrics, step, kind, took=self._took)
         if self.queued:
             self.writer.put(dict(metrics), step, kind, keep)  # a copy: the caller may change its dict
 
-    def holds(self, step: int, kind: str) -> bool:
-        """Whether the record of ``step`` and ``kind`` reached the sinks: the training-thread ones took
-        it and the writer thread has it, queued or taken (asked of a log step a signal interrupted)."""
-        return self._delivered == (step, kind) and (self.writer is None or self.writer.holds(step, kind))
+    def placed(self, step: int, kind: str) -> tuple[list[str], list[str]]:
+        """The names of the sinks that have the record of ``step`` and ``kind`` (a training-thread sink
+        took it; the writer thread has it, queued or taken), and of those that take such records and do
+        not have it (asked of a log step a signal interrupted: it may land between the two)."""
+        queued = self.writer is not None and self.writer.holds(step, kind)
+        have: list[str] = []
+        lack: list[str] = []
+        for sinks, inline in ((self.inline, True), (self.queued, False)):
+            for sink in sinks:
+                kinds = self._route(sink)[1]
+                if kinds is None or kind in kinds:
+                    held = self._took.get(id(sink)) == (step, kind) if inline else queued
+                    (have if held else lack).append(sink_name(sink))
+        return have, lack
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the writer thread has written every queued record (at most ``timeout``
@@ -184,8 +193,9 @@ class SinkSet:
         self._closers = []
 
     def _deliver(self, sinks: list[Sink], metrics: dict[str, Any], step: int, kind: str,
-                 caught: tuple = (Exception,)) -> None:
-        """Write to ``sinks``; one that raises one of ``caught`` is dropped with one warning."""
+                 caught: tuple = (Exception,), took: Optional[dict] = None) -> None:
+        """Write to ``sinks``; one that raises one of ``caught`` is dropped with one warning; ``took``
+        notes, by sink, the record each one took last."""
         view: Any = False  # made on first need, once
         for sink in list(sinks):
             _, kinds, takes_view, keeps_timeline = self._route(sink)
@@ -202,6 +212,8 @@ class SinkSet:
                         sink.log_view(view, step)
                 else:
                     sink.log(metrics, step, kind)
+                if took is not None:
+                    took[id(sink)] = (step, kind)
             except caught as err:
                 sinks.remove(sink)
                 self._fail(sink_name(sink), err, getattr(sink, "fix", ""), getattr(sink, "install", None), sink=sink)
