@@ -16,6 +16,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -44,12 +45,16 @@ class OutputClaim:
     (released at close or when the process ends), refused while another Monitor holds it. A forked
     child closes its copy of the lock's file descriptor at once (:func:`_let_go_in_child`): a flock
     lasts while any descriptor of it is open, so a child outliving a killed trainer (a DataLoader
-    worker, an uploader) would otherwise keep the next job out."""
+    worker, an uploader) would otherwise keep the next job out. A lock file removed with its folder
+    while held is taken again before a sink makes its file there again (:meth:`reclaim`)."""
 
     def __init__(self, config: Any) -> None:
         self.problem: Optional[str] = None
         self._file: Any = None
         self._held: Optional[Path] = None
+        self._busy = False  # the last try found another Monitor holding the lock
+        self._retake: Optional[Path] = None  # the folder whose removed lock reclaim() could not take again yet
+        self._mutex = threading.Lock()  # reclaim() runs on the training thread and the writer thread
         if not (config.json_log or config.log_progress or (config.tensorboard and not config.tensorboard_dir)):
             return  # nothing is written there
         path = Path(config.output_dir)
@@ -85,6 +90,7 @@ class OutputClaim:
                 return False
             self._file.seek(0)
             holder = self._file.read().strip() or "unknown"
+            self._busy = True
             self.release()
             self.problem = (f"output_dir={str(path)!r} is in use by another Monitor ({holder}); two writers would "
                             "interleave their records: give each job its own output_dir")
@@ -106,6 +112,30 @@ class OutputClaim:
                            "(%s); the metric files will say what they can write.", str(path),
                            describe_os_error(err))
         return True
+
+    def reclaim(self) -> None:
+        """Take the lock again where its file was removed with ``output_dir`` while held (a sink is
+        about to make its removed file there again), so a second Monitor is still refused there.
+        Raises OSError: EBUSY where another Monitor took the folder meanwhile (each later call tries
+        again), or the folder's own error. Held in place, or moved with its folder: nothing to do."""
+        with self._mutex:
+            folder = self._held.parent if self._held is not None else self._retake
+            if folder is None or (self._held is not None and os.fstat(self._file.fileno()).st_nlink > 0):
+                return  # nothing held (no flock on this file system), or held still
+            if self._held is not None:
+                _HELD.discard(self)
+                self._held = None
+                self.release()  # the file removed: closed, nothing unlinked
+            self._retake, self._busy = folder, False  # until it is held again
+            folder.mkdir(parents=True, exist_ok=True)  # its error, not the lock's, where it cannot be made
+            for _ in range(_LOCK_TRIES):
+                if not self._lock(folder) or self._held is not None or self.problem is not None:
+                    break
+            problem, self.problem = self.problem, None
+            if self._held is None and (self._busy or problem is not None):
+                raise OSError(errno.EBUSY if self._busy else errno.EIO, f"{folder} was removed while this run wrote "
+                              f"it, and it cannot be taken again: {problem}")
+            self._retake = None  # held again (or no flock here: warned)
 
     def release(self) -> None:
         """Let another Monitor write ``output_dir`` (the lock file goes; a killed process leaves
@@ -357,7 +387,7 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
                        "TensorBoard will show both jobs' values at them. Give each output_dir its own "
                        "tensorboard_dir, or restart into the output_dir that wrote them.",
                        config.resolved_tensorboard_dir, os.path.join(config.output_dir, METRICS_FILE))
-    sinks = open_sinks(config, layout.world_size, extra)
+    sinks = open_sinks(config, layout.world_size, extra, claim.reclaim if claim is not None else None)
     sinks.last_logged_step = last_logged
     if claim is not None:
         sinks.on_close(claim.release)

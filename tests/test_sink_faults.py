@@ -444,6 +444,91 @@ def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, caplog,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "progress.txt"]
 
 
+LOOK_S = 1.2  # longer than the second a file sink waits between looks at its file (appendfile.CHECK_EVERY_S)
+
+
+def _output_dir_removed(rank: int, world: int, root: str) -> dict:
+    """Two ranks log every step; after step 5 the writer's output_dir is removed (``rm -r``) and,
+    once the sinks had a second to look, a second Monitor on that path is tried while the first is
+    open. Then a second run's folder is renamed mid-run (followed, not made again)."""
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    out = Path(root) / "run"
+    cfg = dm.MetricsConfig(output_dir=str(out), log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0, flops_per_token=1e6)
+    monitor = dm.Monitor(cfg)
+    second = None
+    for step in range(1, 9):
+        if step in (5, 6):  # 5: the sinks look (the file in place); 6: they find it removed
+            time.sleep(LOOK_S)
+        monitor.step(step, loss=float(step + rank), tokens=10)
+        if step == 5 and rank == 0:
+            monitor.sinks.flush()  # TensorBoard's event 5 is written before the folder goes
+            shutil.rmtree(out)
+        if step == 6:
+            monitor.sinks.flush()
+            try:
+                dm.Monitor(cfg).close()
+                second = "accepted"
+            except ValueError as err:
+                second = str(err)
+        if step == 7:
+            monitor.checkpoint_saved(7)
+    monitor.close()
+    removed = capture.messages
+    capture.messages = []
+    moved = Path(root) / "moved"
+    with dm.Monitor(cfg.replace(output_dir=str(moved), tensorboard=False)) as other:
+        for step in range(1, 5):
+            if step == 3:
+                if rank == 0:
+                    os.rename(moved, Path(root) / "moved.renamed")
+                time.sleep(LOOK_S)
+            other.step(step, loss=float(step + rank), tokens=10)
+    logging.getLogger("distmetrics").removeHandler(capture)
+    return {"pid": os.getpid(), "second": second, "removed": removed, "moved": capture.messages}
+
+
+def test_an_output_dir_removed_mid_run_is_made_again_and_still_refuses_a_second_monitor(tmp_path):
+    """``rm -r output_dir`` mid-run: the sinks went on writing into the unlinked files, every later
+    record in no file and no word said, and the lock went with the folder, so a second Monitor was
+    accepted there. Now each file sink warns once, the folder and files are made again (the run
+    record first, then a gap record for what may have gone with the removed file), the lock is taken
+    again, and a renamed folder is still followed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    results = dist_utils.run_ranks(_output_dir_removed, 2, str(tmp_path))
+    writer, out = results[0], tmp_path / "run"
+    for result in results:  # refused on every rank, naming the first Monitor's writer
+        assert f"is in use by another Monitor (pid {writer['pid']}" in result["second"], result["second"]
+    jsonl = [w for w in writer["removed"] if "jsonl sink's file" in w]
+    assert len(jsonl) == 1 and str(out / "metrics.jsonl") in jsonl[0], writer["removed"]
+    assert "removed while the run was writing it (found at step 6): up to 1 record (steps 5-5)" in jsonl[0]
+    for sink in ("tensorboard", "progress"):
+        assert len([w for w in writer["removed"] if f"{sink} sink's file" in w]) == 1, writer["removed"]
+    assert not [w for w in writer["removed"] if "cannot write" in w or "failed" in w], writer["removed"]
+    records = list(dm.read_jsonl(out / "metrics.jsonl"))
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] in ("run", "gap", "train")] == \
+        [("run", 0), ("gap", 6), ("train", 6), ("train", 7), ("train", 8)]
+    gap = records[1]
+    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (5, 5, 1)
+    assert "removed while the run was writing it" in gap["error"]
+    assert [r["train/loss"] for r in records if r["kind"] == "train"] == [6.5, 7.5, 8.5]  # (s + s+1) / 2
+    lines = (out / "progress.txt").read_text().splitlines()
+    assert [line.split("\t")[3] for line in lines] == ["Starting job", "Saved checkpoint"], lines
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(6, 6.5), (7, 7.5), (8, 8.5)]
+    assert writer["moved"] == []  # renamed: followed without a word, nothing made again
+    assert not (tmp_path / "moved").exists()
+    moved = [r["step"] for r in dm.read_jsonl(tmp_path / "moved.renamed" / "metrics.jsonl") if r["kind"] == "train"]
+    assert moved == [1, 2, 3, 4]
+
+
 def test_the_count_of_dropped_records_at_close_names_the_sinks_that_fell_behind(caplog):
     import threading
 

@@ -289,8 +289,9 @@ def failure_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> SinkSet:
-    """The writer rank's sinks for a MetricsConfig (only the writer calls this)."""
+def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim: Any = None) -> SinkSet:
+    """The writer rank's sinks for a MetricsConfig (only the writer calls this); ``reclaim``: called
+    by a file sink before it makes a removed file again (the writer's lock on output_dir taken again)."""
     from pathlib import Path
 
     from .console import ConsoleSink
@@ -301,15 +302,15 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = ()) -> Sink
     sinks = SinkSet(left_out=(() if cfg.log_timers_to_tensorboard else ("timers/",))
                     + (() if cfg.log_validation_ppl_to_tensorboard else ("eval/ppl",)))
     if cfg.json_log:
-        sinks.add(lambda: JsonlSink(out / METRICS_FILE), JsonlSink.name, JsonlSink.fix)
+        sinks.add(lambda: JsonlSink(out / METRICS_FILE, reclaim), JsonlSink.name, JsonlSink.fix)
     if cfg.console:
         sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), ConsoleSink.name, ConsoleSink.fix)
     if cfg.log_progress:
-        sinks.add(lambda: ProgressSink(out / "progress.txt", world_size), ProgressSink.name, ProgressSink.fix)
+        sinks.add(lambda: ProgressSink(out / "progress.txt", world_size, reclaim), ProgressSink.name, ProgressSink.fix)
     if cfg.tensorboard:
         from .tensorboard import TensorBoardSink
 
-        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir), TensorBoardSink.name,
+        sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, reclaim), TensorBoardSink.name,
                   TensorBoardSink.fix, TensorBoardSink.install)
     if cfg.wandb_project and cfg.wandb_mode != "disabled":
         from .wandb import WandbSink

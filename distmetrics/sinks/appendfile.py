@@ -6,6 +6,13 @@ torn record; every later record is tried again, so writing resumes by itself whe
 returns. What could not be written is counted and said: one warning when writing starts to
 fail (the path, the errno and its text), one when it works again (how many records, which
 steps), and one at close if it never did.
+
+A file removed while it is written (``rm -r`` of the run folder) would take every later record
+with it, as the writes go on into the unlinked file: at most once a second (:data:`CHECK_EVERY_S`)
+an append looks whether the file still has a name (``st_nlink``); where it has none and its path
+names no file or another one, one warning says so, the folder and file are made again (starting
+with the file's first header) and writing goes on there. A file renamed or moved with its folder
+keeps a name: it is followed, not made again.
 """
 
 from __future__ import annotations
@@ -13,13 +20,16 @@ from __future__ import annotations
 import errno as _errno
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
-__all__ = ["AppendFile", "Lost", "describe_os_error"]
+__all__ = ["AppendFile", "Lost", "describe_os_error", "CHECK_EVERY_S"]
 
 logger = logging.getLogger("distmetrics")
+CHECK_EVERY_S = 1.0
+"""How often, at most, an append looks whether its file was removed (an ``fstat``, ~1 us: not per record)."""
 
 
 @dataclass
@@ -33,6 +43,8 @@ class Lost:
     """The first failure, e.g. ``[Errno 28] No space left on device (ENOSPC)``."""
     held: int = 0
     """Records kept to be written later (``append(keep=True)``), not counted in ``records``."""
+    quiet: bool = False
+    """Said already (the file was removed): writing again is not announced."""
 
 
 class AppendFile:
@@ -41,28 +53,38 @@ class AppendFile:
     ``lines=True``: the records are text lines; a torn last line left by a crash (a process
     killed in the middle of a write) is cut off when the file is opened, so the file reads
     whole. ``sink`` names the sink in warnings; ``on_loss`` names what marks lost records
-    (e.g. ``a "gap" record``).
+    (e.g. ``a "gap" record``). ``reclaim``: called before a removed file is made again (the
+    writer's lock on its folder taken again); an OSError it raises counts the record as lost.
     """
 
-    def __init__(self, path: Union[str, Path], sink: str, lines: bool = True, on_loss: str = "") -> None:
+    def __init__(self, path: Union[str, Path], sink: str, lines: bool = True, on_loss: str = "",
+                 reclaim: Optional[Callable[[], None]] = None) -> None:
         self.path = Path(path)
         self.sink = sink
         self.on_loss = on_loss
+        self.reclaim = reclaim
         self.lost: Optional[Lost] = None
+        self._lines = lines
         self._held: list = []  # pieces of a header not written yet (append_header), and its step
         self._held_step = 0
+        self._first: Optional[list] = None  # the first header: what a file made again starts with
         self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # every write at the end
-        self._end = os.lseek(self._fd, 0, os.SEEK_END)  # the file's size, as far as this process knows
-        if lines and self._end > 0:
-            self._end = self._cut_torn_line(self._end)
+        self._fd, self._end = self._open()  # the file's size, as far as this process knows
+        self.check_at = time.monotonic() + CHECK_EVERY_S
+        """When (``time.monotonic()``) the next look at the file is due (:meth:`check`)."""
+        self._removed: Optional[OSError] = None  # why a removed file could not be made again yet
+        self.last_step = 0
+        """The step of the last append (what a look at close names)."""
+        self._since = self._since_first = self._since_last = 0  # records written since the last check, their steps
 
     def append_header(self, data: Union[bytes, Sequence[bytes]], step: int) -> bool:
         """Write ``data``, which is not a record but what must precede the records after it (a
         file's first event, a job's ``run`` record or "Starting job" line, TensorBoard's order to
         drop an earlier job's steps). If it cannot be written it is held, not counted as lost,
-        and written ahead of the next record, or at ``close()``; True if written now."""
+        and written ahead of the next record, or at ``close()``; True if written now. The first
+        header is written again at the start of a file made again after it was removed."""
+        if self._first is None:
+            self._first = list(_pieces(data))
         self.hold(data, step)
         return self.append((), step, counts=False)
 
@@ -82,15 +104,21 @@ class AppendFile:
         ``keep``: where it fails, this record (its pieces without any other written with it) is held
         (:meth:`hold`) and written ahead of the next record, not lost; counted as lost only if it
         never is. A failure is warned about either way. Closed (by a signal handler's close, inside
-        this write): nothing is written, nothing said (the Monitor says what its close cut off)."""
+        this write): nothing is written, nothing said (the Monitor says what its close cut off).
+        First, at most once a second, whether the file was removed (:meth:`check`)."""
         if self._fd < 0:
             return False
+        self.last_step = step
+        if time.monotonic() >= self.check_at:
+            self.check(step)
         pieces = _pieces(data)
         if self._held:
             pieces = [*self._held, *pieces]
         size = sum(map(len, pieces))
         done = 0
         try:
+            if self._removed is not None:  # removed, and its folder or file could not be made again
+                raise self._removed.with_traceback(None)
             if self._cut_at is not None:
                 os.ftruncate(self._fd, self._cut_at)
                 self._end, self._cut_at = self._cut_at, None
@@ -110,8 +138,14 @@ class AppendFile:
             return False
         self._end += size
         self._held = []
+        if counts:
+            if not self._since:
+                self._since_first = step
+            self._since, self._since_last = self._since + 1, step
         if self.lost is not None:
             lost, self.lost = self.lost, None
+            if lost.quiet:  # the file was removed: its warning said what was lost
+                return True
             again = "closes %s" if closing else "writes %s again from step %d"
             kept = f"; {lost.held} kept meanwhile went ahead" if lost.held else ""
             if lost.records:
@@ -128,6 +162,7 @@ class AppendFile:
         """Close the file; warn if records were still failing to be written."""
         if self._fd < 0:
             return
+        self.check(self.last_step, closing=True)  # records since the last look may have gone with a removed file
         if self._held:  # a header that never found a record to precede it: now or never (counted, unless
             # records were lost too: the warning below counts those)
             self.append((), self._held_step if self.lost is None else self.lost.last_step, counts=self.lost is None)
@@ -138,15 +173,104 @@ class AppendFile:
                 pass  # warned when it first failed
         os.close(self._fd)
         self._fd = -1
-        if self.lost is not None:
+        if self.lost is not None and not self.lost.quiet:
             lost = self.lost
             records = lost.records + lost.held  # the kept ones found no room either
             logger.warning("distmetrics: the %s sink closed %s with %d record%s (steps %d-%d) not written: %s.",
                            self.sink, self.path, records, "" if records == 1 else "s",
                            lost.first_step, lost.last_step, lost.error)
 
+    def check(self, step: int, closing: bool = False) -> None:
+        """Whether the file was removed, at most once a second (every call ``closing``); where it
+        was, say so once and make the folder and file again (:meth:`_open_again`). Removed: it has
+        no name left (``st_nlink`` 0) and its path names no file or another one (a file system that
+        reports no links for a file in place does not count); a renamed file has a name: followed."""
+        if self._fd < 0 or not (closing or time.monotonic() >= self.check_at):
+            return
+        self.check_at = time.monotonic() + CHECK_EVERY_S
+        if self._removed is None:
+            if not self._was_removed():
+                self._since = 0
+                return
+            self._say_removed(step, closing)
+        try:
+            self._open_again()
+        except OSError as err:  # each record tries again; counted as lost meanwhile
+            self._removed, self.check_at = err, 0.0
+        else:
+            self._removed = None
+
+    def _was_removed(self) -> bool:
+        try:
+            st = os.fstat(self._fd)
+        except OSError:
+            return False
+        if st.st_nlink > 0:
+            return False
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)
+
+    def _say_removed(self, step: int, closing: bool) -> None:
+        """The file was removed: the records written since the last look (at most a second ago)
+        went with it, counted as lost (the JSONL sink's gap record marks them)."""
+        count, first, last = self._since, self._since_first, self._since_last
+        self._since = 0
+        folder = "file is" if self.path.parent.is_dir() else "file and its folder are"
+        if count:
+            lost = self.lost
+            if lost is None:
+                error = f"{self.path} was removed while the run was writing it"
+                self.lost = Lost(first, last, count, error, quiet=True)
+            else:
+                lost.first_step, lost.last_step = min(lost.first_step, first), max(lost.last_step, last)
+                lost.records += count
+            what = (f"up to {count} record{'' if count == 1 else 's'} (steps {first}-{last}) written since it was "
+                    f"last seen in place went with it" + (f"; {self.on_loss} marks them" if self.on_loss else ""))
+        else:
+            what = "no record was written since it was last seen in place"
+        logger.warning("distmetrics: the %s sink's file %s was removed while the run was writing it (found %s): %s. "
+                       "The %s made again and what follows is written there.", self.sink, self.path,
+                       "at close" if closing else f"at step {step}", what, folder)
+
+    def _open_again(self) -> None:
+        """Open the path anew (the folder made again, the writer's lock taken again), starting with
+        the first header where it was written; the file removed is let go."""
+        if self.reclaim is not None:
+            self.reclaim()
+        fd, end = self._open()
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd, self._end, self._cut_at = fd, end, None  # a partial record left was in the file removed
+        first = self._first
+        if first and not (self._held and self._held[0] is first[0]):  # not still held: written, so again
+            if not self._held:
+                self._held_step = self.last_step
+            self._held = [*first, *self._held]
+
+    def _open(self) -> tuple[int, int]:
+        """The file opened for appending (its folder made), and its size once a torn last line is cut off."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # every write at the end
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            return fd, self._cut_torn_line(fd, end) if self._lines and end > 0 else end
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _failing(self, err: OSError, step: int) -> Lost:
-        """Writing fails: said at the first failure since writing last worked."""
+        """Writing fails: said at the first failure since writing last worked (or since the file
+        was removed, which was said)."""
+        if self.lost is not None and self.lost.quiet:
+            self.lost.quiet = False  # writing again will be said
+            self.lost.error += f"; then {describe_os_error(err)}"
+            logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s; every later record is tried "
+                           "again.", self.sink, self.path, step, describe_os_error(err))
         if self.lost is None:
             self.lost = Lost(step, step, 0, describe_os_error(err))
             logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
@@ -177,7 +301,7 @@ class AppendFile:
             logger.warning("distmetrics: the %s sink could not cut a partly written record off %s: %s",
                            self.sink, self.path, describe_os_error(err))
 
-    def _cut_torn_line(self, size: int) -> int:
+    def _cut_torn_line(self, fd: int, size: int) -> int:
         """Cut everything after the last newline (a line a crash cut short); the new size."""
         with open(self.path, "rb") as f:
             pos = size
@@ -191,7 +315,7 @@ class AppendFile:
                 pos = start
         if pos == size:
             return size
-        os.ftruncate(self._fd, pos)
+        os.ftruncate(fd, pos)
         logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
                        "before appending.", self.sink, size - pos, self.path)
         return pos

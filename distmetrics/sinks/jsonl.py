@@ -14,6 +14,8 @@ A job's ``run`` record that could not be written goes ahead of the first record 
 split the file into jobs at it), and is not counted as lost. So do the records of rare events
 (:data:`KEPT_KINDS`: an alert, an evaluation, a checkpoint's progress, a stragglers report), up
 to :data:`KEPT_AT_MOST` of them: an alert said once per event was lost for good with its record.
+A file removed mid-run (``rm -r`` of the run folder) is made again, starting with the job's ``run``
+record, then a ``gap`` record for the records that may have gone with it (:mod:`.appendfile`).
 
 Encoding is the training thread's main cost at thousands of names (a shortest float repr per
 value): with ``orjson`` installed (a dependency) a record encodes about 15x faster than with
@@ -28,7 +30,7 @@ import math
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any, Collection, Iterator, Optional, Union
+from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 from ..per_rank import PerRank
 from .appendfile import AppendFile
@@ -58,14 +60,15 @@ class JsonlSink:
     on_training_thread = True
     """Written before ``monitor.step`` returns (crash safety)."""
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, path: Union[str, Path], reclaim: Optional[Callable[[], None]] = None) -> None:
         self.path = Path(path)
-        self._file = AppendFile(self.path, self.name, lines=True,
-                                on_loss='a "gap" record')
+        self._file = AppendFile(self.path, self.name, lines=True, on_loss='a "gap" record', reclaim=reclaim)
         self._finite = FiniteCheck()
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
+        if time.monotonic() >= self._file.check_at:  # a removed file's records are counted before the gap is made
+            self._file.check(step)
         pieces = _pieces(kind, step, metrics, self._finite)
         if kind in ("run", "resume"):  # a job's header (readers split the file into jobs at it, and say where it
             # resumed from the resume record): held until written, ahead of the next record
@@ -81,6 +84,7 @@ class JsonlSink:
     def close(self) -> None:
         """Close the file, with a gap record where records were lost since the last one written
         (if there is room now); a warning if records were still failing to be written."""
+        self._file.check(self._file.last_step, closing=True)  # records may have gone with a file removed meanwhile
         lost = self._file.lost
         if lost is not None:  # the gap record where records were lost; else the records held, if any
             self._file.append(self._gap(lost.last_step) if lost.records else (), lost.last_step, counts=False,

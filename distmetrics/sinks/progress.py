@@ -9,7 +9,7 @@ import datetime as _dt
 import logging
 import os
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from .appendfile import AppendFile, describe_os_error
 
@@ -44,10 +44,10 @@ class ProgressSink:
     kinds = ("progress",)
     """It writes ``progress`` records only."""
 
-    def __init__(self, path: Union[str, Path], world_size: int) -> None:
+    def __init__(self, path: Union[str, Path], world_size: int, reclaim: Optional[Callable[[], None]] = None) -> None:
         self.path = Path(path)
         self.world_size = world_size
-        self._file = AppendFile(self.path, self.name, lines=True)  # whole lines only, as for JSONL
+        self._file = AppendFile(self.path, self.name, lines=True, reclaim=reclaim)  # whole lines only, as for JSONL
         self._step = 0
         # read_progress finds the jobs, and their start, by this line: held until written
         self._file.append_header(self._line("Starting job"), 0)

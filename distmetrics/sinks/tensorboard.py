@@ -25,7 +25,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from . import ScalarView
 from .appendfile import AppendFile
@@ -82,7 +82,7 @@ class TensorBoardSink:
     fix = "set tensorboard: false to run without it"
     install = 'pip install tensorboard (the "tensorboard" extra), or set tensorboard: false'
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, reclaim: Optional[Callable[[], None]] = None) -> None:
         from torch.utils.tensorboard import summary  # needs the tensorboard package
 
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -94,7 +94,7 @@ class TensorBoardSink:
         # the counter are zero-padded, so a file made later in the same second sorts after (".10" < ".9")
         self.path = Path(log_dir) / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                                      f"{os.getpid():07d}.{next(_file_number):06d}")
-        self._file = AppendFile(self.path, self.name, lines=False)
+        self._file = AppendFile(self.path, self.name, lines=False, reclaim=reclaim)
         version = self._frame(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
                                               source_metadata=event_pb2.SourceMetadata(writer="distmetrics"))
                               .SerializeToString())
