@@ -21,7 +21,10 @@ does not arrive within ``hang_timeout_s`` (it stopped calling, hangs elsewhere o
 died), every waiting rank raises :class:`HangError` naming the ranks that did not arrive and the
 last monitor call and step each of them made (each rank publishes its guarded calls, and its
 other monitor calls at most once a second — less often above 1,000 ranks: every ``world_size /
-1000`` seconds, so the store takes at most about 1,000 such writes a second from the whole job).
+1000`` seconds, so the store takes at most about 1,000 such writes a second from the whole job —
+but for a timer's ``barrier=True``, published at once where it is not the call published last, at
+most ten times a second: a rank may wait there until the process group's timeout, and publishes
+nothing more).
 A rank that has left its Monitor (closed it, or left it on an error) will not come: it publishes
 how it left and marks its next guarded call done with ``left``, and the ranks waiting there raise
 at once rather than at ``hang_timeout_s`` (the third round trip reads which mark it is). Their
@@ -50,6 +53,9 @@ logger = logging.getLogger("distmetrics")
 _MONITORS = itertools.count()  # Monitors are made in the same order on every rank
 _PUBLISH_EVERY_S = 1.0
 _STORE_PUBLISHES_PER_S = 1000.0  # from all ranks together, between guarded calls
+URGENT_SHARE = 10
+"""An urgent note (a timer's barrier) waits a tenth of :attr:`CollectiveGuard.publish_every_s` after the
+last urgent one: the store takes at most about ten times the other calls' writes."""
 
 
 class HangError(RuntimeError):
@@ -69,6 +75,8 @@ class CollectiveGuard:
         self._previous = ""  # the key of the last guarded call, deleted once every rank is past it
         self._published = 0.0
         self._last = "none since start-up"
+        self._last_published = ""  # the call the store holds for this rank (an urgent note compares with it)
+        self._urgent_at = 0.0  # when an urgent note (a timer's barrier) was last published
         self._left = ""  # how this rank left its Monitor ("closed its Monitor", ...); "" while it has not
         self._start_store: Any = None  # with the check off: the store, for the start-up call's check only
         self._label = "hang_timeout_s"  # what the wait's bound is called in a report
@@ -109,10 +117,22 @@ class CollectiveGuard:
         1000`` above 1,000 ranks (the one c10d store serves every rank)."""
         return max(_PUBLISH_EVERY_S, self.world / _STORE_PUBLISHES_PER_S)
 
-    def note(self, call: str, step: Optional[int] = None) -> None:
-        """Remember this rank's latest monitor call (published at most every :attr:`publish_every_s`)."""
+    def note(self, call: str, step: Optional[int] = None, urgent: bool = False) -> None:
+        """Remember this rank's latest monitor call (published at most every :attr:`publish_every_s`).
+        ``urgent`` (a timer's barrier, where a rank may block with no later call to publish it): at once
+        where it is not the call the store holds, unless another urgent note was published less than
+        ``publish_every_s / URGENT_SHARE`` ago. So the same barrier step after step is not written
+        again, one barrier a step adds about one write per publish of another call (a log step's, a
+        throttled one), and barriers of two timers in turn each step are written at most
+        ``URGENT_SHARE`` times as often as other calls."""
         self._last = _describe(call, step)
-        if self.store is not None and time.monotonic() - self._published > self.publish_every_s:
+        now = time.monotonic()
+        due = now - self._published > self.publish_every_s
+        if urgent and not due:
+            due = self._last != self._last_published and now - self._urgent_at > self.publish_every_s / URGENT_SHARE
+        if self.store is not None and due:
+            if urgent:
+                self._urgent_at = now
             try:
                 self._publish()
             except Exception as err:  # noqa: BLE001 - the store's host rank has ended: said as a hang is
@@ -196,7 +216,7 @@ class CollectiveGuard:
             self.store, self.timeout_s, self._start_store = None, 0.0, None
 
     def _publish(self) -> None:
-        self._published = time.monotonic()
+        self._published, self._last_published = time.monotonic(), self._last
         # read from both ends (_rows): a timer's name in the call may hold "|"
         self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}|{self._left}")
 
@@ -245,7 +265,8 @@ class CollectiveGuard:
         return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, guarded call #{self._seq}; "
                 f"{gone}ranks that did not arrive{' yet' if left else ''}: {who}. Every rank must make the same "
                 "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
-                f"are not collectives are published at most every {self.publish_every_s:g} s.)")
+                f"are not collectives are published at most every {self.publish_every_s:g} s, a timer's "
+                "barrier=True at once.)")
 
     def _differ_report(self, waiting: str, rows: list[_Row]) -> str:
         """Every rank arrived at this guarded call number, not all at one call: the calls, and who made each."""

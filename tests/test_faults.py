@@ -62,16 +62,42 @@ def _out_of_step(rank: int, world: int) -> dict:
     report = lambda: monitor.timers.get_all_timers_string(["fwd"], barrier=True)  # noqa: E731
     out["report_vs_step"] = _outcome(report if rank == 0 else lambda: monitor.step(2))
     dist.barrier()
-    # 6. a timer started with barrier=True on rank 1 only (a step later than its last publish), while
-    # rank 0 makes a log step: rank 0 names it; rank 1 waits in the barrier, met below by rank 0's
+    # 6. a timer started with barrier=True on rank 1 only, right after its log step's publish (within
+    # publish_every_s), while rank 0 makes a log step: rank 0 names it; rank 1 waits in the barrier,
+    # met below by rank 0's
     monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
     monitor.step(1)
     if rank == 0:
         out["timer_barrier_one_rank"] = _outcome(lambda: monitor.step(2))
         dist.barrier()
     else:
-        time.sleep(monitor._guard.publish_every_s + 0.2)
         out["timer_barrier_one_rank"] = _outcome(lambda: monitor.timers("fwd", 1).start(barrier=True))
+    dist.barrier()
+    # 7. the same timer barrier every step on every rank: what each rank publishes to the store
+    monitor = dm.Monitor(quiet_config(log_interval=100, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
+    guard, published = monitor._guard, []
+    publish = guard._publish
+    guard._publish = lambda: (published.append(guard._last), publish())
+    start = time.monotonic()
+    for step in range(1, 31):
+        monitor.timers("fwd", 1).start(barrier=True)
+        monitor.timers("fwd", 1).stop()
+        monitor.step(step)
+    out["barrier_every_step"] = list(published), time.monotonic() - start, guard.publish_every_s
+    monitor.close()
+    # 8. barriers of two timers in turn every step (Megatron's forward-backward and optimizer at level 1)
+    monitor = dm.Monitor(quiet_config(log_interval=100, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
+    guard, published = monitor._guard, []
+    publish = guard._publish
+    guard._publish = lambda: (published.append(guard._last), publish())
+    start = time.monotonic()
+    for step in range(1, 31):
+        for name in ("forward-backward", "optimizer"):
+            monitor.timers(name, 1).start(barrier=True)
+            monitor.timers(name, 1).stop()
+        monitor.step(step)
+    out["two_barriers_every_step"] = list(published), time.monotonic() - start, guard.publish_every_s
+    monitor.close()
     return out
 
 
@@ -171,6 +197,32 @@ def test_a_timer_barrier_on_one_rank_is_named_by_the_rank_that_went_on(out_of_st
     kind, message, _ = out_of_step[0]["timer_barrier_one_rank"]
     assert kind == "HangError" and "rank 1: last call timers('fwd').start(barrier=True)" in message, message
     assert out_of_step[1]["timer_barrier_one_rank"][0] == "ok"  # met by rank 0's own barrier after its error
+
+
+def test_a_timer_barrier_every_step_is_published_once_per_publish_of_another_call(out_of_step):
+    """The barrier is published at once only where the store holds another call for the rank: the
+    same barrier at the next steps is not, so the store takes at most one more write per publish of
+    a step (throttled to one per publish_every_s), not one per step."""
+    barrier = "timers('fwd').start(barrier=True)"
+    for rank in (0, 1):
+        published, seconds, every_s = out_of_step[rank]["barrier_every_step"]
+        assert published[0] == barrier, published  # the first, right after Monitor()'s publish
+        assert all(not (a == b == barrier) for a, b in zip(published, published[1:])), published
+        others = [call for call in published if call != barrier]
+        assert published.count(barrier) <= 1 + len(others) <= 2 + int(seconds / every_s), (published, seconds)
+
+
+def test_barriers_of_two_timers_in_turn_are_published_at_most_ten_times_a_second(out_of_step):
+    """Each of two barriers in turn is not the call the store holds: both were written at every step (60
+    writes in 30 steps of milliseconds). An urgent write now waits a tenth of publish_every_s after the
+    last one."""
+    from distmetrics.guard import URGENT_SHARE
+
+    for rank in (0, 1):
+        published, seconds, every_s = out_of_step[rank]["two_barriers_every_step"]
+        barriers = [call for call in published if "barrier=True" in call]
+        assert barriers[0] == "timers('forward-backward').start(barrier=True)", published
+        assert len(barriers) <= 1 + int(seconds / (every_s / URGENT_SHARE)), (published, seconds)
 
 
 def test_a_rank_that_stops_calling_is_named_with_its_last_call(out_of_step):
@@ -800,7 +852,8 @@ def test_numpy_numbers_are_taken_as_the_numbers_they_hold(tmp_path):
 
 
 @pytest.mark.parametrize("call,error,message", [
-    (lambda m, t: m.timers("x", "1"), "TimerError", "timers('x', log_level='1'): accepted values are the integers 0 to 2"),
+    (lambda m, t: m.timers("x", "1"), "TimerError",
+     "timers('x', log_level='1'): accepted values are numbers up to 2, compared with timing_log_level as Megatron"),
     (lambda m, t: m.record_losses([1.0, 2.0], ["a", "b"]), "TypeError",
      "record_losses(per_sample_loss=...): expected a tensor of per-sample losses (reduction='none'), got list"),
     (lambda m, t: m.record_losses(t.ones(2), t.tensor([0.5, 1.7]), names=["a", "b"]), "TypeError",

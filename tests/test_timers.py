@@ -610,9 +610,10 @@ def _empty_names_report(rank, world):
 
 def test_a_rank_asking_a_report_for_no_timers_still_joins_the_others():
     """One rank asks for [] and the other for ["opt"]: the rank with none joins the gather (it
-    returned early before and the other waited until the hang check fired)."""
+    returned early before and the other waited until the hang check fired), and its text holds
+    the union too."""
     (text0, logged0), (text1, logged1) = run_ranks(_empty_names_report, 2, timeout=120)
-    assert text0 is None and "opt" in text1 and logged0 and logged1
+    assert "opt" in text1 and text0 == text1 and logged0 and logged1
 
 
 def _union_reports(rank, world):
@@ -639,20 +640,79 @@ def _union_reports(rank, world):
 
 
 def test_a_report_of_names_one_rank_did_not_ask_for_holds_that_ranks_time():
-    """Rank 0 asks for fwd, rank 1 for fwd and bwd (the union is reported): rank 0 sent 0 for
-    its bwd, so rank 1 printed (40, 40) for a slowest rank at 100 ms, and rank 0's bwd, not read,
-    reported 107 ms at the next report."""
+    """Rank 0 asks for fwd, rank 1 for fwd and bwd (the union is reported, on both): rank 0 sent 0
+    for its bwd, so rank 1 printed (40, 40) for a slowest rank at 100 ms, and rank 0's bwd, not
+    read, reported 107 ms at the next report."""
     texts = run_ranks(_union_reports, 2, timeout=120)
 
     def bwd(text):
         return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("bwd")]
 
-    assert bwd(texts[1][0]) == ["(40.00, 100.00)"] and bwd(texts[0][0]) == []
+    assert bwd(texts[1][0]) == ["(40.00, 100.00)"] and bwd(texts[0][0]) == ["(40.00, 100.00)"]
     assert [bwd(texts[r][1]) for r in (0, 1)] == [["(7.00, 9.00)"]] * 2
     assert [bwd(texts[r][3]) for r in (0, 1)] == [["(5.00, 6.00)"]] * 2
 
 
-@pytest.mark.parametrize("name", ["fwd/min", "fwd/max_rank", "a/rank3", "", "/fwd", "_x", None, 5])
+UNION_S = {"fwd": (0.010, 0.020), "bwd": (0.030, 0.045)}  # seconds on rank 0, rank 1
+
+
+def _different_names_beside_megatron(rank, world):
+    """Rank 0 asks for fwd and bwd, rank 1 (the rank ``log`` prints on) for fwd only; Megatron-Core's
+    Timers, given the same times, asked for both on every rank (with different names it hangs)."""
+    import torch.distributed as dist
+
+    import distmetrics as dm
+    from tests.peer.conftest import megatron_timers_on_cpu, recording_summary_writer
+
+    ask = ["fwd", "bwd"] if rank == 0 else ["fwd"]
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append((record.name.split(".")[0], record.getMessage()))
+    loggers = [logging.getLogger("distmetrics.timers"), logging.getLogger("megatron.core.timers")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    out = {}
+    with megatron_timers_on_cpu() as megatron:
+        for option in ("max", "minmax", "all"):
+            monitor = dm.Monitor(quiet_config(log_interval=100, timing_log_level=2, timing_log_option=option))
+            both = {"ours": (monitor.timers, ask), "megatron": (megatron.Timers(2, option), list(UNION_S))}
+            for impl, (timers, names) in both.items():
+                for name, seconds in UNION_S.items():
+                    timers(name, log_level=0).set_elapsed(seconds[rank])
+                writer = recording_summary_writer()
+                records.clear()
+                text = timers.get_all_timers_string(names, reset=False)
+                timers.write(names, writer, 7, reset=False)
+                timers.log(names)  # resets every name some rank asked for
+                out[option, impl] = {"text": text, "write": writer.calls, "log": list(records),
+                                     "after": [timers(name).elapsed(reset=False) for name in UNION_S]}
+                dist.barrier()
+            monitor.close()
+    for lg, level in zip(loggers, levels):
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+    return out
+
+
+def test_ranks_asking_for_different_names_each_report_the_union_as_megatron_reports_it():
+    """Rank 0 asked for bwd, rank 1 did not: rank 1's text (the one ``log`` prints) had fwd alone,
+    though bwd was read and reset on every rank: it was printed nowhere. Every rank's text, log and
+    write now hold the union, as Megatron-Core's do where every rank asks for it."""
+    results = run_ranks(_different_names_beside_megatron, 2, timeout=240)
+    for rank, out in enumerate(results):
+        for option in ("max", "minmax", "all"):
+            ours, theirs = out[option, "ours"], out[option, "megatron"]
+            assert "bwd" in ours["text"] and ours["text"] == theirs["text"], (rank, option, ours["text"])
+            assert ours["write"] == theirs["write"] and [c[0] for c in ours["write"]] == ["fwd-time", "bwd-time"]
+            assert [m for _, m in ours["log"]] == [m for _, m in theirs["log"]], (rank, option)
+            assert ours["after"] == theirs["after"] == [0.0, 0.0]
+    assert [m for _, m in results[1]["minmax", "ours"]["log"]] == [results[1]["minmax", "megatron"]["text"]]
+    assert results[0]["all", "ours"]["log"] == []  # only the last rank prints
+
+
+@pytest.mark.parametrize("name", ["fwd/min", "fwd/max_rank", "a/rank3", "", "/fwd", "_x", "trail/", None, 5])
 def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
     """A timer named ``fwd/min`` overwrote ``timers/fwd/min`` (3 ms for fwd's 10-12 ms) and, with
     straggler scores on, made every log step raise; "", None and 5 made keys such as ``timers/``."""
@@ -687,8 +747,9 @@ def test_a_tie_for_the_slowest_rank_names_the_lowest_under_every_option():
 def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_timers_used(caplog):
     """``timers(f"fwd_{step}")`` (a name made per step by mistake) kept a timer per name, and every
     log step went through every timer ever made: its cost grew with the run, with no word. The log
-    step reads the timers used since the last one (and those still running); a warning at 1,000
-    names says what is wrong. Each record holds the step's own timer and the step timer."""
+    step reads the timers used since the last one (and those still running); a warning at the user's
+    1,000th name says what is wrong (it came at the 999th: the Monitor's step timer was counted).
+    Each record holds the step's own timer and the step timer."""
     import distmetrics as dm
     from distmetrics.collectors.timers import MANY_TIMERS
 
@@ -708,7 +769,8 @@ def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_tim
     assert all(names == sorted([f"timers/fwd_{step}", "timers/load", "timers/step"]) for step, (_, names)
                in held.items() if step > 1), held[2]
     said = [r.getMessage() for r in caplog.records if "timer names so far" in r.getMessage()]
-    assert len(said) == 1 and "'fwd_998'" in said[0]  # the step timer and load are two of the thousand
+    assert len(said) == 1 and "'fwd_999'" in said[0], said  # load and fwd_1..fwd_999: the user's thousand
+    assert "the Monitor's step timer is not counted" in said[0]
 
 
 def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():

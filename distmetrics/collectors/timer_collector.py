@@ -98,7 +98,7 @@ class TimerCollector:
         self.timers = timers
         self.option = option
         self.per_rank = per_rank and option != "all"
-        self._step_timer = timers._make("step", 0, StepTimer) if timers._log_level >= 0 else None
+        self._step_timer = timers._make("step", 0, StepTimer, own=True) if timers._log_level >= 0 else None
 
     def use_guard(self, guard: Any) -> None:
         """Guard Megatron's timer reports (each is a collective) with the Monitor's arrival check."""

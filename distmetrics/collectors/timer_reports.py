@@ -6,7 +6,9 @@ layout; values ≤ 0 — a timer that is missing or measured nothing — are lef
 report). Megatron requires every rank to ask for the same names (or it hangs); here the names
 are agreed across ranks once (one ``all_gather_object``) and cached, and a flag lane in the
 table tells every rank in the same gather when some rank's names changed, so all renegotiate
-together. In steady state a report costs one ``all_gather_into_tensor``.
+together. Every rank's report holds the union of the names asked for this time: its own, in its
+order, then those only other ranks asked for. In steady state a report costs one
+``all_gather_into_tensor``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class MegatronReports:
 
     def get_all_timers_string(self, names: Optional[list] = None, normalizer: float = 1.0, reset: bool = True,
                               barrier: bool = False) -> Optional[str]:
-        """Megatron's text block (milliseconds), or None when no timer has a time to report.
+        """Megatron's text block (milliseconds), or None when no timer has a time to report: of
+        ``names`` and the names other ranks asked for (the union; see :meth:`_elapsed_of_union`).
         A collective: every rank calls it."""
         names = list(self._timers) if names is None else list(names)
         if not normalizer > 0.0:
@@ -58,7 +61,7 @@ class MegatronReports:
             reset: bool = True, barrier: bool = False) -> None:
         """The text block through ``logging`` (logger ``distmetrics.timers``, INFO) on ``rank``
         (a global rank; default: the last of the timers' ranks, as Megatron); nothing when there is
-        nothing to report."""
+        nothing to report. It holds every name some rank asked for, not only ``rank``'s."""
         text = self.get_all_timers_string(names, normalizer, reset, barrier)
         ranks, me = _ranks(self._group)
         if (ranks[-1] if rank is None else rank) == me and text is not None:
@@ -67,8 +70,9 @@ class MegatronReports:
     def write(self, names: Optional[list], writer: Any, iteration: int, normalizer: float = 1.0,
               reset: bool = True, barrier: bool = False) -> None:
         """Each timer's slowest rank's **seconds** / ``normalizer`` as ``<name>-time`` at
-        ``iteration``: ``writer.add_scalar`` for a TensorBoard writer, ``writer.log`` for the
-        ``wandb`` module (or a W&B run), as Megatron's. A collective: every rank calls it."""
+        ``iteration`` (of the names some rank asked for): ``writer.add_scalar`` for a TensorBoard
+        writer, ``writer.log`` for the ``wandb`` module (or a W&B run), as Megatron's. A collective:
+        every rank calls it."""
         if not normalizer > 0.0:
             raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
         names = list(self._timers) if names is None else list(names)
@@ -89,9 +93,17 @@ class MegatronReports:
     def _get_elapsed_time_all_ranks(self, names: list, reset: bool, barrier: bool) -> Optional[torch.Tensor]:
         """``[world, len(names)]`` float32 seconds of every rank of the timers' group (0 where a rank
         has no time)."""
+        table = self._elapsed_of_union(names, reset, barrier)[1]
+        return None if table is None else table[:, :len(names)]
+
+    def _elapsed_of_union(self, names: list, reset: bool, barrier: bool) -> tuple[list, Optional[torch.Tensor]]:
+        """The names some rank asked for — ``names``, then those only other ranks asked for — and
+        their ``[world, n]`` float32 seconds: what every rank's report holds, so the text ``log``
+        prints on one rank has a name asked for on another (it is read, and reset, everywhere)."""
         world, _ = _world(self._group)
+        names = list(names)
         if len(names) == 0 and world == 1:  # a rank asking for none still joins the gather
-            return None
+            return names, None
         if world > 1 and self.guard is not None:  # before the barrier: a rank that does not come is named
             self.guard.enter("timers report (log, write or get_all_timers_string)")
         if barrier and world > 1:
@@ -101,17 +113,19 @@ class MegatronReports:
             timer = self._timers.get(name)
             if timer is not None and name not in seconds:  # a name listed again: read once, below
                 seconds[name] = timer.elapsed(reset=reset)
-        table = self._gather(names, seconds, reset)
+        table, others = self._gather(names, seconds, reset)
         column = {name: i for i, name in enumerate(self._agreed or names)}
-        picked = table[:, [column[name] for name in names]]
+        picked = table[:, [column[name] for name in names + others]]
         if reset:  # as Megatron reads a name listed again: after the reset of its first reading, 0
             for i in [i for i, name in enumerate(names) if name in names[:i]]:
                 picked[:, i] = 0.0
-        return picked
+        return names + others, picked
 
     def _get_global_min_max_time(self, names: list, reset: bool, barrier: bool,
                                  normalizer: float) -> dict[str, tuple[float, float]]:
-        table = self._get_elapsed_time_all_ranks(names, reset, barrier)
+        """Each name's (fastest, slowest) rank's seconds / ``normalizer``, for the union of the
+        names the ranks asked for (see :meth:`_elapsed_of_union`)."""
+        names, table = self._elapsed_of_union(names, reset, barrier)
         out: dict[str, tuple[float, float]] = {}
         if table is None:
             return out
@@ -128,7 +142,7 @@ class MegatronReports:
 
     def _get_all_ranks_time_string(self, names: list, reset: bool, barrier: bool,
                                    normalizer: float) -> Optional[str]:
-        table = self._get_elapsed_time_all_ranks(names, reset, barrier)
+        names, table = self._elapsed_of_union(names, reset, barrier)
         if table is None:
             return None
         text, reported = "times across ranks (ms):", False
@@ -145,15 +159,16 @@ class MegatronReports:
         return text if reported else None
 
     # --- the gather ----------------------------------------------------------------------------
-    def _gather(self, names: list, seconds: dict[str, float], reset: bool) -> torch.Tensor:
+    def _gather(self, names: list, seconds: dict[str, float], reset: bool) -> tuple[torch.Tensor, list]:
         """One all-gather of a float32 row: a "my names changed" flag, which of the agreed names
         this rank asked for, then their seconds; renegotiates (every rank, told by the same
         gather) when a flag is up. A timer this rank has but did not ask for, which another rank
-        asked for (the union), is sent too, and reset (``reset``) as its report reads it."""
+        asked for (the union), is sent too, and reset (``reset``) as its report reads it. Returns
+        the agreed names' seconds and the names only other ranks asked for, in agreed order."""
         world, _ = _world(self._group)
         if world == 1:
             self._agreed = list(names)
-            return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32)
+            return torch.tensor([[float(seconds.get(n, 0.0)) for n in names]], dtype=torch.float32), []
         if self._agreed is None:
             self._negotiate(names)
         asked = set(names)
@@ -166,12 +181,13 @@ class MegatronReports:
             if not bool((table[:, 0] > 0).any()):
                 break
             self._negotiate(names)
+        wanted = (table[:, 1:1 + len(agreed)].amax(0) > 0).tolist()
+        others = [n for i, n in enumerate(agreed) if wanted[i] and n not in asked]
         if reset:
-            wanted = table[:, 1:1 + len(agreed)].amax(0) > 0
-            for name in [n for i, n in enumerate(agreed) if bool(wanted[i]) and n not in asked]:
+            for name in others:
                 if name in self._timers:
                     self._timers[name].elapsed(reset=True)
-        return table[:, 1 + len(agreed):]
+        return table[:, 1 + len(agreed):], others
 
     def _peek(self, name: str) -> float:
         """The seconds of a timer this rank did not ask for (0 where it has none), not reset."""

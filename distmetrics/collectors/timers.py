@@ -36,7 +36,8 @@ __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError"]
 
 _MAX_LOG_LEVEL = 2
 MANY_TIMERS = 1000
-"""Timer names (of enabled and disabled levels) past which a name made per step is suspected, once."""
+"""The user's timer names (of enabled and disabled levels; the Monitor's own step timer is not one)
+at which a name made per step is suspected, once."""
 logger = logging.getLogger("distmetrics")
 _LOG_OPTIONS = ("max", "minmax", "all")
 
@@ -169,11 +170,12 @@ class Timer(TimerBase):
 
     def _barrier(self, where: str) -> None:
         """A real barrier, not an arrival check (it may come every step: the c10d store would take
-        every rank's requests each time). Under a Monitor the call is noted first, so where a rank
-        does not come, the ranks that went on raise at their next guarded call naming this one's
-        timer barrier as its last call (it waits in the barrier until the process group's timeout)."""
+        every rank's requests each time). Under a Monitor the call is noted first, urgently (published at
+        once where the store holds another call), so where a rank does not come, the ranks that went on
+        raise at their next guarded call naming this one's timer barrier as its last call (it waits in
+        the barrier until the process group's timeout, publishing nothing more)."""
         if self.guard is not None:
-            self.guard.note(f"timers({self.name!r}).{where}(barrier=True)")
+            self.guard.note(f"timers({self.name!r}).{where}(barrier=True)", urgent=True)
         dist.barrier(group=self._group)
 
     def reset(self) -> None:
@@ -301,8 +303,8 @@ class Timer(TimerBase):
 
 
 def _bad_level(name: str, log_level: Any) -> TimerError:
-    return TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are the integers 0 to "
-                      f"{_MAX_LOG_LEVEL}")
+    return TimerError(f"timers({name!r}, log_level={log_level!r}): accepted values are numbers up to "
+                      f"{_MAX_LOG_LEVEL}, compared with timing_log_level as Megatron compares them (True is 1)")
 
 
 class Timers(MegatronReports):
@@ -324,9 +326,12 @@ class Timers(MegatronReports):
         self._dummy_timer = DummyTimer()
         self._dummy_names: set[str] = set()  # names given to disabled levels, found good
         self._max_log_level = _MAX_LOG_LEVEL
+        self._own = 0  # timers the Monitor made for itself (its step timer): not the user's names
         self.in_use: list[Timer] = []  # the timers started since the last log step, or still running
 
-    def __call__(self, name: str, log_level: Optional[int] = None) -> TimerBase:
+    def __call__(self, name: str, log_level: Optional[float] = None) -> TimerBase:
+        """The timer ``name`` (the dummy above the Timers' level). As Megatron's, a level is any number up
+        to 2, compared as a number (1.5, -1; True is 1), alike at every level; text and NaN are refused."""
         timer = self._timers.get(name)
         if timer is not None:
             if log_level is not None and log_level != self._log_levels[name]:
@@ -341,10 +346,11 @@ class Timers(MegatronReports):
             return self._dummy_for(name)
         if log_level is None:
             log_level = _MAX_LOG_LEVEL
-        if type(log_level) is not int:  # 1.5, True: compared like numbers above
-            raise _bad_level(name, log_level)
         if log_level > _MAX_LOG_LEVEL:
-            raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL}")
+            raise TimerError(f"log level {log_level} is larger than max supported log level {_MAX_LOG_LEVEL} "
+                             f"(timer {name!r})")
+        if not log_level <= _MAX_LOG_LEVEL:  # NaN: Megatron called it larger than 2
+            raise _bad_level(name, log_level)
         if log_level > self._log_level:
             return self._dummy_for(name)
         return self._make(name, log_level, Timer)
@@ -364,22 +370,26 @@ class Timers(MegatronReports):
             self._say_many(name)
         return self._dummy_timer
 
-    def _make(self, name: str, log_level: int, cls: type) -> Timer:
+    def _make(self, name: str, log_level: float, cls: type, own: bool = False) -> Timer:
+        """A new enabled timer; ``own``: the Monitor's (its step timer), not counted as the user's."""
         _check_timer_name(name)
         timer = self._timers[name] = cls(name, self._use_cuda, self._group, self._barrier_ok)
         timer.guard = self.guard
         timer.in_use, timer.order = self.in_use, len(self._timers)
         self._log_levels[name] = log_level
-        self._say_many(name)
+        self._own += own
+        if not own:
+            self._say_many(name)
         return timer
 
     def _say_many(self, name: str) -> None:
-        """Warn once where the timer names reach :data:`MANY_TIMERS`: a name made per step or per event
-        (``timers(f"fwd_{step}")``) keeps a timer, and a straggler series, per name for the run."""
-        if len(self._timers) + len(self._dummy_names) == MANY_TIMERS:
-            logger.warning("distmetrics: %d timer names so far (the latest %r): is a timer named per step or per "
-                           "event (an f-string)? Each name is a timer kept for the run, and a metric of its own; "
-                           "name the work, and record what varies with monitor.record", MANY_TIMERS, name)
+        """Warn once where the user's timer names reach :data:`MANY_TIMERS`: a name made per step or per
+        event (``timers(f"fwd_{step}")``) keeps a timer, and a straggler series, per name for the run."""
+        if len(self._timers) - self._own + len(self._dummy_names) == MANY_TIMERS:
+            logger.warning("distmetrics: %d timer names so far (yours: the Monitor's step timer is not counted; "
+                           "the latest %r): is a timer named per step or per event (an f-string)? Each name is a "
+                           "timer kept for the run, and a metric of its own; name the work, and record what varies "
+                           "with monitor.record", MANY_TIMERS, name)
 
     def use_guard(self, guard: Any) -> None:
         """The Monitor's arrival check: before each report (a collective), and told of each timer's

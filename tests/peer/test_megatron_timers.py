@@ -195,3 +195,42 @@ def test_our_errors_are_caught_as_megatrons_and_name_the_timer():
     with pytest.raises(TimerError, match="timer is not started \\(timer 'forward'\\)") as caught:
         timer.stop()
     assert isinstance(caught.value, AssertionError) and isinstance(caught.value, RuntimeError)
+
+
+LEVELS = [0, 1, 2, None, 1.0, 1.5, 2.0, 0.5, True, False, -1, -5, 2.5, 3]
+
+
+def _kind(timers_module, timing_log_level: int, name: str, level):
+    """What ``Timers(timing_log_level)(name, level)`` gives: a timer, the dummy, or an assertion."""
+    try:
+        made = timers_module.Timers(timing_log_level, "max")(name, log_level=level)
+    except AssertionError as err:
+        return "AssertionError", str(err)
+    return type(made).__name__, ""
+
+
+def test_a_log_level_is_compared_as_a_number_the_same_way_at_every_timing_log_level():
+    """1.0, 1.5, True passed where disabled and raised once timing_log_level was raised; -5 passed
+    though the message said "the integers 0 to 2". As Megatron's, any number up to 2 is a level,
+    enabled where it is <= timing_log_level (True as 1), at every timing_log_level; above 2 Megatron's
+    message, with the timer named; text and NaN refused at every level."""
+    from distmetrics.collectors import timers as ours
+
+    with megatron_timers_on_cpu() as megatron:
+        for timing_log_level in (-1, 0, 1, 2):
+            for i, level in enumerate(LEVELS):
+                name = f"fwd/level{i}"
+                mine, theirs = _kind(ours, timing_log_level, name, level), _kind(megatron, timing_log_level, name,
+                                                                                   level)
+                assert mine[0] == theirs[0], (timing_log_level, level, mine, theirs)
+                assert mine[1].startswith(theirs[1]) and (not mine[1] or repr(name) in mine[1]), (mine, theirs)
+            for level in ("1", float("nan")):
+                with pytest.raises(ours.TimerError, match=r"timers\('fwd', log_level=.*accepted values are numbers "
+                                                          r"up to 2"):
+                    ours.Timers(timing_log_level, "max")("fwd", log_level=level)
+    with pytest.raises(ours.TimerError, match=r"^log level 5 is larger than max supported log level 2 "
+                                              r"\(timer 'fwd/rank3'\)$"):
+        ours.Timers(2, "max")("fwd/rank3", log_level=5)
+    timers = ours.Timers(1, "max")
+    timer = timers("fwd", log_level=True)
+    assert isinstance(timer, ours.Timer) and timers("fwd", log_level=1) is timer  # Megatron's equality: True == 1
