@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .checkpoints import CheckpointLog
-from .collectors import build_collectors, finalize_order, planned_collectors
+from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -105,10 +105,12 @@ class Monitor:
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)
         self.last_metrics: dict[str, Any] = {}
         self._record_order: tuple[tuple, list] = ((), [])  # a record's names as made -> as written
+        idle: list = []  # the built-in collectors switched off: their names are theirs all the same
         try:  # the built-in collectors' classes: their writes, checked against the user's before any is made
             built_in = [kind for kind, _ in planned_collectors(config, self.layout, model)] + planned_for(config)
+            idle = idle_collectors(built_in, collectors)
             sinks, problem = check_sinks(sinks), self.layout.problem
-            collectors = check_collectors(collectors, built_in, others=[("monitor.log_eval", EvalLog.writes)])
+            collectors = check_collectors(collectors, built_in + idle, others=[("monitor.log_eval", EvalLog.writes)])
         except (TypeError, ValueError) as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
@@ -122,7 +124,7 @@ class Monitor:
             self._by_name = {c.name: c for c in self.collectors}
             for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
-            self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors))
+            self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors + idle))
             self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
             self.timers = self._by_name["timers"].timers
             self._module_order = job_module_order(self.layout, module_order(model), self._guard,

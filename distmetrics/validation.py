@@ -17,6 +17,7 @@ __all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", 
            "unknown_key"]
 
 _INT64_LIMIT = 2 ** 63
+_YAML_BOOLEAN = "YAML reads an unquoted off/on/no/yes as a boolean, not a word"
 
 
 class ConfigError(ValueError):
@@ -88,8 +89,12 @@ def check_value(key: str, value: Any, expected: Any) -> None:
     if choices and isinstance(value, bool):
         suggestion = {False: "disabled", True: "online"}.get(value)
         instead = f"; for {value!r} write the word {suggestion}" if suggestion in choices else ""  # YAML or key=value
-        raise ConfigError(f"{key}={value!r}: YAML reads an unquoted off/on/no/yes as a boolean, not a word; "
-                          f"accepted values are {', '.join(map(repr, choices))}{instead}")
+        raise ConfigError(f"{key}={value!r}: {_YAML_BOOLEAN}; accepted values are {', '.join(map(repr, choices))}"
+                          f"{instead}")
+    if isinstance(value, bool) and _matches("text", expected):  # wandb_project=off: the word, read as False
+        word = "on" if value else "off"
+        raise ConfigError(f"{key}={value!r}: {_YAML_BOOLEAN}; accepted: {_describe(expected)}; for the word, quote "
+                          f"it: {key}: '{word}' in a file, {key}=\"'{word}'\" as an override")
     if choices and any(type(value) is type(c) for c in choices):
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -1,9 +1,9 @@
 """YAML files read strictly: what PyYAML would read silently otherwise is a ConfigError.
 
-A key given twice in one mapping (PyYAML keeps the last) and an integer with a leading 0
-(YAML 1.1, which PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10) are refused with
-the line they are on; a file that is missing, a folder, not UTF-8 or not YAML is named with
-what it was read as (a metrics config, a features file). Torch-free.
+A key given twice in one mapping (PyYAML keeps the last) and a number the two YAML versions read
+differently (YAML 1.1, which PyYAML follows, reads ``010`` as octal 8, YAML 1.2 as 10; ``1_000`` as
+1000, YAML 1.2 as text) are refused with the line they are on; a file that is missing, a folder,
+not UTF-8 or not YAML is named with what it was read as (a metrics config, a features file). Torch-free.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .validation import ConfigError
 __all__ = ["ConfigLoader", "StrictLoader", "read_yaml"]
 
 _DECIMAL_WITH_0 = re.compile(r"[-+]?0[0-9_]*[89][0-9_]*")  # 08: text to YAML 1.1 (not octal), 8 to YAML 1.2
+_OCTAL_0O = re.compile(r"0o[0-7]+")  # 0o10: text to YAML 1.1, 8 to YAML 1.2
 
 
 def read_yaml(path: Path, what: str = "metrics config file", loader: Optional[type] = None) -> Any:
@@ -51,8 +52,9 @@ class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader that refuses what it would read silently otherwise: a key given twice
     in one mapping (the last one won), an integer written with a leading 0 (YAML 1.1, which
     PyYAML follows, reads ``010`` as octal 8; YAML 1.2 as 10) and a number in base 60 (YAML 1.1
-    reads ``1:30`` as 90; YAML 1.2 as text), and a plain ``08`` or ``09`` (text to YAML 1.1, not
-    being octal; 8 and 9 to YAML 1.2)."""
+    reads ``1:30`` as 90; YAML 1.2 as text), a number holding a ``_`` (YAML 1.1 reads ``1_000`` as
+    1000; YAML 1.2 as text), and a plain ``08`` or ``09`` (text to YAML 1.1, not being octal; 8 and 9
+    to YAML 1.2) or ``0o10`` (text to YAML 1.1; octal 8 to YAML 1.2)."""
 
     text_keys = False
     """:class:`ConfigLoader`: every key of every mapping is text (a name)."""
@@ -84,6 +86,7 @@ class StrictLoader(yaml.SafeLoader):
                 None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as octal, YAML 1.2 "
                 "as decimal; write it without the leading 0", node.start_mark)
         self._not_base_60(node)
+        self._no_underscore(node)
         return super().construct_yaml_int(node)
 
     def construct_yaml_str(self, node: Any) -> str:
@@ -91,11 +94,23 @@ class StrictLoader(yaml.SafeLoader):
             raise StrictLoader.Refused(
                 None, None, f"the number {node.value!r} has a leading 0: YAML 1.1 reads it as text, YAML 1.2 as "
                 "decimal; write it without the leading 0, or quote the text", node.start_mark)
+        if node.style is None and _OCTAL_0O.fullmatch(node.value):
+            raise StrictLoader.Refused(
+                None, None, f"the number {node.value!r} is octal to YAML 1.2 ({int(node.value, 8)}), text to YAML 1.1; "
+                "write the number in decimal, or quote the text", node.start_mark)
         return super().construct_yaml_str(node)
 
     def construct_yaml_float(self, node: Any) -> float:
         self._not_base_60(node)
+        self._no_underscore(node)
         return super().construct_yaml_float(node)
+
+    def _no_underscore(self, node: Any) -> None:
+        if "_" in str(node.value):
+            raise StrictLoader.Refused(
+                None, None, f"the number {node.value!r} holds a '_': YAML 1.1 reads it as "
+                f"{node.value.replace('_', '')}, YAML 1.2 as text; write it without the '_', or quote the text",
+                node.start_mark)
 
     def _not_base_60(self, node: Any) -> None:
         if ":" in str(node.value):

@@ -133,6 +133,10 @@ def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
         ([binary], "is not a UTF-8 text file"),
         ([huge], f"{huge}: num_params=1000"),
         (["configs/metrics.yaml", "wandb_mode=off"], "wandb_mode=False: YAML reads an unquoted off/on/no/yes"),
+        (["configs/metrics.yaml", "wandb_project=off"], "override 'wandb_project=off': wandb_project=False: YAML reads "
+                                                         "an unquoted off/on/no/yes as a boolean"),
+        (["configs/metrics.yaml", "log_interval=1_000"], "override 'log_interval=1_000': the number '1_000' holds a "
+                                                          "'_': YAML 1.1 reads it as 1000, YAML 1.2 as text"),
         (["configs/metrics.yaml", "writer_rank=middle"],
          "override 'writer_rank=middle': writer_rank='middle': accepted values are 'first', 'last'"),
     ]

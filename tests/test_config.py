@@ -109,6 +109,25 @@ def test_yaml_boolean_for_a_word_says_so_and_suggests_disabled():
         dm.MetricsConfig.from_dict({}, ["wandb_mode=off"])
 
 
+def test_yaml_boolean_for_text_says_so_and_how_to_quote_the_word(tmp_path):
+    """``wandb_project=off`` reached the config as False and was refused only as "has type bool; accepted:
+    str or None", without saying that YAML read the word as a boolean. Quoted, the word is the text."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "override 'wandb_project=off': wandb_project=False: YAML reads an unquoted off/on/no/yes as a boolean, "
+            "not a word; accepted: str or None; for the word, quote it: wandb_project: 'off' in a file, "
+            "wandb_project=\"'off'\" as an override")):
+        dm.MetricsConfig.from_dict({}, ["wandb_project=off"])
+    path = tmp_path / "metrics.yaml"
+    path.write_text("wandb_exp_name: yes\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: wandb_exp_name=True: YAML reads an unquoted "
+                                                    "off/on/no/yes as a boolean, not a word; accepted: str or None; "
+                                                    "for the word, quote it: wandb_exp_name: 'on' in a file")):
+        dm.MetricsConfig.from_yaml(path)
+    path.write_text("wandb_exp_name: 'yes'\n")
+    assert dm.MetricsConfig.from_yaml(path, ["wandb_project='off'"]).to_dict()["wandb_project"] == "off"
+    assert dm.MetricsConfig.from_yaml(path).wandb_exp_name == "yes"
+
+
 def test_negative_log_interval_is_rejected():
     with pytest.raises(ValueError, match=r"log_interval=-1: accepted values are integers >= 1"):
         dm.MetricsConfig(log_interval=-1)
@@ -217,6 +236,12 @@ def test_a_hang_timeout_beyond_what_the_store_can_wait_is_refused_naming_the_key
     ("log_interval: 010\n", "line 1: the number '010' has a leading 0: YAML 1.1 reads it as octal"),
     ("console: false\nlog_interval: 1:30\n", "line 2: '1:30' is a number in base 60 to YAML 1.1 (1:30 is 90)"),
     ("log_interval: 08\n", "line 1: the number '08' has a leading 0: YAML 1.1 reads it as text, YAML 1.2 as decimal"),
+    ("log_interval: 1_000\n", "line 1: the number '1_000' holds a '_': YAML 1.1 reads it as 1000, YAML 1.2 as text; "
+                              "write it without the '_', or quote the text"),
+    ("console: false\npeak_tflops: 989_000.5\n", "line 2: the number '989_000.5' holds a '_': YAML 1.1 reads it as "
+                                                 "989000.5, YAML 1.2 as text"),
+    ("log_interval: 0o10\n", "line 1: the number '0o10' is octal to YAML 1.2 (8), text to YAML 1.1; write the number "
+                             "in decimal, or quote the text"),
     ("console: false\n1: 2\n", "line 2: the key '1' is not text (int): config keys are names"),
     ("tensor_inspect:\n  enabled: false\n  3.5: x\n", "line 3: the key '3.5' is not text (float)"),
     ("log_interval: 10\nconsole: false\nlog_interval: 20\n", "key 'log_interval' is given twice in one mapping "
@@ -240,6 +265,21 @@ def test_what_yaml_would_read_silently_otherwise_is_refused(tmp_path, text, mess
     merged.write_text("<<: {tensorboard: false, log_interval: 5}\nlog_interval: 7\n")
     config = dm.MetricsConfig.from_yaml(merged)
     assert (config.tensorboard, config.log_interval) == (False, 7)
+
+
+def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused_in_overrides_and_kept_as_text_quoted(tmp_path):
+    """log_interval=1_000 became 1000 without a word (YAML 1.2 reads text), and 0o10 (8 to YAML 1.2) was
+    refused only as "has type str". Quoted, both are text where text belongs."""
+    with pytest.raises(ConfigError, match=re.escape("override 'log_interval=1_000': the number '1_000' holds a '_': "
+                                                    "YAML 1.1 reads it as 1000, YAML 1.2 as text")):
+        dm.MetricsConfig.from_dict({}, ["log_interval=1_000"])
+    with pytest.raises(ConfigError, match=re.escape("override 'log_interval=0o10': the number '0o10' is octal to "
+                                                    "YAML 1.2 (8), text to YAML 1.1")):
+        dm.MetricsConfig.from_dict({}, ["log_interval=0o10"])
+    path = tmp_path / "metrics.yaml"
+    path.write_text("wandb_exp_name: '1_000'\nwandb_project: \"0o10\"\nlog_interval: 1000\n")
+    config = dm.MetricsConfig.from_yaml(path)
+    assert (config.wandb_exp_name, config.wandb_project, config.log_interval) == ("1_000", "0o10", 1000)
 
 
 def test_overrides_given_as_one_string_and_keys_that_are_not_text_are_named(tmp_path):

@@ -879,6 +879,63 @@ def test_exact_names_of_ones_own_pass_and_a_built_in_prefix_is_its_collectors_wh
             m.step(1, loss=1.0)
 
 
+SWITCHED_OFF = {"memory/foo": "memory", "energy/total_j": "energy", "power/mean_w": "energy",
+                "gpu/temperature_c": "gpu_telemetry", "tensor_stats/fc1/activation/max": "tensor_stats"}
+"""A name under each built-in prefix whose collector a switch turns off, and the collector that owns it."""
+
+
+def _names_under_switched_off_collectors(rank: int, world: int) -> dict:
+    import distmetrics as dm
+
+    out: dict = {"record": {}}
+    off = dict(log_memory=False, log_energy=False, log_gpu_telemetry=False, hang_timeout_s=10.0)
+    with dm.Monitor(quiet_config(log_interval=1, **off)) as monitor:
+        for name in SWITCHED_OFF:
+            try:
+                monitor.record(name, 1.0)
+                out["record"][name] = None
+            except ValueError as err:
+                out["record"][name] = str(err)
+        monitor.record("data/own", 2.0 + rank)  # a name of the user's own passes
+        out["own"] = monitor.step(1, loss=1.0)["data/own"]
+    samples = [("memory/own", 5.0, "max"), ("energy/own", 5.0, "max")]
+    with dm.Monitor(quiet_config(log_interval=1, **off), collectors=[_Named(rank, samples, on=(1,))]) as monitor:
+        try:
+            monitor.step(1, loss=1.0)
+            out["sample"] = None
+        except ValueError as err:
+            out["sample"] = str(err)
+        out["written"] = dict(monitor.last_metrics)
+    try:
+        dm.Monitor(quiet_config(**off), collectors=[_Named(rank, writes=("gpu/",))]).close()
+        out["writes"] = None
+    except ValueError as err:
+        out["writes"] = str(err)
+    return out
+
+
+def test_a_built_in_prefix_is_its_collectors_whole_with_its_switch_off():
+    """With log_memory (and log_energy, log_gpu_telemetry, tensor inspection) off, monitor.record("memory/foo")
+    and a collector's Sample("memory/own") were accepted and written, so turning the switch on later broke a
+    script that ran (and a user's energy/total_j sat under the built-in's name). Refused as with the switch on:
+    at the call, at the log step on every rank (rank 1 alone hands the samples over), and at Monitor()."""
+    results = run_ranks(_names_under_switched_off_collectors, 2)
+    for rank, result in enumerate(results):
+        for name, owner in SWITCHED_OFF.items():
+            assert result["record"][name] == (f"monitor.record (mean) would write {name!r}, which the {owner!r} "
+                                              "collector writes already"), (rank, name)
+        assert result["own"] == 2.5  # the mean of the two ranks' 2.0 and 3.0
+        assert result["written"]["mine/ok"] == 1.5 and not any(
+            k.startswith(("memory/", "energy/")) for k in result["written"]), result["written"]
+        assert "the 'mine' collector writes 'gpu/', which the 'gpu_telemetry' collector writes too" in \
+            result["writes"], result["writes"]
+    assert results[1]["sample"].startswith(
+        "the 'mine' collector handed over a sample 'memory/own', which the 'memory' collector writes; the 'mine' "
+        "collector handed over a sample 'energy/own', which the 'energy' collector writes"), results[1]["sample"]
+    assert results[0]["sample"].startswith("rank 1's collectors handed over a sample named as a name another "
+                                           "writer writes"), results[0]["sample"]
+
+
 def test_writes_that_are_not_a_tuple_of_names_are_refused():
     """writes = ("data/") is the string "data/": five one-letter names, each a prefix of nothing."""
     import distmetrics as dm

@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional
 
 from .base import Alert, Collector, LogContext, Record, Sample, finalize_order
 
-__all__ = ["build_collectors", "planned_collectors", "Collector", "LogContext", "Alert", "Record", "Sample",
-           "finalize_order"]
+__all__ = ["build_collectors", "planned_collectors", "idle_collectors", "Collector", "LogContext", "Alert", "Record",
+           "Sample", "finalize_order"]
 
 
 def build_collectors(config: Any, layout: Any, model: Optional[Any] = None, optimizer: Optional[Any] = None,
@@ -77,3 +77,20 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
             config.straggler_window, config.straggler_report_every, config.straggler_report_ranks,
             config.straggler_threshold, nvml=config.log_energy or config.log_gpu_telemetry)))
     return out
+
+
+def idle_collectors(planned: list, given: Any = ()) -> list[type]:
+    """The classes of the built-in collectors with a prefix of their own that the config switches off
+    (``log_memory``, ``log_energy``, ``log_gpu_telemetry``, ``tensor_inspect.enabled``), none of them made.
+    ``Monitor()`` reserves their names all the same, as the timers' and the stragglers' are whatever the
+    switches: a name of the user's under ``memory/`` would otherwise be written beside the built-in's names
+    in one run and refused in the run that turns the switch on. ``planned``: the classes the config makes;
+    ``given``: the user's collectors, where one made of these classes (an ``EnergyCollector`` for one GPU)
+    runs it in the switch's place and writes its names."""
+    from ..tensor_stats.inspector import TensorInspector
+    from .memory import MemoryCollector
+    from .nvml import EnergyCollector, TelemetryCollector
+
+    given = given if isinstance(given, (list, tuple)) else ()  # anything else: check_collectors names it
+    return [kind for kind in (MemoryCollector, EnergyCollector, TelemetryCollector, TensorInspector)
+            if kind not in planned and not any(isinstance(collector, kind) for collector in given)]
