@@ -751,20 +751,20 @@ def test_a_writer_that_locks_a_lock_file_unlinked_under_it_tries_again(tmp_path,
     C both wrote output_dir. B now sees the file at the path is not the one it locked and tries
     again: C holds it, B is refused."""
     import distmetrics as dm
-    from distmetrics import runinfo
+    from distmetrics import output_claim
 
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False)
-    a = runinfo.OutputClaim(cfg)
-    real, claims = runinfo.fcntl.flock, {}
+    a = output_claim.OutputClaim(cfg)
+    real, claims = output_claim.fcntl.flock, {}
 
     def preempted(file, operation):
         if not claims:  # B, between its open() and its flock()
             claims["a_released"] = a.release()
-            claims["c"] = runinfo.OutputClaim(cfg)
+            claims["c"] = output_claim.OutputClaim(cfg)
         return real(file, operation)
 
-    monkeypatch.setattr(runinfo.fcntl, "flock", preempted)
-    b = runinfo.OutputClaim(cfg)
+    monkeypatch.setattr(output_claim.fcntl, "flock", preempted)
+    b = output_claim.OutputClaim(cfg)
     c = claims["c"]
     assert c.problem is None and c._held is not None
     assert b._held is None and "is in use by another Monitor" in b.problem
@@ -1102,26 +1102,26 @@ def test_calls_between_log_steps_reach_the_store_about_a_thousand_times_a_second
 # ``_LOCK_TRIES`` tries and Monitor() refuses to start, naming output_dir.
 
 def test_a_lock_file_unlinked_at_every_try_gives_up_naming_output_dir(tmp_path, monkeypatch):
-    """Real files in tmp_path; only ``fcntl.flock`` as runinfo calls it is replaced, by a wrapper
+    """Real files in tmp_path; only ``fcntl.flock`` as output_claim calls it is replaced, by a wrapper
     that unlinks the lock file (a closing Monitor's release()) between the open() and the real
     flock() — the race of a writer that keeps restarting there — and then calls the real flock."""
     import distmetrics as dm
-    from distmetrics import runinfo
+    from distmetrics import output_claim
 
     out = tmp_path / "job 7" / "metrics"
     lock = out / ".distmetrics.lock"
-    real, tries = runinfo.fcntl.flock, []
+    real, tries = output_claim.fcntl.flock, []
 
     def unlinked_first(file, operation):
         tries.append(operation)
         lock.unlink()  # the file this try opened is gone from the path before it is locked
         return real(file, operation)
 
-    monkeypatch.setattr(runinfo.fcntl, "flock", unlinked_first)
+    monkeypatch.setattr(output_claim.fcntl, "flock", unlinked_first)
     with pytest.raises(ValueError) as err:
         dm.Monitor(quiet_config(output_dir=str(out), json_log=True))
     assert f"output_dir={str(out)!r} is in use by other Monitors starting there at the same time" in str(err.value)
-    assert len(tries) == runinfo._LOCK_TRIES  # it gave up, after every try
+    assert len(tries) == output_claim._LOCK_TRIES  # it gave up, after every try
     assert not lock.exists() and not (out / "metrics.jsonl").exists()  # it wrote nothing there
 
     monkeypatch.undo()  # the race is over: nothing was left holding output_dir
