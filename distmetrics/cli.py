@@ -5,7 +5,8 @@
     distmetrics summary runs/demo                     # a run folder, a folder of them, or a metrics.jsonl
     distmetrics report runs/demo [--out report.html]  # one self-contained HTML page per run
 
-Exit status 0 when all is well, 2 for a bad file or argument (the message names it). Commands
+Exit status 0 when all is well, 2 for a bad file or argument (the message names it), 1 where
+some of a folder's runs could not be read and the others were summarised or reported. Commands
 that read files do not import torch; checking a features file does (nvdlfw-inspect needs it).
 """
 
@@ -20,6 +21,7 @@ from .config import MetricsConfig, TensorInspectConfig
 from .report import MissingExtra
 from .runlog import Records, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
+from .sinks.jsonl import NONFINITE
 
 __all__ = ["main", "check_features", "summarise"]
 
@@ -28,7 +30,7 @@ _SUMMARY_KEYS = ("train/loss", "grad_norm", "train/lr", "train/tokens_per_sec", 
 
 
 def main(argv=None) -> int:
-    """Run one command; returns the exit status (0 ok, 2 a bad file or argument)."""
+    """Run one command; returns the exit status (0 ok, 2 a bad file or argument, 1 some runs not read)."""
     parser = argparse.ArgumentParser(prog="distmetrics", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,8 +38,11 @@ def main(argv=None) -> int:
     for add in (add_check_config, add_check_features, add_summary, add_report):
         add(commands)
     args = parser.parse_args(argv)
+    status = 0
     try:
         text = args.run(args)
+    except SomeRunsFailed as partly:
+        text, status = partly.text, 1
     except (ValueError, OSError, MissingExtra) as err:  # ConfigError, NotAMetricsFile are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -45,7 +50,38 @@ def main(argv=None) -> int:
         _print(text)
     except BrokenPipeError:  # a reader that stopped reading (| head): the command did its work
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail flushing at exit
-    return 0
+    return status
+
+
+class SomeRunsFailed(Exception):
+    """Some runs of a folder could not be read (each said on stderr), the others were done: ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+def _each_run(paths: list, do, joiner: str) -> str:
+    """``do(path)`` for each metrics file, joined. A run that cannot be read (an empty file, one that
+    is not a metrics.jsonl, no permission) is said on stderr and the others are done all the same:
+    :class:`SomeRunsFailed` where some failed, ``ValueError`` where all did (status 2); a single run's
+    error is raised as it is."""
+    if len(paths) == 1:
+        return do(paths[0])
+    done, failed = [], 0
+    for path in paths:
+        try:
+            done.append(do(path))
+        except (ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            failed += 1
+    if not done:
+        raise ValueError(f"none of the {len(paths)} runs could be read (each said above)")
+    if failed:
+        print(f"error: {failed} of the {len(paths)} runs could not be read (each said above)",
+              file=sys.stderr)
+        raise SomeRunsFailed(joiner.join(done))
+    return joiner.join(done)
 
 
 def _print(text: str) -> None:
@@ -130,13 +166,17 @@ def run_report(args: argparse.Namespace) -> str:
     """Write the report of each run the path names (:func:`~distmetrics.runlog.metrics_files`, as
     ``summary`` reads them; torch is not imported); says which extra to install when matplotlib
     or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
-    from .report import write_report
+    from .report import require_plotting, write_report
 
+    require_plotting()  # the same for every run: said once
+    if args.out is not None and os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a folder: give the HTML file to write "
+                         f"(--out {os.path.join(args.out, 'report.html')!r}, say)")
     paths = metrics_files(args.path)
     if args.out is not None and len(paths) > 1:
         raise ValueError(f"--out names one file but {args.path!r} holds {len(paths)} runs: give one run folder "
                          "with --out, or leave --out out for one report beside each run's metrics.jsonl")
-    return "\n".join(f"report: {_report(write_report, path, args.out)}" for path in paths)
+    return _each_run(paths, lambda path: f"report: {_report(write_report, path, args.out)}", "\n")
 
 
 def _report(write_report, path, out) -> str:
@@ -184,7 +224,7 @@ def add_summary(commands) -> None:
 
 def run_summary(args: argparse.Namespace) -> str:
     """:func:`summarise` each metrics.jsonl the path names."""
-    return "\n\n".join(summarise(path) for path in metrics_files(args.path))
+    return _each_run(metrics_files(args.path), summarise, "\n\n")
 
 
 def summarise(path) -> str:
@@ -271,6 +311,7 @@ def _job_lines(number: int, job: _JobSummary, previous) -> list[str]:
 
 
 def _fmt(value) -> str:
+    value = NONFINITE.get(value, value) if isinstance(value, str) else value  # the file's "NaN" is a float
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.6g}"
     return str(value)

@@ -5,6 +5,7 @@ last step an earlier job logged. No torch: the command line reads runs with this
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -13,10 +14,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from .sinks import DASHBOARD_KINDS
 from .sinks.appendfile import describe_os_error
-from .sinks.jsonl import METRICS_FILE, decode_line
+from .sinks.jsonl import METRICS_FILE, NONFINITE, decode_line
 
-__all__ = ["METRICS_FILE", "TRAINING_KINDS", "Job", "Records", "metrics_files", "read_jobs", "split_jobs",
-           "last_logged_step", "last_record"]
+__all__ = ["METRICS_FILE", "LINE_LIMIT", "TRAINING_KINDS", "Job", "Records", "NotAMetricsFile", "EmptyMetricsFile",
+           "decode_record", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
+
+LINE_LIMIT = 64 * 2**20
+"""The longest line read as a record, in bytes (64 MiB; a record of 100,000 names is a few MB). A
+longer line (a file that is no metrics.jsonl: a checkpoint without a newline) is skipped unheld and
+counted as unreadable, so reading a file takes about twice this memory at most, whatever it holds."""
 
 logger = logging.getLogger("distmetrics")
 
@@ -72,45 +78,103 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
     return found
 
 
+class NotAMetricsFile(ValueError):
+    """A file of which not one line is a record (not a ``metrics.jsonl``)."""
+
+
+class EmptyMetricsFile(ValueError):
+    """A metrics.jsonl without a record nor an unreadable line: a run that wrote nothing."""
+
+
 class Records:
-    """The records of a metrics.jsonl in file order, each line decoded as the iteration reaches it:
-    a file of any size is read in the memory of one line. ``unreadable`` counts the lines read so
-    far that are not records (a line cut short by a crash); a file none of whose lines is a record
-    is refused with ``ValueError`` at the end of the iteration."""
+    """The records of a metrics.jsonl in file order, each line decoded as the iteration reaches it
+    (:func:`decode_record`, the rule ``summary`` and ``report`` both read by): a file of any size is
+    read in the memory of one line, a line of at most :data:`LINE_LIMIT` bytes. ``lines``, ``blank``
+    and ``unreadable`` count the lines read so far, the blank ones and those that are not records (a
+    line cut short by a crash, one over the limit). A file none of whose lines is a record is refused
+    at the end of the iteration (:class:`EmptyMetricsFile`, :class:`NotAMetricsFile`), one whose first
+    line is over the limit at once."""
 
     def __init__(self, path: Union[str, Path]):
         self.path = path
-        self.unreadable = 0
+        self.lines = self.blank = self.unreadable = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.unreadable, found = 0, False
-        with open(self.path, encoding="utf-8", errors="replace", newline="\n") as f:  # lines end at \n only, as written
-            for line in f:
-                if not line.strip():
-                    continue
-                record = decode_line(line)
-                if record is not None and isinstance(record.get("kind"), str) and isinstance(record.get("step"), int):
+        self.lines = self.blank = self.unreadable = 0
+        found, limit = False, LINE_LIMIT
+        with open(self.path, "rb") as f:  # lines end at \n only, as written
+            for line in _lines(f, limit):
+                self.lines += 1
+                record = None if line is None else decode_record(line)
+                if record is not None:
                     found = True
                     yield record
+                elif line is not None and not line.strip():  # stripped only when not a record
+                    self.blank += 1
                 else:
                     self.unreadable += 1
+                    if line is None and self.lines == 1:  # not read on: a file of gigabytes without a newline
+                        raise NotAMetricsFile(not_a_metrics_file(self.path, f"its first line is over {limit:,} bytes "
+                                                                            "long, where a record is a few MB at most"))
         if not found:
-            raise ValueError(not_a_metrics_file(self.path, self.unreadable))
+            if self.unreadable:
+                raise NotAMetricsFile(not_a_metrics_file(self.path, f"none of its {self.unreadable} non-blank line(s) "
+                                                                    "is a JSON record with 'kind' and 'step'"))
+            what = f"only {self.blank} blank line(s)" if self.blank else "it is empty"
+            raise EmptyMetricsFile(f"{str(self.path)!r} holds no record: {what} (a run that wrote nothing: a full disk "
+                                   "at start-up, or a crash before its first record)")
+
+
+def decode_record(line: bytes) -> Optional[dict[str, Any]]:
+    """One line as a record: a JSON object with a text ``kind`` and an integer ``step`` (``true`` is
+    none), as the Monitor writes them; None for any other line. ``summary`` and ``report`` both read
+    by this rule. A byte that is not UTF-8 (in a host name) is replaced, the record kept; a byte-order
+    mark opening the line (an editor's) is skipped. NaN and ±Inf stay the strings the file holds."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        text = line.decode("utf-8", "replace")
+    try:
+        record = json.loads(text[1:] if text.startswith("\ufeff") else text)
+    except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
+        return None
+    if isinstance(record, dict) and isinstance(record.get("kind"), str) and type(record.get("step")) is int:
+        return record
+    return None
+
+
+def _lines(f, limit: int) -> Iterator[Optional[bytes]]:
+    """The lines of a file open in binary, each of at most ``limit`` bytes before its newline; None
+    for a longer one, read to its end a MiB at a time and never held whole."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+        yield None
 
 
 def read_jobs(path: Union[str, Path]) -> tuple[list[Job], int]:
-    """The jobs of a metrics.jsonl, every record held, and the number of lines that are not records
-    (a line cut short by a crash). A file none of whose lines is a record is refused with
-    ``ValueError``. ``summary`` reads the file through :class:`Records` and keeps only what it shows."""
+    """The jobs of a metrics.jsonl, every record held (NaN and ±Inf as floats), and the number of
+    lines that are not records (a line cut short by a crash). A file none of whose lines is a record
+    is refused with ``ValueError``. ``summary`` reads the file through :class:`Records` and keeps
+    only what it shows."""
     records = Records(path)
-    return split_jobs(records), records.unreadable
+    return split_jobs(map(with_floats, records)), records.unreadable
 
 
-def not_a_metrics_file(path: Union[str, Path], lines: int) -> str:
-    """What ``summary`` and ``report`` say of a file none of whose ``lines`` (not counting blank
-    ones) is a record."""
-    what = f"none of its {lines} non-blank line(s) is a JSON record" if lines else "it is empty, no JSON record"
-    return (f"{str(path)!r} is not a distmetrics metrics.jsonl: {what} with 'kind' and 'step' "
+def with_floats(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with the strings that stand for NaN and ±Inf as those floats."""
+    return {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+
+
+def not_a_metrics_file(path: Union[str, Path], why: str) -> str:
+    """What ``summary`` and ``report`` say of a file that is not a metrics.jsonl, and ``why``."""
+    return (f"{str(path)!r} is not a distmetrics metrics.jsonl: {why} "
             "(give a run directory or the metrics.jsonl distmetrics wrote)")
 
 

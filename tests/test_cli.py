@@ -98,6 +98,62 @@ def test_summary_and_report_say_the_same_of_a_file_that_is_not_a_metrics_jsonl(t
     assert said[0] == said[1] and "none of its 2 non-blank line(s)" in said[0], said
 
 
+def test_a_run_that_cannot_be_read_is_said_and_the_others_are_summarised(tmp_path):
+    """A folder of runs, one a 0-byte metrics.jsonl (a Monitor started on a full disk): summary said
+    only that file was "not a distmetrics metrics.jsonl" and exited 2, nothing of the good runs."""
+    _write_run(tmp_path / "runs" / "a_good", [[10, 20]])
+    (tmp_path / "runs" / "b_full").mkdir()
+    (tmp_path / "runs" / "b_full" / "metrics.jsonl").write_bytes(b"")
+    _write_run(tmp_path / "runs" / "c_good", [[10, 20, 30]])
+    out = _run("summary", tmp_path / "runs")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "a_good/metrics.jsonl: 1 job(s)" in out.stdout and "c_good/metrics.jsonl: 1 job(s)" in out.stdout
+    assert "last step 20: loss=0.5" in out.stdout and "last step 30:" in out.stdout and "b_full" not in out.stdout
+    full = tmp_path / "runs" / "b_full" / "metrics.jsonl"
+    empty = f"{str(full)!r} holds no record: it is empty (a run that wrote nothing"
+    assert empty in out.stderr and "1 of the 3 runs could not be read" in out.stderr, out.stderr
+    assert "not a distmetrics metrics.jsonl" not in out.stderr and "Traceback" not in out.stderr
+    # the empty file given alone, or a folder none of whose runs can be read: nothing done, status 2
+    alone = _run("summary", full)
+    assert alone.returncode == 2 and empty in alone.stderr and not alone.stdout, alone.stderr
+    for name in ("a_good", "c_good"):
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("not json\n")
+    none = _run("summary", tmp_path / "runs")
+    assert none.returncode == 2 and not none.stdout, none.stdout
+    assert none.stderr.count("is not a distmetrics metrics.jsonl") == 2 and empty in none.stderr
+    assert "none of the 3 runs could be read" in none.stderr
+
+
+def test_a_line_over_the_limit_is_unreadable_and_never_held_whole(tmp_path, monkeypatch):
+    """A file without a newline (a checkpoint given by mistake) was read whole: 606 MB for 300 MB of
+    zeros. With the limit at 1 MiB, 16 MiB of zeros are skipped in a few MiB of memory:
+    as a line cut short where records surround it, as no metrics file where it comes first."""
+    import tracemalloc
+
+    from distmetrics import cli, runlog
+
+    monkeypatch.setattr(runlog, "LINE_LIMIT", 1 << 20, raising=False)
+    zeros = b"\0" * (16 << 20)
+    inside = _write_run(tmp_path / "inside", [[10, 20]])
+    with open(inside, "ab") as f:
+        f.write(zeros + b"\n" + json.dumps({"kind": "train", "step": 30, "train/loss": 0.25}).encode() + b"\n")
+    first = tmp_path / "checkpoint.pt"
+    first.write_bytes(zeros)
+    tracemalloc.start()
+    try:
+        text = cli.summarise(inside)
+        _, inside_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        with pytest.raises(ValueError) as refused:
+            cli.summarise(first)
+        _, first_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert inside_peak < 4 << 20 and first_peak < 4 << 20, (inside_peak, first_peak)  # not the 16 MiB line
+    assert "1 job(s), 1 unreadable line(s) skipped" in text and "last step 30: loss=0.25" in text, text
+    assert "is not a distmetrics metrics.jsonl: its first line is over 1,048,576 bytes long" in str(refused.value)
+
+
 def test_summary_reports_each_job_and_a_job_that_logs_steps_again(tmp_path):
     """Two jobs appended to one file (a restart from step 20's checkpoint): each is reported
     with its own first and last step, and the overlap is named."""
@@ -234,7 +290,7 @@ def test_summary_holds_a_few_records_at_a_time_however_long_the_file(tmp_path, m
     class Record(dict):  # a dict that a weak reference can follow
         pass
 
-    alive, most, decode = [0], [0], runlog.decode_line
+    alive, most, decode = [0], [0], runlog.decode_record
 
     def freed():
         alive[0] -= 1
@@ -249,7 +305,7 @@ def test_summary_holds_a_few_records_at_a_time_however_long_the_file(tmp_path, m
         weakref.finalize(record, freed)
         return record
 
-    monkeypatch.setattr(runlog, "decode_line", counting)
+    monkeypatch.setattr(runlog, "decode_record", counting)
     text = cli.summarise(path)
     assert "2000 train, 20 eval, 1 alert record(s)" in text and "first step 1:" in text, text
     assert "last step 2000: loss=0.005" in text and "alert step 2000: loss spike" in text, text

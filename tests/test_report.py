@@ -260,16 +260,103 @@ def test_no_metrics_file_or_not_a_metrics_file_is_exit_status_2(tmp_path):
                          ids=["empty", "blank lines", "no kind", "a float step"])
 def test_summary_and_report_refuse_the_same_files(tmp_path, capsys, text):
     """An empty file, or records without a kind or with a float step: summary refused them
-    (status 2), the report wrote a page."""
+    (status 2), the report wrote a page. An empty file is a run that wrote nothing, said so, not a
+    file that is no metrics.jsonl."""
     from distmetrics import cli
-    from distmetrics.report import NotAMetricsFile
+    from distmetrics.report import EmptyMetricsFile, NotAMetricsFile
 
     (tmp_path / "metrics.jsonl").write_text(text)
     assert cli.main(["summary", str(tmp_path)]) == 2
-    with pytest.raises(NotAMetricsFile, match="is not a distmetrics metrics.jsonl"):
+    refused, message = ((EmptyMetricsFile, "holds no record: ") if not text.strip() else
+                        (NotAMetricsFile, "is not a distmetrics metrics.jsonl: none of its 1 non-blank line(s)"))
+    with pytest.raises(refused, match=re.escape(message)) as raised:
         write_report(tmp_path)
     said = capsys.readouterr().err
-    assert ("it is empty, no JSON record with 'kind'" in said) == (not text.strip()), said
+    assert said == f"error: {raised.value}\n", (said, raised.value)
+    assert ("a run that wrote nothing" in said) == (not text.strip()), said
+
+
+def test_summary_and_report_read_odd_lines_by_one_rule(tmp_path, capsys):
+    """A byte-order mark before the run record (summary: "records before any run record"), a line
+    of spaces (unreadable to the report), a step of true (a step to summary), a run record without
+    a step (a job to the report): the two commands read each line differently."""
+    from distmetrics import cli
+
+    lines = ['\ufeff{"kind": "run", "step": 0, "world_size": 1, "hosts": ["n0"]}',
+             '{"kind": "train", "step": 1, "train/loss": 2.0}', "   \t  ",
+             '{"kind": "train", "step": true, "train/loss": 9.0}',
+             '{"kind": "run", "world_size": 1}',  # no step: no record, so no second job
+             '{"kind": "train", "step": 2, "train/loss": 1.0}']
+    (tmp_path / "metrics.jsonl").write_bytes("\n".join(lines).encode("utf-8") + b"\n")
+    assert cli.main(["summary", str(tmp_path)]) == 0
+    summary = capsys.readouterr().out
+    assert "1 job(s), 2 unreadable line(s) skipped" in summary and "records before any run record" not in summary
+    assert "job 1: started None, world size 1, hosts n0" in summary and "2 train, 0 eval" in summary, summary
+    data = load_metrics(tmp_path)
+    assert (data.lines, data.blank_lines, data.bad_lines, len(data.jobs)) == (6, 1, 2, 1)
+    assert data.jobs[0]["world_size"] == 1 and data.scalars.series("train/loss")[2].tolist() == [2.0, 1.0]
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "6 lines, 2 unreadable" in page and "2 metric records, 1 job(s)" in page
+
+
+def test_a_run_that_cannot_be_read_is_said_and_the_others_are_reported(tmp_path):
+    """a_good, b_crashed (0 bytes), c_good: the report wrote a_good's page without saying so,
+    stopped at b_crashed with status 2 and never wrote c_good's."""
+    runs = tmp_path / "runs"
+    for name in ("a_good", "b_crashed", "c_good"):
+        (runs / name).mkdir(parents=True)
+        records = [] if name == "b_crashed" else [{"kind": "run", "step": 0, "world_size": 1},
+                                                  {"kind": "train", "step": 1, "train/loss": 1.0}]
+        _write(runs / name / "metrics.jsonl", records)
+    made = _report_cli(str(runs))
+    assert made.returncode == 1, made.stderr[-3000:]
+    assert made.stdout.split() == ["report:", str(runs / "a_good" / "report.html"),
+                                   "report:", str(runs / "c_good" / "report.html")]
+    assert (runs / "a_good" / "report.html").is_file() and (runs / "c_good" / "report.html").is_file()
+    assert sorted(p.name for p in (runs / "b_crashed").iterdir()) == ["metrics.jsonl"]
+    assert f"error: {str(runs / 'b_crashed' / 'metrics.jsonl')!r} holds no record: it is empty" in made.stderr
+    assert "1 of the 3 runs could not be read" in made.stderr and "Traceback" not in made.stderr
+
+
+def test_out_naming_a_folder_is_refused_before_the_run_is_read(tmp_path, monkeypatch):
+    """``--out EXISTING_FOLDER`` read the run, drew it, then failed renaming the page onto the
+    folder: "[Errno 21] Is a directory"."""
+    from distmetrics.report import read
+
+    _write(tmp_path / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                        {"kind": "train", "step": 1, "train/loss": 1.0}])
+    (tmp_path / "out").mkdir()
+    made = _report_cli(str(tmp_path), "--out", str(tmp_path / "out"))
+    assert made.returncode == 2 and "Traceback" not in made.stderr, made.stderr
+    assert made.stderr.strip() == (f"error: --out {str(tmp_path / 'out')!r} is a folder: give the HTML file to write "
+                                   f"(--out {str(tmp_path / 'out' / 'report.html')!r}, say)")
+    monkeypatch.setattr(read.RunData, "read", lambda self: pytest.fail("read before the folder was refused"))
+    with pytest.raises(ValueError, match="is a folder: give the HTML file to write"):
+        write_report(tmp_path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "out"]
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_the_report_skips_a_line_over_the_limit_without_holding_it(tmp_path, monkeypatch):
+    """16 MiB of zero bytes without a newline amid the records (the limit at 1 MiB) were read into
+    memory whole: now one unreadable line, held a MiB at a time, and the records around it kept."""
+    import tracemalloc
+
+    from distmetrics import runlog
+
+    monkeypatch.setattr(runlog, "LINE_LIMIT", 1 << 20, raising=False)
+    with open(tmp_path / "metrics.jsonl", "wb") as f:
+        f.write(b'{"kind": "run", "step": 0, "world_size": 1}\n{"kind": "train", "step": 1, "train/loss": 2.0}\n')
+        f.write(b"\0" * (16 << 20) + b'\n{"kind": "train", "step": 2, "train/loss": 1.0}\n')
+    tracemalloc.start()
+    try:
+        data = load_metrics(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (data.lines, data.bad_lines) == (4, 1) and data.scalars.series("train/loss")[2].tolist() == [2.0, 1.0]
+    assert peak < 4 << 20, peak  # not the 16 MiB line
 
 
 def test_a_byte_that_is_not_utf8_in_a_text_value_loses_no_record_of_the_report(tmp_path):

@@ -28,7 +28,10 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["write_report", "load_metrics", "require_plotting", "MissingExtra", "NotAMetricsFile", "INSTALL_HINT"]
+from ..runlog import EmptyMetricsFile, NotAMetricsFile
+
+__all__ = ["write_report", "load_metrics", "require_plotting", "MissingExtra", "NotAMetricsFile", "EmptyMetricsFile",
+           "INSTALL_HINT"]
 
 INSTALL_HINT = 'pip install numpy matplotlib (the "report" extra)'
 """How to get what the report needs."""
@@ -36,10 +39,6 @@ INSTALL_HINT = 'pip install numpy matplotlib (the "report" extra)'
 
 class MissingExtra(ImportError):
     """The report's plotting packages are not installed (the message says how to install them)."""
-
-
-class NotAMetricsFile(ValueError):
-    """A file of which not one line is a JSON record (not a ``metrics.jsonl``)."""
 
 
 def require_plotting() -> None:
@@ -57,18 +56,18 @@ def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathL
     one such run directory) and write the report to ``out`` (default: ``report.html`` beside the
     file); returns the path written. Raises :class:`MissingExtra` before reading anything when
     matplotlib or numpy is missing, ``FileNotFoundError`` when the path does not exist,
-    ``ValueError`` when it names no metrics file or several runs, and :class:`NotAMetricsFile`
-    when not one of the file's lines is a JSON record (an empty file is an empty run)."""
+    ``ValueError`` when it names no metrics file or several runs or ``out`` is a folder,
+    :class:`EmptyMetricsFile` when the file holds nothing but blank lines (a run that wrote nothing), and
+    :class:`NotAMetricsFile` when not one of its lines is a record, as ``summary`` reads them."""
     require_plotting()
     from .html import render_report
     from .read import load_metrics as load, metrics_path
 
+    if out is not None and os.path.isdir(out):  # refused before a long read, not at the rename after it
+        raise ValueError(f"{str(out)!r} is a folder: give the HTML file to write "
+                         f"({str(Path(out) / 'report.html')!r}, say)")
     path = metrics_path(run)
     data = load(path)
-    if data.bad_lines == data.lines - data.blank_lines:  # not one record (an empty file too), as summary says
-        from ..runlog import not_a_metrics_file
-
-        raise NotAMetricsFile(not_a_metrics_file(path, data.bad_lines))
     return render_report(data, Path(out) if out is not None else path.parent / "report.html")
 
 

@@ -14,7 +14,6 @@ follow in "natural" order (``layers.2`` before ``layers.10``).
 
 from __future__ import annotations
 
-import json
 import math
 import operator
 import os
@@ -26,7 +25,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..runlog import TRAINING_KINDS as _TRAINING_KINDS, metrics_files
+from ..runlog import TRAINING_KINDS as _TRAINING_KINDS, Records, metrics_files
 from ..sinks import DASHBOARD_KINDS
 from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
@@ -75,31 +74,19 @@ class RunData:
         self._restart_pending: Optional[int] = None
 
     def read(self) -> "RunData":
-        """Read the file (a line cut short by a crash is counted in ``bad_lines`` and skipped)."""
+        """Read the file by the rule ``summary`` reads it (:class:`~distmetrics.runlog.Records`: a
+        line cut short by a crash is counted in ``bad_lines`` and skipped); a file with no record is
+        refused (:class:`~distmetrics.runlog.EmptyMetricsFile`, :class:`~distmetrics.runlog.NotAMetricsFile`)."""
         t0 = time.perf_counter()
-        with open(self.path, "rb") as f:
-            for raw in f:
-                self.lines += 1
-                if len(raw) < 3 and not raw.strip():  # a blank line (strip would copy a long one)
-                    self.blank_lines += 1
-                    continue
-                try:
-                    record = json.loads(raw)
-                except UnicodeDecodeError:  # a byte that is not UTF-8 in a text value: read as summary reads it
-                    try:
-                        record = json.loads(raw.decode("utf-8", "replace"))
-                    except ValueError:
-                        self.bad_lines += 1
-                        continue
-                except ValueError:
-                    self.bad_lines += 1
-                    continue
-                if not isinstance(record, dict):
-                    self.bad_lines += 1
-                elif record.get("kind") == "run":
+        records = Records(self.path)
+        try:
+            for record in records:
+                if record["kind"] == "run":
                     self._start_job(record)
                 else:
                     self._take(record)
+        finally:
+            self.lines, self.blank_lines, self.bad_lines = records.lines, records.blank, records.unreadable
         self.scalars.finish()
         self._plans.clear()
         self.module_rows = _row_order(self.modules, self.model_order)
@@ -123,10 +110,7 @@ class RunData:
         self._plans.clear()  # which names are per rank depends on the job's world size
 
     def _take(self, record: dict) -> None:
-        kind, step = record.get("kind"), _step_of(record)
-        if step is None or not isinstance(kind, str):  # as summary reads the file (runlog.read_jobs)
-            self.bad_lines += 1
-            return
+        kind, step = record["kind"], record["step"]
         if kind == "gpu_model":  # once per job at start: not on the step axis
             for gpu in record.get("ranks", [record]):
                 name = str(gpu.get("name", "?")) if isinstance(gpu, dict) else "?"
@@ -326,12 +310,6 @@ def _row_order(names: list[str], model_order: list[str]) -> np.ndarray:
 
 def _natural_key(text: str) -> list:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text) if t]
-
-
-def _step_of(record: dict) -> Optional[int]:
-    """The record's step: an int, as the Monitor writes it (summary reads no other)."""
-    step = record.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _number(value: Any) -> float:
