@@ -1070,12 +1070,14 @@ def test_a_monitor_that_cannot_be_made_lets_go_of_its_output_dir(tmp_path):
     class Memory(_Probe):
         name = "memory"
 
-    with pytest.raises(ValueError, match="two collectors are named 'memory'") as refused:
+    with pytest.raises(ValueError, match="a collector of yours is named 'memory', the name of a built-in") as refused:
         dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True, log_memory=True), collectors=[Memory(0)])
     # the retry runs while the error's traceback (and the half-made Monitor in it) is alive, as in an
     # `except` block; without the release: "output_dir=... is in use by another Monitor"
     dm.Monitor(quiet_config(output_dir=str(tmp_path), json_log=True)).close()
     assert refused.value is not None and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(ValueError, match="a collector of yours is named 'memory', the name of a built-in"):
+        dm.Monitor(quiet_config(log_memory=False), collectors=[Memory(0)])  # reserved with its switch off too
 
 
 def test_calls_between_log_steps_reach_the_store_about_a_thousand_times_a_second_in_all():

@@ -287,6 +287,9 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
     names = [c.name for c in built_in] + [c.name for c in collectors]
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:  # before its writes: they would seem to overlap another's
+        if twice in names[:len(built_in)]:  # a built-in's, which holds its name whatever its switch
+            raise ValueError(f"a collector of yours is named {twice!r}, the name of a built-in collector (its "
+                             "names are reserved where its switch is off too); collector names must be unique")
         raise ValueError(f"two collectors are named {twice!r}; collector names must be unique")
     check_writes(list(built_in) + list(collectors), others)
     return tuple(collectors)
