@@ -34,8 +34,9 @@ class CheckpointLog:
         path = Path(config.output_dir) / "progress.txt"
         self._metrics_file = Path(config.output_dir) / METRICS_FILE if config.json_log and is_writer else None
         self._progress = config.log_progress  # else metrics.jsonl alone tells of earlier checkpoints
-        # earlier jobs' records (read before this job's sinks open: its own run record is not one)
-        self._earlier = self._metrics_file is not None and _size(self._metrics_file) > 0
+        # earlier jobs' files (looked at before this job's sinks open: its own run record is not one)
+        earlier = [self._metrics_file] + ([path] if self._progress and is_writer else [])
+        self._earlier = any(file is not None and _size(file) > 0 for file in earlier)
         self.resumed = {} if not is_writer else read_progress(path, world_size) if self._progress else no_progress()
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
 
@@ -74,12 +75,15 @@ class CheckpointLog:
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
-        if known is None and step > 1 and (saved or self._earlier):  # a resume; earlier jobs' files: no checkpoint
+        if known is None and step > 1 and (self._progress or self._metrics_file is not None):  # a resume
             where = " or ".join(name for name, on in (
                 ("progress.txt", self._progress),
                 (f"the last {_NO_LINE_WITHIN >> 20} MiB of metrics.jsonl", self._metrics_file is not None)) if on)
+            # no earlier job's files at all: the earlier run's are elsewhere (another output_dir), or lost
+            fresh = "" if self._earlier else (", in an output_dir holding no earlier job's files: an earlier run's "
+                                              "files elsewhere are not read")
             self._short = (f"no checkpoint up to iteration {step} was found in {where} (this job started at step "
-                           f"{step}): its checkpoints' FLOPs and tokens count from this job on")
+                           f"{step}, a resume{fresh}): its checkpoints' FLOPs and tokens count from this job on")
         later = record is not None and base is not None and record.iteration == base.iteration and \
             not _rounds_alike(record, base) and _has_record_of(self._metrics_file, base)
         if record is not None and (base is None or record.iteration > base.iteration or later):
@@ -110,14 +114,19 @@ class CheckpointLog:
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
               device: torch.device, is_writer: bool) -> Optional[dict]:
         """Sum this job's tokens over ranks (one all-reduce; every rank calls this) and, on the
-        writer, return the ``progress`` record of a checkpoint saved at ``step``."""
+        writer, return the ``progress`` record of a checkpoint saved at ``step``. ``job_tokens``
+        None: this rank's steps counted none; where no rank's did (no ``tokens=``, or given only where
+        they do not count), the job's tokens and FLOPs are not known (nan), not 0."""
         value = job_tokens.detach().cpu() if isinstance(job_tokens, torch.Tensor) else job_tokens
-        tokens = torch.as_tensor(float(value), dtype=torch.float64).reshape(1)
+        tokens = torch.tensor([0.0 if value is None else float(value), 0.0 if value is None else 1.0],
+                              dtype=torch.float64)  # the sum, and how many ranks counted any
         if self.world_size > 1 and dist.is_initialized():
             tokens = tokens.to(device)
             dist.all_reduce(tokens, group=group)
-        total = float(tokens.cpu()[0])
-        if not (total >= 0 and math.isfinite(total)):  # the same on every rank: every rank raises
+        total, counting = tokens.cpu().tolist()
+        if not counting:
+            total = math.nan
+        elif not (total >= 0 and math.isfinite(total)):  # the same on every rank: every rank raises
             raise ValueError(f"monitor.checkpoint_saved({step}): this job's tokens summed over ranks are {total!r}: a "
                              "tensor given as monitor.step(tokens=...) held NaN, inf or a negative count on some "
                              "rank; accepted values are finite numbers >= 0. No progress line was written (a restart "
@@ -172,11 +181,12 @@ def _has_record_of(path: Optional[Path], line: Saved) -> bool:
 
 
 def _as_saved(record: dict) -> Optional[Saved]:
-    """A ``progress`` record of a checkpoint's numbers as :class:`Saved` (FLOPs nan where it has none:
-    not known), or None for any other record."""
+    """A ``progress`` record of a checkpoint's numbers as :class:`Saved` (FLOPs, and tokens in a
+    "Saved checkpoint" record, nan where it has none: not known), or None for any other record."""
     if record.get("kind") != "progress" or not isinstance(record.get("step"), int):
         return None
-    tokens = record.get("checkpoint/tokens")
+    saved = str(record.get("message", "")).startswith("Saved checkpoint")
+    tokens = record.get("checkpoint/tokens", math.nan if saved else None)
     flops = record.get("checkpoint/floating_point_operations", math.nan)
     if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
         return None
@@ -212,7 +222,8 @@ def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: fl
     FLOPs since the first run of the current same-world-size streak (``resumed``, read back
     from progress.txt) over the time since that run started. Without ``flops_per_token`` (no
     model description) the FLOPs are not known: ``nan`` in the text (Megatron's readers parse
-    it), left out of the record, never 0; likewise what counts on from an earlier job's ``nan``.
+    it), left out of the record, never 0; likewise the tokens and FLOPs of a job that counted no
+    tokens (``job_tokens`` nan), and what counts on from an earlier job's ``nan``.
     """
     start_flops = resumed.get("last_flops", 0.0)
     job_flops = job_tokens * flops_per_token if flops_per_token is not None else math.nan
@@ -225,6 +236,6 @@ def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: fl
     cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / world_size
     tokens = resumed.get("last_tokens", 0.0) + job_tokens
     numbers = {"checkpoint/job_tflops_per_gpu": job_tflops, "checkpoint/cumulative_tflops_per_gpu": cumulative_tflops,
-               "checkpoint/floating_point_operations": flops}
+               "checkpoint/floating_point_operations": flops, "checkpoint/tokens": tokens}
     return {"message": checkpoint_message(step, job_tflops, cumulative_tflops, flops, tokens),
-            **{name: value for name, value in numbers.items() if not math.isnan(value)}, "checkpoint/tokens": tokens}
+            **{name: value for name, value in numbers.items() if not math.isnan(value)}}

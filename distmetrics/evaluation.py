@@ -71,7 +71,7 @@ class EvalLog:
         bad = []
         for key, total_key, drop in (("tokens", _TOKENS, ("eval/loss", _TOKENS)),
                                      ("loss_tokens", _LOSS_TOKENS, ("eval/loss",)),
-                                     ("time_ms", "eval/time_ms", ("eval/time_ms",))):
+                                     ("time_ms", "eval/time_ms", ("eval/time_ms", "eval/time_ms/max_rank"))):
             least, total = metrics.get(_LEAST[key]), metrics.get(total_key)
             if any(v is not None and not (v >= 0 and math.isfinite(v)) for v in (least, total)):
                 summed = "the slowest rank's" if key == "time_ms" else "summed over ranks"
@@ -100,13 +100,17 @@ class EvalLog:
         for what, value in (("loss", loss), ("tokens", tokens), ("loss_tokens", loss_tokens), *scalars.items()):
             if value is not None:
                 check_user_value(value, "monitor.log_eval(%s=...)", what)
-        counts = (("tokens", tokens), ("loss_tokens", loss_tokens), ("time_ms", scalars.get("time_ms")))
+        # time_ms= and its written name alike: one check, as the count it is (eval/tokens_per_sec divides by it)
+        time_key = next((key for key in ("time_ms", "eval/time_ms") if scalars.get(key) is not None), None)
+        time_ms = None if time_key is None else scalars[time_key]
+        counts = (("tokens", tokens), ("loss_tokens", loss_tokens), (time_key, time_ms))
         for what, value in counts:
             if value is not None:
                 check_count(value, "monitor.log_eval(%s=...)", what)
         check_spellings(scalars, "eval", "monitor.log_eval")  # before the eval categories are taken below
         loss, tokens, loss_tokens = local_value(loss), local_value(tokens), local_value(loss_tokens)
         scalars = {k: local_value(v) for k, v in scalars.items()}
+        time_ms = local_value(time_ms)
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
@@ -125,12 +129,14 @@ class EvalLog:
         samples += [Sample(names[key], as_number(value), kinds[key]) for key, value in scalars.items()
                     if value is not None]
         samples += [Sample(_LEAST[key], as_number(value), "min") for key, value in (("tokens", tokens),
-                    ("time_ms", scalars.get("time_ms"))) if value is not None]
+                    ("time_ms", time_ms)) if value is not None]
         with self._records:  # no record_losses(split="eval") lands in them while they are taken
             samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
         self.refused, self.reducer.refused = self.reducer.refused, None  # a name whose kind differs between ranks
         self._refuse_bad_counts(metrics, step)
+        bad_weights = self.categories.refuse_bad_weights(metrics, f"for monitor.log_eval(step={step})")
+        self.refused = self.refused or bad_weights
         self._mixed.check(metrics, step)  # eval/ppl and eval/gap go with eval/loss
         if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
             metrics["eval/tokens_per_sec"] = metrics[_TOKENS] / (metrics["eval/time_ms"] / 1000.0)

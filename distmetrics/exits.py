@@ -72,18 +72,28 @@ def say_log_step_lost(monitor: "Monitor", why: str) -> None:
                        "the last log step are not written", step, why, steps)
 
 
-def say_pending(monitor: "Monitor") -> None:
-    """Say, at a close() with no step since the last record, the values recorded after it: a record
-    belongs to the interval of the next ``monitor.step``, which did not come, so they are not written."""
-    pending = [name for name in monitor._by_name["train"].stats.pending() if name[:1] != "_"]  # ours: not said
+def say_pending(monitor: "Monitor", writes_record: bool) -> None:
+    """Say, at a close(), on the rank that recorded them, the values that no record will hold, and take
+    them out of the one close() writes (``writes_record``: of the steps up to the last): what was
+    recorded after the last ``monitor.step`` belongs to the interval of the next one, which did not
+    come (written into the last step's record, it read as that step's), and ``record_losses``' eval
+    samples with no ``log_eval`` after them are written by none."""
+    with monitor._records:  # a record from another thread is said or written, not both
+        late = [name for name in monitor._by_name["train"].stats.take_back() if name[:1] != "_"]  # ours: not said
+        eval_samples = monitor._eval.categories.pending()
     if monitor._by_name["losses"].train.pending():
-        pending.append("record_losses' samples")
-    if pending:
+        late.append("record_losses' samples")
+    if late:
         after = ("before any monitor.step" if monitor._last_step is None else
-                 f"after the last monitor.step (step {monitor._last_step}, logged)")
+                 f"after the last monitor.step (step {monitor._last_step}, "
+                 f"{'whose record close() writes without them' if writes_record else 'logged'})")
         logger.warning("distmetrics: close() on rank %d: %s recorded %s are not written: a record belongs to the "
                        "interval of the next monitor.step; record before the step it belongs to", monitor.rank,
-                       ", ".join(map(repr, pending[:5])) + (" ..." if len(pending) > 5 else ""), after)
+                       ", ".join(map(repr, late[:5])) + (" ..." if len(late) > 5 else ""), after)
+    if eval_samples:
+        logger.warning("distmetrics: close() on rank %d: record_losses(split='eval') samples with no "
+                       "monitor.log_eval after them are not written: a log_eval writes them; call it before close()",
+                       monitor.rank)
 
 
 def _thread_name(ident: int) -> str:

@@ -89,18 +89,18 @@ class IntervalStats:
     A log step costs the names recorded since the last one, not every name ever recorded: a
     name's accumulator is kept for the next interval (the same names at every log step make no
     new ones) and dropped at the log step after an interval without it. Its reduce kind and
-    ``last`` are kept for good, so a name that comes back keeps them."""
+    ``last`` are kept for good, so a name that comes back keeps them. With ``by_step``, the values
+    recorded since the last :meth:`end_step` can be taken back (:meth:`take_back`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_step: bool = False) -> None:
         self._slots: dict[str, _Slot] = {}  # the names recorded in this interval or the last one
         self._kinds: dict[str, tuple[str, bool]] = {}  # every name recorded → (reduce, last) at its first record
+        # by_step: each name recorded since the last end_step → its slot's (value, weight, low) before that
+        # (references: a record makes new numbers, it never adds in place)
+        self._before_step: Optional[dict[str, tuple]] = {} if by_step else None
 
     def __contains__(self, name: str) -> bool:
         return name in self._slots and self._slots[name].value is not None
-
-    def pending(self) -> list[str]:
-        """The names recorded since the last :meth:`take_samples`."""
-        return [name for name, slot in self._slots.items() if slot.value is not None]
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0,
                last: bool = False) -> None:
@@ -117,6 +117,8 @@ class IntervalStats:
         check_value(value, "metric %r", name)
         check_value(weight, "metric %r weight", name)
         value, weight = as_number(value), as_number(weight)
+        if self._before_step is not None and name not in self._before_step:
+            self._before_step[name] = (slot.value, slot.weight, slot.low)
         if slot.last:
             slot.value, slot.weight, slot.low = value, weight, value
             return
@@ -135,6 +137,24 @@ class IntervalStats:
                 slot.low = _extreme(slot.low, value, torch.minimum, min)
                 if reduce == "min":
                     slot.value = slot.low
+
+    def end_step(self) -> None:
+        """The step the values recorded since the last call belong to has ended (``by_step``)."""
+        if self._before_step:
+            self._before_step = {}
+
+    def take_back(self) -> list[str]:
+        """Take the values recorded since the last :meth:`end_step` back out of the interval, and
+        return their names: they belong to a step that has not come (``by_step``; a log step's
+        :meth:`take_samples` took them along: nothing to take back then)."""
+        held = self._before_step or {}
+        if self._before_step is not None:
+            self._before_step = {}
+        for name, (value, weight, low) in held.items():
+            slot = self._slots.get(name)
+            if slot is not None:
+                slot.value, slot.weight, slot.low = value, weight, low
+        return list(held)
 
     def take_samples(self) -> list[Sample]:
         """This interval's samples (one per name recorded since the last call); the interval
@@ -160,6 +180,8 @@ class IntervalStats:
             kept[name] = slot
         for slot in kept.values():  # once every Sample is made: one that raised leaves the interval whole
             slot.value, slot.weight, slot.low = None, 0.0, None
+        if self._before_step:  # taken with the interval: what they were before is of no record now
+            self._before_step = {}
         if len(self._slots) != len(taken):  # names first recorded while these were taken: the next interval's
             seen = dict(taken)
             kept.update((name, slot) for name, slot in self._slots.items() if name not in seen)

@@ -284,16 +284,19 @@ class Monitor:
     @eager
     def checkpoint_saved(self, step: int) -> None:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
-        floating-point operations, tokens; cumulative across restarts with the same world size).
-        A collective (one all-reduce of the token count): every rank calls it."""
+        floating-point operations, tokens; cumulative across restarts with the same world size; nan
+        where the job's steps counted no token on any rank). A collective (one all-reduce of the token count):
+        every rank calls it."""
         self._check_open(collective=True)
         check_step(step, "monitor.checkpoint_saved")
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
         self._reducer.check_world("monitor.checkpoint_saved")
         self._guard.enter("monitor.checkpoint_saved", step)
-        record = self._checkpoints.saved(step, self._by_name["train"].job_tokens, self.config.resolved_flops_per_token,
-                                         self._reducer.group, self._reducer.device, self.is_writer)
+        train = self._by_name["train"]  # None: its steps counted no token (before any step the job's are 0)
+        tokens = train.job_tokens if train.counted_tokens or self._last_step is None else None
+        record = self._checkpoints.saved(step, tokens, self.config.resolved_flops_per_token, self._reducer.group,
+                                         self._reducer.device, self.is_writer)
         if record is not None:
             self.sinks.log(record, step, "progress")
 
@@ -307,11 +310,12 @@ class Monitor:
         if step_under_way(self):  # a signal handler's close() inside monitor.step: the step is counted whole
             finish_step(self)
         try:
-            if self._steps_in_interval > 0 and self._last_step is not None:
+            writes_record = self._steps_in_interval > 0 and self._last_step is not None
+            # values recorded after the last step belong to a step that did not come: said, and not in the record
+            say_pending(self, writes_record)
+            if writes_record:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
-            else:  # values recorded after the last step's record belong to a step that did not come
-                say_pending(self)
         except BaseException:
             self._shutdown(quiet=True)  # the error that stopped the record is the one raised
             raise

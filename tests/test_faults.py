@@ -2193,3 +2193,55 @@ def test_a_record_made_while_its_rank_waits_in_log_eval_does_not_wait_for_the_ot
     deadlocked both, named a hang). The lock is held while the eval categories are taken only."""
     out = run_ranks(_record_while_the_other_rank_is_late_to_eval, 2, timeout=120)
     assert out[0]["waited"] and out[0]["waited"][0] < 2.0, out  # rank 1 came 3.5 s later: not waited for
+
+
+def _recorded_after_the_last_step(rank: int, world: int, out: str) -> dict:
+    """Steps 1 to 3 (log_interval 2: step 3 unlogged, close() writes it) or 1 to 2 (logged), each with a
+    ``probe`` of step + rank and a ``record_losses`` sample of 1 + rank; after the last step, what belongs
+    to no written step: ``probe`` again, a name of this rank's own, a training and an evaluation sample."""
+    import torch
+
+    import distmetrics as dm
+
+    said = _warnings_said()
+    result: dict = {}
+    for case, last in (("unlogged", 3), ("logged", 2)):
+        monitor = dm.Monitor(quiet_config(output_dir=f"{out}/{case}", log_interval=2, json_log=True))
+        for step in range(1, last + 1):
+            monitor.record("probe", float(step + rank))
+            monitor.record_losses(torch.tensor([1.0 + rank]), ["a"])
+            monitor.step(step, loss=1.0, tokens=10)
+        monitor.record("probe", 100.0)
+        monitor.record(f"late/rank{rank}", 5.0)
+        monitor.record_losses(torch.tensor([100.0]), ["late"])
+        monitor.record_losses(torch.tensor([7.0]), ["held"], split="eval")
+        before = len(said)
+        monitor.close()
+        records = [r for r in dm.read_jsonl(f"{out}/{case}/metrics.jsonl") if r["kind"] != "run"] if rank == 0 else []
+        result[case] = {"said": said[before:], "records": records}
+    return result
+
+
+def test_what_is_recorded_after_the_last_step_is_left_out_of_the_close_record_and_said(tmp_path):
+    """Recorded after the last monitor.step, where close() writes the steps since the last log step:
+    record_losses' samples were dropped without a word, a record() was written into the last step's
+    record as that step's (probe read the mean of 3.5 and 100), and eval samples with no log_eval after
+    them were dropped without a word (after a logged last step too). close() leaves them out of its
+    record and says them, naming them, on the rank that recorded them, whether or not the last step
+    was logged. Truth: the steps' own values, reduced by hand."""
+    out = run_ranks(_recorded_after_the_last_step, 2, str(tmp_path), timeout=120)
+    unlogged, logged = out[0]["unlogged"]["records"], out[0]["logged"]["records"]
+    assert [(r["kind"], r["step"]) for r in unlogged] == [("train", 2), ("train", 3)], unlogged
+    assert [(r["kind"], r["step"]) for r in logged] == [("train", 2)], logged
+    last = unlogged[-1]
+    assert last["probe"] == (3 + 0 + 3 + 1) / 2 and last["train/loss/a"] == (1.0 + 2.0) / 2, last
+    assert not any(name.startswith(("late", "train/loss/late")) for name in last), last
+    for rank, result in enumerate(out):
+        for case, step in (("unlogged", 3), ("logged", 2)):
+            said = [m for m in result[case]["said"] if "close() on rank" in m]
+            assert len(said) == 2, (rank, case, result[case]["said"])
+            train, held = said
+            assert f"close() on rank {rank}: 'probe', 'late/rank{rank}', \"record_losses' samples\" recorded after " \
+                   f"the last monitor.step (step {step}" in train, (rank, case, train)
+            assert f"rank{1 - rank}" not in train
+            assert held.startswith(f"distmetrics: close() on rank {rank}: record_losses(split='eval') samples"), held

@@ -652,6 +652,55 @@ def test_a_job_without_a_flops_description_writes_unknown_flops_not_zeros(tmp_pa
     assert [line.iteration for line in saved] == [10, 20] and all(math.isnan(line.flops) for line in saved)
 
 
+def _checkpoints_of_jobs_that_count_no_tokens(rank: int, world: int, root: str) -> dict:
+    """Jobs of steps 1-4 and a checkpoint at 4 (flops_per_token set): no tokens= anywhere; tokens on
+    pipeline rank 0 only, where the last stage (rank 1) counts them; tokens=0 everywhere. Then a job
+    resuming the first at step 5 with 1,000 tokens a step on every rank, saving at 6."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    cfg = quiet_config(log_interval=2, json_log=True, log_progress=True, flops_per_token=1e9)
+    tokens = {"no tokens": lambda: None, "first stage only": lambda: 1000 if rank == 0 else None, "zero": lambda: 0}
+    for case, given in tokens.items():
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)) if case == "first stage only" else None
+        with dm.Monitor(cfg.replace(output_dir=f"{root}/{case}"), device_mesh=mesh) as monitor:
+            for step in range(1, 5):
+                monitor.step(step, loss=1.0, tokens=given())
+            monitor.checkpoint_saved(4)
+    with dm.Monitor(cfg.replace(output_dir=f"{root}/no tokens")) as monitor:
+        for step in (5, 6):
+            monitor.step(step, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(6)
+    if rank != 0:
+        return {}
+    return {case: ([r for r in dm.read_jsonl(f"{root}/{case}/metrics.jsonl") if r["kind"] == "progress"],
+                   [line for line in Path(root, case, "progress.txt").read_text().splitlines()
+                    if "Saved checkpoint" in line])
+            for case in tokens}
+
+
+def test_a_job_in_which_no_rank_counts_tokens_writes_unknown_tokens_and_flops_not_zeros(tmp_path):
+    """No rank counted a token (none given, or given only on a pipeline rank that does not count them):
+    the checkpoint wrote 0 FLOPs, 0.0 TFLOP/s/GPU and 0 tokens though flops_per_token is set, and a
+    restart counted on from 0. Not known: nan in the line, left out of the record, and unknown in a job
+    that counts on from it (its own throughput known); a job that passed tokens=0 counted 0."""
+    (result,) = [r for r in run_ranks(_checkpoints_of_jobs_that_count_no_tokens, 2, str(tmp_path), timeout=180) if r]
+    for case in ("no tokens", "first stage only"):
+        records, lines = result[case]
+        first = records[0]
+        assert first["step"] == 4 and not any(k.startswith("checkpoint/") for k in first), (case, first)
+        assert lines[0].endswith("Job throughput: nan TFLOP/s/GPU\tCumulative throughput: nan TFLOP/s/GPU\t"
+                                 "Floating-point operations: nan\tTokens (in billions): nan"), (case, lines[0])
+    resumed = result["no tokens"][0][1]  # counts on from an unknown total
+    assert resumed["step"] == 6 and resumed["checkpoint/job_tflops_per_gpu"] > 0, resumed
+    assert {k for k in resumed if k.startswith("checkpoint/")} == {"checkpoint/job_tflops_per_gpu"}, resumed
+    (zero,), _ = result["zero"]
+    assert zero["checkpoint/tokens"] == 0.0 and zero["checkpoint/floating_point_operations"] == 0.0, zero
+
+
 @pytest.mark.parametrize("checkpoints", [(10, 20), (20,)], ids=["a line before it", "its only line"])
 def test_a_checkpoint_line_lost_from_progress_txt_is_counted_on_from_metrics_jsonl(tmp_path, caplog, checkpoints):
     """The disk filled between a checkpoint's JSONL record and its progress.txt line: a job
@@ -958,11 +1007,52 @@ def test_a_resume_that_finds_no_earlier_checkpoint_says_so_at_its_first(tmp_path
     last = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"][-1]
     assert last["checkpoint/tokens"] == 2000.0  # this job's alone, and said:
     assert "no checkpoint up to iteration 21 was found in the last 1 MiB of metrics.jsonl" in caplog.text
-    caplog.clear()  # a job resuming into a fresh folder (its own run record is there by then) is not told
+    assert "no earlier job's files" not in caplog.text
+    caplog.clear()  # a job resuming into a fresh folder (its own run record is there by then): told it is one
     with dm.Monitor(cfg.replace(output_dir=str(tmp_path / "fresh"))) as monitor:
         monitor.step(1001, loss=1.0, tokens=1000)
         monitor.checkpoint_saved(1001)
-    assert "no checkpoint up to" not in caplog.text
+    assert "(this job started at step 1001, a resume, in an output_dir holding no earlier job's files" in caplog.text
+
+
+def _resumes_in_a_fresh_folder(rank: int, world: int, root: str) -> dict:
+    """A job of steps 11-14 in an empty output_dir, saving checkpoints at 12 and 14 (the earlier
+    run's files are elsewhere), and a job of steps 1-2 saving at 2 in another empty one."""
+    import logging
+
+    import distmetrics as dm
+
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    cfg = quiet_config(log_interval=2, json_log=True, log_progress=True, flops_per_token=1e9)
+    out = {}
+    for case, steps in (("resumed", range(11, 15)), ("from scratch", range(1, 3))):
+        before = len(said)
+        with dm.Monitor(cfg.replace(output_dir=f"{root}/{case}")) as monitor:
+            for step in steps:
+                monitor.step(step, loss=1.0, tokens=1000)
+                if step % 2 == 0:
+                    monitor.checkpoint_saved(step)
+        records = dm.read_jsonl(f"{root}/{case}/metrics.jsonl") if rank == 0 else []
+        out[case] = {"said": [m for m in said[before:] if "checkpoint" in m],
+                     "tokens": [r["checkpoint/tokens"] for r in records if r["kind"] == "progress"]}
+    return out
+
+
+def test_a_resume_in_a_folder_with_no_earlier_files_says_its_numbers_count_from_this_job(tmp_path):
+    """A job whose first step is 11 in an empty output_dir (the earlier run's files elsewhere) counted
+    its checkpoints' FLOPs and tokens from this job on without a word, while a folder with earlier
+    files but no checkpoint was told. Said once, on the writer rank, at the first checkpoint; a job
+    starting at step 1 is not told. Truth: 1,000 tokens a step on each of 2 ranks, this job's alone."""
+    out = run_ranks(_resumes_in_a_fresh_folder, 2, str(tmp_path), timeout=120)
+    said = out[0]["resumed"]["said"]
+    assert len(said) == 1 and "no checkpoint up to iteration 11 was found in progress.txt or the last 64 MiB of " \
+        "metrics.jsonl (this job started at step 11, a resume, in an output_dir holding no earlier job's files" in \
+        said[0] and "count from this job on" in said[0], said
+    assert out[0]["resumed"]["tokens"] == [2 * 2 * 1000.0, 4 * 2 * 1000.0]
+    assert out[1]["resumed"]["said"] == [] and out[0]["from scratch"]["said"] == out[1]["from scratch"]["said"] == []
 
 
 def test_ranks_of_one_host_on_one_gpu_are_named_at_start_up(caplog):

@@ -1536,3 +1536,109 @@ def test_a_models_mesh_short_of_the_ranks_naming_nothing_above_it_is_said():
     (consumed tokens × pp), unsaid, where the README says it is said once. Now it is (the writer)."""
     results = run_ranks(_stages_on_an_unflattened_mesh, 2, timeout=120)
     assert len(results[0]["said"]) == 1 and "Pass device_mesh=" in results[0]["said"][0], results[0]
+
+
+def _eval_time_under_its_written_name(rank: int, world: int, root: str) -> dict:
+    """log_eval's time given as ``**{"eval/time_ms": t}``: a negative number on every rank, then tensors,
+    negative on rank 0 alone and then on every rank."""
+    import torch
+
+    import distmetrics as dm
+
+    out: dict = {}
+    with dm.Monitor(quiet_config(output_dir=root, log_interval=1, json_log=True)) as monitor:
+        monitor.step(1, loss=1.0, tokens=10)
+        try:
+            monitor.log_eval(1, loss=2.0, tokens=10, **{"eval/time_ms": -5.0})
+        except ValueError as err:
+            out["number"] = str(err)
+        for step, times in ((2, (-5.0, 4.0)), (3, (-5.0, -5.0))):
+            monitor.step(step, loss=1.0, tokens=10)
+            try:
+                monitor.log_eval(step, loss=2.0, tokens=10, **{"eval/time_ms": torch.tensor(times[rank])})
+            except ValueError as err:
+                out[step] = str(err)
+    out["records"] = [r for r in dm.read_jsonl(f"{root}/metrics.jsonl") if r["kind"] == "eval"] if rank == 0 else []
+    return out
+
+
+def test_eval_time_under_its_written_name_is_checked_as_time_ms_is(tmp_path):
+    """log_eval(**{"eval/time_ms": t}) is the time_ms= metric, but skipped its checks: a negative number
+    was taken (on one rank it was hidden by the max), a negative tensor on every rank was said after the
+    collective without the least any rank gave, and its refused record kept an orphan eval/time_ms/max_rank.
+    One check for both spellings: numbers refused at the call on every rank (no collective made), tensors
+    in the least a rank gave, the record written without eval/time_ms and its /max_rank."""
+    out = run_ranks(_eval_time_under_its_written_name, 2, str(tmp_path), timeout=120)
+    for result in out:
+        assert result["number"] == ("monitor.log_eval(eval/time_ms=...): -5.0 is refused: accepted values are finite "
+                                    "numbers >= 0"), result
+        assert "time_ms: the slowest rank's 4.0, the least a rank gave -5.0" in result[2], result
+        assert "time_ms: the slowest rank's -5.0, the least a rank gave -5.0" in result[3], result
+    records = out[0]["records"]
+    assert [r["step"] for r in records] == [2, 3]  # none of the refused call
+    for record in records:
+        assert record["eval/loss"] == 2.0 and not any(k.startswith("eval/time_ms") for k in record), record
+        assert "eval/tokens_per_sec" not in record
+
+
+def _category_inputs(rank: int, world: int, root: str) -> dict:
+    """record_losses with weights as host values and as tensors (bad on one rank), and categories as
+    a bool tensor; train samples over steps 1-2 and 3-4 (log_interval 2), eval samples at log_eval 4."""
+    import torch
+
+    import distmetrics as dm
+
+    out: dict = {"refused": {}, "raised": {}}
+    losses = torch.tensor([1.0, 2.0])
+    with dm.Monitor(quiet_config(output_dir=root, log_interval=2, json_log=True)) as monitor:
+        calls = {"list": lambda: monitor.record_losses(losses, ["c", "c"], weights=[-1.0, 2.0]),
+                 "nan list": lambda: monitor.record_losses(losses, ["c", "c"], weights=[math.nan, 2.0]),
+                 "bools": lambda: monitor.record_losses(losses, torch.tensor([True, False]), names=["no", "yes"])}
+        for name, call in calls.items():
+            try:
+                call()
+            except (TypeError, ValueError) as err:
+                out["refused"][name] = f"{type(err).__name__}: {err}"
+        for step in range(1, 5):
+            bad = step == 1 and rank == 0  # one sample's weight on one rank, in the first interval
+            monitor.record_losses(losses, ["c", "c"], weights=torch.tensor([-1.0 if bad else 1.0, 2.0 + rank]))
+            try:
+                monitor.step(step, loss=1.0, tokens=10)
+            except ValueError as err:
+                out["raised"][step] = str(err)
+        monitor.record_losses(losses, ["e", "e"], weights=torch.tensor([math.nan if rank else 1.0, 1.0]), split="eval")
+        try:
+            monitor.log_eval(4, loss=2.0)
+        except ValueError as err:
+            out["raised"]["eval"] = str(err)
+    out["records"] = [r for r in dm.read_jsonl(f"{root}/metrics.jsonl") if r["kind"] != "run"] if rank == 0 else []
+    return out
+
+
+def test_record_losses_weights_must_be_counts_and_a_bool_tensor_is_no_category_ids(tmp_path):
+    """losses [1, 2] with weights [-1, 2] wrote train/loss/c = 3.0, outside its samples' range, without
+    a word, and a bool tensor of categories with names= was taken as ids 1 and 0 (a list of bools is
+    refused). Weights given as a list are checked at the call; tensors are not read there (no host sync):
+    their bad weights are counted on the device and checked at the log step (log_eval for eval
+    samples), where the record is written without the split's categories and every rank raises.
+    Truth: the token-weighted mean of the good interval, by hand."""
+    out = run_ranks(_category_inputs, 2, str(tmp_path), timeout=120)
+    for result in out:
+        refused = result["refused"]
+        assert refused["list"] == ("ValueError: record_losses(weights=...): the weight -1.0 of sample 0 is refused: "
+                                   "accepted values are finite numbers >= 0"), refused
+        assert refused["nan list"].startswith("ValueError: record_losses(weights=...): the weight nan of sample 0")
+        assert refused["bools"].startswith("TypeError: record_losses(categories=...): a tensor of categories holds "
+                                           "integer ids, got torch.bool"), refused
+        raised = result["raised"]
+        assert set(raised) == {2, "eval"}, raised  # the interval holding the bad weight, on every rank
+        assert "record_losses(weights=...): the weights given as tensors in the steps up to step 2 held 1 that " \
+               "are NaN, inf or negative" in raised[2], raised
+        assert "for monitor.log_eval(step=4) held 1" in raised["eval"] and "eval/loss/<category>" in raised["eval"]
+    first, second, evaluation = out[0]["records"]
+    assert (first["step"], second["step"], evaluation["kind"]) == (2, 4, "eval")
+    assert "train/loss/c" not in first and first["train/loss"] == 1.0, first
+    weights = [w for rank in range(2) for w in (1.0, 2.0 + rank)] * 2  # steps 3 and 4
+    assert second["train/loss/c"] == pytest.approx(sum(w * loss for w, loss in zip(weights, [1.0, 2.0] * 4))
+                                                   / sum(weights), rel=1e-12)
+    assert evaluation["eval/loss"] == 2.0 and not any(k.startswith("eval/loss/") for k in evaluation), evaluation

@@ -3,7 +3,12 @@ a task), accumulated on device and written as ``<split>/loss/<category>``.
 
 Training samples belong to the step ``monitor.step`` reports next: they wait there and join the
 interval at that call, or are dropped with it where the step is skipped, as its loss is left out of
-``train/loss``. Evaluation samples join at once (``log_eval`` writes them)."""
+``train/loss``. Evaluation samples join at once (``log_eval`` writes them).
+
+Weights are counts (finite, >= 0): given as host values they are checked at the call; a tensor is not
+read there (a device sync), so its bad weights are counted on its device and the count travels in the
+log step's (or ``log_eval``'s) reduction, where any on any rank leaves the split's categories out of the
+record and raises, as bad ``tokens`` do."""
 
 from __future__ import annotations
 
@@ -32,6 +37,10 @@ class CategoryLosses:
         self._step_sums: Optional[torch.Tensor] = None  # the same since the last end_step (per_step)
         self._step_weights: Optional[torch.Tensor] = None
         self._names_made: tuple = (-1, ())  # (categories named, their record names) at the last log step
+        self._bad: Optional[torch.Tensor] = None  # weights given in tensors that are NaN, inf or < 0 (a count)
+        self._step_bad: Optional[torch.Tensor] = None  # ... since the last end_step (per_step)
+        self.bad_lane = f"_{prefix}/bad_weights"
+        """Internal lane: that count, summed over ranks."""
 
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
@@ -44,11 +53,20 @@ class CategoryLosses:
         categories = user_tensor(categories, "record_losses(categories)")
         losses = losses.detach().reshape(-1).to(torch.float64)
         n = losses.numel()
-        w = torch.ones_like(losses) if weights is None else torch.as_tensor(weights).detach().reshape(-1).to(
-            device=losses.device, dtype=torch.float64)
+        w, bad = torch.ones_like(losses), None
+        if weights is not None:
+            w = torch.as_tensor(weights).detach().reshape(-1).to(torch.float64)
+            if not isinstance(weights, torch.Tensor):  # host values (a list, a numpy array): read now
+                _check_weights(w)
+            w = w.to(losses.device)
+            if isinstance(weights, torch.Tensor):  # not read here: its bad weights are counted on the device
+                bad = (~(torch.isfinite(w) & (w >= 0))).sum().to(torch.float64)
         if w.numel() != n:
             raise ValueError(f"record_losses: {n} losses but {w.numel()} weights")
         if isinstance(categories, torch.Tensor):
+            if categories.dtype == torch.bool:  # as a list of bools is: True and False are no ids
+                raise TypeError("record_losses(categories=...): a tensor of categories holds integer ids, got "
+                                "torch.bool (True and False would be taken as the ids 1 and 0); pass integer ids")
             if categories.is_floating_point() or categories.is_complex():
                 raise TypeError(f"record_losses(categories=...): a tensor of categories holds integer ids, got "
                                 f"{categories.dtype} (its ids were cut to integers)")
@@ -87,23 +105,28 @@ class CategoryLosses:
         if self.per_step:
             self._step_sums, self._step_weights = sums, totals = _grown(self._step_sums, self._step_weights,
                                                                         len(self.names), losses.device)
+            self._step_bad = _plus(self._step_bad, bad)
         else:
             self._sums, self._weights = sums, totals = _grown(self._sums, self._weights, len(self.names),
                                                               losses.device)
+            self._bad = _plus(self._bad, bad)
         # a sample of weight 0 counts for nothing, even its NaN (the loss of an all-masked sample)
         sums.index_add_(0, index, losses if weights is None else weighted(losses, w))
         totals.index_add_(0, index, w)
 
     def pending(self) -> bool:
-        """Whether samples wait for a step's end (:meth:`end_step`)."""
-        return self._step_sums is not None
+        """Whether samples wait: for a step's end (``per_step``: :meth:`end_step`), else for the next
+        :meth:`take_samples` (``log_eval``'s)."""
+        return (self._step_sums if self.per_step else self._sums) is not None
 
     def end_step(self, skipped: bool) -> None:
         """The step the samples since the last call belong to has ended: they join the interval,
         or are dropped where the step was ``skipped`` (on device: no host sync)."""
         sums, weights, self._step_sums, self._step_weights = self._step_sums, self._step_weights, None, None
+        bad, self._step_bad = self._step_bad, None
         if sums is None or skipped:
             return
+        self._bad = _plus(self._bad, bad)
         if self._sums is None:
             self._sums, self._weights = sums, weights
             return
@@ -123,8 +146,23 @@ class CategoryLosses:
             # layout knows a vector by its names' tuple, and a new one each log step rebuilt its positions
             self._names_made = (len(self.names), tuple(f"{self.prefix}/{name}" for name in self.names))
         out = [Sample(self.prefix, self._sums, "mean", weight=self._weights, summed=True, names=self._names_made[1])]
-        self._sums = self._weights = None
+        if self._bad is not None:
+            out.append(Sample(self.bad_lane, self._bad, "sum"))
+        self._sums = self._weights = self._bad = None
         return out
+
+    def refuse_bad_weights(self, metrics: dict[str, Any], when: str) -> Optional[ValueError]:
+        """Take the count of bad weights out of the reduced ``metrics``; where there are any (on any
+        rank: the same everywhere), leave the split's categories out of the record and return the error
+        to raise once it is written (``when``: the samples' steps or evaluation)."""
+        bad = metrics.pop(self.bad_lane, None)
+        if not bad:
+            return None
+        for name in [name for name in metrics if name.startswith(self.prefix + "/")]:
+            del metrics[name]
+        return ValueError(f"record_losses(weights=...): the weights given as tensors {when} held {bad:.0f} that are "
+                          "NaN, inf or negative (summed over ranks); accepted values are finite numbers >= 0. The "
+                          f"record was written without {self.prefix}/<category> (weighted by them)")
 
     def _lookup(self, names: Union[Sequence[str], dict]) -> torch.Tensor:
         """Category id → slot, indexed by the id itself (ids need not be 0..n-1)."""
@@ -173,7 +211,11 @@ class LossCollector:
         return self.train.take_samples()
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Nothing to derive: the reduction already gives each category's mean."""
+        """Nothing to derive (the reduction already gives each category's mean); bad weights given
+        in tensors leave the categories out and raise once the record is written."""
+        refused = self.train.refuse_bad_weights(metrics, f"in the steps up to step {ctx.step}")
+        if refused is not None:
+            raise refused
         return []
 
     def close(self) -> None:
@@ -189,6 +231,22 @@ def _named(names: Union[Sequence[str], dict], category: Any) -> Optional[str]:
     if isinstance(names, dict):
         return str(names[category]) if category in names else None
     return str(names[category]) if 0 <= category < len(names) else None
+
+
+def _check_weights(weights: torch.Tensor) -> None:
+    """Weights given as host values: finite and >= 0 (a negative one puts a category's mean outside its
+    samples' range)."""
+    bad = ~(torch.isfinite(weights) & (weights >= 0))
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0])
+        raise ValueError(f"record_losses(weights=...): the weight {float(weights[at])!r} of sample {at} is refused: "
+                         "accepted values are finite numbers >= 0")
+
+
+def _plus(total: Optional[torch.Tensor], more: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if more is None:
+        return total
+    return more if total is None else total + more.to(total.device)
 
 
 def _grown(sums: Optional[torch.Tensor], weights: Optional[torch.Tensor], size: int,

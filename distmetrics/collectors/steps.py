@@ -178,13 +178,14 @@ class StepValues:
     writes = ("train/loss", "train/lr")
 
     def __init__(self, layout: Any, writer: int) -> None:
-        self.stats = IntervalStats()
+        self.stats = IntervalStats(by_step=True)  # a value recorded after the last step: taken back at close()
         self.names = NameRegistry()  # the Monitor adds what its other collectors write
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
         self.names.reserve(["train/lr"], "monitor.step(lr=...)")
         self.counts_tokens = counts_batch_tokens(layout)
         self.stage_loss = StageLoss(layout, "monitor.step")
         self.job_tokens: Number = 0.0  # this rank's share of the tokens since the job started
+        self.counted_tokens = False  # whether this rank counted tokens in the job (tokens=0 too): else not known
         self._job_tokens_logged: Number = 0.0  # ... up to the last log step whose tokens were good
         self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
         self.timed_steps = 0  # the last interval's steps that the clock measured
@@ -246,6 +247,7 @@ class StepValues:
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
             self.job_tokens = self.job_tokens + as_number(tokens)
+            self.counted_tokens = True
         elif tokens is not None:
             self._uncounted = True
         if lr is not None:
@@ -254,6 +256,7 @@ class StepValues:
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
+        self.stats.end_step()  # what was recorded up to here is this step's
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
         """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
@@ -324,7 +327,8 @@ class StepValues:
 
     def _check_uncounted(self, uncounted: Optional[float], ctx: LogContext) -> None:
         """Say once where tokens were given in the interval only on ranks that do not count them: the
-        record has no throughput, MFU or consumed tokens, and the checkpoints' lines count 0 tokens."""
+        record has no throughput, MFU or consumed tokens, and the checkpoints' lines count none of them
+        (nan where the job counted none at all)."""
         if not uncounted or ctx.tokens is not None or not self._says_uncounted:
             return
         self._says_uncounted = False
@@ -332,8 +336,9 @@ class StepValues:
                        "tokens: they count once per data-parallel replica, on the rank of the last pipeline stage "
                        "(pipeline_style decides which) at tensor- and context-parallel rank 0, which were given "
                        "none. Pass the tokens there too (every rank may pass the same number): until then the "
-                       "records have no throughput, MFU or consumed tokens, and checkpoints count no tokens. Said "
-                       "once", ctx.step)
+                       "records have no throughput, MFU or consumed tokens, and checkpoints count no tokens (their "
+                       "tokens and FLOPs are not known, nan, where no rank counted any in the job). Said once",
+                       ctx.step)
 
     def _check_loss_tokens(self, metrics: dict[str, Any], step: int) -> None:
         """``loss_tokens`` given as tensors, checked in their sum over ranks as ``tokens`` are: NaN, inf
