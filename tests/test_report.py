@@ -297,7 +297,7 @@ def test_summary_and_report_read_odd_lines_by_one_rule(tmp_path, capsys):
     assert data.jobs[0]["world_size"] == 1 and data.scalars.series("train/loss")[2].tolist() == [2.0, 1.0]
     assert cli.main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
-    assert "6 lines, 2 unreadable" in page and "2 metric records, 1 job(s)" in page
+    assert "6 lines, 2 unreadable" in page and "2 metric records (train, eval, tensor_stats), 1 job(s)" in page
 
 
 def test_a_run_that_cannot_be_read_is_said_and_the_others_are_reported(tmp_path):
@@ -835,3 +835,164 @@ def test_a_group_jobs_rank_values_are_read_per_rank_by_their_global_ranks(tmp_pa
     assert [name for kind, name in data.grids if kind == "rank"] == ["x"]
     steps, values = data.grids[("rank", "x")].logged()
     assert steps.tolist() == [1] and np.nanmax(values) == 3.0 and np.nanmin(values) == 1.0
+
+
+def test_heatmap_steps_lost_or_never_logged_are_grey_and_gaps_are_marked(tmp_path):
+    """A disk full at steps 10-14 (a ``gap`` record, as the JSONL sink writes it when room comes
+    back) and step 30 never logged: the heatmap painted steps 7-11 with step 6's value and 12-17
+    with step 16's, no bin grey, no gap marked. Truth from the file read back with json: a column
+    shows the nearest logged step's value when at most half the log interval from it and not a
+    lost step, else nothing."""
+    from collections import Counter
+
+    from distmetrics.report.figures import Figures
+    from distmetrics.report.heatmap import heatmap
+
+    records = [{"kind": "run", "step": 0, "world_size": 1, "modules": ["a", "b"]}]
+    for step in range(2, 41, 2):
+        if step in (10, 12, 14, 30):
+            continue
+        if step == 16:
+            records.append({"kind": "gap", "step": 16, "first_step": 10, "last_step": 14, "lost_records": 3,
+                            "error": "[Errno 28] No space left on device (ENOSPC)"})
+        records.append({"kind": "train", "step": step, "train/loss": 1.0, "grad_norm/a": step + 0.5,
+                        "grad_norm/b": 100.0 + step})
+        if step % 8 == 0:
+            records.append({"kind": "eval", "step": step, "eval/loss": 2.0})
+    _write(tmp_path / "metrics.jsonl", records)
+
+    read_back = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in read_back if r["kind"] == "train"}
+    lost = [(r["first_step"], r["last_step"]) for r in read_back if r["kind"] == "gap"]
+    interval = Counter(b - a for a, b in zip(sorted(logged), sorted(logged)[1:])).most_common(1)[0][0]
+    data = load_metrics(tmp_path)
+    grid = data.grids[("module", "grad_norm")]
+    values, flags, x0, x1 = grid.image(data.lost)
+    assert grid.width == 1 and data.lost == lost == [(10, 14)]
+    greys = []
+    for column in range(values.shape[0]):
+        step = x0 + 0.5 + column
+        nearest = min(logged, key=lambda s: (abs(s - step), s))
+        shown = abs(nearest - step) <= interval // 2 and (step == nearest or not any(a <= step <= b for a, b in lost))
+        for row, module in ((data.modules.index("a"), "a"), (data.modules.index("b"), "b")):
+            if shown:
+                assert values[column, row] == logged[nearest][f"grad_norm/{module}"], (step, module)
+            else:
+                assert math.isnan(values[column, row]), (step, module, values[column, row])
+        greys += [] if shown else [int(step)]
+    assert greys == [10, 11, 12, 13, 14, 30] and not flags.any()
+    figures = Figures(data)
+    figure = heatmap(figures, grid, "grad_norm", data.modules, data.module_rows, "rss", log=True, cmap="viridis",
+                     colour_label="grad_norm", row_name="module")
+    assert "olive lines: the first and last steps of records lost (gap records)" in html.unescape(figure)
+
+    # a later job resuming at step 12 logs the lost steps 12-14 again: only 10-11 stay lost
+    records += [dict(records[0]), {"kind": "resume", "step": 12, "message": "m", "last_logged_step": 40,
+                                   "from_step": 12}]
+    records += [{"kind": "train", "step": s, "train/loss": 1.0, "grad_norm/a": 1.0, "grad_norm/b": 2.0}
+                for s in range(12, 21, 2)]
+    _write(tmp_path / "metrics.jsonl", records)
+    data = load_metrics(tmp_path)
+    values, _, x0, _ = data.grids[("module", "grad_norm")].image(data.lost)
+    greys = [int(x0 + 0.5 + c) for c in range(values.shape[0]) if np.isnan(values[c]).all()]
+    assert data.lost == [(10, 11)] and greys == [10, 11]
+
+
+def _nested_modules(rank: int, world: int, root: str) -> dict:
+    """A real 2-rank run of a model of 503 modules holding parameters (``embed``, ``blocks``, 167
+    ``blocks.<i>`` and their ``fc1``, ``fc2``): every parameter's squared gradient in float64 and
+    the parameters below each module, for the truth of merged heatmap rows."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Linear(2, 2)
+    model.blocks = torch.nn.ModuleList()
+    for _ in range(167):
+        block = torch.nn.Module()
+        block.fc1, block.fc2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        model.blocks.append(block)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                           log_update_norm=True)
+    squares = {}
+    with dm.Monitor(cfg, model=model, optimizer=optimizer) as monitor:
+        for step in (1, 2):
+            with torch.no_grad():  # fc2 updates above the relative-update band, the rest inside it
+                for i, (name, p) in enumerate(model.named_parameters()):
+                    p.fill_(100.0 if ".fc1." in name else 1.0)
+                    p.grad = torch.full_like(p, (1e-3 if name.startswith("embed.") else 0.1) * (1 + i % 7 / 10) * step)
+            squares[step] = {name: float(p.grad.double().pow(2).sum()) for name, p in model.named_parameters()}
+            monitor.clip_grad_norm_(math.inf)
+            optimizer.step()
+            monitor.step(step, loss=1.0)
+    below = {name: [f"{name}.{p}" for p, _ in module.named_parameters()] for name, module in model.named_modules()
+             if name and any(True for _ in module.parameters())}
+    return {"squares": squares, "below": below}
+
+
+def test_merged_module_rows_are_the_norm_of_the_parameters_they_hold(tmp_path):
+    """Above 500 modules rows merge in pairs: ``blocks.0 (+1)`` (blocks.0 and blocks.0.fc1) added
+    fc1's norm to the block's that holds it, up to 30% high here. Truth: the float64 norm of the
+    union of the row's modules' parameters' gradients. The share of modules outside the
+    relative-update band counted the containers too (33% here, where half the leaf modules are
+    outside); it counts leaf modules, read back from the JSONL with json."""
+    from distmetrics.report.heatmap import MAX_ROWS, _merge_rows, _ordered
+    from distmetrics.report.sections import outside_band
+
+    truth = run_ranks(_nested_modules, 2, str(tmp_path))[0]
+    data = load_metrics(tmp_path)
+    values, flags, x0, _ = data.grids[("module", "grad_norm")].image(data.lost)
+    values, flags, labels = _ordered(values, flags, list(data.modules), data.module_rows, "module")
+    assert len(labels) == 503 and labels[:4] == ["embed", "blocks", "blocks.0", "blocks.0.fc1"]
+    merged, _, names, k = _merge_rows(values, flags, labels, "rss", "module")
+    assert k == 2 and merged.shape[1] == 252 <= MAX_ROWS and names[1] == "blocks.0 (+1)"
+    for column in range(merged.shape[0]):
+        step = int(x0 + 0.5) + column
+        for row in range(merged.shape[1]):
+            params = {p for module in labels[row * k: (row + 1) * k] for p in truth["below"][module]}
+            expected = math.sqrt(math.fsum(truth["squares"][step][p] for p in params))
+            assert merged[column, row] == pytest.approx(expected, rel=1e-6), (step, names[row])
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps, outside, below = outside_band(data, "relative_update_norm")
+    for record, share_outside, share_below in zip([r for r in records if r["kind"] == "train"], outside, below):
+        ratios = {key.split("/", 1)[1]: value for key, value in record.items()
+                  if key.startswith("relative_update_norm/")}
+        leaves = [m for m in ratios if not any(other.startswith(m + ".") for other in ratios)]
+        assert len(leaves) == 1 + 2 * 167
+        assert share_outside == pytest.approx(sum(not 1e-4 <= ratios[m] <= 1e-2 for m in leaves) / len(leaves))
+        assert share_below == pytest.approx(sum(ratios[m] < 1e-4 for m in leaves) / len(leaves))
+    assert steps.tolist() == [1, 2]
+
+
+def test_the_summary_and_jobs_table_count_as_summary_does(tmp_path, capsys):
+    """The jobs table's first step was the first record of any kind (job 2's resume record at 12,
+    job 3's tensor_stats at 29) where summary gives the first train record; the record count
+    counted progress (checkpoint) records as metric records; "modules | 0 (in model order)" was
+    shown for a run with no module norm."""
+    from distmetrics import cli
+
+    run = {"kind": "run", "step": 0, "world_size": 1, "modules": ["model", "a"]}
+    records = [run] + [{"kind": "train", "step": s, "train/loss": 1.0} for s in (10, 20)]
+    records += [{"kind": "progress", "step": 20, "message": "Saved checkpoint", "checkpoint/tokens": 5.0}]
+    records += [dict(run), {"kind": "resume", "step": 12, "message": "m", "last_logged_step": 20, "from_step": 12},
+                {"kind": "eval", "step": 12, "eval/loss": 2.0}, {"kind": "train", "step": 14, "train/loss": 1.0},
+                {"kind": "train", "step": 28, "train/loss": 1.0}]
+    records += [dict(run), {"kind": "tensor_stats", "step": 29, "tensor_stats/l/activation/max": 1.0},
+                {"kind": "train", "step": 30, "train/loss": 1.0}]
+    _write(tmp_path / "metrics.jsonl", records)
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    assert cli.main(["summary", str(tmp_path)]) == 0
+    summary = capsys.readouterr().out
+    firsts = [int(s) for s in re.findall(r"^  first step (\d+):", summary, re.M)]
+    lasts = [int(s) for s in re.findall(r"^  last step (\d+):", summary, re.M)]
+    table = page[page.index("<th>first step</th>"):]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>[^<]*</td><td>(\d*)</td><td>(\d*)</td>", table)
+    assert firsts == [10, 14, 30] and [(int(f), int(la)) for _, f, la in rows] == list(zip(firsts, lasts))
+    metric = sum(json.loads(line)["kind"] in ("train", "eval", "tensor_stats")
+                 for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert metric == 7 and f"{metric} metric records (train, eval, tensor_stats), 1 progress record(s), 3 job(s)" \
+        in page
+    assert "<td>modules</td>" not in page

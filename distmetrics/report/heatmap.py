@@ -1,10 +1,13 @@
 """Heatmaps: rows (modules in model order, ranks, layers) x step bins, one image each.
 
 At most ``MAX_ROWS`` rows are drawn: beyond that neighbouring rows merge — norms by
-root-sum-square (the merged modules' norm), ratios by their mean, ranks by their max (a slow
-rank stays visible) — and the caption says how many rows each drawn row holds. Grey is "no
-value"; a magenta cross marks a bin holding a non-finite value. A colour scale may be
-logarithmic, and a healthy band is marked on the colour bar.
+root-sum-square (the merged modules' norm: per-module norms are subtree norms, so a module whose
+ancestor is in the same row adds nothing, its norm being inside the ancestor's), ratios by their
+mean, ranks by their max (a slow rank stays visible) — and the caption says how many rows each
+drawn row holds. Grey is "no value" (:meth:`StepGrid.image`: steps lost in a ``gap`` record, a
+stretch with no record); a magenta cross marks a bin holding a non-finite value. Restarts and
+``gap`` records are marked as on every step plot. A colour scale may be logarithmic, and a
+healthy band is marked on the colour bar.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .figures import DPI, HEALTHY_BANDS, Figures
+from .figures import DPI, EVENT_COLOURS, HEALTHY_BANDS, Figures, _thin
 from .store import StepGrid
 
 __all__ = ["heatmap", "MAX_ROWS"]
@@ -28,7 +31,7 @@ def heatmap(figs: Figures, grid: StepGrid, title: str, labels: list, order: Opti
             log: bool, cmap: str, colour_label: str, row_name: str, band: Optional[str] = None) -> str:
     """One heatmap image of ``grid`` (rows in ``order`` when given; ``how`` merges rows beyond
     ``MAX_ROWS``: ``rss``, ``max`` or ``mean``); empty when the grid holds nothing."""
-    image = grid.image()
+    image = grid.image(figs.data.lost)
     if image is None:
         return ""
     values, nonfinite, x0, x1 = image
@@ -49,15 +52,29 @@ def heatmap(figs: Figures, grid: StepGrid, title: str, labels: list, order: Opti
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     ax.set_xlim(*figs.xlim)
-    for step, _ in figs.restarts:
-        ax.axvline(step, color="white", ls="--", lw=1.4, zorder=5)
-        ax.axvline(step, color="black", ls=(0, (3, 3)), lw=0.8, zorder=6)
+    _mark_steps(ax, [step for step, _ in figs.restarts], "black", figs.xlim)
+    _mark_steps(ax, sorted({step for first, last in figs.data.lost for step in (first, last)}), EVENT_COLOURS["gap"],
+                figs.xlim)
     _colour_bar(fig, drawn, bar_axes, norm, log, colour_label, band)
-    merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]})" if merged > 1 else ""
+    merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]}" if merged > 1 else ""
+    if merges:
+        merges += ", a module inside another of its row counted once)" if how == "rss" and row_name == "module" else ")"
     caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
                "wide: the mean of its log steps' values)" + merges
-               + "; grey: no value; magenta x: a non-finite value in the bin")
+               + "; grey: no value (no record there, or lost: a gap record); magenta x: a non-finite value in the bin"
+               + ("; dashed lines: restarts" if figs.restarts else "")
+               + ("; olive lines: the first and last steps of records lost (gap records)" if figs.data.lost else ""))
     return figs.png(fig, title, caption)
+
+
+def _mark_steps(ax, steps: list, colour: str, xlim: tuple) -> None:
+    """Dashed lines across the heatmap at ``steps`` (thinned to distinct pixels), on a white line so
+    they show on any colour."""
+    if steps:
+        x = _thin(np.asarray(steps, dtype=np.float64), xlim)
+        transform = ax.get_xaxis_transform()
+        ax.vlines(x, 0, 1, transform=transform, colors="white", linestyles="--", lw=1.4, zorder=5)
+        ax.vlines(x, 0, 1, transform=transform, colors=colour, linestyles=(0, (3, 3)), lw=0.8, zorder=6)
 
 
 def _ordered(values: np.ndarray, nonfinite: np.ndarray, labels: list, order: Optional[np.ndarray], row_name: str):
@@ -82,6 +99,8 @@ def _merge_rows(values: np.ndarray, nonfinite: np.ndarray, labels: list, how: st
     if pad:
         values = np.concatenate([values, np.full((values.shape[0], pad), np.nan)], axis=1)
         nonfinite = np.concatenate([nonfinite, np.zeros((nonfinite.shape[0], pad), dtype=bool)], axis=1)
+    if how == "rss" and row_name == "module":
+        values = _inside_an_ancestor(values, labels, k)
     groups = values.reshape(values.shape[0], -1, k)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups stay NaN
@@ -98,6 +117,20 @@ def _merge_rows(values: np.ndarray, nonfinite: np.ndarray, labels: list, how: st
     else:
         names = [f"{labels[i]} (+{min(k, n - i) - 1})" for i in range(0, n, k)]
     return merged, flags, names, k
+
+
+def _inside_an_ancestor(values: np.ndarray, labels: list, k: int) -> np.ndarray:
+    """``values`` with no value where a module's ancestor in its row of ``k`` (``layers`` for
+    ``layers.0``) has one: its parameters are counted in the ancestor's norm already."""
+    kept = values.copy()
+    for start in range(0, len(labels), k):
+        row = {name: start + i for i, name in enumerate(labels[start: start + k])}
+        for name, column in row.items():
+            parts = name.split(".")
+            ancestors = [row[a] for a in (".".join(parts[:d]) for d in range(1, len(parts))) if a in row]
+            if ancestors:
+                kept[np.isfinite(values[:, ancestors]).any(axis=1), column] = np.nan
+    return kept
 
 
 def _layout(figs: Figures, labels: list):

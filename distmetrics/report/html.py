@@ -10,6 +10,7 @@ from typing import Union
 
 import numpy as np
 
+from ..sinks import DASHBOARD_KINDS
 from .alerts import alert_section, events_of
 from .figures import EVENT_COLOURS, HEALTHY_BANDS, Figures, escape, fmt, job_number
 from .read import RunData
@@ -77,12 +78,15 @@ def _summary(data: RunData, figs: Figures, drawn_s: float) -> str:
     ranks = max([g.rows for (kind, _), g in data.grids.items() if kind == "rank"] + [0])
     sizes = list(dict.fromkeys(j["world_size"] for j in data.jobs if j.get("world_size")))
     world = ", ".join(map(str, sizes)) + (" (the jobs ran on different world sizes)" if len(sizes) > 1 else "")
+    others = "".join(f", {n} {kind} record(s)" for kind, n in data.kinds.items() if kind not in DASHBOARD_KINDS)
     rows = (("file", f"{data.path} ({data.path.stat().st_size / 2**20:.1f} MiB, {data.lines} lines, "
                      f"{data.bad_lines} unreadable)"),
-            ("records", f"{data.records} metric records, {len(data.jobs)} job(s), {len(data.alerts)} alert record(s)"),
+            ("records", f"{data.records} metric records (train, eval, tensor_stats){others}, {len(data.jobs)} job(s), "
+                        f"{len(data.alerts)} alert record(s)"),
             ("steps", f"{data.step_min} .. {data.step_max}"),
             ("world size", f"{world or '-'}" + (f" ({ranks} ranks with per-rank values)" if ranks else "")),
-            ("modules", f"{len(data.modules)}" + (" (in model order)" if data.model_order else "")),
+            *([("modules", f"{len(data.modules)}" + (" (in model order)" if data.model_order else ""))]
+              if data.modules else []),
             ("GPUs", ", ".join(f"{n} x {k}" for k, n in data.gpu_models.items()) or "-"),
             ("made in", f"read {data.read_s:.2f} s, drawn {drawn_s:.2f} s, {figs.images} images"))
     return "<table class=sum>" + "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in rows) \
@@ -99,6 +103,8 @@ def _legend() -> str:
 
 
 def _jobs_table(data: RunData) -> str:
+    """A row per job; its first and last step are those of its train records, as `distmetrics summary` gives them
+    (a resume, evaluation or tensor_stats record may come first)."""
     rows = []
     for job in data.jobs:
         note = ""
@@ -106,7 +112,7 @@ def _jobs_table(data: RunData) -> str:
             note = f"resumed at step {job['resumed_at']} <= last logged {job['previous_last_step']}"
         elif job["index"] > 0:
             note = "restart"
-        cells = (job_number(job["index"]), job["time"], job["first_step"], job["last_step"], job["records"],
+        cells = (job_number(job["index"]), job["time"], job["first_train_step"], job["last_train_step"], job["records"],
                  job["world_size"], job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"], note)
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"

@@ -57,6 +57,8 @@ class RunData:
         self.jobs: list[dict] = []
         self.alerts: list[dict] = []
         self.events: list[dict] = []  # gap and resume records (EVENT_KINDS)
+        self.lost: list[tuple[int, int]] = []  # (first, last) steps of records lost (gap records) no job logged again
+        self.kinds: dict[str, int] = {}  # the records drawn as metrics, by kind (train, eval, progress, ...)
         self.first_nonfinite: list[dict] = []  # health/first_nonfinite_module beside the metrics
         self.last_text: dict[str, Any] = {}
         self.straggler_reports: deque = deque(maxlen=STRAGGLER_REPORTS_KEPT)
@@ -125,8 +127,12 @@ class RunData:
         elif kind in EVENT_KINDS:
             self.events.append({"step": step, "job": self._job, "type": kind, "message": _event_message(record),
                                 "first_module": None})
+            lost = _lost_steps(record) if kind == "gap" else None
+            if lost is not None:
+                self.lost.append(lost)
         else:
-            self.records += 1
+            self.records += kind in DASHBOARD_KINDS
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
             self._take_values(record, step)
 
     def _count_step(self, step: int, kind: Any = None, record: Optional[dict] = None) -> None:
@@ -155,10 +161,16 @@ class RunData:
                 meta["resumed_at"] = start
                 for grid in self.grids.values():
                     grid.restart(start)
+                # steps lost before are this job's to log again: only the part before it stays lost
+                self.lost = [(a, min(b, start - 1)) for a, b in self.lost if a < start]
             self._restart_pending = None
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
         if kind in DASHBOARD_KINDS:  # what the Monitor reads as the last step logged (runlog.last_logged_step)
             meta["last_logged"] = step if meta.get("last_logged") is None else max(meta["last_logged"], step)
+        if kind == "train":  # the job's first and last train record, as summary shows them
+            if meta["first_train_step"] is None:
+                meta["first_train_step"] = step
+            meta["last_train_step"] = step
         if kind in _TRAINING_KINDS:
             meta["trained"] = True  # a job that only evaluated dropped nothing: the one before it counts
         meta["records"] += 1
@@ -328,9 +340,19 @@ def _event_message(record: dict) -> str:
     return str(record.get("message", ""))
 
 
+def _lost_steps(record: dict) -> Optional[tuple[int, int]]:
+    """The (first, last) steps of the records a ``gap`` record says were lost; None where it names
+    no such steps (integers, first <= last)."""
+    first, last = record.get("first_step"), record.get("last_step")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, last)) or first > last:
+        return None
+    return first, last
+
+
 def _job_meta(record: dict, index: int) -> dict:
     hosts = record.get("hosts")
     return {"index": index, "time": record.get("time"), "world_size": record.get("world_size"),
             "hosts": len(hosts) if isinstance(hosts, list) else None, "job_id": record.get("job_id"),
             "layout": record.get("layout"), "torch": record.get("torch_version"),
-            "distmetrics": record.get("distmetrics_version"), "first_step": None, "last_step": None, "records": 0}
+            "distmetrics": record.get("distmetrics_version"), "first_step": None, "last_step": None,
+            "first_train_step": None, "last_train_step": None, "records": 0}

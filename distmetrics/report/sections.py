@@ -9,10 +9,10 @@ import numpy as np
 
 from .figures import HEALTHY_BANDS, Figures, panel_figure, plot_series, series_panel
 from .heatmap import heatmap
-from .read import MODULE_FAMILIES
+from .read import MODULE_FAMILIES, RunData
 
 __all__ = ["loss_section", "norm_section", "throughput_section", "hardware_section", "tensor_section",
-           "other_section", "RANK_VALUED", "SHOWN"]
+           "other_section", "outside_band", "RANK_VALUED", "SHOWN"]
 
 MAX_CATEGORIES = 12
 MAX_TENSOR_FAMILIES = 36
@@ -59,8 +59,9 @@ def loss_section(figs: Figures) -> str:
 
 
 def norm_section(figs: Figures) -> str:
-    """Total norms and ratios with their healthy bands, the share of modules outside a band, and
-    one heatmap per per-module family (modules in model order x log steps, log colour scale)."""
+    """Total norms and ratios with their healthy bands, the share of modules outside a band (leaf
+    modules: a container is not counted again beside what it holds), and one heatmap per
+    per-module family (modules in model order x log steps, log colour scale)."""
     data = figs.data
     panels = []
     for name, title in (("grad_norm", "Gradient norm (pre-clip, total)"), ("grad_clip_ratio", "Clip ratio"),
@@ -81,22 +82,39 @@ def norm_section(figs: Figures) -> str:
 
 
 def _outside_band_panel(figs: Figures, family: str):
-    grid = figs.data.grids.get(("module", family))
-    logged = grid.logged() if grid is not None else None
-    if logged is None:
+    share = outside_band(figs.data, family)
+    if share is None:
         return None
-    steps, values = logged
+    steps, outside, below = share
     lo, hi, _ = HEALTHY_BANDS[family]
-    with np.errstate(invalid="ignore"):
-        counted = np.maximum(np.isfinite(values).sum(axis=1), 1)
-        outside = ((values < lo) | (values > hi)).sum(axis=1) / counted
-        below = (values < lo).sum(axis=1) / counted
 
     def draw(ax) -> None:
         ax.plot(steps, 100 * outside, lw=1.2, label="outside the band", marker="o" if steps.size < 30 else None, ms=3)
         ax.plot(steps, 100 * below, lw=0.9, ls="--", label="below the band")
         ax.set_ylim(-2, 102)
-    return (f"{family}: modules outside [{lo:g}, {hi:g}] (%)", "% of modules", draw)
+    return (f"{family}: leaf modules outside [{lo:g}, {hi:g}] (%)", "% of leaf modules", draw)
+
+
+def outside_band(data: RunData, family: str):
+    """(steps, share outside the band, share below it) of the leaf modules with a value of
+    ``family`` at each logged bin; None when the file holds no ``family/<module>``."""
+    grid = data.grids.get(("module", family))
+    logged = grid.logged() if grid is not None else None
+    if logged is None:
+        return None
+    steps, values = logged
+    values = values[:, [row for row in _leaf_rows(data.modules) if row < values.shape[1]]]
+    lo, hi, _ = HEALTHY_BANDS[family]
+    with np.errstate(invalid="ignore"):
+        counted = np.maximum(np.isfinite(values).sum(axis=1), 1)
+        return steps, ((values < lo) | (values > hi)).sum(axis=1) / counted, (values < lo).sum(axis=1) / counted
+
+
+def _leaf_rows(modules: list) -> list:
+    """The rows of the modules no other logged module lies inside (per-module norms are subtree
+    norms: ``layers`` and ``layers.0`` beside ``layers.0.fc1`` would count its parameters thrice)."""
+    containers = {".".join(parts[:d]) for parts in (m.split(".") for m in modules) for d in range(1, len(parts))}
+    return [row for row, name in enumerate(modules) if name not in containers]
 
 
 def throughput_section(figs: Figures) -> str:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import numpy as np
 
@@ -21,6 +21,9 @@ __all__ = ["ScalarTable", "StepGrid", "MAX_COLUMNS"]
 
 MAX_COLUMNS = 1000
 """Step bins per grid (even: bins merge in pairs)."""
+
+MAX_SPACINGS = 64
+"""Distinct spacings of log steps a grid counts (a log interval takes one or a few)."""
 
 Rows = Union[slice, np.ndarray]
 
@@ -116,9 +119,15 @@ class StepGrid:
         self.first: Optional[int] = None
         self.width = 1
         self.spread: list[tuple] = []  # per-rank grids: (step, job, min, median, max, slowest rank)
+        self.spacing: dict[int, int] = {}  # steps between consecutive log steps -> how often (the log interval)
+        self._last_step: Optional[int] = None
 
     def add(self, step: int, job: int, rows: Rows, nrows: int, values: np.ndarray) -> None:
         """One record's values of this family (``rows``: where ``values`` go)."""
+        if self._last_step is not None and step > self._last_step and (
+                len(self.spacing) < MAX_SPACINGS or step - self._last_step in self.spacing):
+            self.spacing[step - self._last_step] = self.spacing.get(step - self._last_step, 0) + 1
+        self._last_step = step
         if self.first is None:
             self.first = step
         elif step < self.first:  # a job resumed before the first step seen (a rollback past it)
@@ -156,15 +165,19 @@ class StepGrid:
             self.nonfinite[b:] = False
             self.seen[b:] = False
 
-    def image(self) -> Optional[tuple[np.ndarray, np.ndarray, float, float]]:
+    def image(self, lost: Iterable[tuple[int, int]] = ()) -> Optional[tuple[np.ndarray, np.ndarray, float, float]]:
         """(bin means [columns x rows], non-finite flags, x0, x1): an image spanning steps x0..x1.
-        An empty bin between logged ones takes the nearest logged bin's value (log steps are
-        usually further apart than a bin is wide)."""
+        Log steps are usually further apart than a bin is wide: a logged bin's value is drawn over
+        the empty bins up to half the log interval (the most common spacing of log steps) either
+        side of it. Empty bins farther than that from any logged bin (a stretch with no record) or
+        holding a ``lost`` step ((first, last) steps of records a ``gap`` record says could not be
+        written) have no value: a neighbour's would be a guess."""
         used = np.flatnonzero(self.seen)
         if used.size == 0 or self.rows == 0:
             return None
         b0, b1 = int(used[0]), int(used[-1])
-        half = int(np.median(np.diff(used))) // 2 if used.size > 1 else 0
+        interval = max(self.spacing, key=self.spacing.get) if self.spacing else 1
+        half = -(-interval // self.width) // 2  # in bins: a log step's share of the bins up to the next one
         wanted = np.arange(b0 - half, b1 + half + 1)
         if used.size == 1:
             columns = np.full(wanted.size, b0)
@@ -172,10 +185,14 @@ class StepGrid:
             at = np.clip(np.searchsorted(used, wanted), 1, used.size - 1)
             before, after = used[at - 1], used[at]
             columns = np.where(np.abs(wanted - before) <= np.abs(after - wanted), before, after)
+        distance = np.abs(wanted - columns)
+        empty = (distance > half) | ((distance > 0) & self._lost_bins(lost, wanted))
         mean = self._means(columns)
+        mean[empty] = np.nan
+        nonfinite = self.nonfinite[columns, : self.rows] & ~empty[:, None]
         x0 = self.first + (b0 - half) * self.width - 0.5
         x1 = self.first + (b1 + half + 1) * self.width - 0.5
-        return mean, self.nonfinite[columns, : self.rows], float(x0), float(x1)
+        return mean, nonfinite, float(x0), float(x1)
 
     def logged(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """(the centre step of every bin holding values, bin means [bins x rows]) for line plots."""
@@ -193,6 +210,17 @@ class StepGrid:
                 "max": a[:, 4], "slowest": a[:, 5]}
 
     # --- helpers -------------------------------------------------------------------------
+    def _lost_bins(self, lost: Iterable[tuple[int, int]], bins: np.ndarray) -> np.ndarray:
+        """Which of ``bins`` (consecutive) hold a step of the ``lost`` (first, last) step ranges."""
+        ranges = np.asarray(list(lost), dtype=np.int64).reshape(-1, 2)
+        start = int(bins[0])
+        marks = np.zeros(bins.size + 1, dtype=np.int64)  # +1 at a range's first bin, -1 past its last
+        first = np.clip((ranges[:, 0] - self.first) // self.width - start, 0, bins.size)
+        last = np.clip((ranges[:, 1] - self.first) // self.width - start + 1, 0, bins.size)
+        np.add.at(marks, first, 1)
+        np.add.at(marks, last, -1)
+        return np.cumsum(marks[:-1]) > 0
+
     def _means(self, columns: np.ndarray) -> np.ndarray:
         count = self.count[columns, : self.rows]
         with np.errstate(invalid="ignore", divide="ignore"):
