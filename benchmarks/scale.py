@@ -1,9 +1,10 @@
 """What grows with the world size: the bytes a rank receives while the ranks agree on metric
-names, the cost of the arrival check in front of every collective monitor call, and the time
-the writer takes to merge every rank's tensor-statistics partials.
+names, the cost of the arrival check in front of every collective monitor call, the time
+the writer takes to merge every rank's tensor-statistics partials, and the straggler scores'
+work at a log step.
 
-    python -m benchmarks.scale              # all three (8, 9 on 2/4/8 gloo ranks; 10 in one process)
-    python -m benchmarks                    # runs these too (sections 8 to 10)
+    python -m benchmarks.scale              # all four (8, 9 on 2/4/8 gloo ranks; 10, 11 in one process)
+    python -m benchmarks                    # runs these too (sections 8 to 11)
 
 Measured on real gloo ranks; the figures for 1,024–16,384 ranks are the measured per-set payload
 put into the formula the reducer follows (a 16-byte digest and size from every rank, then every
@@ -125,6 +126,39 @@ def bench_tensor_stats_merge(worlds=(256, 1024), keys: int = 50, repeats: int = 
     return rows
 
 
+def bench_straggler_windows(cases=((32, 10), (32, 100), (256, 10), (256, 100), (1024, 10), (1024, 100), (4096, 10)),
+                            series: int = 20, repeats: int = 5) -> list[dict]:
+    """The straggler scores' work at a log step (``StragglerCollector.finalize``: every series' window
+    medians, the minima, the alert's streaks) once the window is full, for ``(world, window)`` and the
+    step time plus ``series - 1`` timers, every rank's values given as the gather hands them over; with
+    the tensor ring's size above 32 ranks (Python lists up to 32)."""
+    import random
+
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.stragglers import RANK_TIMERS_PREFIX, STEP_MS, StragglerCollector
+    from distmetrics.per_rank import PerRank
+
+    rows = []
+    for world, window in cases:
+        rng = random.Random(world * window)
+        collector = StragglerCollector(window=window, report_every=0)
+        ctx = LogContext(step=1, steps=1, layout=None)
+        names = [STEP_MS] + [f"{RANK_TIMERS_PREFIX}t{i}" for i in range(series - 1)]
+        values = [[PerRank([rng.uniform(50, 100) for _ in range(world)]) for _ in names] for _ in range(7)]
+        for k in range(window):
+            collector.finalize(dict(zip(names, values[k % 7])), ctx)
+        times = []
+        for k in range(repeats):
+            metrics = dict(zip(names, values[k % 7]))  # made before the clock: the gather hands it over
+            start = time.perf_counter()
+            collector.finalize(metrics, ctx)
+            times.append(time.perf_counter() - start)
+        ring = getattr(collector._windows, "ring", None)
+        rows.append({"world": world, "window": window, "series": series, "ms": statistics.median(times) * 1e3,
+                     "ring_mb": ring.numel() * 8 / 1e6 if ring is not None else None})
+    return rows
+
+
 def report_negotiation(n: dict) -> None:
     """Print section 8."""
     print(f"   {n['names_per_set']} names per set, {n['bytes_per_set']:.0f} B each", flush=True)
@@ -150,8 +184,16 @@ def report_tensor_stats_merge(rows: list[dict]) -> None:
               f"ours {r['ours_s'] * 1e3:6.1f} ms = {r['faster']:.0f}x faster", flush=True)
 
 
+def report_straggler_windows(rows: list[dict]) -> None:
+    """Print section 11."""
+    for r in rows:
+        kept = "Python lists" if r["ring_mb"] is None else f"a {r['ring_mb']:.1f} MB tensor ring"
+        print(f"   {r['world']:5d} ranks, window {r['window']:3d}, {r['series']} series: {r['ms']:7.2f} ms a log step "
+              f"({kept})", flush=True)
+
+
 def main() -> dict:
-    """The three sections, printed."""
+    """The four sections, printed."""
     print("8. name negotiation: bytes received per rank", flush=True)
     negotiation = bench_negotiation()
     report_negotiation(negotiation)
@@ -161,7 +203,10 @@ def main() -> dict:
     print("10. tensor statistics: merging every rank's partials at a statistics step (one process)", flush=True)
     merge = bench_tensor_stats_merge()
     report_tensor_stats_merge(merge)
-    return {"negotiation": negotiation, "guard": guard, "tensor_stats_merge": merge}
+    print("11. straggler scores: a log step's scoring once the window is full (one process)", flush=True)
+    windows = bench_straggler_windows()
+    report_straggler_windows(windows)
+    return {"negotiation": negotiation, "guard": guard, "tensor_stats_merge": merge, "straggler_windows": windows}
 
 
 if __name__ == "__main__":

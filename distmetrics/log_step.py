@@ -23,7 +23,7 @@ __all__ = ["log_step", "log_step_ahead", "is_log_step"]
 logger = logging.getLogger("distmetrics")
 
 
-def log_step(monitor: "Monitor", step: int, ended_at: Optional[float] = None) -> dict[str, Any]:
+def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> dict[str, Any]:
     """Take samples from every collector → one reduction → finalize in order → write
     (``ended_at``: see :attr:`LogContext.ended_at`)."""
     ctx = LogContext(step=step, steps=monitor._steps_in_interval, layout=monitor.layout, hosts=monitor.hosts,

@@ -160,10 +160,34 @@ def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog
             console.log(alert.to_record(), step, alert.kind)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("!!")]
     assert lines == [
-        "!! step 3: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "!! step 3: straggler: rank 2 (node-2, local rank 0, score at most 0.50) below 0.8 of the fastest rank's speed "
         "at each of the last 3 log steps",
-        "!! step 8: straggler: rank 2 (node-2, local rank 0, score 0.50) below 0.8 of the fastest rank's speed "
+        "!! step 8: straggler: rank 2 (node-2, local rank 0, score at most 0.50) below 0.8 of the fastest rank's speed "
         "at each of the last 3 log steps"]
+
+
+def test_a_straggler_window_above_the_bound_is_refused_naming_the_key_value_and_range():
+    """Every log step takes each series' median over the whole window again, at a cost that grows with
+    the window: tens of milliseconds a log step at a window of 1,000 on 32 ranks, and there was no bound."""
+    with pytest.raises(dm.ConfigError, match=r"straggler_window=101: accepted values are integers from 0 \(off\) "
+                                             r"to 100"):
+        dm.MetricsConfig(straggler_window=101)
+    assert dm.MetricsConfig(straggler_window=100).straggler_window == 100
+
+
+def test_a_world_size_change_forgets_the_old_worlds_alerts():
+    """The windows start over at another world size; the alerted ranks, places in the old world,
+    were kept, so the new world's rank 1, slow from its first log step, was never alerted."""
+    from distmetrics.collectors.base import Alert, LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+
+    collector = StragglerCollector(window=1, report_every=0, threshold=0.9)
+    ctx = LogContext(step=1, steps=1, layout=None)
+    alerted = []
+    for times in ([10.0, 20.0], [10.0, 20.0, 10.0], [10.0, 20.0, 10.0]):
+        alerted += [a.details["ranks"] for a in collector.finalize({STEP_MS: dm.PerRank(times)}, ctx)
+                    if isinstance(a, Alert)]
+    assert alerted == [[1], [1]]  # once per world: the new world's rank 1 is new
 
 
 @pytest.mark.parametrize("key,value", [("straggler_window", -1), ("straggler_report_every", -2),
@@ -257,8 +281,41 @@ def _minmax_timers(rank: int) -> dict:
     return {k: v for k, v in metrics.items() if k.startswith(("stragglers/data", "_ranks"))}
 
 
+def _turn_ms(rank: int, step: int) -> float:
+    """Rank 0 takes 100 ms every step; ranks 1-3 take 85 ms in turn, 110 ms otherwise."""
+    return 100.0 if rank == 0 else 85.0 if step % 3 == rank - 1 else 110.0
+
+
+def _turns(rank: int, out_dir: str) -> None:
+    """log_interval 1, a window of 3: rank 0 is below 0.9 of the fastest (85/100) at every log step,
+    yet its window median (100) is the lowest: its median score is 1.0."""
+    cfg = quiet_config(log_interval=1, json_log=True, output_dir=out_dir, timing_log_level=-1, straggler_window=3,
+                       straggler_report_every=1, straggler_report_ranks=WORLD, straggler_threshold=0.9)
+    with FakeClock() as clock:
+        with dm.Monitor(cfg) as monitor:
+            for step in range(1, 8):
+                clock.advance(_turn_ms(rank, step))  # step 1's own time comes before the clock starts
+                monitor.step(step)
+
+
+def _equal_steps(rank: int, out_dir: str) -> dict:
+    """Every rank 66 ms a step, each rank's clock reading a different time (as ranks that started apart)."""
+    cfg = quiet_config(log_interval=2, json_log=True, output_dir=out_dir, timing_log_level=0,
+                       timing_log_option="all", straggler_window=2, straggler_report_every=2, straggler_threshold=1.0)
+    metrics = None
+    with FakeClock(start_s=100.0 + 0.0371 * rank) as clock:
+        with dm.Monitor(cfg) as monitor:
+            for step in range(1, 9):
+                clock.advance(66.0)
+                metrics = monitor.step(step) or metrics
+    return {k: list(v) if isinstance(v, list) else v for k, v in metrics.items()
+            if k.startswith(("stragglers/", "timers/step"))}
+
+
 def _scenarios(rank: int, world: int, out_dir: str) -> dict:
     out = {"known": _known_times(rank, f"{out_dir}/known"), "minmax_timers": _minmax_timers(rank)}
+    _turns(rank, f"{out_dir}/turns")
+    out["equal"] = _equal_steps(rank, f"{out_dir}/equal")
     out["counts"] = {(option, on): _collectives_at_a_log_step(option, on)
                      for option in ("minmax", "all") for on in (False, True)}
     out["nvml"] = _nvml_and_rank_lanes(rank, f"{out_dir}/nvml")
@@ -314,6 +371,48 @@ def test_a_rank_below_the_threshold_for_a_whole_window_is_alerted_once(four_rank
     assert "rank 2 (" in alerts[0]["message"] and socket.gethostname() in alerts[0]["message"]
 
 
+def test_the_alert_gives_the_interval_scores_that_decided_it_not_the_window_median(four_ranks):
+    """Rank 0 is alerted (85/100 at each of the last 3 log steps, by hand) while its window median
+    score is 1.0: the line said "score 1.00 ... below 0.9" and the record gave scores [1.0]."""
+    records = list(dm.read_jsonl(four_ranks[1] / "turns" / "metrics.jsonl"))
+    alerts = [r for r in records if r["kind"] == "alert" and r["alert"] == "straggler"]
+    assert [(a["step"], a["ranks"]) for a in alerts] == [(4, [0])], alerts  # timed log steps 2, 3, 4
+    assert alerts[0]["scores"] == [pytest.approx(85.0 / 100.0)]
+    assert f"rank 0 ({socket.gethostname()}, local rank 0, score at most 0.85) below 0.9 " in alerts[0]["message"]
+    report = next(r for r in records if r["kind"] == "stragglers" and r["step"] == 4)
+    assert [row["score"] for row in report["fastest"]] == [1.0]  # its median, 100 ms, is the lowest
+
+
+def test_the_stragglers_record_lists_a_rank_once_and_only_ranks_below_the_fastest_as_slowest(four_ranks):
+    """With straggler_report_ranks as large as the world, every rank was listed as slowest and as
+    fastest (the fastest among the slowest, at 1.0); and with log_interval 1 the first log step,
+    which times no step, wrote a record with both lists empty."""
+    records = list(dm.read_jsonl(four_ranks[1] / "turns" / "metrics.jsonl"))
+    reports = [r for r in records if r["kind"] == "stragglers"]
+    assert [r["step"] for r in reports] == list(range(2, 8))
+    for report in reports:
+        slowest, fastest = [row["rank"] for row in report["slowest"]], [row["rank"] for row in report["fastest"]]
+        assert sorted(slowest + fastest) == list(range(WORLD)), report
+        assert all(row["score"] < 1.0 for row in report["slowest"]) and report["fastest"][0]["score"] == 1.0
+    medians = [statistics.median(_turn_ms(r, s) for s in (5, 6, 7)) for r in range(WORLD)]  # the last window
+    assert [row["rank"] for row in reports[-1]["fastest"]] == [0] and reports[-1]["slowest"][0]["score"] == \
+        pytest.approx(min(medians) / max(medians))
+
+
+def test_ranks_with_equal_steps_score_exactly_one_and_none_is_below_a_threshold_of_one(four_ranks):
+    """The interval clock read float seconds: each rank's clock at another reading, equal 66 ms steps
+    came out 65.9999999999954 on some ranks and 66.0000000000025 on others, scored 0.9999999999999
+    (the lowest named as the straggler), and under straggler_threshold 1.0 were below the fastest."""
+    for result in four_ranks[0]:
+        equal = result["equal"]
+        assert equal["stragglers/score_min"] == 1.0 and equal["stragglers/score_min_rank"] == 0, equal
+        assert equal["stragglers/step/score_min"] == 1.0 and equal["timers/step"] == [66.0] * WORLD
+    records = list(dm.read_jsonl(four_ranks[1] / "equal" / "metrics.jsonl"))
+    assert not [r for r in records if r["kind"] == "alert"]
+    report = [r for r in records if r["kind"] == "stragglers"][-1]
+    assert report["slowest"] == [] and [row["ms"] for row in report["fastest"]] == [66.0] * WORLD
+
+
 def test_no_collective_between_log_steps(four_ranks):
     for result in four_ranks[0]:
         assert result["known"]["non_log"] == [0] * (LOG_STEPS * (INTERVAL - 1))
@@ -330,8 +429,8 @@ def test_step_times_ride_the_existing_gather(four_ranks):
 def test_power_and_sm_clock_beside_the_score_with_nvml(four_ranks):
     records = list(dm.read_jsonl(four_ranks[1] / "nvml" / "metrics.jsonl"))
     report = [r for r in records if r["kind"] == "stragglers"][-1]
-    rows = {row["rank"]: row for row in report["slowest"]}
-    assert sorted(rows) == list(range(WORLD))
+    rows = {row["rank"]: row for row in report["slowest"] + report["fastest"]}  # no rank in both
+    assert sorted(rows) == list(range(WORLD)) and len(report["slowest"] + report["fastest"]) == WORLD
     for rank, row in rows.items():  # the fake GPU r draws 250 + 25·r W at 1500 + 10·r MHz
         assert row["power_w"] == pytest.approx(250.0 + 25.0 * rank)
         assert row["sm_clock_mhz"] == pytest.approx(1500.0 + 10.0 * rank)
@@ -429,6 +528,7 @@ def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
         names = list(series)
         assert lists.slowest(names) == tensors.slowest(names)
         assert lists.stuck(0.5, 3) == tensors.stuck(0.5, 3)
+        assert [lists.highest_below(r) for r in range(world)] == [tensors.highest_below(r) for r in range(world)]
         for name in names:
             for rank in range(world):
                 for a, b in ((lists.score(name, rank), tensors.score(name, rank)),

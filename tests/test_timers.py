@@ -45,6 +45,34 @@ def _timed_run(clock: FakeClock, rank: int, option: str, extra_timers: int = 0, 
     return metrics, counts
 
 
+def _waiting_at_log_steps(clock: FakeClock, rank: int, option: str) -> list:
+    """Each rank works TIMER_MS[rank] per step, nothing synchronising between log steps, so at a log
+    step the faster ranks wait in its collectives for the slowest. The fake clock stands still in a
+    real collective: the reducer's ``reduce`` (where the log step's collectives are) is wrapped to
+    advance this rank's clock by its wait, the slowest rank's interval less its own, first."""
+    import distmetrics as dm
+
+    slowest = max(TIMER_MS.values())
+    monitor = dm.Monitor(quiet_config(log_interval=2, timing_log_level=0, timing_log_option=option,
+                                      log_throughput=True, straggler_window=2))
+    reduce = monitor._reducer.reduce
+
+    def waiting(*args, **kwargs):
+        clock.advance(2 * (slowest - TIMER_MS[rank]))
+        return reduce(*args, **kwargs)
+
+    monitor._reducer.reduce = waiting
+    seen = []
+    for step in range(1, 7):
+        clock.advance(TIMER_MS[rank])
+        metrics = monitor.step(step)
+        if metrics is not None:
+            seen.append({k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()
+                         if k.startswith(("timers/step", "stragglers/", "train/step_time_ms"))})
+    monitor.close()
+    return seen
+
+
 def _scenarios(rank: int, world: int, root: str) -> dict:
     import distmetrics as dm
 
@@ -55,6 +83,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
             out[option] = {k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()}
             out[f"{option}_counts"] = counts
         _, out["counts_50_timers"] = _timed_run(clock, rank, "minmax", extra_timers=50)
+        out["waiting"] = {option: _waiting_at_log_steps(clock, rank, option) for option in ("minmax", "all")}
 
         # A Megatron-style block through our Timers.log (a collective: every rank calls it).
         monitor = dm.Monitor(_base_config("minmax"))
@@ -144,6 +173,35 @@ def test_one_collective_carries_every_timer(results):
     assert results[0]["minmax_counts"][3] == 2
     assert results[0]["counts_50_timers"][3] == 2
     assert results[0]["minmax_counts"][2] == 0  # step 3 is not a log step
+
+
+def test_the_wait_for_the_slowest_rank_at_a_log_step_is_left_out_of_timers_step(results):
+    """timers/step is each rank's own time per step: the wait inside a log step's collectives for the
+    slowest rank fell into the next step of every faster rank, so every rank read 60 ms, and its
+    straggler fields named rank 0 (the fastest) at a ratio of 1.0 and a score of 1.0. Rank 1 works
+    60 ms a step, the others 20, 40 and 30; train/step_time_ms (with log_throughput: wall time, the
+    wait included) is the slowest rank's 60 ms, timers/step's max. The FakeClock stands in for the
+    clocks and the reducer's ``reduce`` is wrapped to advance it by each rank's wait (see
+    :func:`_waiting_at_log_steps`)."""
+    own = [TIMER_MS[rank] for rank in range(WORLD)]
+    mean, median = sum(own) / WORLD, sorted(own)[1:3]
+    for option in ("minmax", "all"):
+        seen = results[0]["waiting"][option]
+        assert all(r["waiting"][option] == seen for r in results)  # the same on every rank
+        for metrics in seen:
+            if option == "all":
+                assert metrics["timers/step"] == pytest.approx(own), (option, metrics)
+                ratio = pytest.approx(own[1] / (sum(median) / 2))
+                assert metrics["stragglers/step/max_over_median"] == ratio
+            else:
+                assert metrics["timers/step"] == pytest.approx(own[1]) and metrics["timers/step/min"] == \
+                    pytest.approx(min(own)) and metrics["timers/step/min_rank"] == 0, (option, metrics)
+                assert metrics["stragglers/step/max_over_mean"] == pytest.approx(own[1] / mean)
+            assert metrics["stragglers/step/rank"] == 1, (option, metrics)
+            assert metrics["stragglers/step/score_min"] == pytest.approx(min(own) / own[1])
+            assert metrics["stragglers/step/score_min_rank"] == 1
+            assert metrics["stragglers/score_min"] == pytest.approx(min(own) / own[1])  # the interval clock's
+            assert metrics["train/step_time_ms"] == pytest.approx(own[1])
 
 
 def test_megatron_text_block(results):

@@ -72,9 +72,9 @@ class LogContext:
     stride: int = 1
     """The last step's number less the one before (at least 1): steps numbered 2, 4, 6... leave
     half as many calls as numbers to ``total_steps``."""
-    ended_at: Optional[float] = None
+    ended_at: Optional[int] = None
     """The record ``close()`` writes: when the last ``monitor.step`` returned (a reading of
-    :func:`distmetrics.interval.now`). The interval ends there, not at ``close()``: what came after
+    :func:`distmetrics.interval.now`, ns). The interval ends there, not at ``close()``: what came after
     (a final checkpoint save, teardown) is no step's time. None at a log step."""
     reduced: Any = None
     """After the reduction: the :class:`~distmetrics.reduce.Reduced` result (see :meth:`keys_under`)."""

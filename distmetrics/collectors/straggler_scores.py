@@ -31,6 +31,7 @@ class Windows:
         self.filled = self._next = 0
         self._times = self._scores = torch.empty(0, world, dtype=torch.float64)
         self._streak = torch.zeros(world, dtype=torch.int64)  # log steps in a row below the threshold
+        self._high = torch.zeros(world, dtype=torch.float64)  # the highest step score in that row (0: none)
         self._seen = SeenAt(size)
 
     def push(self, series: dict[str, Sequence[Optional[float]]]) -> None:
@@ -64,10 +65,17 @@ class Windows:
     def stuck(self, threshold: float, window: int) -> list[int]:
         """The ranks whose step time was below ``threshold`` of the fastest at each of the last
         ``window`` log steps."""
-        below = _relative(self._times[self.index[""]]) < threshold  # NaN: not below
+        scores = _relative(self._times[self.index[""]])
+        below = scores < threshold  # NaN: not below
         self._streak = torch.where(below, self._streak + 1, 0)
+        self._high = torch.where(below, torch.maximum(self._high, scores), 0.0)
         full = self._streak >= window
         return full.nonzero().flatten().tolist() if bool(full.any()) else []
+
+    def highest_below(self, rank: int) -> float:
+        """The highest of ``rank``'s per-interval step scores in its present run below the threshold
+        (what :meth:`stuck` judged: every one was at most this; 0.0: not below at the last push)."""
+        return self._high[rank].item()
 
     def score(self, name: str, rank: int) -> float:
         """``rank``'s score in series ``name`` (NaN: none)."""
@@ -97,6 +105,7 @@ class HostWindows:
         self._medians: list[list[float]] = []
         self._scores: list[list[float]] = []
         self._streak = [0] * world
+        self._high = [0.0] * world
         self._seen = SeenAt(size)
 
     def push(self, series: dict[str, Sequence[Optional[float]]]) -> None:
@@ -140,9 +149,15 @@ class HostWindows:
 
     def stuck(self, threshold: float, window: int) -> list[int]:
         """The ranks below ``threshold`` of the fastest at each of the last ``window`` log steps."""
-        below = [score < threshold for score in _relative_list(self._times[self.index[""]])]
+        scores = _relative_list(self._times[self.index[""]])
+        below = [score < threshold for score in scores]
         self._streak = [streak + 1 if low else 0 for streak, low in zip(self._streak, below)]
+        self._high = [max(high, score) if low else 0.0 for high, score, low in zip(self._high, scores, below)]
         return [rank for rank, streak in enumerate(self._streak) if streak >= window]
+
+    def highest_below(self, rank: int) -> float:
+        """As :meth:`Windows.highest_below`."""
+        return self._high[rank]
 
     def score(self, name: str, rank: int) -> float:
         """``rank``'s score in series ``name`` (NaN: none)."""

@@ -11,7 +11,9 @@ to compare with).
 
 Cost: each rank's step time is one ``all`` sample, so it rides the log step's one all-gather
 (with the GPU's power and SM clock beside it when NVML is on); where nothing else is gathered
-it is that one gather. Between log steps nothing is measured but a clock reading.
+it is that one gather. Between log steps nothing is measured but a clock reading. At a log step
+every series' median is taken over its whole window again: the work grows with the window
+(``straggler_window`` is at most 100), the ranks and the timers (``python -m benchmarks.scale``).
 
 A rank's step time is its own wall time from the end of the last log step's reduction to the
 start of this one, over the steps in between: the wait inside the log step's collectives (for
@@ -86,7 +88,8 @@ class StragglerCollector:
         """This rank's milliseconds per step since the last log step, pauses left out (and its
         GPU's power and SM clock when NVML is on), every rank's value gathered."""
         timed, self._untimed = ctx.steps - self._untimed, 0
-        ms = 1000.0 * self.clock.take(until=ctx.ended_at) / timed if timed > 0 else math.nan  # NaN: no time this interval
+        # ns to ms as the timers convert (equal steps give equal numbers); NaN: no time this interval
+        ms = self.clock.take_ns(until=ctx.ended_at) / 1e6 / timed if timed > 0 else math.nan
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
             samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
@@ -106,6 +109,7 @@ class StragglerCollector:
             world = len(next(iter(series.values())))
             if self._windows is None or self._windows.world != world:  # another world size: start over
                 self._windows = (HostWindows if world <= _HOST_WORLD else Windows)(self.window, world)
+                self._alerted = set()  # the old world's places: an alert there says nothing of the new one
             self._windows.push(series)
             self._ids = list(_rank_ids(next(iter(series.values()))))
             for name, (value, place) in zip(series, self._windows.slowest(list(series))):
@@ -115,7 +119,9 @@ class StragglerCollector:
                 out += self._persistent(ctx.hosts)
         self._log_steps += 1
         if step_ms is not None and self.report_every and self._log_steps % self.report_every == 0:
-            out.append(Record("stragglers", self._report(list(series), gpu, ctx.hosts)))
+            report = self._report(list(series), gpu, ctx.hosts)
+            if report["fastest"]:  # else no rank has a step time yet (log_interval 1: the first log step)
+                out.append(Record("stragglers", report))
         self.clock.restart()  # the next interval starts after this log step's reduction
         return out
 
@@ -125,7 +131,8 @@ class StragglerCollector:
     # --- helpers -------------------------------------------------------------------------
     def _persistent(self, hosts: Sequence[Any]) -> list[Alert]:
         """One alert naming the ranks that newly scored below the threshold at every log step of
-        a full window (a rank is named again only after it has recovered)."""
+        a full window (a rank is named again only after it has recovered), with the highest of
+        those per-interval scores: what decided it (the window's median score may be 1.0)."""
         stuck = self._windows.stuck(self.threshold, self.window)
         if not self._alerted and not stuck:  # the usual case
             return []
@@ -133,8 +140,9 @@ class StragglerCollector:
         self._alerted = set(stuck)
         if not new:
             return []
-        scores = {r: self._windows.score("", r) for r in new}
-        named = [f"rank {self._ids[r]} ({_where(r, hosts)}, score {scores[r]:.2f})" for r in new[:self.report_ranks]]
+        scores = {r: self._windows.highest_below(r) for r in new}
+        named = [f"rank {self._ids[r]} ({_where(r, hosts)}, score at most {scores[r]:.2f})"
+                 for r in new[:self.report_ranks]]
         more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
         message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "
                    f"speed at each of the last {self.window} log steps")
@@ -142,10 +150,14 @@ class StragglerCollector:
                                              "scores": [_finite(scores[r]) for r in new]})]
 
     def _report(self, names: list[str], gpu: dict, hosts: Sequence[Any]) -> dict:
-        """The ``stragglers`` record: the slowest and fastest ranks with their hosts, scores and
-        median milliseconds per step (with NVML, their last power and SM clock readings); per
-        timer (``names`` after the step time), its slowest ranks."""
+        """The ``stragglers`` record: the slowest ranks (those below the fastest only) and the
+        fastest (the others: no rank in both) with their hosts, scores and median milliseconds per
+        step (with NVML, their last power and SM clock readings); per timer (``names`` after the
+        step time), its slowest ranks."""
         n, windows = self.report_ranks, self._windows
+
+        def slowest(name: str) -> list[int]:  # the fastest scores exactly 1.0 (its median over itself)
+            return [rank for rank in windows.ranks(name, n, slowest=True) if windows.score(name, rank) < 1.0]
 
         def rows(name: str, ranks: list[int]) -> list[dict]:
             out = []
@@ -157,10 +169,10 @@ class StragglerCollector:
                 out.append(row)
             return out
 
-        return {"window": windows.filled, "threshold": self.threshold,
-                "slowest": rows("", windows.ranks("", n, slowest=True)),
-                "fastest": rows("", windows.ranks("", n, slowest=False)),
-                "timers": {name: rows(name, windows.ranks(name, n, slowest=True)) for name in names if name}}
+        below = slowest("")
+        fastest = [rank for rank in windows.ranks("", n + len(below), slowest=False) if rank not in below][:n]
+        return {"window": windows.filled, "threshold": self.threshold, "slowest": rows("", below),
+                "fastest": rows("", fastest), "timers": {name: rows(name, slowest(name)) for name in names if name}}
 
 
 def _every_ranks_timers(metrics: dict[str, Any], ctx: LogContext) -> dict[str, PerRank]:

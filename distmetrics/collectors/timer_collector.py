@@ -28,13 +28,16 @@ class StepTimer(Timer):
     like any timer (``elapsed()``, a report), but starting or stopping it by hand would cut the
     steps it times, so both raise :class:`TimerError` saying so. ``monitor.pause()`` and
     ``resume()`` leave evaluation and checkpoint saves out of it, as Megatron stops its
-    interval timer around them: a pause ends no step."""
+    interval timer around them: a pause ends no step. The log step is left out too, from the
+    lap that begins it to the end of its reduction (:meth:`hold`, :meth:`release`): a fast rank
+    waits there for the slowest, and that wait is not its own work."""
 
-    __slots__ = ("paused", "_unlapped", "_unlapped_ns")
+    __slots__ = ("paused", "held", "_unlapped", "_unlapped_ns")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.paused = False
+        self.held = False  # stopped for the log step, until release()
         self._unlapped = False  # a pause counted time since the last lap, which no step may end
         self._unlapped_ns = 0  # that time (CPU; on CUDA it is inside the event pairs)
 
@@ -53,9 +56,25 @@ class StepTimer(Timer):
             self.paused = False
             Timer.start(self)
 
+    def hold(self) -> None:
+        """The log step begins (its step was just lapped): the time up to now counts, no step ends,
+        and none counts until :meth:`release`."""
+        if self._started:
+            spans = self.spans
+            Timer.stop(self)
+            self.spans, self.held = spans, True
+
+    def release(self) -> None:
+        """The log step's reduction is over: count again, after :meth:`hold` or a pause not resumed
+        (a pause lasts to the log step at most, as the interval clocks')."""
+        if self.held or self.paused:
+            self.held = self.paused = False
+            if not self._started:
+                Timer.start(self)
+
     def lap(self) -> None:
         """A ``monitor.step``; while paused the step ends, and no time counts until :meth:`resume`."""
-        self._unlapped, self._unlapped_ns = False, 0
+        self._unlapped, self._unlapped_ns, self.held = False, 0, False
         if self.paused:
             self.spans += 1
             return
@@ -86,7 +105,8 @@ _OWNED = ("timer {name!r} is the Monitor's step timer: every monitor.step laps i
 
 class TimerCollector:
     """Feeds every timer's per-step milliseconds into the log step's one reduction, names the
-    straggler, and times whole steps (``timers/step``, from one ``monitor.step`` to the next).
+    straggler, and times whole steps (``timers/step``, from one ``monitor.step`` to the next, the
+    log step left out: each rank's own time, so its straggler fields name the rank that is slow).
     With ``per_rank``, each timer's per-rank values also travel (in the ALL pack) as
     ``_ranks/timers/<name>`` for collectors that score ranks."""
 
@@ -106,9 +126,9 @@ class TimerCollector:
 
     def mark_step(self) -> None:
         """A step ended and the next begins (called by ``monitor.step``): a lap of the step
-        timer. On CUDA a lap records nothing; the interval is read with one event at the log
-        step. Stopping and starting it here cost two CUDA events per step: about 60 us of every
-        step on an H100 machine."""
+        timer. On CUDA a lap records nothing; the interval is read at the log step, with one event
+        where it stops there and one where it counts again. Stopping and starting it here cost two
+        CUDA events per step: about 60 us of every step on an H100 machine."""
         if self._step_timer is not None:
             self._step_timer.lap()
 
@@ -127,16 +147,16 @@ class TimerCollector:
         out = []
         kind = self.option
         in_use = self.timers.in_use  # the timers started in the interval (or running into it)
-        # by creation; a copy: the step timer's resume() below notes it in in_use again where it was paused
+        # by creation; a copy: the step timer's release() in finalize notes it in in_use again
         for timer in sorted(in_use, key=_ORDER):
             name = timer.name
             # The step timer runs from one monitor.step to the next: average over its spans; in the
             # record close() writes, up to the last monitor.step (after it comes no step's time).
             step_timer = timer is self._step_timer
+            if step_timer and ctx.ended_at is None:
+                timer.hold()  # until finalize: the wait for the slowest rank in the reduction is not this rank's
             divisor = timer.spans if step_timer else ctx.steps
             ms = timer.take_interval_ms(running=not (step_timer and ctx.ended_at is not None))
-            if step_timer:
-                timer.resume()  # a pause lasts to the log step at most, as the interval clock's
             if ms is None or ms <= 0 or divisor == 0:  # 0 ms: nothing measured, left out as Megatron's reports do
                 continue
             per_step = ms / divisor
@@ -149,7 +169,10 @@ class TimerCollector:
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and the straggler report."""
+        """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and the straggler report; the
+        step timer counts again (the reduction is over)."""
+        if self._step_timer is not None:
+            self._step_timer.release()
         if self.option == "minmax":
             names = [k[len("timers/"):-len("/max")] for k in ctx.keys_under(metrics, ("timers/",))
                      if k.endswith("/max") and k in metrics and f"{k[:-4]}/min" in metrics]
