@@ -3,6 +3,7 @@ the writer, loss by category and MoE statistics across real gloo ranks against h
 computations, and the console line checked field by field."""
 
 import itertools
+import re
 import logging
 import math
 
@@ -801,6 +802,24 @@ def test_record_moe_refuses_bad_arguments_at_the_call(counts, layers):
         assert monitor.step(1, loss=2.0)["train/loss"] == 2.0 and not any(k.startswith("moe/") for k in monitor.last_metrics)
 
 
+@pytest.mark.parametrize("counts,layers,said", [
+    ("complex", None, "a torch.complex64 tensor; accepted: counts as an integer or real floating tensor"),
+    ("bool", None, "a torch.bool tensor; accepted: counts as an integer or real floating tensor"),
+    (None, [5], "numbers the layers of tokens_per_expert, which was not given")])
+def test_record_moe_refuses_complex_or_bool_counts_and_layer_numbers_alone(counts, layers, said):
+    """A complex tensor of counts lost its imaginary part with only torch's ComplexWarning, a bool one was
+    counted as 0/1, and layer_numbers without counts were ignored, unsaid."""
+    import torch
+
+    import distmetrics as dm
+
+    counts = {"complex": torch.ones(4, dtype=torch.complex64), "bool": torch.ones(4, dtype=torch.bool)}.get(counts)
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            monitor.record_moe(aux_loss=0.1, tokens_per_expert=counts, layer_numbers=layers)
+        assert not any(k.startswith("moe/") for k in monitor.step(1, loss=2.0))  # a refused call records nothing
+
+
 def _losses_and_counts_as_dtensors(rank: int, world: int) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -855,3 +874,20 @@ def test_loss_categories_keep_one_names_tuple_between_log_steps():
         made.append(losses.take_samples()[0].names)
     assert made[0] is made[1] and made[0] == ("train/loss/a", "train/loss/b")
     assert made[2] == ("train/loss/a", "train/loss/b", "train/loss/c")
+
+
+def test_non_finite_gradients_between_log_steps_then_at_one_are_one_event():
+    """A record counting steps with non-finite gradients (between log steps), then the next naming the
+    modules (at its log step): consecutive records with a count are one event, said once; the second
+    still names the first module."""
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.health import HealthCollector
+
+    health = HealthCollector(spike_factor=5.0)
+    first = {"grad_nonfinite_steps": 1.0, "grad_nonfinite": 0.0}
+    said = health.finalize(first, LogContext(step=8, steps=4, layout=None, module_order=["a", "b"]))
+    second = {"grad_nonfinite_steps": 1.0, "grad_nonfinite": 2.0, "grad_nonfinite_modules": ["b"]}
+    said += health.finalize(second, LogContext(step=12, steps=4, layout=None, module_order=["a", "b"],
+                                               previous=first))
+    assert [alert.alert for alert in said] == ["nonfinite_grad"]
+    assert second["health/first_nonfinite_module"] == "b"

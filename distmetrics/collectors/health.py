@@ -108,6 +108,8 @@ class HealthCollector:
             order = list(ctx.module_order)
             ordered = [m for m in order if m in names] + [m for m in names if m not in order]
             metrics["health/first_nonfinite_module"] = ordered[0]
+        if bad and not ctx.previous.get("grad_nonfinite_modules") and not ctx.previous.get("grad_nonfinite_steps"):
+            # the last record's count of steps with non-finite gradients is this event's start: said there
             alerts.append(Alert("nonfinite_grad", f"non-finite gradient first in module {ordered[0]!r} "
                                                   f"({len(ordered)} module(s): {', '.join(ordered)})",
                                 {"first_module": ordered[0], "modules": ordered}))

@@ -40,6 +40,9 @@ class MoECollector:
                 check_user_value(value, "record_moe(%s=...)", what)
         if tokens_per_expert is not None:
             self._record_counts(tokens_per_expert, layer_numbers)
+        elif layer_numbers is not None:
+            raise ValueError("record_moe(layer_numbers=...) numbers the layers of tokens_per_expert, which was not "
+                             "given; pass them together")
         for name, value in (("moe/aux_loss", aux_loss), ("moe/z_loss", z_loss)):
             if value is not None:
                 self._stats.record(name, local_value(value), "mean")
@@ -52,6 +55,9 @@ class MoECollector:
                     else f"{type(tokens_per_expert).__name__} {tokens_per_expert!r}")
             raise ValueError(f"record_moe(tokens_per_expert=...): expected a tensor [layers, experts] or one layer's "
                              f"[experts] (at least one expert), got {what}")
+        if tokens_per_expert.is_complex() or tokens_per_expert.dtype == torch.bool:
+            raise ValueError(f"record_moe(tokens_per_expert=...): a {tokens_per_expert.dtype} tensor; accepted: counts "
+                             "as an integer or real floating tensor")
         counts = tokens_per_expert.detach()
         if counts.dim() == 1:
             counts = counts.unsqueeze(0)
