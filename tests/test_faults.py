@@ -74,31 +74,28 @@ def _out_of_step(rank: int, world: int) -> dict:
         out["timer_barrier_one_rank"] = _outcome(lambda: monitor.timers("fwd", 1).start(barrier=True))
     dist.barrier()
     # 7. the same timer barrier every step on every rank: what each rank publishes to the store
-    monitor = dm.Monitor(quiet_config(log_interval=100, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
-    guard, published = monitor._guard, []
-    publish = guard._publish
-    guard._publish = lambda: (published.append(guard._last), publish())
-    start = time.monotonic()
-    for step in range(1, 31):
-        monitor.timers("fwd", 1).start(barrier=True)
-        monitor.timers("fwd", 1).stop()
-        monitor.step(step)
-    out["barrier_every_step"] = list(published), time.monotonic() - start, guard.publish_every_s
-    monitor.close()
+    out["barrier_every_step"] = _published_with_barriers(dm, ("fwd",))
     # 8. barriers of two timers in turn every step (Megatron's forward-backward and optimizer at level 1)
+    out["two_barriers_every_step"] = _published_with_barriers(dm, ("forward-backward", "optimizer"))
+    return out
+
+
+def _published_with_barriers(dm, timers: tuple) -> tuple:
+    """30 steps, each timing ``timers`` in turn with barrier=True: the calls this rank published to the
+    store, the seconds it took, and the guard's publish_every_s."""
     monitor = dm.Monitor(quiet_config(log_interval=100, hang_timeout_s=TIMEOUT_S, timing_log_level=2))
     guard, published = monitor._guard, []
     publish = guard._publish
     guard._publish = lambda: (published.append(guard._last), publish())
     start = time.monotonic()
     for step in range(1, 31):
-        for name in ("forward-backward", "optimizer"):
+        for name in timers:
             monitor.timers(name, 1).start(barrier=True)
             monitor.timers(name, 1).stop()
         monitor.step(step)
-    out["two_barriers_every_step"] = list(published), time.monotonic() - start, guard.publish_every_s
+    took, calls = time.monotonic() - start, list(published)  # close()'s own publishes left out
     monitor.close()
-    return out
+    return calls, took, guard.publish_every_s
 
 
 class _Probe:
