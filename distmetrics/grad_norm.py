@@ -109,11 +109,6 @@ class GradientNorms:
         """Leave the replica check's result on the device (``replicas_differ`` of a measurement), for a
         Monitor's log step to raise (:class:`distmetrics.replicas.IntervalCheck`), instead of reading it
         at each measurement (a device sync on a GPU)."""
-        self.plain_check_due = True
-        """Under a Monitor, a model of plain tensors alone is checked at the measurements of a step predicted
-        to be a log step only (the Monitor sets this at each step): copies under DDP, whose every clip would
-        pay the fingerprint's ~20 device operations, while ranks that train models of their own differ at
-        every step, the checked ones too. Plain tensors beside DTensors are checked at every measurement."""
 
     def attach_shards(self, shards: MegatronShards) -> None:
         """Count the slices Megatron's distributed optimizer gives this rank (see
@@ -186,8 +181,7 @@ class GradientNorms:
         finite_check = per_tensor_norms(measured_locals, 1.0, foreach, device, route.orders, groups,
                                         longs=route.longs) if p <= 0 else norms
         kind = norm_kind(p)
-        weights = route.replica_weights if plan.mixed or self.plain_check_due else None  # see plain_check_due
-        extra = replicas.lanes(norms, weights, route.replica_owner, self.layout, kind) \
+        extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
             if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, extra,
@@ -203,9 +197,8 @@ class GradientNorms:
             if not self.defers_replicas:
                 if self._checks_replicas(plan) or self._replicas_anywhere:
                     replicas.check(measured, kind, call, self.layout, names)
-            elif (weights is not None and self._checks_replicas(plan)) or self._replicas_anywhere:
-                # raised at the log step, from the reduced flags on every rank (where a rank noted none, the
-                # others' arrive)
+            elif self._checks_replicas(plan) or self._replicas_anywhere:  # raised at the log step, from the reduced
+                # flags on every rank (where a rank noted none, the others' arrive)
                 measured.replicas_differ, measured.replica_names = replicas.differing(measured, kind), names
         # main_grad (or decoupled_grad) in place of .grad: Megatron's gradients, which its optimizer clips
         measured.megatron = bool(grads) and grads[0] is not plan.params[index[0]].grad
@@ -241,7 +234,7 @@ class GradientNorms:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.guard is not None:
                 self.guard.enter(f"{call}(norm_type check)")
-            lanes = torch.tensor([p, -p, float(plan.mixed and self._checks_replicas(plan))], dtype=torch.float64,
+            lanes = torch.tensor([p, -p, float(self._checks_replicas(plan))], dtype=torch.float64,
                                  device=collective_device(self.group))
             dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
             high, low, mixed = lanes.tolist()

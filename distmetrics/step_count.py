@@ -18,7 +18,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from .interval import now
-from .log_step import is_log_step
 from .runinfo import first_step, resumed_at
 
 if TYPE_CHECKING:
@@ -82,8 +81,6 @@ def _start(monitor: "Monitor", call: StepCall) -> None:
     if norms is not None:  # the step's optimizer steps are over: their update is the step's
         norms.end_step(step)
     monitor._last_step = step
-    if norms is not None:  # plain replicas are checked at the next step's clip where it is a log step
-        norms.grads.plain_check_due = is_log_step(monitor)
     monitor._guard.note("monitor.step", step)
 
 
