@@ -309,6 +309,7 @@ class Monitor:
             say_log_step_lost(self, "monitor.close() was called during it")
         if step_under_way(self):  # a signal handler's close() inside monitor.step: the step is counted whole
             finish_step(self)
+            self._by_name["train"].stats.end_step()  # what a part it cut short recorded is the step's too
         try:
             writes_record = self._steps_in_interval > 0 and self._last_step is not None
             # values recorded after the last step belong to a step that did not come: said, and not in the record

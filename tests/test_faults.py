@@ -2242,3 +2242,26 @@ def test_what_is_recorded_after_the_last_step_is_left_out_of_the_close_record_an
                    f"the last monitor.step (step {step}" in train, (rank, case, train)
             assert f"rank{1 - rank}" not in train
             assert held.startswith(f"distmetrics: close() on rank {rank}: record_losses(split='eval') samples"), held
+
+
+def test_a_close_landing_inside_the_steps_own_record_keeps_what_it_recorded(caplog):
+    """A signal handler's close() landing inside the train collector's record of a step, after its loss was
+    recorded and before the step's values were marked as its own: the close record counted the step but
+    took its loss back as recorded after the last step (6.0 for 6.5), and said so falsely. The signal is
+    stood in for by a narrow patch of the collector's ``stats.record`` that calls close() at that point."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=10))
+    train = monitor._by_name["train"]
+    record = train.stats.record
+
+    def interrupted(name, value, *args, **kwargs):
+        record(name, value, *args, **kwargs)
+        if name == "train/loss" and value == 9.0:
+            monitor.close()
+
+    train.stats.record = interrupted
+    for step, loss in ((1, 4.0), (2, 5.0), (3, 9.0)):
+        monitor.step(step, loss=loss)
+    assert monitor.last_metrics["train/loss"] == 6.0  # (4 + 5 + 9) / 3: step 3's loss is in the close record
+    assert not [r for r in caplog.records if "recorded after the last monitor.step" in r.getMessage()]
