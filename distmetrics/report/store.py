@@ -167,11 +167,12 @@ class StepGrid:
 
     def image(self, lost: Iterable[tuple[int, int]] = ()) -> Optional[tuple[np.ndarray, np.ndarray, float, float]]:
         """(bin means [columns x rows], non-finite flags, x0, x1): an image spanning steps x0..x1.
-        Log steps are usually further apart than a bin is wide: a logged bin's value is drawn over
-        the empty bins up to half the log interval (the most common spacing of log steps) either
-        side of it. Empty bins farther than that from any logged bin (a stretch with no record) or
-        holding a ``lost`` step ((first, last) steps of records a ``gap`` record says could not be
-        written) have no value: a neighbour's would be a guess."""
+        Log steps are usually further apart than a bin is wide: an empty bin between logged ones is
+        drawn with the nearest logged bin's value (the log interval may change: a resumed job's, a
+        schedule denser at first), and the first and last logged bins over half the most common
+        spacing of log steps beyond them. An empty bin holding a ``lost`` step ((first, last) steps
+        of records a ``gap`` record says could not be written) has no value: a neighbour's would
+        stand for a record that exists nowhere."""
         used = np.flatnonzero(self.seen)
         if used.size == 0 or self.rows == 0:
             return None
@@ -186,7 +187,7 @@ class StepGrid:
             before, after = used[at - 1], used[at]
             columns = np.where(np.abs(wanted - before) <= np.abs(after - wanted), before, after)
         distance = np.abs(wanted - columns)
-        empty = (distance > half) | ((distance > 0) & self._lost_bins(lost, wanted))
+        empty = (distance > 0) & self._lost_bins(lost, wanted)
         mean = self._means(columns)
         mean[empty] = np.nan
         nonfinite = self.nonfinite[columns, : self.rows] & ~empty[:, None]
