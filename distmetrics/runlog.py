@@ -20,9 +20,13 @@ __all__ = ["METRICS_FILE", "LINE_LIMIT", "TRAINING_KINDS", "Job", "Records", "No
            "decode_record", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
 
 LINE_LIMIT = 64 * 2**20
-"""The longest line read as a record, in bytes (64 MiB; a record of 100,000 names is a few MB). A
-longer line (a file that is no metrics.jsonl: a checkpoint without a newline) is skipped unheld and
-counted as unreadable, so reading a file takes about twice this memory at most, whatever it holds."""
+"""The longest line read as a record whatever it holds, in bytes (64 MiB; a record of 100,000 names
+is a few MB). A longer line is read whole only where it opens as the Monitor's records do
+(``{"kind":``: per-rank values of thousands of names on thousands of ranks make lines of 100 MB);
+any other (a file that is no metrics.jsonl: a checkpoint without a newline) is skipped unheld and
+counted as unreadable, so such a file takes about twice this memory at most."""
+RECORD_OPENING = b'{"kind":'
+"""How every line the JSONL sink writes begins."""
 
 logger = logging.getLogger("distmetrics")
 
@@ -144,14 +148,21 @@ def decode_record(line: bytes) -> Optional[dict[str, Any]]:
 
 
 def _lines(f, limit: int) -> Iterator[Optional[bytes]]:
-    """The lines of a file open in binary, each of at most ``limit`` bytes before its newline; None
-    for a longer one, read to its end a MiB at a time and never held whole."""
+    """The lines of a file open in binary: each of at most ``limit`` bytes before its newline, and a
+    longer one that opens as the Monitor's records do (:data:`RECORD_OPENING`); None for any other
+    longer line, read to its end a MiB at a time and never held whole."""
     while True:
         line = f.readline(limit + 1)
         if not line:
             return
         if len(line) <= limit or line.endswith(b"\n"):
             yield line
+            continue
+        if line.startswith(RECORD_OPENING):  # one of ours, however long: read on to its newline
+            parts = [line]
+            while parts[-1] and not parts[-1].endswith(b"\n"):
+                parts.append(f.readline(limit))
+            yield b"".join(parts)
             continue
         while line and not line.endswith(b"\n"):
             line = f.readline(1 << 20)

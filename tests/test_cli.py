@@ -154,6 +154,24 @@ def test_a_line_over_the_limit_is_unreadable_and_never_held_whole(tmp_path, monk
     assert "is not a distmetrics metrics.jsonl: its first line is over 1,048,576 bytes long" in str(refused.value)
 
 
+def test_a_record_the_monitor_wrote_over_the_limit_is_read_whole(tmp_path, monkeypatch):
+    """Per-rank values of many names on many ranks make a record of 100 MB: with the limit at 64 MiB it
+    was skipped as a line a crash cut short. A line that opens as the Monitor's records do is read
+    whole (the limit patched to 1 MiB here, the record written by the JSONL sink itself)."""
+    from distmetrics import cli, runlog
+    from distmetrics.sinks.jsonl import JsonlSink, read_jsonl
+
+    monkeypatch.setattr(runlog, "LINE_LIMIT", 1 << 20, raising=False)
+    path = _write_run(tmp_path, [[10, 20]])
+    sink = JsonlSink(path)
+    big = {f"layer_stats/block.{i}/value": i + 0.5 for i in range(100_000)}  # about 3 MiB
+    sink.log({"train/loss": 0.5, **big}, 30, "train")
+    sink.close()
+    text = cli.summarise(path)
+    assert "unreadable" not in text and "last step 30: loss=0.5" in text, text
+    assert [r["step"] for r in read_jsonl(path) if r["kind"] == "train"][-1] == 30
+
+
 def test_summary_reports_each_job_and_a_job_that_logs_steps_again(tmp_path):
     """Two jobs appended to one file (a restart from step 20's checkpoint): each is reported
     with its own first and last step, and the overlap is named."""
