@@ -891,3 +891,15 @@ def test_non_finite_gradients_between_log_steps_then_at_one_are_one_event():
                                                previous=first))
     assert [alert.alert for alert in said] == ["nonfinite_grad"]
     assert second["health/first_nonfinite_module"] == "b"
+
+
+def test_a_bool_mask_of_categories_is_the_ids_0_and_1():
+    """record_losses(loss, is_code_mask, names=["text", "code"]): a bool tensor is the ids 0 and 1."""
+    import torch
+
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        monitor.record_losses(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([False, True, True]), names=["text", "code"])
+        metrics = monitor.step(1)
+    assert (metrics["train/loss/text"], metrics["train/loss/code"]) == (1.0, 4.0)

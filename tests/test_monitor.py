@@ -1582,8 +1582,7 @@ def test_eval_time_under_its_written_name_is_checked_as_time_ms_is(tmp_path):
 
 
 def _category_inputs(rank: int, world: int, root: str) -> dict:
-    """record_losses with weights as host values and as tensors (bad on one rank), and categories as
-    a bool tensor; train samples over steps 1-2 and 3-4 (log_interval 2), eval samples at log_eval 4."""
+    """record_losses with weights as host values and as tensors (bad on one rank); train samples over steps 1-2 and 3-4 (log_interval 2), eval samples at log_eval 4."""
     import torch
 
     import distmetrics as dm
@@ -1592,8 +1591,7 @@ def _category_inputs(rank: int, world: int, root: str) -> dict:
     losses = torch.tensor([1.0, 2.0])
     with dm.Monitor(quiet_config(output_dir=root, log_interval=2, json_log=True)) as monitor:
         calls = {"list": lambda: monitor.record_losses(losses, ["c", "c"], weights=[-1.0, 2.0]),
-                 "nan list": lambda: monitor.record_losses(losses, ["c", "c"], weights=[math.nan, 2.0]),
-                 "bools": lambda: monitor.record_losses(losses, torch.tensor([True, False]), names=["no", "yes"])}
+                 "nan list": lambda: monitor.record_losses(losses, ["c", "c"], weights=[math.nan, 2.0])}
         for name, call in calls.items():
             try:
                 call()
@@ -1615,10 +1613,9 @@ def _category_inputs(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_record_losses_weights_must_be_counts_and_a_bool_tensor_is_no_category_ids(tmp_path):
+def test_record_losses_weights_must_be_counts(tmp_path):
     """losses [1, 2] with weights [-1, 2] wrote train/loss/c = 3.0, outside its samples' range, without
-    a word, and a bool tensor of categories with names= was taken as ids 1 and 0 (a list of bools is
-    refused). Weights given as a list are checked at the call; tensors are not read there (no host sync):
+    a word. Weights given as a list are checked at the call; tensors are not read there (no host sync):
     their bad weights are counted on the device and checked at the log step (log_eval for eval
     samples), where the record is written without the split's categories and every rank raises.
     Truth: the token-weighted mean of the good interval, by hand."""
@@ -1628,8 +1625,6 @@ def test_record_losses_weights_must_be_counts_and_a_bool_tensor_is_no_category_i
         assert refused["list"] == ("ValueError: record_losses(weights=...): the weight -1.0 of sample 0 is refused: "
                                    "accepted values are finite numbers >= 0"), refused
         assert refused["nan list"].startswith("ValueError: record_losses(weights=...): the weight nan of sample 0")
-        assert refused["bools"].startswith("TypeError: record_losses(categories=...): a tensor of categories holds "
-                                           "integer ids, got torch.bool"), refused
         raised = result["raised"]
         assert set(raised) == {2, "eval"}, raised  # the interval holding the bad weight, on every rank
         assert "record_losses(weights=...): the weights given as tensors in the steps up to step 2 held 1 that " \

@@ -64,10 +64,7 @@ class CategoryLosses:
         if w.numel() != n:
             raise ValueError(f"record_losses: {n} losses but {w.numel()} weights")
         if isinstance(categories, torch.Tensor):
-            if categories.dtype == torch.bool:  # as a list of bools is: True and False are no ids
-                raise TypeError("record_losses(categories=...): a tensor of categories holds integer ids, got "
-                                "torch.bool (True and False would be taken as the ids 1 and 0); pass integer ids")
-            if categories.is_floating_point() or categories.is_complex():
+            if categories.is_floating_point() or categories.is_complex():  # a bool mask is the ids 0 and 1
                 raise TypeError(f"record_losses(categories=...): a tensor of categories holds integer ids, got "
                                 f"{categories.dtype} (its ids were cut to integers)")
             if categories.numel() != n:
