@@ -1582,7 +1582,8 @@ def test_eval_time_under_its_written_name_is_checked_as_time_ms_is(tmp_path):
 
 
 def _category_inputs(rank: int, world: int, root: str) -> dict:
-    """record_losses with weights as host values and as tensors (bad on one rank); train samples over steps 1-2 and 3-4 (log_interval 2), eval samples at log_eval 4."""
+    """record_losses with weights as host values and as tensors (bad on one rank); train samples over
+    steps 1-2 and 3-4 (log_interval 2), eval samples at log_eval 4."""
     import torch
 
     import distmetrics as dm
