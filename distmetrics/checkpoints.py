@@ -39,6 +39,7 @@ class CheckpointLog:
         self._earlier = any(file is not None and _size(file) > 0 for file in earlier)
         self.resumed = {} if not is_writer else read_progress(path, world_size) if self._progress else no_progress()
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
+        self._said_unknown = False  # a checkpoint of a job that counted no token was said
 
     def start_at(self, step: int) -> None:
         """Where this job's checkpoints count on from (:meth:`_resumed_from`); a job that loaded a
@@ -136,7 +137,19 @@ class CheckpointLog:
         if self._short:  # said at the first checkpoint: a job that saves none counts nothing
             logger.warning("distmetrics: %s.", self._short)
             self._short = ""
-        return checkpoint_record(step, self.resumed, self.job_start, total, flops_per_token, self.world_size)
+        if not counting and not self._said_unknown:
+            self._said_unknown = True
+            logger.warning("distmetrics: monitor.checkpoint_saved(%d): no rank counted tokens in this job's steps "
+                           "(no monitor.step(tokens=...), or tokens given only on ranks that do not count them): its "
+                           "tokens and FLOPs are not known, nan in progress.txt, and so are the cumulative ones of "
+                           "every later checkpoint that counts on from them. Said once", step)
+        record = checkpoint_record(step, self.resumed, self.job_start, total, flops_per_token, self.world_size)
+        if counting and not record.get("checkpoint/tokens", math.nan) >= 0 and not self._said_unknown:
+            self._said_unknown = True
+            logger.warning("distmetrics: monitor.checkpoint_saved(%d): this job counts on from a checkpoint whose "
+                           "tokens were not known (an earlier job counted none): the cumulative tokens and FLOPs are "
+                           "nan in progress.txt from here on, this job's own throughput is known. Said once", step)
+        return record
 
 
     def _record_up_to(self, step: int, base: Optional[Saved]) -> Optional[Saved]:

@@ -660,8 +660,14 @@ def _checkpoints_of_jobs_that_count_no_tokens(rank: int, world: int, root: str) 
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    import logging
+
     import distmetrics as dm
 
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
     cfg = quiet_config(log_interval=2, json_log=True, log_progress=True, flops_per_token=1e9)
     tokens = {"no tokens": lambda: None, "first stage only": lambda: 1000 if rank == 0 else None, "zero": lambda: 0}
     for case, given in tokens.items():
@@ -674,12 +680,15 @@ def _checkpoints_of_jobs_that_count_no_tokens(rank: int, world: int, root: str) 
         for step in (5, 6):
             monitor.step(step, loss=1.0, tokens=1000)
         monitor.checkpoint_saved(6)
+    logging.getLogger("distmetrics").removeHandler(handler)
     if rank != 0:
         return {}
-    return {case: ([r for r in dm.read_jsonl(f"{root}/{case}/metrics.jsonl") if r["kind"] == "progress"],
-                   [line for line in Path(root, case, "progress.txt").read_text().splitlines()
-                    if "Saved checkpoint" in line])
-            for case in tokens}
+    out = {case: ([r for r in dm.read_jsonl(f"{root}/{case}/metrics.jsonl") if r["kind"] == "progress"],
+                  [line for line in Path(root, case, "progress.txt").read_text().splitlines()
+                   if "Saved checkpoint" in line])
+           for case in tokens}
+    out["said"] = [line for line in said if "checkpoint_saved(" in line and "not known" in line]
+    return out
 
 
 def test_a_job_in_which_no_rank_counts_tokens_writes_unknown_tokens_and_flops_not_zeros(tmp_path):
@@ -699,6 +708,8 @@ def test_a_job_in_which_no_rank_counts_tokens_writes_unknown_tokens_and_flops_no
     assert {k for k in resumed if k.startswith("checkpoint/")} == {"checkpoint/job_tflops_per_gpu"}, resumed
     (zero,), _ = result["zero"]
     assert zero["checkpoint/tokens"] == 0.0 and zero["checkpoint/floating_point_operations"] == 0.0, zero
+    assert [line.split(":")[1] for line in result["said"]] == [" monitor.checkpoint_saved(4)"] * 2 + [
+        " monitor.checkpoint_saved(6)"], result["said"]  # the resumed job counts on from an unknown total
 
 
 @pytest.mark.parametrize("checkpoints", [(10, 20), (20,)], ids=["a line before it", "its only line"])
