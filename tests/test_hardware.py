@@ -490,7 +490,8 @@ def test_a_gpu_without_a_known_peak_is_said_with_why_and_gets_no_mfu(monkeypatch
         assert resolve_peak_tflops(config) == peak, name
         said = [r.getMessage() for r in caplog.records if "no peak TFLOP/s" in r.getMessage()]
         assert said == ([] if why is None else
-                        [f"distmetrics: no peak TFLOP/s known for {name!r}{why} in bf16; set peak_tflops for MFU"]), said
+                        [f"distmetrics: no peak TFLOP/s known for {name!r}{why} in bf16; set peak_tflops for MFU"]), \
+            said
 
 
 # --- progress.txt -----------------------------------------------------------------------------
