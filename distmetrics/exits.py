@@ -90,6 +90,13 @@ def say_pending(monitor: "Monitor", writes_record: bool) -> None:
         logger.warning("distmetrics: close() on rank %d: %s recorded %s are not written: a record belongs to the "
                        "interval of the next monitor.step; record before the step it belongs to", monitor.rank,
                        ", ".join(map(repr, late[:5])) + (" ..." if len(late) > 5 else ""), after)
+    moe = monitor._by_name.get("moe")
+    if moe is not None and moe.since_step and monitor._last_step is not None:
+        moe.since_step = False
+        fate = ("are written into the record close() writes, that step's interval, which they do not belong to"
+                if writes_record else "are not written")
+        logger.warning("distmetrics: close() on rank %d: record_moe's values recorded after the last monitor.step "
+                       "(step %d) %s; record before the step they belong to", monitor.rank, monitor._last_step, fate)
     if eval_samples:
         logger.warning("distmetrics: close() on rank %d: record_losses(split='eval') samples with no "
                        "monitor.log_eval after them are not written: a log_eval writes them; call it before close()",

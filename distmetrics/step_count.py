@@ -101,6 +101,8 @@ def _record_health(monitor: "Monitor", call: StepCall) -> None:
 def _end_losses(monitor: "Monitor", call: StepCall) -> None:
     with monitor._records:
         monitor._by_name["losses"].end_step(call.skipped)  # its record_losses samples: left out with it where skipped
+        if "moe" in monitor._by_name:
+            monitor._by_name["moe"].end_step()
 
 
 def _lap(monitor: "Monitor", call: StepCall) -> None:

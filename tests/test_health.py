@@ -903,3 +903,22 @@ def test_a_bool_mask_of_categories_is_the_ids_0_and_1():
         monitor.record_losses(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([False, True, True]), names=["text", "code"])
         metrics = monitor.step(1)
     assert (metrics["train/loss/text"], metrics["train/loss/code"]) == (1.0, 4.0)
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_record_moe_after_the_last_step_is_said_at_close(caplog, logged):
+    """record_moe after the last monitor.step landed in the close record (or in none, after a logged step),
+    unsaid; its counts add up in place and are not taken back, so close() says where they went."""
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=3 if logged else 10))
+    for step in (1, 2, 3):
+        monitor.record_moe(aux_loss=1.0, tokens_per_expert=torch.tensor([1.0, 3.0]))
+        monitor.step(step, loss=1.0)
+    monitor.record_moe(aux_loss=5.0)
+    monitor.close()
+    said = [r.getMessage() for r in caplog.records if "record_moe's values" in r.getMessage()]
+    fate = "are not written" if logged else "are written into the record close() writes"
+    assert len(said) == 1 and fate in said[0], said

@@ -31,6 +31,7 @@ class MoECollector:
         self._stats = IntervalStats()
         self._counts: dict[tuple, torch.Tensor] = {}  # the layers of a call → their counts this interval
         self._names: dict[tuple, tuple] = {}  # (layer, experts) pairs → the vector's names (kept: one tuple)
+        self.since_step = False  # recorded since the last monitor.step (said at close(): see end_step)
 
     def record(self, aux_loss=None, z_loss=None, tokens_per_expert: Optional[torch.Tensor] = None,
                layer_numbers: Optional[Sequence[int]] = None) -> None:
@@ -46,6 +47,13 @@ class MoECollector:
         for name, value in (("moe/aux_loss", aux_loss), ("moe/z_loss", z_loss)):
             if value is not None:
                 self._stats.record(name, local_value(value), "mean")
+        self.since_step = True
+
+    def end_step(self) -> None:
+        """A ``monitor.step`` counted what was recorded before it. What comes after the last step is not
+        taken back out of the record ``close()`` writes (its counts add up on the device, in place): it
+        lands there, and close() says so."""
+        self.since_step = False
 
     def _record_counts(self, tokens_per_expert: torch.Tensor, layer_numbers: Optional[Sequence[int]]) -> None:
         tokens_per_expert = user_tensor(tokens_per_expert, "record_moe(tokens_per_expert=...)")
