@@ -818,6 +818,8 @@ def test_record_moe_refuses_complex_or_bool_counts_and_layer_numbers_alone(count
         with pytest.raises(ValueError, match=re.escape(said)):
             monitor.record_moe(aux_loss=0.1, tokens_per_expert=counts, layer_numbers=layers)
         assert not any(k.startswith("moe/") for k in monitor.step(1, loss=2.0))  # a refused call records nothing
+        monitor.record_moe(aux_loss=0.1, layer_numbers=[])  # a stage with no MoE layer: no layer, no counts
+        assert monitor.step(2, loss=2.0)["moe/aux_loss"] == pytest.approx(0.1)
 
 
 def _losses_and_counts_as_dtensors(rank: int, world: int) -> dict:

@@ -906,6 +906,19 @@ def test_heatmap_steps_lost_or_never_logged_are_grey_and_gaps_are_marked(tmp_pat
     bins = x0 + 0.5 + np.arange(values.shape[0]) * grid.width  # each column's first step
     assert values[np.searchsorted(bins, 500, side="right") - 1, row] == 500.0
 
+    # records lost with no gap record (a hard kill, then a resume past them): 10-200 and 500-700 every 10,
+    # nothing between: the columns more than half the spacing (5) from 200 and 500 are grey, not 200's or 500's
+    steps = list(range(10, 201, 10)) + list(range(500, 701, 10))
+    _write(tmp_path / "metrics.jsonl", [dict(records[0])] + [
+        {"kind": "train", "step": s, "train/loss": 1.0, "grad_norm/a": float(s), "grad_norm/b": 1.0} for s in steps])
+    data = load_metrics(tmp_path)
+    grid = data.grids[("module", "grad_norm")]
+    values, _, x0, _ = grid.image(data.lost)
+    first = x0 + 0.5 + np.arange(values.shape[0]) * grid.width
+    column = values[:, data.modules.index("a")]
+    assert np.isnan(column[(first > 210) & (first + grid.width - 1 < 490)]).all()
+    assert not np.isnan(column[first + grid.width - 1 <= 200]).any() and not np.isnan(column[first >= 500]).any()
+
 
 def _nested_modules(rank: int, world: int, root: str) -> dict:
     """A real 2-rank run of a model of 503 modules holding parameters (``embed``, ``blocks``, 167

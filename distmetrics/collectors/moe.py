@@ -41,7 +41,7 @@ class MoECollector:
                 check_user_value(value, "record_moe(%s=...)", what)
         if tokens_per_expert is not None:
             self._record_counts(tokens_per_expert, layer_numbers)
-        elif layer_numbers is not None:
+        elif layer_numbers is not None and len(layer_numbers):  # a stage with no MoE layer may pass []
             raise ValueError("record_moe(layer_numbers=...) numbers the layers of tokens_per_expert, which was not "
                              "given; pass them together")
         for name, value in (("moe/aux_loss", aux_loss), ("moe/z_loss", z_loss)):

@@ -24,6 +24,9 @@ MAX_COLUMNS = 1000
 
 MAX_SPACINGS = 64
 """Distinct spacings of log steps a grid counts (a log interval takes one or a few)."""
+HOLE_SPANS = 4
+"""A stretch between two logged bins more than this many times as wide as the spacing of the logged bins
+either side of it holds no record (a hard kill lost them before a resume): greyed, not filled."""
 
 Rows = Union[slice, np.ndarray]
 
@@ -172,7 +175,9 @@ class StepGrid:
         schedule denser at first), and the first and last logged bins over half the most common
         spacing of log steps beyond them. An empty bin holding a ``lost`` step ((first, last) steps
         of records a ``gap`` record says could not be written) has no value: a neighbour's would
-        stand for a record that exists nowhere."""
+        stand for a record that exists nowhere; nor has one in a stretch with no record more than
+        :data:`HOLE_SPANS` times as wide as the spacing of the logged bins either side of it (records a
+        hard kill lost before a resume), beyond half that spacing from its ends."""
         used = np.flatnonzero(self.seen)
         if used.size == 0 or self.rows == 0:
             return None
@@ -188,6 +193,12 @@ class StepGrid:
             columns = np.where(np.abs(wanted - before) <= np.abs(after - wanted), before, after)
         distance = np.abs(wanted - columns)
         empty = (distance > 0) & self._lost_bins(lost, wanted)
+        if used.size > 2:  # a stretch with no record, far wider than the log spacing either side of it
+            spans = np.diff(used)
+            local = np.maximum(np.concatenate(([0], spans[:-1])), np.concatenate((spans[1:], [0])))
+            pair = at - 1  # the logged bins each column lies between
+            hole = (spans[pair] > HOLE_SPANS * local[pair]) & (wanted > used[pair]) & (wanted < used[pair + 1])
+            empty |= hole & (distance > local[pair] // 2)
         mean = self._means(columns)
         mean[empty] = np.nan
         nonfinite = self.nonfinite[columns, : self.rows] & ~empty[:, None]
