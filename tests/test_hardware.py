@@ -494,6 +494,28 @@ def test_a_gpu_without_a_known_peak_is_said_with_why_and_gets_no_mfu(monkeypatch
             said
 
 
+def test_the_peak_compared_at_start_up_is_the_one_each_ranks_gpu_gives_where_mfu_is_computed(monkeypatch):
+    """With peak_tflops unset each rank looks up its own GPU's peak: an H100 SXM rank and an H100 PCIe rank
+    each computed another MFU. Start-up compares the peak a rank will use (torch.cuda replaced as above); GPUs
+    of one peak compare equal, and without FLOPs per token (no MFU) the GPU is not compared."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.throughput import peak_setting
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def compared(name, **keys):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+        return peak_setting(dm.MetricsConfig(**keys))
+
+    sxm, pcie, h200 = (compared(name, num_params=7e9) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                                                     "NVIDIA H200"))
+    assert sxm == h200 == "989.0 looked up for this rank's GPU in bf16" and pcie.startswith("756.0 ")
+    assert compared("NVIDIA GB200", num_params=7e9) == "None looked up for this rank's GPU in bf16"
+    assert compared("NVIDIA H100 PCIe") is None and compared("NVIDIA H100 PCIe", num_params=7e9, peak_tflops=5.0) == 5.0
+
+
 # --- progress.txt -----------------------------------------------------------------------------
 
 def test_progress_txt_is_cumulative_across_a_restart_with_the_same_world_size(tmp_path):
@@ -885,6 +907,76 @@ def test_per_gpu_throughput_under_a_subgroup_is_over_the_groups_gpus():
         assert m["train/tokens_per_sec"] == pytest.approx(1000.0)
         assert m["train/tokens_per_sec_per_gpu"] == pytest.approx(1000.0)
         assert m["train/tflops_per_gpu"] == pytest.approx(1000.0 * 1e9 / 1e12)
+
+
+STAGE_SHAPES = {0: (4, 8), 1: (8, 2)}
+"""Two pipeline stages holding different parameter counts: Linear(4, 8) (40) and Linear(8, 2) (18)."""
+
+
+def _throughput_keys_on_two_stages(rank: int, world: int) -> dict:
+    """On a 2-stage pipeline (one rank a stage): Monitors given throughput keys that differ between the ranks
+    (each stage's own parameter count; flops_per_token, peak_tflops, dtype and sol_step_time_ms on rank 0 only),
+    then one given the whole model's count, which steps 1-4 (1 s and 1,000 tokens a step)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    stage = torch.nn.Linear(*STAGE_SHAPES[rank])
+    local = sum(p.numel() for p in stage.parameters())
+    counts: list = [None] * world
+    dist.all_gather_object(counts, local)
+    base = quiet_config(log_interval=2, log_throughput=True)
+    differing = {"own stage count": dict(num_params=float(local), peak_tflops=1.0),
+                 "set on rank 0 only": dict(flops_per_token=1e6, peak_tflops=1.0, dtype="fp8", sol_step_time_ms=50.0)
+                 if rank == 0 else {}}
+    out: dict = {"counts": counts}
+    for case, keys in differing.items():
+        try:
+            dm.Monitor(base.replace(**keys), device_mesh=mesh).close()
+            out[case] = "made"
+        except ValueError as err:
+            out[case] = str(err)
+    metrics = []
+    with FakeClock() as clock:
+        with dm.Monitor(base.replace(num_params=float(sum(counts)), peak_tflops=1e-9, sol_step_time_ms=250.0),
+                        device_mesh=mesh) as monitor:
+            for step in range(1, 5):
+                clock.advance(1000)
+                found = monitor.step(step, loss=1.0, tokens=1000)
+                if found is not None:
+                    metrics.append({k: v for k, v in found.items() if k.startswith("train/")})
+    out["metrics"] = metrics
+    return out
+
+
+def test_throughput_keys_that_differ_between_ranks_are_refused_and_mfu_counts_the_whole_pipeline():
+    """flops_per_token on rank 0 only gave rank 0 TFLOP/s and MFU and rank 1 neither: monitor.step returned
+    another dict on each rank, and a writer_rank "last" wrote no MFU. A pipeline stage given its own
+    parameter count computed its own MFU. Such keys are refused at start-up on every rank; the whole model's
+    count on every rank gives each the same MFU: 1,000 tokens through both stages, 6·(40 + 18) FLOPs each,
+    over 2 GPUs and 1 s."""
+    results = run_ranks(_throughput_keys_on_two_stages, 2, timeout=120)
+    for result in results:
+        assert result["counts"] == [40, 18]
+        assert "config key num_params differs between ranks (40.0 on rank 0; 18.0 on rank 1)" in \
+            result["own stage count"], result["own stage count"]
+        refused = result["set on rank 0 only"]
+        for said in ("flops_per_token differs between ranks (1000000.0 on rank 0; None on rank 1)",
+                     "peak_tflops differs between ranks (1.0 on rank 0; None on rank 1)",
+                     "dtype differs between ranks ('fp8' on rank 0; 'bf16' on rank 1)",
+                     "sol_step_time_ms differs between ranks (50.0 on rank 0; None on rank 1)"):
+            assert f"config key {said}; every rank must be given the same value" in refused, refused
+    first, second = results[0]["metrics"], results[1]["metrics"]
+    assert first == second and len(first) == 2  # the same dict on every rank, at steps 2 and 4
+    tflops = 1000 * 6.0 * (40 + 18) / 1.0 / 2 / 1e12
+    for metrics in first:
+        assert metrics["train/tokens_per_sec"] == pytest.approx(1000.0)  # counted once, on the last stage
+        assert metrics["train/tflops_per_gpu"] == pytest.approx(tflops, rel=1e-12)
+        assert metrics["train/mfu_pct"] == pytest.approx(100.0 * tflops / 1e-9, rel=1e-12)
+        assert metrics["train/sol_pct"] == pytest.approx(25.0)
 
 
 def _two_steps_and_a_checkpoint(folder, first: int, flops_per_token: float) -> dict:

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from ..flops import PEAK_TFLOPS, is_mig, mfu_pct, model_flops_per_token, peak_tflops_for
 from .base import Alert, LogContext, Sample
 
-__all__ = ["ThroughputCollector", "resolve_peak_tflops", "mfu_pct", "peak_tflops_for", "model_flops_per_token",
-           "PEAK_TFLOPS"]
+__all__ = ["ThroughputCollector", "resolve_peak_tflops", "peak_setting", "mfu_pct", "peak_tflops_for",
+           "model_flops_per_token", "PEAK_TFLOPS"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -40,6 +40,18 @@ def resolve_peak_tflops(config: Any, warns: bool = True) -> Optional[float]:
         logger.warning("distmetrics: no peak TFLOP/s known for %r%s in %s; set peak_tflops for MFU", name, why,
                        config.dtype)
     return peak
+
+
+def peak_setting(config: Any) -> Any:
+    """The ``peak_tflops`` that start-up compares between ranks: the config's, or where MFU is computed from a
+    peak looked up for this rank's GPU, that peak (each rank looks up its own: ranks of other GPU models
+    would each compute another MFU, and ``monitor.step`` would return another dict on each)."""
+    import torch
+
+    if config.peak_tflops is not None or not (config.log_throughput and config.resolved_flops_per_token) \
+            or not torch.cuda.is_available():
+        return config.peak_tflops
+    return f"{resolve_peak_tflops(config, warns=False)!r} looked up for this rank's GPU in {config.dtype}"
 
 
 class ThroughputCollector:
