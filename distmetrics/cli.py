@@ -17,7 +17,8 @@ import math
 import os
 import sys
 
-from .config import MetricsConfig, TensorInspectConfig
+from .config import ConfigError, MetricsConfig, TensorInspectConfig
+from .output_claim import output_dir_problem
 from .report import MissingExtra
 from .runlog import Records, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
@@ -107,12 +108,20 @@ def add_check_config(commands) -> None:
 
 def run_check_config(args: argparse.Namespace) -> str:
     """The config's own checks, then what the Monitor checks before it starts: with tensor
-    inspection on, the custom feature folders, the features file and nvdlfw-inspect's own check."""
+    inspection on, the custom feature folders, the features file, nvdlfw-inspect's own check and
+    its log folder; then whether the writer can make and write ``output_dir``. The folders are
+    checked on this machine, and nothing is made or left in them (a check is not a start)."""
     config = MetricsConfig.from_yaml(args.path, args.overrides)
     inspection = note = ""
     if config.tensor_inspect.enabled:
+        from .tensor_stats.lifecycle import check_log_dir
+
         spec = _check_inspection(config.tensor_inspect, "tensor_inspect.features")
+        check_log_dir(config)
         inspection, note = f", tensor_inspect: {len(spec)} section(s)", _unchecked_by_nvdlfw()
+    problem = output_dir_problem(config)
+    if problem:
+        raise ConfigError(problem)
     return (f"ok: {args.path} (log_interval={config.log_interval}, writer_rank={config.writer_rank}, "
             f"output_dir={config.output_dir}{inspection}){note}")
 

@@ -59,6 +59,7 @@ class TensorInspectConfig:
         if isinstance(self.features, str) and not self.features.strip():
             raise ConfigError(f"tensor_inspect.features={self.features!r}: give a features YAML path or an inline "
                               "mapping")
+        _refuse_blank(self, "tensor_inspect.", _INSPECT_UNSET_MEANS)
         if self.feature_dirs is not None and not all(isinstance(d, str) and d.strip() for d in self.feature_dirs):
             raise ConfigError(f"tensor_inspect.feature_dirs={self.feature_dirs!r}: accepted values are a list of "
                               "folder paths (text)")
@@ -151,8 +152,8 @@ class MetricsConfig:
     dtype: Literal["bf16", "fp16", "tf32", "fp32", "fp8"] = "bf16"
     """Math precision, selecting the peak used for MFU."""
     num_params: Optional[float] = None
-    """Model parameters, to derive ``flops_per_token`` = 6·N + attention (see ``attention_flops``)
-    when it is not given."""
+    """The whole model's parameters (under pipeline parallelism every stage's, the same on every rank), to
+    derive ``flops_per_token`` = 6·N + attention (see ``attention_flops``) when it is not given."""
     num_active_params: Optional[float] = None
     """Parameters active per token (MoE: shared + routed experts); default ``num_params``."""
     num_layers: Optional[int] = None
@@ -198,6 +199,8 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tensor_inspect, dict):
             self.tensor_inspect = _build(TensorInspectConfig, self.tensor_inspect, "tensor_inspect.")
+        elif not isinstance(self.tensor_inspect, TensorInspectConfig):
+            raise ConfigError(_not_a_section(self.tensor_inspect))
         check_types(self, "")
         _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
         _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")
@@ -225,9 +228,7 @@ class MetricsConfig:
                  flops is None or math.isfinite(flops),
                  "model descriptions whose FLOPs per token (6·N + the attention term) fit a float")
         _require(self, "output_dir", bool(self.output_dir.strip()), "a non-empty path (not only spaces)")
-        for name, unset in _UNSET_MEANS.items():  # a blank one was taken as unset without a word
-            value = getattr(self, name)
-            _require(self, name, value is None or bool(value.strip()), f"None ({unset}) or text that is not blank")
+        _refuse_blank(self, "", _UNSET_MEANS)
 
     def _check_model_description(self) -> None:
         """A model description (used where flops_per_token is not given) is whole: the attention
@@ -339,6 +340,25 @@ _UNSET_MEANS = {"tensorboard_dir": "the default, {output_dir}/tensorboard", "wan
                 "wandb_save_dir": "the default, {output_dir}"}
 """The text keys that may be None, and what None means for each: a blank value is refused rather
 than read as None (``wandb_project=""`` turned W&B off, ``wandb_save_dir=""`` wrote to output_dir)."""
+
+_INSPECT_UNSET_MEANS = {"log_dir": "the default, {output_dir}/tensor_inspect"}
+"""The same for ``tensor_inspect`` (a blank ``log_dir`` made a folder named by its spaces)."""
+
+
+def _refuse_blank(obj: Any, prefix: str, unset_means: dict) -> None:
+    """Refuse a blank value of a text key whose None means something, naming what None means."""
+    for name, unset in unset_means.items():
+        value = getattr(obj, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{prefix}{name}={value!r}: accepted values are None ({unset}) or text that is not blank")
+
+
+def _not_a_section(value: Any) -> str:
+    """The message for a ``tensor_inspect`` that is no mapping, in the user's terms."""
+    keys = ", ".join(f.name for f in dataclasses.fields(TensorInspectConfig))
+    empty = (" (a `tensor_inspect:` line whose keys are all commented out reads as None)" if value is None else "")
+    return (f"tensor_inspect={value!r}{empty}: accepted values are a mapping of tensor_inspect keys ({keys}; in "
+            "Python a TensorInspectConfig too), or leave the key out for no tensor inspection")
 
 
 def _build(cls: type, values: dict, prefix: str):

@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import socket
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 from .sinks.appendfile import describe_os_error
 
-__all__ = ["OutputClaim"]
+__all__ = ["OutputClaim", "output_dir_problem", "unmakeable"]
 
 logger = logging.getLogger("distmetrics")
 _LOCK_TRIES = 5
@@ -37,8 +38,8 @@ class OutputClaim:
         self._busy = False  # the last try found another Monitor holding the lock
         self._retake: Optional[Path] = None  # the folder whose removed lock reclaim() could not take again yet
         self._mutex = threading.Lock()  # reclaim() runs on the training thread and the writer thread
-        if not (config.json_log or config.log_progress or (config.tensorboard and not config.tensorboard_dir)):
-            return  # nothing is written there
+        if not _writes_there(config):
+            return
         path = Path(config.output_dir)
         for _ in range(_LOCK_TRIES):
             if not self._lock(path) or self._held is not None or self.problem is not None:
@@ -129,6 +130,45 @@ class OutputClaim:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def output_dir_problem(config: Any) -> Optional[str]:
+    """Why the writer could not make or write ``output_dir`` (None where it can, or writes nothing
+    there), found as :func:`unmakeable` finds it: nothing is made, locked or left, so ``distmetrics
+    check-config`` can say it before a job starts. Another Monitor holding the folder is not said:
+    that is the state of a moment, not of the config."""
+    if not _writes_there(config):
+        return None
+    problem = unmakeable(Path(config.output_dir))
+    if not problem:
+        return None
+    return (f"output_dir={config.output_dir!r} cannot be written: {problem}; accepted: a folder the writer rank can "
+            "make, or one it can write")
+
+
+def unmakeable(folder: Path) -> str:
+    """Why ``folder`` cannot be made (or written, where it is): the first part of it that exists is
+    not a folder, or nothing can be made in it; '' if it can. That a folder can be made there is
+    tried (one made and removed at once), since permission bits do not tell it: root may write
+    everywhere by them, yet nothing can be made under ``/proc``. Nothing is left behind: whatever it
+    finds, the folders are as they were (a Monitor refused at start leaves ``output_dir`` alone)."""
+    folder = folder.absolute()
+    for part in (folder, *folder.parents):
+        if os.path.lexists(part):
+            if not part.is_dir():
+                return f"{part} is not a folder"
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".distmetrics-check-", dir=part))
+            except OSError as err:
+                return f"no folder can be made in {part} ({err.strerror or err})"
+            return ""
+    return ""
+
+
+def _writes_there(config: Any) -> bool:
+    """Whether the writer makes files in ``output_dir``: metrics.jsonl, progress.txt, or the
+    TensorBoard folder where ``tensorboard_dir`` does not name another."""
+    return bool(config.json_log or config.log_progress or (config.tensorboard and not config.tensorboard_dir))
 
 
 _HELD: "weakref.WeakSet[OutputClaim]" = weakref.WeakSet()  # the claims this process holds

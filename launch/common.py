@@ -136,6 +136,14 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (for options where 0 means off)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 0 (0: off)")
+    return value
+
+
 def check_divides(what: str, total: int, parts: int, parts_what: str) -> None:
     """Refuse a layout whose ``parts`` do not divide ``total`` (one line, before any collective)."""
     if total % parts:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distmetrics as dm
-from common import GPT, MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, positive, run_trainer
+from common import (GPT, MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, non_negative, positive,
+                    run_trainer)
 
 
 # --- parallelism -------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def parallelize(model: GPT, device: torch.device, world: int, dp_replicate: int,
 def parse_args(argv=None) -> argparse.Namespace:
     p = TrainerArgs(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="metrics config YAML (configs/*.yaml)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=positive, default=40, help="optimizer steps to train")
     p.add_argument("--dp-shard", type=positive, default=None,
                    help="FSDP2 shard degree (default: world / replicate / tp)")
     p.add_argument("--dp-replicate", type=positive, default=1, help="HSDP replicate degree")
@@ -83,10 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=positive, default=2)
     p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=non_negative, default=5, help="linear warm-up steps (0: none)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--save-every", type=int, default=20, help="'checkpoint' every N steps (progress.txt)")
+    p.add_argument("--eval-every", type=non_negative, default=20, help="evaluate every N steps (0: never)")
+    p.add_argument("--save-every", type=non_negative, default=20,
+                   help="'checkpoint' every N steps (progress.txt; 0: never)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="metrics config overrides: key=value")
     return p.parse_intermixed_args(argv)  # key=value overrides may stand between options

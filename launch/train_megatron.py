@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import (MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, positive, quiet_megatron_warnings,
-                    run_trainer)
+from common import (MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, non_negative, positive,
+                    quiet_megatron_warnings, run_trainer)
 from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
 
 
@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="metrics config YAML")
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--pp", type=positive, default=1)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=positive, default=20, help="optimizer steps to train")
     p.add_argument("--micro-batch", type=positive, default=4)
     p.add_argument("--seq-len", type=positive, default=16)
     p.add_argument("--vocab", type=positive, default=64)
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=positive, default=4)
     p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=non_negative, default=3, help="linear warm-up steps (0: none)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--te", action="store_true", help="TransformerEngine layer spec (GPU)")

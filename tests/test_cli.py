@@ -233,6 +233,54 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
 
 
+def _monitor_refusals(rank: int, world: int, cases: list) -> list:
+    """What ``Monitor()`` raises on this rank for each list of overrides of the shipped config."""
+    import distmetrics as dm
+
+    said = []
+    for overrides in cases:
+        try:
+            dm.Monitor(dm.MetricsConfig.from_yaml(ROOT / "configs" / "metrics.yaml", overrides)).close()
+            said.append(None)
+        except ValueError as err:
+            said.append(str(err))
+    return said
+
+
+def _tree(folder: Path) -> list:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
+
+
+def test_check_config_refuses_the_folders_the_monitor_cannot_make_and_makes_none(tmp_path):
+    """check-config said "ok" for a tensor_inspect.log_dir or output_dir that the Monitor then
+    refused (a file in the way, a folder under /proc). The truth is the Monitor's own refusal on 2
+    gloo ranks; check-config refuses the same configs naming the same key, and makes nothing: not
+    for a refused config, nor for an accepted one whose folders do not exist yet."""
+    from tests.dist_utils import run_ranks
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a folder cannot be made under a file, nor the file be one
+    inspect = ["tensor_inspect.enabled=true", f"tensor_inspect.features={ROOT / 'configs' / 'tensor_stats_cpu.yaml'}"]
+    quiet = ["console=false", "tensorboard=false", "hang_timeout_s=20"]
+    cases = [  # (the overrides, what both the Monitor and check-config say)
+        ([*inspect, f"tensor_inspect.log_dir={blocker / 'x'}", f"output_dir={tmp_path / 'out'}"],
+         f"tensor_inspect.log_dir: nvdlfw-inspect's log folder {str(blocker / 'x')!r} cannot be made"),
+        ([f"output_dir={blocker}"], f"output_dir={str(blocker)!r} cannot be written"),
+        (["output_dir=/proc/nope/x"], "output_dir='/proc/nope/x' cannot be written"),
+    ]
+    for rank_said in run_ranks(_monitor_refusals, 2, [overrides + quiet for overrides, _ in cases], timeout=180):
+        for said, (_, message) in zip(rank_said, cases):
+            assert said is not None and message in said, (said, message)
+    before = _tree(tmp_path)  # what the Monitor's refusals left (its claim makes output_dir)
+    for overrides, message in cases:
+        out = _run("check-config", "configs/metrics.yaml", *overrides, *quiet)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (overrides, out.stderr)
+    fresh = tmp_path / "new" / "run"
+    ok = _run("check-config", "configs/metrics.yaml", *inspect, f"output_dir={fresh}", *quiet)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok:"), ok.stderr
+    assert _tree(tmp_path) == before and not (tmp_path / "new").exists()
+
+
 def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, capsys):
     from distmetrics.cli import main
 

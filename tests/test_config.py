@@ -357,3 +357,37 @@ def test_a_blank_path_or_name_is_refused_naming_the_key_and_none_keeps_its_meani
         config = dm.MetricsConfig(**{key: None}, wandb_mode="offline")
         assert getattr(config, key) is None
         assert config.resolved_tensorboard_dir == "runs/default/tensorboard"
+
+
+def test_a_blank_tensor_inspect_log_dir_is_refused_and_none_keeps_the_default(tmp_path):
+    """tensor_inspect.log_dir="  " made nvdlfw-inspect's log folder a folder named by two spaces;
+    like the other text keys whose None means something, a blank one is refused naming the key."""
+    accepted = "accepted values are None (the default, {output_dir}/tensor_inspect) or text that is not blank"
+    for value in ("", "  "):
+        with pytest.raises(ConfigError, match=re.escape(f"tensor_inspect.log_dir={value!r}: {accepted}")):
+            dm.MetricsConfig(tensor_inspect={"log_dir": value})
+        with pytest.raises(ConfigError, match=re.escape(f"tensor_inspect.log_dir={value!r}: {accepted}")):
+            dm.TensorInspectConfig(log_dir=value)
+        override = f"tensor_inspect.log_dir={value!r}"
+        with pytest.raises(ConfigError, match=re.escape(f"override {override!r}: tensor_inspect.log_dir={value!r}")):
+            dm.MetricsConfig.from_dict({}, [override])
+    assert dm.MetricsConfig.from_dict({}, ["tensor_inspect.log_dir="]).tensor_inspect.log_dir is None
+    assert dm.MetricsConfig(tensor_inspect={"log_dir": str(tmp_path)}).tensor_inspect.log_dir == str(tmp_path)
+
+
+def test_a_tensor_inspect_section_with_every_key_commented_out_names_what_is_accepted(tmp_path):
+    """A `tensor_inspect:` line whose keys were all commented out said "tensor_inspect=None has type
+    NoneType; accepted: TensorInspectConfig", a class name the YAML's writer never sees."""
+    path = tmp_path / "metrics.yaml"
+    path.write_text("log_interval: 5\ntensor_inspect:\n  # enabled: true\n  # features: configs/x.yaml\n")
+    accepted = ("accepted values are a mapping of tensor_inspect keys (enabled, features, feature_dirs, "
+                "allow_custom_feature_dirs, log_dir, init_training_step; in Python a TensorInspectConfig too), "
+                "or leave the key out for no tensor inspection")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: tensor_inspect=None (a `tensor_inspect:` line whose "
+                                                    f"keys are all commented out reads as None): {accepted}")):
+        dm.MetricsConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match=re.escape(f"override 'tensor_inspect=5': tensor_inspect=5: {accepted}")):
+        dm.MetricsConfig.from_dict({}, ["tensor_inspect=5"])
+    path.write_text("log_interval: 5\n")  # the key left out, or an empty mapping: no tensor inspection
+    assert dm.MetricsConfig.from_yaml(path).tensor_inspect == dm.TensorInspectConfig()
+    assert dm.MetricsConfig(tensor_inspect={}).tensor_inspect.enabled is False

@@ -382,12 +382,19 @@ def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
     ("train_fsdp.py", ["--heads", "3"], "error: --d-model 64 is not divisible by --heads 3"),
     ("train_fsdp.py", ["--tp", "2"], "error: the world size 1 is not divisible by --dp-replicate × --tp 2"),
     ("train_megatron.py", ["--layers", "3", "--pp", "2"], "error: --layers 3 is not divisible by --pp 2"),
-], ids=["config key", "--te", "unknown option", "--tp 0", "--grad-accum 0", "heads", "layout", "megatron layers"])
+    ("train_fsdp.py", ["--steps", "0"], "error: argument --steps: 0 is not a whole number >= 1 (see --help)"),
+    ("train_megatron.py", ["--steps", "0"], "error: argument --steps: 0 is not a whole number >= 1 (see --help)"),
+    ("train_fsdp.py", ["--eval-every", "-1"], "error: argument --eval-every: -1 is not a whole number >= 0 (0: off)"),
+    ("train_fsdp.py", ["--save-every", "-2"], "error: argument --save-every: -2 is not a whole number >= 0 (0: off)"),
+    ("train_megatron.py", ["--warmup", "-1"], "error: argument --warmup: -1 is not a whole number >= 0 (0: off)"),
+], ids=["config key", "--te", "unknown option", "--tp 0", "--grad-accum 0", "heads", "layout", "megatron layers",
+        "--steps 0", "megatron --steps 0", "--eval-every -1", "--save-every -2", "--warmup -1"])
 def test_a_trainer_refusing_its_arguments_says_it_in_one_line(tmp_path, script, args, said):
     """A config typo printed a traceback per rank with the message in the middle; --te without
     TransformerEngine a NameError from inside megatron-core; an unknown option argparse's usage
     block per rank; --tp 0 a ZeroDivisionError, --heads 3 a reshape error, --grad-accum 0 a run
-    that trained on nothing. One line on rank 0, exit status 2."""
+    that trained on nothing, --steps 0 an error about an override 'total_steps=0' the user never wrote,
+    --eval-every -1 an evaluation every step. One line on rank 0, exit status 2."""
     from tests.dist_utils import run_python
 
     run = run_python(f"launch/{script}", "--steps", "2", *args, f"output_dir={tmp_path}", timeout=180)

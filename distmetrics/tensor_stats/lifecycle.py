@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
+from ..output_claim import unmakeable
 from ..packing import digest
 from ..runinfo import NOT_READ
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
-           "accumulate"]
+           "accumulate", "check_log_dir"]
 
 
 class _State:
@@ -89,7 +90,7 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
         return None, _digest(current().spec)
     try:
         spec, _ = check_inspect_config(config.tensor_inspect)
-        _check_log_dir(config)
+        check_log_dir(config)
     except ConfigError as err:
         if world_size == 1:
             raise
@@ -97,31 +98,16 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
     return None, _digest(spec)
 
 
-def _check_log_dir(config: MetricsConfig) -> None:
-    """nvdlfw-inspect's log folder, checked now: every rank writes its own, and one that could not
-    be made failed on that rank alone, after the start-up check, while the others waited in the
-    statistics' first collective."""
+def check_log_dir(config: MetricsConfig) -> None:
+    """nvdlfw-inspect's log folder, checked before it is made (nothing is left here): every rank
+    writes its own, and one that could not be made failed on that rank alone, after the start-up
+    check, while the others waited in the statistics' first collective. ``check-config`` runs it too."""
     key, log_dir = ("tensor_inspect.log_dir", config.tensor_inspect.log_dir) if config.tensor_inspect.log_dir \
         else ("output_dir", str(Path(config.output_dir) / "tensor_inspect"))
-    problem = _unmakeable(Path(log_dir))
+    problem = unmakeable(Path(log_dir))
     if problem:
         raise ConfigError(f"{key}: nvdlfw-inspect's log folder {log_dir!r} cannot be made on this rank (with tensor "
                           f"statistics on, every rank writes one): {problem}")
-
-
-def _unmakeable(folder: Path) -> str:
-    """Why ``folder`` cannot be made (or written, where it is): the first part of it that exists
-    is not a folder, or cannot be written; '' if it can. Nothing is made here: a Monitor refused
-    at start leaves ``output_dir`` as it was."""
-    folder = folder.absolute()
-    for part in (folder, *folder.parents):
-        if part.exists():
-            if not part.is_dir():
-                return f"{part} is not a folder"
-            if not os.access(part, os.W_OK | os.X_OK):
-                return f"{part} cannot be written (permission denied)"
-            return ""
-    return ""
 
 
 def _digest(spec: dict) -> str:
