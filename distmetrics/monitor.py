@@ -35,7 +35,7 @@ from .names import check_step, local_value
 from .naming import module_order
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
-from .runinfo import job_module_order, open_writer_sinks, start_up
+from .runinfo import coerced_config, job_module_order, open_writer_sinks, start_up
 from .sinks import SinkSet, check_sinks
 from .step_count import StepCall, count_step, finish_step, step_under_way
 from .step_hooks import hooked_optimizer
@@ -68,7 +68,7 @@ class Monitor:
     def __init__(self, config: Union[MetricsConfig, dict, None] = None, model: Any = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, group: Any = None,
                  device_mesh: Any = None, sinks: tuple = (), collectors: tuple = ()) -> None:
-        self.config = config = MetricsConfig.coerce(config)
+        self.config = config = coerced_config(config, device_mesh, group)  # a bad one: said on every rank
         self.layout: Layout = detect_layout(device_mesh, group)  # the one place the Monitor's ranks are read
         # a features file one rank cannot read: said on every rank by the start-up gather, and no
         # model factory runs (it would start the inspector on that rank alone)

@@ -59,6 +59,8 @@ class RankInfo:
     config_problem: bool = False
     """``problem`` is a config error (the features file, say): raised as a ConfigError where every
     rank's problem is one."""
+    claim_problem: bool = False
+    """``problem`` is the writer's claim on ``output_dir`` refused (left out where writer_rank differs)."""
 
 
 @dataclass

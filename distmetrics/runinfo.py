@@ -4,8 +4,8 @@ in ``metrics.jsonl``.
 
 Start-up problems are raised on every rank together: the writer's check of ``output_dir`` (can
 it create the folder and its files; is another Monitor — in this process or another job —
-writing there) rides the start-up gather, so no rank waits at a later collective for a rank
-that gave up."""
+writing there) and a config one rank cannot take ride the start-up gather, so no rank waits at a
+later collective for a rank that gave up."""
 
 from __future__ import annotations
 
@@ -19,16 +19,18 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .config import MetricsConfig
+from .guard import CollectiveGuard
 from .output_claim import OutputClaim
-from .parallel import Layout, RankInfo, local_rank_from_env
+from .parallel import Layout, RankInfo, detect_layout, local_rank_from_env
 from .per_rank import some_ranks
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
 from .validation import ConfigError
 
-__all__ = ["start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step", "resumed_at",
-           "OutputClaim"]
+__all__ = ["coerced_config", "start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step",
+           "resumed_at", "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -37,6 +39,37 @@ LAUNCHER_WORLD_SIZES = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_S
 """Where launchers put the number of processes started together: torchrun (refused: one job),
 srun (a job step's tasks; not SLURM_NTASKS, which a batch script running one process has too),
 Open MPI, MPICH (a warning: they also start sweeps of separate jobs)."""
+
+
+def coerced_config(given: Any, device_mesh: Any = None, group: Any = None) -> MetricsConfig:
+    """``MetricsConfig.coerce(given)`` for ``Monitor(given, device_mesh=..., group=...)``. A config this
+    rank cannot take (``log_interval=0``, a field set after construction) is said on every rank of the
+    Monitor's group by the start-up gather, as :func:`start_up` says a missing features file, rather
+    than the other ranks waiting there ``hang_timeout_s`` for a rank that never comes. Every rank
+    raises the ConfigError, naming the rank; this one's message is its own, after that prefix. A
+    ``group`` or ``device_mesh`` that cannot be read is raised on this rank alone: which ranks to tell
+    is then unknown (the world may hold other jobs, which never come)."""
+    try:
+        return MetricsConfig.coerce(given)
+    except ConfigError as err:
+        error = err
+    layout = detect_layout(device_mesh, group)
+    guard = CollectiveGuard(_hang_timeout_given(given), group)  # made as Monitor() makes one, in the same order
+    if layout.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        raise error  # nobody else to tell
+    start_up(None, layout, guard, False, str(error), config_problem=True,
+             derived=dict.fromkeys(SHARED_KEYS, NOT_READ))  # raises: this rank has a problem
+    raise error
+
+
+def _hang_timeout_given(given: Any) -> float:
+    """The ``hang_timeout_s`` of a config that could not be taken, where that key alone is accepted,
+    else the default: the start-up check waits as the other ranks' does (with 0 its call is another)."""
+    value = given.get("hang_timeout_s") if isinstance(given, dict) else getattr(given, "hang_timeout_s", None)
+    try:
+        return MetricsConfig.from_dict({} if value is None else {"hang_timeout_s": value}).hang_timeout_s
+    except ConfigError:
+        return MetricsConfig().hang_timeout_s
 
 
 def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: Optional[str] = None,
@@ -65,12 +98,16 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
     derived = derived or {}
     settings = tuple(derived[key] if key in derived else _setting(config, key) for key in SHARED_KEYS)
     claimed = claim.problem if claim is not None else None
-    hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None)
+    hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None,
+                             claim_problem=problem is None and claimed is not None)
+    differing = _differing_settings(hosts)
     by_problem: dict[str, list[int]] = {}
     for h in hosts:
-        if h.problem:
+        # where writer_rank differs, each rank that took itself for the writer claimed output_dir, and all but
+        # one were refused: that refusal is the difference's, said alone
+        if h.problem and not (h.claim_problem and "writer_rank" in differing):
             by_problem.setdefault(h.problem, []).append(h.rank)
-    problems = [f"{some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + _differing_settings(hosts)
+    problems = [f"{some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + list(differing.values())
     if problems:
         if claim is not None:
             claim.release()
@@ -110,10 +147,10 @@ def _setting(config: Any, key: str) -> Any:
     return config
 
 
-def _differing_settings(hosts: list[RankInfo]) -> list[str]:
+def _differing_settings(hosts: list[RankInfo]) -> dict[str, str]:
     """One problem per shared key whose value differs between ranks, naming the values and a few
-    ranks holding each."""
-    problems = []
+    ranks holding each, by key."""
+    problems = {}
     for i, key in enumerate(SHARED_KEYS):
         ranks_by_value: dict = {}
         for h in hosts:
@@ -121,13 +158,13 @@ def _differing_settings(hosts: list[RankInfo]) -> list[str]:
                 ranks_by_value.setdefault(repr(h.settings[i]), []).append(h.rank)
         if len(ranks_by_value) > 1:
             held = "; ".join(f"{value} on {some_ranks(ranks)}" for value, ranks in ranks_by_value.items())
-            problems.append(f"config key {key} differs between ranks ({held}); every rank must be given the same "
-                            "value")
+            problems[key] = f"config key {key} differs between ranks ({held}); every rank must be given the same value"
     return problems
 
 
 def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] = None,
-                     settings: tuple = (), config_problem: bool = False) -> list[RankInfo]:
+                     settings: tuple = (), config_problem: bool = False,
+                     claim_problem: bool = False) -> list[RankInfo]:
     """Every rank's host, local rank, GPU, start-up problem and shared config values, in one
     ``all_gather_object`` over the Monitor's ranks (its group's: another job sharing the world
     neither waits for this one nor is compared with it), in their group's order."""
@@ -137,7 +174,7 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
 
         gpu = gpu_model_info(layout.rank)
     mine = RankInfo(layout.rank, socket.gethostname(), local_rank_from_env(), os.getpid(), gpu, problem, settings,
-                    config_problem)
+                    config_problem, claim_problem)
     if layout.world_size == 1 or not dist.is_initialized():
         mine.local_rank = layout.local_rank if mine.local_rank is None else mine.local_rank
         return [mine]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -740,6 +741,125 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
         assert re.search(r"config key tensor_inspect.features differs between ranks \('content \w+' on rank 0; "
                          r"'content \w+' on rank 1\)", message), message
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
+
+
+def _refused_config(rank: int, good: Any) -> Any:
+    """``good`` as a mapping, with log_interval 0 on rank 1."""
+    return {**good.to_dict(), "log_interval": 0} if rank == 1 else good.to_dict()
+
+
+def _next_monitor(rank: int, out: dict) -> None:
+    """A good Monitor on every rank after the refused ones: the refused rank kept the guards' order."""
+    import distmetrics as dm
+
+    def made() -> None:
+        monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=20))
+        out["loss"] = monitor.step(1, loss=1.0 + rank, tokens=3)["train/loss"]
+        monitor.close()
+
+    out["next"] = _outcome(made)
+
+
+def _config_refused_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 1 gives Monitor() a config it cannot take, rank 0 a good one; then a good one on both."""
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    good = quiet_config(log_interval=2, hang_timeout_s=20)
+    out = {"mapping": _outcome(lambda: dm.Monitor(_refused_config(rank, good)))}
+    dist.barrier()
+    changed = quiet_config(log_interval=2, hang_timeout_s=20)
+    if rank == 1:
+        changed.straggler_window = 101  # set after construction: checked by Monitor()
+    out["set_after"] = _outcome(lambda: dm.Monitor(changed))
+    dist.barrier()
+    _next_monitor(rank, out)
+    return out
+
+
+def _config_refused_on_a_group_or_with_the_check_off(rank: int, world: int) -> dict:
+    """As above, on a group object other than the world's (no arrival check there), and with
+    hang_timeout_s 0 (the start-up call checked once, as another call, where the given value is 0)."""
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    group = dist.new_group([0, 1])
+    out = {"group": _outcome(lambda: dm.Monitor(_refused_config(rank, quiet_config(log_interval=2)), group=group)),
+           "check_off": _outcome(lambda: dm.Monitor(_refused_config(rank, quiet_config(hang_timeout_s=0))))}
+    _next_monitor(rank, out)
+    return out
+
+
+def _said_on_every_rank(results: list, cases: tuple) -> None:
+    """Every rank raised at once the ConfigError the constructor raises, after the rank's name."""
+    from distmetrics import ConfigError, MetricsConfig
+
+    truth = {}
+    for case, key, value in (("mapping", "log_interval", 0), ("set_after", "straggler_window", 101)):
+        with pytest.raises(ConfigError) as refused:  # what the rank raised alone, checked by the constructor
+            MetricsConfig(**{key: value})
+        truth[case] = str(refused.value)
+    assert truth["mapping"] == "log_interval=0: accepted values are integers >= 1"
+    truth["group"] = truth["check_off"] = truth["mapping"]
+    for rank, out in enumerate(results):
+        for case in cases:
+            kind, message, seconds = out[case]
+            assert (kind, message) == ("ConfigError", f"distmetrics cannot start: rank 1: {truth[case]}"), (rank, case)
+            assert seconds < 10, (rank, case, seconds)  # at once, not at hang_timeout_s (20 s)
+        assert out["next"][0] == "ok" and out["loss"] == 1.5, out["next"]
+
+
+def test_a_config_one_rank_cannot_take_is_raised_on_every_rank_at_once_naming_the_rank_and_key():
+    """The rank given log_interval=0 (or a field set wrong after construction) raised its ConfigError
+    before the start-up gather, alone: the other rank waited hang_timeout_s there, then raised a
+    HangError naming rank 1 as one that had not reached Monitor(), the key never named; and the next
+    Monitor hung, its arrival check keyed apart on the two ranks."""
+    _said_on_every_rank(run_ranks(_config_refused_on_one_rank, 2, timeout=150), ("mapping", "set_after"))
+
+
+def test_a_config_one_rank_cannot_take_is_said_on_a_group_and_with_the_arrival_check_off():
+    """On a group without the arrival check the other rank waited in the gather itself (the process
+    group's timeout); with hang_timeout_s 0 at the start-up bound."""
+    _said_on_every_rank(run_ranks(_config_refused_on_a_group_or_with_the_check_off, 2, timeout=150),
+                        ("group", "check_off"))
+
+
+def _two_writers(rank: int, world: int, root: str) -> dict:
+    """writer_rank first on rank 0 and last on rank 1: each took itself for the writer. Then
+    log_interval differs while rank 0's own process holds output_dir (a second Monitor there)."""
+    import distmetrics as dm
+    from distmetrics.output_claim import OutputClaim
+
+    out = {"two": _outcome(lambda: dm.Monitor(quiet_config(output_dir=f"{root}/two", json_log=True,
+                                                           writer_rank="first" if rank == 0 else "last")))}
+    held = OutputClaim(quiet_config(output_dir=f"{root}/held", json_log=True)) if rank == 0 else None
+    out["held"] = _outcome(lambda: dm.Monitor(quiet_config(output_dir=f"{root}/held", json_log=True,
+                                                           log_interval=2 + rank)))
+    out["pid"] = os.getpid()
+    if held is not None:
+        held.release()
+    return out
+
+
+def test_a_writer_rank_that_differs_is_said_without_the_output_dir_conflict_it_causes(tmp_path):
+    """Both ranks thought they were the writer and claimed output_dir: the one refused added "output_dir
+    is in use by another Monitor (pid N ...)", naming a Monitor of the same job. A claim refused for
+    another holder is still said beside a shared key that differs."""
+    results = run_ranks(_two_writers, 2, str(tmp_path), timeout=90)
+    for kind, message, _ in (out["two"] for out in results):
+        assert (kind, message) == ("ValueError", "distmetrics cannot start: config key writer_rank differs between "
+                                   "ranks ('first' on rank 0; 'last' on rank 1); every rank must be given the same "
+                                   "value")
+    holder = f"pid {results[0]['pid']} on "
+    for kind, message, _ in (out["held"] for out in results):
+        assert kind == "ValueError" and message.startswith(
+            f"distmetrics cannot start: rank 0: output_dir='{tmp_path}/held' is in use by another Monitor ({holder}"), \
+            message
+        assert message.endswith("config key log_interval differs between ranks (2 on rank 0; 3 on rank 1); every "
+                                "rank must be given the same value"), message
+    assert not os.path.exists(tmp_path / "two" / ".distmetrics.lock")  # the claim that was made is let go
 
 
 def test_a_writer_that_locks_a_lock_file_unlinked_under_it_tries_again(tmp_path, monkeypatch):
