@@ -53,7 +53,7 @@ class EvalLog:
         self._train_losses = _TrainLosses()  # the train records' losses since the last evaluation
         self._gap_said = False
         self.says = layout is None or layout.says_once  # warnings once per job: the first of its ranks
-        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.says)
+        self._mixed = MixedWeights(_LOSS_WEIGHTS, "eval/loss", self.says, follows=" (with eval/ppl and eval/gap)")
         self.refused: Optional[ValueError] = None  # tokens or time_ms found bad: raised after the record
 
     def use_names(self, names: NameRegistry) -> None:
@@ -134,11 +134,12 @@ class EvalLog:
             samples += self.categories.take_samples()
         metrics = self.reducer.reduce(samples, tag=step).to_metrics()
         self.refused, self.reducer.refused = self.reducer.refused, None  # a name whose kind differs between ranks
+        self._mixed.check_weightless(metrics, step)  # before a refusal takes eval/loss out
         self._refuse_bad_counts(metrics, step)
         bad_weights = self.categories.refuse_bad_weights(metrics, f"for monitor.log_eval(step={step})")
         self.refused = self.refused or bad_weights
         self._mixed.check(metrics, step)  # eval/ppl and eval/gap go with eval/loss
-        if metrics.get(_TOKENS) and metrics.get("eval/time_ms"):
+        if metrics.get(_TOKENS) is not None and metrics.get("eval/time_ms"):  # 0 tokens: 0.0, as in training
             metrics["eval/tokens_per_sec"] = metrics[_TOKENS] / (metrics["eval/time_ms"] / 1000.0)
         metrics = {k: v for k, v in sorted(metrics.items()) if not k.startswith("_")}
         eval_loss = metrics.get("eval/loss")

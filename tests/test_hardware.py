@@ -282,6 +282,41 @@ def test_a_gpu_without_the_counter_on_one_rank_is_not_counted_as_drawing_nothing
     assert not [k for k in m if k in ("energy/total_j", "energy/job_total_j", "energy/j_per_token")]
 
 
+def _gpus_not_opened_on_some_ranks(rank: int, world: int) -> dict:
+    # rank 0's GPU has an energy counter; no rank's GPU is found for telemetry, rank 1's for nothing
+    sys.modules["pynvml"] = fake_pynvml.make(devices={"GPU-0": [0, 0, 10_000, 20_000, 30_000]})
+    import distmetrics as dm
+    from distmetrics.collectors.nvml import EnergyCollector, TelemetryCollector
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    collectors = [EnergyCollector(world_size=world, uuid=f"GPU-{rank}"), TelemetryCollector(uuid="GPU-none")]
+    records = []
+    with dm.Monitor(quiet_config(log_interval=1), collectors=collectors) as monitor:
+        for step in (1, 2, 3):
+            records.append(monitor.step(step, tokens=10))
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"said": [line for line in said if "not measured" in line or "not collected" in line],
+            "gpus_measured": records[-1].get("energy/gpus_measured")}
+
+
+def test_a_gpu_not_opened_in_nvml_is_said_once_for_the_job_by_the_first_rank_concerned():
+    """Every rank whose GPU NVML could not open said so when its collector was made: 4 identical
+    lines with 4 ranks, 1,000 with 1,000. Once for the job now, at the first log step, by the lowest
+    rank concerned (its own error), with how many ranks: energy on rank 1 only, telemetry on both."""
+    out = run_ranks(_gpus_not_opened_on_some_ranks, 2, timeout=120)
+    assert [result["gpus_measured"] for result in out] == [1, 1]
+    assert out[0]["said"] == ["distmetrics: GPU telemetry is not collected (log_gpu_telemetry has no effect there) on "
+                              "2 of the 2 ranks (rank 0, the first of them: NVMLError: NVML error 13). Said once, by "
+                              "that rank"], out[0]
+    assert len(out[1]["said"]) == 1, out[1]
+    assert out[1]["said"][0].startswith("distmetrics: GPU energy is not measured (log_energy has no effect there")
+    assert out[1]["said"][0].endswith(" on 1 of the 2 ranks (rank 1, the first of them: NVMLError: NVML error 13). "
+                                      "Said once, by that rank"), out[1]
+
+
 def test_a_counter_that_goes_back_is_a_reset_not_a_wrap(nvml, caplog):
     """Readings 5,000,000 -> 5,040,000 -> 20,000 mJ (a driver reload reset the counter): read as a
     64-bit wrap, the interval held 1.8e16 J. The energy since the reset (20 J) is what is known."""
@@ -882,6 +917,52 @@ def test_mfu_above_100_is_said_once_per_job_not_once_per_rank():
     """Every rank computes the same MFU: each said it, 1,000 warnings on 1,000 ranks."""
     said = run_ranks(_mfu_above_100, 2, timeout=90)
     assert len(said[0]) == 1 and said[1] == []
+
+
+def _a_step_without_tokens(rank: int, world: int) -> dict:
+    # 100 ms a step, 100 tokens on rank 0 and 50 on rank 1 at every step but step 3, where rank 1
+    # passes tokens=None; both GPUs draw 10 J an interval (readings: built, first step, log steps)
+    sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 10_000, 20_000]})
+    import distmetrics as dm
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    records = {}
+    config = quiet_config(log_interval=4, log_throughput=True, flops_per_token=1e9, peak_tflops=1.0)
+    with FakeClock() as clock:
+        with dm.Monitor(config, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")]) as monitor:
+            for step in range(1, 9):
+                clock.advance(100)
+                tokens = None if (rank, step) == (1, 3) else 100 if rank == 0 else 50
+                records[step] = monitor.step(step, tokens=tokens)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"records": {step: records[step] for step in (4, 8)},
+            "said": [line for line in said if "tokens=None" in line]}
+
+
+def test_throughput_of_an_interval_with_a_step_given_no_tokens_is_left_out_and_said():
+    """Step 3 had tokens=None on rank 1: the record of step 4 divided the tokens given (400) by the
+    time of every timed step (0.3 s), 1,333 tokens/s where the steps ran at 1,500 (MFU and energy per
+    token alike), without a word. Those steps' tokens are not known: what divides them is left out,
+    said once by the first rank, naming rank 1; a record whose steps all gave tokens has them all."""
+    out = run_ranks(_a_step_without_tokens, 2, timeout=120)
+    assert out[0]["records"] == out[1]["records"]
+    first, second = out[0]["records"][4], out[0]["records"][8]
+    derived = ("train/tokens_per_sec", "train/tokens_per_sec_per_gpu", "train/tflops_per_gpu", "train/mfu_pct",
+               "energy/j_per_token")
+    assert not [name for name in derived if name in first], first
+    assert first["train/step_time_ms"] == pytest.approx(100.0) and first["train/consumed_tokens"] == 100 * 4 + 50 * 3
+    tokens_per_sec = (100 + 50) / 0.1  # every step of the second interval: 150 tokens in 100 ms
+    assert second["train/tokens_per_sec"] == pytest.approx(tokens_per_sec)
+    assert second["train/tokens_per_sec_per_gpu"] == pytest.approx(tokens_per_sec / 2)
+    assert second["train/mfu_pct"] == pytest.approx(100 * tokens_per_sec / 2 * 1e9 / 1e12 / 1.0)
+    assert second["energy/j_per_token"] == pytest.approx(2 * 10.0 / (4 * 150))
+    assert len(out[0]["said"]) == 1 and out[1]["said"] == [], out
+    assert "left out of the record of step 4" in out[0]["said"][0]
+    assert "rank 1 passed tokens=None at 1 of the 3 steps timed in it" in out[0]["said"][0]
 
 
 def _throughput_in_a_subgroup(rank: int, world: int) -> dict:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import CollectiveCounter, quiet_config, run_ranks
+from tests.dist_utils import CollectiveCounter, FakeClock, quiet_config, run_ranks
 
 WORLD = 3
 INTERVAL = 4
@@ -211,6 +211,50 @@ def test_eval_tokens_per_second_is_over_the_slowest_ranks_time(two_ranks_eval):
     for metrics in (m for out in two_ranks_eval for m in out["uneven"]):
         assert metrics["eval/time_ms"] == 3000.0 and metrics["eval/time_ms/max_rank"] == 1
         assert metrics["eval/tokens_per_sec"] == pytest.approx(200 / 3.0)
+
+
+def _losses_over_no_tokens(rank: int, world: int) -> dict:
+    import logging
+
+    import distmetrics as dm
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    out = {}
+    with FakeClock() as clock, dm.Monitor(quiet_config(log_interval=2, log_throughput=True)) as monitor:
+        for step in (1, 2, 3, 4, 5, 6):  # steps 3 and 4: every rank's batches were all masked
+            clock.advance(100)
+            out[step] = monitor.step(step, loss=1.0 + rank, tokens=0 if step in (3, 4) else 10)
+        out["eval"] = monitor.log_eval(6, loss=2.0, tokens=0, time_ms=50.0)
+        out["eval again"] = monitor.log_eval(7, loss=2.0, tokens=0, time_ms=50.0)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"records": {key: out[key] for key in (2, 4, 6, "eval", "eval again")},
+            "said": [line for line in said if "0 tokens" in line]}
+
+
+def test_a_loss_over_no_tokens_is_left_out_with_one_warning_and_tokens_per_sec_is_0():
+    """Every rank passed tokens=0 with its loss for a whole interval (or an evaluation): the token-weighted
+    mean over no tokens has no value, and train/loss, eval/loss, eval/ppl and eval/gap vanished without a
+    word, while train/tokens_per_sec read 0.0 and eval/tokens_per_sec was left out. Said once for train and
+    once for eval records, by the first rank; 0 tokens over a measured time is 0.0 tokens/s in both."""
+    out = run_ranks(_losses_over_no_tokens, 2, timeout=120)
+    records = out[0]["records"]
+    assert records == out[1]["records"]
+    assert records[2]["train/loss"] == pytest.approx(1.5) and records[6]["train/loss"] == pytest.approx(1.5)
+    assert "train/loss" not in records[4] and records[4]["train/tokens_per_sec"] == 0.0
+    for key in ("eval", "eval again"):
+        assert not [name for name in ("eval/loss", "eval/ppl", "eval/gap") if name in records[key]], records[key]
+        assert records[key]["eval/tokens_per_sec"] == 0.0 and records[key]["eval/time_ms"] == 50.0
+    assert out[1]["said"] == []
+    assert out[0]["said"] == [
+        "distmetrics: train/loss is left out of the record of step 4, and of every record where this recurs: every "
+        "loss in it was given with 0 tokens (loss_tokens where given) on every rank, and a mean weighted by tokens "
+        "over no tokens is not defined. Said once",
+        "distmetrics: eval/loss (with eval/ppl and eval/gap) is left out of the record of step 6, and of every record "
+        "where this recurs: every loss in it was given with 0 tokens (loss_tokens where given) on every rank, and a "
+        "mean weighted by tokens over no tokens is not defined. Said once"], out[0]["said"]
 
 
 def test_lr_is_the_last_value_and_scalars_are_interval_means(run):

@@ -69,6 +69,12 @@ class LogContext:
     ``monitor.step``, so the first interval measures one step fewer than it holds (None: all)."""
     timed_tokens: Optional[float] = None
     """After the reduction: the tokens of those steps (None: ``tokens``)."""
+    tokenless_steps: int = 0
+    """After the reduction: where tokens were given in the interval, the most timed steps at which one rank
+    that counts tokens was given ``tokens=None`` (0: none). Those steps' tokens are not known: what divides
+    the timed tokens by the time or the energy (tokens/s, TFLOP/s, MFU, energy per token) is left out."""
+    tokenless_rank: Optional[int] = None
+    """The rank given ``tokens=None`` at that many steps (the lowest of those tied)."""
     stride: int = 1
     """The last step's number less the one before (at least 1): steps numbered 2, 4, 6... leave
     half as many calls as numbers to ``total_steps``."""

@@ -6,7 +6,8 @@ which ignores ``CUDA_VISIBLE_DEVICES`` and may order GPUs differently from CUDA,
 read a neighbour's counters. Energy comes from ``nvmlDeviceGetTotalEnergyConsumption``
 deltas (millijoules since the driver loaded), not from instantaneous power samples; it is read
 on log steps and at ``pause()``/``resume()``, nowhere else. A GPU without the counter or a
-machine without NVML gives one warning and no energy metrics — never zeros that look measured.
+machine without NVML gives no energy metrics — never zeros that look measured — and one warning
+for the job (:class:`NotOpened`), not one per rank.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from .base import Alert, LogContext, Sample
 
-__all__ = ["EnergyCollector", "TelemetryCollector", "cuda_device_uuid", "open_nvml_handle", "gpu_model_info"]
+__all__ = ["EnergyCollector", "TelemetryCollector", "NotOpened", "cuda_device_uuid", "open_nvml_handle",
+           "gpu_model_info"]
 
 logger = logging.getLogger("distmetrics")
 _COUNTER_RANGE = 2 ** 64  # the energy counter is an unsigned 64-bit number of mJ
@@ -51,6 +53,41 @@ def _own_gpu(uuid: Optional[str]) -> tuple[str, tuple[Any, Any]]:
     return uuid, open_nvml_handle(uuid)
 
 
+class NotOpened:
+    """Why this rank's GPU could not be opened in NVML when its collector was made, said once for the
+    job rather than by each rank (1,000 identical lines on 1,000 ranks), while the cause can differ by
+    rank (a host without the driver). Each rank concerned sends two lanes with the log step's reduction (no
+    collective of its own): ``<lane>/ranks`` counts them (sum), ``<lane>/first`` names the lowest of
+    them (max: ties go to the lowest rank), and that rank says it at the first log step with its own
+    error. ``says``: what is not measured and what would measure it, ahead of the count."""
+
+    def __init__(self, lane: str, says: str) -> None:
+        self.lane, self.says = lane, says
+        self.error: Optional[str] = None
+        """This rank's failure (``Type: message``), or None where its GPU was opened."""
+        self._said = False
+
+    def samples(self) -> list[Sample]:
+        """The two lanes, where this rank's GPU was not opened."""
+        if self.error is None:
+            return []
+        return [Sample(f"{self.lane}/ranks", 1.0, "sum"), Sample(f"{self.lane}/first", 1.0, "max")]
+
+    def say(self, metrics: dict[str, Any], ctx: LogContext) -> None:
+        """Take the lanes out of the reduced ``metrics``; the first time some rank sent them, the
+        lowest such rank says it (the same lanes on every rank: no other rank says it later)."""
+        ranks = metrics.pop(f"{self.lane}/ranks", None)
+        first = metrics.pop(f"{self.lane}/first/max_rank", None)
+        metrics.pop(f"{self.lane}/first", None)
+        if ranks is None or self._said:
+            return
+        self._said = True
+        rank, world = (0, 1) if ctx.layout is None else (ctx.layout.rank, ctx.layout.world_size)
+        if self.error is not None and first == rank:
+            logger.warning("distmetrics: %s on %d of the %d ranks (rank %d, the first of them: %s). Said once, by "
+                           "that rank", self.says, int(ranks), world, rank, self.error)
+
+
 class EnergyCollector:
     """Energy deltas per log interval → energy/*, power/* samples."""
 
@@ -67,13 +104,14 @@ class EnergyCollector:
         self._pause_start: Optional[float] = None  # when the pause began
         self._reset_said = False
         self.uuid = uuid
+        self.not_opened = NotOpened("_energy/not_opened", "GPU energy is not measured (log_energy has no effect "
+                                    "there: it needs an NVIDIA GPU with an energy counter, Volta or newer, and "
+                                    '`pip install nvidia-ml-py`, the "nvml" extra)')
         try:
             uuid, (self._nvml, self._handle) = _own_gpu(uuid)
             self._last_mj = self._read()
-        except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once
-            logger.warning("distmetrics: GPU energy is not measured (%s: %s); log_energy has no effect. "
-                           "Needs an NVIDIA GPU with an energy counter (Volta or newer) and "
-                           '`pip install nvidia-ml-py` (the "nvml" extra).', type(err).__name__, err)
+        except Exception as err:  # noqa: BLE001 - every failure means "not measured", said once for the job
+            self.not_opened.error = f"{type(err).__name__}: {err}"
             return
         self.uuid = uuid
         self._last_t = time.perf_counter()
@@ -150,7 +188,7 @@ class EnergyCollector:
             self.resume()
         now_mj = self._measured(self._read) if self.enabled else None
         if now_mj is None:
-            return []
+            return self.not_opened.samples()
         now_t = time.perf_counter()
         joules = (self._counted_mj + self._delta(now_mj, self._last_mj)) / 1000.0
         seconds = max(1e-9, now_t - self._last_t - self._paused_s)
@@ -167,6 +205,7 @@ class EnergyCollector:
         rank's interval). Per GPU means per GPU measured; where some rank's GPU was not (no
         counter, NVML failed), the totals and the energy per token, which need every GPU's, are
         left out and ``energy/gpus_measured`` says how many were."""
+        self.not_opened.say(metrics, ctx)
         gpus, power = metrics.pop(_GPUS, None), metrics.pop(_POWER, None)
         if "energy/total_j" not in metrics:
             return []
@@ -186,7 +225,7 @@ class EnergyCollector:
             return []
         tokens = ctx.tokens if ctx.timed_tokens is None else ctx.timed_tokens
         metrics["energy/j_per_gpu_per_step"] = total / gpus / steps
-        if tokens and gpus == self.world_size:
+        if tokens and gpus == self.world_size and not ctx.tokenless_steps:  # some steps' tokens not known
             metrics["energy/j_per_token"] = total / tokens
         if power is not None:  # each GPU's energy over its own rank's interval (they differ by the ranks' skew)
             metrics["power/mean_w"] = power / gpus
@@ -213,11 +252,12 @@ class TelemetryCollector:
 
     def __init__(self, uuid: Optional[str] = None) -> None:
         self.enabled = False
+        self.not_opened = NotOpened("_gpu/not_opened", "GPU telemetry is not collected (log_gpu_telemetry has no "
+                                    "effect there)")
         try:
             _, (self._nvml, self._handle) = _own_gpu(uuid)
-        except Exception as err:  # noqa: BLE001
-            logger.warning("distmetrics: GPU telemetry is not collected (%s: %s); log_gpu_telemetry has "
-                           "no effect.", type(err).__name__, err)
+        except Exception as err:  # noqa: BLE001 - said once for the job
+            self.not_opened.error = f"{type(err).__name__}: {err}"
             return
         self.enabled = True
         self._broken: set[str] = set()
@@ -225,7 +265,7 @@ class TelemetryCollector:
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """Current readings (a reading this GPU does not support is skipped from then on)."""
         if not self.enabled:
-            return []
+            return self.not_opened.samples()
         n, h = self._nvml, self._handle
         readers = {
             "gpu/sm_clock_mhz": lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
@@ -251,7 +291,8 @@ class TelemetryCollector:
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Nothing to derive."""
+        """Nothing to derive: the ranks whose GPU was not opened are said once."""
+        self.not_opened.say(metrics, ctx)
         return []
 
     def close(self) -> None:

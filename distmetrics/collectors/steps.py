@@ -38,6 +38,10 @@ UNTIMED_TOKENS = "_train/untimed_tokens"
 LOSS_TOKENS = "_train/loss_tokens"
 """Internal lane: the ``loss_tokens`` that weighed the interval's counted losses (sum over ranks), made only
 where some rank gives ``loss_tokens``: a tensor is not read at the call, so a bad one shows in this sum."""
+TOKENLESS_STEPS = "_train/tokenless_steps"
+"""Internal lane: the interval's timed steps at which this rank, which counts tokens, was given ``tokens=None``
+(max, with the rank holding it; made only where there are some): their tokens are not known, and a throughput
+that counts them as none reads too low."""
 UNCOUNTED_TOKENS = "_train/uncounted_tokens"
 """Internal lane: 1 where this rank was given ``tokens`` in the interval but does not count them (a pipeline
 rank without the last stage, a tensor- or context-parallel rank other than 0; max), made only there: tokens
@@ -72,13 +76,28 @@ class MixedWeights:
     """A reduced ``minmax`` lane (the OR of :func:`loss_weights` over each rank's losses) taken
     out of a record: where ranks weighted their losses by tokens at some steps and by steps
     (``tokens=None``) at others, the loss (``loss``) is left out of it, with one warning from
-    the rank that ``says`` (the first of the Monitor's ranks)."""
+    the rank that ``says`` (the first of the Monitor's ranks). Where every loss given weighed 0
+    tokens, the reduction already left the loss out (a mean over no tokens): that is said once too.
+    ``follows``: the names derived from the loss, said with it."""
 
-    def __init__(self, lane: str, loss: str, says: bool) -> None:
-        self.lane, self.loss, self.says = lane, loss, says
+    def __init__(self, lane: str, loss: str, says: bool, follows: str = "") -> None:
+        self.lane, self.loss, self.says, self.follows = lane, loss, says, follows
         self.by: Optional[int] = None
         """What the last record's loss was weighted by (:func:`loss_weights`), or None (no loss, or mixed)."""
         self._said = False
+        self._weightless_said = False
+
+    def check_weightless(self, metrics: dict[str, Any], step: int) -> None:
+        """Say once where losses were given but the loss is not in the reduced ``metrics``: its weights
+        summed to 0 over every rank (and step), as a rank-step's ``tokens=0`` (``loss_tokens=0``) adds
+        nothing, so the reduction has no mean to give. Called before anything else takes the loss out."""
+        if self.loss in metrics or f"{self.lane}/max" not in metrics or self._weightless_said or not self.says:
+            return
+        self._weightless_said = True
+        logger.warning("distmetrics: %s%s is left out of the record of step %d, and of every record where this "
+                       "recurs: every loss in it was given with 0 tokens (loss_tokens where given) on every rank, "
+                       "and a mean weighted by tokens over no tokens is not defined. Said once", self.loss,
+                       self.follows, step)
 
     def check(self, metrics: dict[str, Any], step: int) -> None:
         high, high_rank, low, low_rank = (metrics.pop(f"{self.lane}/{end}", None)
@@ -192,6 +211,7 @@ class StepValues:
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._starting = False
         self._timed = 0
+        self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
         self._untimed_tokens: Number = 0.0
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
         self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.says_once)
@@ -238,6 +258,8 @@ class StepValues:
                 self._untimed_tokens = as_number(tokens)
         else:
             self._timed += 1
+            if tokens is None and self.counts_tokens:
+                self._tokenless += 1
         if loss is not None and not self.stage_loss.drops(loss):
             weight = loss_weight(tokens, loss_tokens)
             self.stats.record("train/loss", loss, "mean", weight=1.0 if weight is None else weight)
@@ -284,7 +306,10 @@ class StepValues:
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         weights, self._loss_weights = self._loss_weights, 0
         lr, self._lr = self._lr, None
+        tokenless, self._tokenless = self._tokenless, 0
         lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
+        if tokenless:
+            lanes.append(Sample(TOKENLESS_STEPS, float(tokenless), "max"))
         if weights:
             lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
         if self._uncounted:
@@ -300,6 +325,7 @@ class StepValues:
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
         the steps the clock measured and their tokens)."""
+        self.mixed.check_weightless(metrics, ctx.step)  # before a refusal below takes train/loss out
         ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
         if ctx.tokens is not None and not (ctx.tokens >= 0 and math.isfinite(ctx.tokens)):
             # a tensor count is not read at the call (a device sync): NaN, inf or a negative count on some
@@ -321,6 +347,9 @@ class StepValues:
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
+        tokenless, tokenless_rank = metrics.pop(TOKENLESS_STEPS, None), metrics.pop(TOKENLESS_STEPS + "/max_rank", None)
+        if tokenless and ctx.tokens is not None:  # none given anywhere: no throughput, as without tokens
+            ctx.tokenless_steps, ctx.tokenless_rank = int(tokenless), int(tokenless_rank)
         self.mixed.check(metrics, ctx.step)
         if self.learning_rates is not None:
             self.learning_rates.check(metrics, ctx.step)

@@ -7,7 +7,10 @@ already waits for the device, so log-to-log time covers all the work queued in b
 reduced as a max across ranks: the job goes at its slowest rank's pace. Tokens
 (``LogContext.tokens``) are counted on one rank per data-parallel replica
 (:func:`distmetrics.parallel.counts_batch_tokens`) and summed, so tensor- and pipeline-parallel
-peers do not count a batch twice.
+peers do not count a batch twice. Where a rank that counts them is given ``tokens=None`` at some
+timed step while tokens are given in the interval (``LogContext.tokenless_steps``), those steps'
+tokens are not known: the known ones over every step's time would read too low, so the record has
+no tokens/s, TFLOP/s or MFU, said once.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class ThroughputCollector:
         self.sol_step_time_ms = sol_step_time_ms
         self.consumed_tokens = 0.0
         self._mfu_warned = not warns  # the values are the same on every rank: one rank says it
+        self._tokenless_said = not warns
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """None: the interval's time and tokens come in the context."""
@@ -96,6 +100,9 @@ class ThroughputCollector:
             metrics["train/eta_s"] = -(-max(0, self.total_steps - ctx.step) // ctx.stride) * step_s  # calls left
         if tokens is None:
             return []
+        if ctx.tokenless_steps:
+            self._say_tokenless(ctx, steps)
+            return []
         metrics["train/tokens_per_sec"] = tokens / seconds
         metrics["train/tokens_per_sec_per_gpu"] = tokens / seconds / self.world_size
         if self.flops_per_token:
@@ -107,6 +114,17 @@ class ThroughputCollector:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def _say_tokenless(self, ctx: LogContext, steps: int) -> None:
+        if self._tokenless_said:
+            return
+        self._tokenless_said = True
+        logger.warning("distmetrics: train/tokens_per_sec, train/tokens_per_sec_per_gpu, train/tflops_per_gpu and "
+                       "train/mfu_pct (and energy/j_per_token, with log_energy) are left out of the record of step "
+                       "%d, and of every record where this recurs: rank %d passed tokens=None at %d of the %d steps "
+                       "timed in it, so their tokens are not known, and the tokens given over every step's time "
+                       "would read too low. Pass tokens at every step (tokens=0 for a step with none). Said once",
+                       ctx.step, ctx.tokenless_rank, ctx.tokenless_steps, steps)
 
     def _mfu(self, metrics: dict[str, Any], tflops: float) -> None:
         mfu = mfu_pct(tflops, self.peak_tflops)
