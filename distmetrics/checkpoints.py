@@ -46,7 +46,7 @@ class CheckpointLog:
         checkpoint older than its streak's start (a start from scratch, a rollback past the streak's
         first job) starts a streak of its own, as a job of another world size does: the streak's
         FLOPs counted from its start would leave this job's out, and its cumulative throughput was
-        negative."""
+        negative. A later job reads that streak back from this job's first save (:func:`read_progress`)."""
         self._resumed_from(step)
         start, origin = self.resumed.get("start_flops"), self.resumed.get("last_flops", 0.0)
         if start is not None and origin < start:

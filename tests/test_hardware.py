@@ -1284,3 +1284,48 @@ def test_a_job_behind_its_streaks_start_starts_a_streak_of_its_own(tmp_path, fir
     assert record["checkpoint/cumulative_tflops_per_gpu"] > 0
     assert record["checkpoint/cumulative_tflops_per_gpu"] == pytest.approx(record["checkpoint/job_tflops_per_gpu"],
                                                                           rel=0.5)
+
+
+def _job_saving_checkpoints(rank: int, world: int, root: str, steps: list, saves: list) -> dict:
+    """One job of ``steps`` (1,000 tokens a step on each rank) in ``root``, saving a checkpoint after
+    each step in ``saves``: on the writer rank, the wall-clock times just before and after each save."""
+    import time
+
+    import distmetrics as dm
+
+    cfg = quiet_config(output_dir=root, log_interval=2, json_log=True, log_progress=True, flops_per_token=1e9)
+    around = {}
+    with dm.Monitor(cfg) as monitor:
+        for step in steps:
+            monitor.step(step, loss=1.0, tokens=1000)
+            if step in saves:
+                before = time.time()
+                monitor.checkpoint_saved(step)
+                around[step] = (before, time.time())
+    return around
+
+
+def test_a_job_after_one_that_began_a_streak_of_its_own_counts_on_in_that_streak(tmp_path):
+    """Job A (1 rank) saves 2 and 4; job B (2 ranks, a new streak) resumes from 4 and saves 6; job C
+    (2 ranks) rolls back to A's 2, older than B's start, so it began a streak of its own; job D
+    (2 ranks) resumes from C's 4 and saves 6. D counted its cumulative throughput in B's streak:
+    FLOPs from B's start (A's 4) over the time since B started, a lineage D's checkpoint never
+    passed through. Truth by hand: 1e12 FLOPs a step on each rank; D's 6 holds A's two steps (2e12)
+    and C's and D's four steps on 2 ranks (8e12); C's streak counts from the 2e12 it loaded, over the
+    time since C's "Starting job" line, bracketed by D's clock around its save."""
+    import distmetrics as dm
+
+    root = str(tmp_path)
+    for world, steps, saves in ((1, [1, 2, 3, 4], [2, 4]), (2, [5, 6], [6]), (2, [3, 4], [4])):
+        run_ranks(_job_saving_checkpoints, world, root, steps, saves, timeout=120)
+    before, after = run_ranks(_job_saving_checkpoints, 2, root, [5, 6], [6], timeout=120)[0][6]
+    starts = [line.split("\t")[0] for line in (tmp_path / "progress.txt").read_text().splitlines()
+              if line.endswith("\tStarting job")]
+    assert len(starts) == 4
+    c_start = dt.datetime.strptime(starts[2], "%Y-%m-%d %H:%M:%S").timestamp()
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "progress"][-1]
+    assert record["step"] == 6 and record["checkpoint/floating_point_operations"] == pytest.approx(1e13)
+    work = (1e13 - 2e12) / 1e12 / 2  # TFLOPs per GPU since the checkpoint C loaded
+    low, high = work / (after - c_start), work / (before - c_start)
+    assert low * (1 - 1e-9) <= record["checkpoint/cumulative_tflops_per_gpu"] <= high * (1 + 1e-9), \
+        (record["checkpoint/cumulative_tflops_per_gpu"], low, high)

@@ -74,8 +74,11 @@ class ProgressSink:
 def read_progress(path: Union[str, Path], world_size: int) -> dict:
     """What Megatron reads back from progress.txt on a restart.
 
-    ``start_time``/``start_flops``: when the earliest run of the current streak of runs with
-    this world size started, and the floating-point operations done by then; ``last_flops``
+    ``start_time``/``start_flops``: when the first run of the current streak of runs with this
+    world size started, and the floating-point operations of the checkpoint it loaded (told by its
+    first save: :func:`_resumed_from`); a later run of the streak whose first save tells it loaded
+    a checkpoint older than that (a rollback past the streak's start, a start from scratch) began
+    a streak of its own, as it counted itself (``CheckpointLog.start_at``); ``last_flops``
     and ``last_tokens``: from the latest "Saved checkpoint" line (where a resumed job starts
     unless it rolled back: see ``saved``); ``checkpoints``: how many such lines there are;
     ``saved``: every such line's :class:`Saved` numbers, in file order. A last line without
@@ -92,7 +95,8 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
                        path, describe_os_error(err))
         return state
     lines = text.split("\n")[:-1]  # the part after the last newline is torn (or empty)
-    before_streak = None  # the lines before the streak's first "Starting job", until that job's first save
+    unsaved = False  # the streak's first run has saved nothing yet: its start_flops is the last line's, for now
+    job = None  # the latest run of this world size, until its first save: (its start, how many lines came before)
     for line in lines:
         fields = line.strip().split("\t")
         if len(fields) < 4:
@@ -107,20 +111,29 @@ def read_progress(path: Union[str, Path], world_size: int) -> dict:
                               tokens=float(fields[8].split(": ")[1]) * 1e9)
             except (IndexError, ValueError):
                 continue
-            if before_streak is not None and world_in_line == world_size:
-                state["start_flops"] = _resumed_from(before_streak, saved)
-                before_streak = None
+            if job is not None and world_in_line == world_size:
+                origin = _resumed_from(state["saved"][:job[1]], saved)
+                if unsaved:  # the streak's first save tells which checkpoint its first run loaded
+                    state["start_flops"], unsaved = origin, False
+                elif origin < state["start_flops"]:  # a run behind the streak's start began one of its own
+                    state["start_time"], state["start_flops"] = job[0], origin
+                job = None
             state["checkpoints"] += 1
             state["saved"].append(saved)
             state["last_flops"], state["last_tokens"] = saved.flops, saved.tokens
         if world_in_line != world_size:  # a different world size restarts the streak
-            state["start_time"] = state["start_flops"] = before_streak = None
+            state["start_time"] = state["start_flops"] = job = None
+            unsaved = False
             continue
-        if fields[3] == "Starting job" and state["start_time"] is None:
-            state["start_time"] = _dt.datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
-            state["start_flops"] = state["last_flops"]
-            before_streak = list(state["saved"])
-    state["streak_unsaved"] = before_streak is not None  # its first job saved nothing: its start is not known
+        if fields[3] == "Starting job":
+            try:
+                started = _dt.datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S")
+            except ValueError:
+                continue
+            job = (started, len(state["saved"]))
+            if state["start_time"] is None:
+                state["start_time"], state["start_flops"], unsaved = started, state["last_flops"], True
+    state["streak_unsaved"] = unsaved  # its first job saved nothing: its start is not known
     return state
 
 
