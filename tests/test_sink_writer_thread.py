@@ -206,9 +206,83 @@ def test_close_gives_up_on_a_sink_that_never_returns(tmp_path, caplog, monkeypat
         monitor.step(step, loss=1.0)
     monitor.close()  # returns although the gate never opens
     late = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
-    assert len(late) == 1 and "the gate, other sinks" in late[0] and "3 queued records not written" in late[0]
+    assert len(late) == 1 and "the gate, other sinks" in late[0] and "3 queued records not written yet: the " \
+        "writer thread goes on with them, and what it has not written when the process exits is lost" in late[0]
     assert not [step for kind, step in other.records if kind == "train"], other.records
-    gate.opened.set()
+    gate.opened.set()  # as said: the thread goes on, writes them and closes the sinks
+    monitor.sinks.writer._thread.join(60)
+    assert [step for kind, step in other.records if kind == "train"] == [1, 2, 3]
+
+
+def _collected_on_the_writer_thread_child(out: str, store: str) -> None:
+    """A Monitor left open in a function that returned sits in a reference cycle, so the cyclic
+    garbage collector frees it, on whichever thread allocates at the time: here the writer thread,
+    in a sink of the user's (any allocation there, a protobuf or a W&B row, may collect)."""
+    import gc
+    import json
+    import time
+    import weakref
+
+    import torch.distributed as dist
+
+    writer_module.CLOSE_TIMEOUT_S = 10.0  # a close that waits for its own thread gives up after this
+    warnings = []
+    capture = logging.Handler(logging.WARNING)
+    capture.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(capture)
+    returned, closed, monitors = threading.Event(), threading.Event(), []
+
+    class Collecting:
+        name, fix = "collecting", ""
+
+        def __init__(self):
+            self.seen = []
+
+        def log(self, metrics, step, kind):
+            self.seen.append(f"{kind} {step}")
+            if (kind, step) == ("train", 3):
+                returned.wait(60)
+                open_before = monitors[0]() is not None
+                start = time.monotonic()
+                gc.collect()
+                self.seen.append(f"collected here: {open_before and monitors[0]() is None}, "
+                                 f"within 5 s: {time.monotonic() - start < 5}")
+
+        def close(self):
+            self.seen.append(f"closed on {threading.current_thread().name}")
+            closed.set()
+
+    def train(sink):
+        monitor = dm.Monitor(_config(out, log_progress=False), sinks=[sink])
+        monitors.append(weakref.ref(monitor))
+        held = [monitor]
+        held.append(held)  # a reference cycle (a trainer holding its Monitor and a bound method of its own)
+        for step in range(1, 6):
+            monitor.step(step, loss=float(step))
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    gc.disable()  # only the sink's collect() collects
+    sink = Collecting()
+    train(sink)
+    returned.set()
+    closed.wait(60)
+    print(json.dumps({"seen": sink.seen, "warnings": warnings}), flush=True)
+
+
+def test_a_monitor_collected_on_the_writer_thread_closes_it_without_waiting_for_itself(tmp_path):
+    """The Monitor's finalizer, run on the writer thread, closed the writer there and waited for
+    that thread to end: a stall of CLOSE_TIMEOUT_S (90 s), then a warning of records not written,
+    which the thread wrote afterwards all the same. Now the thread writes what is queued and closes
+    its sinks once the record it is in is done, and nothing is said: nothing is lost."""
+    import json
+
+    child = run_child("tests.test_sink_writer_thread._collected_on_the_writer_thread_child", tmp_path / "out",
+                      tmp_path / "store", timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.splitlines()[-1])
+    assert result["seen"] == ["run 0", "train 1", "train 2", "train 3", "collected here: True, within 5 s: True",
+                              "train 4", "train 5", "closed on distmetrics-writer"], result
+    assert result["warnings"] == []
 
 
 def test_tensorboard_and_the_console_run_on_the_writer_thread(tmp_path):
@@ -349,6 +423,82 @@ def test_a_script_that_never_closes_still_gets_its_queue_written(tmp_path):
     child = run_python("-c", SLOW_SINK_SCRIPT, tmp_path / "run", out)
     assert child.returncode == 0, child.stderr
     assert out.read_text().splitlines() == ["run 0"] + [f"train {s}" for s in range(1, 6)]
+
+
+def _wandb_starting_at_exit_child(out: str, settings: str, store: str, received: str) -> None:
+    """A gloo group (one rank), W&B (offline), TensorBoard and a sink of the user's: five steps right
+    after ``Monitor()``, and the process ends without close() while W&B's setup waits on its settings
+    file (a named pipe); the script's own exit hook, the first to run, writes it: W&B starts while
+    the interpreter runs its exit hooks, as when a short job ends before W&B is up."""
+    import atexit
+    import errno
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    class Received:
+        name, fix = "received", ""
+
+        def log(self, metrics, step, kind):
+            with open(received, "a") as f:
+                f.write(f"{kind} {step}\n")
+
+        def close(self):
+            with open(received, "a") as f:
+                f.write("closed\n")
+
+    def let_wandb_read_its_settings():
+        deadline = time.monotonic() + 60
+        while True:  # opening a pipe to write fails (ENXIO) until W&B has opened it to read
+            try:
+                fd = os.open(settings, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as err:
+                if err.errno != errno.ENXIO or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        os.write(fd, b"[default]\n")
+        os.close(fd)
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=out, console=False, log_interval=1, timing_log_level=-1,
+                                          straggler_window=0, wandb_project="exit", wandb_mode="offline",
+                                          wandb_save_dir=out), sinks=[Received()])
+    _SCRIPT_GLOBALS.append(monitor)  # open until the exit, as a script's own variable is
+    for step in range(1, 6):
+        monitor.step(step, loss=float(step))
+    atexit.register(let_wandb_read_its_settings)  # registered last: runs first
+
+
+_SCRIPT_GLOBALS: list = []
+
+
+def test_a_script_that_ends_while_wandb_starts_still_gets_every_sink_written(tmp_path):
+    """README: a script that never calls close() gets its queue written at exit, W&B's rows too.
+    W&B's start, ending while the interpreter ran its exit hooks, moved the writer thread's exit hook
+    where a hook registered then never runs: the W&B run had no row, the user's sink missed records
+    and was never closed, and TensorBoard's file was never closed (no scalar in it)."""
+    import os
+
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.wandb_reader import read_offline_run
+
+    (tmp_path / "config").mkdir()
+    settings, out, received = tmp_path / "config" / "settings", tmp_path / "out", tmp_path / "received.txt"
+    os.mkfifo(settings)
+    child = run_child("tests.test_sink_writer_thread._wandb_starting_at_exit_child", out, settings,
+                      tmp_path / "store", received, timeout=180, env={"WANDB_CONFIG_DIR": str(tmp_path / "config")})
+    assert child.returncode == 0, child.stderr[-3000:]
+    steps = range(1, 6)
+    assert received.read_text().splitlines() == ["run 0"] + [f"train {s}" for s in steps] + ["closed"]
+    rows = [row for row in read_offline_run(str(out))["history"] if "train/loss" in row]
+    assert [(row["step"], row["train/loss"]) for row in rows] == [(s, float(s)) for s in steps]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, float(s)) for s in steps]
 
 
 @pytest.mark.parametrize("on_training_thread", [True, False])

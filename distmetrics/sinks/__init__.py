@@ -104,6 +104,7 @@ class SinkSet:
         self.last_logged_step: Optional[int] = None
         """The last step an earlier job logged in this output_dir (the writer reads it at start)."""
         self._closers: list = []
+        self._release_when_queued_closed = False  # close() came on the writer thread, which releases
         self._took: dict[int, tuple] = {}  # id(sink) -> (step, kind) of the last record a training-thread sink took
         self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
         for sink in sinks:
@@ -182,12 +183,18 @@ class SinkSet:
         return self.writer.flush(timeout) if self.writer is not None else True
 
     def close(self) -> None:
-        """Close the training-thread sinks; drain the queue and close the others (bounded)."""
+        """Close the training-thread sinks; drain the queue and close the others (bounded). Called on
+        the writer thread itself (a Monitor collected there), the thread does the rest once its current
+        record is written, and lets go of what :meth:`on_close` named after it has closed its sinks."""
         for sink in self.inline:
             self._close(sink)
         self.inline = []
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is not None and not self.writer.close():
+            self._release_when_queued_closed = True
+            return
+        self._release()
+
+    def _release(self) -> None:
         for release in self._closers:
             release()
         self._closers = []
@@ -229,6 +236,8 @@ class SinkSet:
         for sink in self.queued:
             self._close(sink, caught=(BaseException,))
         self.queued = []
+        if self._release_when_queued_closed:
+            self._release()
 
     def _close(self, sink: Sink, caught: tuple = (Exception,)) -> None:
         try:

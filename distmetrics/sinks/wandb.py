@@ -125,8 +125,9 @@ class WandbSink:
     def _start(self, kwargs: dict) -> None:
         try:
             # W&B's service starts here, and with it the exit hook that shuts it down: exit hooks run last
-            # registered first, so the writer thread's is moved after it, and a process that ends while
-            # wandb.init runs, or with rows queued, writes them before W&B goes (it had lost them all)
+            # registered first, so the writer thread's is registered again after it, and a process that ends
+            # while wandb.init runs, or with rows queued, writes them before W&B goes (it had lost them all);
+            # where this runs during the exit itself, the writer's first exit hook writes them
             if hasattr(self._wandb, "setup"):
                 self._wandb.setup()
                 exit_hooks_last()

@@ -59,6 +59,7 @@ class WriterThread:
         self._closing = False
         self._finished = False  # the thread has closed the sinks and is ending
         self._said = False  # close() has said what it had to (once)
+        self._closed_on_thread = False  # close() was called on the writer thread itself: it ends alone
         self._interrupted = False  # a close() was interrupted (a signal's exception) before the thread ended
         self._pid = os.getpid()  # a forked child inherits this object, not the thread: its close does nothing
         # put() takes the lock alone (no Python-level Condition call on the training thread). It is
@@ -121,15 +122,24 @@ class WriterThread:
             return self._cond.wait_for(lambda: not self._records and not self._busy,
                                        CLOSE_TIMEOUT_S if timeout is None else timeout)
 
-    def close(self, timeout: Optional[float] = None) -> None:
+    def close(self, timeout: Optional[float] = None) -> bool:
         """Write what is queued, close the sinks (on the thread), wait at most ``timeout`` seconds
         (default :data:`CLOSE_TIMEOUT_S`). The wait is on the queue's condition, which lets go of the
         lock at every level: a signal handler that closes, landing in :meth:`put` on this thread, does
         not wait for a lock its own thread holds. The exit hook stays until the wait is over: a close
         interrupted by a signal's exception (Ctrl-C, SIGTERM made ``sys.exit``) says what is not written
-        yet, and the exit waits for the thread again. In a forked child (no thread) it does nothing."""
+        yet, and the exit waits for the thread again. In a forked child (no thread) it does nothing.
+
+        Called on the writer thread itself (a Monitor's finalizer, run there by the cyclic garbage
+        collector during a sink's call), it cannot wait for that thread: it marks the queue closing and
+        returns False; the thread finishes the record it is in, writes the rest, closes the sinks and
+        says what it has to. True otherwise."""
         if os.getpid() != self._pid or self._said:
-            return
+            return True
+        if threading.get_ident() == self._thread.ident:
+            with self._cond:
+                self._closing = self._closed_on_thread = True
+            return False
         timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
         with self._cond:
             self._closing = True
@@ -141,15 +151,20 @@ class WriterThread:
                 raise
             left = len(self._records)
             if self._said:  # another thread's close() returned from this wait first, and says it
-                return
+                return True
             self._said = True
         atexit.unregister(self.close)
         if finished:
             self._thread.join()  # it only returns now: no lock needed
         else:
-            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued "
-                           "record%s not written; the run goes on without them.", self._sinks(), timeout, left,
-                           "" if left == 1 else "s")
+            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued record%s "
+                           "not written yet: the writer thread goes on with them, and what it has not written when "
+                           "the process exits is lost.", self._sinks(), timeout, left, "" if left == 1 else "s")
+        self._say_dropped()
+        return True
+
+    def _say_dropped(self) -> None:
+        """Say, once closed, how many records a full queue dropped."""
         if self.dropped:
             first, last = self._dropped_steps
             logger.warning("distmetrics: the %s sinks fell behind and %d record%s (steps %d-%d) were dropped "
@@ -173,6 +188,11 @@ class WriterThread:
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
+                says = self._closed_on_thread and not self._said  # no close() elsewhere waits to say it
+                self._said = self._said or says
+            if says:
+                atexit.unregister(self.close)
+                self._say_dropped()
 
     def _write_all(self) -> None:
         """Write records until close() and the queue is empty, then close the sinks."""
@@ -210,7 +230,7 @@ _BEFORE_WRITERS: "weakref.WeakSet[Callable[[], None]]" = weakref.WeakSet()  # ex
 
 def exit_hook_before_writers(hook: Callable[[], None]) -> None:
     """Register ``hook`` to run at exit before the writer threads' exit hooks, even after
-    :func:`exit_hooks_last` moved those (a Monitor's: saying what is not written, and leaving the
+    :func:`exit_hooks_last` registered those again (a Monitor's: saying what is not written, and leaving the
     arrival check, take no time; a writer's close may take long)."""
     _BEFORE_WRITERS.add(hook)
     atexit.register(hook)
@@ -223,14 +243,17 @@ def forget_exit_hook(hook: Callable[[], None]) -> None:
 
 
 def exit_hooks_last() -> None:
-    """Move the exit hooks of the writer threads still open after every hook registered so far:
-    exit hooks run last registered first, and a library started after the writer (``wandb.init``,
-    which registers the shutdown of W&B's service) would otherwise end before the writer has
-    written its queue through it. The hooks of :func:`exit_hook_before_writers` move after them."""
+    """Register the exit hooks of the writer threads still open again, after every hook registered
+    so far: exit hooks run last registered first, and a library started after the writer
+    (``wandb.init``, which registers the shutdown of W&B's service) would otherwise end before the
+    writer has written its queue through it. The hooks of :func:`exit_hook_before_writers` follow.
+
+    The first registrations stay: called while the interpreter already runs its exit hooks (a
+    W&B start still under way when the process ended), a hook registered now never runs, and one
+    taken out would not run either, so the queue would never be written. Each hook does its work
+    once, whichever of its registrations runs first."""
     for writer in list(_LIVE):
         if not writer._said:  # also one whose close() was interrupted: its exit hook waits for it again
-            atexit.unregister(writer.close)
             atexit.register(writer.close)
     for hook in list(_BEFORE_WRITERS):
-        atexit.unregister(hook)
         atexit.register(hook)
