@@ -657,11 +657,11 @@ def test_wandb_with_no_server_does_not_hold_up_the_monitor_and_warns_once(tmp_pa
         causes = ("wandb.init did not finish within 3 s",) + (("wandb.init failed",) if close == "0" else ())
         assert len(reported) == 1 and any(c in reported[0] for c in causes), (close, at_exit["warnings"])
         assert "20 rows logged meanwhile not sent" in reported[0]
-        # wandb.init was still running when the sink gave up: the exit waited for it, and said so (a
-        # thread left inside it could abort the exit: SIGABRT, status 134, seen 2 times in 80 runs)
+        # wandb.init was still running when the sink gave up: the exit waited for it (a thread left inside
+        # it could abort the exit: SIGABRT, status 134, seen 2 times in 80 runs). Whether it is still running
+        # at the sink's deadline, and so said, depends on W&B's own retries: the warning is checked where
+        # wandb.init never returns (below)
         assert at_exit["alive"] == [], (close, at_exit)
-        assert any("waiting up to 20 s for wandb.init, still running after the wandb sink's 3 s" in w
-                   for w in at_exit["warnings"]), (close, at_exit["warnings"])
 
 
 def _wandb_init_never_returns_child(out: str, result: str) -> None:
