@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .output_claim import output_dir_problem
@@ -113,17 +114,35 @@ def run_check_config(args: argparse.Namespace) -> str:
     checked on this machine, and nothing is made or left in them (a check is not a start)."""
     config = MetricsConfig.from_yaml(args.path, args.overrides)
     inspection = note = ""
+    log_dir = config.tensor_inspect.log_dir or str(Path(config.output_dir) / "tensor_inspect")
+    elsewhere = {key: top for key, folder in (("output_dir", config.output_dir), ("tensor_inspect.log_dir", log_dir))
+                 if (top := _not_on_this_machine(folder))}
     if config.tensor_inspect.enabled:
         from .tensor_stats.lifecycle import check_log_dir
 
         spec = _check_inspection(config.tensor_inspect, "tensor_inspect.features")
-        check_log_dir(config)
+        if "tensor_inspect.log_dir" not in elsewhere:
+            check_log_dir(config)
         inspection, note = f", tensor_inspect: {len(spec)} section(s)", _unchecked_by_nvdlfw()
-    problem = output_dir_problem(config)
+    problem = None if "output_dir" in elsewhere else output_dir_problem(config)
     if problem:
         raise ConfigError(problem)
+    for key, top in elsewhere.items():
+        if key == "output_dir" or config.tensor_inspect.enabled:
+            note += f"\nnote: {key} is not checked: {top} does not exist on this machine (the job's, where it runs)"
     return (f"ok: {args.path} (log_interval={config.log_interval}, writer_rank={config.writer_rank}, "
             f"output_dir={config.output_dir}{inspection}){note}")
+
+
+def _not_on_this_machine(folder: str) -> str:
+    """The top folder of an absolute ``folder`` where it does not exist here (``/lustre`` of
+    ``/lustre/proj/run`` checked on a laptop or a CI runner): a file system of the machines the job
+    runs on, whose folders this machine cannot check. '' where it exists, or ``folder`` is relative."""
+    path = Path(folder)
+    if not path.is_absolute() or len(path.parts) < 2:
+        return ""
+    top = Path(path.anchor, path.parts[1])
+    return "" if os.path.lexists(top) else str(top)
 
 
 # --- check-features ----------------------------------------------------------------------

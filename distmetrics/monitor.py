@@ -22,7 +22,7 @@ import torch
 from .checkpoints import CheckpointLog
 from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
-from .collectors.throughput import peak_setting
+from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
 from .evaluation import EvalLog
 from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_pending, say_unwritten
@@ -116,7 +116,7 @@ class Monitor:
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
                                      config_problem=problem is None and inspection is not None,
-                                     derived={"tensor_inspect.features": features, "peak_tflops": peak_setting(config)})
+                                     derived={"tensor_inspect.features": features, **shared_throughput(config)})
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(

@@ -158,9 +158,13 @@ def unmakeable(folder: Path) -> str:
             if not part.is_dir():
                 return f"{part} is not a folder"
             try:
-                os.rmdir(tempfile.mkdtemp(prefix=".distmetrics-check-", dir=part))
+                made = tempfile.mkdtemp(prefix=".distmetrics-check-", dir=part)
             except OSError as err:
                 return f"no folder can be made in {part} ({err.strerror or err})"
+            try:
+                os.rmdir(made)
+            except OSError as err:  # made, so it can be: only its removal failed, said, not a refusal
+                logger.warning("distmetrics: could not remove the folder %s made to check %s (%s)", made, part, err)
             return ""
     return ""
 

@@ -57,8 +57,13 @@ def coerced_config(given: Any, device_mesh: Any = None, group: Any = None) -> Me
     guard = CollectiveGuard(_hang_timeout_given(given), group)  # made as Monitor() makes one, in the same order
     if layout.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         raise error  # nobody else to tell
-    start_up(None, layout, guard, False, str(error), config_problem=True,
-             derived=dict.fromkeys(SHARED_KEYS, NOT_READ))  # raises: this rank has a problem
+    try:
+        start_up(None, layout, guard, False, str(error), config_problem=True,
+                 derived=dict.fromkeys(SHARED_KEYS, NOT_READ))  # raises: this rank has a problem
+    except ValueError:
+        raise  # every rank's report, this rank's error in it
+    except Exception as failure:  # noqa: BLE001 - the gather failed (the others never came): this rank's own error
+        raise error from failure
     raise error
 
 
@@ -123,19 +128,19 @@ SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_leve
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",
                "tensor_inspect.enabled", "tensor_inspect.features", "tensor_inspect.init_training_step",
-               "flops_per_token", "num_params", "num_active_params", "num_layers", "hidden_size", "seq_length",
-               "attention_flops", "peak_tflops", "dtype", "sol_step_time_ms")
+               "flops_per_token", "peak_tflops", "sol_step_time_ms")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, which
 rank writes or what the job's derived numbers are: a rank given another value than the others would
 hang, count wrong, write nothing or return another dict, so ``Monitor()`` refuses a difference on
 every rank (``timing_log_level`` and ``barrier_with_L1_time``: a timer started with ``barrier=True``
 waits at a barrier only where its level is enabled; ``tensor_inspect.features``: the features'
 content, as a digest, given to :func:`start_up` as derived; ``tensor_inspect.init_training_step``:
-which steps the statistics' collective runs at; the FLOPs, peak and speed-of-light keys: each rank
-computes TFLOP/s, MFU and SOL from its own config after the reduction, and the job's numbers are the
-whole model's, so a pipeline stage's own parameter count is not one of them; ``peak_tflops``: where it
-is looked up, the peak of each rank's GPU, given as derived). The sinks' keys matter
-on the writer only."""
+which steps the statistics' collective runs at; ``flops_per_token``, ``peak_tflops`` and
+``sol_step_time_ms``: each rank computes TFLOP/s, MFU and SOL from its own config after the reduction,
+so what it computes them from is compared, given as derived by
+:func:`~distmetrics.collectors.throughput.shared_throughput`: the FLOPs per token however given, the
+peak however found; the job's numbers are the whole model's, so a pipeline stage's own parameter count
+is not one of them). The sinks' keys matter on the writer only."""
 
 NOT_READ = "<not read on this rank: its problem is said>"
 """A derived shared value a rank could not read; not compared (its problem is raised)."""

@@ -279,6 +279,13 @@ def test_check_config_refuses_the_folders_the_monitor_cannot_make_and_makes_none
     ok = _run("check-config", "configs/metrics.yaml", *inspect, f"output_dir={fresh}", *quiet)
     assert ok.returncode == 0 and ok.stdout.startswith("ok:"), ok.stderr
     assert _tree(tmp_path) == before and not (tmp_path / "new").exists()
+    # a cluster's file system that does not exist here is the job's machines' to check: said, not refused
+    absent = "/distmetrics-absent-fs-0"
+    assert not Path(absent).exists()
+    ok = _run("check-config", "configs/metrics.yaml", *inspect, f"output_dir={absent}/proj/run", *quiet)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok:"), ok.stderr
+    for key in ("output_dir", "tensor_inspect.log_dir"):
+        assert f"note: {key} is not checked: {absent} does not exist on this machine" in ok.stdout, ok.stdout
 
 
 def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, capsys):

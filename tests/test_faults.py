@@ -819,6 +819,37 @@ def test_a_config_one_rank_cannot_take_is_raised_on_every_rank_at_once_naming_th
     _said_on_every_rank(run_ranks(_config_refused_on_one_rank, 2, timeout=150), ("mapping", "set_after"))
 
 
+def _config_refused_where_the_others_never_come(rank: int, world: int) -> dict:
+    """Rank 0 alone makes a Monitor, with a config it cannot take; rank 1 makes none."""
+    import torch.distributed as dist
+
+    out = {}
+    if rank == 0:
+        import distmetrics as dm
+
+        def refused() -> None:
+            try:
+                dm.Monitor({**quiet_config().to_dict(), "log_interval": 0, "hang_timeout_s": 3})
+            except Exception as err:
+                out["cause"] = type(err.__cause__).__name__
+                raise
+
+        out["made"] = _outcome(refused)
+    dist.barrier()
+    return out
+
+
+def test_a_config_refused_where_the_other_ranks_never_come_is_still_raised_naming_the_key():
+    """A refused config on a rank whose peers never make a Monitor: the start-up gather fails (a
+    HangError after hang_timeout_s) and that failure was raised in the key's place, naming no key."""
+    from distmetrics import ConfigError, MetricsConfig
+
+    with pytest.raises(ConfigError) as alone:
+        MetricsConfig(log_interval=0)
+    made = run_ranks(_config_refused_where_the_others_never_come, 2, timeout=120)[0]
+    assert made["made"][:2] == ("ConfigError", str(alone.value)) and made["cause"] == "HangError", made
+
+
 def test_a_config_one_rank_cannot_take_is_said_on_a_group_and_with_the_arrival_check_off():
     """On a group without the arrival check the other rank waited in the gather itself (the process
     group's timeout); with hang_timeout_s 0 at the start-up bound."""

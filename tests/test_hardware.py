@@ -532,23 +532,34 @@ def test_a_gpu_without_a_known_peak_is_said_with_why_and_gets_no_mfu(monkeypatch
 def test_the_peak_compared_at_start_up_is_the_one_each_ranks_gpu_gives_where_mfu_is_computed(monkeypatch):
     """With peak_tflops unset each rank looks up its own GPU's peak: an H100 SXM rank and an H100 PCIe rank
     each computed another MFU. Start-up compares the peak a rank will use (torch.cuda replaced as above); GPUs
-    of one peak compare equal, and without FLOPs per token (no MFU) the GPU is not compared."""
+    of one peak compare equal, and without FLOPs per token (no MFU) the GPU is not compared. What is compared
+    is what the numbers are computed from: 6000000 and 6e6 agree; keys that compute nothing are not compared
+    (num_params under a given flops_per_token, dtype under a given peak, anything with log_throughput off)."""
     import torch
 
     import distmetrics as dm
-    from distmetrics.collectors.throughput import peak_setting
+    from distmetrics.collectors.throughput import shared_throughput
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def compared(name, **keys):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
-        return peak_setting(dm.MetricsConfig(**keys))
+        return shared_throughput(dm.MetricsConfig(**keys))
 
-    sxm, pcie, h200 = (compared(name, num_params=7e9) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
-                                                                     "NVIDIA H200"))
+    sxm, pcie, h200 = (compared(name, num_params=7e9)["peak_tflops"]
+                       for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"))
     assert sxm == h200 == "989.0 looked up for this rank's GPU in bf16" and pcie.startswith("756.0 ")
-    assert compared("NVIDIA GB200", num_params=7e9) == "None looked up for this rank's GPU in bf16"
-    assert compared("NVIDIA H100 PCIe") is None and compared("NVIDIA H100 PCIe", num_params=7e9, peak_tflops=5.0) == 5.0
+    assert compared("NVIDIA GB200", num_params=7e9)["peak_tflops"] == "None looked up for this rank's GPU in bf16"
+    assert compared("NVIDIA H100 PCIe")["peak_tflops"] is None
+    assert compared("NVIDIA H100 PCIe", num_params=7e9, peak_tflops=5)["peak_tflops"] == 5.0
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert compared(h100, flops_per_token=6000000) == compared(h100, flops_per_token=6e6, num_params=1e9) == \
+        {"flops_per_token": 6e6, "peak_tflops": sxm, "sol_step_time_ms": None}
+    assert compared(h100, flops_per_token=6e6, peak_tflops=900, dtype="fp8") == \
+        compared(h100, flops_per_token=6e6, peak_tflops=900.0, dtype="bf16", sol_step_time_ms=None)
+    assert compared(h100, num_params=1e9, log_throughput=False, sol_step_time_ms=5) == \
+        compared(h100, num_params=2e9, log_throughput=False) == dict.fromkeys(
+            ("flops_per_token", "peak_tflops", "sol_step_time_ms"))
 
 
 # --- progress.txt -----------------------------------------------------------------------------
@@ -1042,12 +1053,11 @@ def test_throughput_keys_that_differ_between_ranks_are_refused_and_mfu_counts_th
     results = run_ranks(_throughput_keys_on_two_stages, 2, timeout=120)
     for result in results:
         assert result["counts"] == [40, 18]
-        assert "config key num_params differs between ranks (40.0 on rank 0; 18.0 on rank 1)" in \
-            result["own stage count"], result["own stage count"]
+        assert "config key flops_per_token differs between ranks (240.0 on rank 0; 108.0 on rank 1)" in \
+            result["own stage count"], result["own stage count"]  # 6·40 and 6·18, from num_params
         refused = result["set on rank 0 only"]
         for said in ("flops_per_token differs between ranks (1000000.0 on rank 0; None on rank 1)",
                      "peak_tflops differs between ranks (1.0 on rank 0; None on rank 1)",
-                     "dtype differs between ranks ('fp8' on rank 0; 'bf16' on rank 1)",
                      "sol_step_time_ms differs between ranks (50.0 on rank 0; None on rank 1)"):
             assert f"config key {said}; every rank must be given the same value" in refused, refused
     first, second = results[0]["metrics"], results[1]["metrics"]

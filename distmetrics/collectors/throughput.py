@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ..flops import PEAK_TFLOPS, is_mig, mfu_pct, model_flops_per_token, peak_tflops_for
 from .base import Alert, LogContext, Sample
 
-__all__ = ["ThroughputCollector", "resolve_peak_tflops", "peak_setting", "mfu_pct", "peak_tflops_for",
+__all__ = ["ThroughputCollector", "resolve_peak_tflops", "shared_throughput", "mfu_pct", "peak_tflops_for",
            "model_flops_per_token", "PEAK_TFLOPS"]
 
 logger = logging.getLogger("distmetrics")
@@ -45,16 +45,27 @@ def resolve_peak_tflops(config: Any, warns: bool = True) -> Optional[float]:
     return peak
 
 
-def peak_setting(config: Any) -> Any:
-    """The ``peak_tflops`` that start-up compares between ranks: the config's, or where MFU is computed from a
-    peak looked up for this rank's GPU, that peak (each rank looks up its own: ranks of other GPU models
-    would each compute another MFU, and ``monitor.step`` would return another dict on each)."""
+def shared_throughput(config: Any) -> dict:
+    """What start-up compares between ranks of the numbers each rank derives from its own config after
+    the reduction (``monitor.step`` returns the same dict on every rank only where they agree): the FLOPs
+    per token as a float (from ``flops_per_token`` or the model description: ``6000000`` and ``6e6`` agree,
+    a ``num_params`` that ``flops_per_token`` overrides is not compared), the peak MFU is computed over
+    (the config's, or the one looked up for this rank's GPU and ``dtype``: ranks of GPU models with other
+    peaks would each compute another MFU), and ``sol_step_time_ms``; None for what is not computed
+    (``log_throughput`` off, no FLOPs for MFU)."""
     import torch
 
-    if config.peak_tflops is not None or not (config.log_throughput and config.resolved_flops_per_token) \
-            or not torch.cuda.is_available():
-        return config.peak_tflops
-    return f"{resolve_peak_tflops(config, warns=False)!r} looked up for this rank's GPU in {config.dtype}"
+    if not config.log_throughput:
+        return dict.fromkeys(("flops_per_token", "peak_tflops", "sol_step_time_ms"))
+    flops = config.resolved_flops_per_token
+    peak = None
+    if flops and config.peak_tflops is not None:
+        peak = float(config.peak_tflops)
+    elif flops and torch.cuda.is_available():
+        peak = f"{resolve_peak_tflops(config, warns=False)!r} looked up for this rank's GPU in {config.dtype}"
+    sol = config.sol_step_time_ms
+    return {"flops_per_token": float(flops) if flops else None, "peak_tflops": peak,
+            "sol_step_time_ms": None if sol is None else float(sol)}
 
 
 class ThroughputCollector:
