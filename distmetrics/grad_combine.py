@@ -1,6 +1,7 @@
 """Per-tensor gradient norms combined into per-module buckets, this rank's total and the global
-total, in one all-reduce that also carries the non-finite count (and the replica check's lanes,
-:mod:`distmetrics.replicas`). :mod:`distmetrics.grad_norm` measures and clips with it."""
+total, in one all-reduce that also carries the non-finite count (for p < 0 the NaN count too) and
+the replica check's lanes (:mod:`distmetrics.replicas`). :mod:`distmetrics.grad_norm` measures and
+clips with it."""
 
 from __future__ import annotations
 
@@ -50,11 +51,16 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
         check = held_nonfinite(check, tensors)
         local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
     bad = local_bad.reshape(1)
+    nan = None
+    if p < 0:  # and how many hold NaN: torch's total of p < 0 is NaN on a rank whose gradients hold one, not
+        # where they hold inf alone (|inf|^p is 0, and a min passes it by); a lane of its own beside the count
+        bad = torch.cat([bad, torch.isnan(check).sum().to(torch.float64).reshape(1)])
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
         reduced = all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
-        total, bad, extra = reduced[0].pow(1.0 / p), reduced[1], reduced[2:]
+        total, extra = reduced[0].pow(1.0 / p), reduced[1 + bad.numel():]
+        bad, nan = reduced[1], reduced[2] if p < 0 else None
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
         counted = (norms > 0).to(torch.float64)
         contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
@@ -80,12 +86,12 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
         else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
             held = owned.any().to(torch.float64)
             reduced = all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad, *tail]), kind, group)
-            total, none_held, least, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
-            total, bad = torch.where(none_held < 0, total, torch.zeros_like(total)), -least
+            total, none_held, least, extra = reduced[0], reduced[1], reduced[2:4], reduced[4:]
+            total, bad, nan = torch.where(none_held < 0, total, torch.zeros_like(total)), -least[0], -least[1]
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
     measured.on_host = device.type == "cpu"
     measured.total = total
-    measured.local_nonfinite, measured.bad_anywhere = local_bad, bad
+    measured.local_nonfinite, measured.bad_anywhere, measured.nan_anywhere = local_bad, bad, nan
     measured.replicas = extra
     return measured
 

@@ -35,6 +35,7 @@ class GradMeasurement:
     total: Optional[torch.Tensor] = None  # the global total, float64, identical on every rank
     local_nonfinite: Optional[torch.Tensor] = None  # how many local tensors hold NaN or inf (0-d float64)
     bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)
+    nan_anywhere: Optional[torch.Tensor] = None  # p < 0: > 0 where some rank's hold NaN (every rank; None for p >= 0)
     plan: Optional[Plan] = None  # the parameters measured
     partial: bool = False  # made after another over other parameters in the same step: not the step's gradient
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
@@ -42,6 +43,8 @@ class GradMeasurement:
     replicas: Optional[torch.Tensor] = None  # the reduced lanes of the replica check (distmetrics.replicas)
     replicas_differ: Optional[torch.Tensor] = None  # per stage, 1.0 where they differ (a Monitor's)
     replica_names: Optional[Callable[[], list]] = None  # this rank's checked parameters' names, for a refusal
+    replica_lacking: Optional[Callable[[], list]] = None  # ... its plain ones without a gradient
+    replica_held: float = 0.0  # how many plain gradients this rank's check covered
 
     on_host: bool = False  # the values are on the CPU: reading them waits for no device
     _local_value: Optional[float] = None

@@ -181,8 +181,8 @@ class GradientNorms:
         finite_check = per_tensor_norms(measured_locals, 1.0, foreach, device, route.orders, groups,
                                         longs=route.longs) if p <= 0 else norms
         kind = norm_kind(p)
-        extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind) \
-            if replicas.carried(self.layout, self.group) else None
+        extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
+                               route.replica_presence) if replicas.carried(self.layout, self.group) else None
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, extra,
                             tensors=measured_locals if device.type == "cpu" else None)
@@ -192,14 +192,20 @@ class GradientNorms:
             def names() -> list[str]:
                 return [plan.names[i] for i in positions]
 
+            def lacking() -> list[str]:  # this rank's plain parameters that train and have no gradient
+                held = set(index)
+                return [name for i, (name, q) in enumerate(zip(plan.names, plan.params))
+                        if i not in held and q.requires_grad and not is_dtensor(q)]
+
             # Read at the call (a device sync on a GPU) where this rank, or some rank at the first call with the
             # norm type, held plain gradients beside DTensors: an FSDP2 or DDP job's clip reads nothing
             if not self.defers_replicas:
                 if self._checks_replicas(plan) or self._replicas_anywhere:
-                    replicas.check(measured, kind, call, self.layout, names)
+                    replicas.check(measured, kind, call, self.layout, names, lacking)
             elif self._checks_replicas(plan) or self._replicas_anywhere:  # raised at the log step, from the reduced
                 # flags on every rank (where a rank noted none, the others' arrive)
                 measured.replicas_differ, measured.replica_names = replicas.differing(measured, kind), names
+                measured.replica_lacking, measured.replica_held = lacking, float(len(positions))
         # main_grad (or decoupled_grad) in place of .grad: Megatron's gradients, which its optimizer clips
         measured.megatron = bool(grads) and grads[0] is not plan.params[index[0]].grad
         missing = len(plan.params) - len(index)  # the model's trainable parameters without a gradient
@@ -209,9 +215,11 @@ class GradientNorms:
         measured.missing = float(missing)
         measured.plan = plan
         measured.owned_buckets, measured.local_buckets = route.owned_buckets, route.local_buckets
-        # as torch raises where its total is not finite: on a rank whose replica alone holds NaN or
-        # inf that is the rank's own total, for p > 0 (for p <= 0 an inf or NaN element can leave it finite)
-        if error_if_nonfinite and not bool(torch.isfinite(measured.total) & ((measured.bad_anywhere == 0) | (p <= 0))):
+        # as torch raises where its total is not finite: on a rank whose replica alone holds NaN or inf that is
+        # the rank's own total, for p > 0; for p < 0 only a NaN makes it so (|inf|^p is 0, and the min passes an
+        # inf by); for p = 0 neither does (both count as non-zero)
+        held = measured.bad_anywhere if p > 0 else measured.nan_anywhere if p < 0 else None
+        if error_if_nonfinite and not bool(torch.isfinite(measured.total) & (True if held is None else held == 0)):
             error = NonfiniteNormError(
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
@@ -290,6 +298,7 @@ class GradientNorms:
                 cached.replica_weights = replicas.position_weights(index, checked, device)
                 cached.replica_owner = any(w for w, c in zip(weights, checked) if c)
                 cached.replica_positions = tuple(i for i, c in zip(index, checked) if c)
+                cached.replica_presence = replicas.presence(cached.replica_positions)
             while len(plan.routing) > _ROUTES_KEPT:
                 plan.routing.popitem(last=False)
         else:

@@ -47,6 +47,7 @@ class Route:
     replica_weights: Optional[torch.Tensor] = None  # plain tensors beside DTensors: see distmetrics.replicas
     replica_owner: bool = False  # they count on this rank
     replica_positions: tuple = ()  # their positions in the plan
+    replica_presence: tuple = (0.0, 0.0)  # (fingerprint, count) of those positions (distmetrics.replicas.presence)
     summed: tuple = ()  # positions (among the gradients) of Partial DTensor gradients: measured reduced
     sparse: tuple = ()  # ... of sparse (COO) gradients: measured by their coalesced values
 

@@ -382,10 +382,53 @@ def _clips_at_the_edges(rank: int, world: int) -> dict:
     except ValueError as err:
         out["nan"] = str(err)
     monitor.close()
+    out["one replica"] = _one_replica_nonfinite(rank)
     return out
 
 
-def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm():
+def _one_replica_nonfinite(rank: int) -> dict:
+    """Replicas whose copy on rank 1 alone holds a NaN or an inf, clipped with ``error_if_nonfinite`` at
+    norm types 0 and below: whether ours raised and left the gradients as they were, and torch's clip
+    of this rank's own copies (its total, whether it raised)."""
+    import math
+
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    for p in (-math.inf, -1.0, -0.5, 0.0):
+        for bad in (math.nan, math.inf):
+            grads = [torch.tensor([0.5, -2.0, 3.0]), torch.tensor([[0.25, 4.0], [-1.5, 0.75]])]
+            if rank == 1:
+                grads[0][2] = bad
+            ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for q, r, g in zip(ours, theirs, grads):
+                q.grad, r.grad = g.clone(), g.clone()
+            said = {}
+            try:
+                said["ours"] = float(dm.clip_grad_norm_(ours, 1.0, norm_type=p, error_if_nonfinite=True))
+            except RuntimeError as err:
+                said["ours"] = str(err)
+            said["unchanged"] = all(torch.allclose(q.grad, g, rtol=0, atol=0, equal_nan=True)
+                                    for q, g in zip(ours, grads))
+            said["torch total"] = float(torch.nn.utils.get_total_norm([r.grad for r in theirs], p))
+            try:
+                torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type=p, error_if_nonfinite=True)
+                said["torch raised"] = False
+            except RuntimeError:
+                said["torch raised"] = True
+            out[(p, str(bad))] = said
+    return out
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return run_ranks(_clips_at_the_edges, 2)
+
+
+def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm(edges):
     """fp16 gradients of total 69282 (each tensor's norm 40000, within fp16) returned an inf total
     and were all zeroed by a coefficient of 1/inf, with error_if_nonfinite=True not raising, while
     the record said 69282, unclipped; they are now clipped by the finite total. A clip at
@@ -393,7 +436,7 @@ def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm():
     gradient), and at max_norm -1 the ratio was negative. Under norm_type -1 an inf gradient was
     (and -2) no grad_nonfinite, and a module all inf raised ZeroDivisionError (0 ** -1). max_norm NaN
     made every gradient NaN without a word. Truth: float64 by hand."""
-    for out in run_ranks(_clips_at_the_edges, 2):
+    for out in edges:
         total = math.sqrt(12 * 20000.0 ** 2)
         assert out["fp16"]["returned"] == math.inf  # fp16 cannot hold the total: torch's dtype kept
         for grad in out["fp16"]["clipped"]:
@@ -408,6 +451,26 @@ def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm():
             assert out[f"p {p:g}"]["grad_nonfinite"] >= 1.0, (p, out)  # (counted on each replica)
         assert out["p -1"]["grad_norm/1"] == math.inf  # torch: (Σ |inf|^-1)^-1 = 0^-1 = inf
         assert "max_norm=nan" in out["nan"] and "accepted values" in out["nan"]
+
+
+def test_error_if_nonfinite_below_norm_type_0_raises_on_every_rank_where_torch_would_on_one(edges):
+    """A NaN in rank 1's copy alone: torch's total of norm type -inf, -1 or -0.5 on that rank is NaN and
+    its clip raises, but ours returned rank 0's finite total on both ranks (the NaN stayed in rank 1's
+    gradients). Every rank now raises, as for p > 0, before any gradient changes; an inf alone leaves
+    torch's total finite (|inf|^p is 0, the min passes it by) and p = 0 counts NaN and inf as non-zero:
+    no raise there, and the total is torch's on the rank that counts the replicas (rank 0)."""
+    for p in (-math.inf, -1.0, -0.5, 0.0):
+        for bad in ("nan", "inf"):
+            said = [out["one replica"][(p, bad)] for out in edges]
+            torch_raises = said[1]["torch raised"]
+            assert torch_raises == (p < 0 and bad == "nan") and not said[0]["torch raised"], (p, bad, said)
+            for rank, mine in enumerate(said):
+                assert mine["unchanged"] or not torch_raises, (p, bad, rank, mine)
+                if torch_raises:
+                    said_error = str(mine["ours"])
+                    assert said_error.startswith(f"The total norm of order {p} for gradients"), (p, bad, rank, mine)
+                else:
+                    assert mine["ours"] == pytest.approx(said[0]["torch total"], rel=1e-6), (p, bad, rank, said)
 
 
 def test_tensor_statistics_merge_an_inf_mean_across_micro_batches():

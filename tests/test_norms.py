@@ -489,6 +489,77 @@ def test_plain_gradients_that_differ_across_ranks_of_a_plain_model_are_refused_a
     assert record["step"] == 2 and record["train/loss"] == 1.0 and "grad_norm" not in record, record
 
 
+def _a_gradient_on_some_ranks_only(rank: int, world: int, out: str) -> dict:
+    """Replicas of which rank 0 alone holds no gradient of one plain parameter (its ``.grad`` set to None):
+    under a Monitor, a DDP model without ``0.weight``'s, refused at the log step; ``distmetrics.clip_grad_norm_``
+    of FSDP2 on the blocks beside the root's plain layers without ``out.bias``'s (the same batch on every
+    rank: the plain gradients agree), at norm types 2, inf and -inf, refused at the call."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    said = {}
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    with dm.Monitor(quiet_config(log_interval=1, output_dir=f"{out}/ddp", json_log=True), model=model) as monitor:
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+        if rank == 0:
+            model.module[0].weight.grad = None
+        monitor.clip_grad_norm_(1e9)
+        try:
+            monitor.step(1, loss=1.0)
+            said["monitor"] = "no error"
+        except ValueError as err:
+            said["monitor"] = str(err)
+    mesh = init_device_mesh("cpu", (world,))
+    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(100))
+    for p in (2.0, math.inf, -math.inf):
+        model = _net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        before = _gradients(model, "same batch", rank, data)
+        if rank == 0:
+            model.out.bias.grad = None
+        try:
+            dm.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=p)
+            said[p] = "no error"
+        except ValueError as err:
+            said[p] = str(err)
+        said[f"unscaled, p={p}"] = all(q.grad is None or torch.equal(_local(q.grad), g)
+                                       for q, g in zip(model.parameters(), before))
+    return said
+
+
+def test_plain_gradients_of_different_parameters_across_ranks_are_refused_saying_which(tmp_path):
+    """Rank 0 without one plain parameter's gradient (its ``.grad`` None there alone) was refused as gradients
+    that "differ across ranks", naming every plain parameter, with advice on averaging them. A fingerprint of
+    which parameters hold a gradient rides the same all-reduce: every rank says the ranks hold gradients of
+    different parameters, how many (under a Monitor, which rank holds the most and the fewest), and the rank
+    without it names it; ``distmetrics.clip_grad_norm_`` raises at the call, before scaling, for every norm
+    family (a sum's lanes, a max's, a min's)."""
+    results = run_ranks(_a_gradient_on_some_ranks_only, 2, str(tmp_path), timeout=120)
+    opening = "the ranks hold gradients of different plain (not sharded) parameters"
+    for rank, said in enumerate(results):
+        message = said["monitor"]
+        assert message.startswith(f"monitor.clip_grad_norm_: {opening} (rank 1 holds 4 such gradients, rank 0 3)"), \
+            (rank, message)
+        assert ("this rank (rank 0) has none for '0.weight'" in message) == (rank == 0), (rank, message)
+        assert "differ across ranks" not in message and "Found at the log step of step 1" in message, message
+        for p, counts in ((2.0, f"2 ranks hold 7 such gradients in all: the rank that counts them 3, this rank "
+                                f"{3 + rank}"),
+                          (math.inf, f"the ranks that hold any hold 3 to 4 such gradients, this rank {3 + rank}"),
+                          (-math.inf, f"the ranks that hold any hold 3 to 4 such gradients, this rank {3 + rank}")):
+            message = said[p]
+            assert message.startswith(f"clip_grad_norm_: {opening} ({counts})"), (rank, p, message)
+            assert ("this rank (rank 0) has none for 'unnamed.21'" in message) == (rank == 0), (rank, p, message)
+            assert "differ across ranks" not in message and said[f"unscaled, p={p}"], (rank, p, said)
+    record = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 1 and record["train/loss"] == 1.0 and "grad_norm" not in record, record
+    assert not [key for key in record if key.startswith("_")], record
+
+
 def test_distmetrics_clip_grad_norm_refuses_plain_gradients_that_differ_at_the_call_before_scaling(dtensor_results):
     """Without a Monitor there is no log step: ``distmetrics.clip_grad_norm_`` reads the check at the
     call, and every rank raises there, naming the plain parameters, before any gradient is scaled
@@ -2711,6 +2782,30 @@ def _long_cpu_tensors(rank: int) -> dict:
     return out
 
 
+def _long_equal_cpu_tensors() -> dict:
+    """Replicas of one long fp32 CPU gradient whose elements are all of one magnitude (an AdamW update's
+    shape, the worst for float32 running sums), clipped at 1-norm and 2-norm: the returned total, its
+    float64 truth from the same fp32 elements, and one clipped element against the element scaled by
+    the coefficient of that truth."""
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    for name, numel, value in (("16M of 0.01", 1 << 24, 0.01), ("16M of 1/3", 1 << 24, 1 / 3),
+                               ("4M of 1e-3", 1 << 22, 1e-3)):
+        grad = torch.full((numel,), value)
+        grad[1::2].neg_()
+        for p in (1.0, 2.0):
+            param = torch.nn.Parameter(torch.zeros(numel))
+            param.grad = grad.clone()
+            truth = float(torch.linalg.vector_norm(grad.double(), p))
+            returned = float(dm.clip_grad_norm_([param], MAX_NORM, norm_type=p))
+            out[(name, p)] = {"returned": returned, "truth": truth, "clipped": float(param.grad[0]),
+                              "expected": float(grad[0].double() * MAX_NORM / (truth + 1e-6))}
+    return out
+
+
 def _low_precision(rank: int, world: int) -> dict:
     """bf16 parameters held as they are under DDP (both snapshot places) and FSDP2; an fp16 update
     past 65504."""
@@ -2758,6 +2853,7 @@ def _low_precision(rank: int, world: int) -> dict:
                               "metrics": monitor.step(1)}
     monitor.close()
     out["long"] = _long_cpu_tensors(rank)
+    out["long_equal"] = _long_equal_cpu_tensors()
 
     dist.barrier()
     return out
@@ -2795,6 +2891,20 @@ def test_norms_of_cpu_tensors_past_a_block_are_their_float64_truth(low_precision
             assert m[f"{key}_norm"] == pytest.approx(r[key], rel=REL), key
         if dtype == "float32":  # bf16 gradients are rounded to bf16 as the clip scales them
             assert r["clipped"] == pytest.approx(MAX_NORM * r["grad"] / (r["grad"] + 1e-6), rel=REL)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0])
+@pytest.mark.parametrize("case", ["16M of 0.01", "16M of 1/3", "4M of 1e-3"])
+def test_1_and_2_norms_of_long_fp32_cpu_tensors_of_one_magnitude_are_their_float64_truth(low_precision_results,
+                                                                                        case, p):
+    """fp32 CPU gradients (FSDP2's CPU offload) past 262,144 elements were taken in rows of 1024 whose norms
+    torch adds one element (1-norm) or a few lanes (2-norm) at a time in float32: for elements all of one
+    magnitude, 1-norms were up to 1.4e-5 off float64 truth (16M of 0.01), 2-norms 8e-7 (16M of 1/3). The
+    README's bound, 5e-7, holds for the returned total and the clip's coefficient on every rank."""
+    for rank_result in low_precision_results:
+        r = rank_result["long_equal"][(case, p)]
+        assert r["returned"] == pytest.approx(r["truth"], rel=5e-7, abs=0), (case, p, r)
+        assert r["clipped"] == pytest.approx(r["expected"], rel=5e-7, abs=0), (case, p, r)
 
 
 def test_effective_lr_ratio_under_bf16_gradients_is_over_the_clip_coefficient_times_the_norm(low_precision_results):

@@ -287,9 +287,8 @@ class NormCollector(ParamSide):
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
                 out.append(module_vector(plan, "grad_norm", grad.buckets, grad.kind, grad.owned_buckets))
-        differ = self._replicas.take()
-        if differ is not None:  # plain gradients beside DTensors were checked: whether they differed, OR-ed
-            out.append(differ)
+        # plain gradients beside DTensors were checked: whether they differed, OR-ed, and how many this rank held
+        out.extend(self._replicas.take(self.layout.pp_rank))
         bad = self._nonfinite_steps.take()
         if bad is not None and self.log_grad_norm:  # the same on every rank
             out.append(Sample("grad_nonfinite_steps", bad, "max"))

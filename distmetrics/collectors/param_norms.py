@@ -15,7 +15,7 @@ import torch
 from ..grad_norm import GradMeasurement, clip_coefficient
 from ..parallel import local_tensor
 from ..plans import Plan, route_of
-from ..tensor_norms import CPU_ROW, LOW_PRECISION, groups_of, per_tensor_norms
+from ..tensor_norms import LOW_PRECISION, groups_of, per_tensor_norms
 
 logger = logging.getLogger("distmetrics")
 
@@ -24,6 +24,7 @@ __all__ = ["ParamSide"]
 _LACKS_UPDATE = "_norms/lacks_update"  # an internal lane: some rank owns parameters but measured no update
 _CHUNK = 1 << 23  # bf16/fp16 elements whose update is taken in float32 at once: old and new, 64 MiB of float32
 _CPU_CHUNK = 1 << 20  # on the CPU: old and new, 8 MiB of float32, which the cache holds (see _low_precision_updates)
+_WHOLE_UP_TO = 1 << 10  # CPU tensors of more elements are taken in parts (tensor_norms): a call per tensor
 
 
 _LAZY = torch.nn.parameter.UninitializedParameter
@@ -195,7 +196,7 @@ class ParamSide:
         device = tensors[0].device if tensors else torch.device("cpu")
         route = self._param_route(plan, device)
         # log steps only: CPU tensors past 1024 elements in rows or blocks (float32 whole sums were 3.6e-6 off)
-        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders, groups, whole_up_to=CPU_ROW)
+        norms = per_tensor_norms(tensors, 2.0, None, device, route.orders, groups, whole_up_to=_WHOLE_UP_TO)
         squares = norms * norms
         contrib = squares if route.every else torch.where(route.owned, squares, torch.zeros_like(squares))
         return torch.zeros(len(plan.buckets), dtype=torch.float64, device=device).index_add_(
@@ -231,7 +232,8 @@ def _low_precision_updates(old: list[torch.Tensor], new: list[torch.Tensor], gro
             torch._foreach_copy_(list(news[:size].split(sizes)), [n for _, _, n in chunk])
             olds[:size].sub_(news[:size])
             # each piece past 1024 elements in rows (a float32 sum of a 32k-element update was 1.3e-6 off)
-            norms = per_tensor_norms(list(olds[:size].split(sizes)), 2.0, None, device, whole_up_to=CPU_ROW).split(1)
+            norms = per_tensor_norms(list(olds[:size].split(sizes)), 2.0, None, device,
+                                     whole_up_to=_WHOLE_UP_TO).split(1)
             for (i, _, _), norm in zip(chunk, norms):
                 pieces.setdefault(i, []).append(norm)
         for i, parts in pieces.items():  # a tensor in several pieces: the norm of their norms
