@@ -282,7 +282,7 @@ def test_a_gpu_without_the_counter_on_one_rank_is_not_counted_as_drawing_nothing
     assert not [k for k in m if k in ("energy/total_j", "energy/job_total_j", "energy/j_per_token")]
 
 
-def _gpus_not_opened_on_some_ranks(rank: int, world: int) -> dict:
+def _gpus_not_opened_on_some_ranks(rank: int, world: int, steps: tuple = (1, 2, 3)) -> dict:
     # rank 0's GPU has an energy counter; no rank's GPU is found for telemetry, rank 1's for nothing
     sys.modules["pynvml"] = fake_pynvml.make(devices={"GPU-0": [0, 0, 10_000, 20_000, 30_000]})
     import distmetrics as dm
@@ -295,11 +295,13 @@ def _gpus_not_opened_on_some_ranks(rank: int, world: int) -> dict:
     collectors = [EnergyCollector(world_size=world, uuid=f"GPU-{rank}"), TelemetryCollector(uuid="GPU-none")]
     records = []
     with dm.Monitor(quiet_config(log_interval=1), collectors=collectors) as monitor:
-        for step in (1, 2, 3):
+        for step in steps:
             records.append(monitor.step(step, tokens=10))
+        if not steps:
+            monitor.log_eval(1, loss=1.0, tokens=10)
     logging.getLogger("distmetrics").removeHandler(handler)
     return {"said": [line for line in said if "not measured" in line or "not collected" in line],
-            "gpus_measured": records[-1].get("energy/gpus_measured")}
+            "gpus_measured": records[-1].get("energy/gpus_measured") if records else None}
 
 
 def test_a_gpu_not_opened_in_nvml_is_said_once_for_the_job_by_the_first_rank_concerned():
@@ -315,6 +317,17 @@ def test_a_gpu_not_opened_in_nvml_is_said_once_for_the_job_by_the_first_rank_con
     assert out[1]["said"][0].startswith("distmetrics: GPU energy is not measured (log_energy has no effect there")
     assert out[1]["said"][0].endswith(" on 1 of the 2 ranks (rank 1, the first of them: NVMLError: NVML error 13). "
                                       "Said once, by that rank"), out[1]
+
+
+def test_a_gpu_not_opened_in_an_evaluation_only_job_is_said_at_close_by_each_rank_concerned():
+    """With no log step, nothing reduced the lanes that say it for the job: it went unsaid. Each rank
+    concerned says its own as it closes (no collective is left to say it once)."""
+    out = run_ranks(_gpus_not_opened_on_some_ranks, 2, (), timeout=120)
+    assert sorted(line.split(" (")[0] for line in out[0]["said"]) == ["distmetrics: GPU telemetry is not collected"]
+    assert sorted(line.split(" (")[0] for line in out[1]["said"]) == ["distmetrics: GPU energy is not measured",
+                                                                      "distmetrics: GPU telemetry is not collected"]
+    assert all(line.endswith("(NVMLError: NVML error 13); no log step said it for the job")
+               for result in out for line in result["said"]), out
 
 
 def test_a_counter_that_goes_back_is_a_reset_not_a_wrap(nvml, caplog):
@@ -930,9 +943,10 @@ def test_mfu_above_100_is_said_once_per_job_not_once_per_rank():
     assert len(said[0]) == 1 and said[1] == []
 
 
-def _a_step_without_tokens(rank: int, world: int) -> dict:
+def _a_step_without_tokens(rank: int, world: int, never: bool = False) -> dict:
     # 100 ms a step, 100 tokens on rank 0 and 50 on rank 1 at every step but step 3, where rank 1
-    # passes tokens=None; both GPUs draw 10 J an interval (readings: built, first step, log steps)
+    # passes tokens=None; both GPUs draw 10 J an interval (readings: built, first step, log steps).
+    # ``never``: rank 0 is given no tokens at any step (a stage before the last, the Monitor told no `pp`)
     sys.modules["pynvml"] = fake_pynvml.make(devices={f"GPU-{rank}": [0, 0, 10_000, 20_000]})
     import distmetrics as dm
     from distmetrics.collectors.nvml import EnergyCollector
@@ -947,7 +961,8 @@ def _a_step_without_tokens(rank: int, world: int) -> dict:
         with dm.Monitor(config, collectors=[EnergyCollector(world_size=world, uuid=f"GPU-{rank}")]) as monitor:
             for step in range(1, 9):
                 clock.advance(100)
-                tokens = None if (rank, step) == (1, 3) else 100 if rank == 0 else 50
+                tokens = None if (rank, step) == (1, 3) and not never else 100 if rank == 0 else 50
+                tokens = None if never and rank == 0 else tokens
                 records[step] = monitor.step(step, tokens=tokens)
     logging.getLogger("distmetrics").removeHandler(handler)
     return {"records": {step: records[step] for step in (4, 8)},
@@ -974,6 +989,15 @@ def test_throughput_of_an_interval_with_a_step_given_no_tokens_is_left_out_and_s
     assert len(out[0]["said"]) == 1 and out[1]["said"] == [], out
     assert "left out of the record of step 4" in out[0]["said"][0]
     assert "rank 1 passed tokens=None at 1 of the 3 steps timed in it" in out[0]["said"][0]
+
+
+def test_a_rank_never_given_tokens_leaves_the_throughput_of_the_ranks_given_them():
+    """A rank given no tokens at any step (a pipeline stage before the last, where the Monitor is
+    told no `pp` mesh) lacks none: its peers' tokens are the job's, as before, and nothing is said."""
+    out = run_ranks(_a_step_without_tokens, 2, True, timeout=120)
+    for step in (4, 8):
+        assert out[0]["records"][step]["train/tokens_per_sec"] == pytest.approx(50 / 0.1), out[0]["records"][step]
+    assert out[0]["said"] == out[1]["said"] == []
 
 
 def _throughput_in_a_subgroup(rank: int, world: int) -> dict:

@@ -87,6 +87,13 @@ class NotOpened:
             logger.warning("distmetrics: %s on %d of the %d ranks (rank %d, the first of them: %s). Said once, by "
                            "that rank", self.says, int(ranks), world, rank, self.error)
 
+    def say_at_close(self) -> None:
+        """Where no log step reduced the lanes (an evaluation-only job, one that ended before its first
+        log step), this rank says its own failure as it closes: unsaid, it was never said."""
+        if self.error is not None and not self._said:
+            self._said = True
+            logger.warning("distmetrics: %s on this rank (%s); no log step said it for the job", self.says, self.error)
+
 
 class EnergyCollector:
     """Energy deltas per log interval → energy/*, power/* samples."""
@@ -240,7 +247,9 @@ class EnergyCollector:
         return []
 
     def close(self) -> None:
-        """Nothing to release (NVML stays initialised for the process)."""
+        """Nothing to release (NVML stays initialised for the process); a GPU not opened is said here
+        where no log step said it."""
+        self.not_opened.say_at_close()
 
 
 class TelemetryCollector:
@@ -296,7 +305,8 @@ class TelemetryCollector:
         return []
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Nothing to release; a GPU not opened is said here where no log step said it."""
+        self.not_opened.say_at_close()
 
 
 def _throttle_reasons(n: Any, h: Any) -> int:

@@ -212,6 +212,9 @@ class StepValues:
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
+        # this rank was given tokens at some step: where it is given none, they lack (a rank never given any,
+        # a stage before the last under a layout the Monitor does not know, sends no tokenless lane)
+        self._gives_tokens = False
         self._untimed_tokens: Number = 0.0
         self._loss_weights = 0  # _BY_TOKENS | _BY_STEPS: what this interval's losses were weighted by
         self.mixed = MixedWeights(LOSS_WEIGHTS, "train/loss", layout.says_once)
@@ -252,6 +255,7 @@ class StepValues:
                     scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
         :func:`loss_weight`, ``tokens`` counted for the throughput."""
+        self._gives_tokens = self._gives_tokens or tokens is not None
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False
             if tokens is not None and self.counts_tokens:
@@ -308,7 +312,7 @@ class StepValues:
         lr, self._lr = self._lr, None
         tokenless, self._tokenless = self._tokenless, 0
         lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
-        if tokenless:
+        if tokenless and self._gives_tokens:
             lanes.append(Sample(TOKENLESS_STEPS, float(tokenless), "max"))
         if weights:
             lanes.append(Sample(LOSS_WEIGHTS, weights, "minmax"))
