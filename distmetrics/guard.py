@@ -26,11 +26,15 @@ but for a timer's ``barrier=True``, published at once where it is not the call p
 most ten times a second: a rank may wait there until the process group's timeout, and publishes
 nothing more).
 A rank that has left its Monitor (closed it, or left it on an error) will not come: it publishes
-how it left and marks its next guarded call done with ``left``, and the ranks waiting there raise
-at once rather than at ``hang_timeout_s`` (the third round trip reads which mark it is). Their
-message names the ranks whose published state says they left (how, and after which call) apart
-from those that had simply not arrived yet, which may be on their way: the mark says that some
-rank left, not which, and a slow rank is not one that left.
+how it left and marks the guarded call it is in (arrived, not yet past: a signal handler's close())
+or else its next one done with ``left``, and the ranks waiting there raise at once rather than at
+``hang_timeout_s`` (the third round trip reads which mark it is). So does a rank that an exception
+which is no error (a signal handler's ``SystemExit``, Ctrl-C's ``KeyboardInterrupt``) takes out of
+a guarded call. Their message names the ranks whose published state says they left (how, and after
+which call) apart from those that had simply not arrived yet, which may be on their way: the mark
+says that some rank left, not which, and a slow rank is not one that left.
+A rank waits in no store call longer than :data:`WAIT_SLICE_S`: Python runs a signal's handler only
+between calls into C++, and a launcher's SIGKILL follows its SIGTERM after about 30 s.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class CollectiveGuard:
         self._last_published = ""  # the call the store holds for this rank (an urgent note compares with it)
         self._urgent_at = 0.0  # when an urgent note (a timer's barrier) was last published
         self._left = ""  # how this rank left its Monitor ("closed its Monitor", ...); "" while it has not
+        self._inside = False  # in guarded call self._seq, not yet past it: a rank leaving now marks this one
+        self._left_in = 0  # the guarded call this rank left inside (arrived, not past it); 0: left between calls
         self._start_store: Any = None  # with the check off: the store, for the start-up call's check only
         self._label = "hang_timeout_s"  # what the wait's bound is called in a report
         monitor_id = next(_MONITORS)
@@ -144,13 +150,16 @@ class CollectiveGuard:
     def leave(self, how: str) -> None:
         """This rank is done with the Monitor (``how``: closed, or left after an error): published
         at once, so a rank still waiting names that rather than the last call published; and the
-        next guarded call is marked done with ``left``, so the ranks waiting there (it will not
-        come) stop waiting at once."""
+        guarded call it is in (a signal handler's close() landing in its arrival check), or else its
+        next one, is marked done with ``left`` unless it is marked already, so the ranks waiting
+        there (it will not go on, or come) stop waiting at once."""
         self._left = how.replace("|", "/")  # one field of the published row
+        if self._inside and not self._left_in:  # the ranks there name it as one that left, not as arrived
+            self._left_in = self._seq
         if self.store is not None:
             try:
                 self._publish()
-                self.store.set(_done(self._seq + 1), _LEFT_MARK)
+                self.store.compare_set(_done(self._seq if self._inside else self._seq + 1), "", _LEFT_MARK)
             except Exception:  # noqa: BLE001 - the store's host rank has ended: nobody to tell
                 pass
 
@@ -158,15 +167,17 @@ class CollectiveGuard:
         """Wait until every rank arrives at this call (the same call, step and position in the
         sequence of guarded calls); raise :class:`HangError` as soon as the last rank arrives where
         the ranks made different calls, after ``timeout_s`` where some rank does not arrive, or as
-        soon as a rank that has not arrived leaves its Monitor, or one that did gives up waiting. A
-        rank arriving after another gave up raises too (it must not enter the collective alone), and
-        so does every rank where the store cannot be reached (its host, rank 0, has ended)."""
+        soon as a rank leaves its Monitor before arriving or inside this call, or one that arrived
+        gives up waiting. A rank arriving after another gave up raises too (it must not enter the
+        collective alone), and so does every rank where the store cannot be reached (its host, rank
+        0, has ended)."""
         self._last = _describe(call, step)
         if self.store is None:
             if self._start_store is not None and self._seq == 0:
                 self._enter_off(call, step)
             return
         self._seq += 1
+        self._inside = True
         key, done = f"{self._seq}|arrived", _done(self._seq)
         mine = 1 + self.world * (zlib.crc32(f"{call}|{step}".encode()) % self._hashes)
         started = time.monotonic()
@@ -178,17 +189,16 @@ class CollectiveGuard:
             if last:  # the last to arrive marks the call done (or differ), unless a rank left or gave up before
                 mark = self.store.compare_set(done, "", _DONE_MARK if total == self.world * mine else _DIFFER_MARK)
             else:
-                try:
-                    self.store.wait([done], _dt.timedelta(seconds=self.timeout_s))
-                    mark = self.store.get(done)
-                except Exception as err:  # noqa: BLE001 - DistStoreError on timeout
-                    failure = err  # gave up, unless the last rank marked the call done just now
+                mark = self._wait(done)
+                if mark is None:  # gave up, unless the last rank marked the call done just now
+                    failure = TimeoutError(f"{done} not marked within {self.timeout_s:g} s")
                     mark = self.store.compare_set(done, "", _GAVE_UP_MARK)
             if mark == _DONE_MARK.encode():
                 if last and self._previous:  # every rank added itself here, so every rank is past the previous call
                     self.store.delete_key(self._previous)
                     self.store.delete_key(_done(self._seq - 1))
                 self._previous = key
+                self._inside = False
                 return
             if mark == _DIFFER_MARK.encode():
                 failure = _Differ()
@@ -199,9 +209,44 @@ class CollectiveGuard:
                                     "before every rank arrived")
         except Exception as err:  # noqa: BLE001 - any store failure (its host rank has ended) is a hang too
             failure = err
+        except BaseException as err:  # a signal handler's SystemExit, Ctrl-C: this rank will not go on in this call
+            self._stopped(err)
+            raise
+        self._inside = False
         # raised here, not in an except clause: the store's error is no news, but an exception the
         # caller is handling (close() in a finally after its own error) stays attached as the context
         raise HangError(self._report(call, step, failure, time.monotonic() - started))
+
+    def _wait(self, done: str) -> Optional[bytes]:
+        """The mark some rank set on this call (done, differ, left, gave up), or None after ``timeout_s``.
+        First one store wait of at most :data:`WAIT_SLICE_S`, where a healthy call ends (one request, as
+        a single wait of ``timeout_s`` made); then a check at growing intervals, up to
+        :attr:`publish_every_s` (about 1,000 requests a second from the whole job), sleeping between
+        them: a signal's handler runs at once there, and within ``WAIT_SLICE_S`` in the first wait. (Not
+        more store waits: c10d says every wait that times out in two warning lines.)"""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            self.store.wait([done], _dt.timedelta(seconds=min(WAIT_SLICE_S, self.timeout_s)))
+            return self.store.get(done)
+        except Exception:  # noqa: BLE001 - DistStoreError at the slice's end; another failure the check raises again
+            pass
+        pause = _FIRST_CHECK_S
+        while not self.store.check([done]):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(pause, remaining))
+            pause = min(2 * pause, self.publish_every_s)
+        return self.store.get(done)
+
+    def _stopped(self, err: BaseException) -> None:
+        """An exception that is no error (a signal handler's ``SystemExit``, Ctrl-C's
+        ``KeyboardInterrupt``) leaves enter(): the call is marked ``left`` (unless it is marked already:
+        the last rank's done stays), so the ranks waiting there raise at once, naming this one, rather than
+        at ``hang_timeout_s`` (how it left: as a close() in the handler published it, if one did)."""
+        if self._inside:
+            self.leave(self._left or f"left its Monitor on {type(err).__name__}")
+        self._inside = False
 
     def _enter_off(self, call: str, step: Optional[int]) -> None:
         """The first guarded call with the check off (``hang_timeout_s`` 0): checked as with it on, as
@@ -218,10 +263,11 @@ class CollectiveGuard:
     def _publish(self) -> None:
         self._published, self._last_published = time.monotonic(), self._last
         # read from both ends (_rows): a timer's name in the call may hold "|"
-        self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}|{self._left}")
+        self.store.set(f"rank{self.rank}", f"{self._seq}|{self._last}|{time.time():.3f}|{self._left_in}|{self._left}")
 
     def _rows(self) -> list[_Row]:
-        """Every rank's published state (guarded call number, last call, when, how it left), by rank."""
+        """Every rank's published state (guarded call number, last call, when, how and inside which
+        guarded call it left), by rank."""
         keys = [f"rank{r}" for r in range(self.world)]
         # a rank that never made a guarded call has no key: get() would wait for it (30 min), so the keys
         # are checked first: all at once (one request), one by one only if some are missing
@@ -230,11 +276,11 @@ class CollectiveGuard:
         rows = []
         for key in keys:
             raw = found.get(key)
-            head, stamp, left = raw.decode().rsplit("|", 2) if raw else (
+            head, stamp, left_in, left = raw.decode().rsplit("|", 3) if raw else (
                 "0|nothing published (it has not reached Monitor(), died before, or runs with hang_timeout_s 0)",
-                str(time.time()), "")
+                str(time.time()), "0", "")
             seq, call = head.split("|", 1)
-            rows.append(_Row(int(seq), call, left, float(stamp)))
+            rows.append(_Row(int(seq), call, left, float(stamp), int(left_in)))
         return rows
 
     def _arrived(self, row: _Row, call: str, step: Optional[int]) -> bool:
@@ -253,8 +299,8 @@ class CollectiveGuard:
             return self._differ_report(waiting, rows)
         now = time.time()
         left, missing = [], []  # a rank that left will not come; one that has not arrived yet may be on its way
-        for r, row in enumerate(rows):
-            if not self._arrived(row, call, step):
+        for r, row in enumerate(rows):  # one that arrived and left inside this call (a signal's) will not go on
+            if not self._arrived(row, call, step) or row.left_in == self._seq:
                 (left if row.left else missing).append(f"rank {r}: last call {row.last} "
                                                        f"(published {now - row.stamp:.1f} s ago)")
         who = "; ".join(missing) or ("none" if left else
@@ -284,12 +330,13 @@ class CollectiveGuard:
 
 class _Row(NamedTuple):
     """One rank's published state: its guarded call number, its last monitor call, how it left its
-    Monitor ("" while it has not) and when it published."""
+    Monitor ("" while it has not), when it published, and the guarded call it left inside (0: none)."""
 
     seq: int
     call: str
     left: str
     stamp: float
+    left_in: int
 
     @property
     def last(self) -> str:
@@ -305,6 +352,13 @@ _OFF = " with hang_timeout_s 0 (the arrival check off)"  # the start-up call's t
 START_WAIT_S = 600.0
 """With the arrival check off, the least time a rank waits at the start-up check for the others; the
 job's process-group timeout where it is longer (the store's, which the collectives share)."""
+WAIT_SLICE_S = 5.0
+"""The longest one store wait at an arrival check: a signal's handler (Ctrl-C, a SIGTERM made an exit)
+runs at its end at the latest, well within the ~30 s a launcher gives between SIGTERM and SIGKILL. Not
+shorter: c10d says a wait that times out in two warning lines, and a rank that reaches a log step a
+second or two before the slowest (a straggler, a pipeline's last stage) would print them every log
+step; past 5 s it is a hang in the making."""
+_FIRST_CHECK_S = 0.05  # after the first wait: the first pause between two checks, doubled up to publish_every_s
 _CALLS_SHOWN = 8  # distinct calls named in the message where the ranks made different ones
 _DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
 _LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving

@@ -2282,6 +2282,86 @@ def test_a_log_step_interrupted_between_the_jsonl_and_the_queue_names_the_sinks_
     assert not any("did not complete" in m for m in out[1]["said"]), out[1]["said"]
 
 
+_SIGTERM_IN_THE_ARRIVAL_CHECK = """
+import os, signal, sys, time
+import torch.distributed as dist
+import distmetrics as dm
+import distmetrics.guard
+distmetrics.guard.WAIT_SLICE_S = 1.0  # the first store wait: a handler runs at its end (5 s by default)
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+
+def on_sigterm(signum, frame):  # the README's handler, or a close() and an exit without the exit hooks
+    print("HANDLED", time.time(), flush=True)
+    if sys.argv[3] == "close":
+        monitor.close()
+        os._exit(128 + signum)
+    sys.exit(128 + signum)
+
+signal.signal(signal.SIGTERM, on_sigterm)
+monitor = dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], writer_rank="last", log_interval=2, hang_timeout_s=20,
+                                      console=False, tensorboard=False, log_progress=False, timing_log_level=-1))
+for step in (1, 2, 3):
+    monitor.step(step, loss=1.0)
+if rank == 0:
+    sys.stdin.readline()  # the test lets it come once rank 1 has ended
+print("WAITING", flush=True)
+start = time.monotonic()
+try:
+    monitor.step(4, loss=1.0) if sys.argv[2] == "log step" else monitor.checkpoint_saved(3)
+except Exception as err:
+    print("RAISED", round(time.monotonic() - start, 1), type(err).__name__, err, flush=True)
+"""
+
+
+@pytest.mark.parametrize("call,handler,said,left", [
+    ("log step", "exit", "the log step at step 4 did not complete (SystemExit): the 2 step(s) up to it since the "
+     "last log step are not written", "left its Monitor on SystemExit, after monitor.step(step=4)"),
+    ("checkpoint", "exit", "the process ends with a Monitor open, never closed: the 1 step(s) up to step 3 since the "
+     "last log step are not written", "left its Monitor on SystemExit, after monitor.checkpoint_saved(step=3)"),
+    ("log step", "close", "the log step at step 4 did not complete (monitor.close() was called during it): the 2 "
+     "step(s) up to it since the last log step are not written", "closed its Monitor, after monitor.step(step=4)")],
+    ids=["log-step-exit", "checkpoint-exit", "log-step-close"])
+def test_a_sigterm_ends_a_rank_waiting_at_the_arrival_check_at_once_and_its_peers_do_not_wait(tmp_path, call, handler,
+                                                                                               said, left):
+    """A real SIGTERM (os.kill, as scancel sends) to the writer rank of two gloo processes, waiting at
+    the arrival check of the log step at 4 or of checkpoint_saved(3) for rank 0, whose handler is the
+    README's sys.exit(128 + signum): the rank sat in one store wait of hang_timeout_s (20 s; 300 by
+    default), its handler unrun, so a launcher's SIGKILL 30 s later came first, with nothing said or
+    flushed; and rank 0, coming later, waited hang_timeout_s more (also after a handler's close() and
+    os._exit: the close marked rank 1's next guarded call, not the one it was in). The handler runs
+    within about a second, the rank ends through its exit hooks (or its close) saying which steps are
+    not written, and rank 0 raises at once, naming rank 1 as having left."""
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _SIGTERM_IN_THE_ARRIVAL_CHECK, str(tmp_path), call, handler],
+                              env={**env, "RANK": str(r)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+             for r in range(2)]
+    try:
+        assert procs[1].stdout.readline().strip() == "WAITING"
+        time.sleep(0.5)  # inside its wait for rank 0 (hang_timeout_s 20)
+        sent = time.time()
+        os.kill(procs[1].pid, signal.SIGTERM)
+        out, err = procs[1].communicate(timeout=60)
+        procs[0].stdin.write("go\n")
+        procs[0].stdin.flush()
+        out0, err0 = procs[0].communicate(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+    handled = float(out.split("HANDLED ")[1].split()[0])
+    assert handled - sent < 3, (handled - sent, err[-3000:])  # not at hang_timeout_s (20 s)
+    assert procs[1].returncode == 143 and err.count(f"distmetrics: {said}") == 1, err[-3000:]
+    import distmetrics as dm
+
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [2]
+    waited = re.search(r"RAISED ([0-9.]+) HangError (.*)", out0)
+    assert waited, out0 + err0[-3000:]
+    assert float(waited.group(1)) < 10 and _named(waited.group(2), "left") == {1: left}, out0  # not hang_timeout_s
+
+
 def _megatron_over_the_world_monitor_on_a_group(rank: int, world: int) -> tuple:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
