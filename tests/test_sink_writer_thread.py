@@ -328,13 +328,29 @@ def test_a_record_is_copied_when_queued():
     assert seen == [100]
 
 
+def _write_settings_pipe(settings: str) -> None:
+    """Write W&B's settings file, a named pipe W&B blocks on until it is written (within 60 s)."""
+    import errno
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # opening a pipe to write fails (ENXIO) until W&B has opened it to read
+        try:
+            fd = os.open(settings, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as err:
+            if err.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    os.write(fd, b"[default]\n")
+    os.close(fd)
+
+
 def _wandb_slow_start_child(out: str, settings: str, result: str) -> None:
     """30 train rows while ``wandb.init`` waits on its settings file (a named pipe nobody has
     written yet), then the pipe is written and the Monitor closed."""
-    import errno
     import json
-    import os
-    import time
 
     from distmetrics.sinks import wandb as wandb_sink
 
@@ -351,17 +367,7 @@ def _wandb_slow_start_child(out: str, settings: str, result: str) -> None:
         monitor.step(step, loss=float(step))
     handed = monitor.sinks.writer.flush(60)  # every row has reached the sink
     starting = sink.run is None
-    deadline = time.monotonic() + 60
-    while True:  # opening a pipe to write fails (ENXIO) until W&B has opened it to read
-        try:
-            fd = os.open(settings, os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError as err:
-            if err.errno != errno.ENXIO or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    os.write(fd, b"[default]\n")
-    os.close(fd)
+    _write_settings_pipe(settings)
     monitor.close()
     with open(result, "w") as f:
         json.dump({"handed": handed, "starting": starting, "warnings": warnings}, f)
@@ -431,9 +437,6 @@ def _wandb_starting_at_exit_child(out: str, settings: str, store: str, received:
     file (a named pipe); the script's own exit hook, the first to run, writes it: W&B starts while
     the interpreter runs its exit hooks, as when a short job ends before W&B is up."""
     import atexit
-    import errno
-    import os
-    import time
 
     import torch.distributed as dist
 
@@ -449,17 +452,7 @@ def _wandb_starting_at_exit_child(out: str, settings: str, store: str, received:
                 f.write("closed\n")
 
     def let_wandb_read_its_settings():
-        deadline = time.monotonic() + 60
-        while True:  # opening a pipe to write fails (ENXIO) until W&B has opened it to read
-            try:
-                fd = os.open(settings, os.O_WRONLY | os.O_NONBLOCK)
-                break
-            except OSError as err:
-                if err.errno != errno.ENXIO or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        os.write(fd, b"[default]\n")
-        os.close(fd)
+        _write_settings_pipe(settings)
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     monitor = dm.Monitor(dm.MetricsConfig(output_dir=out, console=False, log_interval=1, timing_log_level=-1,
