@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime as _dt
 import itertools
 import logging
+import random
 import time
 import zlib
 from typing import Any, NamedTuple, Optional
@@ -113,6 +114,11 @@ class CollectiveGuard:
             self.store = dist.PrefixStore(f"distmetrics/guard/{monitor_id}/", store)
 
     @property
+    def inside(self) -> bool:
+        """True while this rank is in a guarded call's arrival check (a signal handler's call lands there)."""
+        return self._inside
+
+    @property
     def enabled(self) -> bool:
         """True when calls are checked."""
         return self.store is not None
@@ -171,6 +177,12 @@ class CollectiveGuard:
         gives up waiting. A rank arriving after another gave up raises too (it must not enter the
         collective alone), and so does every rank where the store cannot be reached (its host, rank
         0, has ended)."""
+        if self._inside:  # a signal handler's monitor call while this rank waits at another: it cannot go on
+            outer = self._last
+            self.leave(f"made {_describe(call, step)} while waiting at {outer}")
+            raise HangError(f"{_describe(call, step)} was called while this rank waited at the arrival check of "
+                            f"{outer} (from a signal handler): that call is marked left, so the other ranks raise "
+                            "at once, and no collective follows here")
         self._last = _describe(call, step)
         if self.store is None:
             if self._start_store is not None and self._seq == 0:
@@ -207,10 +219,10 @@ class CollectiveGuard:
             elif failure is None:  # this rank arrived after another had given up: it must not go on alone
                 failure = HangError("another rank gave up waiting at this guarded call after hang_timeout_s, "
                                     "before every rank arrived")
-        except Exception as err:  # noqa: BLE001 - any store failure (its host rank has ended) is a hang too
+        except dist.DistError as err:  # any store failure (its host rank has ended) is a hang too
             failure = err
-        except BaseException as err:  # a signal handler's SystemExit, Ctrl-C: this rank will not go on in this call
-            self._stopped(err)
+        except BaseException as err:  # a signal handler's SystemExit, Ctrl-C, or its own error raised in the
+            self._stopped(err)  # wait: this rank will not go on in this call, and the error is the user's
             raise
         self._inside = False
         # raised here, not in an except clause: the store's error is no news, but an exception the
@@ -221,21 +233,24 @@ class CollectiveGuard:
         """The mark some rank set on this call (done, differ, left, gave up), or None after ``timeout_s``.
         First one store wait of at most :data:`WAIT_SLICE_S`, where a healthy call ends (one request, as
         a single wait of ``timeout_s`` made); then a check at growing intervals, up to
-        :attr:`publish_every_s` (about 1,000 requests a second from the whole job), sleeping between
-        them: a signal's handler runs at once there, and within ``WAIT_SLICE_S`` in the first wait. (Not
-        more store waits: c10d says every wait that times out in two warning lines.)"""
+        :attr:`publish_every_s` (about 1,000 requests a second from the whole job once they reach it; the
+        first, from a quarter of a second, at random points so ranks that waited alike do not check
+        together), sleeping between them: a signal's handler runs at once there, and within
+        ``WAIT_SLICE_S`` in the first wait. A rank that waited past the first wait goes on up to
+        ``publish_every_s`` after the last rank arrives. (Not more store waits: c10d says every wait
+        that times out in two warning lines.)"""
         deadline = time.monotonic() + self.timeout_s
         try:
             self.store.wait([done], _dt.timedelta(seconds=min(WAIT_SLICE_S, self.timeout_s)))
             return self.store.get(done)
-        except Exception:  # noqa: BLE001 - DistStoreError at the slice's end; another failure the check raises again
+        except dist.DistError:  # DistStoreError at the slice's end; another store failure the check raises again
             pass
         pause = _FIRST_CHECK_S
         while not self.store.check([done]):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            time.sleep(min(pause, remaining))
+            time.sleep(min(pause * _JITTER.uniform(0.5, 1.0), remaining))  # ranks that waited alike check apart
             pause = min(2 * pause, self.publish_every_s)
         return self.store.get(done)
 
@@ -358,7 +373,8 @@ runs at its end at the latest, well within the ~30 s a launcher gives between SI
 shorter: c10d says a wait that times out in two warning lines, and a rank that reaches a log step a
 second or two before the slowest (a straggler, a pipeline's last stage) would print them every log
 step; past 5 s it is a hang in the making."""
-_FIRST_CHECK_S = 0.05  # after the first wait: the first pause between two checks, doubled up to publish_every_s
+_FIRST_CHECK_S = 0.25  # after the first wait: the first pause between two checks, doubled up to publish_every_s
+_JITTER = random.Random()  # its own: the user's seeded global random stays as the user's code draws it
 _CALLS_SHOWN = 8  # distinct calls named in the message where the ranks made different ones
 _DONE_MARK = "1"  # a guarded call's done key set by the last rank to arrive
 _LEFT_MARK = "left"  # ... by a rank that left its Monitor instead of arriving

@@ -308,6 +308,11 @@ class Monitor:
             return
         if self._unwritten is not None:  # a signal handler's close() inside a log step: its record is lost
             say_log_step_lost(self, "monitor.close() was called during it")
+        if self._guard.inside:  # a signal handler's close() while this rank waits at a guarded call: no collective
+            say_unwritten(self, "monitor.close() was called while this rank waited at an arrival check",
+                          "no collective can follow it there: the call is marked left, and the other ranks raise")
+            self._shutdown(quiet=True)
+            return
         if step_under_way(self):  # a signal handler's close() inside monitor.step: the step is counted whole
             finish_step(self)
             self._by_name["train"].stats.end_step()  # what a part it cut short recorded is the step's too
