@@ -2370,6 +2370,38 @@ def test_a_sigterm_ends_a_rank_waiting_at_the_arrival_check_at_once_and_its_peer
     assert float(waited.group(1)) < 10 and _named(waited.group(2), "left") == {1: left}, out0  # not hang_timeout_s
 
 
+def _a_monitor_call_from_a_handler_in_the_arrival_check(rank: int, world: int) -> tuple:
+    """Rank 1 waits at the log step's arrival check for rank 0 (2 s late); a SIGALRM handler there calls
+    monitor.log_eval. The first store wait is made 0.2 s long so the handler runs within the test's time."""
+    import distmetrics as dm
+    import distmetrics.guard as guard
+
+    guard.WAIT_SLICE_S = 0.2
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=20))
+    monitor.step(1, loss=1.0)
+    if rank == 1:
+        signal.signal(signal.SIGALRM, lambda *_: monitor.log_eval(2, loss=1.0))
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+    else:
+        time.sleep(2.0)
+    outcome = _outcome(lambda: monitor.step(2, loss=1.0))
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    monitor._shutdown(quiet=True)
+    return outcome
+
+
+def test_a_monitor_call_a_signal_handler_makes_inside_an_arrival_check_raises_and_marks_that_call():
+    """A handler's monitor call (log_eval) landing in this rank's wait at another guarded call would enter a
+    second arrival check inside the first, its own collectives after it, while the peers wait at the first:
+    it raises there, and the call the rank waits at is marked left, so the peer raises at once naming it."""
+    (kind0, said0, waited0), (kind1, said1, _) = run_ranks(_a_monitor_call_from_a_handler_in_the_arrival_check, 2,
+                                                            timeout=120)
+    assert kind1 == "HangError" and "monitor.log_eval(step=2) was called while this rank waited at the arrival " \
+        "check of monitor.step(step=2)" in said1, said1
+    assert kind0 == "HangError" and waited0 < 10, (said0, waited0)  # at once on arriving, not at hang_timeout_s
+    assert list(_named(said0, "left")) == [1], said0  # as one that left (then closed), not as one not arrived
+
+
 def _megatron_over_the_world_monitor_on_a_group(rank: int, world: int) -> tuple:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
