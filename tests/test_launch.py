@@ -196,6 +196,9 @@ def test_slurm_script_outside_an_allocation_or_with_a_bad_venv_stops_with_one_me
     run = subprocess.run(["bash", str(script), "x.py"], env=dict(base, DISTMETRICS_VENV="nowhere"), capture_output=True,
                          text=True, timeout=30)
     assert run.returncode == 2 and "DISTMETRICS_VENV=nowhere has no bin/python" in run.stderr and not run.stdout
+    run = subprocess.run(["bash", str(script), "x.py"], capture_output=True, text=True, timeout=30,  # as README says
+                         env=dict(base, MASTER_ADDR="head7", MASTER_PORT="29611", NPROC_PER_NODE="3", PYTHON="py"))
+    assert "--nproc-per-node 3 " in run.stdout and "--rdzv-endpoint head7:29611 " in run.stdout, run.stderr
 
 
 def test_a_trainer_stopped_by_sigterm_says_which_steps_are_not_written(tmp_path):
