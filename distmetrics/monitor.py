@@ -205,10 +205,12 @@ class Monitor:
                    tokens_per_expert: Optional[torch.Tensor] = None, layer_numbers=None) -> None:
         """MoE router statistics for this step: ``moe/aux_loss``, ``moe/z_loss`` (means) and, from
         ``tokens_per_expert`` (``[layers, experts]``, global expert ids), ``moe/expert_utilization``
-        (fraction of experts receiving tokens) and ``moe/load_imbalance`` (max / mean tokens per
-        expert, worst layer), summed over the ranks that see distinct tokens. Under sequence or
-        context parallelism, pass counts already summed over the TP x CP group (as Megatron's router
-        sums them): TP/CP rank 0's are used."""
+        (fraction of experts receiving tokens, mean over layers) and ``moe/load_imbalance`` (max / mean
+        tokens per expert, worst layer), summed over the ranks that see distinct tokens; a layer that
+        routed no token has neither (NaN) and is left out of both. Under sequence or context
+        parallelism, pass counts already summed over the TP x CP group (as Megatron's router sums
+        them): TP/CP rank 0's are used. Negative, NaN or infinite counts (not read here: that waits
+        for the device) raise a ``ValueError`` on every rank at the log step."""
         self._check_open()
         with self._records:
             self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)

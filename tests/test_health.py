@@ -547,8 +547,8 @@ def test_moe_counts_given_per_layer_add_up_per_layer_and_a_layer_without_tokens_
     """record_moe once per router (per layer, Megatron's natural hook), and once for two layers
     together: every call's counts add to their layers' (a later layer's call replaced the
     earlier's, so the skewed layer 0 vanished and the record read perfectly balanced). Layer 2
-    routed no token: its imbalance is undefined (NaN) and the worst layer's is over the others,
-    whatever the order. A layer given another number of experts is refused at the call."""
+    routed no token: its utilisation and imbalance are undefined (NaN) and the headlines are over the
+    others, whatever the order. A layer given another number of experts is refused at the call."""
     import torch
 
     import distmetrics as dm
@@ -567,11 +567,13 @@ def test_moe_counts_given_per_layer_add_up_per_layer_and_a_layer_without_tokens_
     assert m["moe/load_imbalance/layer0"] == pytest.approx(max(layer0) / (sum(layer0) / 4))
     assert m["moe/load_imbalance/layer1"] == 1.0 and math.isnan(m["moe/load_imbalance/layer2"])
     assert m["moe/load_imbalance"] == pytest.approx(80 / 24)
-    assert m["moe/expert_utilization"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert m["moe/expert_utilization/layer0"] == 0.5 and math.isnan(m["moe/expert_utilization/layer2"])
+    assert m["moe/expert_utilization"] == pytest.approx((0.5 + 1.0) / 2)
     assert m["moe/aux_loss"] == 0.5
     with dm.Monitor(_config(tmp_path / "nan", log_interval=1)) as monitor:  # a NaN count is not "no token"
         monitor.record_moe(tokens_per_expert=torch.tensor([[4.0, 0.0], [math.nan, 1.0]]))
-        assert math.isnan(monitor.step(1, loss=1.0)["moe/load_imbalance"])
+        with pytest.raises(ValueError, match="layer 1 was given a NaN or infinite count on rank 0"):
+            monitor.step(1, loss=1.0)
 
 
 def test_eval_gap_is_to_the_train_loss_since_the_last_eval(tmp_path):
@@ -758,6 +760,95 @@ def test_moe_counts_of_different_expert_numbers_across_ranks_are_refused_on_ever
                    "rank(s), others by 2" in out[when], (when, out[when])
     assert outs[0]["first log step written"] == [(2, True)]
     assert outs[0]["after a consistent one written"] == [(1, True), (2, True)]
+
+
+# (rank, layer) → tokens per expert at each of two steps: rank 0 holds layers 0 and 2, rank 1 layers 1
+# and 2 (a pipeline stage's layers); layer 2 routes no token on either rank
+IDLE_LAYER_COUNTS = {(0, 0): [6, 0, 2, 0], (0, 2): [0, 0, 0, 0], (1, 1): [3, 3, 0, 3], (1, 2): [0, 0, 0, 0]}
+
+# case → each rank's counts [layers=2, experts=4]: rank 1's -5 is hidden by rank 0's 5 in the sum (layer 1
+# would read [0, 0, 4, 4]: utilisation 0.5, imbalance 2); a NaN on rank 0 alone
+BAD_COUNTS = {
+    "negative": ([[1, 1, 1, 1], [5, 0, 2, 2]], [[1, 1, 1, 1], [-5, 0, 2, 2]]),
+    "nan": ([[1, 1, 1, math.nan], [5, 0, 2, 2]], [[1, 1, 1, 1], [5, 0, 2, 2]]),
+}
+
+
+def _moe_idle_layers_and_bad_counts(rank: int, world: int) -> dict:
+    import tempfile
+
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import HostReads
+
+    out = {"reads": 0}
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        layers = [layer for r, layer in IDLE_LAYER_COUNTS if r == rank]
+        for step in (1, 2):
+            counts = torch.tensor([IDLE_LAYER_COUNTS[(rank, layer)] for layer in layers])
+            with HostReads() as counted:
+                monitor.record_moe(tokens_per_expert=counts, layer_numbers=layers)
+            out["reads"] += counted.reads
+            metrics = monitor.step(step, loss=1.0)
+        out["idle layer"] = {k: v for k, v in metrics.items() if k.startswith("moe/")}
+        for step in (3, 4):
+            monitor.record_moe(tokens_per_expert=torch.zeros(2, 4), layer_numbers=[0, 1])
+            metrics = monitor.step(step, loss=1.0)
+        out["no token"] = {k: v for k, v in metrics.items() if k.startswith("moe/")}
+    for case, counts in BAD_COUNTS.items():
+        folder = tempfile.mkdtemp() if rank == 0 else ""
+        with dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=folder or "unused")) as monitor:
+            counts = torch.tensor(counts[rank])
+            with HostReads() as counted:
+                monitor.record_moe(aux_loss=0.25, tokens_per_expert=counts)
+            out["reads"] += counted.reads
+            try:
+                monitor.step(1, loss=1.0)
+                out[case] = "no error"
+            except ValueError as err:
+                out[case] = str(err)
+            monitor.record_moe(tokens_per_expert=torch.tensor([[2.0, 2.0, 0.0, 0.0]]))  # the next interval's own
+            out[case + " next"] = monitor.step(2, loss=1.0)["moe/expert_utilization"]
+        if rank == 0:  # the step's record, written before the error was raised
+            out[case + " written"] = [sorted(k for k in r if k.startswith(("moe/", "train/loss")))
+                                      for r in dm.read_jsonl(f"{folder}/metrics.jsonl") if r["kind"] == "train"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def idle_and_bad_counts():
+    return run_ranks(_moe_idle_layers_and_bad_counts, 2, timeout=120)
+
+
+def test_moe_utilization_leaves_out_layers_that_routed_no_token(idle_and_bad_counts):
+    """Layer 2 routed no token on any rank: its utilisation of 0 was averaged into the headline, which read
+    0.42 for layers that used half and three quarters of their experts. It has no utilisation (NaN), as it
+    has no imbalance; with no layer routing any, both headlines are NaN. Counts are not read at the call."""
+    for out in idle_and_bad_counts:
+        # by hand, over two steps: layer 0 [12, 0, 4, 0] (rank 0), layer 1 [6, 6, 0, 6] (rank 1), layer 2 zeros
+        assert out["idle layer"] == pytest.approx({
+            "moe/expert_utilization/layer0": 2 / 4, "moe/expert_utilization/layer1": 3 / 4,
+            "moe/expert_utilization/layer2": math.nan, "moe/expert_utilization": (2 / 4 + 3 / 4) / 2,
+            "moe/load_imbalance/layer0": 12 / 4, "moe/load_imbalance/layer1": 6 / 4.5,
+            "moe/load_imbalance/layer2": math.nan, "moe/load_imbalance": 12 / 4}, nan_ok=True)
+        assert all(math.isnan(v) for v in out["no token"].values()) and len(out["no token"]) == 6
+        assert out["reads"] == 0
+
+
+def test_moe_negative_or_nan_counts_raise_on_every_rank_after_the_record(idle_and_bad_counts):
+    """Rank 1 gave layer 1 a count of -5, rank 0 a 5: the sum read 0, and the record said utilisation 0.5,
+    imbalance 2, unsaid; a NaN on one rank went unsaid too. Each layer's lowest count rides the MAX pack:
+    every rank raises, naming the layer, the count and the rank, once the record (without the utilisation
+    and imbalance) is written; the next interval is its own."""
+    for out in idle_and_bad_counts:
+        assert "layer 1 was given the count -5 on rank 1 in the steps up to step 1;" in out["negative"], out
+        assert "layer 0 was given a NaN or infinite count on rank 0" in out["nan"], out
+        assert out["negative next"] == out["nan next"] == 0.5
+    moe = [f"moe/{name}{layer}" for name in ("expert_utilization", "load_imbalance") for layer in ("", "/layer0")]
+    for case in ("negative", "nan"):
+        assert idle_and_bad_counts[0][case + " written"] == [["moe/aux_loss", "train/loss"],
+                                                             sorted(moe + ["train/loss"])], case
 
 
 @pytest.mark.parametrize("ids,names,expected", [
