@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .peers import InCollective
 from .runlog import last_record
 from .sinks.jsonl import METRICS_FILE
 from .sinks.progress import Saved, checkpoint_message, no_progress, read_progress
@@ -123,7 +124,8 @@ class CheckpointLog:
                               dtype=torch.float64)  # the sum, and how many ranks counted any
         if self.world_size > 1 and dist.is_initialized():
             tokens = tokens.to(device)
-            dist.all_reduce(tokens, group=group)
+            with InCollective("the SUM all_reduce of the job's tokens", "monitor.checkpoint_saved", step):
+                dist.all_reduce(tokens, group=group)
         total, counting = tokens.cpu().tolist()
         if not counting:
             total = math.nan

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .grad_measurement import GradMeasurement
 from .packing import collective_device
+from .peers import InCollective
 from .tensor_norms import held_nonfinite
 
 __all__ = ["combine", "norm_kind", "all_reduce"]
@@ -96,6 +97,9 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
     return measured
 
 
+_CALL = "the gradient norm (clip_grad_norm_ or measure_grad_norms)"  # how a lost peer's error names it
+
+
 def all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     """One all-reduce: SUM for sums and counts; MAX (MIN as the max of −v) with a NaN lane, since
     gloo's MAX drops a NaN that arrives from another rank."""
@@ -105,12 +109,14 @@ def all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
     values = values.to(collective_device(group))
     if kind in ("sum", "count"):
         values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        with InCollective("the SUM all_reduce of the ranks' gradient norms", _CALL):
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
         return values.to(home)
     sign = 1.0 if kind == "max" else -1.0
     nan = torch.isnan(values).to(values.dtype)
     packed = torch.cat([torch.nan_to_num(values * sign, nan=-math.inf), nan])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    with InCollective("the MAX all_reduce of the ranks' gradient norms", _CALL):
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     n = values.numel()
     out = torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n] * sign)
     return out.to(home)

@@ -47,6 +47,7 @@ from .megatron_optimizer import MegatronShards, check_layout
 from .parallel import (Layout, detect_layout, is_dtensor, local_tensor, monitor_ranks, named_mesh_of, owns_local_piece,
                        owns_shard_piece)
 from .packing import collective_device
+from .peers import InCollective
 from .plans import ParamPlans, Plan, Route, grad_of, route_of
 from . import replicas
 from .tensor_norms import groups_of, per_tensor_norms, scale_
@@ -244,7 +245,8 @@ class GradientNorms:
                 self.guard.enter(f"{call}(norm_type check)")
             lanes = torch.tensor([p, -p, float(self._checks_replicas(plan))], dtype=torch.float64,
                                  device=collective_device(self.group))
-            dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
+            with InCollective("the MAX all_reduce checking every rank's norm_type", call):
+                dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
             high, low, mixed = lanes.tolist()
             self._replicas_anywhere = self._replicas_anywhere or mixed > 0
             if high != -low:

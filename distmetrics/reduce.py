@@ -49,6 +49,7 @@ from .packing import (CONTROL_LANES, PackLayout, collective_device, decode_all, 
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
 from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
+from .peers import InCollective
 from .per_rank import PerRank, some_ranks
 from .refusals import Refusals
 from .samples import Reduced, Sample
@@ -166,13 +167,13 @@ class Reducer:
         else:
             given, moved = samples, False
             if self._layout is None:
-                samples = self._negotiate(given)
+                samples = self._negotiate(given, tag)
             elif self._refusals is not None:  # a clash that lasts is left out again, not negotiated again
                 samples, sent = self._refusals.leave_out(given)
                 moved = sent != self._refusals.sent  # this rank's refused names changed: the clash may be over
             lanes = self._all_reduce_max(samples, tag, steps, moved)
             if lanes is None:  # some rank holds a name the cached layout lacks
-                samples = self._negotiate(given)
+                samples = self._negotiate(given, tag)
                 lanes = self._all_reduce_max(samples, tag, steps)
                 assert lanes is not None
             if self._refusals is not None:  # the same on every rank: the rest is written, then the caller raises
@@ -181,9 +182,9 @@ class Reducer:
         result = Reduced(kinds=layout.kinds, layout=layout)
         decode_max(layout, lanes, result)
         if layout.n_sum:
-            decode_sum(layout, *self._sum_pack(samples, distributed), result)
+            decode_sum(layout, *self._sum_pack(samples, distributed, tag), result)
         if layout.n_all:
-            self._gather_all(samples, result, distributed)
+            self._gather_all(samples, result, distributed, tag)
         return result
 
     # --- checks --------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class Reducer:
         return True
 
     # --- negotiation ---------------------------------------------------------------------
-    def _negotiate(self, samples: list[Sample]) -> list[Sample]:
+    def _negotiate(self, samples: list[Sample], tag: int) -> list[Sample]:
         """Agree on the union of names: every rank's digest and payload size in one gather,
         then one broadcast per distinct name set, from the lowest rank holding it. A name whose
         kind differs between ranks, or from an earlier log step, and two names that would write one
@@ -251,7 +252,8 @@ class Reducer:
         device = self.device
         head = torch.tensor([digest(payload), len(payload)], dtype=torch.int64, device=device)
         table = torch.empty(world * 2, dtype=torch.int64, device=device)
-        gather_single()(table, head, group=self.group)
+        with InCollective("the negotiation of metric names (an all_gather of their digests)", self.call, tag):
+            gather_single()(table, head, group=self.group)
         self.collectives += 1
         self.negotiations += 1
         rows = table.view(world, 2).cpu().tolist()
@@ -270,7 +272,8 @@ class Reducer:
             else:
                 buffer = torch.empty(size, dtype=torch.uint8, device=device)
             if size:
-                dist.broadcast(buffer, src=global_rank(self.group, sender), group=self.group)
+                with InCollective("the negotiation of metric names (one rank's names broadcast)", self.call, tag):
+                    dist.broadcast(buffer, src=global_rank(self.group, sender), group=self.group)
                 self.collectives += 1
                 self.negotiation_bytes += size
             rank = global_rank(self.group, sender)
@@ -318,7 +321,8 @@ class Reducer:
         pack = self._max_pack(samples, tag, stale=stale or not self._fits(samples), steps=steps)
         pack = torch.tensor(pack, dtype=torch.int64) if isinstance(pack, list) else pack
         pack = pack.to(self.device)
-        dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
+        with InCollective("the MAX all_reduce (max/min metrics and the ranks' step check)", self.call, tag):
+            dist.all_reduce(pack, op=dist.ReduceOp.MAX, group=self.group)
         self.collectives += 1
         pack = pack.cpu()
         lanes = pack.tolist() if self._layout.n_max <= HOST_DECODE_LANES else None  # decoded from this list
@@ -335,23 +339,24 @@ class Reducer:
                 "differ: a bug, please report it with the metric names in use")
         if control[3] != tag or control[4] != -tag:  # every rank sees it: one more gather names the ranks
             raise RuntimeError(
-                f"distmetrics: ranks are out of step: this reduction was called at {self._whose(tag, 'step ')} "
+                f"distmetrics: ranks are out of step: this reduction was called at {self._whose(tag, tag, 'step ')} "
                 f"(this rank: step {tag}); every rank must call monitor.step with the same step numbers")
         if control[5] != steps or control[6] != -steps:
             raise RuntimeError(
                 f"distmetrics: ranks made different numbers of monitor.step calls before the log step of step "
-                f"{tag}: {self._whose(steps)} (this rank: {steps}), so their values cover different "
+                f"{tag}: {self._whose(tag, steps)} (this rank: {steps}), so their values cover different "
                 "steps; every rank must call monitor.step at every step, with the same step numbers (a step "
                 "number skipped on one rank is a call it did not make; skipped=True for a step the optimizer "
                 "skipped)")
         return lanes[CONTROL_LANES:] if lanes is not None else pack[CONTROL_LANES:]
 
-    def _whose(self, value: int, unit: str = "") -> str:
+    def _whose(self, tag: int, value: int, unit: str = "") -> str:
         """Which ranks hold which value of a control lane (a step, a count of calls), from one gather
         of every rank's value: made only where the MAX pack found ranks differ, on every rank alike."""
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, mine, group=self.group)
+        with InCollective("the all_gather naming the ranks out of step", self.call, tag):
+            dist.all_gather(rows, mine, group=self.group)
         ranks: dict[int, list[int]] = {}
         for rank, held in enumerate(torch.cat(rows).tolist()):  # one copy to the host
             ranks.setdefault(held, []).append(global_rank(self.group, rank))
@@ -359,7 +364,8 @@ class Reducer:
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
     # --- SUM pack ------------------------------------------------------------------------
-    def _sum_pack(self, samples: list[Sample], distributed: bool) -> tuple[Sequence[float], Sequence[float]]:
+    def _sum_pack(self, samples: list[Sample], distributed: bool,
+                  tag: int) -> tuple[Sequence[float], Sequence[float]]:
         """The SUM pack reduced: (value·weight, weight) of every name, in the layout's order."""
         lanes = sum_lanes_on_host(self._layout, samples) if self.host_packs else None
         if lanes is not None and not distributed:
@@ -370,7 +376,8 @@ class Reducer:
             pack = sum_pack_tensor(self._layout, samples, self.device if distributed else value_device(samples))
         if distributed:
             pack = pack.to(self.device)
-            dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=self.group)
+            with InCollective("the SUM all_reduce (sum and mean metrics)", self.call, tag):
+                dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=self.group)
             self.collectives += 1
         totals = pack.cpu().tolist()
         return totals[0::2], totals[1::2]
@@ -384,7 +391,7 @@ class Reducer:
         return self._group_ranks[1]
 
     # --- ALL pack ------------------------------------------------------------------------
-    def _gather_all(self, samples: list[Sample], result: Reduced, distributed: bool) -> None:
+    def _gather_all(self, samples: list[Sample], result: Reduced, distributed: bool, tag: int) -> None:
         layout = self._layout
         n = layout.n_all
         row = all_row_on_host(layout, samples) if self.host_packs else None
@@ -398,7 +405,8 @@ class Reducer:
         if distributed:
             world = dist.get_world_size(self.group)
             out = torch.empty(world * 2 * n, dtype=torch.float64, device=self.device)
-            gather_single()(out, packed.to(self.device), group=self.group)
+            with InCollective("the all_gather of every rank's values (metrics reduced as 'all')", self.call, tag):
+                gather_single()(out, packed.to(self.device), group=self.group)
             self.collectives += 1
             rows = out.view(world, 2 * n).cpu().tolist()
             kept = self._rank_ids(world)

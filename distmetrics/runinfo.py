@@ -23,6 +23,7 @@ from .config import MetricsConfig
 from .guard import CollectiveGuard
 from .output_claim import OutputClaim
 from .parallel import Layout, RankInfo, detect_layout, local_rank_from_env
+from .peers import InCollective
 from .per_rank import some_ranks
 from .redaction import redact_argv
 from .runlog import METRICS_FILE, last_logged_step
@@ -186,7 +187,8 @@ def gather_rank_info(layout: Layout, guard: Any = None, problem: Optional[str] =
     if guard is not None:
         guard.enter("Monitor()")
     rows: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(rows, mine, group=layout.group)
+    with InCollective("the start-up gather of every rank's host, settings and problems", "Monitor()"):
+        dist.all_gather_object(rows, mine, group=layout.group)
     by_host: dict[str, list] = {}
     for row in sorted(rows, key=lambda r: r.rank):
         by_host.setdefault(row.hostname, []).append(row)
@@ -235,7 +237,8 @@ def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None, ch
     if guard is not None:
         guard.enter("Monitor()")
     stages: list[Any] = [None] * layout.pp_size
-    dist.all_gather_object(stages, (layout.pp_rank, tuple(local), chunked), group=group)
+    with InCollective("the start-up gather of the pipeline stages' module names", "Monitor()"):
+        dist.all_gather_object(stages, (layout.pp_rank, tuple(local), chunked), group=group)
     if all(chunks for _, _, chunks in stages):
         keyed = sorted((_stage_of(_chunk_index(name), rank, layout), rank, at, name)
                        for rank, names, _ in stages for at, name in enumerate(names))

@@ -5,6 +5,7 @@ SIGABRT or a silently wrong record."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -615,6 +616,106 @@ def test_the_rank_hosting_the_store_killed_is_said_as_a_hang_not_a_bare_network_
     kind, message, _ = run_ranks(_store_host_killed, 2, may_die=(0,), timeout=60)[1]
     assert kind == "HangError" and "the c10d store became unreachable" in message, (kind, message)
     assert "monitor.step(step=2)" in message, message
+
+
+def _killed_inside_a_log_steps_collective(rank: int, world: int, out: str) -> tuple:
+    """Rank 2 passes step 4's arrival check and its MAX all_reduce, then SIGKILLs itself as it enters the
+    SUM all_reduce (the loss's mean, the recorded sum): the other ranks are in that collective without it."""
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S, json_log=True, output_dir=out))
+    at_step_4 = [False]
+    if rank == 2:
+        all_reduce = dist.all_reduce
+
+        def dying(tensor, op=dist.ReduceOp.SUM, **kwargs):
+            if at_step_4[0] and op == dist.ReduceOp.SUM:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return all_reduce(tensor, op=op, **kwargs)
+
+        dist.all_reduce = dying
+    for step in (1, 2, 3):
+        monitor.record("ranks", float(rank), reduce="sum")
+        monitor.step(step, loss=float(rank + 1))
+    at_step_4[0] = True
+    start = time.monotonic()
+    try:
+        monitor.step(4, loss=float(rank + 1))
+    except Exception as err:  # noqa: BLE001 - the test reads the type, message and cause
+        cause = err.__cause__
+        return (type(err).__name__, str(err), isinstance(err, dm.HangError), type(cause).__name__,
+                isinstance(cause, RuntimeError) and str(cause).splitlines()[0] in str(err), time.monotonic() - start)
+    return "ok", "", False, "", False, time.monotonic() - start
+
+
+def test_a_rank_killed_inside_a_log_steps_collective_is_said_with_the_step_and_collective_not_a_bare_gloo_error(
+        tmp_path):
+    """The ranks left in the collective got gloo's own RuntimeError ("Connection closed by peer",
+    "Connection reset by peer"), naming neither distmetrics, the step nor the collective: a dead peer
+    read like a metrics bug. The records written before stay whole."""
+    results = run_ranks(_killed_inside_a_log_steps_collective, 3, str(tmp_path), may_die=(2,), timeout=60)
+    for rank in (0, 1):
+        kind, message, is_hang_error, cause, cause_said, seconds = results[rank]
+        assert kind == "PeerLostError" and is_hang_error, (rank, kind, message)
+        assert f"failed on rank {rank} in monitor.step(step=4), in the SUM all_reduce" in message, message
+        assert "a peer rank has probably gone (crashed, killed, out of memory)" in message, message
+        assert cause in ("RuntimeError", "DistBackendError", "DistNetworkError") and cause_said, (cause, message)
+        assert seconds < TIMEOUT_S, (rank, seconds)  # the collective's failure, not the arrival check's wait
+    lines = (tmp_path / "metrics.jsonl").read_text().split("\n")
+    assert lines[-1] == "", lines[-1]  # every line written is whole
+    records = [json.loads(line) for line in lines[:-1]]
+    assert [(r["kind"], r["step"]) for r in records] == [("run", 0), ("train", 2)]
+    assert records[1]["train/loss"] == pytest.approx(sum(r + 1 for r in range(3)) / 3)
+    assert records[1]["ranks"] == pytest.approx(2 * sum(range(3)))  # steps 1 and 2, every rank's
+
+
+def _killed_inside_a_clips_all_reduce(rank: int, world: int) -> tuple:
+    """Rank 1 SIGKILLs itself as it enters the second clip's all-reduce (the first clip's is the norm-type
+    check's); rank 0 is in the all-reduce combining the ranks' gradient norms without it."""
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 4)
+    monitor = dm.Monitor(quiet_config(log_interval=2, hang_timeout_s=TIMEOUT_S), model=model)
+    model(torch.ones(2, 4)).sum().backward()
+    monitor.clip_grad_norm_(1.0)
+    if rank == 1:
+        dist.all_reduce = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: monitor.clip_grad_norm_(1.0))
+
+
+def test_a_rank_killed_inside_a_clips_all_reduce_is_said_as_a_lost_peer():
+    """The gradient norm's all-reduce runs at every step, outside any log step: a peer gone there gave
+    the bare gloo error too."""
+    kind, message, _ = run_ranks(_killed_inside_a_clips_all_reduce, 2, may_die=(1,), timeout=60)[0]
+    assert kind == "PeerLostError", (kind, message)
+    assert ("failed on rank 0 in the gradient norm (clip_grad_norm_ or measure_grad_norms), in the SUM all_reduce "
+            "of the ranks' gradient norms: RuntimeError: ") in message, message
+
+
+def test_only_the_backends_errors_in_a_collective_are_said_as_a_lost_peer():
+    """A DistError, or the plain RuntimeError gloo raises, is said with the call, step and collective,
+    and chained; any other RuntimeError (NotImplementedError, RecursionError) is raised as it is."""
+    import torch.distributed as dist
+
+    from distmetrics.peers import InCollective, PeerLostError
+
+    for err in (NotImplementedError("no such op"), RecursionError("too deep"), ValueError("not a backend's")):
+        with pytest.raises(type(err)) as caught, InCollective("the SUM all_reduce (sum and mean metrics)",
+                                                               "monitor.step", 4):
+            raise err
+        assert caught.value is err and err.__cause__ is None
+    for err in (dist.DistNetworkError("Connection reset by peer"), RuntimeError("Connection closed by peer\nmore")):
+        with pytest.raises(PeerLostError) as caught, InCollective("the SUM all_reduce (sum and mean metrics)",
+                                                                   "monitor.log_eval", 7):
+            raise err
+        said = f"in monitor.log_eval(step=7), in the SUM all_reduce (sum and mean metrics): {type(err).__name__}: "
+        assert said + str(err).splitlines()[0] + " — a peer rank" in str(caught.value), str(caught.value)
+        assert caught.value.__cause__ is err
 
 
 def _dies_before_monitor(rank: int, world: int) -> tuple:
