@@ -217,6 +217,106 @@ def test_tensorboard_writes_one_event_per_log_step(full_disk):
         assert tags == pytest.approx(numbers)  # tags equal the JSONL keys
 
 
+CONSOLE_STEPS, CONSOLE_FULL_AT, CONSOLE_FREED_AT = 16, 4, 10  # steps 4-10 find the disk full
+
+
+def _console_on_full_disk(rank: int, world: int, folder: str, disk: str) -> dict:
+    """Two ranks log every step (loss ``step + rank``); the writer rank's stdout is a file on a
+    small disk (``> out.txt``) that fills before step CONSOLE_FULL_AT with 10 bytes left (less than
+    a line: the next one is written in part) and has room again after step CONSOLE_FREED_AT."""
+    import resource
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(Path(folder) / "run"), log_interval=1, json_log=False, tensorboard=False,
+                           log_progress=False, timing_log_level=-1, log_throughput=False, log_memory=False,
+                           straggler_window=0)
+    if rank != 0:
+        with dm.Monitor(cfg) as monitor:
+            for step in range(1, CONSOLE_STEPS + 1):
+                monitor.step(step, loss=float(step + rank))
+        return {"steps": CONSOLE_STEPS}
+    out = Path(folder) / "out.txt"
+    saved_fd, saved_stdout, saved_root = os.dup(1), sys.stdout, logging.getLogger().handlers[:]
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+    sys.stdout = open(1, "w", closefd=False)  # as Python opens a redirected stdout: block-buffered
+    logging.getLogger().handlers.clear()  # logging unconfigured: the console sink prints to stdout itself
+    capture, printed = Capture(), Capture()
+    printed.setLevel(logging.INFO)
+    logging.getLogger("distmetrics").addHandler(capture)
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    while_full = None
+    try:
+        with dm.Monitor(cfg) as monitor:
+            logging.getLogger("distmetrics.console").addHandler(printed)  # what the sink printed: the truth
+            for step in range(1, CONSOLE_STEPS + 1):
+                if step == CONSOLE_FULL_AT:
+                    monitor.sinks.flush()
+                    sys.stdout.flush()
+                    size = os.fstat(1).st_size
+                    if disk == "tmpfs":  # the file's last page ends 10 bytes on, then no page is free
+                        page = os.statvfs(folder).f_frsize
+                        pad = (page - 10 - size % page) % page
+                        if pad:
+                            sys.stdout.write("#" * (pad - 1) + "\n")
+                            sys.stdout.flush()
+                        with open(Path(folder) / "filler", "wb") as f:
+                            try:
+                                f.write(b"\0" * (os.statvfs(folder).f_bavail * page))
+                                f.flush()
+                            except OSError:
+                                pass  # full
+                    else:
+                        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))
+                monitor.step(step, loss=float(step + rank))
+                if step == CONSOLE_FREED_AT:
+                    monitor.sinks.flush()
+                    while_full = out.read_text()
+                    if disk == "tmpfs":
+                        os.remove(Path(folder) / "filler")
+                    else:
+                        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        logging.getLogger("distmetrics").removeHandler(capture)
+        logging.getLogger("distmetrics.console").removeHandler(printed)
+        logging.getLogger().handlers[:] = saved_root
+        sys.stdout.flush()
+        sys.stdout = saved_stdout
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+    return {"warnings": capture.messages, "printed": printed.messages, "while_full": while_full}
+
+
+def test_console_lines_on_a_full_disk_are_whole_or_absent_counted_and_printed_again(tmp_path):
+    """stdout redirected to a file on a disk that fills mid-line: logging's buffered stream wrote
+    the line's first part and kept the rest for the next write (a half line, then glued to the next
+    one), and the sink was turned off for the rest of the run. Now each line is whole or absent,
+    the lost lines are counted and said with the errno, and printing resumes when room returns."""
+    with small_disk(tmp_path / "disk") as disk:
+        writer, other = dist_utils.run_ranks(_console_on_full_disk, 2, str(tmp_path / "disk"), disk)
+        text = (tmp_path / "disk" / "out.txt").read_text()
+    assert other == {"steps": CONSOLE_STEPS}  # the other rank, and its collectives, went on
+    assert writer["while_full"].endswith("\n"), f"{disk}: half a line {writer['while_full'][-60:]!r}"
+    lines = [line for line in text.splitlines() if not line.startswith("#")]  # the padding is the test's
+    assert all(line in writer["printed"] for line in lines), lines  # whole lines only, none glued to another
+    steps = [int(line.split()[2]) for line in lines]
+    lost = list(range(CONSOLE_FULL_AT, CONSOLE_FREED_AT + 1))
+    assert steps == [s for s in range(1, CONSOLE_STEPS + 1) if s not in lost], lines
+    for step, line in zip(steps, lines):  # the mean over the two ranks, computed here
+        assert f" loss {(step + step + 1) / 2:.4f} " in f"{line} ", line
+    warned = [w for w in writer["warnings"] if "console sink" in w]
+    errno_name = "ENOSPC" if disk == "tmpfs" else "EFBIG"
+    assert len(warned) == 2, warned
+    assert f"cannot write stdout ({tmp_path / 'disk' / 'out.txt'}) at step {CONSOLE_FULL_AT}" in warned[0]
+    assert errno_name in warned[0], warned
+    assert warned[1].endswith(f"again from step {CONSOLE_FREED_AT + 1}; {len(lost)} records (steps "
+                              f"{CONSOLE_FULL_AT}-{CONSOLE_FREED_AT}) could not be written."), warned
+
+
 # --- a SIGKILL during a write --------------------------------------------------------------
 
 def _full_at_start_child(folder: str, disk: str, result: str) -> None:

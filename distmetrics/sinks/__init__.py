@@ -8,7 +8,7 @@ bounded queue on one writer thread (:mod:`.writer`), so the training thread neve
 them. A sink that raises is reported once with the real cause (a missing package: the
 ``pip install``; an OSError: the path and the errno) and dropped, and the others go on; the
 file sinks catch their own write errors, keep trying and say what they lost
-(:mod:`.appendfile`).
+(:mod:`.appendfile`), as does the console's stdout handler on a full disk (:mod:`.console`).
 
 Dashboards (TensorBoard, W&B) take numbers only, and ``all`` metrics as a histogram (their
 ``/max``, ``/min``, ``/mean`` summary is in every record already) rather than one curve per rank:

@@ -16,19 +16,26 @@ measured are left out. Under
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import math
+import os
+import stat
 import sys
 from typing import Any, Optional
 
 from ..megatron_text import time_block
 from ..per_rank import PerRank
 from . import failure_cause
+from .appendfile import Lost, describe_os_error
 
 __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer_block"]
 
 LOGGER_NAME = "distmetrics.console"
 _SHARED: dict = {}  # the stdout handler a sink added, and how many open sinks print through it
+_GONE = (errno.EPIPE, errno.EBADF)  # stdout's reader went (``| head``) or it was closed: no later line can go
+logger = logging.getLogger("distmetrics")
 
 
 class ConsoleSink:
@@ -57,6 +64,8 @@ class ConsoleSink:
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Print a train or eval line (and the timer block), or an alert."""
+        if self._stdout is not None:
+            self._stdout.step = step  # what its warnings of lines not written name
         if kind == "train" and self.verbosity >= 0:
             loss = metrics.get("train/loss")
             self.logger.info(format_train_line(metrics, step, self.total_steps, self._last_loss,
@@ -101,17 +110,53 @@ class ConsoleSink:
                 return
             _SHARED.clear()
         self.logger.removeHandler(handler)
+        handler.say_lost()
 
 
 class _Stdout(logging.StreamHandler):
-    """The handler the sink adds where logging is not configured. A write that fails (stdout a
-    closed pipe, ``| head``; a full disk: an OSError) is kept in ``failed`` for the sink to raise
-    once the record has been through every handler, so the sink is turned off with one warning
-    naming the cause; ``logging``'s own handling printed a traceback per line and went on. Other
-    errors (a line the stream's encoding cannot write) are logging's, as are the failures of
-    handlers configured elsewhere."""
+    """The handler the sink adds where logging is not configured. A failure that no later line
+    can get past (stdout a closed pipe, ``| head``: EPIPE; a closed ``sys.stdout``) is kept in
+    ``failed`` for the sink to raise once the record has been through every handler, so the sink
+    is turned off with one warning naming the cause; ``logging``'s own handling printed a
+    traceback per line and went on. Other errors (a line the stream's encoding cannot write) are
+    logging's, as are the failures of handlers configured elsewhere.
+
+    Where the stream is a file object over a descriptor (``sys.stdout`` as Python opens it: a
+    terminal, a pipe, the file stdout is redirected to) each line is written in one ``write`` of
+    its own on the descriptor, after what ``print`` left in the stream's buffer, so that a full
+    disk cannot leave half a line behind: through the buffer, the first part of a line landed in
+    the file and the rest waited in the buffer to be glued to whatever came next. A write that
+    fails partway (a full disk, a quota, a file-size limit) is cut back off the file (a pipe or a
+    terminal cannot be cut: the next line then starts on a line of its own), the line is counted
+    as lost and every later line is tried again, so printing resumes by itself when there is room:
+    one warning when it starts to fail (the errno), one when it works again (how many records,
+    which steps), one at close if it never did. A stream without a descriptor (a capture, a
+    notebook cell's) is written as logging writes it."""
 
     failed: Optional[Exception] = None
+    step = 0
+    """The step of the record being printed (the sink sets it): what the warnings of lost lines name."""
+    lost: Optional[Lost] = None
+    """The records not written since writing last worked."""
+    _torn = False  # a line cut short could not be cut off: the next one starts with a newline
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fd = _descriptor(self.stream)
+        if fd is None:
+            super().emit(record)
+            return
+        try:
+            line = self.format(record) + self.terminator
+            data = line.encode(self.stream.encoding or "utf-8", self.stream.errors or "strict")
+            self.stream.flush()  # print()'s text first; where it cannot go, this line waits behind it and is lost
+            self._write(fd, data)
+        except OSError as err:
+            if err.errno in _GONE:
+                self.failed = err
+            else:
+                self._lose(err, fd)
+        except Exception:  # noqa: BLE001 - logging's handling, as for any handler
+            self.handleError(record)
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         error = sys.exc_info()[1]  # called inside emit's except block
@@ -119,6 +164,78 @@ class _Stdout(logging.StreamHandler):
             self.failed = error  # the stream cannot be written (a closed sys.stdout raises the ValueError)
         else:
             super().handleError(record)
+
+    def say_lost(self) -> None:
+        """At close: say what was not written, where writing never worked again."""
+        lost, self.lost = self.lost, None
+        if lost is not None:
+            logger.warning("distmetrics: the console sink closed %s with %d record%s (steps %d-%d) not written: %s.",
+                           self._where(), lost.records, "" if lost.records == 1 else "s", lost.first_step,
+                           lost.last_step, lost.error)
+
+    def _write(self, fd: int, data: bytes) -> None:
+        """``data`` whole at the descriptor's offset, or cut back off (:meth:`_cut`) and the error raised."""
+        view = memoryview(b"\n" + data if self._torn else data)
+        done = 0
+        try:
+            while done < len(view):  # a short write (the disk filling up, a signal): the rest, until it raises
+                done += os.write(fd, view[done:])
+        except OSError:
+            self._cut(fd, done)
+            raise
+        self._torn = False
+        if self.lost is not None:
+            lost, self.lost = self.lost, None
+            logger.warning("distmetrics: the console sink writes %s again from step %d; %d record%s (steps %d-%d) "
+                           "could not be written.", self._where(fd), self.step, lost.records,
+                           "" if lost.records == 1 else "s", lost.first_step, lost.last_step)
+
+    def _cut(self, fd: int, written: int) -> None:
+        """Cut the ``written`` bytes of a line that could not be written whole off a file (the
+        offset after a write is its end, also where stdout was opened for appending, ``>>``), only
+        while they are the file's last bytes: stdout's file is often shared (other ranks, stderr
+        sent to it), and what another process wrote after them is not this sink's to cut."""
+        if not written:
+            return
+        try:
+            end, info = os.lseek(fd, 0, os.SEEK_CUR), os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_size == end:
+                os.ftruncate(fd, end - written)
+                os.lseek(fd, end - written, os.SEEK_SET)
+                return
+        except OSError:
+            pass
+        self._torn = True
+
+    def _lose(self, err: OSError, fd: int) -> None:
+        """Count the record as lost; warn at the first since writing last worked."""
+        if self.lost is None:
+            self.lost = Lost(self.step, self.step, 0, describe_os_error(err))
+            logger.warning("distmetrics: the console sink cannot write %s at step %d: %s. Lines that cannot be "
+                           "written are left out and counted; every later line is tried again.", self._where(fd),
+                           self.step, self.lost.error)
+        lost = self.lost
+        lost.first_step, lost.last_step = min(lost.first_step, self.step), max(lost.last_step, self.step)
+        lost.records += 1
+
+    def _where(self, fd: Optional[int] = None) -> str:
+        """``stdout``, with the file it goes to where the system says (``stdout (/runs/x/log.txt)``)."""
+        fd = _descriptor(self.stream) if fd is None else fd
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except (OSError, TypeError):
+            return "stdout"
+        return f"stdout ({target})" if target.startswith("/") else "stdout"
+
+
+def _descriptor(stream: Any) -> Optional[int]:
+    """The descriptor under a text file object (``sys.stdout``), or None (a capture, a notebook's stream)."""
+    if not isinstance(stream, io.TextIOWrapper):
+        return None
+    try:
+        return stream.fileno()
+    except (OSError, ValueError):  # an in-memory buffer under it; closed
+        return None
 
 
 def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,
