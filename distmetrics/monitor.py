@@ -32,7 +32,7 @@ from .eager import eager
 from .log_step import is_log_step, log_step, log_step_ahead
 from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
-from .naming import module_order
+from .naming import module_order, owner_names
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
 from .runinfo import coerced_config, job_module_order, open_writer_sinks, start_up
@@ -128,8 +128,11 @@ class Monitor:
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors + idle))
             self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
             self.timers = self._by_name["timers"].timers
-            self._module_order = job_module_order(self.layout, module_order(model), self._guard,
-                                                  chunked=isinstance(model, torch.nn.ModuleList))
+            self._module_order, stage = job_module_order(self.layout, module_order(model), self._guard,
+                                                         chunked=isinstance(model, torch.nn.ModuleList),
+                                                         owners=owner_names(model))
+            if stage and "norms" in self._by_name:  # stages' modules of one name: each named with its stage
+                self._by_name["norms"].name_stage(stage)
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)

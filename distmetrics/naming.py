@@ -10,12 +10,12 @@ index becomes the global ``layer_number - 1`` (so names match an unpipelined run
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
-           "ROOT_MODULE", "root_name", "is_wrapper_level"]
+           "ROOT_MODULE", "root_name", "is_wrapper_level", "owner_names", "merged_across_stages"]
 
 WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 _WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
@@ -104,3 +104,32 @@ def module_order(model: Optional[torch.nn.Module]) -> list[str]:
     if model is None:
         return []
     return [root_name(model)] + list(dict.fromkeys(name for name in module_name_map(model).values() if name))
+
+
+def owner_names(model: Optional[torch.nn.Module]) -> list[str]:
+    """The names of the modules that hold parameters themselves (a norm's buckets; the root's own
+    as :func:`root_name`). A tied copy that Megatron marks ``shared`` is left out: it counts on no
+    rank (the first stage's counts), so its name merges nothing."""
+    if model is None:
+        return []
+    rename, root, out = module_name_map(model), root_name(model), {}
+    for name, module in model.named_modules():
+        if any(q is not None and not getattr(q, "shared", False) for q in module._parameters.values()):
+            out[rename[name] or root] = None
+    return list(out)
+
+
+def merged_across_stages(owners: Sequence[Sequence[str]]) -> Optional[tuple[str, int, int]]:
+    """The first name (and the two stages, by position in ``owners``) under which the subtree norms of
+    pipeline stages would merge different modules: a module holding parameters on one stage whose name
+    is, on another, that of a module holding parameters or of one above them. Stage-local names do
+    that (every stage's own ``ModuleList`` holds a ``layers.0``); a name above modules on several
+    stages alone (``decoder`` over each stage's layers) is the one model's and sums them, as meant."""
+    covered = [{".".join(name.split(".")[:depth]) for name in names for depth in range(1, name.count(".") + 2)}
+               for names in owners]
+    for a, names in enumerate(owners):
+        for name in names:
+            other = next((b for b, under in enumerate(covered) if b != a and name in under), None)
+            if other is not None:
+                return name, min(a, other), max(a, other)
+    return None

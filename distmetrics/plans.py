@@ -99,6 +99,8 @@ class ParamPlans:
         self.depth = depth
         self.root = root_name(model)
         """What the root module's own parameters are called (``model``, or ``root`` beside a child ``model``)."""
+        self.prefix = ""
+        """What every name starts with: ``stage<k>.`` where pipeline stages' names collide (:meth:`use_prefix`)."""
         self.plan: Optional[Plan] = None
         self._custom: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._outside: "OrderedDict[tuple, tuple]" = OrderedDict()  # signature → (model plan, params in one only)
@@ -108,6 +110,14 @@ class ParamPlans:
         and again after a change, also one that torch's registration hooks do not see (a parameter or
         module set in its dict directly, as ``fully_shard`` does); :class:`~distmetrics.grad_sync.GradSync`
         looks for wrappers again then."""
+
+    def use_prefix(self, prefix: str) -> None:
+        """Start every parameter and module name with ``prefix`` (``stage1.``: this rank's pipeline
+        stage, where stages hold modules of one name, :func:`~distmetrics.runinfo.job_module_order`);
+        plans made before are named anew."""
+        self.prefix, self.plan = prefix, None
+        self._custom.clear()
+        self._outside.clear()
 
     def for_parameters(self, parameters: Any = None) -> Plan:
         """The plan of the model's trainable parameters, or of the parameters given (the
@@ -186,8 +196,8 @@ class ParamPlans:
         names, buckets, bucket_ids = [], [], []
         index: dict[str, int] = {}
         for name, _ in named:
-            names.append(name)
-            module = name.rsplit(".", 1)[0] if "." in name else self.root
+            names.append(self.prefix + name)
+            module = self.prefix + (name.rsplit(".", 1)[0] if "." in name else self.root)
             if self.depth is not None:
                 module = ".".join(module.split(".")[: self.depth])
             if module not in index:

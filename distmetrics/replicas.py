@@ -293,7 +293,10 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
                 "each rank must hold one for the same parameters: the norm would be one rank's, and a clip would "
                 "scale every rank by it. A parameter whose .grad is None on some ranks only (set to None there, or "
                 "left out of that rank's backward where nothing reduces it) has no copy there: give it a gradient on "
-                "every rank (p.grad = torch.zeros_like(p) where a rank has none), or on none" + tail)
+                "every rank (p.grad = torch.zeros_like(p) where a rank has none), or on none. Where ranks hold "
+                "different modules (pipeline stages), pass the DeviceMesh as the Monitor's device_mesh= with its "
+                "pipeline dimension named 'pp' (or 'pipeline', 'pipeline_parallel'), or initialise Megatron's "
+                "parallel_state: without either, every rank is taken for a replica of one model" + tail)
     if stage in bad and names:  # one fingerprint of them all is compared: which of them differ is not known
         what += " (this rank's; one or more of them)" if len(names) > 1 else " (this rank's)"
     return (f"{call}: the gradients of {what}{where} differ across ranks: a plain (not DTensor) gradient is counted "

@@ -6,7 +6,8 @@ Layouts: DDP, FSDP2, HSDP (replicate × shard), FSDP2 + TP on a 2-D mesh, FSDP2 
 beside the root's plain layers (4 ranks, one spawn); current torchtitan's meshes, unflattened from a 1-D
 world mesh: FSDP2 + TP, FSDP2 inside a dp dimension, pipeline stages (4 ranks, one spawn);
 Megatron-Core TP=2 × DP=2 with ``main_grad``, Megatron PP=2 × TP=2 with a tied embedding, and
-mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn).
+mixtures of experts over EP=2 with and without expert tensor parallelism (4 ranks, one spawn); a
+model split by hand over PP=2 × DP=2, each stage numbering its own layers (4 ranks, one spawn).
 """
 
 import json
@@ -358,6 +359,106 @@ def test_pipeline_stages_with_plain_parameters_on_a_mesh_count_every_stage_once(
         assert r["metrics"]["grad_norm"] == pytest.approx(r["truth"]["total"], rel=REL)
         for module, value in r["truth"]["modules"].items():
             assert r["metrics"][f"grad_norm/{module}"] == pytest.approx(value, rel=REL), module
+
+
+def _hand_split_stages(rank: int, world: int, out: str) -> dict:
+    """A model split by hand over 2 pipeline stages × 2 data-parallel ranks, each stage its own module
+    with its own ``layers`` ModuleList (``layers.0`` and ``layers.1`` on both stages: different modules of
+    one name), the loop averaging each stage's gradients over its dp ranks, one SGD step: given the pp × dp
+    mesh, then given no mesh. Truth: float64 norms of every stage's full gradients, parameters after the
+    step and updates, gathered from each stage's first dp rank."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, dp_group = mesh.get_local_rank("pp"), mesh.get_group("dp")
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(700 + stage)  # the same weights on the stage's dp ranks
+        model = torch.nn.Module()
+        if stage == 0:
+            model.embed = torch.nn.Linear(4, 8)
+        model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        if stage == 1:
+            model.norm = torch.nn.LayerNorm(8)
+            model.head = torch.nn.Linear(8, 2)
+        return model
+
+    def train(model, monitor, optimizer) -> None:
+        h = torch.randn(6, 4 if stage == 0 else 8, generator=torch.Generator().manual_seed(800 + rank))
+        for child in model.children():
+            h = torch.stack([layer(h) for layer in child]).sum(0) if isinstance(child, torch.nn.ModuleList) \
+                else child(h)
+        h.pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad /= 2
+        monitor.clip_grad_norm_(1e9)
+        optimizer.step()
+
+    heard: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    model = build()
+    before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True, json_log=True, output_dir=out)
+    with dm.Monitor(config, model=model, optimizer=optimizer, device_mesh=mesh) as monitor:
+        train(model, monitor, optimizer)
+        metrics = monitor.step(1, loss=1.0)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    mine = {f"stage{stage}.{name}": (p.grad.double(), p.detach().double(), p.detach().double() - before[name])
+            for name, p in model.named_parameters()} if mesh.get_local_rank("dp") == 0 else {}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    full = {name: tensors for pieces in gathered for name, tensors in pieces.items()}
+    truth = {family: subtree_norms({name: float(tensors[i].pow(2).sum()) for name, tensors in full.items()})
+             for i, family in enumerate(("grad_norm", "param_norm", "update_norm"))}
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with dm.Monitor(quiet_config(log_interval=1), model=model, optimizer=optimizer) as monitor:
+            train(model, monitor, optimizer)
+            monitor.step(1, loss=1.0)
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    said = [message for message in heard if "both hold a module named" in message]
+    return {"metrics": metrics, "truth": truth, "said": said, "no mesh": error}
+
+
+def test_modules_of_one_name_on_different_pipeline_stages_are_named_with_their_stage(tmp_path):
+    """Stages built by hand each number their own ``layers`` from 0: ``grad_norm/layers.0`` was the
+    root-sum-square of stage 0's and stage 1's ``layers.0``, different modules (``param_norm/`` and
+    ``update_norm/`` alike, one entry in the run record), unsaid. Every module's name now starts with its
+    stage, each equal to float64 truth, and one warning on the job's first rank names an example; given
+    no mesh, the refusal says that pipeline stages need ``device_mesh=`` with a ``pp`` dimension or
+    Megatron's ``parallel_state``."""
+    results = run_ranks(_hand_split_stages, 4, str(tmp_path), timeout=180)
+    for rank, result in enumerate(results):
+        metrics, truth = result["metrics"], result["truth"]
+        for family, expected in truth.items():
+            assert metrics[family] == pytest.approx(expected["total"], rel=REL), (rank, family)
+            assert {k.split("/", 1)[1] for k in metrics if k.startswith(f"{family}/")} == set(expected["modules"])
+            for module, value in expected["modules"].items():
+                assert metrics[f"{family}/{module}"] == pytest.approx(value, rel=1e-5), (rank, family, module)
+        assert "stage0.layers.0" in truth["grad_norm"]["modules"] and "grad_norm/layers.0" not in metrics
+        assert len(result["said"]) == (rank == 0), (rank, result["said"])
+        message = result["no mesh"]
+        assert "hold gradients of different plain" in message, (rank, message)
+        assert "device_mesh=" in message and "'pp'" in message and "parallel_state" in message, (rank, message)
+    assert "'layers.0'" in results[0]["said"][0] and "'stage1.layers.0'" in results[0]["said"][0]
+    run = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert run["kind"] == "run" and run["modules"] == [
+        "stage0", "stage0.model", "stage0.embed", "stage0.layers", "stage0.layers.0", "stage0.layers.1",
+        "stage1", "stage1.model", "stage1.layers", "stage1.layers.0", "stage1.layers.1", "stage1.norm", "stage1.head"]
 
 
 def test_between_log_steps_nothing_crosses_ranks_and_a_clip_is_one_all_reduce(dtensor_results):

@@ -106,6 +106,10 @@ class NormCollector(ParamSide):
         """Whether ``loss_scale`` is written (an fp16 Megatron optimizer is attached)."""
         return self._loss_scale is not None
 
+    def name_stage(self, prefix: str) -> None:
+        """Start every name with this rank's stage (``stage1.``): stages hold modules of one name."""
+        self.grads.plans.use_prefix(prefix)
+
     @property
     def replans(self) -> int:
         """How often the model's parameters changed and the plan was rebuilt."""
