@@ -11,7 +11,8 @@ are taken per (device, dtype) group with ``torch._foreach_norm``, accumulated in
 bf16/fp16 gradients (float64 for p other than 1, 2, ±inf, 0; on the CPU, 1- and 2-norms of long
 tensors in parts combined in float64: :mod:`distmetrics.tensor_norms`) and combined in float64. Clipping
 scales every gradient by ``min(1, max_norm / (total + 1e-6))`` computed, as torch does, from the
-total it returns, in the gradients' (promoted) dtype: bf16 gradients get a bf16 coefficient.
+total it returns, in the dtype promoted over every rank's gradients as torch's clip of the whole model
+(:mod:`distmetrics.grad_dtypes`): bf16 gradients get a bf16 coefficient, a bf16 stage beside fp32 ones float32.
 Megatron's gradients (``main_grad``) get the coefficient Megatron's own clip computes, in
 float32 from the float64 total: its optimizer measures the clipped gradients in float32, and a
 bf16 coefficient is off by up to 0.4% (a clip at 0.05 read back as 0.05006).
@@ -31,7 +32,6 @@ rank (the all-reduce carries the flag).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 from collections import OrderedDict
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .grad_combine import combine as _combine, norm_kind
+from .grad_dtypes import GradDtypes
 from .eager import eager
 from .grad_measurement import GradMeasurement
 from .megatron_optimizer import MegatronShards, check_layout
@@ -63,8 +64,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
                     foreach: Optional[bool] = None, group: Any = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the global norm under any parallel layout.
 
-    The same call, arguments and return value (the pre-clip total norm, in the gradients'
-    dtype; a replicated DTensor when the gradients are DTensors). Gradients that are
+    The same call, arguments and return value (the pre-clip total norm, in the dtype promoted
+    over every rank's gradients; a replicated DTensor when the gradients are DTensors). Gradients that are
     DTensors (FSDP2, HSDP, TP) count by their placements; plain tensors under an initialised
     process group are treated as data-parallel replicas (DDP) and counted once, Megatron's
     parameters by ``parallel_state``. One all-reduce over ``group`` (default: the world), and one
@@ -106,6 +107,7 @@ class GradientNorms:
         """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
         self._agreed: set[float] = set()  # norm types every rank was found to pass
         self._replicas_anywhere = False  # some rank's first plan held plain gradients beside DTensors (_agree)
+        self.dtypes = GradDtypes()  # every rank's gradient dtypes: the total's and the coefficient's dtype
         self.defers_replicas = False
         """Leave the replica check's result on the device (``replicas_differ`` of a measurement), for a
         Monitor's log step to raise (:class:`distmetrics.replicas.IntervalCheck`), instead of reading it
@@ -153,9 +155,9 @@ class GradientNorms:
         is of the gradients divided by it. ``call`` names the caller in errors and the arrival check."""
         p = float(norm_type)
         plan = self.plans.for_parameters(parameters)
-        if p not in self._agreed:
-            self._agree(p, call, plan)
         grads = list(map(grad_of, plan.params))
+        if p not in self._agreed:
+            self._agree(p, call, plan, {g.dtype for g in grads if g is not None})
         if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
             index = plan.every_index
         else:
@@ -184,9 +186,13 @@ class GradientNorms:
         kind = norm_kind(p)
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
                                route.replica_presence) if replicas.carried(self.layout, self.group) else None
+        dtypes, carried = {dtype for _, dtype in groups}, GradDtypes.carried(self.group)
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial, route.every, finite_check, extra,
+                            p == 0 and route.partial, route.every, finite_check,
+                            self.dtypes.beside(extra, dtypes, kind, device) if carried else extra,
                             tensors=measured_locals if device.type == "cpu" else None)
+        if carried:  # the dtypes' lanes, after the replica check's
+            self.dtypes.take(measured)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only
 
@@ -228,26 +234,28 @@ class GradientNorms:
             error.held = bool(measured.bad_anywhere > 0)
             raise error
         measured.locals, measured.groups = locals_, groups
-        return _as_torch_returns(measured.total, grads, {dtype for _, dtype in groups}), measured
+        return _as_torch_returns(measured.total, grads, self.dtypes.returned(dtypes)), measured
 
-    def _agree(self, p: float, call: str, plan: Plan) -> None:
+    def _agree(self, p: float, call: str, plan: Plan, dtypes: set) -> None:
         """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
         one small all-reduce (after the Monitor's arrival check, where there is one). A rank passing
         another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
         MAX, in which every rank waited without a word) or took another root (1 against 2: a
         total that differed between ranks). A third lane says whether some rank's ``plan`` holds plain
         gradients beside DTensors: then every rank of a Monitor notes the replica check's flags, so the log step's
-        names are the same on every rank from the first (a rank that holds none notes the others')."""
+        names are the same on every rank from the first (a rank that holds none notes the others'). One lane per
+        dtype says which ``dtypes`` the ranks' gradients hold (:mod:`distmetrics.grad_dtypes`)."""
         if p != p:
             raise ValueError(f"{call}(norm_type=nan): accepted values are numbers (inf and -inf included) and 'inf'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.guard is not None:
                 self.guard.enter(f"{call}(norm_type check)")
-            lanes = torch.tensor([p, -p, float(self._checks_replicas(plan))], dtype=torch.float64,
-                                 device=collective_device(self.group))
+            lanes = torch.tensor([p, -p, float(self._checks_replicas(plan)), *GradDtypes.flags(dtypes)],
+                                 dtype=torch.float64, device=collective_device(self.group))
             with InCollective("the MAX all_reduce checking every rank's norm_type", call):
                 dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
-            high, low, mixed = lanes.tolist()
+            high, low, mixed, *held = lanes.tolist()
+            self.dtypes.agree(held)
             self._replicas_anywhere = self._replicas_anywhere or mixed > 0
             if high != -low:
                 raise ValueError(f"{call}(norm_type={p:g}) on this rank, but the ranks passed norm types from "
@@ -384,15 +392,12 @@ def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: floa
 
 # --- helpers ------------------------------------------------------------------------------
 
-def _as_torch_returns(total: torch.Tensor, grads: list, dtypes: Optional[set] = None) -> Any:
-    """The total as torch returns it: the gradients' (promoted, real) dtype on the first gradient's
-    device; a replicated DTensor on the first gradient's mesh when the gradients are DTensors.
-    ``dtypes``: the gradients' distinct dtypes, when known (promoted pairwise, the few there are)."""
-    if not grads:  # torch returns a float32 zero for no gradients
-        return total.to(torch.get_default_dtype())
+def _as_torch_returns(total: torch.Tensor, grads: list, dtype: Optional[torch.dtype]) -> Any:
+    """The total as torch's clip of every rank's gradients returns it, in ``dtype`` (:meth:`GradDtypes.returned`),
+    on the first gradient's device; a replicated DTensor on the first gradient's mesh when the gradients are."""
+    if not grads:  # every rank's total; torch's zero where no rank has a gradient (dtype None) is the default dtype
+        return total.to(torch.get_default_dtype() if dtype is None else dtype)
     first = grads[0]
-    dtype = functools.reduce(torch.promote_types, dtypes if dtypes is not None else {g.dtype for g in grads})
-    dtype = dtype.to_real()  # a norm is real: complex64 gradients give a float32 total, as torch's
     value = total.to(device=local_tensor(first).device, dtype=dtype)
     if is_dtensor(first):
         from torch.distributed.tensor import DTensor, Replicate

@@ -473,6 +473,78 @@ def test_error_if_nonfinite_below_norm_type_0_raises_on_every_rank_where_torch_w
                     assert mine["ours"] == pytest.approx(said[0]["torch total"], rel=1e-6), (p, bad, rank, said)
 
 
+STAGE_DTYPES = (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "bfloat16"))  # per step, per stage
+STAGE_MAX_NORM = 0.3
+
+
+def _stages_of_changing_dtypes(rank: int, world: int) -> list:
+    """A pipeline stage per rank on a ("pp",) mesh, a Linear(6, 4) in this step's dtype of
+    :data:`STAGE_DTYPES`, its gradients set from a seed, clipped by a Monitor: per step, the gradients
+    before and after the clip, the total as returned and the record's ``grad_norm``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    stage = torch.nn.Linear(6, 4)
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=stage, device_mesh=mesh)
+    out = []
+    for step, dtypes in enumerate(STAGE_DTYPES, start=1):
+        dtype = getattr(torch, dtypes[rank])
+        stage.to(dtype)
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        for q in stage.parameters():
+            q.grad = (torch.randn(q.shape, generator=generator) * 0.2).to(dtype)
+        before = [q.grad.double().tolist() for q in stage.parameters()]
+        returned = monitor.clip_grad_norm_(STAGE_MAX_NORM)
+        metrics = monitor.step(step)
+        out.append({"before": before, "after": [q.grad.double().tolist() for q in stage.parameters()],
+                    "returned": float(returned), "dtype": str(returned.dtype), "grad_norm": metrics["grad_norm"]})
+    monitor.close()
+    return out
+
+
+def test_stages_of_different_dtypes_return_and_clip_as_torchs_clip_of_the_whole_model():
+    """Stage 0 in bf16 beside stage 1 in fp32: stage 0 returned a bf16 total and was scaled by a bf16
+    coefficient, stage 1 by a float32 one, two factors for one model. torch's clip of the whole model
+    stacks every tensor's norm, promoting bf16 with fp32: one float32 total, one float32 coefficient.
+    Every rank now returns the total in the dtype promoted over every rank's gradients, also after the
+    stages' dtypes change (both bf16: bf16; fp16 beside bf16: float32), and scales by torch's coefficient
+    of it. Truth: the whole model's gradients in one process, float64 by hand, torch's
+    ``get_total_norm`` for the dtype and ``clip_grads_with_norm_`` for the clipped gradients (bitwise)."""
+    results = run_ranks(_stages_of_changing_dtypes, 2)
+    for step, names in enumerate(STAGE_DTYPES):
+        said = [rank_result[step] for rank_result in results]
+        grads = [[torch.tensor(g, dtype=getattr(torch, names[rank])) for g in mine["before"]]
+                 for rank, mine in enumerate(said)]
+        whole = [g for stage in grads for g in stage]
+        truth = math.sqrt(sum(float(g.double().pow(2).sum()) for g in whole))
+        dtype = torch.nn.utils.get_total_norm(whole).dtype  # torch's clip of the whole model returns this
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in whole]
+        for q, g in zip(params, whole):
+            q.grad = g.clone()
+        theirs = float(torch.nn.utils.clip_grad_norm_(params, STAGE_MAX_NORM))
+        for rank, mine in enumerate(said):
+            assert mine["dtype"] == str(dtype), (step, names, rank, mine["dtype"], str(dtype))
+            assert mine["grad_norm"] == pytest.approx(truth, rel=1e-6)
+            # the float64 total rounded once (torch's own differs by its bf16 and fp16 per-tensor norms)
+            assert mine["returned"] == float(torch.tensor(mine["grad_norm"], dtype=torch.float64).to(dtype))
+            assert mine["returned"] == said[0]["returned"] and mine["returned"] == pytest.approx(theirs, rel=2 ** -7)
+        total = torch.tensor(said[0]["returned"], dtype=dtype)
+        assert float(STAGE_MAX_NORM / (total + 1e-6)) < 1.0, (step, truth)  # a clip that scales
+        for q, g in zip(params, whole):
+            q.grad = g.clone()
+        torch.nn.utils.clip_grads_with_norm_(params, STAGE_MAX_NORM, total)  # torch's coefficient of that total
+        expected = iter(params)
+        for rank, mine in enumerate(said):
+            for k, got in enumerate(mine["after"]):
+                want = next(expected).grad.double().tolist()
+                assert got == want, (step, names, rank, k)
+
+
 def test_tensor_statistics_merge_an_inf_mean_across_micro_batches():
     """Micro-batches [inf, 1] then [2, 3] gave mean NaN (inf + (-inf)·n/N), the reverse order inf;
     a pairwise merge now gives the mean of the union as float64 does, as the cross-rank merge did."""
