@@ -1468,6 +1468,87 @@ def test_a_submodule_named_module_keeps_its_name_in_statistics_as_in_norm_names(
     assert {"grad_norm/module.fc", "grad_norm/fc"} <= set(records["train"])  # the same names
 
 
+def _root_beside_a_child_named_model(rank: int, world: int, root: str) -> dict:
+    """A Hugging-Face-shaped model, ``Outer(model=Inner(fc1), lm_head)``, bare and under DDP, every
+    layer selected (``.*``) for its activation at step 1; then blocks of a ModuleList carrying one
+    ``layer_number``. Returns each case's float64 truth per layer (or the error raised)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc1(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+            self.lm_head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lm_head(self.model(x))
+
+    class Block(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.layer_number = 1  # both: nvdlfw-inspect names both model.layers.1
+
+    def config(case: str, pattern: str) -> dm.MetricsConfig:
+        features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": pattern},
+                          "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                              "stats": ["max", "l1_norm"], "freq": 1}}}}
+        return dm.MetricsConfig(output_dir=f"{root}/{case}", log_interval=1, console=False, tensorboard=False,
+                                timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+
+    out: dict = {}
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    for case in ("bare", "ddp"):
+        torch.manual_seed(0)
+        outer = Outer()
+        model = outer if case == "bare" else DistributedDataParallel(outer)
+        layers = {"root": outer, "model": outer.model, "model.fc1": outer.model.fc1, "lm_head": outer.lm_head}
+        seen: dict = {}
+        for name, layer in layers.items():  # the test's own capture: ground truth
+            layer.register_forward_hook(lambda mod, args, output, name=name: seen.__setitem__(name, output.detach()))
+        with dm.Monitor(config(case, ".*"), model=model) as monitor:
+            model(x).sum().backward()
+            monitor.step(1, loss=1.0)
+        out[case] = {name: {"max": float(_gather(t.double().reshape(-1)).max()),
+                            "l1_norm": float(_gather(t.double().reshape(-1)).abs().sum())} for name, t in seen.items()}
+    try:
+        blocks = nn.Module()
+        blocks.layers = nn.ModuleList([Block(), Block()])
+        with dm.Monitor(config("same_number", r"layers\.1$"), model=blocks) as monitor:
+            monitor.step(1, loss=1.0)
+    except ValueError as err:
+        out["same_number"] = str(err)
+    return out
+
+
+def test_the_root_and_a_child_named_model_keep_their_own_statistics_and_two_layers_of_one_name_are_refused(tmp_path):
+    """Hugging Face's ``*ForCausalLM`` hold ``self.model``: nvdlfw-inspect names it ``model.model``
+    and the root ``model``, and both were written as ``tensor_stats/model/...``, the root's values
+    dropped without a word (taken for a wrapper of the child). The root is ``root`` then, as in
+    norm names; under DDP its wrapper level still merges with it. Two modules nvdlfw-inspect gives
+    one name (blocks carrying one ``layer_number``) are refused naming both, not mixed."""
+    truth = run_ranks(_root_beside_a_child_named_model, 1, str(tmp_path), timeout=240)[0]
+    for case in ("bare", "ddp"):
+        written = _tensor_stats_by_step(tmp_path / case)[1]
+        expected = {f"tensor_stats/{layer}/activation/{stat}": value
+                    for layer, stats in truth[case].items() for stat, value in stats.items()}
+        assert written == pytest.approx(expected, rel=1e-9), case
+    assert truth["bare"]["root"]["max"] != pytest.approx(truth["bare"]["model"]["max"])  # a test that tells them apart
+    refused = truth.get("same_number", "not refused")
+    assert "'model.layers.1' (the Block at 'layers.0')" in refused and "(the Block at 'layers.1')" in refused, refused
+
+
 # --- what a layer's tensors are, however it is called or wrapped ---------------------------------
 
 def _layer_tensors(rank: int, world: int, root: str) -> dict:
@@ -1606,3 +1687,116 @@ def test_an_input_given_by_keyword_is_measured_and_a_tensor_a_layer_cannot_give_
     assert "tensor 'weight' on layer 'model.blk'" in said[0] and "a Sequential has no 'weight' tensor" in said[0]
     for tensor, message in zip(("activation", "gradient"), said[1:]):
         assert f"tensor {tensor!r} on layer 'model.d'" in message and "its output is a dict" in message
+
+
+def _unmeasured(rank: int, world: int, root: str) -> dict:
+    """Two scenarios on every rank, each with the warnings this rank gave. ``frozen``: the gradient
+    statistics of fc1 and fc2, fc1 frozen (and first: its output needs no gradient) at steps 1 and 2
+    only, with an evaluation forward and a train-mode forward under no_grad each step; returns the
+    float64 truth of every gradient backward gave. ``empty``: fc1's activation, empty on every rank
+    at step 1 and on rank 1 at step 2; returns the truth of step 2's."""
+    import logging
+
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    def config(case: str, pattern: str, tensors: list) -> dm.MetricsConfig:
+        features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": pattern},
+                          "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": tensors,
+                                                              "stats": ["max", "std", "l2_norm"], "freq": 1}}}}
+        return dm.MetricsConfig(output_dir=f"{root}/{case}", log_interval=1, console=False, tensorboard=False,
+                                timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+
+    def stats(t) -> dict:
+        t = _gather(t.detach().double().reshape(-1))
+        return {"max": float(t.max()), "std": float(t.std()), "l2_norm": float(t.norm())}
+
+    def batch(step: int, rows: int):
+        return torch.randn(rows, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+
+    out: dict = {}
+    warnings: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("fc1", nn.Linear(6, 4))
+        model.add_module("fc2", nn.Linear(4, 2))
+        grads: dict = {}
+
+        def spy(mod, args, output, name):  # the test's own capture: ground truth
+            if output.requires_grad:
+                output.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
+
+        for name in ("fc1", "fc2"):
+            getattr(model, name).register_forward_hook(lambda mod, args, output, name=name: spy(mod, args, output, name))
+        truth: dict = {}
+        with dm.Monitor(config("frozen", r"fc\d$", ["gradient"]), model=model) as monitor:
+            for step in (1, 2, 3):
+                model.fc1.requires_grad_(step == 3)
+                model.eval()
+                with torch.no_grad():
+                    model(batch(step, 5))
+                model.train()
+                with torch.no_grad():
+                    model(batch(step, 5))
+                grads.clear()
+                model(batch(step, 3)).pow(2).sum().backward()
+                truth[step] = {name: stats(g) for name, g in grads.items()}
+                model.zero_grad()
+                monitor.step(step)
+        out["frozen"] = {"truth": truth, "warnings": warnings[:]}
+        del warnings[:]
+        with dm.Monitor(config("empty", r"fc1$", ["activation"]), model=model) as monitor:
+            for step in (1, 2):
+                activation = model.fc1(batch(step, 3 if step == 2 and rank == 0 else 0))
+                model.fc2(activation).sum().backward()
+                monitor.step(step)
+        out["empty"] = {"truth": stats(activation), "warnings": warnings[:]}
+    finally:
+        logging.getLogger("distmetrics").removeHandler(handler)
+    return out
+
+
+@pytest.fixture(scope="module")
+def unmeasured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("unmeasured")
+    return root, run_ranks(_unmeasured, 2, str(root), timeout=240)
+
+
+def test_a_selected_gradient_a_frozen_layer_never_gets_is_named_once(unmeasured):
+    """A frozen first layer's output needs no gradient, so backward never reaches it: its selected
+    gradient was dropped without a word. It is named once, by the first rank, with the reason and
+    the first step; evaluation and no_grad forwards say nothing, and once the layer trains again
+    its gradient is written."""
+    root, ranks = unmeasured
+    records = _tensor_stats_by_step(root / "frozen")
+    assert sorted(records) == [1, 2, 3]
+    for step, layers in ranks[0]["frozen"]["truth"].items():
+        assert sorted(layers) == (["fc1", "fc2"] if step == 3 else ["fc2"]), (step, layers)
+        expected = {f"tensor_stats/{layer}/gradient/{stat}": value
+                    for layer, stats in layers.items() for stat, value in stats.items()}
+        assert records[step] == pytest.approx(expected, rel=1e-9), step
+    said = [w for w in ranks[0]["frozen"]["warnings"] if "has none to measure" in w]
+    assert len(said) == 1 and not ranks[1]["frozen"]["warnings"], ranks
+    assert "tensor 'gradient' on layer 'model.fc1'" in said[0], said
+    assert "needed no gradient in the training forward of step 1" in said[0] and "frozen" in said[0], said
+
+
+def test_a_section_whose_tensors_were_empty_on_every_rank_says_so(unmeasured):
+    """fc1 ran on an empty batch on every rank: the warning that no value came advised running the
+    layer in a training forward, which it was. It says the tensors were empty; a step where some
+    ranks' are empty is measured over the others' values."""
+    root, ranks = unmeasured
+    records = _tensor_stats_by_step(root / "empty")
+    assert sorted(records) == [2]
+    expected = {f"tensor_stats/fc1/activation/{stat}": value for stat, value in ranks[0]["empty"]["truth"].items()}
+    assert records[2] == pytest.approx(expected, rel=1e-9)
+    said = [w for w in ranks[0]["empty"]["warnings"] if "no value came" in w]
+    assert len(said) == 1 and not ranks[1]["empty"]["warnings"], ranks
+    assert "selects step 1" in said[0] and "tensors were empty (0 elements) on every rank" in said[0], said
+    assert "model.fc1 activation" in said[0] and "training forward" not in said[0], said

@@ -17,8 +17,10 @@ Two paths, one features file:
   join too). A value logged on any other step rides the next log step's MAX pack.
 
 A section that yields no value on a step it selects is named in one warning (e.g. a feature that
-nothing calls on the layers it selects), and so is a tensor it selects that a layer cannot give (a
-dict output, a container without a weight: :mod:`~distmetrics.tensor_stats.layer_tensors`).
+nothing calls on the layers it selects, or layers whose tensors were empty), and so is a tensor it
+selects that a layer cannot give (a dict output, a container without a weight:
+:mod:`~distmetrics.tensor_stats.layer_tensors`; the gradient of a frozen layer whose output needs
+none: :mod:`~distmetrics.tensor_stats.unmeasured`).
 
 A weight is the parameter the optimizer steps (FSDP2's sharded one, however the layer is wrapped).
 Data-parallel replicas hold the same weights: only the rank that owns one contributes
@@ -32,7 +34,6 @@ those of the lowest rank of its TP x CP group holds a copy and is left out; piec
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -43,18 +44,15 @@ from ..parallel import data_parallel_group, holds_first_replica, local_tensor, o
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
-from .features import TENSORS, _enabled_features, _logs_at, _tensor_entries, selected_tensors, stats_step, \
-    tensor_names
+from .features import _logs_at, _tensor_entries, stats_step, tensor_names
 from .layer_tensors import OptimizerWeights, Unreadable, first_tensor_argument, output_kind, output_tensor
 from .selection import config_for_layer, example_names, numbered
 from .rank_merge import FORWARDED, PEERS, combine
 from .statistics import PARTS, merge, partials
-from .te_names import metric_layers, metric_name, strip_model
+from .te_names import metric_layers, metric_name, shadowed_layers, strip_model
+from .unmeasured import SilentSections, no_gradient_reason
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
-
-logger = logging.getLogger("distmetrics")
-
 
 
 class ForwardingLogger:
@@ -96,15 +94,13 @@ class TensorInspector:
         self.selected: dict[str, list[str]] = {}
         self.layer_names: dict[str, str] = {}  # nvdlfw-inspect's layer name -> ours (te_names.metric_layers)
         self._tensor_names = tensor_names(spec)  # the tensors the file names (a name may hold '_')
-        self._full_names: Optional[dict[str, list]] = None  # see _name_silent_sections
         self._hooks: list = []
         self._guards_held = False  # Dynamo guards on hooks while ours are on (compiled.hold_hook_guards)
-        self._hooked: dict[str, set] = {}  # our layer name -> nvdlfw-inspect's names hooked under it
+        self._hooked: dict[str, list] = {}  # our layer name -> (nvdlfw-inspect's name, module) hooked under it
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
-        self._sections: list = []  # (name, nvdlfw's parsed section) of the enabled sections
-        self._silent: set = set()  # sections already named for yielding nothing
+        self._silent_sections = SilentSections(spec)  # names a section that yields no value, once
         self._weights_done: set = set()  # (layer, feature) whose weight was logged this step
         self._optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
         self._unreadable = Unreadable()  # names a selected tensor a layer cannot give, once
@@ -112,6 +108,7 @@ class TensorInspector:
         # checkpointing (torch's use_reentrant=True, Megatron's recompute) runs the forward under no_grad,
         # then again inside backward, where that recomputation's output is backpropagated
         self._gradient_owed: dict[str, int] = {}
+        self._no_gradient: set = set()  # layers whose selected gradient a training forward of this step made none of
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
@@ -152,7 +149,7 @@ class TensorInspector:
         modules = named_layers(model)
         fullgraph = fullgraph_owner(model)
         self.layer_names.update(metric_layers(model))
-        self._full_names = None  # made again from the names at the next statistics step that needs it
+        self._silent_sections.names_changed()
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
         matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
         error = None
@@ -173,10 +170,12 @@ class TensorInspector:
                 else:
                     tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
                     self._hook(module, name, tensors, namespace, feature)
-        self._sections = list(zip(sections, ConfigManager.configs))
+        self._silent_sections.sections = list(zip(sections, ConfigManager.configs))
         # A wrapper and the layer it wraps, both selected, measure the same tensors under one name:
-        # the innermost layer's count once (two values under one name would stop the reduction).
-        self._shadowed = {name for names in self._hooked.values() for name in sorted(names, key=len)[:-1]}
+        # the innermost layer's count once (two values under one name would stop the reduction);
+        # two other modules under one name are refused (te_names.shadowed_layers)
+        self._shadowed, clash = shadowed_layers(self._hooked, {id(m): path for path, m in model.named_modules()})
+        error = error or clash or None
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:
             raise ConfigError(error or "tensor_inspect.features: another rank's layers were rejected (see its error)")
@@ -202,7 +201,7 @@ class TensorInspector:
     def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict) -> None:
         """Call the feature on the module's tensors on the selected steps. nvdlfw-inspect's base
         ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called."""
-        self._hooked.setdefault(self._metric_layer(name), set()).add(name)
+        self._hooked.setdefault(self._metric_layer(name), []).append((name, module))
         if namespace == "distmetrics":
             log = self.debug_api.distmetrics.log_tensor_stats
 
@@ -210,6 +209,8 @@ class TensorInspector:
                 log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
         else:
             call = self._base_feature(name, feature)
+        gradient = next((dict(feature, **entry) for entry in _tensor_entries(name, feature, "LogTensorStats")
+                         if entry["tensor"] == "gradient"), None)  # its first entry, as nvdlfw-inspect reads it
 
         @eager  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced); a plain call outside
         def forward_hook(mod, args, kwargs, output):
@@ -249,6 +250,8 @@ class TensorInspector:
                     out.register_hook(lambda grad: call("gradient", grad))
                 elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
                     self._gradient_owed[name] = self._gradient_owed.get(name, 0) + 1
+                elif _logs_at("base", gradient, self.iteration):  # frozen, with all it came from: backward never comes
+                    self._no_gradient.add(name)
 
         self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
@@ -287,9 +290,7 @@ class TensorInspector:
         if tensor_name == "weight" and not owns_local_piece(tensor, tensor, layer, self.layout):
             return  # a replica of a weight (or of its shard) another rank reports; shards count everywhere
         x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
-        if x.numel() == 0:
-            return
-        batch = partials(x)
+        batch = partials(x)  # an empty tensor's too: it travels with count 0, and the warning can say it was empty
         key = (layer, tensor_name)
         self.requested[key] = list(stats)
         self.partials[key] = batch if key not in self.partials else merge(self.partials[key], batch)
@@ -300,6 +301,7 @@ class TensorInspector:
         on steps the YAML selects, none otherwise; ranks at different steps raise); returns
         ``tensor_stats/...`` metrics."""
         gather = stats_step(self.spec, self.iteration)
+        self._name_missing_gradients(step)
         # TE's features log (and reduce among themselves) inside step(): run it first so their
         # values of this step travel with ours.
         self.debug_api.step()
@@ -317,11 +319,13 @@ class TensorInspector:
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
             samples.append(Sample(PEERS, float(self._leader), "all"))
-            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank)
+            empty: set = set()
+            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank, empty)
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
-            self._name_silent_sections(metrics, step)
+            self._silent_sections(metrics, empty, self.layer_names, step, self.iteration,
+                                  self.layout is None or self.layout.says_once)
             self.partials = {}
             self.forwarded = {}
         self._weights_done = set()
@@ -330,38 +334,15 @@ class TensorInspector:
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
 
-    def _name_silent_sections(self, metrics: dict, step: int) -> None:
-        """Warn once per section that selects this step but yielded no value (on global rank 0),
-        naming the step as records do and nvdlfw-inspect's iteration, and the tensor names that
-        brought nothing: nvdlfw's base ``LogTensorStats`` takes any name (a user's own calls log
-        theirs), so ``tensors: [activations]`` was accepted and measured nothing."""
-        from nvdlfw_inspect.config_manager import is_layer_in_cfg
-
-        full = self._full_names
-        if full is None:  # a metric's layer -> the layer names it stands for (wrapper levels kept)
-            full = self._full_names = {}
-            for layer in self.layer_names:
-                full.setdefault(self._metric_layer(layer), []).append(layer)
-        written = {key[len("tensor_stats/"):].rsplit("/", 2)[0] for key in metrics if key.count("/") >= 3}
-        layers = {name for layer in written for name in full.get(layer, ["model." + layer])}
-        for section, cfg in self._sections:
-            if section in self._silent or not stats_step({section: self.spec[section]}, self.iteration):
-                continue
-            if not any(numbered(is_layer_in_cfg, layer, cfg) for layer in layers):
-                self._silent.add(section)
-                if self.layout is None or self.layout.says_once:
-                    logger.warning(self._silent_message(section, step))
-
-    def _silent_message(self, section: str, step: int) -> str:
-        """The warning for a section that brought no value at ``step`` (see _name_silent_sections)."""
-        body = self.spec[section]
-        names = selected_tensors(body, self.iteration)
-        named = f" for tensor(s) {', '.join(map(repr, names))}" if names else ""
-        hint = f"; the Monitor's hooks measure {', '.join(TENSORS)} of a layer run in a training forward of " \
-            "that step, and other tensor names come only from your own debug_api.log_tensor_stats calls" \
-            if _enabled_features(body, hooked_only=True) else " (is its feature called on them?)"
-        return (f"distmetrics: tensor_inspect.features section {section!r} selects step {step} (nvdlfw-inspect's "
-                f"iteration {self.iteration}) but no value came from any of its layers{named}{hint}")
+    def _name_missing_gradients(self, step: int) -> None:
+        """Name a selected gradient no training forward of step ``step`` gave (its layer's output
+        needed none: the layer is frozen, and so is all its input came from), once per layer.
+        Evaluation forwards and those under ``torch.no_grad()`` are not the step's and say nothing;
+        a layer frozen for some steps only is named at the first of them."""
+        for layer in sorted(self._no_gradient):
+            if (layer, "gradient") not in self.partials:  # another micro-batch's forward gave it
+                self._unreadable(layer, "gradient", no_gradient_reason(step, self.iteration))
+        self._no_gradient = set()
 
     def pause(self) -> None:
         """``monitor.pause()``: forwards until :meth:`resume` are an evaluation's, not the step's."""

@@ -18,9 +18,10 @@ FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's Me
 PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
 
 
-def combine(per_rank: dict[str, PerRank]) -> dict:
+def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
     """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
-    rank's tensor left out); forwarded values → the lowest rank's."""
+    rank's tensor left out); forwarded values → the lowest rank's. ``empty`` gets the
+    ``(layer, tensor)`` that ran but held no element on any rank: no statistic is written for them."""
     groups: dict[tuple, dict[str, list]] = {}
     out = {}
     peers = per_rank.pop(PEERS, None)
@@ -42,7 +43,9 @@ def combine(per_rank: dict[str, PerRank]) -> dict:
     merged = merge_ranks(_without_copies(table, peers))
     columns = {part: merged[part].tolist() for part in PARTS}
     for i, (layer, tensor_name, stats) in enumerate(keys):
-        if columns["n"][i] == 0:  # no rank sent this key
+        if columns["n"][i] == 0:  # the ranks that sent this key measured empty tensors
+            if empty is not None:
+                empty.add((layer, tensor_name))
             continue
         values = {part: columns[part][i] for part in PARTS}
         prefix = f"tensor_stats/{layer}/{tensor_name}"

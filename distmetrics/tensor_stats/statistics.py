@@ -19,10 +19,15 @@ SUPPORTED_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax"
 
 
 def partials(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The partials of a non-empty float64 vector, as 0-d tensors on its device.
+    """The partials of a float64 vector, as 0-d tensors on its device.
 
     torch.where/amin and full(): no boolean-mask indexing or host scalar copy, so the host never
-    waits for the device (this runs inside forward and backward hooks)."""
+    waits for the device (this runs inside forward and backward hooks). An empty vector gives
+    count 0 and the identity of every merge (so it travels, and says that the tensor was empty)."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        return {"n": zero, "mean": zero, "m2": zero, "min": zero + math.inf, "max": zero - math.inf, "l1": zero,
+                "sumsq": zero, "minabs": zero + math.inf}
     mean = x.mean()
     magnitude = x.abs()
     return {"n": torch.full((), float(x.numel()), dtype=torch.float64, device=x.device), "mean": mean,
@@ -33,11 +38,13 @@ def partials(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def merge(a: dict, b: dict) -> dict:
     """Chan et al.'s pairwise combination of (n, mean, M2) plus extremes and sums; the mean as the
-    weighted sum, as :func:`merge_ranks` (``a.mean + delta·n_b/n`` is NaN for an inf mean: inf − inf)."""
+    weighted sum, as :func:`merge_ranks` (``a.mean + delta·n_b/n`` is NaN for an inf mean: inf − inf).
+    Two empty tensors' (n = 0) merge to an empty one, not to 0/0."""
     n = a["n"] + b["n"]
     delta = b["mean"] - a["mean"]
-    return {"n": n, "mean": (a["mean"] * a["n"] + b["mean"] * b["n"]) / n,
-            "m2": a["m2"] + b["m2"] + delta * delta * a["n"] * b["n"] / n,
+    divisor = n.clamp_min(1)  # counts are whole: n itself wherever n > 0
+    return {"n": n, "mean": (a["mean"] * a["n"] + b["mean"] * b["n"]) / divisor,
+            "m2": a["m2"] + b["m2"] + delta * delta * a["n"] * b["n"] / divisor,
             "min": torch.minimum(a["min"], b["min"]), "max": torch.maximum(a["max"], b["max"]),
             "l1": a["l1"] + b["l1"], "sumsq": a["sumsq"] + b["sumsq"],
             "minabs": torch.minimum(a["minabs"], b["minabs"])}

@@ -2,7 +2,10 @@
 
 TE logs ``<layer>_<tensor>_<stat>``; we write ``tensor_stats/<layer>/<tensor>/<stat>`` with the
 ``model.`` prefix that ``infer_and_assign_layer_names`` adds taken off, and the wrapper levels
-that norm names leave off too (:func:`distmetrics.naming.is_wrapper_level`).
+that norm names leave off too (:func:`distmetrics.naming.is_wrapper_level`). The root module is
+``model``, or ``root`` where a top-level child is called ``model`` (a Hugging Face ``*ForCausalLM``
+holds ``self.model``), as norm names call it (:func:`distmetrics.naming.root_name`): nvdlfw-inspect
+names the two ``model`` and ``model.model``, and both must stay apart in metric names too.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from typing import Any, Mapping
 
 import torch
 
-from ..naming import is_wrapper_level, strip_wrappers
+from ..naming import is_wrapper_level, root_name, strip_wrappers
 from .compiled import is_compile_wrapper
 
-__all__ = ["metric_name", "metric_layers", "strip_model", "TE_TENSORS"]
+__all__ = ["metric_name", "metric_layers", "strip_model", "shadowed_layers", "TE_TENSORS"]
 
 TE_TENSORS = ("activation", "gradient", "weight", "output", "wgrad", "dgrad", "input")
 
@@ -50,8 +53,10 @@ def metric_layers(model: torch.nn.Module) -> dict[str, str]:
     """nvdlfw-inspect's layer names of ``model`` (``infer_and_assign_layer_names``) → the names
     metrics give them: ``model.`` off, and a wrapper level off only where norm names drop it
     (:func:`~distmetrics.naming.is_wrapper_level`: DDP's ``module``, ``_orig_mod``, ...), so a
-    model's own submodule named ``module`` keeps its name and never merges with a sibling."""
+    model's own submodule named ``module`` keeps its name and never merges with a sibling; the
+    root (and the wrapper levels above it) takes :func:`~distmetrics.naming.root_name`."""
     modules = dict(model.named_modules())
+    root = root_name(model)
     out = {}
     for path, module in modules.items():
         name = getattr(module, "name", None)
@@ -69,8 +74,45 @@ def metric_layers(model: torch.nn.Module) -> dict[str, str]:
             continue
         kept = [part for part, at in zip(parts, named)
                 if not is_wrapper_level(modules.get(".".join(levels[:at])), levels[at])]
-        out[name] = ".".join(kept) if kept else strip_model(name)  # the root (under wrappers): "model"
+        out[name] = ".".join(kept) if kept else root  # the root (under wrappers)
     return out
+
+
+def shadowed_layers(hooked: dict[str, list], paths: Mapping[int, str]) -> tuple[set, str]:
+    """The hooked layers whose values are another's, and an error for two that must not share a name.
+
+    ``hooked`` maps a metric layer name to the ``(nvdlfw-inspect name, module)`` pairs hooked under
+    it. A wrapper and the layer it wraps through wrapper levels only (DDP's ``module``, ...) give
+    the same tensors: the innermost counts, the others are returned as shadowed. Any other two
+    modules under one name (a ``ModuleList`` whose children carry one ``layer_number``, which
+    nvdlfw-inspect gives them both) would have their values mixed or one dropped: the error
+    names both, with their paths in the model (``paths``: ``id(module)`` -> path); "" if none."""
+    shadowed: set = set()
+    for layer, pairs in hooked.items():
+        chain = sorted({id(module): (name, module) for name, module in pairs}.values(), key=lambda pair: len(pair[0]))
+        for (outer, outer_module), (inner, inner_module) in zip(chain, chain[1:]):
+            if not _wraps_only(outer_module, inner_module):
+                one, other = (f"{name!r} (the {type(module).__name__} at {paths.get(id(module), '?')!r})"
+                              for name, module in ((outer, outer_module), (inner, inner_module)))
+                fix = ("give them distinct layer_number attributes: nvdlfw-inspect names a ModuleList's children by "
+                       "them" if outer == inner else "select one of them")
+                return shadowed, (
+                    f"tensor_inspect.features: layers {one} and {other} are different modules that would both be "
+                    f"written as tensor_stats/{layer}/...: one's statistics would be lost or mixed with the other's; "
+                    f"{fix}")
+            shadowed.add(outer)
+    return shadowed, ""
+
+
+def _wraps_only(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    """Whether ``inner`` is reached from ``outer`` through wrapper levels alone (each the only child)."""
+    module = outer
+    while module is not inner:
+        children = list(module._modules.items())
+        if len(children) != 1 or not (is_wrapper_level(module, children[0][0]) or is_compile_wrapper(module)):
+            return False
+        module = children[0][1]
+    return True
 
 
 def strip_model(layer: str) -> str:
