@@ -31,8 +31,8 @@ from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
 from .validation import ConfigError
 
-__all__ = ["coerced_config", "start_up", "gather_rank_info", "run_record", "open_writer_sinks", "first_step",
-           "resumed_at", "OutputClaim"]
+__all__ = ["coerced_config", "start_up", "said_on_every_rank", "gather_rank_info", "run_record", "open_writer_sinks",
+           "first_step", "resumed_at", "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -123,6 +123,36 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
             raise ConfigError(message)  # the same on every rank: a config error, as a job of one rank raises it
         raise ValueError(message)
     return hosts, claim
+
+
+def said_on_every_rank(error: Optional[ConfigError], layout: Layout, hang_timeout_s: float, call: str) -> None:
+    """Raise on every rank of ``layout`` the config error any of them found (``error``: this rank's, or
+    None), after one guarded gather of them (``call`` names it to the arrival check), as :func:`start_up`
+    says a problem: a check that failed on one rank alone (``tensor_stats.initialize``'s features file)
+    left the others going on into a collective that rank never reached. A rank that makes another
+    guarded call there instead (``Monitor()``) is named at once, one that makes none after
+    ``hang_timeout_s``. Without a process group, or alone, this rank's error as it is."""
+    if layout.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    guard = CollectiveGuard(hang_timeout_s, layout.group)  # made on every rank alike: later guards keep one numbering
+    rows: list[Any] = [None] * layout.world_size
+    try:
+        guard.enter(call)
+        with InCollective("the gather of every rank's start-up problems", call):
+            dist.all_gather_object(rows, (layout.rank, None if error is None else str(error)), group=layout.group)
+    except Exception as failure:  # noqa: BLE001 - the others never came (or went): this rank's own error, if any
+        if error is not None:
+            raise error from failure
+        raise
+    by_problem: dict[str, list[int]] = {}
+    for rank, problem in rows:
+        if problem is not None:
+            by_problem.setdefault(problem, []).append(rank)
+    if by_problem:
+        raise ConfigError("distmetrics cannot start: " + "; ".join(f"{some_ranks(ranks)}: {text}"
+                                                                   for text, ranks in by_problem.items()))
 
 
 SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_level", "timing_log_option",

@@ -1090,6 +1090,53 @@ def test_a_features_file_a_rank_cannot_read_is_raised_on_every_rank(tmp_path, mi
         assert message.count("does not exist") == 1 and kind == "ConfigError", (message, kind)
 
 
+def _initialize_with_features_missing_on(rank: int, world: int, root: str, case: str) -> tuple:
+    """The README's TransformerEngine order on each rank: ``initialize``, the model, ``Monitor``. ``case``:
+    the features file missing on rank 1 ("missing"), or rank 1 leaving ``initialize`` out ("skipped")."""
+    import time
+
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    features = Path(root) / "features.yaml"
+    if rank == 0:
+        features.write_text(FEATURES)
+    dist.barrier()  # rank 0 wrote its file; rank 1 reads a path its host does not have
+    path = str(Path(root) / "elsewhere" / "features.yaml") if case == "missing" and rank == 1 else str(features)
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=20,
+                           tensor_inspect={"enabled": True, "features": path})
+    started = time.monotonic()
+    try:
+        if case == "missing" or rank == 0:
+            dm.tensor_stats.initialize(cfg)
+        dm.Monitor(cfg, model=_model()).close()
+        return "no error", "", time.monotonic() - started
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
+        return type(err).__name__, str(err), time.monotonic() - started
+
+
+def test_initialize_says_a_features_file_one_rank_cannot_read_on_every_rank(tmp_path):
+    """``initialize`` checked the features file on its own rank: rank 1 raised, rank 0 went on into
+    ``Monitor()`` and waited there for a rank that never came. With a process group the check is
+    gathered, as ``Monitor()``'s is, and every rank raises it before nvdlfw-inspect starts anywhere."""
+    for kind, message, _ in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), "missing",
+                                      timeout=120):
+        assert kind == "ConfigError", (kind, message)
+        assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect.features: file '") and \
+            "elsewhere/features.yaml' does not exist" in message, message
+
+
+def test_a_rank_that_leaves_initialize_out_is_named_at_once_rather_than_waited_for(tmp_path):
+    """Rank 0's every-rank check meets rank 1's ``Monitor()`` start-up: the arrival check tells the calls
+    apart and both ranks raise at once, naming them, well within hang_timeout_s (20 s)."""
+    for kind, message, waited in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), "skipped",
+                                           timeout=120):
+        assert kind == "HangError" and "tensor_stats.initialize() on rank 0" in message and \
+            "Monitor() on rank 1" in message, (kind, message)
+        assert waited < 15, waited
+
+
 @pytest.mark.parametrize("freqs,steps", [((1, 2), (1, 2, 3)), ((2, 1), (1, 3))], ids=["first every step",
                                                                              "first every second step"])
 def test_nvdlfw_base_log_tensor_stats_takes_a_tensors_first_entry_as_nvdlfw_does(tmp_path, caplog, freqs, steps):
@@ -1128,6 +1175,80 @@ def test_the_dynamic_range_of_a_tensor_holding_nan_is_nan():
     assert math.isnan(stat_value("dynamic_range", values))
     finite = {part: float(v) for part, v in partials(torch.tensor([1.0, -4.0], dtype=torch.float64)).items()}
     assert stat_value("dynamic_range", finite) == 2.0
+
+
+def _te_dynamic_range(values: list) -> float:
+    """TransformerEngine's ``dynamic_range`` of one tensor (``debug/features/utils/stats_computation.py``):
+    log2 of the largest non-zero |x|, inf where there is none, less log2 of the smallest, of 1 where
+    there is none."""
+    import torch
+
+    magnitude = torch.tensor(values, dtype=torch.float64).abs()
+    nonzero = magnitude[magnitude != 0]
+    top = torch.log2(nonzero.max()) if nonzero.numel() else torch.tensor(math.inf, dtype=torch.float64)
+    bottom = torch.log2(nonzero.min()) if nonzero.numel() else torch.tensor(0.0, dtype=torch.float64)
+    return float(top - bottom)
+
+
+_EDGE_VALUES = {  # step -> the layer's output on rank 0, on rank 1
+    1: ([math.inf, math.inf], [-math.inf, -math.inf]),  # every value ±inf: log2(inf) - log2(inf)
+    2: ([0.0, 0.0, 0.0], [0.0, 0.0]),  # every value zero: no non-zero value
+    3: ([0.0, 0.0], [0.5, -8.0]),  # zeros on one rank: the union's range
+}
+
+
+def _dynamic_range_edges(rank: int, world: int, root: str) -> dict:
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    class Given(nn.Module):
+        step = 1
+
+        def forward(self, x):
+            return torch.tensor(_EDGE_VALUES[self.step][rank]) + 0 * x.sum()
+
+    model = nn.Sequential()
+    model.add_module("given", Given())
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "given$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                         "stats": ["dynamic_range"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out", log_interval=100, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in _EDGE_VALUES:
+            model.given.step = step
+            with torch.no_grad():
+                model(torch.ones(1))
+            monitor.step(step)
+    if rank != 0:
+        return {}
+    return {r["step"]: r["tensor_stats/given/activation/dynamic_range"]
+            for r in dm.read_jsonl(Path(root) / "out" / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+
+
+def test_the_dynamic_range_of_all_inf_and_all_zero_tensors_is_transformer_engines(tmp_path):
+    """Every value ±inf read 0.0 (log2(inf) - log2(inf) is undefined: TE gives NaN), and an all-zero
+    tensor 0.0 (TE gives inf, its log2 of no non-zero amax); a rank holding only zeros leaves the
+    range of the union, the other rank's."""
+    got = run_ranks(_dynamic_range_edges, 2, str(tmp_path), timeout=120)[0]
+    for step, (first, second) in _EDGE_VALUES.items():
+        truth = _te_dynamic_range(first + second)
+        assert (math.isnan(got[step]) and math.isnan(truth)) or got[step] == truth, (step, got[step], truth)
+    assert math.isnan(got[1]) and got[2] == math.inf and got[3] == 4.0
+
+
+@pytest.mark.parametrize("text", [FEATURES, "s:\n  enabled: true\n"], ids=["a long file's text", "two lines"])
+def test_features_given_as_yaml_text_are_named_as_text_not_as_a_missing_file(tmp_path, text):
+    """A string is a path: YAML text given as one was said as a file that does not exist (a long one
+    raised a bare OSError, File name too long). The error says what inline features are."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), tensor_inspect={"enabled": True, "features": text})
+    with pytest.raises(dm.ConfigError, match=re.escape("looks like YAML text")) as info:
+        dm.tensor_stats.initialize(cfg)
+    assert "inline features are a mapping" in str(info.value) and "\n" not in str(info.value), info.value
 
 
 @pytest.mark.parametrize("namespace", ["distmetrics", "LogTensorStats"])

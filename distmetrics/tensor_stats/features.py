@@ -56,6 +56,11 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
     select a step at or after ``init_training_step``, the job's first iteration."""
     source = spec if isinstance(spec, str) else "<inline features>"
     if isinstance(spec, str):
+        if ("\n" in spec or ":" in spec) and not os.path.exists(spec):  # exists(): False for a name too long
+            raise ConfigError(f"tensor_inspect.features: {spec[:60] + ('...' if len(spec) > 60 else '')!r} is no "
+                              "file and looks like YAML text (it holds a newline or ':'): a string is read as a "
+                              "features file's path, and inline features are a mapping (in a YAML config, the "
+                              "sections indented under 'features:'; in Python, a dict such as yaml.safe_load(text))")
         spec = read_yaml(Path(spec), "tensor_inspect.features: file")
     if not isinstance(spec, dict) or not spec:
         raise ConfigError(f"{source}: a features file is a mapping of sections, got {spec!r}")

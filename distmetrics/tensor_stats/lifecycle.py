@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
 from ..output_claim import unmakeable
 from ..packing import digest
-from ..runinfo import NOT_READ
+from ..runinfo import NOT_READ, said_on_every_rank
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
@@ -45,26 +45,61 @@ def accumulate(layer: str, tensor_name: str, tensor: Any, stats: list) -> None:
 
 def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = None, layout: Any = None,
                output_dir: Optional[str] = None):
-    """Check the features file and start nvdlfw-inspect (every rank). With ``model``, the layers
-    are named and hooked at once, which costs one small all-reduce (see ``attach``). Call it
+    """Check the features file and start nvdlfw-inspect; call it on every rank. With ``model``, the
+    layers are named and hooked at once, which costs one small all-reduce (see ``attach``). Call it
     before building TransformerEngine layers: TE decides at construction whether a layer is
-    inspected. A running inspector is closed first."""
+    inspected. A running inspector is closed first.
+
+    With torch.distributed initialised, what one rank finds wrong (a features file it cannot read,
+    a log folder it cannot make) is raised on every rank of ``layout`` (the world by default), after
+    one gather: raised on that rank alone, the others went on into the Monitor's first collective
+    and waited there. ``hang_timeout_s`` (the config's, or its default) bounds the wait for a rank
+    that does not call it."""
+    from ..parallel import detect_layout
+
+    layout = layout or detect_layout()
+    hang_timeout_s = config.hang_timeout_s if isinstance(config, MetricsConfig) else MetricsConfig().hang_timeout_s
+    checked, error = None, None
+    try:
+        checked = _checked(config, output_dir)
+    except ConfigError as err:
+        error = err
+    said_on_every_rank(error, layout, hang_timeout_s, "tensor_stats.initialize")
+    return _start(config, model, layout, output_dir, checked)
+
+
+def _checked(config: Union[MetricsConfig, TensorInspectConfig], output_dir: Optional[str]) -> tuple:
+    """What :func:`initialize` checks before nvdlfw-inspect starts: the features mapping, the feature
+    folders and nvdlfw-inspect's log folder (a ConfigError where something is wrong)."""
+    inspect, output_dir = _parts(config, output_dir)
+    if not inspect.enabled:
+        raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
+    spec, dirs = check_inspect_config(inspect)
+    return spec, dirs, _checked_log_dir(inspect, output_dir)
+
+
+def _parts(config: Union[MetricsConfig, TensorInspectConfig], output_dir: Optional[str]) -> tuple:
+    """The ``tensor_inspect`` section and the output folder nvdlfw-inspect's log folder defaults under."""
+    if isinstance(config, MetricsConfig):
+        return config.tensor_inspect, output_dir or config.output_dir
+    return config, output_dir
+
+
+def _start(config: Union[MetricsConfig, TensorInspectConfig], model: Any, layout: Any, output_dir: Optional[str],
+           checked: Optional[tuple] = None):
+    """Start nvdlfw-inspect and its inspector on this rank (``checked``: what :func:`_checked` gave, or
+    checked here: the Monitor's ranks were told by its start-up gather already)."""
     from ..parallel import detect_layout
     from .inspector import ForwardingLogger, TensorInspector
 
-    if isinstance(config, MetricsConfig):
-        output_dir = output_dir or config.output_dir
-        config = config.tensor_inspect
-    if not config.enabled:
-        raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
-    spec, dirs = check_inspect_config(config)
-    log_dir = config.log_dir or str(Path(output_dir or ".") / "tensor_inspect")
+    spec, dirs, log_dir = checked or _checked(config, output_dir)
+    inspect = _parts(config, output_dir)[0]
     if _STATE.inspector is not None:
         shutdown(_STATE.inspector)
-    inspector = TensorInspector(spec, config.init_training_step)
+    inspector = TensorInspector(spec, inspect.init_training_step)
     inspector.on_close = lambda: _release(inspector)
     os.makedirs(log_dir, exist_ok=True)
-    start_nvdlfw(spec, dirs, log_dir, ForwardingLogger(inspector), config.init_training_step)
+    start_nvdlfw(spec, dirs, log_dir, ForwardingLogger(inspector), inspect.init_training_step)
     _STATE.inspector = inspector
     try:
         inspector.set_layout(layout or detect_layout())
@@ -102,12 +137,19 @@ def check_log_dir(config: MetricsConfig) -> None:
     """nvdlfw-inspect's log folder, checked before it is made (nothing is left here): every rank
     writes its own, and one that could not be made failed on that rank alone, after the start-up
     check, while the others waited in the statistics' first collective. ``check-config`` runs it too."""
-    key, log_dir = ("tensor_inspect.log_dir", config.tensor_inspect.log_dir) if config.tensor_inspect.log_dir \
-        else ("output_dir", str(Path(config.output_dir) / "tensor_inspect"))
+    _checked_log_dir(config.tensor_inspect, config.output_dir)
+
+
+def _checked_log_dir(config: TensorInspectConfig, output_dir: Optional[str]) -> str:
+    """nvdlfw-inspect's log folder (``log_dir``, or ``tensor_inspect`` under the output folder, the
+    working directory where there is none), once it is known that it can be made."""
+    key, log_dir = ("tensor_inspect.log_dir", config.log_dir) if config.log_dir \
+        else ("output_dir", str(Path(output_dir or ".") / "tensor_inspect"))
     problem = unmakeable(Path(log_dir))
     if problem:
         raise ConfigError(f"{key}: nvdlfw-inspect's log folder {log_dir!r} cannot be made on this rank (with tensor "
                           f"statistics on, every rank writes one): {problem}")
+    return log_dir
 
 
 def _digest(spec: dict) -> str:
@@ -143,7 +185,7 @@ def start_for_monitor(config: MetricsConfig, model: Any, layout: Any):
     """The Monitor's entry: attach to an inspector the user started early, or start one."""
     inspector = current()
     if inspector is None:
-        inspector = initialize(config, model=model, layout=layout)
+        inspector = _start(config, model, layout, None)  # checked on every rank by the Monitor's start-up
         inspector.claimed = True
         return inspector
     if inspector.claimed:
@@ -176,7 +218,7 @@ def build_model(config: MetricsConfig, layout: Any, factory: Any, optimizer: Any
         raise TypeError(f"model must be a torch.nn.Module or a callable that builds one, got {type(factory).__name__}")
     started = None
     if config.tensor_inspect.enabled and current() is None:
-        started = initialize(config, layout=layout)
+        started = _start(config, None, layout, None)  # checked on every rank by check_inspection
     try:
         built = factory()
         if isinstance(built, tuple) and len(built) == 2:

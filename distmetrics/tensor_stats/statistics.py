@@ -4,6 +4,9 @@ A tensor becomes on-device partials — count, mean, M2 (Σ(x−mean)²), min, m
 the smallest non-zero |x| — and partials merge pairwise (Chan et al.), so the variance of the
 union is exact; TransformerEngine's cross-rank ``std`` subtracts the between-group term, ours
 adds it. Every statistic a features file may ask for is a function of the partials.
+``dynamic_range`` is TransformerEngine's definition applied to the union of every rank's values:
+TE's cross-rank combination (the largest of the ranks' log2 amax less the smallest of their log2
+amin) reads a rank holding only zeros as inf, whatever the other ranks hold.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ def stat_value(stat: str, v: dict) -> float:
         return v["l1"]
     if stat == "cur_amax":
         return amax
-    if stat == "dynamic_range":
-        if math.isnan(amax):  # a NaN in the tensor: no range (amax > 0 is False for NaN: it read 0)
-            return math.nan
-        return math.log2(amax) - math.log2(v["minabs"]) if amax > 0 and math.isfinite(v["minabs"]) else 0.0
+    if stat == "dynamic_range":  # TransformerEngine's: log2 of the largest non-zero |x| less log2 of the smallest
+        if amax == 0:  # no non-zero value: TE takes its log2 of the largest as inf (and of the smallest as 0)
+            return math.inf
+        # a NaN gives NaN, and every non-zero value ±inf log2(inf) - log2(inf), NaN too (both read 0.0)
+        return math.log2(amax) - math.log2(v["minabs"])
     return v[stat]  # min, max, mean
