@@ -48,10 +48,31 @@ class InCollective:
         if err is None or not (isinstance(err, dist.DistError) or type(err) is RuntimeError):
             return False
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        said = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        said = " ".join(str(err).split()) or "(no message)"  # every line: NCCL names the cause on a later one
+        if len(said) > _SAID_AT_MOST:
+            said = said[:_SAID_AT_MOST] + " [...]"
         raise PeerLostError(
             f"distmetrics: the distributed backend failed on rank {rank} in {_describe(self.call, self.step)}, in "
-            f"{self.collective}: {type(err).__name__}: {said} — a peer rank has probably gone (crashed, killed, out "
-            "of memory) while the ranks were in this collective. Look at the other ranks' logs and the launcher's "
-            "(which rank ended first, on which signal) for the first failure; distmetrics' metrics are not the "
-            "cause unless every rank is still alive") from err
+            f"{self.collective}: {type(err).__name__}: {said} — {_reading(str(err))}. Look at the other ranks' logs "
+            "and the launcher's (which rank ended first, on which signal) for the first failure") from err
+
+
+_SAID_AT_MOST = 600
+"""How much of the backend's message the error repeats (all of it is its ``__cause__``)."""
+_GONE = ("closed by peer", "reset by peer", "connection refused", "broken pipe", "socket closed")
+_LATE = ("timed out", "timeout")
+
+
+def _reading(message: str) -> str:
+    """What the backend's message says of the peers: gone (their connections closed), late (the
+    process group's timeout passed with every rank perhaps alive: one slow, or in another call), or
+    neither (a set-up or usage error: the message names it)."""
+    lowered = message.lower()
+    if any(word in lowered for word in _GONE):
+        return ("a peer rank has probably gone (crashed, killed, out of memory) while the ranks were in this "
+                "collective; distmetrics' metrics are not the cause unless every rank is still alive")
+    if any(word in lowered for word in _LATE):
+        return ("a peer rank did not join this collective within the process group's timeout: it is slow, in "
+                "another call (a collective of its own, a checkpoint) or gone")
+    return ("the backend's message above names the cause; where a peer rank has gone (crashed, killed, out of "
+            "memory), this is how the others see it")

@@ -291,6 +291,29 @@ def _console_on_full_disk(rank: int, world: int, folder: str, disk: str) -> dict
     return {"warnings": capture.messages, "printed": printed.messages, "while_full": while_full}
 
 
+def test_console_lines_reach_a_write_replaced_on_stdout_and_a_byte_order_mark_is_written_once(tmp_path):
+    """A line written on stdout's descriptor bypassed what replaces ``sys.stdout.write`` on the stream
+    (W&B's console capture: no distmetrics line in the run's logs) and the stream's encoder (a
+    byte-order mark before every line under ``utf-8-sig``): such streams get each line through
+    their own ``write``."""
+    import codecs
+    import logging
+
+    from distmetrics.sinks.console import _Stdout
+
+    seen: list = []
+    with open(tmp_path / "wrapped.txt", "w", encoding="utf-8") as stream:
+        real = stream.write
+        stream.write = lambda text: (seen.append(text), real(text))[1]
+        for n in (1, 2):
+            _Stdout(stream).emit(logging.makeLogRecord({"msg": f"line {n}"}))
+    assert "".join(seen) == "line 1\nline 2\n" == (tmp_path / "wrapped.txt").read_text()
+    with open(tmp_path / "marked.txt", "w", encoding="utf-8-sig") as stream:
+        for n in (1, 2):
+            _Stdout(stream).emit(logging.makeLogRecord({"msg": f"line {n}"}))
+    assert (tmp_path / "marked.txt").read_bytes() == codecs.BOM_UTF8 + b"line 1\nline 2\n"
+
+
 def test_console_lines_on_a_full_disk_are_whole_or_absent_counted_and_printed_again(tmp_path):
     """stdout redirected to a file on a disk that fills mid-line: logging's buffered stream wrote
     the line's first part and kept the rest for the next write (a half line, then glued to the next

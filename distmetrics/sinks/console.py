@@ -16,6 +16,7 @@ measured are left out. Under
 
 from __future__ import annotations
 
+import codecs
 import errno
 import io
 import logging
@@ -34,6 +35,7 @@ __all__ = ["ConsoleSink", "format_train_line", "format_eval_line", "format_timer
 
 LOGGER_NAME = "distmetrics.console"
 _SHARED: dict = {}  # the stdout handler a sink added, and how many open sinks print through it
+_MARKED = frozenset({"utf-8-sig", "utf-16", "utf-32"})  # codecs that write a byte-order mark first
 _GONE = (errno.EPIPE, errno.EBADF)  # stdout's reader went (``| head``) or it was closed: no later line can go
 logger = logging.getLogger("distmetrics")
 
@@ -229,8 +231,13 @@ class _Stdout(logging.StreamHandler):
 
 
 def _descriptor(stream: Any) -> Optional[int]:
-    """The descriptor under a text file object (``sys.stdout``), or None (a capture, a notebook's stream)."""
-    if not isinstance(stream, io.TextIOWrapper):
+    """The descriptor under a text file object (``sys.stdout``), or None where its own ``write`` must
+    see each line: a capture, a notebook's stream, a ``write`` replaced on the stream (W&B's console
+    capture wraps ``sys.stdout.write`` to copy the run's output), or an encoding that begins a stream
+    with a byte-order mark (``utf-8-sig``, ``utf-16``: one at each line's own encoding)."""
+    if not isinstance(stream, io.TextIOWrapper) or "write" in getattr(stream, "__dict__", ()):
+        return None
+    if codecs.lookup(stream.encoding or "utf-8").name in _MARKED:
         return None
     try:
         return stream.fileno()
