@@ -130,7 +130,7 @@ class Monitor:
             self.timers = self._by_name["timers"].timers
             self._module_order, stage = job_module_order(self.layout, module_order(model), self._guard,
                                                          chunked=isinstance(model, torch.nn.ModuleList),
-                                                         owners=owner_names(model))
+                                                         owners=owner_names(model) if self.layout.pp_size > 1 else ())
             if stage and "norms" in self._by_name:  # stages' modules of one name: each named with its stage
                 self._by_name["norms"].name_stage(stage)
             if optimizer is not None and "norms" in self._by_name:

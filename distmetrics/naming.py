@@ -40,8 +40,9 @@ def module_name_map(model: torch.nn.Module) -> dict[str, str]:
         number = getattr(module, "layer_number", None)
         if is_wrapper_level(modules.get(parent), leaf):
             clean = base
-        elif leaf.isdigit() and parent.split(".")[-1] == "layers" and numbered.setdefault(
-                parent, _distinct_layer_numbers(modules.get(parent))):
+        elif leaf.isdigit() and parent.split(".")[-1] == "layers" and (
+                numbered[parent] if parent in numbered else  # once per list: a scan of every child
+                numbered.setdefault(parent, _distinct_layer_numbers(modules.get(parent)))):
             clean = f"{base}.{number - 1}" if base else str(number - 1)
         elif leaf.isdigit() and parent.split(".")[-1] == "local_experts" and int(leaf) < len(experts[parent]):
             clean = f"{base}.{experts[parent][int(leaf)]}"
@@ -87,13 +88,15 @@ def global_param_name(raw: str, rename: dict[str, str]) -> str:
     return f"{base}.{leaf}" if base else leaf
 
 
-def root_name(model: Optional[torch.nn.Module]) -> str:
+def root_name(model: Optional[torch.nn.Module], rename: Optional[dict] = None) -> str:
     """What the root module's own parameters are called: :data:`ROOT_MODULE` (``model``), or
     ``root`` (``root_2``, ...) when a top-level child module has that name already (a wrapper
-    holding ``self.model``, as Hugging Face's ``*ForCausalLM`` do): the two are never merged."""
+    holding ``self.model``, as Hugging Face's ``*ForCausalLM`` do): the two are never merged.
+    ``rename``: the model's :func:`module_name_map`, where made already."""
     if model is None:
         return ROOT_MODULE
-    top = {name.split(".", 1)[0] for name in module_name_map(model).values() if name}
+    rename = module_name_map(model) if rename is None else rename
+    top = {name.split(".", 1)[0] for name in rename.values() if name}
     candidates = itertools.chain((ROOT_MODULE, "root"), (f"root_{n}" for n in itertools.count(2)))
     return next(name for name in candidates if name not in top)
 
@@ -103,18 +106,21 @@ def module_order(model: Optional[torch.nn.Module]) -> list[str]:
     parameters (:func:`root_name`) before all."""
     if model is None:
         return []
-    return [root_name(model)] + list(dict.fromkeys(name for name in module_name_map(model).values() if name))
+    rename = module_name_map(model)
+    return [root_name(model, rename)] + list(dict.fromkeys(name for name in rename.values() if name))
 
 
 def owner_names(model: Optional[torch.nn.Module]) -> list[str]:
-    """The names of the modules that hold parameters themselves (a norm's buckets; the root's own
-    as :func:`root_name`). A tied copy that Megatron marks ``shared`` is left out: it counts on no
-    rank (the first stage's counts), so its name merges nothing."""
+    """The names of the modules that hold trainable parameters themselves (a norm's buckets; the
+    root's own as :func:`root_name`). Frozen parameters are in no norm, and a tied copy that Megatron
+    marks ``shared`` counts on no rank (the first stage's counts): their names merge nothing."""
     if model is None:
         return []
-    rename, root, out = module_name_map(model), root_name(model), {}
+    rename, out = module_name_map(model), {}
+    root = root_name(model, rename)
     for name, module in model.named_modules():
-        if any(q is not None and not getattr(q, "shared", False) for q in module._parameters.values()):
+        if any(q is not None and q.requires_grad and not getattr(q, "shared", False)
+               for q in module._parameters.values()):
             out[rename[name] or root] = None
     return list(out)
 

@@ -461,6 +461,38 @@ def test_modules_of_one_name_on_different_pipeline_stages_are_named_with_their_s
         "stage1", "stage1.model", "stage1.layers", "stage1.layers.0", "stage1.layers.1", "stage1.norm", "stage1.head"]
 
 
+def _whole_model_with_the_other_stage_frozen(rank: int, world: int) -> dict:
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    heard: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    for name, param in model.named_parameters():  # stage 0 trains modules 0 and 1, stage 1 module 2
+        param.requires_grad_(name.startswith(("0.", "1.")) == (rank == 0))
+        param.grad = torch.full_like(param, 0.5) if param.requires_grad else None
+    with dm.Monitor(quiet_config(log_interval=1), model=model, device_mesh=mesh) as monitor:
+        monitor.clip_grad_norm_(1e9)
+        metrics = monitor.step(1, loss=1.0)
+    return {"names": sorted(k for k in metrics if k.startswith("grad_norm/")),
+            "said": [message for message in heard if "both hold" in message]}
+
+
+def test_stages_holding_the_whole_model_with_the_others_modules_frozen_keep_their_names():
+    """Each stage builds the whole model (global names) and freezes the other stage's modules: frozen
+    parameters are in no norm, so nothing merges, yet they were counted as held and every name got a
+    stage prefix, with a warning of different modules of one name."""
+    for result in run_ranks(_whole_model_with_the_other_stage_frozen, 2, timeout=120):
+        assert result == {"names": ["grad_norm/0", "grad_norm/1", "grad_norm/2"], "said": []}, result
+
+
 def test_between_log_steps_nothing_crosses_ranks_and_a_clip_is_one_all_reduce(dtensor_results):
     """The README's claims, with FSDP2 on 4 ranks and per-module, parameter and update norms and
     level-2 timers on: a clip makes one all-reduce and no .item() (the first one more, which checks
