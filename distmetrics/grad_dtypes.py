@@ -35,6 +35,7 @@ class GradDtypes:
     def __init__(self) -> None:
         self.agreed: frozenset = frozenset()
         """The real dtypes some rank's gradients held at the last agreement (empty before one)."""
+        self._for: Optional[tuple] = None  # (the plan, this rank's real dtypes) that agreement was made for
         self._lanes: dict = {}  # (this rank's dtypes, sign, device) → its lanes, made once
 
     @staticmethod
@@ -56,12 +57,12 @@ class GradDtypes:
         held = self.lanes(dtypes, kind, device)
         return held if extra is None else torch.cat([extra, held])
 
-    def take(self, measured: Any) -> None:
+    def take(self, measured: Any, plan: Any, dtypes: Iterable[torch.dtype]) -> None:
         """Split this rank's lanes, reduced, off ``measured.replicas`` (:meth:`beside`); where the measurement
         is on the host (no device to wait for), agree them: every rank's dtypes at this call."""
         measured.replicas, held = measured.replicas[:-len(LANES)], measured.replicas[-len(LANES):]
         if measured.on_host:
-            self.agree(held.tolist())
+            self.agree(held.tolist(), plan, dtypes)
 
     def lanes(self, dtypes: Iterable[torch.dtype], kind: str, device: torch.device) -> torch.Tensor:
         """This rank's lanes for a measurement's all-reduce of ``kind`` (a MIN reduces −1 for a dtype
@@ -77,12 +78,18 @@ class GradDtypes:
             self._lanes[key] = cached
         return cached
 
-    def agree(self, reduced: Iterable[float]) -> None:
-        """Take the reduced lanes (the same on every rank): a dtype some rank holds is not 0 there."""
+    def agree(self, reduced: Iterable[float], plan: Any, dtypes: Iterable[torch.dtype]) -> None:
+        """Take the reduced lanes (the same on every rank): a dtype some rank holds is not 0 there; made
+        for ``plan``'s gradients, this rank's of ``dtypes``."""
         self.agreed = frozenset(dtype for dtype, value in zip(LANES, reduced) if value != 0)
+        self._for = (plan, frozenset(dtype.to_real() for dtype in dtypes))
 
-    def returned(self, dtypes: Iterable[torch.dtype]) -> Optional[torch.dtype]:
+    def returned(self, dtypes: Iterable[torch.dtype], plan: Any) -> Optional[torch.dtype]:
         """The dtype torch's clip of every rank's gradients returns: promoted over the agreed dtypes and
-        this rank's own (``dtypes``); None where no rank holds a gradient (torch's zero: the default dtype)."""
-        held = self.agreed | {dtype.to_real() for dtype in dtypes}
+        this rank's own (``dtypes``); None where no rank holds a gradient (torch's zero: the default dtype).
+        The agreement counts only for the plan and this rank's dtypes it was made for: a clip of other
+        parameters (an fp32 head, then a bf16 body), or gradients cast since, where nothing agreed them
+        again (a GPU reads no lanes), are promoted over this rank's own, as every rank of a replica alike."""
+        own = frozenset(dtype.to_real() for dtype in dtypes)
+        held = self.agreed | own if self._for is not None and self._for[0] is plan and self._for[1] == own else own
         return functools.reduce(torch.promote_types, held) if held else None

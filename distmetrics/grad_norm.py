@@ -192,7 +192,7 @@ class GradientNorms:
                             self.dtypes.beside(extra, dtypes, kind, device) if carried else extra,
                             tensors=measured_locals if device.type == "cpu" else None)
         if carried:  # the dtypes' lanes, after the replica check's
-            self.dtypes.take(measured)
+            self.dtypes.take(measured, plan, dtypes)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only
 
@@ -234,7 +234,7 @@ class GradientNorms:
             error.held = bool(measured.bad_anywhere > 0)
             raise error
         measured.locals, measured.groups = locals_, groups
-        return _as_torch_returns(measured.total, grads, self.dtypes.returned(dtypes)), measured
+        return _as_torch_returns(measured.total, grads, self.dtypes.returned(dtypes, plan)), measured
 
     def _agree(self, p: float, call: str, plan: Plan, dtypes: set) -> None:
         """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
@@ -255,7 +255,7 @@ class GradientNorms:
             with InCollective("the MAX all_reduce checking every rank's norm_type", call):
                 dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
             high, low, mixed, *held = lanes.tolist()
-            self.dtypes.agree(held)
+            self.dtypes.agree(held, plan, dtypes)
             self._replicas_anywhere = self._replicas_anywhere or mixed > 0
             if high != -low:
                 raise ValueError(f"{call}(norm_type={p:g}) on this rank, but the ranks passed norm types from "

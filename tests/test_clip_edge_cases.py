@@ -554,3 +554,28 @@ def test_tensor_statistics_merge_an_inf_mean_across_micro_batches():
                           ([-math.inf, 1.0], [2.0, 3.0]), ([1.0, 2.0, 3.0], [4.5, 7.0])):
         merged = merge(*(partials(torch.tensor(x, dtype=torch.float64)) for x in (first, second)))
         assert float(merged["mean"]) == float(torch.tensor(first + second, dtype=torch.float64).mean())
+
+
+def _a_head_then_a_body_where_no_lane_is_read(rank: int, world: int) -> tuple:
+    """GradDtypes.carried made False: what a job whose collective runs on a GPU (NCCL) does, which
+    this machine cannot run: the dtypes are agreed at the first clip with a norm type only."""
+    import distmetrics as dm
+    from distmetrics.grad_dtypes import GradDtypes
+
+    GradDtypes.carried = staticmethod(lambda group: False)
+    head, body, alone = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).bfloat16(), torch.nn.Linear(4, 4).bfloat16()
+    for param in [*head.parameters(), *body.parameters(), *alone.parameters()]:
+        param.grad = torch.full_like(param, 3.0)
+    first = dm.clip_grad_norm_(head.parameters(), 1.0)
+    second = dm.clip_grad_norm_(body.parameters(), 1.0)
+    truth = torch.nn.utils.clip_grad_norm_(alone.parameters(), 1.0)
+    return (first.dtype, second.dtype, truth.dtype, torch.equal(body.weight.grad, alone.weight.grad))
+
+
+def test_a_clip_of_other_parameters_is_not_promoted_with_the_first_clips_dtypes_where_no_lane_is_read():
+    """Where a clip reads no dtype lanes (a GPU), the dtypes agreed at the first clip (an fp32 head) were
+    promoted into a later clip of other parameters (a bf16 body): float32 total and coefficient where
+    torch's clip of those parameters gives bfloat16 (gradients one bf16 step apart). The agreement
+    counts for the parameters and dtypes it was made for."""
+    for result in run_ranks(_a_head_then_a_body_where_no_lane_is_read, 2, timeout=120):
+        assert result == (torch.float32, torch.bfloat16, torch.bfloat16, True), result
