@@ -31,8 +31,8 @@ from .runlog import METRICS_FILE, last_logged_step
 from .sinks import SinkSet, open_sinks, sink_name
 from .validation import ConfigError
 
-__all__ = ["coerced_config", "start_up", "said_on_every_rank", "gather_rank_info", "run_record", "open_writer_sinks",
-           "first_step", "resumed_at", "OutputClaim"]
+__all__ = ["coerced_config", "start_up", "said_on_every_rank", "left_at_start", "gather_rank_info", "run_record",
+           "open_writer_sinks", "first_step", "resumed_at", "OutputClaim"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -123,6 +123,15 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
             raise ConfigError(message)  # the same on every rank: a config error, as a job of one rank raises it
         raise ValueError(message)
     return hosts, claim
+
+
+def left_at_start(how: str, hang_timeout_s: float) -> None:
+    """Mark this rank left at the first guarded call of the next Monitor made on the world (as every
+    rank makes its guards alike, it is the one the others' ``Monitor()`` waits at): a rank that raises
+    before its Monitor (``tensor_stats.initialize``'s check) is named there at once, with ``how``,
+    rather than waited for. Nothing without a process group, alone, or with the check off."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        CollectiveGuard(hang_timeout_s).leave(how)
 
 
 def said_on_every_rank(error: Optional[ConfigError], layout: Layout, hang_timeout_s: float, call: str) -> None:

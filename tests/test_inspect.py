@@ -1092,7 +1092,8 @@ def test_a_features_file_a_rank_cannot_read_is_raised_on_every_rank(tmp_path, mi
 
 def _initialize_with_features_missing_on(rank: int, world: int, root: str, case: str) -> tuple:
     """The README's TransformerEngine order on each rank: ``initialize``, the model, ``Monitor``. ``case``:
-    the features file missing on rank 1 ("missing"), or rank 1 leaving ``initialize`` out ("skipped")."""
+    the features file missing on rank 1 ("missing"; "missing, model": ``initialize`` given the model), or
+    rank 1 leaving ``initialize(..., model=)`` out ("skipped")."""
     import time
 
     import torch.distributed as dist
@@ -1103,14 +1104,16 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
     if rank == 0:
         features.write_text(FEATURES)
     dist.barrier()  # rank 0 wrote its file; rank 1 reads a path its host does not have
-    path = str(Path(root) / "elsewhere" / "features.yaml") if case == "missing" and rank == 1 else str(features)
+    missing = case.startswith("missing") and rank == 1  # a path rank 1's host does not have
+    path = str(Path(root) / "elsewhere" / "features.yaml") if missing else str(features)
     cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=20,
                            tensor_inspect={"enabled": True, "features": path})
     started = time.monotonic()
     try:
-        if case == "missing" or rank == 0:
-            dm.tensor_stats.initialize(cfg)
-        dm.Monitor(cfg, model=_model()).close()
+        model = _model()
+        if case.startswith("missing") or rank == 0:
+            dm.tensor_stats.initialize(cfg, model=model if case != "missing" else None)
+        dm.Monitor(cfg, model=model).close()
         return "no error", "", time.monotonic() - started
     except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
         return type(err).__name__, str(err), time.monotonic() - started
@@ -1118,13 +1121,21 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
 
 def test_initialize_says_a_features_file_one_rank_cannot_read_on_every_rank(tmp_path):
     """``initialize`` checked the features file on its own rank: rank 1 raised, rank 0 went on into
-    ``Monitor()`` and waited there for a rank that never came. With a process group the check is
-    gathered, as ``Monitor()``'s is, and every rank raises it before nvdlfw-inspect starts anywhere."""
-    for kind, message, _ in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), "missing",
+    ``Monitor()`` and waited there hang_timeout_s (20 s) for a rank that never came. Given the model
+    (hooking it is a collective already) the check is gathered, as ``Monitor()``'s is, and every rank
+    raises it before nvdlfw-inspect starts anywhere; without, rank 1 raises it and is named at once,
+    with it, at the others' ``Monitor()``."""
+    for kind, message, _ in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), "missing, model",
                                       timeout=120):
         assert kind == "ConfigError", (kind, message)
         assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect.features: file '") and \
             "elsewhere/features.yaml' does not exist" in message, message
+    (kind, message, waited), (own, said, _) = run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path),
+                                                        "missing", timeout=120)
+    assert own == "ConfigError" and "elsewhere/features.yaml' does not exist" in said, (own, said)
+    assert kind == "HangError" and waited < 15, (kind, message, waited)
+    assert "rank 1: last call raised ConfigError in tensor_stats.initialize: tensor_inspect.features: file '" \
+        in message and "does not exist" in message, message
 
 
 def test_a_rank_that_leaves_initialize_out_is_named_at_once_rather_than_waited_for(tmp_path):
@@ -1249,6 +1260,9 @@ def test_features_given_as_yaml_text_are_named_as_text_not_as_a_missing_file(tmp
     with pytest.raises(dm.ConfigError, match=re.escape("looks like YAML text")) as info:
         dm.tensor_stats.initialize(cfg)
     assert "inline features are a mapping" in str(info.value) and "\n" not in str(info.value), info.value
+    for path in (r"C:\runs\features.yaml", f"{tmp_path}/job:7/features.yaml"):  # paths with a colon stay paths
+        with pytest.raises(dm.ConfigError, match="does not exist"):
+            dm.tensor_stats.initialize(cfg.replace(tensor_inspect={"enabled": True, "features": path}))
 
 
 @pytest.mark.parametrize("namespace", ["distmetrics", "LogTensorStats"])
@@ -1878,6 +1892,22 @@ def _unmeasured(rank: int, world: int, root: str) -> dict:
                 model.fc2(activation).sum().backward()
                 monitor.step(step)
         out["empty"] = {"truth": stats(activation), "warnings": warnings[:]}
+        del warnings[:]
+
+        class Router(nn.Module):  # trainable, but what it returns first is integer indices
+            def __init__(self) -> None:
+                super().__init__()
+                self.gate = nn.Linear(6, 4)
+
+            def forward(self, x):
+                probs = self.gate(x).softmax(-1)
+                return probs.argmax(-1), probs
+
+        router = Router()
+        with dm.Monitor(config("router", r"router$", ["gradient"]), model=nn.ModuleDict({"router": router})) as monitor:
+            router(batch(1, 3))[1].sum().backward()
+            monitor.step(1)
+        out["router"] = warnings[:]
     finally:
         logging.getLogger("distmetrics").removeHandler(handler)
     return out
@@ -1906,6 +1936,8 @@ def test_a_selected_gradient_a_frozen_layer_never_gets_is_named_once(unmeasured)
     assert len(said) == 1 and not ranks[1]["frozen"]["warnings"], ranks
     assert "tensor 'gradient' on layer 'model.fc1'" in said[0], said
     assert "needed no gradient in the training forward of step 1" in said[0] and "frozen" in said[0], said
+    said = [w for w in ranks[0]["router"] if "has none to measure" in w]  # not frozen: its output is indices
+    assert len(said) == 1 and "has trainable parameters" in said[0] and "frozen" not in said[0], said
 
 
 def test_a_section_whose_tensors_were_empty_on_every_rank_says_so(unmeasured):

@@ -56,9 +56,9 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
     select a step at or after ``init_training_step``, the job's first iteration."""
     source = spec if isinstance(spec, str) else "<inline features>"
     if isinstance(spec, str):
-        if ("\n" in spec or ":" in spec) and not os.path.exists(spec):  # exists(): False for a name too long
+        if _yaml_like(spec) and not os.path.exists(spec):  # exists(): False for a name too long
             raise ConfigError(f"tensor_inspect.features: {spec[:60] + ('...' if len(spec) > 60 else '')!r} is no "
-                              "file and looks like YAML text (it holds a newline or ':'): a string is read as a "
+                              "file and looks like YAML text (a newline, or ': '): a string is read as a "
                               "features file's path, and inline features are a mapping (in a YAML config, the "
                               "sections indented under 'features:'; in Python, a dict such as yaml.safe_load(text))")
         spec = read_yaml(Path(spec), "tensor_inspect.features: file")
@@ -426,3 +426,9 @@ def tensor_names(spec: dict) -> set:
 
     visit(spec)
     return names
+
+
+def _yaml_like(spec: str) -> bool:
+    """Whether a string that names no file reads as YAML text rather than a path: a newline, a key
+    with its value (``: ``), or a key alone at the end. A path may hold ':' (``C:\\runs``, ``run:7``)."""
+    return "\n" in spec or ": " in spec or spec.rstrip().endswith(":")

@@ -108,7 +108,7 @@ class TensorInspector:
         # checkpointing (torch's use_reentrant=True, Megatron's recompute) runs the forward under no_grad,
         # then again inside backward, where that recomputation's output is backpropagated
         self._gradient_owed: dict[str, int] = {}
-        self._no_gradient: set = set()  # layers whose selected gradient a training forward of this step made none of
+        self._no_gradient: dict = {}  # layers whose selected gradient no forward of this step made -> trainable
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
@@ -250,8 +250,8 @@ class TensorInspector:
                     out.register_hook(lambda grad: call("gradient", grad))
                 elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
                     self._gradient_owed[name] = self._gradient_owed.get(name, 0) + 1
-                elif _logs_at("base", gradient, self.iteration):  # frozen, with all it came from: backward never comes
-                    self._no_gradient.add(name)
+                elif _logs_at("base", gradient, self.iteration):  # backward never comes: frozen, or not differentiable
+                    self._no_gradient[name] = any(p.requires_grad for p in mod.parameters())
 
         self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
@@ -339,10 +339,10 @@ class TensorInspector:
         needed none: the layer is frozen, and so is all its input came from), once per layer.
         Evaluation forwards and those under ``torch.no_grad()`` are not the step's and say nothing;
         a layer frozen for some steps only is named at the first of them."""
-        for layer in sorted(self._no_gradient):
+        for layer, trainable in sorted(self._no_gradient.items()):
             if (layer, "gradient") not in self.partials:  # another micro-batch's forward gave it
-                self._unreadable(layer, "gradient", no_gradient_reason(step, self.iteration))
-        self._no_gradient = set()
+                self._unreadable(layer, "gradient", no_gradient_reason(step, self.iteration, trainable))
+        self._no_gradient = {}
 
     def pause(self) -> None:
         """``monitor.pause()``: forwards until :meth:`resume` are an evaluation's, not the step's."""

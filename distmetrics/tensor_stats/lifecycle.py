@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from ..config import ConfigError, MetricsConfig, TensorInspectConfig
 from ..output_claim import unmakeable
 from ..packing import digest
-from ..runinfo import NOT_READ, said_on_every_rank
+from ..runinfo import NOT_READ, left_at_start, said_on_every_rank
 from .features import check_inspect_config
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
@@ -51,10 +51,13 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
     inspected. A running inspector is closed first.
 
     With torch.distributed initialised, what one rank finds wrong (a features file it cannot read,
-    a log folder it cannot make) is raised on every rank of ``layout`` (the world by default), after
-    one gather: raised on that rank alone, the others went on into the Monitor's first collective
-    and waited there. ``hang_timeout_s`` (the config's, or its default) bounds the wait for a rank
-    that does not call it."""
+    a log folder it cannot make) is not left to that rank alone, where the others went on into the
+    Monitor's first collective and waited there: given ``model`` (whose hooking is a collective over
+    ``layout``'s group, the world by default, already), it is raised on every rank of that group
+    after one gather, bounded by ``hang_timeout_s`` (the config's, or its default); without, the rank
+    raises it and marks itself left at the arrival check of the next ``Monitor()`` of the world, so
+    the others raise there at once, naming it and the error (no collective here: ranks of jobs that
+    share a world through ``Monitor(group=...)`` need not all call it)."""
     from ..parallel import detect_layout
 
     layout = layout or detect_layout()
@@ -64,7 +67,11 @@ def initialize(config: Union[MetricsConfig, TensorInspectConfig], model: Any = N
         checked = _checked(config, output_dir)
     except ConfigError as err:
         error = err
-    said_on_every_rank(error, layout, hang_timeout_s, "tensor_stats.initialize")
+    if model is not None:
+        said_on_every_rank(error, layout, hang_timeout_s, "tensor_stats.initialize")
+    elif error is not None:
+        left_at_start(f"raised {type(error).__name__} in tensor_stats.initialize: {error}", hang_timeout_s)
+        raise error
     return _start(config, model, layout, output_dir, checked)
 
 

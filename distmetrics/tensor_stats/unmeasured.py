@@ -75,9 +75,13 @@ class SilentSections:
                 f"iteration {iteration}) but no value came from any of its layers{named}{hint}")
 
 
-def no_gradient_reason(step: int, iteration: int) -> str:
-    """Why a layer whose output needed no gradient in a training forward has no gradient to measure."""
+def no_gradient_reason(step: int, iteration: int, trainable: bool = False) -> str:
+    """Why a layer whose output needed no gradient in a training forward has no gradient to measure:
+    ``trainable``, the layer holds trainable parameters (its output is not differentiable: a router's
+    integer indices); else it is frozen, as is all its input came from."""
+    why = ("the layer has trainable parameters, but the tensor it returns first (the one measured) is not "
+           "differentiable (integer indices, a detached result)" if trainable else
+           "the layer is frozen (requires_grad=False), and so is every layer its input came from (or the input "
+           "was made under torch.no_grad() or detached)")
     return (f"its output needed no gradient in the training forward of step {step} (nvdlfw-inspect's iteration "
-            f"{iteration}): the layer is frozen (requires_grad=False), and so is every layer its input came from (or "
-            "the input was made under torch.no_grad() or detached), so backward never reaches it (named at the "
-            "first such step only)")
+            f"{iteration}): {why}, so backward never reaches it (named at the first such step only)")
