@@ -158,7 +158,7 @@ def _reducer_worker(rank: int, world: int, sizes, repeats: int) -> dict:
 
 
 def bench_collectives(sizes, repeats: int, world: int = 4) -> dict:
-    return run_ranks(_reducer_worker, world, sizes, repeats, timeout=900)[0]
+    return run_ranks(_reducer_worker, world, sizes, repeats, timeout=900, threads=None)[0]  # as in the README's rows
 
 
 # --- 3. non-log-step overhead of a small FSDP2 training step (2 ranks) -------------------------
@@ -230,7 +230,7 @@ def _training_worker(rank: int, world: int, steps: int) -> dict:
 
 
 def bench_training(steps: int, world: int = 2) -> dict:
-    return run_ranks(_training_worker, world, steps, timeout=900)[0]
+    return run_ranks(_training_worker, world, steps, timeout=900, threads=None)[0]  # as in the README's rows
 
 
 # --- 4a. timer start/stop cost ----------------------------------------------------------------

@@ -44,7 +44,7 @@ def bench_negotiation(worlds=(2, 4, 8), distinct: int = 2) -> dict:
     """Bytes one rank receives while agreeing on names: measured, and extrapolated."""
     rows = []
     for world in worlds:
-        result = run_ranks(_negotiation_worker, world, min(distinct, world), timeout=600)[0]
+        result = run_ranks(_negotiation_worker, world, min(distinct, world), timeout=600, threads=None)[0]
         rows.append({"world": world, "distinct_sets": min(distinct, world), "received": result["received"],
                      "gather_every_rank": world * result["per_rank_list_pickled"],
                      "gather_every_rank_compressed": world * result["per_rank_list_compressed"]})
@@ -80,7 +80,7 @@ def _guard_worker(rank: int, world: int, steps: int) -> dict:
 
 def bench_guard(world: int = 4, steps: int = 60) -> dict:
     """A healthy log step with the arrival check (hang_timeout_s=300) against without (0)."""
-    result = run_ranks(_guard_worker, world, steps, timeout=600)[0]
+    result = run_ranks(_guard_worker, world, steps, timeout=600, threads=None)[0]  # as in the README's rows
     return {"world": world, "off_ms": result[0.0] * 1e3, "on_ms": result[300.0] * 1e3,
             "added_ms": (result[300.0] - result[0.0]) * 1e3, "ratio": result[300.0] / result[0.0]}
 

@@ -46,7 +46,9 @@ def _context() -> Any:
     return _CONTEXT[0]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, env: dict) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, env: dict,
+           threads: int | None) -> None:
+    import torch
     import torch.distributed as dist
 
     os.environ.clear()
@@ -54,6 +56,8 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tup
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
+        if threads is not None:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
@@ -63,16 +67,21 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tup
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, env: dict | None = None,
-              may_die: tuple = ()) -> list:
+              may_die: tuple = (), threads: int | None = 1) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank (None for a
     rank in ``may_die`` that never reported, e.g. one the test killed).
+
+    Each rank computes on ``threads`` intra-op threads: 1, as torchrun starts several workers
+    (``OMP_NUM_THREADS`` in the environment wins, as there); None keeps the server's, one per core.
+    2-4 ranks of 2 threads each on 2 cores spent most of a small model's step in OpenMP's spin-waits
+    (the FSDP2 layouts of ``tests/test_norms.py`` took 4 times as long).
 
     Results travel through a multiprocessing queue: return plain Python values, not tensors."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     env = {**os.environ, **(env or {})}
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env, threads), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

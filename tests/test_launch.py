@@ -348,6 +348,37 @@ def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     assert calls[("-x",)][0] == "venv python -m pytest -q -x"  # pytest's testpaths (tests) then
 
 
+def _intra_op_threads(rank: int, world: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_the_suites_ranks_compute_on_as_many_threads_as_torchrun_gives_its_workers(monkeypatch):
+    """The suite's ranks (``tests/dist_utils.run_ranks``) stand in for torchrun's workers, but kept the
+    thread count of the server they fork from, one per core: 2-4 ranks of 2 OpenMP threads each on 2
+    cores spent most of a small model's step spin-waiting. Truth: what torchrun's own launch config sets
+    for 2 workers where the environment says nothing."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    from tests.dist_utils import run_ranks
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # restored as it was after the test
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    config_from_args(parse_args(["--nproc-per-node", "2", "--standalone", "x.py"]))
+    torchrun = int(os.environ.pop("OMP_NUM_THREADS"))
+    assert run_ranks(_intra_op_threads, 2) == [torchrun, torchrun]
+
+
+def test_the_suites_objects_are_out_of_the_collectors_reach_once_collected():
+    """A Monitor looks once through the objects the garbage collector tracks for a DDP module around its
+    model; in the suite's process those were every collected test and imported module (PyTorch's ported
+    clip tests, 700 Monitors, spent some 20 s there). ``tests/conftest.py`` freezes them."""
+    import gc
+
+    assert gc.get_freeze_count() > 0
+
+
 def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
     """launch/demo.sh as the README runs it (set-up check included; the venv is this one, so
     set-up finds everything installed), two steps: a new folder beside an earlier demo's."""
