@@ -1682,3 +1682,62 @@ def test_record_losses_weights_must_be_counts(tmp_path):
     assert second["train/loss/c"] == pytest.approx(sum(w * loss for w, loss in zip(weights, [1.0, 2.0] * 4))
                                                    / sum(weights), rel=1e-12)
     assert evaluation["eval/loss"] == 2.0 and not any(k.startswith("eval/loss/") for k in evaluation), evaluation
+
+
+RECORD_BAD = {("w/neg", 1, 1): -1.0, ("w/nan", 0, 2): math.nan}  # (name, rank, step) -> a bad tensor weight
+
+
+def _record_value(rank: int, step: int) -> float:
+    return 1.0 + rank + 0.5 * step
+
+
+def _record_weight(name: str, rank: int, step: int) -> float:
+    return RECORD_BAD.get((name, rank, step), 2.0 + rank)
+
+
+def _record_tensor_weights(rank: int, world: int, root: str) -> dict:
+    """monitor.record means weighted by tensors over two intervals (log_interval 2): in the first, a negative
+    weight of w/neg on rank 1 and a NaN one of w/nan on rank 0; w/good's weights are good throughout."""
+    import torch
+
+    import distmetrics as dm
+
+    raised = {}
+    with dm.Monitor(quiet_config(output_dir=root, log_interval=2, json_log=True)) as monitor:
+        for step in range(1, 5):
+            for name in ("w/neg", "w/nan", "w/good"):
+                monitor.record(name, _record_value(rank, step), weight=torch.tensor(_record_weight(name, rank, step)))
+            try:
+                monitor.step(step, loss=1.0, tokens=10)
+            except ValueError as err:
+                raised[step] = str(err)
+    records = [r for r in dm.read_jsonl(f"{root}/metrics.jsonl") if r["kind"] == "train"] if rank == 0 else []
+    return {"raised": raised, "records": records}
+
+
+def test_a_record_weight_given_as_a_tensor_must_be_a_count(tmp_path):
+    """record("v", 1 or 3, weight=tensor(-1 or 2)) wrote v = 5.0, outside [1, 3], and a NaN tensor weight
+    wrote NaN, without a word: a number weight is refused at the call, a tensor was never checked. It is not
+    read at the call (a device sync): flagged on its device, in a MAX lane, so the log step's record is
+    written without the metric, then every rank raises naming it and the lowest rank that gave a bad one.
+    Truth: each interval's weighted mean over the ranks and steps, by hand."""
+    out = run_ranks(_record_tensor_weights, 2, str(tmp_path), timeout=120)
+    for result in out:
+        assert set(result["raised"]) == {2}, result["raised"]  # the interval holding the bad weights, every rank
+        message = result["raised"][2]
+        assert message.startswith("monitor.record(name, weight=...): a tensor given as a weight in the steps up to "
+                                  "step 2 held NaN, inf or a negative value"), message
+        assert "'w/nan' on rank 0, 'w/neg' on rank 1" in message and "accepted values are finite numbers >= 0" \
+            in message and "'w/good'" not in message, message
+
+    def truth(name: str, steps) -> float:
+        pairs = [(_record_value(r, s), _record_weight(name, r, s)) for r in range(2) for s in steps]
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+
+    first, second = out[0]["records"]
+    assert (first["step"], second["step"]) == (2, 4)
+    assert "w/neg" not in first and "w/nan" not in first, first
+    assert first["w/good"] == pytest.approx(truth("w/good", (1, 2)), rel=1e-12), first
+    assert not any(key.startswith("_") for key in first), first
+    for name in ("w/neg", "w/nan", "w/good"):
+        assert second[name] == pytest.approx(truth(name, (3, 4)), rel=1e-12), second

@@ -54,6 +54,9 @@ LEARNING_RATES = "_train/lr"
 """Internal lanes: each rank's learning rate (minmax, float32), and their mean (``<lane>/mean``), with two
 ranks or more: ``train/lr`` is the writer rank's, so ranks that differ, or a writer rank that gives none
 (then ``train/lr`` is the mean), are said."""
+BAD_WEIGHT = "_record/bad_weight/"
+"""Internal lanes: ``BAD_WEIGHT + name``, 1 where a tensor given as a ``monitor.record`` mean's weight held
+NaN, inf or a negative value on this rank in the interval (max, with the lowest rank holding it)."""
 Number = Union[int, float, torch.Tensor]
 logger = logging.getLogger("distmetrics")
 _BY_TOKENS, _BY_STEPS = 1, 2
@@ -294,6 +297,10 @@ class StepValues:
         check_count(weight, "monitor.record(%r, weight=...)", name)
         self.names.claim(name, reduce, "monitor.record")
         self.stats.record(name, value, reduce, weight=weight)
+        if reduce == "mean" and isinstance(weight, torch.Tensor):  # not read here (a device sync): flagged on
+            # its device, the flag kept in a MAX lane (1 where NaN, inf or < 0), checked at the log step
+            flag = ~(torch.isfinite(weight) & (weight >= 0))
+            self.stats.record(BAD_WEIGHT + name, flag.to(torch.float64), "max")
 
     def pause(self) -> None:
         """Stop the interval clock (evaluation, checkpointing)."""
@@ -346,6 +353,7 @@ class StepValues:
         elif ctx.tokens is not None:
             self._job_tokens_logged = self.job_tokens
         self._check_loss_tokens(metrics, ctx.step)
+        self._check_weights(metrics, ctx)
         self._check_uncounted(metrics.pop(UNCOUNTED_TOKENS, None), ctx)
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
@@ -386,6 +394,30 @@ class StepValues:
                 f"are {total!r}: a tensor given as loss_tokens held NaN, inf or a negative count on some rank; "
                 "accepted values are finite numbers >= 0. This record was written without train/loss (weighted by "
                 "them)")
+
+    def _check_weights(self, metrics: dict[str, Any], ctx: LogContext) -> None:
+        """``monitor.record`` weights given as tensors, checked in their :data:`BAD_WEIGHT` lanes: a bad one
+        on any rank leaves its metric (a mean weighted by it: outside its values' range, or NaN) out of the
+        record, then raises on every rank (said where an error is raised already)."""
+        bad, names, step = [], [], ctx.step
+        for lane in ctx.keys_under(metrics, (BAD_WEIGHT,)):  # found once per set of names, not a pass a log step
+            if lane.endswith("/max_rank") or lane not in metrics:
+                continue
+            flag, rank = metrics.pop(lane), metrics.pop(lane + "/max_rank", None)
+            if flag:
+                names.append(lane[len(BAD_WEIGHT):])
+                metrics.pop(names[-1], None)
+                bad.append(f"{names[-1]!r}" + ("" if rank is None else f" on rank {int(rank)}"))
+        if not bad:
+            return
+        error = ValueError(
+            f"monitor.record(name, weight=...): a tensor given as a weight in the steps up to step {step} held NaN, "
+            f"inf or a negative value: {', '.join(bad)} (the lowest rank where so); accepted values are finite "
+            f"numbers >= 0. This record was written without {', '.join(names)} (means weighted by them)")
+        if self.refused is None:
+            self.refused = error
+        else:
+            logger.warning("distmetrics: step %d: %s", step, error)
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
