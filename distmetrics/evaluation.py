@@ -36,7 +36,8 @@ class EvalLog:
     """Reduces evaluation results on demand (its own reducer: eval names never disturb the train
     layout) and remembers the training loss since the last evaluation."""
 
-    writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/loss/")
+    writes = ("eval/loss", "eval/ppl", "eval/gap", "eval/tokens_per_sec", "eval/time_ms", "eval/time_ms/max_rank",
+              "eval/loss/")
     """The names an eval record holds besides the user's own (``eval/loss/<category>`` under the prefix)."""
 
     def __init__(self, group: Any, guard: Any = None, layout: Any = None, world: Optional[int] = None,
@@ -60,6 +61,9 @@ class EvalLog:
         """Check eval names against ``names`` (the Monitor shares one registry between
         ``monitor.step``, ``monitor.record`` and ``log_eval``: a name is one tag in every sink)."""
         names.reserve(["eval/loss"], "monitor.log_eval(loss=...)")
+        # time_ms= is log_eval's own, as loss= is: a monitor.record of its names is refused at the call (claimed
+        # by a record first, the next log_eval(time_ms=...) would raise and its record go unwritten)
+        names.reserve(["eval/time_ms", "eval/time_ms/max_rank"], "monitor.log_eval(time_ms=...)")
         names.reserve(self.writes, "monitor.log_eval")
         self.names = names
 
@@ -114,7 +118,8 @@ class EvalLog:
         names = {key: key if "/" in key else f"eval/{key}" for key in scalars}
         kinds = {key: "max" if name == "eval/time_ms" else "mean" for key, name in names.items()}  # wall time:
         for key, name in names.items():  # its slowest rank's, as training's step time (others wait for it)
-            self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)", record="eval")
+            if name != "eval/time_ms":  # reserved for this call in use_names
+                self.names.claim(name, kinds[key], f"monitor.log_eval({key}=...)", record="eval")
         samples = []
         if loss is not None and not self.stage_loss.drops(loss):
             weight = loss_weight(tokens, loss_tokens)

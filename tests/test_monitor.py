@@ -685,8 +685,8 @@ def _record_then_eval(rank: int, world: int, order: str) -> dict:
 
     said = []
     with dm.Monitor(quiet_config(log_interval=2)) as monitor:
-        calls = [lambda: monitor.record("eval/time_ms", 7.0 + 2 * rank, reduce="max"),
-                 lambda: monitor.log_eval(2, loss=1.0, time_ms=100.0 + 200 * rank)]
+        calls = [lambda: monitor.record("eval/acc", 7.0 + 2 * rank),
+                 lambda: monitor.log_eval(2, loss=1.0, acc=0.5 + rank)]
         for call in (calls if order == "record first" else calls[::-1]):
             try:
                 call()
@@ -699,13 +699,13 @@ def _record_then_eval(rank: int, world: int, order: str) -> dict:
 
 @pytest.mark.parametrize("order", ["record first", "log_eval first"])
 def test_one_name_in_train_and_eval_records_is_refused_on_every_rank(order):
-    """monitor.record("eval/time_ms", reduce="max") beside log_eval(time_ms=...): both reduce with
-    max, so the name passed, and the train records carried the user's 9.0 under the tag whose
-    eval points are the slowest rank's evaluation time (300): one tag, two meanings."""
+    """monitor.record("eval/acc") beside log_eval(acc=...): both reduce with mean, so the name passed,
+    and the train records carried the user's 8.0 under the tag whose eval points are the eval
+    accuracy (1.0): one tag, two meanings."""
     results = run_ranks(_record_then_eval, 2, order)
     for r in results:
         assert len(r["said"]) == 1 and "is written in" in r["said"][0] and "give it another name" in r["said"][0]
-        assert ("eval/time_ms" in r["train"]) == (order == "record first")  # the first writer keeps it
+        assert ("eval/acc" in r["train"]) == (order == "record first")  # the first writer keeps it
 
 
 # --- names another writer writes: a collector's writes and samples --------------------------------
@@ -924,17 +924,18 @@ def test_exact_names_of_ones_own_pass_and_a_built_in_prefix_is_its_collectors_wh
 
 
 SWITCHED_OFF = {"memory/foo": "memory", "energy/total_j": "energy", "power/mean_w": "energy",
-                "gpu/temperature_c": "gpu_telemetry", "tensor_stats/fc1/activation/max": "tensor_stats"}
-"""A name under each built-in prefix whose collector a switch turns off, and the collector that owns it."""
+                "gpu/temperature_c": "gpu_telemetry", "tensor_stats/fc1/activation/max": "tensor_stats",
+                "train/tokens_per_sec": "throughput", "train/consumed_tokens": "throughput"}
+"""A name of each built-in collector a switch turns off, and the collector that owns it."""
 
 
 def _names_under_switched_off_collectors(rank: int, world: int) -> dict:
     import distmetrics as dm
 
     out: dict = {"record": {}}
-    off = dict(log_memory=False, log_energy=False, log_gpu_telemetry=False, hang_timeout_s=10.0)
+    off = dict(log_throughput=False, log_memory=False, log_energy=False, log_gpu_telemetry=False, hang_timeout_s=10.0)
     with dm.Monitor(quiet_config(log_interval=1, **off)) as monitor:
-        for name in SWITCHED_OFF:
+        for name in (*SWITCHED_OFF, "eval/time_ms", "eval/time_ms/max_rank"):
             try:
                 monitor.record(name, 1.0)
                 out["record"][name] = None
@@ -942,6 +943,7 @@ def _names_under_switched_off_collectors(rank: int, world: int) -> dict:
                 out["record"][name] = str(err)
         monitor.record("data/own", 2.0 + rank)  # a name of the user's own passes
         out["own"] = monitor.step(1, loss=1.0)["data/own"]
+        out["eval"] = monitor.log_eval(1, loss=1.0 + rank, tokens=10 * (rank + 1), time_ms=100.0 + 200 * rank)
     samples = [("memory/own", 5.0, "max"), ("energy/own", 5.0, "max")]
     with dm.Monitor(quiet_config(log_interval=1, **off), collectors=[_Named(rank, samples, on=(1,))]) as monitor:
         try:
@@ -959,16 +961,24 @@ def _names_under_switched_off_collectors(rank: int, world: int) -> dict:
 
 
 def test_a_built_in_prefix_is_its_collectors_whole_with_its_switch_off():
-    """With log_memory (and log_energy, log_gpu_telemetry, tensor inspection) off, monitor.record("memory/foo")
-    and a collector's Sample("memory/own") were accepted and written, so turning the switch on later broke a
-    script that ran (and a user's energy/total_j sat under the built-in's name). Refused as with the switch on:
-    at the call, at the log step on every rank (rank 1 alone hands the samples over), and at Monitor()."""
+    """With log_memory (and log_energy, log_gpu_telemetry, tensor inspection, log_throughput) off,
+    monitor.record("memory/foo") and a collector's Sample("memory/own") were accepted and written, so turning
+    the switch on later broke a script that ran (and a user's energy/total_j sat under the built-in's name).
+    Refused as with the switch on: at the call, at the log step on every rank (rank 1 alone hands the samples
+    over), and at Monitor(). log_eval's eval/time_ms is refused at the call too: accepted there, it made the
+    next log_eval(time_ms=...) raise, and its record (eval/loss included) went unwritten."""
     results = run_ranks(_names_under_switched_off_collectors, 2)
     for rank, result in enumerate(results):
         for name, owner in SWITCHED_OFF.items():
             assert result["record"][name] == (f"monitor.record (mean) would write {name!r}, which the {owner!r} "
                                               "collector writes already"), (rank, name)
+        for name in ("eval/time_ms", "eval/time_ms/max_rank"):
+            assert result["record"][name] == (f"monitor.record (mean) would write {name!r}, which "
+                                              "monitor.log_eval(time_ms=...) writes already"), (rank, name)
         assert result["own"] == 2.5  # the mean of the two ranks' 2.0 and 3.0
+        # loss weighted by tokens: (1.0 * 10 + 2.0 * 20) / 30; time the slowest rank's, rank 1's 300 ms
+        assert result["eval"]["eval/loss"] == pytest.approx(50.0 / 30.0) and result["eval"]["eval/time_ms"] == 300.0
+        assert result["eval"]["eval/time_ms/max_rank"] == 1, result["eval"]
         assert result["written"]["mine/ok"] == 1.5 and not any(
             k.startswith(("memory/", "energy/")) for k in result["written"]), result["written"]
         assert "the 'mine' collector writes 'gpu/', which the 'gpu_telemetry' collector writes too" in \

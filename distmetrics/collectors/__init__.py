@@ -80,17 +80,21 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
 
 
 def idle_collectors(planned: list, given: Any = ()) -> list[type]:
-    """The classes of the built-in collectors with a prefix of their own that the config switches off
-    (``log_memory``, ``log_energy``, ``log_gpu_telemetry``, ``tensor_inspect.enabled``), none of them made.
-    ``Monitor()`` reserves their names all the same, as the timers' and the stragglers' are whatever the
-    switches: a name of the user's under ``memory/`` would otherwise be written beside the built-in's names
-    in one run and refused in the run that turns the switch on. ``planned``: the classes the config makes;
+    """The classes of the built-in collectors with names of their own that the config switches off
+    (``log_throughput``, ``log_memory``, ``log_energy``, ``log_gpu_telemetry``, ``tensor_inspect.enabled``),
+    none of them made. ``Monitor()`` reserves their names all the same, as the timers' and the stragglers'
+    are whatever the switches: a name of the user's under ``memory/`` (or ``train/tokens_per_sec``) would
+    otherwise be written beside the built-in's names in one run and refused in the run that turns the switch
+    on. Not the norms' without a model: a Monitor given none is one over a loop that measures its own
+    (DeepSpeed's, Megatron's clip) and records them as ``grad_norm``. ``planned``: the classes the config makes;
     ``given``: the user's collectors, where one made of these classes (an ``EnergyCollector`` for one GPU)
     runs it in the switch's place and writes its names."""
     from ..tensor_stats.inspector import TensorInspector
     from .memory import MemoryCollector
     from .nvml import EnergyCollector, TelemetryCollector
+    from .throughput import ThroughputCollector
 
     given = given if isinstance(given, (list, tuple)) else ()  # anything else: check_collectors names it
-    return [kind for kind in (MemoryCollector, EnergyCollector, TelemetryCollector, TensorInspector)
+    switched = (ThroughputCollector, MemoryCollector, EnergyCollector, TelemetryCollector, TensorInspector)
+    return [kind for kind in switched
             if kind not in planned and not any(isinstance(collector, kind) for collector in given)]
