@@ -70,6 +70,9 @@ class Monitor:
                  device_mesh: Any = None, sinks: tuple = (), collectors: tuple = ()) -> None:
         self.config = config = coerced_config(config, device_mesh, group)  # a bad one: said on every rank
         self.layout: Layout = detect_layout(device_mesh, group)  # the one place the Monitor's ranks are read
+        # the world as None (the layout's): a ProcessGroup object held here would outlive destroy_process_group(),
+        # and gloo's threads with it, into the interpreter's exit, where they can abort the process (SIGABRT)
+        group = self.layout.group
         # a features file one rank cannot read: said on every rank by the start-up gather, and no
         # model factory runs (it would start the inspector on that rank alone)
         inspection, features = check_inspection(config, self.layout.world_size)
