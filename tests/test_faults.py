@@ -713,8 +713,8 @@ def test_only_the_backends_errors_in_a_collective_are_said_as_a_lost_peer():
     # backend's own cause (NCCL names it on a later line, kept)
     for err, reading in ((dist.DistNetworkError("Connection reset by peer"), "a peer rank has probably gone"),
                          (RuntimeError("Connection closed by peer\nmore"), "a peer rank has probably gone"),
-                         (RuntimeError("[pair.cc:446] Timed out waiting 3000ms for recv"), "a peer rank did not join this "
-                          "collective within the process group's timeout"),
+                         (RuntimeError("[pair.cc:446] Timed out waiting 3000ms for recv"),
+                          "a peer rank did not join this collective within the process group's timeout"),
                          (dist.DistBackendError("NCCL error: invalid usage\nLast error:\nDuplicate GPU detected"),
                           "the backend's message above names the cause")):
         with pytest.raises(PeerLostError) as caught, InCollective("the SUM all_reduce (sum and mean metrics)",

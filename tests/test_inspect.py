@@ -1868,7 +1868,8 @@ def _unmeasured(rank: int, world: int, root: str) -> dict:
                 output.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
 
         for name in ("fc1", "fc2"):
-            getattr(model, name).register_forward_hook(lambda mod, args, output, name=name: spy(mod, args, output, name))
+            getattr(model, name).register_forward_hook(
+                lambda mod, args, output, name=name: spy(mod, args, output, name))
         truth: dict = {}
         with dm.Monitor(config("frozen", r"fc\d$", ["gradient"]), model=model) as monitor:
             for step in (1, 2, 3):
