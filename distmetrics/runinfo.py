@@ -14,7 +14,7 @@ import os
 import platform
 import socket
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,18 +108,16 @@ def start_up(config: Any, layout: Layout, guard: Any, is_writer: bool, problem: 
     hosts = gather_rank_info(layout, guard, problem or claimed, settings, config_problem and problem is not None,
                              claim_problem=problem is None and claimed is not None)
     differing = _differing_settings(hosts)
-    by_problem: dict[str, list[int]] = {}
-    for h in hosts:
-        # where writer_rank differs, each rank that took itself for the writer claimed output_dir, and all but
-        # one were refused: that refusal is the difference's, said alone
-        if h.problem and not (h.claim_problem and "writer_rank" in differing):
-            by_problem.setdefault(h.problem, []).append(h.rank)
-    problems = [f"{some_ranks(ranks)}: {text}" for text, ranks in by_problem.items()] + list(differing.values())
+    # where writer_rank differs, each rank that took itself for the writer claimed output_dir, and all but
+    # one were refused: that refusal is the difference's, said alone
+    said = _by_problem((h.rank, h.problem) for h in hosts
+                       if h.problem and not (h.claim_problem and "writer_rank" in differing))
+    problems = said + list(differing.values())
     if problems:
         if claim is not None:
             claim.release()
         message = "distmetrics cannot start: " + "; ".join(problems)
-        if by_problem and all(h.config_problem for h in hosts if h.problem) and len(problems) == len(by_problem):
+        if said and all(h.config_problem for h in hosts if h.problem) and len(problems) == len(said):
             raise ConfigError(message)  # the same on every rank: a config error, as a job of one rank raises it
         raise ValueError(message)
     return hosts, claim
@@ -155,13 +153,18 @@ def said_on_every_rank(error: Optional[ConfigError], layout: Layout, hang_timeou
         if error is not None:
             raise error from failure
         raise
-    by_problem: dict[str, list[int]] = {}
-    for rank, problem in rows:
-        if problem is not None:
-            by_problem.setdefault(problem, []).append(rank)
-    if by_problem:
-        raise ConfigError("distmetrics cannot start: " + "; ".join(f"{some_ranks(ranks)}: {text}"
-                                                                   for text, ranks in by_problem.items()))
+    said = _by_problem((rank, problem) for rank, problem in rows if problem is not None)
+    if said:
+        raise ConfigError("distmetrics cannot start: " + "; ".join(said))
+
+
+def _by_problem(problems: Iterable[tuple[int, str]]) -> list[str]:
+    """Each distinct problem once, with the ranks that have it (``ranks 0, 2: <problem>``), in the
+    order first seen: how a start-up check says what ranks found."""
+    ranks: dict[str, list[int]] = {}
+    for rank, problem in problems:
+        ranks.setdefault(problem, []).append(rank)
+    return [f"{some_ranks(held)}: {problem}" for problem, held in ranks.items()]
 
 
 SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_level", "timing_log_option",
