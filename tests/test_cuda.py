@@ -328,5 +328,73 @@ def test_nccl_world_of_one_builds_and_reduces_packs_on_the_gpu():
     assert done.returncode == 0 and "nccl ok" in done.stdout, done.stdout + done.stderr
 
 
+
+def _megatron_child(port: str, clip: str) -> None:
+    """Megatron-Core's GPTModel under its DistributedDataParallel and DistributedOptimizer on one
+    GPU (NCCL, a world of one), Megatron clipping at ``clip``: per step our gradient, parameter and
+    update norms, Megatron's reported norm and float64 truth from the tensors. Also runs on the CPU
+    (gloo, ``cuda_on_cpu``) where there is no GPU, which is how this child is checked off a GPU."""
+    import json as _json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
+    from tests.dist_utils import subtree_norms
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            **({"device_id": torch.device("cuda", 0)} if cuda else {}))
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    apply_cpu_adaptations(seed=1234)
+    ddp, optimizer = wrap_with_optimizer(build_gpt(num_layers=2, hidden=64, heads=4, vocab=128, seq=16), lr=1e-2,
+                                         clip_grad=float(clip), distributed=True)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_params_norm=True, log_update_norm=True), model=ddp,
+                         optimizer=optimizer)
+    params = dict(ddp.module.named_parameters())
+    device = next(iter(params.values())).device
+    out = []
+    for step in (1, 2):
+        rows = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(step)).to(device)
+        positions = torch.arange(16, device=device).unsqueeze(0).expand(4, 16)
+        mask = torch.triu(torch.ones(16, 16, dtype=torch.bool, device=device), 1).view(1, 1, 16, 16)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        ddp(rows[:, :-1].contiguous(), positions, mask, labels=rows[:, 1:].contiguous()).mean().backward()
+        ddp.finish_grad_sync()
+        grads = {n: float(p.main_grad.detach().double().pow(2).sum()) for n, p in params.items()}
+        before = {n: p.detach().double().clone() for n, p in params.items()}
+        ours = float(monitor.measure_grad_norms())
+        with cuda_on_cpu():
+            _, megatron_norm, _ = optimizer.step()
+        m = monitor.step(step)
+        after = {n: p.detach().double() for n, p in params.items()}
+        out.append({"ours": ours, "megatron": float(megatron_norm), "grad": subtree_norms(grads),
+                    "param": subtree_norms({n: float(t.pow(2).sum()) for n, t in after.items()}),
+                    "update": subtree_norms({n: float((after[n] - before[n]).pow(2).sum()) for n in params}),
+                    "metrics": {k: v for k, v in m.items() if isinstance(v, float)}, "device": str(device)})
+    monitor.close()
+    dist.destroy_process_group()
+    print("megatron " + _json.dumps(out))
+
+
+@pytest.mark.parametrize("clip", ["0.05", "0.0"])
+def test_megatron_distributed_optimizer_on_the_gpu_norms_match_megatron_and_float64(clip):
+    done = run_child("tests.test_cuda._megatron_child", str(free_port()), clip, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = json.loads(done.stdout.split("megatron ", 1)[1].splitlines()[0])
+    for step in steps:
+        m = step["metrics"]
+        assert step["device"].startswith("cuda"), step["device"]
+        assert step["ours"] == pytest.approx(step["grad"]["total"], rel=1e-5)
+        assert step["megatron"] == pytest.approx(step["grad"]["total"], rel=1e-5)  # Megatron's own norm, on the GPU
+        for family in ("grad", "param", "update"):
+            truth = step[family]
+            assert m[f"{family}_norm"] == pytest.approx(truth["total"], rel=1e-5), family
+            for module, value in truth["modules"].items():
+                assert m[f"{family}_norm/{module}"] == pytest.approx(value, rel=1e-4, abs=1e-9), (family, module)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
