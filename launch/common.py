@@ -144,6 +144,18 @@ def non_negative(text: str) -> int:
     return value
 
 
+def gpus_for_ranks() -> bool:
+    """Does each of this node's ranks get a GPU of its own? False without CUDA. Fewer GPUs than
+    ranks on the node (``LOCAL_WORLD_SIZE``, torchrun's) stop the trainer here, naming both counts:
+    NCCL cannot put two ranks on one GPU, and a rank set to a GPU that is not there fails with
+    "invalid device ordinal". ``launch/torchrun.sh`` runs such a job on the CPU instead."""
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if torch.cuda.is_available() and gpus < ranks:
+        raise SystemExit(f"{ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''}: give each rank a "
+                         f"GPU (--nproc-per-node {gpus}), or run on the CPU with CUDA_VISIBLE_DEVICES= set empty")
+    return torch.cuda.is_available()
+
+
 def check_divides(what: str, total: int, parts: int, parts_what: str) -> None:
     """Refuse a layout whose ``parts`` do not divide ``total`` (one line, before any collective)."""
     if total % parts:

@@ -7,8 +7,9 @@
 #
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (one node: a free
 # port; several: 29500), NPROC_PER_NODE (the GPUs CUDA_VISIBLE_DEVICES lists, else the node's GPU
-# count, else 2 CPU ranks), RDZV_ID (distmetrics), PYTHON (the project's virtual environment when
-# there is one: $DISTMETRICS_VENV, else .venv, as launch/setup.sh makes it; otherwise python3).
+# count, else 2 CPU ranks; given more ranks than GPUs, they run on the CPU, said), RDZV_ID
+# (distmetrics), PYTHON (the project's virtual environment when there is one: $DISTMETRICS_VENV,
+# else .venv, as launch/setup.sh makes it; otherwise python3).
 # One node without RDZV_ID meets on MASTER_PORT alone, so a port another job holds fails at once
 # (a shared c10d rendezvous made a second job wait, silent, as the first one's spare); several
 # nodes meet through c10d rendezvous. The trainers pick NCCL when CUDA is available, else gloo.
@@ -29,14 +30,20 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job may use, not all the node's
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  gpus=${#visible[@]}
+else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+gpus=${gpus:-0}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job may use, not all the node's
-    IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
-    gpus=${#visible[@]}
-  else
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  fi
-  NPROC_PER_NODE=$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)
+  NPROC_PER_NODE=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
+elif [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$NPROC_PER_NODE" ]; then
+  # NCCL cannot put two ranks on one GPU (the demo's 2 ranks on a one-GPU machine): the CPU, said
+  echo "launch/torchrun.sh: $NPROC_PER_NODE ranks per node but $gpus GPU(s): running on the CPU (gloo);" \
+       "NPROC_PER_NODE=$gpus runs on the GPUs" >&2
+  export CUDA_VISIBLE_DEVICES=
 fi
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ID:-}" ]; then
   if [ -n "${MASTER_PORT:-}" ]; then

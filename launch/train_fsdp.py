@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import distmetrics as dm
-from common import (GPT, MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, non_negative, positive,
-                    run_trainer)
+from common import (GPT, MarkovData, TrainerArgs, check_divides, gpus_for_ranks, lr_at, metrics_config, non_negative,
+                    positive, run_trainer)
 
 
 # --- parallelism -------------------------------------------------------------------------------
 
 def setup_distributed() -> tuple[torch.device, int, int]:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        use_cuda = torch.cuda.is_available()
+        use_cuda = gpus_for_ranks()
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if use_cuda else "gloo")

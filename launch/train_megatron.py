@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import distmetrics as dm
-from common import (MarkovData, TrainerArgs, check_divides, lr_at, metrics_config, non_negative, positive,
-                    quiet_megatron_warnings, run_trainer)
+from common import (MarkovData, TrainerArgs, check_divides, gpus_for_ranks, lr_at, metrics_config, non_negative,
+                    positive, quiet_megatron_warnings, run_trainer)
 from megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
 
 
@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     if args.use_distributed_optimizer and args.pp > 1:
         raise SystemExit("--use-distributed-optimizer: this trainer's own pipeline send/recv does not run Megatron's "
                          "DDP across stages; use --pp 1")
-    use_cuda = torch.cuda.is_available()
+    use_cuda = gpus_for_ranks()  # megatron_cpu's adaptations follow torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():

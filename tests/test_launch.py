@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import distmetrics as dm
 from tests.dist_utils import free_port
@@ -289,6 +290,51 @@ def test_torchrun_sh_command_lines(tmp_path, extra, expected):
     run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "x.py"], env=env, capture_output=True,
                          text=True, timeout=30)
     assert run.returncode == 0 and run.stdout.strip().endswith(expected), run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("gpus, nproc, cpu", [(1, 2, True), (8, 16, True), (8, 8, False), (8, 2, False)])
+def test_torchrun_sh_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(tmp_path, gpus, nproc, cpu):
+    """The demo's 2 ranks on a one-GPU machine failed in the trainer: rank 1 set to a GPU that is not
+    there ("invalid device ordinal"), and NCCL cannot put two ranks on one GPU anyway. Now the GPUs
+    are hidden (CUDA_VISIBLE_DEVICES empty, so the trainers choose gloo) and it is said, once."""
+    shown = tmp_path / "python"
+    shown.write_text('#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}] $*"\n')
+    shown.chmod(0o755)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f"#!/usr/bin/env bash\nfor i in $(seq 0 {gpus - 1}); do echo \"GPU $i: H100 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    env = _env(PYTHON=str(shown), PATH=f"{smi.parent}:{os.environ['PATH']}", NPROC_PER_NODE=str(nproc))
+    for key in ("MASTER_PORT", "NNODES", "RDZV_ID", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "x.py"], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert f"--nproc-per-node {nproc} " in run.stdout
+    if cpu:
+        assert run.stdout.startswith("CUDA_VISIBLE_DEVICES=[] "), run.stdout
+        assert run.stderr.strip() == (f"launch/torchrun.sh: {nproc} ranks per node but {gpus} GPU(s): running on the "
+                                      f"CPU (gloo); NPROC_PER_NODE={gpus} runs on the GPUs")
+    else:
+        assert run.stdout.startswith("CUDA_VISIBLE_DEVICES=[unset] ") and run.stderr == "", run.stdout + run.stderr
+
+
+def test_a_trainer_started_with_more_ranks_than_gpus_stops_naming_both(monkeypatch):
+    """Started by torchrun directly, the same job stops at once with one line. No GPU here: torch's
+    answers to "is there CUDA" and "how many GPUs" are set for the call (the narrowest boundary)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"^2 ranks on this node but 1 GPU: give each rank a GPU \(--nproc-per-node "
+                                         r"1\), or run on the CPU with CUDA_VISIBLE_DEVICES= set empty$"):
+        common.gpus_for_ranks()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert common.gpus_for_ranks() is True
 
 
 def test_a_second_job_on_a_node_starts_on_its_own_port_or_fails_at_once(tmp_path):
