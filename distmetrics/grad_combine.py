@@ -29,6 +29,14 @@ def norm_kind(p: float) -> str:
     return "count" if p == 0 else "sum"
 
 
+def count_nonfinite(values: torch.Tensor) -> torch.Tensor:
+    """How many of ``values`` (real floats) are NaN or ±inf, as a float64 scalar on their device, in
+    three kernels: ``x * 0`` is 0 exactly where ``x`` is finite. ``isfinite().logical_not().sum()``
+    costs seven (torch builds ``isfinite`` of four), and on a GPU each is a launch of its own at
+    every clip: 5–16 µs of the host's time each."""
+    return (values * 0).ne(0).sum(dtype=torch.float64)
+
+
 def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, n_buckets: int, p: float,
              group: Any, device: torch.device, sharded: bool = False, every: bool = False,
              finite_check: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
@@ -47,10 +55,10 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
     # all-reduce (a lane on every rank, whatever it owns): how many ranks' local gradients hold
     # NaN or inf, or the most any rank's do (max, min kinds), the same on every rank.
     check = norms if finite_check is None else finite_check
-    local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
+    local_bad = count_nonfinite(check)
     if tensors is not None and float(local_bad):  # a host read: no device waits; a pass only over those tensors
         check = held_nonfinite(check, tensors)
-        local_bad = torch.isfinite(check).logical_not().sum().to(torch.float64)
+        local_bad = count_nonfinite(check)
     bad = local_bad.reshape(1)
     nan = None
     if p < 0:  # and how many hold NaN: torch's total of p < 0 is NaN on a rank whose gradients hold one, not
