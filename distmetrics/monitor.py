@@ -186,10 +186,12 @@ class Monitor:
         return self._log(step) if step % self.config.log_interval == 0 else None
 
     @eager
-    def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
+    def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
         """Record a value for this interval under ``name`` as given, reduced across ranks as
         ``reduce`` (sum, mean, max, min, minmax, all). Over the interval's steps a mean is
-        averaged (weighted by ``weight``), a sum added, max/min kept extreme, ``all`` averaged."""
+        averaged (weighted by ``weight``, 1 where None), a sum added, max/min kept extreme, ``all``
+        averaged. Only a mean takes a ``weight`` (another kind refuses one); a mean whose weights sum to
+        0 over every rank and step of the interval is left out of that record, said once per name."""
         self._check_open()
         with self._records:
             self._by_name["train"].record(name, value, reduce, weight)

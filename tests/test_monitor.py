@@ -1751,3 +1751,89 @@ def test_a_record_weight_given_as_a_tensor_must_be_a_count(tmp_path):
     assert not any(key.startswith("_") for key in first), first
     for name in ("w/neg", "w/nan", "w/good"):
         assert second[name] == pytest.approx(truth(name, (3, 4)), rel=1e-12), second
+
+
+# --- what a record's weight weighs -------------------------------------------------------------
+# Only a mean takes a weight; a mean whose weights sum to 0 over every rank and step of an interval is
+# left out of that record, said once per name. 2 gloo ranks, log_interval 2, steps 1-6.
+
+OTHER_KINDS = ("sum", "max", "min", "minmax", "all")
+
+
+def _record_weight_of(name: str, rank: int, step: int) -> float:
+    """w/zero weighs 0 everywhere in steps 1-2 and 5-6; w/some 0 on rank 0 only; w/stale is recorded in 1-2."""
+    if name == "w/zero":
+        return 2.0 if step in (3, 4) else 0.0
+    return 0.0 if name == "w/some" and rank == 0 else 1.0 + rank
+
+
+def _record_weights_by_kind(rank: int, world: int) -> dict:
+    import logging
+
+    import torch
+
+    import distmetrics as dm
+
+    said, refused, records = [], {}, {}
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    try:
+        with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+            for kind in OTHER_KINDS:
+                for weight in (2.0, torch.tensor(1.0)):
+                    try:
+                        monitor.record(f"k/{kind}", 1.0, reduce=kind, weight=weight)
+                    except ValueError as err:
+                        refused.setdefault(kind, []).append(str(err))
+                monitor.record(f"k/{kind}", 1.0 + rank, reduce=kind)  # refused calls claimed nothing
+            for step in range(1, 7):
+                names = ("w/zero", "w/some") + (("w/stale",) if step <= 2 else ())
+                for i, name in enumerate(names):
+                    weight = _record_weight_of(name, rank, step)
+                    tensor = (i + rank) % 2  # a number or a tensor, each on some rank
+                    monitor.record(name, _record_value(rank, step), weight=torch.tensor(weight) if tensor else weight)
+                records[step] = monitor.step(step, loss=1.0)
+    finally:
+        logging.getLogger("distmetrics").removeHandler(handler)
+    return {"said": [line for line in said if "monitor.record(" in line], "refused": refused,
+            "records": {step: {k: v for k, v in m.items() if k.startswith(("w/", "k/"))}
+                        for step, m in records.items() if m is not None}}
+
+
+def test_a_weight_given_to_a_record_of_another_kind_than_mean_is_refused_at_the_call():
+    """record(name, v, reduce="sum", weight=w) (max, min, minmax, all alike) dropped the weight without a word:
+    refused at the call, naming the name, the reduce and what takes a weight, claiming nothing."""
+    for out in run_ranks(_record_weights_by_kind, 2, timeout=120):
+        assert sorted(out["refused"]) == sorted(OTHER_KINDS)
+        for kind, messages in out["refused"].items():
+            assert messages == [f"monitor.record('k/{kind}', reduce={kind!r}, weight=...): only reduce='mean' takes "
+                                f"a weight (a weighted mean); reduce={kind!r} has none to weigh. Pass no weight, or "
+                                "reduce='mean'"] * 2, messages
+        first = out["records"][2]
+        assert (first["k/sum"], first["k/max"], first["k/min"]) == (3.0, 2.0, 1.0), first
+        assert first["k/all"] == [1.0, 2.0], first
+
+
+def test_a_record_mean_weighing_0_on_every_rank_is_left_out_and_said_once_per_name():
+    """A mean whose weights sum to 0 over every rank and step of an interval has no value: it vanished from
+    the record without a word. It is still left out, and said once per name (with the step) by each rank that
+    recorded it; a mean weighing 0 on one rank only, and a name no longer recorded, are not said.
+    Truth: Σ value·weight / Σ weight over ranks and steps, by hand."""
+    def truth(name: str, steps) -> float:
+        pairs = [(_record_value(r, s), _record_weight_of(name, r, s)) for r in range(2) for s in steps]
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+
+    out = run_ranks(_record_weights_by_kind, 2, timeout=120)
+    assert out[0]["records"] == out[1]["records"]
+    records = out[0]["records"]
+    assert "w/zero" not in records[2] and "w/zero" not in records[6], records
+    assert records[4]["w/zero"] == pytest.approx(truth("w/zero", (3, 4)), rel=1e-12)
+    assert records[2]["w/stale"] == pytest.approx(truth("w/stale", (1, 2)), rel=1e-12)
+    for step in (2, 4, 6):
+        assert records[step]["w/some"] == pytest.approx(truth("w/some", (step - 1, step)), rel=1e-12)
+    for result in out:
+        assert result["said"] == [
+            "distmetrics: monitor.record('w/zero') is left out of the record of step 2, and of every record where "
+            "this recurs: its weights summed to 0 over every rank and step of the interval, and a mean over no "
+            "weight is not defined. Said once"], result["said"]

@@ -625,9 +625,10 @@ INTERVAL = 2
 
 
 def _records(rank: int, step: int, world: int) -> list:
-    """(name, value, reduce, weight) this rank records at ``step``: 3 sums, 6 means."""
-    out = [("u/s0", 0.1 * (rank + 1) * step, "sum", 1.0),
-           ("u/s1", 1.7 + rank - 0.3 * step, "sum", 1.0),
+    """(name, value, reduce, weight) this rank records at ``step``: 3 sums (no weight: only a mean takes one),
+    6 means."""
+    out = [("u/s0", 0.1 * (rank + 1) * step, "sum", None),
+           ("u/s1", 1.7 + rank - 0.3 * step, "sum", None),
            ("u/m0", 0.3 + rank + step, "mean", 1.0),
            ("u/m1", 2.5 * step - rank, "mean", 7.0 + rank + step),
            ("u/m2", 1.1 * step + 0.01 * rank, "mean", 0.25 * (rank + 1)),
@@ -636,7 +637,7 @@ def _records(rank: int, step: int, world: int) -> list:
     zero = rank == 1 or (world == 1 and step == 1)
     out.append(("u/m3", math.nan if zero else 4.4 + step + rank, "mean", 0.0 if zero else 2.0 + rank))
     if rank == 0:
-        out.append(("u/s2", -3.3 + step, "sum", 1.0))  # absent on rank 1
+        out.append(("u/s2", -3.3 + step, "sum", None))  # absent on rank 1
     if rank == world - 1:
         out.append(("u/m5", -0.7 * step, "mean", float(step)))  # absent on rank 0 of 2
     return out
@@ -682,7 +683,8 @@ def _run(rank: int, world: int) -> dict:
             for step in range(1, INTERVAL + 1):
                 for i, (name, value, reduce, weight) in enumerate(_records(rank, step, world)):
                     if i % 2:  # half as 0-d float64 tensors
-                        value, weight = torch.tensor(value, dtype=torch.float64), torch.tensor(weight)
+                        value = torch.tensor(value, dtype=torch.float64)
+                        weight = None if weight is None else torch.tensor(weight)
                     monitor.record(name, value, reduce=reduce, weight=weight)
                 loss, tokens = _loss(rank, step)
                 metrics = monitor.step(step, loss=torch.tensor(loss, dtype=torch.float64), tokens=tokens)

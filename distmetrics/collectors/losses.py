@@ -23,6 +23,9 @@ from .base import Alert, LogContext, Sample
 
 __all__ = ["CategoryLosses", "LossCollector"]
 
+_LOOKUPS_KEPT = 16
+"""Distinct ``names=`` contents whose lookups a split keeps (the oldest goes first)."""
+
 
 class CategoryLosses:
     """Per-category sums and weights of per-sample losses, on device, for one split."""
@@ -41,6 +44,7 @@ class CategoryLosses:
         self._step_bad: Optional[torch.Tensor] = None  # ... since the last end_step (per_step)
         self.bad_lane = f"_{prefix}/bad_weights"
         """Internal lane: that count, summed over ranks."""
+        self._lookups: dict[Any, dict] = {}  # names= contents -> {device: (its ids sorted, their slots)}
 
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
@@ -72,13 +76,10 @@ class CategoryLosses:
             if names is None:
                 raise ValueError("record_losses: integer category tensors need names= (a list or dict id → name), "
                                  "so the monitor knows every category without reading the tensor")
-            lookup = _to_device(self._lookup(names), losses.device)
-            ids = categories.reshape(-1).to(device=losses.device, dtype=torch.long)
-            index = lookup[ids.clamp(0, lookup.numel() - 1)]
+            ids = categories.reshape(-1).to(device=losses.device, dtype=torch.long).contiguous()
             # an id names= does not name (an ignore index such as -1 or -100, padding) counts in no
-            # category: it went to slot 0's, or wrapped around to the last one's (no host sync here)
-            named = (ids >= 0) & (ids < lookup.numel()) & (index >= 0)
-            index = index.clamp(min=0)
+            # category: its loss and weight are zeroed in slot 0 (no host sync here)
+            index, named = _slots_of(ids, *self._lookup(names, losses.device))
             losses = torch.where(named, losses, 0.0)
             w = torch.where(named, w, 0.0)
             weights = w
@@ -161,16 +162,37 @@ class CategoryLosses:
                           "NaN, inf or negative (summed over ranks); accepted values are finite numbers >= 0. The "
                           f"record was written without {self.prefix}/<category> (weighted by them)")
 
-    def _lookup(self, names: Union[Sequence[str], dict]) -> torch.Tensor:
-        """Category id → slot, indexed by the id itself (ids need not be 0..n-1)."""
+    def _lookup(self, names: Union[Sequence[str], dict],
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids ``names`` names, sorted, and each one's slot, on ``device`` (None: the host). Their
+        size is that of ``names``, whatever its ids are: a table indexed by the id itself took
+        max(id) + 1 slots (760 MB per call for an id of 1e8, and an id of 1e10 could not be held).
+        Made once per contents of ``names`` (checked then) and per device, not per call."""
+        try:
+            key = _contents(names)
+            tables = self._lookups.get(key)
+        except TypeError:  # an unhashable id or name: refused by _table
+            key, tables = None, None
+        if tables is None:
+            tables = {None: self._table(names)}
+            if len(self._lookups) >= _LOOKUPS_KEPT:  # a names= made anew per call with other contents
+                del self._lookups[next(iter(self._lookups))]
+            self._lookups[key] = tables
+        if device not in tables:
+            tables[device] = tuple(_to_device(t, device) for t in tables[None])
+        return tables[device]
+
+    def _table(self, names: Union[Sequence[str], dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_lookup`'s host tensors: ``names`` checked, and each category it names given a slot."""
         table = dict(enumerate(names)) if not isinstance(names, dict) else dict(names)
         for key in table:
-            if not isinstance(key, int) or isinstance(key, bool) or key < 0:
-                raise ValueError(f"record_losses: names= maps integer category ids >= 0 to names; got the id {key!r}")
-        lookup = torch.full((max(table, default=0) + 1,), -1, dtype=torch.long)  # -1: not named
+            if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 2 ** 63:
+                raise ValueError("record_losses: names= maps integer category ids >= 0 (below 2**63: ids travel as "
+                                 f"int64) to names; got the id {key!r}")
         labels = _labels(table.values(), "names")  # checked as a list of categories is
-        lookup[list(table)] = torch.tensor([self._slot(labels[name]) for name in table.values()], dtype=torch.long)
-        return lookup
+        slots = {key: self._slot(labels[name]) for key, name in table.items()}
+        ids = sorted(slots)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor([slots[i] for i in ids], dtype=torch.long)
 
     def _slot(self, name: str) -> int:
         if name not in self._index:
@@ -217,6 +239,25 @@ class LossCollector:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _contents(names: Union[Sequence[str], dict]) -> tuple:
+    """``names`` as a key of its lookup: each (id, name) with their types (1 and True are equal keys, and
+    True is refused as an id). A TypeError where one is unhashable."""
+    pairs = names.items() if isinstance(names, dict) else enumerate(names)
+    out = tuple((type(key), key, type(name), name) for key, name in pairs)
+    hash(out)
+    return out
+
+
+def _slots_of(ids: torch.Tensor, named_ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each id's slot (0 where ``named_ids`` lacks it) and whether it has one: a binary search of the
+    sorted ``named_ids``, on the ids' device, in memory of the ids' size and the names' (no host sync)."""
+    if not named_ids.numel():
+        return torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    at = torch.searchsorted(named_ids, ids).clamp_(max=named_ids.numel() - 1)
+    named = named_ids[at] == ids
+    return torch.where(named, slots[at], 0), named
 
 
 def _named(names: Union[Sequence[str], dict], category: Any) -> Optional[str]:

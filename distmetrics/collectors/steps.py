@@ -25,6 +25,7 @@ from ..names import NameRegistry, check_count, check_spellings, check_step, chec
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
+from .weightless import WeightlessMeans
 
 __all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS", "loss_weights", "loss_weight",
            "MixedWeights", "LearningRates", "StageLoss"]
@@ -230,6 +231,7 @@ class StepValues:
         self._lr: Optional[Number] = None  # the interval's last lr, for the LEARNING_RATES lane
         self._uncounted = False  # tokens given in the interval on this rank, which does not count them
         self._says_uncounted = layout.says_once
+        self.weightless = WeightlessMeans()  # monitor.record means left out for a total weight of 0: said
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any], loss_tokens: Any = None) -> None:
@@ -287,16 +289,23 @@ class StepValues:
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
         self.stats.end_step()  # what was recorded up to here is this step's
 
-    def record(self, name: str, value: Number, reduce: str = "mean", weight: Number = 1.0) -> None:
+    def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
         """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
         a call refused for its value or weight claims nothing, so a retry may use another kind."""
         check_reduce(name if isinstance(name, str) else repr(name), reduce)
+        if weight is not None and reduce != "mean":  # it was dropped without a word: the user meant something by it
+            raise ValueError(f"monitor.record({name!r}, reduce={reduce!r}, weight=...): only reduce='mean' takes a "
+                             f"weight (a weighted mean); reduce={reduce!r} has none to weigh. Pass no weight, or "
+                             "reduce='mean'")
+        weight = 1.0 if weight is None else weight
         check_user_value(value, "monitor.record(%r)", name)
         check_user_value(weight, "monitor.record(%r, weight=...)", name)
         value, weight = local_value(value), local_value(weight)
         check_count(weight, "monitor.record(%r, weight=...)", name)
         self.names.claim(name, reduce, "monitor.record")
         self.stats.record(name, value, reduce, weight=weight)
+        if reduce == "mean":
+            self.weightless.means.add(name)  # left out where its weights sum to 0: said at the log step
         if reduce == "mean" and isinstance(weight, torch.Tensor):  # not read here (a device sync): flagged on
             # its device, the flag kept in a MAX lane (1 where NaN, inf or < 0), checked at the log step
             flag = ~(torch.isfinite(weight) & (weight >= 0))
@@ -331,7 +340,8 @@ class StepValues:
             # every rank's lr (float32, to say ranks that differ), and their mean (float64: train/lr where the
             # writer rank gives none, as a loop passing lr beside the loss on the last pipeline stage does)
             lanes += [Sample(LEARNING_RATES, lr, "minmax"), Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
-        return self.stats.take_samples() + lanes
+        self.weightless.sent = self.stats.take_samples()
+        return self.weightless.sent + lanes
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
@@ -353,7 +363,7 @@ class StepValues:
         elif ctx.tokens is not None:
             self._job_tokens_logged = self.job_tokens
         self._check_loss_tokens(metrics, ctx.step)
-        self._check_weights(metrics, ctx)
+        self.weightless.say(metrics, ctx, refused=self._check_weights(metrics, ctx))
         self._check_uncounted(metrics.pop(UNCOUNTED_TOKENS, None), ctx)
         metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
@@ -395,10 +405,10 @@ class StepValues:
                 "accepted values are finite numbers >= 0. This record was written without train/loss (weighted by "
                 "them)")
 
-    def _check_weights(self, metrics: dict[str, Any], ctx: LogContext) -> None:
+    def _check_weights(self, metrics: dict[str, Any], ctx: LogContext) -> list[str]:
         """``monitor.record`` weights given as tensors, checked in their :data:`BAD_WEIGHT` lanes: a bad one
         on any rank leaves its metric (a mean weighted by it: outside its values' range, or NaN) out of the
-        record, then raises on every rank (said where an error is raised already)."""
+        record, then raises on every rank (said where an error is raised already). Returns those names."""
         bad, names, step = [], [], ctx.step
         for lane in ctx.keys_under(metrics, (BAD_WEIGHT,)):  # found once per set of names, not a pass a log step
             if lane.endswith("/max_rank") or lane not in metrics:
@@ -409,7 +419,7 @@ class StepValues:
                 metrics.pop(names[-1], None)
                 bad.append(f"{names[-1]!r}" + ("" if rank is None else f" on rank {int(rank)}"))
         if not bad:
-            return
+            return names
         error = ValueError(
             f"monitor.record(name, weight=...): a tensor given as a weight in the steps up to step {step} held NaN, "
             f"inf or a negative value: {', '.join(bad)} (the lowest rank where so); accepted values are finite "
@@ -418,6 +428,7 @@ class StepValues:
             self.refused = error
         else:
             logger.warning("distmetrics: step %d: %s", step, error)
+        return names
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """Nothing to derive (the Monitor moves the internal lanes into the context)."""
