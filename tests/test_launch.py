@@ -302,7 +302,7 @@ def test_torchrun_sh_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(tmp_path, 
     shown.chmod(0o755)
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text(f"#!/usr/bin/env bash\nfor i in $(seq 0 {gpus - 1}); do echo \"GPU $i: H100 (UUID: GPU-$i)\"; done\n")
+    smi.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 'GPU {i}: H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
     smi.chmod(0o755)
     env = _env(PYTHON=str(shown), PATH=f"{smi.parent}:{os.environ['PATH']}", NPROC_PER_NODE=str(nproc))
     for key in ("MASTER_PORT", "NNODES", "RDZV_ID", "CUDA_VISIBLE_DEVICES"):
