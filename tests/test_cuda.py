@@ -329,6 +329,46 @@ def test_nccl_world_of_one_builds_and_reduces_packs_on_the_gpu():
 
 
 
+def test_the_recording_api_on_cuda_tensors_waits_for_no_device_between_log_steps_and_matches_float64():
+    """``record`` with a tensor value and weight, ``record_losses`` with integer ids on the GPU (sparse:
+    an id of 10**12, and -100 as an ignore index), ``record_moe`` with counts on the GPU: no call
+    synchronises the device (``set_sync_debug_mode("error")``), and the log step's values are float64's."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+    names = {10 ** 12: "web", 5: "code"}
+    gen = torch.Generator().manual_seed(0)
+    truth: dict = {"v": [0.0, 0.0], "web": [0.0, 0.0], "code": [0.0, 0.0],
+                   "counts": torch.zeros(2, 4, dtype=torch.float64)}
+    for step in (1, 2):
+        losses = torch.rand(64, generator=gen, dtype=torch.float64)
+        ids = torch.tensor([10 ** 12, 5, -100, 7])[torch.randint(0, 4, (64,), generator=gen)]
+        counts = torch.randint(1, 50, (2, 4), generator=gen)
+        value, weight = float(losses[0]), float(step * 3)
+        truth["v"][0] += value * weight
+        truth["v"][1] += weight
+        for i, name in names.items():
+            truth[name][0] += float(losses[ids == i].sum())
+            truth[name][1] += int((ids == i).sum())
+        truth["counts"] += counts
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            monitor.record("train/v", torch.tensor(value, device="cuda"), weight=torch.tensor(weight, device="cuda"))
+            monitor.record_losses(losses.float().cuda(), ids.cuda(), names=names)
+            monitor.record_moe(tokens_per_expert=counts.cuda(), layer_numbers=[1, 2])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        m = monitor.step(step)
+    monitor.close()
+    assert m["train/v"] == pytest.approx(truth["v"][0] / truth["v"][1], rel=1e-6)
+    for name in names.values():
+        assert m[f"train/loss/{name}"] == pytest.approx(truth[name][0] / truth[name][1], rel=1e-6), name
+    per_layer = truth["counts"].max(dim=1).values / truth["counts"].mean(dim=1)
+    assert m["moe/load_imbalance"] == pytest.approx(float(per_layer.max()), rel=1e-6)
+    assert m["moe/expert_utilization"] == 1.0
+
+
 def _megatron_child(port: str, clip: str) -> None:
     """Megatron-Core's GPTModel under its DistributedDataParallel and DistributedOptimizer on one
     GPU (NCCL, a world of one), Megatron clipping at ``clip``: per step our gradient, parameter and
