@@ -11,7 +11,6 @@ Keyword arguments, mapping keys, ``key=value`` overrides and YAML files are chec
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -23,12 +22,30 @@ from .validation import ConfigError, check_file_keys, check_types, checked_keywo
 from .yamlfile import ConfigLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml",
-           "MAX_STRAGGLER_WINDOW"]
+           "MAX_STRAGGLER_WINDOW", "MAX_FLOPS_PER_TOKEN", "MAX_SOL_STEP_TIME_MS"]
 
 MAX_STRAGGLER_WINDOW = 100
 """The longest straggler window: a median over 100 log steps already shrugs off 49 slow intervals, an
 alert waits a whole window (100 log steps of 100 steps: 10,000 steps), and every log step takes each
 series' median over the window again: 37–66 ms at 1,024 ranks and 20 series with 100 (README, Stragglers)."""
+
+MAX_FLOPS_PER_TOKEN, MAX_SOL_STEP_TIME_MS = 1e30, 1e12
+"""The most FLOPs per token (given or derived: 1.7e29 parameters at 6·N, beyond any model) and the longest
+speed-of-light step time (31 years) accepted: TFLOP/s, the checkpoints' FLOP counts and ``train/sol_pct``,
+computed from them, stay finite (``1e308`` times a token count, or over a step time, is inf)."""
+
+_ACCEPTED = {
+    "spike_factor": "finite numbers > 1",
+    "hang_timeout_s": "numbers from 0 to 1e9 (0 turns the check off; a longer wait does not fit the store's timeout)",
+    "straggler_threshold": "numbers in (0, 1]",
+    "flops_per_token": "None or numbers > 0 up to 1e30 (TFLOP/s and the checkpoints' FLOP counts stay finite)",
+    "peak_tflops": "None or finite numbers > 0",
+    "num_params": "None or finite numbers > 0",
+    "num_active_params": "None or finite numbers > 0",
+    "sol_step_time_ms": "None or numbers > 0 up to 1e12 (about 31 years; train/sol_pct stays finite)",
+}
+"""What each float key accepts: said for a value out of range, and for inf, nan or a number beyond
+float64 (refused by type before the range is checked, so one message says what would be accepted)."""
 
 
 @checked_keywords("tensor_inspect.")
@@ -201,7 +218,7 @@ class MetricsConfig:
             self.tensor_inspect = _build(TensorInspectConfig, self.tensor_inspect, "tensor_inspect.")
         elif not isinstance(self.tensor_inspect, TensorInspectConfig):
             raise ConfigError(_not_a_section(self.tensor_inspect))
-        check_types(self, "")
+        check_types(self, "", _ACCEPTED)
         _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
         _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")
         _require(self, "timing_log_level", self.timing_log_level in (-1, 0, 1, 2), "-1, 0, 1 or 2")
@@ -209,24 +226,27 @@ class MetricsConfig:
                  "None or integers >= 1")
         _require(self, "module_norm_depth", self.module_norm_depth is None or self.module_norm_depth >= 1,
                  "None or integers >= 1")
-        _require(self, "spike_factor", self.spike_factor > 1.0, "numbers > 1")
-        _require(self, "hang_timeout_s", 0 <= self.hang_timeout_s <= 1e9,
-                 "numbers from 0 to 1e9 (0 turns the check off; a longer wait does not fit the store's timeout)")
+        _require(self, "spike_factor", self.spike_factor > 1.0, _ACCEPTED["spike_factor"])
+        _require(self, "hang_timeout_s", 0 <= self.hang_timeout_s <= 1e9, _ACCEPTED["hang_timeout_s"])
         _require(self, "straggler_window", 0 <= self.straggler_window <= MAX_STRAGGLER_WINDOW,
                  f"integers from 0 (off) to {MAX_STRAGGLER_WINDOW}: every log step takes each series' median over "
                  "the window again, at a cost that grows with it (README, Stragglers)")
         _require(self, "straggler_report_every", self.straggler_report_every >= 0, "integers >= 0 (0: off)")
         _require(self, "straggler_report_ranks", self.straggler_report_ranks >= 1, "integers >= 1")
-        _require(self, "straggler_threshold", 0.0 < self.straggler_threshold <= 1.0, "numbers in (0, 1]")
+        _require(self, "straggler_threshold", 0.0 < self.straggler_threshold <= 1.0, _ACCEPTED["straggler_threshold"])
         for name in ("flops_per_token", "peak_tflops", "num_params", "num_active_params", "num_layers",
                      "hidden_size", "seq_length", "sol_step_time_ms"):
             value = getattr(self, name)
-            _require(self, name, value is None or value > 0, "None or numbers > 0")
+            _require(self, name, value is None or value > 0, _ACCEPTED.get(name, "None or numbers > 0"))
+        _require(self, "flops_per_token", self.flops_per_token is None or self.flops_per_token <= MAX_FLOPS_PER_TOKEN,
+                 _ACCEPTED["flops_per_token"])
+        sol = self.sol_step_time_ms
+        _require(self, "sol_step_time_ms", sol is None or sol <= MAX_SOL_STEP_TIME_MS, _ACCEPTED["sol_step_time_ms"])
         self._check_model_description()
         flops = self.resolved_flops_per_token
-        _require(self, "flops_per_token" if self.flops_per_token is not None else "num_params",
-                 flops is None or math.isfinite(flops),
-                 "model descriptions whose FLOPs per token (6·N + the attention term) fit a float")
+        _require(self, "num_params", flops is None or flops <= MAX_FLOPS_PER_TOKEN,
+                 "model descriptions whose FLOPs per token (6·N + the attention term) are at most 1e30, "
+                 "as flops_per_token's")
         _require(self, "output_dir", bool(self.output_dir.strip()), "a non-empty path (not only spaces)")
         _refuse_blank(self, "", _UNSET_MEANS)
 

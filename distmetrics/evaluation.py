@@ -42,7 +42,8 @@ class EvalLog:
 
     def __init__(self, group: Any, guard: Any = None, layout: Any = None, world: Optional[int] = None,
                  records: Any = None) -> None:
-        self.reducer = Reducer(group, guard=guard, call="monitor.log_eval", world=world)
+        self.reducer = Reducer(group, guard=guard, call="monitor.log_eval", world=world,
+                               records="eval records (monitor.log_eval)")
         self._records = records if records is not None else contextlib.nullcontext()
         """The Monitor's lock of its record calls: held while the eval categories are taken, not
         through the collective (a thread of the user's may wait on a rank that waits on it)."""

@@ -94,11 +94,14 @@ class Monitor:
         self.writer_rank = self.layout.writer(config.writer_rank)
         self.is_writer = self.rank == self.writer_rank
         self._guard = CollectiveGuard(config.hang_timeout_s, group)
-        self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size)
+        self._reducer = Reducer(group, guard=self._guard, call="monitor.step", world=self.world_size,
+                                records="train records (monitor.step, monitor.record)")
         # record* may come from any thread: one at a time, and never while a log step takes the interval
         # (a tensor add releases the GIL: records were lost, and an interval taken mid-add counted twice)
         self._records = threading.RLock()
         self._eval = EvalLog(group, self._guard, self.layout, world=self.world_size, records=self._records)
+        # one name in train records on one rank and in eval records on another: refused where the names meet
+        self._reducer.shares_tags_with(self._eval.reducer)
         self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)

@@ -263,24 +263,39 @@ class NameRegistry:
         pass here too: the reducer checks the names every rank sent with it). ``names_it``: ``what``
         says the name already (the reducer's "metric 'x' from rank 3")."""
         source = f"{what} ({kind})"
+        clash = self.clash(name, kind, source)
+        if clash is not None:
+            raise clash
+        self.note(name, kind, source if names_it else f"{what} ({name!r}, {kind})")
+
+    def clash(self, name: str, kind: str, source: str) -> Optional[NameClash]:
+        """The clash ``name``, reduced as ``kind``, would make with what is remembered (a key another
+        name writes), said as ``source``'s; None where there is none. Nothing is remembered."""
         written = written_names(name, kind)
         for other in written:
             who = self.writer_of(other)
             if who is not None:
-                raise NameClash(f"{source} would write {other!r}, which {who} writes already", self._sources.get(other))
+                return NameClash(f"{source} would write {other!r}, which {who} writes already",
+                                 self._sources.get(other))
         rank = _RANK.match(name)
         if rank and self._claimed.get(rank.group(1)) == "all":
-            raise NameClash(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
-                            f"{rank.group(1)!r}", rank.group(1))
+            return NameClash(f"{source} would write {name!r}, which JSONL uses for a rank of the 'all' metric "
+                             f"{rank.group(1)!r}", rank.group(1))
         if kind == "all":
             clash = self._rank_shaped.get(name)
             if clash:
-                raise NameClash(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
-                                f"{self._writers[clash[0]]} writes already", self._sources.get(clash[0]))
-        for other in written:
-            self._write(other, source if names_it else f"{what} ({name!r}, {kind})")
-            self._sources[other] = name
-        self._claimed[name] = kind
+                return NameClash(f"{source}: JSONL would write {name!r}'s ranks as {clash[0]!r}, which "
+                                 f"{self._writers[clash[0]]} writes already", self._sources.get(clash[0]))
+        return None
+
+    def note(self, name: str, kind: str, who: str) -> None:
+        """Remember what ``name``, reduced as ``kind``, writes, and that ``who`` writes it, unchecked
+        (:meth:`add` checks first); a key written already keeps its first writer."""
+        for other in written_names(name, kind):
+            if other not in self._writers:
+                self._write(other, who)
+                self._sources[other] = name
+        self._claimed.setdefault(name, kind)
 
     def _write(self, name: str, who: str) -> None:
         """Remember that ``who`` writes ``name``, and under its base name where it has the shape of

@@ -30,7 +30,9 @@ from every rank, then broadcasts each *distinct* name set once from the lowest r
 it: its payload grows with the number of distinct sets (pipeline stages × expert ranks), not
 with the world size. Absent names are filled with the identity of their reduction, so a
 missing metric never hangs nor mixes values. Names the ranks disagree on are left out, a
-vector's other elements kept, for as long as the ranks send them (:mod:`distmetrics.refusals`).
+vector's other elements kept, for as long as the ranks send them (:mod:`distmetrics.refusals`), and
+so are names agreed already by a reducer of another kind of record beside this one (a name in train
+records on one rank and in eval records on another would make one tag hold both).
 
 This module knows tensors and process groups, not what the metrics mean.
 """
@@ -51,7 +53,7 @@ from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_ho
 from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
 from .peers import InCollective
 from .per_rank import PerRank, some_ranks
-from .refusals import Refusals
+from .refusals import Refusals, refused_beside
 from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
@@ -91,13 +93,17 @@ class Reducer:
     as a GPU's values are (tests run both)."""
 
     def __init__(self, group: Optional[Any] = None, device: Optional[torch.device] = None, guard: Any = None,
-                 call: str = "reduce", world: Optional[int] = None) -> None:
+                 call: str = "reduce", world: Optional[int] = None, records: str = "these records") -> None:
         self.group = group
         self.world = world
         """The number of ranks the reduction is for (the Monitor's), checked at every :meth:`reduce`;
         None: whatever the process group has."""
         self.guard = guard  # a CollectiveGuard: every rank must arrive at this call first
         self.call = call
+        self.records = records
+        """What its reductions are written as, for messages ("eval records (monitor.log_eval)")."""
+        self._beside: list[Reducer] = []  # reducers of other records whose names share tags with these
+        self._written: Optional[NameRegistry] = None  # what the names agreed so far write, where some reducer is beside
         self._call_coded: tuple = (None, 0)  # (call, its code)
         self._device = device
         self._layout: Optional[PackLayout] = None
@@ -115,6 +121,16 @@ class Reducer:
         self.collectives = 0
         self.negotiations = 0
         self.negotiation_bytes = 0
+
+    def shares_tags_with(self, other: "Reducer") -> None:
+        """``other`` reduces another kind of record whose names are tags in the same sinks (eval records
+        beside train records): a name already agreed in one is refused in the other's negotiations. A
+        rank's own check sees its own calls only; the agreed names are the same on every rank, so
+        every rank refuses alike, with no collective of its own."""
+        for mine, theirs in ((self, other), (other, self)):
+            mine._beside.append(theirs)
+            if mine._written is None:
+                mine._written = NameRegistry()
 
     @property
     def distributed(self) -> bool:
@@ -289,12 +305,19 @@ class Reducer:
                                  "for the whole run")
         for name in refused:
             del union[name]
+        for name, why in refused_beside(union, origin, self.records, [r._written for r in self._beside]).items():
+            del union[name]
+            refused[name] = why
         clashes = _written_clashes(union, origin)  # left out too, both names of each pair, then raised like the rest
         for name, why in clashes.items():
             del union[name]
             refused[name] = why
         for name, kind in union.items():
-            self._agreed.setdefault(name, kind)
+            if name not in self._agreed:
+                self._agreed[name] = kind
+                if self._written is not None and name[:1] != "_":  # internal lanes are never written
+                    self._written.note(name, kind, f"metric {name!r} ({kind}) from rank {origin[name]} in "
+                                                   f"{self.records}")
         self._layout = PackLayout(union.items())
         self._refusals = Refusals(refused) if refused else None
         return samples if self._refusals is None else self._refusals.first(samples)

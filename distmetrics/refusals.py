@@ -1,7 +1,8 @@
 """Names a negotiation refused, left out of the packs for as long as the ranks keep sending them.
 
 A negotiation refuses a name whose reduce kind differs between ranks (or from an earlier log step),
-and both names of a pair that would write one key. Such a name may be one element of a vector
+both names of a pair that would write one key, and a name that writes a key another kind of record
+holds (:func:`refused_beside`). Such a name may be one element of a vector
 sample (one timer among the timers, one module among the per-module norms): only that element is
 left out, so the vector's other elements are still reduced and written.
 
@@ -20,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Refusals"]
+__all__ = ["Refusals", "refused_beside"]
 
 
 class Refusals:
@@ -92,3 +93,24 @@ def _part(s: Any, names: tuple, index: dict) -> Any:
         return values.index_select(0, at)
 
     return dataclasses.replace(s, value=pick(s.value), weight=pick(s.weight), low=pick(s.low), names=names)
+
+
+def refused_beside(union: dict[str, str], origin: dict[str, int], records: str,
+                   beside: Sequence[Any]) -> dict[str, str]:
+    """The names of a negotiation's ``union`` (name → reduce kind, ``origin``: a rank that sent each) that
+    would write a key which another kind of record holds already, with why: ``beside`` holds, per kind,
+    a :class:`~distmetrics.names.NameRegistry` of the names agreed for it (the same on every rank), and
+    ``records`` says which records ``union`` is for. ``eval/acc`` in train records from ``monitor.record``
+    on one rank and in eval records from ``log_eval(acc=...)`` on another: the records written keep it."""
+    refused: dict[str, str] = {}
+    for written in beside:
+        if not written.size:
+            continue
+        for name, kind in union.items():
+            if name[:1] == "_" or name in refused:  # internal lanes are never written
+                continue
+            clash = written.clash(name, kind, f"metric {name!r} ({kind}) from rank {origin[name]} in {records}")
+            if clash is not None:
+                refused[name] = (f"{clash}: one tag would hold both kinds of record (values of one at the steps of "
+                                 "the other); give one of them another name")
+    return refused

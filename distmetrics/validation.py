@@ -11,7 +11,7 @@ import math
 import re
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 __all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key",
            "unknown_key"]
@@ -72,19 +72,23 @@ def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
     return f"unknown config key '{prefix}{key}'{given}{hint} Accepted keys: {accepted}"
 
 
-def check_types(obj: Any, prefix: str) -> None:
-    """Check every field of a config dataclass against its type hint (see :func:`check_value`)."""
+def check_types(obj: Any, prefix: str, accepted: Optional[dict[str, str]] = None) -> None:
+    """Check every field of a config dataclass against its type hint (see :func:`check_value`);
+    ``accepted``: what a key accepts, said where its number does not fit (by field name)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name])
+        check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name], (accepted or {}).get(f.name))
 
 
-def check_value(key: str, value: Any, expected: Any) -> None:
-    """A value of the right type, a listed choice, a number a float and an int64 can hold."""
+def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = None) -> None:
+    """A value of the right type, a listed choice, a number a float and an int64 can hold (not inf
+    or nan); ``accepted``: what the key accepts, said instead of the bare limits where a number
+    does not fit (``spike_factor=inf: accepted values are finite numbers > 1``)."""
     choices = _choices(expected)
     if _matches(value, expected):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not _representable(value, expected):
-            raise ConfigError(f"{key}={_short(value)}: accepted values are finite numbers below 2**63")
+            limits = "finite numbers" if _matches(0.5, expected) else "finite numbers below 2**63"
+            raise ConfigError(f"{key}={_short(value)}: accepted values are {accepted or limits}")
         return
     if choices and isinstance(value, bool):
         suggestion = {False: "disabled", True: "online"}.get(value)
@@ -117,7 +121,9 @@ def _choices(expected: Any) -> tuple:
 
 
 def _representable(value: Any, expected: Any) -> bool:
-    if isinstance(value, int) and abs(value) >= _INT64_LIMIT:
+    """Finite, and within an int64 where the key takes no float (an int of a float key is a float:
+    ``flops_per_token=10**20`` is ``1e20``)."""
+    if isinstance(value, int) and abs(value) >= _INT64_LIMIT and not _matches(0.5, expected):
         return False
     try:
         return math.isfinite(float(value))

@@ -3,6 +3,7 @@ collective or host sync on non-log steps, and a failing sink that does not stop 
 
 import json
 import math
+from functools import partial
 
 import pytest
 
@@ -706,6 +707,60 @@ def test_one_name_in_train_and_eval_records_is_refused_on_every_rank(order):
     for r in results:
         assert len(r["said"]) == 1 and "is written in" in r["said"][0] and "give it another name" in r["said"][0]
         assert ("eval/acc" in r["train"]) == (order == "record first")  # the first writer keeps it
+
+
+def _split_record_and_eval(rank: int, world: int, root: str) -> dict:
+    """``eval/acc`` from monitor.record on rank 0 and from log_eval(acc=...) on rank 1, in two jobs: the
+    train record written first ("train first"), or the eval record ("eval first"); every error kept."""
+    import distmetrics as dm
+
+    said: dict = {}
+
+    def call(job: str, made) -> None:
+        try:
+            made()
+        except ValueError as err:
+            said.setdefault(job, []).append(str(err))
+
+    for job in ("train first", "eval first"):
+        with dm.Monitor(quiet_config(output_dir=f"{root}/{job}", log_interval=2, json_log=True)) as monitor:
+            evaluate = partial(monitor.log_eval, loss=2.0 + rank, **({"acc": 0.5} if rank == 1 else {}))
+            if job == "eval first":
+                call(job, partial(evaluate, 0))
+            for step in range(1, 5):
+                if rank == 0:
+                    monitor.record("eval/acc", 7.0)
+                call(job, partial(monitor.step, step, loss=1.0 + rank))
+            if job == "train first":
+                call(job, partial(evaluate, 4))
+    return said
+
+
+def test_one_name_in_train_records_on_one_rank_and_eval_records_on_another_is_refused_on_every_rank(tmp_path):
+    """Each rank's own check saw its own calls only: monitor.record("eval/acc") on rank 0 and
+    log_eval(acc=...) on rank 1 passed, and metrics.jsonl's eval/acc held rank 0's 7.0 in train
+    records beside rank 1's 0.5 in eval records. The names meet where the ranks agree on them: the
+    record written first keeps the name, the other is written without it and raises on every rank,
+    at every reduction that sends it."""
+    import distmetrics as dm
+
+    results = run_ranks(_split_record_and_eval, 2, str(tmp_path), timeout=180)
+    assert results[0] == results[1], results
+    said = results[0]
+    train_use = "metric 'eval/acc' (mean) from rank 0 in train records (monitor.step, monitor.record)"
+    eval_use = "metric 'eval/acc' (mean) from rank 1 in eval records (monitor.log_eval)"
+    clash = ": one tag would hold both kinds of record (values of one at the steps of the other); give one of them " \
+            "another name (left out of this record)"
+    assert said.get("train first") == [f"{eval_use} would write 'eval/acc', which {train_use} writes already{clash}"]
+    assert said.get("eval first") == [f"{train_use} would write 'eval/acc', which {eval_use} writes already{clash}"] * 2
+    for job, kept in (("train first", "train"), ("eval first", "eval")):
+        records = [r for r in dm.read_jsonl(tmp_path / job / "metrics.jsonl") if r["kind"] in ("train", "eval")]
+        assert [(r["kind"], r["step"]) for r in records] == (
+            [("train", 2), ("train", 4), ("eval", 4)] if kept == "train" else [("eval", 0), ("train", 2), ("train", 4)])
+        assert {r["kind"] for r in records if "eval/acc" in r} == {kept}, records  # one tag, one kind of record
+        assert [r["eval/acc"] for r in records if "eval/acc" in r] == ([7.0, 7.0] if kept == "train" else [0.5])
+        assert all(r["train/loss"] == 1.5 for r in records if r["kind"] == "train")  # the rest is written
+        assert all(r["eval/loss"] == 2.5 for r in records if r["kind"] == "eval")
 
 
 # --- names another writer writes: a collector's writes and samples --------------------------------
