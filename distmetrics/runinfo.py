@@ -172,7 +172,7 @@ SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_leve
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",
                "tensor_inspect.enabled", "tensor_inspect.features", "tensor_inspect.init_training_step",
-               "flops_per_token", "peak_tflops", "sol_step_time_ms")
+               "flops_per_token", "peak_tflops", "sol_step_time_ms", "spike_factor")
 """Config keys whose value decides which collectives a rank joins, what its pieces count for, which
 rank writes or what the job's derived numbers are: a rank given another value than the others would
 hang, count wrong, write nothing or return another dict, so ``Monitor()`` refuses a difference on
@@ -184,7 +184,8 @@ which steps the statistics' collective runs at; ``flops_per_token``, ``peak_tflo
 so what it computes them from is compared, given as derived by
 :func:`~distmetrics.collectors.throughput.shared_throughput`: the FLOPs per token however given, the
 peak however found; the job's numbers are the whole model's, so a pipeline stage's own parameter count
-is not one of them). The sinks' keys matter on the writer only."""
+is not one of them; ``spike_factor``: each rank finds a loss spike in the reduced loss by its own, and
+``health/loss_spike`` is in the dict ``monitor.step`` returns). The sinks' keys matter on the writer only."""
 
 NOT_READ = "<not read on this rank: its problem is said>"
 """A derived shared value a rank could not read; not compared (its problem is raised)."""

@@ -827,7 +827,7 @@ def _differing_settings(rank: int, world: int, root: str) -> tuple:
     import distmetrics as dm
 
     differing = dict(writer_rank="last", log_grad_norm_per_module=False, timing_log_level=2,
-                     barrier_with_L1_time=False) if rank == 0 else {}
+                     barrier_with_L1_time=False, spike_factor=2.0) if rank == 0 else {}
     stats = ["max", "mean"] if rank == 0 else ["mean", "max"]  # the same statistics, listed in another order
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
                       "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": stats}}}}
@@ -845,6 +845,9 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
         # a timer started with barrier=True waited at a barrier on rank 0 only (level 2 enabled there)
         assert "config key timing_log_level differs between ranks (2 on rank 0; -1 on rank 1)" in message
         assert "config key barrier_with_L1_time differs between ranks (False on rank 0; True on rank 1)" in message
+        # each rank finds a loss spike after the reduction by its own factor: health/loss_spike was 1 on one
+        # rank and 0 on another, in the dict monitor.step returns (a loop acting on it split)
+        assert "config key spike_factor differs between ranks (2.0 on rank 0; 5.0 on rank 1)" in message
         # each statistic was merged over the ranks that listed the statistics alike: one rank's value
         assert re.search(r"config key tensor_inspect.features differs between ranks \('content \w+' on rank 0; "
                          r"'content \w+' on rank 1\)", message), message
