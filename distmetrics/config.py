@@ -11,6 +11,7 @@ Keyword arguments, mapping keys, ``key=value`` overrides and YAML files are chec
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -287,7 +288,9 @@ class MetricsConfig:
         if isinstance(config, dict):
             return cls.from_dict(config)
         if not isinstance(config, cls):
-            raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}")
+            path = isinstance(config, (str, os.PathLike))  # Monitor("configs/x.yaml"): the file is meant
+            read = f"; for a YAML file, pass MetricsConfig.from_yaml({str(config)!r})" if path else ""
+            raise TypeError(f"config must be a MetricsConfig or a mapping, got {type(config).__name__}{read}")
         return config.replace()
 
     @classmethod

@@ -14,7 +14,7 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 __all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key",
-           "unknown_key"]
+           "text_read_as", "unknown_key"]
 
 _INT64_LIMIT = 2 ** 63
 _YAML_BOOLEAN = "YAML reads an unquoted off/on/no/yes as a boolean, not a word"
@@ -95,13 +95,13 @@ def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = N
         instead = f"; for {value!r} write the word {suggestion}" if suggestion in choices else ""  # YAML or key=value
         raise ConfigError(f"{key}={value!r}: {_YAML_BOOLEAN}; accepted values are {', '.join(map(repr, choices))}"
                           f"{instead}")
-    if isinstance(value, bool) and _matches("text", expected):  # wandb_project=off: the word, read as False
-        word = "on" if value else "off"
-        raise ConfigError(f"{key}={value!r}: {_YAML_BOOLEAN}; accepted: {_describe(expected)}; for the word, quote "
-                          f"it: {key}: '{word}' in a file, {key}=\"'{word}'\" as an override")
+    message = text_read_as(key, value, expected)
+    if message:
+        raise ConfigError(message)
     if choices and any(type(value) is type(c) for c in choices):
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        by_lower = {str(c).lower(): str(c) for c in choices}  # MAX and LAST meant max and last as much as Max did
+        close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1, cutoff=0.6)
+        hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
         raise ConfigError(f"{key}={value!r}: accepted values are {', '.join(map(repr, choices))}{hint}")
     hint = ""
     if type(value) is float and value.is_integer() and abs(value) < 2**53 and _matches(int(value), expected):
@@ -109,6 +109,24 @@ def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = N
     elif isinstance(value, str) and re.fullmatch(r"[-+]?0[0-9][0-9_]*", value) and _matches(0, expected):
         hint = "; write it without the leading 0"  # YAML 1.1 reads 08 and 09 as text, 010 as octal
     raise ConfigError(f"{key}={_short(value)} has type {type(value).__name__}; accepted: {_describe(expected)}{hint}")
+
+
+def text_read_as(key: str, value: Any, expected: Any, written: Optional[str] = None) -> Optional[str]:
+    """The message for a boolean or a number where text belongs (``wandb_exp_name: yes`` reaches the
+    config as True, ``wandb_exp_name: 123`` as 123), saying how to quote the text; None where the value
+    is not one. ``written``: the value as the user wrote it (an override's); a file's is gone once YAML
+    has read it, and the word is said generically rather than guessed back from the value (True was
+    ``yes``, ``on`` or ``true``)."""
+    if not isinstance(value, (bool, int, float)) or _matches(value, expected) or not _matches("text", expected):
+        return None
+    reads = _YAML_BOOLEAN if isinstance(value, bool) else "YAML reads an unquoted number as a number, not text"
+    word = "word" if isinstance(value, bool) else "text"
+    if written is None:
+        quote = f"quote it as written: {key}: '<{word}>' in a file, {key}=\"'<{word}>'\" as an override"
+    else:
+        quoted = "'" + written.replace("'", "''") + "'"
+        quote = f"quote it: {key}: {quoted} in a file, {key}=\"{quoted}\" as an override"
+    return f"{key}={value!r}: {reads}; accepted: {_describe(expected)}; for the {word}, {quote}"
 
 
 def _choices(expected: Any) -> tuple:

@@ -10,6 +10,7 @@ import yaml
 
 import distmetrics as dm
 from distmetrics.config import ConfigError
+from tests.dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
     path = tmp_path / "model.yaml"
     path.write_text("num_params: 7e10\nnum_layers: 32\nhidden_size: 4096\nseq_length: 4096\n"
                     "peak_tflops: .989e3\nsol_step_time_ms: 1.5E+3\n")
-    cfg = dm.MetricsConfig.from_yaml(path, ["num_active_params=1_3e9"])
+    cfg = dm.MetricsConfig.from_yaml(path, ["num_active_params=13e9"])
     assert (cfg.num_params, cfg.peak_tflops, cfg.sol_step_time_ms, cfg.num_active_params) == (7e10, 989.0, 1500.0,
                                                                                               13e9)
     assert cfg.resolved_flops_per_token == 6 * 13e9 + 6 * 32 * 4096 * 4096  # a causal mask: half of 12·L·h·s
@@ -121,7 +122,8 @@ def test_yaml_boolean_for_text_says_so_and_how_to_quote_the_word(tmp_path):
     path.write_text("wandb_exp_name: yes\n")
     with pytest.raises(ConfigError, match=re.escape(f"{path}: wandb_exp_name=True: YAML reads an unquoted "
                                                     "off/on/no/yes as a boolean, not a word; accepted: str or None; "
-                                                    "for the word, quote it: wandb_exp_name: 'on' in a file")):
+                                                    "for the word, quote it as written: wandb_exp_name: '<word>' in "
+                                                    "a file")):
         dm.MetricsConfig.from_yaml(path)
     path.write_text("wandb_exp_name: 'yes'\n")
     assert dm.MetricsConfig.from_yaml(path, ["wandb_project='off'"]).to_dict()["wandb_project"] == "off"
@@ -439,3 +441,145 @@ def test_a_tensor_inspect_section_with_every_key_commented_out_names_what_is_acc
     path.write_text("log_interval: 5\n")  # the key left out, or an empty mapping: no tensor inspection
     assert dm.MetricsConfig.from_yaml(path).tensor_inspect == dm.TensorInspectConfig()
     assert dm.MetricsConfig(tensor_inspect={}).tensor_inspect.enabled is False
+
+
+def _jobs_whose_output_dirs_differ_after_a_hash(rank, world, root):
+    """Every rank: the unquoted override refused, then two jobs (``#1``, ``#2``) with the quoted one."""
+    out = {}
+    try:
+        dm.MetricsConfig.from_dict({}, [f"output_dir={root}/exp #1"])
+    except ConfigError as err:
+        out["refused"] = str(err)
+    for job in (1, 2):
+        keys = dict(log_interval=1, console=False, tensorboard=False, log_progress=False, straggler_window=0)
+        with dm.Monitor(dm.MetricsConfig.from_dict(keys, [f"output_dir='{root}/exp #{job}'"])) as monitor:
+            monitor.step(1, loss=float(job))
+    return out
+
+
+def test_an_override_holding_a_comment_is_refused_on_every_rank_and_quoted_keeps_jobs_apart(tmp_path):
+    """output_dir=runs/exp #1 was read as 'runs/exp' (YAML's comment), so the jobs #1 and #2 wrote into one
+    folder. Each rank refuses it before any collective, naming the key and how to quote it; quoted, each job
+    writes its own folder. A file's comment is still a comment."""
+    results = run_ranks(_jobs_whose_output_dirs_differ_after_a_hash, 2, str(tmp_path), timeout=120)
+    item = f"output_dir={tmp_path}/exp #1"
+    expected = (f"override {item!r}: YAML reads '#1' as a comment and drops it from the value; a command line means "
+                f"no comment; to pass the text, quote it inside the value: output_dir=\"'{tmp_path}/exp #1'\"")
+    assert [r.get("refused") for r in results] == [expected, expected]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp #1", "exp #2"]
+    for job in (1, 2):
+        losses = [r["train/loss"] for r in dm.read_jsonl(tmp_path / f"exp #{job}" / "metrics.jsonl")
+                  if r["kind"] == "train"]
+        assert losses == [float(job)]
+    with pytest.raises(ConfigError, match=re.escape("override 'wandb_exp_name=lr 3e-4 #2': YAML reads '#2' as a")):
+        dm.MetricsConfig.from_dict({}, ["wandb_exp_name=lr 3e-4 #2"])
+    assert dm.MetricsConfig.from_dict({}, ["output_dir=a#b"]).output_dir == "a#b"  # no space before '#': text
+    path = tmp_path / "metrics.yaml"
+    path.write_text("output_dir: runs/a  # where\nwandb_exp_name: 'lr #2'\n")
+    config = dm.MetricsConfig.from_yaml(path)
+    assert (config.output_dir, config.wandb_exp_name) == ("runs/a", "lr #2")
+
+
+_ANCHOR_ON_NOTHING = "is a YAML anchor on no value, which YAML reads as null: quote it"
+
+
+@pytest.mark.parametrize("item,message,in_file", [
+    ("wandb_project=None", "'None' is text to YAML, not null: write null for unset, or quote it ('None') for the text",
+     "'None' is text to YAML, not null"),
+    ("output_dir=none", "'none' is text to YAML, not null", "'none' is text to YAML, not null"),
+    ("wandb_project=&team", "'&team' is a YAML anchor (a name for the value after it; with none after it, null); an "
+                            "override takes no anchor, alias or tag; to pass the text, quote it inside the value: "
+                            "wandb_project=\"'&team'\"", f"'&team' {_ANCHOR_ON_NOTHING} ('&team') for the text"),
+    ("tensorboard_dir=&x", "'&x' is a YAML anchor", f"'&x' {_ANCHOR_ON_NOTHING}"),
+    ("total_steps=&x", "'&x' is a YAML anchor", f"'&x' {_ANCHOR_ON_NOTHING}"),
+    ("wandb_project=*team", "'*team' is a YAML alias", None),  # in a file, an alias of no anchor is a YAML error
+    ("wandb_project=!!null x", "'!!null' is a YAML tag (it sets what the value after it is read as)",
+     "the tag !!null makes 'x' null: leave the tag out for the text, or write null for unset"),
+])
+def test_none_anchors_aliases_and_tags_are_refused_not_read_as_text_or_null(tmp_path, item, message, in_file):
+    """wandb_project=None was the text 'None' (W&B on, a project named None), output_dir=None a folder
+    named None; &team, &x and !!null x were null (W&B off, total_steps unset). In a file the bare None
+    and the ones read as null are refused with the line; null, ~ and a quoted word keep their meaning."""
+    with pytest.raises(ConfigError, match=re.escape(f"override {item!r}: {message}")):
+        dm.MetricsConfig.from_dict({}, [item])
+    key, value = item.split("=", 1)
+    path = tmp_path / "metrics.yaml"
+    path.write_text(f"log_interval: 5\n{key}: {value}\n")
+    if in_file is not None:
+        with pytest.raises(ConfigError, match=re.escape(f"{path}', line 2: {in_file}")):
+            dm.MetricsConfig.from_yaml(path)
+    assert dm.MetricsConfig.from_dict({}, ["wandb_project='None'", "wandb_exp_name='&team'"]).to_dict()[
+        "wandb_exp_name"] == "&team"
+    for unset in ("wandb_project=null", "wandb_project=~", "wandb_project="):
+        assert dm.MetricsConfig.from_dict({"wandb_project": "p"}, [unset]).wandb_project is None
+    path.write_text("wandb_save_dir: &d runs/x\ntensorboard_dir: *d\nwandb_exp_name: !!str 5\n")
+    config = dm.MetricsConfig.from_yaml(path)  # anchors and tags that name a value stay YAML's
+    assert (config.wandb_save_dir, config.tensorboard_dir, config.wandb_exp_name) == ("runs/x", "runs/x", "5")
+
+
+@pytest.mark.parametrize("written,read", [("yes", "True"), ("on", "True"), ("NO", "False"), ("123", "123"),
+                                          ("0x10", "16"), ("1.50", "1.5")])
+def test_a_boolean_or_number_given_to_text_says_to_quote_the_word_written(tmp_path, written, read):
+    """wandb_exp_name=yes was told to quote 'on' (the word rebuilt from True), and =123 was refused as
+    "has type int" with no hint. An override's hint quotes what was written; a file's, read by YAML
+    already, says it generically, as a keyword argument's does."""
+    word = "word" if read in ("True", "False") else "text"
+    with pytest.raises(ConfigError, match=re.escape(
+            f"override 'wandb_exp_name={written}': wandb_exp_name={read}: YAML reads an unquoted ") + ".*" + re.escape(
+            f"; accepted: str or None; for the {word}, quote it: wandb_exp_name: '{written}' in a file, "
+            f"wandb_exp_name=\"'{written}'\" as an override")):
+        dm.MetricsConfig.from_dict({}, [f"wandb_exp_name={written}"])
+    generic = re.escape(f"for the {word}, quote it as written: wandb_exp_name: '<{word}>' in a file")
+    path = tmp_path / "metrics.yaml"
+    path.write_text(f"wandb_exp_name: {written}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: wandb_exp_name={read}: .*{generic}"):
+        dm.MetricsConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match=generic):
+        dm.MetricsConfig(wandb_exp_name=yaml.safe_load(written))
+    assert dm.MetricsConfig.from_dict({}, [f"wandb_exp_name='{written}'"]).wandb_exp_name == written
+
+
+def test_binary_numbers_and_underscored_exponents_are_refused_and_a_date_is_text(tmp_path):
+    """log_interval=0b11 was 3 (YAML 1.1's binary; text to YAML 1.2) and num_params=7_000e6 was 7e9 while
+    1_000 was refused; output_dir=2024-01-01 was refused as "has type date" with no hint: a date is text,
+    as YAML 1.2 reads it. An int given to a float key is a float (10**21 as 1e21)."""
+    path = tmp_path / "metrics.yaml"
+    cases = {"log_interval=0b11": "the number '0b11' is binary to YAML 1.1 (3), text to YAML 1.2; write the number "
+                                  "in decimal, or quote the text",
+             "num_params=7_000e6": "num_params='7_000e6': the number holds a '_', which makes it text to YAML; "
+                                   "write it without the '_' (7000e6)"}
+    for item, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(f"override {item!r}: {message}")):
+            dm.MetricsConfig.from_dict({}, [item])
+        path.write_text(item.replace("=", ": ") + "\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            dm.MetricsConfig.from_yaml(path)
+    path.write_text("output_dir: 2024-01-01\nnum_params: 7000e6\n")
+    config = dm.MetricsConfig.from_yaml(path, ["wandb_exp_name=2024-01-01 10:00:00"])
+    assert (config.output_dir, config.num_params, config.wandb_exp_name) == ("2024-01-01", 7e9, "2024-01-01 10:00:00")
+    with pytest.raises(ConfigError, match=re.escape("log_interval='2024-01-01' has type str; accepted: int")):
+        dm.MetricsConfig.from_dict({}, ["log_interval=2024-01-01"])
+    path.write_text(f"num_params: {10 ** 21}\n")
+    for config in (dm.MetricsConfig(num_params=10 ** 21), dm.MetricsConfig.from_dict({}, [f"num_params={10 ** 21}"]),
+                   dm.MetricsConfig.from_yaml(path)):
+        assert config.num_params == 1e21
+
+
+@pytest.mark.parametrize("key,given,meant", [("timing_log_option", "MAX", "max"), ("writer_rank", "LAST", "last"),
+                                             ("update_norm_snapshot", "CPU", "cpu"), ("wandb_mode", "Offline",
+                                                                                      "offline")])
+def test_a_choice_in_other_letter_case_is_told_the_choice_meant(tmp_path, key, given, meant):
+    """timing_log_option=Max got "did you mean 'max'?", MAX, LAST and CPU no hint at all."""
+    message = re.escape(f"{key}={given!r}: accepted values are ") + rf".*; did you mean {meant!r}\?$"
+    path = tmp_path / "metrics.yaml"
+    path.write_text(f"{key}: {given}\n")
+    for build in (lambda: dm.MetricsConfig(**{key: given}), lambda: dm.MetricsConfig.from_yaml(path),
+                  lambda: dm.MetricsConfig.from_dict({}, [f"{key}={given}"])):
+        with pytest.raises(ConfigError, match=message):
+            build()
+
+
+def test_a_monitor_given_a_path_points_to_from_yaml():
+    with pytest.raises(TypeError, match=re.escape("config must be a MetricsConfig or a mapping, got str; for a YAML "
+                                                  "file, pass MetricsConfig.from_yaml('configs/x.yaml')")):
+        dm.Monitor("configs/x.yaml")
