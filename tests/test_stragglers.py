@@ -121,8 +121,7 @@ def test_the_first_interval_counts_only_the_steps_its_clock_measured():
 def test_one_rank_keeps_no_straggler_scores_and_sends_no_timer_lanes_for_them(tmp_path):
     """Scores compare ranks: a job of one rank has none to compare (its score would be 1.0 at
     every log step), so it keeps no windows, writes no ``stragglers/score_min`` and no
-    ``stragglers`` record, and its timers send no per-rank lanes; the timers' own report is as
-    under any world size."""
+    ``stragglers`` record, its timers send no per-rank lanes, and they name no slowest rank."""
     import distmetrics as dm
 
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, straggler_window=2, straggler_report_every=1,
@@ -134,10 +133,78 @@ def test_one_rank_keeps_no_straggler_scores_and_sends_no_timer_lanes_for_them(tm
             pass
         metrics = monitor.step(step, loss=1.0)
     monitor.close()
-    assert "timers/data" in metrics and "stragglers/data/rank" in metrics, sorted(metrics)
-    assert not any(k.startswith("stragglers/score") or "score_min" in k for k in metrics), sorted(metrics)
+    assert "timers/data" in metrics and not any(k.startswith("stragglers/") for k in metrics), sorted(metrics)
     kinds = {r["kind"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl")}
     assert "train" in kinds and "stragglers" not in kinds
+
+
+ONE_RANK_MS = 5.0  # the timer's milliseconds per step in the one-rank job
+ONE_RANK_TOTAL = 3  # its total_steps; it runs 5
+
+
+def _one_rank_job(rank: int, world: int, out_dir: str) -> dict:
+    """A gloo job of one rank under each ``timing_log_option``, 5 steps against ``total_steps=3``:
+    its JSONL records and console lines (a handler on the console's logger, which the sink prints
+    through in place of stdout)."""
+    import logging
+
+    import distmetrics as dm
+
+    out = {}
+    for option in ("minmax", "all", "max"):
+        lines: list = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
+        logging.getLogger("distmetrics.console").addHandler(handler)
+        try:
+            with FakeClock() as clock:
+                monitor = dm.Monitor(quiet_config(output_dir=f"{out_dir}/{option}", json_log=True, console=True,
+                                                  log_interval=1, timing_log_level=1, timing_log_option=option,
+                                                  log_throughput=True, straggler_window=2,
+                                                  total_steps=ONE_RANK_TOTAL))
+                for step in range(1, 6):
+                    with monitor.timers("data", log_level=1):
+                        clock.advance(ONE_RANK_MS)
+                    monitor.step(step, loss=1.0)
+                monitor.close()
+        finally:
+            logging.getLogger("distmetrics.console").removeHandler(handler)
+        out[option] = {"records": [r for r in dm.read_jsonl(f"{out_dir}/{option}/metrics.jsonl")
+                                   if r["kind"] == "train"], "lines": lines}
+    return out
+
+
+def test_a_one_rank_job_names_no_straggler_and_its_console_goes_past_total_steps_without_a_fraction(tmp_path):
+    """With one rank, ``stragglers/<timer>/rank``, ``/host``, ``/local_rank`` and ``/max_over_mean``
+    (always 1.0) were written at every log step, naming the job's only rank. Past ``total_steps``
+    the console printed ``step 4/3 [133.3%]`` with ``eta 0s``; now the step alone after one
+    warning, and no ETA. The timer block is Megatron's text for each option (a job of one rank
+    prints it too, as Megatron's ``Timers.log`` does): ``(min, max)`` under ``minmax`` and under
+    ``all`` (the fastest and slowest of every rank's values), ``max`` alone under ``max``."""
+    runs = run_ranks(_one_rank_job, 1, str(tmp_path), timeout=120)[0]
+    label = "data ".ljust(48, ".")
+    blocks = {"minmax": f"(min, max) time across ranks (ms):\n    {label}: ({ONE_RANK_MS:.2f}, {ONE_RANK_MS:.2f})",
+              "all": f"(min, max) time across ranks (ms):\n    {label}: ({ONE_RANK_MS:.2f}, {ONE_RANK_MS:.2f})",
+              "max": f"max time across ranks (ms):\n    {label}: {ONE_RANK_MS:.2f}"}
+    for option, run in runs.items():
+        records = run["records"]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5], option
+        for record in records:
+            assert record["timers/data" if option != "all" else "timers/data/rank0"] == pytest.approx(ONE_RANK_MS)
+            assert not [k for k in record if k.startswith("stragglers/")], (option, sorted(record))
+        # ETA: the steps left at 5 ms each (step 1 has no timed step), none past total_steps
+        assert [r.get("train/eta_s") for r in records] == [None, pytest.approx(0.005), 0.0, None, None], option
+        trains = [text for level, text in run["lines"] if text.startswith(":: step")]
+        fraction = [f"/{ONE_RANK_TOTAL} [{100.0 * s / ONE_RANK_TOTAL:4.1f}%]" for s in (1, 2, 3)] + ["", ""]
+        trends = ["", " =", " =", " =", " ="]  # the loss stays 1.0 (blank on the first line)
+        want = [f":: step {s}{f}{t}" for s, f, t in zip(range(1, 6), fraction, trends)]
+        assert [t.split(" loss")[0].rstrip() for t in trains] == want, (option, trains)
+        assert "eta 0s" in trains[2] and not any("eta " in t for t in trains[3:]), (option, trains)
+        past = [text for level, text in run["lines"] if "past total_steps" in text]
+        assert len(past) == 1 and "step 4" in past[0], (option, run["lines"])
+        timer_blocks = [text for level, text in run["lines"] if "time across ranks" in text]
+        assert len(timer_blocks) == 5, (option, run["lines"])
+        assert all(b.startswith(blocks[option]) for b in timer_blocks), (option, timer_blocks)
 
 
 def test_one_console_line_per_straggler_and_again_only_after_it_recovered(caplog):

@@ -94,7 +94,7 @@ class ThroughputCollector:
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
         """``train/consumed_tokens``; over the steps the clock measured ``train/step_time_ms``,
-        ``train/tokens_per_sec[_per_gpu]``, TFLOP/s, MFU, SOL, ETA."""
+        ``train/tokens_per_sec[_per_gpu]``, TFLOP/s, MFU, SOL, ETA (up to ``total_steps``)."""
         if ctx.tokens is not None:
             self.consumed_tokens += ctx.tokens
             metrics["train/consumed_tokens"] = self.consumed_tokens
@@ -107,7 +107,7 @@ class ThroughputCollector:
         metrics["train/step_time_ms"] = step_s * 1000.0
         if self.sol_step_time_ms:
             metrics["train/sol_pct"] = 100.0 * self.sol_step_time_ms / (step_s * 1000.0)
-        if self.total_steps:
+        if self.total_steps and ctx.step <= self.total_steps:  # past it the end is not known: no ETA
             metrics["train/eta_s"] = -(-max(0, self.total_steps - ctx.step) // ctx.stride) * step_s  # calls left
         if tokens is None:
             return []

@@ -2,8 +2,8 @@
 ``monitor.step``) and the collector that turns every timer into ``timers/<name>`` at a log step:
 this rank's milliseconds per step over the interval, reduced as ``timing_log_option`` says
 (``max``, ``minmax``, ``all``) in the reducer's one MAX pack (or one all-gather), with the
-straggler named. A rank that never ran a timer sends nothing for it, so it is left out of the
-minimum instead of counting as 0.
+straggler named (with two ranks or more: one rank has no other to be slower than). A rank that
+never ran a timer sends nothing for it, so it is left out of the minimum instead of counting as 0.
 """
 
 from __future__ import annotations
@@ -108,16 +108,19 @@ class TimerCollector:
     straggler, and times whole steps (``timers/step``, from one ``monitor.step`` to the next, the
     log step left out: each rank's own time, so its straggler fields name the rank that is slow).
     With ``per_rank``, each timer's per-rank values also travel (in the ALL pack) as
-    ``_ranks/timers/<name>`` for collectors that score ranks."""
+    ``_ranks/timers/<name>`` for collectors that score ranks. ``stragglers=False`` (a Monitor of one
+    rank) writes no ``stragglers/<name>/...``: that rank would be named the slowest, at a ratio of
+    1.0, at every log step."""
 
     name = "timers"
     after = ("throughput",)  # train/step_time_ms from the step timer only where throughput has none
     writes = ("timers/", "stragglers/", "train/step_time_ms")
 
-    def __init__(self, timers: Timers, option: str, per_rank: bool = False) -> None:
+    def __init__(self, timers: Timers, option: str, per_rank: bool = False, stragglers: bool = True) -> None:
         self.timers = timers
         self.option = option
         self.per_rank = per_rank and option != "all"
+        self.stragglers = stragglers
         self._step_timer = timers._make("step", 0, StepTimer, own=True) if timers._log_level >= 0 else None
 
     def use_guard(self, guard: Any) -> None:
@@ -169,8 +172,8 @@ class TimerCollector:
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
-        """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and the straggler report; the
-        step timer counts again (the reduction is over)."""
+        """Megatron's names (``timers/<n>`` = max, ``timers/<n>/min``) and, with ``stragglers``, the
+        straggler report; the step timer counts again (the reduction is over)."""
         if self._step_timer is not None:
             self._step_timer.release()
         if self.option == "minmax":
@@ -179,10 +182,12 @@ class TimerCollector:
             for name in names:
                 base = f"timers/{name}"
                 slowest = metrics[base] = metrics.pop(f"{base}/max")
+                if not self.stragglers:
+                    continue
                 rank = metrics[f"{base}/max_rank"]  # a global rank (the MAX pack's)
                 self._straggler(metrics, ctx, name, slowest, rank, _place_of(rank, ctx.hosts),
                                 "max_over_mean", metrics.get(f"{base}/mean"))
-        elif self.option == "all":
+        elif self.option == "all" and self.stragglers:
             for key in ctx.keys_under(metrics, ("timers/",)):
                 value = metrics.get(key)
                 if isinstance(value, PerRank) and value.present():

@@ -6,12 +6,16 @@
     >> eval step 500 | loss 2.1234 | gap +0.0123 | ppl 8.36
 
 ``\\``, ``/`` or ``=``: the loss fell, rose or stayed since the last log step (blank on the
-first); ``!`` before the norm: a gradient spike (``health/grad_spike``). Fields that were not
-measured are left out. Under
-``timing_log_option`` minmax/all a Megatron-style block follows::
+first); past ``total_steps`` the line gives the step alone (``:: step 8001``; said once, with no
+ETA from there: the end is not known); ``!`` before the norm: a gradient spike
+(``health/grad_spike``). Fields that were not measured are left out. Under ``timing_log_option``
+minmax/all a Megatron-style block follows::
 
     (min, max) time across ranks (ms):
         forward-backward ...............................: (10.12, 30.54)
+
+(under ``all`` too: the fastest and slowest of every rank's values, not Megatron's line per rank,
+which ``monitor.timers.log`` prints; under ``max`` Megatron's ``max time across ranks (ms):``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class ConsoleSink:
             self.logger.addHandler(self._stdout)
             _SHARED.update(handler=self._stdout, users=1)
         self._last_loss: Optional[float] = None
+        self._past_said = False  # a step past total_steps was said
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Print a train or eval line (and the timer block), or an alert."""
@@ -70,6 +75,10 @@ class ConsoleSink:
             self._stdout.step = step  # what its warnings of lines not written name
         if kind == "train" and self.verbosity >= 0:
             loss = metrics.get("train/loss")
+            if self.total_steps and step > self.total_steps and not self._past_said:
+                self._past_said = True
+                self.logger.warning("distmetrics: step %d is past total_steps=%d: from here on the console shows the "
+                                    "step without progress or ETA. Said once", step, self.total_steps)
             self.logger.info(format_train_line(metrics, step, self.total_steps, self._last_loss,
                                                telemetry=self.verbosity >= 1))
             if isinstance(loss, float) and math.isfinite(loss):
@@ -247,9 +256,9 @@ def _descriptor(stream: Any) -> Optional[int]:
 
 def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] = None,
                       last_loss: Optional[float] = None, telemetry: bool = False) -> str:
-    """The one-line summary of a train record."""
+    """The one-line summary of a train record; past ``total_steps``, the step alone (no fraction above 100%)."""
     head = f":: step {step}"
-    if total_steps:
+    if total_steps and step <= total_steps:
         head += f"/{total_steps} [{100.0 * step / total_steps:4.1f}%]"
     loss = m.get("train/loss")
     trend = " "
