@@ -19,7 +19,7 @@ from .runlog import last_record
 from .sinks.jsonl import METRICS_FILE
 from .sinks.progress import Saved, checkpoint_message, no_progress, read_progress
 
-__all__ = ["CheckpointLog", "checkpoint_record"]
+__all__ = ["CheckpointLog", "checkpoint_record", "check_checkpoint_step"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -58,17 +58,19 @@ class CheckpointLog:
         evaluation or a checkpoint saved first): it resumed from the checkpoint saved just before
         it, numbered ``step - 1`` where steps count from 1 (Megatron's and torchtitan's numbering)
         or ``step`` where a loop counts from 0 and saves at ``step + 1``: the latest line of the
-        highest iteration up to ``step`` (a line at ``step`` itself exists under the first
-        numbering only with checkpoints at two consecutive steps). After a rollback (a restart from
+        highest iteration up to ``step``. A line at ``step`` itself is of either numbering; its
+        record's ``after_step`` tells which (:meth:`_saved_after`): saved after step ``step`` (the
+        first numbering, checkpoints at consecutive steps, and a rollback past them), it comes after
+        this job's start, which counts on from the line before. After a rollback (a restart from
         an older checkpoint than the last one saved) that is not the last "Saved checkpoint" line:
         the job's FLOPs and tokens count on from that checkpoint's, as Megatron's count on from the
         checkpoint they load, not from the last line's."""
         saved = self.resumed.get("saved") or []
-        base = None
-        for line in saved:
-            if line.iteration <= step and (base is None or line.iteration >= base.iteration):
-                base = line
+        base = _latest_up_to(saved, step)
         record = self._record_up_to(step, base)
+        if self._saved_after(step, base, record):
+            base = _latest_up_to(saved, step - 1)
+            record = self._record_up_to(step - 1, base)
         known = max((c.iteration for c in (base, record) if c is not None), default=None)
         if known is not None and known < step - 1:  # under either numbering a checkpoint lies between
             files = " and ".join(name for name, on in (("progress.txt", self._progress),
@@ -114,11 +116,13 @@ class CheckpointLog:
             _exact_numbers(self.resumed, record)
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
-              device: torch.device, is_writer: bool) -> Optional[dict]:
+              device: torch.device, is_writer: bool, after_step: Optional[int] = None) -> Optional[dict]:
         """Sum this job's tokens over ranks (one all-reduce; every rank calls this) and, on the
         writer, return the ``progress`` record of a checkpoint saved at ``step``. ``job_tokens``
         None: this rank's steps counted none; where no rank's did (no ``tokens=``, or given only where
-        they do not count), the job's tokens and FLOPs are not known (nan), not 0."""
+        they do not count), the job's tokens and FLOPs are not known (nan), not 0. ``after_step``: the
+        last ``monitor.step`` before the save (None before the job's first), kept in the record so a
+        restart tells which step the checkpoint holds whatever its number (:meth:`_saved_after`)."""
         value = job_tokens.detach().cpu() if isinstance(job_tokens, torch.Tensor) else job_tokens
         tokens = torch.tensor([0.0 if value is None else float(value), 0.0 if value is None else 1.0],
                               dtype=torch.float64)  # the sum, and how many ranks counted any
@@ -146,6 +150,8 @@ class CheckpointLog:
                            "tokens and FLOPs are not known, nan in progress.txt, and so are the cumulative ones of "
                            "every later checkpoint that counts on from them. Said once", step)
         record = checkpoint_record(step, self.resumed, self.job_start, total, flops_per_token, self.world_size)
+        if after_step is not None:
+            record["after_step"] = after_step
         if counting and not record.get("checkpoint/tokens", math.nan) >= 0 and not self._said_unknown:
             self._said_unknown = True
             logger.warning("distmetrics: monitor.checkpoint_saved(%d): this job counts on from a checkpoint whose "
@@ -153,6 +159,20 @@ class CheckpointLog:
                            "nan in progress.txt from here on, this job's own throughput is known. Said once", step)
         return record
 
+    def _saved_after(self, step: int, base: Optional[Saved], record: Optional[Saved]) -> bool:
+        """Whether the checkpoint numbered ``step`` was saved after step ``step`` (its latest record's
+        ``after_step``), so a job whose first step is ``step`` resumed from an earlier one: a loop
+        counting from 1 that saved at consecutive steps, rolled back past them. A loop counting from 0
+        saves after step ``step - 1`` as checkpoint ``step``: the one a job starting at ``step`` loaded.
+        Without the record or its field (progress.txt alone, an older record, a save before any
+        step) the checkpoint at ``step`` is taken, as the number alone suggests."""
+        if record is not None and record.iteration == step:
+            at = record
+        elif base is not None and base.iteration == step and self._metrics_file is not None:
+            at = _saved_record(self._metrics_file, lambda iteration: iteration == step)
+        else:
+            return False
+        return at is not None and at.after_step is not None and at.after_step >= step
 
     def _record_up_to(self, step: int, base: Optional[Saved]) -> Optional[Saved]:
         """metrics.jsonl's latest checkpoint record of an iteration up to ``step`` (None without the
@@ -164,6 +184,32 @@ class CheckpointLog:
             return None
         return _saved_record(self._metrics_file, lambda iteration: iteration <= step,
                              within=None if base is not None else _NO_LINE_WITHIN)
+
+
+def check_checkpoint_step(step: int, last: Optional[int], stride: int) -> None:
+    """Refuse a checkpoint numbered other than the last ``monitor.step`` (``last``) or the next (``last + 1``,
+    the steps done in a loop counting from 0; ``last + stride`` where steps go up by more): its FLOPs and tokens
+    are those of the steps so far, and a restart from it counts on from them. Before any step (a resumed job
+    saving the checkpoint it loaded) any number is taken. Raised before the collective, alike on every rank."""
+    if last is None:
+        return
+    accepted = sorted({last, last + 1, last + stride})
+    if step in accepted:
+        return
+    raise ValueError(f"monitor.checkpoint_saved({step}): the last monitor.step was step {last}; accepted values "
+                     f"are {', '.join(map(str, accepted[:-1]))} or {accepted[-1]} (the last step's number, or the "
+                     "next: the steps done), as the record holds the tokens and FLOPs of the steps up to now and a "
+                     "restart from it counts on from them. Report an asynchronous save when it starts, with the "
+                     "step it holds. No progress line was written")
+
+
+def _latest_up_to(saved: list, step: int) -> Optional[Saved]:
+    """The latest of the progress.txt ``saved`` lines of the highest iteration up to ``step``, or None."""
+    base = None
+    for line in saved:
+        if line.iteration <= step and (base is None or line.iteration >= base.iteration):
+            base = line
+    return base
 
 
 def _size(path: Path) -> int:
@@ -205,7 +251,8 @@ def _as_saved(record: dict) -> Optional[Saved]:
     flops = record.get("checkpoint/floating_point_operations", math.nan)
     if not isinstance(tokens, (int, float)) or not isinstance(flops, (int, float)):
         return None
-    return Saved(record["step"], float(tokens), float(flops))
+    after = record.get("after_step")
+    return Saved(record["step"], float(tokens), float(flops), after if type(after) is int else None)
 
 
 def _rounds_alike(exact: Saved, line: Saved) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .checkpoints import CheckpointLog
+from .checkpoints import CheckpointLog, check_checkpoint_step
 from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
 from .collectors.throughput import shared_throughput
@@ -300,9 +300,11 @@ class Monitor:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
         floating-point operations, tokens; cumulative across restarts with the same world size; nan
         where the job's steps counted no token on any rank). A collective (one all-reduce of the token count):
-        every rank calls it."""
+        every rank calls it. ``step`` is the last ``monitor.step``'s number or the next's (steps done), else
+        a ``ValueError`` (:func:`~distmetrics.checkpoints.check_checkpoint_step`)."""
         self._check_open(collective=True)
         check_step(step, "monitor.checkpoint_saved")
+        check_checkpoint_step(step, self._last_step, self._stride)  # its number: the last step's or the next's
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
         self._reducer.check_world("monitor.checkpoint_saved")
@@ -310,7 +312,7 @@ class Monitor:
         train = self._by_name["train"]  # None: its steps counted no token (before any step the job's are 0)
         tokens = train.job_tokens if train.counted_tokens or self._last_step is None else None
         record = self._checkpoints.saved(step, tokens, self.config.resolved_flops_per_token, self._reducer.group,
-                                         self._reducer.device, self.is_writer)
+                                         self._reducer.device, self.is_writer, after_step=self._last_step)
         if record is not None:
             self.sinks.log(record, step, "progress")
 

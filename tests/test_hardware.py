@@ -1274,6 +1274,82 @@ def test_a_resume_in_a_folder_with_no_earlier_files_says_its_numbers_count_from_
     assert out[1]["resumed"]["said"] == [] and out[0]["from scratch"]["said"] == out[1]["from scratch"]["said"] == []
 
 
+def _checkpoint_numbers(rank: int, world: int, root: str, part: str) -> dict:
+    """``rollback``, per numbering (steps from 1, checkpoint s after step s; steps from 0, checkpoint
+    s + 1 after step s): job 1 saves a checkpoint after every step up to checkpoint 23 (as a run saving
+    every step, killed at 24, leaves it); job 2 rolls back to checkpoint 20 and saves 21 and 22.
+    ``labels``: a job asking for checkpoints numbered neither the last step nor the next, then 10 and
+    11 after step 10. Rank r gives 3 + r tokens a step."""
+    from pathlib import Path
+
+    import distmetrics as dm
+
+    cfg = quiet_config(log_interval=5, json_log=True, log_progress=True, flops_per_token=1000.0)
+    tokens = 3 + rank
+    out: dict = {}
+    for numbering, shift in (("from 1", 0), ("from 0", 1)) if part == "rollback" else ():
+        folder = f"{root}/{numbering}"
+        for loaded, last in ((0, 23), (20, 22)):
+            with dm.Monitor(cfg.replace(output_dir=folder)) as monitor:
+                for done in range(loaded + 1, last + 1):  # the steps the checkpoint saved after this one holds
+                    monitor.step(done - shift, loss=1.0, tokens=tokens)
+                    monitor.checkpoint_saved(done)
+        if rank == 0:
+            out[numbering] = [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"])
+                              for r in dm.read_jsonl(f"{folder}/metrics.jsonl") if r["kind"] == "progress"]
+    if part == "rollback":
+        return out
+    refused = []
+    with dm.Monitor(cfg.replace(output_dir=f"{root}/labels")) as monitor:
+        for step in range(1, 11):
+            monitor.step(step, loss=1.0, tokens=tokens)
+            for label in (100,) if step == 4 else (4, 12) if step == 10 else ():
+                try:
+                    monitor.checkpoint_saved(label)
+                    refused.append((label, None))
+                except ValueError as err:
+                    refused.append((label, str(err)))
+        monitor.checkpoint_saved(10)  # the ranks' collectives still line up after the refusals
+        monitor.checkpoint_saved(11)
+    out["refused"] = refused
+    if rank == 0:
+        out["lines"] = [line.split("\t")[4] for line in Path(root, "labels", "progress.txt").read_text().splitlines()
+                        if "Saved checkpoint" in line]
+        out["labels"] = [(r["step"], r["checkpoint/tokens"]) for r in dm.read_jsonl(f"{root}/labels/metrics.jsonl")
+                         if r["kind"] == "progress"]
+    return out
+
+
+def test_a_rollback_past_checkpoints_at_consecutive_steps_counts_on_from_the_one_it_loaded(tmp_path):
+    """Steps numbered from 1 with a checkpoint every step: a job rolled back to checkpoint 20 (first
+    step 21) counted on from the earlier job's checkpoint 21, so its checkpoints' tokens and FLOPs
+    were a step high (154 tokens at 21, for the 147 of 21 steps). The record of each save holds the
+    last step before it (``after_step``): checkpoint 21 of the earlier job holds step 21, after this
+    job's start. A loop counting from 0 (first step 20 after checkpoint 20) is unchanged. Truth: a
+    checkpoint holding n steps holds n x 7 tokens (3 + 4 a step on the two ranks), x 1000 FLOPs."""
+    out = run_ranks(_checkpoint_numbers, 2, str(tmp_path), "rollback", timeout=300)
+    per_step = sum(3 + rank for rank in range(2))
+    truth = [(n, n * per_step * 1.0, n * per_step * 1000.0) for n in (*range(1, 24), 21, 22)]
+    for numbering in ("from 1", "from 0"):
+        assert out[0][numbering] == truth, (numbering, out[0][numbering][-3:])
+
+
+def test_checkpoint_saved_refuses_a_number_other_than_the_last_step_or_the_next(tmp_path):
+    """checkpoint_saved(4) after step 10 wrote "Iteration: 4" with the tokens of 10 steps (a restart
+    from 4 counted on from them), checkpoint_saved(100) at step 4 was taken silently. Refused on every
+    rank alike before the collective, naming the step, the last step and what is accepted; the
+    Monitor goes on (a checkpoint after it is written, at the last step's number or the next)."""
+    out = run_ranks(_checkpoint_numbers, 2, str(tmp_path), "labels", timeout=120)
+    refused = out[0]["refused"]
+    assert out[1]["refused"] == refused and [label for label, _ in refused] == [100, 4, 12]
+    for (label, said), last in zip(refused, (4, 10, 10)):
+        assert said is not None and said.startswith(f"monitor.checkpoint_saved({label}): the last monitor.step was "
+                                                    f"step {last}; accepted values are {last} or {last + 1}"), said
+        assert "asynchronous save when it starts, with the step it holds" in said, said
+    assert out[0]["lines"] == ["Iteration: 10", "Iteration: 11"]
+    assert out[0]["labels"] == [(10, 70.0), (11, 70.0)]
+
+
 def test_ranks_of_one_host_on_one_gpu_are_named_at_start_up(caplog):
     """Without torch.cuda.set_device(local_rank) every rank of a host opens cuda:0: each read that GPU's
     energy counter as its own and the job's energy total counted it once per rank, without a word.

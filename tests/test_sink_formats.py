@@ -44,6 +44,33 @@ def test_awkward_values_read_back_as_written(tmp_path):
     assert record["numpy"] == 2.5 and record["big"] == 2**70 and record["none"] is None and record["flag"] is True
 
 
+def test_a_line_torn_inside_a_utf8_character_is_skipped_and_counted(tmp_path, caplog):
+    """A SIGKILL during a write can cut the last line inside a multi-byte character (orjson writes
+    'café' as UTF-8): read_jsonl raised UnicodeDecodeError instead of skipping the cut-short line, as
+    its docstring, summary and the report do. Skipped, as is a line that is not UTF-8 at all; both
+    are counted in one warning, and the whole records read back as json reads them."""
+    import distmetrics as dm
+
+    pytest.importorskip("orjson")  # the standard library writes the character as an ASCII escape
+    path = tmp_path / "m.jsonl"
+    sink = jsonl.JsonlSink(path)
+    for step in (1, 2, 3):
+        sink.log({"grad_norm/caf\u00e9": step / 4, "train/loss": 1.0 / step}, step, "train")
+    sink.close()
+    whole = path.read_bytes()
+    last = whole.splitlines(keepends=True)[-1]
+    cut = whole[:len(whole) - len(last) + last.index("\u00e9".encode()) + 1]  # inside the 2-byte character
+    assert cut[-1:] == b"\xc3"
+    truth = [json.loads(line) for line in cut.splitlines()[:-1]]
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    path.write_bytes(cut)
+    assert list(dm.read_jsonl(path)) == truth and len(truth) == 2
+    path.write_bytes(whole.replace(b"caf\xc3\xa9", b"caf\xe9", 1) + cut[len(whole) - len(last):])
+    assert list(dm.read_jsonl(path)) == [json.loads(line) for line in whole.splitlines()[1:]]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "skipped 1 line(s)" in said[0] and "skipped 2 line(s)" in said[1], said
+
+
 @pytest.mark.parametrize("encoder", ["orjson", "standard library"])
 def test_numpy_scalars_are_written_as_numbers_and_read_back(encoder, tmp_path, monkeypatch):
     import distmetrics as dm

@@ -205,7 +205,8 @@ class RunData:
         scalar_positions, scalar_columns = [], []
         families: dict[tuple[str, str], tuple[list, list]] = {}
         for key, value in record.items():
-            if key in ("kind", "step", "time") or isinstance(value, (dict, list)):
+            if key in ("kind", "step", "time") or isinstance(value, (dict, list)) or \
+                    (key == "after_step" and record.get("kind") == "progress"):  # a checkpoint's step: no metric
                 continue
             if isinstance(value, str) and value not in NONFINITE:
                 plan.text.append(key)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import math
 import time
 from itertools import islice
@@ -41,6 +42,8 @@ except ImportError:  # the standard library writes the same values, slower
     orjson = None
 
 __all__ = ["JsonlSink", "read_jsonl", "decode_line", "encode_value", "METRICS_FILE", "NONFINITE"]
+
+logger = logging.getLogger("distmetrics")
 
 KEPT_KINDS = frozenset(("alert", "eval", "progress", "stragglers"))
 """Records kept while the file cannot be written, and written ahead of the next record that can."""
@@ -280,12 +283,24 @@ def encode_value(value: Any) -> Any:
 
 
 def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
-    """Records of a metrics.jsonl, with NaN/Inf back as floats; a cut-short line is skipped."""
-    with open(path, encoding="utf-8") as f:
+    """Records of a metrics.jsonl, with NaN/Inf back as floats. A line that is no JSON object is
+    skipped: one cut short by a crash (a SIGKILL during the write, also where the cut falls inside a
+    multi-byte UTF-8 character), or not UTF-8 at all; the file is read on, and the lines skipped are
+    counted in one warning once it is read (a blank line is not counted)."""
+    skipped = 0
+    with open(path, "rb") as f:  # lines end at \n only, as written
         for line in f:
-            record = decode_line(line)
+            try:
+                record = decode_line(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                record = None
             if record is not None:
                 yield record
+            elif line.strip():
+                skipped += 1
+    if skipped:
+        logger.warning("distmetrics: read_jsonl skipped %d line(s) of %s that are no JSON record (cut short by a "
+                       "crash, or not UTF-8).", skipped, path)
 
 
 def decode_line(line: str) -> Optional[dict[str, Any]]:

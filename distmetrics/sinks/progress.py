@@ -25,6 +25,10 @@ class Saved(NamedTuple):
     tokens: float
     flops: float
     """Floating-point operations up to it (nan: not known, no model description)."""
+    after_step: Optional[int] = None
+    """The last ``monitor.step`` before the save (a ``progress`` record's ``after_step``): the checkpoint holds
+    that step, whichever number the loop gives it. None in progress.txt (Megatron's format has no such field),
+    in a record without the field, and for a save before the job's first step."""
 
 
 def progress_line(message: str, world_size: int, job_id: str = None, now: _dt.datetime = None) -> str:
