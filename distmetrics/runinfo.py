@@ -192,9 +192,15 @@ NOT_READ = "<not read on this rank: its problem is said>"
 
 
 def _setting(config: Any, key: str) -> Any:
+    """The value of shared ``key`` as compared: a number a key takes as a float, as a float (``3`` from a
+    YAML file and ``3.0`` from an override are one ``spike_factor``)."""
     for part in key.split("."):
         config = getattr(config, part)
-    return config
+    return float(config) if key in _FLOAT_KEYS and isinstance(config, int) else config
+
+
+_FLOAT_KEYS = frozenset({"spike_factor"})
+"""Shared keys given as the config (not derived) whose type is a float."""
 
 
 def _differing_settings(hosts: list[RankInfo]) -> dict[str, str]:

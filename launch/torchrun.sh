@@ -39,8 +39,10 @@ fi
 gpus=${gpus:-0}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
-elif [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$NPROC_PER_NODE" ]; then
-  # NCCL cannot put two ranks on one GPU (the demo's 2 ranks on a one-GPU machine): the CPU, said
+elif [ "$NNODES" = 1 ] && [[ $NPROC_PER_NODE =~ ^[0-9]+$ ]] && [ "$gpus" -gt 0 ] \
+    && [ "$gpus" -lt "$NPROC_PER_NODE" ]; then  # a number: torchrun's own "gpu" and "auto" pass through
+  # NCCL cannot put two ranks on one GPU (the demo's 2 ranks on a one-GPU machine): the CPU, said. One
+  # node only: a node of several on gloo beside NCCL ones would wait; there the trainer stops, naming both
   echo "launch/torchrun.sh: $NPROC_PER_NODE ranks per node but $gpus GPU(s): running on the CPU (gloo);" \
        "NPROC_PER_NODE=$gpus runs on the GPUs" >&2
   export CUDA_VISIBLE_DEVICES=

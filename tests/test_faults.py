@@ -827,7 +827,7 @@ def _differing_settings(rank: int, world: int, root: str) -> tuple:
     import distmetrics as dm
 
     differing = dict(writer_rank="last", log_grad_norm_per_module=False, timing_log_level=2,
-                     barrier_with_L1_time=False, spike_factor=2.0) if rank == 0 else {}
+                     barrier_with_L1_time=False, spike_factor=2.0) if rank == 0 else {"spike_factor": 5}
     stats = ["max", "mean"] if rank == 0 else ["mean", "max"]  # the same statistics, listed in another order
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
                       "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": stats}}}}
@@ -848,10 +848,25 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
         # each rank finds a loss spike after the reduction by its own factor: health/loss_spike was 1 on one
         # rank and 0 on another, in the dict monitor.step returns (a loop acting on it split)
         assert "config key spike_factor differs between ranks (2.0 on rank 0; 5.0 on rank 1)" in message
+        assert "tensor_inspect.features" in message and message.count("spike_factor") == 1
         # each statistic was merged over the ranks that listed the statistics alike: one rank's value
         assert re.search(r"config key tensor_inspect.features differs between ranks \('content \w+' on rank 0; "
                          r"'content \w+' on rank 1\)", message), message
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
+
+
+def _spike_factor_as_int_or_float(rank: int, world: int) -> float:
+    import distmetrics as dm
+
+    # a YAML file's 3 on one rank, an override's 3.0 on another: one spike_factor
+    monitor = dm.Monitor(quiet_config(log_interval=1, spike_factor=3 if rank == 0 else 3.0))
+    loss = monitor.step(1, loss=2.0)["train/loss"]
+    monitor.close()
+    return loss
+
+
+def test_a_shared_float_key_given_as_3_on_one_rank_and_3_0_on_another_agrees():
+    assert run_ranks(_spike_factor_as_int_or_float, 2, timeout=60) == [2.0, 2.0]
 
 
 def _refused_config(rank: int, good: Any) -> Any:

@@ -292,11 +292,13 @@ def test_torchrun_sh_command_lines(tmp_path, extra, expected):
     assert run.returncode == 0 and run.stdout.strip().endswith(expected), run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("gpus, nproc, cpu", [(1, 2, True), (8, 16, True), (8, 8, False), (8, 2, False)])
-def test_torchrun_sh_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(tmp_path, gpus, nproc, cpu):
+@pytest.mark.parametrize("gpus, nproc, cpu, nodes", [(1, 2, True, 1), (8, 16, True, 1), (8, 8, False, 1),
+                                                    (8, 2, False, 1), (1, 2, False, 2), (1, "gpu", False, 1)])
+def test_torchrun_sh_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(tmp_path, gpus, nproc, cpu, nodes):
     """The demo's 2 ranks on a one-GPU machine failed in the trainer: rank 1 set to a GPU that is not
     there ("invalid device ordinal"), and NCCL cannot put two ranks on one GPU anyway. Now the GPUs
-    are hidden (CUDA_VISIBLE_DEVICES empty, so the trainers choose gloo) and it is said, once."""
+    are hidden (CUDA_VISIBLE_DEVICES empty, so the trainers choose gloo) and it is said, once. Not on
+    a node of several (its gloo beside the other nodes' NCCL would wait), nor for torchrun's "gpu"."""
     shown = tmp_path / "python"
     shown.write_text('#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}] $*"\n')
     shown.chmod(0o755)
@@ -304,8 +306,9 @@ def test_torchrun_sh_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(tmp_path, 
     smi.parent.mkdir()
     smi.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 'GPU {i}: H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
     smi.chmod(0o755)
-    env = _env(PYTHON=str(shown), PATH=f"{smi.parent}:{os.environ['PATH']}", NPROC_PER_NODE=str(nproc))
-    for key in ("MASTER_PORT", "NNODES", "RDZV_ID", "CUDA_VISIBLE_DEVICES"):
+    env = _env(PYTHON=str(shown), PATH=f"{smi.parent}:{os.environ['PATH']}", NPROC_PER_NODE=str(nproc),
+               NNODES=str(nodes))
+    for key in ("MASTER_PORT", "RDZV_ID", "CUDA_VISIBLE_DEVICES"):
         env.pop(key, None)
     run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "x.py"], env=env, capture_output=True,
                          text=True, timeout=30)

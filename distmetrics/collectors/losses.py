@@ -23,8 +23,10 @@ from .base import Alert, LogContext, Sample
 
 __all__ = ["CategoryLosses", "LossCollector"]
 
-_LOOKUPS_KEPT = 16
-"""Distinct ``names=`` contents whose lookups a split keeps (the oldest goes first)."""
+_LOOKUPS_KEPT = 2
+"""Distinct ``names=`` contents whose lookups a split keeps (the oldest goes first): each holds its key,
+the contents, so a ``names=`` that grows by an id per call (ids named as they are seen) holds two copies
+of a million-entry map at most, not sixteen."""
 
 
 class CategoryLosses:
