@@ -369,6 +369,45 @@ def test_the_recording_api_on_cuda_tensors_waits_for_no_device_between_log_steps
     assert m["moe/expert_utilization"] == 1.0
 
 
+def test_tensor_statistics_of_cuda_tensors_wait_for_no_device_in_forward_and_backward_and_match_float64(tmp_path):
+    """nvdlfw-inspect's LogTensorStats (our namespace) on a CUDA model: the hooked forward and backward of
+    a statistics step make no synchronising call (``set_sync_debug_mode("error")``), and the record's
+    activation and gradient statistics are float64's of the same tensors, recomputed on the host."""
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(64, 96), "fc2": torch.nn.Linear(96, 8)}).cuda()
+    stats = ["max", "min", "mean", "l1_norm", "l2_norm"]
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation", "gradient"],
+                                                          "stats": stats, "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    truth = {}
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).cuda()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                model.fc2(torch.tanh(model.fc1(x))).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            w1, b1, w2 = (t.detach().double().cpu() for t in (model.fc1.weight, model.fc1.bias, model.fc2.weight))
+            activation = torch.nn.functional.linear(x.double().cpu(), w1, b1).requires_grad_()
+            (torch.tanh(activation) @ w2.T).sum().backward()
+            truth[step] = {"activation": activation.detach().reshape(-1), "gradient": activation.grad.reshape(-1)}
+            model.zero_grad()
+            monitor.step(step)
+    records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+    for step, tensors in truth.items():
+        for tensor, t in tensors.items():
+            for stat, value in (("max", t.max()), ("min", t.min()), ("mean", t.mean()), ("l1_norm", t.abs().sum()),
+                                ("l2_norm", t.norm())):
+                logged = records[step][f"tensor_stats/fc1/{tensor}/{stat}"]
+                assert logged == pytest.approx(float(value), rel=1e-5, abs=1e-7), (step, tensor, stat)
+
+
 def _megatron_child(port: str, clip: str) -> None:
     """Megatron-Core's GPTModel under its DistributedDataParallel and DistributedOptimizer on one
     GPU (NCCL, a world of one), Megatron clipping at ``clip``: per step our gradient, parameter and
