@@ -19,7 +19,7 @@ from .runlog import last_record
 from .sinks.jsonl import METRICS_FILE
 from .sinks.progress import Saved, checkpoint_message, no_progress, read_progress
 
-__all__ = ["CheckpointLog", "checkpoint_record", "check_checkpoint_step"]
+__all__ = ["CheckpointLog", "checkpoint_record", "checkpoint_number_problem"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -41,6 +41,7 @@ class CheckpointLog:
         self.resumed = {} if not is_writer else read_progress(path, world_size) if self._progress else no_progress()
         self._short = ""  # why this job's checkpoints count short, said at its first (start_at)
         self._said_unknown = False  # a checkpoint of a job that counted no token was said
+        self._said_number = False  # a checkpoint numbered neither the last step nor the next was said
 
     def start_at(self, step: int) -> None:
         """Where this job's checkpoints count on from (:meth:`_resumed_from`); a job that loaded a
@@ -159,6 +160,14 @@ class CheckpointLog:
                            "nan in progress.txt from here on, this job's own throughput is known. Said once", step)
         return record
 
+    def say_number(self, step: int, last: Optional[int], stride: Optional[int], says: bool) -> None:
+        """Say once (where ``says``) a checkpoint numbered neither the last step nor the next
+        (:func:`checkpoint_number_problem`); it is written all the same."""
+        problem = checkpoint_number_problem(step, last, stride)
+        if problem and says and not self._said_number:
+            self._said_number = True
+            logger.warning("distmetrics: %s. Said once", problem)
+
     def _saved_after(self, step: int, base: Optional[Saved], record: Optional[Saved]) -> bool:
         """Whether the checkpoint numbered ``step`` was saved after step ``step`` (its latest record's
         ``after_step``), so a job whose first step is ``step`` resumed from an earlier one: a loop
@@ -186,21 +195,22 @@ class CheckpointLog:
                              within=None if base is not None else _NO_LINE_WITHIN)
 
 
-def check_checkpoint_step(step: int, last: Optional[int], stride: int) -> None:
-    """Refuse a checkpoint numbered other than the last ``monitor.step`` (``last``) or the next (``last + 1``,
-    the steps done in a loop counting from 0; ``last + stride`` where steps go up by more): its FLOPs and tokens
-    are those of the steps so far, and a restart from it counts on from them. Before any step (a resumed job
-    saving the checkpoint it loaded) any number is taken. Raised before the collective, alike on every rank."""
-    if last is None:
-        return
-    accepted = sorted({last, last + 1, last + stride})
-    if step in accepted:
-        return
-    raise ValueError(f"monitor.checkpoint_saved({step}): the last monitor.step was step {last}; accepted values "
-                     f"are {', '.join(map(str, accepted[:-1]))} or {accepted[-1]} (the last step's number, or the "
-                     "next: the steps done), as the record holds the tokens and FLOPs of the steps up to now and a "
-                     "restart from it counts on from them. Report an asynchronous save when it starts, with the "
-                     "step it holds. No progress line was written")
+def checkpoint_number_problem(step: int, last: Optional[int], stride: Optional[int]) -> Optional[str]:
+    """What is wrong with a checkpoint numbered ``step`` after the last ``monitor.step`` (``last``), or
+    None: a checkpoint is numbered by the last step (Megatron's and torchtitan's iteration) or the next
+    (the steps done, in a loop counting from 0; ``last + stride`` where steps go up by ``stride``, None
+    while it is not known: any later number). Its record holds the tokens and FLOPs of the steps so far,
+    and a restart from it counts on from them, so another number (an older one: an asynchronous save
+    reported when it ends; a checkpoint numbered in iterations beside steps numbered in samples) gives
+    a restart the wrong count. Said, not raised: the checkpoint is on disk already, and a long job is
+    not stopped over its label. Before any step (a resumed job saving the checkpoint it loaded) any
+    number is taken."""
+    if last is None or step in (last, last + 1) or (step > last if stride is None else step == last + stride):
+        return None
+    return (f"monitor.checkpoint_saved({step}) came after monitor.step({last}): its progress.txt line and "
+            f"record hold the tokens and FLOPs of the steps up to step {last}, and a restart from checkpoint "
+            f"{step} counts on from them. Number a checkpoint by the last step or the next (the steps done), "
+            "in the numbering monitor.step is given, and report an asynchronous save when it starts")
 
 
 def _latest_up_to(saved: list, step: int) -> Optional[Saved]:

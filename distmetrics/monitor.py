@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .checkpoints import CheckpointLog, check_checkpoint_step
+from .checkpoints import CheckpointLog
 from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
 from .collectors.throughput import shared_throughput
@@ -106,6 +106,7 @@ class Monitor:
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
         self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)
         self._stride = 1  # the last step's number less the one before: the next is predicted that far on
+        self._strided = False  # two steps seen: _stride is the loop's
         self._unwritten: Optional[tuple] = None  # (step, steps) of a log step whose record is not written yet
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
         self._stepped_at: Optional[int] = None  # when the last monitor.step returned (ns)
@@ -300,11 +301,12 @@ class Monitor:
         """A Megatron "Saved checkpoint" line in progress.txt (job and cumulative TFLOP/s/GPU,
         floating-point operations, tokens; cumulative across restarts with the same world size; nan
         where the job's steps counted no token on any rank). A collective (one all-reduce of the token count):
-        every rank calls it. ``step`` is the last ``monitor.step``'s number or the next's (steps done), else
-        a ``ValueError`` (:func:`~distmetrics.checkpoints.check_checkpoint_step`)."""
+        every rank calls it. ``step`` is the last ``monitor.step``'s number or the next's (steps done); another
+        is said once (:meth:`~distmetrics.checkpoints.CheckpointLog.say_number`)."""
         self._check_open(collective=True)
         check_step(step, "monitor.checkpoint_saved")
-        check_checkpoint_step(step, self._last_step, self._stride)  # its number: the last step's or the next's
+        self._checkpoints.say_number(step, self._last_step, self._stride if self._strided else None,
+                                     self.layout.says_once)
         if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
             self._counts_from(step + 1)
         self._reducer.check_world("monitor.checkpoint_saved")

@@ -77,7 +77,7 @@ def _start(monitor: "Monitor", call: StepCall) -> None:
     else:
         if step != monitor._last_step + monitor._stride and norms is not None and monitor._is_log_step(step):
             norms.unpredicted(step)  # its optimizer step was not snapshotted: said
-        monitor._stride = step - monitor._last_step  # steps 2, 4, 6...: the next log step is predicted
+        monitor._stride, monitor._strided = step - monitor._last_step, True  # steps 2, 4, 6...: the next is predicted
     if norms is not None:  # the step's optimizer steps are over: their update is the step's
         norms.end_step(step)
     monitor._last_step = step
