@@ -2,8 +2,8 @@
 
 A key given twice in one mapping (PyYAML keeps the last), a number the two YAML versions read
 differently (YAML 1.1, which PyYAML follows, reads ``010`` as octal 8, YAML 1.2 as 10; ``1_000`` as
-1000, YAML 1.2 as text) and a value YAML reads as something else than it looks (``None``, text; an anchor
-on nothing, null) are refused with the line they are on; a file that is missing, a folder, not UTF-8 or
+1000, YAML 1.2 as text) and, in a metrics config, a value YAML reads as something else than it looks
+(``None``, text; an anchor on nothing, null) are refused with the line they are on; a file that is missing, a folder, not UTF-8 or
 not YAML is named with what it was read as (a metrics config, a features file). A ``key=value``
 override's value is read by :class:`OverrideLoader`, stricter still. Torch-free.
 """
@@ -59,10 +59,8 @@ class StrictLoader(yaml.SafeLoader):
     reads ``1:30`` as 90; YAML 1.2 as text), a number holding a ``_`` (YAML 1.1 reads ``1_000`` as
     1000; YAML 1.2 as text), a binary ``0b11`` (3 to YAML 1.1, text to YAML 1.2), and a plain ``08`` or
     ``09`` (text to YAML 1.1, not being octal; 8 and 9 to YAML 1.2) or ``0o10`` (text to YAML 1.1; octal 8
-    to YAML 1.2). A plain ``None`` (text to YAML: ``wandb_project: None`` would switch W&B on for a
-    project named None), an anchor on no value (``wandb_project: &team`` is null: W&B off) and ``!!null`` on
-    text (``!!null x`` is null) are refused too. A date is text, as YAML 1.2 reads it
-    (``output_dir: 2024-01-01`` is the folder 2024-01-01, not a ``datetime.date``)."""
+    to YAML 1.2). A date is text, as YAML 1.2 reads it (``output_dir: 2024-01-01`` is the folder
+    2024-01-01, not a ``datetime.date``)."""
 
     text_keys = False
     """:class:`ConfigLoader`: every key of every mapping is text (a name)."""
@@ -86,24 +84,6 @@ class StrictLoader(yaml.SafeLoader):
                     f"{key_node.start_mark.line + 1}); give it once", key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
-
-    def compose_scalar_node(self, anchor: Any) -> Any:
-        event = self.peek_event()  # the tag as written, which the node no longer tells from a resolved one
-        node = super().compose_scalar_node(anchor)
-        plain = event.tag is None and event.style is None
-        if plain and event.value.lower() == "none":
-            raise StrictLoader.Refused(
-                None, None, f"{event.value!r} is text to YAML, not null: write null for unset, or quote it "
-                f"('{event.value}') for the text", event.start_mark)
-        if plain and anchor is not None and not event.value:
-            raise StrictLoader.Refused(
-                None, None, f"'&{anchor}' is a YAML anchor on no value, which YAML reads as null: quote it "
-                f"('&{anchor}') for the text, or write null for unset", event.start_mark)
-        if node.tag == _NULL_TAG and event.tag is not None and event.value not in _NULL_WORDS:
-            raise StrictLoader.Refused(
-                None, None, f"the tag !!null makes {event.value!r} null: leave the tag out for the text, or "
-                "write null for unset", event.start_mark)
-        return node
 
     def construct_yaml_int(self, node: Any) -> int:
         text = self.construct_scalar(node).replace("_", "").lstrip("+-")
@@ -156,14 +136,35 @@ StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", StrictLoader.constru
 
 
 class ConfigLoader(StrictLoader):
-    """:class:`StrictLoader` for a metrics config file, whose keys are all names: ``1: 5``
-    is refused with its line."""
+    """:class:`StrictLoader` for a metrics config file, whose keys are all names: ``1: 5`` is refused
+    with its line; so are a plain ``None`` (text to YAML: ``wandb_project: None`` would switch W&B on for
+    a project named None), an anchor on no value (``wandb_project: &team`` is null: W&B off) and
+    ``!!null`` on text (``!!null x`` is null). A features file is read as nvdlfw-inspect reads it, which
+    takes these (:class:`StrictLoader`)."""
 
     text_keys = True
 
+    def compose_scalar_node(self, anchor: Any) -> Any:
+        event = self.peek_event()  # the tag as written, which the node no longer tells from a resolved one
+        node = super().compose_scalar_node(anchor)
+        plain = event.tag is None and event.style is None
+        if plain and event.value.lower() == "none":
+            raise StrictLoader.Refused(
+                None, None, f"{event.value!r} is text to YAML, not null: write null for unset, or quote it "
+                f"('{event.value}') for the text", event.start_mark)
+        if plain and anchor is not None and not event.value:
+            raise StrictLoader.Refused(
+                None, None, f"'&{anchor}' is a YAML anchor on no value, which YAML reads as null: quote it "
+                f"('&{anchor}') for the text, or write null for unset", event.start_mark)
+        if node.tag == _NULL_TAG and event.tag is not None and event.value not in _NULL_WORDS:
+            raise StrictLoader.Refused(
+                None, None, f"the tag !!null makes {event.value!r} null: leave the tag out for the text, or "
+                "write null for unset", event.start_mark)
+        return node
 
-class OverrideLoader(StrictLoader):
-    """:class:`StrictLoader` for the value of one ``key=value`` override, which also refuses a YAML
+
+class OverrideLoader(ConfigLoader):
+    """:class:`ConfigLoader` for the value of one ``key=value`` override, which also refuses a YAML
     comment, anchor, alias and tag: on a command line each reads as something else than it looks.
     ``output_dir=runs/exp #1`` would be 'runs/exp' (``#2``'s job writing into the same folder),
     ``wandb_project=&team`` and ``!!null x`` null (W&B silently off). A comment is refused rather than

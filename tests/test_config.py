@@ -583,3 +583,19 @@ def test_a_monitor_given_a_path_points_to_from_yaml():
     with pytest.raises(TypeError, match=re.escape("config must be a MetricsConfig or a mapping, got str; for a YAML "
                                                   "file, pass MetricsConfig.from_yaml('configs/x.yaml')")):
         dm.Monitor("configs/x.yaml")
+
+
+def test_a_features_file_is_read_as_nvdlfw_inspect_reads_it_where_a_metrics_config_refuses(tmp_path):
+    """A bare None, an anchor on no value and !!null are refused in a metrics config (each reads as
+    something else than it looks) but not in a features file, which nvdlfw-inspect reads with
+    yaml.safe_load: the same mapping as it reads."""
+    import yaml
+
+    from distmetrics.yamlfile import ConfigLoader, read_yaml
+
+    path = tmp_path / "features.yaml"
+    for text in ("s:\n  note: None\n", "s:\n  end: &end\n  again: *end\n", "s: [none, 1]\n"):
+        path.write_text(text)
+        assert read_yaml(path, "features file") == yaml.safe_load(text), text
+        with pytest.raises(ConfigError):
+            read_yaml(path, loader=ConfigLoader)
