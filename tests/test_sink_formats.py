@@ -71,6 +71,25 @@ def test_a_line_torn_inside_a_utf8_character_is_skipped_and_counted(tmp_path, ca
     assert len(said) == 2 and "skipped 1 line(s)" in said[0] and "skipped 2 line(s)" in said[1], said
 
 
+def test_a_file_saved_with_cr_line_endings_or_a_byte_order_mark_reads_the_same(tmp_path, caplog):
+    """read_jsonl splits lines at \\n: a file another tool saved with \\r endings read as no record at all,
+    and a byte-order mark cost the first record; both read as json reads the lines, with no warning."""
+    import distmetrics as dm
+
+    path = tmp_path / "m.jsonl"
+    sink = jsonl.JsonlSink(path)
+    for step in (1, 2, 3):
+        sink.log({"train/loss": 1.0 / step}, step, "train")
+    sink.close()
+    whole = path.read_bytes()
+    truth = [json.loads(line) for line in whole.splitlines()]
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    for saved in (whole.replace(b"\n", b"\r"), whole.replace(b"\n", b"\r\n"), b"\xef\xbb\xbf" + whole):
+        path.write_bytes(saved)
+        assert list(dm.read_jsonl(path)) == truth and len(truth) == 3, saved[:40]
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("encoder", ["orjson", "standard library"])
 def test_numpy_scalars_are_written_as_numbers_and_read_back(encoder, tmp_path, monkeypatch):
     import distmetrics as dm

@@ -24,6 +24,7 @@ the standard library, which is the fallback; both write the same values.
 
 from __future__ import annotations
 
+import codecs
 import datetime as _dt
 import json
 import logging
@@ -286,18 +287,23 @@ def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
     """Records of a metrics.jsonl, with NaN/Inf back as floats. A line that is no JSON object is
     skipped: one cut short by a crash (a SIGKILL during the write, also where the cut falls inside a
     multi-byte UTF-8 character), or not UTF-8 at all; the file is read on, and the lines skipped are
-    counted in one warning once it is read (a blank line is not counted)."""
+    counted in one warning once it is read (a blank line is not counted). Lines end at ``\n`` as written;
+    a file another tool saved with ``\r`` endings, or with a byte-order mark, reads the same (JSON
+    text holds no raw ``\r``)."""
     skipped = 0
-    with open(path, "rb") as f:  # lines end at \n only, as written
-        for line in f:
-            try:
-                record = decode_line(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                record = None
-            if record is not None:
-                yield record
-            elif line.strip():
-                skipped += 1
+    with open(path, "rb") as f:
+        for number, line in enumerate(f):
+            if number == 0 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]
+            for piece in line.split(b"\r") if b"\r" in line else (line,):
+                try:
+                    record = decode_line(piece.decode("utf-8"))
+                except UnicodeDecodeError:
+                    record = None
+                if record is not None:
+                    yield record
+                elif piece.strip():
+                    skipped += 1
     if skipped:
         logger.warning("distmetrics: read_jsonl skipped %d line(s) of %s that are no JSON record (cut short by a "
                        "crash, or not UTF-8).", skipped, path)
