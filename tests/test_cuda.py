@@ -351,12 +351,13 @@ def test_the_recording_api_on_cuda_tensors_waits_for_no_device_between_log_steps
             truth[name][0] += float(losses[ids == i].sum())
             truth[name][1] += int((ids == i).sum())
         truth["counts"] += counts
-        torch.cuda.synchronize()
+        on_gpu = [t.cuda() for t in (torch.tensor(value), torch.tensor(weight), losses.float(), ids, counts)]
+        torch.cuda.synchronize()  # the copies to the GPU are the test's: the calls below must make none
         torch.cuda.set_sync_debug_mode("error")
         try:
-            monitor.record("train/v", torch.tensor(value, device="cuda"), weight=torch.tensor(weight, device="cuda"))
-            monitor.record_losses(losses.float().cuda(), ids.cuda(), names=names)
-            monitor.record_moe(tokens_per_expert=counts.cuda(), layer_numbers=[1, 2])
+            monitor.record("train/v", on_gpu[0], weight=on_gpu[1])
+            monitor.record_losses(on_gpu[2], on_gpu[3], names=names)
+            monitor.record_moe(tokens_per_expert=on_gpu[4], layer_numbers=[1, 2])
         finally:
             torch.cuda.set_sync_debug_mode("default")
         m = monitor.step(step)
