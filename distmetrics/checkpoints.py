@@ -181,7 +181,7 @@ class CheckpointLog:
             at = _saved_record(self._metrics_file, lambda iteration: iteration == step)
         else:
             return False
-        return at is not None and at.after_step is not None and at.after_step >= step
+        return at is not None and at.after_step == step  # later: a save reported late, of what it was numbered
 
     def _record_up_to(self, step: int, base: Optional[Saved]) -> Optional[Saved]:
         """metrics.jsonl's latest checkpoint record of an iteration up to ``step`` (None without the

@@ -1352,6 +1352,34 @@ def test_checkpoint_saved_says_once_a_number_other_than_the_last_step_or_the_nex
     assert out[0]["labels"] == [(100, 28.0), (4, 70.0), (12, 70.0), (10, 70.0), (11, 70.0)]
 
 
+def test_a_checkpoint_reported_late_keeps_its_number_at_a_restart(tmp_path, caplog):
+    """A loop counting from 0 reports checkpoint 10 after step 12 (an asynchronous save reported when it
+    ended): said once, and its record holds the 13 steps' tokens. A job resuming from it (first step 10)
+    counted on from checkpoint 5 instead (1000 tokens at checkpoint 15, and a warning that no checkpoint
+    followed 5): a save reported late is not one saved after its own number. It counts on from 10's
+    record, as the warning said: 1300 + 5 steps x 100."""
+    import distmetrics as dm
+
+    cfg = quiet_config(log_interval=1, json_log=True, log_progress=True, output_dir=str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(cfg) as monitor:
+        for step in range(13):
+            monitor.step(step, loss=1.0, tokens=100)
+            if step == 4:
+                monitor.checkpoint_saved(5)
+        monitor.checkpoint_saved(10)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(10, 15):
+            monitor.step(step, loss=1.0, tokens=100)
+        monitor.checkpoint_saved(15)
+    saved = [(r["step"], r["checkpoint/tokens"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
+             if r["kind"] == "progress"]
+    assert saved == [(5, 500.0), (10, 1300.0), (15, 1800.0)], saved
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("checkpoint_saved(10) came after monitor.step(12)" in m for m in said) == 1, said
+    assert not any("no checkpoint after iteration" in m for m in said), said
+
+
 def test_ranks_of_one_host_on_one_gpu_are_named_at_start_up(caplog):
     """Without torch.cuda.set_device(local_rank) every rank of a host opens cuda:0: each read that GPU's
     energy counter as its own and the job's energy total counted it once per rank, without a word.

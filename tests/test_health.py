@@ -1085,3 +1085,23 @@ def test_the_memory_of_integer_categories_does_not_grow_with_the_largest_id():
         assert [t.tolist() for t in made] == [[2, largest], [1, 0]]  # the named ids, sorted, and their slots
         assert losses._lookup({largest: "far", 2: "near"}, torch.device("cpu")) is made
     assert allocated[10] == allocated[10**6] == allocated[FAR] < 64 * 1024, allocated
+
+
+def test_a_few_category_maps_used_in_turn_stay_made_and_the_oldest_unused_goes():
+    """The lookups kept are the most recently used (a map growing by an id per call kept sixteen copies):
+    three maps used in turn are each made once; a fifth map lets go of the one used longest ago."""
+    import torch
+
+    from distmetrics.collectors.losses import CategoryLosses
+
+    losses = CategoryLosses("train/loss")
+    maps = [{i: f"c{i}", 100 + i: "other"} for i in range(5)]
+    made = [losses._lookup(maps[i], None) for i in range(3)]
+    for _ in range(2):
+        assert [losses._lookup(maps[i], None) for i in range(3)] == made  # the same objects: not made again
+    losses._lookup(maps[3], None)
+    losses._lookup(maps[0], None)  # used last: kept
+    losses._lookup(maps[4], None)  # four kept: map 1, used longest ago, goes
+    assert losses._lookup(maps[0], None) is made[0] and losses._lookup(maps[2], None) is made[2]
+    assert losses._lookup(maps[1], None) is not made[1]
+    assert torch.equal(losses._lookup(maps[1], None)[0], made[1][0])

@@ -87,6 +87,8 @@ def test_a_file_saved_with_cr_line_endings_or_a_byte_order_mark_reads_the_same(t
     for saved in (whole.replace(b"\n", b"\r"), whole.replace(b"\n", b"\r\n"), b"\xef\xbb\xbf" + whole):
         path.write_bytes(saved)
         assert list(dm.read_jsonl(path)) == truth and len(truth) == 3, saved[:40]
+    path.write_bytes(b'{"step": 1,\r"train/loss": 2.0}\n')  # a raw \r between tokens is JSON's whitespace
+    assert list(dm.read_jsonl(path)) == [{"step": 1, "train/loss": 2.0}]
     assert caplog.records == []
 
 

@@ -23,10 +23,10 @@ from .base import Alert, LogContext, Sample
 
 __all__ = ["CategoryLosses", "LossCollector"]
 
-_LOOKUPS_KEPT = 2
-"""Distinct ``names=`` contents whose lookups a split keeps (the oldest goes first): each holds its key,
-the contents, so a ``names=`` that grows by an id per call (ids named as they are seen) holds two copies
-of a million-entry map at most, not sixteen."""
+_LOOKUPS_KEPT = 4
+"""Distinct ``names=`` contents whose lookups a split keeps (the least recently used goes first): each
+holds its key, the contents, so a ``names=`` that grows by an id per call (ids named as they are seen)
+holds four copies of a million-entry map at most, not sixteen; a few maps used in turn stay made."""
 
 
 class CategoryLosses:
@@ -172,12 +172,14 @@ class CategoryLosses:
         Made once per contents of ``names`` (checked then) and per device, not per call."""
         try:
             key = _contents(names)
-            tables = self._lookups.get(key)
+            tables = self._lookups.pop(key, None)
+            if tables is not None:
+                self._lookups[key] = tables  # the most recently used, last
         except TypeError:  # an unhashable id or name: refused by _table
             key, tables = None, None
         if tables is None:
             tables = {None: self._table(names)}
-            if len(self._lookups) >= _LOOKUPS_KEPT:  # a names= made anew per call with other contents
+            if len(self._lookups) >= _LOOKUPS_KEPT:  # the least recently used goes
                 del self._lookups[next(iter(self._lookups))]
             self._lookups[key] = tables
         if device not in tables:

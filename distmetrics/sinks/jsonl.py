@@ -288,18 +288,19 @@ def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
     skipped: one cut short by a crash (a SIGKILL during the write, also where the cut falls inside a
     multi-byte UTF-8 character), or not UTF-8 at all; the file is read on, and the lines skipped are
     counted in one warning once it is read (a blank line is not counted). Lines end at ``\n`` as written;
-    a file another tool saved with ``\r`` endings, or with a byte-order mark, reads the same (JSON
-    text holds no raw ``\r``)."""
+    a file another tool saved with ``\r`` endings, or with a byte-order mark, reads the same (a line
+    that is no record whole is split at ``\r``: JSON text holds none but as whitespace between tokens)."""
     skipped = 0
     with open(path, "rb") as f:
         for number, line in enumerate(f):
             if number == 0 and line.startswith(codecs.BOM_UTF8):
                 line = line[len(codecs.BOM_UTF8):]
-            for piece in line.split(b"\r") if b"\r" in line else (line,):
-                try:
-                    record = decode_line(piece.decode("utf-8"))
-                except UnicodeDecodeError:
-                    record = None
+            pieces = [line]
+            record = _decoded(line)
+            if record is None and b"\r" in line.rstrip(b"\r\n"):  # lines ending at \r alone (a raw \r between
+                pieces = line.split(b"\r")                          # a record's tokens is JSON's whitespace)
+            for piece in pieces:
+                record = _decoded(piece) if len(pieces) > 1 else record
                 if record is not None:
                     yield record
                 elif piece.strip():
@@ -307,6 +308,14 @@ def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
     if skipped:
         logger.warning("distmetrics: read_jsonl skipped %d line(s) of %s that are no JSON record (cut short by a "
                        "crash, or not UTF-8).", skipped, path)
+
+
+def _decoded(line: bytes) -> Optional[dict[str, Any]]:
+    """:func:`decode_line` of UTF-8 bytes; None where they are not UTF-8."""
+    try:
+        return decode_line(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
 
 
 def decode_line(line: str) -> Optional[dict[str, Any]]:
