@@ -146,9 +146,9 @@ class GradSync:
             if not group.reduce_grads:
                 kind = "HSDP" if group in self._replicated else "FSDP2"
                 return (f"{kind} module {self._names[id(group)]} has gradient sync off "
-                        "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (inside an "
-                        "accumulation window .grad holds none of them: it is None, or an earlier synced backward's), so "
-                        "the norm would leave them out. Measure or clip the "
+                        "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (inside "
+                        "an accumulation window .grad holds none of them: it is None, or an earlier synced "
+                        "backward's), so the norm would leave them out. Measure or clip the "
                         f"gradients {_AFTER}, made with set_requires_gradient_sync(True)")
         for group in self._replicated:
             if not group.all_reduce_grads:

@@ -3,9 +3,10 @@
 A key given twice in one mapping (PyYAML keeps the last), a number the two YAML versions read
 differently (YAML 1.1, which PyYAML follows, reads ``010`` as octal 8, YAML 1.2 as 10; ``1_000`` as
 1000, YAML 1.2 as text) and, in a metrics config, a value YAML reads as something else than it looks
-(``None``, text; an anchor on nothing, null) are refused with the line they are on; a file that is missing, a folder, not UTF-8 or
-not YAML is named with what it was read as (a metrics config, a features file). A ``key=value``
-override's value is read by :class:`OverrideLoader`, stricter still. Torch-free.
+(``None``, text; an anchor on nothing, null) are refused with the line they are on; a file that is
+missing, a folder, not UTF-8 or not YAML is named with what it was read as (a metrics config, a
+features file). A ``key=value`` override's value is read by :class:`OverrideLoader`, stricter still.
+Torch-free.
 """
 
 from __future__ import annotations
