@@ -9,11 +9,13 @@ later collective for a rank that gave up."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
 import socket
 import sys
+import typing
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -192,15 +194,21 @@ NOT_READ = "<not read on this rank: its problem is said>"
 
 
 def _setting(config: Any, key: str) -> Any:
-    """The value of shared ``key`` as compared: a number a key takes as a float, as a float (``3`` from a
-    YAML file and ``3.0`` from an override are one ``spike_factor``)."""
-    for part in key.split("."):
+    """The value of shared ``key`` as compared: where the key's type is a float, a whole number as a float
+    (``3`` from a YAML file and ``3.0`` from an override are one ``spike_factor``)."""
+    *sections, name = key.split(".")
+    for part in sections:
         config = getattr(config, part)
-    return float(config) if key in _FLOAT_KEYS and isinstance(config, int) else config
+    value = getattr(config, name)
+    if isinstance(value, int) and not isinstance(value, bool) and name in _float_fields(type(config)):
+        return float(value)
+    return value
 
 
-_FLOAT_KEYS = frozenset({"spike_factor"})
-"""Shared keys given as the config (not derived) whose type is a float."""
+@functools.lru_cache(maxsize=None)
+def _float_fields(cls: type) -> frozenset:
+    """The fields of config class ``cls`` whose type is a float (or None)."""
+    return frozenset(name for name, hint in typing.get_type_hints(cls).items() if hint in (float, Optional[float]))
 
 
 def _differing_settings(hosts: list[RankInfo]) -> dict[str, str]:
