@@ -24,7 +24,6 @@ the standard library, which is the fallback; both write the same values.
 
 from __future__ import annotations
 
-import codecs
 import datetime as _dt
 import json
 import logging
@@ -284,38 +283,31 @@ def encode_value(value: Any) -> Any:
 
 
 def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
-    """Records of a metrics.jsonl, with NaN/Inf back as floats. A line that is no JSON object is
-    skipped: one cut short by a crash (a SIGKILL during the write, also where the cut falls inside a
-    multi-byte UTF-8 character), or not UTF-8 at all; the file is read on, and the lines skipped are
-    counted in one warning once it is read (a blank line is not counted). Lines end at ``\n`` as written;
-    a file another tool saved with ``\r`` endings, or with a byte-order mark, reads the same (a line
-    that is no record whole is split at ``\r``: JSON text holds none but as whitespace between tokens)."""
+    """Records of a metrics.jsonl, with NaN/Inf back as floats, each line read by the rule ``summary``
+    and ``report`` read by (:func:`distmetrics.runlog.decode_record`: a JSON object with a ``kind`` and
+    a ``step``; a byte-order mark opening it skipped, a byte that is not UTF-8 replaced). Any other line
+    is skipped: one cut short by a crash (a SIGKILL during the write); the file is read on, and the
+    lines skipped are counted in one warning once it is read (a blank line is not counted). Lines end
+    at ``\n`` as written; a copy another tool saved with ``\r`` endings reads the same (a line that is
+    no record whole is split at ``\r``: JSON text holds none but as whitespace between tokens)."""
+    from ..runlog import decode_record, with_floats  # runlog reads this module's names at its import
+
     skipped = 0
     with open(path, "rb") as f:
-        for number, line in enumerate(f):
-            if number == 0 and line.startswith(codecs.BOM_UTF8):
-                line = line[len(codecs.BOM_UTF8):]
+        for line in f:
             pieces = [line]
-            record = _decoded(line)
-            if record is None and b"\r" in line.rstrip(b"\r\n"):  # lines ending at \r alone (a raw \r between
-                pieces = line.split(b"\r")                          # a record's tokens is JSON's whitespace)
+            record = decode_record(line)
+            if record is None and b"\r" in line.rstrip(b"\r\n"):
+                pieces = line.split(b"\r")
             for piece in pieces:
-                record = _decoded(piece) if len(pieces) > 1 else record
+                record = decode_record(piece) if len(pieces) > 1 else record
                 if record is not None:
-                    yield record
+                    yield with_floats(record)
                 elif piece.strip():
                     skipped += 1
     if skipped:
-        logger.warning("distmetrics: read_jsonl skipped %d line(s) of %s that are no JSON record (cut short by a "
-                       "crash, or not UTF-8).", skipped, path)
-
-
-def _decoded(line: bytes) -> Optional[dict[str, Any]]:
-    """:func:`decode_line` of UTF-8 bytes; None where they are not UTF-8."""
-    try:
-        return decode_line(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return None
+        logger.warning("distmetrics: read_jsonl skipped %d line(s) of %s that are no record (cut short by a "
+                       "crash).", skipped, path)
 
 
 def decode_line(line: str) -> Optional[dict[str, Any]]:
