@@ -109,35 +109,62 @@ class GradSync:
         self._unsynced: set[int] = set()  # DDP modules whose last forward with grad ran inside no_sync()
         self._hooks: dict[int, Any] = {}  # id of a DDP module → its forward pre-hook's handle
         self._said_join = False  # a DDP module's forward inside join() was warned about
+        self._say_window = say  # a monitor.step inside an accumulation window is still to be said
+        self.open_at: Optional[int] = None  # the log step it was said at
         if model is not None:  # now: the hooks see the first step's forwards
             self._find()
 
     def check(self, call: str) -> None:
         """Raise a ``ValueError`` naming the module and what to do where some wrapper's gradients
         are not synchronised; ``call`` names the caller."""
-        if self.model is None:
+        state = self.open_window()
+        if state is not None:
+            raise ValueError(f"{call}: the model's {state[0]}: {state[1]}")
+
+    def say_open_window(self, step: int) -> None:
+        """At a log step: where this rank's model is inside a gradient-accumulation window, say so,
+        once: ``monitor.step`` came per micro-batch, so its record and its step count are a
+        micro-batch's, and no optimizer stepped (nothing is refused: a rank may train on its own
+        gradients on purpose). Checked until said, on the rank that says the job's warnings."""
+        if not self._say_window:
             return
+        state = self.open_window()
+        if state is None:
+            return
+        self._say_window, self.open_at = False, step
+        logger.warning("distmetrics: monitor.step(%s) came inside a gradient-accumulation window: the model's %s. "
+                       "monitor.step is called once per optimizer step, after the last micro-batch's backward and "
+                       "the optimizer's step, with the loss and tokens of all its micro-batches (README, "
+                       "\"Gradient accumulation\"); called per micro-batch, its records, step counts and rates are "
+                       "the micro-batches'. Said once (where every rank trains on its own gradients on purpose, as "
+                       "in local SGD, ignore it)", step, state[0])
+
+    def open_window(self) -> Optional[tuple[str, str]]:
+        """None where every wrapper's gradients are synchronised, else (what is not, why that matters
+        and what to do), in the words of the first wrapper found so."""
+        if self.model is None:
+            return None
         if self._found_at != self._changes():
             self._find()
         if all(map(_DDP_SYNC, self._ddp)) and not self._unsynced and \
                 all(map(_REDUCES, self._groups)) and all(map(_ALL_REDUCES, self._replicated)) and \
                 not any(map(_held_back, self._groups)):
-            return
-        raise ValueError(f"{call}: the model's {self._refusal()}")
+            return None
+        return self._refusal()
 
-    def _refusal(self) -> str:
+    def _refusal(self) -> tuple[str, str]:
         """What is not synchronised, in the words of the first wrapper found so (windows still open
         first: they explain the gradients held back too), and what to do."""
         for module in self._ddp:
             if not module.require_backward_grad_sync:
                 return (f"DistributedDataParallel module {self._names[id(module)]} is inside no_sync() "
-                        "(require_backward_grad_sync is False): its gradients are this rank's own, not yet "
+                        "(require_backward_grad_sync is False)", "its gradients are this rank's own, not yet "
                         "all-reduced, so the norm would be this rank's, not the global one. Measure or clip the "
                         f"gradients {_AFTER}, outside no_sync()")
         for module in self._ddp:
             if id(module) in self._unsynced:
                 return (f"DistributedDataParallel module {self._names[id(module)]} ran its last forward inside "
-                        "no_sync() (its last with grad enabled; one under torch.no_grad() does not count): the "
+                        "no_sync() (its last with grad enabled; one under torch.no_grad() does not count)", "the "
                         "backward of that forward did not all-reduce, so the gradients are this rank's own and the "
                         "norm would be this rank's, not the global one. Run the "
                         f"last micro-batch's forward and backward outside no_sync() and measure or clip the gradients "
@@ -146,19 +173,19 @@ class GradSync:
             if not group.reduce_grads:
                 kind = "HSDP" if group in self._replicated else "FSDP2"
                 return (f"{kind} module {self._names[id(group)]} has gradient sync off "
-                        "(set_requires_gradient_sync(False)): its sharded gradients are not reduced yet (inside "
+                        "(set_requires_gradient_sync(False))", "its sharded gradients are not reduced yet (inside "
                         "an accumulation window .grad holds none of them: it is None, or an earlier synced "
                         "backward's), so the norm would leave them out. Measure or clip the "
                         f"gradients {_AFTER}, made with set_requires_gradient_sync(True)")
         for group in self._replicated:
             if not group.all_reduce_grads:
                 return (f"HSDP module {self._names[id(group)]} has the all-reduce over replicas off "
-                        "(set_requires_all_reduce(False)): its reduce-scattered gradients wait for a backward that "
+                        "(set_requires_all_reduce(False))", "its reduce-scattered gradients wait for a backward that "
                         "all-reduces them and are not in .grad yet, so the norm would leave them out. Measure or clip "
                         f"the gradients {_AFTER}, made with set_requires_all_reduce(True)")
         group = next(filter(_held_back, self._groups))
         kind = "HSDP" if group in self._replicated else "FSDP2"
-        return (f"{kind} module {self._names[id(group)]} holds gradients that its last backward did not reduce: "
+        return (f"{kind} module {self._names[id(group)]} holds gradients that its last backward did not reduce",
                 "that backward ran with set_requires_gradient_sync(False) or set_requires_all_reduce(False), set back "
                 "to True only after it, so the sharded .grad leaves them out and the norm would too. Set them to True "
                 f"before the last micro-batch's backward and measure or clip the gradients {_AFTER}")

@@ -2109,6 +2109,78 @@ def test_a_window_closed_only_after_the_last_backward_is_refused_and_one_closed_
             assert collectives == 0, (rank, kind)
 
 
+def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
+    """Two micro-batches per optimizer step under DDP (``no_sync()``) and FSDP2
+    (``set_requires_gradient_sync``), update norms on: ``monitor.step`` once per optimizer step (the
+    README's loop), then once per micro-batch. What each rank's Monitor said."""
+    import contextlib
+    import logging
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+
+    data, _ = _micro_batches_and_truth(rank, world)
+    out: dict = {}
+    for kind in ("ddp", "fsdp2"):
+        for per in ("optimizer step", "micro-batch"):
+            model = _net()
+            if kind == "ddp":
+                model = DistributedDataParallel(model)
+            else:
+                for block in model.blocks:
+                    fully_shard(block)
+                fully_shard(model)
+            window = (lambda on: contextlib.nullcontext() if on else model.no_sync()) if kind == "ddp" else \
+                (lambda on: model.set_requires_gradient_sync(on) or contextlib.nullcontext())
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            heard: list = []
+            handler = logging.Handler()
+            handler.emit = lambda record: heard.append(record.getMessage())
+            logging.getLogger("distmetrics").addHandler(handler)
+            step = 0
+            with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model,
+                            optimizer=optimizer) as monitor:
+                for _ in range(2):
+                    for last in (False, True):
+                        with window(last):
+                            model(data[last]).pow(2).mean().backward()
+                        if last:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                        if last or per == "micro-batch":
+                            step += 1
+                            monitor.step(step, loss=1.0)
+            logging.getLogger("distmetrics").removeHandler(handler)
+            out[f"{kind} per {per}"] = heard
+    return out
+
+
+def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_missing_optimizer():
+    """monitor.step called after each micro-batch of an accumulation window (inside DDP's no_sync(),
+    FSDP2 with gradient sync off) was accepted with one warning only, which blamed a missing or
+    skipped optimizer for the record's missing update_norm. The first rank now says, once, that
+    monitor.step came inside the window, naming the module and its state, and the update-norm warning
+    points to it; the README's loop (one monitor.step per optimizer step) says nothing."""
+    states = {"ddp": "DistributedDataParallel module (the model itself) ran its last forward inside no_sync()",
+              "fsdp2": "FSDP2 module (the model itself) has gradient sync off (set_requires_gradient_sync(False))"}
+    for rank, out in enumerate(run_ranks(_monitor_step_per_micro_batch, 2, timeout=240)):
+        for kind, state in states.items():
+            assert out[f"{kind} per optimizer step"] == [], (rank, kind)
+            heard = out[f"{kind} per micro-batch"]
+            if rank == 1:  # the job's warnings are said by its first rank
+                assert heard == [], heard
+                continue
+            assert len(heard) == 2, heard
+            assert heard[0].startswith(f"distmetrics: monitor.step(1) came inside a gradient-accumulation window: "
+                                       f"the model's {state}"), heard
+            assert "monitor.step is called once per optimizer step" in heard[0], heard
+            assert "has no update_norm" in heard[1] and "inside a gradient-accumulation window" in heard[1], heard
+            assert "No optimizer was given" not in heard[1], heard
+
+
 def test_megatrons_decoupled_grad_is_read_when_present():
     import torch
 

@@ -130,13 +130,15 @@ class ParamSide:
         if self._warned_update or not self.layout.says_once:
             return
         self._warned_update = True
+        why = ("monitor.step came inside a gradient-accumulation window, before the optimizer's step (said above)"
+               if self.sync.open_at == step else
+               "No optimizer was given to its Monitor (Monitor(optimizer=...) or "
+               "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or none "
+               "given stepped between this monitor.step and the one before (skipped by a GradScaler, raised, "
+               "or replaced: attach the new one)")
         logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
-                       "rank %s owns trainable parameters but measured no update in the step. No "
-                       "optimizer was given to its Monitor (Monitor(optimizer=...) or "
-                       "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or none "
-                       "given stepped between this monitor.step and the one before (skipped by a GradScaler, raised, "
-                       "or replaced: attach the new one)",
-                       step, "?" if rank is None else int(rank))
+                       "rank %s owns trainable parameters but measured no update in the step. %s",
+                       step, "?" if rank is None else int(rank), why)
 
     def _ratios(self, metrics: dict[str, Any], grad: Optional[GradMeasurement], keys: list[str]) -> None:
         """relative_update_norm = update/param; effective_lr_ratio = update/‖clipped grad‖ (p = 2),
