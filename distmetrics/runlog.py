@@ -107,19 +107,20 @@ class Records:
         self.lines = self.blank = self.unreadable = 0
         found, limit = False, LINE_LIMIT
         with open(self.path, "rb") as f:  # lines end at \n only, as written
-            for line in _lines(f, limit):
-                self.lines += 1
-                record = None if line is None else decode_record(line)
-                if record is not None:
-                    found = True
-                    yield record
-                elif line is not None and not line.strip():  # stripped only when not a record
-                    self.blank += 1
-                else:
-                    self.unreadable += 1
-                    if line is None and self.lines == 1:  # not read on: a file of gigabytes without a newline
-                        raise NotAMetricsFile(not_a_metrics_file(self.path, f"its first line is over {limit:,} bytes "
-                                                                            "long, where a record is a few MB at most"))
+            for whole in _lines(f, limit):
+                for line, record in [(None, None)] if whole is None else decode_pieces(whole):
+                    self.lines += 1
+                    if record is not None:
+                        found = True
+                        yield record
+                    elif line is not None and not line.strip():  # stripped only when not a record
+                        self.blank += 1
+                    else:
+                        self.unreadable += 1
+                        if line is None and self.lines == 1:  # not read on: a file of gigabytes without a newline
+                            raise NotAMetricsFile(not_a_metrics_file(
+                                self.path, f"its first line is over {limit:,} bytes long, where a record is a few "
+                                "MB at most"))
         if not found:
             if self.unreadable:
                 raise NotAMetricsFile(not_a_metrics_file(self.path, f"none of its {self.unreadable} non-blank line(s) "
@@ -127,6 +128,19 @@ class Records:
             what = f"only {self.blank} blank line(s)" if self.blank else "it is empty"
             raise EmptyMetricsFile(f"{str(self.path)!r} holds no record: {what} (a run that wrote nothing: a full disk "
                                    "at start-up, or a crash before its first record)")
+
+
+def decode_pieces(line: bytes) -> list[tuple[bytes, Optional[dict[str, Any]]]]:
+    """A line as it ends at ``\n`` and its record (:func:`decode_record`): itself, or, where it is no
+    record whole and holds a ``\r`` before its end, its pieces between ``\r`` (a copy another tool
+    saved with ``\r`` endings; JSON text holds a raw ``\r`` only as whitespace between tokens)."""
+    record = decode_record(line)
+    if record is None and b"\r" in line.rstrip(b"\r\n"):
+        pieces = line.split(b"\r")
+        if not pieces[-1].strip(b"\n"):  # the line's own end: no piece
+            pieces.pop()
+        return [(piece, decode_record(piece)) for piece in pieces]
+    return [(line, record)]
 
 
 def decode_record(line: bytes) -> Optional[dict[str, Any]]:

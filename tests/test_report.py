@@ -300,6 +300,25 @@ def test_summary_and_report_read_odd_lines_by_one_rule(tmp_path, capsys):
     assert "6 lines, 2 unreadable" in page and "2 metric records (train, eval, tensor_stats), 1 job(s)" in page
 
 
+def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl_does(tmp_path, capsys):
+    """read_jsonl read a copy saved with \r line endings, while summary and report, splitting at \n
+    only, refused it as holding no record (or read its first record alone)."""
+    from distmetrics import cli
+
+    lines = ['{"kind": "run", "step": 0, "world_size": 2, "hosts": ["n0"]}',
+             '{"kind": "train", "step": 1, "train/loss": 2.0}', '{"kind": "train", "step": 2, "train/loss": 1.5}',
+             '{"kind": "eval", "step": 2, "eval/loss": 1.75}']
+    said = {}
+    for ending in ("\n", "\r"):
+        (tmp_path / "metrics.jsonl").write_bytes(ending.join(lines).encode() + ending.encode())
+        assert cli.main(["summary", str(tmp_path)]) == 0
+        data = load_metrics(tmp_path)
+        said[ending] = (capsys.readouterr().out, data.lines, data.bad_lines, data.scalars.series("train/loss")[2].tolist(),
+                        data.scalars.series("eval/loss")[2].tolist(), data.jobs[0]["world_size"])
+    assert said["\r"] == said["\n"] and said["\n"][1:] == (4, 0, [2.0, 1.5], [1.75], 2), said
+    assert "2 train, 1 eval" in said["\n"][0], said
+
+
 def test_a_run_that_cannot_be_read_is_said_and_the_others_are_reported(tmp_path):
     """a_good, b_crashed (0 bytes), c_good: the report wrote a_good's page without saying so,
     stopped at b_crashed with status 2 and never wrote c_good's."""

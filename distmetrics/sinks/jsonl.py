@@ -290,17 +290,12 @@ def read_jsonl(path: Union[str, Path]) -> Iterator[dict[str, Any]]:
     lines skipped are counted in one warning once it is read (a blank line is not counted). Lines end
     at ``\n`` as written; a copy another tool saved with ``\r`` endings reads the same (a line that is
     no record whole is split at ``\r``: JSON text holds none but as whitespace between tokens)."""
-    from ..runlog import decode_record, with_floats  # runlog reads this module's names at its import
+    from ..runlog import decode_pieces, with_floats  # runlog reads this module's names at its import
 
     skipped = 0
     with open(path, "rb") as f:
         for line in f:
-            pieces = [line]
-            record = decode_record(line)
-            if record is None and b"\r" in line.rstrip(b"\r\n"):
-                pieces = line.split(b"\r")
-            for piece in pieces:
-                record = decode_record(piece) if len(pieces) > 1 else record
+            for piece, record in decode_pieces(line):
                 if record is not None:
                     yield with_floats(record)
                 elif piece.strip():
