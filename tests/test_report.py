@@ -313,8 +313,9 @@ def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl
         (tmp_path / "metrics.jsonl").write_bytes(ending.join(lines).encode() + ending.encode())
         assert cli.main(["summary", str(tmp_path)]) == 0
         data = load_metrics(tmp_path)
-        said[ending] = (capsys.readouterr().out, data.lines, data.bad_lines, data.scalars.series("train/loss")[2].tolist(),
-                        data.scalars.series("eval/loss")[2].tolist(), data.jobs[0]["world_size"])
+        said[ending] = (capsys.readouterr().out, data.lines, data.bad_lines,
+                        data.scalars.series("train/loss")[2].tolist(), data.scalars.series("eval/loss")[2].tolist(),
+                        data.jobs[0]["world_size"])
     assert said["\r"] == said["\n"] and said["\n"][1:] == (4, 0, [2.0, 1.5], [1.75], 2), said
     assert "2 train, 1 eval" in said["\n"][0], said
 
