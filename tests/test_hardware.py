@@ -63,23 +63,26 @@ def test_energy_metrics_from_counter_deltas(nvml):
     nvml(devices={"GPU-0000": [900_000, 1_000_000, 1_050_000, 1_130_000]})
     from distmetrics.collectors.nvml import EnergyCollector
 
-    import time
+    class Clock(FakeClock):  # the energy collector's clock too: a real one drifts from the step clock under load
+        MODULES = FakeClock.MODULES + ("distmetrics.collectors.nvml",)
 
-    monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
-    monitor.step(1, tokens=100)
-    m = monitor.step(2, tokens=100)
-    assert m["energy/total_j"] == pytest.approx(50.0)
-    assert m["energy/j_per_gpu_per_step"] == pytest.approx(50.0)  # the one step measured: step 2
-    assert m["energy/j_per_token"] == pytest.approx(50.0 / 100)
-    assert m["power/max_w"] == pytest.approx(m["power/min_w"]) and m["power/max_w_rank"] == 0
-    for step in (3, 4):  # both clocks restarted at step 2's log: power = energy / the same interval
-        time.sleep(0.05)
-        m = monitor.step(step, tokens=100)
+    with Clock() as clock:
+        monitor = _monitor(collectors=[EnergyCollector(world_size=1, uuid="GPU-0000")])
+        monitor.step(1, tokens=100)
+        clock.advance(30)
+        m = monitor.step(2, tokens=100)
+        assert m["energy/total_j"] == pytest.approx(50.0)
+        assert m["energy/j_per_gpu_per_step"] == pytest.approx(50.0)  # the one step measured: step 2
+        assert m["energy/j_per_token"] == pytest.approx(50.0 / 100)
+        assert m["power/max_w"] == pytest.approx(m["power/min_w"]) and m["power/max_w_rank"] == 0
+        for step in (3, 4):  # both clocks restarted at step 2's log: power = energy / the same interval
+            clock.advance(50)
+            m = monitor.step(step, tokens=100)
     assert m["energy/total_j"] == pytest.approx(80.0)
     assert m["energy/j_per_gpu_per_step"] == pytest.approx(40.0)
     assert m["energy/job_total_j"] == pytest.approx(130.0)
-    seconds = m["train/step_time_ms"] * 2 / 1000
-    assert m["power/mean_w"] == pytest.approx(80.0 / seconds, rel=0.05)
+    assert m["train/step_time_ms"] == pytest.approx(50.0)
+    assert m["power/mean_w"] == pytest.approx(80.0 / 0.1)  # 80 J over the two steps' 100 ms
 
 
 def test_the_close_record_has_no_energy_ratio_over_the_time_after_the_last_step(nvml):
