@@ -105,7 +105,7 @@ class GradientNorms:
         self.shards: Optional[MegatronShards] = None
         self.guard: Any = None
         """The Monitor's arrival check, made before the norm-type check (:meth:`_agree`)."""
-        self._agreed: set[float] = set()  # norm types every rank was found to pass
+        self._agreed: set = set()  # norm types every rank was found to pass; (type, "clip"): with one max_norm
         self._replicas_anywhere = False  # some rank's first plan held plain gradients beside DTensors (_agree)
         self.dtypes = GradDtypes()  # every rank's gradient dtypes: the total's and the coefficient's dtype
         self.defers_replicas = False
@@ -137,7 +137,8 @@ class GradientNorms:
         if max_norm != max_norm:  # torch multiplies every gradient by NaN; refused before the collective
             raise ValueError(f"{call}(max_norm=nan): accepted values are numbers (0, negative and inf included)")
         with torch.no_grad():
-            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call)
+            result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call,
+                                            max_norm)
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 # (Megatron's for its gradients: see clip_coefficient)
@@ -148,16 +149,17 @@ class GradientNorms:
 
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                 foreach: Optional[bool] = None, loss_scale: Optional[torch.Tensor] = None,
-                call: str = "measure") -> tuple[Any, Optional[GradMeasurement]]:
+                call: str = "measure", max_norm: Optional[float] = None) -> tuple[Any, Optional[GradMeasurement]]:
         """(the total norm as torch returns it, the measurement); one all-reduce. ``loss_scale``
         (a tensor, read on its device: no host sync): the gradients hold the loss times it (fp16
         training under Megatron, which divides it out inside ``optimizer.step()``); every norm
-        is of the gradients divided by it. ``call`` names the caller in errors and the arrival check."""
+        is of the gradients divided by it. ``call`` names the caller in errors and the arrival check;
+        ``max_norm``, a clip's (checked with the norm type at the first clip)."""
         p = float(norm_type)
         plan = self.plans.for_parameters(parameters)
         grads = list(map(grad_of, plan.params))
-        if p not in self._agreed:
-            self._agree(p, call, plan, {g.dtype for g in grads if g is not None})
+        if p not in self._agreed or (max_norm is not None and (p, "clip") not in self._agreed):
+            self._agree(p, call, plan, {g.dtype for g in grads if g is not None}, max_norm)
         if all(map(operator.is_not, grads, itertools.repeat(None))):  # the usual case: every one has a gradient
             index = plan.every_index
         else:
@@ -236,7 +238,7 @@ class GradientNorms:
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, self.dtypes.returned(dtypes, plan)), measured
 
-    def _agree(self, p: float, call: str, plan: Plan, dtypes: set) -> None:
+    def _agree(self, p: float, call: str, plan: Plan, dtypes: set, max_norm: Optional[float] = None) -> None:
         """Check that every rank passes ``p``, once per norm type, at each rank's first call with it:
         one small all-reduce (after the Monitor's arrival check, where there is one). A rank passing
         another norm type reduced lanes of another kind or number (2 against inf: a SUM against a
@@ -244,24 +246,36 @@ class GradientNorms:
         total that differed between ranks). A third lane says whether some rank's ``plan`` holds plain
         gradients beside DTensors: then every rank of a Monitor notes the replica check's flags, so the log step's
         names are the same on every rank from the first (a rank that holds none notes the others'). One lane per
-        dtype says which ``dtypes`` the ranks' gradients hold (:mod:`distmetrics.grad_dtypes`)."""
+        dtype says which ``dtypes`` the ranks' gradients hold (:mod:`distmetrics.grad_dtypes`). At a clip's
+        first call with it (``max_norm`` given) two more lanes check that every rank passes one ``max_norm``:
+        each rank scaled its gradients by its own coefficient, and weights replicated across ranks (a
+        tensor-parallel LayerNorm's) drifted apart without a word."""
         if p != p:
             raise ValueError(f"{call}(norm_type=nan): accepted values are numbers (inf and -inf included) and 'inf'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.guard is not None:
                 self.guard.enter(f"{call}(norm_type check)")
-            lanes = torch.tensor([p, -p, float(self._checks_replicas(plan)), *GradDtypes.flags(dtypes)],
+            clip, flags = ([] if max_norm is None else [max_norm, -max_norm]), GradDtypes.flags(dtypes)
+            lanes = torch.tensor([p, -p, *clip, float(self._checks_replicas(plan)), *flags],
                                  dtype=torch.float64, device=collective_device(self.group))
             with InCollective("the MAX all_reduce checking every rank's norm_type", call):
                 dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group)
-            high, low, mixed, *held = lanes.tolist()
+            values = lanes.tolist()
+            (high, low, *clip, mixed), held = values[:len(values) - len(flags)], values[len(values) - len(flags):]
             self.dtypes.agree(held, plan, dtypes)
             self._replicas_anywhere = self._replicas_anywhere or mixed > 0
             if high != -low:
                 raise ValueError(f"{call}(norm_type={p:g}) on this rank, but the ranks passed norm types from "
                                  f"{-low:g} to {high:g} at their first gradient norm with it: every rank must pass "
                                  "the same norm_type (ranks reducing different norms wait for each other or disagree)")
+            if clip and clip[0] != -clip[1]:
+                raise ValueError(f"{call}(max_norm={max_norm:g}) on this rank, but the ranks passed max_norm from "
+                                 f"{-clip[1]:g} to {clip[0]:g} at their first clip with norm_type={p:g}: every rank "
+                                 "must pass the same max_norm (each rank would scale its gradients by its own "
+                                 "coefficient, and weights replicated across ranks drift apart)")
         self._agreed.add(p)
+        if max_norm is not None:
+            self._agreed.add((p, "clip"))
 
     def piece(self, param: Any, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` (``param`` or laid out like it): the distributed

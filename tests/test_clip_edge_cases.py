@@ -81,6 +81,24 @@ def _one_rank_without_gradients(rank: int, world: int) -> dict:
             out["differing"][case] = "no error"
         except ValueError as err:
             out["differing"][case] = str(err)
+    # ranks passing different max_norm: each scaled its gradients by its own coefficient, and weights
+    # replicated across ranks drifted apart without a word; refused at the first clip, gradients untouched
+    out["max_norm"] = {}
+    before = [q.grad.to_local().clone() for q in model.parameters()]
+    for case in ("function", "Monitor, after a measurement"):
+        try:
+            if case == "function":  # a norm type this process group's clips have not used yet
+                dm.clip_grad_norm_(model.parameters(), 1e-3 * (1 + rank), norm_type=3.0)
+            else:
+                with dm.Monitor(dm.MetricsConfig(log_interval=1, json_log=False, console=False, tensorboard=False,
+                                                 log_progress=False, timing_log_level=-1, hang_timeout_s=60),
+                                model=model) as monitor:
+                    monitor.measure_grad_norms()  # the norm type agreed without a max_norm
+                    monitor.clip_grad_norm_(1e-3 * (1 + rank))
+            out["max_norm"][case] = "no error"
+        except ValueError as err:
+            out["max_norm"][case] = str(err)
+    out["max_norm"]["untouched"] = all(torch.equal(q.grad.to_local(), b) for q, b in zip(model.parameters(), before))
     return out
 
 
@@ -117,6 +135,15 @@ def test_ranks_passing_different_norm_types_raise_together_naming_them(without_g
         for case, (low, high) in expected.items():
             message = rank_result["differing"][case]
             assert f"the ranks passed norm types from {low} to {high}" in message, (rank, case, message)
+
+
+def test_ranks_passing_different_max_norms_raise_together_before_any_gradient_is_scaled(without_gradients):
+    for rank, rank_result in enumerate(without_gradients):
+        said = rank_result["max_norm"]
+        for case, p in (("function", 3), ("Monitor, after a measurement", 2)):
+            assert f"the ranks passed max_norm from 0.001 to 0.002 at their first clip with norm_type={p}" in \
+                said[case], (rank, case, said[case])
+        assert said["untouched"], rank
 
 
 class _HostToDevice:
@@ -167,6 +194,7 @@ def test_steady_state_clip_and_log_steps_copy_nothing_from_host_to_device():
     whole backward). Two dtypes, so the per-tensor norms come from two groups."""
     import torch
 
+    from distmetrics.collectors.base import LogContext
     from distmetrics.collectors.norms import NormCollector
     from distmetrics.parallel import detect_layout
 
@@ -178,7 +206,7 @@ def test_steady_state_clip_and_log_steps_copy_nothing_from_host_to_device():
     for step in range(3):
         with _HostToDevice() as watch:
             collector.clip(None, 1.0)
-            samples = collector.take_samples(None)
+            samples = collector.take_samples(LogContext(step=step + 1, steps=1, layout=None))
         assert {s.name for s in samples} >= {"grad_norm", "param_norm"}
         if step:
             assert watch.copies == [], watch.copies
