@@ -1277,6 +1277,9 @@ def test_a_list_of_model_chunks_is_refused_naming_them(tmp_path):
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     with pytest.raises(TypeError, match=r"a list of 2 modules \(Megatron's model chunks.*ModuleList\(chunks\)"):
         dm.Monitor(quiet_config(output_dir=str(tmp_path)), model=chunks)
+    # get_model()'s list of one chunk (no virtual pipeline): ModuleList would prefix every name with "0."
+    with pytest.raises(TypeError, match=r"a list of one module .* give the module, model\[0\]$"):
+        dm.Monitor(quiet_config(output_dir=str(tmp_path)), model=chunks[:1])
 
 
 def _records_from_threads(rank: int, world: int) -> dict:

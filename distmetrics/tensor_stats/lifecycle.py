@@ -216,6 +216,10 @@ def build_model(config: MetricsConfig, layout: Any, factory: Any, optimizer: Any
     build leaves nothing running."""
     import torch
 
+    if isinstance(factory, (list, tuple)) and len(factory) == 1 and isinstance(factory[0], torch.nn.Module):
+        raise TypeError(
+            f"Monitor(model=...): a {type(factory).__name__} of one module (Megatron's get_model() returns the model "
+            "in a list, one chunk without a virtual pipeline) is not taken: give the module, model[0]")
     if isinstance(factory, (list, tuple)) and factory and all(isinstance(m, torch.nn.Module) for m in factory):
         raise TypeError(
             f"Monitor(model=...): a {type(factory).__name__} of {len(factory)} modules (Megatron's model chunks, the "
