@@ -345,6 +345,12 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
     return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0) == 0
 
 
+def plain_replica(t: torch.Tensor, layout: Optional[Layout]) -> bool:
+    """Is ``t`` a plain tensor copied on every rank (DDP, no wrapper: the last rule of
+    :func:`owns_local_piece`), not a DTensor, a Megatron-Core parameter or a pipeline stage's?"""
+    return not is_dtensor(t) and (layout is None or layout.source not in ("megatron", "device_mesh"))
+
+
 def owns_shard_piece(param: Any, layout: Layout) -> bool:
     """Does this rank's slice of ``param`` from Megatron's distributed optimizer count? Every
     data-parallel (and context-parallel) rank owns a different slice, so only the tensor-parallel

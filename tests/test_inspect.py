@@ -1954,3 +1954,110 @@ def test_a_section_whose_tensors_were_empty_on_every_rank_says_so(unmeasured):
     assert len(said) == 1 and not ranks[1]["empty"]["warnings"], ranks
     assert "selects step 1" in said[0] and "tensors were empty (0 elements) on every rank" in said[0], said
     assert "model.fc1 activation" in said[0] and "training forward" not in said[0], said
+
+
+def _replicated_weights(rank: int, world: int, root: str) -> dict:
+    """A DDP model's fc2 (weight and activation statistics, every step): rank 0 skips fc2 at step 1
+    (layer drop); then a Monitor per rank, each on its own group of itself. Truth:
+    float64 of the weight and of every rank's fc2 output, captured by the test's own hook."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc2$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["weight", "activation"],
+                                                         "stats": ["l2_norm", "max"]}}}}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.skip = nn.Linear(4, 4), nn.Linear(4, 4), False
+
+        def forward(self, x):
+            h = self.fc1(x)
+            return h if self.skip else self.fc2(h)
+
+    def config(out):
+        return dm.MetricsConfig(output_dir=out, console=False, tensorboard=False, log_progress=False,
+                                timing_log_level=-1, log_interval=100, tensor_inspect={"enabled": True,
+                                                                                       "features": features})
+
+    torch.manual_seed(0)
+    net = Net()
+    outputs: list = []
+    net.fc2.register_forward_hook(lambda mod, args, out: mod is net.fc2 and outputs.append(out.detach().double()))
+    truth: dict = {"ddp": {}, "own group": {}}
+    monitor = dm.Monitor(config(f"{root}/ddp"), model=nn.parallel.DistributedDataParallel(
+        net, find_unused_parameters=True))
+    for step in (1, 2):
+        net.skip = step == 1 and rank == 0
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        outputs.clear()
+        monitor.model(x).sum().backward()
+        parts = [None] * world
+        dist.all_gather_object(parts, torch.cat([o.reshape(-1) for o in outputs]) if outputs else torch.zeros(0))
+        truth["ddp"][step] = {"weight/l2_norm": float(net.fc2.weight.detach().double().norm()),
+                              "weight/max": float(net.fc2.weight.detach().max()),
+                              "activation/max": float(torch.cat(parts).max())}
+        monitor.step(step)
+    monitor.close()
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    net.skip = False
+    monitor = dm.Monitor(config(f"{root}/own{rank}"), model=net, group=groups[rank])
+    with torch.no_grad():
+        net.fc2.weight.mul_(1 + rank)  # each rank's own weights
+    net(torch.randn(3, 4)).sum().backward()
+    truth["own group"] = {"weight/l2_norm": float(net.fc2.weight.detach().double().norm())}
+    monitor.step(1)
+    monitor.close()
+    return truth
+
+
+def test_a_replicated_weight_is_written_once_whichever_rank_runs_its_layer(tmp_path):
+    """Only global rank 0's copy of a DDP weight was measured: a layer rank 0 skipped in a step (layer
+    drop, an expert no token reached) had no weight statistics, and a Monitor on a group without global
+    rank 0 (a Monitor per rank) never wrote one, all without a word. Now the lowest rank that ran the
+    layer gives the weight, counted once."""
+    truth = run_ranks(_replicated_weights, 2, str(tmp_path), timeout=240)
+    written = _tensor_stats_by_step(tmp_path / "ddp")
+    assert sorted(written) == [1, 2], written
+    for step, expected in truth[0]["ddp"].items():
+        got = {k.split("/", 2)[2]: v for k, v in written[step].items() if k.split("/", 2)[2] in expected}
+        assert got == pytest.approx(expected, rel=1e-6), (step, got, expected)
+    for rank in (0, 1):
+        got = _tensor_stats_by_step(tmp_path / f"own{rank}")[1]
+        assert got["tensor_stats/fc2/weight/l2_norm"] == pytest.approx(truth[rank]["own group"]["weight/l2_norm"],
+                                                                       rel=1e-6), (rank, got)
+
+
+def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statistics(tmp_path):
+    """copy.deepcopy of a hooked model (an EMA or teacher made after the Monitor) copies its forward
+    hooks: the teacher's training-mode forwards, under torch.no_grad(), went into the student's
+    activation statistics (max 79.6 where the student's is 1.09)."""
+    import copy
+
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"^model\.0$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                         "stats": ["max", "l1_norm"]}}}}
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False,
+                                          log_progress=False, timing_log_level=-1, log_interval=100,
+                                          tensor_inspect={"enabled": True, "features": features}), model=net)
+    teacher = copy.deepcopy(net)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        teacher(100 * x)
+    truth = net[0](x).detach().double()
+    net[2](torch.relu(truth.float())).sum().backward()
+    monitor.step(1)
+    monitor.close()
+    written = _tensor_stats_by_step(tmp_path)[1]
+    assert written["tensor_stats/0/activation/max"] == pytest.approx(float(truth.max()), rel=1e-6), written
+    assert written["tensor_stats/0/activation/l1_norm"] == pytest.approx(float(truth.abs().sum()), rel=1e-6), written

@@ -40,14 +40,15 @@ import torch
 
 from ..config import ConfigError
 from ..eager import eager
-from ..parallel import data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, tp_cp_leader
+from ..parallel import (data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, plain_replica,
+                        tp_cp_leader)
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
 from .features import _logs_at, _tensor_entries, stats_step, tensor_names
 from .layer_tensors import OptimizerWeights, Unreadable, first_tensor_argument, output_kind, output_tensor
 from .selection import config_for_layer, example_names, numbered
-from .rank_merge import FORWARDED, PEERS, combine
+from .rank_merge import FORWARDED, PEERS, REPLICA, combine
 from .statistics import PARTS, merge, partials
 from .te_names import metric_layers, metric_name, shadowed_layers, strip_model
 from .unmeasured import SilentSections, no_gradient_reason
@@ -216,8 +217,9 @@ class TensorInspector:
         def forward_hook(mod, args, kwargs, output):
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward
-            # (but see _gradient_owed)
-            if not self.active or self.paused or not mod.training:
+            # (but see _gradient_owed); not a copy's (copy.deepcopy of the model copies its hooks: an EMA
+            # or teacher model made after the Monitor fed its forwards into the original's statistics)
+            if not self.active or self.paused or not mod.training or mod is not module:
                 return
             out = output_tensor(output)
             if torch._C._current_graph_task_id() != -1:
@@ -287,8 +289,11 @@ class TensorInspector:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
         if layer in self._shadowed:
             return
-        if tensor_name == "weight" and not owns_local_piece(tensor, tensor, layer, self.layout):
-            return  # a replica of a weight (or of its shard) another rank reports; shards count everywhere
+        if tensor_name == "weight":
+            if plain_replica(tensor, self.layout):  # every rank that ran the layer sends it: one is written
+                tensor_name = REPLICA + tensor_name
+            elif not owns_local_piece(tensor, tensor, layer, self.layout, getattr(self.layout, "group", None)):
+                return  # a copy of a shard another rank reports; shards count everywhere
         x = local_tensor(tensor.detach()).reshape(-1).to(torch.float64)
         batch = partials(x)  # an empty tensor's too: it travels with count 0, and the warning can say it was empty
         key = (layer, tensor_name)

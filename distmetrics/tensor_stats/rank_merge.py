@@ -12,10 +12,16 @@ import torch
 from ..reduce import PerRank
 from .statistics import PARTS, merge_ranks, stat_value
 
-__all__ = ["FORWARDED", "PEERS", "combine"]
+__all__ = ["FORWARDED", "PEERS", "REPLICA", "combine"]
 
 FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
 PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
+REPLICA = "="
+"""Opens the tensor name of a plain tensor every rank holds a copy of (a DDP model's weight): every
+rank that ran the layer in the step sends its copy, and the lowest of them is written, not their
+merge (which would count it once per rank). Rank 0 alone sending lost the weight of a layer it
+skipped (layer drop, an expert no token reached), and a Monitor on a group without global rank 0 never
+wrote one."""
 
 
 def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
@@ -23,6 +29,7 @@ def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
     rank's tensor left out); forwarded values → the lowest rank's. ``empty`` gets the
     ``(layer, tensor)`` that ran but held no element on any rank: no statistic is written for them."""
     groups: dict[tuple, dict[str, list]] = {}
+    replicas: set = set()
     out = {}
     peers = per_rank.pop(PEERS, None)
     for name, values in per_rank.items():
@@ -32,7 +39,15 @@ def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
             out[name[len(FORWARDED):]] = values.present()[0]
             continue
         tensor_name, stats, part, layer = name.split("|", 3)  # the layer (ours already) last, "|" and all
+        if tensor_name.startswith(REPLICA):
+            tensor_name = tensor_name[len(REPLICA):]
+            replicas.add((layer, tensor_name, stats))
         groups.setdefault((layer, tensor_name, stats), {})[part] = values
+    for key in replicas:  # the lowest rank that sent the copy: its place in every part (a count is never NaN)
+        parts = groups[key]
+        first = next(i for i, v in enumerate(parts["n"]) if v is not None)
+        for part, values in parts.items():
+            parts[part] = [v if i == first else None for i, v in enumerate(values)]
     keys = sorted(groups)
     if not keys:
         return out
