@@ -269,8 +269,8 @@ class GradientNorms:
                                  f"{-low:g} to {high:g} at their first gradient norm with it: every rank must pass "
                                  "the same norm_type (ranks reducing different norms wait for each other or disagree)")
             if clip and clip[0] != -clip[1]:
-                raise ValueError(f"{call}(max_norm={max_norm:g}) on this rank, but the ranks passed max_norm from "
-                                 f"{-clip[1]:g} to {clip[0]:g} at their first clip with norm_type={p:g}: every rank "
+                raise ValueError(f"{call}(max_norm={max_norm!r}) on this rank, but the ranks passed max_norm from "
+                                 f"{-clip[1]!r} to {clip[0]!r} at their first clip with norm_type={p:g}: every rank "
                                  "must pass the same max_norm (each rank would scale its gradients by its own "
                                  "coefficient, and weights replicated across ranks drift apart)")
         self._agreed.add(p)

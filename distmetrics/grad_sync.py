@@ -51,6 +51,9 @@ _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
 _REDUCES = operator.attrgetter("reduce_grads")
 _ALL_REDUCES = operator.attrgetter("all_reduce_grads")
 _AFTER = "after the last micro-batch's backward"
+WINDOW_CHECKS = 5
+"""Log steps at which a ``monitor.step`` inside an accumulation window is looked for (a loop that
+steps per micro-batch does so from its first step): a pass over every FSDP2 parameter at each."""
 
 _IN_DDP: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 """A module → a weak reference to the DistributedDataParallel module made around it."""
@@ -110,6 +113,7 @@ class GradSync:
         self._hooks: dict[int, Any] = {}  # id of a DDP module → its forward pre-hook's handle
         self._said_join = False  # a DDP module's forward inside join() was warned about
         self._say_window = say  # a monitor.step inside an accumulation window is still to be said
+        self._window_checks = 0  # log steps checked for it
         self.open_at: Optional[int] = None  # the log step it was said at
         if model is not None:  # now: the hooks see the first step's forwards
             self._find()
@@ -122,14 +126,20 @@ class GradSync:
             raise ValueError(f"{call}: the model's {state[0]}: {state[1]}")
 
     def say_open_window(self, step: int) -> None:
-        """At a log step: where this rank's model is inside a gradient-accumulation window, say so,
-        once: ``monitor.step`` came per micro-batch, so its record and its step count are a
-        micro-batch's, and no optimizer stepped (nothing is refused: a rank may train on its own
-        gradients on purpose). Checked until said, on the rank that says the job's warnings."""
+        """At one of the job's first :data:`WINDOW_CHECKS` log steps: where this rank's model holds
+        gradients a backward left unreduced (DDP's last forward inside ``no_sync()``, FSDP2's or HSDP's
+        held back), say so, once: ``monitor.step`` came per micro-batch, so its record and its step count
+        are a micro-batch's, and no optimizer stepped. Nothing is refused (a rank may train on its own
+        gradients on purpose). A sync flag merely off is no sign (Lightning Fabric leaves FSDP2's off
+        after the last micro-batch's synced backward). The wrappers are those the last refresh found:
+        :meth:`check`, which every rank calls alike, refreshes them (the rank that says this one alone
+        would hook a DDP module the others do not). Only on the rank that says the job's warnings."""
         if not self._say_window:
             return
-        state = self.open_window()
-        if state is None:
+        self._window_checks += 1
+        if self._window_checks >= WINDOW_CHECKS:
+            self._say_window = False
+        if not any(id(module) in self._unsynced for module in self._ddp) and not any(map(_held_back, self._groups)):
             return
         self._say_window, self.open_at = False, step
         logger.warning("distmetrics: monitor.step(%s) came inside a gradient-accumulation window: the model's %s. "
@@ -137,7 +147,7 @@ class GradSync:
                        "the optimizer's step, with the loss and tokens of all its micro-batches (README, "
                        "\"Gradient accumulation\"); called per micro-batch, its records, step counts and rates are "
                        "the micro-batches'. Said once (where every rank trains on its own gradients on purpose, as "
-                       "in local SGD, ignore it)", step, state[0])
+                       "in local SGD, ignore it)", step, self._refusal()[0])
 
     def open_window(self) -> Optional[tuple[str, str]]:
         """None where every wrapper's gradients are synchronised, else (what is not, why that matters

@@ -132,11 +132,12 @@ class Records:
 
 def decode_pieces(line: bytes) -> list[tuple[bytes, Optional[dict[str, Any]]]]:
     """A line as it ends at ``\n`` and its record (:func:`decode_record`): itself, or, where it is no
-    record whole and holds a ``\r`` before its end, its pieces between ``\r`` (a copy another tool
-    saved with ``\r`` endings; JSON text holds a raw ``\r`` only as whitespace between tokens)."""
+    record whole, holds a ``\r`` before its end and its text up to the first ``\r`` is a record, its
+    pieces between ``\r`` (a copy another tool saved with ``\r`` endings; JSON text holds a raw
+    ``\r`` only as whitespace between tokens)."""
     record = decode_record(line)
-    if record is None and b"\r" in line.rstrip(b"\r\n"):
-        pieces = line.split(b"\r")
+    if record is None and b"\r" in line.rstrip(b"\r\n") and decode_record(line.split(b"\r", 1)[0]) is not None:
+        pieces = line.split(b"\r")  # only where it opens with a record: not a progress bar's millions of pieces
         if not pieces[-1].strip(b"\n"):  # the line's own end: no piece
             pieces.pop()
         return [(piece, decode_record(piece)) for piece in pieces]

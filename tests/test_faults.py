@@ -2154,7 +2154,7 @@ rank, parent = int(os.environ["RANK"]), os.getpid()
 # where torch's gloo process group, collected in a child that has none of its threads, never returns
 atexit.register(lambda: os.getpid() != parent and os._exit(0))
 dist.init_process_group("gloo")
-atexit.register(lambda: os.getpid() == parent and dist.destroy_process_group())  # see _CLOSED_AT_EXIT
+atexit.register(lambda: os.getpid() == parent and dist.destroy_process_group())  # as a trainer should
 monitor = dm.Monitor(dm.MetricsConfig(output_dir=sys.argv[1], log_interval=2, hang_timeout_s=60, console=False,
                                       tensorboard=False, log_progress=True, timing_log_level=-1))
 for step in range(1, 7):

@@ -2112,7 +2112,9 @@ def test_a_window_closed_only_after_the_last_backward_is_refused_and_one_closed_
 def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
     """Two micro-batches per optimizer step under DDP (``no_sync()``) and FSDP2
     (``set_requires_gradient_sync``), update norms on: ``monitor.step`` once per optimizer step (the
-    README's loop), then once per micro-batch. What each rank's Monitor said."""
+    README's loop); so, with sync turned off for the next window before ``monitor.step`` (Lightning
+    Fabric leaves FSDP2's so); so, then a window opened and ``close()`` (a preemption) with the
+    interval's record unwritten; then once per micro-batch. What each rank's Monitor said."""
     import contextlib
     import logging
 
@@ -2125,7 +2127,8 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
     data, _ = _micro_batches_and_truth(rank, world)
     out: dict = {}
     for kind in ("ddp", "fsdp2"):
-        for per in ("optimizer step", "micro-batch"):
+        for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window",
+                    "micro-batch"):
             model = _net()
             if kind == "ddp":
                 model = DistributedDataParallel(model)
@@ -2141,7 +2144,8 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
             handler.emit = lambda record: heard.append(record.getMessage())
             logging.getLogger("distmetrics").addHandler(handler)
             step = 0
-            with dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model,
+            closed = per.endswith("in a window")
+            with dm.Monitor(quiet_config(log_interval=3 if closed else 1, log_update_norm=True), model=model,
                             optimizer=optimizer) as monitor:
                 for _ in range(2):
                     for last in (False, True):
@@ -2150,9 +2154,14 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
                         if last:
                             optimizer.step()
                             optimizer.zero_grad()
+                            if per.endswith("sync off after"):
+                                window(False)
                         if last or per == "micro-batch":
                             step += 1
                             monitor.step(step, loss=1.0)
+                if closed:
+                    with window(False):
+                        model(data[0]).pow(2).mean().backward()  # the window open when close() writes step 2
             logging.getLogger("distmetrics").removeHandler(handler)
             out[f"{kind} per {per}"] = heard
     return out
@@ -2168,7 +2177,8 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
               "fsdp2": "FSDP2 module (the model itself) has gradient sync off (set_requires_gradient_sync(False))"}
     for rank, out in enumerate(run_ranks(_monitor_step_per_micro_batch, 2, timeout=240)):
         for kind, state in states.items():
-            assert out[f"{kind} per optimizer step"] == [], (rank, kind)
+            for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window"):
+                assert out[f"{kind} per {per}"] == [], (rank, kind, per)
             heard = out[f"{kind} per micro-batch"]
             if rank == 1:  # the job's warnings are said by its first rank
                 assert heard == [], heard

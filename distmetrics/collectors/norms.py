@@ -283,7 +283,8 @@ class NormCollector(ParamSide):
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The latest gradient measurement (then forgotten), param and update norms when asked for."""
         out: list[Sample] = []
-        self.sync.say_open_window(ctx.step)
+        if ctx.ended_at is None:  # not close()'s record: a close inside a window (a preemption) is no such step
+            self.sync.say_open_window(ctx.step)
         grad, plan, self._grad = self._grad, self._grad_plan, None
         self._last_grad = grad
         if grad is not None and self.log_grad_norm:

@@ -130,12 +130,13 @@ class ParamSide:
         if self._warned_update or not self.layout.says_once:
             return
         self._warned_update = True
-        why = ("monitor.step came inside a gradient-accumulation window, before the optimizer's step (said above)"
-               if self.sync.open_at == step else
-               "No optimizer was given to its Monitor (Monitor(optimizer=...) or "
+        why = ("No optimizer was given to its Monitor (Monitor(optimizer=...) or "
                "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or none "
                "given stepped between this monitor.step and the one before (skipped by a GradScaler, raised, "
                "or replaced: attach the new one)")
+        if self.sync.open_at == step:
+            window = "monitor.step came inside a gradient-accumulation window, before the optimizer's step (said above)"
+            why = window if self._steps.attached else f"{window}. {why}"
         logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
                        "rank %s owns trainable parameters but measured no update in the step. %s",
                        step, "?" if rank is None else int(rank), why)
