@@ -332,7 +332,8 @@ def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, name
      "distmetrics.LogTensorStats needs 'enabled'"),
     ({name: {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
              "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["mean"]}}}
-      for name in ("a", "b")}, "multiple debug configs targeting the same layer"),
+      for name in ("a", "b")}, "sections 'a' and 'b' both select layer 'model.fc1', and nvdlfw-inspect takes one "
+                               "section per layer"),
     # accepted, and nvdlfw-inspect then ignored the key (the section's other selector chose every
     # layer of layer 1), failed inside its start, read the tensor's first entry only (the second's
     # statistics never came), selected no step, or read the empty tensors_struct and logged nothing:
@@ -346,6 +347,13 @@ def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, name
     (_section(feature={"start_step": 3, "end_step": 3, "freq": 2}),
      "selects no step: no multiple of freq 2 lies in start_step 3 to end_step 3"),
     (_section(feature={"tensors_struct": []}), "has both 'tensors' and 'tensors_struct'"),
+    # a pattern took every layer it matched, the numbers or types beside it ignored; an empty list
+    # said to be missing; every section off: "Could not load config from input"
+    (_section({"layer_name_regex_pattern": "fc", "layer_numbers": [1]}),
+     "layer_name_regex_pattern selects alone: nvdlfw-inspect ignores layer_numbers beside it"),
+    (_section({"layer_name_regex_pattern": "fc", "layer_types": ["fc1"]}), "ignores layer_types beside it"),
+    (_section(feature={"tensors": None, "tensors_struct": []}), r"LogTensorStats.tensors_struct is empty"),
+    ({"s": {**_section()["s"], "enabled": False}}, "every section has enabled: false, so nothing would be inspected"),
     (_section(namespace=None, feature={"frequency": 2}), r"unknown key\(s\) \['frequency'\] in LogTensorStats;"),
     (_section(namespace=None, feature={"tensors": None, "tensors_struct": [{"tensor": "activation", "freqq": 2}]}),
      r"unknown key\(s\) \['freqq'\] in a LogTensorStats.tensors_struct entry"),

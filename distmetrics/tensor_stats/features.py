@@ -101,6 +101,9 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
             else:
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
+    if not any(body["enabled"] for body in spec.values()):  # nvdlfw-inspect: "Could not load config from input"
+        raise ConfigError(f"{source}: every section has enabled: false, so nothing would be inspected; enable a "
+                          "section, or set tensor_inspect.enabled: false")
     return {section: _exact_names_as_pattern(f"{source}: section {section!r}", body) for section, body in spec.items()}
 
 
@@ -129,6 +132,11 @@ def _check_selectors(where: str, layers: dict) -> None:
     types = layers.get("layer_types")
     if types is not None and not _names(types):
         raise ConfigError(f"{where}: layers.layer_types must be a list of names such as [fc1, fc2], got {types!r}")
+    ignored = [key for key in ("layer_numbers", "layer_types") if layers.get(key) is not None]
+    if pattern is not None and ignored and layers.get("exact_layer_names") is None:
+        raise ConfigError(f"{where}: layers.layer_name_regex_pattern selects alone: nvdlfw-inspect ignores "
+                          f"{' and '.join(ignored)} beside it, so the section would take every layer the pattern "
+                          "matches; put the numbers or types in the pattern, or give them without it")
 
 
 def _check_known(where: str, keys: list, known: Any, place: str) -> None:
@@ -300,7 +308,9 @@ def _tensor_entries(where: str, cfg: dict, feature: str = "distmetrics.LogTensor
         raise ConfigError(f"{where}: {feature}.tensors must be a list of tensor names "
                           f"({', '.join(TENSORS)}), got {tensors!r}")
     if not tensors:
-        raise ConfigError(f"{where}: {feature} needs 'tensors' or 'tensors_struct'")
+        given = next((key for key in ("tensors_struct", "tensors") if key in cfg), None)
+        raise ConfigError(f"{where}: {feature}.{given} is empty; list the tensors to measure" if given else
+                          f"{where}: {feature} needs 'tensors' or 'tensors_struct'")
     return [dict(cfg, tensor=t, _shared=True) for t in tensors]
 
 

@@ -156,7 +156,7 @@ class TensorInspector:
         error = None
         for module, name in modules:
             try:
-                cfg = config_for_layer(ConfigManager, is_layer_in_cfg, name)
+                cfg = config_for_layer(ConfigManager, is_layer_in_cfg, name, sections)
             except ValueError as err:  # two sections target one layer
                 error = f"tensor_inspect.features: {err}"
                 break

@@ -11,18 +11,21 @@ import torch
 __all__ = ["config_for_layer", "numbered", "example_names"]
 
 
-def config_for_layer(manager: Any, is_layer_in_cfg: Any, name: str) -> dict:
+def config_for_layer(manager: Any, is_layer_in_cfg: Any, name: str, sections: Any = ()) -> dict:
     """nvdlfw-inspect's ``ConfigManager.get_config_for_layer`` with each section asked on its own
     (:func:`numbered`): a ``layer_numbers`` section that cannot read a number from ``name`` does
     not select it, and the other sections still may (nvdlfw-inspect 0.2.2 raises for the whole
-    lookup). The answer goes into nvdlfw-inspect's cache, where its own feature calls look."""
+    lookup). The answer goes into nvdlfw-inspect's cache, where its own feature calls look.
+    ``sections``: the names of ``manager.configs`` in order, for the error of two selecting ``name``."""
     found: dict = {}
-    for spec in manager.configs:
+    first = None
+    for index, spec in enumerate(manager.configs):
         if numbered(is_layer_in_cfg, name, spec):
-            if found:
-                raise ValueError(f"[NVDLFW INSPECT ERROR] Found multiple debug configs targeting the same layer(s): "
-                                 f"{name}.")
-            found = spec.extension_config
+            if first is not None:
+                names = [repr(sections[i]) if i < len(sections) else f"#{i + 1}" for i in (first, index)]
+                raise ValueError(f"sections {names[0]} and {names[1]} both select layer {name!r}, and nvdlfw-inspect "
+                                 "takes one section per layer: narrow a selector, or merge the two sections")
+            found, first = spec.extension_config, index
     manager.layer_name_to_config_cache[name] = found
     return found
 
