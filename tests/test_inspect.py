@@ -619,6 +619,36 @@ def test_a_section_selecting_a_wrapper_level_name_is_not_called_silent(tmp_path,
     assert not [r.getMessage() for r in caplog.records if "no value came" in r.getMessage()]
 
 
+def test_a_wrapper_and_the_module_it_wraps_selected_by_two_sections_are_refused(tmp_path):
+    """Two sections, one selecting DDP's level (``^model$``: its activation and input max at every
+    step), one the module it wraps (``^model\\.module$``: its activation min every other step): both
+    are written under one name, and the wrapper's values were dropped at every step without a word.
+    One section selecting both still counts the inner one once (the wrapper-level test above)."""
+    import torch
+
+    import distmetrics as dm
+
+    class Wrapper(torch.nn.Module):  # DDP's level, without a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    def section(pattern, tensors, stat):
+        return {"enabled": True, "layers": {"layer_name_regex_pattern": pattern},
+                "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": tensors, "stats": [stat]}}}
+
+    features = {"outer": section(r"^model$", ["activation", "input"], "max"),
+                "inner": section(r"^model\.module$", ["activation"], "min")}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    with pytest.raises(ValueError, match=r"sections 'outer' and 'inner' select 'model' and 'model.module', a wrapper "
+                                         r"and the module it wraps"):
+        dm.Monitor(cfg, model=Wrapper(_model()))
+
+
 def test_a_tensor_name_holding_an_underscore_is_kept_whole(tmp_path):
     """nvdlfw-inspect's base LogTensorStats called from the user's code for a tensor the features
     file names ``attn_scores``: written as ``attn/attn/scores_max`` (split at the first ``_``)."""

@@ -98,6 +98,7 @@ class TensorInspector:
         self._hooks: list = []
         self._guards_held = False  # Dynamo guards on hooks while ours are on (compiled.hold_hook_guards)
         self._hooked: dict[str, list] = {}  # our layer name -> (nvdlfw-inspect's name, module) hooked under it
+        self._section_of: dict[str, Optional[str]] = {}  # nvdlfw-inspect's layer name -> the section selecting it
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
@@ -154,6 +155,7 @@ class TensorInspector:
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
         matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
         error = None
+        section_of = {id(spec.extension_config): section for section, spec in zip(sections, ConfigManager.configs)}
         for module, name in modules:
             try:
                 cfg = config_for_layer(ConfigManager, is_layer_in_cfg, name, sections)
@@ -162,6 +164,7 @@ class TensorInspector:
                 break
             if cfg:
                 self.selected[name] = list(cfg)
+                self._section_of[name] = section_of.get(id(cfg))
             for namespace in ("distmetrics", "base"):  # the features our hooks call
                 feature = cfg.get(namespace, {}).get("LogTensorStats")
                 if not (feature and feature.get("enabled", False)):
@@ -175,7 +178,8 @@ class TensorInspector:
         # A wrapper and the layer it wraps, both selected, measure the same tensors under one name:
         # the innermost layer's count once (two values under one name would stop the reduction);
         # two other modules under one name are refused (te_names.shadowed_layers)
-        self._shadowed, clash = shadowed_layers(self._hooked, {id(m): path for path, m in model.named_modules()})
+        self._shadowed, clash = shadowed_layers(self._hooked, {id(m): path for path, m in model.named_modules()},
+                                                self._section_of)
         error = error or clash or None
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:

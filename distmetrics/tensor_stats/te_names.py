@@ -10,7 +10,7 @@ names the two ``model`` and ``model.model``, and both must stay apart in metric 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -78,7 +78,8 @@ def metric_layers(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def shadowed_layers(hooked: dict[str, list], paths: Mapping[int, str]) -> tuple[set, str]:
+def shadowed_layers(hooked: dict[str, list], paths: Mapping[int, str],
+                    sections: Optional[Mapping[str, str]] = None) -> tuple[set, str]:
     """The hooked layers whose values are another's, and an error for two that must not share a name.
 
     ``hooked`` maps a metric layer name to the ``(nvdlfw-inspect name, module)`` pairs hooked under
@@ -86,7 +87,10 @@ def shadowed_layers(hooked: dict[str, list], paths: Mapping[int, str]) -> tuple[
     the same tensors: the innermost counts, the others are returned as shadowed. Any other two
     modules under one name (a ``ModuleList`` whose children carry one ``layer_number``, which
     nvdlfw-inspect gives them both) would have their values mixed or one dropped: the error
-    names both, with their paths in the model (``paths``: ``id(module)`` -> path); "" if none."""
+    names both, with their paths in the model (``paths``: ``id(module)`` -> path); "" if none. So does a
+    wrapper and the layer it wraps selected by two sections (``sections``: nvdlfw-inspect name -> the
+    section that selects it), which may ask for other tensors, statistics or steps: the wrapper's were
+    dropped without a word."""
     shadowed: set = set()
     for layer, pairs in hooked.items():
         chain = sorted({id(module): (name, module) for name, module in pairs}.values(), key=lambda pair: len(pair[0]))
@@ -100,6 +104,12 @@ def shadowed_layers(hooked: dict[str, list], paths: Mapping[int, str]) -> tuple[
                     f"tensor_inspect.features: layers {one} and {other} are different modules that would both be "
                     f"written as tensor_stats/{layer}/...: one's statistics would be lost or mixed with the other's; "
                     f"{fix}")
+            picked = [(sections or {}).get(name) for name in (outer, inner)]
+            if picked[0] != picked[1]:
+                return shadowed, (
+                    f"tensor_inspect.features: sections {picked[0]!r} and {picked[1]!r} select {outer!r} and "
+                    f"{inner!r}, a wrapper and the module it wraps, whose statistics are both written as "
+                    f"tensor_stats/{layer}/... (the wrapper's would be dropped): select one of them")
             shadowed.add(outer)
     return shadowed, ""
 
