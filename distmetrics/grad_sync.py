@@ -131,14 +131,16 @@ class GradSync:
         held back), say so, once: ``monitor.step`` came per micro-batch, so its record and its step count
         are a micro-batch's, and no optimizer stepped. Nothing is refused (a rank may train on its own
         gradients on purpose). A sync flag merely off is no sign (Lightning Fabric leaves FSDP2's off
-        after the last micro-batch's synced backward). The wrappers are those the last refresh found:
-        :meth:`check`, which every rank calls alike, refreshes them (the rank that says this one alone
-        would hook a DDP module the others do not). Only on the rank that says the job's warnings."""
-        if not self._say_window:
+        after the last micro-batch's synced backward). Called on every rank: each refreshes the wrappers
+        as :meth:`check` does (a refresh on one rank alone would hook a DDP module the others do not, and
+        their refusals would differ); the rank that says the job's warnings looks and says."""
+        if self._window_checks >= WINDOW_CHECKS:
             return
         self._window_checks += 1
-        if self._window_checks >= WINDOW_CHECKS:
-            self._say_window = False
+        if self.model is not None and self._found_at != self._changes():
+            self._find()  # every rank alike, as check() does: a Monitor made before fully_shard finds the groups
+        if not self._say_window:
+            return
         if not any(id(module) in self._unsynced for module in self._ddp) and not any(map(_held_back, self._groups)):
             return
         self._say_window, self.open_at = False, step

@@ -14,7 +14,10 @@ Who does is decided here and nowhere else:
 * :func:`owns_local_piece` — the norm rule: does this rank's local piece of a parameter (or of
   its gradient) count, so that Σ over ranks of w·‖local‖² counts every element once;
   :func:`owns_shard_piece` — the same for a slice that Megatron's distributed optimizer gave
-  this rank (data-parallel ranks hold different slices: only the tensor-parallel rule remains).
+  this rank (data-parallel ranks hold different slices: only the tensor-parallel rule remains);
+* :func:`plain_replica` — a plain tensor every rank holds a copy of, which weight statistics take
+  from the lowest rank that ran its layer (:data:`~distmetrics.tensor_stats.rank_merge.REPLICA`),
+  not from a rank decided in advance, which may have skipped the layer in the step.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .names import is_dtensor, local_value as local_tensor  # local_tensor: this
 __all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
            "tp_cp_leader", "model_parallel_mesh", "named_mesh_of",
            "counts_batch_tokens", "holds_first_replica", "owns_local_piece", "owns_shard_piece", "local_tensor",
-           "is_dtensor"]
+           "is_dtensor", "plain_replica"]
 
 logger = logging.getLogger("distmetrics")
 

@@ -2073,7 +2073,8 @@ def test_a_replicated_weight_is_written_once_whichever_rank_runs_its_layer(tmp_p
 def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statistics(tmp_path):
     """copy.deepcopy of a hooked model (an EMA or teacher made after the Monitor) copies its forward
     hooks: the teacher's training-mode forwards, under torch.no_grad(), went into the student's
-    activation statistics (max 79.6 where the student's is 1.09)."""
+    activation statistics (max 79.6 where the student's is 1.09). A DataParallel replica's forward is
+    the module's own, and counts."""
     import copy
 
     import torch
@@ -2095,7 +2096,19 @@ def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statisti
     truth = net[0](x).detach().double()
     net[2](torch.relu(truth.float())).sum().backward()
     monitor.step(1)
+    # nn.DataParallel runs each device's forward on a replica that shares the module's hook dicts: the
+    # module's own forward, counted (made here on the CPU as DataParallel makes them)
+    replica = net._replicate_for_data_parallel()
+    for index, layer in enumerate(net):
+        replica._modules[str(index)] = layer._replicate_for_data_parallel()
+    for name, param in net.named_parameters():
+        setattr(replica[int(name.split(".")[0])], name.split(".")[1], param)
+    y = torch.randn(2, 4)
+    replica(y).sum().backward()
+    monitor.step(2)
     monitor.close()
-    written = _tensor_stats_by_step(tmp_path)[1]
-    assert written["tensor_stats/0/activation/max"] == pytest.approx(float(truth.max()), rel=1e-6), written
-    assert written["tensor_stats/0/activation/l1_norm"] == pytest.approx(float(truth.abs().sum()), rel=1e-6), written
+    written = _tensor_stats_by_step(tmp_path)
+    assert written[1]["tensor_stats/0/activation/max"] == pytest.approx(float(truth.max()), rel=1e-6), written
+    assert written[1]["tensor_stats/0/activation/l1_norm"] == pytest.approx(float(truth.abs().sum()), rel=1e-6)
+    replicated = net[0](y).detach().double()
+    assert written[2]["tensor_stats/0/activation/max"] == pytest.approx(float(replicated.max()), rel=1e-6), written

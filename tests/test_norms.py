@@ -2128,8 +2128,12 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
     out: dict = {}
     for kind in ("ddp", "fsdp2"):
         for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window",
-                    "micro-batch"):
+                    "micro-batch", "micro-batch, Monitor made first"):
+            if kind == "ddp" and ("sync off after" in per or "made first" in per):  # FSDP2's own cases
+                continue
             model = _net()
+            first = per.endswith("made first")  # as with Accelerate: the Monitor, then the model sharded in place
+            monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model) if first else None
             if kind == "ddp":
                 model = DistributedDataParallel(model)
             else:
@@ -2145,8 +2149,10 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
             logging.getLogger("distmetrics").addHandler(handler)
             step = 0
             closed = per.endswith("in a window")
-            with dm.Monitor(quiet_config(log_interval=3 if closed else 1, log_update_norm=True), model=model,
-                            optimizer=optimizer) as monitor:
+            if monitor is None:
+                monitor = dm.Monitor(quiet_config(log_interval=3 if closed else 1, log_update_norm=True),
+                                     model=model, optimizer=optimizer)
+            with monitor:
                 for _ in range(2):
                     for last in (False, True):
                         with window(last):
@@ -2156,7 +2162,7 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
                             optimizer.zero_grad()
                             if per.endswith("sync off after"):
                                 window(False)
-                        if last or per == "micro-batch":
+                        if last or per.startswith("micro-batch"):
                             step += 1
                             monitor.step(step, loss=1.0)
                 if closed:
@@ -2178,7 +2184,7 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
     for rank, out in enumerate(run_ranks(_monitor_step_per_micro_batch, 2, timeout=240)):
         for kind, state in states.items():
             for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window"):
-                assert out[f"{kind} per {per}"] == [], (rank, kind, per)
+                assert out.get(f"{kind} per {per}", []) == [], (rank, kind, per)
             heard = out[f"{kind} per micro-batch"]
             if rank == 1:  # the job's warnings are said by its first rank
                 assert heard == [], heard
@@ -2189,6 +2195,13 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
             assert "monitor.step is called once per optimizer step" in heard[0], heard
             assert "has no update_norm" in heard[1] and "inside a gradient-accumulation window" in heard[1], heard
             assert "No optimizer was given" not in heard[1], heard
+        # made before fully_shard (the window found all the same), given no optimizer (said beside the window)
+        heard = out["fsdp2 per micro-batch, Monitor made first"]
+        assert len(heard) == (0 if rank else 2), heard
+        if rank == 0:
+            assert heard[0].startswith(f"distmetrics: monitor.step(1) came inside a gradient-accumulation window: "
+                                       f"the model's {states['fsdp2']}"), heard
+            assert "inside a gradient-accumulation window" in heard[1] and "No optimizer was given" in heard[1], heard
 
 
 def test_megatrons_decoupled_grad_is_read_when_present():

@@ -23,8 +23,10 @@ selects that a layer cannot give (a dict output, a container without a weight:
 none: :mod:`~distmetrics.tensor_stats.unmeasured`).
 
 A weight is the parameter the optimizer steps (FSDP2's sharded one, however the layer is wrapped).
-Data-parallel replicas hold the same weights: only the rank that owns one contributes
-(:mod:`distmetrics.parallel`), so counts and norms are not multiplied. Activations, inputs and
+Data-parallel replicas hold the same weights: a weight's shards and pieces count where their rank
+owns them (:mod:`distmetrics.parallel`), and a plain replicated weight (DDP's) is sent by every rank
+that ran its layer, the lowest one's written (:data:`~.rank_merge.REPLICA`), so counts and norms are
+not multiplied. Activations, inputs and
 gradients are measured on every rank: tensor- and context-parallel peers hold either copies of
 one tensor (a row-parallel layer's all-reduced output) or different pieces of it (a
 column-parallel layer's output, sequence-parallel regions, context parallelism's sequence
@@ -223,8 +225,9 @@ class TensorInspector:
             # eval mode); not activation recomputation, which runs the forward again inside backward
             # (but see _gradient_owed); not a copy's (copy.deepcopy of the model copies its hooks: an EMA
             # or teacher model made after the Monitor fed its forwards into the original's statistics)
-            if not self.active or self.paused or not mod.training or mod is not module:
-                return
+            if not self.active or self.paused or not mod.training or (
+                    mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs):
+                return  # (a DataParallel replica shares the module's hook dicts, and is the module's forward)
             out = output_tensor(output)
             if torch._C._current_graph_task_id() != -1:
                 if self._gradient_owed.get(name) and out is not None and out.requires_grad:
