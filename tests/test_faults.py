@@ -2490,7 +2490,15 @@ for step in (1, 2, 3):
     monitor.step(step, loss=1.0)
 if rank == 0:
     sys.stdin.readline()  # the test lets it come once rank 1 has ended
-print("WAITING", flush=True)
+waiting = distmetrics.guard.CollectiveGuard._wait
+
+
+def said_waiting(guard, done):  # inside the call's wait, where the signal is to land (not before the call)
+    print("WAITING", flush=True)
+    return waiting(guard, done)
+
+
+distmetrics.guard.CollectiveGuard._wait = said_waiting
 start = time.monotonic()
 try:
     monitor.step(4, loss=1.0) if sys.argv[2] == "log step" else monitor.checkpoint_saved(3)
@@ -2529,8 +2537,8 @@ def test_a_sigterm_ends_a_rank_waiting_at_the_arrival_check_at_once_and_its_peer
                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
              for r in range(2)]
     try:
-        assert procs[1].stdout.readline().strip() == "WAITING"
-        time.sleep(0.5)  # inside its wait for rank 0 (hang_timeout_s 20)
+        assert procs[1].stdout.readline().strip() == "WAITING"  # inside its wait for rank 0 (hang_timeout_s 20)
+        time.sleep(0.2)
         sent = time.time()
         os.kill(procs[1].pid, signal.SIGTERM)
         out, err = procs[1].communicate(timeout=60)
