@@ -589,6 +589,21 @@ def test_transformer_engine_metric_names_map_to_ours():
     assert _metric_name("model.pre_weight_proj_activation_mse") == "tensor_stats/pre_weight_proj/activation/mse"
 
 
+def _wrapped(module):
+    """``module`` inside a wrapper level named as DDP's (``module``), without a process group."""
+    import torch
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    return Wrapper(module)
+
+
 def test_a_section_selecting_a_wrapper_level_name_is_not_called_silent(tmp_path, caplog):
     """Metric names leave the wrapper level off (``module.``), and the check for sections that
     yielded nothing rebuilt layer names from them: ``^model\\.module\\.fc1$`` matched none, and
@@ -597,15 +612,7 @@ def test_a_section_selecting_a_wrapper_level_name_is_not_called_silent(tmp_path,
 
     import distmetrics as dm
 
-    class Wrapper(torch.nn.Module):  # DDP's level, without a process group
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, x):
-            return self.module(x)
-
-    model = Wrapper(_model())
+    model = _wrapped(_model())
     features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"^model\.module\.fc1$"},
                       "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"],
                                                           "freq": 1}}}}
@@ -624,17 +631,7 @@ def test_a_wrapper_and_the_module_it_wraps_selected_by_two_sections_are_refused(
     step), one the module it wraps (``^model\\.module$``: its activation min every other step): both
     are written under one name, and the wrapper's values were dropped at every step without a word.
     One section selecting both still counts the inner one once (the wrapper-level test above)."""
-    import torch
-
     import distmetrics as dm
-
-    class Wrapper(torch.nn.Module):  # DDP's level, without a process group
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, x):
-            return self.module(x)
 
     def section(pattern, tensors, stat):
         return {"enabled": True, "layers": {"layer_name_regex_pattern": pattern},
@@ -646,7 +643,7 @@ def test_a_wrapper_and_the_module_it_wraps_selected_by_two_sections_are_refused(
                            tensor_inspect={"enabled": True, "features": features})
     with pytest.raises(ValueError, match=r"sections 'outer' and 'inner' select 'model' and 'model.module', a wrapper "
                                          r"and the module it wraps"):
-        dm.Monitor(cfg, model=Wrapper(_model()))
+        dm.Monitor(cfg, model=_wrapped(_model()))
 
 
 def test_a_tensor_name_holding_an_underscore_is_kept_whole(tmp_path):
