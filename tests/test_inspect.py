@@ -2109,3 +2109,32 @@ def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statisti
     assert written[1]["tensor_stats/0/activation/l1_norm"] == pytest.approx(float(truth.abs().sum()), rel=1e-6)
     replicated = net[0](y).detach().double()
     assert written[2]["tensor_stats/0/activation/max"] == pytest.approx(float(replicated.max()), rel=1e-6), written
+
+
+def test_a_layer_swapped_after_the_monitor_by_prepare_qat_is_measured_not_crashed(tmp_path):
+    """torch.ao.quantization.prepare_qat after the Monitor swaps each Linear for its QAT version and
+    copies the hooks without with_kwargs: the first training forward raised TypeError ("forward_hook()
+    missing 1 required positional argument: 'output'") from the Monitor's hook. The swapped-in layer
+    is the model's now, and is measured."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"^model\.0$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                         "stats": ["max"]}}}}
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False,
+                                          log_progress=False, timing_log_level=-1, log_interval=100,
+                                          tensor_inspect={"enabled": True, "features": features}), model=net)
+    net.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    torch.ao.quantization.prepare_qat(net, inplace=True)
+    seen: list = []
+    net[0].register_forward_hook(lambda module, args, output: seen.append(output.detach().double()))
+    net(torch.randn(3, 4)).sum().backward()
+    monitor.step(1)
+    monitor.close()
+    written = _tensor_stats_by_step(tmp_path)[1]
+    assert type(net[0]).__module__.startswith("torch.ao.nn.qat"), type(net[0])
+    assert written["tensor_stats/0/activation/max"] == pytest.approx(float(seen[0].max()), rel=1e-6), written

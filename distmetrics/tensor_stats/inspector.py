@@ -36,6 +36,7 @@ those of the lowest rank of its TP x CP group holds a copy and is left out; piec
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -100,6 +101,7 @@ class TensorInspector:
         self._hooks: list = []
         self._guards_held = False  # Dynamo guards on hooks while ours are on (compiled.hold_hook_guards)
         self._hooked: dict[str, list] = {}  # our layer name -> (nvdlfw-inspect's name, module) hooked under it
+        self._stand_ins: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._section_of: dict[str, Optional[str]] = {}  # nvdlfw-inspect's layer name -> the section selecting it
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
@@ -220,14 +222,17 @@ class TensorInspector:
                          if entry["tensor"] == "gradient"), None)  # its first entry, as nvdlfw-inspect reads it
 
         @eager  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced); a plain call outside
-        def forward_hook(mod, args, kwargs, output):
+        def forward_hook(mod, args, *kwargs_output):  # (kwargs, output), or (output,) where a module swap
+            # (torch.ao.quantization's prepare_qat) copied the hook without with_kwargs
             # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
             # eval mode); not activation recomputation, which runs the forward again inside backward
             # (but see _gradient_owed); not a copy's (copy.deepcopy of the model copies its hooks: an EMA
             # or teacher model made after the Monitor fed its forwards into the original's statistics)
             if not self.active or self.paused or not mod.training or (
-                    mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs):
+                    mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs
+                    and not self._stands_in(mod)):
                 return  # (a DataParallel replica shares the module's hook dicts, and is the module's forward)
+            kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
             out = output_tensor(output)
             if torch._C._current_graph_task_id() != -1:
                 if self._gradient_owed.get(name) and out is not None and out.requires_grad:
@@ -263,6 +268,15 @@ class TensorInspector:
                     self._no_gradient[name] = any(p.requires_grad for p in mod.parameters())
 
         self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+
+    def _stands_in(self, module: torch.nn.Module) -> bool:
+        """Whether ``module``, running a hook made for another module, is in a hooked model now (a module
+        swapped in, as ``prepare_qat`` swaps a Linear for its QAT version, hooks and all), not a copy
+        made beside the model (``copy.deepcopy``); found once per module."""
+        known = self._stand_ins.get(module)
+        if known is None:
+            known = self._stand_ins[module] = any(m is module for model in self._models for m in model.modules())
+        return known
 
     def _base_feature(self, name: str, feature: dict) -> Any:
         """nvdlfw-inspect's base ``LogTensorStats`` of layer ``name`` through our hooks: its
