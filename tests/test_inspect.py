@@ -2109,6 +2109,22 @@ def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statisti
     assert written[1]["tensor_stats/0/activation/l1_norm"] == pytest.approx(float(truth.abs().sum()), rel=1e-6)
     replicated = net[0](y).detach().double()
     assert written[2]["tensor_stats/0/activation/max"] == pytest.approx(float(replicated.max()), rel=1e-6), written
+    # an EMA kept inside the model (model.ema = deepcopy(model.net)): in the model, but not where the hooked layer is
+    holder = torch.nn.Module()
+    holder.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    features["s"]["layers"]["layer_name_regex_pattern"] = r"^model\.net\.0$"
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "ema"), console=False, tensorboard=False,
+                                          log_progress=False, timing_log_level=-1, log_interval=100,
+                                          tensor_inspect={"enabled": True, "features": features}), model=holder)
+    holder.ema = copy.deepcopy(holder.net)
+    with torch.no_grad():
+        holder.ema(100 * x)
+    student = holder.net[0](x).detach().double()
+    holder.net[2](torch.relu(student.float())).sum().backward()
+    monitor.step(1)
+    monitor.close()
+    written = _tensor_stats_by_step(tmp_path / "ema")[1]
+    assert written["tensor_stats/net.0/activation/max"] == pytest.approx(float(student.max()), rel=1e-6), written
 
 
 def test_a_layer_swapped_after_the_monitor_by_prepare_qat_is_measured_not_crashed(tmp_path):

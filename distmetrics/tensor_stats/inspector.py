@@ -160,6 +160,7 @@ class TensorInspector:
         matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
         error = None
         section_of = {id(spec.extension_config): section for section, spec in zip(sections, ConfigManager.configs)}
+        paths = {id(m): path for path, m in model.named_modules()}
         for module, name in modules:
             try:
                 cfg = config_for_layer(ConfigManager, is_layer_in_cfg, name, sections)
@@ -177,13 +178,12 @@ class TensorInspector:
                     error = error or fullgraph_error(name, fullgraph[id(module)])
                 else:
                     tensors = [e["tensor"] for e in feature.get("tensors_struct", [])] or list(feature.get("tensors", []))
-                    self._hook(module, name, tensors, namespace, feature)
+                    self._hook(module, name, tensors, namespace, feature, (model, paths.get(id(module))))
         self._silent_sections.sections = list(zip(sections, ConfigManager.configs))
         # A wrapper and the layer it wraps, both selected, measure the same tensors under one name:
         # the innermost layer's count once (two values under one name would stop the reduction);
         # two other modules under one name are refused (te_names.shadowed_layers)
-        self._shadowed, clash = shadowed_layers(self._hooked, {id(m): path for path, m in model.named_modules()},
-                                                self._section_of)
+        self._shadowed, clash = shadowed_layers(self._hooked, paths, self._section_of)
         error = error or clash or None
         flags = self._any_rank(matched + [error is not None])
         if flags[-1]:
@@ -207,9 +207,11 @@ class TensorInspector:
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.reducer.group)
         return [bool(v) for v in packed.tolist()]
 
-    def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict) -> None:
+    def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict,
+              place: tuple = (None, None)) -> None:
         """Call the feature on the module's tensors on the selected steps. nvdlfw-inspect's base
-        ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called."""
+        ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called. ``place``: the model
+        and the module's path in it (where a module swapped in stands, :meth:`_stands_in`)."""
         self._hooked.setdefault(self._metric_layer(name), []).append((name, module))
         if namespace == "distmetrics":
             log = self.debug_api.distmetrics.log_tensor_stats
@@ -230,7 +232,7 @@ class TensorInspector:
             # or teacher model made after the Monitor fed its forwards into the original's statistics)
             if not self.active or self.paused or not mod.training or (
                     mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs
-                    and not self._stands_in(mod)):
+                    and not self._stands_in(mod, *place)):
                 return  # (a DataParallel replica shares the module's hook dicts, and is the module's forward)
             kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
             out = output_tensor(output)
@@ -269,13 +271,18 @@ class TensorInspector:
 
         self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
-    def _stands_in(self, module: torch.nn.Module) -> bool:
-        """Whether ``module``, running a hook made for another module, is in a hooked model now (a module
-        swapped in, as ``prepare_qat`` swaps a Linear for its QAT version, hooks and all), not a copy
-        made beside the model (``copy.deepcopy``); found once per module."""
+    def _stands_in(self, module: torch.nn.Module, model: Any, path: Optional[str]) -> bool:
+        """Whether ``module``, running a hook made for another module, stands where that one stood in the
+        model (``path``): swapped in, as ``prepare_qat`` swaps a Linear for its QAT version, hooks and all;
+        not a copy (``copy.deepcopy``: an EMA or teacher beside the model, or kept inside it as
+        ``model.ema``). Found once per module."""
         known = self._stand_ins.get(module)
         if known is None:
-            known = self._stand_ins[module] = any(m is module for model in self._models for m in model.modules())
+            try:
+                known = model is not None and path is not None and model.get_submodule(path) is module
+            except AttributeError:  # the path is gone from the model
+                known = False
+            self._stand_ins[module] = known
         return known
 
     def _base_feature(self, name: str, feature: dict) -> Any:
