@@ -4,7 +4,7 @@ selected step's statistics in one collective, forwards TransformerEngine's value
 Two paths, one features file:
 
 * ``distmetrics:`` sections and nvdlfw-inspect's own base ``LogTensorStats`` (any PyTorch module,
-  CPU or GPU): module hooks measure the tensors on the steps the YAML selects (the base feature
+  CPU or GPU): module hooks (:mod:`~distmetrics.tensor_stats.layer_hooks`) measure the tensors on the steps the YAML selects (the base feature
   is measured as ours, not called: it would gather each tensor inside the hook). Both keep
   on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
@@ -36,7 +36,6 @@ those of the lowest rank of its TP x CP group holds a copy and is left out; piec
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -48,8 +47,9 @@ from ..parallel import (data_parallel_group, holds_first_replica, local_tensor, 
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
-from .features import _logs_at, _tensor_entries, stats_step, tensor_names
-from .layer_tensors import OptimizerWeights, Unreadable, first_tensor_argument, output_kind, output_tensor
+from .features import stats_step, tensor_names
+from .layer_hooks import StandIns, base_feature, forward_hook
+from .layer_tensors import OptimizerWeights, Unreadable
 from .selection import config_for_layer, example_names, numbered
 from .rank_merge import FORWARDED, PEERS, REPLICA, combine
 from .statistics import PARTS, merge, partials
@@ -101,20 +101,20 @@ class TensorInspector:
         self._hooks: list = []
         self._guards_held = False  # Dynamo guards on hooks while ours are on (compiled.hold_hook_guards)
         self._hooked: dict[str, list] = {}  # our layer name -> (nvdlfw-inspect's name, module) hooked under it
-        self._stand_ins: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+        self.stand_ins = StandIns()  # modules running a copied hook that stand in the hooked one's place
         self._section_of: dict[str, Optional[str]] = {}  # nvdlfw-inspect's layer name -> the section selecting it
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
         self._silent_sections = SilentSections(spec)  # names a section that yields no value, once
-        self._weights_done: set = set()  # (layer, feature) whose weight was logged this step
-        self._optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
-        self._unreadable = Unreadable()  # names a selected tensor a layer cannot give, once
+        self.weights_done: set = set()  # (layer, feature) whose weight was logged this step
+        self.optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
+        self.unreadable = Unreadable()  # names a selected tensor a layer cannot give, once
         # layer -> forwards of this step run without grad whose gradient is owed: reentrant activation
         # checkpointing (torch's use_reentrant=True, Megatron's recompute) runs the forward under no_grad,
         # then again inside backward, where that recomputation's output is backpropagated
-        self._gradient_owed: dict[str, int] = {}
-        self._no_gradient: dict = {}  # layers whose selected gradient no forward of this step made -> trainable
+        self.gradient_owed: dict[str, int] = {}
+        self.no_gradient: dict = {}  # layers whose selected gradient no forward of this step made -> trainable
         self.on_close: Any = None  # set by the lifecycle: ends nvdlfw-inspect with this inspector
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
@@ -132,7 +132,7 @@ class TensorInspector:
         if getattr(layout, "group", None) is not self.reducer.group:
             self.reducer = Reducer(layout.group)
         self._leader = tp_cp_leader(layout)  # the same on TP/CP peers: their copies are told apart at the merge
-        self._unreadable.says = holds_first_replica(layout)
+        self.unreadable.says = holds_first_replica(layout)
         group = data_parallel_group(layout)
         if group is not None:
             self.debug_api.set_tensor_reduction_group(group)
@@ -150,7 +150,7 @@ class TensorInspector:
         if any(m is model for m in self._models):
             return  # initialize(config, model=...) then Monitor(config, model=...): hooks once
         self._models.append(model)
-        self._optimizer_weights.models.append(model)
+        self.optimizer_weights.models.append(model)
         self.debug_api.infer_and_assign_layer_names(model)
         modules = named_layers(model)
         fullgraph = fullgraph_owner(model)
@@ -209,9 +209,9 @@ class TensorInspector:
 
     def _hook(self, module: torch.nn.Module, name: str, tensors: list, namespace: str, feature: dict,
               place: tuple = (None, None)) -> None:
-        """Call the feature on the module's tensors on the selected steps. nvdlfw-inspect's base
-        ``LogTensorStats`` is measured as ours (:meth:`_base_feature`), not called. ``place``: the model
-        and the module's path in it (where a module swapped in stands, :meth:`_stands_in`)."""
+        """Call the feature on the module's tensors on the selected steps (:mod:`.layer_hooks`).
+        nvdlfw-inspect's base ``LogTensorStats`` is measured as ours, not called. ``place``: the model
+        and the module's path in it (where a module swapped in stands)."""
         self._hooked.setdefault(self._metric_layer(name), []).append((name, module))
         if namespace == "distmetrics":
             log = self.debug_api.distmetrics.log_tensor_stats
@@ -219,89 +219,9 @@ class TensorInspector:
             def call(tensor_name: str, tensor: torch.Tensor) -> None:
                 log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
         else:
-            call = self._base_feature(name, feature)
-        gradient = next((dict(feature, **entry) for entry in _tensor_entries(name, feature, "LogTensorStats")
-                         if entry["tensor"] == "gradient"), None)  # its first entry, as nvdlfw-inspect reads it
-
-        @eager  # under torch.compile, run as it is (nvdlfw-inspect's dispatch cannot be traced); a plain call outside
-        def forward_hook(mod, args, *kwargs_output):  # (kwargs, output), or (output,) where a module swap
-            # (torch.ao.quantization's prepare_qat) copied the hook without with_kwargs
-            # not on a step the YAML selects; not an evaluation's forward (paused, or the module in
-            # eval mode); not activation recomputation, which runs the forward again inside backward
-            # (but see _gradient_owed); not a copy's (copy.deepcopy of the model copies its hooks: an EMA
-            # or teacher model made after the Monitor fed its forwards into the original's statistics)
-            if not self.active or self.paused or not mod.training or (
-                    mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs
-                    and not self._stands_in(mod, *place)):
-                return  # (a DataParallel replica shares the module's hook dicts, and is the module's forward)
-            kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
-            out = output_tensor(output)
-            if torch._C._current_graph_task_id() != -1:
-                if self._gradient_owed.get(name) and out is not None and out.requires_grad:
-                    self._gradient_owed[name] -= 1
-                    out.register_hook(lambda grad: call("gradient", grad))
-                return
-            if out is None:
-                for tensor_name in [t for t in ("activation", "gradient") if t in tensors]:
-                    self._unreadable(name, tensor_name, f"its output is {output_kind(output)}, not a tensor "
-                                     "or a tuple or list whose first item is one")
-            if "activation" in tensors and out is not None:
-                call("activation", out)
-            if "input" in tensors:
-                inputs = first_tensor_argument(args, kwargs)
-                if inputs is None:
-                    self._unreadable(name, "input", "no argument of its call is a tensor")
-                else:
-                    call("input", inputs)
-            if "weight" in tensors and (name, namespace) not in self._weights_done:
-                self._weights_done.add((name, namespace))  # once per step, not per micro-batch
-                weight = getattr(mod, "weight", None)
-                if isinstance(weight, torch.Tensor):
-                    call("weight", self._optimizer_weights(weight))
-                else:
-                    inside = " (select the layers inside it)" if next(mod.children(), None) is not None else ""
-                    self._unreadable(name, "weight", f"a {type(mod).__name__} has no 'weight' tensor{inside}")
-            if "gradient" in tensors and out is not None:
-                if out.requires_grad:
-                    out.register_hook(lambda grad: call("gradient", grad))
-                elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
-                    self._gradient_owed[name] = self._gradient_owed.get(name, 0) + 1
-                elif _logs_at("base", gradient, self.iteration):  # backward never comes: frozen, or not differentiable
-                    self._no_gradient[name] = any(p.requires_grad for p in mod.parameters())
-
-        self._hooks.append(module.register_forward_hook(forward_hook, with_kwargs=True))
-
-    def _stands_in(self, module: torch.nn.Module, model: Any, path: Optional[str]) -> bool:
-        """Whether ``module``, running a hook made for another module, stands where that one stood in the
-        model (``path``): swapped in, as ``prepare_qat`` swaps a Linear for its QAT version, hooks and all;
-        not a copy (``copy.deepcopy``: an EMA or teacher beside the model, or kept inside it as
-        ``model.ema``). Found once per module."""
-        known = self._stand_ins.get(module)
-        if known is None:
-            try:
-                known = model is not None and path is not None and model.get_submodule(path) is module
-            except AttributeError:  # the path is gone from the model
-                known = False
-            self._stand_ins[module] = known
-        return known
-
-    def _base_feature(self, name: str, feature: dict) -> Any:
-        """nvdlfw-inspect's base ``LogTensorStats`` of layer ``name`` through our hooks: its
-        schedule and statistics (any case), measured with our partials. Called, the feature
-        gathers the tensor along its first dimension inside the hook, a collective per tensor
-        and micro-batch: ranks with batches of unequal size got statistics of zero-padded
-        tensors (or gloo aborted), a layer run on some ranks only hung its peers in the hook,
-        and the last micro-batch's value replaced the others'."""
-        entries: dict = {}
-        for entry in _tensor_entries(name, feature, "LogTensorStats"):
-            entries.setdefault(entry["tensor"], dict(feature, **entry))  # as nvdlfw-inspect: a tensor's first entry
-
-        def call(tensor_name: str, tensor: torch.Tensor) -> None:
-            entry = entries.get(tensor_name)
-            if entry is not None and _logs_at("base", entry, self.iteration):
-                self.add(name, tensor_name, tensor, [str(stat).lower() for stat in entry.get("stats", ())])
-
-        return call
+            call = base_feature(self, name, feature)
+        hook = eager(forward_hook(self, module, name, tensors, namespace, feature, call, place))
+        self._hooks.append(module.register_forward_hook(hook, with_kwargs=True))  # under compile, run as it is
 
     def metric_name(self, logged: str) -> str:
         """Our name for a value logged as ``<layer>_<tensor>_<stat>``."""
@@ -361,8 +281,8 @@ class TensorInspector:
                                   self.layout is None or self.layout.says_once)
             self.partials = {}
             self.forwarded = {}
-        self._weights_done = set()
-        self._gradient_owed = {}
+        self.weights_done = set()
+        self.gradient_owed = {}
         self.iteration += 1
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
@@ -372,10 +292,10 @@ class TensorInspector:
         needed none: the layer is frozen, and so is all its input came from), once per layer.
         Evaluation forwards and those under ``torch.no_grad()`` are not the step's and say nothing;
         a layer frozen for some steps only is named at the first of them."""
-        for layer, trainable in sorted(self._no_gradient.items()):
+        for layer, trainable in sorted(self.no_gradient.items()):
             if (layer, "gradient") not in self.partials:  # another micro-batch's forward gave it
-                self._unreadable(layer, "gradient", no_gradient_reason(step, self.iteration, trainable))
-        self._no_gradient = {}
+                self.unreadable(layer, "gradient", no_gradient_reason(step, self.iteration, trainable))
+        self.no_gradient = {}
 
     def pause(self) -> None:
         """``monitor.pause()``: forwards until :meth:`resume` are an evaluation's, not the step's."""
