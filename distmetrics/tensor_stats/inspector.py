@@ -47,7 +47,7 @@ from ..parallel import (data_parallel_group, holds_first_replica, local_tensor, 
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
-from .features import stats_step, tensor_names
+from .schedule import stats_step, tensor_names
 from .layer_hooks import StandIns, base_feature, forward_hook
 from .layer_tensors import OptimizerWeights, Unreadable
 from .selection import config_for_layer, example_names, numbered

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .features import _logs_at, _tensor_entries
+from .features import _tensor_entries
+from .schedule import logs_at
 from .layer_tensors import first_tensor_argument, output_kind, output_tensor
 
 __all__ = ["StandIns", "base_feature", "forward_hook"]
@@ -52,7 +53,7 @@ def base_feature(inspector: Any, name: str, feature: dict) -> Callable[[str, tor
 
     def call(tensor_name: str, tensor: torch.Tensor) -> None:
         entry = entries.get(tensor_name)
-        if entry is not None and _logs_at("base", entry, inspector.iteration):
+        if entry is not None and logs_at("base", entry, inspector.iteration):
             inspector.add(name, tensor_name, tensor, [str(stat).lower() for stat in entry.get("stats", ())])
 
     return call
@@ -105,7 +106,7 @@ def forward_hook(inspector: Any, module: torch.nn.Module, name: str, tensors: li
                 out.register_hook(lambda grad: call("gradient", grad))
             elif not torch.is_grad_enabled():  # reentrant checkpointing: its recomputation is backpropagated
                 owed[name] = owed.get(name, 0) + 1
-            elif _logs_at("base", gradient, inspector.iteration):  # backward never comes: frozen, or not differentiable
+            elif logs_at("base", gradient, inspector.iteration):  # backward never comes: frozen, or not differentiable
                 inspector.no_gradient[name] = any(p.requires_grad for p in mod.parameters())
 
     return hook

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .features import TENSORS, _enabled_features, selected_tensors, stats_step
+from .features import TENSORS
+from .schedule import enabled_features, selected_tensors, stats_step
 from .selection import numbered
 
 __all__ = ["SilentSections", "no_gradient_reason"]
@@ -67,7 +68,7 @@ class SilentSections:
         named = f" for tensor(s) {', '.join(map(repr, names))}" if names else ""
         hint = f"; the Monitor's hooks measure {', '.join(TENSORS)} of a layer run in a training forward of " \
             "that step, and other tensor names come only from your own debug_api.log_tensor_stats calls" \
-            if _enabled_features(body, hooked_only=True) else " (is its feature called on them?)"
+            if enabled_features(body, hooked_only=True) else " (is its feature called on them?)"
         if empty:
             hint = ": the layers ran, but their tensors were empty (0 elements) on every rank, and an empty " \
                 f"tensor has no statistics ({', '.join(f'{layer} {tensor}' for layer, tensor in empty)})"
