@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .collectors.losses import CategoryLosses
-from .collectors.steps import MixedWeights, StageLoss, loss_weight, loss_weights
+from .collectors.loss_checks import MixedWeights, StageLoss, loss_weight, loss_weights
 from .interval import as_number
 from .names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from .parallel import counts_batch_tokens
@@ -92,14 +92,14 @@ class EvalLog:
     def note_train_loss(self, loss: Any, weight: Optional[float], by: Optional[int] = None) -> None:
         """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the
         rank-steps whose loss counted: a skipped step's did not), for ``eval/gap``; ``by``: which
-        of the two (:func:`~distmetrics.collectors.steps.loss_weights`)."""
+        of the two (:func:`~distmetrics.collectors.loss_checks.loss_weights`)."""
         if isinstance(loss, float) and weight:
             self._train_losses.add(loss, weight, by)
 
     def log(self, step: int, loss: Optional[Number], tokens: Optional[Number],
             scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> dict[str, Any]:
         """Reduce one evaluation (every rank) and return the ``eval`` record's metrics; ``loss`` is
-        weighted by :func:`~distmetrics.collectors.steps.loss_weight`. Arguments are checked before
+        weighted by :func:`~distmetrics.collectors.loss_checks.loss_weight`. Arguments are checked before
         anything is reduced: a refused call changes nothing."""
         check_step(step, "monitor.log_eval")
         for what, value in (("loss", loss), ("tokens", tokens), ("loss_tokens", loss_tokens), *scalars.items()):
