@@ -35,8 +35,9 @@ from .names import check_step, local_value
 from .naming import module_order, owner_names
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
-from .runinfo import coerced_config, job_module_order, open_writer_sinks, start_up
+from .runinfo import coerced_config, open_writer_sinks, start_up
 from .sinks import SinkSet, check_sinks
+from .stage_order import job_module_order
 from .step_count import StepCall, count_step, finish_step, step_under_way
 from .step_hooks import hooked_optimizer
 from .tensor_stats.lifecycle import build_model, check_inspection, collectors_for, planned_for

@@ -113,7 +113,7 @@ class ParamPlans:
 
     def use_prefix(self, prefix: str) -> None:
         """Start every parameter and module name with ``prefix`` (``stage1.``: this rank's pipeline
-        stage, where stages hold modules of one name, :func:`~distmetrics.runinfo.job_module_order`);
+        stage, where stages hold modules of one name, :func:`~distmetrics.stage_order.job_module_order`);
         plans made before are named anew."""
         self.prefix, self.plan = prefix, None
         self._custom.clear()
