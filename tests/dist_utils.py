@@ -274,7 +274,7 @@ class FakeClock:
     ``time`` function stays real, and the ``time`` module itself and everyone else's reads of it
     are untouched. On exit the modules get ``time`` back."""
 
-    MODULES = ("distmetrics.collectors.timers", "distmetrics.interval")
+    MODULES = ("distmetrics.collectors.timer", "distmetrics.interval")
 
     def __init__(self, start_s: float = 100.0) -> None:
         self.ns = round(start_s * 1e9)

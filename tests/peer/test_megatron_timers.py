@@ -48,8 +48,10 @@ def clock(impl, monkeypatch):
             readings = iter([0.0] + seconds)  # Megatron's Timer.__init__ reads time.time() once
             monkeypatch.setattr(impl.time, "time", lambda: next(readings))
         else:
+            from distmetrics.collectors import timer  # where our Timer reads its clock
+
             readings = iter(int(round(v * 1e9)) for v in seconds)
-            monkeypatch.setattr(impl.time, "perf_counter_ns", lambda: next(readings))
+            monkeypatch.setattr(timer.time, "perf_counter_ns", lambda: next(readings))
     return install
 
 
