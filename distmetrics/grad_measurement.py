@@ -1,6 +1,7 @@
 """One measurement of a rank's gradients (:mod:`distmetrics.grad_norm`), kept for the log step:
-per-module buckets, this rank's total, the global total and the clip coefficient, and what
-counts the non-finite gradients when a log step asks."""
+per-module buckets, this rank's total, the global total and the clip coefficient (as torch's and
+Megatron's clips compute it: :func:`clip_coefficient`), and what counts the non-finite gradients
+when a log step asks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from .plans import Buckets, Plan
 
-__all__ = ["GradMeasurement"]
+__all__ = ["GradMeasurement", "note_clip", "clip_coefficient"]
 
 
 @dataclass
@@ -71,3 +72,36 @@ class GradMeasurement:
         bad = torch.isfinite(self.checked).logical_not().to(torch.float64)
         zeros = torch.zeros(self.buckets.numel(), dtype=torch.float64, device=bad.device)
         return zeros.index_add(0, self.bucket_idx, bad)
+
+
+def note_clip(measured: GradMeasurement, max_norm: float, total: Optional[torch.Tensor] = None) -> None:
+    """Record a clip at ``max_norm`` in ``measured``: the coefficient torch's and Megatron's clips
+    scale by (:func:`clip_coefficient`) of ``total`` as returned (default: the float64 global
+    total), a tensor, with no host sync."""
+    measured.max_norm = max_norm
+    measured.coef = clip_coefficient(measured.total if total is None else total, measured.total, max_norm,
+                                     measured.megatron)
+
+
+def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: float,
+                     megatron: bool = False) -> torch.Tensor:
+    """torch's ``min(1, max_norm / (total + 1e-6))`` of the total it returns, in that total's dtype;
+    where that total overflowed its dtype (fp16 gradients of total above 65504) but the float64
+    ``exact`` total is finite, of the exact one, in the same dtype: torch's would be 0, every
+    gradient zeroed while the record says the total was finite. ``megatron``: Megatron's
+    (``clip_grad_by_total_norm_fp32``), of the ``exact`` total in float64, then float32, as its
+    Python-float coefficient multiplies its float32 gradients; a coefficient in the bf16 of
+    Megatron's default gradient buffers is off by up to 0.4%. Host tensors give the same."""
+    if megatron:
+        return torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(torch.float32)
+    coef = torch.clamp(max_norm / (returned + 1e-6), max=1.0)
+    # bf16 and fp32: the returned total is the float64 one rounded, and past their 3.4e38 only where
+    # that one is inf too (a sum of squares that passed float32's range inside a tensor's norm, at
+    # ~1.8e19, made it inf) or passes 3.4e38 itself (long bf16 CPU tensors summed in float64), so there
+    # is nothing finite to clip by: checked for fp16 alone, whose 65504 a real total passes (11
+    # device ops per clip less)
+    if returned.dtype != torch.float16:
+        return coef
+    exact = exact.to(coef.device)
+    overflowed = torch.isinf(returned) & torch.isfinite(exact)
+    return torch.where(overflowed, torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(coef.dtype), coef)

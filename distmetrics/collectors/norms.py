@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..grad_norm import GradientNorms, GradMeasurement, NonfiniteNormError, norm_kind, note_clip
+from ..grad_measurement import GradMeasurement, note_clip
+from ..grad_norm import GradientNorms, NonfiniteNormError, norm_kind
 from ..grad_sync import GradSync
 from ..plans import Plan
 from ..megatron_optimizer import MegatronShards, is_megatron_optimizer

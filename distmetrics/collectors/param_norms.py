@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..grad_norm import GradMeasurement, clip_coefficient
+from ..grad_measurement import GradMeasurement, clip_coefficient
 from ..parallel import local_tensor
 from ..plans import Plan, route_of
 from ..tensor_norms import LOW_PRECISION, groups_of, per_tensor_norms
