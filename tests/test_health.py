@@ -87,10 +87,11 @@ def test_skipped_steps_are_counted(tmp_path):
 
     monitor = dm.Monitor(_config(tmp_path, log_interval=4, console=False))
     m = None
-    for step in range(1, 5):
-        m = monitor.step(step, loss=1.0, skipped=step in (2, 3))
+    for step in range(1, 5):  # step 3's loss overflowed, the reason it was skipped (as Megatron counts it)
+        m = monitor.step(step, loss=math.inf if step == 3 else 1.0, skipped=step in (2, 3))
     assert m["health/skipped_steps"] == 2
     assert "health/skipped_steps/max_rank" not in m
+    assert m["train/loss"] == 1.0 and m["health/nonfinite_loss"] == 1  # left out of the loss, counted here
 
 
 def test_a_loss_that_stays_non_finite_is_one_alert_per_event(tmp_path):

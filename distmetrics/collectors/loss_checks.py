@@ -132,9 +132,9 @@ class LearningRates:
             return
         elif high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with the lowest such rank
             self._said.add("nan")
-            logger.warning("distmetrics: rank %d passed a learning rate of NaN at step %d (of the ranks that did, the "
-                           "lowest); train/lr is the writer rank's (rank %d): %s. Said once", int(high_rank), step,
-                           self.writer, metrics["train/lr"])
+            logger.warning("distmetrics: rank %d passed a learning rate of NaN in the interval up to step %d (of the "
+                           "ranks that did, the lowest); train/lr is the writer rank's (rank %d) at that step: %s. "
+                           "Said once", int(high_rank), step, self.writer, metrics["train/lr"])
         elif high > low and "differ" not in self._said:
             self._said.add("differ")
             logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "

@@ -100,6 +100,7 @@ class StepValues:
         self.learning_rates = LearningRates(LEARNING_RATES, writer, layout.says_once) \
             if layout.world_size > 1 else None
         self._lr: Optional[Number] = None  # the interval's last lr, for the LEARNING_RATES lane
+        self._lr_nan: Any = False  # a NaN lr at some step of the interval (a tensor's: on its device, unread)
         self._uncounted = False  # tokens given in the interval on this rank, which does not count them
         self._says_uncounted = layout.says_once
         self.weightless = WeightlessMeans()  # monitor.record means left out for a total weight of 0: said
@@ -155,6 +156,9 @@ class StepValues:
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
             self._lr = lr  # its lane is made at the log step: a step between them pays one assignment
+            if self.learning_rates is not None:  # a NaN at a step between log steps is said too
+                self._lr_nan = self._lr_nan | torch.isnan(lr) if isinstance(lr, torch.Tensor) else (
+                    self._lr_nan or lr != lr)
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
@@ -197,6 +201,7 @@ class StepValues:
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         weights, self._loss_weights = self._loss_weights, 0
         lr, self._lr = self._lr, None
+        nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
         lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
@@ -210,7 +215,8 @@ class StepValues:
             lr = as_number(lr)
             # every rank's lr (float32, to say ranks that differ), and their mean (float64: train/lr where the
             # writer rank gives none, as a loop passing lr beside the loss on the last pipeline stage does)
-            lanes += [Sample(LEARNING_RATES, lr, "minmax"), Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
+            lanes += [Sample(LEARNING_RATES, _nan_where(nan, lr), "minmax"),
+                      Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
         self.weightless.sent = self.stats.take_samples()
         return self.weightless.sent + lanes
 
@@ -307,3 +313,12 @@ class StepValues:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _nan_where(nan: Any, lr: Any) -> Any:
+    """The learning rate lane's value: NaN where a NaN ``lr`` came at any step of the interval (``nan``,
+    a bool or, where a tensor was given, a device tensor), else the last ``lr``."""
+    if isinstance(nan, torch.Tensor):
+        last = torch.as_tensor(lr, dtype=torch.float64, device=nan.device)
+        return torch.where(nan, torch.full_like(last, math.nan), last)
+    return math.nan if nan else lr
