@@ -77,7 +77,11 @@ def check_types(obj: Any, prefix: str, accepted: Optional[dict[str, str]] = None
     ``accepted``: what a key accepts, said where its number does not fit (by field name)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name], (accepted or {}).get(f.name))
+        value, expected = getattr(obj, f.name), hints[f.name]
+        check_value(f"{prefix}{f.name}", value, expected, (accepted or {}).get(f.name))
+        members = _members(expected)
+        if isinstance(value, int) and not isinstance(value, bool) and float in members and int not in members:
+            object.__setattr__(obj, f.name, float(value))  # an int given to a float key is a float: 10**21 is 1e21
 
 
 def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = None) -> None:
@@ -98,6 +102,8 @@ def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = N
     message = text_read_as(key, value, expected)
     if message:
         raise ConfigError(message)
+    if isinstance(value, str) and value.strip().lower().lstrip("+-") in _NONFINITE_WORDS and _matches(0.5, expected):
+        raise ConfigError(f"{key}={value}: accepted values are {accepted or 'finite numbers'}")  # an override's inf
     if choices and any(type(value) is type(c) for c in choices):
         by_lower = {str(c).lower(): str(c) for c in choices}  # MAX and LAST meant max and last as much as Max did
         close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1, cutoff=0.6)
@@ -136,6 +142,16 @@ def _choices(expected: Any) -> tuple:
     if typing.get_origin(expected) in (Union, types.UnionType):
         return tuple(c for arg in typing.get_args(expected) for c in _choices(arg))
     return ()
+
+
+def _members(expected: Any) -> tuple:
+    """The types of a Union (``Optional[float]``: float and NoneType), else ``(expected,)``."""
+    return typing.get_args(expected) if typing.get_origin(expected) in (Union, types.UnionType) else (expected,)
+
+
+_NONFINITE_WORDS = ("inf", "infinity", "nan", ".inf", ".nan")
+"""How an override writes a number a float key does not take; YAML reads them as text there (a file's
+``.inf`` and ``.nan`` are floats, refused by :func:`_representable`)."""
 
 
 def _representable(value: Any, expected: Any) -> bool:

@@ -222,6 +222,11 @@ def test_a_float_key_refuses_inf_nan_and_numbers_beyond_a_float_naming_what_it_a
     with pytest.raises(ConfigError, match=rf"^override '{key}={re.escape(text)}': {key}=-?(inf|nan): accepted values "
                                           rf"are {accepted}"):
         dm.MetricsConfig.from_dict(given, [f"{key}={text}"])
+    plain = text.replace(".", "") if "." in text else None  # as a command line writes it: text to YAML
+    if plain is not None:
+        with pytest.raises(ConfigError, match=rf"^override '{key}={plain}': {key}={plain}: accepted values "
+                                              rf"are {accepted}"):
+            dm.MetricsConfig.from_dict(given, [f"{key}={plain}"])
 
 
 @pytest.mark.parametrize("key,value,accepted", [
@@ -562,7 +567,9 @@ def test_binary_numbers_and_underscored_exponents_are_refused_and_a_date_is_text
     path.write_text(f"num_params: {10 ** 21}\n")
     for config in (dm.MetricsConfig(num_params=10 ** 21), dm.MetricsConfig.from_dict({}, [f"num_params={10 ** 21}"]),
                    dm.MetricsConfig.from_yaml(path)):
-        assert config.num_params == 1e21
+        assert type(config.num_params) is float and config.num_params == 1e21
+    assert repr(dm.MetricsConfig(spike_factor=5, total_steps=5).spike_factor) == "5.0"  # an int key keeps its int
+    assert type(dm.MetricsConfig(spike_factor=5, total_steps=5).total_steps) is int
 
 
 @pytest.mark.parametrize("key,given,meant", [("timing_log_option", "MAX", "max"), ("writer_rank", "LAST", "last"),
