@@ -93,13 +93,13 @@ def bench_tensor_stats_merge(worlds=(256, 1024), keys: int = 50, repeats: int = 
     import torch
 
     from distmetrics.per_rank import PerRank
-    from distmetrics.tensor_stats.inspector import _combine
+    from distmetrics.tensor_stats.rank_merge import combine
     from distmetrics.tensor_stats.statistics import PARTS, merge
 
     def pairwise(per_rank: dict) -> list[float]:
         out = []
         for key in range(keys):
-            parts = {p: per_rank[f"model.l{key}|activation|std|{p}"] for p in PARTS}
+            parts = {p: per_rank[f"activation|std|{p}|model.l{key}"] for p in PARTS}
             merged = None
             for rank in range(len(parts["n"])):
                 one = {p: torch.tensor(parts[p][rank], dtype=torch.float64) for p in PARTS}
@@ -110,7 +110,7 @@ def bench_tensor_stats_merge(worlds=(256, 1024), keys: int = 50, repeats: int = 
     rows = []
     for world in worlds:
         rng = random.Random(world)
-        per_rank = {f"model.l{key}|activation|std|{p}": PerRank(
+        per_rank = {f"activation|std|{p}|model.l{key}": PerRank(
             [float(rng.randint(1, 4096)) if p == "n" else rng.random() for _ in range(world)])
             for key in range(keys) for p in PARTS}
         times: dict[str, list] = {"pairwise": [], "ours": []}
@@ -119,7 +119,7 @@ def bench_tensor_stats_merge(worlds=(256, 1024), keys: int = 50, repeats: int = 
             pairwise(per_rank)
             times["pairwise"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            _combine(per_rank)
+            combine(dict(per_rank))
             times["ours"].append(time.perf_counter() - start)
         base, ours = statistics.median(times["pairwise"]), statistics.median(times["ours"])
         rows.append({"world": world, "keys": keys, "pairwise_s": base, "ours_s": ours, "faster": base / ours})

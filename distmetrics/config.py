@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 from .flops import model_flops_per_token
 from .overrides import apply_overrides, exponent_numbers, source_of
 from .redaction import redact_mapping
-from .validation import ConfigError, check_file_keys, check_types, checked_keywords, non_text_key
+from .validation import ConfigError, check_file_keys, check_types, checked_keywords, floats_of_ints, non_text_key
 from .yamlfile import ConfigLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml",
@@ -250,6 +250,7 @@ class MetricsConfig:
                  "as flops_per_token's")
         _require(self, "output_dir", bool(self.output_dir.strip()), "a non-empty path (not only spaces)")
         _refuse_blank(self, "", _UNSET_MEANS)
+        floats_of_ints(self)
 
     def _check_model_description(self) -> None:
         """A model description (used where flops_per_token is not given) is whole: the attention

@@ -13,8 +13,8 @@ import types
 import typing
 from typing import Any, Literal, Optional, Union
 
-__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "non_text_key",
-           "text_read_as", "unknown_key"]
+__all__ = ["ConfigError", "checked_keywords", "check_file_keys", "check_types", "check_value", "floats_of_ints",
+           "non_text_key", "text_read_as", "unknown_key"]
 
 _INT64_LIMIT = 2 ** 63
 _YAML_BOOLEAN = "YAML reads an unquoted off/on/no/yes as a boolean, not a word"
@@ -77,11 +77,17 @@ def check_types(obj: Any, prefix: str, accepted: Optional[dict[str, str]] = None
     ``accepted``: what a key accepts, said where its number does not fit (by field name)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, expected = getattr(obj, f.name), hints[f.name]
-        check_value(f"{prefix}{f.name}", value, expected, (accepted or {}).get(f.name))
-        members = _members(expected)
+        check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name], (accepted or {}).get(f.name))
+
+
+def floats_of_ints(obj: Any) -> None:
+    """An int given to a float field of a checked config dataclass becomes a float (``num_params=10**21``
+    is ``1e21``). Done after every check, whose messages name the value as given."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, members = getattr(obj, f.name), _members(hints[f.name])
         if isinstance(value, int) and not isinstance(value, bool) and float in members and int not in members:
-            object.__setattr__(obj, f.name, float(value))  # an int given to a float key is a float: 10**21 is 1e21
+            object.__setattr__(obj, f.name, float(value))
 
 
 def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = None) -> None:

@@ -570,6 +570,8 @@ def test_binary_numbers_and_underscored_exponents_are_refused_and_a_date_is_text
         assert type(config.num_params) is float and config.num_params == 1e21
     assert repr(dm.MetricsConfig(spike_factor=5, total_steps=5).spike_factor) == "5.0"  # an int key keeps its int
     assert type(dm.MetricsConfig(spike_factor=5, total_steps=5).total_steps) is int
+    with pytest.raises(ConfigError, match=r"^spike_factor=1: accepted values are finite numbers > 1$"):
+        dm.MetricsConfig(spike_factor=1)  # as given, not as stored
 
 
 @pytest.mark.parametrize("key,given,meant", [("timing_log_option", "MAX", "max"), ("writer_rank", "LAST", "last"),

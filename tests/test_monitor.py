@@ -271,6 +271,7 @@ def _scheduled_lr(rank: int, world: int, root: str) -> dict:
     last; then the ranks follow different schedules, then the writer rank passes no lr."""
     import logging
 
+    import numpy
     import torch
 
     import distmetrics as dm
@@ -303,6 +304,13 @@ def _scheduled_lr(rank: int, world: int, root: str) -> dict:
             for step in (1, 2, 3):
                 lr = float("nan") if (rank, step) == nan_at else 0.1
                 monitor.step(step, loss=1.0, lr=torch.tensor(lr, dtype=torch.float64) if as_tensor else lr)
+    with dm.Monitor(quiet_config(log_interval=3)) as monitor:  # a numpy lr, then a tensor, then a float
+        for step, lr in ((1, numpy.float64(0.1)), (2, torch.tensor(math.nan if rank == 2 else 0.1)), (3, 0.1)):
+            monitor.step(step, loss=1.0, lr=lr)
+    with dm.Monitor(quiet_config(log_interval=3)) as monitor:  # the writer rank passes none; a NaN elsewhere
+        for step in (1, 2, 3):
+            lr = None if rank == 0 else math.nan if (rank, step) == (1, 2) else 0.1
+            out["writer none"] = monitor.step(step, loss=1.0, lr=lr)
     logging.getLogger("distmetrics").removeHandler(handler)
     return out
 
@@ -328,14 +336,20 @@ def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer
     assert all(out["writer gave none"]["train/lr"] == 0.1 for out in scheduled_lr)
     assert all(out["nan elsewhere"]["train/lr"] == 0.1 for out in scheduled_lr)
     said = [line for line in scheduled_lr[0]["said"] if "learning rate" in line]
-    assert len(said) == 5 and all("writer rank's (rank 0)" in line for line in said), said
+    assert len(said) == 8 and all("writer rank's (rank 0)" in line for line in said[:7]), said
     assert "0.3 on rank 2 and 0.1 on rank 0" in said[0]
     assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
     assert said[2] == ("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3 (of the "
-                       "ranks that did, the lowest); train/lr is the writer rank's (rank 0) at that step: 0.1. Said once")
+                       "ranks that did, the lowest); train/lr is the writer rank's (rank 0) at that step: 0.1. "
+                       "Said once")
     # a NaN at a step between log steps, where the last lr of the interval is 0.1 on every rank
     assert said[3].startswith("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3")
     assert said[4].startswith("distmetrics: rank 2 passed a learning rate of NaN in the interval up to step 3")
+    assert said[5].startswith("distmetrics: rank 2 passed a learning rate of NaN in the interval up to step 3")
+    assert "passed no lr to monitor.step at step 3 while rank 1 did" in said[6]
+    assert said[7] == ("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3 (of the ranks "
+                       "that did, the lowest); train/lr is the mean of the ranks that passed one: 0.1. Said once")
+    assert all(out["writer none"]["train/lr"] == 0.1 for out in scheduled_lr)
     assert not any("learning rate" in line for out in scheduled_lr[1:] for line in out["said"])
 
 

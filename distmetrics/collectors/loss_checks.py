@@ -16,7 +16,7 @@ _BY_TOKENS, _BY_STEPS = 1, 2
 
 
 def loss_weights(tokens: Any) -> int:
-    """What a loss given with ``tokens`` is weighted by (a :data:`LOSS_WEIGHTS` bit)."""
+    """What a loss given with ``tokens`` is weighted by (a bit of the steps' ``LOSS_WEIGHTS`` lane)."""
     return _BY_STEPS if tokens is None else _BY_TOKENS
 
 
@@ -120,7 +120,8 @@ class LearningRates:
         mean = metrics.pop(f"{self.lane}/mean", None)
         if high is None:
             return
-        if "train/lr" not in metrics:  # the writer rank gave none: the mean of the ranks that gave one (float64)
+        missing = "train/lr" not in metrics
+        if missing:  # the writer rank gave none: the mean of the ranks that gave one (float64)
             metrics["train/lr"] = mean
             if self.says and "missing" not in self._said:
                 self._said.add("missing")
@@ -128,14 +129,16 @@ class LearningRates:
                                "passed no lr to monitor.step at step %d while rank %d did: train/lr is the mean of "
                                "the ranks that passed one, in every record where this recurs; pass lr on every rank",
                                self.writer, step, int(high_rank))
-        elif not self.says:
+        if not self.says:
             return
-        elif high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with the lowest such rank
+        if high != high and "nan" not in self._said:  # NaN on some rank wins the max lane, with the lowest such rank
             self._said.add("nan")
+            whose = "the mean of the ranks that passed one" if missing else \
+                f"the writer rank's (rank {self.writer}) at that step"
             logger.warning("distmetrics: rank %d passed a learning rate of NaN in the interval up to step %d (of the "
-                           "ranks that did, the lowest); train/lr is the writer rank's (rank %d) at that step: %s. "
-                           "Said once", int(high_rank), step, self.writer, metrics["train/lr"])
-        elif high > low and "differ" not in self._said:
+                           "ranks that did, the lowest); train/lr is %s: %s. Said once", int(high_rank), step, whose,
+                           metrics["train/lr"])
+        elif high > low and not missing and "differ" not in self._said:
             self._said.add("differ")
             logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
                            "%.7g on rank %d; train/lr is the writer rank's (rank %d). Said once: every rank's "

@@ -157,8 +157,10 @@ class StepValues:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
             self._lr = lr  # its lane is made at the log step: a step between them pays one assignment
             if self.learning_rates is not None:  # a NaN at a step between log steps is said too
-                self._lr_nan = self._lr_nan | torch.isnan(lr) if isinstance(lr, torch.Tensor) else (
-                    self._lr_nan or lr != lr)
+                if isinstance(lr, torch.Tensor):
+                    self._lr_nan = self._lr_nan | torch.isnan(lr)  # on its device, unread
+                elif lr != lr:
+                    self._lr_nan = True
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")

@@ -4,8 +4,9 @@ selected step's statistics in one collective, forwards TransformerEngine's value
 Two paths, one features file:
 
 * ``distmetrics:`` sections and nvdlfw-inspect's own base ``LogTensorStats`` (any PyTorch module,
-  CPU or GPU): module hooks (:mod:`~distmetrics.tensor_stats.layer_hooks`) measure the tensors on the steps the YAML selects (the base feature
-  is measured as ours, not called: it would gather each tensor inside the hook). Both keep
+  CPU or GPU): module hooks (:mod:`~distmetrics.tensor_stats.layer_hooks`) measure the tensors on
+  the steps the YAML selects (the base feature is measured as ours, not called: it would gather each
+  tensor inside the hook). Both keep
   on-device partials merged across micro-batches (:mod:`~distmetrics.tensor_stats.statistics`). At the end of such a step every
   rank's partials for every layer travel as **one** vector in one all-gather (the reducer's
   ``all`` pack, so pipeline stages holding different layers agree on a layout) and are merged
