@@ -325,7 +325,9 @@ class CollectiveGuard:
                 if isinstance(err, HangError) else f"{self.timeout_s:g} s ({self._label})")
         return (f"distmetrics: rank {self.rank} waited {wait} at {waiting}, guarded call #{self._seq}; "
                 f"{gone}ranks that did not arrive{' yet' if left else ''}: {who}. Every rank must make the same "
-                "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers. (Calls that "
+                "monitor calls (step, log_eval, checkpoint_saved, close) with the same step numbers; a rank that "
+                "made them and is not here died (a SIGKILL or an out-of-memory kill leaves no word) or hangs "
+                "outside the Monitor. (Calls that "
                 f"are not collectives are published at most every {self.publish_every_s:g} s, a timer's "
                 "barrier=True at once.)")
 

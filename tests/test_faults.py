@@ -187,6 +187,7 @@ def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_
     kind, message, seconds = out_of_step[1]["bad_sample"]
     assert kind == "HangError" and "waited 2 s (hang_timeout_s) at monitor.step(step=2)" in message
     assert "ranks that did not arrive: rank 0: last call" in message
+    assert "a rank that made them and is not here died (a SIGKILL or an out-of-memory kill" in message, message
     assert seconds < TIMEOUT_S + 10
 
 
