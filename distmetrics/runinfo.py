@@ -9,13 +9,11 @@ later collective for a rank that gave up."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import platform
 import socket
 import sys
-import typing
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -193,21 +191,12 @@ NOT_READ = "<not read on this rank: its problem is said>"
 
 
 def _setting(config: Any, key: str) -> Any:
-    """The value of shared ``key`` as compared: where the key's type is a float, a whole number as a float
-    (``3`` from a YAML file and ``3.0`` from an override are one ``spike_factor``)."""
+    """The value of shared ``key`` as compared (a float key holds a float: ``3`` from a YAML file and
+    ``3.0`` from an override are one ``spike_factor``, :func:`~distmetrics.validation.floats_of_ints`)."""
     *sections, name = key.split(".")
     for part in sections:
         config = getattr(config, part)
-    value = getattr(config, name)
-    if isinstance(value, int) and not isinstance(value, bool) and name in _float_fields(type(config)):
-        return float(value)
-    return value
-
-
-@functools.lru_cache(maxsize=None)
-def _float_fields(cls: type) -> frozenset:
-    """The fields of config class ``cls`` whose type is a float (or None)."""
-    return frozenset(name for name, hint in typing.get_type_hints(cls).items() if hint in (float, Optional[float]))
+    return getattr(config, name)
 
 
 def _differing_settings(hosts: list[RankInfo]) -> dict[str, str]:
