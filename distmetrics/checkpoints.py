@@ -117,28 +117,34 @@ class CheckpointLog:
             _exact_numbers(self.resumed, record)
 
     def saved(self, step: int, job_tokens: Any, flops_per_token: Optional[float], group: Any,
-              device: torch.device, is_writer: bool, after_step: Optional[int] = None) -> Optional[dict]:
+              device: torch.device, is_writer: bool, after_step: Optional[int] = None,
+              least: Any = None) -> Optional[dict]:
         """Sum this job's tokens over ranks (one all-reduce; every rank calls this) and, on the
         writer, return the ``progress`` record of a checkpoint saved at ``step``. ``job_tokens``
         None: this rank's steps counted none; where no rank's did (no ``tokens=``, or given only where
         they do not count), the job's tokens and FLOPs are not known (nan), not 0. ``after_step``: the
         last ``monitor.step`` before the save (None before the job's first), kept in the record so a
-        restart tells which step the checkpoint holds whatever its number (:meth:`_saved_after`)."""
+        restart tells which step the checkpoint holds whatever its number (:meth:`_saved_after`).
+        ``least``: the least count a tensor gave as tokens on this rank since the last log step (whose
+        check has not seen it; None: none), a negative one refused like a bad sum."""
         value = job_tokens.detach().cpu() if isinstance(job_tokens, torch.Tensor) else job_tokens
-        tokens = torch.tensor([0.0 if value is None else float(value), 0.0 if value is None else 1.0],
-                              dtype=torch.float64)  # the sum, and how many ranks counted any
+        low = least.detach().cpu() if isinstance(least, torch.Tensor) else least
+        tokens = torch.tensor([0.0 if value is None else float(value), 0.0 if value is None else 1.0,
+                               1.0 if low is not None and low < 0 else 0.0],
+                              dtype=torch.float64)  # the sum, how many ranks counted any, and gave a negative one
         if self.world_size > 1 and dist.is_initialized():
             tokens = tokens.to(device)
             with InCollective("the SUM all_reduce of the job's tokens", "monitor.checkpoint_saved", step):
                 dist.all_reduce(tokens, group=group)
-        total, counting = tokens.cpu().tolist()
+        total, counting, negative = tokens.cpu().tolist()
         if not counting:
             total = math.nan
-        elif not (total >= 0 and math.isfinite(total)):  # the same on every rank: every rank raises
+        elif not (total >= 0 and math.isfinite(total)) or negative:  # the same on every rank: every rank raises
+            why = f"since the last log step held a negative count on {negative:g} rank(s), which the others outweigh" \
+                if total >= 0 and math.isfinite(total) else "held NaN, inf or a negative count on some rank"
             raise ValueError(f"monitor.checkpoint_saved({step}): this job's tokens summed over ranks are {total!r}: a "
-                             "tensor given as monitor.step(tokens=...) held NaN, inf or a negative count on some "
-                             "rank; accepted values are finite numbers >= 0. No progress line was written (a restart "
-                             "would count on from it)")
+                             f"tensor given as monitor.step(tokens=...) {why}; accepted values are finite numbers >= 0. "
+                             "No progress line was written (a restart would count on from it)")
         if not is_writer:
             return None
         if self._short:  # said at the first checkpoint: a job that saves none counts nothing

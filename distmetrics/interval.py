@@ -144,6 +144,11 @@ class IntervalStats:
                 if reduce == "min":
                     slot.value = slot.low
 
+    def least(self, name: str) -> Optional[Number]:
+        """The least value of ``name`` (a ``min`` or ``minmax``) recorded in this interval, None where none."""
+        slot = self._slots.get(name)
+        return None if slot is None else slot.low
+
     def end_step(self) -> None:
         """The step the values recorded since the last call belong to has ended (``by_step``)."""
         if self._before_step:

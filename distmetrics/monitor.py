@@ -315,7 +315,8 @@ class Monitor:
         train = self._by_name["train"]  # None: its steps counted no token (before any step the job's are 0)
         tokens = train.job_tokens if train.counted_tokens or self._last_step is None else None
         record = self._checkpoints.saved(step, tokens, self.config.resolved_flops_per_token, self._reducer.group,
-                                         self._reducer.device, self.is_writer, after_step=self._last_step)
+                                         self._reducer.device, self.is_writer, after_step=self._last_step,
+                                         least=train.unchecked_least_tokens)
         if record is not None:
             self.sinks.log(record, step, "progress")
 

@@ -450,6 +450,55 @@ def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(t
     assert saved["checkpoint/tokens"] == 5000.0
 
 
+def _outweighed_negative_counts(rank: int, world: int) -> dict:
+    """Rank 1 gives a tensor count of -5 at one step, rank 0 and the other steps 1000: first as tokens
+    (log step 3), then as loss_tokens (log step 6), then as tokens after log step 6, saved at 7."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    def count(step, bad_step):
+        return torch.tensor(-5.0 if rank == 1 and step == bad_step else 1000.0)
+
+    out: dict = {}
+    monitor = dm.Monitor(quiet_config(log_interval=3, log_throughput=True))
+    for step in range(1, 8):
+        try:
+            monitor.step(step, loss=2.0, tokens=count(step, 2), loss_tokens=count(step, 5))
+        except ValueError as err:
+            out[step] = (str(err), sorted(monitor.last_metrics))
+    monitor.step(8, loss=2.0, tokens=count(8, 8))
+    for name, call in (("checkpoint", lambda: monitor.checkpoint_saved(8)), ("close", monitor.close)):
+        try:
+            call()
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_a_negative_tensor_count_that_the_others_outweigh_is_refused():
+    """Tensor counts are not read at the call; only their sum over ranks was checked, so a rank's
+    -5 tokens among counts of 1000 passed unseen and the throughput and train/loss were weighted by it.
+    Each rank's least count now rides the log step's MAX pack: the record is written without what the
+    count weighs, then every rank raises naming the rank; a checkpoint before the next log step raises."""
+    for out in run_ranks(_outweighed_negative_counts, 2, timeout=120):
+        assert sorted(out, key=str) == [3, 6, "checkpoint", "close"], out
+        message, names = out[3]
+        assert message.startswith("monitor.step(tokens=...): a tensor given as tokens on rank 1 in the steps up "
+                                  "to step 3 held a negative count, -5.0, which the other counts outweigh"), message
+        assert "train/loss" not in names and "train/tokens_per_sec" not in names, names
+        message, names = out[6]
+        assert message.startswith("monitor.step(loss_tokens=...): a tensor given as loss_tokens on rank 1 in the "
+                                  "steps up to step 6 held a negative count, -5.0"), message
+        assert "train/loss" not in names and "train/tokens_per_sec" in names, names
+        assert out["checkpoint"].startswith("monitor.checkpoint_saved(8): this job's tokens summed over ranks are "
+                                            "8995.0: a tensor given as monitor.step(tokens=...) since the last log "
+                                            "step held a negative count on 1 rank(s)"), out["checkpoint"]  # 1-3 out
+        assert out["close"].startswith("monitor.step(tokens=...): a tensor given as tokens on rank 1 in the steps "
+                                       "up to step 8 held a negative count"), out["close"]
+
+
 def test_a_job_that_wrote_tensor_statistics_and_crashed_before_its_first_log_step_counts_as_trained(tmp_path):
     """Job 2 resumed at 11, wrote tensor statistics at step 15 and crashed before its first log
     step: taken for a job that did not train, job 3 (from checkpoint 14) was no restart, and

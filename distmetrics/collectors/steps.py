@@ -39,6 +39,10 @@ UNTIMED_TOKENS = "_train/untimed_tokens"
 LOSS_TOKENS = "_train/loss_tokens"
 """Internal lane: the ``loss_tokens`` that weighed the interval's counted losses (sum over ranks), made only
 where some rank gives ``loss_tokens``: a tensor is not read at the call, so a bad one shows in this sum."""
+LEAST = "_train/least/"
+"""Internal lanes: ``LEAST + "tokens"`` and ``LEAST + "loss_tokens"``, the least count a tensor gave on this rank
+in the interval (min, with the rank holding it), made only where tensors are given: a negative count that the
+others outweigh does not show in the sum."""
 TOKENLESS_STEPS = "_train/tokenless_steps"
 """Internal lane: the interval's timed steps at which this rank, which counts tokens, was given ``tokens=None``
 (max, with the rank holding it; made only where there are some): their tokens are not known, and a throughput
@@ -123,6 +127,12 @@ class StepValues:
         for name in scalars:
             self.names.claim(name if "/" in name else f"train/{name}", "mean", f"monitor.step({name}=...)")
 
+    @property
+    def unchecked_least_tokens(self) -> Optional[Number]:
+        """The least count a tensor gave as ``tokens`` on this rank since the last log step (None: none),
+        which that step's check across ranks has not seen yet."""
+        return self.stats.least(LEAST + "tokens")
+
     def start(self) -> None:
         """Start the clock (the Monitor calls this at the first ``monitor.step``)."""
         self.clock.restart()
@@ -147,8 +157,12 @@ class StepValues:
             self._loss_weights |= loss_weights(weight)
             if loss_tokens is not None:
                 self.stats.record(LOSS_TOKENS, loss_tokens, "sum")
+                if isinstance(loss_tokens, torch.Tensor):  # not read here (a device sync): checked at the log
+                    self.stats.record(LEAST + "loss_tokens", loss_tokens, "min")  # step, in the MAX pack
         if tokens is not None and self.counts_tokens:
             self.stats.record(TOKENS, tokens, "sum")
+            if isinstance(tokens, torch.Tensor):
+                self.stats.record(LEAST + "tokens", tokens, "min")
             self.job_tokens = self.job_tokens + as_number(tokens)
             self.counted_tokens = True
         elif tokens is not None:
@@ -227,15 +241,12 @@ class StepValues:
         the steps the clock measured and their tokens)."""
         self.mixed.check_weightless(metrics, ctx.step)  # before a refusal below takes train/loss out
         ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
-        if ctx.tokens is not None and not (ctx.tokens >= 0 and math.isfinite(ctx.tokens)):
-            # a tensor count is not read at the call (a device sync): NaN, inf or a negative count on some
-            # rank shows here, in the sum (a negative one only where it outweighs the rest)
+        bad = _bad_count(metrics, "tokens", ctx.tokens, ctx.step)
+        if bad:  # a tensor count is not read at the call (a device sync): a bad one shows here
             self.refused = ValueError(
-                f"monitor.step(tokens=...): the tokens of the steps up to step {ctx.step}, summed over ranks, are "
-                f"{ctx.tokens!r}: a tensor given as tokens held NaN, inf or a negative count on some rank; accepted "
-                "values are finite numbers >= 0. This record was written without train/loss (weighted by them) "
-                "and the throughput; the job's token count (checkpoints, progress.txt) leaves this interval's "
-                "tokens out")
+                f"monitor.step(tokens=...): {bad}; accepted values are finite numbers >= 0. This record was "
+                "written without train/loss (weighted by them) and the throughput; the job's token count "
+                "(checkpoints, progress.txt) leaves this interval's tokens out")
             ctx.tokens = None
             metrics.pop("train/loss", None)
             self.job_tokens = self._job_tokens_logged  # every rank: each sees the same sum
@@ -274,15 +285,14 @@ class StepValues:
         """``loss_tokens`` given as tensors, checked in their sum over ranks as ``tokens`` are: NaN, inf
         or a negative sum leaves ``train/loss`` (weighted by them) out of the record, then raises."""
         total = metrics.pop(LOSS_TOKENS, None)
-        if total is None or (total >= 0 and math.isfinite(total)):
+        bad = _bad_count(metrics, "loss_tokens", total, step)
+        if not bad:
             return
         metrics.pop("train/loss", None)
         if self.refused is None:  # bad tokens too: that error is raised, and train/loss is left out for both
             self.refused = ValueError(
-                f"monitor.step(loss_tokens=...): the loss_tokens of the steps up to step {step}, summed over ranks, "
-                f"are {total!r}: a tensor given as loss_tokens held NaN, inf or a negative count on some rank; "
-                "accepted values are finite numbers >= 0. This record was written without train/loss (weighted by "
-                "them)")
+                f"monitor.step(loss_tokens=...): {bad}; accepted values are finite numbers >= 0. This record was "
+                "written without train/loss (weighted by them)")
 
     def _check_weights(self, metrics: dict[str, Any], ctx: LogContext) -> list[str]:
         """``monitor.record`` weights given as tensors, checked in their :data:`BAD_WEIGHT` lanes: a bad one
@@ -315,6 +325,21 @@ class StepValues:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _bad_count(metrics: dict[str, Any], what: str, total: Optional[float], step: int) -> Optional[str]:
+    """What was wrong with the counts given as ``what`` (tensors, not read at the call) in the steps up to
+    ``step``, None where nothing: their sum over ranks and steps (``total``) is NaN, inf or negative, or
+    the least a tensor gave on some rank (its :data:`LEAST` lane, taken out of ``metrics``) is negative."""
+    low, rank = metrics.pop(LEAST + what, None), metrics.pop(f"{LEAST}{what}/min_rank", None)
+    if total is not None and not (total >= 0 and math.isfinite(total)):
+        return (f"the {what} of the steps up to step {step}, summed over ranks, are {total!r}: a tensor given as "
+                f"{what} held NaN, inf or a negative count on some rank")
+    if low is not None and low < 0:
+        where = "" if rank is None else f" on rank {int(rank)}"
+        return (f"a tensor given as {what}{where} in the steps up to step {step} held a negative count, {low!r}, "
+                f"which the other counts outweigh in their sum over ranks and steps ({total!r})")
+    return None
 
 
 def _nan_where(nan: Any, lr: Any) -> Any:
