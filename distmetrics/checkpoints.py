@@ -143,8 +143,8 @@ class CheckpointLog:
             why = f"since the last log step held a negative count on {negative:g} rank(s), which the others outweigh" \
                 if total >= 0 and math.isfinite(total) else "held NaN, inf or a negative count on some rank"
             raise ValueError(f"monitor.checkpoint_saved({step}): this job's tokens summed over ranks are {total!r}: a "
-                             f"tensor given as monitor.step(tokens=...) {why}; accepted values are finite numbers >= 0. "
-                             "No progress line was written (a restart would count on from it)")
+                             f"tensor given as monitor.step(tokens=...) {why}; accepted values are finite numbers "
+                             ">= 0. No progress line was written (a restart would count on from it)")
         if not is_writer:
             return None
         if self._short:  # said at the first checkpoint: a job that saves none counts nothing
