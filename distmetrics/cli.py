@@ -17,11 +17,12 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .output_claim import output_dir_problem
 from .report import MissingExtra
-from .runlog import Records, metrics_files, split_jobs
+from .runlog import Records, end_note, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
 from .sinks.jsonl import NONFINITE
 
@@ -266,7 +267,8 @@ def summarise(path) -> str:
     skipped = f", {unreadable} unreadable line(s) skipped (a crash cuts the line being written)" if unreadable else ""
     lines = [f"{path}: {len(jobs)} job(s){skipped}"]
     for number, job in enumerate(jobs, start=1):
-        lines += _job_lines(number, job, jobs[number - 2] if number > 1 else None)
+        lines += _job_lines(number, job, jobs[number - 2] if number > 1 else None,
+                            jobs[number] if number < len(jobs) else None)
     return "\n".join(lines)
 
 
@@ -289,6 +291,8 @@ class _JobSummary:
         self.last_logged = None
         """The highest step of the job's train, eval and tensor_stats records."""
         self.resumes, self.alerts, self.gaps = [], [], []
+        self.end: Optional[dict] = None
+        """The job's last ``end`` record: how its Monitor ended (a killed job writes none)."""
 
     def add(self, record: dict) -> None:
         """Take one more of the job's records, in file order."""
@@ -310,12 +314,14 @@ class _JobSummary:
                        else "")
             self.resumes.append(f"  resumed at step {record.get('from_step', step)} (step "
                                 f"{record.get('last_logged_step')} was logged before{dropped})")
+        elif kind == "end":
+            self.end = record
         elif kind == "gap":
             self.gaps.append(f"  lost {record.get('lost_records')} record(s), steps {record.get('first_step')}-"
                              f"{record.get('last_step')}: {record.get('error')} (written again from step {step})")
 
 
-def _job_lines(number: int, job: _JobSummary, previous) -> list[str]:
+def _job_lines(number: int, job: _JobSummary, previous, next_job) -> list[str]:
     run = job.run
     head = f"job {number}: " + (f"started {run.get('time')}, world size {run.get('world_size')}, hosts "
                                 f"{', '.join(run.get('hosts', []))}, layout {run.get('layout')}, torch "
@@ -335,6 +341,8 @@ def _job_lines(number: int, job: _JobSummary, previous) -> list[str]:
         lines.append(f"  last eval step {job.last_eval[0]}: loss={_fmt(job.last_eval[1])}")
     lines += job.alerts
     lines += job.gaps
+    if job.started:
+        lines.append("  " + end_note(job.end, last=next_job is None))
     return lines
 
 

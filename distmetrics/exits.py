@@ -32,9 +32,22 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
         return
     say_unwritten(monitor, "the process ends with a Monitor open, never closed")
     error = getattr(sys, "last_value", None)  # set where the interpreter printed an uncaught error
+    write_end(monitor, "its process ended with the Monitor open" +
+              (f", on an uncaught {type(error).__name__}" if error is not None else ", never closed"))
     if error is not None:  # only then: a close() in an exit hook of the user's may still come, and would
         # meet its own mark (every rank's, where each made one)
         monitor._guard.leave(f"its process ended on an uncaught {type(error).__name__} with the Monitor open")
+
+
+def write_end(monitor: "Monitor", how: str) -> None:
+    """The job's ``end`` record, on the writer rank: ``how`` its Monitor ended, at the last
+    ``monitor.step`` (0 before any) and with how many steps since the last log step unwritten. A
+    job killed (SIGKILL, an out-of-memory kill, a node lost) writes none, which is how ``distmetrics
+    summary`` and ``report`` tell it from one that ended."""
+    if monitor.is_writer:
+        step = monitor._last_step
+        monitor.sinks.log_inline({"how": how, "unwritten_steps": monitor._steps_in_interval},
+                                 0 if step is None else step, "end")
 
 
 def say_unwritten(monitor: "Monitor", when: str,

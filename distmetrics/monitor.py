@@ -25,7 +25,7 @@ from .collectors.base import ForeignNames, check_collectors
 from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_pending, say_unwritten
+from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_pending, say_unwritten, write_end
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
@@ -342,8 +342,8 @@ class Monitor:
             if writes_record:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
-        except BaseException:
-            self._shutdown(quiet=True)  # the error that stopped the record is the one raised
+        except BaseException as err:
+            self._shutdown(f"closed its Monitor, which raised {type(err).__name__}", quiet=True)  # that error is raised
             raise
         self._shutdown()
 
@@ -411,6 +411,7 @@ class Monitor:
         if getattr(self, "_at_exit", None) is not None:
             forget_exit_hook(self._at_exit)
         self._closed = True
+        write_end(self, how)
         close_parts(self.collectors, self.sinks, quiet)
 
     def _check_open(self, collective: bool = False) -> None:

@@ -16,8 +16,9 @@ from .sinks import DASHBOARD_KINDS
 from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE, NONFINITE, decode_line
 
-__all__ = ["METRICS_FILE", "LINE_LIMIT", "TRAINING_KINDS", "Job", "Records", "NotAMetricsFile", "EmptyMetricsFile",
-           "decode_record", "metrics_files", "read_jobs", "split_jobs", "last_logged_step", "last_record"]
+__all__ = ["METRICS_FILE", "LINE_LIMIT", "TRAINING_KINDS", "end_note", "Job", "Records", "NotAMetricsFile",
+           "EmptyMetricsFile", "decode_record", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
+           "last_record"]
 
 LINE_LIMIT = 64 * 2**20
 """The longest line read as a record whatever it holds, in bytes (64 MiB; a record of 100,000 names
@@ -225,6 +226,17 @@ step: a job that crashed after one and before its first log step trained all the
 _READ_PAST_LAST_TRAIN = 10_000
 """Records read back past a job's last train record for the one before it (an interval's
 evaluations and statistics are far fewer)."""
+
+
+def end_note(end: Optional[dict[str, Any]], last: bool) -> str:
+    """How a job ended, from its ``end`` record (None: it has none; ``last``: the file's last job)."""
+    if end is None:
+        return ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)"
+                + (" or is still running" if last else ""))
+    unwritten = end.get("unwritten_steps")
+    lost = f", the {unwritten} step(s) since its last log step not written" if isinstance(unwritten, int) and \
+        unwritten > 0 else ""
+    return f"ended at step {end['step']}: {end.get('how')}{lost}"
 
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:

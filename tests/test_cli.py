@@ -383,3 +383,55 @@ def test_summary_holds_a_few_records_at_a_time_however_long_the_file(tmp_path, m
     assert "2000 train, 20 eval, 1 alert record(s)" in text and "first step 1:" in text, text
     assert "last step 2000: loss=0.005" in text and "alert step 2000: loss spike" in text, text
     assert most[0] <= 4, f"{most[0]} records alive at once"
+
+
+_JOB = """
+import os, signal, sys
+import distmetrics as dm
+out, how, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+config = dm.MetricsConfig(output_dir=out, log_interval=2, console=False, tensorboard=False, timing_log_level=-1)
+if how == "closed":
+    with dm.Monitor(config) as monitor:
+        for step in range(first, first + 3):
+            monitor.step(step, loss=1.0)
+    sys.exit(0)
+monitor = dm.Monitor(config)
+for step in range(first, first + 3):
+    monitor.step(step, loss=1.0)
+if how == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "raised":
+    raise RuntimeError("a failing step")
+"""
+
+
+def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
+    """Real processes on one output_dir: a job whose Monitor was closed, one that ended without closing
+    it (its exit hook), one ending on an uncaught error, one SIGKILLed, then one closed. A killed job
+    wrote nothing to tell it by: summary and report could not tell it from a job that finished. Each
+    Monitor that ends now writes an ``end`` record; the killed job has none."""
+    first = 1
+    for how in ("closed", "open", "raised", "killed", "closed"):
+        job = subprocess.run([sys.executable, "-c", _JOB, str(tmp_path), how, str(first)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
+        assert job.returncode == {"closed": 0, "open": 0, "raised": 1, "killed": -9}[how], job.stderr
+        first += 4  # 3 steps from an odd one: the last, not a log step, is unwritten where the Monitor is not closed
+    summary = _run("summary", tmp_path)
+    assert summary.returncode == 0, summary.stderr
+    ends = [line.strip() for line in summary.stdout.splitlines() if line.startswith("  ended") or "no end" in line]
+    assert ends == ["ended at step 3: closed its Monitor",
+                    "ended at step 7: its process ended with the Monitor open, never closed, the 1 step(s) since "
+                    "its last log step not written",
+                    "ended at step 11: its process ended with the Monitor open, on an uncaught RuntimeError, the 1 "
+                    "step(s) since its last log step not written",
+                    "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)",
+                    "ended at step 19: closed its Monitor"], summary.stdout
+    report = _run("report", tmp_path, "--out", tmp_path / "report.html")
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert all(f"<td>{end}</td>" in page for end in ends), page[page.find("<th>end"):][:3000]
+    # the last job has no end record while it runs
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(lines[:-1]))
+    assert _run("summary", tmp_path).stdout.rstrip().endswith(
+        "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")

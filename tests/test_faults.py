@@ -2194,7 +2194,8 @@ def test_a_child_forked_by_the_user_ends_without_touching_its_parents_monitor(tm
         assert proc.returncode == 0 and out.split() == ["CLOSED"], out + err
         assert "HangError" not in err and "never closed" not in err, err
     records = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
-    assert records == [("run", 0), ("train", 2), ("train", 4), ("train", 6)], records  # none twice, none more
+    assert records == [("run", 0), ("train", 2), ("train", 4), ("train", 6), ("end", 6)], records  # none twice,
+    # none more: the child wrote no end record of its own
     assert (tmp_path / "progress.txt").read_text().count("\n") == 1  # "Starting job" alone, as without a fork
 
 
@@ -2691,9 +2692,9 @@ def test_what_is_recorded_after_the_last_step_is_left_out_of_the_close_record_an
     was logged. Truth: the steps' own values, reduced by hand."""
     out = run_ranks(_recorded_after_the_last_step, 2, str(tmp_path), timeout=120)
     unlogged, logged = out[0]["unlogged"]["records"], out[0]["logged"]["records"]
-    assert [(r["kind"], r["step"]) for r in unlogged] == [("train", 2), ("train", 3)], unlogged
-    assert [(r["kind"], r["step"]) for r in logged] == [("train", 2)], logged
-    last = unlogged[-1]
+    assert [(r["kind"], r["step"]) for r in unlogged] == [("train", 2), ("train", 3), ("end", 3)], unlogged
+    assert [(r["kind"], r["step"]) for r in logged] == [("train", 2), ("end", 2)], logged
+    last = unlogged[-2]
     assert last["probe"] == (3 + 0 + 3 + 1) / 2 and last["train/loss/a"] == (1.0 + 2.0) / 2, last
     assert not any(name.startswith(("late", "train/loss/late")) for name in last), last
     for rank, result in enumerate(out):

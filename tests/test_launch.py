@@ -131,8 +131,8 @@ def test_two_simulated_nodes_write_one_set_of_files(tmp_path):
         output, _ = p.communicate(timeout=240)
         assert p.returncode == 0, output[-5000:]
     records = list(dm.read_jsonl(out / "metrics.jsonl"))
-    assert [r["kind"] for r in records] == ["run", "train", "train", "progress"]
-    assert records[-1]["checkpoint/tokens"] == 4 * 4 * 4 * 32  # steps × ranks × micro-batch × seq
+    assert [r["kind"] for r in records] == ["run", "train", "train", "progress", "end"]
+    assert records[-2]["checkpoint/tokens"] == 4 * 4 * 4 * 32  # steps × ranks × micro-batch × seq
     assert records[0]["world_size"] == 4
     assert sorted(r["local_rank"] for r in records[0]["ranks"]) == [0, 0, 1, 1]
     lines = (out / "progress.txt").read_text().splitlines()
@@ -452,7 +452,7 @@ def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
     fresh = tmp_path / "demo" / folders[1]
     assert f"demo run folder: {fresh}" in run.stdout
     records = list(dm.read_jsonl(fresh / "metrics.jsonl"))
-    assert [r["kind"] for r in records] == ["run", "train", "train"]
+    assert [r["kind"] for r in records] == ["run", "train", "train", "end"]
     assert (earlier / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'
 
 

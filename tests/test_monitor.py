@@ -389,7 +389,7 @@ def test_jsonl_parses_line_by_line_and_keeps_nan(run):
 
     lines = (root / "first" / "rank0" / "metrics.jsonl").read_text().splitlines()
     raw = [json.loads(line) for line in lines]  # strict JSON: every line parses on its own
-    assert [r["kind"] for r in raw] == ["run", "train", "train", "alert", "eval"]
+    assert [r["kind"] for r in raw] == ["run", "train", "train", "alert", "eval", "end"]
     assert raw[3]["alert"] == "nonfinite_loss" and raw[3]["step"] == 8  # the NaN loss of step 6
     assert raw[0]["world_size"] == WORLD and raw[0]["config"]["log_interval"] == INTERVAL
     records = list(dm.read_jsonl(root / "first" / "rank0" / "metrics.jsonl"))
@@ -631,7 +631,7 @@ def test_a_metric_named_as_a_record_key_is_refused(tmp_path, name):
         with pytest.raises(ValueError, match=rf"metric name '{name}' is refused: every record's own keys"):
             monitor.record(name, 3.0)
         monitor.step(1, loss=1.0)
-    last = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
+    last = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-2]  # the end record last
     assert last["kind"] == "train" and last["step"] == 1
 
 
@@ -1765,8 +1765,8 @@ def test_record_losses_weights_must_be_counts(tmp_path):
         assert "record_losses(weights=...): the weights given as tensors in the steps up to step 2 held 1 that " \
                "are NaN, inf or negative" in raised[2], raised
         assert "for monitor.log_eval(step=4) held 1" in raised["eval"] and "eval/loss/<category>" in raised["eval"]
-    first, second, evaluation = out[0]["records"]
-    assert (first["step"], second["step"], evaluation["kind"]) == (2, 4, "eval")
+    first, second, evaluation, end = out[0]["records"]
+    assert (first["step"], second["step"], evaluation["kind"], end["kind"]) == (2, 4, "eval", "end")
     assert "train/loss/c" not in first and first["train/loss"] == 1.0, first
     weights = [w for rank in range(2) for w in (1.0, 2.0 + rank)] * 2  # steps 3 and 4
     assert second["train/loss/c"] == pytest.approx(sum(w * loss for w, loss in zip(weights, [1.0, 2.0] * 4))

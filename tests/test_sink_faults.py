@@ -563,7 +563,7 @@ def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, caplog,
     (warning,) = [r.getMessage() for r in caplog.records if "cannot be locked" in r.getMessage()]
     assert "ENOLCK" in warning and str(tmp_path) in warning
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["run", "train"] and records[1]["train/loss"] == 1.5
+    assert [r["kind"] for r in records] == ["run", "train", "end"] and records[1]["train/loss"] == 1.5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "progress.txt"]
 
 
@@ -973,7 +973,7 @@ def test_records_lost_until_close_are_counted_and_marked_once_there_is_room(tmp_
     text = (tmp_path / "run" / "metrics.jsonl").read_text()
     if recover:
         records = [json.loads(line) for line in text.splitlines()]
-        assert [r["kind"] for r in records] == ["run", "gap"]
+        assert [r["kind"] for r in records] == ["run", "gap", "end"]  # the end record last, after the gap
         assert (records[1]["first_step"], records[1]["last_step"], records[1]["lost_records"]) == (1, 4, 4)
         said = [w for w in warnings if "records (steps" in w]  # not "writes ... again from step": it is closing
         assert len(said) == 1 and "the jsonl sink closes " in said[0] and said[0].endswith(

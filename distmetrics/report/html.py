@@ -10,6 +10,7 @@ from typing import Union
 
 import numpy as np
 
+from ..runlog import end_note
 from ..sinks import DASHBOARD_KINDS
 from .alerts import alert_section, events_of
 from .figures import EVENT_COLOURS, HEALTHY_BANDS, Figures, escape, fmt, job_number
@@ -113,8 +114,9 @@ def _jobs_table(data: RunData) -> str:
         elif job["index"] > 0:
             note = "restart"
         cells = (job_number(job["index"]), job["time"], job["first_train_step"], job["last_train_step"], job["records"],
-                 job["world_size"], job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"], note)
+                 job["world_size"], job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"],
+                 end_note(job.get("end"), last=job is data.jobs[-1]), note)
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"
             "<th>world size</th><th>hosts</th><th>job id</th><th>layout</th><th>torch</th><th>distmetrics</th>"
-            "<th>note</th></tr>" + "".join(rows) + "</table>")
+            "<th>end</th><th>note</th></tr>" + "".join(rows) + "</table>")

@@ -113,6 +113,10 @@ class RunData:
 
     def _take(self, record: dict) -> None:
         kind, step = record["kind"], record["step"]
+        if kind == "end":  # how the job ended: in the jobs table, not on the step axis
+            if self._job >= 0:
+                self.jobs[self._job]["end"] = record
+            return
         if kind == "gpu_model":  # once per job at start: not on the step axis
             for gpu in record.get("ranks", [record]):
                 name = str(gpu.get("name", "?")) if isinstance(gpu, dict) else "?"

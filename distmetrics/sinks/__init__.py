@@ -162,6 +162,12 @@ class SinkSet:
         if self.queued:
             self.writer.put(dict(metrics), step, kind, keep)  # a copy: the caller may change its dict
 
+    def log_inline(self, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """Write one record to the training-thread sinks alone (the ``end`` record: for the files read
+        back; the dashboards and the console have no use for it)."""
+        if self.inline:
+            self._deliver(self.inline, metrics, step, kind)
+
     def placed(self, step: int, kind: str) -> tuple[list[str], list[str]]:
         """The names of the sinks that have the record of ``step`` and ``kind`` (a training-thread sink
         took it; the writer thread has it, queued or taken), and of those that take such records and do

@@ -67,12 +67,19 @@ class JsonlSink:
         self.path = Path(path)
         self._file = AppendFile(self.path, self.name, lines=True, on_loss='a "gap" record', reclaim=reclaim)
         self._finite = FiniteCheck()
+        self._end: Optional[tuple[tuple, int]] = None  # the end record, held while records are lost
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Append one record (``all`` metrics as ``<name>/rank<r>``)."""
         if time.monotonic() >= self._file.check_at:  # a removed file's records are counted before the gap is made
             self._file.check(step)
         pieces = _pieces(kind, step, metrics, self._finite)
+        if kind == "end":  # how the job ended, counted as no lost record where it fails; written at close,
+            if self._file.lost is None:  # after the gap record, where records were lost
+                self._file.append(pieces, step, counts=False)
+            else:
+                self._end = (pieces, step)
+            return
         if kind in ("run", "resume"):  # a job's header (readers split the file into jobs at it, and say where it
             # resumed from the resume record): held until written, ahead of the next record
             self._file.append_header(pieces, step)
@@ -92,6 +99,8 @@ class JsonlSink:
         if lost is not None:  # the gap record where records were lost; else the records held, if any
             self._file.append(self._gap(lost.last_step) if lost.records else (), lost.last_step, counts=False,
                               closing=True)
+        if self._end is not None and self._file.lost is None:  # no lost record of its own where it fails
+            self._file.append(*self._end, counts=False, closing=True)
         self._file.close()
 
     def _gap(self, step: int) -> bytes:
