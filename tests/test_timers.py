@@ -472,7 +472,8 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
     time: the close record's train/step_time_ms, tokens/s, timers/step and the straggler clock's
     milliseconds per step cover steps 11-12 only (100 ms each), not the 60 s after them, whether
     or not the save was paused (and resumed) as the README says, nor an evaluation paused
-    between them. CUDA
+    between them, nor where a report read the step timer during the save (it counted the 30 s before
+    the read, 3 s per step). CUDA
     events stand in (no GPU here): the lapped step timer records no event at its last lap, so
     on CUDA the close record leaves timers/step out rather than count the 60 s."""
     import torch
@@ -487,7 +488,8 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
             return samples
 
     monkeypatch.setattr(torch.cuda, "Event", _clock_events(clock))
-    for cuda, after in ((False, "save"), (True, "save"), (False, "paused save"), (False, "paused, not resumed")):
+    for cuda, after in ((False, "save"), (True, "save"), (False, "paused save"), (False, "paused, not resumed"),
+                        (False, "report"), (True, "report"), (False, "read")):
         stragglers = Recorded(window=2)
         with dm.Monitor(quiet_config(log_interval=5, timing_log_level=0, log_throughput=True),
                         collectors=[stragglers]) as monitor:
@@ -500,12 +502,17 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
                     monitor.resume()
                 clock.advance(100.0)
             assert metrics is None and stragglers.step_ms == pytest.approx(100.0)  # log step 10
-            if after != "save":
+            if after.startswith("paused"):
                 monitor.pause()
-            clock.advance(60_000.0 - 100.0)  # the final save: close() comes 60 s after step 12
+            if after in ("report", "read"):  # a report of every timer (the step timer too) during the save
+                clock.advance(30_000.0)  # split the running span there: that share was counted as step time
+                monitor.timers.log() if after == "report" else monitor.timers("step").elapsed(reset=False)
+            clock.advance(60_000.0 - 100.0 - (30_000.0 if after in ("report", "read") else 0.0))  # the final save:
+            # close() comes 60 s after step 12
             if after == "paused save":
                 monitor.resume()
         last = monitor.last_metrics
+        print("DBG", cuda, after, last.get("timers/step"), last["train/step_time_ms"])
         assert last["train/step_time_ms"] == pytest.approx(100.0), (cuda, after)
         assert last["train/tokens_per_sec"] == pytest.approx(10_000.0), (cuda, after)
         assert stragglers.step_ms == pytest.approx(100.0), (cuda, after)
