@@ -607,3 +607,31 @@ def test_a_clip_of_other_parameters_is_not_promoted_with_the_first_clips_dtypes_
     counts for the parameters and dtypes it was made for."""
     for result in run_ranks(_a_head_then_a_body_where_no_lane_is_read, 2, timeout=120):
         assert result == (torch.float32, torch.bfloat16, torch.bfloat16, True), result
+
+
+def test_a_log_step_that_did_not_clip_has_no_effective_lr_ratio_over_an_earlier_steps_gradient():
+    """SGD (lr 0.1): each step's update is 0.1 x its gradient. Steps 1-3 clip (at 100: no change),
+    step 4, a log step, does not: its record's grad_norm is step 3's, the last measured (as the README
+    says), and effective_lr_ratio divided step 4's update by it, 0.0686 for 0.1. A ratio of one step
+    needs its update and its gradient: the record now has none; step 2's is 0.1. Truth: float64."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records, norms = {}, {}
+    with dm.Monitor(quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=optimizer) as monitor:
+        for step in (1, 2, 3, 4):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+            if step != 4:
+                monitor.clip_grad_norm_(100.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            records[step] = monitor.step(step, loss=1.0)
+    assert records[2]["effective_lr_ratio"] == pytest.approx(0.1, rel=1e-6), records[2]
+    assert records[4]["grad_norm"] == pytest.approx(norms[3], rel=1e-6)  # the last measured: step 3's
+    assert records[4]["update_norm"] == pytest.approx(0.1 * norms[4], rel=1e-6)
+    assert "effective_lr_ratio" not in records[4], records[4]

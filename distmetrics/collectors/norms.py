@@ -96,6 +96,8 @@ class NormCollector(ParamSide):
         self._snapshot_plan: Optional[Plan] = None  # the parameters they are of
         self._diffed = False  # the snapshot's fp32 pieces hold the step's difference so far (:meth:`diff`)
         self._last_grad: Optional[GradMeasurement] = None
+        self._step_before: Any = None  # the monitor.step number before the last one: a measurement of that step's
+        self._last_grad_own = False  # whether the last log step's measurement was made in its own step
         self._optimizer_clip = 0.0  # the clip_grad of an attached Megatron optimizer (0: it does not clip)
         self._loss_scale: Optional[Callable[[], torch.Tensor]] = None  # an attached fp16 optimizer's
         self._families = Families()
@@ -175,10 +177,13 @@ class NormCollector(ParamSide):
         """The optimizer step is over: the step's update so far."""
         self.diff()
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, previous: Any = None) -> None:
         """``monitor.step(step)``: the step's optimizer steps are over. Its update stays for the log
         step, and only for ``step`` (one measured for a predicted step that this is not is never
-        another's); the snapshot is let go, and a step that raised under way is forgotten."""
+        another's); the snapshot is let go, and a step that raised under way is forgotten.
+        ``previous``: the ``monitor.step`` number before it (None: none), after which a measurement
+        made in this step was made."""
+        self._step_before = previous
         self._stepped, self._repeated = self._steps.end_step()
         self._snapshot = self._snapshot_plan = None
         if self._update is not None and self._update_step != step:
@@ -288,6 +293,9 @@ class NormCollector(ParamSide):
             self.sync.say_open_window(ctx.step)
         grad, plan, self._grad = self._grad, self._grad_plan, None
         self._last_grad = grad
+        # an earlier step's (a log step that did not clip): its grad_norm is the last measured, as documented,
+        # but the step's update over it is no ratio of one step
+        self._last_grad_own = grad is not None and self._grad_after == self._step_before
         if grad is not None and self.log_grad_norm:
             out.append(Sample("grad_norm", grad.local_value, grad.kind))
             out.append(Sample("grad_nonfinite", grad.nonfinite, "sum"))

@@ -163,7 +163,7 @@ class ParamSide:
                 metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
             clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
             # none where the update holds several steps of one optimizer (n_critic) but the gradient is the last's
-            whole = not self._repeated and (suffix or grad is None or not grad.partial)
+            whole = not self._repeated and (suffix or grad is None or not grad.partial) and self._last_grad_own
             # none where the clip zeroed the gradient (max_norm 0) or the norm is not finite (inf x a coefficient
             # of 0 is NaN; an inf norm, by a sum of squares past float32 too, leaves no ratio to tell)
             if clipped and math.isfinite(clipped) and same_norm and whole:
