@@ -64,12 +64,18 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
     if p < 0:  # and how many hold NaN: torch's total of p < 0 is NaN on a rank whose gradients hold one, not
         # where they hold inf alone (|inf|^p is 0, and a min passes it by); a lane of its own beside the count
         bad = torch.cat([bad, torch.isnan(check).sum().to(torch.float64).reshape(1)])
+    held = (norms.numel() > 0 if every else owned.any()) if p < 0 else None
+    if held is not None:  # with no gradient on any rank torch's total is 0: the root of an empty sum of
+        held = torch.as_tensor(held, dtype=torch.float64, device=device).reshape(1)  # n^p (p < 0) is inf
     if kind == "sum":
         contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        reduced = all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
-        total, extra = reduced[0].pow(1.0 / p), reduced[1 + bad.numel():]
+        lanes = [local.reshape(1), bad, *(() if held is None else (held,)), *tail]
+        reduced = all_reduce(torch.cat(lanes), kind, group)
+        total, extra = reduced[0].pow(1.0 / p), reduced[1 + bad.numel() + (held is not None):]
         bad, nan = reduced[1], reduced[2] if p < 0 else None
+        if held is not None:
+            total = torch.where(reduced[3] > 0, total, torch.zeros_like(total))
     elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
         counted = (norms > 0).to(torch.float64)
         contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
@@ -93,15 +99,14 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
             reduced = all_reduce(torch.cat([local.reshape(1), bad, *tail]), kind, group)
             total, bad, extra = reduced[0], reduced[1], reduced[2:]
         else:  # a second lane, −(owns a gradient): no rank owning one gives 0, as torch returns
-            held = owned.any().to(torch.float64)
-            reduced = all_reduce(torch.cat([local.reshape(1), -held.reshape(1), -bad, *tail]), kind, group)
+            reduced = all_reduce(torch.cat([local.reshape(1), -held, -bad, *tail]), kind, group)
             total, none_held, least, extra = reduced[0], reduced[1], reduced[2:4], reduced[4:]
             total, bad, nan = torch.where(none_held < 0, total, torch.zeros_like(total)), -least[0], -least[1]
     measured = GradMeasurement(p, kind, buckets, local, check, bucket_idx, 0.0, None, None)
     measured.on_host = device.type == "cpu"
     measured.total = total
     measured.local_nonfinite, measured.bad_anywhere, measured.nan_anywhere = local_bad, bad, nan
-    measured.replicas = extra
+    measured.replicas, measured.held = extra, held
     return measured
 
 

@@ -635,3 +635,33 @@ def test_a_log_step_that_did_not_clip_has_no_effective_lr_ratio_over_an_earlier_
     assert records[4]["grad_norm"] == pytest.approx(norms[3], rel=1e-6)  # the last measured: step 3's
     assert records[4]["update_norm"] == pytest.approx(0.1 * norms[4], rel=1e-6)
     assert "effective_lr_ratio" not in records[4], records[4]
+
+
+def _negative_norms_of_no_gradient(rank: int, world: int) -> dict:
+    """No parameter holds a gradient (no backward); torch's clip, ours and the Monitor's, p < 0."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    out = {}
+    for p in (-1.0, -0.5, -math.inf):
+        model = torch.nn.Linear(3, 3)
+        torch_total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=p))
+        ours = float(dm.clip_grad_norm_(model.parameters(), 1.0, norm_type=p))
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            returned = float(monitor.clip_grad_norm_(1.0, norm_type=p))
+            record = monitor.step(1, loss=1.0)["grad_norm"]
+        out[p] = (torch_total, ours, returned, record)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_negative_norm_type_of_no_gradient_is_torchs_zero(world):
+    """With no gradient anywhere torch's total is 0 for every norm type; ours was inf for p = -1 and
+    -0.5 (the root of an empty sum of n^p), and the record's grad_norm inf for -inf too (the min's
+    identity). A lane of the norms' all-reduce now says whether any rank owns a gradient."""
+    results = run_ranks(_negative_norms_of_no_gradient, world) if world > 1 else [_negative_norms_of_no_gradient(0, 1)]
+    for out in results:
+        for p, values in out.items():
+            assert values == (0.0, 0.0, 0.0, 0.0), (p, values)

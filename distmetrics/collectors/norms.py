@@ -43,6 +43,8 @@ known yet, so the update is measured and tagged with the number when it comes (:
 
 _FAMILIES = ("grad_norm", "param_norm", "update_norm")
 _PREFIXES = ("grad_norm/", "param_norm/", "update_norm/")
+_HELD = "_grad_norm_held"
+"""Internal lane (p < 0): how many ranks own a gradient; none makes the total 0, as torch's is."""
 
 
 class NormCollector(ParamSide):
@@ -298,6 +300,8 @@ class NormCollector(ParamSide):
         self._last_grad_own = grad is not None and self._grad_after == self._step_before
         if grad is not None and self.log_grad_norm:
             out.append(Sample("grad_norm", grad.local_value, grad.kind))
+            if grad.held is not None:  # p < 0: whether any rank owns a gradient (none: the total is 0, as torch's)
+                out.append(Sample(_HELD, grad.held, "sum"))
             out.append(Sample("grad_nonfinite", grad.nonfinite, "sum"))
             out.append(Sample("grad_missing_params", grad.missing, "max"))
             if self.per_module:
@@ -369,6 +373,8 @@ class NormCollector(ParamSide):
                 metrics.update(zip(leaves.out_keys, roots(values, family_p) if root else values))
             if root and family in metrics:
                 metrics[family] = roots([metrics[family]], family_p)[0]
+        if metrics.pop(_HELD, None) == 0 and "grad_norm" in metrics:  # p < 0, no gradient on any rank: an empty
+            metrics["grad_norm"] = 0.0  # sum's root (inf), or the min's identity (inf), is no norm: torch's 0
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
