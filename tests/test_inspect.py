@@ -573,6 +573,34 @@ def test_values_logged_through_nvdlfw_metric_logger_reach_the_sinks(tmp_path):
     assert not any(k.endswith("max_rank") for r in records for k in r if k.startswith("tensor_stats/"))
 
 
+def test_a_value_logged_on_an_unselected_step_rides_the_next_log_step_not_the_next_selected_step(tmp_path):
+    """With the log step past the next selected step, a value logged at an unselected step was taken
+    into that selected step's tensor_stats record, under its step (step 2's value written as step 3's).
+    It now waits for the next log step's train record, as the README says."""
+    import torch
+    from nvdlfw_inspect.logging import MetricLogger
+
+    import distmetrics as dm
+
+    features = {"base_stats": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                               "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"],
+                                                  "freq": 2}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=4, console=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2, 3, 4):  # steps 1 and 3 (iterations 0 and 2) are the YAML's
+            model(torch.ones(2, 6))
+            if step in (2, 4):
+                MetricLogger.log_scalar(f"model.fc2_weight_custom{step}", torch.tensor(float(step)), step - 1)
+            monitor.step(step)
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    stats = {r["step"]: r for r in records if r["kind"] == "tensor_stats"}
+    assert sorted(stats) == [1, 3] and not any("custom" in k for r in stats.values() for k in r), stats
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert train[4]["tensor_stats/fc2/weight/custom2"] == 2.0 and train[4]["tensor_stats/fc2/weight/custom4"] == 4.0
+
+
 def test_transformer_engine_metric_names_map_to_ours():
     from distmetrics.tensor_stats.te_names import metric_name as _metric_name
 

@@ -90,6 +90,7 @@ class TensorInspector:
         self.debug_api = debug_api
         self.spec = spec
         self.forwarded: dict[str, Any] = {}
+        self.unselected: dict[str, Any] = {}  # forwarded at steps the YAML does not select: the next log step's
         self.partials: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self.requested: dict[tuple[str, str], list] = {}
         self.reducer = Reducer(group)
@@ -282,6 +283,9 @@ class TensorInspector:
                                   self.layout is None or self.layout.says_once)
             self.partials = {}
             self.forwarded = {}
+        elif self.forwarded:  # logged at a step no feature selects: the next log step's train record has them,
+            self.unselected.update(self.forwarded)  # not the next selected step's tensor_stats record
+            self.forwarded = {}
         self.weights_done = set()
         self.gradient_owed = {}
         self.iteration += 1
@@ -309,10 +313,10 @@ class TensorInspector:
     # --- the collector contract -----------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """Values logged outside the YAML's stats steps (e.g. a user's own
-        ``debug_api.log_tensor_stats`` call), for the log step's MAX pack."""
-        out = [Sample(name, value, "max") for name, value in self.forwarded.items()]
+        ``debug_api.log_tensor_stats`` call), for the log step's MAX pack: the last of each name."""
+        values, self.unselected = {**self.unselected, **self.forwarded}, {}  # forwarded: logged after the last step
         self.forwarded = {}
-        return out
+        return [Sample(name, value, "max") for name, value in values.items()]
 
     def finalize(self, metrics: dict, ctx: LogContext) -> list[Alert]:
         """Forwarded values travel as 'max' from the one rank that logged them: drop the rank."""
