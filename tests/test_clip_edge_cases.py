@@ -665,3 +665,46 @@ def test_a_negative_norm_type_of_no_gradient_is_torchs_zero(world):
     for out in results:
         for p, values in out.items():
             assert values == (0.0, 0.0, 0.0, 0.0), (p, values)
+
+
+def _one_corrupt_copy(rank: int, world: int) -> dict:
+    """DDP on 2 ranks; after backward, one element of one rank's copy of a gradient is set NaN or inf;
+    the Monitor's clip (max_norm 1): what it returns and what each rank's gradients hold after it."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    out = {}
+    for bad_rank in (0, 1):
+        for bad in (math.nan, math.inf):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+            if rank == bad_rank:
+                model.module[0].weight.grad[0, 0] = bad
+            with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+                total = float(monitor.clip_grad_norm_(1.0))
+                record = monitor.step(1, loss=1.0)
+            finite = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
+            left = sum(float(p.grad[torch.isfinite(p.grad)].abs().sum()) for p in model.parameters())
+            out[(bad_rank, str(bad))] = (total, record["grad_norm"], record["grad_nonfinite"], finite, left)
+    return out
+
+
+def test_a_nan_or_inf_in_one_replicas_copy_gives_every_rank_the_same_total_and_clip():
+    """A NaN in rank 0's copy (the one counted) made the total NaN and every rank's gradients NaN; the
+    same NaN in rank 1's copy gave the clean copy's finite total, and rank 1 kept its NaN alone: the
+    replicas went apart, which way depending on the rank. A copy whose norm is not finite now counts as
+    the counted one: the same total (NaN, or inf for an inf) and the same clip on every rank."""
+    results = run_ranks(_one_corrupt_copy, 2)
+    for bad_rank, bad in results[0]:
+        for rank, out in enumerate(results):
+            total, record, nonfinite, finite, left = out[(bad_rank, bad)]
+            assert nonfinite == 1.0 and left == 0.0, (rank, bad_rank, bad, out)  # no gradient left as it was
+            if bad == "nan":
+                assert math.isnan(total) and math.isnan(record) and not any(finite), (rank, bad_rank, bad, out)
+            else:  # the coefficient max_norm / inf is 0: every gradient zeroed, the inf itself NaN (inf x 0)
+                assert total == math.inf and record == math.inf, (rank, bad_rank, bad, out)
+                assert finite == [rank != bad_rank, True, True, True], (rank, bad_rank, bad, out)
