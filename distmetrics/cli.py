@@ -161,7 +161,8 @@ def add_check_features(commands) -> None:
 def run_check_features(args: argparse.Namespace) -> str:
     """Check a features file (see :func:`check_features`)."""
     spec = check_features(args.path, args.feature_dir)
-    return f"ok: {args.path} ({len(spec)} section(s): {', '.join(spec)}){_unchecked_by_nvdlfw()}"
+    names = ", ".join(map(str, spec))  # a section YAML names by a number (`1:`) has an int key
+    return f"ok: {args.path} ({len(spec)} section(s): {names}){_unchecked_by_nvdlfw()}"
 
 
 def _nvdlfw_installed() -> bool:

@@ -336,6 +336,19 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, ca
         assert "Traceback" not in stderr
 
 
+def test_check_features_names_a_section_yaml_reads_as_a_number(tmp_path):
+    """A section named ``1:`` (an int key in YAML) passed every check, then the "ok" line raised
+    TypeError joining the section names, exit status 1."""
+    path = tmp_path / "features.yaml"
+    path.write_text("1:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n  distmetrics:\n"
+                    "    LogTensorStats: {enabled: true, tensors: [activation], stats: [max]}\n"
+                    "s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc2}\n  distmetrics:\n"
+                    "    LogTensorStats: {enabled: true, tensors: [activation], stats: [max]}\n")
+    out = _run("check-features", path)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.startswith(f"ok: {path} (2 section(s): 1, s)"), out.stdout
+
+
 def test_the_monitor_refuses_what_check_config_refuses(tmp_path):
     import distmetrics as dm
 

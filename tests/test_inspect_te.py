@@ -16,6 +16,7 @@ the test's own hooks, quantized again by the test's own E4M3 cast.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,121 @@ def test_transformer_engine_key_needs_te_or_a_folder_that_registers_it(tmp_path)
     import nvdlfw_inspect.api as debug_api
 
     assert debug_api.DEBUG_MANAGER is None
+
+
+def _te_section(**settings) -> dict:
+    """One section with TE's LogTensorStats of linear_fc1's activation (max), ``settings`` changed
+    (None: removed)."""
+    feature = {"enabled": True, "tensors": ["activation"], "stats": ["max"], **settings}
+    return {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r".*linear_fc1$"},
+                  "transformer_engine": {"LogTensorStats": {k: v for k, v in feature.items() if v is not None}}}}
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"freq": 0}, "transformer_engine.LogTensorStats for tensor 'activation': freq must be a whole number of steps "
+                  ">= 1, got 0"),
+    ({"freqq": 3}, "unknown key(s) ['freqq'] in transformer_engine.LogTensorStats; did you mean 'freq'?"),
+    ({"start_step": 10, "end_step": 2}, "transformer_engine.LogTensorStats end_step 2 for tensor 'activation' is "
+                                        "before start_step 10: no step is selected (leave end_step out: no end)"),
+    ({"end_step": -1}, "transformer_engine.LogTensorStats end_step for tensor 'activation' must be a whole step "
+                       "number (leave end_step out: no end), got -1"),
+    ({"start_end_list": [[5, 3]]}, "transformer_engine.LogTensorStats start_end_list for tensor 'activation' must "
+                                   "be a list of [start, end] step pairs, each selecting start <= step <= end (both "
+                                   "ends included; start <= end), got [[5, 3]]"),
+    ({"stats": []}, "transformer_engine.LogTensorStats stats must be a non-empty list of statistics"),
+    ({"stats": [3]}, "transformer_engine.LogTensorStats stat 3 for tensor 'activation' is not a statistic's name"),
+    ({"enabled": None}, "transformer_engine.LogTensorStats needs 'enabled' (true or false)"),
+    ({"tensors": None, "tensors_struct": [{"tensor": "activation", "stats": ["max"], "frq": 2}]},
+     "unknown key(s) ['frq'] in a transformer_engine.LogTensorStats.tensors_struct entry; did you mean 'freq'?"),
+], ids=["freq 0", "typo", "end before start", "end -1", "pair end before start", "no stats", "stat not text",
+        "no enabled", "entry typo"])
+def test_transformer_engine_logging_features_are_checked_as_te_reads_them(settings, message):
+    """TE's LogTensorStats and LogFp8TensorStats were checked only for TE being there: ``freq: 0``
+    passed and every rank died at the first monitor.step with a ZeroDivisionError naming nothing;
+    a typo, an end before the start and an empty stats list were taken and logged nothing. Each is
+    refused naming the file, section, feature and key, in both features."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    for feature in ("LogTensorStats", "LogFp8TensorStats"):
+        features = _te_section(**settings)
+        body = features["s"]["transformer_engine"]
+        body[feature] = body.pop("LogTensorStats")
+        with pytest.raises(ConfigError, match=re.escape(message.replace("LogTensorStats", feature))) as raised:
+            load_features(features, te_available=True)
+        assert str(raised.value).startswith("<inline features>: section 's': ")
+
+
+def test_a_transformer_engine_freq_of_0_is_refused_when_the_monitor_is_built(tmp_path):
+    """The symptom as it was met: the Monitor started, and every rank raised ZeroDivisionError in
+    the schedule at its first ``monitor.step``. Now the Monitor is refused, nothing left running."""
+    import nvdlfw_inspect.api as debug_api
+
+    import distmetrics as dm
+    from tests.te_cpu import FEATURES_DIR
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": _te_section(freq=0),
+                                           "feature_dirs": [FEATURES_DIR], "allow_custom_feature_dirs": True})
+    with pytest.raises(ValueError, match=r"section 's': transformer_engine.LogTensorStats for tensor 'activation': "
+                                         r"freq must be a whole number of steps >= 1, got 0"):
+        dm.Monitor(cfg, model=_model())
+    assert debug_api.DEBUG_MANAGER is None
+
+
+def _te_selects(schedule: dict, iteration: int) -> bool:
+    """TransformerEngine's reading of a schedule (its ``next_enabled_iter``): ends included, start
+    0 and no end where left out, a start_end_list in place of start_step and end_step."""
+    intervals = schedule.get("start_end_list") or [(schedule.get("start_step", 0),
+                                                    schedule.get("end_step", math.inf))]
+    return iteration % schedule.get("freq", 1) == 0 and any(s <= iteration <= e for s, e in intervals)
+
+
+@pytest.mark.parametrize("schedule", [
+    {"start_end_list": [[0, 10]]}, {"start_end_list": [[10, 10]]}, {"start_end_list": [[3, 9]], "freq": 3},
+    {"start_end_list": [[0, 4], [9, 12]], "freq": 5}, {"start_end_list": [[11, 14]], "freq": 5},
+    {"start_step": 2, "end_step": 10}, {"start_step": 8, "end_step": 9, "freq": 5}, {"start_step": 12, "freq": 7},
+])
+def test_a_transformer_engine_schedule_is_refused_exactly_when_te_selects_no_iteration(schedule):
+    """TE includes a start_end_list pair's end (nvdlfw-inspect does not): ``[[0, 10]]`` selects
+    iteration 10, ``[[10, 10]]`` that one iteration; both are taken with init_training_step 10."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    init = 10
+    features = _te_section(**schedule)
+    if any(_te_selects(schedule, i) for i in range(init, init + 100)):
+        load_features(features, te_available=True, init_training_step=init)
+    else:
+        with pytest.raises(ConfigError, match=r"selects no step"):
+            load_features(features, te_available=True, init_training_step=init)
+
+
+def test_transformer_engine_statistic_names_and_other_features_are_left_to_te():
+    """Stat names vary by TE version and recipe, so TE checks them at its first selected step; its
+    features that log nothing (DisableFP8GEMM and the like) have keys of their own. Beside them, a
+    logging feature's schedule is still checked."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    features = _te_section(stats=["fp8_current_scaling_underflows%", "a_name_of_a_later_te"], end_step=None)
+    features["s"]["transformer_engine"]["DisableFP8GEMM"] = {"enabled": True, "gemms": ["fprop", "dgrad"]}
+    load_features(features, te_available=True)
+    features["s"]["transformer_engine"]["LogTensorStats"]["freq"] = 0
+    with pytest.raises(ConfigError, match="transformer_engine.LogTensorStats for tensor 'activation': freq must be"):
+        load_features(features, te_available=True)
+
+
+def test_only_transformer_engine_logging_features_make_a_statistics_step():
+    """A DisableFP8GEMM (no freq: every step) counted as a logging feature made every step a
+    statistics step, each with an all-gather; only TE's Log* features' schedules decide."""
+    from distmetrics.tensor_stats.schedule import stats_step
+
+    features = _te_section(freq=10)
+    features["s"]["transformer_engine"]["DisableFP8GEMM"] = {"enabled": True, "gemms": ["fprop"]}
+    assert [i for i in range(30) if stats_step(features, i)] == [0, 10, 20]
+    del features["s"]["transformer_engine"]["LogTensorStats"]
+    assert not any(stats_step(features, i) for i in range(30))
 
 
 def test_a_model_factory_is_built_after_inspection_starts(tmp_path):

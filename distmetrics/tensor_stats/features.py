@@ -2,8 +2,9 @@
 load (which steps a file selects: :mod:`~distmetrics.tensor_stats.schedule`).
 
 Errors name the file and the key: a missing or unparsable file, a section without layer
-selectors, an unknown namespace, feature or statistic, the TE namespace without TE, custom
-feature folders without ``allow_custom_feature_dirs``.
+selectors, an unknown namespace, feature or statistic, the TE namespace without TE, a TE logging
+feature's unknown key or a schedule that selects no step, custom feature folders without
+``allow_custom_feature_dirs``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
                     raise ConfigError(f"{where}: key 'transformer_engine' needs TransformerEngine (and a GPU) or "
                                       f"a feature folder given with {dirs_option} that registers that "
                                       "namespace; use the 'distmetrics' namespace for plain PyTorch modules")
+                _check_te_features(where, value, init_training_step)
             elif key == "distmetrics":
                 _check_our_features(where, value, init_training_step)
             elif key == "LogTensorStats":  # nvdlfw's own base-namespace feature
@@ -195,15 +197,33 @@ def _check_our_features(where: str, features: Any, first: int = 0) -> None:
         _check_feature(where, "distmetrics.LogTensorStats", cfg, SUPPORTED_STATS, TENSORS, strict=True, first=first)
 
 
-def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensors: tuple, strict: bool,
-                   first: int = 0) -> None:
+def _check_te_features(where: str, features: Any, first: int = 0) -> None:
+    """TransformerEngine's logging features (``LogTensorStats``, ``LogFp8TensorStats``, any feature
+    whose name starts with ``Log``): their keys and schedules as TE reads them (ends included), so a
+    typo (``freqq:``) or ``freq: 0`` fails here, not as a ZeroDivisionError naming nothing at the
+    first ``monitor.step`` (or, ignored, logs at other steps). Their statistics' names are TE's to
+    check, at the first step a feature selects: they vary by TE version and recipe
+    (``fp8_current_scaling_underflows%``). TE's other features (``DisableFP8GEMM``,
+    ``PerTensorScaling``, ``FakeQuant``, ...) have keys of their own and are left to TE."""
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where}: 'transformer_engine' must map feature names to settings, got {features!r}")
+    for name, cfg in features.items():
+        if isinstance(name, str) and name.startswith("Log"):
+            _check_feature(where, f"transformer_engine.{name}", cfg, None, (), strict=False, first=first,
+                           inclusive=True)
+
+
+def _check_feature(where: str, feature: str, cfg: dict, supported: Optional[tuple], tensors: tuple, strict: bool,
+                   first: int = 0, inclusive: bool = False) -> None:
     """Every tensor entry of a LogTensorStats feature: known keys (a typo, ``freqq:`` or ``stat:``,
     was ignored), a non-empty list of known statistics and a schedule (freq, start_step, end_step,
     start_end_list) of whole steps that selects some step; ``strict`` (ours): known tensors and one
     entry per tensor too (nvdlfw's own takes any tensor name, and a tensor's first entry, as
     nvdlfw-inspect reads it, ignoring the rest). A bad entry fails here, before training, not at the
     first selected step (or, worse, is ignored). ``first``: the job's first iteration
-    (``init_training_step``), from which the schedule must select a step."""
+    (``init_training_step``), from which the schedule must select a step. ``supported`` None: any
+    statistic's name (TE's, checked by TE); ``inclusive``: TE's schedule convention (see
+    :func:`_check_schedule`), where a null start_step, end_step or start_end_list is TE's default."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: {feature} must be a mapping of settings, got {cfg!r}")
     _check_known(where, list(cfg), _FEATURE_KEYS, feature)
@@ -226,17 +246,25 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: tuple, tensor
                               "first entry only: give its statistics and schedule in one")
         seen.add(tensor)
         stats = entry.get("stats", cfg.get("stats"))
+        accepted = ", ".join(supported) if supported else "names TransformerEngine's feature takes, such as max"
         if not isinstance(stats, list) or not stats:
             raise ConfigError(f"{where}: {feature} stats must be a non-empty list of statistics "
-                              f"({', '.join(supported)}) for tensor {tensor!r}, got {stats!r}")
+                              f"({accepted}) for tensor {tensor!r}, got {stats!r}")
         for stat in stats:  # nvdlfw-inspect's own feature takes any case; ours the names as listed
-            if not isinstance(stat, str) or (stat if strict else stat.lower()) not in supported:
+            if supported is None and not isinstance(stat, str):  # TE's: which names, TE says
+                raise ConfigError(f"{where}: {feature} stat {stat!r} for tensor {tensor!r} is not a statistic's "
+                                  "name (text, such as max)")
+            if supported is not None and (not isinstance(stat, str) or
+                                          (stat if strict else stat.lower()) not in supported):
                 raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
         for key in _SCHEDULE_KEYS:  # read as given where the schedule is applied: a TypeError mid-training
+            if inclusive and key != "freq":  # TE reads None as its default: start 0, no end, no list
+                continue
             if (key in entry and entry[key] is None) or (key not in entry and key in cfg and cfg[key] is None):
                 raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} has no value (YAML null); give "
                                   "one, or leave the key out")
-        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS}, first)
+        _check_schedule(where, feature, tensor, {k: entry.get(k, cfg.get(k)) for k in _SCHEDULE_KEYS}, first,
+                        inclusive)
 
 
 def _check_enabled(where: str, value: Any) -> None:
@@ -246,35 +274,47 @@ def _check_enabled(where: str, value: Any) -> None:
         raise ConfigError(f"{where}: enabled must be true or false (unquoted), got {type(value).__name__} {value!r}")
 
 
-def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict, first: int = 0) -> None:
+def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict, first: int = 0,
+                    inclusive: bool = False) -> None:
     """Whole steps that select some iteration the job runs: nvdlfw-inspect counts iterations from
-    ``first`` (``init_training_step``), so a schedule that ends before it logged nothing, silently."""
+    ``first`` (``init_training_step``), so a schedule that ends before it logged nothing, silently.
+    Read as nvdlfw-inspect reads it (a ``start_end_list`` pair ``[start, end]`` selects start <= step
+    < end; -1, as end_step or a pair's end: no end), or, ``inclusive``, as TransformerEngine's
+    features do (``next_enabled_iter``: start <= step <= end for end_step and for each pair, no end
+    where end_step is left out, and no -1: end_step -1 selected nothing)."""
     def whole(value: Any, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
+    open_end = "leave end_step out: no end" if inclusive else "end_step -1: no end"
     freq = schedule["freq"] if schedule["freq"] is not None else 1
     if not whole(freq, 1):
         raise ConfigError(f"{where}: {feature} for tensor {tensor!r}: freq must be a whole number of steps >= 1, "
                           f"got {freq!r}")
     for key in ("start_step", "end_step"):
         value = schedule[key]
-        if value is not None and not whole(value, -1 if key == "end_step" else 0):
+        if value is not None and not whole(value, -1 if key == "end_step" and not inclusive else 0):
             raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
-                              f"(end_step -1: no end), got {value!r}")
+                              f"({open_end}), got {value!r}")
     start, end = schedule["start_step"] or 0, schedule["end_step"]
-    if end is not None and end != -1 and end < start:
+    if end is not None and (inclusive or end != -1) and end < start:
         raise ConfigError(f"{where}: {feature} end_step {end} for tensor {tensor!r} is before start_step {start}: "
-                          "no step is selected (end_step -1: no end)")
-    pairs = schedule["start_end_list"]  # nvdlfw-inspect's reading: start <= step < end, or no end at -1
-    if pairs is not None and not (isinstance(pairs, list) and all(
-            isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and (p[1] == -1 or whole(p[1], p[0] + 1))
-            for p in pairs)):
+                          f"no step is selected ({open_end})")
+    pairs = schedule["start_end_list"]
+    reading = "start <= step <= end (both ends included; start <= end)" if inclusive else \
+        "start <= step < end (end -1: no end; start < end)"
+
+    def pair(p: Any) -> bool:  # TE's reading: start <= step <= end; nvdlfw-inspect's: start <= step < end, or -1
+        return isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and (
+            whole(p[1], p[0]) if inclusive else p[1] == -1 or whole(p[1], p[0] + 1))
+
+    if pairs is not None and not (isinstance(pairs, list) and all(pair(p) for p in pairs)):
         raise ConfigError(f"{where}: {feature} start_end_list for tensor {tensor!r} must be a list of "
-                          f"[start, end] step pairs, each selecting start <= step < end (end -1: no end; "
-                          f"start < end), got {pairs!r}")
+                          f"[start, end] step pairs, each selecting {reading}, got {pairs!r}")
     # the steps selected are the multiples of freq in the ranges (a multiple of 0: step 0 counts)
-    ranges = [(a, None if b == -1 else b - 1) for a, b in pairs] if pairs else \
-        [(start, None if end is None or end == -1 else end)]
+    if pairs:
+        ranges = [(a, b if inclusive else None if b == -1 else b - 1) for a, b in pairs]
+    else:
+        ranges = [(start, None if end is None or (end == -1 and not inclusive) else end)]
 
     def selects(least: int) -> bool:  # some multiple of freq at or after `least` in a range
         return any(last is None or -(-max(a, least) // freq) * freq <= last for a, last in ranges)

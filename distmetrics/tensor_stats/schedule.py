@@ -32,14 +32,17 @@ def selected_tensors(body: dict, iteration: int) -> list:
 
 
 def enabled_features(body: dict, hooked_only: bool) -> list:
-    """(namespace, settings) of an enabled section's enabled features: those our hooks call, and
-    TE's unless ``hooked_only``."""
+    """(namespace, settings) of an enabled section's enabled logging features: those our hooks call,
+    and TE's unless ``hooked_only``. TE's are those whose name starts with ``Log`` (LogTensorStats,
+    LogFp8TensorStats): its others (DisableFP8GEMM, PerTensorScaling, ...) log nothing, and have no
+    ``freq``, so counted here they would make every step a statistics step, each with an all-gather."""
     if not body.get("enabled"):
         return []
     features = [("distmetrics", (body.get("distmetrics") or {}).get("LogTensorStats")),
                 ("base", body.get("LogTensorStats"))]
     if not hooked_only:
-        features += [("transformer_engine", cfg) for cfg in (body.get("transformer_engine") or {}).values()]
+        features += [("transformer_engine", cfg) for name, cfg in (body.get("transformer_engine") or {}).items()
+                     if isinstance(name, str) and name.startswith("Log")]
     return [(namespace, cfg) for namespace, cfg in features if isinstance(cfg, dict) and cfg.get("enabled")]
 
 
