@@ -48,8 +48,6 @@ __all__ = ["GradSync"]
 logger = logging.getLogger("distmetrics")
 
 _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
-_REDUCES = operator.attrgetter("reduce_grads")
-_ALL_REDUCES = operator.attrgetter("all_reduce_grads")
 _AFTER = "after the last micro-batch's backward"
 WINDOW_CHECKS = 5
 """Log steps at which a ``monitor.step`` inside an accumulation window is looked for (a loop that
@@ -158,9 +156,10 @@ class GradSync:
             return None
         if self._found_at != self._changes():
             self._find()
-        if all(map(_DDP_SYNC, self._ddp)) and not self._unsynced and \
-                all(map(_REDUCES, self._groups)) and all(map(_ALL_REDUCES, self._replicated)) and \
-                not any(map(_held_back, self._groups)):
+        # FSDP2's and HSDP's flags alone are no sign: set off after the last, synced backward (as Lightning
+        # Fabric leaves them), nothing is held back and .grad holds the reduced gradients; a backward with
+        # one off holds its gradients back, and that is what shows
+        if all(map(_DDP_SYNC, self._ddp)) and not self._unsynced and not any(map(_held_back, self._groups)):
             return None
         return self._refusal()
 
@@ -181,7 +180,7 @@ class GradSync:
                         "norm would be this rank's, not the global one. Run the "
                         f"last micro-batch's forward and backward outside no_sync() and measure or clip the gradients "
                         f"{_AFTER}")
-        for group in self._groups:
+        for group in filter(_held_back, self._groups):
             if not group.reduce_grads:
                 kind = "HSDP" if group in self._replicated else "FSDP2"
                 return (f"{kind} module {self._names[id(group)]} has gradient sync off "
@@ -189,7 +188,7 @@ class GradSync:
                         "an accumulation window .grad holds none of them: it is None, or an earlier synced "
                         "backward's), so the norm would leave them out. Measure or clip the "
                         f"gradients {_AFTER}, made with set_requires_gradient_sync(True)")
-        for group in self._replicated:
+        for group in filter(_held_back, self._replicated):
             if not group.all_reduce_grads:
                 return (f"HSDP module {self._names[id(group)]} has the all-reduce over replicas off "
                         "(set_requires_all_reduce(False))", "its reduce-scattered gradients wait for a backward that "

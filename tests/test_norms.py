@@ -1925,6 +1925,43 @@ def test_a_norm_inside_a_gradient_accumulation_window_is_refused_on_every_rank()
             assert out["grads_inside"] == 0 or kind == "ddp", (rank, kind)  # the norm would have read 0
 
 
+def _flags_left_off_after_the_synced_backward(rank: int, world: int) -> dict:
+    """FSDP2 and HSDP: two micro-batches, the first with the flag off, the last synced; the flag set off
+    again before the clip, as Lightning Fabric leaves FSDP2's: nothing is held back, .grad is reduced."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    data, truth = _micro_batches_and_truth(rank, world)
+    out = {}
+    for kind, shape, flag in (("fsdp2", (world,), "set_requires_gradient_sync"),
+                              ("hsdp", (world, 1), "set_requires_all_reduce")):
+        model = _net()
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("shard",) if len(shape) == 1 else ("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            for micro_batch, on in enumerate((False, True)):
+                getattr(model, flag)(on)
+                model(data[micro_batch]).pow(2).mean().backward()
+            getattr(model, flag)(False)  # left off, the next window's first micro-batch's way
+            out[kind] = (float(monitor.measure_grad_norms()), float(monitor.clip_grad_norm_(1e9)), truth)
+    return out
+
+
+def test_a_sync_flag_left_off_after_the_last_synced_backward_is_no_open_window():
+    """The flag set off again after the last micro-batch's synced backward (Lightning Fabric leaves FSDP2's
+    so) was refused as an open window ("its sharded gradients are not reduced yet"), though .grad held
+    the reduced gradients: every clip under such a loop raised. What shows a window is the gradients a
+    backward held back; a flag off with none held back is measured, exact."""
+    for rank, result in enumerate(run_ranks(_flags_left_off_after_the_synced_backward, 2, timeout=240)):
+        for kind, (measured, clipped, truth) in result.items():
+            assert measured == pytest.approx(truth, rel=REL) and clipped == pytest.approx(truth, rel=REL), \
+                (rank, kind, result)
+
+
 def _wrapped_after_the_monitor(rank: int, world: int) -> dict:
     """A Monitor given the model before ``fully_shard`` (Accelerate's ``prepare`` shards the module
     object in place): on the blocks and the root, and on each block and layer with the root left a
