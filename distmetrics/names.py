@@ -21,8 +21,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "check_reduce", "check_name", "check_value", "check_step",
-           "check_spellings", "written_names", "collector_label"]
+__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "check_reduce", "check_name", "name_problem", "check_value",
+           "check_step", "check_spellings", "written_names", "collector_label"]
 
 REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
 
@@ -46,6 +46,18 @@ RECORD_KEYS = ("kind", "step", "time")
 """The keys of every metrics.jsonl record besides its metrics (``step`` is W&B's step metric too)."""
 
 
+def name_problem(name: str) -> str:
+    """What makes a name no sink's key, beside the rules of each kind of name ('' where nothing): an
+    empty part (``a//b``), blank text, a control character (a newline splits a console line)."""
+    if "//" in name:
+        return "it has an empty part ('//'); parts are joined by one '/'"
+    if name.isspace():
+        return "it is blank"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it holds a control character (a newline, a tab, NUL, ...), which splits or garbles console lines"
+    return ""
+
+
 def check_name(name: Any, what: str) -> None:
     """Raise a clear error for a name no sink can store or that the Monitor keeps for itself."""
     if not isinstance(name, str):
@@ -53,6 +65,9 @@ def check_name(name: Any, what: str) -> None:
     if not name or name.startswith(("_", "/")) or name.endswith("/"):
         raise ValueError(f"{what}: metric name {name!r} is refused: names are non-empty, do not start with '_' "
                          "(internal lanes) and do not start or end with '/'")
+    odd = name_problem(name)
+    if odd:
+        raise ValueError(f"{what}: metric name {name!r} is refused: {odd}")
     if name in RECORD_KEYS:
         raise ValueError(f"{what}: metric name {name!r} is refused: every record's own keys are "
                          f"{', '.join(map(repr, RECORD_KEYS))} (a metric of that name replaced them in metrics.jsonl); "

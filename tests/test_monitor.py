@@ -635,6 +635,17 @@ def test_a_metric_named_as_a_record_key_is_refused(tmp_path, name):
     assert last["kind"] == "train" and last["step"] == 1
 
 
+@pytest.mark.parametrize("name", ["loss//a", " ", "a\nb", "tab\tname"])
+def test_a_metric_name_with_an_empty_part_blank_or_a_control_character_is_refused(name):
+    """``train//a``, blank text and a newline (which split the console line) were accepted as names."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        with pytest.raises(ValueError, match=r"is refused: it (has an empty part|is blank|holds a control)"):
+            monitor.record(name, 3.0)
+        assert monitor.step(1, loss=1.0)["train/loss"] == 1.0
+
+
 class _RecordKeys:
     """A user's collector whose samples are named 'step' and, in a vector, 'time' beside one of its own."""
 

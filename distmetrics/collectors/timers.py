@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..eager import tracing
+from ..names import name_problem
 from .timer import DummyTimer, Timer, TimerBase
 from .timer_reports import MegatronReports, TimerError
 
@@ -152,6 +153,9 @@ def _check_timer_name(name: Any) -> None:
     if not isinstance(name, str) or not name or name.startswith(("_", "/")) or name.endswith("/"):
         raise TimerError(f"timer name {name!r} is refused: a timer's name is non-empty text that does not start "
                          "with '_' or start or end with '/'")
+    odd = name_problem(name)
+    if odd:
+        raise TimerError(f"timer name {name!r} is refused: {odd}")
     last = name.rsplit("/", 1)[-1]
     if "/" in name and (last in _REDUCED_ENDS or (last.startswith("rank") and last[4:].isdigit())):
         raise TimerError(f"timer name {name!r} is refused: timers/{name} is a key another timer's reduction writes "
