@@ -40,8 +40,8 @@ def test_check_features_runs_nvdlfw_validation_with_the_given_folders(tmp_path):
     ok = _run("check-features", "configs/fp8_tensor_stats.yaml", "--feature-dir", folder)
     assert ok.returncode == 0 and "fp8_linear_stats" in ok.stdout, ok.stderr
     unknown = tmp_path / "nvfp4.yaml"
-    unknown.write_text("s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n"
-                       "  transformer_engine:\n    LogNvfp4TensorStats: {enabled: true, tensors: [activation]}\n")
+    unknown.write_text("s:\n  enabled: true\n  layers: {layer_name_regex_pattern: fc1}\n  transformer_engine:\n"
+                       "    LogNvfp4TensorStats: {enabled: true, tensors: [activation], stats: [underflows%]}\n")
     bad = _run("check-features", str(unknown), "--feature-dir", folder)
     assert bad.returncode == 2 and "nvdlfw-inspect rejected the features" in bad.stderr
     assert "LogNvfp4TensorStats" in bad.stderr
