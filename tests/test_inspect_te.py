@@ -289,18 +289,19 @@ def _te_section(**settings) -> dict:
                   ">= 1, got 0"),
     ({"freqq": 3}, "unknown key(s) ['freqq'] in transformer_engine.LogTensorStats; did you mean 'freq'?"),
     ({"start_step": 10, "end_step": 2}, "transformer_engine.LogTensorStats end_step 2 for tensor 'activation' is "
-                                        "before start_step 10: no step is selected (leave end_step out: no end)"),
-    ({"end_step": -1}, "transformer_engine.LogTensorStats end_step for tensor 'activation' must be a whole step "
-                       "number (leave end_step out: no end), got -1"),
+                                        "before start_step 10: no step is selected (end_step -1 or left out: no "
+                                        "end)"),
+    ({"end_step": -2}, "transformer_engine.LogTensorStats end_step for tensor 'activation' must be a whole step "
+                       "number (end_step -1 or left out: no end), got -2"),
     ({"start_end_list": [[5, 3]]}, "transformer_engine.LogTensorStats start_end_list for tensor 'activation' must "
                                    "be a list of [start, end] step pairs, each selecting start <= step <= end (both "
-                                   "ends included; start <= end), got [[5, 3]]"),
+                                   "ends included; end -1: no end; start <= end), got [[5, 3]]"),
     ({"stats": []}, "transformer_engine.LogTensorStats stats must be a non-empty list of statistics"),
     ({"stats": [3]}, "transformer_engine.LogTensorStats stat 3 for tensor 'activation' is not a statistic's name"),
     ({"enabled": None}, "transformer_engine.LogTensorStats needs 'enabled' (true or false)"),
     ({"tensors": None, "tensors_struct": [{"tensor": "activation", "stats": ["max"], "frq": 2}]},
      "unknown key(s) ['frq'] in a transformer_engine.LogTensorStats.tensors_struct entry; did you mean 'freq'?"),
-], ids=["freq 0", "typo", "end before start", "end -1", "pair end before start", "no stats", "stat not text",
+], ids=["freq 0", "typo", "end before start", "end -2", "pair end before start", "no stats", "stat not text",
         "no enabled", "entry typo"])
 def test_transformer_engine_logging_features_are_checked_as_te_reads_them(settings, message):
     """TE's LogTensorStats and LogFp8TensorStats were checked only for TE being there: ``freq: 0``
@@ -341,6 +342,7 @@ def _te_selects(schedule: dict, iteration: int) -> bool:
     0 and no end where left out, a start_end_list in place of start_step and end_step."""
     intervals = schedule.get("start_end_list") or [(schedule.get("start_step", 0),
                                                     schedule.get("end_step", math.inf))]
+    intervals = [(s, math.inf if e == -1 else e) for s, e in intervals]  # -1: no end (TE on nvdlfw's schedule)
     return iteration % schedule.get("freq", 1) == 0 and any(s <= iteration <= e for s, e in intervals)
 
 
@@ -348,6 +350,7 @@ def _te_selects(schedule: dict, iteration: int) -> bool:
     {"start_end_list": [[0, 10]]}, {"start_end_list": [[10, 10]]}, {"start_end_list": [[3, 9]], "freq": 3},
     {"start_end_list": [[0, 4], [9, 12]], "freq": 5}, {"start_end_list": [[11, 14]], "freq": 5},
     {"start_step": 2, "end_step": 10}, {"start_step": 8, "end_step": 9, "freq": 5}, {"start_step": 12, "freq": 7},
+    {"start_step": 3, "end_step": -1, "freq": 4}, {"start_end_list": [[2, -1]], "freq": 50},
 ])
 def test_a_transformer_engine_schedule_is_refused_exactly_when_te_selects_no_iteration(schedule):
     """TE includes a start_end_list pair's end (nvdlfw-inspect does not): ``[[0, 10]]`` selects
@@ -365,13 +368,15 @@ def test_a_transformer_engine_schedule_is_refused_exactly_when_te_selects_no_ite
 
 
 def test_transformer_engine_statistic_names_and_other_features_are_left_to_te():
-    """Stat names vary by TE version and recipe, so TE checks them at its first selected step; its
+    """Stat names vary by TE version and recipe, so TE checks them at its first selected step (a stat
+    may be a mapping of one to its settings, as in TE's blockwise statistics); its
     features that log nothing (DisableFP8GEMM and the like) have keys of their own. Beside them, a
     logging feature's schedule is still checked."""
     from distmetrics.config import ConfigError
     from distmetrics.tensor_stats.features import load_features
 
-    features = _te_section(stats=["fp8_current_scaling_underflows%", "a_name_of_a_later_te"], end_step=None)
+    features = _te_section(stats=["fp8_current_scaling_underflows%", "a_name_of_a_later_te",
+                                  {"max_blockwise_dynamic_range": {"block_size": 32, "dims": 1}}], end_step=None)
     features["s"]["transformer_engine"]["DisableFP8GEMM"] = {"enabled": True, "gemms": ["fprop", "dgrad"]}
     load_features(features, te_available=True)
     features["s"]["transformer_engine"]["LogTensorStats"]["freq"] = 0

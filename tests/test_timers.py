@@ -512,7 +512,6 @@ def test_the_record_close_writes_ends_at_the_last_monitor_step_not_at_close(cloc
             if after == "paused save":
                 monitor.resume()
         last = monitor.last_metrics
-        print("DBG", cuda, after, last.get("timers/step"), last["train/step_time_ms"])
         assert last["train/step_time_ms"] == pytest.approx(100.0), (cuda, after)
         assert last["train/tokens_per_sec"] == pytest.approx(10_000.0), (cuda, after)
         assert stragglers.step_ms == pytest.approx(100.0), (cuda, after)

@@ -142,6 +142,10 @@ class StepValues:
                     scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
         :func:`loss_weight`, ``tokens`` counted for the throughput."""
+        if isinstance(tokens, torch.Tensor):  # float64 once: each lane below takes the tensor as it is
+            tokens = as_number(tokens)
+        if isinstance(loss_tokens, torch.Tensor):
+            loss_tokens = as_number(loss_tokens)
         self._gives_tokens = self._gives_tokens or tokens is not None
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False

@@ -251,9 +251,9 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: Optional[tupl
             raise ConfigError(f"{where}: {feature} stats must be a non-empty list of statistics "
                               f"({accepted}) for tensor {tensor!r}, got {stats!r}")
         for stat in stats:  # nvdlfw-inspect's own feature takes any case; ours the names as listed
-            if supported is None and not isinstance(stat, str):  # TE's: which names, TE says
+            if supported is None and not isinstance(stat, (str, dict)):  # TE's: which names, TE says (a dict:
                 raise ConfigError(f"{where}: {feature} stat {stat!r} for tensor {tensor!r} is not a statistic's "
-                                  "name (text, such as max)")
+                                  "name (text, such as max, or a mapping of one to its settings)")  # its settings)
             if supported is not None and (not isinstance(stat, str) or
                                           (stat if strict else stat.lower()) not in supported):
                 raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
@@ -281,40 +281,41 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict, first
     Read as nvdlfw-inspect reads it (a ``start_end_list`` pair ``[start, end]`` selects start <= step
     < end; -1, as end_step or a pair's end: no end), or, ``inclusive``, as TransformerEngine's
     features do (``next_enabled_iter``: start <= step <= end for end_step and for each pair, no end
-    where end_step is left out, and no -1: end_step -1 selected nothing)."""
+    where end_step is left out). TE's -1 depends on its version: no end in those that use
+    nvdlfw-inspect's schedule, nothing in those with ``next_enabled_iter``: accepted, read as no end."""
     def whole(value: Any, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
-    open_end = "leave end_step out: no end" if inclusive else "end_step -1: no end"
+    open_end = "end_step -1 or left out: no end" if inclusive else "end_step -1: no end"
     freq = schedule["freq"] if schedule["freq"] is not None else 1
     if not whole(freq, 1):
         raise ConfigError(f"{where}: {feature} for tensor {tensor!r}: freq must be a whole number of steps >= 1, "
                           f"got {freq!r}")
     for key in ("start_step", "end_step"):
         value = schedule[key]
-        if value is not None and not whole(value, -1 if key == "end_step" and not inclusive else 0):
+        if value is not None and not whole(value, -1 if key == "end_step" else 0):
             raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
                               f"({open_end}), got {value!r}")
     start, end = schedule["start_step"] or 0, schedule["end_step"]
-    if end is not None and (inclusive or end != -1) and end < start:
+    if end is not None and end != -1 and end < start:
         raise ConfigError(f"{where}: {feature} end_step {end} for tensor {tensor!r} is before start_step {start}: "
                           f"no step is selected ({open_end})")
     pairs = schedule["start_end_list"]
-    reading = "start <= step <= end (both ends included; start <= end)" if inclusive else \
+    reading = "start <= step <= end (both ends included; end -1: no end; start <= end)" if inclusive else \
         "start <= step < end (end -1: no end; start < end)"
 
     def pair(p: Any) -> bool:  # TE's reading: start <= step <= end; nvdlfw-inspect's: start <= step < end, or -1
         return isinstance(p, list) and len(p) == 2 and whole(p[0], 0) and (
-            whole(p[1], p[0]) if inclusive else p[1] == -1 or whole(p[1], p[0] + 1))
+            p[1] == -1 or whole(p[1], p[0] + (not inclusive)))
 
     if pairs is not None and not (isinstance(pairs, list) and all(pair(p) for p in pairs)):
         raise ConfigError(f"{where}: {feature} start_end_list for tensor {tensor!r} must be a list of "
                           f"[start, end] step pairs, each selecting {reading}, got {pairs!r}")
     # the steps selected are the multiples of freq in the ranges (a multiple of 0: step 0 counts)
     if pairs:
-        ranges = [(a, b if inclusive else None if b == -1 else b - 1) for a, b in pairs]
+        ranges = [(a, None if b == -1 else b if inclusive else b - 1) for a, b in pairs]
     else:
-        ranges = [(start, None if end is None or (end == -1 and not inclusive) else end)]
+        ranges = [(start, None if end is None or end == -1 else end)]
 
     def selects(least: int) -> bool:  # some multiple of freq at or after `least` in a range
         return any(last is None or -(-max(a, least) // freq) * freq <= last for a, last in ranges)

@@ -5,7 +5,6 @@ TransformerEngine's inclusive ends for TE's."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 __all__ = ["stats_step", "selected_tensors", "enabled_features", "logs_at", "tensor_names"]
@@ -59,10 +58,11 @@ def logs_at(namespace: str, cfg: dict, iteration: int) -> bool:
     """A feature entry's freq/start_step/end_step/start_end_list at ``iteration``, with the
     namespace's own convention (TE's ends are inclusive, nvdlfw's end_step -1 is open)."""
     freq = int(cfg.get("freq", 1))
-    if namespace == "transformer_engine":
-        intervals = cfg.get("start_end_list") or [(cfg.get("start_step") or 0,
-                                                   math.inf if cfg.get("end_step") is None else cfg["end_step"])]
-        return iteration % freq == 0 and any(s <= iteration <= e for s, e in intervals)
+    if namespace == "transformer_engine":  # an end of -1: no end in TE versions on nvdlfw-inspect's schedule,
+        # nothing in those on next_enabled_iter: gathered as no end (a step TE logs nothing at gathers nothing)
+        intervals = cfg.get("start_end_list") or [(cfg.get("start_step") or 0, cfg.get("end_step"))]
+        return iteration % freq == 0 and any(s <= iteration and (e is None or e == -1 or iteration <= e)
+                                             for s, e in intervals)
     from nvdlfw_inspect.logging import enable_logging_at_current_step
 
     return enable_logging_at_current_step(iteration, freq, cfg.get("start_step", 0), cfg.get("end_step", -1),
