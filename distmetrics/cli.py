@@ -273,7 +273,7 @@ def summarise(path) -> str:
     return "\n".join(lines)
 
 
-_RUN_KEYS = ("time", "world_size", "hosts", "layout", "torch_version")
+_RUN_KEYS = ("time", "world_size", "hosts", "layout", "torch_version", "end_record")
 """The fields of a job's ``run`` record that its summary shows."""
 
 
@@ -343,7 +343,7 @@ def _job_lines(number: int, job: _JobSummary, previous, next_job) -> list[str]:
     lines += job.alerts
     lines += job.gaps
     if job.started:
-        lines.append("  " + end_note(job.end, last=next_job is None))
+        lines.append("  " + end_note(job.end, last=next_job is None, expected=job.run.get("end_record", False)))
     return lines
 
 

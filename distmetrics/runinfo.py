@@ -287,6 +287,7 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
         "layout": layout.source,
         "torch_version": torch.__version__,
         "distmetrics_version": __version__,
+        "end_record": True,  # the job ends with an end record unless killed: readers of older files expect none
         "python_version": platform.python_version(),
         "argv": redact_argv(sys.argv),
         "config": config.to_dict(redact=True),

@@ -228,8 +228,11 @@ _READ_PAST_LAST_TRAIN = 10_000
 evaluations and statistics are far fewer)."""
 
 
-def end_note(end: Optional[dict[str, Any]], last: bool) -> str:
-    """How a job ended, from its ``end`` record (None: it has none; ``last``: the file's last job)."""
+def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -> str:
+    """How a job ended, from its ``end`` record (None: it has none; ``last``: the file's last job;
+    ``expected``: its ``run`` record says it writes one, as the files of versions before it do not)."""
+    if end is None and not expected:
+        return "no end record (written by a version without them): how the job ended is not known"
     if end is None:
         return ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)"
                 + (" or is still running" if last else ""))

@@ -420,9 +420,12 @@ if how == "raised":
 
 def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
     """Real processes on one output_dir: a job whose Monitor was closed, one that ended without closing
-    it (its exit hook), one ending on an uncaught error, one SIGKILLed, then one closed. A killed job
+    it (its exit hook), one ending on an uncaught error, one SIGKILLed, then one closed, after a job of
+    a version that wrote no end records (its run record says nothing of them: not taken for killed). A killed job
     wrote nothing to tell it by: summary and report could not tell it from a job that finished. Each
     Monitor that ends now writes an ``end`` record; the killed job has none."""
+    older = {"kind": "run", "step": 0, "time": "2026-01-01T00:00:00.000+00:00", "world_size": 1}  # no end_record
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(older) + "\n")  # a job of a version without end records
     first = 1
     for how in ("closed", "open", "raised", "killed", "closed"):
         job = subprocess.run([sys.executable, "-c", _JOB, str(tmp_path), how, str(first)], capture_output=True,
@@ -432,7 +435,8 @@ def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
     summary = _run("summary", tmp_path)
     assert summary.returncode == 0, summary.stderr
     ends = [line.strip() for line in summary.stdout.splitlines() if line.startswith("  ended") or "no end" in line]
-    assert ends == ["ended at step 3: closed its Monitor",
+    assert ends == ["no end record (written by a version without them): how the job ended is not known",
+                    "ended at step 3: closed its Monitor",
                     "ended at step 7: its process ended with the Monitor open, never closed, the 1 step(s) since "
                     "its last log step not written",
                     "ended at step 11: its process ended with the Monitor open, on an uncaught RuntimeError, the 1 "

@@ -115,7 +115,7 @@ def _jobs_table(data: RunData) -> str:
             note = "restart"
         cells = (job_number(job["index"]), job["time"], job["first_train_step"], job["last_train_step"], job["records"],
                  job["world_size"], job["hosts"], job["job_id"], job["layout"], job["torch"], job["distmetrics"],
-                 end_note(job.get("end"), last=job is data.jobs[-1]), note)
+                 end_note(job.get("end"), last=job is data.jobs[-1], expected=job.get("end_record", False)), note)
         rows.append("<tr>" + "".join(f"<td>{escape(fmt(v))}</td>" for v in cells) + "</tr>")
     return ("<table><tr><th>job</th><th>started</th><th>first step</th><th>last step</th><th>records</th>"
             "<th>world size</th><th>hosts</th><th>job id</th><th>layout</th><th>torch</th><th>distmetrics</th>"

@@ -359,5 +359,6 @@ def _job_meta(record: dict, index: int) -> dict:
     return {"index": index, "time": record.get("time"), "world_size": record.get("world_size"),
             "hosts": len(hosts) if isinstance(hosts, list) else None, "job_id": record.get("job_id"),
             "layout": record.get("layout"), "torch": record.get("torch_version"),
-            "distmetrics": record.get("distmetrics_version"), "first_step": None, "last_step": None,
+            "distmetrics": record.get("distmetrics_version"), "end_record": record.get("end_record") is True,
+            "first_step": None, "last_step": None,
             "first_train_step": None, "last_train_step": None, "records": 0}
