@@ -66,7 +66,8 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
         bad = torch.cat([bad, torch.isnan(check).sum().to(torch.float64).reshape(1)])
     held = (norms.numel() > 0 if every else owned.any()) if p < 0 else None
     if not every:  # a copy whose norm is NaN or inf counts as if it were the one counted: the total (and so the
-        owned = owned | ~torch.isfinite(norms)  # clip's coefficient) is the same on every rank, no replica apart
+        owned = owned | (norms * 0).ne(0)  # clip's coefficient) is the same on every rank, no replica apart
+        # (x * 0 is 0 exactly where x is finite: two kernels where ~isfinite takes five)
     if held is not None:  # with no gradient on any rank torch's total is 0: the root of an empty sum of
         held = torch.as_tensor(held, dtype=torch.float64, device=device).reshape(1)  # n^p (p < 0) is inf
     if kind == "sum":
