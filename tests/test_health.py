@@ -577,6 +577,25 @@ def test_moe_counts_given_per_layer_add_up_per_layer_and_a_layer_without_tokens_
             monitor.step(1, loss=1.0)
 
 
+def test_moe_counts_of_no_layer_count_nothing_and_the_record_is_written():
+    """A stage or rank with no MoE layer stacking its none ([0, experts] counts, layer_numbers=[]) passed
+    the call's checks, then made the log step raise (torch.cat of nothing): the record was lost, and on
+    2 ranks the other raised HangError. Such a call counts nothing."""
+    import torch
+
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        monitor.record_moe(tokens_per_expert=torch.zeros(0, 4, dtype=torch.long), layer_numbers=[])
+        monitor.record_moe(tokens_per_expert=torch.zeros(0, 4, dtype=torch.long))
+        alone = monitor.step(1, loss=1.0)
+        monitor.record_moe(tokens_per_expert=torch.zeros(0, 4, dtype=torch.long), layer_numbers=[])
+        monitor.record_moe(tokens_per_expert=torch.tensor([1, 0, 0, 1]), layer_numbers=[0])
+        beside = monitor.step(2, loss=1.0)
+    assert alone["train/loss"] == 1.0 and not any(k.startswith("moe/") for k in alone), alone
+    assert beside["moe/expert_utilization"] == 0.5 and beside["moe/load_imbalance/layer0"] == 2.0, beside
+
+
 def test_eval_gap_is_to_the_train_loss_since_the_last_eval(tmp_path):
     import distmetrics as dm
 
@@ -665,6 +684,23 @@ def test_integer_categories_need_not_be_numbered_from_zero():
     with pytest.raises(ValueError, match="got the id -1"):
         monitor.record_losses(torch.tensor([1.0]), torch.tensor([0]), names={-1: "x"})
     monitor.close()
+
+
+def test_a_names_dict_keyed_by_numpy_integers_is_taken():
+    """A dict made from numpy arrays (``dict(zip(np.unique(ids), names))``) was refused: "names= maps
+    integer category ids >= 0 ... got the id np.int64(7)", an integer >= 0."""
+    import numpy as np
+    import torch
+
+    import distmetrics as dm
+
+    ids = np.array([7, 9, 7])
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        monitor.record_losses(torch.tensor([1.0, 2.0, 4.0]), torch.tensor(ids), names=dict(zip(np.unique(ids),
+                                                                                               ["a", "b"])))
+        monitor.record_losses(torch.tensor([3.0]), [9], names={np.int32(9): "b"})
+        metrics = monitor.step(1)
+    assert metrics["train/loss/a"] == pytest.approx(2.5) and metrics["train/loss/b"] == pytest.approx(2.5)
 
 
 # --- the MoE name cache ----------------------------------------------------------------------

@@ -188,8 +188,9 @@ class CategoryLosses:
 
     def _table(self, names: Union[Sequence[str], dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_lookup`'s host tensors: ``names`` checked, and each category it names given a slot."""
-        table = dict(enumerate(names)) if not isinstance(names, dict) else dict(names)
-        for key in table:
+        table = dict(enumerate(names)) if not isinstance(names, dict) else \
+            {int(k) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k: v for k, v in names.items()}
+        for key in table:  # numpy integer ids (a dict made from np.unique) as the ints they are
             if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 2 ** 63:
                 raise ValueError("record_losses: names= maps integer category ids >= 0 (below 2**63: ids travel as "
                                  f"int64) to names; got the id {key!r}")

@@ -79,6 +79,8 @@ class MoECollector:
         layers = _layer_numbers(layer_numbers) if layer_numbers is not None else list(range(counts.shape[0]))
         if len(layers) != counts.shape[0]:
             raise ValueError(f"record_moe: {counts.shape[0]} layers of counts but {len(layers)} layer_numbers")
+        if not layers:  # [0, experts]: a stage or rank with no MoE layer stacked its none; nothing to count
+            return
         counts = counts.to(torch.float64)
         # per call, not of the interval's sums: a negative count hides in a sum as well as in another rank's.
         # Checked on TP/CP peers too (they pass the same counts as TP/CP rank 0)
