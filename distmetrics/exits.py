@@ -44,10 +44,13 @@ def write_end(monitor: "Monitor", how: str) -> None:
     ``monitor.step`` (0 before any) and with how many steps since the last log step unwritten. A
     job killed (SIGKILL, an out-of-memory kill, a node lost) writes none, which is how ``distmetrics
     summary`` and ``report`` tell it from one that ended."""
+    earlier, monitor._ended = getattr(monitor, "_ended", None), how
+    if earlier is not None:  # the exit hook wrote one, and a close() in a later exit hook of the user's came
+        how = f"{earlier}; then {how}, in an exit hook"  # the last end record says both
     if monitor.is_writer:
         step = monitor._last_step
-        monitor.sinks.log_inline({"how": how, "unwritten_steps": monitor._steps_in_interval},
-                                 0 if step is None else step, "end")
+        unwritten = monitor._steps_in_interval + getattr(monitor, "_lost_steps", 0)  # + a failed log step's
+        monitor.sinks.log_inline({"how": how, "unwritten_steps": unwritten}, 0 if step is None else step, "end")
 
 
 def say_unwritten(monitor: "Monitor", when: str,
@@ -76,6 +79,7 @@ def say_log_step_lost(monitor: "Monitor", why: str) -> None:
     have, lack = monitor.sinks.placed(step, "train")
     if not lack:  # handed over whole
         return
+    monitor._lost_steps = getattr(monitor, "_lost_steps", 0) + steps  # the end record counts them
     if have:
         logger.warning("distmetrics: the log step at step %d did not complete (%s): its record of the %d step(s) "
                        "up to it since the last log step is written to %s, not to %s", step, why, steps,

@@ -411,8 +411,10 @@ class Monitor:
         if getattr(self, "_at_exit", None) is not None:
             forget_exit_hook(self._at_exit)
         self._closed = True
-        write_end(self, how)
-        close_parts(self.collectors, self.sinks, quiet)
+        try:
+            write_end(self, how)
+        finally:  # a signal's exception inside it leaves no part open
+            close_parts(self.collectors, self.sinks, quiet)
 
     def _check_open(self, collective: bool = False) -> None:
         """Refuse a call to a closed Monitor, and a ``collective`` one (a log step, an evaluation, a

@@ -452,3 +452,87 @@ def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(lines[:-1]))
     assert _run("summary", tmp_path).stdout.rstrip().endswith(
         "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")
+
+
+_ENDS_AT_EXIT = """
+import atexit, resource, signal, sys
+import distmetrics as dm
+out, how = sys.argv[1], sys.argv[2]
+held = {}
+if how == "closed in a later exit hook":
+    atexit.register(lambda: held["monitor"].close())  # registered first: runs after the Monitor's own hook
+config = dm.MetricsConfig(output_dir=out, log_interval=2, console=False, tensorboard=False, timing_log_level=-1)
+held["monitor"] = monitor = dm.Monitor(config)
+monitor.step(1, loss=1.0)
+monitor.step(2, loss=1.0)
+if how == "full disk at exit":  # the file may not grow past what it holds now, plus a little
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    size = (__import__("os").path.getsize(out + "/metrics.jsonl") // 512 + 1) * 512
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 512, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    monitor.record("x/" + "a" * 2000, 1.0)  # a record too long for the room left: lost, a gap record marks it
+monitor.step(3, loss=1.0)
+monitor.step(4, loss=1.0)
+monitor.step(5, loss=1.0)
+raise RuntimeError("a failing step")
+"""
+
+
+@pytest.mark.parametrize("how", ["closed in a later exit hook", "full disk at exit"])
+def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_records_were_lost(tmp_path, how):
+    """A close() in an exit hook of the user's, after the Monitor's own, wrote a train record and a
+    second end record after the first, which said the crash; the last (closed) hid it. Where records
+    were lost, the end record was held for a close() that never came at an exit with the Monitor open:
+    the job read as killed. The last line is now the end record, saying both, or after the gap record."""
+    job = subprocess.run([sys.executable, "-c", _ENDS_AT_EXIT, str(tmp_path), how], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert job.returncode == 1 and "a failing step" in job.stderr, job.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    end = records[-1]
+    assert end["kind"] == "end" and end["step"] == 5, records
+    if how == "closed in a later exit hook":
+        assert end["how"] == ("its process ended with the Monitor open, on an uncaught RuntimeError; then closed "
+                              "its Monitor, in an exit hook"), end
+        assert end["unwritten_steps"] == 0 and records[-2]["step"] == 5, records  # close() wrote step 5
+    else:
+        assert records[-2]["kind"] == "gap" and records[-2]["lost_records"] == 1, records
+        assert end["how"] == "its process ended with the Monitor open, on an uncaught RuntimeError", end
+        assert end["unwritten_steps"] == 1, end
+    assert _run("summary", tmp_path).stdout.rstrip().endswith(f"ended at step 5: {end['how']}" + (
+        ", the 1 step(s) since its last log step not written" if end["unwritten_steps"] else ""))
+
+
+class _FailsAtItsLogStep:
+    """A collector of your own whose sample at step 2 cannot be reduced (a tensor on the meta device,
+    which holds no value): the log step fails after the interval's samples were taken."""
+
+    name = "fails"
+    after = ()
+
+    def take_samples(self, ctx):
+        import torch
+
+        from distmetrics.reduce import Sample
+
+        return [Sample("mine/value", torch.ones((), device="meta") if ctx.step == 2 else 1.0, "mean")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
+    """A log step that failed after taking its samples lost its interval's steps (said in a warning),
+    but the end record said 0 steps unwritten: the interval's count had gone with the samples."""
+    import distmetrics as dm
+
+    config = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
+                              timing_log_level=-1)
+    with pytest.raises(Exception) as raised:
+        with dm.Monitor(config, collectors=[_FailsAtItsLogStep()]) as monitor:
+            for step in (1, 2):
+                monitor.step(step, loss=1.0)
+    end = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
+    how = f"left its Monitor on {type(raised.value).__name__}"
+    assert (end["kind"], end["how"], end["unwritten_steps"]) == ("end", how, 2), (end, raised.value)

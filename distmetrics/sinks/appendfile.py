@@ -77,6 +77,11 @@ class AppendFile:
         """The step of the last append (what a look at close names)."""
         self._since = self._since_first = self._since_last = 0  # records written since the last check, their steps
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the file is open (a signal handler's close may have closed it under a write)."""
+        return self._fd >= 0
+
     def append_header(self, data: Union[bytes, Sequence[bytes]], step: int) -> bool:
         """Write ``data``, which is not a record but what must precede the records after it (a
         file's first event, a job's ``run`` record or "Starting job" line, TensorBoard's order to

@@ -74,11 +74,9 @@ class JsonlSink:
         if time.monotonic() >= self._file.check_at:  # a removed file's records are counted before the gap is made
             self._file.check(step)
         pieces = _pieces(kind, step, metrics, self._finite)
-        if kind == "end":  # how the job ended, counted as no lost record where it fails; written at close,
-            if self._file.lost is None:  # after the gap record, where records were lost
-                self._file.append(pieces, step, counts=False)
-            else:
-                self._end = (pieces, step)
+        if kind == "end":  # how the job ended: the last line, after the gap record where records were lost
+            self._end = (pieces, step)
+            self._write_end()  # now: at the exit of a process whose Monitor is open nothing closes this sink
             return
         if kind in ("run", "resume"):  # a job's header (readers split the file into jobs at it, and say where it
             # resumed from the resume record): held until written, ahead of the next record
@@ -93,15 +91,27 @@ class JsonlSink:
 
     def close(self) -> None:
         """Close the file, with a gap record where records were lost since the last one written
-        (if there is room now); a warning if records were still failing to be written."""
+        (if there is room now), then the end record if it is still held; a warning if records were
+        still failing to be written."""
         self._file.check(self._file.last_step, closing=True)  # records may have gone with a file removed meanwhile
+        self._write_end()
+        self._file.close()
+
+    def _write_end(self) -> None:
+        """The gap record where records were lost (else the records held, if any), then the end record
+        held, if any: counted as no lost record where it fails, and said, since a job without one reads as
+        killed."""
         lost = self._file.lost
-        if lost is not None:  # the gap record where records were lost; else the records held, if any
+        if lost is not None:
             self._file.append(self._gap(lost.last_step) if lost.records else (), lost.last_step, counts=False,
                               closing=True)
-        if self._end is not None and self._file.lost is None:  # no lost record of its own where it fails
-            self._file.append(*self._end, counts=False, closing=True)
-        self._file.close()
+        if self._end is None or self._file.lost is not None:  # the gap first: still failing, the end waits
+            return
+        end, self._end = self._end, None
+        if not self._file.append(*end, counts=False, closing=True) and self._file.is_open:
+            logger.warning("distmetrics: the jsonl sink could not write the job's end record to %s (a full disk, "
+                           "or a file size limit?): distmetrics summary and report will read this job as killed",
+                           self.path)
 
     def _gap(self, step: int) -> bytes:
         lost = self._file.lost
