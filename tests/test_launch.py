@@ -105,9 +105,10 @@ def test_megatron_trainer_tp2_pp2_matches_an_unsharded_run(tmp_path):
 
 
 def test_megatron_trainer_with_the_distributed_optimizer_reports_megatrons_own_grad_norm(tmp_path):
-    """Megatron's DDP + DistributedOptimizer (DP=2 × TP=2): our norm of the sharded gradients is
-    the one Megatron's optimizer computes for its clipping, at every log step."""
-    _torchrun("train_megatron.py", 4, ["--tp", "2", "--steps", "4", "--use-distributed-optimizer"] + METRICS
+    """The trainer's --use-distributed-optimizer: Megatron's DDP + DistributedOptimizer (DP=2), our norm
+    of the sharded gradients is the one Megatron's optimizer computes for its clipping, at every log step.
+    2 ranks: DP=2 × TP=2 is tests/test_megatron_distopt.py's, against float64 truth too."""
+    _torchrun("train_megatron.py", 2, ["--steps", "4", "--use-distributed-optimizer"] + METRICS
               + ["log_interval=2", f"output_dir={tmp_path}"])
     records = _train_records(tmp_path)
     assert [r["step"] for r in records] == [2, 4]
