@@ -274,7 +274,7 @@ def summarise(path) -> str:
 
 
 _RUN_KEYS = ("time", "world_size", "hosts", "layout", "torch_version", "end_record")
-"""The fields of a job's ``run`` record that its summary shows."""
+"""The fields of a job's ``run`` record that its summary reads."""
 
 
 class _JobSummary:
@@ -291,13 +291,17 @@ class _JobSummary:
         self.first = self.last = self.last_eval = None
         self.last_logged = None
         """The highest step of the job's train, eval and tensor_stats records."""
-        self.resumes, self.alerts, self.gaps = [], [], []
+        self.resumes, self.alerts = [], []
+        self.gaps: list[list] = []
+        """Per gap record: its line, whether a record was written after it, and its step."""
         self.end: Optional[dict] = None
         """The job's last ``end`` record: how its Monitor ended (a killed job writes none)."""
 
     def add(self, record: dict) -> None:
         """Take one more of the job's records, in file order."""
         kind, step = record.get("kind"), record["step"]
+        if self.gaps and kind not in ("gap", "end"):  # a record written after the last gap: its records resumed
+            self.gaps[-1][1] = True
         if kind in DASHBOARD_KINDS:
             self.last_logged = step if self.last_logged is None else max(self.last_logged, step)
         if kind == "train":
@@ -318,8 +322,9 @@ class _JobSummary:
         elif kind == "end":
             self.end = record
         elif kind == "gap":
-            self.gaps.append(f"  lost {record.get('lost_records')} record(s), steps {record.get('first_step')}-"
-                             f"{record.get('last_step')}: {record.get('error')} (written again from step {step})")
+            # written with the record after it, or at the job's end (the sink's close) with none after it
+            self.gaps.append([f"  lost {record.get('lost_records')} record(s), steps {record.get('first_step')}-"
+                              f"{record.get('last_step')}: {record.get('error')}", False, step])
 
 
 def _job_lines(number: int, job: _JobSummary, previous, next_job) -> list[str]:
@@ -341,7 +346,8 @@ def _job_lines(number: int, job: _JobSummary, previous, next_job) -> list[str]:
     if job.last_eval is not None:
         lines.append(f"  last eval step {job.last_eval[0]}: loss={_fmt(job.last_eval[1])}")
     lines += job.alerts
-    lines += job.gaps
+    lines += [f"{text} (written again from step {step})" if resumed else f"{text} (marked at the end of the job: no "
+              "record written after it)" for text, resumed, step in job.gaps]
     if job.started:
         lines.append("  " + end_note(job.end, last=next_job is None, expected=job.run.get("end_record", False)))
     return lines

@@ -978,6 +978,10 @@ def test_records_lost_until_close_are_counted_and_marked_once_there_is_room(tmp_
         said = [w for w in warnings if "records (steps" in w]  # not "writes ... again from step": it is closing
         assert len(said) == 1 and "the jsonl sink closes " in said[0] and said[0].endswith(
             "; 4 records (steps 1-4) could not be written; a \"gap\" record marks them."), said
+        out = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path / "run")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert (f"lost 4 record(s), steps 1-4: {records[1]['error']} (marked at the end of the job: no record "
+                "written after it)") in out.stdout, out.stdout  # not "written again from step 4"
     else:
         assert text == ""
         said = [w for w in warnings if "closed" in w and "not written" in w]
