@@ -472,12 +472,16 @@ if how == "full disk at exit":  # the file may not grow past what it holds now, 
     monitor.record("x/" + "a" * 2000, 1.0)  # a record too long for the room left: lost, a gap record marks it
 monitor.step(3, loss=1.0)
 monitor.step(4, loss=1.0)
+if how == "no room for the end record":  # the file may not grow past the step 4 record
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    size = __import__("os").path.getsize(out + "/metrics.jsonl")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 monitor.step(5, loss=1.0)
 raise RuntimeError("a failing step")
 """
 
 
-@pytest.mark.parametrize("how", ["closed in a later exit hook", "full disk at exit"])
+@pytest.mark.parametrize("how", ["closed in a later exit hook", "full disk at exit", "no room for the end record"])
 def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_records_were_lost(tmp_path, how):
     """A close() in an exit hook of the user's, after the Monitor's own, wrote a train record and a
     second end record after the first, which said the crash; the last (closed) hid it. Where records
@@ -487,6 +491,14 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
                          text=True, cwd=ROOT, timeout=120)
     assert job.returncode == 1 and "a failing step" in job.stderr, job.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    if how == "no room for the end record":  # the job reads as killed, and the warning says why
+        assert [(r["kind"], r["step"]) for r in records[1:]] == [("train", 2), ("train", 4)], records
+        assert ("the jsonl sink could not write the job's end record to " + str(tmp_path / "metrics.jsonl")
+                + " (a full disk, or a file size limit?): distmetrics summary and report will read this job as "
+                "killed") in job.stderr, job.stderr
+        assert _run("summary", tmp_path).stdout.rstrip().endswith("no end record: the job was killed (SIGKILL, an "
+                                                                  "out-of-memory kill, a node lost) or is still running")
+        return
     end = records[-1]
     assert end["kind"] == "end" and end["step"] == 5, records
     if how == "closed in a later exit hook":
