@@ -73,6 +73,11 @@ class IntervalClock:
         counted, self._start, self._pauses = end - self._start - paused, now, []
         return counted
 
+    @property
+    def started(self) -> int:
+        """When the interval started (a reading of :func:`now`)."""
+        return self._start
+
     def restart(self) -> None:
         """Start the interval again now, forgetting what was counted (a pause still open ends: the
         first ``monitor.step`` starts the count, as it starts the energy count and the step timer)."""

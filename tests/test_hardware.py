@@ -972,6 +972,42 @@ def _a_step_without_tokens(rank: int, world: int, never: bool = False) -> dict:
             "said": [line for line in said if "tokens=None" in line]}
 
 
+def _stalls_on_one_rank(rank: int, world: int) -> dict:
+    """Real sleeps, no collective between log steps (every 2nd step): rank 1's first step takes 1 s (a
+    warm-up) and its step 5 1.5 s; every other step 10 ms on both ranks. Each rank notes when each log
+    step returned: the ranks leave its reduction together."""
+    import time
+
+    import distmetrics as dm
+
+    returned, records = {}, {}
+    with dm.Monitor(quiet_config(log_interval=2, log_throughput=True)) as monitor:
+        for step in range(1, 11):
+            time.sleep({(1, 1): 1.0, (1, 5): 1.5}.get((rank, step), 0.01))
+            metrics = monitor.step(step, tokens=100)
+            if metrics is not None:
+                returned[step], records[step] = time.perf_counter(), metrics["train/step_time_ms"]
+    return {"returned": returned, "records": records}
+
+
+def test_a_wait_at_a_log_step_is_not_counted_again_in_the_next_interval():
+    """Each rank's clock started its next interval as it took its samples, before the reduction: the rank
+    that arrived first counted its wait there for the last one in its next interval, and the max over the
+    ranks made it the job's step time. Rank 1's warm-up (no step's time) read as 500 ms steps in the record
+    after the first, and its one slow step 5 as 750 ms steps twice (steps 5-6 and 7-8), with 10 ms steps
+    around it: the records added up to twice the wall time. The truth: the time between two log steps'
+    returns, which every rank leaves together."""
+    out = run_ranks(_stalls_on_one_rank, 2, timeout=120)
+    records, returned = out[0]["records"], out[0]["returned"]
+    assert out[1]["records"] == records and sorted(records) == [2, 4, 6, 8, 10]
+    truth = {step: (returned[step] - returned[step - 2]) * 1000 / 2 for step in (4, 6, 8, 10)}
+    assert truth[6] > 700 and records[6] == pytest.approx(truth[6], rel=0.2), (records, truth)
+    for step in (2, 4, 8, 10):  # 10 ms steps (a log step's own time and a loaded machine's delays on top)
+        assert records[step] < 150, (step, records, truth)
+    wall = (returned[10] - returned[2]) * 1000  # the records of steps 4-10 cover it all, once
+    assert 2 * sum(records[step] for step in (4, 6, 8, 10)) == pytest.approx(wall, rel=0.15), (records, truth)
+
+
 def test_throughput_of_an_interval_with_a_step_given_no_tokens_is_left_out_and_said():
     """Step 3 had tokens=None on rank 1: the record of step 4 divided the tokens given (400) by the
     time of every timed step (0.3 s), 1,333 tokens/s where the steps ran at 1,500 (MFU and energy per

@@ -3,7 +3,7 @@ scalars, a user's own values; and the interval's wall-time clock.
 
 Between log steps values are only added into device tensors (:class:`IntervalStats`). Internal
 lanes travel with them: the interval's wall time (``max`` across ranks: the job goes at its
-slowest rank's pace), its tokens (``sum``, counted once per data-parallel replica) and the
+slowest rank's pace; see :data:`LOG_SPAN_S` for where it starts), its tokens (``sum``, counted once per data-parallel replica) and the
 tokens of the step that started the clock; :meth:`StepValues.to_context` moves them into
 :class:`LogContext` after the reduction.
 
@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..interval import IntervalClock, IntervalStats, as_number
+from ..interval import IntervalClock, IntervalStats, as_number, now
 from ..names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
@@ -28,10 +28,19 @@ from .base import Alert, LogContext, Sample
 from .loss_checks import LearningRates, MixedWeights, StageLoss, loss_weight, loss_weights
 from .weightless import WeightlessMeans
 
-__all__ = ["StepValues", "INTERVAL_S", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS"]
+__all__ = ["StepValues", "INTERVAL_S", "LOG_SPAN_S", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS"]
 
 INTERVAL_S = "_train/interval_s"
-"""Internal lane: the interval's wall time in seconds (max across ranks)."""
+"""Internal lane: the interval's wall time in seconds on this rank, less :data:`LOG_SPAN_S` (max across ranks)."""
+LOG_SPAN_S = "_train/log_span_s"
+"""Internal lane: this rank's time from the taking of the last log step's samples to the end of its reduction
+(min across ranks). Each rank's clock starts the next interval as it takes its samples, before the reduction,
+where a rank that arrived first waits for the last: that wait, counted in its next interval, made the max of
+the ranks' intervals exceed the job's wall time (a slow first step on one rank read as ten slow steps in the
+next record). Less that span, the ranks' intervals all start at the reduction's end, which they leave
+together; the least span is the last rank's, which did not wait: the log step's own time, added back. So
+the interval is the wall time from the last rank's arrival at one log step to its arrival at the next, as
+Megatron's ``interval-time`` runs from one barrier to the next, the log step included."""
 TOKENS = "_train/tokens"
 """Internal lane: the interval's tokens (sum over the ranks that count them)."""
 UNTIMED_TOKENS = "_train/untimed_tokens"
@@ -88,6 +97,7 @@ class StepValues:
         self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
+        self._log_span_ns = 0  # the last log step's LOG_SPAN_S on this rank, in ns (0: none since the clock started)
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
@@ -136,6 +146,7 @@ class StepValues:
     def start(self) -> None:
         """Start the clock (the Monitor calls this at the first ``monitor.step``)."""
         self.clock.restart()
+        self._log_span_ns = 0
         self._starting = True
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
@@ -216,14 +227,16 @@ class StepValues:
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        seconds = self.clock.take(until=ctx.ended_at)  # close(): up to the last monitor.step
+        counted_ns = self.clock.take_ns(until=ctx.ended_at)  # close(): up to the last monitor.step
+        span_ns, self._log_span_ns = min(self._log_span_ns, counted_ns), 0
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0
         weights, self._loss_weights = self._loss_weights, 0
         lr, self._lr = self._lr, None
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
-        lanes = [Sample(INTERVAL_S, seconds, "max"), Sample(UNTIMED_TOKENS, untimed, "sum")]
+        lanes = [Sample(INTERVAL_S, (counted_ns - span_ns) / 1e9, "max"), Sample(LOG_SPAN_S, span_ns / 1e9, "min"),
+                 Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
             lanes.append(Sample(TOKENLESS_STEPS, float(tokenless), "max"))
         if weights:
@@ -244,7 +257,11 @@ class StepValues:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
         the steps the clock measured and their tokens)."""
         self.mixed.check_weightless(metrics, ctx.step)  # before a refusal below takes train/loss out
+        self._log_span_ns = now() - self.clock.started  # the reduction is over (see LOG_SPAN_S)
         ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
+        span, _ = metrics.pop(LOG_SPAN_S, None), metrics.pop(LOG_SPAN_S + "/min_rank", None)
+        if ctx.interval_s is not None and span is not None:
+            ctx.interval_s += span
         bad = _bad_count(metrics, "tokens", ctx.tokens, ctx.step)
         if bad:  # a tensor count is not read at the call (a device sync): a bad one shows here
             self.refused = ValueError(
