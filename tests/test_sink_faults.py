@@ -960,6 +960,87 @@ def _full_until_close_child(folder: str, recover: str, result: str) -> None:
     Path(result).write_text(json.dumps({"warnings": capture.messages}))
 
 
+def _long_outage_child(folder: str, evals: str, result: str) -> None:
+    """A full disk (a file size limit at the file's size) through ``evals`` log steps with an evaluation
+    each (records kept while they cannot be written), then room again for 3 more steps and close()."""
+    import resource
+
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, log_throughput=False, log_memory=False, straggler_window=0)
+    monitor = dm.Monitor(cfg)
+    monitor.step(1, loss=1.0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(Path(folder) / "metrics.jsonl"), hard))
+    last = 1 + int(evals)
+    for step in range(2, last + 1):
+        monitor.step(step, loss=1.0)
+        monitor.log_eval(step, loss=2.0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    for step in range(last + 1, last + 4):
+        monitor.step(step, loss=1.0)
+    monitor.close()
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
+
+
+def test_the_records_kept_through_a_long_outage_are_written_when_room_returns(tmp_path):
+    """Each evaluation record kept while the disk was full went ahead of the next record in the same
+    system call, three buffers each: past 341 of them that call took more than Linux's 1,024 (IOV_MAX),
+    failed with EINVAL every time, and the file was never written again (no gap record, no end record:
+    read as killed). Now they are joined into one buffer there."""
+    evals = 400
+    child = run_child("_long_outage_child", str(tmp_path / "run"), str(evals), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    last = 1 + evals
+    assert kinds[:2] == ["run", "train"] and kinds[-5:] == ["gap", "train", "train", "train", "end"], kinds[-8:]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == list(range(2, last + 1))  # every one kept
+    gap = records[-5]
+    assert (gap["first_step"], gap["last_step"], gap["lost_records"]) == (2, last, evals), gap
+    assert [r["step"] for r in records[-4:-1]] == [last + 1, last + 2, last + 3]
+    warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
+    assert not [w for w in warnings if "EINVAL" in w or "not written" in w], warnings
+
+
+def _removed_at_the_end_child(folder: str) -> None:
+    """The run folder removed (``rm -r``) after step 11's record, then step 12 and close(), with no look at
+    the file between (as within the second between two looks)."""
+    import shutil
+
+    import distmetrics as dm
+    from distmetrics.sinks import appendfile
+
+    appendfile.CHECK_EVERY_S = 3600.0  # no look at the file but close()'s (and, now, the end record's)
+
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, log_throughput=False, log_memory=False, straggler_window=0)
+    monitor = dm.Monitor(cfg)
+    for step in range(1, 12):
+        monitor.step(step, loss=1.0)
+    shutil.rmtree(folder)
+    monitor.step(12, loss=1.0)
+    monitor.close()
+
+
+def test_a_run_folder_removed_in_the_last_second_keeps_the_end_record(tmp_path):
+    """The end record was written into the removed file just before close() looked for a removal, then made
+    the file again with the run and gap records only: a job that closed its Monitor read as killed."""
+    child = run_child("_removed_at_the_end_child", str(tmp_path / "run"))
+    assert child.returncode == 0, child.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["run", "gap", "end"], records
+    assert (records[1]["first_step"], records[1]["last_step"], records[1]["lost_records"]) == (1, 12, 12), records
+    assert records[-1]["how"] == "closed its Monitor" and records[-1]["step"] == 12, records
+    out = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "ended at step 12: closed its Monitor" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("recover", [True, False], ids=["room at close", "never"])
 def test_records_lost_until_close_are_counted_and_marked_once_there_is_room(tmp_path, recover):
     """The run record held since the job's start was written alone at close, after a warning that

@@ -30,6 +30,11 @@ __all__ = ["AppendFile", "Lost", "describe_os_error", "CHECK_EVERY_S"]
 logger = logging.getLogger("distmetrics")
 CHECK_EVERY_S = 1.0
 """How often, at most, an append looks whether its file was removed (an ``fstat``, ~1 us: not per record)."""
+try:
+    IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+except (AttributeError, OSError, ValueError):  # no such limit known: POSIX's least, as Linux's
+    IOV_MAX = 1024
+"""The most pieces one ``os.writev`` takes (Linux: 1,024); more, and it fails with EINVAL every time."""
 
 
 @dataclass
@@ -119,6 +124,8 @@ class AppendFile:
         pieces = _pieces(data)
         if self._held:
             pieces = [*self._held, *pieces]
+        if len(pieces) > IOV_MAX:  # the records a long outage held (3 pieces each): one buffer, else never written
+            pieces = [b"".join(pieces)]
         size = sum(map(len, pieces))
         done = 0
         try:

@@ -75,6 +75,8 @@ class JsonlSink:
             self._file.check(step)
         pieces = _pieces(kind, step, metrics, self._finite)
         if kind == "end":  # how the job ended: the last line, after the gap record where records were lost
+            # written to a file removed since the last look, it would go with it: looked at first, as at close
+            self._file.check(step, closing=True)
             self._end = (pieces, step)
             self._write_end()  # now: at the exit of a process whose Monitor is open nothing closes this sink
             return
