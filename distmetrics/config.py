@@ -10,6 +10,7 @@ Keyword arguments, mapping keys, ``key=value`` overrides and YAML files are chec
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -320,7 +321,8 @@ class MetricsConfig:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
-        merged = apply_overrides(cls, dict(values), overrides)
+        # a copy to the leaves: overrides go into nested sections, and the config keeps what it was built from
+        merged = apply_overrides(cls, copy.deepcopy(values), overrides)
         try:
             return _build(cls, exponent_numbers(cls, merged), "")
         except ConfigError as err:

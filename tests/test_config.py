@@ -162,6 +162,26 @@ def test_overrides_are_yaml_typed_and_reach_nested_sections(tmp_path):
     assert cfg.tensor_inspect.init_training_step == 5
 
 
+def test_from_dict_leaves_the_mapping_it_was_given_as_it_was():
+    """An override of a nested key was written into the caller's own section, so a sweep's next config
+    from the same base mapping carried it; and a config held the caller's features mapping, so an
+    override for a later config changed an earlier one, already checked."""
+    import copy
+
+    features = {"sec": {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"},
+                        "LogTensorStats": {"enabled": True, "stats": ["min"], "tensors": ["activation"]}}}
+    base = {"log_interval": 5, "tensor_inspect": {"init_training_step": 0, "features": features}}
+    before = copy.deepcopy(base)
+    first = dm.MetricsConfig.from_dict(base, ["tensor_inspect.init_training_step=1000",
+                                              "tensor_inspect.features.sec.enabled=false", "log_interval=7"])
+    assert first.tensor_inspect.init_training_step == 1000 and first.log_interval == 7
+    assert base == before
+    second = dm.MetricsConfig.from_dict(base)
+    assert second.tensor_inspect.init_training_step == 0 and second.tensor_inspect.features["sec"]["enabled"]
+    dm.MetricsConfig.from_dict(base, ["tensor_inspect.features.sec.enabled=false"])
+    assert second.tensor_inspect.features["sec"]["enabled"] and base == before
+
+
 def test_missing_and_broken_yaml_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         dm.MetricsConfig.from_yaml(tmp_path / "nope.yaml")
