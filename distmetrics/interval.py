@@ -74,6 +74,11 @@ class IntervalClock:
         return counted
 
     @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` was called and :meth:`resume` not yet."""
+        return self._paused_at is not None
+
+    @property
     def started(self) -> int:
         """When the interval started (a reading of :func:`now`)."""
         return self._start

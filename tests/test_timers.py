@@ -840,6 +840,36 @@ def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_tim
     assert "the Monitor's step timer is not counted" in said[0]
 
 
+def test_a_pause_open_at_a_log_step_is_said_once_as_the_evaluation_after_it_counts(caplog, clock):
+    """``monitor.pause()`` before ``monitor.step()`` at a log step (a Trainer callback's order), then an
+    evaluation: the log step ends the pause, so the evaluation counts as step time, without a word
+    (11x the step time here). It is said once; ``pause()`` after ``monitor.step()`` leaves it out."""
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    for order in ("pause first", "step first"):
+        caplog.clear()
+        with dm.Monitor(quiet_config(log_interval=2, timing_log_level=0, log_throughput=True)) as monitor:
+            for step in range(1, 9):
+                clock.advance(100.0)
+                if order == "pause first" and step % 4 == 0:
+                    monitor.pause()
+                metrics = monitor.step(step, loss=1.0, tokens=10)
+                if step % 4 == 0:  # a 2 s evaluation after the log steps 4 and 8
+                    if order == "step first":
+                        monitor.pause()
+                    clock.advance(2000.0)
+                    monitor.resume()
+                if step == 6:
+                    record = metrics
+        said = [r.getMessage() for r in caplog.records if "monitor.pause() was still open" in r.getMessage()]
+        if order == "pause first":
+            assert record["train/step_time_ms"] == pytest.approx(1100.0) and len(said) == 1, said
+            assert said[0].startswith("distmetrics: monitor.pause() was still open at the log step of step 4: ")
+        else:
+            assert record["train/step_time_ms"] == pytest.approx(100.0) and said == [], said
+
+
 def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():
     """``monitor.pause()`` before ``monitor.step`` (an evaluation at the end of the loop body, resumed
     by the log step): the log step's resume of the step timer noted it among the timers in use while

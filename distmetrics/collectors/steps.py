@@ -98,6 +98,7 @@ class StepValues:
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._log_span_ns = 0  # the last log step's LOG_SPAN_S on this rank, in ns (0: none since the clock started)
+        self._says_pause = layout.says_once  # a pause open at a log step: said once, by the first rank
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
@@ -227,6 +228,13 @@ class StepValues:
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
+        if self.clock.paused and ctx.ended_at is None and self._says_pause:
+            self._says_pause = False
+            logger.warning(
+                "distmetrics: monitor.pause() was still open at the log step of step %d: a pause ends at a log step, "
+                "so what follows it there (an evaluation or a save after monitor.step) is counted as step time "
+                "(step time, tokens/s, MFU, ETA, timers/step). Call monitor.pause() after monitor.step(), and "
+                "monitor.resume() before the next step. Said once.", ctx.step)
         counted_ns = self.clock.take_ns(until=ctx.ended_at)  # close(): up to the last monitor.step
         span_ns, self._log_span_ns = min(self._log_span_ns, counted_ns), 0
         self.timed_steps, self._timed = self._timed, 0
