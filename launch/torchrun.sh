@@ -30,9 +30,14 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job may use, not all the node's
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job may use, not all the node's: as CUDA reads
+  # the list, up to its first entry that names no device (-1 and Slurm's NoDevFiles hide them all)
   IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
-  gpus=${#visible[@]}
+  gpus=0
+  for device in "${visible[@]}"; do
+    [[ $device =~ ^[[:space:]]*([0-9]+|GPU-.+|MIG-.+)[[:space:]]*$ ]] || break
+    gpus=$((gpus + 1))
+  done
 else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi

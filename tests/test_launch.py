@@ -275,7 +275,11 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
     ({"MASTER_PORT": "1234"}, "--nproc-per-node 8 --master-addr 127.0.0.1 --master-port 1234 x.py"),
     ({"NNODES": "2", "MASTER_ADDR": "n0"}, "8 --rdzv-backend c10d --rdzv-endpoint n0:29500 --rdzv-id distmetrics x.py"),
     ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, "--nproc-per-node 3 --standalone x.py"),
-    ({"CUDA_VISIBLE_DEVICES": ""}, "--nproc-per-node 2 --standalone x.py")])
+    ({"CUDA_VISIBLE_DEVICES": ""}, "--nproc-per-node 2 --standalone x.py"),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, "--nproc-per-node 2 --standalone x.py"),  # CUDA: no device
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, "--nproc-per-node 2 --standalone x.py"),  # Slurm's: no GPU
+    ({"CUDA_VISIBLE_DEVICES": "0,1,-1,3"}, "--nproc-per-node 2 --standalone x.py"),  # CUDA stops at -1
+    ({"CUDA_VISIBLE_DEVICES": "GPU-8f6e,MIG-1a2b,4"}, "--nproc-per-node 3 --standalone x.py")])
 def test_torchrun_sh_command_lines(tmp_path, extra, expected):
     """One node: its own rendezvous on a free port, or on MASTER_PORT alone (a c10d rendezvous with a
     fixed id made a second job on the node wait, silent, as the first's spare until it ended);
