@@ -217,8 +217,8 @@ class CollectiveGuard:
             elif mark == _LEFT_MARK.encode():
                 failure = HangError("a rank has left its Monitor")
             elif failure is None:  # this rank arrived after another had given up: it must not go on alone
-                failure = HangError("another rank gave up waiting at this guarded call after hang_timeout_s, "
-                                    "before every rank arrived")
+                failure = _Late("another rank gave up waiting at this guarded call after hang_timeout_s, "
+                                "before every rank arrived")
         except dist.DistError as err:  # any store failure (its host rank has ended) is a hang too
             failure = err
         except BaseException as err:  # a signal handler's SystemExit, Ctrl-C, or its own error raised in the
@@ -307,11 +307,24 @@ class CollectiveGuard:
         try:
             rows = self._rows()
         except Exception:  # noqa: BLE001 - the store itself is gone (its host rank died)
+            if isinstance(err, _Differ):  # the mark was read: the calls were not (rank 0 raised and ended first)
+                return (f"distmetrics: rank {self.rank} is at {waiting}, guarded call #{self._seq}, where the ranks "
+                        "made different calls (the last rank to arrive found it); which rank made which call could "
+                        "not be read: the c10d store became unreachable, its host rank 0 having ended (on this "
+                        "error: its message names them). Every rank must make the same monitor calls (step, "
+                        "log_eval, checkpoint_saved, close) with the same step numbers, in the same order.")
             return (f"distmetrics: rank {self.rank} waited at {waiting} and the c10d store became unreachable "
                     f"({type(err).__name__}: {err}); the rank hosting it (rank 0) has ended: it may have died, "
                     "or raised its own HangError first (its message names the ranks that did not arrive)")
         if isinstance(err, _Differ):
             return self._differ_report(waiting, rows)
+        if isinstance(err, _Late):
+            return (f"distmetrics: rank {self.rank} arrived at {waiting}, guarded call #{self._seq}, "
+                    f"{waited:.1f} s after it started the call, but another rank had given up waiting there after "
+                    f"hang_timeout_s ({self.timeout_s:g} s): this rank came late (slower than hang_timeout_s allows "
+                    "between two monitor calls, or held up outside the Monitor), and the ranks that waited raised "
+                    "HangError naming it. Raise hang_timeout_s where a rank may take longer (a slow first step, a "
+                    "long save outside monitor.pause()).")
         now = time.time()
         left, missing = [], []  # a rank that left will not come; one that has not arrived yet may be on its way
         for r, row in enumerate(rows):  # one that arrived and left inside this call (a signal's) will not go on
@@ -363,6 +376,10 @@ class _Row(NamedTuple):
 
 class _Differ(Exception):
     """The last rank to arrive found that the ranks made different calls (the ``differ`` mark)."""
+
+
+class _Late(Exception):
+    """This rank arrived after another had given up waiting (the ``gave up`` mark)."""
 
 
 _OFF = " with hang_timeout_s 0 (the arrival check off)"  # the start-up call's text on a rank with the check off
