@@ -61,11 +61,15 @@ def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
             raise value
         return value
 
+    m.failing = {}  # reading's function name → an NVML error code it raises from now on (a GPU lost: 15)
+
     def reader(name, value):
         def read(handle, *args):
             record(name, handle, *args)
             if name in unsupported:
                 raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+            if name in m.failing:
+                raise NVMLError(m.failing[name])
             return value(uuids.index(handle)) if callable(value) else value
         return read
 

@@ -191,6 +191,33 @@ def test_telemetry_min_max_with_ranks_and_unsupported_fields_skipped(nvml):
     assert not any(k.startswith("gpu/fan_pct") for k in m)
 
 
+def test_a_telemetry_reading_that_fails_is_said_once_and_tried_again(nvml, caplog):
+    """A GPU lost mid-run (NVML_ERROR_GPU_IS_LOST, 15, from every reading) was taken for a reading the GPU
+    does not support: left out for good, without a word, so gpu/ min and max named another rank's GPU."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    fake = nvml(devices=dict(GPUS))
+    from distmetrics.collectors.nvml import TelemetryCollector
+
+    monitor = _monitor(collectors=[TelemetryCollector(uuid="GPU-3333")])
+    monitor.step(1)
+    assert monitor.step(2)["gpu/temperature_c/max"] == 63
+    fake.failing.update(nvmlDeviceGetTemperature=15, nvmlDeviceGetClockInfo=15)
+    for step in (3, 4, 5, 6):
+        m = monitor.step(step)
+        if m is not None:
+            assert not any(k.startswith(("gpu/temperature_c", "gpu/sm_clock_mhz")) for k in m), m
+            assert m["gpu/utilization_pct/max"] == 93
+    said = [r.getMessage() for r in caplog.records if "telemetry reading" in r.getMessage()]
+    assert said == ["distmetrics: rank 0: 2 GPU telemetry reading(s) failed at step 4 (gpu/sm_clock_mhz: NVMLError: "
+                    "NVML error 15): left out of the record (gpu/ min and max are then the other ranks'), and tried "
+                    "again at every log step; said once"], said
+    fake.failing.clear()
+    monitor.step(7)
+    m = monitor.step(8)
+    assert m["gpu/temperature_c/max"] == 63 and m["gpu/sm_clock_mhz/max"] == 1530
+    monitor.close()
+
+
 def _memory_and_energy(rank: int, world: int) -> dict:
     import psutil
     import torch

@@ -270,9 +270,12 @@ class TelemetryCollector:
             return
         self.enabled = True
         self._broken: set[str] = set()
+        self._said_failing = False
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
-        """Current readings (a reading this GPU does not support is skipped from then on)."""
+        """Current readings (a reading this GPU does not support is skipped from then on; one that fails
+        otherwise, a GPU lost or an NVML error, is left out of this record, said once by this rank, and
+        tried again at the next log step)."""
         if not self.enabled:
             return self.not_opened.samples()
         n, h = self._nvml, self._handle
@@ -289,14 +292,24 @@ class TelemetryCollector:
             "gpu/fan_pct": lambda: n.nvmlDeviceGetFanSpeed(h),
             "gpu/throttle_reasons": lambda: _throttle_reasons(n, h),
         }
-        out = []
+        out, failed = [], []
         for name, read in readers.items():
             if name in self._broken:
                 continue
             try:
                 out.append(Sample(name, float(read()), "minmax"))
-            except Exception:  # noqa: BLE001 - e.g. no fan on a passively cooled board
-                self._broken.add(name)  # not supported here: stop asking, report nothing
+            except Exception as err:  # noqa: BLE001 - e.g. no fan on a passively cooled board
+                if _unsupported(n, err):
+                    self._broken.add(name)  # not supported here: stop asking, report nothing
+                else:
+                    failed.append((name, err))
+        if failed and not self._said_failing:  # this rank's own GPU: the extremes would name another's, unsaid
+            self._said_failing = True
+            rank = 0 if ctx.layout is None else ctx.layout.rank
+            name, err = failed[0]
+            logger.warning("distmetrics: rank %d: %d GPU telemetry reading(s) failed at step %d (%s: %s: %s): left "
+                           "out of the record (gpu/ min and max are then the other ranks'), and tried again at every "
+                           "log step; said once", rank, len(failed), ctx.step, name, type(err).__name__, err)
         return out
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Alert]:
@@ -307,6 +320,16 @@ class TelemetryCollector:
     def close(self) -> None:
         """Nothing to release; a GPU not opened is said here where no log step said it."""
         self.not_opened.say_at_close()
+
+
+def _unsupported(n: Any, err: BaseException) -> bool:
+    """Whether a reading's error says this GPU or driver has no such reading (NVML's NOT_SUPPORTED or
+    FUNCTION_NOT_FOUND, or a pynvml without the function), not that reading it failed this time."""
+    if isinstance(err, AttributeError):
+        return True
+    value = getattr(err, "value", None)
+    return value is not None and value in (getattr(n, "NVML_ERROR_NOT_SUPPORTED", 3),
+                                           getattr(n, "NVML_ERROR_FUNCTION_NOT_FOUND", 13))
 
 
 def _throttle_reasons(n: Any, h: Any) -> int:
