@@ -62,9 +62,13 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():  # reading a FIFO would wait for a writer, for ever
+        raise ValueError(f"{str(path)!r} is no file nor folder (a device, a FIFO or a socket)")
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
-    if (path / METRICS_FILE).is_file():
+    if (path / METRICS_FILE).exists():
+        if not (path / METRICS_FILE).is_file():
+            raise ValueError(f"{str(path / METRICS_FILE)!r} is no file (a device, a FIFO or a socket)")
         return [path / METRICS_FILE]
     found, seen = [], set()
     for folder, subfolders, files in os.walk(path, followlinks=True):  # runs linked in are runs too
@@ -73,7 +77,7 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
             subfolders.clear()
             continue
         seen.add(real)
-        if METRICS_FILE in files:
+        if METRICS_FILE in files and os.path.isfile(os.path.join(folder, METRICS_FILE)):  # not a FIFO, for ever
             found.append(Path(folder) / METRICS_FILE)
             subfolders.clear()  # a run folder: its tensorboard/ and wandb/ hold no runs
         subfolders.sort()

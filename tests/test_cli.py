@@ -2,6 +2,7 @@
 commands that read files start without torch, ``summary`` takes run folders and refuses files that
 are not a metrics.jsonl, ``check-config`` refuses what the Monitor would refuse, exit status 2."""
 
+import os
 import json
 import subprocess
 import sys
@@ -76,10 +77,16 @@ def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
     binary.write_bytes(bytes(range(256)) * 4)
     empty = tmp_path / "empty"
     empty.mkdir()
+    fifo_run = tmp_path / "fifo_run"  # a FIFO read waits for a writer: summary hung without a word
+    fifo_run.mkdir()
+    os.mkfifo(fifo_run / "metrics.jsonl")
     for path, message in ((ROOT / "README.md", "is not a distmetrics metrics.jsonl"),
                           (binary, "is not a distmetrics metrics.jsonl"),
                           (empty, "is a folder without metrics.jsonl"),
-                          (tmp_path / "missing", "does not exist")):
+                          (tmp_path / "missing", "does not exist"),
+                          ("/dev/null", "'/dev/null' is no file nor folder (a device, a FIFO or a socket)"),
+                          (fifo_run, "metrics.jsonl' is no file (a device, a FIFO or a socket)"),
+                          (fifo_run / "metrics.jsonl", "is no file nor folder")):
         out = _run("summary", path)
         assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
 
