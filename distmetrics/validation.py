@@ -65,7 +65,8 @@ def non_text_key(prefix: str, key: Any) -> str:
 
 def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
     """``unknown config key 'k' (value v); did you mean 'key'? Accepted keys: ...``."""
-    close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    by_lower = {str(k).lower(): k for k in sorted(known)}  # LOG_INTERVAL: log_interval
+    close = [by_lower[k] for k in difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)]
     given = "" if value is ... else f" (value {_short(value)})"
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
     accepted = ", ".join(prefix + k for k in sorted(known))

@@ -28,6 +28,8 @@ def test_shipped_yaml_names_every_key_and_loads():
 def test_unknown_key_names_it_and_suggests_the_closest():
     with pytest.raises(ValueError, match=r"unknown config key 'log_intervall'.*did you mean 'log_interval'"):
         dm.MetricsConfig.from_dict({"log_intervall": 5})
+    with pytest.raises(ValueError, match=r"unknown config key 'LOG_INTERVAL'.*did you mean 'log_interval'"):
+        dm.MetricsConfig.from_dict({"LOG_INTERVAL": 5})  # any letter case, as a choice's value is matched
 
 
 def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():

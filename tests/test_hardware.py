@@ -971,6 +971,7 @@ def test_mfu_above_100_is_said_once_per_job_not_once_per_rank():
     """Every rank computes the same MFU: each said it, 1,000 warnings on 1,000 ranks."""
     said = run_ranks(_mfu_above_100, 2, timeout=90)
     assert len(said[0]) == 1 and said[1] == []
+    assert "peak_tflops=1 or flops_per_token=1e+12" in said[0][0], said  # a peak below 0.05 read 0.0
 
 
 def _a_step_without_tokens(rank: int, world: int, never: bool = False) -> dict:

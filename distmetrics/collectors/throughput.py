@@ -142,5 +142,5 @@ class ThroughputCollector:
         metrics["train/mfu_pct"] = mfu
         if mfu > 100.0 and not self._mfu_warned:
             self._mfu_warned = True
-            logger.warning("distmetrics: MFU %.1f%% is above 100%%: peak_tflops=%.1f or flops_per_token=%.3g "
+            logger.warning("distmetrics: MFU %.1f%% is above 100%%: peak_tflops=%.4g or flops_per_token=%.3g "
                            "is wrong for this GPU and model", mfu, self.peak_tflops, self.flops_per_token)
