@@ -318,19 +318,19 @@ class CollectiveGuard:
                     "or raised its own HangError first (its message names the ranks that did not arrive)")
         if isinstance(err, _Differ):
             return self._differ_report(waiting, rows)
-        if isinstance(err, _Late):
-            return (f"distmetrics: rank {self.rank} arrived at {waiting}, guarded call #{self._seq}, "
-                    f"{waited:.1f} s after it started the call, but another rank had given up waiting there after "
-                    f"hang_timeout_s ({self.timeout_s:g} s): this rank came late (slower than hang_timeout_s allows "
-                    "between two monitor calls, or held up outside the Monitor), and the ranks that waited raised "
-                    "HangError naming it. Raise hang_timeout_s where a rank may take longer (a slow first step, a "
-                    "long save outside monitor.pause()).")
         now = time.time()
         left, missing = [], []  # a rank that left will not come; one that has not arrived yet may be on its way
         for r, row in enumerate(rows):  # one that arrived and left inside this call (a signal's) will not go on
             if not self._arrived(row, call, step) or row.left_in == self._seq:
                 (left if row.left else missing).append(f"rank {r}: last call {row.last} "
                                                        f"(published {now - row.stamp:.1f} s ago)")
+        if isinstance(err, _Late) and not left and not missing:  # every other rank had come: this one was late
+            return (f"distmetrics: rank {self.rank} arrived at {waiting}, guarded call #{self._seq}, "
+                    f"{waited:.1f} s after it started the call, but another rank had given up waiting there after "
+                    f"hang_timeout_s ({self.timeout_s:g} s): this rank came late (slower than hang_timeout_s allows "
+                    "between two monitor calls, or held up outside the Monitor), and the ranks that waited raised "
+                    "HangError naming it. Raise hang_timeout_s where a rank may take longer (a slow first step, a "
+                    "long save outside monitor.pause()).")
         who = "; ".join(missing) or ("none" if left else
                                      "none of the other ranks published a different call (they may have died)")
         gone = f"ranks that left their Monitor and will not arrive: {'; '.join(left)}; " if left else ""
@@ -378,8 +378,9 @@ class _Differ(Exception):
     """The last rank to arrive found that the ranks made different calls (the ``differ`` mark)."""
 
 
-class _Late(Exception):
-    """This rank arrived after another had given up waiting (the ``gave up`` mark)."""
+class _Late(HangError):
+    """This rank arrived after another had given up waiting (the ``gave up`` mark): late itself where every
+    other rank had arrived, else behind a rank that has not."""
 
 
 _OFF = " with hang_timeout_s 0 (the arrival check off)"  # the start-up call's text on a rank with the check off
