@@ -652,6 +652,38 @@ def test_an_output_dir_removed_mid_run_is_made_again_and_still_refuses_a_second_
     assert moved == [1, 2, 3, 4]
 
 
+def _wandb_folder_removed_child(folder: str, result: str) -> None:
+    """W&B offline in the run folder, removed (``rm -r``) after step 3 of 8."""
+    import shutil
+
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, wandb_project="removed", wandb_mode="offline")
+    with dm.Monitor(cfg) as monitor:
+        (sink,) = [s for s in monitor.sinks.queued if s.name == "wandb"]
+        sink._ready(wait_s=60.0)  # W&B's run exists: the rows before the removal reach it
+        for step in range(1, 9):
+            if step == 4:
+                monitor.sinks.flush()
+                shutil.rmtree(folder)
+            monitor.step(step, loss=1.0)
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
+
+
+def test_a_wandb_run_folder_removed_mid_run_is_said(tmp_path):
+    """JSONL, TensorBoard and progress.txt said the removal and wrote again; W&B, whose checks read
+    its log and its disk in the removed folder, said nothing while its rows from then on were lost."""
+    pytest.importorskip("wandb")
+    child = run_child("_wandb_folder_removed_child", str(tmp_path / "run"), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    said = [w for w in json.loads((tmp_path / "result.json").read_text())["warnings"] if "wandb sink" in w]
+    assert len(said) == 1 and "was removed while the run was writing it; W&B does not make it again" in said[0], said
+    assert str(tmp_path / "run" / "wandb") in said[0], said
+
+
 def test_the_count_of_dropped_records_at_close_names_the_sinks_that_fell_behind(caplog):
     import threading
 
@@ -1005,6 +1037,51 @@ def test_the_records_kept_through_a_long_outage_are_written_when_room_returns(tm
     assert [r["step"] for r in records[-4:-1]] == [last + 1, last + 2, last + 3]
     warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
     assert not [w for w in warnings if "EINVAL" in w or "not written" in w], warnings
+
+
+def _nearly_full_child(folder: str, result: str) -> None:
+    """A disk so nearly full that each train record (50 values) fails while the evaluation record after
+    it fits, at six log steps in a row; then room again for one more step, and close()."""
+    import resource
+
+    import distmetrics as dm
+
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    path = Path(folder) / "metrics.jsonl"
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, log_throughput=False, log_memory=False, straggler_window=0)
+    monitor = dm.Monitor(cfg)
+    scalars = {f"x{i:02d}": float(i) for i in range(50)}
+    monitor.step(1, loss=1.0, **scalars)
+    for step in range(2, 8):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 400, hard))  # an eval and a gap fit
+        monitor.step(step, loss=1.0, **scalars)
+        monitor.log_eval(step, loss=2.0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    monitor.step(8, loss=1.0, **scalars)
+    monitor.close()
+    Path(result).write_text(json.dumps({"warnings": capture.messages}))
+
+
+def test_a_disk_failing_and_working_again_at_every_step_is_said_once_and_counted_at_close(tmp_path):
+    """Each train record failed and the evaluation after it was written: two warnings at every log step
+    ("cannot write", "writes again"). An outage beginning within FLAPPING_S of the last one's end is now
+    marked by its gap record only, and counted at close."""
+    child = run_child("_nearly_full_child", str(tmp_path / "run"), str(tmp_path / "result.json"))
+    assert child.returncode == 0, child.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    gaps = [(r["first_step"], r["last_step"], r["lost_records"]) for r in records if r["kind"] == "gap"]
+    assert gaps == [(step, step, 1) for step in range(2, 8)], gaps
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 8]
+    warnings = [w for w in json.loads((tmp_path / "result.json").read_text())["warnings"] if "jsonl sink" in w]
+    assert len(warnings) == 3, warnings
+    assert "cannot write" in warnings[0] and "at step 2:" in warnings[0], warnings
+    assert "writes " in warnings[1] and "again from step 2; 1 record (steps 2-2)" in warnings[1], warnings
+    assert warnings[2].endswith(": 5 more outages began within 600 s of the one before (the disk nearly full) and "
+                                "lost 5 records, each marked by a \"gap\" record, not said each time."), warnings
 
 
 def _removed_at_the_end_child(folder: str) -> None:

@@ -5,7 +5,9 @@ A write that fails (disk full, quota, I/O error) is cut back off, so the file ne
 torn record; every later record is tried again, so writing resumes by itself when space
 returns. What could not be written is counted and said: one warning when writing starts to
 fail (the path, the errno and its text), one when it works again (how many records, which
-steps), and one at close if it never did.
+steps), and one at close if it never did; an outage beginning within :data:`FLAPPING_S` of the last
+one's end is not said, but counted in the next warning (a disk so nearly full that it fails and
+works again at every record would say both each time).
 
 A file removed while it is written (``rm -r`` of the run folder) would take every later record
 with it, as the writes go on into the unlinked file: at most once a second (:data:`CHECK_EVERY_S`)
@@ -35,6 +37,10 @@ try:
 except (AttributeError, OSError, ValueError):  # no such limit known: POSIX's least, as Linux's
     IOV_MAX = 1024
 """The most pieces one ``os.writev`` takes (Linux: 1,024); more, and it fails with EINVAL every time."""
+FLAPPING_S = 600.0
+"""An outage that starts within this many seconds of the last one's end (a disk so nearly full that a
+small record fits between two that do not) is not said, neither its failure nor its end: its gap record
+marks it, and the next outage said, or close(), counts it. Else each log step could say both."""
 
 
 @dataclass
@@ -50,6 +56,8 @@ class Lost:
     """Records kept to be written later (``append(keep=True)``), not counted in ``records``."""
     quiet: bool = False
     """Said already (the file was removed): writing again is not announced."""
+    hushed: bool = False
+    """Begun within :data:`FLAPPING_S` of the last outage's end: neither it nor its end is said."""
 
 
 class AppendFile:
@@ -81,6 +89,8 @@ class AppendFile:
         self.last_step = 0
         """The step of the last append (what a look at close names)."""
         self._since = self._since_first = self._since_last = 0  # records written since the last check, their steps
+        self._calm_at = 0.0  # time.monotonic() from which a new outage is said again (FLAPPING_S after the last)
+        self._unsaid = [0, 0]  # outages not said (FLAPPING_S), and the records they lost
 
     @property
     def is_open(self) -> bool:
@@ -156,6 +166,11 @@ class AppendFile:
             self._since, self._since_last = self._since + 1, step
         if self.lost is not None:
             lost, self.lost = self.lost, None
+            self._calm_at = time.monotonic() + FLAPPING_S
+            if lost.hushed:  # its gap record marks it; the next outage said, or close(), counts it
+                self._unsaid[0] += 1
+                self._unsaid[1] += lost.records
+                return True
             if lost.quiet:  # the file was removed: its warning said what was lost
                 return True
             again = "closes %s" if closing else "writes %s again from step %d"
@@ -188,9 +203,21 @@ class AppendFile:
         if self.lost is not None and not self.lost.quiet:
             lost = self.lost
             records = lost.records + lost.held  # the kept ones found no room either
-            logger.warning("distmetrics: the %s sink closed %s with %d record%s (steps %d-%d) not written: %s.",
+            logger.warning("distmetrics: the %s sink closed %s with %d record%s (steps %d-%d) not written: %s%s.",
                            self.sink, self.path, records, "" if records == 1 else "s",
-                           lost.first_step, lost.last_step, lost.error)
+                           lost.first_step, lost.last_step, lost.error, self._take_unsaid())
+        elif self._unsaid[0]:
+            logger.warning("distmetrics: the %s sink closed %s: %s.", self.sink, self.path,
+                           self._take_unsaid(lead=""))
+
+    def _take_unsaid(self, lead: str = "; besides, ") -> str:
+        """``; besides, 3 more outages began ...``: the outages not said since the last one said (none: "")."""
+        (outages, records), self._unsaid = self._unsaid, [0, 0]
+        if not outages:
+            return ""
+        return (f"{lead}{outages} more outage{'' if outages == 1 else 's'} began within {FLAPPING_S:g} s of the "
+                f"one before (the disk nearly full) and lost {records} record{'' if records == 1 else 's'}"
+                + (f", each marked by {self.on_loss}" if self.on_loss else "") + ", not said each time")
 
     def check(self, step: int, closing: bool = False) -> None:
         """Whether the file was removed, at most once a second (every call ``closing``); where it
@@ -284,10 +311,12 @@ class AppendFile:
             logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s; every later record is tried "
                            "again.", self.sink, self.path, step, describe_os_error(err))
         if self.lost is None:
-            self.lost = Lost(step, step, 0, describe_os_error(err))
-            logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
-                           "whole record; every later record is tried again%s.", self.sink, self.path, step,
-                           self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss else "")
+            self.lost = Lost(step, step, 0, describe_os_error(err), hushed=time.monotonic() < self._calm_at)
+            if not self.lost.hushed:
+                logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
+                               "whole record; every later record is tried again%s%s.", self.sink, self.path, step,
+                               self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss
+                               else "", self._take_unsaid())
         return self.lost
 
     def _count_lost(self, err: OSError, step: int) -> None:

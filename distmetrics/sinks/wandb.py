@@ -180,7 +180,7 @@ class WandbSink:
         or the disk holding the run is full."""
         if self._problem_reported:
             return
-        problem = self._logged_error() or self._disk_full()
+        problem = self._logged_error() or self._disk_full() or self._removed()
         if problem:
             self._problem_reported = True
             when = f"seen at step {step}" if step is not None else "seen at close"
@@ -208,6 +208,15 @@ class WandbSink:
                     message = line.decode("utf-8", "replace")
                 return f"{message!r} (W&B's log: {path})"
         return ""
+
+    def _removed(self) -> str:
+        """Whether the run's folder was removed (``rm -r`` of the run folder): W&B writes on into the
+        removed files, and its checks above can read neither its log nor its disk there."""
+        folder = getattr(self.run, "dir", None)
+        if not folder or os.path.isdir(folder):
+            return ""
+        return (f"its run folder {folder} was removed while the run was writing it; W&B does not make it again, "
+                "so its rows are lost from then on (the JSONL file is made again and holds them)")
 
     def _disk_full(self) -> str:
         folder = getattr(self.run, "dir", None)
