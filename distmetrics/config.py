@@ -10,7 +10,6 @@ Keyword arguments, mapping keys, ``key=value`` overrides and YAML files are chec
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -321,8 +320,8 @@ class MetricsConfig:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
-        # a copy to the leaves: overrides go into nested sections, and the config keeps what it was built from
-        merged = apply_overrides(cls, copy.deepcopy(values), overrides)
+        # the sections copied: overrides go into nested ones, and the config keeps what it was built from
+        merged = apply_overrides(cls, _copy_sections(values), overrides)
         try:
             return _build(cls, exponent_numbers(cls, merged), "")
         except ConfigError as err:
@@ -401,3 +400,11 @@ def _require(obj: Any, name: str, ok: bool, accepted: str) -> None:
         raise ConfigError(f"{name}={getattr(obj, name)!r}: accepted values are {accepted}")
 
 
+def _copy_sections(value: Any) -> Any:
+    """``value`` with every mapping and list in it copied (the values themselves are not: one that cannot
+    be copied is refused by the checks, naming its key)."""
+    if isinstance(value, dict):
+        return {key: _copy_sections(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_sections(item) for item in value]
+    return value

@@ -77,7 +77,7 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
             subfolders.clear()
             continue
         seen.add(real)
-        if METRICS_FILE in files and os.path.isfile(os.path.join(folder, METRICS_FILE)):  # not a FIFO, for ever
+        if METRICS_FILE in files:  # a FIFO too: refused when read (Records), said as a run that cannot be read
             found.append(Path(folder) / METRICS_FILE)
             subfolders.clear()  # a run folder: its tensorboard/ and wandb/ hold no runs
         subfolders.sort()
@@ -111,6 +111,8 @@ class Records:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.lines = self.blank = self.unreadable = 0
         found, limit = False, LINE_LIMIT
+        if os.path.exists(self.path) and not os.path.isfile(self.path):  # a FIFO's read would wait for a writer
+            raise ValueError(f"{str(self.path)!r} is no file (a device, a FIFO or a socket)")
         with open(self.path, "rb") as f:  # lines end at \n only, as written
             for whole in _lines(f, limit):
                 for line, record in [(None, None)] if whole is None else decode_pieces(whole):

@@ -182,6 +182,8 @@ def test_from_dict_leaves_the_mapping_it_was_given_as_it_was():
     assert second.tensor_inspect.init_training_step == 0 and second.tensor_inspect.features["sec"]["enabled"]
     dm.MetricsConfig.from_dict(base, ["tensor_inspect.features.sec.enabled=false"])
     assert second.tensor_inspect.features["sec"]["enabled"] and base == before
+    with pytest.raises(ConfigError, match="log_interval=.* has type generator; accepted: int"):  # not copied first
+        dm.MetricsConfig.from_dict({"log_interval": (x for x in range(3))})
 
 
 def test_missing_and_broken_yaml_files_are_named(tmp_path):

@@ -840,34 +840,38 @@ def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_tim
     assert "the Monitor's step timer is not counted" in said[0]
 
 
-def test_a_pause_open_at_a_log_step_is_said_once_as_the_evaluation_after_it_counts(caplog, clock):
+def test_a_pause_a_log_step_ended_then_resumed_is_said_once_as_the_evaluation_between_counts(caplog, clock):
     """``monitor.pause()`` before ``monitor.step()`` at a log step (a Trainer callback's order), then an
-    evaluation: the log step ends the pause, so the evaluation counts as step time, without a word
-    (11x the step time here). It is said once; ``pause()`` after ``monitor.step()`` leaves it out."""
+    evaluation and ``resume()``: the log step ends the pause, so the evaluation counts as step time,
+    without a word (11x the step time here). The resume() that ends no pause says so, once; pause()
+    after monitor.step() leaves the evaluation out, and an evaluation before monitor.step(), its pause
+    never resumed, is left out too (the log step ends it where it should), both without a word."""
     import distmetrics as dm
 
     caplog.set_level(logging.WARNING, logger="distmetrics")
-    for order in ("pause first", "step first"):
+    for order in ("pause, step, eval, resume", "step, pause, eval, resume", "pause, eval, step"):
         caplog.clear()
         with dm.Monitor(quiet_config(log_interval=2, timing_log_level=0, log_throughput=True)) as monitor:
             for step in range(1, 9):
                 clock.advance(100.0)
-                if order == "pause first" and step % 4 == 0:
+                if step % 4 == 0 and order != "step, pause, eval, resume":
                     monitor.pause()
+                    if order == "pause, eval, step":
+                        clock.advance(2000.0)
                 metrics = monitor.step(step, loss=1.0, tokens=10)
-                if step % 4 == 0:  # a 2 s evaluation after the log steps 4 and 8
-                    if order == "step first":
+                if step % 4 == 0 and order != "pause, eval, step":  # a 2 s evaluation after the log steps 4 and 8
+                    if order == "step, pause, eval, resume":
                         monitor.pause()
                     clock.advance(2000.0)
                     monitor.resume()
-                if step == 6:
+                if step in (4, 6):
                     record = metrics
-        said = [r.getMessage() for r in caplog.records if "monitor.pause() was still open" in r.getMessage()]
-        if order == "pause first":
+        said = [r.getMessage() for r in caplog.records if "ended no pause" in r.getMessage()]
+        if order == "pause, step, eval, resume":
             assert record["train/step_time_ms"] == pytest.approx(1100.0) and len(said) == 1, said
-            assert said[0].startswith("distmetrics: monitor.pause() was still open at the log step of step 4: ")
+            assert said[0].startswith("distmetrics: monitor.resume() after the log step of step 4 ended no pause: ")
         else:
-            assert record["train/step_time_ms"] == pytest.approx(100.0) and said == [], said
+            assert record["train/step_time_ms"] == pytest.approx(100.0) and said == [], (order, said)
 
 
 def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():

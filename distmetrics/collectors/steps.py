@@ -98,7 +98,8 @@ class StepValues:
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._log_span_ns = 0  # the last log step's LOG_SPAN_S on this rank, in ns (0: none since the clock started)
-        self._says_pause = layout.says_once  # a pause open at a log step: said once, by the first rank
+        self._says_pause = layout.says_once  # a pause a log step ended, then resumed: said once, by the first rank
+        self._ended_pause: Optional[int] = None  # the log step (since the last monitor.step) that ended a pause
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
@@ -154,6 +155,7 @@ class StepValues:
                     scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
         :func:`loss_weight`, ``tokens`` counted for the throughput."""
+        self._ended_pause = None  # a resume() from here on ends a pause of its own, or none
         if isinstance(tokens, torch.Tensor):  # float64 once: each lane below takes the tensor as it is
             tokens = as_number(tokens)
         if isinstance(loss_tokens, torch.Tensor):
@@ -223,18 +225,23 @@ class StepValues:
         self.clock.pause()
 
     def resume(self) -> None:
-        """Start the interval clock again after :meth:`pause`."""
+        """Start the interval clock again after :meth:`pause`. Where a log step ended the pause since the
+        last ``monitor.step`` (a pause ends at a log step), the pause was opened before that step's
+        ``monitor.step`` and meant to last to here: what came between (an evaluation after the step) was
+        counted as step time, said once."""
+        if self._ended_pause is not None and not self.clock.paused and self._says_pause:
+            self._says_pause = False
+            logger.warning(
+                "distmetrics: monitor.resume() after the log step of step %d ended no pause: that log step ended the "
+                "pause opened before its monitor.step(), so the time since (an evaluation or a save after "
+                "monitor.step) was counted as step time (step time, tokens/s, MFU, ETA, timers/step). Call "
+                "monitor.pause() after monitor.step(). Said once.", self._ended_pause)
+        self._ended_pause = None
         self.clock.resume()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        if self.clock.paused and ctx.ended_at is None and self._says_pause:
-            self._says_pause = False
-            logger.warning(
-                "distmetrics: monitor.pause() was still open at the log step of step %d: a pause ends at a log step, "
-                "so what follows it there (an evaluation or a save after monitor.step) is counted as step time "
-                "(step time, tokens/s, MFU, ETA, timers/step). Call monitor.pause() after monitor.step(), and "
-                "monitor.resume() before the next step. Said once.", ctx.step)
+        self._ended_pause = ctx.step if self.clock.paused and ctx.ended_at is None else None
         counted_ns = self.clock.take_ns(until=ctx.ended_at)  # close(): up to the last monitor.step
         span_ns, self._log_span_ns = min(self._log_span_ns, counted_ns), 0
         self.timed_steps, self._timed = self._timed, 0
