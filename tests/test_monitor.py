@@ -337,8 +337,9 @@ def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer
     assert all(out["nan elsewhere"]["train/lr"] == 0.1 for out in scheduled_lr)
     said = [line for line in scheduled_lr[0]["said"] if "learning rate" in line]
     assert len(said) == 8 and all("writer rank's (rank 0)" in line for line in said[:7]), said
-    assert "0.3 on rank 2 and 0.1 on rank 0" in said[0]
-    assert "passed no lr to monitor.step at step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
+    assert "different learning rates by step 1 (each rank's last in the interval): 0.3 on rank 2 and 0.1 on rank 0" \
+        in said[0], said[0]
+    assert "passed no lr to monitor.step in the interval up to step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
     assert said[2] == ("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3 (of the "
                        "ranks that did, the lowest); train/lr is the writer rank's (rank 0) at that step: 0.1. "
                        "Said once")
@@ -346,7 +347,7 @@ def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer
     assert said[3].startswith("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3")
     assert said[4].startswith("distmetrics: rank 2 passed a learning rate of NaN in the interval up to step 3")
     assert said[5].startswith("distmetrics: rank 2 passed a learning rate of NaN in the interval up to step 3")
-    assert "passed no lr to monitor.step at step 3 while rank 1 did" in said[6]
+    assert "passed no lr to monitor.step in the interval up to step 3 while rank 1 did" in said[6]
     assert said[7] == ("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3 (of the ranks "
                        "that did, the lowest); train/lr is the mean of the ranks that passed one: 0.1. Said once")
     assert all(out["writer none"]["train/lr"] == 0.1 for out in scheduled_lr)

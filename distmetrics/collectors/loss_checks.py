@@ -126,7 +126,7 @@ class LearningRates:
             if self.says and "missing" not in self._said:
                 self._said.add("missing")
                 logger.warning("distmetrics: train/lr is the writer rank's (rank %d) learning rate, and that rank "
-                               "passed no lr to monitor.step at step %d while rank %d did: train/lr is the mean of "
+                               "passed no lr to monitor.step in the interval up to step %d while rank %d did: train/lr is the mean of "
                                "the ranks that passed one, in every record where this recurs; pass lr on every rank",
                                self.writer, step, int(high_rank))
         if not self.says:
@@ -140,7 +140,8 @@ class LearningRates:
                            metrics["train/lr"])
         elif high > low and not missing and "differ" not in self._said:
             self._said.add("differ")
-            logger.warning("distmetrics: ranks passed different learning rates at step %d: %.7g on rank %d and "
-                           "%.7g on rank %d; train/lr is the writer rank's (rank %d). Said once: every rank's "
+            logger.warning("distmetrics: ranks passed different learning rates by step %d (each rank's last in the "
+                           "interval): %.7g on rank %d and %.7g on rank %d; train/lr is the writer rank's (rank %d). "
+                           "Said once: every rank's "
                            "optimizer is expected to follow one schedule", step, high, int(high_rank), low,
                            int(low_rank), self.writer)
