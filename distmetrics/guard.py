@@ -329,8 +329,8 @@ class CollectiveGuard:
                     f"{waited:.1f} s after it started the call, but another rank had given up waiting there after "
                     f"hang_timeout_s ({self.timeout_s:g} s): this rank came late (slower than hang_timeout_s allows "
                     "between two monitor calls, or held up outside the Monitor), and the ranks that waited raised "
-                    "HangError naming it. Raise hang_timeout_s where a rank may take longer between two monitor calls (a "
-                    "slow first step, a long save on one rank: a pause does not stop this check).")
+                    "HangError naming it. Raise hang_timeout_s where a rank may take longer between two monitor calls "
+                    "(a slow first step, a long save on one rank: a pause does not stop this check).")
         who = "; ".join(missing) or ("none" if left else
                                      "none of the other ranks published a different call (they may have died)")
         gone = f"ranks that left their Monitor and will not arrive: {'; '.join(left)}; " if left else ""

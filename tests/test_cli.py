@@ -508,8 +508,8 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
         assert ("the jsonl sink could not write the job's end record to " + str(tmp_path / "metrics.jsonl")
                 + " (a full disk, or a file size limit?): distmetrics summary and report will read this job as "
                 "killed") in job.stderr, job.stderr
-        assert _run("summary", tmp_path).stdout.rstrip().endswith("no end record: the job was killed (SIGKILL, an "
-                                                                  "out-of-memory kill, a node lost) or is still running")
+        assert _run("summary", tmp_path).stdout.rstrip().endswith(
+            "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")
         return
     end = records[-1]
     assert end["kind"] == "end" and end["step"] == 5, records

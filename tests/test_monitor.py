@@ -339,7 +339,8 @@ def test_ranks_with_different_learning_rates_are_said_and_train_lr_is_the_writer
     assert len(said) == 8 and all("writer rank's (rank 0)" in line for line in said[:7]), said
     assert "different learning rates by step 1 (each rank's last in the interval): 0.3 on rank 2 and 0.1 on rank 0" \
         in said[0], said[0]
-    assert "passed no lr to monitor.step in the interval up to step 2 while rank 1 did: train/lr is the mean of the ranks" in said[1]
+    assert ("passed no lr to monitor.step in the interval up to step 2 while rank 1 did: train/lr is the mean of the "
+            "ranks") in said[1]
     assert said[2] == ("distmetrics: rank 1 passed a learning rate of NaN in the interval up to step 3 (of the "
                        "ranks that did, the lowest); train/lr is the writer rank's (rank 0) at that step: 0.1. "
                        "Said once")

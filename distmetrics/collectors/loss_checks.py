@@ -126,7 +126,8 @@ class LearningRates:
             if self.says and "missing" not in self._said:
                 self._said.add("missing")
                 logger.warning("distmetrics: train/lr is the writer rank's (rank %d) learning rate, and that rank "
-                               "passed no lr to monitor.step in the interval up to step %d while rank %d did: train/lr is the mean of "
+                               "passed no lr to monitor.step in the interval up to step %d while rank %d did: "
+                               "train/lr is the mean of "
                                "the ranks that passed one, in every record where this recurs; pass lr on every rank",
                                self.writer, step, int(high_rank))
         if not self.says:
