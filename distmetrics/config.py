@@ -401,8 +401,10 @@ def _require(obj: Any, name: str, ok: bool, accepted: str) -> None:
 
 
 def _copy_sections(value: Any) -> Any:
-    """``value`` with every mapping and list in it copied (the values themselves are not: one that cannot
-    be copied is refused by the checks, naming its key)."""
+    """``value`` with every mapping, list and section given as a config object in it copied (the values
+    themselves are not: one that cannot be copied is refused by the checks, naming its key)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {key: _copy_sections(item) for key, item in value.items()}
     if isinstance(value, list):

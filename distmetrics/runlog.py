@@ -63,12 +63,12 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
     if path.is_file():
         return [path]
     if path.exists() and not path.is_dir():  # reading a FIFO would wait for a writer, for ever
-        raise ValueError(f"{str(path)!r} is no file nor folder (a device, a FIFO or a socket)")
+        raise ValueError(f"{str(path)!r} is no regular file nor folder (a device, a FIFO or a socket)")
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if (path / METRICS_FILE).exists():
         if not (path / METRICS_FILE).is_file():
-            raise ValueError(f"{str(path / METRICS_FILE)!r} is no file (a device, a FIFO or a socket)")
+            raise ValueError(f"{str(path / METRICS_FILE)!r} is no regular file (a device, a FIFO or a socket)")
         return [path / METRICS_FILE]
     found, seen = [], set()
     for folder, subfolders, files in os.walk(path, followlinks=True):  # runs linked in are runs too
@@ -112,7 +112,7 @@ class Records:
         self.lines = self.blank = self.unreadable = 0
         found, limit = False, LINE_LIMIT
         if os.path.exists(self.path) and not os.path.isfile(self.path):  # a FIFO's read would wait for a writer
-            raise ValueError(f"{str(self.path)!r} is no file (a device, a FIFO or a socket)")
+            raise ValueError(f"{str(self.path)!r} is no regular file (a device, a FIFO or a socket)")
         with open(self.path, "rb") as f:  # lines end at \n only, as written
             for whole in _lines(f, limit):
                 for line, record in [(None, None)] if whole is None else decode_pieces(whole):

@@ -84,16 +84,18 @@ def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
                           (binary, "is not a distmetrics metrics.jsonl"),
                           (empty, "is a folder without metrics.jsonl"),
                           (tmp_path / "missing", "does not exist"),
-                          ("/dev/null", "'/dev/null' is no file nor folder (a device, a FIFO or a socket)"),
-                          (fifo_run, "metrics.jsonl' is no file (a device, a FIFO or a socket)"),
-                          (fifo_run / "metrics.jsonl", "is no file nor folder")):
+                          ("/dev/null", "'/dev/null' is no regular file nor folder (a device, a FIFO or a socket)"),
+                          (fifo_run, "metrics.jsonl' is no regular file (a device, a FIFO or a socket)"),
+                          (fifo_run / "metrics.jsonl", "is no regular file nor folder")):
         out = _run("summary", path)
         assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
     _write_run(tmp_path / "runs" / "a", [[1, 2]])  # in a folder of runs: said, the others summarised, status 1
     fifo_run.rename(tmp_path / "runs" / "b")
     out = _run("summary", tmp_path / "runs")
     assert out.returncode == 1 and "runs/a/metrics.jsonl: 1 job(s)" in out.stdout, (out.stdout, out.stderr)
-    assert "runs/b/metrics.jsonl' is no file (a device, a FIFO or a socket)" in out.stderr, out.stderr
+    for command in ("summary", "report"):  # both say it alike
+        out = _run(command, tmp_path / "runs")
+        assert out.returncode == 1 and "runs/b/metrics.jsonl' is no regular file" in out.stderr, (command, out.stderr)
 
 
 def test_summary_and_report_say_the_same_of_a_file_that_is_not_a_metrics_jsonl(tmp_path):

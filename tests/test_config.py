@@ -182,6 +182,9 @@ def test_from_dict_leaves_the_mapping_it_was_given_as_it_was():
     assert second.tensor_inspect.init_training_step == 0 and second.tensor_inspect.features["sec"]["enabled"]
     dm.MetricsConfig.from_dict(base, ["tensor_inspect.features.sec.enabled=false"])
     assert second.tensor_inspect.features["sec"]["enabled"] and base == before
+    section = dm.TensorInspectConfig(features=features)  # a section given as a config object: copied too
+    built = dm.MetricsConfig.from_dict({"tensor_inspect": section})
+    assert built.tensor_inspect is not section and built.tensor_inspect.features is not features
     with pytest.raises(ConfigError, match="log_interval=.* has type generator; accepted: int"):  # not copied first
         dm.MetricsConfig.from_dict({"log_interval": (x for x in range(3))})
 

@@ -1041,7 +1041,8 @@ def test_the_records_kept_through_a_long_outage_are_written_when_room_returns(tm
 
 def _nearly_full_child(folder: str, result: str) -> None:
     """A disk so nearly full that each train record (50 values) fails while the evaluation record after
-    it fits, at six log steps in a row; then room again for one more step, and close()."""
+    it fits, at six log steps in a row; then full for four steps (no evaluation), room again for one
+    more step, and close()."""
     import resource
 
     import distmetrics as dm
@@ -1060,8 +1061,11 @@ def _nearly_full_child(folder: str, result: str) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 400, hard))  # an eval and a gap fit
         monitor.step(step, loss=1.0, **scalars)
         monitor.log_eval(step, loss=2.0)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))
+    for step in range(8, 12):
+        monitor.step(step, loss=1.0, **scalars)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    monitor.step(8, loss=1.0, **scalars)
+    monitor.step(12, loss=1.0, **scalars)
     monitor.close()
     Path(result).write_text(json.dumps({"warnings": capture.messages}))
 
@@ -1069,19 +1073,22 @@ def _nearly_full_child(folder: str, result: str) -> None:
 def test_a_disk_failing_and_working_again_at_every_step_is_said_once_and_counted_at_close(tmp_path):
     """Each train record failed and the evaluation after it was written: two warnings at every log step
     ("cannot write", "writes again"). An outage beginning within FLAPPING_S of the last one's end is now
-    marked by its gap record only, and counted at close."""
+    marked by its gap record only while it loses at most FLAPPING_RECORDS records, and counted in the next
+    warning; the outage of steps 8-11 after them is said at its third lost record, as any outage."""
     child = run_child("_nearly_full_child", str(tmp_path / "run"), str(tmp_path / "result.json"))
     assert child.returncode == 0, child.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     gaps = [(r["first_step"], r["last_step"], r["lost_records"]) for r in records if r["kind"] == "gap"]
-    assert gaps == [(step, step, 1) for step in range(2, 8)], gaps
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 8]
+    assert gaps == [(step, step, 1) for step in range(2, 8)] + [(8, 11, 4)], gaps
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 12]
     warnings = [w for w in json.loads((tmp_path / "result.json").read_text())["warnings"] if "jsonl sink" in w]
-    assert len(warnings) == 3, warnings
+    assert len(warnings) == 4, warnings
     assert "cannot write" in warnings[0] and "at step 2:" in warnings[0], warnings
     assert "writes " in warnings[1] and "again from step 2; 1 record (steps 2-2)" in warnings[1], warnings
-    assert warnings[2].endswith(": 5 more outages began within 600 s of the one before (the disk nearly full) and "
-                                "lost 5 records, each marked by a \"gap\" record, not said each time."), warnings
+    assert "cannot write" in warnings[2] and "at step 8:" in warnings[2], warnings
+    assert warnings[2].endswith("; besides, 5 more outages began within 600 s of the one before (the disk nearly "
+                                "full) and lost 5 records, each marked by a \"gap\" record, not said each time."), warnings
+    assert "again from step 12; 4 records (steps 8-11)" in warnings[3], warnings
 
 
 def _removed_at_the_end_child(folder: str) -> None:

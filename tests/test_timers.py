@@ -849,17 +849,20 @@ def test_a_pause_a_log_step_ended_then_resumed_is_said_once_as_the_evaluation_be
     import distmetrics as dm
 
     caplog.set_level(logging.WARNING, logger="distmetrics")
-    for order in ("pause, step, eval, resume", "step, pause, eval, resume", "pause, eval, step"):
+    for order in ("pause, step, eval, resume", "step, pause, eval, resume", "pause, eval, step",
+                  "resume, pause, eval, step"):  # the last: resume() at the top of every step, at once
         caplog.clear()
         with dm.Monitor(quiet_config(log_interval=2, timing_log_level=0, log_throughput=True)) as monitor:
             for step in range(1, 9):
+                if order == "resume, pause, eval, step":
+                    monitor.resume()
                 clock.advance(100.0)
                 if step % 4 == 0 and order != "step, pause, eval, resume":
                     monitor.pause()
-                    if order == "pause, eval, step":
+                    if order in ("pause, eval, step", "resume, pause, eval, step"):
                         clock.advance(2000.0)
                 metrics = monitor.step(step, loss=1.0, tokens=10)
-                if step % 4 == 0 and order != "pause, eval, step":  # a 2 s evaluation after the log steps 4 and 8
+                if step % 4 == 0 and order[-4:] != "step":  # a 2 s evaluation after the log steps 4 and 8
                     if order == "step, pause, eval, resume":
                         monitor.pause()
                     clock.advance(2000.0)

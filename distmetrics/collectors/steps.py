@@ -99,7 +99,9 @@ class StepValues:
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
         self._log_span_ns = 0  # the last log step's LOG_SPAN_S on this rank, in ns (0: none since the clock started)
         self._says_pause = layout.says_once  # a pause a log step ended, then resumed: said once, by the first rank
-        self._ended_pause: Optional[int] = None  # the log step (since the last monitor.step) that ended a pause
+        # the log step (since the last monitor.step) that ended a pause, when, and how long after it a resume()
+        # says that the pause was meant to last (half a step of the interval: a resume() at once ends nothing)
+        self._ended_pause: Optional[tuple[int, int, int]] = None
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
@@ -226,23 +228,27 @@ class StepValues:
 
     def resume(self) -> None:
         """Start the interval clock again after :meth:`pause`. Where a log step ended the pause since the
-        last ``monitor.step`` (a pause ends at a log step), the pause was opened before that step's
-        ``monitor.step`` and meant to last to here: what came between (an evaluation after the step) was
-        counted as step time, said once."""
-        if self._ended_pause is not None and not self.clock.paused and self._says_pause:
+        last ``monitor.step`` (a pause ends at a log step) and this comes later than half a step after it,
+        the pause was opened before that step's ``monitor.step`` and meant to last to here: what came
+        between (an evaluation after the step) was counted as step time, said once."""
+        if self._ended_pause is not None and not self.clock.paused and self._says_pause \
+                and now() - self._ended_pause[1] > self._ended_pause[2]:  # not at once: time between was counted
             self._says_pause = False
             logger.warning(
                 "distmetrics: monitor.resume() after the log step of step %d ended no pause: that log step ended the "
                 "pause opened before its monitor.step(), so the time since (an evaluation or a save after "
                 "monitor.step) was counted as step time (step time, tokens/s, MFU, ETA, timers/step). Call "
-                "monitor.pause() after monitor.step(). Said once.", self._ended_pause)
+                "monitor.pause() after monitor.step(). Said once.", self._ended_pause[0])
         self._ended_pause = None
         self.clock.resume()
 
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The interval's values and its wall time; the clock starts the next interval."""
-        self._ended_pause = ctx.step if self.clock.paused and ctx.ended_at is None else None
+        ended_pause = self.clock.paused and ctx.ended_at is None
         counted_ns = self.clock.take_ns(until=ctx.ended_at)  # close(): up to the last monitor.step
+        # a resume() later than half a step (at least 1 ms) after this log step, before the next monitor.step
+        self._ended_pause = (ctx.step, self.clock.started, max(1_000_000, counted_ns // max(2 * self._timed, 1))) \
+            if ended_pause else None
         span_ns, self._log_span_ns = min(self._log_span_ns, counted_ns), 0
         self.timed_steps, self._timed = self._timed, 0
         untimed, self._untimed_tokens = self._untimed_tokens, 0.0

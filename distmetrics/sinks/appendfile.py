@@ -6,8 +6,8 @@ torn record; every later record is tried again, so writing resumes by itself whe
 returns. What could not be written is counted and said: one warning when writing starts to
 fail (the path, the errno and its text), one when it works again (how many records, which
 steps), and one at close if it never did; an outage beginning within :data:`FLAPPING_S` of the last
-one's end is not said, but counted in the next warning (a disk so nearly full that it fails and
-works again at every record would say both each time).
+one's end is not said while it loses at most :data:`FLAPPING_RECORDS` records, but counted in the next
+warning (a disk so nearly full that it fails and works again at every record would say both each time).
 
 A file removed while it is written (``rm -r`` of the run folder) would take every later record
 with it, as the writes go on into the unlinked file: at most once a second (:data:`CHECK_EVERY_S`)
@@ -39,8 +39,10 @@ except (AttributeError, OSError, ValueError):  # no such limit known: POSIX's le
 """The most pieces one ``os.writev`` takes (Linux: 1,024); more, and it fails with EINVAL every time."""
 FLAPPING_S = 600.0
 """An outage that starts within this many seconds of the last one's end (a disk so nearly full that a
-small record fits between two that do not) is not said, neither its failure nor its end: its gap record
-marks it, and the next outage said, or close(), counts it. Else each log step could say both."""
+small record fits between two that do not) is not said, neither its failure nor its end, while it has
+lost at most :data:`FLAPPING_RECORDS` records: its gap record marks it, and the next outage said, or
+close(), counts it. Else each log step could say both. One that loses more is said then, as any."""
+FLAPPING_RECORDS = 2
 
 
 @dataclass
@@ -89,7 +91,8 @@ class AppendFile:
         self.last_step = 0
         """The step of the last append (what a look at close names)."""
         self._since = self._since_first = self._since_last = 0  # records written since the last check, their steps
-        self._calm_at = 0.0  # time.monotonic() from which a new outage is said again (FLAPPING_S after the last)
+        self._calm_at = 0.0  # time.monotonic() from which a new outage is said again (FLAPPING_S after the last
+        # outage of failed writes: a removed file's records lost are no failure of the disk)
         self._unsaid = [0, 0]  # outages not said (FLAPPING_S), and the records they lost
 
     @property
@@ -166,10 +169,12 @@ class AppendFile:
             self._since, self._since_last = self._since + 1, step
         if self.lost is not None:
             lost, self.lost = self.lost, None
-            self._calm_at = time.monotonic() + FLAPPING_S
+            if not lost.quiet:
+                self._calm_at = time.monotonic() + FLAPPING_S
             if lost.hushed:  # its gap record marks it; the next outage said, or close(), counts it
-                self._unsaid[0] += 1
-                self._unsaid[1] += lost.records
+                if lost.records:  # else only kept records waited, and went ahead: nothing lost
+                    self._unsaid[0] += 1
+                    self._unsaid[1] += lost.records
                 return True
             if lost.quiet:  # the file was removed: its warning said what was lost
                 return True
@@ -313,11 +318,13 @@ class AppendFile:
         if self.lost is None:
             self.lost = Lost(step, step, 0, describe_os_error(err), hushed=time.monotonic() < self._calm_at)
             if not self.lost.hushed:
-                logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a "
-                               "whole record; every later record is tried again%s%s.", self.sink, self.path, step,
-                               self.lost.error, f", and {self.on_loss} will mark the steps lost" if self.on_loss
-                               else "", self._take_unsaid())
+                self._say_failing(step)
         return self.lost
+
+    def _say_failing(self, step: int) -> None:
+        logger.warning("distmetrics: the %s sink cannot write %s at step %d: %s. The file still ends with a whole "
+                       "record; every later record is tried again%s%s.", self.sink, self.path, step, self.lost.error,
+                       f", and {self.on_loss} will mark the steps lost" if self.on_loss else "", self._take_unsaid())
 
     def _count_lost(self, err: OSError, step: int) -> None:
         lost = self._failing(err, step)
@@ -326,6 +333,9 @@ class AppendFile:
         lost.first_step = min(lost.first_step, step)
         lost.last_step = max(lost.last_step, step)
         lost.records += 1
+        if lost.hushed and lost.records > FLAPPING_RECORDS:  # no blip: a disk full again, said as any outage
+            lost.hushed = False
+            self._say_failing(lost.first_step)
 
     def _roll_back(self, written: int) -> None:
         """Cut off the ``written`` bytes of a record that could not be written whole."""
