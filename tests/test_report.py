@@ -777,6 +777,9 @@ def test_a_synthetic_run_with_every_feature(tmp_path):
     assert "nonfinite_grad" in page and "layers." in page  # the alert with its first module
     assert "tensor_stats/&lt;layer&gt;/activation/max" in page and "modules outside" in page
     assert "power_w" in page and "sm_clock_mhz" in page  # the stragglers record's columns
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    stragglers = sum(1 for line in lines if json.loads(line).get("kind") == "stragglers")
+    assert stragglers and f", {stragglers} stragglers record(s)" in page  # named in the summary as drawn
     assert "<th></th>" not in page  # every column of every table is named
     assert "step columns" not in page and re.search(r"\d+ columns \(each \d+ step\(s\) wide", page)
     for data in embedded_pngs(page):

@@ -126,8 +126,9 @@ class RunData:
         if kind == "alert":
             self.alerts.append({"step": step, "job": self._job, "type": str(record.get("alert", "alert")),
                                 "message": str(record.get("message", "")), "first_module": record.get("first_module")})
-        elif kind == "stragglers":
+        elif kind == "stragglers":  # drawn as a table, and named in the summary as the other kinds drawn
             self.straggler_reports.append((step, self._job, record))
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
         elif kind in EVENT_KINDS:
             self.events.append({"step": step, "job": self._job, "type": kind, "message": _event_message(record),
                                 "first_module": None})
