@@ -21,12 +21,13 @@ __version__ = "0.1.0"
 
 __all__ = ["Monitor", "MetricsConfig", "TensorInspectConfig", "ConfigError", "Sample", "Reducer",
            "Reduced", "PerRank", "Collector", "LogContext", "Alert", "read_jsonl", "tensor_stats", "clip_grad_norm_",
-           "HangError", "PeerLostError", "__version__"]
+           "HangError", "PeerLostError", "CollectorFailed", "__version__"]
 
 _USES_TORCH = {"Monitor": ".monitor", "Sample": ".reduce", "Reducer": ".reduce", "Reduced": ".reduce",
                "Collector": ".collectors.base", "LogContext": ".collectors.base", "Alert": ".collectors.base",
                "tensor_stats": ".tensor_stats", "inspect": ".inspect",
-               "clip_grad_norm_": ".grad_norm", "HangError": ".guard", "PeerLostError": ".peers"}
+               "clip_grad_norm_": ".grad_norm", "HangError": ".guard", "PeerLostError": ".peers",
+               "CollectorFailed": ".collectors.base"}
 """Public names imported on first use: name → the module that defines it."""
 
 

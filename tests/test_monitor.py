@@ -716,6 +716,68 @@ def test_a_sample_named_as_a_record_key_on_one_rank_raises_on_every_rank(tmp_pat
     assert record["step"] == 1 and record["mine/ok"] == 1.5 and not any(k.startswith("_") for k in record)
 
 
+class _Flaky:
+    """A collector of the user's whose take_samples raises at step 2 on rank 1."""
+
+    name, after, writes = "flaky", (), ("flaky/",)
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        if ctx.step == 2 and self.rank == 1:
+            raise RuntimeError("a transient failure")
+        return [dm.Sample("flaky/steps", float(ctx.steps), "max")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _collector_raises(rank: int, world: int, root: str) -> dict:
+    import distmetrics as dm
+
+    said = []
+    config = quiet_config(output_dir=root, log_interval=2, json_log=True, log_throughput=True, hang_timeout_s=20.0)
+    with dm.Monitor(config, collectors=[_Flaky(rank)]) as monitor:
+        for step in (1, 2, 3, 4):
+            monitor.record("mine/n", 1.0, "sum")
+            try:
+                monitor.step(step, loss=10.0 * step, tokens=10 ** step)
+            except RuntimeError as err:
+                said.append((step, type(err).__name__, str(err)))
+    return {"said": said}
+
+
+def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without_it(tmp_path):
+    """A collector of the user's raising in take_samples (on rank 1, at step 2) lost the interval's values
+    the collectors before it had taken (their intervals begun again) and the record with them, counted
+    nowhere: the step-4 record then mixed 2 steps of loss with 4 of calls. Now the record is written
+    without that collector's samples and its error raised after it, on every rank, naming it."""
+    import distmetrics as dm
+
+    results = run_ranks(_collector_raises, 2, str(tmp_path), timeout=120)
+    ((step, kind, message),) = results[1]["said"]
+    assert (step, kind) == (2, "CollectorFailed") and message == (
+        "the 'flaky' collector's take_samples raised RuntimeError: a transient failure; the record of step 2 was "
+        "written without its samples"), message
+    ((step, kind, message),) = results[0]["said"]
+    assert (step, kind) == (2, "CollectorFailed") and message == (
+        "rank 1's collector raised in take_samples, which that rank's error names; the record was written without "
+        "its samples"), message
+    records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(records) == [2, 4]
+    # token-weighted means of each record's own 2 steps: (10*10 + 20*100) / 110 and (30*1e3 + 40*1e4) / 11000
+    assert records[2]["train/loss"] == pytest.approx(2100 / 110) and records[2]["mine/n"] == 4.0
+    assert records[4]["train/loss"] == pytest.approx(430000 / 11000) and records[4]["mine/n"] == 4.0
+    assert records[2]["flaky/steps"] == 2.0 and records[4]["flaky/steps"] == 2.0  # rank 0's at 2; both at 4
+    assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
+
+
 def _record_then_eval(rank: int, world: int, order: str) -> dict:
     import distmetrics as dm
 

@@ -32,6 +32,7 @@ is refused at its call, instead of two values of one name failing the log step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
@@ -39,8 +40,10 @@ from ..names import RECORD_KEYS
 from ..reduce import Sample
 from .writes import ForeignNames, check_declared, check_writes
 
+logger = logging.getLogger("distmetrics")
+
 __all__ = ["Collector", "LogContext", "Alert", "Record", "Sample", "finalize_order", "check_collectors", "take_samples",
-           "ForeignNames"]
+           "ForeignNames", "CollectorFailed"]
 
 _clean_names: dict[int, tuple] = {}  # id → vector names tuples found to hold no record key (kept alive here)
 
@@ -161,17 +164,32 @@ class Collector(Protocol):
 
 
 def take_samples(collectors: Sequence[Any], ctx: LogContext,
-                 foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[ValueError]]:
+                 foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[Exception]]:
     """Every collector's samples for a log step, and an error to raise once its record is written,
-    or None. A sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
+    or None. A collector whose ``take_samples`` raises hands over nothing: the record is written without
+    it, then its error is raised (:class:`CollectorFailed`, on every rank: the others name the rank). A sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
     element too) is left out, and the error names its collector: written, it replaced the record's
     own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line. So is a sample
     of a user's collector that ``foreign`` finds under another writer's name (:mod:`.writes`)."""
     samples: list = []
     refused: list[tuple[str, str, str]] = []  # (collector, what, key)
     elsewhere: list[str] = []  # what each sample under another writer's name was
+    failed: Optional[Exception] = None
     for collector in collectors:
-        got = collector.take_samples(ctx)
+        try:
+            got = collector.take_samples(ctx)
+        except Exception as err:  # noqa: BLE001 - raised once the record is written, without this collector's
+            # samples: raised here, it lost the samples the collectors before it had taken (their intervals begun
+            # again), and the record with them, counted nowhere
+            if failed is None:
+                failed = CollectorFailed(f"the {getattr(collector, 'name', collector)!r} collector's take_samples "
+                                         f"raised {type(err).__name__}: {err}; the record of step {ctx.step} was "
+                                         "written without its samples")
+                failed.__cause__ = err
+            else:
+                logger.warning("distmetrics: the %r collector's take_samples also raised at step %d: %s: %s",
+                               getattr(collector, "name", collector), ctx.step, type(err).__name__, err)
+            continue
         taken = foreign.refused(collector, got) if foreign is not None else None
         if taken:
             elsewhere += taken.values()
@@ -196,23 +214,39 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext,
         errors.append(f"{'; '.join(elsewhere)}: a collector sends the names it declares in its writes, or names no "
                       "other writer declares (one key would hold both values: one replaced by the other, or every log "
                       "step refusing both); give it names of its own. The record was written without it")
+    if failed is not None:
+        samples.append(Sample(FAILED, 1.0, "max"))  # every rank raises, not only this one (see misnamed_elsewhere)
+        if errors:  # one error is raised: the other is said
+            logger.warning("distmetrics: step %d: %s", ctx.step, "; ".join(errors))
+        return samples, failed
     return samples, ValueError("; ".join(errors)) if errors else None
+
+
+class CollectorFailed(RuntimeError):
+    """A collector's ``take_samples`` raised at a log step: the record was written without its samples."""
 
 
 MISNAMED = "_monitor/misnamed"
 """Internal lane: a rank's collector handed over a sample named as a record key (a max: 1 there)."""
 FOREIGN = "_monitor/foreign_name"
 """Internal lane: a rank's collector handed over a sample under another writer's name (a max: 1 there)."""
+FAILED = "_monitor/take_samples_failed"
+"""Internal lane: a rank's collector raised in ``take_samples`` (a max: 1 there)."""
 _ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.join(map(repr, RECORD_KEYS))})",
               FOREIGN: "a sample named as a name another writer writes"}
 
 
-def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[ValueError]) -> Optional[ValueError]:
+def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[Exception]) -> Optional[Exception]:
     """This rank's error from :func:`take_samples`, or, where another rank's collector handed over a
-    sample named as a record key or as another writer's name (the reduced :data:`MISNAMED` and
-    :data:`FOREIGN` lanes, taken out of ``metrics``), one naming that rank: raised on every rank once
+    sample named as a record key or as another writer's name, or raised (the reduced :data:`MISNAMED`,
+    :data:`FOREIGN` and :data:`FAILED` lanes, taken out of ``metrics``), one naming that rank: raised on every rank once
     the record is written, as the ranks must stay in step (a rank that went on alone to its next
     call waited there for the one that raised)."""
+    flag, rank = metrics.pop(FAILED, None), metrics.pop(f"{FAILED}/max_rank", None)
+    if flag and error is None:
+        return CollectorFailed(f"{'a rank' if rank is None else f'rank {int(rank)}'}'s collector raised in "
+                               "take_samples, which that rank's error names; the record was written without its "
+                               "samples")
     said = []
     for lane, what in _ELSEWHERE.items():
         flag, rank = metrics.pop(lane, None), metrics.pop(f"{lane}/max_rank", None)
