@@ -50,7 +50,7 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
         alerts = []
         for collector in monitor.collectors:
             try:
-                alerts += collector.finalize(metrics, ctx)
+                alerts += collector.finalize(metrics, ctx) or ()  # None: no alert (a finalize that returns nothing)
             except Exception as err:  # noqa: BLE001 - raised below, once the record is written
                 if failure is not None:  # one error is raised: the others are said
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",

@@ -1149,6 +1149,22 @@ def test_writes_that_are_not_a_tuple_of_names_are_refused():
     with pytest.raises(ValueError, match=r"the 'mine' collector's writes='data/' is not a tuple of metric names"):
         dm.Monitor(quiet_config(), collectors=[_Named(0, writes="data/")])
     dm.Monitor(quiet_config(), collectors=[_Named(0, writes={"data/"})]).close()  # a set of names is one
+    # after = ("memory") is the string "memory": refused, not read as six collectors that are not there
+    with pytest.raises(ValueError, match=r"the 'mine' collector's after='memory' is not a tuple of collector names"):
+        dm.Monitor(quiet_config(), collectors=[_Named(0, after="memory")])
+
+
+class _ReturnsNone(_Named):
+    def finalize(self, metrics, ctx):  # no return: None, read as no alert
+        metrics["mine/derived"] = 2.0
+
+
+def test_a_finalize_that_returns_nothing_adds_no_alert():
+    """A finalize without a return raised TypeError: 'NoneType' object is not iterable, naming nothing."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=1), collectors=[_ReturnsNone(0)]) as monitor:
+        assert monitor.step(1, loss=1.0)["mine/derived"] == 2.0
 
 
 def test_wandb_keeps_a_record_of_a_lower_step_than_the_last(tmp_path):

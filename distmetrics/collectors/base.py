@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 
 from ..names import RECORD_KEYS
 from ..reduce import Sample
-from .writes import ForeignNames, check_declared, check_writes
+from .writes import ForeignNames, check_after, check_declared, check_writes
 
 logger = logging.getLogger("distmetrics")
 
@@ -324,6 +324,7 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
             raise TypeError(f"Monitor(collectors=...): {collector!r:.80} is not a collector: it lacks {lacks} "
                             "(see distmetrics.collectors.base.Collector)")
         check_declared(collector)
+        check_after(collector)
     names = [c.name for c in built_in] + [c.name for c in collectors]
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:  # before its writes: they would seem to overlap another's

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Sequence
 from ..names import REDUCE_KINDS, NameRegistry, collector_label, written_names
 from ..reduce import Sample
 
-__all__ = ["check_writes", "check_declared", "ForeignNames"]
+__all__ = ["check_writes", "check_declared", "check_after", "ForeignNames"]
 
 
 def check_declared(collector: Any) -> tuple:
@@ -36,6 +36,16 @@ def check_declared(collector: Any) -> tuple:
         return tuple(sorted(writes)) if isinstance(writes, (set, frozenset)) else tuple(writes)
     raise TypeError(f"Monitor(collectors=...): the {collector.name!r} collector's writes={writes!r:.80} is not a "
                     "tuple of metric names (a name ending in '/' stands for every name under it), e.g. ('data/',)")
+
+
+def check_after(collector: Any) -> None:
+    """A user's collector's ``after``: a list, tuple or set of collector names; raises ``TypeError`` for
+    anything else (``after = ("norms")`` is the string ``"norms"``: five one-letter names, none found)."""
+    after = getattr(collector, "after", ())
+    if isinstance(after, (list, tuple, set, frozenset)) and all(isinstance(a, str) and a for a in after):
+        return
+    raise TypeError(f"Monitor(collectors=...): the {collector.name!r} collector's after={after!r:.80} is not a "
+                    "tuple of collector names, e.g. ('norms',)")
 
 
 def check_writes(collectors: Sequence[Any], others: Iterable[tuple[str, Sequence[str]]] = ()) -> None:
