@@ -1086,8 +1086,9 @@ def test_a_disk_failing_and_working_again_at_every_step_is_said_once_and_counted
     assert "cannot write" in warnings[0] and "at step 2:" in warnings[0], warnings
     assert "writes " in warnings[1] and "again from step 2; 1 record (steps 2-2)" in warnings[1], warnings
     assert "cannot write" in warnings[2] and "at step 8:" in warnings[2], warnings
-    assert warnings[2].endswith("; besides, 5 more outages began within 600 s of the one before (the disk nearly "
-                                "full) and lost 5 records, each marked by a \"gap\" record, not said each time."), warnings
+    assert warnings[2].endswith(
+        "; besides, 5 more outages began within 600 s of the one before (the disk nearly full) and lost 5 records, "
+        "each marked by a \"gap\" record, not said each time."), warnings
     assert "again from step 12; 4 records (steps 8-11)" in warnings[3], warnings
 
 

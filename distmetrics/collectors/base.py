@@ -167,7 +167,8 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext,
                  foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[Exception]]:
     """Every collector's samples for a log step, and an error to raise once its record is written,
     or None. A collector whose ``take_samples`` raises hands over nothing: the record is written without
-    it, then its error is raised (:class:`CollectorFailed`, on every rank: the others name the rank). A sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
+    it, then its error is raised (:class:`CollectorFailed`, on every rank: the others name the rank). A
+    sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
     element too) is left out, and the error names its collector: written, it replaced the record's
     own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line. So is a sample
     of a user's collector that ``foreign`` finds under another writer's name (:mod:`.writes`)."""

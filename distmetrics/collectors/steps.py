@@ -4,8 +4,8 @@ scalars, a user's own values; and the interval's wall-time clock.
 Between log steps values are only added into device tensors (:class:`IntervalStats`). Internal
 lanes travel with them: the interval's wall time (``max`` across ranks: the job goes at its
 slowest rank's pace; see :data:`LOG_SPAN_S` for where it starts), its tokens (``sum``, counted once
-per data-parallel replica) and the tokens of the step that started the clock; :meth:`StepValues.to_context` moves them into
-:class:`LogContext` after the reduction.
+per data-parallel replica) and the tokens of the step that started the clock;
+:meth:`StepValues.to_context` moves them into :class:`LogContext` after the reduction.
 
 The clock starts at the first ``monitor.step``, not when the Monitor is built: building it (and
 W&B's start-up, the first step's compilation) is no step's time. The first interval therefore

@@ -67,7 +67,8 @@ def alert_section(figs: Figures, events: list[dict]) -> str:
          "count", False))]
     out = [panel_figure(figs, panels, "health")]
     if not events:
-        return out[0] + "<p>No alert record, and no spike, skipped step or non-finite value flagged by the health metrics.</p>"
+        return out[0] + ("<p>No alert record, and no spike, skipped step or non-finite value flagged by the health "
+                         "metrics.</p>")
     counts: dict[str, int] = {}
     for event in events:
         counts[event["type"]] = counts.get(event["type"], 0) + 1
