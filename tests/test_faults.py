@@ -179,16 +179,18 @@ def test_ranks_at_different_calls_or_steps_raise_at_once_naming_each_ranks_call(
         assert seconds < 30, (seconds, message)  # at once, not at hang_timeout_s (60 s)
 
 
-def test_a_bad_value_on_one_rank_fails_there_before_any_collective_and_names_it_on_the_others(out_of_step):
+def test_a_bad_value_on_one_rank_is_left_out_there_and_raised_on_every_rank(out_of_step):
     """Without the check the value fails inside the SUM pack, after the MAX all-reduce: rank 1
-    then waits in the SUM all-reduce for a rank that will never come."""
+    then waits in the SUM all-reduce for a rank that will never come. The Sample made in take_samples
+    refuses it: that collector hands over nothing on rank 0, the record is written without it, and
+    both ranks raise at once (rank 1 waited hang_timeout_s for rank 0, which had left)."""
     kind, message, _ = out_of_step[0]["bad_sample"]
-    assert kind == "TypeError" and "Sample 'probe': expected a number or a 1-element tensor, got NoneType" in message
+    assert kind == "CollectorFailed" and message.startswith(
+        "the 'probe' collector's take_samples raised TypeError: Sample 'probe': expected a number or a 1-element "
+        "tensor, got NoneType"), message
     kind, message, seconds = out_of_step[1]["bad_sample"]
-    assert kind == "HangError" and "waited 2 s (hang_timeout_s) at monitor.step(step=2)" in message
-    assert "ranks that did not arrive: rank 0: last call" in message
-    assert "a rank that made them and is not here died (a SIGKILL or an out-of-memory kill" in message, message
-    assert seconds < TIMEOUT_S + 10
+    assert kind == "CollectorFailed" and message.startswith("rank 0's collector raised in take_samples"), message
+    assert seconds < TIMEOUT_S
 
 
 def test_a_timer_barrier_on_one_rank_is_named_by_the_rank_that_went_on(out_of_step):
