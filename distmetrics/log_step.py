@@ -49,6 +49,7 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
             logger.warning("distmetrics: step %d: %s", step, other)
         alerts = []
         for collector in monitor.collectors:
+            before = monitor._foreign.before_finalize(collector, metrics)  # a user's: kept to its own names
             try:
                 alerts += collector.finalize(metrics, ctx) or ()  # None: no alert (a finalize that returns nothing)
             except Exception as err:  # noqa: BLE001 - raised below, once the record is written
@@ -56,6 +57,16 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
                                    collector.name, step, type(err).__name__, err)
                 failure = failure or err
+            said = monitor._foreign.written_elsewhere(collector, before, metrics) if before is not None else None
+            if said:  # every rank's finalize reads the same values: every rank raises this
+                refused = ValueError(
+                    f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the names "
+                    "it declares in its writes, or names no other writer declares, and one that derives values from "
+                    "another's may share its names by naming it in its after. The record was written with those "
+                    "names as their writers gave them")
+                if failure is not None:
+                    logger.warning("distmetrics: step %d: %s", step, refused)
+                failure = failure or refused
         monitor._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
                                       monitor._by_name["train"].mixed.by)
         written = _written_order(monitor, metrics)

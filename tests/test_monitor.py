@@ -1159,6 +1159,36 @@ class _ReturnsNone(_Named):
         metrics["mine/derived"] = 2.0
 
 
+class _Overwrites(_Named):
+    """A collector of the user's whose finalize writes over other writers' names (and one of its own)."""
+
+    writes = ("data/",)
+
+    def finalize(self, metrics, ctx):
+        metrics["train/loss"] = -1.0  # monitor.step's
+        metrics["memory/host_rss_gib"] = -1.0  # the memory collector's
+        del metrics["train/lr"]
+        metrics["data/derived"] = 3.0  # its own
+        return []
+
+
+def test_a_finalize_writing_over_another_writers_names_is_refused_and_the_record_keeps_them(tmp_path):
+    """The ownership of names was checked for samples only: a finalize that set train/loss or another
+    collector's memory/host_rss_gib wrote its value into the record, without a word."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True, log_memory=True)
+    with dm.Monitor(config, collectors=[_Overwrites(0, writes=("data/",))]) as monitor:
+        with pytest.raises(ValueError) as raised:
+            monitor.step(1, loss=2.5, lr=0.1)
+    message = str(raised.value)
+    assert message.startswith("the 'mine' collector's finalize wrote ") and "'train/loss', which " in message, message
+    assert "'memory/host_rss_gib', which the 'memory' collector writes" in message and "'train/lr'" in message
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert record["train/loss"] == 2.5 and record["train/lr"] == 0.1 and record["memory/host_rss_gib"] > 0
+    assert record["data/derived"] == 3.0
+
+
 def test_a_finalize_that_returns_nothing_adds_no_alert():
     """A finalize without a return raised TypeError: 'NoneType' object is not iterable, naming nothing."""
     import distmetrics as dm

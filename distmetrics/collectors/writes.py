@@ -113,6 +113,31 @@ class ForeignNames:
             self._clean[collector.name] = names
         return refused
 
+    def before_finalize(self, collector: Any, metrics: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """A copy of ``metrics`` before the ``finalize`` of a user's ``collector`` (None for the Monitor's
+        own collectors, which are not checked): :meth:`written_elsewhere` compares with it."""
+        return dict(metrics) if collector.name in self._clean else None
+
+    def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+        """The names another writer holds (not one ``collector`` names in its ``after``) that its
+        ``finalize`` set, replaced or removed in ``metrics``, each put back as it was, with who writes it."""
+        own = collector_label(collector.name)
+        allowed = {collector_label(name) for name in getattr(collector, "after", ())}
+        missing = object()
+        changed = [key for key, value in metrics.items() if before.get(key, missing) is not value]
+        changed += [key for key in before.keys() - metrics.keys()]
+        said = []
+        for key in changed:
+            who = None if key[:1] == "_" else self._registry.writer_of(key)
+            if who is None or who == own or who in allowed:
+                continue
+            if key in before:
+                metrics[key] = before[key]
+            else:
+                del metrics[key]
+            said.append(f"{key!r}, which {who} writes")
+        return said
+
     def _foreign(self, sample: Any, own: str) -> Optional[str]:
         """What ``sample`` is, where it writes a name another writer declares, else None."""
         if not isinstance(sample, Sample) or sample.reduce not in REDUCE_KINDS:
