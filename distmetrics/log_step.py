@@ -60,10 +60,10 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
             said = monitor._foreign.written_elsewhere(collector, before, metrics) if before is not None else None
             if said:  # every rank's finalize reads the same values: every rank raises this
                 refused = ValueError(
-                    f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the names "
-                    "it declares in its writes, or names no other writer declares, and one that derives values from "
-                    "another's may share its names by naming it in its after. The record was written with those "
-                    "names as their writers gave them")
+                    f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the "
+                    "names it declares in its writes, or names no other writer declares, and one that derives values "
+                    "from another's may share its names by naming it in its after. The record was written with "
+                    "those names as their writers gave them")
                 if failure is not None:
                     logger.warning("distmetrics: step %d: %s", step, refused)
                 failure = failure or refused
