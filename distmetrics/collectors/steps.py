@@ -278,7 +278,10 @@ class StepValues:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
         the steps the clock measured and their tokens)."""
         self.mixed.check_weightless(metrics, ctx.step)  # before a refusal below takes train/loss out
-        self._log_span_ns = now() - self.clock.started  # the reduction is over (see LOG_SPAN_S)
+        over = now()  # the reduction is over (see LOG_SPAN_S)
+        self._log_span_ns = over - self.clock.started
+        if self._ended_pause is not None:  # a resume() is timed from here: the log step's own time is none of it
+            self._ended_pause = (self._ended_pause[0], over, self._ended_pause[2])
         ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
         span, _ = metrics.pop(LOG_SPAN_S, None), metrics.pop(LOG_SPAN_S + "/min_rank", None)
         if ctx.interval_s is not None and span is not None:
