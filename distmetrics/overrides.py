@@ -80,9 +80,7 @@ def apply_overrides(root: type, values: dict, items: list[str]) -> dict:
             existing = target.get(part)
             if existing is None:
                 existing = target[part] = {}
-            elif dataclasses.is_dataclass(existing):
-                existing = target[part] = dataclasses.asdict(existing)
-            elif not isinstance(existing, dict):
+            elif not isinstance(existing, dict):  # a section given as a config object is a copy's mapping by now
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             target = existing
         target[parts[-1]] = value

@@ -60,15 +60,11 @@ def metrics_files(path: Union[str, Path]) -> list[Path]:
     folder's file in a folder of run folders at any depth (``runs/`` holding ``runs/fsdp/`` and
     ``runs/demo/<time>/``; a run folder's own subfolders are not searched), in name order."""
     path = Path(path)
-    if path.is_file():
+    if path.exists() and not path.is_dir():  # a FIFO or a device too: Records refuses it when read
         return [path]
-    if path.exists() and not path.is_dir():  # reading a FIFO would wait for a writer, for ever
-        raise ValueError(f"{str(path)!r} is no regular file nor folder (a device, a FIFO or a socket)")
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if (path / METRICS_FILE).exists():
-        if not (path / METRICS_FILE).is_file():
-            raise ValueError(f"{str(path / METRICS_FILE)!r} is no regular file (a device, a FIFO or a socket)")
         return [path / METRICS_FILE]
     found, seen = [], set()
     for folder, subfolders, files in os.walk(path, followlinks=True):  # runs linked in are runs too

@@ -84,9 +84,9 @@ def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
                           (binary, "is not a distmetrics metrics.jsonl"),
                           (empty, "is a folder without metrics.jsonl"),
                           (tmp_path / "missing", "does not exist"),
-                          ("/dev/null", "'/dev/null' is no regular file nor folder (a device, a FIFO or a socket)"),
+                          ("/dev/null", "'/dev/null' is no regular file (a device, a FIFO or a socket)"),
                           (fifo_run, "metrics.jsonl' is no regular file (a device, a FIFO or a socket)"),
-                          (fifo_run / "metrics.jsonl", "is no regular file nor folder")):
+                          (fifo_run / "metrics.jsonl", "metrics.jsonl' is no regular file")):
         out = _run("summary", path)
         assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
     _write_run(tmp_path / "runs" / "a", [[1, 2]])  # in a folder of runs: said, the others summarised, status 1

@@ -778,6 +778,26 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
 
 
+class _LosesARank(_Flaky):
+    """A collector of the user's whose own collective in take_samples found a rank gone."""
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        raise dm.HangError("rank 1 did not come to my gather")
+
+
+def test_a_hang_error_in_a_collectors_take_samples_comes_at_once_as_it_is(tmp_path):
+    """A rank gone is no failure of one collector: the log step's reduction would wait for it again."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)
+    with pytest.raises(dm.HangError, match="rank 1 did not come to my gather"):
+        with dm.Monitor(config, collectors=[_LosesARank(0)]) as monitor:
+            monitor.step(1, loss=1.0)
+    assert [r["kind"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl")] == ["run", "end"]
+
+
 def _record_then_eval(rank: int, world: int, order: str) -> dict:
     import distmetrics as dm
 

@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from ..guard import HangError
 from ..names import RECORD_KEYS
 from ..reduce import Sample
 from .writes import ForeignNames, check_after, check_declared, check_writes
@@ -166,8 +167,9 @@ class Collector(Protocol):
 def take_samples(collectors: Sequence[Any], ctx: LogContext,
                  foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[Exception]]:
     """Every collector's samples for a log step, and an error to raise once its record is written,
-    or None. A collector whose ``take_samples`` raises hands over nothing: the record is written without
-    it, then its error is raised (:class:`CollectorFailed`, on every rank: the others name the rank). A
+    or None. A collector of the user's whose ``take_samples`` raises (not a HangError: a rank gone) hands
+    over nothing: the record is written without it, then its error is raised (:class:`CollectorFailed`, on
+    every rank: the others name the rank); the Monitor's own collectors' errors come as they are. A
     sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
     element too) is left out, and the error names its collector: written, it replaced the record's
     own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line. So is a sample
@@ -182,6 +184,8 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext,
         except Exception as err:  # noqa: BLE001 - raised once the record is written, without this collector's
             # samples: raised here, it lost the samples the collectors before it had taken (their intervals begun
             # again), and the record with them, counted nowhere
+            if foreign is None or not foreign.users(collector) or isinstance(err, HangError):
+                raise
             if failed is None:
                 failed = CollectorFailed(f"the {getattr(collector, 'name', collector)!r} collector's take_samples "
                                          f"raised {type(err).__name__}: {err}; the record of step {ctx.step} was "

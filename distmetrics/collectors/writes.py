@@ -113,10 +113,14 @@ class ForeignNames:
             self._clean[collector.name] = names
         return refused
 
+    def users(self, collector: Any) -> bool:
+        """Whether ``collector`` is one of the user's (the Monitor's own are not kept to these rules)."""
+        return collector.name in self._clean
+
     def before_finalize(self, collector: Any, metrics: dict[str, Any]) -> Optional[dict[str, Any]]:
         """A copy of ``metrics`` before the ``finalize`` of a user's ``collector`` (None for the Monitor's
         own collectors, which are not checked): :meth:`written_elsewhere` compares with it."""
-        return dict(metrics) if collector.name in self._clean else None
+        return dict(metrics) if self.users(collector) else None
 
     def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
         """The names another writer holds (not one ``collector`` names in its ``after``) that its
