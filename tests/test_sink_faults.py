@@ -480,6 +480,7 @@ def _beyond_float32(rank: int, world: int, root: str) -> list:
             monitor.record("v/big_negative", -2e300 * rank)
             monitor.record("v/tiny", 1e-50)
             monitor.record("v/ok", float(step))
+            monitor.record("v/float32_max", 3.4028235e38)  # float32's largest, as numpy prints it
             monitor.step(step)
     logging.getLogger("distmetrics").removeHandler(warnings)
     return warnings.messages
@@ -488,7 +489,9 @@ def _beyond_float32(rank: int, world: int, root: str) -> list:
 def test_a_finite_value_beyond_float32_is_skipped_by_tensorboard_with_one_warning(tmp_path):
     """TensorBoard's scalars are float32: 1e300 was written as inf and -1e300 as -inf without a
     word, while JSONL and W&B had the value. Skipped, with one warning naming it for the run; a
-    nonzero value below float32's smallest is written as 0 (float32's rounding, as the README says)."""
+    nonzero value below float32's smallest is written as 0 (float32's rounding, as the README says),
+    and 3.4028235e38, which rounds to float32's largest, is written (it was skipped as beyond it)."""
+    import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import distmetrics as dm
@@ -503,6 +506,7 @@ def test_a_finite_value_beyond_float32_is_skipped_by_tensorboard_with_one_warnin
     assert "v/big" not in tags and "v/big_negative" not in tags
     assert [(e.step, e.value) for e in acc.Scalars("v/ok")] == [(1, 1.0), (2, 2.0)]
     assert [e.value for e in acc.Scalars("v/tiny")] == [0.0, 0.0]
+    assert [e.value for e in acc.Scalars("v/float32_max")] == [float(np.finfo(np.float32).max)] * 2
     skipped = [m for m in messages if "tensorboard sink skipped" in m]
     assert sorted(m.split("skipped ")[1].split(",")[0] for m in skipped) == ["'v/big'", "'v/big_negative'"], skipped
     assert all("beyond float32's range" in m for m in skipped), skipped

@@ -68,8 +68,9 @@ def _default_bins() -> list[float]:
 DEFAULT_BINS = _default_bins()
 """The histogram bucket limits ``SummaryWriter.add_histogram`` uses."""
 _file_number = itertools.count()
-FLOAT32_MAX = 3.4028234663852886e38
-"""The largest finite float32: a scalar beyond it (a finite one) would be stored as inf."""
+FLOAT32_ROUNDS_TO_INF = 3.4028235677973366e38
+"""The largest finite float32 and half its last step (2**103): a scalar at or beyond it (a finite
+one) rounds to inf in float32; one below it, 3.4028235e38 included, rounds to the largest finite."""
 KEPT_BEFORE_START = 16
 """Events written before a job's first step kept to be written again after a purge (a job
 evaluates the checkpoint it restored once or a few times before it steps)."""
@@ -137,7 +138,7 @@ class TensorBoardSink:
         for name, value in view.scalars.items():
             try:
                 # two comparisons for a number in float32's range; NaN and inf are stored as they are
-                if not -FLOAT32_MAX <= value <= FLOAT32_MAX and math.isfinite(value):
+                if not -FLOAT32_ROUNDS_TO_INF < value < FLOAT32_ROUNDS_TO_INF and math.isfinite(value):
                     raise OverflowError(f"{value!r} is beyond float32's range (TensorBoard's scalars): it would "
                                         f"be stored as {'inf' if value > 0 else '-inf'} (metrics.jsonl has it)")
                 add(tag=name, simple_value=value)
