@@ -891,3 +891,19 @@ def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():
             monitor.pause()
             if monitor.step(step):
                 assert [t.name for t in monitor.timers.in_use] == ["step"], step
+
+
+def test_a_report_given_one_name_as_text_or_a_normalizer_that_is_no_number_is_refused_naming_it():
+    """``timers.log("fwd")`` read the text as the names "f", "w" and "d" (nothing reported, no
+    word), and ``normalizer="x"`` raised a bare TypeError; both are TimerErrors naming the value,
+    raised before the report's collective."""
+    from distmetrics.collectors.timers import TimerError, Timers
+
+    timers = Timers(log_level=2)
+    timers("fwd", log_level=0).start()
+    for report in (timers.get_all_timers_string, timers.log, lambda n, **k: timers.write(n, None, 1, **k)):
+        with pytest.raises(TimerError, match=r"names='fwd': accepted values are a list of timer names, e.g. \['fwd'\]"):
+            report("fwd")
+        for normalizer in ("x", None, True, 0, float("nan")):
+            with pytest.raises(TimerError, match=f"normalizer={normalizer!r}: accepted values are numbers > 0"):
+                report(["fwd"], normalizer=normalizer)

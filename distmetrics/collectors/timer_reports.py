@@ -14,6 +14,7 @@ order, then those only other ranks asked for. In steady state a report costs one
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -49,13 +50,20 @@ class MegatronReports:
         """Megatron's text block (milliseconds), or None when no timer has a time to report: of
         ``names`` and the names other ranks asked for (the union; see :meth:`_elapsed_of_union`).
         A collective: every rank calls it."""
-        names = list(self._timers) if names is None else list(names)
-        if not normalizer > 0.0:
-            raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
+        names = self._names_of(names, normalizer)
         if self._log_option in ("max", "minmax"):
             return self._get_global_min_max_time_string(names, reset, barrier, normalizer / 1000.0,
                                                         self._log_option == "max")
         return self._get_all_ranks_time_string(names, reset, barrier, normalizer / 1000.0)
+
+    def _names_of(self, names: Optional[list], normalizer: Any) -> list[str]:
+        """The timer names a report is of; a text name or a normalizer that is no number > 0 refused
+        (before any collective)."""
+        if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real) or not normalizer > 0.0:
+            raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
+        if isinstance(names, str):  # list("fwd") would be three names
+            raise TimerError(f"names={names!r}: accepted values are a list of timer names, e.g. [{names!r}], or None")
+        return list(self._timers) if names is None else list(names)
 
     def log(self, names: Optional[list] = None, rank: Optional[int] = None, normalizer: float = 1.0,
             reset: bool = True, barrier: bool = False) -> None:
@@ -73,9 +81,7 @@ class MegatronReports:
         ``iteration`` (of the names some rank asked for): ``writer.add_scalar`` for a TensorBoard
         writer, ``writer.log`` for the ``wandb`` module (or a W&B run), as Megatron's. A collective:
         every rank calls it."""
-        if not normalizer > 0.0:
-            raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
-        names = list(self._timers) if names is None else list(names)
+        names = self._names_of(names, normalizer)
         times = self._get_global_min_max_time(names, reset, barrier, normalizer)
         if writer is None:
             return
