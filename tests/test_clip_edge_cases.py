@@ -677,19 +677,21 @@ def _one_corrupt_copy(rank: int, world: int) -> dict:
     from tests.dist_utils import quiet_config
 
     out = {}
-    for bad_rank in (0, 1):
-        for bad in (math.nan, math.inf):
-            torch.manual_seed(0)
-            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
-            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
-            if rank == bad_rank:
-                model.module[0].weight.grad[0, 0] = bad
-            with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
-                total = float(monitor.clip_grad_norm_(1.0))
-                record = monitor.step(1, loss=1.0)
-            finite = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
-            left = sum(float(p.grad[torch.isfinite(p.grad)].abs().sum()) for p in model.parameters())
-            out[(bad_rank, str(bad))] = (total, record["grad_norm"], record["grad_nonfinite"], finite, left)
+    for bad_rank, bad, p in [(r, v, 2.0) for r in (0, 1) for v in (math.nan, math.inf)] + \
+            [(1, math.inf, math.inf), (1, math.nan, -math.inf)]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+        clean = torch.linalg.vector_norm(torch.cat([g.grad.double().flatten() for g in model.module[1].parameters()]), p)
+        if rank == bad_rank:
+            model.module[0].weight.grad[0, 0] = bad
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            total = float(monitor.clip_grad_norm_(1.0, norm_type=p))
+            record = monitor.step(1, loss=1.0)
+        finite = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
+        left = sum(float(p.grad[torch.isfinite(p.grad)].abs().sum()) for p in model.parameters())
+        modules = (record["grad_norm/0"], record["grad_norm/1"], float(clean), record["grad_nonfinite_modules"])
+        out[(bad_rank, str(bad), p)] = (total, record["grad_norm"], record["grad_nonfinite"], finite, left, modules)
     return out
 
 
@@ -697,14 +699,21 @@ def test_a_nan_or_inf_in_one_replicas_copy_gives_every_rank_the_same_total_and_c
     """A NaN in rank 0's copy (the one counted) made the total NaN and every rank's gradients NaN; the
     same NaN in rank 1's copy gave the clean copy's finite total, and rank 1 kept its NaN alone: the
     replicas went apart, which way depending on the rank. A copy whose norm is not finite now counts as
-    the counted one: the same total (NaN, or inf for an inf) and the same clip on every rank."""
+    the counted one: the same total (NaN, or inf for an inf) and the same clip on every rank; and in its
+    module's norm, which read the owner's finite copy (p = 2, inf and -inf: the max and min kinds too)."""
     results = run_ranks(_one_corrupt_copy, 2)
-    for bad_rank, bad in results[0]:
+    for bad_rank, bad, p in results[0]:
         for rank, out in enumerate(results):
-            total, record, nonfinite, finite, left = out[(bad_rank, bad)]
-            assert nonfinite == 1.0 and left == 0.0, (rank, bad_rank, bad, out)  # no gradient left as it was
+            total, record, nonfinite, finite, left, modules = out[(bad_rank, bad, p)]
+            case = (rank, bad_rank, bad, p, out[(bad_rank, bad, p)])
+            assert nonfinite == 1.0 and left == 0.0, case  # no gradient left as it was
             if bad == "nan":
-                assert math.isnan(total) and math.isnan(record) and not any(finite), (rank, bad_rank, bad, out)
+                assert math.isnan(total) and math.isnan(record) and not any(finite), case
             else:  # the coefficient max_norm / inf is 0: every gradient zeroed, the inf itself NaN (inf x 0)
-                assert total == math.inf and record == math.inf, (rank, bad_rank, bad, out)
-                assert finite == [rank != bad_rank, True, True, True], (rank, bad_rank, bad, out)
+                assert total == math.inf and record == math.inf, case
+                assert finite == [rank != bad_rank, True, True, True], case
+            # the module holding the bad copy has the total's NaN or inf whichever rank holds it (rank 0 owns the
+            # replicated weights: rank 1's copy read as finite there); the other module its own norm
+            first, second, clean, named = modules
+            assert (math.isnan(first) if bad == "nan" else first == math.inf) and named == ["0"], case
+            assert second == pytest.approx(clean, rel=1e-6), case

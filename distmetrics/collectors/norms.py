@@ -362,6 +362,10 @@ class NormCollector(ParamSide):
             bad = self._nonfinite_modules(grad, ctx.step)
             if bad:  # a list: a module's name may hold any character, a "," too
                 metrics["grad_nonfinite_modules"] = sorted(bad)
+            for module, value in bad.items():  # a replica's NaN or inf, as in the total (the owner's copy is finite)
+                key = f"grad_norm/{module}"
+                if value != 0 and key in metrics:  # NaN or inf: NaN wins, inf passes a finite sum or max
+                    metrics[key] = metrics[key] + value
         metrics.pop("grad_missing_params/max_rank", None)
         metrics.pop("grad_nonfinite_steps/max_rank", None)
         for family in _FAMILIES:
@@ -396,16 +400,24 @@ class NormCollector(ParamSide):
         check that every rank passes the same norm type."""
         self._guard = self.grads.guard = guard
 
-    def _nonfinite_modules(self, grad: Optional[GradMeasurement], step: int) -> list[str]:
-        """The modules whose gradient holds NaN or inf on some rank: each rank's per-module counts,
-        reduced by name (ranks may hold different modules) in a reduction of their own, made only
-        at a log step whose total count is not 0, on every rank alike."""
+    def _nonfinite_modules(self, grad: Optional[GradMeasurement], step: int) -> dict[str, float]:
+        """The modules whose gradient holds NaN or inf on some rank, each with NaN, inf or 0: what its
+        non-finite copies give its value (a copy another rank owns counts in the total, not in the
+        owner's module values). Each rank's per-module counts and values, reduced by name (ranks may
+        hold different modules) in a reduction of their own, made only at a log step whose total
+        count is not 0, on every rank alike."""
         if self._flags is None:
             self._flags = Reducer(self.group, guard=self._guard, call="monitor.step (non-finite modules)")
-        samples = [] if grad is None else [
-            module_vector(grad.plan, "_grad_bad", grad.bad_buckets(), "sum", grad.local_buckets)]
+        samples = []
+        if grad is not None:  # per bucket, NaN or inf where its copies' make it so (inf: no min's), else 0
+            values = grad.buckets
+            blown = torch.isnan(values) if grad.kind == "min" else values.isfinite().logical_not()
+            blown = torch.where(blown, values, torch.zeros_like(values))
+            samples = [module_vector(grad.plan, "_grad_bad", grad.bad_buckets(), "sum", grad.local_buckets),
+                       module_vector(grad.plan, "_grad_blown", blown, "sum", grad.local_buckets)]
         counts = self._flags.reduce(samples, tag=step).values
-        return [name[len("_grad_bad/"):] for name, count in counts.items() if count]
+        return {name[len("_grad_bad/"):]: counts.get("_grad_blown/" + name[len("_grad_bad/"):], 0.0)
+                for name, count in counts.items() if name.startswith("_grad_bad/") and count}
 
     def close(self) -> None:
         """Remove the optimizer hooks, and the accumulation check's forward hooks."""
