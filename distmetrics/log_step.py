@@ -31,7 +31,7 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                      stride=max(1, monitor._stride))
     with monitor._records:  # no record lands in the interval while it is taken
         # misnamed (a record key's or another writer's name): raised once the record is written
-        samples, misnamed = take_samples(monitor.collectors, ctx, monitor._foreign)
+        samples, misnamed = take_samples(monitor.collectors, ctx, monitor._foreign, monitor._reducer.kinds)
     steps, monitor._steps_in_interval = monitor._steps_in_interval, 0  # the collectors started a new interval
     # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
     # write) or a close() from a signal handler says it is lost, as nothing else will write it

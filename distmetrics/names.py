@@ -48,13 +48,20 @@ RECORD_KEYS = ("kind", "step", "time")
 
 def name_problem(name: str) -> str:
     """What makes a name no sink's key, beside the rules of each kind of name ('' where nothing): an
-    empty part (``a//b``), blank text, a control character (a newline splits a console line)."""
+    empty part (``a//b``), blank text, a control character (a newline splits a console line), text
+    that is not valid UTF-8 (a lone surrogate: TensorBoard and W&B cannot store it)."""
     if "//" in name:
         return "it has an empty part ('//'); parts are joined by one '/'"
     if name.isspace():
         return "it is blank"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "it holds a control character (a newline, a tab, NUL, ...), which splits or garbles console lines"
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029" for c in name):
+        return ("it holds a control character (a newline, a tab, NUL, U+0085, U+2028, ...), which splits or garbles "
+                "console lines and lines of metrics.jsonl")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"it is not valid UTF-8 ({err.reason} at position {err.start}), which TensorBoard and W&B cannot "
+                "store")
     return ""
 
 
@@ -72,11 +79,6 @@ def check_name(name: Any, what: str) -> None:
         raise ValueError(f"{what}: metric name {name!r} is refused: every record's own keys are "
                          f"{', '.join(map(repr, RECORD_KEYS))} (a metric of that name replaced them in metrics.jsonl); "
                          f"give it a prefix, e.g. 'train/{name}'")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"{what}: metric name {name!r} is not valid UTF-8 ({err.reason} at position "
-                         f"{err.start}), which TensorBoard and W&B cannot store") from None
 
 
 def check_value(value: Any, what: str, *args: Any) -> None:

@@ -108,6 +108,8 @@ class Reducer:
         self._device = device
         self._layout: Optional[PackLayout] = None
         self._kinds: dict[str, str] = {}
+        self.kinds = self._kinds
+        """Every name's reduce kind on this rank so far (read only: a collector's samples checked ahead)."""
         self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
         self.refused: Optional[ValueError] = None
         """Names whose reduce kind differs between ranks (or from an earlier log step), or that would

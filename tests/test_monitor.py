@@ -778,6 +778,64 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
 
 
+class _Refused(_Flaky):
+    """A collector of the user's that hands over, on rank 1 at log steps 4-14, one sample each that the
+    reduction refuses (on rank 0, and at steps 2 and 16, it is well)."""
+
+    def take_samples(self, ctx):
+        import torch
+
+        import distmetrics as dm
+
+        ok = [dm.Sample("flaky/steps", float(ctx.steps), "max")]
+        if self.rank == 0 or ctx.step not in _REFUSED:
+            return ok
+        return {4: [dm.Sample("flaky/steps", 1.0, "mean")], 6: ok + ok[:1],
+                8: [dm.Sample("flaky/v", torch.ones(2), "sum", names=("flaky/v/a", "flaky/v/a"))],
+                10: ok + [dm.Sample("_train/tokens", 5.0, "sum")], 12: ok + [dm.Sample("flaky/\ud800", 1.0, "max")],
+                14: ok + [{"flaky/x": 1.0}]}[ctx.step]
+
+
+_REFUSED = {4: "reduced as 'max' before and now as 'mean'", 6: "'flaky/steps' was handed over twice",
+            8: "'flaky/v' names an element twice", 10: "'_train/tokens' is refused: names are non-empty, do not start "
+            "with '_'", 12: "is not valid UTF-8", 14: "returned a dict ({'flaky/x': 1.0}), not a Sample"}
+
+
+def _collector_refused(rank: int, world: int, root: str) -> dict:
+    import distmetrics as dm
+
+    said = []
+    config = quiet_config(output_dir=root, log_interval=2, json_log=True, log_throughput=True, hang_timeout_s=60.0)
+    with dm.Monitor(config, collectors=[_Refused(rank)]) as monitor:
+        for step in range(1, 17):
+            try:
+                monitor.step(step, loss=float(step + rank), tokens=10)
+            except RuntimeError as err:
+                said.append((step, type(err).__name__, str(err)))
+    return {"said": said}
+
+
+def test_samples_the_reduction_would_refuse_on_one_rank_fail_that_collector_on_every_rank(tmp_path):
+    """A user's collector whose sample changed its reduce kind, came twice, named a vector's element twice
+    (checks the reduction makes before its collectives, on the rank holding it) raised there alone: the
+    other rank waited hang_timeout_s for it and the record was lost. A name starting with '_' (the Monitor's
+    lanes: '_train/tokens' made every log step raise, another vanished), one no valid UTF-8 (W&B turned off
+    for good) and no Sample at all are refused too. Each now fails that collector as one that raised: the
+    record is written without its samples and CollectorFailed raised on every rank."""
+    import distmetrics as dm
+
+    results = run_ranks(_collector_refused, 2, str(tmp_path), timeout=120)
+    assert [(step, kind) for step, kind, _ in results[0]["said"]] == [(s, "CollectorFailed") for s in _REFUSED]
+    assert [(step, kind) for step, kind, _ in results[1]["said"]] == [(s, "CollectorFailed") for s in _REFUSED]
+    for step, _, message in results[1]["said"]:
+        assert "the 'flaky' collector's take_samples raised" in message and _REFUSED[step] in message, message
+    records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(records) == list(range(2, 17, 2))
+    for step, record in records.items():  # both ranks' two steps: (s-1 + s + s + s+1) / 4 = s
+        assert record["train/loss"] == step and record["flaky/steps"] == 2.0, record
+        assert not any(k.startswith(("_", "flaky/v")) for k in record) and record["train/consumed_tokens"] == 20 * step
+
+
 class _LosesARank(_Flaky):
     """A collector of the user's whose own collective in take_samples found a rank gone."""
 

@@ -777,12 +777,13 @@ def test_ranks_asking_for_different_names_each_report_the_union_as_megatron_repo
 
 
 @pytest.mark.parametrize("name", ["fwd/min", "fwd/max_rank", "a/rank3", "", "/fwd", "_x", "trail/", None, 5,
-                                  "a//b", " ", "a\nb", "\x00"])
+                                  "a//b", " ", "a\nb", "\x00", "load\x85data", "a\u2028b", "load-\udcff.bin"])
 def test_a_timer_name_that_is_another_timers_key_or_no_name_is_refused(name):
     """A timer named ``fwd/min`` overwrote ``timers/fwd/min`` (3 ms for fwd's 10-12 ms) and, with
     straggler scores on, made every log step raise; "", None and 5 made keys such as ``timers/``.
     ``a//b`` (an empty part of the name), blank text and control characters (a newline split the
-    console's timer block) passed."""
+    console's timer block) passed; so did C1 controls and U+2028 (lines of metrics.jsonl split there for
+    str.splitlines) and text that is not valid UTF-8 (a file's name, os.fsdecode: W&B turned off for good)."""
     from distmetrics.collectors.timers import TimerError, Timers
 
     timers = Timers(log_level=2)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ..guard import HangError
-from ..names import RECORD_KEYS
+from ..names import RECORD_KEYS, check_name
 from ..reduce import Sample
 from .writes import ForeignNames, check_after, check_declared, check_writes
 
@@ -164,8 +164,8 @@ class Collector(Protocol):
         ...
 
 
-def take_samples(collectors: Sequence[Any], ctx: LogContext,
-                 foreign: Optional[ForeignNames] = None) -> tuple[list, Optional[Exception]]:
+def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[ForeignNames] = None,
+                 kinds: Optional[dict] = None) -> tuple[list, Optional[Exception]]:
     """Every collector's samples for a log step, and an error to raise once its record is written,
     or None. A collector of the user's whose ``take_samples`` raises (not a HangError: a rank gone) hands
     over nothing: the record is written without it, then its error is raised (:class:`CollectorFailed`, on
@@ -173,14 +173,22 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext,
     sample named as one of a record's own keys (``kind``, ``step``, ``time``; a vector's
     element too) is left out, and the error names its collector: written, it replaced the record's
     own key in metrics.jsonl (``"step": 7.0``), whose readers then skipped the line. So is a sample
-    of a user's collector that ``foreign`` finds under another writer's name (:mod:`.writes`)."""
+    of a user's collector that ``foreign`` finds under another writer's name (:mod:`.writes`). A user's
+    collector whose samples the reduction would refuse on this rank alone (no Sample, a name twice, a
+    name's reduce kind other than the one ``kinds``, the reducer's, holds), or whose names no sink
+    stores or the Monitor keeps for itself (see :func:`~distmetrics.names.check_name`; an internal lane's
+    ``_train/tokens`` made every log step raise), fails as one that raised."""
     samples: list = []
+    seen: dict[str, str] = {}  # the names handed over so far, and their reduce kinds
     refused: list[tuple[str, str, str]] = []  # (collector, what, key)
     elsewhere: list[str] = []  # what each sample under another writer's name was
     failed: Optional[Exception] = None
     for collector in collectors:
         try:
             got = collector.take_samples(ctx)
+            if foreign is not None and foreign.users(collector):  # refused by the reducer, before its collectives,
+                got = _checked(got, seen, kinds or {}, foreign.checked, collector)  # on this rank alone: the
+                # others would wait for it
         except Exception as err:  # noqa: BLE001 - raised once the record is written, without this collector's
             # samples: raised here, it lost the samples the collectors before it had taken (their intervals begun
             # again), and the record with them, counted nowhere
@@ -225,6 +233,49 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext,
             logger.warning("distmetrics: step %d: %s", ctx.step, "; ".join(errors))
         return samples, failed
     return samples, ValueError("; ".join(errors)) if errors else None
+
+
+def _of_ours(collector: Any) -> bool:
+    """Whether a user's collector is (made from) one of the Monitor's own, whose internal lanes start with '_'."""
+    return any(c.__module__.startswith("distmetrics.") and c.__module__ != __name__ for c in type(collector).__mro__)
+
+
+def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[str, tuple], collector: Any) -> list:
+    """A user's collector's samples as a list, their names added to ``seen``; a ``TypeError`` or
+    ``ValueError`` for what the reduction would refuse (checked as it does, ahead of it), and for a
+    name the rules of ``monitor.record``'s refuse (not where the collector is made from one of the
+    Monitor's). Samples of the same names and kinds as at the last log step (``memo``) passed then."""
+    got = list(got)
+    shape = tuple((s.names if s.names is not None else s.name, s.reduce) if isinstance(s, Sample) else None
+                  for s in got)
+    last = memo.get(collector.name)
+    if last is not None and last[0] == shape and seen.keys().isdisjoint(last[1]):
+        seen.update(last[1])
+        return got
+    ours = _of_ours(collector)
+    mine: dict[str, str] = {}
+    for sample in got:
+        if not isinstance(sample, Sample):
+            raise TypeError(f"take_samples returned a {type(sample).__name__} ({sample!r:.80}), not a Sample")
+        names = sample.names if sample.names is not None else (sample.name,)
+        if sample.names is not None and len(set(names)) != len(names):
+            raise ValueError(f"the vector sample {sample.name!r} names an element twice")
+        for name in names:
+            known = kinds.get(name)
+            if not ours and (name[:1] == "_" or known is None and name not in RECORD_KEYS):  # passed once: passes
+                check_name(name, "the sample")  # an internal lane's '_' (the Monitor's own are known), no valid
+                # UTF-8, a control character
+            known = known or sample.reduce
+            if name in mine or name in seen:
+                raise ValueError(f"the metric {name!r} was handed over twice at one log step"
+                                 f"{'' if name in mine else ' (another collector sends it too)'}")
+            if known != sample.reduce:
+                raise ValueError(f"the metric {name!r} was reduced as {known!r} before and now as "
+                                 f"{sample.reduce!r}; a name keeps one reduce kind for the whole run")
+            mine[name] = sample.reduce
+    seen.update(mine)
+    memo[collector.name] = (shape, mine)
+    return got
 
 
 class CollectorFailed(RuntimeError):

@@ -95,6 +95,8 @@ class ForeignNames:
     def __init__(self, registry: NameRegistry, collectors: Iterable[Any]) -> None:
         self._registry = registry
         self._clean: dict[str, Optional[tuple]] = {c.name: None for c in collectors}  # (registry size, names)
+        self.checked: dict[str, tuple] = {}
+        """Per collector, its samples' (names, reduce kinds) and names last found well (collectors.base._checked)."""
 
     def refused(self, collector: Any, samples: Sequence[Any]) -> dict[int, str]:
         """The samples of ``collector`` that another writer's names hold, by index, each with what it is."""
