@@ -73,7 +73,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     sit beside DTensors (on this rank, or on some rank at the first call with the norm type), each
     call reads their check on the host (:func:`distmetrics.replicas.check`; a device sync on a GPU).
     """
-    key = id(group)
+    # the process group as it is now: a call before init_process_group, or in a job before a destroy and a new
+    # init (a sweep, a notebook), measured the layout of then (each rank's plain tensors summed as shards)
+    key = (id(group), *_world_now())
     measurer = _MODULE_LEVEL.get(key)
     if measurer is None:
         measurer = _MODULE_LEVEL[key] = GradientNorms(None, detect_layout(), group)
@@ -82,7 +84,15 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     return measurer.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)[0]
 
 
-_MODULE_LEVEL: "OrderedDict[int, GradientNorms]" = OrderedDict()
+_MODULE_LEVEL: "OrderedDict[tuple, GradientNorms]" = OrderedDict()
+
+
+def _world_now() -> tuple:
+    """The default process group's object id, size and this rank (``()`` with none): no object held, as
+    one held would keep gloo's threads past ``destroy_process_group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()
+    return id(dist.group.WORLD), dist.get_world_size(), dist.get_rank()
 
 
 class NonfiniteNormError(RuntimeError):

@@ -717,3 +717,33 @@ def test_a_nan_or_inf_in_one_replicas_copy_gives_every_rank_the_same_total_and_c
             first, second, clean, named = modules
             assert (math.isnan(first) if bad == "nan" else first == math.inf) and named == ["0"], case
             assert second == pytest.approx(clean, rel=1e-6), case
+
+
+def _clip_before_and_after_a_process_group(rank: int, world: int, store: str) -> tuple:
+    """The module-level clip called with no process group (the rank's own gradients), then in a new
+    one: replicas whose gradients differ by rank (rank r: r + 1 in each of 3 elements)."""
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    dist.destroy_process_group()
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), float(rank + 1))
+    alone = float(dm.clip_grad_norm_([param], 1e9))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    param.grad = torch.full((3,), float(rank + 1))
+    return alone, float(dm.clip_grad_norm_([param], 1e9)), float(torch.nn.utils.clip_grad_norm_([param], 1e9))
+
+
+def test_the_module_level_clip_measures_the_process_group_of_the_call_not_of_its_first_call(tmp_path):
+    """dm.clip_grad_norm_ kept the layout of its first call: called once before init_process_group (or in a
+    job before a destroy and a new init: a sweep, a notebook), it then summed every rank's replica as
+    shards (sqrt(15) here, on every rank, and clipped by it) where plain tensors under a process group
+    are replicas counted from rank 0 (sqrt(3): torch's clip on rank 0)."""
+    results = run_ranks(_clip_before_and_after_a_process_group, 2, str(tmp_path / "store"))
+    torch_rank0 = results[0][2]
+    assert torch_rank0 == pytest.approx(3 ** 0.5)
+    for rank, (alone, after, torchs) in enumerate(results):
+        assert alone == pytest.approx(3 ** 0.5 * (rank + 1)), results  # its own gradients, as torch's on it
+        assert after == pytest.approx(torch_rank0, rel=1e-6), results
