@@ -423,5 +423,9 @@ class Monitor:
         autograd engine runs on its own thread during ``backward()``)."""
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to record more")
+        if self._forked():  # its records went into the parent's files, out of step with the ranks
+            raise RuntimeError(f"this Monitor belongs to process {self._pid}, and this process ({os.getpid()}) was "
+                               "forked from it (a DataLoader worker, a process of yours): it records nothing here. "
+                               "Record in the process that made it, or make a Monitor of this process's own")
         if collective:
             self._one_thread.check()

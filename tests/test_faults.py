@@ -2201,6 +2201,18 @@ for step in range(1, 7):
         if evaluation == 0:
             if sys.argv[2] == "raise":
                 raise RuntimeError("the evaluation's own error")
+            if sys.argv[2] == "calls":  # the Monitor's calls in the child: what each raised, and the flush
+                said = []
+                for call in (lambda: monitor.record("x", 1.0), lambda: monitor.log_eval(3, loss=2.5),
+                             lambda: monitor.step(4, loss=9.0), lambda: monitor.checkpoint_saved(4)):
+                    try:
+                        call()
+                        said.append("returned")
+                    except RuntimeError as err:
+                        said.append(str(err).split(",")[0].replace(str(parent), "PARENT"))
+                flushed = monitor.sinks.flush(timeout=30)
+                with open(sys.argv[1] + ".child", "w") as out:
+                    out.write("\\n".join(said + [f"flushed {flushed}"]))
             sys.exit(0)
         os.waitpid(evaluation, 0)
 monitor.close()
@@ -2208,12 +2220,14 @@ print("CLOSED", flush=True)
 """
 
 
-@pytest.mark.parametrize("ends", ["raise", "sysexit"])
+@pytest.mark.parametrize("ends", ["raise", "sysexit", "calls"])
 def test_a_child_forked_by_the_user_ends_without_touching_its_parents_monitor(tmp_path, ends):
     """An evaluation process os.fork()ed on rank 0 ran the Monitor's inherited exit hook as it ended:
     on an uncaught error it left the arrival check as rank 0, through the store's inherited socket,
     and rank 1 raised HangError ("ended on an uncaught RuntimeError") with rank 0 alive; ending on
-    sys.exit it warned that steps were not written."""
+    sys.exit it warned that steps were not written. Its log_eval and step wrote an eval and a second
+    step-4 train record into the parent's metrics.jsonl (summary read the child's eval as the job's),
+    and a flush waited 90 s for a writer thread it does not have: each call now raises, naming the fork."""
     import distmetrics as dm
     from tests.dist_utils import free_port
 
@@ -2233,6 +2247,9 @@ def test_a_child_forked_by_the_user_ends_without_touching_its_parents_monitor(tm
     assert records == [("run", 0), ("train", 2), ("train", 4), ("train", 6), ("end", 6)], records  # none twice,
     # none more: the child wrote no end record of its own
     assert (tmp_path / "progress.txt").read_text().count("\n") == 1  # "Starting job" alone, as without a fork
+    if ends == "calls":
+        said = Path(str(tmp_path) + ".child").read_text().splitlines()
+        assert said == ["this Monitor belongs to process PARENT"] * 4 + ["flushed True"], said
 
 
 _OUTLIVED = """

@@ -116,7 +116,10 @@ class WriterThread:
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued record is written (at most ``timeout`` seconds, default
-        :data:`CLOSE_TIMEOUT_S`); True if so."""
+        :data:`CLOSE_TIMEOUT_S`); True if so (at once in a process forked from its own, which has no
+        writer thread: what is queued there is the parent's to write)."""
+        if os.getpid() != self._pid:
+            return True
         with self._cond:
             self._cond.notify_all()  # no need to wait for the next look at the queue
             return self._cond.wait_for(lambda: not self._records and not self._busy,
