@@ -104,8 +104,12 @@ def check_value(value: Any, what: str, *args: Any) -> None:
 
 
 def _in_range(value: Any) -> bool:
-    """Whether a number converts to a float64 (an int or a Fraction beyond its range does not)."""
-    return not isinstance(value, numbers.Rational) or -_FLOAT_MAX <= value <= _FLOAT_MAX
+    """Whether a number converts to a float64 (an int or a Fraction beyond its range does not, nor
+    a finite numpy longdouble past it, which float() makes inf)."""
+    if isinstance(value, numbers.Rational):
+        return -_FLOAT_MAX <= value <= _FLOAT_MAX
+    converted = float(value)
+    return not math.isinf(converted) or value == converted
 
 
 _FLOAT_MAX = int(sys.float_info.max)

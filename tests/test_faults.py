@@ -1137,11 +1137,19 @@ def test_an_integer_beyond_float64_is_refused_naming_the_argument_and_the_step_c
             monitor.step(1, **kwargs)
     with pytest.raises(ValueError, match="monitor.record\\('x'\\): 100000000000... \\(401 digits\\) is beyond"):
         monitor.record("x", 10**400)
+    import numpy as np  # a finite longdouble past float64's range was written as Infinity without a word
+
+    for record in (lambda: monitor.record("x", np.longdouble("1e400")),
+                   lambda: monitor.step(1, acc=-np.longdouble("1e400"))):
+        with pytest.raises(ValueError, match="-?1e\\+400.* is beyond float64's range"):
+            record()
+    monitor.record("x_inf", np.longdouble("inf"))  # inf is a value as any other
     for step in (1, 2, 3, 4):
         monitor.step(step, loss=1.0)
     monitor.close()
     (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert record["step"] == 4 and record["train/loss"] == 1.0 and "x" not in record
+    assert record["x_inf"] == float("inf")
 
 
 def test_numpy_numbers_are_taken_as_the_numbers_they_hold(tmp_path):
