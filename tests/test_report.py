@@ -1041,3 +1041,22 @@ def test_the_summary_and_jobs_table_count_as_summary_does(tmp_path, capsys):
     assert metric == 7 and f"{metric} metric records (train, eval, tensor_stats), 1 progress record(s), 3 job(s)" \
         in page
     assert "<td>modules</td>" not in page
+
+
+def test_values_near_float64s_largest_leave_their_figure_undrawn_and_the_report_written(tmp_path):
+    """A user's metric of 1e308 (one point: matplotlib's "arange: cannot compute length", exit status 2)
+    or an ``all`` metric reaching 1.797e308 (its heatmap: an OverflowError traceback) left no report at
+    all. Now that figure is a note naming matplotlib's error; the rest is drawn."""
+    run = {"kind": "run", "step": 0, "world_size": 2,
+           "ranks": [{"rank": 0, "host": "a", "local_rank": 0}, {"rank": 1, "host": "b", "local_rank": 0}]}
+    records = [run] + [{"kind": "train", "step": s, "time": "t", "train/loss": 2.0 - s / 10, "u/x": 1e308,
+                        "u/y/rank0": 1.0, "u/y/rank1": 1.7976931348623157e308 if s == 2 else 1.0,
+                        "u/y/max": 1.7976931348623157e308 if s == 2 else 1.0, "u/y/min": 1.0,
+                        "u/y/mean": 8.988465674311579e307 if s == 2 else 1.0, "u/y": 1.0} for s in (1, 2, 3)]
+    records[1].pop("u/x")  # one point of u/x: at step 2 (a panel with one point)
+    records[3].pop("u/x")
+    _write(tmp_path / "metrics.jsonl", records)
+    page = Path(write_report(tmp_path)).read_text()
+    notes = re.findall(r'<p class="note">([^<]*not drawn \(matplotlib raised [^<]*)</p>', page)
+    assert len(notes) == 2 and any("u/x" in n for n in notes) and any("u/y" in n for n in notes), notes
+    assert 'alt="loss: Loss"' in page  # the loss is drawn
