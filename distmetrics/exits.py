@@ -49,8 +49,11 @@ def write_end(monitor: "Monitor", how: str) -> None:
         how = f"{earlier}; then {how}, in an exit hook"  # the last end record says both
     if monitor.is_writer:
         step = monitor._last_step
-        unwritten = monitor._steps_in_interval + getattr(monitor, "_lost_steps", 0)  # + a failed log step's
-        monitor.sinks.log_inline({"how": how, "unwritten_steps": unwritten}, 0 if step is None else step, "end")
+        lost = getattr(monitor, "_lost_steps", 0)  # the steps of log steps that did not complete
+        fields = {"how": how, "unwritten_steps": monitor._steps_in_interval + lost}
+        if lost:  # said apart: they may be any interval's, not the last
+            fields["lost_in_log_steps"] = lost
+        monitor.sinks.log_inline(fields, 0 if step is None else step, "end")
 
 
 def say_unwritten(monitor: "Monitor", when: str,
@@ -75,18 +78,19 @@ def say_log_step_lost(monitor: "Monitor", why: str) -> None:
     held, monitor._unwritten = monitor._unwritten, None
     if held is None or not monitor.is_writer:
         return
-    step, steps = held
+    step, steps, closing = held
     have, lack = monitor.sinks.placed(step, "train")
     if not lack:  # handed over whole
         return
     monitor._lost_steps = getattr(monitor, "_lost_steps", 0) + steps  # the end record counts them
+    what = "the record close() writes" if closing else "the log step"
     if have:
-        logger.warning("distmetrics: the log step at step %d did not complete (%s): its record of the %d step(s) "
-                       "up to it since the last log step is written to %s, not to %s", step, why, steps,
+        logger.warning("distmetrics: %s at step %d did not complete (%s): its record of the %d step(s) "
+                       "up to it since the last log step is written to %s, not to %s", what, step, why, steps,
                        ", ".join(have), ", ".join(lack))
     else:
-        logger.warning("distmetrics: the log step at step %d did not complete (%s): the %d step(s) up to it since "
-                       "the last log step are not written", step, why, steps)
+        logger.warning("distmetrics: %s at step %d did not complete (%s): the %d step(s) up to it since "
+                       "the last log step are not written", what, step, why, steps)
 
 
 def say_pending(monitor: "Monitor", writes_record: bool) -> None:

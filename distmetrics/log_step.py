@@ -35,7 +35,7 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
     steps, monitor._steps_in_interval = monitor._steps_in_interval, 0  # the collectors started a new interval
     # the samples are taken: until the record is written, an exception (a signal's, anywhere up to the
     # write) or a close() from a signal handler says it is lost, as nothing else will write it
-    monitor._unwritten = (step, steps)
+    monitor._unwritten = (step, steps, ended_at is not None)  # close()'s record: ended_at is its last step
     try:
         ctx.reduced = monitor._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on

@@ -238,10 +238,14 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
     if end is None:
         return ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)"
                 + (" or is still running" if last else ""))
-    unwritten = end.get("unwritten_steps")
-    lost = f", the {unwritten} step(s) since its last log step not written" if isinstance(unwritten, int) and \
-        unwritten > 0 else ""
-    return f"ended at step {end['step']}: {end.get('how')}{lost}"
+    unwritten, failed = end.get("unwritten_steps"), end.get("lost_in_log_steps")
+    failed = failed if isinstance(failed, int) and isinstance(unwritten, int) and 0 < failed <= unwritten else 0
+    said = []
+    if failed:  # a log step that raised, anywhere in the job (the end record's count holds them)
+        said.append(f"the {failed} step(s) of failed log steps")
+    if isinstance(unwritten, int) and unwritten > failed:
+        said.append(f"the {unwritten - failed} step(s) since its last log step")
+    return f"ended at step {end['step']}: {end.get('how')}" + (f", {' and '.join(said)} not written" if said else "")
 
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:

@@ -552,6 +552,7 @@ def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
     """A log step that failed after taking its samples lost its interval's steps (said in a warning),
     but the end record said 0 steps unwritten: the interval's count had gone with the samples."""
     import distmetrics as dm
+    from distmetrics.runlog import end_note
 
     config = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
                               timing_log_level=-1)
@@ -562,3 +563,27 @@ def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
     end = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
     how = f"left its Monitor on {type(raised.value).__name__}"
     assert (end["kind"], end["how"], end["unwritten_steps"]) == ("end", how, 2), (end, raised.value)
+    # summary said them "since its last log step", where a failed log step's may be any interval's
+    assert end["lost_in_log_steps"] == 2
+    assert end_note(end, True) == f"ended at step 2: {how}, the 2 step(s) of failed log steps not written"
+    end.update(step=12, unwritten_steps=3)  # a loop that went on to step 12 and left one step after its last
+    assert end_note(end, True) == (f"ended at step 12: {how}, the 2 step(s) of failed log steps and the 1 step(s) "
+                                   "since its last log step not written")
+
+
+def test_a_failed_close_record_is_not_called_a_log_step(tmp_path, caplog):
+    """The record close() writes failing after its samples were taken was said as "the log step at
+    step 2 did not complete", a step that was no log step."""
+    import distmetrics as dm
+
+    config = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=4, console=False, tensorboard=False,
+                              timing_log_level=-1)
+    monitor = dm.Monitor(config, collectors=[_FailsAtItsLogStep()])
+    for step in (1, 2):
+        monitor.step(step, loss=1.0)
+    with caplog.at_level("WARNING", logger="distmetrics"), pytest.raises(Exception):
+        monitor.close()
+    said = [r.getMessage() for r in caplog.records if "did not complete" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("distmetrics: the record close() writes at step 2 did not complete"), said
+    end = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
+    assert (end["kind"], end["unwritten_steps"], end["lost_in_log_steps"]) == ("end", 2, 2), end
