@@ -3713,3 +3713,24 @@ def test_an_optimizer_replaced_and_attached_again_is_hooked_even_at_the_old_ones
             optimizer.step()
             truth = _update_truth(before, _full_params(model))["total"]
             assert monitor.step(step)["update_norm"] == pytest.approx(truth, rel=1e-6), step
+
+
+def test_an_infinity_norm_of_float64_gradients_is_written_as_the_clip_returns_it():
+    """grad_norm for norm_type ±inf travelled the MAX pack as float32: float64 gradients of 1e300 were
+    written as an inf grad_norm (no gradient was zeroed: the clip scaled by 1e300), and 1e-42 as
+    1.0005e-42. The record now has the clip's float64 total, torch's value."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    for p, values in ((math.inf, [1e300, 2.0]), (math.inf, [1.000000123456789, 0.5]), (-math.inf, [1e-300, 2.0]),
+                      (-math.inf, [1e-42, 2.0])):
+        model = torch.nn.Linear(2, 1, bias=False).double()
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            model.weight.grad = torch.tensor([values], dtype=torch.float64)
+            returned = float(monitor.clip_grad_norm_(1e-3, p))
+            record = monitor.step(1)
+        truth = float(torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), p))
+        assert returned == truth and record["grad_norm"] == truth, (p, values, returned, record["grad_norm"])
+        assert record["grad_clip_ratio"] == truth / 1e-3

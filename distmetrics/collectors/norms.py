@@ -379,6 +379,10 @@ class NormCollector(ParamSide):
                 metrics[family] = roots([metrics[family]], family_p)[0]
         if metrics.pop(_HELD, None) == 0 and "grad_norm" in metrics:  # p < 0, no gradient on any rank: an empty
             metrics["grad_norm"] = 0.0  # sum's root (inf), or the min's identity (inf), is no norm: torch's 0
+        if kind != "sum" and grad is not None and grad.total is not None and "grad_norm" in metrics:
+            # p = ±inf: the clip's float64 total, the same on every rank (the MAX pack's float32 wrote 1e300 as inf,
+            # and a clip by 1e300 as a clip by inf); one host read, at such a log step only
+            metrics["grad_norm"] = float(grad.total)
         if grad is not None and grad.max_norm is not None and grad.max_norm > 0 and math.isfinite(grad.max_norm) \
                 and "grad_norm" in metrics:
             metrics["grad_clip_ratio"] = metrics["grad_norm"] / grad.max_norm
