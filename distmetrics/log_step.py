@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from .collectors import LogContext
-from .collectors.base import misnamed_elsewhere, take_samples
+from .collectors.base import misnamed_elsewhere, of_ours, take_samples
 from .collectors.norms import FIRST_STEP
 from .exits import say_log_step_lost
 
@@ -51,7 +51,12 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
         for collector in monitor.collectors:
             before = monitor._foreign.before_finalize(collector, metrics)  # a user's: kept to its own names
             try:
-                alerts += collector.finalize(metrics, ctx) or ()  # None: no alert (a finalize that returns nothing)
+                got = list(collector.finalize(metrics, ctx) or ())  # None: no alert (a finalize that returns nothing)
+                got, refused = _own_kinds(collector, got) if before is not None and not of_ours(collector) \
+                    else (got, None)  # a user's: Records of its own kinds
+                alerts += got
+                if refused is not None:
+                    raise refused
             except Exception as err:  # noqa: BLE001 - raised below, once the record is written
                 if failure is not None:  # one error is raised: the others are said
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
@@ -82,6 +87,28 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
     if failure is not None:  # from the reduced values, the same on every rank: every rank raises it
         raise failure
     return metrics
+
+
+WRITERS_KINDS = frozenset(("run", "resume", "train", "eval", "tensor_stats", "progress", "stragglers", "gap",
+                           "end", "alert"))
+"""Record kinds the Monitor writes: a user's collector's ``Record`` of one (a second train record at a
+step, an ``end`` mid-file that readers take for the job's end) is refused (an ``Alert`` is an alert)."""
+
+
+def _own_kinds(collector: Any, got: list) -> tuple[list, Optional[ValueError]]:
+    """What a user's collector's ``finalize`` returned, less any ``Record`` of the Monitor's kinds or
+    anything neither an Alert nor a Record, and a ``ValueError`` saying those (None where none)."""
+    from .collectors.base import Alert, Record
+
+    bad = [item for item in got if not isinstance(item, (Alert, Record)) or
+           isinstance(item, Record) and (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS)]
+    if not bad:
+        return got, None
+    shown = ", ".join(f"Record({item.kind!r}, ...)" if isinstance(item, Record) else f"a {type(item).__name__}"
+                      for item in bad[:3])
+    return [item for item in got if not any(item is b for b in bad)], ValueError(
+        f"the {collector.name!r} collector's finalize returned {shown}: it returns Alerts, and Records of kinds of "
+        f"its own, not {', '.join(sorted(WRITERS_KINDS))} (the Monitor's); the rest of what it returned is written")
 
 
 def _written_order(monitor: "Monitor", metrics: dict[str, Any]) -> list[str]:

@@ -2116,3 +2116,32 @@ def test_a_record_mean_weighing_0_on_every_rank_is_left_out_and_said_once_per_na
             "distmetrics: monitor.record('w/zero') is left out of the record of step 2, and of every record where "
             "this recurs: its weights summed to 0 over every rank and step of the interval, and a mean over no "
             "weight is not defined. Said once"], result["said"]
+
+
+class _WritesKinds(_Flaky):
+    """A collector of the user's whose finalize returns Records of the Monitor's kinds beside its own."""
+
+    def finalize(self, metrics, ctx):
+        import distmetrics as dm
+        from distmetrics.collectors import Record
+
+        return [Record("train", {"flaky/x": 1.0}), Record("end", {"how": "mine"}), {"kind": "mine"},
+                Record("mine", {"seen": ctx.step}), dm.Alert("mine_alert", "look")]
+
+
+def test_a_finalize_returning_a_record_of_the_monitors_kinds_is_refused_and_the_rest_written(tmp_path):
+    """A collector's Record("train", ...) wrote a second train record at the step, and Record("end", ...)
+    an end record mid-file, which summary read as the job's end; a dict raised a bare AttributeError
+    in the write loop after the record. Now they are refused with a ValueError naming the collector
+    and the kinds, once the record, the collector's own Record and its Alert are written."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
+    with dm.Monitor(config, collectors=[_WritesKinds(0)]) as monitor:
+        monitor.step(1, loss=1.0)
+        with pytest.raises(ValueError) as raised:
+            monitor.step(2, loss=1.0)
+    assert str(raised.value).startswith("the 'flaky' collector's finalize returned Record('train', ...), "
+                                        "Record('end', ...), a dict: it returns Alerts, and Records of kinds"), raised
+    kinds = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
+    assert kinds == [("run", 0), ("train", 2), ("mine", 2), ("alert", 2), ("end", 2)], kinds

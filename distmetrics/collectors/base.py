@@ -235,7 +235,7 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
     return samples, ValueError("; ".join(errors)) if errors else None
 
 
-def _of_ours(collector: Any) -> bool:
+def of_ours(collector: Any) -> bool:
     """Whether a user's collector is (made from) one of the Monitor's own, whose internal lanes start with '_'."""
     return any(c.__module__.startswith("distmetrics.") and c.__module__ != __name__ for c in type(collector).__mro__)
 
@@ -252,7 +252,7 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
     if last is not None and last[0] == shape and seen.keys().isdisjoint(last[1]):
         seen.update(last[1])
         return got
-    ours = _of_ours(collector)
+    ours = of_ours(collector)
     mine: dict[str, str] = {}
     for sample in got:
         if not isinstance(sample, Sample):
