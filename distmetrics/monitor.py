@@ -108,7 +108,7 @@ class Monitor:
         self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)
         self._stride = 1  # the last step's number less the one before: the next is predicted that far on
         self._strided = False  # two steps seen: _stride is the loop's
-        self._unwritten: Optional[tuple] = None  # (step, steps, close()'s) of a log step whose record is not written yet
+        self._unwritten: Optional[tuple] = None  # (step, steps, close()'s) of a log step whose record is unwritten
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
         self._stepped_at: Optional[int] = None  # when the last monitor.step returned (ns)
         self._counts_known = False  # where checkpoints count on from (the job's first call of a step)

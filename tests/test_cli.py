@@ -584,6 +584,7 @@ def test_a_failed_close_record_is_not_called_a_log_step(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="distmetrics"), pytest.raises(Exception):
         monitor.close()
     said = [r.getMessage() for r in caplog.records if "did not complete" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("distmetrics: the record close() writes at step 2 did not complete"), said
+    assert len(said) == 1, said
+    assert said[0].startswith("distmetrics: the record close() writes at step 2 did not complete"), said
     end = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
     assert (end["kind"], end["unwritten_steps"], end["lost_in_log_steps"]) == ("end", 2, 2), end

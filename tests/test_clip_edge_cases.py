@@ -682,7 +682,8 @@ def _one_corrupt_copy(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
-        clean = torch.linalg.vector_norm(torch.cat([g.grad.double().flatten() for g in model.module[1].parameters()]), p)
+        second = torch.cat([g.grad.double().flatten() for g in model.module[1].parameters()])
+        clean = torch.linalg.vector_norm(second, p)  # module 1's, before the clip
         if rank == bad_rank:
             model.module[0].weight.grad[0, 0] = bad
         with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
