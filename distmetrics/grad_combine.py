@@ -130,7 +130,8 @@ def all_reduce(values: torch.Tensor, kind: str, group: Any) -> torch.Tensor:
         return values.to(home)
     sign = 1.0 if kind == "max" else -1.0
     nan = torch.isnan(values).to(values.dtype)
-    packed = torch.cat([torch.nan_to_num(values * sign, nan=-math.inf), nan])
+    # NaN as the MAX's identity, inf kept (nan_to_num's default makes it float64's largest finite number)
+    packed = torch.cat([torch.nan_to_num(values * sign, nan=-math.inf, posinf=math.inf, neginf=-math.inf), nan])
     with InCollective("the MAX all_reduce of the ranks' gradient norms", _CALL):
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     n = values.numel()

@@ -748,3 +748,39 @@ def test_the_module_level_clip_measures_the_process_group_of_the_call_not_of_its
     for rank, (alone, after, torchs) in enumerate(results):
         assert alone == pytest.approx(3 ** 0.5 * (rank + 1)), results  # its own gradients, as torch's on it
         assert after == pytest.approx(torch_rank0, rel=1e-6), results
+
+
+def _float64_infinity_norm_of_an_inf(rank: int, world: int) -> list:
+    """Replicas of float64 gradients holding an inf (the copy rank 0 counts), clipped at norm type ±inf
+    by the Monitor: what it returns, what the record says, the gradients after it; and torch's clip of
+    a copy on this rank."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    out = []
+    for p in (math.inf, -math.inf):
+        model = torch.nn.Linear(2, 1, bias=False).double()
+        grad = torch.tensor([[math.inf, 2.0]], dtype=torch.float64) if p > 0 else \
+            torch.tensor([[math.inf, math.inf]], dtype=torch.float64)
+        copy = torch.nn.Parameter(torch.zeros(1, 2, dtype=torch.float64))
+        copy.grad = grad.clone()
+        torchs = float(torch.nn.utils.clip_grad_norm_([copy], 1.0, p))
+        with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+            model.weight.grad = grad.clone()
+            returned = float(monitor.clip_grad_norm_(1.0, p))
+            record = monitor.step(1)["grad_norm"]
+        out.append((p, returned, record, torchs, model.weight.grad.tolist(), copy.grad.tolist()))
+    return out
+
+
+def test_an_inf_gradient_under_a_float64_infinity_norm_is_an_inf_total_on_every_rank():
+    """The MAX all-reduce of the ranks' totals turned an inf into float64's largest finite number
+    (torch.nan_to_num's default for inf): float64 gradients holding an inf gave a total of 1.8e308 and a
+    coefficient of 5.6e-309, leaving the inf, where torch's clip returns inf and scales by 0. (Float32
+    gradients hid it: the total's float32 cast was inf again.)"""
+    for rank, out in enumerate(run_ranks(_float64_infinity_norm_of_an_inf, 2)):
+        for p, returned, record, torchs, grads, torch_grads in out:
+            assert returned == torchs == record == math.inf, (rank, p, returned, record, torchs)
+            assert str(grads) == str(torch_grads), (rank, p, grads, torch_grads)  # inf x 0 is NaN: as torch's
