@@ -184,11 +184,16 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
     elsewhere: list[str] = []  # what each sample under another writer's name was
     failed: Optional[Exception] = None
     for collector in collectors:
+        taken = None
         try:
             got = collector.take_samples(ctx)
-            if foreign is not None and foreign.users(collector):  # refused by the reducer, before its collectives,
-                got = _checked(got, seen, kinds or {}, foreign.checked, collector)  # on this rank alone: the
-                # others would wait for it
+            if foreign is not None and foreign.users(collector):
+                got = list(got)
+                taken = foreign.refused(collector, got)  # under another writer's names: left out, said below
+                if taken:
+                    got = [sample for index, sample in enumerate(got) if index not in taken]
+                # what the reducer would refuse before its collectives, on this rank alone (the others waiting)
+                got = _checked(got, seen, kinds or {}, foreign.checked, collector)
         except Exception as err:  # noqa: BLE001 - raised once the record is written, without this collector's
             # samples: raised here, it lost the samples the collectors before it had taken (their intervals begun
             # again), and the record with them, counted nowhere
@@ -203,10 +208,8 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
                 logger.warning("distmetrics: the %r collector's take_samples also raised at step %d: %s: %s",
                                getattr(collector, "name", collector), ctx.step, type(err).__name__, err)
             continue
-        taken = foreign.refused(collector, got) if foreign is not None else None
         if taken:
             elsewhere += taken.values()
-            got = [sample for index, sample in enumerate(got) if index not in taken]
         for sample in got:
             key = _record_key(sample)
             if key is None:
