@@ -13,11 +13,12 @@ the other (or a log step refusing both).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
 import sys
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -139,6 +140,20 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
     if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta
                                             or value.layout is not torch.strided):
         user_tensor(value, what % args if args else what)
+
+
+def outside_inference(method: Callable) -> Callable:
+    """``method`` run outside ``torch.inference_mode`` where called inside it (an evaluation's forward
+    recording router statistics): accumulators it makes there would be inference tensors, which the
+    next call outside it cannot add to in place (torch raises after the add: a sum counted, its weight
+    not). Recorded tensors made in inference mode are read as they are."""
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+    return call
 
 
 def user_tensor(value: Any, what: str) -> Any:

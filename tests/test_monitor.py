@@ -2145,3 +2145,29 @@ def test_a_finalize_returning_a_record_of_the_monitors_kinds_is_refused_and_the_
                                         "Record('end', ...), a dict: it returns Alerts, and Records of kinds"), raised
     kinds = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
     assert kinds == [("run", 0), ("train", 2), ("mine", 2), ("alert", 2), ("end", 2)], kinds
+
+
+def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_up(tmp_path):
+    """The interval's first record_losses or record_moe made under torch.inference_mode() (an evaluation's
+    forward) made its accumulators inference tensors: the next call outside it raised torch's "Inplace
+    update to inference tensor outside InferenceMode" after adding its sums but not its weights (a train
+    step's monitor.step raised, and the means doubled). Truth: float64 means of what was recorded."""
+    import torch
+
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
+    with dm.Monitor(config) as monitor:
+        with torch.inference_mode():
+            monitor.record_losses(torch.tensor([1.0, 3.0]), ["a", "b"], split="eval")
+            monitor.record_moe(aux_loss=0.5, tokens_per_expert=torch.tensor([[1.0, 2.0, 3.0, 2.0]]))
+            monitor.record_losses(torch.tensor([1.0, 3.0]), ["a", "b"])
+        monitor.record_losses(torch.tensor([5.0, 8.0]), ["a", "b"], split="eval")
+        evaluated = monitor.log_eval(1, loss=1.0)
+        monitor.step(1, loss=1.0)
+        monitor.record_losses(torch.tensor([5.0, 7.0]), ["a", "b"])
+        monitor.record_moe(aux_loss=1.5, tokens_per_expert=torch.tensor([[3.0, 2.0, 1.0, 2.0]]))
+        record = monitor.step(2, loss=1.0)
+    assert (evaluated["eval/loss/a"], evaluated["eval/loss/b"]) == (3.0, 5.5)
+    assert (record["train/loss/a"], record["train/loss/b"]) == (3.0, 5.0)
+    assert record["moe/aux_loss"] == 1.0 and record["moe/load_imbalance"] == 1.0  # the counts summed: [4, 4, 4, 4]

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..names import check_name, user_tensor
+from ..names import check_name, outside_inference, user_tensor
 from ..packing import weighted
 from .base import Alert, LogContext, Sample
 
@@ -48,6 +48,7 @@ class CategoryLosses:
         """Internal lane: that count, summed over ranks."""
         self._lookups: dict[Any, dict] = {}  # names= contents -> {device: (its ids sorted, their slots)}
 
+    @outside_inference
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
                weights: Optional[torch.Tensor] = None, names: Union[None, Sequence[str], dict] = None) -> None:
         """Add per-sample ``losses`` under their categories (see ``Monitor.record_losses``)."""
@@ -119,6 +120,7 @@ class CategoryLosses:
         :meth:`take_samples` (``log_eval``'s)."""
         return (self._step_sums if self.per_step else self._sums) is not None
 
+    @outside_inference
     def end_step(self, skipped: bool) -> None:
         """The step the samples since the last call belong to has ended: they join the interval,
         or are dropped where the step was ``skipped`` (on device: no host sync)."""

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..interval import IntervalStats
-from ..names import check_user_value, local_value, user_tensor
+from ..names import check_user_value, local_value, outside_inference, user_tensor
 from .base import Alert, LogContext, Sample
 
 __all__ = ["MoECollector"]
@@ -40,6 +40,7 @@ class MoECollector:
         self._names: dict[tuple, tuple] = {}  # (layer, experts) pairs → the vectors' names (kept: one tuple each)
         self.since_step = False  # recorded since the last monitor.step (said at close(): see end_step)
 
+    @outside_inference
     def record(self, aux_loss=None, z_loss=None, tokens_per_expert: Optional[torch.Tensor] = None,
                layer_numbers: Optional[Sequence[int]] = None) -> None:
         """One step's router statistics (see ``Monitor.record_moe``); a refused call records nothing."""
