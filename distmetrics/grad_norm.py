@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -73,26 +73,24 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     sit beside DTensors (on this rank, or on some rank at the first call with the norm type), each
     call reads their check on the host (:func:`distmetrics.replicas.check`; a device sync on a GPU).
     """
-    # the process group as it is now: a call before init_process_group, or in a job before a destroy and a new
-    # init (a sweep, a notebook), measured the layout of then (each rank's plain tensors summed as shards)
-    key = (id(group), *_world_now())
-    measurer = _MODULE_LEVEL.get(key)
+    # one measurer per process group object (weakly held: the group's lifetime), as every rank makes and finds
+    # it alike: a call before init_process_group, or in a group since destroyed (a sweep, a notebook), measured
+    # the layout of then (each rank's plain tensors summed as shards); an id() may be reused by a new group on
+    # one rank and not on another, whose first call's agreement then met nothing
+    owner = group if group is not None else dist.group.WORLD if dist.is_available() and dist.is_initialized() \
+        else None
+    measurer = _MODULE_LEVEL.get(owner) if owner is not None else _ALONE[0]
     if measurer is None:
-        measurer = _MODULE_LEVEL[key] = GradientNorms(None, detect_layout(), group)
-        while len(_MODULE_LEVEL) > 4:
-            _MODULE_LEVEL.popitem(last=False)
+        measurer = GradientNorms(None, detect_layout(), group)
+        if owner is None:
+            _ALONE[0] = measurer
+        else:
+            _MODULE_LEVEL[owner] = measurer
     return measurer.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)[0]
 
 
-_MODULE_LEVEL: "OrderedDict[tuple, GradientNorms]" = OrderedDict()
-
-
-def _world_now() -> tuple:
-    """The default process group's object id, size and this rank (``()`` with none): no object held, as
-    one held would keep gloo's threads past ``destroy_process_group``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return ()
-    return id(dist.group.WORLD), dist.get_world_size(), dist.get_rank()
+_MODULE_LEVEL: "weakref.WeakKeyDictionary[Any, GradientNorms]" = weakref.WeakKeyDictionary()
+_ALONE: list = [None]  # the measurer of calls with no process group
 
 
 class NonfiniteNormError(RuntimeError):

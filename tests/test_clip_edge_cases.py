@@ -722,7 +722,10 @@ def test_a_nan_or_inf_in_one_replicas_copy_gives_every_rank_the_same_total_and_c
 
 def _clip_before_and_after_a_process_group(rank: int, world: int, store: str) -> tuple:
     """The module-level clip called with no process group (the rank's own gradients), then in a new
-    one: replicas whose gradients differ by rank (rank r: r + 1 in each of 3 elements)."""
+    one, twice, then in twelve more made after destroying the last: replicas whose gradients differ by rank
+    (rank r: r + 1 in each of 3 elements)."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -734,20 +737,29 @@ def _clip_before_and_after_a_process_group(rank: int, world: int, store: str) ->
     alone = float(dm.clip_grad_norm_([param], 1e9))
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     param.grad = torch.full((3,), float(rank + 1))
-    return alone, float(dm.clip_grad_norm_([param], 1e9)), float(torch.nn.utils.clip_grad_norm_([param], 1e9))
+    after = [float(dm.clip_grad_norm_([param], 1e9)) for _ in range(2)]
+    torchs = float(torch.nn.utils.clip_grad_norm_([param], 1e9))
+    for cycle in range(12):  # destroyed and made again (a sweep): a new group's address may be an old one's
+        dist.destroy_process_group()
+        gc.collect()
+        dist.init_process_group("gloo", store=dist.FileStore(f"{store}{cycle}", world), rank=rank, world_size=world)
+        param.grad = torch.full((3,), float(rank + 1))
+        after.append(float(dm.clip_grad_norm_([param], 1e9)))
+    return alone, after, torchs
 
 
 def test_the_module_level_clip_measures_the_process_group_of_the_call_not_of_its_first_call(tmp_path):
     """dm.clip_grad_norm_ kept the layout of its first call: called once before init_process_group (or in a
     job before a destroy and a new init: a sweep, a notebook), it then summed every rank's replica as
     shards (sqrt(15) here, on every rank, and clipped by it) where plain tensors under a process group
-    are replicas counted from rank 0 (sqrt(3): torch's clip on rank 0)."""
+    are replicas counted from rank 0 (sqrt(3): torch's clip on rank 0). Keyed by the group's id(), a new
+    group at an old one's address on one rank only made the ranks' calls differ (gloo aborted)."""
     results = run_ranks(_clip_before_and_after_a_process_group, 2, str(tmp_path / "store"))
     torch_rank0 = results[0][2]
     assert torch_rank0 == pytest.approx(3 ** 0.5)
     for rank, (alone, after, torchs) in enumerate(results):
         assert alone == pytest.approx(3 ** 0.5 * (rank + 1)), results  # its own gradients, as torch's on it
-        assert after == pytest.approx(torch_rank0, rel=1e-6), results
+        assert after == pytest.approx([torch_rank0] * 14, rel=1e-6), results
 
 
 def _float64_infinity_norm_of_an_inf(rank: int, world: int) -> list:
