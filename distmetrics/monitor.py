@@ -105,6 +105,7 @@ class Monitor:
         self._reducer.shares_tags_with(self._eval.reducer)
         self._one_thread = OneThread()  # the thread of the collective calls
         self._steps_in_interval, self._last_step, self._closed = 0, None, False
+        self._closing = False  # close() has begun: a value recorded from then on is refused
         self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)
         self._stride = 1  # the last step's number less the one before: the next is predicted that far on
         self._strided = False  # two steps seen: _stride is the loop's
@@ -199,6 +200,7 @@ class Monitor:
         0 over every rank and step of the interval is left out of that record, said once per name."""
         self._check_open()
         with self._records:
+            self._check_closing()
             self._by_name["train"].record(name, value, reduce, weight)
 
     @eager
@@ -210,6 +212,7 @@ class Monitor:
         are token counts) at the log step (``train``) or :meth:`log_eval` (``eval``)."""
         self._check_open()
         with self._records:
+            self._check_closing()
             self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights,
                                                                                names)
 
@@ -226,6 +229,7 @@ class Monitor:
         for the device) raise a ``ValueError`` on every rank at the log step."""
         self._check_open()
         with self._records:
+            self._check_closing()
             self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)
 
     @eager
@@ -335,6 +339,8 @@ class Monitor:
         if step_under_way(self):  # a signal handler's close() inside monitor.step: the step is counted whole
             finish_step(self)
             self._by_name["train"].stats.end_step()  # what a part it cut short recorded is the step's too
+        with self._records:  # a value another thread records from here on is refused, as after close():
+            self._closing = True  # taken back below, or taken into the record close() writes, it was neither's
         try:
             writes_record = self._steps_in_interval > 0 and self._last_step is not None
             # values recorded after the last step belong to a step that did not come: said, and not in the record
@@ -415,6 +421,11 @@ class Monitor:
             write_end(self, how)
         finally:  # a signal's exception inside it leaves no part open
             close_parts(self.collectors, self.sinks, quiet)
+
+    def _check_closing(self) -> None:
+        """Refuse a value that waited for the lock while close() began (it takes the interval)."""
+        if self._closing:
+            raise RuntimeError("this Monitor is closed; create a new one to record more")
 
     def _check_open(self, collective: bool = False) -> None:
         """Refuse a call to a closed Monitor, and a ``collective`` one (a log step, an evaluation, a

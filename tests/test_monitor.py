@@ -2171,3 +2171,43 @@ def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_
     assert (evaluated["eval/loss/a"], evaluated["eval/loss/b"]) == (3.0, 5.5)
     assert (record["train/loss/a"], record["train/loss/b"]) == (3.0, 5.0)
     assert record["moe/aux_loss"] == 1.0 and record["moe/load_imbalance"] == 1.0  # the counts summed: [4, 4, 4, 4]
+
+
+def test_a_value_another_thread_records_while_close_takes_the_interval_is_refused_not_written(tmp_path, caplog):
+    """close() took back the values recorded after the last monitor.step (said, not written), let go of
+    the lock, and took it again to take the interval for its record: a value another thread recorded
+    in between (1 to 17 per run of a recording thread) was written into the record of steps up to the
+    last, as that step's. The thread's record() now raises, as after close(). Here the other thread
+    records at that very moment (close's log step, wrapped)."""
+    import threading
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=4, json_log=True))
+    raised = []
+
+    def late():
+        try:
+            monitor.record("x/sum", 1e5, "sum")
+        except RuntimeError as err:
+            raised.append(str(err))
+
+    log = monitor._log
+
+    def log_with_a_value_recorded_before(*args, **kwargs):
+        thread = threading.Thread(target=late)
+        thread.start()
+        thread.join()
+        return log(*args, **kwargs)
+
+    for step in (1, 2, 3, 4, 5, 6):
+        monitor.record("x/sum", 1.0, "sum")
+        monitor.step(step, loss=1.0)
+    monitor.record("x/sum", 1e10, "sum")  # after the last step: taken back and said
+    monitor._log = log_with_a_value_recorded_before
+    with caplog.at_level("WARNING", logger="distmetrics"):
+        monitor.close()
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["step"], r["x/sum"]) for r in records] == [(4, 4.0), (6, 2.0)], records
+    assert raised == ["this Monitor is closed; create a new one to record more"], raised
+    assert any("'x/sum' recorded after the last monitor.step" in r.getMessage() for r in caplog.records)
