@@ -787,13 +787,17 @@ class _Refused(_Flaky):
 
         import distmetrics as dm
 
-        ok = [dm.Sample("flaky/steps", float(ctx.steps), "max")]
-        if self.rank == 0 or ctx.step not in _REFUSED:
+        ok = [dm.Sample("flaky/steps", float(ctx.steps), "max"), dm.Sample("_flaky/raw", 1.0, "sum")]  # a lane of
+        if self.rank == 0 or ctx.step not in _REFUSED:  # its own: read by its finalize
             return ok
         return {4: [dm.Sample("flaky/steps", 1.0, "mean")], 6: ok + ok[:1],
                 8: [dm.Sample("flaky/v", torch.ones(2), "sum", names=("flaky/v/a", "flaky/v/a"))],
                 10: ok + [dm.Sample("_train/tokens", 5.0, "sum")], 12: ok + [dm.Sample("flaky/\ud800", 1.0, "max")],
                 14: ok + [{"flaky/x": 1.0}]}[ctx.step]
+
+    def finalize(self, metrics, ctx):
+        metrics["flaky/raw"] = metrics.pop("_flaky/raw")
+        return []
 
 
 _REFUSED = {4: "reduced as 'max' before and now as 'mean'", 6: "'flaky/steps' was handed over twice",
@@ -834,6 +838,7 @@ def test_samples_the_reduction_would_refuse_on_one_rank_fail_that_collector_on_e
     for step, record in records.items():  # both ranks' two steps: (s-1 + s + s + s+1) / 4 = s
         assert record["train/loss"] == step and record["flaky/steps"] == 2.0, record
         assert not any(k.startswith(("_", "flaky/v")) for k in record) and record["train/consumed_tokens"] == 20 * step
+        assert record["flaky/raw"] == (1.0 if step in _REFUSED else 2.0)  # rank 1's own lane too where it was well
 
 
 class _LosesARank(_Flaky):
@@ -2200,7 +2205,7 @@ def test_a_value_another_thread_records_while_close_takes_the_interval_is_refuse
         thread.join()
         return log(*args, **kwargs)
 
-    for step in (1, 2, 3, 4, 5, 6):
+    for step in range(1, 7):
         monitor.record("x/sum", 1.0, "sum")
         monitor.step(step, loss=1.0)
     monitor.record("x/sum", 1e10, "sum")  # after the last step: taken back and said

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ..guard import HangError
-from ..names import RECORD_KEYS, check_name
+from ..names import RECORD_KEYS, check_name, name_problem
 from ..reduce import Sample
 from .writes import ForeignNames, check_after, check_declared, check_writes
 
@@ -255,7 +255,7 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
     if last is not None and last[0] == shape and seen.keys().isdisjoint(last[1]):
         seen.update(last[1])
         return got
-    ours = of_ours(collector)
+    ours, own = of_ours(collector), f"_{collector.name}/"
     mine: dict[str, str] = {}
     for sample in got:
         if not isinstance(sample, Sample):
@@ -265,9 +265,14 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
             raise ValueError(f"the vector sample {sample.name!r} names an element twice")
         for name in names:
             known = kinds.get(name)
-            if not ours and (name[:1] == "_" or known is None and name not in RECORD_KEYS):  # passed once: passes
-                check_name(name, "the sample")  # an internal lane's '_' (the Monitor's own are known), no valid
-                # UTF-8, a control character
+            if ours or known is not None and name[:1] != "_" or name in RECORD_KEYS:  # passed once: passes
+                pass
+            elif name.startswith(own):  # a lane of its own, which its finalize reads (not written as it is)
+                odd = name_problem(name)
+                if odd:
+                    raise ValueError(f"the sample {name!r} is refused: {odd}")
+            else:  # the Monitor's lanes start with '_' ('_train/tokens'), no valid UTF-8, a control character
+                check_name(name, f"the sample (a collector's own lanes start with {own!r})")
             known = known or sample.reduce
             if name in mine or name in seen:
                 raise ValueError(f"the metric {name!r} was handed over twice at one log step"

@@ -59,7 +59,9 @@ class MegatronReports:
     def _names_of(self, names: Optional[list], normalizer: Any) -> list[str]:
         """The timer names a report is of; a text name or a normalizer that is no number > 0 refused
         (before any collective)."""
-        if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real) or not normalizer > 0.0:
+        number = isinstance(normalizer, numbers.Real) or isinstance(normalizer, torch.Tensor) and \
+            normalizer.numel() == 1 and not normalizer.is_complex()  # a 0-d tensor, as Megatron's assert takes
+        if isinstance(normalizer, bool) or not number or not normalizer > 0.0:
             raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
         if isinstance(names, str):  # list("fwd") would be three names
             raise TimerError(f"names={names!r}: accepted values are a list of timer names, e.g. [{names!r}], or None")

@@ -71,7 +71,7 @@ class Figures:
             fig.savefig(buffer, format="png", dpi=DPI)
         except (ValueError, OverflowError) as err:  # matplotlib's ticks over a range near float64's (1e308)
             return (f'<p class="note">{escape(alt)}: not drawn (matplotlib raised {escape(type(err).__name__)}: '
-                    f'{escape(str(err))}; values near float64\'s largest do that); metrics.jsonl has the values.</p>')
+                    f'{escape(str(err))}); metrics.jsonl has the values.</p>')
         self.images += 1
         uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
         text = f"<figcaption>{escape(caption)}</figcaption>" if caption else ""
