@@ -33,6 +33,7 @@ rank (the all-reduce carries the flag).
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 import operator
 import weakref
 from typing import Any, Iterable, Optional, Union
@@ -77,19 +78,26 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     # it alike: a call before init_process_group, or in a group since destroyed (a sweep, a notebook), measured
     # the layout of then (each rank's plain tensors summed as shards); an id() may be reused by a new group on
     # one rank and not on another, whose first call's agreement then met nothing
-    owner = group if group is not None else dist.group.WORLD if dist.is_available() and dist.is_initialized() \
-        else None
-    measurer = _MODULE_LEVEL.get(owner) if owner is not None else _ALONE[0]
+    if group is not None:  # its measurer holds it (its collectives): the last few are kept, as objects
+        measurer = _GROUPS.get(group)
+        if measurer is None:
+            measurer = _GROUPS[group] = GradientNorms(None, detect_layout(), group)
+            while len(_GROUPS) > 4:
+                _GROUPS.popitem(last=False)
+        return measurer.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)[0]
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    measurer = _WORLDS.get(world) if world is not None else _ALONE[0]  # not held: the world's lifetime
     if measurer is None:
-        measurer = GradientNorms(None, detect_layout(), group)
-        if owner is None:
+        measurer = GradientNorms(None, detect_layout(), None)
+        if world is None:
             _ALONE[0] = measurer
         else:
-            _MODULE_LEVEL[owner] = measurer
+            _WORLDS[world] = measurer
     return measurer.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)[0]
 
 
-_MODULE_LEVEL: "weakref.WeakKeyDictionary[Any, GradientNorms]" = weakref.WeakKeyDictionary()
+_WORLDS: "weakref.WeakKeyDictionary[Any, GradientNorms]" = weakref.WeakKeyDictionary()
+_GROUPS: "OrderedDict[Any, GradientNorms]" = OrderedDict()
 _ALONE: list = [None]  # the measurer of calls with no process group
 
 

@@ -52,11 +52,9 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
             before = monitor._foreign.before_finalize(collector, metrics)  # a user's: kept to its own names
             try:
                 got = list(collector.finalize(metrics, ctx) or ())  # None: no alert (a finalize that returns nothing)
-                got, refused = _own_kinds(collector, got) if before is not None and not of_ours(collector) \
-                    else (got, None)  # a user's: Records of its own kinds
+                if before is not None and not of_ours(collector):  # a user's: Records of its own kinds (said, not
+                    got = _own_kinds(collector, got, monitor)  # raised: what finalize returns may differ by rank)
                 alerts += got
-                if refused is not None:
-                    raise refused
             except Exception as err:  # noqa: BLE001 - raised below, once the record is written
                 if failure is not None:  # one error is raised: the others are said
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
@@ -95,20 +93,25 @@ WRITERS_KINDS = frozenset(("run", "resume", "train", "eval", "tensor_stats", "pr
 step, an ``end`` mid-file that readers take for the job's end) is refused (an ``Alert`` is an alert)."""
 
 
-def _own_kinds(collector: Any, got: list) -> tuple[list, Optional[ValueError]]:
+def _own_kinds(collector: Any, got: list, monitor: "Monitor") -> list:
     """What a user's collector's ``finalize`` returned, less any ``Record`` of the Monitor's kinds or
-    anything neither an Alert nor a Record, and a ``ValueError`` saying those (None where none)."""
+    anything neither an Alert nor a Record, which are said once per collector and kind by the rank."""
     from .collectors.base import Alert, Record
 
     bad = [item for item in got if not isinstance(item, (Alert, Record)) or
            isinstance(item, Record) and (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS)]
     if not bad:
-        return got, None
+        return got
     shown = ", ".join(f"Record({item.kind!r}, ...)" if isinstance(item, Record) else f"a {type(item).__name__}"
                       for item in bad[:3])
-    return [item for item in got if not any(item is b for b in bad)], ValueError(
-        f"the {collector.name!r} collector's finalize returned {shown}: it returns Alerts, and Records of kinds of "
-        f"its own, not {', '.join(sorted(WRITERS_KINDS))} (the Monitor's); the rest of what it returned is written")
+    said = monitor.__dict__.setdefault("_said_kinds", set())
+    if (collector.name, shown) not in said:
+        said.add((collector.name, shown))
+        logger.warning("distmetrics: rank %d: the %r collector's finalize returned %s, which are not written: it "
+                       "returns Alerts, and Records of kinds of its own, not %s (the Monitor's); the rest of what it "
+                       "returned is written. Said once", monitor.rank, collector.name, shown,
+                       ", ".join(sorted(WRITERS_KINDS)))
+    return [item for item in got if not any(item is b for b in bad)]
 
 
 def _written_order(monitor: "Monitor", metrics: dict[str, Any]) -> list[str]:

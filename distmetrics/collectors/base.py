@@ -238,6 +238,11 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
     return samples, ValueError("; ".join(errors)) if errors else None
 
 
+MONITORS_LANES = frozenset(("_train/", "_eval/", "_stragglers/", "_monitor/", "_grad_bad/", "_grad_blown/", "_energy/",
+                            "_ranks/", "_norms/", "_moe/", "_record/", "_gpu/"))
+"""The prefixes of the Monitor's internal lanes, which no collector of the user's sends as its own."""
+
+
 def of_ours(collector: Any) -> bool:
     """Whether a user's collector is (made from) one of the Monitor's own, whose internal lanes start with '_'."""
     return any(c.__module__.startswith("distmetrics.") and c.__module__ != __name__ for c in type(collector).__mro__)
@@ -256,6 +261,8 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
         seen.update(last[1])
         return got
     ours, own = of_ours(collector), f"_{collector.name}/"
+    if own in MONITORS_LANES:  # a collector named as the Monitor's lanes ('monitor', 'ranks') has no lanes of its own
+        own = "\0"
     mine: dict[str, str] = {}
     for sample in got:
         if not isinstance(sample, Sample):
