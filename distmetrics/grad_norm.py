@@ -33,9 +33,9 @@ rank (the all-reduce carries the flag).
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 import operator
 import weakref
+from collections import OrderedDict
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -74,10 +74,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     sit beside DTensors (on this rank, or on some rank at the first call with the norm type), each
     call reads their check on the host (:func:`distmetrics.replicas.check`; a device sync on a GPU).
     """
-    # one measurer per process group object (weakly held: the group's lifetime), as every rank makes and finds
-    # it alike: a call before init_process_group, or in a group since destroyed (a sweep, a notebook), measured
-    # the layout of then (each rank's plain tensors summed as shards); an id() may be reused by a new group on
-    # one rank and not on another, whose first call's agreement then met nothing
+    # one measurer per process group object, which every rank makes and finds alike: a call before
+    # init_process_group, or in a world since destroyed (a sweep, a notebook), measured the layout of then (each
+    # rank's plain tensors summed as shards); an id() may be reused by a new group on one rank and not on another,
+    # whose first call's agreement then met nothing
     if group is not None:  # its measurer holds it (its collectives): the last few are kept, as objects
         measurer = _GROUPS.get(group)
         if measurer is None:

@@ -104,7 +104,7 @@ def _own_kinds(collector: Any, got: list, monitor: "Monitor") -> list:
         return got
     shown = ", ".join(f"Record({item.kind!r}, ...)" if isinstance(item, Record) else f"a {type(item).__name__}"
                       for item in bad[:3])
-    said = monitor.__dict__.setdefault("_said_kinds", set())
+    said = monitor._foreign.said
     if (collector.name, shown) not in said:
         said.add((collector.name, shown))
         logger.warning("distmetrics: rank %d: the %r collector's finalize returned %s, which are not written: it "

@@ -2219,3 +2219,21 @@ def test_a_value_another_thread_records_while_close_takes_the_interval_is_refuse
     assert [(r["step"], r["x/sum"]) for r in records] == [(4, 4.0), (6, 2.0)], records
     assert raised == ["this Monitor is closed; create a new one to record more"], raised
     assert any("'x/sum' recorded after the last monitor.step" in r.getMessage() for r in caplog.records)
+
+
+def test_a_collectors_own_lanes_are_its_name_s_and_never_the_monitors():
+    """A user's collector may send lanes of its own, _<its name>/...; one named as a prefix of the
+    Monitor's lanes ('ranks', 'monitor') has none: '_ranks/timers/x' is the timers' lane the stragglers
+    collector reads, and '_monitor/take_samples_failed' would make every rank raise."""
+    from distmetrics.collectors.base import _checked
+    from distmetrics.reduce import Sample
+
+    class Mine:
+        def __init__(self, name):
+            self.name = name
+
+    assert [s.name for s in _checked([Sample("_mine/raw", 1.0, "sum")], {}, {}, {}, Mine("mine"))] == ["_mine/raw"]
+    for name, lane in (("mine", "_other/raw"), ("ranks", "_ranks/timers/x"),
+                       ("monitor", "_monitor/take_samples_failed")):
+        with pytest.raises(ValueError, match=f"metric name '{lane}' is refused: names are non-empty, do not start"):
+            _checked([Sample(lane, 1.0, "max")], {}, {}, {}, Mine(name))

@@ -898,6 +898,8 @@ def test_a_report_given_one_name_as_text_or_a_normalizer_that_is_no_number_is_re
     """``timers.log("fwd")`` read the text as the names "f", "w" and "d" (nothing reported, no
     word), and ``normalizer="x"`` raised a bare TypeError; both are TimerErrors naming the value,
     raised before the report's collective."""
+    import torch
+
     from distmetrics.collectors.timers import TimerError, Timers
 
     timers = Timers(log_level=2)
@@ -908,3 +910,4 @@ def test_a_report_given_one_name_as_text_or_a_normalizer_that_is_no_number_is_re
         for normalizer in ("x", None, True, 0, float("nan")):
             with pytest.raises(TimerError, match=f"normalizer={normalizer!r}: accepted values are numbers > 0"):
                 report(["fwd"], normalizer=normalizer)
+        report(["fwd"], normalizer=torch.tensor(2.0))  # a 0-d tensor passes, as Megatron's assert takes it

@@ -261,8 +261,7 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
         seen.update(last[1])
         return got
     ours, own = of_ours(collector), f"_{collector.name}/"
-    if own in MONITORS_LANES:  # a collector named as the Monitor's lanes ('monitor', 'ranks') has no lanes of its own
-        own = "\0"
+    own = None if own in MONITORS_LANES else own  # a collector named as the Monitor's lanes ('ranks') has none
     mine: dict[str, str] = {}
     for sample in got:
         if not isinstance(sample, Sample):
@@ -274,12 +273,12 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
             known = kinds.get(name)
             if ours or known is not None and name[:1] != "_" or name in RECORD_KEYS:  # passed once: passes
                 pass
-            elif name.startswith(own):  # a lane of its own, which its finalize reads (not written as it is)
+            elif own is not None and name.startswith(own):  # a lane of its own, for its finalize (not written)
                 odd = name_problem(name)
                 if odd:
                     raise ValueError(f"the sample {name!r} is refused: {odd}")
             else:  # the Monitor's lanes start with '_' ('_train/tokens'), no valid UTF-8, a control character
-                check_name(name, f"the sample (a collector's own lanes start with {own!r})")
+                check_name(name, "the sample" + (f" (lanes of its own start with {own!r})" if own else ""))
             known = known or sample.reduce
             if name in mine or name in seen:
                 raise ValueError(f"the metric {name!r} was handed over twice at one log step"
