@@ -58,6 +58,11 @@ from .samples import Reduced, Sample
 
 __all__ = ["Sample", "Reduced", "Reducer", "REDUCE_KINDS", "PerRank", "PackLayout", "check_reduce"]
 
+KEPT_NEGOTIATIONS = 4
+"""A name of the agreed layout that no rank sends at a negotiation stays in the layout (absent: its
+reduction's identity, never written) through this many negotiations in a row: name sets that take
+turns between log steps settle on their union instead of negotiating again at every log step."""
+
 def _written_clashes(union: dict[str, str], origin: Optional[dict[str, int]] = None) -> dict[str, str]:
     """The names of a union in which one name writes what another writes (``x`` as ``minmax`` on
     one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside an
@@ -107,6 +112,7 @@ class Reducer:
         self._call_coded: tuple = (None, 0)  # (call, its code)
         self._device = device
         self._layout: Optional[PackLayout] = None
+        self._unsent: dict[str, int] = {}  # a name the layout keeps → negotiations in a row it was not sent at
         self._kinds: dict[str, str] = {}
         self.kinds = self._kinds
         """Every name's reduce kind on this rank so far (read only: a collector's samples checked ahead)."""
@@ -180,7 +186,8 @@ class Reducer:
             self.guard.enter(self.call, tag)
         if not distributed:
             if self._layout is None or not self._fits(samples):
-                self._layout = PackLayout(entries_of(samples))
+                entries = dict(entries_of(samples))
+                self._layout = PackLayout([*entries.items(), *self._kept(entries, {}).items()])
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
         else:
             given, moved = samples, False
@@ -320,9 +327,24 @@ class Reducer:
                 if self._written is not None and name[:1] != "_":  # internal lanes are never written
                     self._written.note(name, kind, f"metric {name!r} ({kind}) from rank {origin[name]} in "
                                                    f"{self.records}")
-        self._layout = PackLayout(union.items())
+        kept = self._kept(union, refused)
+        for name in _written_clashes({**union, **kept}) if kept else ():  # with a name sent now: not kept
+            kept.pop(name, None)
+        self._layout = PackLayout([*union.items(), *kept.items()])
         self._refusals = Refusals(refused) if refused else None
         return samples if self._refusals is None else self._refusals.first(samples)
+
+    def _kept(self, sent: dict[str, str], refused: dict[str, str]) -> dict[str, str]:
+        """The names of the cached layout that no rank sent at this negotiation and that stay in the
+        next one (see :data:`KEPT_NEGOTIATIONS`), with their kinds; the same on every rank."""
+        kept: dict[str, str] = {}
+        unsent: dict[str, int] = {}
+        for name, kind in self._layout.entries if self._layout is not None else ():
+            if name not in sent and name not in refused and self._unsent.get(name, 0) < KEPT_NEGOTIATIONS:
+                kept[name] = kind
+                unsent[name] = self._unsent.get(name, 0) + 1
+        self._unsent = unsent
+        return kept
 
     # --- MAX pack (+ control lanes) -----------------------------------------------------
     def _max_pack(self, samples: list[Sample], tag: int, stale: bool, steps: int = 0) -> Union[torch.Tensor, list[int]]:

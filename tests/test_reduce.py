@@ -161,6 +161,27 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
                       r8.negotiations - negotiations))
         r8.refused = None  # the caller takes the error, as the Monitor does
     out["refused_element"] = steps
+
+    # 10. name sets that take turns between log steps (three sets, one rank with a name of its own in
+    # one of them) settle on their union; a name gone for good leaves after KEPT_NEGOTIATIONS more.
+    from distmetrics.reduce import KEPT_NEGOTIATIONS
+
+    r9 = Reducer()
+    turns = []
+    for step in range(1, 13):
+        turn = "abc"[step % 3]
+        samples = [Sample(f"{turn}/x", float(rank + step), "sum"), Sample("all_steps", 1.0, "sum"),
+                   Sample(turn, torch.tensor([rank * 1.0, -step * 1.0]), "max", names=(f"{turn}/p", f"{turn}/q"))]
+        if turn == "b" and rank == 2:
+            samples.append(Sample("b/only2", float(step), "mean"))
+        negotiations = r9.negotiations
+        metrics = r9.reduce(samples, tag=step).to_metrics()
+        turns.append((metrics, r9.negotiations - negotiations))
+    kept = []
+    for step in range(13, 13 + KEPT_NEGOTIATIONS + 2):  # a new name at each: a negotiation at each
+        r9.reduce([Sample(f"new{step}", 1.0, "sum")], tag=step)
+        kept.append(sorted(name for name in r9._layout.kinds if not name.startswith("new")))
+    out["turns"], out["kept"] = turns, kept
     return out
 
 
@@ -288,6 +309,31 @@ def test_a_refused_element_of_a_vector_leaves_out_only_itself_and_a_lasting_clas
                 assert metrics["v/b"] == pytest.approx(mean(step, "v/b", range(3)))
                 y_high = [h[1] for h in high]
                 assert (metrics["w/y/max"], metrics["w/y/max_rank"]) == (max(y_high), WORLD - 1)
+
+
+def test_name_sets_that_take_turns_settle_on_their_union_and_a_name_gone_for_good_leaves(results):
+    """Each negotiation's layout held only the names sent at it: sets that take turns between log
+    steps negotiated again at every log step, for the whole run."""
+    from distmetrics.reduce import KEPT_NEGOTIATIONS
+
+    for r in results:
+        for step, (metrics, negotiations) in enumerate(r["turns"], start=1):
+            turn = "abc"[step % 3]
+            assert negotiations == (1 if step <= 3 else 0), (step, negotiations)
+            expected = {f"{turn}/x": sum(rank + step for rank in range(WORLD)), "all_steps": WORLD,
+                        f"{turn}/p": WORLD - 1, f"{turn}/p/max_rank": WORLD - 1,
+                        f"{turn}/q": -step, f"{turn}/q/max_rank": 0}
+            if turn == "b":
+                expected["b/only2"] = step
+            assert metrics == expected, (step, metrics)
+        every = ["all_steps", *(f"{t}/{n}" for t in "abc" for n in "pqx"), "b/only2"]
+        assert r["kept"][0] == sorted(every)
+        # sent no more: kept through at most KEPT_NEGOTIATIONS negotiations in a row at which no rank sent
+        # it, all_steps (sent at every negotiation before) through exactly that many; "a" was sent at
+        # the last negotiation of the turns (step 3), "c" at the one before, "b" two before
+        assert all("all_steps" in names and "a/x" in names for names in r["kept"][:KEPT_NEGOTIATIONS])
+        assert "b/x" not in r["kept"][KEPT_NEGOTIATIONS - 2] and "c/x" in r["kept"][KEPT_NEGOTIATIONS - 2]
+        assert r["kept"][KEPT_NEGOTIATIONS] == []
 
 
 def test_ranks_out_of_step_raise_on_every_rank(results):
@@ -722,3 +768,17 @@ def test_an_all_summary_of_opposite_infinities_or_huge_values_is_nan_or_inf_not_
     assert _summary(PerRank([1e308, 1e308])) == {"max": 1e308, "min": 1e308, "mean": math.inf}
     assert all(math.isnan(v) for v in _summary(PerRank([1.0, math.nan, None])).values())
     assert _summary(PerRank([None, 2.0, 4.0])) == {"max": 4.0, "min": 2.0, "mean": 3.0}
+
+
+def test_name_sets_that_take_turns_in_one_process_keep_one_layout():
+    """One process built a new layout at every log step where the names took turns."""
+    from distmetrics.reduce import Reducer, Sample
+
+    r = Reducer()
+    layouts = []
+    for step in range(1, 9):
+        turn = "ab"[step % 2]
+        result = r.reduce([Sample(f"{turn}/x", float(step), "sum"), Sample(f"{turn}/y", -float(step), "min")])
+        assert result.to_metrics() == {f"{turn}/x": step, f"{turn}/y": -step, f"{turn}/y/min_rank": 0}
+        layouts.append(r._layout)
+    assert len(set(map(id, layouts[1:]))) == 1 and sorted(layouts[-1].kinds) == ["a/x", "a/y", "b/x", "b/y"]
