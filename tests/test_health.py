@@ -1142,3 +1142,21 @@ def test_a_few_category_maps_used_in_turn_stay_made_and_the_oldest_unused_goes()
     assert losses._lookup(maps[0], None) is made[0] and losses._lookup(maps[2], None) is made[2]
     assert losses._lookup(maps[1], None) is not made[1]
     assert torch.equal(losses._lookup(maps[1], None)[0], made[1][0])
+
+
+def test_a_non_finite_loss_or_norm_is_no_spike_judgement(tmp_path):
+    """A NaN train/loss or grad_norm wrote health/*_spike 0: "no spike" for a value never judged."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(2, 2)
+    records = []
+    with dm.Monitor(_config(tmp_path, console=False), model=model) as monitor:
+        for step in range(1, 15):
+            _model_with_grad_norm(model, math.nan if step == 13 else 1.0)
+            monitor.clip_grad_norm_(1.0)
+            records.append(monitor.step(step, loss=math.inf if step == 14 else math.nan if step >= 12 else 1.0))
+    assert [(r.get("health/loss_spike"), r.get("health/grad_spike")) for r in records[10:]] == [
+        (0, 0), (None, 0), (None, None), (None, 0)]
+    assert [r["health/nonfinite_loss"] for r in records[10:]] == [0, 1, 1, 1]

@@ -97,8 +97,9 @@ class HealthCollector:
         alerts = []
         for key, detector, name in (("train/loss", self.loss_spikes, "loss"), ("grad_norm", self.grad_spikes, "grad")):
             value = metrics.get(key)
-            spike, ratio = detector.update(value if isinstance(value, float) else None)
-            if value is not None:
+            value = float(value) if isinstance(value, (int, float)) else None
+            spike, ratio = detector.update(value)
+            if value is not None and math.isfinite(value):  # NaN or inf is no judgement: nonfinite_* count it
                 metrics[f"health/{name}_spike"] = int(spike)
                 if ratio is not None:
                     metrics[f"health/{name}_spike_factor"] = ratio
