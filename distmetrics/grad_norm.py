@@ -81,6 +81,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if group is not None:  # its measurer holds it (its collectives): the last few are kept, as objects
         measurer = _GROUPS.get(group)
         if measurer is None:
+            monitor_ranks(group, "dm.clip_grad_norm_")  # a rank outside it: refused, not a silent 0
             measurer = _GROUPS[group] = GradientNorms(None, detect_layout(), group)
             while len(_GROUPS) > 4:
                 _GROUPS.popitem(last=False)

@@ -208,28 +208,30 @@ def _outside(layout: Layout, groups: dict) -> Optional[str]:
     return None
 
 
-def monitor_ranks(group: Any = None) -> tuple[int, ...]:
+def monitor_ranks(group: Any = None, call: str = "Monitor") -> tuple[int, ...]:
     """The global ranks a Monitor on ``group`` reduces over, in the group's rank order (the world's
     for None or ``dist.group.WORLD``; ``(0,)`` without torch.distributed). A rank outside ``group``
-    is refused here, before the Monitor's first collective: the group's ranks go on without it."""
+    is refused here, before the Monitor's first collective: the group's ranks go on without it.
+    ``call``: what was given the group, for messages (``dm.clip_grad_norm_``)."""
     initialised = dist.is_available() and dist.is_initialized()
     if group is None or (initialised and group is dist.group.WORLD):
         return tuple(range(dist.get_world_size())) if initialised else (0,)
+    what = "Monitor" if call == "Monitor" else "call"
     if not initialised:
-        raise ValueError(f"Monitor(group={group!r}): torch.distributed is not initialised; call "
-                         "init_process_group(...) before making the group and the Monitor, or leave group= out")
+        raise ValueError(f"{call}(group={group!r}): torch.distributed is not initialised; call "
+                         f"init_process_group(...) before making the group and the {what}, or leave group= out")
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"Monitor(group=...): rank {dist.get_rank()} is not one of the group's ranks (on a rank "
+        raise ValueError(f"{call}(group=...): rank {dist.get_rank()} is not one of the group's ranks (on a rank "
                          "outside it dist.new_group(ranks) returns a placeholder, not a group, so its ranks are not "
-                         "known here): make that group's Monitor on its ranks only, and give this rank a Monitor "
+                         f"known here): make that group's {what} on its ranks only, and give this rank a {what} "
                          "on a group that holds it, or none")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"Monitor(group=...): expected a torch.distributed process group (dist.new_group(ranks)) "
+        raise TypeError(f"{call}(group=...): expected a torch.distributed process group (dist.new_group(ranks)) "
                         f"or None for the world, got {type(group).__name__} {group!r:.80}")
     ranks = tuple(dist.get_process_group_ranks(group))
     if dist.get_rank() not in ranks:
-        raise ValueError(f"Monitor(group=...): rank {dist.get_rank()} is not one of the group's ranks {list(ranks)}: "
-                         "make the Monitor on the group's ranks only")
+        raise ValueError(f"{call}(group=...): rank {dist.get_rank()} is not one of the group's ranks {list(ranks)}: "
+                         f"make the {what} on the group's ranks only")
     return ranks
 
 

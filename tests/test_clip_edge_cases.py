@@ -722,8 +722,8 @@ def test_a_nan_or_inf_in_one_replicas_copy_gives_every_rank_the_same_total_and_c
 
 def _clip_before_and_after_a_process_group(rank: int, world: int, store: str) -> tuple:
     """The module-level clip called with no process group (the rank's own gradients), then in a new
-    one, twice, then in twelve more made after destroying the last: replicas whose gradients differ by rank
-    (rank r: r + 1 in each of 3 elements)."""
+    one, twice, then in twelve more made after destroying the last, then in a group of rank 0 alone: replicas
+    whose gradients differ by rank (rank r: r + 1 in each of 3 elements)."""
     import gc
 
     import torch
@@ -745,7 +745,12 @@ def _clip_before_and_after_a_process_group(rank: int, world: int, store: str) ->
         dist.init_process_group("gloo", store=dist.FileStore(f"{store}{cycle}", world), rank=rank, world_size=world)
         param.grad = torch.full((3,), float(rank + 1))
         after.append(float(dm.clip_grad_norm_([param], 1e9)))
-    return alone, after, torchs
+    first = dist.new_group([0])  # rank 1 is not in it: its clip measured nothing and returned 0
+    try:
+        outside = float(dm.clip_grad_norm_([param], 1e9, group=first))
+    except ValueError as err:
+        outside = str(err)
+    return alone, after, torchs, outside
 
 
 def test_the_module_level_clip_measures_the_process_group_of_the_call_not_of_its_first_call(tmp_path):
@@ -757,7 +762,9 @@ def test_the_module_level_clip_measures_the_process_group_of_the_call_not_of_its
     results = run_ranks(_clip_before_and_after_a_process_group, 2, str(tmp_path / "store"))
     torch_rank0 = results[0][2]
     assert torch_rank0 == pytest.approx(3 ** 0.5)
-    for rank, (alone, after, torchs) in enumerate(results):
+    assert results[0][3] == pytest.approx(3 ** 0.5)  # rank 0's group of one: its own gradients
+    assert results[1][3].startswith("dm.clip_grad_norm_(group=...): rank 1 is not one of the group's ranks"), results
+    for rank, (alone, after, torchs, _) in enumerate(results):
         assert alone == pytest.approx(3 ** 0.5 * (rank + 1)), results  # its own gradients, as torch's on it
         assert after == pytest.approx([torch_rank0] * 14, rel=1e-6), results
 
