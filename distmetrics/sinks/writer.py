@@ -152,7 +152,7 @@ class WriterThread:
             except BaseException as err:
                 self._say_interrupted(err)
                 raise
-            left = len(self._records)
+            left, busy = len(self._records), self._busy
             if self._said:  # another thread's close() returned from this wait first, and says it
                 return True
             self._said = True
@@ -160,9 +160,10 @@ class WriterThread:
         if finished:
             self._thread.join()  # it only returns now: no lock needed
         else:
-            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued record%s "
+            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued record%s%s "
                            "not written yet: the writer thread goes on with them, and what it has not written when "
-                           "the process exits is lost.", self._sinks(), timeout, left, "" if left == 1 else "s")
+                           "the process exits is lost.", self._sinks(), timeout, left, "" if left == 1 else "s",
+                           " and the one a sink is writing" if busy else "")
         self._say_dropped()
         return True
 
