@@ -384,8 +384,14 @@ _STRUCT_WITHOUT_TENSOR = {"tensors": None, "tensors_struct": [{"stats": ["max"]}
     (_section(namespace=None, feature={"start_end_list": [[0, 10]]}), 10,
      "section 's': LogTensorStats for tensor 'activation' selects no step of this job: no multiple of freq 1 in "
      "start_end_list [[0, 10]] is at or after tensor_inspect.init_training_step 10"),
+    # nvdlfw-inspect's own feature: a bare TypeError (unhashable type: 'list'), from check-features a traceback
+    (_section(namespace=None, feature={"tensors": [["activation"]]}), 0,
+     "section 's': tensor ['activation'] in LogTensorStats is not a tensor's name (text, such as activation)"),
+    (_section(namespace=None, feature={"tensors": None, "tensors_struct": [{"tensor": {"a": 1}, "stats": ["max"]}]}),
+     0, "section 's': tensor {'a': 1} in LogTensorStats is not a tensor's name"),
 ], ids=["layers typo alone", "entry without tensor", "base entry without tensor", "freq 0",
-        "end before init_training_step", "start_end_list before init_training_step"])
+        "end before init_training_step", "start_end_list before init_training_step", "tensor a list",
+        "tensor a mapping"])
 def test_a_features_error_names_the_section_feature_tensor_and_key(tmp_path, capsys, features, init, message):
     """A typo that was the only key of ``layers`` was reported as a missing selector; an entry
     without ``tensor`` as ``tensor None``; ``freq: 0`` without its feature and tensor; and a
@@ -820,6 +826,40 @@ def test_an_evaluation_forward_is_not_counted_in_the_next_steps_statistics(tmp_p
     _activation_stats_run(tmp_path, how.replace(" ", "_"), train_step)
 
 
+def test_a_pause_never_resumed_ends_at_the_log_step_for_the_statistics_too(tmp_path, caplog):
+    """monitor.pause() after step 1, never resumed: the clocks' pause ended at the next log step, the
+    tensor statistics' hooks stayed paused for the rest of the run (no record, and a warning blaming
+    the layers)."""
+    import logging
+
+    import torch
+
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                          "stats": ["l2_norm"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    model = _model()
+    truth = {}
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in range(1, 7):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            model(x).sum().backward()
+            truth[step] = float(torch.nn.functional.linear(x.double(), model.fc1.weight.double(),
+                                                           model.fc1.bias.double()).norm())
+            monitor.step(step)
+            if step == 1:
+                monitor.pause()  # never resumed
+    records = {r["step"]: r["tensor_stats/fc1/activation/l2_norm"]
+               for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"}
+    assert records == {step: pytest.approx(truth[step], rel=1e-6) for step in (1, 3, 4, 5, 6)}
+    said = [r.getMessage() for r in caplog.records if "no value came" in r.getMessage()]
+    assert len(said) == 1 and "selects step 2" in said[0] and "monitor.pause() was open" in said[0], said
+
+
 def _sharded_weights(rank: int, world: int, root: str) -> dict:
     """FSDP2 with fc1 its own unit: its forward hook sees the weight resharded (a Shard(0) DTensor)."""
     import torch
@@ -1180,6 +1220,37 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
         return "no error", "", time.monotonic() - started
     except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
         return type(err).__name__, str(err), time.monotonic() - started
+
+
+def _features_reader_raising_on_rank_1(rank: int, world: int, root: str) -> tuple:
+    import time
+
+    import distmetrics as dm
+    from distmetrics.tensor_stats import lifecycle
+
+    if rank == 1:  # an error of another kind than ConfigError (the file's reader failing on this rank alone)
+        def broken(config):
+            raise RuntimeError("the reader broke")
+        lifecycle.check_inspect_config = broken
+    features = Path(root) / f"features{rank}.yaml"
+    features.write_text(FEATURES)
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=60,
+                           tensor_inspect={"enabled": True, "features": str(features)})
+    started = time.monotonic()
+    try:
+        dm.Monitor(cfg, model=_model()).close()
+        return "no error", "", 0.0
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
+        return type(err).__name__, str(err), time.monotonic() - started
+
+
+def test_any_error_reading_the_features_on_one_rank_is_raised_on_every_rank_at_once(tmp_path):
+    """Only a ConfigError was shared at start-up: another error on one rank (a TypeError from a tensor
+    name nvdlfw-inspect could not hash) raised there alone while the others waited hang_timeout_s
+    and named the wrong cause. The failure is stood in for by replacing the features check on rank 1."""
+    for kind, message, waited in run_ranks(_features_reader_raising_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert kind == "ConfigError" and waited < 30, (kind, message, waited)
+        assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect: RuntimeError: the reader broke")
 
 
 def test_initialize_says_a_features_file_one_rank_cannot_read_on_every_rank(tmp_path):

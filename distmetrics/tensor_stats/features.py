@@ -239,6 +239,9 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: Optional[tupl
             said = "has no value (YAML null)" if "tensor" in entry else "is missing"
             raise ConfigError(f"{where}: the 'tensor' key {said} in the {feature}.tensors_struct entry {entry}; "
                               "give the tensor it measures, such as tensor: activation")
+        if tensor is not None and not isinstance(tensor, str):  # a list or mapping: unhashable, a bare TypeError
+            raise ConfigError(f"{where}: tensor {tensor!r} in {feature} is not a tensor's name (text, such as "
+                              "activation)")
         if strict and tensor not in tensors:
             raise ConfigError(f"{where}: tensor {tensor!r} is not one of {', '.join(tensors)}")
         if strict and isinstance(tensor, str) and tensor in seen:  # nvdlfw's own: its first, as nvdlfw-inspect

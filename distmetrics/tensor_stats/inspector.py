@@ -121,6 +121,7 @@ class TensorInspector:
         self.claimed = False  # a Monitor reports this inspector's values
         self.active = stats_step(spec, self.iteration, hooked_only=True)
         self.paused = False  # monitor.pause(): evaluation's forwards are not the step's
+        self.paused_forwards = False  # a selected layer's forward came while paused, this step
 
     def use_guard(self, guard: Any) -> None:
         """Guard the statistics steps' gather with the Monitor's arrival check."""
@@ -280,7 +281,7 @@ class TensorInspector:
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
             self._silent_sections(metrics, empty, self.layer_names, step, self.iteration,
-                                  self.layout is None or self.layout.says_once)
+                                  self.layout is None or self.layout.says_once, self.paused_forwards)
             self.partials = {}
             self.forwarded = {}
         elif self.forwarded:  # logged at a step no feature selects: the next log step's train record has them,
@@ -288,6 +289,7 @@ class TensorInspector:
             self.forwarded = {}
         self.weights_done = set()
         self.gradient_owed = {}
+        self.paused_forwards = False
         self.iteration += 1
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
@@ -314,6 +316,8 @@ class TensorInspector:
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """Values logged outside the YAML's stats steps (e.g. a user's own
         ``debug_api.log_tensor_stats`` call), for the log step's MAX pack: the last of each name."""
+        if ctx.ended_at is None:  # a pause still open at a log step ends there, as the clocks' (not at close())
+            self.paused = False
         values, self.unselected = {**self.unselected, **self.forwarded}, {}  # forwarded: logged after the last step
         self.forwarded = {}
         return [Sample(name, value, "max") for name, value in values.items()]

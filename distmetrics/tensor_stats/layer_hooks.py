@@ -68,10 +68,13 @@ def forward_hook(inspector: Any, module: torch.nn.Module, name: str, tensors: li
 
     def hook(mod, args, *kwargs_output):  # (kwargs, output), or (output,) where a module swap
         # (torch.ao.quantization's prepare_qat) copied the hook without with_kwargs
-        if not inspector.active or inspector.paused or not mod.training or (
+        if not inspector.active or not mod.training or (
                 mod is not module and mod._forward_hooks_with_kwargs is not module._forward_hooks_with_kwargs
                 and not inspector.stand_ins(mod, *place)):
             return  # (a DataParallel replica shares the module's hook dicts, and is the module's forward)
+        if inspector.paused:  # an evaluation's forward; a section that then gets nothing names the pause
+            inspector.paused_forwards = True
+            return
         kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
         out = output_tensor(output)
         owed = inspector.gradient_owed

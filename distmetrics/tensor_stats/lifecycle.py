@@ -133,10 +133,10 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
     try:
         spec, _ = check_inspect_config(config.tensor_inspect)
         check_log_dir(config)
-    except ConfigError as err:
+    except Exception as err:  # noqa: BLE001 - any error on one rank is every rank's, before the first collective
         if world_size == 1:
             raise
-        return str(err), NOT_READ
+        return str(err) if isinstance(err, ConfigError) else f"tensor_inspect: {type(err).__name__}: {err}", NOT_READ
     return None, _digest(spec)
 
 

@@ -37,10 +37,12 @@ class SilentSections:
         """A model was attached: the layer names are read again at the next check."""
         self._full = None
 
-    def __call__(self, metrics: dict, empty: set, layer_names: dict, step: int, iteration: int, says: bool) -> None:
+    def __call__(self, metrics: dict, empty: set, layer_names: dict, step: int, iteration: int, says: bool,
+                 paused: bool = False) -> None:
         """Check the sections that select ``iteration`` against the ``tensor_stats/...`` written;
         ``empty``: the (metric layer, tensor) that ran but held no element on any rank;
-        ``layer_names``: nvdlfw-inspect's layer name -> ours; warn where ``says``."""
+        ``layer_names``: nvdlfw-inspect's layer name -> ours; warn where ``says``; ``paused``: this
+        rank skipped a selected layer's forward in ``monitor.pause()``."""
         from nvdlfw_inspect.config_manager import is_layer_in_cfg
 
         full = self._full
@@ -58,7 +60,9 @@ class SilentSections:
                 held = sorted((name, tensor) for layer, tensor in empty for name in full.get(layer, ["model." + layer])
                               if numbered(is_layer_in_cfg, name, cfg))
                 if says:
-                    logger.warning(self.message(section, step, iteration, held))
+                    logger.warning(self.message(section, step, iteration, held) + (
+                        "; monitor.pause() was open during forwards of that step, which are then an evaluation's and "
+                        "not measured: call monitor.resume() before the training forwards" if paused else ""))
 
     def message(self, section: str, step: int, iteration: int, empty: Any = ()) -> str:
         """The warning for a section that brought no value at ``step``; ``empty``: its (layer,
