@@ -607,6 +607,38 @@ def test_a_value_logged_on_an_unselected_step_rides_the_next_log_step_not_the_ne
     assert train[4]["tensor_stats/fc2/weight/custom2"] == 2.0 and train[4]["tensor_stats/fc2/weight/custom4"] == 4.0
 
 
+def _unselected_values_by_rank(rank: int, world: int, root: str) -> dict:
+    import torch
+    from nvdlfw_inspect.logging import MetricLogger
+
+    import distmetrics as dm
+
+    features = {"base_stats": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                               "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"],
+                                                  "freq": 2}}}
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=2, console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    with dm.Monitor(cfg, model=_model()) as monitor:
+        monitor.step(1)
+        # iteration 1 is no stats step: each rank's own statistics of its own tensor (skip_reduction)
+        low, high = ((400.0, 401.0), (390.0, 410.0))[rank]
+        MetricLogger.log_scalar("model.fc2_probe_min", torch.tensor(low), 1)
+        MetricLogger.log_scalar("model.fc2_probe_max", torch.tensor(high), 1)
+        if rank == 1:
+            MetricLogger.log_scalar("model.fc2_probe_mean", torch.tensor(395.0), 1)
+        return monitor.step(2)
+
+
+def test_values_logged_on_an_unselected_step_are_the_lowest_ranks_not_a_max_of_each_name(tmp_path):
+    """Each name was reduced as a max over ranks: rank 0's min (400) beside rank 1's max (410), a pair no
+    rank's tensor had; a selected step writes the lowest rank's values, and so does the log step now."""
+    results = run_ranks(_unselected_values_by_rank, 2, str(tmp_path))
+    for metrics in results:
+        probe = {k: v for k, v in metrics.items() if "probe" in k}
+        assert probe == {"tensor_stats/fc2/probe/min": 400.0, "tensor_stats/fc2/probe/max": 401.0,
+                         "tensor_stats/fc2/probe/mean": 395.0}, probe
+
+
 def test_transformer_engine_metric_names_map_to_ours():
     from distmetrics.tensor_stats.te_names import metric_name as _metric_name
 

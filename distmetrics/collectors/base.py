@@ -239,7 +239,7 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
 
 
 MONITORS_LANES = frozenset(("_train/", "_eval/", "_stragglers/", "_monitor/", "_grad_bad/", "_grad_blown/", "_energy/",
-                            "_ranks/", "_norms/", "_moe/", "_record/", "_gpu/"))
+                            "_ranks/", "_norms/", "_moe/", "_record/", "_gpu/", "_tensor_stats/"))
 """The prefixes of the Monitor's internal lanes, which no collector of the user's sends as its own."""
 
 

@@ -45,6 +45,7 @@ from ..config import ConfigError
 from ..eager import eager
 from ..parallel import (data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, plain_replica,
                         tp_cp_leader)
+from ..per_rank import PerRank
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
@@ -58,6 +59,9 @@ from .te_names import metric_layers, metric_name, shadowed_layers, strip_model
 from .unmeasured import SilentSections, no_gradient_reason
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
+
+_UNSELECTED = "_tensor_stats/"
+"""Lanes of values logged at steps the YAML does not select (``_`` + the metric's name), for the log step."""
 
 
 class ForwardingLogger:
@@ -315,17 +319,20 @@ class TensorInspector:
     # --- the collector contract -----------------------------------------------------------
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """Values logged outside the YAML's stats steps (e.g. a user's own
-        ``debug_api.log_tensor_stats`` call), for the log step's MAX pack: the last of each name."""
+        ``debug_api.log_tensor_stats`` call), the last of each name: every rank's, the lowest written (as
+        at a selected step; a max over ranks of each name mixed ranks: one's ``min`` beside another's ``max``)."""
         if ctx.ended_at is None:  # a pause still open at a log step ends there, as the clocks' (not at close())
             self.paused = False
         values, self.unselected = {**self.unselected, **self.forwarded}, {}  # forwarded: logged after the last step
         self.forwarded = {}
-        return [Sample(name, value, "max") for name, value in values.items()]
+        return [Sample("_" + name, value, "all") for name, value in values.items()]
 
     def finalize(self, metrics: dict, ctx: LogContext) -> list[Alert]:
-        """Forwarded values travel as 'max' from the one rank that logged them: drop the rank."""
-        for key in [k for k in metrics if k.startswith("tensor_stats/") and k.endswith("/max_rank")]:
-            del metrics[key]
+        """Forwarded values: the lowest rank's that logged each (its lane's summaries start with '_': left out)."""
+        for lane in ctx.keys_under(metrics, (_UNSELECTED,)):
+            values = metrics.get(lane)
+            if isinstance(values, PerRank) and values.present():
+                metrics[lane[1:]] = values.present()[0]
         return []
 
     def close(self) -> None:
