@@ -1314,3 +1314,35 @@ def test_an_alert_or_eval_record_the_full_disk_refused_is_written_once_room_retu
     warnings = json.loads((tmp_path / "never.json").read_text())["warnings"]
     closed = _warnings({"warnings": warnings}, "jsonl", "closed")
     assert len(closed) == 1 and "7 records (steps 4-8) not written" in closed[0], warnings  # 5 train, alert, eval
+
+
+def test_a_wandb_start_failure_counts_the_rows_logged_while_it_started(tmp_path, caplog, monkeypatch):
+    """The row that found wandb.init failed was counted as logged meanwhile (4 for the 3 before it). W&B's
+    start is stood in for by a wandb.init that raises after a while."""
+    wandb = pytest.importorskip("wandb")
+    import threading
+
+    import distmetrics as dm
+
+    started = threading.Event()
+
+    def failing_init(**kwargs):
+        started.wait(60)
+        raise RuntimeError("no server")
+
+    monkeypatch.setattr(wandb, "init", failing_init)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path), console=False, tensorboard=False, log_interval=1,
+                                          timing_log_level=-1, wandb_project="p", wandb_mode="offline"))
+    for step in range(1, 4):
+        monitor.step(step, loss=1.0)
+    monitor.sinks.writer.flush()
+    started.set()
+    (sink,) = [s for s in monitor.sinks.queued if s.name == "wandb"]
+    while sink.starting:
+        time.sleep(0.01)
+    monitor.step(4, loss=1.0)
+    monitor.close()
+    failed = [r.getMessage() for r in caplog.records if "the wandb sink failed" in r.getMessage()]
+    assert len(failed) == 1 and "no server; 3 rows logged meanwhile not sent" in failed[0], failed
+    assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]

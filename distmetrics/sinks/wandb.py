@@ -102,11 +102,12 @@ class WandbSink:
                     logger.warning("distmetrics: the wandb sink skipped the histogram %s at step %d, which W&B cannot "
                                    "bin (%s: %s); its /max, /min and /mean and the rest of the row are sent, and "
                                    "the sink goes on.", name, step, type(err).__name__, err)
+        ready = self._ready(wait_s=0.0)  # a failure says the rows kept before this one: this one is not kept
         self._pending.append((row, step))
         if len(self._pending) > START_BUFFER_ROWS:
             self._pending.popleft()
             self.unsent += 1
-        if self._ready(wait_s=0.0):
+        if ready:
             self._send_pending()
             self._check_for_problems(step)
 
