@@ -2237,3 +2237,19 @@ def test_a_collectors_own_lanes_are_its_name_s_and_never_the_monitors():
                        ("monitor", "_monitor/take_samples_failed")):
         with pytest.raises(ValueError, match=f"metric name '{lane}' is refused: names are non-empty, do not start"):
             _checked([Sample(lane, 1.0, "max")], {}, {}, {}, Mine(name))
+
+
+@pytest.mark.parametrize("switch", [True, False], ids=["switch on", "switch off"])
+def test_a_collector_named_as_a_built_in_is_refused_saying_what_runs_in_its_place(tmp_path, switch):
+    """The refusal said the name was reserved "where its switch is off too" with the switch on, and not how to
+    run one's own in the built-in's place."""
+    import distmetrics as dm
+
+    collector = _Named(0)
+    collector.name = "energy"
+    with pytest.raises(ValueError) as raised:
+        dm.Monitor(quiet_config(output_dir=str(tmp_path), log_energy=switch), collectors=[collector])
+    assert str(raised.value) == (
+        "distmetrics cannot start: rank 0: a collector of yours is named 'energy', the name of a built-in collector (held whether its config switch "
+        "is on or off); collector names must be unique. One made of the built-in's own class (an EnergyCollector "
+        "for one GPU) runs in its place where its switch is off")

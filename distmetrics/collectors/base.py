@@ -399,8 +399,10 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:  # before its writes: they would seem to overlap another's
         if twice in names[:len(built_in)]:  # a built-in's, which holds its name whatever its switch
-            raise ValueError(f"a collector of yours is named {twice!r}, the name of a built-in collector (its "
-                             "names are reserved where its switch is off too); collector names must be unique")
+            raise ValueError(f"a collector of yours is named {twice!r}, the name of a built-in collector (held "
+                             "whether its config switch is on or off); collector names must be unique. One made of "
+                             "the built-in's own class (an EnergyCollector for one GPU) runs in its place where its "
+                             "switch is off")
         raise ValueError(f"two collectors are named {twice!r}; collector names must be unique")
     check_writes(list(built_in) + list(collectors), others)
     return tuple(collectors)
