@@ -653,6 +653,13 @@ def test_transformer_engine_metric_names_map_to_ours():
     assert _metric_name("model.pre_weight_proj.inner_gradient_underflows%", layers) == \
         "tensor_stats/pre_weight_proj.inner/gradient/underflows%"
     assert _metric_name("model.pre_weight_proj_activation_mse") == "tensor_stats/pre_weight_proj/activation/mse"
+    # a layer name that is no module's (the user's own debug_api call: "fc1", or "model.fc1" under DDP's
+    # "model.module.fc1"): split at the features file's tensor names too, the longest of those ending last
+    tensors = ("scores", "attn_scores", "my_t")
+    assert _metric_name("fc1_my_t_max", {"model.module.fc1": "fc1"}, tensors) == "tensor_stats/fc1/my_t/max"
+    assert _metric_name("model.fc1_my_t_l2_norm", {"model.module.fc1": "fc1"}, tensors) == \
+        "tensor_stats/fc1/my_t/l2_norm"
+    assert _metric_name("attn_attn_scores_max", (), tensors) == "tensor_stats/attn/attn_scores/max"
 
 
 def _wrapped(module):

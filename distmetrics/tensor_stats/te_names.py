@@ -29,7 +29,7 @@ def metric_name(name: str, layers: Any = (), tensors: Any = ()) -> str:
     ``_weight_`` or ``_input_`` is not split there; after it, the longest tensor name of TE's or of
     ``tensors`` (the features file's) that the rest starts with, so a tensor named ``attn_scores``
     is not split at its own ``_``; else the rest up to its first ``_``. Without a known layer, the
-    last ``_<tensor>_`` (stat names hold none). ``layers`` may map each name to the one metrics
+    last ``_<tensor>_`` of those names (stat names hold none). ``layers`` may map each name to the one metrics
     give it (:func:`metric_layers`)."""
     known = sorted({*TE_TENSORS, *tensors}, key=len, reverse=True)
     rename = layers if isinstance(layers, Mapping) else {}
@@ -42,9 +42,10 @@ def metric_name(name: str, layers: Any = (), tensors: Any = ()) -> str:
                 tensor_name, _, stat = rest.partition("_")
             if stat:
                 return f"tensor_stats/{rename.get(layer, strip_model(layer))}/{tensor_name}/{stat}"
-    hits = [(name.rfind(f"_{t}_"), t) for t in TE_TENSORS if f"_{t}_" in name]
-    if hits:
-        at, tensor_name = max(hits)
+    hits = [(name.rfind(f"_{t}_") + len(t), len(t), t) for t in known if f"_{t}_" in name]
+    if hits:  # the one ending last; of those, the longest (attn_scores, not scores)
+        end, _, tensor_name = max(hits)
+        at = end - len(tensor_name)
         return f"tensor_stats/{strip_model(name[:at])}/{tensor_name}/{name[at + len(tensor_name) + 2:]}"
     return f"tensor_stats/{name}"
 
