@@ -357,6 +357,8 @@ def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, name
     (_section(namespace=None, feature={"frequency": 2}), r"unknown key\(s\) \['frequency'\] in LogTensorStats;"),
     (_section(namespace=None, feature={"tensors": None, "tensors_struct": [{"tensor": "activation", "freqq": 2}]}),
      r"unknown key\(s\) \['freqq'\] in a LogTensorStats.tensors_struct entry"),
+    # a range ending before it starts selected nothing, without a word
+    (_section({"layer_numbers": [1, "3-1"]}), r"layers.layer_numbers must be a list .* got \[1, '3-1'\]"),
 ])
 def test_bad_features_fail_before_training_with_a_clear_error(tmp_path, features, message):
     import nvdlfw_inspect.api as debug_api
@@ -413,6 +415,18 @@ def test_a_features_error_names_the_section_feature_tensor_and_key(tmp_path, cap
         capsys.readouterr()
         status, err = main(argv), capsys.readouterr().err
         assert status == 2 and message in err and str(path) in err, (argv, err)
+
+
+def test_layer_numbers_all_in_any_case_and_start_end_beside_a_list_are_taken_as_nvdlfw_inspect_takes_them(tmp_path):
+    """'ALL' (nvdlfw-inspect lower-cases it) was refused; start_step after end_step beside start_end_list, which
+    nvdlfw-inspect then ignores, was refused as selecting no step."""
+    from distmetrics.config import ConfigError
+    from distmetrics.tensor_stats.features import load_features
+
+    load_features(_section({"layer_numbers": "ALL", "layer_types": ["fc1"]}), te_available=False)
+    _monitor_with(_section(feature={"start_step": 5, "end_step": 2, "start_end_list": [[0, 10]]}), tmp_path).close()
+    with pytest.raises(ConfigError, match="end_step 2 for tensor 'activation' is before start_step 5"):
+        _monitor_with(_section(feature={"start_step": 5, "end_step": 2}), tmp_path)
 
 
 @pytest.mark.parametrize("schedule", [

@@ -115,10 +115,11 @@ def _check_selectors(where: str, layers: dict) -> None:
     ``layer_numbers: 1`` with "'int' object is not iterable". Unknown keys are refused before (see
     :func:`_check_known`)."""
     numbers = layers.get("layer_numbers")
-    if numbers is not None and not (numbers == "all" or (isinstance(numbers, list) and numbers and all(
+    alone = isinstance(numbers, str) and numbers.lower() == "all"  # as nvdlfw-inspect reads it: any case
+    if numbers is not None and not (alone or (isinstance(numbers, list) and numbers and all(
             _layer_number(n) for n in numbers))):
         raise ConfigError(f"{where}: layers.layer_numbers must be a list of layer numbers and ranges such as "
-                          f"[1, 3, '5-7'], or 'all'; got {numbers!r}")
+                          f"[1, 3, '5-7'] (a range's first number no larger than its last), or 'all'; got {numbers!r}")
     pattern = layers.get("layer_name_regex_pattern")
     if pattern is not None:
         if not isinstance(pattern, str):
@@ -158,7 +159,10 @@ def _layer_number(value: Any) -> bool:
         return False
     if isinstance(value, int):
         return value >= 0
-    return isinstance(value, str) and (value == "all" or re.fullmatch(r"\d+-\d+", value) is not None)
+    if not isinstance(value, str):
+        return False
+    span = re.fullmatch(r"(\d+)-(\d+)", value)  # '7-5' selected nothing, without a word
+    return value == "all" or (span is not None and int(span[1]) <= int(span[2]))
 
 
 def _names(value: Any) -> bool:
@@ -300,7 +304,7 @@ def _check_schedule(where: str, feature: str, tensor: Any, schedule: dict, first
             raise ConfigError(f"{where}: {feature} {key} for tensor {tensor!r} must be a whole step number "
                               f"({open_end}), got {value!r}")
     start, end = schedule["start_step"] or 0, schedule["end_step"]
-    if end is not None and end != -1 and end < start:
+    if end is not None and end != -1 and end < start and not schedule["start_end_list"]:  # a list: both ignored
         raise ConfigError(f"{where}: {feature} end_step {end} for tensor {tensor!r} is before start_step {start}: "
                           f"no step is selected ({open_end})")
     pairs = schedule["start_end_list"]
