@@ -34,6 +34,8 @@ def read_yaml(path: Path, what: str = "metrics config file", loader: Optional[ty
     unreadable is a ConfigError."""
     if path.is_dir():
         raise ConfigError(f"{what} {str(path)!r} is a folder; give the YAML file")
+    if path.exists() and not path.is_file():  # /dev/null, a pipe: a file is meant
+        raise ConfigError(f"{what} {str(path)!r} is not a regular file; give the YAML file")
     if not path.is_file():
         try:
             where = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()})"

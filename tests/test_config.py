@@ -635,3 +635,14 @@ def test_a_features_file_is_read_as_nvdlfw_inspect_reads_it_where_a_metrics_conf
         assert read_yaml(path, "features file") == yaml.safe_load(text), text
         with pytest.raises(ConfigError):
             read_yaml(path, loader=ConfigLoader)
+
+
+def test_a_yaml_path_that_is_no_regular_file_is_named_as_such():
+    """/dev/null given as the features file or config was said not to exist."""
+    from pathlib import Path
+
+    from distmetrics.config import ConfigError
+    from distmetrics.yamlfile import read_yaml
+
+    with pytest.raises(ConfigError, match=r"features file '/dev/null' is not a regular file; give the YAML file"):
+        read_yaml(Path("/dev/null"), "features file")
