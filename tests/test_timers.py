@@ -399,6 +399,9 @@ def test_a_user_timer_named_step_is_refused_with_the_reason_and_the_step_timer_k
             for use in (lambda t: t.start(), lambda t: t.stop(), lambda t: t.__enter__()):
                 with pytest.raises(AssertionError, match="'step' is the Monitor's step timer.*another name"):
                     use(monitor.timers("step"))
+            for level in (1, 2):  # a level given: a log level's mismatch was said instead (2: disabled here)
+                with pytest.raises(AssertionError, match="'step' is the Monitor's step timer.*another name"):
+                    monitor.timers("step", level)
             assert monitor.timers("step").elapsed(reset=False) >= 0.0
             metrics = monitor.step(step)
         assert metrics["timers/step"] == pytest.approx(100.0)
@@ -911,3 +914,8 @@ def test_a_report_given_one_name_as_text_or_a_normalizer_that_is_no_number_is_re
             with pytest.raises(TimerError, match=f"normalizer={normalizer!r}: accepted values are numbers > 0"):
                 report(["fwd"], normalizer=normalizer)
         report(["fwd"], normalizer=torch.tensor(2.0))  # a 0-d tensor passes, as Megatron's assert takes it
+    # a tensor of shape [1] passed the check, then the text could not be formatted: the times read and lost
+    timers = Timers(log_level=2)
+    timers("fwd", log_level=0).start()
+    timers("fwd").stop()
+    assert "fwd" in timers.get_all_timers_string(["fwd"], normalizer=torch.tensor([2.0]))

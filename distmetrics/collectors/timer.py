@@ -81,6 +81,8 @@ class Timer(TimerBase):
     __slots__ = ("name", "_use_cuda", "_group", "_started", "_start_ns", "_start_event", "_elapsed", "_active",
                  "_pending", "_interval_ns", "_interval_pending", "_used", "spans", "_barriers", "_interval_start",
                  "_unread_laps", "guard", "in_use", "order")
+    owned: Optional[str] = None
+    """Where the Monitor made the timer for itself: why a user's timer of its name is refused."""
 
     def __init__(self, name: str, use_cuda: bool = False, barrier_group: Any = None, barriers: bool = True) -> None:
         self.name = name

@@ -102,6 +102,11 @@ class StepTimer(Timer):
             self._interval_ns -= unlapped_ns
         return super().take_interval_ms(running)
 
+    @property
+    def owned(self) -> str:
+        """Why a user's timer of this name is refused (any level asked for)."""
+        return _OWNED.format(name=self.name, what="started or stopped")
+
     def start(self, barrier: bool = False) -> None:
         raise TimerError(_OWNED.format(name=self.name, what="started"))
 

@@ -50,22 +50,24 @@ class MegatronReports:
         """Megatron's text block (milliseconds), or None when no timer has a time to report: of
         ``names`` and the names other ranks asked for (the union; see :meth:`_elapsed_of_union`).
         A collective: every rank calls it."""
-        names = self._names_of(names, normalizer)
+        names, normalizer = self._names_of(names, normalizer)
         if self._log_option in ("max", "minmax"):
             return self._get_global_min_max_time_string(names, reset, barrier, normalizer / 1000.0,
                                                         self._log_option == "max")
         return self._get_all_ranks_time_string(names, reset, barrier, normalizer / 1000.0)
 
-    def _names_of(self, names: Optional[list], normalizer: Any) -> list[str]:
-        """The timer names a report is of; a text name or a normalizer that is no number > 0 refused
-        (before any collective)."""
+    def _names_of(self, names: Optional[list], normalizer: Any) -> tuple[list[str], float]:
+        """The timer names a report is of and the normalizer as a float; a text name or a normalizer
+        that is no number > 0 refused (before any collective)."""
         number = isinstance(normalizer, numbers.Real) or isinstance(normalizer, torch.Tensor) and \
             normalizer.numel() == 1 and not normalizer.is_complex()  # a 0-d tensor, as Megatron's assert takes
         if isinstance(normalizer, bool) or not number or not normalizer > 0.0:
             raise TimerError(f"normalizer={normalizer!r}: accepted values are numbers > 0")
         if isinstance(names, str):  # list("fwd") would be three names
             raise TimerError(f"names={names!r}: accepted values are a list of timer names, e.g. [{names!r}], or None")
-        return list(self._timers) if names is None else list(names)
+        # a tensor of one element (shape () or [1]) read once: a [1] one left the text unformattable after the
+        # timers were read and reset
+        return list(self._timers) if names is None else list(names), float(normalizer)
 
     def log(self, names: Optional[list] = None, rank: Optional[int] = None, normalizer: float = 1.0,
             reset: bool = True, barrier: bool = False) -> None:
@@ -83,7 +85,7 @@ class MegatronReports:
         ``iteration`` (of the names some rank asked for): ``writer.add_scalar`` for a TensorBoard
         writer, ``writer.log`` for the ``wandb`` module (or a W&B run), as Megatron's. A collective:
         every rank calls it."""
-        names = self._names_of(names, normalizer)
+        names, normalizer = self._names_of(names, normalizer)
         times = self._get_global_min_max_time(names, reset, barrier, normalizer)
         if writer is None:
             return

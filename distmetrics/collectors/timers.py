@@ -74,6 +74,8 @@ class Timers(MegatronReports):
         timer = self._timers.get(name)
         if timer is not None:
             if log_level is not None and log_level != self._log_levels[name]:
+                if timer.owned is not None:  # the Monitor's own (its step timer), at any level asked: named so
+                    raise TimerError(timer.owned)
                 raise TimerError(f"input log level {log_level} does not match already existing log level "
                                  f"{self._log_levels[name]} for {name} timer")
             return timer
