@@ -182,6 +182,16 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
         r9.reduce([Sample(f"new{step}", 1.0, "sum")], tag=step)
         kept.append(sorted(name for name in r9._layout.kinds if not name.startswith("new")))
     out["turns"], out["kept"] = turns, kept
+
+    # 11. an 'all' name sent once: its all-gather is made for KEPT_NEGOTIATIONS log steps more, not for ever
+    r10 = Reducer()
+    once = []
+    for step in range(1, 10):
+        samples = [Sample("s", 1.0, "sum")] + ([Sample("once", float(rank), "all")] if step in (1, 8) else [])
+        collectives = r10.collectives
+        metrics = r10.reduce(samples, tag=step).to_metrics()
+        once.append((metrics.get("once"), r10.collectives - collectives))
+    out["once"] = once
     return out
 
 
@@ -334,6 +344,17 @@ def test_name_sets_that_take_turns_settle_on_their_union_and_a_name_gone_for_goo
         assert all("all_steps" in names and "a/x" in names for names in r["kept"][:KEPT_NEGOTIATIONS])
         assert "b/x" not in r["kept"][KEPT_NEGOTIATIONS - 2] and "c/x" in r["kept"][KEPT_NEGOTIATIONS - 2]
         assert r["kept"][KEPT_NEGOTIATIONS] == []
+
+
+def test_an_all_name_no_rank_sends_leaves_the_layout_and_its_gather_is_not_made(results):
+    """An 'all' name sent once kept its all-gather (a collective of its own) at every log step after it."""
+    for r in results:
+        values, collectives = zip(*r["once"])
+        assert values == ([0.0, 1.0, 2.0, 3.0], None, None, None, None, None, None, [0.0, 1.0, 2.0, 3.0], None)
+        # step 1: negotiation (gather + one broadcast: every rank holds the same names), MAX, SUM, ALL; then
+        # MAX, SUM, ALL at the 4 log steps without it, MAX and SUM after; step 8: the MAX pack's flag, negotiated
+        # again, MAX, SUM, ALL; step 9 (it is gone again) MAX, SUM, ALL
+        assert collectives == (2 + 3, 3, 3, 3, 3, 2, 2, 1 + 2 + 3, 3), collectives
 
 
 def test_ranks_out_of_step_raise_on_every_rank(results):
