@@ -113,7 +113,7 @@ class Reducer:
         self._device = device
         self._layout: Optional[PackLayout] = None
         self._unsent: dict[str, int] = {}  # a name the layout keeps → negotiations in a row it was not sent at
-        self._all_unsent: dict[str, int] = {}  # an 'all' name of the layout → log steps in a row no rank sent it
+        self._no_all_steps = 0  # log steps in a row at which no rank sent an 'all' value (the layout holds some)
         self._kinds: dict[str, str] = {}
         self.kinds = self._kinds
         """Every name's reduce kind on this rank so far (read only: a collector's samples checked ahead)."""
@@ -211,22 +211,22 @@ class Reducer:
             decode_sum(layout, *self._sum_pack(samples, distributed, tag), result)
         if layout.n_all:
             self._gather_all(samples, result, distributed, tag)
-            if len(result.per_rank) < len(layout.all_index):
-                self._drop_unsent_all(layout, result.per_rank)
-            elif self._all_unsent:
-                self._all_unsent = {}
+            if not result.per_rank:
+                self._drop_unsent_all(layout)
+            else:
+                self._no_all_steps = 0
         return result
 
-    def _drop_unsent_all(self, layout: PackLayout, sent: dict) -> None:
-        """An ``all`` name no rank sent at :data:`KEPT_NEGOTIATIONS` log steps in a row leaves the layout, so
-        that its all-gather, a collective of its own, is not made for nothing at every log step after it
-        (an ``all`` metric recorded once). Decided from the gathered rows: the same on every rank."""
-        self._all_unsent = {name: self._all_unsent.get(name, 0) + 1 for name in layout.all_index if name not in sent}
-        gone = {name for name, count in self._all_unsent.items() if count >= KEPT_NEGOTIATIONS}
-        if gone:  # a rank that sends one again finds it missing: negotiated again, as a new name
-            self._layout = PackLayout([entry for entry in layout.entries if entry[0] not in gone])
-            self._all_unsent = {name: count for name, count in self._all_unsent.items() if name not in gone}
-            self._unsent = {name: count for name, count in self._unsent.items() if name not in gone}
+    def _drop_unsent_all(self, layout: PackLayout) -> None:
+        """No rank sent any ``all`` value at :data:`KEPT_NEGOTIATIONS` log steps in a row: the ``all`` names
+        leave the layout, so that the all-gather is not made for nothing at every log step after it (an
+        ``all`` metric recorded once). Decided from the gathered rows: the same on every rank. (One absent
+        name beside others sent costs no collective: it is left to the negotiations' count.)"""
+        self._no_all_steps += 1
+        if self._no_all_steps >= KEPT_NEGOTIATIONS:  # a rank that sends one again: negotiated again, as new
+            self._layout = PackLayout([entry for entry in layout.entries if entry[0] not in layout.all_index])
+            self._unsent = {name: count for name, count in self._unsent.items() if name not in layout.all_index}
+            self._no_all_steps = 0
 
     # --- checks --------------------------------------------------------------------------
     def _check(self, samples: Sequence[Sample]) -> list[Sample]:

@@ -192,6 +192,12 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
         metrics = r10.reduce(samples, tag=step).to_metrics()
         once.append((metrics.get("once"), r10.collectives - collectives))
     out["once"] = once
+    # ...but one 'all' name sent now and then beside another sent at every step stays: no negotiation again
+    r11 = Reducer()
+    for step in range(1, 13):
+        r11.reduce([Sample("every", 1.0, "all")] + ([Sample("sometimes", 2.0, "all")] if step % 6 == 1 else []),
+                   tag=step)
+    out["sometimes"] = r11.negotiations
     return out
 
 
@@ -347,7 +353,8 @@ def test_name_sets_that_take_turns_settle_on_their_union_and_a_name_gone_for_goo
 
 
 def test_an_all_name_no_rank_sends_leaves_the_layout_and_its_gather_is_not_made(results):
-    """An 'all' name sent once kept its all-gather (a collective of its own) at every log step after it."""
+    """An 'all' name sent once kept its all-gather (a collective of its own) at every log step after it; one
+    that comes now and then beside others in the gather stays (dropped, it was negotiated again each time)."""
     for r in results:
         values, collectives = zip(*r["once"])
         assert values == ([0.0, 1.0, 2.0, 3.0], None, None, None, None, None, None, [0.0, 1.0, 2.0, 3.0], None)
@@ -355,6 +362,7 @@ def test_an_all_name_no_rank_sends_leaves_the_layout_and_its_gather_is_not_made(
         # MAX, SUM, ALL at the 4 log steps without it, MAX and SUM after; step 8: the MAX pack's flag, negotiated
         # again, MAX, SUM, ALL; step 9 (it is gone again) MAX, SUM, ALL
         assert collectives == (2 + 3, 3, 3, 3, 3, 2, 2, 1 + 2 + 3, 3), collectives
+        assert r["sometimes"] == 1  # a name left out of the gather it rides saves no collective: kept
 
 
 def test_ranks_out_of_step_raise_on_every_rank(results):

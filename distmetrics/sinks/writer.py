@@ -160,10 +160,14 @@ class WriterThread:
         if finished:
             self._thread.join()  # it only returns now: no lock needed
         else:
-            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %d queued record%s%s "
-                           "not written yet: the writer thread goes on with them, and what it has not written when "
-                           "the process exits is lost.", self._sinks(), timeout, left, "" if left == 1 else "s",
-                           " and the one a sink is writing" if busy else "")
+            unwritten = f"{left} queued record{'' if left == 1 else 's'}" if left else ""
+            if busy:
+                unwritten += " and the one a sink is writing" if left else "the record a sink is writing"
+            said = (f"{unwritten} not written yet: the writer thread goes on with {'them' if left else 'it'}, and what "
+                    "it has not written when the process exits is lost") if unwritten else \
+                "every record is written, and the sinks are still closing"
+            logger.warning("distmetrics: the %s sinks did not finish within %.0f s of close(); %s.", self._sinks(),
+                           timeout, said)
         self._say_dropped()
         return True
 
