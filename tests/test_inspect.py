@@ -357,6 +357,8 @@ def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, name
     (_section(namespace=None, feature={"frequency": 2}), r"unknown key\(s\) \['frequency'\] in LogTensorStats;"),
     (_section(namespace=None, feature={"tensors": None, "tensors_struct": [{"tensor": "activation", "freqq": 2}]}),
      r"unknown key\(s\) \['freqq'\] in a LogTensorStats.tensors_struct entry"),
+    # an enabled section whose features are all off measured nothing, without a word
+    (_section(feature={"enabled": False}), "the section is enabled and none of its features is, so it would measure"),
     # a range ending before it starts selected nothing, without a word
     (_section({"layer_numbers": [1, "3-1"]}), r"layers.layer_numbers must be a list .* got \[1, '3-1'\]"),
 ])

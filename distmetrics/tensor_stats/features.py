@@ -101,6 +101,11 @@ def load_features(spec: Union[str, dict], te_available: Optional[bool] = None,
             else:
                 raise ConfigError(f"{where}: unknown key {key!r}; accepted: 'distmetrics', 'transformer_engine' "
                                   "or nvdlfw's base feature 'LogTensorStats'")
+        features = [body["LogTensorStats"]] if "LogTensorStats" in body else []
+        features += [cfg for key in ("distmetrics", "transformer_engine") for cfg in (body.get(key) or {}).values()]
+        if body["enabled"] and not any(cfg.get("enabled", True) is True for cfg in features if isinstance(cfg, dict)):
+            raise ConfigError(f"{where}: the section is enabled and none of its features is, so it would measure "
+                              "nothing; enable a feature, or give the section enabled: false")
     if not any(body["enabled"] for body in spec.values()):  # nvdlfw-inspect: "Could not load config from input"
         raise ConfigError(f"{source}: every section has enabled: false, so nothing would be inspected; enable a "
                           "section, or set tensor_inspect.enabled: false")
