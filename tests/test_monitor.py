@@ -2250,6 +2250,6 @@ def test_a_collector_named_as_a_built_in_is_refused_saying_what_runs_in_its_plac
     with pytest.raises(ValueError) as raised:
         dm.Monitor(quiet_config(output_dir=str(tmp_path), log_energy=switch), collectors=[collector])
     assert str(raised.value) == (
-        "distmetrics cannot start: rank 0: a collector of yours is named 'energy', the name of a built-in collector (held whether its config switch "
-        "is on or off); collector names must be unique. One made of the built-in's own class (an EnergyCollector "
-        "for one GPU) runs in its place where its switch is off")
+        "distmetrics cannot start: rank 0: a collector of yours is named 'energy', the name of a built-in collector "
+        "(held whether its config switch is on or off); collector names must be unique. One made of the built-in's "
+        "own class (an EnergyCollector for one GPU) runs in its place where its switch is off")

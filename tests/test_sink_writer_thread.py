@@ -206,7 +206,8 @@ def test_close_gives_up_on_a_sink_that_never_returns(tmp_path, caplog, monkeypat
         monitor.step(step, loss=1.0)
     monitor.close()  # returns although the gate never opens
     late = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
-    assert len(late) == 1 and "the gate, other sinks" in late[0] and "3 queued records and the one a sink is writing not written yet: the " \
+    assert len(late) == 1 and "the gate, other sinks" in late[0] and "3 queued records and the one a sink is " \
+        "writing not written yet: the " \
         "writer thread goes on with them, and what it has not written when the process exits is lost" in late[0]
     assert not [step for kind, step in other.records if kind == "train"], other.records
     gate.opened.set()  # as said: the thread goes on, writes them and closes the sinks
