@@ -63,6 +63,7 @@ KEPT_NEGOTIATIONS = 4
 reduction's identity, never written) through this many negotiations in a row: name sets that take
 turns between log steps settle on their union instead of negotiating again at every log step."""
 
+
 def _written_clashes(union: dict[str, str], origin: Optional[dict[str, int]] = None) -> dict[str, str]:
     """The names of a union in which one name writes what another writes (``x`` as ``minmax`` on
     one rank writes ``x/max``, which another rank sends as a name of its own; ``x/rank0`` beside an
