@@ -216,7 +216,7 @@ def monitor_ranks(group: Any = None, call: str = "Monitor") -> tuple[int, ...]:
     initialised = dist.is_available() and dist.is_initialized()
     if group is None or (initialised and group is dist.group.WORLD):
         return tuple(range(dist.get_world_size())) if initialised else (0,)
-    what = "Monitor" if call == "Monitor" else "call"
+    what = "Monitor" if call == "Monitor" else "clip"
     if not initialised:
         raise ValueError(f"{call}(group={group!r}): torch.distributed is not initialised; call "
                          f"init_process_group(...) before making the group and the {what}, or leave group= out")

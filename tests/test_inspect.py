@@ -892,9 +892,7 @@ def test_a_pause_never_resumed_ends_at_the_log_step_for_the_statistics_too(tmp_p
     import distmetrics as dm
 
     caplog.set_level(logging.WARNING, logger="distmetrics")
-    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
-                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
-                                                          "stats": ["l2_norm"], "freq": 1}}}}
+    features = _section({"layer_name_regex_pattern": "fc1$"}, {"stats": ["l2_norm"], "freq": 1})
     cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
                            timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
     model = _model()

@@ -708,3 +708,22 @@ def test_a_sink_put_on_the_lists_directly_is_written_and_one_kind_may_be_a_strin
         sinks.log({"a": 1.0}, 1, kind)
     sinks.close()
     assert every.seen == ["train", "eval"] and evals.seen == ["eval"] and not sinks.failed
+
+
+@pytest.mark.parametrize("stuck", ["record", "finish"])
+def test_close_says_what_a_stuck_sink_holds_when_nothing_is_queued(caplog, stuck):
+    """close() said "0 queued records not written yet" for a record a sink was in, and for sinks stuck
+    closing after the last record."""
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    release = threading.Event()
+    writer = writer_module.WriterThread(lambda *record: release.wait(60) if stuck == "record" else None,
+                                        lambda: release.wait(60), lambda: "stuck")
+    writer.put({"m": 1.0}, 1, "train")
+    assert writer.close(timeout=0.3)
+    release.set()
+    said = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "the record a sink is writing not written yet: the writer thread goes on with it, and what it has not "
+        "written when the process exits is lost." if stuck == "record" else
+        "every record is written, and the sinks are still closing."), said
+    writer._thread.join(60)
