@@ -19,7 +19,8 @@ from typing import Any, Literal, Optional, Union
 from .flops import model_flops_per_token
 from .overrides import apply_overrides, exponent_numbers, source_of
 from .redaction import redact_mapping
-from .validation import ConfigError, check_file_keys, check_types, checked_keywords, floats_of_ints, non_text_key
+from .validation import (ConfigError, check_file_keys, check_types, checked_keywords, floats_of_ints, non_text_key,
+                         paths_as_text)
 from .yamlfile import ConfigLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml",
@@ -68,6 +69,7 @@ class TensorInspectConfig:
     """The training step the inspector starts counting from (set it when resuming)."""
 
     def __post_init__(self) -> None:
+        paths_as_text(self, ("features", "feature_dirs", "log_dir"))
         check_types(self, "tensor_inspect.")
         if self.init_training_step < 0:
             raise ConfigError(
@@ -219,6 +221,7 @@ class MetricsConfig:
             self.tensor_inspect = _build(TensorInspectConfig, self.tensor_inspect, "tensor_inspect.")
         elif not isinstance(self.tensor_inspect, TensorInspectConfig):
             raise ConfigError(_not_a_section(self.tensor_inspect))
+        paths_as_text(self, ("output_dir", "tensorboard_dir", "wandb_save_dir"))
         check_types(self, "", _ACCEPTED)
         _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
         _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 import types
 import typing
@@ -79,6 +80,20 @@ def check_types(obj: Any, prefix: str, accepted: Optional[dict[str, str]] = None
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         check_value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name], (accepted or {}).get(f.name))
+
+
+def paths_as_text(obj: Any, keys: tuple[str, ...]) -> None:
+    """A path key given a path object (``pathlib.Path``, any ``os.PathLike`` whose path is text) holds
+    that text, as a YAML file or an override gives it; a list of paths (``feature_dirs``) each of its
+    items. Done before the type check, which refuses anything else (a bytes path too)."""
+    def text(value: Any) -> Any:
+        if isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+            return os.fspath(value)
+        return value
+    for key in keys:
+        value = getattr(obj, key)
+        value = [text(v) for v in value] if isinstance(value, list) else text(value)
+        object.__setattr__(obj, key, value)
 
 
 def floats_of_ints(obj: Any) -> None:

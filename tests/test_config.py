@@ -646,3 +646,26 @@ def test_a_yaml_path_that_is_no_regular_file_is_named_as_such():
 
     with pytest.raises(ConfigError, match=r"features file '/dev/null' is not a regular file; give the YAML file"):
         read_yaml(Path("/dev/null"), "features file")
+
+
+def test_path_keys_take_path_objects_as_their_text(tmp_path):
+    """``output_dir=pathlib.Path(...)`` was refused ("has type PosixPath; accepted: str"), though a path is
+    what the key names. A path object is its text in every path key (``feature_dirs``' items too), set on
+    the config after it was made as well; a bytes path is still refused."""
+    import distmetrics as dm
+
+    features = tmp_path / "features.yaml"
+    inspect = dict(enabled=True, features=features, feature_dirs=[tmp_path / "f"], log_dir=tmp_path / "ti")
+    config = dm.MetricsConfig(output_dir=tmp_path / "run", tensorboard_dir=tmp_path / "tb",
+                              wandb_save_dir=tmp_path / "wb", tensor_inspect=inspect)
+    assert (config.output_dir, config.tensorboard_dir, config.wandb_save_dir) == (
+        str(tmp_path / "run"), str(tmp_path / "tb"), str(tmp_path / "wb"))
+    ti = config.tensor_inspect
+    assert (ti.features, ti.feature_dirs, ti.log_dir) == (str(features), [str(tmp_path / "f")], str(tmp_path / "ti"))
+    with pytest.raises(ConfigError, match=r"^output_dir=b'/tmp' has type bytes; accepted: str$"):
+        dm.MetricsConfig(output_dir=b"/tmp")
+    config = dm.MetricsConfig(console=False, tensorboard=False, log_interval=1)
+    config.output_dir = tmp_path / "later"
+    with dm.Monitor(config) as monitor:
+        monitor.step(1, loss=2.0)
+    assert [r["train/loss"] for r in dm.read_jsonl(tmp_path / "later" / "metrics.jsonl") if "train/loss" in r] == [2.0]
