@@ -58,8 +58,10 @@ ACCUMULATION_STEPS = 4
 
 
 def _micro_batch_tokens(rank: int, step: int) -> list[int]:
-    """Tokens of each of a rank's three micro-batches in a step: unequal within a step, across ranks and steps."""
-    return [1 + (3 * rank + 5 * step + 7 * i) % 6 for i in range(3)]
+    """Tokens of each of a rank's three micro-batches in a step: unequal within a step, across ranks and steps; a
+    micro-batch without tokens (rank 0, step 2: its mean is NaN) and a rank's whole step without (rank 1, step 3)."""
+    tokens = [0 if (rank, step, i) == (0, 2, 1) else 1 + (3 * rank + 5 * step + 7 * i) % 6 for i in range(3)]
+    return [0, 0, 0] if (rank, step) == (1, 3) else tokens
 
 
 def _run_gradient_accumulation(rank: int, world: int, root: str) -> dict:
