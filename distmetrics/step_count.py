@@ -79,7 +79,7 @@ def _start(monitor: "Monitor", call: StepCall) -> None:
             norms.unpredicted(step)  # its optimizer step was not snapshotted: said
         monitor._stride, monitor._strided = step - monitor._last_step, True  # steps 2, 4, 6...: the next is predicted
     if norms is not None:  # the step's optimizer steps are over: their update is the step's
-        norms.end_step(step, monitor._last_step)
+        norms.end_step(step, monitor._last_step, bool(call.skipped))
     monitor._last_step = step
     monitor._guard.note("monitor.step", step)
 

@@ -80,12 +80,14 @@ class NormCollector(ParamSide):
         self._warned_partial = False  # a second measurement over other parameters in one step was said
         self._steps = StepHooks(self._before_step, self._after_step)  # the attached optimizers' (update norms)
         self._stepped = False  # some attached optimizer stepped between the last two monitor.step calls
+        self._skipped_step = False  # the last monitor.step was given skipped=True
         self._repeated = False  # ... one of them more than once (the update then spans several gradients)
         self._repeats_seen = False  # an optimizer stepped twice in one step once: copies are kept until monitor.step
         self._dropped_step: Any = None  # a step whose update was left out (the copy went before its second step)
         self._said_dropped = False
         self._log_step_ahead: Callable[[], Optional[int]] = lambda: None
         self._warned_update = False  # update_norm missing from a record was said
+        self._warned_skipped_update = False  # ... from a step reported skipped was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
         self._skipped_after: Any = False  # measure_grad_norms() left out, predicted not logged: the step before
@@ -179,13 +181,13 @@ class NormCollector(ParamSide):
         """The optimizer step is over: the step's update so far."""
         self.diff()
 
-    def end_step(self, step: int, previous: Any = None) -> None:
+    def end_step(self, step: int, previous: Any = None, skipped: bool = False) -> None:
         """``monitor.step(step)``: the step's optimizer steps are over. Its update stays for the log
         step, and only for ``step`` (one measured for a predicted step that this is not is never
         another's); the snapshot is let go, and a step that raised under way is forgotten.
         ``previous``: the ``monitor.step`` number before it (None: none), after which a measurement
-        made in this step was made."""
-        self._step_before = previous
+        made in this step was made; ``skipped``: the step was reported skipped (no update is expected)."""
+        self._step_before, self._skipped_step = previous, skipped
         self._stepped, self._repeated = self._steps.end_step()
         self._snapshot = self._snapshot_plan = None
         if self._update is not None and self._update_step != step:
@@ -318,7 +320,7 @@ class NormCollector(ParamSide):
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
-            out.append(Sample(_LACKS_UPDATE, 1.0 if lacks else 0.0, "max"))
+            out.append(Sample(_LACKS_UPDATE, lacks, "max"))
             if self._dropped_step == ctx.step and not self._said_dropped and self.layout.says_once:
                 self._said_dropped = True
                 logger.warning("distmetrics: the record of step %d has no update_norm: an optimizer stepped more than "

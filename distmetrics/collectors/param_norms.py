@@ -103,30 +103,41 @@ class ParamSide:
         """``piece`` where the snapshot lives (``update_norm_snapshot``)."""
         return piece.to("cpu") if self.snapshot_device == "cpu" else piece
 
-    def _lacks_update(self, missing: bool) -> bool:
+    def _lacks_update(self, missing: bool) -> float:
         """This rank owns trainable parameters but measured no update for the log step: no optimizer
         was given to its Monitor, or none given stepped between the last two ``monitor.step`` calls
         (replaced by a new one, skipped by a GradScaler while earlier steps of the interval stepped,
-        or raised). An update measured for a predicted log step that was not one is no lack: every
-        rank missed it alike."""
+        or raised): 2.0; 1.0 where that ``monitor.step`` was given ``skipped=True`` (the lack is
+        explained); else 0.0. An update measured for a predicted log step that was not one is no
+        lack: every rank missed it alike."""
         if not missing or (self._steps.attached and self._stepped):
-            return False
+            return 0.0
         plan = self.grads.plans.model_plan()
         pieces = self._param_pieces(plan)
         if not pieces:
-            return False
+            return 0.0
         route = self._param_route(plan, pieces[0].device)  # a replica rank 0 counts for (DDP) lacks nothing
-        return route.every or bool(route.owned_buckets.ids)  # on the host: no device sync
+        if not (route.every or route.owned_buckets.ids):  # on the host: no device sync
+            return 0.0
+        return 1.0 if self._skipped_step else 2.0
 
     def _drop_partial_update(self, metrics: dict[str, Any], step: int) -> None:
         """Some rank lacks an update (:meth:`_lacks_update`): the others' sum is not the model's
         update, so the record has no ``update_norm`` (a pipeline stage, or a rank, not given the
         optimizer wrote the other stages' part as the whole); said once, naming a rank."""
         rank = metrics.pop(f"{_LACKS_UPDATE}/max_rank", None)
-        if not metrics.pop(_LACKS_UPDATE, 0):
+        lacks = metrics.pop(_LACKS_UPDATE, 0)
+        if not lacks:
             return
         for key in [k for k in metrics if k == "update_norm" or k.startswith("update_norm/")]:
             del metrics[key]
+        if lacks < 2:  # every rank that lacks it was given skipped=True: said apart, once
+            if not self._warned_skipped_update and self.layout.says_once:
+                self._warned_skipped_update = True
+                logger.warning("distmetrics: the record of step %d has no update_norm: its monitor.step was given "
+                               "skipped=True (the optimizer skipped the step, as a loss scaler does on an overflow). "
+                               "Said once; a lack that no skipped step explains is said apart", step)
+            return
         if self._warned_update or not self.layout.says_once:
             return
         self._warned_update = True
