@@ -1,7 +1,7 @@
 """User-facing module and parameter names, the same on every rank and every layout.
 
 Wrapper levels (DDP's ``module.``, FSDP1's ``_fsdp_wrapped_module.``, ``torch.compile``'s
-``_orig_mod.``, activation checkpointing's wrapper) are dropped; Megatron's stage-local layer
+``_orig_mod.``, activation checkpointing's wrapper, Lightning Fabric's ``_forward_module.``) are dropped; Megatron's stage-local layer
 index becomes the global ``layer_number - 1`` (so names match an unpipelined run) where the
 ``layers`` list's numbers tell its layers apart, and an expert's rank-local index in
 ``local_experts`` its global expert index.
@@ -17,7 +17,7 @@ import torch
 __all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
            "ROOT_MODULE", "root_name", "is_wrapper_level", "owner_names", "merged_across_stages"]
 
-WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_forward_module.")
 _WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
 ROOT_MODULE = "model"
 """The name of the root module's own parameters (``grad_norm/model``)."""
@@ -69,11 +69,18 @@ def _distinct_layer_numbers(layers: Optional[torch.nn.Module]) -> bool:
 
 def _wraps(parent: Optional[torch.nn.Module]) -> bool:
     """Whether ``parent`` is a wrapper level (DDP, ``torch.compile``'s, activation checkpointing's,
-    Megatron's Float16Module): its one child module is the model and it holds no parameter of
-    its own. A model's own submodule named ``module`` beside others is not one: dropping its
-    name merged ``module.proj`` with a sibling ``proj``."""
-    return parent is not None and len(parent._modules) == 1 and not any(
-        q is not None for q in parent._parameters.values())
+    Megatron's Float16Module, Lightning Fabric's ``_FabricModule``): its one child module is the
+    model and it holds no parameter of its own. A model's own submodule named ``module`` beside
+    others is not one: dropping its name merged ``module.proj`` with a sibling ``proj``. Fabric's
+    wrapper holds the model twice, as ``_forward_module`` (itself, or DDP's wrapper of it) and
+    ``_original_module``: a second child that is the first or inside it adds no module."""
+    if parent is None or any(q is not None for q in parent._parameters.values()):
+        return False
+    children = list({id(c): c for c in parent._modules.values() if c is not None}.values())
+    if len(children) <= 1:
+        return len(children) == 1
+    inside = {id(m) for m in children[0].modules()}
+    return all(id(c) in inside for c in children[1:])
 
 
 def strip_wrappers(name: str) -> str:

@@ -1503,6 +1503,45 @@ def test_the_first_step_is_measured_whatever_its_number_and_kept_only_if_it_is_l
         assert metrics["update_norm"] == pytest.approx(update, rel=1e-6)
 
 
+def test_lightning_fabrics_wrapper_is_a_wrapper_level():
+    """A model given as Lightning Fabric's ``setup_module`` returns it (``_FabricModule``: the model as
+    ``_forward_module``, or DDP's wrapper of it there, and again as ``_original_module``) was named
+    ``grad_norm/_forward_module.0``: two children, so no wrapper. Built here with Fabric's structure
+    (lightning 2.6's ``_FabricModule`` registers those two attributes, and nothing else; lightning is
+    not installed here), the real module where it is. A second child that is not the first's is no
+    wrapper's."""
+    import torch
+    from torch import nn
+
+    from distmetrics.naming import module_name_map
+
+    def fabric_like(forward, original):
+        wrapper = nn.Module()
+        wrapper._forward_module, wrapper._original_module = forward, original
+        return wrapper
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    ddp_like = nn.Module()
+    ddp_like.module = model
+    for wrapped in (fabric_like(model, model), fabric_like(ddp_like, model)):  # FSDP2 (in place); DDP
+        assert sorted(set(module_name_map(wrapped).values())) == ["", "0", "1", "2"]
+        for p in wrapped.parameters():
+            p.grad = torch.ones_like(p)
+        monitor = _plain_monitor(wrapped)
+        monitor.clip_grad_norm_(1e9)
+        metrics = monitor.step(1)
+        monitor.close()
+        assert metrics["grad_norm/2"] == pytest.approx(8 ** 0.5) and "grad_norm/_forward_module.2" not in metrics
+    apart = fabric_like(model, nn.Linear(2, 2))  # not the model: a module of its own
+    assert module_name_map(apart)["_forward_module.0"] == "_forward_module.0"
+    try:
+        from lightning.fabric.wrappers import _FabricModule
+    except ImportError:
+        return
+    assert sorted(set(module_name_map(_FabricModule(model, None, original_module=model)).values())) == [
+        "", "0", "1", "2"]
+
+
 def test_wrapper_prefixes_and_megatron_layer_numbers_become_global_names():
     import torch
 

@@ -119,10 +119,11 @@ def _wraps_only(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     """Whether ``inner`` is reached from ``outer`` through wrapper levels alone (each the only child)."""
     module = outer
     while module is not inner:
-        children = list(module._modules.items())
-        if len(children) != 1 or not (is_wrapper_level(module, children[0][0]) or is_compile_wrapper(module)):
+        name, child = next(iter(module._modules.items()), (None, None))
+        if child is None or not (is_wrapper_level(module, name) or (len(module._modules) == 1 and
+                                                                     is_compile_wrapper(module))):
             return False
-        module = children[0][1]
+        module = child
     return True
 
 
