@@ -14,7 +14,8 @@ PY="$VENV/bin/python"
 # Found, not imported (importing them all took about 9 s, on every demo and test run): the line that
 # ends this script imports torch and distmetrics, and a module found but broken fails where it is used
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
-    torch distmetrics tensorboard wandb megatron.core nvdlfw_inspect pytest matplotlib PIL orjson 2>/dev/null; then
+    torch distmetrics tensorboard wandb megatron.core nvdlfw_inspect pytest matplotlib PIL orjson \
+    lightning 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_SPEC"
   "$PY" -m pip install -q -e ".[all,dev]"
