@@ -1,10 +1,10 @@
 """User-facing module and parameter names, the same on every rank and every layout.
 
 Wrapper levels (DDP's ``module.``, FSDP1's ``_fsdp_wrapped_module.``, ``torch.compile``'s
-``_orig_mod.``, activation checkpointing's wrapper, Lightning Fabric's ``_forward_module.``) are dropped; Megatron's stage-local layer
-index becomes the global ``layer_number - 1`` (so names match an unpipelined run) where the
-``layers`` list's numbers tell its layers apart, and an expert's rank-local index in
-``local_experts`` its global expert index.
+``_orig_mod.``, activation checkpointing's wrapper, Lightning Fabric's ``_forward_module.``) are
+dropped; Megatron's stage-local layer index becomes the global ``layer_number - 1`` (so names
+match an unpipelined run) where the ``layers`` list's numbers tell its layers apart, and an
+expert's rank-local index in ``local_experts`` its global expert index.
 """
 
 from __future__ import annotations
