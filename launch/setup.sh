@@ -15,7 +15,7 @@ PY="$VENV/bin/python"
 # ends this script imports torch and distmetrics, and a module found but broken fails where it is used
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
     torch distmetrics tensorboard wandb megatron.core nvdlfw_inspect pytest matplotlib PIL orjson \
-    lightning accelerate 2>/dev/null; then
+    lightning accelerate transformers 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_SPEC"
   "$PY" -m pip install -q -e ".[all,dev]"
