@@ -95,12 +95,13 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
 
 def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, distributed: bool = True,
                         bf16: bool = False, weight_decay: float = 0.01, fp16: bool = False,
-                        loss_scale: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> tuple:
+                        loss_scale: Optional[float] = None, grad_reduce_in_fp32: bool = True,
+                        initial_loss_scale: float = 2.0 ** 32) -> tuple:
     """``model`` under Megatron's ``DistributedDataParallel`` (no overlap; fp32 gradient buffers
     and reduction, or with ``grad_reduce_in_fp32=False``, Megatron's default, buffers in the
     parameters' dtype) and its Adam from ``get_megatron_optimizer`` (the ``DistributedOptimizer`` when
     ``distributed``; Megatron clips at ``clip_grad``; ``fp16`` with a static ``loss_scale``, or
-    Megatron's dynamic one where None), built through :func:`cuda_on_cpu`."""
+    Megatron's dynamic one from ``initial_loss_scale`` where None), built through :func:`cuda_on_cpu`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -112,7 +113,7 @@ def wrap_with_optimizer(model: torch.nn.Module, lr: float, clip_grad: float, dis
     with cuda_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, fp16=fp16, loss_scale=loss_scale,
-            use_distributed_optimizer=distributed, clip_grad=clip_grad), [ddp])
+            initial_loss_scale=initial_loss_scale, use_distributed_optimizer=distributed, clip_grad=clip_grad), [ddp])
     return ddp, optimizer
 
 

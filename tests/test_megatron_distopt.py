@@ -627,3 +627,78 @@ def test_megatrons_interleaved_pipeline_schedule_is_measured_in_model_order(tmp_
     top = [n for n in run["modules"] if re.fullmatch(r"\d+\.(embedding|decoder\.layers\.\d+|output_layer)", n)]
     assert top == ["0.embedding", "0.decoder.layers.0", "0.decoder.layers.1", "1.decoder.layers.2",
                    "1.decoder.layers.3", "1.output_layer"]
+
+
+def _dynamic_loss_scale(rank: int, world: int, distributed: bool) -> list:
+    """fp16 under Megatron's dynamic loss scale (from 2**16; hysteresis 2): an inf in rank 0's local
+    gradient before the data-parallel reduction at steps 3 and 4, which Megatron's step skips (the
+    second halves the scale), each step reported with ``skipped=not update_successful``."""
+    import logging
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt, cuda_on_cpu, wrap_with_optimizer
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    apply_cpu_adaptations(seed=1234)
+    model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=1, tied=True)
+    model.config.fp16 = True
+    ddp, optimizer = wrap_with_optimizer(Float16Module(model.config, model), lr=1e-2, clip_grad=1.0,
+                                         distributed=distributed, fp16=True, initial_loss_scale=2.0 ** 16)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=ddp, optimizer=optimizer)
+    out = []
+    for step in range(1, 7):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        tokens, position_ids, mask, labels = _batch(step, ps.get_data_parallel_rank())
+        loss = ddp(tokens, position_ids, mask, labels=labels).float().mean()
+        optimizer.scale_loss(loss).backward()
+        if step in (3, 4) and rank == 0:
+            next(ddp.module.parameters()).main_grad.view(-1)[0] = float("inf")
+        ddp.finish_grad_sync()
+        monitor.measure_grad_norms()
+        with cuda_on_cpu():
+            stepped, megatron_norm, _ = optimizer.step()
+        metrics = monitor.step(step, loss=loss.detach(), tokens=32, skipped=not stepped)
+        out.append({"stepped": stepped, "megatron": megatron_norm and float(megatron_norm),
+                    "scale": float(optimizer.get_loss_scale()), "loss": float(loss),
+                    "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)}})
+    monitor.close()
+    logging.getLogger("distmetrics").removeHandler(handler)
+    ps.destroy_model_parallel()
+    return [out, [m for m in said if "update_norm" in m]]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain optimizer", "distributed optimizer"])
+def test_megatrons_dynamic_loss_scale_and_its_skipped_steps(distributed):
+    """``loss_scale`` is the scale Megatron's optimizer holds after each step (as Megatron logs it); a
+    skipped step has a non-finite grad_norm (Megatron's is None), no train/loss and no update_norm, and
+    counts in health/skipped_steps; the others' norm is Megatron's. The missing update of a step reported
+    skipped is said once as that, not as an optimizer left unattached (which used up that warning)."""
+    import math
+
+    results = run_ranks(_dynamic_loss_scale, 2, distributed, timeout=240)
+    steps, said = results[0]
+    assert [s["stepped"] for s in steps] == [True, True, False, False, True, True]
+    assert [s["scale"] for s in steps] == [2.0 ** 16] * 3 + [2.0 ** 15] * 3  # hysteresis 2: the second halves
+    losses = [s["loss"] for result in results for s in result[0]]
+    for n, s in enumerate(steps):
+        m = s["metrics"]
+        assert m["loss_scale"] == s["scale"]
+        assert m["health/skipped_steps"] == (0.0 if s["stepped"] else 1.0)
+        if s["stepped"]:
+            assert m["grad_norm"] == pytest.approx(s["megatron"], rel=REL)
+            assert m["train/loss"] == pytest.approx((losses[n] + losses[6 + n]) / 2, rel=1e-6)
+            assert m["update_norm"] > 0
+        else:
+            assert not math.isfinite(m["grad_norm"]) and m["grad_nonfinite_steps"] == 1.0
+            assert "train/loss" not in m and "update_norm" not in m
+    assert len(said) == 1 and said[0].startswith("distmetrics: the record of step 3 has no update_norm: its "
+                                                 "monitor.step was given skipped=True"), said
