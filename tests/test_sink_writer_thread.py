@@ -660,6 +660,9 @@ def _signal_in_close_child(out: str, done: str, name: str) -> None:
                 f.write("closed\n")
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Ctrl-C's KeyboardInterrupt: Python leaves SIGINT ignored where it started so (a job a shell ran in the
+    # background inherits that), and the signal then did nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     slow = Slow()
     monitor = dm.Monitor(_config(out, log_progress=False), sinks=[slow])
     for step in range(1, 41):
