@@ -635,7 +635,6 @@ def _dynamic_loss_scale(rank: int, world: int, distributed: bool) -> list:
     second halves the scale), each step reported with ``skipped=not update_successful``."""
     import logging
 
-    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
