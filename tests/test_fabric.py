@@ -93,6 +93,15 @@ def _fabric_run(rank: int, world: int, root: str) -> dict:
         exec(compile(readme_block("### Lightning Fabric"), "README.md", "exec"), namespace)
         if rank == 0:
             out[name] = [r for r in dm.read_jsonl(folder / "metrics.jsonl") if r["kind"] == "train"]
+        model = namespace["model"]  # Fabric's: a measurement after an accumulating micro-batch is refused
+        monitor = dm.Monitor(quiet_config(log_interval=1), model=model, optimizer=namespace["optimizer"])
+        with fabric.no_backward_sync(model, enabled=True):
+            fabric.backward(model(_micro_batches(1, rank)[0]).pow(2).mean())
+        try:
+            monitor.clip_grad_norm_(1.0)
+        except ValueError as err:
+            out[f"{name}_refused"] = str(err)
+        monitor.close()
     return out
 
 
@@ -123,3 +132,9 @@ def test_under_fsdp2_an_optimizer_made_before_setup_moves_nothing_and_its_update
     assert [r["update_norm"] for r in records] == [0.0] * STEPS
     assert len({r["param_norm"] for r in records}) == 1  # the model's parameters never moved
     assert records[0]["grad_norm"] == pytest.approx(truth[0]["grad_norm"], rel=1e-6)
+
+
+def test_a_measurement_inside_fabrics_no_backward_sync_is_refused(fabric_runs):
+    runs, _ = fabric_runs
+    assert "ran its last forward inside no_sync()" in runs["ddp_refused"], runs.get("ddp_refused")
+    assert "holds gradients that its last backward did not reduce" in runs["fsdp2_refused"], runs.get("fsdp2_refused")
