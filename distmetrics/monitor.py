@@ -145,7 +145,8 @@ class Monitor:
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)
-            opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order)
+            opened = (config, self.layout, self.hosts, self.writer_rank, sinks, claim, self._module_order,
+                      self.timers.names_in_order)
             self.sinks = open_writer_sinks(*opened) if self.is_writer else SinkSet()
             # at exit with the Monitor open: the writer says what is not written, and every rank leaves, so
             # a rank waiting for this one raises now rather than at hang_timeout_s

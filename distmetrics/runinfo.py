@@ -14,7 +14,7 @@ import os
 import platform
 import socket
 import sys
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -295,10 +295,11 @@ def run_record(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: 
 
 
 def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer_rank: int, extra: tuple,
-                      claim: Optional[OutputClaim] = None, modules: Sequence[str] = ()) -> SinkSet:
+                      claim: Optional[OutputClaim] = None, modules: Sequence[str] = (),
+                      timer_order: Callable[[], Sequence[str]] = tuple) -> SinkSet:
     """The writer rank's sinks, opened with the job's ``run`` record (and ``gpu_model`` on GPUs);
     they remember the last step an earlier job logged in ``output_dir`` (from its metrics.jsonl),
-    and closing them releases the claim on ``output_dir``."""
+    and closing them releases the claim on ``output_dir``. ``timer_order``: see :func:`open_sinks`."""
     last_logged = last_logged_step(os.path.join(config.output_dir, METRICS_FILE)) if config.json_log else None
     if not config.json_log and config.tensorboard and _has_events(config.resolved_tensorboard_dir):
         logger.warning("distmetrics: %s holds an earlier job's TensorBoard events, and with json_log off a restart "
@@ -312,7 +313,7 @@ def open_writer_sinks(config: Any, layout: Layout, hosts: list[RankInfo], writer
                        "TensorBoard will show both jobs' values at them. Give each output_dir its own "
                        "tensorboard_dir, or restart into the output_dir that wrote them.",
                        config.resolved_tensorboard_dir, os.path.join(config.output_dir, METRICS_FILE))
-    sinks = open_sinks(config, layout.world_size, extra, claim.reclaim if claim is not None else None)
+    sinks = open_sinks(config, layout.world_size, extra, claim.reclaim if claim is not None else None, timer_order)
     sinks.last_logged_step = last_logged
     if claim is not None:
         sinks.on_close(claim.release)

@@ -257,6 +257,32 @@ def test_the_console_shows_the_hottest_gpu_and_a_max_only_timer_block():
     assert both.splitlines()[0] == "(min, max) time across ranks (ms):" and "(4.00, 5.00)" in both
 
 
+def test_the_console_timer_block_lists_timers_in_the_order_they_were_made(tmp_path, caplog):
+    """The block listed the timers alphabetically (the record's order: batch-generator before
+    forward-backward before optimizer), where Megatron's training log lists them in its loop's order.
+    They come in the order the writer's timers were made; one made on another rank only comes after,
+    in the record's order. Under ``max`` too."""
+    import distmetrics as dm
+    from distmetrics.sinks.console import format_timer_block
+
+    caplog.set_level(logging.INFO, logger="distmetrics.console")
+    config = dm.MetricsConfig(log_interval=2, timing_log_level=1, output_dir=str(tmp_path), tensorboard=False,
+                              log_progress=False, json_log=False, straggler_window=0)
+    with dm.Monitor(config) as monitor:
+        for step in (1, 2):  # the step timer's first lap ends at step 2
+            for name in ("forward-backward", "optimizer", "batch-generator"):
+                monitor.timers(name, 1).start()
+                monitor.timers(name).stop()
+            monitor.step(step)
+    [block] = [r.getMessage() for r in caplog.records if "time across ranks" in r.getMessage()]
+    assert [line.split()[0] for line in block.splitlines()[1:]] == ["step", "forward-backward", "optimizer",
+                                                                    "batch-generator"]
+    record = {"timers/a": 1.0, "timers/a/max_rank": 0, "timers/b": 2.0, "timers/b/max_rank": 0,
+              "timers/c": 3.0, "timers/c/max_rank": 1}
+    block = format_timer_block(record, ("c", "a"))  # b: made on rank 1 only
+    assert [line.split()[0] for line in block.splitlines()[1:]] == ["c", "a", "b"]
+
+
 def test_the_console_line_rounds_into_the_next_unit_and_keeps_sub_millisecond_steps():
     """999,960 tokens/s read "1000.0k tok/s", and a 0.4 ms step "0 ms"."""
     from distmetrics.sinks.console import format_eval_line, format_train_line

@@ -68,6 +68,12 @@ class Timers(MegatronReports):
         self._own = 0  # timers the Monitor made for itself (its step timer): not the user's names
         self.in_use: list[Timer] = []  # the timers started since the last log step, or still running
 
+    def names_in_order(self) -> tuple:
+        """The timers' names in the order they were made (the console's timer block lists them so, as
+        Megatron's training log lists its timers in its loop's order, not alphabetically). A copy made
+        without releasing the GIL: safe to call from the writer thread."""
+        return tuple(self._timers)
+
     def __call__(self, name: str, log_level: Optional[float] = None) -> TimerBase:
         """The timer ``name`` (the dummy above the Timers' level). As Megatron's, a level is any number up
         to 2, compared as a number (1.5, -1; True is 1), alike at every level; text and NaN are refused."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 from ..per_rank import PerRank
 from .appendfile import describe_os_error
@@ -304,9 +304,11 @@ def failure_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim: Any = None) -> SinkSet:
+def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim: Any = None,
+               timer_order: Callable[[], Sequence[str]] = tuple) -> SinkSet:
     """The writer rank's sinks for a MetricsConfig (only the writer calls this); ``reclaim``: called
-    by a file sink before it makes a removed file again (the writer's lock on output_dir taken again)."""
+    by a file sink before it makes a removed file again (the writer's lock on output_dir taken again);
+    ``timer_order``: the writer's timer names in the order they were made (the console's timer block)."""
     from pathlib import Path
 
     from .console import ConsoleSink
@@ -319,7 +321,7 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim
     if cfg.json_log:
         sinks.add(lambda: JsonlSink(out / METRICS_FILE, reclaim), JsonlSink.name, JsonlSink.fix)
     if cfg.console:
-        sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps), ConsoleSink.name, ConsoleSink.fix)
+        sinks.add(lambda: ConsoleSink(cfg.verbosity, cfg.total_steps, timer_order), ConsoleSink.name, ConsoleSink.fix)
     if cfg.log_progress:
         sinks.add(lambda: ProgressSink(out / "progress.txt", world_size, reclaim), ProgressSink.name, ProgressSink.fix)
     if cfg.tensorboard:

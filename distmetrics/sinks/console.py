@@ -28,7 +28,7 @@ import math
 import os
 import stat
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..megatron_text import time_block
 from ..per_rank import PerRank
@@ -50,9 +50,12 @@ class ConsoleSink:
     name = "console"
     fix = "check the logging configuration"
 
-    def __init__(self, verbosity: int = 0, total_steps: Optional[int] = None) -> None:
+    def __init__(self, verbosity: int = 0, total_steps: Optional[int] = None,
+                 timer_order: Callable[[], Sequence[str]] = tuple) -> None:
         self.verbosity = verbosity
         self.total_steps = total_steps
+        self.timer_order = timer_order
+        """The writer's timer names in the order they were made: the timer block's order."""
         self.logger = logging.getLogger(LOGGER_NAME)
         if self.logger.level == logging.NOTSET:
             self.logger.setLevel(logging.INFO)
@@ -83,7 +86,7 @@ class ConsoleSink:
                                                telemetry=self.verbosity >= 1))
             if isinstance(loss, float) and math.isfinite(loss):
                 self._last_loss = loss
-            block = format_timer_block(metrics)
+            block = format_timer_block(metrics, self.timer_order())
             if block:
                 self.logger.info(block)
         elif kind == "eval":
@@ -308,9 +311,11 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
     return " | ".join(fields)
 
 
-def format_timer_block(m: dict[str, Any]) -> str:
+def format_timer_block(m: dict[str, Any], order: Sequence[str] = ()) -> str:
     """Megatron's ``(min, max) time across ranks (ms):`` block, from ``timers/<name>[/min]``, or
-    under ``timing_log_option: max`` (no minimum) its ``max time across ranks (ms):`` block."""
+    under ``timing_log_option: max`` (no minimum) its ``max time across ranks (ms):`` block. The
+    timers named in ``order`` come first, in that order; the others (made on other ranks only) after
+    them, in the record's order."""
     times, slowest = {}, {}
     for key, value in m.items():
         low = high = None
@@ -324,6 +329,8 @@ def format_timer_block(m: dict[str, Any]) -> str:
                 slowest[name] = (m[f"timers/{name}"], m[f"timers/{name}"])
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
             times[name] = (low, high)
+    place = {name: at for at, name in enumerate(order)}
+    times, slowest = ({n: d[n] for n in sorted(d, key=lambda n: place.get(n, len(place)))} for d in (times, slowest))
     return time_block(times) if times or not slowest else time_block(slowest, max_only=True)
 
 
