@@ -187,7 +187,8 @@ class IntervalStats:
             if slot.value is None:
                 continue  # not recorded in this interval: no sample, and its slot goes
             if slot.last:
-                out.append(Sample(name, slot.value, slot.reduce, weight=slot.weight))
+                out.append(Sample(name, slot.value, slot.reduce, weight=slot.weight) if slot.reduce == "mean"
+                           else Sample(name, slot.value, slot.reduce))
             elif slot.reduce == "mean":
                 out.append(Sample(name, slot.value, "mean", weight=slot.weight, summed=True))
             elif slot.reduce == "all":

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from .collectors import LogContext
-from .collectors.base import misnamed_elsewhere, of_ours, take_samples
+from .collectors.base import left_out_failed, misnamed_elsewhere, of_ours, take_samples
 from .collectors.norms import FIRST_STEP
 from .exits import say_log_step_lost
 
@@ -39,7 +39,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
     try:
         ctx.reduced = monitor._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
-        misnamed = misnamed_elsewhere(metrics, misnamed)
+        failed = left_out_failed(metrics, ctx.reduced, monitor.collectors, monitor._foreign.checked)
+        misnamed = misnamed_elsewhere(metrics, misnamed, failed)
         train = monitor._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
         # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample
@@ -49,6 +50,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
             logger.warning("distmetrics: step %d: %s", step, other)
         alerts = []
         for collector in monitor.collectors:
+            if failed and collector.name in failed:  # its values are out: nothing to finalize, on any rank
+                continue
             before = monitor._foreign.before_finalize(collector, metrics)  # a user's: kept to its own names
             try:
                 got = list(collector.finalize(metrics, ctx) or ())  # None: no alert (a finalize that returns nothing)

@@ -331,6 +331,10 @@ class Reducer:
                                  "for the whole run")
         for name in refused:
             del union[name]
+            if name not in self._agreed:  # no kind was agreed: this rank's own check forgets the one it sent,
+                self._kinds.pop(name, None)  # or a rank that sent another kind once was refused it for good
+        if refused and self._checked:
+            self._checked = {entry for entry in self._checked if refused.keys().isdisjoint(entry[0])}
         for name, why in refused_beside(union, origin, self.records, [r._written for r in self._beside]).items():
             del union[name]
             refused[name] = why

@@ -6,12 +6,13 @@ across ranks) and what it hands back (:class:`Reduced`: the result, identical on
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .names import check_reduce, check_value
+from .names import check_count, check_reduce, check_value
 from .packing import PackLayout
 from .per_rank import PerRank
 
@@ -52,9 +53,13 @@ class Sample:
         if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given
             raise ValueError(f"Sample {self.name!r}: low is the min lane of a minmax, not used by {self.reduce!r}; "
                              "give a min the value itself")
+        if self.reduce != "mean" and not (type(self.weight) is float and self.weight == 1.0):
+            raise ValueError(f"Sample {self.name!r}: a weight is a mean's; reduce={self.reduce!r} would ignore "
+                             f"weight={self.weight!r:.100} (leave it out, or reduce as 'mean')")
         if self.names is None:
             check_value(self.value, "Sample %r", self.name)
             check_value(self.weight, "Sample %r weight", self.name)
+            check_count(self.weight, "Sample %r weight", self.name)
             if self.low is not None:
                 check_value(self.low, "Sample %r low", self.name)
         else:
@@ -71,7 +76,18 @@ class Sample:
                 raise ValueError(f"vector sample {self.name!r}: {len(self.names)} names need a 1-D tensor of "
                                  f"{len(self.names)} values, got {shape}")
             for part, given in (("weight", self.weight), ("low", self.low)):
-                if isinstance(given, torch.Tensor) and (given.dim() != 1 or given.numel() != len(self.names)):
+                if given is None:
+                    continue
+                if not isinstance(given, torch.Tensor):
+                    if isinstance(given, bool) or not isinstance(given, numbers.Real):  # a list or an array
+                        # failed in the pack, after the log step's first collective
+                        raise TypeError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
+                                        f"{len(self.names)} values (one per name), got {type(given).__name__} "
+                                        f"{given!r:.100}")
+                    check_value(given, "vector sample %r " + part, self.name)
+                    if part == "weight":
+                        check_count(given, "vector sample %r weight", self.name)
+                elif given.dim() != 1 or given.numel() != len(self.names):
                     raise ValueError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
                                      f"{len(self.names)} values (one per name), got shape {tuple(given.shape)}")
 

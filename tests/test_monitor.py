@@ -731,11 +731,28 @@ class _Flaky:
             raise RuntimeError("a transient failure")
         return [dm.Sample("flaky/steps", float(ctx.steps), "max")]
 
-    def finalize(self, metrics, ctx):
+    def finalize(self, metrics, ctx):  # not called where take_samples raised on a rank: KeyError then
+        metrics["flaky/seen"] = metrics["flaky/steps"]
         return []
 
     def close(self):
         pass
+
+
+class _Undeclared(_Flaky):
+    """A collector of the user's with no writes whose take_samples raises at step 4 on rank 0, the writer."""
+
+    name, writes = "undeclared", ()
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        if ctx.step == 4 and self.rank == 0:
+            raise RuntimeError("a failure on the writer")
+        return [dm.Sample("und/ranks", 1.0, "sum")]
+
+    def finalize(self, metrics, ctx):
+        return []
 
 
 def _collector_raises(rank: int, world: int, root: str) -> dict:
@@ -743,8 +760,8 @@ def _collector_raises(rank: int, world: int, root: str) -> dict:
 
     said = []
     config = quiet_config(output_dir=root, log_interval=2, json_log=True, log_throughput=True, hang_timeout_s=20.0)
-    with dm.Monitor(config, collectors=[_Flaky(rank)]) as monitor:
-        for step in (1, 2, 3, 4):
+    with dm.Monitor(config, collectors=[_Flaky(rank), _Undeclared(rank)]) as monitor:
+        for step in range(1, 7):
             monitor.record("mine/n", 1.0, "sum")
             try:
                 monitor.step(step, loss=10.0 * step, tokens=10 ** step)
@@ -757,24 +774,31 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     """A collector of the user's raising in take_samples (on rank 1, at step 2) lost the interval's values
     the collectors before it had taken (their intervals begun again) and the record with them, counted
     nowhere: the step-4 record then mixed 2 steps of loss with 4 of calls. Now the record is written
-    without that collector's samples and its error raised after it, on every rank, naming it."""
+    without that collector's samples and its error raised after it, on every rank, naming it. Its values
+    from the ranks where it did not raise were written under its names (rank 0's alone: a sum of part of
+    the ranks, with no mark) and its finalize read them: now they are left out on every rank, where it
+    declares them in writes and where it has handed them over on the writer before."""
     import distmetrics as dm
 
     results = run_ranks(_collector_raises, 2, str(tmp_path), timeout=120)
-    ((step, kind, message),) = results[1]["said"]
+    (step, kind, message), (step4, kind4, message4) = results[1]["said"]
     assert (step, kind) == (2, "CollectorFailed") and message == (
         "the 'flaky' collector's take_samples raised RuntimeError: a transient failure; the record of step 2 was "
         "written without its samples"), message
-    ((step, kind, message),) = results[0]["said"]
+    assert (step4, kind4) == (4, "CollectorFailed") and message4.startswith("rank 0's collector 'undeclared' raised")
+    (step, kind, message), (step4, kind4, message4) = results[0]["said"]
     assert (step, kind) == (2, "CollectorFailed") and message == (
-        "rank 1's collector raised in take_samples, which that rank's error names; the record was written without "
-        "its samples"), message
+        "rank 1's collector 'flaky' raised in take_samples, which that rank's error names; the record was written "
+        "without its samples"), message
+    assert (step4, kind4) == (4, "CollectorFailed") and message4.startswith("the 'undeclared' collector's")
     records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"}
-    assert sorted(records) == [2, 4]
+    assert sorted(records) == [2, 4, 6]
     # token-weighted means of each record's own 2 steps: (10*10 + 20*100) / 110 and (30*1e3 + 40*1e4) / 11000
     assert records[2]["train/loss"] == pytest.approx(2100 / 110) and records[2]["mine/n"] == 4.0
     assert records[4]["train/loss"] == pytest.approx(430000 / 11000) and records[4]["mine/n"] == 4.0
-    assert records[2]["flaky/steps"] == 2.0 and records[4]["flaky/steps"] == 2.0  # rank 0's at 2; both at 4
+    assert not any(key.startswith("flaky/") for key in records[2]), records[2]  # rank 0's alone is not the metric
+    assert records[4]["flaky/steps"] == 2.0 and records[4]["flaky/seen"] == 2.0
+    assert records[2]["und/ranks"] == 2.0 and "und/ranks" not in records[4] and records[6]["und/ranks"] == 2.0
     assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
 
 
@@ -836,9 +860,12 @@ def test_samples_the_reduction_would_refuse_on_one_rank_fail_that_collector_on_e
     records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"}
     assert sorted(records) == list(range(2, 17, 2))
     for step, record in records.items():  # both ranks' two steps: (s-1 + s + s + s+1) / 4 = s
-        assert record["train/loss"] == step and record["flaky/steps"] == 2.0, record
-        assert not any(k.startswith(("_", "flaky/v")) for k in record) and record["train/consumed_tokens"] == 20 * step
-        assert record["flaky/raw"] == (1.0 if step in _REFUSED else 2.0)  # rank 1's own lane too where it was well
+        assert record["train/loss"] == step and record["train/consumed_tokens"] == 20 * step, record
+        assert not any(k.startswith(("_", "flaky/v")) for k in record)
+        if step in _REFUSED:  # rank 0's values alone are not the metric: left out, its finalize not called
+            assert not any(k.startswith("flaky/") for k in record), record
+        else:
+            assert record["flaky/steps"] == 2.0 and record["flaky/raw"] == 2.0, record
 
 
 class _LosesARank(_Flaky):

@@ -91,9 +91,11 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
     vector, scalar = {}, {}
     for kind in ("sum", "mean", "max", "min", "minmax", "all"):
         low = values - 100.0 if kind == "minmax" else None
-        vec = [Sample(kind, values, kind, weight=weights, low=low, names=tuple(f"{kind}/{n}" for n in names))]
-        sca = [Sample(f"{kind}/{n}", values[i], kind, weight=weights[i], low=None if low is None else low[i])
-               for i, n in enumerate(names)]
+        mean = kind == "mean"  # a weight is a mean's (another kind refuses one)
+        vec = [Sample(kind, values, kind, weight=weights if mean else 1.0, low=low,
+                      names=tuple(f"{kind}/{n}" for n in names))]
+        sca = [Sample(f"{kind}/{n}", values[i], kind, weight=weights[i] if mean else 1.0,
+                      low=None if low is None else low[i]) for i, n in enumerate(names)]
         for store, samples in ((vector, vec), (scalar, sca)):
             res = Reducer().reduce(samples)
             store[kind] = {k: list(v) if isinstance(v, list) else v for k, v in res.to_metrics().items()}
@@ -138,6 +140,14 @@ def _scenarios(rank: int, world: int, host_packs: bool = True) -> dict:
     res = r4.reduce([Sample("c", 1.0, "sum" if rank == 0 else "mean"), Sample("d", float(rank), "sum")])
     out["conflict"] = str(r4.refused) if r4.refused is not None else None
     out["conflict_rest"] = dict(res.values)
+    # ... and once the ranks agree (ranks 1-3 now send the kind rank 0 sent), the name is reduced: no
+    # kind was agreed for it, so neither rank's own check holds the one it sent then against it
+    r4.refused = None
+    try:
+        res = r4.reduce([Sample("c", 1.0, "sum"), Sample("d", float(rank), "sum")], tag=2)
+        out["conflict_over"] = (dict(res.values), None if r4.refused is None else str(r4.refused))
+    except ValueError as err:
+        out["conflict_over"] = str(err)
 
     # 9. a refused element of a vector sample: the vector's other elements are written, a clash that
     # lasts is not negotiated again at each log step, and once it ends the names are negotiated again.
@@ -297,6 +307,7 @@ def test_conflicting_kinds_raise_on_every_rank(results):
     for r in results:
         assert r["conflict"] is not None and "'c'" in r["conflict"] and "same reduce kind" in r["conflict"]
         assert r["conflict_rest"] == {"d": 0 + 1 + 2 + 3}  # the rest is reduced
+        assert r["conflict_over"] == ({"c": 4.0, "d": 6.0}, None), r["conflict_over"]
 
 
 def test_a_refused_element_of_a_vector_leaves_out_only_itself_and_a_lasting_clash_is_not_negotiated_again(results):
@@ -413,7 +424,10 @@ def test_unknown_reduce_kind_is_rejected():
     (("x", 1.0, "min", 1.0, False, -10.0), ValueError, "Sample 'x': low is the min lane of a minmax, not used by 'min'"),
     ((7, 1.0, "mean"), TypeError, "a metric name is a str, got int 7"),
     (("x", 10**400, "max"), ValueError, "Sample 'x': 100000000000... \\(401 digits\\) is beyond float64's range"),
-    (("x", 1.0, "sum", -10**400), ValueError, "Sample 'x' weight: -10000000000... \\(402 digits\\) is beyond"),
+    (("x", 1.0, "mean", -10**400), ValueError, "Sample 'x' weight: -10000000000... \\(402 digits\\) is beyond"),
+    (("x", 1.0, "mean", -2.0), ValueError, "Sample 'x' weight: -2.0 is refused: accepted values are finite numbers >= 0"),
+    (("x", 1.0, "sum", 3.0), ValueError, "Sample 'x': a weight is a mean's; reduce='sum' would ignore weight=3.0"),
+    (("x", 1.0, "max", "tensor2"), ValueError, "Sample 'x': a weight is a mean's; reduce='max' would ignore"),
 ])
 def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, error, message):
     """A collector's bad value fails in its own take_samples, before the log step's first collective
@@ -421,6 +435,8 @@ def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, 
     import torch
 
     from distmetrics.reduce import Sample
+
+    import numpy as np
 
     arguments = tuple(torch.ones(2) if a == "tensor2" else a for a in arguments)
     with pytest.raises(error, match=message):
@@ -432,6 +448,13 @@ def test_a_sample_with_a_value_no_pack_can_hold_is_refused_when_made(arguments, 
             with pytest.raises(ValueError, match=f"vector sample 'v': {part} is a number or a 1-D tensor of 2"):
                 Sample("v", torch.ones(2), "mean" if part == "weight" else "minmax", names=("v/a", "v/b"),
                        **{part: wrong})
+        # a list or a numpy array passed here and failed in the pack, after the log step's first collective
+        for wrong in ([1.0, 2.0], np.array([1.0, 2.0]), "1"):
+            with pytest.raises(TypeError, match=f"vector sample 'v': {part} is a number or a 1-D tensor of 2 values"):
+                Sample("v", torch.ones(2), "mean" if part == "weight" else "minmax", names=("v/a", "v/b"),
+                       **{part: wrong})
+    with pytest.raises(ValueError, match="vector sample 'v' weight: -1.0 is refused: accepted values are finite"):
+        Sample("v", torch.ones(2), "mean", weight=-1.0, names=("v/a", "v/b"))
 
 
 def test_a_name_twice_in_one_reduction_is_named_as_such_and_leaves_no_trace():

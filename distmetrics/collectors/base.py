@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ..guard import HangError
-from ..names import RECORD_KEYS, check_name, name_problem
+from ..names import RECORD_KEYS, check_name, name_problem, written_names
 from ..reduce import Sample
 from .writes import ForeignNames, check_after, check_declared, check_writes
 
@@ -199,6 +199,7 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
             # again), and the record with them, counted nowhere
             if foreign is None or not foreign.users(collector) or isinstance(err, HangError):
                 raise
+            samples.append(Sample(FAILED_BY + collector.name, 1.0, "max"))  # its names go on every rank
             if failed is None:
                 failed = CollectorFailed(f"the {getattr(collector, 'name', collector)!r} collector's take_samples "
                                          f"raised {type(err).__name__}: {err}; the record of step {ctx.step} was "
@@ -302,11 +303,43 @@ FOREIGN = "_monitor/foreign_name"
 """Internal lane: a rank's collector handed over a sample under another writer's name (a max: 1 there)."""
 FAILED = "_monitor/take_samples_failed"
 """Internal lane: a rank's collector raised in ``take_samples`` (a max: 1 there)."""
+FAILED_BY = "_monitor/failed_collector/"
+"""Internal lanes: ``FAILED_BY + name``, the collector ``name`` raised in ``take_samples`` on a rank (a max: 1 there)."""
 _ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.join(map(repr, RECORD_KEYS))})",
               FOREIGN: "a sample named as a name another writer writes"}
 
 
-def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[Exception]) -> Optional[Exception]:
+def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[Any], memo: dict[str, tuple]) -> tuple:
+    """The names of the user's collectors whose ``take_samples`` raised on some rank at this log step
+    (the reduced :data:`FAILED_BY` lanes, taken out of ``metrics``), and their values taken out of
+    ``metrics`` on every rank: reduced from the ranks where it did not raise, a value was part of
+    the metric under its full name (a sum over some ranks). Its values: the names it declares in
+    ``writes``, its own lanes ``_<name>/``, and the names it handed over on this rank at this log
+    step or, where it raised here, at the last one it handed over any (``memo``, of
+    :func:`take_samples`'s checks)."""
+    lanes = reduced.keys_under((FAILED_BY,)) if reduced is not None else ()
+    failed = []
+    for key in lanes:
+        flag = metrics.pop(key, None)
+        if flag and reduced.kinds.get(key) == "max":  # not its /max_rank
+            failed.append(key[len(FAILED_BY):])
+        metrics.pop(f"{key}/max_rank", None)
+    for collector in collectors:
+        if collector.name not in failed:
+            continue
+        writes = tuple(getattr(collector, "writes", ()))
+        keys = set(reduced.keys_under(tuple(w for w in writes if w.endswith("/")) + (f"_{collector.name}/",)))
+        sent = memo.get(collector.name, ((), {}))[1]
+        for name in (*(w for w in writes if not w.endswith("/")), *sent):
+            kind = reduced.kinds.get(name)
+            if kind is not None:
+                keys.update(written_names(name, kind))
+        for key in keys:
+            metrics.pop(key, None)
+    return tuple(failed)
+
+
+def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[Exception], failed: tuple = ()) -> Optional[Exception]:
     """This rank's error from :func:`take_samples`, or, where another rank's collector handed over a
     sample named as a record key or as another writer's name, or raised (the reduced :data:`MISNAMED`,
     :data:`FOREIGN` and :data:`FAILED` lanes, taken out of ``metrics``), one naming that rank: raised on every rank once
@@ -314,7 +347,8 @@ def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[Exception]) -> O
     call waited there for the one that raised)."""
     flag, rank = metrics.pop(FAILED, None), metrics.pop(f"{FAILED}/max_rank", None)
     if flag and error is None:
-        return CollectorFailed(f"{'a rank' if rank is None else f'rank {int(rank)}'}'s collector raised in "
+        who = f"collector {failed[0]!r}" if len(failed) == 1 else f"collectors {', '.join(map(repr, failed))}"
+        return CollectorFailed(f"{'a rank' if rank is None else f'rank {int(rank)}'}'s {who} raised in "
                                "take_samples, which that rank's error names; the record was written without its "
                                "samples")
     said = []

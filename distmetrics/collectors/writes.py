@@ -96,9 +96,9 @@ class ForeignNames:
         self._registry = registry
         self._clean: dict[str, Optional[tuple]] = {c.name: None for c in collectors}  # (registry size, names)
         self.checked: dict[str, tuple] = {}
+        """Per collector, its samples' (names, reduce kinds) and names last found well (collectors.base._checked)."""
         self.said: set = set()
         """What was said once about the user's collectors (log_step._own_kinds)."""
-        """Per collector, its samples' (names, reduce kinds) and names last found well (collectors.base._checked)."""
 
     def refused(self, collector: Any, samples: Sequence[Any]) -> dict[int, str]:
         """The samples of ``collector`` that another writer's names hold, by index, each with what it is."""
