@@ -164,6 +164,18 @@ class GradientNorms:
                 measured.locals = measured.groups = None
         return result, measured
 
+    def check(self, plan: Plan, grads: bool = True) -> None:
+        """Raise :class:`~distmetrics.megatron_optimizer.LayoutError` for a layout no ownership rule
+        describes, once per plan: at the first measurement of its gradients (FSDP1, DeepSpeed ZeRO, an
+        unattached distributed optimizer's reduce-scattered buffers) or, ``grads`` false, of its
+        parameters or update (FSDP1, ZeRO: Megatron's parameters are whole on every data-parallel
+        rank); the same on every rank, before any collective. A ``param_norm`` of ZeRO-3's empty
+        stand-ins was 0.0 where no gradient was measured."""
+        if not plan.checked and (grads or not plan.params_checked):
+            check_layout(self.model, plan.params, plan.names, self.shards, grads)
+            plan.checked = plan.checked or grads
+            plan.params_checked = True
+
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                 foreach: Optional[bool] = None, loss_scale: Optional[torch.Tensor] = None,
                 call: str = "measure", max_norm: Optional[float] = None) -> tuple[Any, Optional[GradMeasurement]]:
@@ -182,9 +194,7 @@ class GradientNorms:
         else:
             index = tuple(i for i, g in enumerate(grads) if g is not None)
             grads = [g for g in grads if g is not None]
-        if not plan.checked:
-            check_layout(self.model, plan.params, plan.names, self.shards)
-            plan.checked = True
+        self.check(plan)
         plain = plan.plain and self.shards is None  # each gradient is this rank's piece as it is
         locals_ = grads if plain else [self.piece(plan.params[i], g) for g, i in zip(grads, index)]
         groups = groups_of(locals_)

@@ -115,9 +115,11 @@ class MegatronShards:
                     self.main[id(model_param)] = shard.detach()
 
 
-def check_layout(model: Any, params: list, names: list[str], shards: Optional[MegatronShards]) -> None:
-    """Raise :class:`LayoutError` for a layout no ownership rule describes (see the module doc)."""
-    sharded = _distributed_buffer_params(model)
+def check_layout(model: Any, params: list, names: list[str], shards: Optional[MegatronShards],
+                 grads: bool = True) -> None:
+    """Raise :class:`LayoutError` for a layout no ownership rule describes (see the module doc);
+    ``grads`` false: for the parameters themselves, whole on every rank under Megatron's DDP."""
+    sharded = _distributed_buffer_params(model) if grads else None
     if sharded is not None and (shards is None or not shards.active):
         raise LayoutError(
             f"parameter {names[0]!r}: the model is wrapped in Megatron-Core's DistributedDataParallel with "

@@ -64,7 +64,8 @@ class Plan:
     routing: OrderedDict = field(default_factory=OrderedDict)  # (gradient set, device) → Route, LRU
     param_routes: dict = field(default_factory=dict)  # device → the Route of the params themselves
     slots: Optional["Slots"] = None  # where every param of the model lives
-    checked: bool = False  # the layout check ran for this plan
+    checked: bool = False  # the layout check ran for this plan's gradients
+    params_checked: bool = False  # ... for its parameters (a gradient's check covers theirs)
     generation: int = -1  # _REGISTRATIONS when the slots were read
     vectors: dict = field(default_factory=dict)  # (family, id of the Buckets) → (Buckets, element names, every)
     plain: bool = False  # no parameter is a DTensor: each gradient is this rank's piece as it is

@@ -233,19 +233,23 @@ def _bf16_buffers_run(monitor_clips: bool) -> dict:
             "stepped": sum(float(g.to(torch.float64).pow(2).sum()) for g in stepped) ** 0.5}
 
 
-def _unattached(rank: int) -> str:
-    """The distributed optimizer's model, the optimizer not given to the Monitor."""
+def _unattached(rank: int) -> tuple:
+    """The distributed optimizer's model, the optimizer not given to the Monitor: a log step with no
+    gradient measured (its parameters are whole on every rank: param_norm against float64 of them),
+    then a gradient measurement (refused)."""
     from megatron.core import parallel_state as ps
 
     ddp, optimizer, monitor = _setup(1, clip_grad=CLIP, attach=False)
-    tokens, position_ids, mask, labels = _batch(1, ps.get_data_parallel_rank())
+    truth = sum(float(p.detach().double().pow(2).sum()) for p in ddp.parameters()) ** 0.5
+    param_norm = monitor.step(1)["param_norm"]
+    tokens, position_ids, mask, labels = _batch(2, ps.get_data_parallel_rank())
     ddp(tokens, position_ids, mask, labels=labels).mean().backward()
     ddp.finish_grad_sync()
     try:
-        monitor.measure_grad_norms(step=1)
-        return "no error"
+        monitor.measure_grad_norms(step=2)
+        return "no error", param_norm, truth
     except ValueError as err:
-        return str(err)
+        return str(err), param_norm, truth
     finally:
         monitor.close()
 
@@ -337,7 +341,8 @@ def test_our_clip_of_bf16_gradient_buffers_is_the_clip_megatron_makes(results):
 
 def test_a_distributed_optimizer_not_attached_is_refused_on_every_rank(results):
     for rank_result in results:
-        message = rank_result["unattached"]
+        message, param_norm, truth = rank_result["unattached"]
+        assert param_norm == pytest.approx(truth, rel=1e-6)  # parameters alone need no attached optimizer
         assert "use_distributed_optimizer=True" in message and "attach_megatron_optimizer" in message
         assert message.startswith("parameter '")
 

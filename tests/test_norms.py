@@ -1688,17 +1688,30 @@ def _fsdp1(rank: int, world: int) -> dict:
             out[orig] = str(err)
         finally:
             monitor.close()
+        # parameter norms alone, no gradient measured: refused as well (param_norm was each rank's flat
+        # shard summed as if replicated, without a word)
+        monitor = dm.Monitor(quiet_config(log_interval=1, log_params_norm=True), model=model)
+        try:
+            monitor.step(1)
+            out["params", orig] = "no error"
+        except ValueError as err:
+            out["params", orig] = str(err)
+        with pytest.raises(ValueError, match="FSDP1"):  # the interval's record is still the same layout's
+            monitor.close()
     return out
 
 
 def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
     """With use_orig_params=True the parameters are views of each rank's flat shard under their own
     names: taken for DDP replicas, rank 0's parts of its shard alone were counted (grad_norm 0.074
-    for 0.310, modules missing), without a word."""
+    for 0.310, modules missing), without a word. Parameter norms alone (no gradient measured) are
+    refused too: the layout was checked at a gradient measurement only."""
     for rank, messages in enumerate(run_ranks(_fsdp1, 2)):  # every rank refuses, so none waits in a collective
         assert "FlatParameter" in messages[False] and "_flat_param" in messages[False], (rank, messages)
         assert "belongs to an FSDP1 module (FullyShardedDataParallel with use_orig_params=True" in messages[True]
         assert "parameter 'inp.weight'" in messages[True], (rank, messages)
+        assert "FlatParameter" in messages["params", False], (rank, messages)
+        assert "belongs to an FSDP1 module" in messages["params", True], (rank, messages)
 
 
 def _micro_batches_and_truth(rank: int, world: int) -> tuple:

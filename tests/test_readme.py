@@ -1,5 +1,6 @@
 """The README's examples, run as they stand there (extracted from README.md, not copied)."""
 
+import math
 import os
 import re
 from pathlib import Path
@@ -241,10 +242,10 @@ def _run_grad_scaler(rank: int, world: int, root: str) -> dict:
     config = quiet_config(log_interval=1, json_log=True, output_dir=root, log_update_norm=True)
     namespace = {"scaler": Scaler("cpu"), "optimizer": optimizer, "config": config,
                  "monitor": dm.Monitor(config, model=model, optimizer=optimizer)}
-    for step in (1, 2):
+    for step in (1, 2, 3):
         data = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(data).float().pow(2).mean()
+        with torch.autocast("cpu", dtype=torch.float16):  # step 3: the scaled gradients overflow fp16
+            loss = model(data * (1e4 if step == 3 else 1.0)).float().pow(2).mean()
         namespace.update(step=step, loss=loss)
         exec(compile(readme_block("With torch's `torch.amp.GradScaler`"), "README.md", "exec"), namespace)
     namespace["monitor"].close()
@@ -257,8 +258,11 @@ def test_the_grad_scaler_example_measures_the_gradients_without_the_loss_scale(t
     it, grad_norm is the scaled gradients' (65536 times too large). The README's order (unscale_,
     then the clip) gives every norm of the gradients without it, and the scale it records."""
     results = run_ranks(_run_grad_scaler, 2, str(tmp_path))
-    records = results[0]["records"]
-    assert [r["step"] for r in records] == [1, 2]
+    *records, overflow = results[0]["records"]
+    assert [r["step"] for r in records] == [1, 2] and overflow["step"] == 3
+    # the scaler skipped step 3: its loss is not train/loss (it counted there, where skipped= was not given)
+    assert overflow["loss_scale"] == 2.0 ** 15 and not math.isfinite(overflow["grad_norm"]), overflow
+    assert "train/loss" not in overflow and overflow["health/skipped_steps"] == 1, overflow
     for record, truth, other in zip(records, results[0]["truths"], results[1]["truths"]):
         assert truth["total"] == pytest.approx(other["total"], rel=1e-12)  # DDP: the ranks hold one gradient
         assert record["grad_norm"] == pytest.approx(truth["total"], rel=1e-6)

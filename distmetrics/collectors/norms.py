@@ -333,6 +333,7 @@ class NormCollector(ParamSide):
         self._skipped_after, self._unpredicted = False, None
         if self.log_params_norm or update is not None:
             plan = self.grads.plans.model_plan()
+            self.grads.check(plan, grads=False)
             squares = self._bucket_squares(plan, self._param_pieces(plan))
             out.append(Sample("param_norm", squares.sum(), "sum"))
             if self.per_module:
