@@ -2280,3 +2280,46 @@ def test_a_collector_named_as_a_built_in_is_refused_saying_what_runs_in_its_plac
         "distmetrics cannot start: rank 0: a collector of yours is named 'energy', the name of a built-in collector "
         "(held whether its config switch is on or off); collector names must be unique. One made of the built-in's "
         "own class (an EnergyCollector for one GPU) runs in its place where its switch is off")
+
+
+class _NumpyValues:
+    """A collector of the user's whose finalize sets numpy scalars, a 0-d array and a 0-d tensor."""
+
+    name, after, writes = "npv", (), ("npv/",)
+
+    def take_samples(self, ctx):
+        return []
+
+    def finalize(self, metrics, ctx):
+        import numpy as np
+        import torch
+
+        metrics.update({"npv/f32": np.float32(1.5), "npv/i64": np.int64(7), "npv/zero_d": np.array(2.25),
+                        "npv/tensor": torch.tensor(0.5, dtype=torch.float64), "npv/flag": np.bool_(True)})
+        return []
+
+    def close(self):
+        pass
+
+
+def test_numpy_and_tensor_values_a_collector_sets_reach_every_dashboard_as_in_metrics_jsonl(tmp_path):
+    """metrics.jsonl wrote them as numbers; TensorBoard and W&B left them out without a word (only
+    Python numbers were taken for the dashboards)."""
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+    from tests.wandb_reader import read_offline_run
+
+    cfg = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True, tensorboard=True,
+                       wandb_project="p", wandb_mode="offline")
+    with dm.Monitor(cfg, collectors=[_NumpyValues()]) as monitor:
+        monitor.step(1, loss=1.0)
+    expected = {"npv/f32": 1.5, "npv/i64": 7.0, "npv/zero_d": 2.25, "npv/tensor": 0.5, "npv/flag": 1.0}
+    (record,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert {k: float(v) for k, v in record.items() if k.startswith("npv/")} == expected
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("npv/")} == expected
+    (row,) = [r for r in read_offline_run(str(tmp_path))["history"] if "train/loss" in r]
+    assert {k: float(v) for k, v in row.items() if k.startswith("npv/")} == expected

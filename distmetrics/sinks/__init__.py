@@ -341,7 +341,9 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim
 
 
 def numeric_items(metrics: dict[str, Any]) -> Iterable[tuple[str, Any]]:
-    """(name, value) for scalar numbers and :class:`PerRank` vectors; strings and flags skipped."""
+    """(name, value) for scalar numbers (numpy's, 0-d arrays and tensors a collector's ``finalize``
+    set as the numbers they hold, as metrics.jsonl writes them) and :class:`PerRank` vectors;
+    strings skipped."""
     for name, value in metrics.items():
         if isinstance(value, bool):
             yield name, float(value)
@@ -349,3 +351,17 @@ def numeric_items(metrics: dict[str, Any]) -> Iterable[tuple[str, Any]]:
             yield name, value
         elif isinstance(value, PerRank):
             yield name, value
+        elif not isinstance(value, str):
+            value = python_number(value)
+            if isinstance(value, (int, float)):
+                yield name, float(value) if isinstance(value, bool) else value
+
+
+def python_number(value: Any) -> Any:
+    """A numpy scalar, 0-d array or 0-d tensor as the Python number it holds; else ``value``."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        try:
+            return value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return value
+    return value

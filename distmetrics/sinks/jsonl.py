@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 from ..per_rank import PerRank
+from . import python_number
 from .appendfile import AppendFile
 
 try:
@@ -269,7 +270,7 @@ def _plain(value: Any) -> Any:
     types as text; a PerRank (written per rank) raises, so the record takes the general path."""
     if isinstance(value, PerRank):
         raise TypeError("per-rank values")
-    value = _python_number(value)
+    value = python_number(value)
     if isinstance(value, (float, int)):
         return value if isinstance(value, bool) else float(value) if isinstance(value, float) else int(value)
     return str(value)
@@ -278,18 +279,8 @@ def _plain(value: Any) -> Any:
 def _exact_default(value: Any) -> Any:
     """The standard library's fallback for types it does not know: as :func:`_plain`, with
     non-finite numbers as strings."""
-    value = _python_number(value)
+    value = python_number(value)
     return encode_value(value) if isinstance(value, (float, int)) else str(value)
-
-
-def _python_number(value: Any) -> Any:
-    """A numpy scalar, 0-d array or 0-d tensor as the Python number it holds; else ``value``."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        try:
-            return value.item()
-        except (TypeError, ValueError, RuntimeError):
-            return value
-    return value
 
 
 def encode_value(value: Any) -> Any:
