@@ -196,12 +196,14 @@ def run_report(args: argparse.Namespace) -> str:
     """Write the report of each run the path names (:func:`~distmetrics.runlog.metrics_files`, as
     ``summary`` reads them; torch is not imported); says which extra to install when matplotlib
     or numpy is missing (:class:`~distmetrics.report.MissingExtra`, exit status 2)."""
-    from .report import require_plotting, write_report
+    from .report import NOT_A_PAGE, may_overwrite, require_plotting, write_report
 
     require_plotting()  # the same for every run: said once
     if args.out is not None and os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is a folder: give the HTML file to write "
                          f"(--out {os.path.join(args.out, 'report.html')!r}, say)")
+    if args.out is not None and not may_overwrite(args.out):
+        raise ValueError(f"--out {args.out!r} {NOT_A_PAGE}")
     paths = metrics_files(args.path)
     if args.out is not None and len(paths) > 1:
         raise ValueError(f"--out names one file but {args.path!r} holds {len(paths)} runs: give one run folder "

@@ -358,6 +358,28 @@ def test_out_naming_a_folder_is_refused_before_the_run_is_read(tmp_path, monkeyp
     assert not any((tmp_path / "out").iterdir())
 
 
+def test_out_naming_the_runs_metrics_file_or_another_file_not_a_page_is_refused(tmp_path):
+    """``--out RUN/metrics.jsonl`` replaced the run's metrics with the page (and --out progress.txt its
+    progress log), without a word. A file there that is not an HTML page is refused before the run is
+    read; a report written before is replaced, as an empty file is."""
+    records = [{"kind": "run", "step": 0, "world_size": 1}, {"kind": "train", "step": 1, "train/loss": 1.0}]
+    _write(tmp_path / "metrics.jsonl", records)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    (tmp_path / "progress.txt").write_text("2026-11-29 00:00:00 | Job ID: 1 | # GPUs: 1 | Starting job\n")
+    for name in ("metrics.jsonl", "progress.txt"):
+        made = _report_cli(str(tmp_path), "--out", str(tmp_path / name))
+        assert made.returncode == 2 and "Traceback" not in made.stderr, made.stderr
+        assert "is a file that is not an HTML page" in made.stderr and name in made.stderr, made.stderr
+        with pytest.raises(ValueError, match="is a file that is not an HTML page"):
+            write_report(tmp_path, tmp_path / name)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert (tmp_path / "progress.txt").read_text().endswith("Starting job\n")
+    (tmp_path / "empty.html").write_text("")
+    for out in (tmp_path / "report.html", tmp_path / "report.html", tmp_path / "empty.html"):  # again: a page
+        made = _report_cli(str(tmp_path), "--out", str(out))
+        assert made.returncode == 0 and out.read_text().startswith("<!DOCTYPE html>"), made.stderr
+
+
 def test_the_report_skips_a_line_over_the_limit_without_holding_it(tmp_path, monkeypatch):
     """16 MiB of zero bytes without a newline amid the records (the limit at 1 MiB) were read into
     memory whole: now one unreadable line, held a MiB at a time, and the records around it kept."""
@@ -1060,3 +1082,22 @@ def test_values_near_float64s_largest_leave_their_figure_undrawn_and_the_report_
     notes = re.findall(r'<p class="note">([^<]*not drawn \(matplotlib raised [^<]*)</p>', page)
     assert len(notes) == 2 and any("u/x" in n for n in notes) and any("u/y" in n for n in notes), notes
     assert 'alt="loss: Loss"' in page  # the loss is drawn
+
+
+def test_jobs_timing_one_timer_max_and_all_both_have_their_values_drawn_and_tabled(tmp_path):
+    """A file whose first job logged timers as minmax (timers/step, its /min) and whose second logged
+    them as all (every rank's value): the per-rank figure hid the first job's values from every figure
+    and the table."""
+    run = {"kind": "run", "step": 0, "world_size": 2, "hosts": ["h"]}
+    records = [run] + [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step": 500.0 + s, "timers/step/min": 400.0,
+                        "timers/step/max_rank": 1, "timers/step/min_rank": 0} for s in (10, 20, 30)]
+    records += [{"kind": "end", "step": 30, "how": "closed its Monitor", "unwritten_steps": 0}, run]
+    records += [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step/rank0": 10.0, "timers/step/rank1": 12.0,
+                 "timers/step/max": 12.0, "timers/step/min": 10.0, "timers/step/mean": 11.0} for s in (40, 50)]
+    _write(tmp_path / "metrics.jsonl", records)
+    page = Path(write_report(tmp_path)).read_text()
+    assert 'alt="timers (min/max over ranks): timers/step (ms)' in page  # the first job's
+    assert 'alt="timers/step: ranks x steps' in page  # the second's
+    row = re.search(r"<tr><td>timers/step</td>((?:<td>[^<]*</td>)+)</tr>", page).group(1)
+    # the median of both jobs' maxima (510, 520, 530, 12, 12): 500; the last ones the second job's
+    assert re.findall(r"<td>([^<]*)</td>", row)[:4] == ["510", "12", "10", "1"], row

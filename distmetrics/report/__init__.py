@@ -51,12 +51,27 @@ def require_plotting() -> None:
                            f"{INSTALL_HINT}") from err
 
 
+NOT_A_PAGE = ("is a file that is not an HTML page (a run's metrics.jsonl, say), which the report would replace; "
+              "give the HTML file to write (report.html, say)")
+
+
+def may_overwrite(out: Union[str, os.PathLike]) -> bool:
+    """Whether ``out`` may be written: no file there, an empty one, or an HTML page (a report before)."""
+    try:
+        with open(out, "rb") as f:
+            head = f.read(64).lstrip().lower()
+    except OSError:
+        return True  # none there (a folder is said apart), or unreadable: the write says why
+    return not head or head.startswith((b"<!doctype html", b"<html"))
+
+
 def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathLike]] = None) -> str:
     """Read a run's ``metrics.jsonl`` (the file, the run directory holding it, or a folder holding
     one such run directory) and write the report to ``out`` (default: ``report.html`` beside the
     file); returns the path written. Raises :class:`MissingExtra` before reading anything when
     matplotlib or numpy is missing, ``FileNotFoundError`` when the path does not exist,
-    ``ValueError`` when it names no metrics file or several runs or ``out`` is a folder,
+    ``ValueError`` when it names no metrics file or several runs or ``out`` is a folder or a file
+    other than an HTML page,
     :class:`EmptyMetricsFile` when the file holds nothing but blank lines (a run that wrote nothing), and
     :class:`NotAMetricsFile` when not one of its lines is a record, as ``summary`` reads them."""
     require_plotting()
@@ -66,6 +81,8 @@ def write_report(run: Union[str, os.PathLike], out: Optional[Union[str, os.PathL
     if out is not None and os.path.isdir(out):  # refused before a long read, not at the rename after it
         raise ValueError(f"{str(out)!r} is a folder: give the HTML file to write "
                          f"({str(Path(out) / 'report.html')!r}, say)")
+    if out is not None and not may_overwrite(out):
+        raise ValueError(f"{str(out)!r} {NOT_A_PAGE}")
     path = metrics_path(run)
     data = load(path)
     return render_report(data, Path(out) if out is not None else path.parent / "report.html")

@@ -27,10 +27,13 @@ def events_of(data: RunData) -> list[dict]:
     job, step and kind: a restarted job's step is its own, beside the earlier job's)."""
     events = [dict(a, source="alert") for a in data.alerts] + [dict(e, source="record") for e in data.events]
     have = {(e["job"], e["step"], e["type"]) for e in events}
+    nonfinite: dict[tuple, list[dict]] = {}  # (job, step) -> its nonfinite_grad events (one pass, not one per find)
+    for event in events:
+        if event["type"] == "nonfinite_grad":
+            nonfinite.setdefault((event["job"], event["step"]), []).append(event)
     for found in data.first_nonfinite:  # the first non-finite module, written beside the metrics
-        for event in events:
-            if (event["job"], event["step"]) == (found["job"], found["step"]) and event["type"] == "nonfinite_grad" \
-                    and not event.get("first_module"):
+        for event in nonfinite.get((found["job"], found["step"]), ()):
+            if not event.get("first_module"):
                 event["first_module"] = found["module"]
         if (found["job"], found["step"], "nonfinite_grad") not in have:
             events.append({"step": found["step"], "job": found["job"], "type": "nonfinite_grad", "source": "metric",

@@ -30,9 +30,9 @@ def timer_section(figs: Figures) -> str:
     for name in _timer_names(figs):
         key = f"timers/{name}"
         grid = data.grids.get(("rank", key))
-        if grid is not None:
+        if grid is not None:  # a job under timing_log_option all
             out.append(_per_rank_timer(figs, key, grid))
-        elif data.scalars.has(key):
+        if data.scalars.has(key):  # a job under max or minmax (one file may hold both)
             minmax_panels += _minmax_timer(figs, name)
     if minmax_panels:
         out.insert(0, panel_figure(figs, minmax_panels, "timers (min/max over ranks)"))
@@ -163,20 +163,26 @@ def _timer_table(figs: Figures) -> str:
     for name in _timer_names(figs):
         key = f"timers/{name}"
         grid = data.grids.get(("rank", key))
+        sources = []  # (last step, max values, last min, slowest rank at the last step) per way of logging
         if grid is not None and grid.spread:
             spread = grid.spread_arrays()
-            slowest, fastest, rank = spread["max"], spread["min"], int(spread["slowest"][-1])
-        elif table.has(key):
-            slowest = table.series(key)[2]
+            sources.append((spread["step"][-1], spread["max"], spread["min"][-1], int(spread["slowest"][-1])))
+        if table.has(key):
+            steps, _, slowest = table.series(key)
             fastest = table.series(f"{key}/min")[2] if table.has(f"{key}/min") else np.full(1, np.nan)
             ranks = next((table.series(k)[2] for k in (f"stragglers/{name}/rank", f"{key}/max_rank")
                           if table.has(k)), None)
             rank = int(ranks[-1]) if ranks is not None and ranks.size and np.isfinite(ranks[-1]) else -1
-        else:
+            sources.append((steps[-1], slowest, fastest[-1], rank))
+        if not sources:
             continue
+        # jobs of one file logging it both ways: the median over both, the last values the later one's
+        _, _, last_min, rank = max(sources, key=lambda source: source[0])
+        slowest = np.concatenate([source[1] for source in sources])
+        last_max = max(sources, key=lambda source: source[0])[1][-1]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(slowest[-1])), fmt(float(fastest[-1])),
+            cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(last_max)), fmt(float(last_min)),
                      "" if rank < 0 else rank, data.rank_hosts.get(rank, ""))
         rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     if not rows:
