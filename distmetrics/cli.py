@@ -22,7 +22,7 @@ from typing import Optional
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .output_claim import output_dir_problem
 from .report import MissingExtra
-from .runlog import Records, end_note, metrics_files, split_jobs
+from .runlog import TRAINING_KINDS, Records, end_note, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
 from .sinks.jsonl import NONFINITE
 
@@ -269,9 +269,13 @@ def summarise(path) -> str:
     unreadable = records.unreadable
     skipped = f", {unreadable} unreadable line(s) skipped (a crash cuts the line being written)" if unreadable else ""
     lines = [f"{path}: {len(jobs)} job(s){skipped}"]
+    trained = logged = None  # (number, job): the latest job before that trained; that logged anything
     for number, job in enumerate(jobs, start=1):
-        lines += _job_lines(number, job, jobs[number - 2] if number > 1 else None,
-                            jobs[number] if number < len(jobs) else None)
+        lines += _job_lines(number, job, trained or logged, jobs[number] if number < len(jobs) else None)
+        if job.trained:
+            trained = (number, job)
+        elif job.last_logged is not None:
+            logged = (number, job)
     return "\n".join(lines)
 
 
@@ -293,6 +297,9 @@ class _JobSummary:
         self.first = self.last = self.last_eval = None
         self.last_logged = None
         """The highest step of the job's train, eval and tensor_stats records."""
+        self.trained = False
+        """Whether it wrote a train or tensor_stats record (a job that only evaluated dropped nothing from
+        the dashboards: a job after it is compared with the one before, as the Monitor compares it)."""
         self.resumes, self.alerts = [], []
         self.gaps: list[list] = []
         """Per gap record: its line, whether a record was written after it, and its step."""
@@ -306,6 +313,7 @@ class _JobSummary:
             self.gaps[-1][1] = True
         if kind in DASHBOARD_KINDS:
             self.last_logged = step if self.last_logged is None else max(self.last_logged, step)
+            self.trained = self.trained or kind in TRAINING_KINDS
         if kind == "train":
             self.train += 1
             self.last = {k: record[k] for k in ("step", *_SUMMARY_KEYS) if k in record}
@@ -329,18 +337,19 @@ class _JobSummary:
                               f"{record.get('last_step')}: {record.get('error')}", False, step])
 
 
-def _job_lines(number: int, job: _JobSummary, previous, next_job) -> list[str]:
+def _job_lines(number: int, job: _JobSummary, previous: Optional[tuple], next_job) -> list[str]:
+    """``previous``: (number, job) of the latest job before that trained (else that logged anything)."""
     run = job.run
     head = f"job {number}: " + (f"started {run.get('time')}, world size {run.get('world_size')}, hosts "
                                 f"{', '.join(run.get('hosts', []))}, layout {run.get('layout')}, torch "
                                 f"{run.get('torch_version')}" if job.started else "records before any run record")
     lines = [head, f"  {job.train} train, {job.evals} eval, {len(job.alerts)} alert record(s)"]
-    earlier = previous.last_logged if previous is not None else None
+    earlier = previous[1].last_logged if previous is not None else None
     lines += job.resumes
     # an evaluation of the restored checkpoint before the first train record is no resume
     first = job.first["step"] if job.first is not None else None
     if earlier is not None and first is not None and not job.resumes and first <= earlier:
-        lines.append(f"  logs step {first} again: job {number - 1} logged up to step {earlier}")
+        lines.append(f"  logs step {first} again: job {previous[0]} logged up to step {earlier}")
     for label, record in (("first", job.first), ("last", job.last)):
         if record is not None:
             fields = [f"{k.split('/')[-1]}={_fmt(record[k])}" for k in _SUMMARY_KEYS if k in record]

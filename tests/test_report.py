@@ -1101,3 +1101,43 @@ def test_jobs_timing_one_timer_max_and_all_both_have_their_values_drawn_and_tabl
     row = re.search(r"<tr><td>timers/step</td>((?:<td>[^<]*</td>)+)</tr>", page).group(1)
     # the median of both jobs' maxima (510, 520, 530, 12, 12): 500; the last ones the second job's
     assert re.findall(r"<td>([^<]*)</td>", row)[:4] == ["510", "12", "10", "1"], row
+
+
+def test_a_file_opening_with_an_end_record_numbers_its_jobs_as_summary_does(tmp_path):
+    """A file whose head was lost (a copy made with tail) opens with an earlier job's end record:
+    summary called the job after it job 2, the report's tables job 1."""
+    _write(tmp_path / "metrics.jsonl", [
+        {"kind": "end", "step": 40, "how": "closed its Monitor", "unwritten_steps": 0},
+        {"kind": "run", "step": 0, "world_size": 1, "hosts": ["h"], "end_record": True},
+        {"kind": "train", "step": 10, "train/loss": 1.0},
+        {"kind": "alert", "step": 10, "alert": "loss_spike", "message": "loss spike"},
+        {"kind": "train", "step": 20, "train/loss": 0.9}])
+    said = subprocess.run([sys.executable, "-m", "distmetrics", "summary", str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout
+    assert re.findall(r"^job (\d+):", said, re.M) == ["1", "2"] and "job 2: started" in said, said
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    table = page[page.index("<th>first step</th>"):]
+    assert re.findall(r"<tr><td>(\d+)</td>", table)[:2] == ["1", "2"]
+    assert re.findall(r"<tr><td>\d+</td><td>(\d+)</td><td style=", page) == ["2"]  # the alert's job
+
+
+def test_summary_compares_a_job_with_the_latest_job_that_trained_as_the_monitor_does(tmp_path):
+    """summary compared a job's first step with the job just before only: after a job that died
+    before logging anything it said nothing of steps logged again; after a job that only evaluated
+    (at step 100) it said step 60 was logged again, by that job."""
+    run = {"kind": "run", "step": 0, "world_size": 1, "hosts": ["h"], "end_record": True}
+
+    def train(steps):
+        return [{"kind": "train", "step": s, "train/loss": 1.0 / s} for s in steps]
+
+    for name, records, said in (
+            ("died", [run, *train(range(10, 51, 10)), run, run, *train(range(30, 61, 10))],
+             "logs step 30 again: job 1 logged up to step 50"),
+            ("evaluated", [run, *train(range(10, 51, 10)), run, {"kind": "eval", "step": 100, "eval/loss": 1.0}, run,
+                           *train(range(60, 91, 10))], None)):
+        (tmp_path / name).mkdir()
+        _write(tmp_path / name / "metrics.jsonl", records)
+        out = subprocess.run([sys.executable, "-m", "distmetrics", "summary", str(tmp_path / name)],
+                             capture_output=True, text=True, check=True).stdout
+        job3 = out.split("job 3:")[1]
+        assert (said in job3) if said else "again" not in job3, out

@@ -114,8 +114,10 @@ class RunData:
     def _take(self, record: dict) -> None:
         kind, step = record["kind"], record["step"]
         if kind == "end":  # how the job ended: in the jobs table, not on the step axis
-            if self._job >= 0:
-                self.jobs[self._job]["end"] = record
+            if self._job < 0:  # a file whose head was lost: the records before any run record are a job,
+                self.jobs.append(_job_meta({}, 0))  # as summary numbers them (a job 1 here is its job 1)
+                self._job = 0
+            self.jobs[self._job]["end"] = record
             return
         if kind == "gpu_model":  # once per job at start: not on the step axis
             for gpu in record.get("ranks", [record]):
