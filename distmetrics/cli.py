@@ -13,6 +13,7 @@ that read files do not import torch; checking a features file does (nvdlfw-inspe
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -77,6 +78,11 @@ def _each_run(paths: list, do, joiner: str) -> str:
             done.append(do(path))
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr)
+            failed += 1
+        except Exception as err:  # noqa: BLE001 - a bug met in one run's records: said with its traceback, and
+            # the other runs done (it silenced every run of the folder)
+            logging.getLogger("distmetrics").exception("error: %s could not be read (%s: %s), a bug: please report "
+                                                       "it with the file", path, type(err).__name__, err)
             failed += 1
     if not done:
         raise ValueError(f"none of the {len(paths)} runs could be read (each said above)")
@@ -341,7 +347,7 @@ def _job_lines(number: int, job: _JobSummary, previous: Optional[tuple], next_jo
     """``previous``: (number, job) of the latest job before that trained (else that logged anything)."""
     run = job.run
     head = f"job {number}: " + (f"started {run.get('time')}, world size {run.get('world_size')}, hosts "
-                                f"{', '.join(run.get('hosts', []))}, layout {run.get('layout')}, torch "
+                                f"{_hosts(run.get('hosts', []))}, layout {run.get('layout')}, torch "
                                 f"{run.get('torch_version')}" if job.started else "records before any run record")
     lines = [head, f"  {job.train} train, {job.evals} eval, {len(job.alerts)} alert record(s)"]
     earlier = previous[1].last_logged if previous is not None else None
@@ -362,6 +368,11 @@ def _job_lines(number: int, job: _JobSummary, previous: Optional[tuple], next_jo
     if job.started:
         lines.append("  " + end_note(job.end, last=next_job is None, expected=job.run.get("end_record", False)))
     return lines
+
+
+def _hosts(hosts) -> str:
+    """A run record's hosts as the summary shows them: a list joined (a hand-made record's odd one as it is)."""
+    return ", ".join(map(str, hosts)) if isinstance(hosts, list) else str(hosts)
 
 
 def _fmt(value) -> str:

@@ -149,7 +149,7 @@ def decode_pieces(line: bytes) -> list[tuple[bytes, Optional[dict[str, Any]]]]:
 
 def decode_record(line: bytes) -> Optional[dict[str, Any]]:
     """One line as a record: a JSON object with a text ``kind`` and an integer ``step`` (``true`` is
-    none), as the Monitor writes them; None for any other line. ``summary`` and ``report`` both read
+    none; a 64-bit one), as the Monitor writes them; None for any other line. ``summary`` and ``report`` both read
     by this rule. A byte that is not UTF-8 (in a host name) is replaced, the record kept; a byte-order
     mark opening the line (an editor's) is skipped. NaN and ±Inf stay the strings the file holds."""
     try:
@@ -160,9 +160,14 @@ def decode_record(line: bytes) -> Optional[dict[str, Any]]:
         record = json.loads(text[1:] if text.startswith("\ufeff") else text)
     except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
         return None
-    if isinstance(record, dict) and isinstance(record.get("kind"), str) and type(record.get("step")) is int:
+    if isinstance(record, dict) and isinstance(record.get("kind"), str) and type(record.get("step")) is int \
+            and -_STEP_LIMIT <= record["step"] < _STEP_LIMIT:
         return record
     return None
+
+
+_STEP_LIMIT = 2 ** 63
+"""A step is a 64-bit integer (the Monitor's, and the readers' arrays): one beyond is no record of it."""
 
 
 def _lines(f, limit: int) -> Iterator[Optional[bytes]]:

@@ -855,6 +855,23 @@ def test_heatmap_rows_beyond_max_rows_merge_neighbours_as_the_readme_says(how):
     assert names[-1] == ("ranks 999-1000" if how == "max" else "m999 (+1)")
 
 
+def test_an_all_metric_spanning_both_ends_of_float64_leaves_its_heatmap_a_note(tmp_path):
+    """Every rank's timer at 1e308 on one rank and -1e308 on the other: the heatmap's colour bar
+    raised ("Axis limits cannot be NaN or Inf") while drawn, before the PNG, and the whole report
+    was refused (status 2)."""
+    run = {"kind": "run", "step": 0, "world_size": 2, "hosts": ["h"]}
+    records = [run] + [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step/rank0": 1e308 if s == 10 else 2.0,
+                        "timers/step/rank1": -1e308 if s == 10 else 2.0, "timers/step/max": 1e308 if s == 10 else 2.0,
+                        "timers/step/min": -1e308 if s == 10 else 2.0, "timers/step/mean": 0.0 if s == 10 else 2.0}
+                       for s in (10, 20)]
+    _write(tmp_path / "metrics.jsonl", records)
+    made = _report_cli(str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert re.search(r'<p class="note">timers/step: ranks x steps[^<]*not drawn \(matplotlib raised', page), page[-3000:]
+    assert 'alt="loss: Loss"' in page
+
+
 def test_jobs_are_numbered_as_summary_numbers_them(tmp_path):
     """The report's jobs table, restart labels and alert rows number jobs from 1, as `distmetrics summary`
     does: a job called "job 2" in one is the same job in the other."""
@@ -1141,3 +1158,38 @@ def test_summary_compares_a_job_with_the_latest_job_that_trained_as_the_monitor_
                              capture_output=True, text=True, check=True).stdout
         job3 = out.split("job 3:")[1]
         assert (said in job3) if said else "again" not in job3, out
+
+
+def test_hand_made_odd_records_are_read_and_a_bug_in_one_run_leaves_the_others_done(tmp_path):
+    """Records that decode as records but held "hosts": null or [1] (summary: TypeError), an integer
+    of 400 digits (report: OverflowError) or a step of 10**20 (report: beyond int64) gave tracebacks;
+    in a folder of runs, one such run stopped every other run's output. Now each is read (a step
+    beyond 64 bits is no record of ours: an unreadable line), and an error no rule foresaw in one run
+    is said with its traceback while the other runs are done (status 1)."""
+    def write(name: str, run_extra: dict, train: str) -> None:
+        (tmp_path / name).mkdir()
+        run = json.dumps({"kind": "run", "step": 0, "world_size": 1, **run_extra})
+        (tmp_path / name / "metrics.jsonl").write_text(f"{run}\n{train}\n")
+
+    write("hosts_null", {"hosts": None}, '{"kind": "train", "step": 10, "train/loss": 1.0}')
+    write("hosts_int", {"hosts": [1]}, '{"kind": "train", "step": 10, "train/loss": 1.0}')
+    write("bigint", {"hosts": ["h"]}, '{"kind": "train", "step": 10, "train/consumed_tokens": ' + "9" * 400 + "}")
+    write("bigstep", {"hosts": ["h"]}, '{"kind": "train", "step": 100000000000000000000, "train/loss": 1.0}')
+    for name in ("hosts_null", "hosts_int", "bigint", "bigstep"):
+        for command in ("summary", "report"):
+            made = run_python("-m", "distmetrics", command, str(tmp_path / name), timeout=300)
+            assert made.returncode == 0 and "Traceback" not in made.stderr, (name, command, made.stderr)
+    said = run_python("-m", "distmetrics", "summary", str(tmp_path / "hosts_int"), timeout=300).stdout
+    assert "hosts 1," in said
+    said = run_python("-m", "distmetrics", "summary", str(tmp_path / "bigstep"), timeout=300).stdout
+    assert "1 unreadable line(s) skipped" in said and "0 train" in said, said
+    # a bug met in one run of a folder: said with its traceback, the other runs summarised
+    code = ("import distmetrics.cli as cli; real = cli.summarise\n"
+            "def summarise(path):\n"
+            "    if 'bigint' in str(path): raise TypeError('a bug')\n"
+            "    return real(path)\n"
+            "cli.summarise = summarise\n")
+    made = run_python("-c", code + "import sys; sys.exit(cli.main(['summary', sys.argv[1]]))", str(tmp_path),
+                      timeout=300)
+    assert made.returncode == 1 and "TypeError: a bug" in made.stderr and "Traceback" in made.stderr, made.stderr
+    assert made.stdout.count(": 1 job(s)") == 3, made.stdout

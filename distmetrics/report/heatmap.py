@@ -38,33 +38,36 @@ def heatmap(figs: Figures, grid: StepGrid, title: str, labels: list, order: Opti
     values, nonfinite, labels = _ordered(values, nonfinite, list(labels), order, row_name)
     values, nonfinite, labels, merged = _merge_rows(values, nonfinite, labels, how, row_name)
     rows_by_steps, flags = values.T, nonfinite.T
-    fig, ax, bar_axes = _layout(figs, labels)
-    norm = _colour_norm(figs, rows_by_steps, log)
-    data = np.ma.masked_invalid(rows_by_steps)
-    if log:
-        data = np.ma.masked_where(~(rows_by_steps > 0), data)
-    colours = figs.colormaps[cmap].with_extremes(bad="#d9d9d9")
-    drawn = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=colours, norm=norm,
-                      extent=(x0, x1, rows_by_steps.shape[0] - 0.5, -0.5))
-    if flags.any():
-        _cross_nonfinite(ax, flags, x0, x1)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.set_xlim(*figs.xlim)
-    _mark_steps(ax, [step for step, _ in figs.restarts], "black", figs.xlim)
-    _mark_steps(ax, sorted({step for first, last in figs.data.lost for step in (first, last)}), EVENT_COLOURS["gap"],
-                figs.xlim)
-    _colour_bar(fig, drawn, bar_axes, norm, log, colour_label, band)
-    merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]}" if merged > 1 else ""
-    if merges:
-        merges += ", a module inside another of its row counted once)" if how == "rss" and row_name == "module" else ")"
-    caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
-               "wide: the mean of its log steps' values)" + merges
-               + "; grey: no value (no record there, or lost: a gap record); magenta x: a non-finite value in the bin"
-               + ("; dashed lines: restarts" if figs.restarts else "")
-               + ("; olive lines: the first and last steps of records lost (gap records)" if figs.data.lost else ""))
-    return figs.png(fig, title, caption)
+    try:  # a range near float64's largest (1e308 beside -1e308) fails in matplotlib before the PNG: a note
+        fig, ax, bar_axes = _layout(figs, labels)
+        norm = _colour_norm(figs, rows_by_steps, log)
+        data = np.ma.masked_invalid(rows_by_steps)
+        if log:
+            data = np.ma.masked_where(~(rows_by_steps > 0), data)
+        colours = figs.colormaps[cmap].with_extremes(bad="#d9d9d9")
+        drawn = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=colours, norm=norm,
+                          extent=(x0, x1, rows_by_steps.shape[0] - 0.5, -0.5))
+        if flags.any():
+            _cross_nonfinite(ax, flags, x0, x1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlim(*figs.xlim)
+        _mark_steps(ax, [step for step, _ in figs.restarts], "black", figs.xlim)
+        _mark_steps(ax, sorted({step for first, last in figs.data.lost for step in (first, last)}), EVENT_COLOURS["gap"],
+                    figs.xlim)
+        _colour_bar(fig, drawn, bar_axes, norm, log, colour_label, band)
+        merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]}" if merged > 1 else ""
+        if merges:
+            merges += ", a module inside another of its row counted once)" if how == "rss" and row_name == "module" else ")"
+        caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
+                   "wide: the mean of its log steps' values)" + merges
+                   + "; grey: no value (no record there, or lost: a gap record); magenta x: a non-finite value in the bin"
+                   + ("; dashed lines: restarts" if figs.restarts else "")
+                   + ("; olive lines: the first and last steps of records lost (gap records)" if figs.data.lost else ""))
+        return figs.png(fig, title, caption)
+    except (ValueError, OverflowError) as err:
+        return figs.not_drawn(title, err)
 
 
 def _mark_steps(ax, steps: list, colour: str, xlim: tuple) -> None:

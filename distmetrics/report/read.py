@@ -193,7 +193,7 @@ class RunData:
             values = plan.getter(record)
             try:
                 array = np.array(values, dtype=np.float64)
-            except (TypeError, ValueError):  # "NaN", "Infinity" among the numbers
+            except (TypeError, ValueError, OverflowError):  # "NaN", "Infinity" among the numbers; an int past float64
                 array = np.array([_number(v) for v in values], dtype=np.float64)
             if plan.scalar_positions.size:
                 self.scalars.add(step, self._job, plan.scalar_columns, array[plan.scalar_positions])
@@ -339,6 +339,8 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+    except OverflowError:  # an integer beyond float64's range (a count of 400 digits): as the float it passes
+        return math.inf if value > 0 else -math.inf
 
 
 def _event_message(record: dict) -> str:
