@@ -1203,10 +1203,26 @@ def test_arguments_of_the_wrong_kind_are_named_with_what_is_accepted(call, error
         assert not any(k.startswith("train/loss/") for k in monitor.step(1))
 
 
+class _ClassCollector:
+    name, after, writes = "data", (), ("data/",)
+
+    def take_samples(self, ctx):
+        return []
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"collectors": [object()]}, "is not a collector: it lacks a name (a non-empty str), take_samples(), finalize(), "
                                  "close()"),
     ({"collectors": "abc"}, "Monitor(collectors=...): expected a list or tuple of collectors, got str 'abc'"),
+    # a class whose name, methods and writes are class attributes passed, and every log step then failed
+    ({"collectors": [_ClassCollector]}, "Monitor(collectors=...): _ClassCollector is a class, not a collector; "
+                                        "give an instance of it (_ClassCollector(...))"),
     ({"device_mesh": "cpu"}, "device_mesh: expected a torch DeviceMesh (init_device_mesh(...)), got str 'cpu'"),
 ])
 def test_a_monitor_given_something_else_than_a_collector_or_a_mesh_says_what_it_takes(kwargs, message):
@@ -2792,3 +2808,27 @@ def test_a_close_landing_inside_the_steps_own_record_keeps_what_it_recorded(capl
         monitor.step(step, loss=loss)
     assert monitor.last_metrics["train/loss"] == 6.0  # (4 + 5 + 9) / 3: step 3's loss is in the close record
     assert not [r for r in caplog.records if "recorded after the last monitor.step" in r.getMessage()]
+
+
+class _After(_ClassCollector):
+    def __init__(self, name: str, after: tuple) -> None:
+        self.name, self.after, self.writes = name, after, ()
+
+
+def _afters_in_a_circle_on_one_rank(rank: int, world: int) -> str:
+    import distmetrics as dm
+
+    mine = [_After("a", ("b",)), _After("b", ("a",))] if rank == 1 else [_After("a", ()), _After("b", ("a",))]
+    try:
+        dm.Monitor(quiet_config(hang_timeout_s=600.0), collectors=mine).close()
+        return "made"
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+
+
+def test_collectors_after_each_other_in_a_circle_on_one_rank_are_said_on_every_rank():
+    """The circle was found after the start-up gather, on that rank alone: it raised, and the other
+    rank waited for it in its first collective until hang_timeout_s (10 minutes here)."""
+    said = run_ranks(_afters_in_a_circle_on_one_rank, 2, timeout=120)
+    assert "collectors depend on each other in a circle: a -> b -> a" in said[1], said
+    assert said[0] != "made" and "rank 1" in said[0] and "in a circle" in said[0], said

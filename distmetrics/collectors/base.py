@@ -419,6 +419,9 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
         raise TypeError(f"Monitor(collectors=...): expected a list or tuple of collectors, got "
                         f"{type(collectors).__name__} {collectors!r:.80}")
     for collector in collectors:
+        if isinstance(collector, type):  # its methods are there, unbound: every log step failed calling them
+            raise TypeError(f"Monitor(collectors=...): {collector.__name__} is a class, not a collector; give an "
+                            f"instance of it ({collector.__name__}(...))")
         name = getattr(collector, "name", None)
         missing = [verb for verb in ("take_samples", "finalize", "close")
                    if not callable(getattr(collector, verb, None))]
@@ -439,4 +442,5 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
                              "switch is off")
         raise ValueError(f"two collectors are named {twice!r}; collector names must be unique")
     check_writes(list(built_in) + list(collectors), others)
+    finalize_order(list(built_in) + list(collectors))  # a circle of afters: here, before the start-up gather
     return tuple(collectors)
