@@ -247,7 +247,9 @@ class IntervalCheck:
         for s, ((most, most_rank), (fewest, fewest_rank)) in enumerate(held):
             if SETS <= codes[s] < UNCOUNTED and most > -math.inf:
                 where = f"stage {s}: " if layout.pp_size > 1 else ""
-                said.append(f"{where}rank {most_rank} holds {most:g} such gradients, rank {fewest_rank} {-fewest:g}")
+                said.append(f"{where}rank {most_rank} holds {most:g} such gradients, rank {fewest_rank} {-fewest:g}"
+                            if most != -fewest else  # a tie names one rank twice: the counts are alike, the sets not
+                            f"{where}its ranks hold {most:g} such gradients each, of different parameters")
         return ValueError(refusal(self._call, self._names() if self._names is not None else [], codes,
                                   layout.pp_rank, layout.pp_size, found, self._lacking(), "; ".join(said),
                                   layout.rank))

@@ -1169,6 +1169,20 @@ def test_the_built_in_collectors_share_names_only_with_one_they_run_after():
         check_writes([Alone if kind is StragglerCollector else kind for kind in kinds])
 
 
+def test_a_collectors_writes_over_log_evals_names_are_said_of_the_collector():
+    """writes=("eval/",) was refused with "give monitor.log_eval names of its own": the user's collector
+    is the one to rename."""
+    from distmetrics.collectors.writes import check_writes
+    from distmetrics.evaluation import EvalLog
+
+    class Mine(_Flaky):
+        name, writes = "mine", ("eval/",)
+
+    with pytest.raises(ValueError, match="^the 'mine' collector writes 'eval/' and monitor.log_eval writes "
+                                         "'eval/.*give the 'mine' collector names of its own \\(e.g. under 'mine/'\\)"):
+        check_writes([Mine], [("monitor.log_eval", EvalLog.writes)])
+
+
 def test_exact_names_of_ones_own_pass_and_a_built_in_prefix_is_its_collectors_whole():
     """README (Adding a metric): writes=("train/data_wait_ms",) is written; writes=("train/",) is refused
     at Monitor() (it covers train/loss); a sample under timers/ is refused with every timer off."""

@@ -646,6 +646,16 @@ def _a_gradient_on_some_ranks_only(rank: int, world: int, out: str) -> dict:
             said["monitor"] = "no error"
         except ValueError as err:
             said["monitor"] = str(err)
+    # the same count on both ranks, of different parameters (rank 0 lacks 0.weight's, rank 1 1.weight's)
+    with dm.Monitor(quiet_config(log_interval=1, output_dir=f"{out}/tie", json_log=True), model=model) as monitor:
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+        model.module[rank].weight.grad = None
+        monitor.clip_grad_norm_(1e9)
+        try:
+            monitor.step(1, loss=1.0)
+            said["tie"] = "no error"
+        except ValueError as err:
+            said["tie"] = str(err)
     mesh = init_device_mesh("cpu", (world,))
     data = torch.randn(6, 8, generator=torch.Generator().manual_seed(100))
     for p in (2.0, math.inf, -math.inf):
@@ -680,6 +690,9 @@ def test_plain_gradients_of_different_parameters_across_ranks_are_refused_saying
             (rank, message)
         assert ("this rank (rank 0) has none for '0.weight'" in message) == (rank == 0), (rank, message)
         assert "differ across ranks" not in message and "Found at the log step of step 1" in message, message
+        # a tie named rank 0 twice: "rank 0 holds 3 such gradients, rank 0 3"
+        assert said["tie"].startswith(f"monitor.clip_grad_norm_: {opening} (its ranks hold 3 such gradients each, "
+                                      "of different parameters)"), (rank, said["tie"])
         for p, counts in ((2.0, f"2 ranks hold 7 such gradients in all: the rank that counts them 3, this rank "
                                 f"{3 + rank}"),
                           (math.inf, f"the ranks that hold any hold 3 to 4 such gradients, this rank {3 + rank}"),

@@ -53,9 +53,11 @@ def check_writes(collectors: Sequence[Any], others: Iterable[tuple[str, Sequence
     prefix, or one prefix inside the other) and neither collector names the other in ``after``.
     ``collectors``: collectors or their classes (``name``, ``after``, ``writes`` are read);
     ``others``: ``(who, writes)`` of the Monitor's own writers (``log_eval``'s names), shared with none."""
-    writers = [(collector_label(c.name), c.name, tuple(getattr(c, "after", ())), tuple(getattr(c, "writes", ())))
-               for c in collectors]
-    writers += [(who, None, (), tuple(writes)) for who, writes in others]
+    # the Monitor's own writers first, then the collectors (the built-in ones before the user's): a clash is
+    # said of the later writer, the one to give other names ("give monitor.log_eval names of its own" was no help)
+    writers = [(who, None, (), tuple(writes)) for who, writes in others]
+    writers += [(collector_label(c.name), c.name, tuple(getattr(c, "after", ())), tuple(getattr(c, "writes", ())))
+                for c in collectors]
     held: dict[str, list[int]] = {}  # a declared name or prefix → the writers declaring it
     for index, (who, name, after, writes) in enumerate(writers):
         for mine in writes:
