@@ -120,6 +120,15 @@ def run_check_config(args: argparse.Namespace) -> str:
     its log folder; then whether the writer can make and write ``output_dir``. The folders are
     checked on this machine, and nothing is made or left in them (a check is not a start)."""
     config = MetricsConfig.from_yaml(args.path, args.overrides)
+    try:
+        return _checked_beyond_the_file(args, config)
+    except (ValueError, OSError) as err:  # what the file's values lead to: said with the file, as its own checks are
+        if str(args.path) in str(err):
+            raise
+        raise ConfigError(f"{args.path}: {err}") from err
+
+
+def _checked_beyond_the_file(args: argparse.Namespace, config: MetricsConfig) -> str:
     inspection = note = ""
     log_dir = config.tensor_inspect.log_dir or str(Path(config.output_dir) / "tensor_inspect")
     elsewhere = {key: top for key, folder in (("output_dir", config.output_dir), ("tensor_inspect.log_dir", log_dir))

@@ -242,7 +242,9 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     assert refused.returncode == 2 and "allow_custom_feature_dirs" in refused.stderr
     missing = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
                    f"tensor_inspect.features={tmp_path / 'nope.yaml'}")
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    # named with the config file, as the file's own values are (it was the features file alone)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: configs/metrics.yaml: tensor_inspect.features: ")
+    assert "does not exist" in missing.stderr
     ok = _run("check-config", "configs/metrics.yaml", *inspect)
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
 
