@@ -53,7 +53,7 @@ class Sample:
         if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given
             raise ValueError(f"Sample {self.name!r}: low is the min lane of a minmax, not used by {self.reduce!r}; "
                              "give a min the value itself")
-        if self.reduce != "mean" and not (type(self.weight) is float and self.weight == 1.0):
+        if self.reduce != "mean" and not (type(self.weight) in (float, int) and self.weight == 1):  # the default
             raise ValueError(f"Sample {self.name!r}: a weight is a mean's; reduce={self.reduce!r} would ignore "
                              f"weight={self.weight!r:.100} (leave it out, or reduce as 'mean')")
         if self.names is None:
