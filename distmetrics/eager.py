@@ -41,11 +41,17 @@ def eager(fn: F) -> F:
     at the call) where the call comes from compiled code, and called directly otherwise."""
     disabled: list = []  # made at the first call from compiled code: torch.compiler.disable imports
     # torch._dynamo (0.8 s a process, every rank's and every DataLoader worker's that imports the script)
+    said = (f"distmetrics: {fn.__qualname__.replace('Monitor.', 'monitor.')} runs eagerly, at a graph break where "
+            "compiled code calls it; under torch.compile(fullgraph=True), which allows none, call it outside the "
+            "compiled function")
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         # traced, tracing() is True and the callback is never read (Dynamo cannot trace the read)
-        if tracing() or _dynamo_callback() is not None:
+        traced = tracing()
+        if traced:  # a graph break here, which says what it is (fullgraph=True refuses any, naming this)
+            torch._dynamo.graph_break(msg=said)
+        if traced or _dynamo_callback() is not None:
             if not disabled:
                 disabled.append(_disable(fn, call.__code__))
             return disabled[0](*args, **kwargs)

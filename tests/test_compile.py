@@ -270,3 +270,23 @@ def test_the_wrapper_frame_is_compiled_once_not_once_per_method():
         monitor.step(step)
     monitor.close()
     assert len(_debug_get_cache_entry_list(dm.Monitor.record.__code__)) <= 1
+
+
+def test_a_call_inside_a_fullgraph_function_is_refused_naming_the_call():
+    """Dynamo's error under fullgraph=True named torch's skip_code ("Attempted to call function marked as
+    skipped"), which the wrapper's first call made, not the monitor call or what to do."""
+    import torch
+
+    import distmetrics as dm
+
+    torch._dynamo.reset()
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        def forward(x):
+            y = x * 2
+            monitor.record("r", y.sum().detach())
+            return y
+
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="distmetrics: monitor.record runs eagerly, at a "
+                           "graph break where compiled code calls it; under torch.compile\\(fullgraph=True\\), which "
+                           "allows none, call it outside the compiled function"):
+            torch.compile(forward, backend="eager", fullgraph=True)(torch.randn(3))
