@@ -309,7 +309,9 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
             "(fully_shard(model) on the root, after its submodules). Where ranks hold different layers (pipeline "
             "stages), pass the DeviceMesh as the Monitor's device_mesh= with its pipeline dimension named 'pp': "
             "without one, every rank is taken for a replica of one model; where each rank trains a model of its "
-            "own, give each rank a Monitor of its own (Monitor(group=...)). A DDP communication hook that does not "
+            "own, give each rank a Monitor of its own (Monitor(group=...)). DDP all-reduces only the parameters that "
+            "required a gradient when it was made: one frozen then and unfrozen since keeps each rank's gradient "
+            "(wrap the model in DDP again after unfreezing it). A DDP communication hook that does not "
             "all-reduce every step (post-local SGD averages parameters now and then) leaves each rank's gradients "
             "its own: their norm is each rank's, which no one number of the job is" + tail)
 

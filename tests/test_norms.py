@@ -588,6 +588,10 @@ def _plain_models_of_their_own(rank: int, world: int, case: str, out: str) -> di
         model = model[rank]  # stage r holds layer r: names '0.weight' ... differ too
     if case == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    if case == "ddp unfrozen":  # frozen when DDP is made, unfrozen after: DDP does not reduce its gradients
+        model[0].requires_grad_(False)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        model.module[0].requires_grad_(True)
     returned, truth, error = [], [], None
     try:
         with dm.Monitor(quiet_config(log_interval=2, output_dir=f"{out}/{case}", json_log=True), model=model) as m:
@@ -603,7 +607,7 @@ def _plain_models_of_their_own(rank: int, world: int, case: str, out: str) -> di
     return {"returned": returned, "truth": truth, "error": error}
 
 
-@pytest.mark.parametrize("case", ["own", "stages", "ddp"])
+@pytest.mark.parametrize("case", ["own", "stages", "ddp", "ddp unfrozen"])
 def test_plain_gradients_that_differ_across_ranks_of_a_plain_model_are_refused_at_the_log_step(case, tmp_path):
     """Plain gradients with no DTensor beside them were taken for replicas unchecked: a rank training a model
     of its own, or a pipeline stage given no mesh, had rank 0's norm written as the job's and every rank's
@@ -618,6 +622,8 @@ def test_plain_gradients_that_differ_across_ranks_of_a_plain_model_are_refused_a
     for out in results:
         assert out["error"] is not None and "differ across ranks" in out["error"], out
         assert "Found at the log step of step 2" in out["error"], out
+        # the cause, where the model was unfrozen under DDP, is said (the message named fully_shard and hooks)
+        assert "one frozen then and unfrozen since keeps each rank's gradient" in out["error"], out
     record = [json.loads(line) for line in (tmp_path / case / "metrics.jsonl").read_text().splitlines()][-2]
     assert record["step"] == 2 and record["train/loss"] == 1.0 and "grad_norm" not in record, record
 
