@@ -243,7 +243,8 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     missing = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
                    f"tensor_inspect.features={tmp_path / 'nope.yaml'}")
     # named with the config file, as the file's own values are (it was the features file alone)
-    assert missing.returncode == 2 and missing.stderr.startswith("error: configs/metrics.yaml: tensor_inspect.features: ")
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("error: configs/metrics.yaml: tensor_inspect.features: "), missing.stderr
     assert "does not exist" in missing.stderr
     ok = _run("check-config", "configs/metrics.yaml", *inspect)
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr

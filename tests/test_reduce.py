@@ -425,7 +425,8 @@ def test_unknown_reduce_kind_is_rejected():
     ((7, 1.0, "mean"), TypeError, "a metric name is a str, got int 7"),
     (("x", 10**400, "max"), ValueError, "Sample 'x': 100000000000... \\(401 digits\\) is beyond float64's range"),
     (("x", 1.0, "mean", -10**400), ValueError, "Sample 'x' weight: -10000000000... \\(402 digits\\) is beyond"),
-    (("x", 1.0, "mean", -2.0), ValueError, "Sample 'x' weight: -2.0 is refused: accepted values are finite numbers >= 0"),
+    (("x", 1.0, "mean", -2.0), ValueError,
+     "Sample 'x' weight: -2.0 is refused: accepted values are finite numbers >= 0"),
     (("x", 1.0, "sum", 3.0), ValueError, "Sample 'x': a weight is a mean's; reduce='sum' would ignore weight=3.0"),
     (("x", 1.0, "max", "tensor2"), ValueError, "Sample 'x': a weight is a mean's; reduce='max' would ignore"),
 ])

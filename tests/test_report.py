@@ -868,7 +868,8 @@ def test_an_all_metric_spanning_both_ends_of_float64_leaves_its_heatmap_a_note(t
     made = _report_cli(str(tmp_path))
     assert made.returncode == 0, made.stderr
     page = (tmp_path / "report.html").read_text()
-    assert re.search(r'<p class="note">timers/step: ranks x steps[^<]*not drawn \(matplotlib raised', page), page[-3000:]
+    note = r'<p class="note">timers/step: ranks x steps[^<]*not drawn \(matplotlib raised'
+    assert re.search(note, page), page[-3000:]
     assert 'alt="loss: Loss"' in page
 
 
@@ -1106,8 +1107,9 @@ def test_jobs_timing_one_timer_max_and_all_both_have_their_values_drawn_and_tabl
     them as all (every rank's value): the per-rank figure hid the first job's values from every figure
     and the table."""
     run = {"kind": "run", "step": 0, "world_size": 2, "hosts": ["h"]}
-    records = [run] + [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step": 500.0 + s, "timers/step/min": 400.0,
-                        "timers/step/max_rank": 1, "timers/step/min_rank": 0} for s in (10, 20, 30)]
+    records = [run] + [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step": 500.0 + s,
+                        "timers/step/min": 400.0, "timers/step/max_rank": 1, "timers/step/min_rank": 0}
+                       for s in (10, 20, 30)]
     records += [{"kind": "end", "step": 30, "how": "closed its Monitor", "unwritten_steps": 0}, run]
     records += [{"kind": "train", "step": s, "train/loss": 1.0, "timers/step/rank0": 10.0, "timers/step/rank1": 12.0,
                  "timers/step/max": 12.0, "timers/step/min": 10.0, "timers/step/mean": 11.0} for s in (40, 50)]

@@ -304,7 +304,8 @@ FOREIGN = "_monitor/foreign_name"
 FAILED = "_monitor/take_samples_failed"
 """Internal lane: a rank's collector raised in ``take_samples`` (a max: 1 there)."""
 FAILED_BY = "_monitor/failed_collector/"
-"""Internal lanes: ``FAILED_BY + name``, the collector ``name`` raised in ``take_samples`` on a rank (a max: 1 there)."""
+"""Internal lanes: ``FAILED_BY + name``, the collector ``name`` raised in ``take_samples`` on a rank
+(a max: 1 there)."""
 _ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.join(map(repr, RECORD_KEYS))})",
               FOREIGN: "a sample named as a name another writer writes"}
 

@@ -54,20 +54,20 @@ def heatmap(figs: Figures, grid: StepGrid, title: str, labels: list, order: Opti
         ax.tick_params(axis="x", labelsize=7)
         ax.set_xlim(*figs.xlim)
         _mark_steps(ax, [step for step, _ in figs.restarts], "black", figs.xlim)
-        _mark_steps(ax, sorted({step for first, last in figs.data.lost for step in (first, last)}), EVENT_COLOURS["gap"],
-                    figs.xlim)
+        lost = sorted({step for first, last in figs.data.lost for step in (first, last)})
+        _mark_steps(ax, lost, EVENT_COLOURS["gap"], figs.xlim)
         _colour_bar(fig, drawn, bar_axes, norm, log, colour_label, band)
-        merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]}" if merged > 1 else ""
-        if merges:
-            merges += ", a module inside another of its row counted once)" if how == "rss" and row_name == "module" else ")"
-        caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
-                   "wide: the mean of its log steps' values)" + merges
-                   + "; grey: no value (no record there, or lost: a gap record); magenta x: a non-finite value in the bin"
-                   + ("; dashed lines: restarts" if figs.restarts else "")
-                   + ("; olive lines: the first and last steps of records lost (gap records)" if figs.data.lost else ""))
-        return figs.png(fig, title, caption)
     except (ValueError, OverflowError) as err:
         return figs.not_drawn(title, err)
+    merges = f"; every row merges {merged} neighbouring {row_name}s ({_MERGED[how]}" if merged > 1 else ""
+    if merges:
+        merges += ", a module inside another of its row counted once)" if how == "rss" and row_name == "module" else ")"
+    caption = (f"{rows_by_steps.shape[0]} rows x {rows_by_steps.shape[1]} columns (each {grid.width} step(s) "
+               "wide: the mean of its log steps' values)" + merges
+               + "; grey: no value (no record there, or lost: a gap record); magenta x: a non-finite value in the bin"
+               + ("; dashed lines: restarts" if figs.restarts else "")
+               + ("; olive lines: the first and last steps of records lost (gap records)" if figs.data.lost else ""))
+    return figs.png(fig, title, caption)
 
 
 def _mark_steps(ax, steps: list, colour: str, xlim: tuple) -> None:
