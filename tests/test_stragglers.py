@@ -575,6 +575,17 @@ def test_the_straggler_alert_reads_the_step_times_row_wherever_it_sits_in_the_ri
     assert [a.details["ranks"] for a in alerts if isinstance(a, Alert)] == [[0]]
 
 
+def test_a_score_just_below_the_threshold_is_said_below_it():
+    """A score of 0.89997 was said "score at most 0.90 ... below 0.9": it takes the places it needs."""
+    from distmetrics.collectors.base import LogContext
+    from distmetrics.collectors.stragglers import STEP_MS, StragglerCollector
+    from distmetrics.reduce import PerRank
+
+    collector = StragglerCollector(window=1, report_every=0, threshold=0.9)
+    (alert,) = collector.finalize({STEP_MS: PerRank([1.0 / 0.89997, 1.0])}, LogContext(step=1, steps=1, layout=None))
+    assert "score at most 0.89997) below 0.9 " in alert.message, alert.message
+
+
 @pytest.mark.parametrize("world", [1, 3, 40])
 def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
     """Small worlds are scored in Python lists, large ones in a tensor ring: the same random

@@ -409,6 +409,23 @@ def test_a_user_timer_named_step_is_refused_with_the_reason_and_the_step_timer_k
             clock.advance(30.0)
 
 
+def test_timing_log_level_minus_1_turns_every_timer_off_a_negative_levels_too(clock):
+    """At -1 ("off") a timer of a level below 0 was a real one: timers/<name>, straggler scores and the
+    console block came back, and a user's timer named 'step' (the Monitor makes none at -1) filled
+    train/step_time_ms with its own time. Every timer is the dummy there now."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=2, timing_log_level=-1, log_throughput=False)) as monitor:
+        for step in range(1, 5):
+            for name, level in (("step", -1), ("neg5", -5), ("fwd", None)):
+                with monitor.timers(name, log_level=level):
+                    clock.advance(2.0)
+            clock.advance(4.0)
+            metrics = monitor.step(step)
+    assert not [key for key in metrics if key.startswith(("timers/", "stragglers/")) or key == "train/step_time_ms"], \
+        metrics
+
+
 def test_cuda_timer_event_pairs_are_let_go_at_each_log_step(clock, monkeypatch):
     """With use_cuda (torch.cuda.Event replaced by a stand-in that counts live events: no GPU
     here), the start/end pairs are read at every log step and let go; before, a run that never

@@ -51,7 +51,8 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
     def timers() -> TimerCollector:
         # barrier=True and the timer reports wait for the Monitor's ranks (its group's), not the world's
         made = Timers(config.timing_log_level, config.timing_log_option,
-                      barrier_with_L1_time=config.barrier_with_L1_time, barrier_group=layout.group)
+                      barrier_with_L1_time=config.barrier_with_L1_time, barrier_group=layout.group,
+                      off=config.timing_log_level < 0)
         return TimerCollector(made, config.timing_log_option, per_rank=scores, stragglers=ranks > 1)
 
     out: list = [(StepValues, lambda: StepValues(layout, layout.writer(config.writer_rank))), (TimerCollector, timers)]

@@ -141,7 +141,7 @@ class StragglerCollector:
         if not new:
             return []
         scores = {r: self._windows.highest_below(r) for r in new}
-        named = [f"rank {self._ids[r]} ({_where(r, hosts)}, score at most {scores[r]:.2f})"
+        named = [f"rank {self._ids[r]} ({_where(r, hosts)}, score at most {_below(scores[r], self.threshold)})"
                  for r in new[:self.report_ranks]]
         more = f" and {len(new) - len(named)} more" if len(new) > len(named) else ""
         message = (f"straggler: {', '.join(named)}{more} below {self.threshold:g} of the fastest rank's "
@@ -265,3 +265,12 @@ class _GpuReadings:
             except Exception:  # noqa: BLE001 - not supported on this board
                 self._broken.add(name)
         return out
+
+
+def _below(score: float, threshold: float) -> str:
+    """A score as the alert says it: two places, or as many more as show it below ``threshold``
+    (0.89997 was said as 0.90 beside "below 0.9")."""
+    places = 2
+    while places < 15 and math.isfinite(score) and float(f"{score:.{places}f}") >= threshold:
+        places += 1
+    return f"{score:.{places}f}"

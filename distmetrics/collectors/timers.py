@@ -51,11 +51,13 @@ class Timers(MegatronReports):
     ``log``/``write``/``get_all_timers_string`` (see :class:`MegatronReports`)."""
 
     def __init__(self, log_level: int = 0, log_option: str = "minmax", use_cuda: Optional[bool] = None,
-                 barrier_with_L1_time: bool = True, barrier_group: Any = None) -> None:
+                 barrier_with_L1_time: bool = True, barrier_group: Any = None, off: bool = False) -> None:
         if log_option not in _LOG_OPTIONS:
             raise TimerError(f"input log option {log_option} is invalid. It must be one of {list(_LOG_OPTIONS)}")
         super().__init__()
         self._log_level = log_level
+        self._off = off  # every timer the dummy (the Monitor's timing_log_level -1; Megatron's Timers(-1) times
+        # a timer of a level up to -1, as this class does without it)
         self._log_option = log_option
         self._use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         self._barrier_ok = barrier_with_L1_time
@@ -98,8 +100,8 @@ class Timers(MegatronReports):
                              f"(timer {name!r})")
         if not log_level <= _MAX_LOG_LEVEL:  # NaN: Megatron called it larger than 2
             raise _bad_level(name, log_level)
-        if log_level > self._log_level:
-            return self._dummy_for(name)
+        if log_level > self._log_level or self._off:  # off: a timer of a level below 0 too (it filled timers/...,
+            return self._dummy_for(name)  # and a 'step' of the user's train/step_time_ms)
         return self._make(name, log_level, Timer)
 
     def _dummy_for(self, name: Any) -> TimerBase:
