@@ -121,22 +121,18 @@ def panel_figure(figs: Figures, panels: list, title: str, ncols: int = 2, height
     fig = figs.figure(12, height * nrows)
     margins(fig, left=0.8, right=0.6, top=0.3, bottom=0.45, hspace=0.75, wspace=1.1, nrows=nrows, ncols=ncols)
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    alt = f"{title}: " + "; ".join(p[0] for p in panels)
-    try:  # a range near float64's largest may fail in matplotlib while drawn, as at the PNG: a note
-        for ax, (panel_title, ylabel, draw) in zip(axes.ravel(), panels):
-            figs.axis(ax, panel_title, ylabel)
-            draw(ax)
-            figs.mark(ax)
-            handles, labels = ax.get_legend_handles_labels()
-            if len(handles) > 1 or (handles and labels[0] != panel_title):
-                ax.legend(fontsize=7, loc="best")
-    except (ValueError, OverflowError) as err:
-        return figs.not_drawn(alt, err)
+    for ax, (panel_title, ylabel, draw) in zip(axes.ravel(), panels):
+        figs.axis(ax, panel_title, ylabel)
+        draw(ax)
+        figs.mark(ax)
+        handles, labels = ax.get_legend_handles_labels()
+        if len(handles) > 1 or (handles and labels[0] != panel_title):
+            ax.legend(fontsize=7, loc="best")
     for ax in axes.ravel()[len(panels):]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("step", fontsize=8)
-    return figs.png(fig, alt)
+    return figs.png(fig, f"{title}: " + "; ".join(p[0] for p in panels))
 
 
 def series_panel(figs: Figures, names: list, title: str, ylabel: str = "", log: Optional[bool] = None,

@@ -177,9 +177,8 @@ def _timer_table(figs: Figures) -> str:
         if not sources:
             continue
         # jobs of one file logging it both ways: the median over both, the last values the later one's
-        _, _, last_min, rank = max(sources, key=lambda source: source[0])
-        slowest = np.concatenate([source[1] for source in sources])
-        last_max = max(sources, key=lambda source: source[0])[1][-1]
+        _, latest, last_min, rank = max(sources, key=lambda source: source[0])
+        slowest, last_max = np.concatenate([source[1] for source in sources]), latest[-1]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(last_max)), fmt(float(last_min)),
