@@ -41,6 +41,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .clip_steps import LANES as STEP_LANES, NO_STEP, check_steps, step_lanes
 from .grad_combine import combine as _combine, norm_kind
 from .grad_dtypes import GradDtypes
 from .eager import eager
@@ -146,16 +147,17 @@ class GradientNorms:
 
     def clip(self, parameters: Any, max_norm: Any, norm_type: Union[float, str] = 2.0,
              error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
-             loss_scale: Optional[torch.Tensor] = None, call: str = "clip_grad_norm_") -> tuple[Any, GradMeasurement]:
+             loss_scale: Optional[torch.Tensor] = None, call: str = "clip_grad_norm_",
+             after_step: Any = NO_STEP) -> tuple[Any, GradMeasurement]:
         """Measure, then scale every gradient by ``min(1, max_norm / (total + 1e-6))`` (torch's
         formula, also for ``max_norm`` ≤ 0 or inf); returns (what torch returns, measurement).
-        ``loss_scale``: see :meth:`measure`; the coefficient is the unscaled total's."""
+        ``loss_scale``, ``after_step``: see :meth:`measure`; the coefficient is the unscaled total's."""
         max_norm = float(max_norm)
         if max_norm != max_norm:  # torch multiplies every gradient by NaN; refused before the collective
             raise ValueError(f"{call}(max_norm=nan): accepted values are numbers (0, negative and inf included)")
         with torch.no_grad():
             result, measured = self.measure(parameters, norm_type, error_if_nonfinite, foreach, loss_scale, call,
-                                            max_norm)
+                                            max_norm, after_step)
             if measured is not None:
                 # torch's coefficient: from the total it returns, in the gradients' (promoted) dtype
                 # (Megatron's for its gradients: see clip_coefficient)
@@ -178,12 +180,15 @@ class GradientNorms:
 
     def measure(self, parameters: Any = None, norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                 foreach: Optional[bool] = None, loss_scale: Optional[torch.Tensor] = None,
-                call: str = "measure", max_norm: Optional[float] = None) -> tuple[Any, Optional[GradMeasurement]]:
+                call: str = "measure", max_norm: Optional[float] = None,
+                after_step: Any = NO_STEP) -> tuple[Any, Optional[GradMeasurement]]:
         """(the total norm as torch returns it, the measurement); one all-reduce. ``loss_scale``
         (a tensor, read on its device: no host sync): the gradients hold the loss times it (fp16
         training under Megatron, which divides it out inside ``optimizer.step()``); every norm
         is of the gradients divided by it. ``call`` names the caller in errors and the arrival check;
-        ``max_norm``, a clip's (checked with the norm type at the first clip)."""
+        ``max_norm``, a clip's (checked with the norm type at the first clip); ``after_step``, a Monitor's last
+        step (None before its first), checked to be every rank's where the all-reduce runs on the host
+        (:mod:`distmetrics.clip_steps`)."""
         p = float(norm_type)
         plan = self.plans.for_parameters(parameters)
         grads = list(map(grad_of, plan.params))
@@ -216,11 +221,21 @@ class GradientNorms:
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
                                route.replica_presence) if replicas.carried(self.layout, self.group) else None
         dtypes, carried = {dtype for _, dtype in groups}, GradDtypes.carried(self.group)
+        # a Monitor's step, where the norms are on the host (read there, they wait for no device)
+        steps = carried and after_step is not NO_STEP and device.type == "cpu"
+        lanes = extra
+        if carried:  # the dtypes' lanes after the replica check's, then the steps'
+            lanes = self.dtypes.beside(extra, dtypes, kind, device)
+            if steps:
+                lanes = torch.cat([lanes, step_lanes(after_step, kind)])
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
-                            p == 0 and route.partial, route.every, finite_check,
-                            self.dtypes.beside(extra, dtypes, kind, device) if carried else extra,
+                            p == 0 and route.partial, route.every, finite_check, lanes,
                             tensors=measured_locals if device.type == "cpu" else None)
-        if carried:  # the dtypes' lanes, after the replica check's
+        if carried:
+            if steps:
+                measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
+                if measured.on_host:  # before any gradient is scaled: every rank raises
+                    check_steps(reduced, kind, self.group, after_step, call)
             self.dtypes.take(measured, plan, dtypes)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only

@@ -6,6 +6,7 @@ SIGABRT or a silently wrong record."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -557,6 +558,44 @@ def test_a_clip_on_one_rank_is_named_as_the_call_it_hangs_in():
     named the clipping rank's call before it (monitor.step(step=1))."""
     kind, message, _ = run_ranks(_clip_on_one_rank, 2, may_die=(0,), timeout=60)[1]
     assert kind == "HangError" and "rank 0: last call monitor.clip_grad_norm_()" in message, message
+
+
+def _clips_out_of_step(rank: int, world: int, p: float) -> tuple:
+    """Rank 0 skips its clip at step 2, rank 2 at step 3: each clip's all-reduce after the first skip met
+    other steps' (the gradients are the step's number, the same on every rank)."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 4)
+    monitor = dm.Monitor(quiet_config(log_interval=5, hang_timeout_s=TIMEOUT_S), model=model)
+    for step in range(1, 6):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, float(step))
+        if (rank, step) not in ((0, 2), (2, 3)):
+            kind, message, _ = _outcome(lambda: monitor.clip_grad_norm_(1.0, p))
+            if kind != "ok":
+                scaled = [param.grad.unique().tolist() for param in model.parameters()]
+                _outcome(monitor.close)  # the ranks' closes differ in step too: said on every rank
+                return step, kind, message, scaled
+        monitor.step(step)
+    monitor.close()
+    return None
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf, -math.inf, 0.0])
+def test_clips_made_at_different_steps_raise_on_every_rank_naming_each_ranks_step(p):
+    """The clip's all-reduce is not guarded; its lanes carry each rank's step (on the host: gloo), so the
+    first all-reduce the ranks made at different steps raises on every rank, before any gradient is
+    scaled, where its total mixed two steps' gradients (a sum, max or min of them, or a count)."""
+    said = "(ranks 1, 2 after monitor.step(step=1); rank 0 after monitor.step(step=2))"
+    for rank, result in enumerate(run_ranks(_clips_out_of_step, 3, p, timeout=120)):
+        assert result is not None, f"rank {rank} clipped every step"
+        step, kind, message, scaled = result
+        assert (step, kind) == (3 if rank == 0 else 2, "HangError"), (rank, result)
+        assert message.startswith("monitor.clip_grad_norm_: the ranks made this gradient norm's all-reduce at "
+                                  f"different steps {said}"), message
+        assert scaled == [[float(step)], [float(step)]], "a gradient was scaled"
 
 
 def _killed(rank: int, world: int) -> tuple:

@@ -223,7 +223,7 @@ class NormCollector(ParamSide):
         self._check_norm_type(norm_type, "clip_grad_norm_")
         try:
             result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
-                                               self._scale_now(), "monitor.clip_grad_norm_")
+                                               self._scale_now(), "monitor.clip_grad_norm_", after_step)
         except NonfiniteNormError as error:  # a step whose gradients held NaN or inf, though not kept (every rank)
             same_step = self._grad is not None and self._grad_after == after_step
             self._nonfinite_steps.count(1.0 if error.held else 0.0, same_step)
@@ -236,7 +236,7 @@ class NormCollector(ParamSide):
         total norm (float64, the same on every rank)."""
         self._check_norm_type(norm_type, "measure_grad_norms")
         result, measured = self.grads.measure(None, norm_type, loss_scale=self._scale_now(),
-                                              call="monitor.measure_grad_norms")
+                                              call="monitor.measure_grad_norms", after_step=after_step)
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
             note_clip(measured, self._optimizer_clip)
         self._keep(measured, after_step, "monitor.measure_grad_norms")
