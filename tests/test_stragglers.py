@@ -385,8 +385,25 @@ def _equal_steps(rank: int, out_dir: str) -> dict:
             if k.startswith(("stragglers/", "timers/step"))}
 
 
+def _sometimes(rank: int) -> list:
+    """An "eval" timer run in the first and third intervals only (rank 3 takes 30 ms, the others 10 ms)."""
+    cfg = quiet_config(log_interval=2, timing_log_level=1, timing_log_option="minmax", straggler_window=3)
+    scores = []
+    with FakeClock() as clock:
+        with dm.Monitor(cfg) as monitor:
+            for step in range(1, 7):
+                if step in (1, 5):
+                    with monitor.timers("eval", log_level=1):
+                        clock.advance(30.0 if rank == 3 else 10.0)
+                metrics = monitor.step(step)
+                if metrics is not None:
+                    scores.append({k: v for k, v in metrics.items() if k.startswith("stragglers/eval/score_min")})
+    return scores
+
+
 def _scenarios(rank: int, world: int, out_dir: str) -> dict:
-    out = {"known": _known_times(rank, f"{out_dir}/known"), "minmax_timers": _minmax_timers(rank)}
+    out = {"known": _known_times(rank, f"{out_dir}/known"), "minmax_timers": _minmax_timers(rank),
+           "sometimes": _sometimes(rank)}
     _turns(rank, f"{out_dir}/turns")
     out["equal"] = _equal_steps(rank, f"{out_dir}/equal")
     out["counts"] = {(option, on): _collectives_at_a_log_step(option, on)
@@ -412,6 +429,14 @@ def test_the_slowest_rank_is_named_with_its_score_host_and_local_rank(four_ranks
     assert last["stragglers/score_min_local_rank"] == 2  # LOCAL_RANK = rank in these workers
     assert all(r["known"]["last"] == last for r in results)  # the same on every rank
     assert not any(k.startswith("_") for k in last)  # internal lanes never reach the metrics
+
+
+def test_a_timer_absent_from_a_log_step_has_no_score_there_and_keeps_its_window(four_ranks):
+    """As the README says: per timer reported at that log step; its window keeps the values of the log steps
+    that reported it (rank 3's median 30 ms against 10 ms at the third log step, over two values)."""
+    first, second, third = four_ranks[0][0]["sometimes"]
+    assert first == third == {"stragglers/eval/score_min": pytest.approx(1 / 3), "stragglers/eval/score_min_rank": 3}
+    assert second == {}
 
 
 def test_per_timer_scores_name_a_slow_input_pipeline_apart_from_slow_compute(four_ranks):
