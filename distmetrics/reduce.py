@@ -187,10 +187,18 @@ class Reducer:
         if distributed and self.guard is not None:
             self.guard.enter(self.call, tag)
         if not distributed:
+            if self._refusals is not None:  # as between ranks: a clash that lasts is left out again
+                kept, sent = self._refusals.leave_out(samples)
+                if sent == self._refusals.sent:
+                    samples = kept
+                else:  # the names refused changed: the clash may be over
+                    self._layout = None
             if self._layout is None or not self._fits(samples):
-                entries = dict(entries_of(samples))
-                self._layout = PackLayout([*entries.items(), *self._kept(entries, {}).items()])
+                union = dict(entries_of(samples))
+                samples = self._settle(samples, union, {}, dict.fromkeys(union, 0))
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
+            if self._refusals is not None:  # the rest is written, then the caller raises
+                self.refused = self._refusals.error()
         else:
             given, moved = samples, False
             if self._layout is None:
@@ -324,6 +332,14 @@ class Reducer:
                 if union.setdefault(name, kind) != kind and name not in refused:
                     refused[name] = (f"metric {name!r} is reduced as {union[name]!r} on rank {origin[name]} and "
                                      f"{kind!r} on rank {rank}; every rank must use the same reduce kind for a name")
+        return self._settle(samples, union, refused, origin)
+
+    def _settle(self, samples: list[Sample], union: dict[str, str], refused: dict[str, str],
+                origin: dict[str, int]) -> list[Sample]:
+        """The layout of the names sent (``union``: the same on every rank), less those refused (``refused``,
+        found while the ranks' names were joined, and those refused here), and the refusals; returns
+        ``samples`` without the refused names. A single process settles its own names here too: two of them
+        that would write one key are refused as between ranks (``y`` as ``minmax`` writes ``y/max``)."""
         for name, kind in union.items():  # a rank's own check sees its own calls only
             if name not in refused and self._agreed.get(name, kind) != kind:
                 refused[name] = (f"metric {name!r} was reduced as {self._agreed[name]!r} at an earlier log step "

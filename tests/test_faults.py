@@ -294,6 +294,45 @@ def test_names_that_collide_only_across_ranks_raise_on_every_rank(tmp_path):
             assert message.endswith("(left out of this record)"), message
 
 
+def test_names_that_collide_in_a_single_process_are_refused_as_across_ranks(tmp_path):
+    """A single process (no process group) settles its names as a negotiation does: a collector's ``y``
+    as ``minmax`` beside its ``y/max`` (and ``w`` as ``all`` beside ``w/rank0``) wrote the second value
+    over the first without a word. Both are left out and raised at each log step the collector sends
+    both; once it sends ``y`` and ``w`` alone, they are written."""
+    import distmetrics as dm
+
+    class Both:
+        name, after, writes = "both", (), ("y", "w")
+
+        def __init__(self) -> None:
+            self.clash = True
+
+        def take_samples(self, ctx):
+            samples = [dm.Sample("y", 1.0, "minmax"), dm.Sample("w", 3.0, "all"), dm.Sample("ok", 2.0, "sum")]
+            return samples + ([dm.Sample("y/max", 99.0, "max"), dm.Sample("w/rank0", 98.0, "sum")] if self.clash else [])
+
+        def finalize(self, metrics, ctx):
+            return []
+
+        def close(self):
+            pass
+
+    both = Both()
+    monitor = dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path)), collectors=[both])
+    for step in (1, 2):
+        with pytest.raises(ValueError) as raised:
+            monitor.step(step)
+        assert "metric 'y/max' from rank 0 (max) would write 'y/max', which metric 'y' from rank 0 (minmax) writes " \
+            "already" in str(raised.value) and "'w/rank0'" in str(raised.value), raised.value
+    both.clash = False
+    monitor.step(3)
+    monitor.close()
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    for record in records[:2]:
+        assert record["ok"] == 2.0 and not [key for key in record if key[:2] in ("y", "y/", "w", "w/")], record
+    assert records[2]["y/max"] == records[2]["y/min"] == 1.0 and records[2]["w/rank0"] == 3.0, records[2]
+
+
 def _kind_flip(rank: int, world: int) -> tuple:
     import distmetrics as dm
 
