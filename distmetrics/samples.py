@@ -16,7 +16,7 @@ from .names import check_count, check_reduce, check_value
 from .packing import PackLayout
 from .per_rank import PerRank
 
-__all__ = ["Sample", "Reduced"]
+__all__ = ["Sample", "Reduced", "check_tensors"]
 
 Number = Union[int, float, torch.Tensor]
 _checked_names: dict[int, tuple] = {}  # id → the vector names tuples found to hold only str (kept alive here)
@@ -90,6 +90,18 @@ class Sample:
                 elif given.dim() != 1 or given.numel() != len(self.names):
                     raise ValueError(f"vector sample {self.name!r}: {part} is a number or a 1-D tensor of "
                                      f"{len(self.names)} values (one per name), got shape {tuple(given.shape)}")
+
+
+def check_tensors(sample: Sample) -> None:
+    """Refuse a sample of a user's collector holding a tensor on the meta device or a sparse one (as
+    ``monitor.record`` refuses one): it failed inside the packs, after the log step's first collective, the
+    other ranks waiting. (The Monitor's own measurements may run on the meta device in tests standing in for
+    a GPU: checked at :func:`distmetrics.collectors.base.take_samples`, not when a Sample is made.)"""
+    for part, given in (("value", sample.value), ("weight", sample.weight), ("low", sample.low)):
+        if isinstance(given, torch.Tensor) and (given.is_meta or given.layout is not torch.strided):
+            what = "tensor on the meta device, which holds no value" if given.is_meta else f"{given.layout} tensor"
+            raise ValueError(f"Sample {sample.name!r}: its {part} is a {what}; a sample's values are numbers or "
+                             "dense tensors")
 
 
 @dataclass

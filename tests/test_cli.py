@@ -530,28 +530,22 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
         ", the 1 step(s) since its last log step not written" if end["unwritten_steps"] else ""))
 
 
-class _FailsAtItsLogStep:
-    """A collector of your own whose sample at step 2 cannot be reduced (a tensor on the meta device,
-    which holds no value): the log step fails after the interval's samples were taken."""
+def _reduction_fails_at_step_2(monkeypatch) -> None:
+    """The reduction of step 2 raises, after the interval's samples were taken (the narrowest boundary:
+    a value the packs cannot hold is refused before it, in the collector's take_samples)."""
+    from distmetrics.reduce import Reducer
 
-    name = "fails"
-    after = ()
+    reduce = Reducer.reduce
 
-    def take_samples(self, ctx):
-        import torch
+    def failing(self, samples, tag=0, steps=0):
+        if tag == 2:
+            raise RuntimeError("the reduction failed")
+        return reduce(self, samples, tag, steps)
 
-        from distmetrics.reduce import Sample
-
-        return [Sample("mine/value", torch.ones((), device="meta") if ctx.step == 2 else 1.0, "mean")]
-
-    def finalize(self, metrics, ctx):
-        return []
-
-    def close(self):
-        pass
+    monkeypatch.setattr(Reducer, "reduce", failing)
 
 
-def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
+def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path, monkeypatch):
     """A log step that failed after taking its samples lost its interval's steps (said in a warning),
     but the end record said 0 steps unwritten: the interval's count had gone with the samples."""
     import distmetrics as dm
@@ -559,8 +553,9 @@ def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
 
     config = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=2, console=False, tensorboard=False,
                               timing_log_level=-1)
+    _reduction_fails_at_step_2(monkeypatch)
     with pytest.raises(Exception) as raised:
-        with dm.Monitor(config, collectors=[_FailsAtItsLogStep()]) as monitor:
+        with dm.Monitor(config) as monitor:
             for step in (1, 2):
                 monitor.step(step, loss=1.0)
     end = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))[-1]
@@ -574,14 +569,15 @@ def test_the_end_record_counts_the_steps_a_failed_log_step_lost(tmp_path):
                                    "since its last log step not written")
 
 
-def test_a_failed_close_record_is_not_called_a_log_step(tmp_path, caplog):
+def test_a_failed_close_record_is_not_called_a_log_step(tmp_path, caplog, monkeypatch):
     """The record close() writes failing after its samples were taken was said as "the log step at
     step 2 did not complete", a step that was no log step."""
     import distmetrics as dm
 
     config = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=4, console=False, tensorboard=False,
                               timing_log_level=-1)
-    monitor = dm.Monitor(config, collectors=[_FailsAtItsLogStep()])
+    _reduction_fails_at_step_2(monkeypatch)
+    monitor = dm.Monitor(config)
     for step in (1, 2):
         monitor.step(step, loss=1.0)
     with caplog.at_level("WARNING", logger="distmetrics"), pytest.raises(Exception):

@@ -2,6 +2,7 @@
 holding different names, and the collective count (≤ 1 per kind in steady state)."""
 
 import math
+import re
 
 import pytest
 
@@ -835,3 +836,52 @@ def test_name_sets_that_take_turns_in_one_process_keep_one_layout():
         assert result.to_metrics() == {f"{turn}/x": step, f"{turn}/y": -step, f"{turn}/y/min_rank": 0}
         layouts.append(r._layout)
     assert len(set(map(id, layouts[1:]))) == 1 and sorted(layouts[-1].kinds) == ["a/x", "a/y", "b/x", "b/y"]
+
+
+
+class _UnreadableAtStep2:
+    """A collector of the user's whose sample at step 2 holds a tensor the packs cannot read."""
+
+    name, after, writes = "odd", (), ("m/",)
+
+    def __init__(self, case: str) -> None:
+        self.case = case
+
+    def take_samples(self, ctx):
+        import torch
+
+        from distmetrics.reduce import Sample
+
+        if ctx.step != 2:
+            return [Sample("m/x", 1.0, "mean")]
+        meta = torch.ones((), device="meta")
+        return [{"value": Sample("m/x", meta, "mean"), "weight": Sample("m/x", 1.0, "mean", weight=meta),
+                 "sparse vector": Sample("m/v", torch.ones(2).to_sparse(), "max", names=("m/v/a", "m/v/b"))}[self.case]]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("case,said", [
+    ("value", "Sample 'm/x': its value is a tensor on the meta device, which holds no value"),
+    ("weight", "Sample 'm/x': its weight is a tensor on the meta device"),
+    ("sparse vector", "Sample 'm/v': its value is a torch.sparse_coo tensor")])
+def test_a_user_sample_holding_a_tensor_no_pack_can_read_fails_its_collector_before_any_collective(tmp_path, case,
+                                                                                                   said):
+    """A tensor on the meta device (or a sparse one) failed inside the packs with a bare NotImplementedError,
+    after the log step's first collective (the other ranks waiting), and the record was lost. Refused in the
+    collector's take_samples, as monitor.record refuses one: the record is written without it."""
+    import distmetrics as dm
+
+    config = quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path))
+    with dm.Monitor(config, collectors=[_UnreadableAtStep2(case)]) as monitor:
+        monitor.step(1, loss=1.0)
+        with pytest.raises(dm.CollectorFailed, match=re.escape(said)):
+            monitor.step(2, loss=2.0)
+        monitor.step(3, loss=3.0)
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["step"], r["train/loss"], r.get("m/x")) for r in records] == [(1, 1.0, 1.0), (2, 2.0, None),
+                                                                              (3, 3.0, 1.0)], records

@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 from ..guard import HangError
 from ..names import RECORD_KEYS, check_name, name_problem, written_names
 from ..reduce import Sample
+from ..samples import check_tensors
 from .writes import ForeignNames, check_after, check_declared, check_writes
 
 logger = logging.getLogger("distmetrics")
@@ -255,6 +256,9 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
     name the rules of ``monitor.record``'s refuse (not where the collector is made from one of the
     Monitor's). Samples of the same names and kinds as at the last log step (``memo``) passed then."""
     got = list(got)
+    for sample in got:  # values change at every log step: checked at each
+        if isinstance(sample, Sample):
+            check_tensors(sample)
     shape = tuple((s.names if s.names is not None else s.name, s.reduce) if isinstance(s, Sample) else None
                   for s in got)
     last = memo.get(collector.name)
