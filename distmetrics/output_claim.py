@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
 import weakref
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .sinks.appendfile import describe_os_error
+from .sinks.jsonl import METRICS_FILE
 
-__all__ = ["OutputClaim", "output_dir_problem", "unmakeable"]
+__all__ = ["OutputClaim", "output_dir_problem", "unmakeable", "not_files"]
 
 logger = logging.getLogger("distmetrics")
 _LOCK_TRIES = 5
@@ -41,6 +43,10 @@ class OutputClaim:
         if not _writes_there(config):
             return
         path = Path(config.output_dir)
+        odd = not_files(config, path)
+        if odd:
+            self.problem = f"output_dir={str(path)!r} cannot be written on the writer rank ({socket.gethostname()}): {odd}"
+            return
         for _ in range(_LOCK_TRIES):
             if not self._lock(path) or self._held is not None or self.problem is not None:
                 return
@@ -139,7 +145,7 @@ def output_dir_problem(config: Any) -> Optional[str]:
     that is the state of a moment, not of the config."""
     if not _writes_there(config):
         return None
-    problem = unmakeable(Path(config.output_dir))
+    problem = unmakeable(Path(config.output_dir)) or not_files(config, Path(config.output_dir))
     if not problem:
         return None
     return (f"output_dir={config.output_dir!r} cannot be written: {problem}; accepted: a folder the writer rank can "
@@ -166,6 +172,22 @@ def unmakeable(folder: Path) -> str:
             except OSError as err:  # made, so it can be: only its removal failed, said, not a refusal
                 logger.warning("distmetrics: could not remove the folder %s made to check %s (%s)", made, part, err)
             return ""
+    return ""
+
+
+def not_files(config: Any, folder: Path) -> str:
+    """Which of the run's own files in ``folder`` is a named pipe, '' if none: the writer reads metrics.jsonl's
+    last record and progress.txt at start-up (a resumed run's), and from a named pipe it waited for a writer
+    forever, the other ranks at the start-up gather. (A folder there fails that read at once: that sink is
+    turned off with a warning, as a sink that fails is.)"""
+    for name, on in ((METRICS_FILE, config.json_log), ("progress.txt", config.log_progress)):
+        path = folder / name
+        try:
+            pipe = on and stat.S_ISFIFO(os.stat(path).st_mode)
+        except OSError:  # none there (or no folder): nothing to wait on
+            continue
+        if pipe:
+            return f"{path} is a named pipe (FIFO), not a file: the writer would wait on it forever"
     return ""
 
 

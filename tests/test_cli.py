@@ -277,6 +277,10 @@ def test_check_config_refuses_the_folders_the_monitor_cannot_make_and_makes_none
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")  # a folder cannot be made under a file, nor the file be one
+    odd = {name: tmp_path / f"odd_{name}" for name in ("metrics.jsonl", "progress.txt")}
+    for name, folder in odd.items():  # the writer read its last record there at start-up and waited forever
+        folder.mkdir()
+        os.mkfifo(folder / name)
     inspect = ["tensor_inspect.enabled=true", f"tensor_inspect.features={ROOT / 'configs' / 'tensor_stats_cpu.yaml'}"]
     quiet = ["console=false", "tensorboard=false", "hang_timeout_s=20"]
     cases = [  # (the overrides, what both the Monitor and check-config say)
@@ -284,6 +288,8 @@ def test_check_config_refuses_the_folders_the_monitor_cannot_make_and_makes_none
          f"tensor_inspect.log_dir: nvdlfw-inspect's log folder {str(blocker / 'x')!r} cannot be made"),
         ([f"output_dir={blocker}"], f"output_dir={str(blocker)!r} cannot be written"),
         (["output_dir=/proc/nope/x"], "output_dir='/proc/nope/x' cannot be written"),
+        *(([f"output_dir={folder}"], f"{folder / name} is a named pipe (FIFO), not a file")
+          for name, folder in odd.items()),
     ]
     for rank_said in run_ranks(_monitor_refusals, 2, [overrides + quiet for overrides, _ in cases], timeout=180):
         for said, (_, message) in zip(rank_said, cases):
