@@ -20,7 +20,7 @@ from .flops import model_flops_per_token
 from .overrides import apply_overrides, exponent_numbers, source_of
 from .redaction import redact_mapping
 from .validation import (ConfigError, check_file_keys, check_types, checked_keywords, floats_of_ints, non_text_key,
-                         paths_as_text)
+                         paths_as_text, paths_without_nul)
 from .yamlfile import ConfigLoader, read_yaml
 
 __all__ = ["MetricsConfig", "TensorInspectConfig", "ConfigError", "parse_overrides", "read_yaml",
@@ -71,6 +71,7 @@ class TensorInspectConfig:
     def __post_init__(self) -> None:
         paths_as_text(self, ("features", "feature_dirs", "log_dir"))
         check_types(self, "tensor_inspect.")
+        paths_without_nul(self, "tensor_inspect.", ("features", "feature_dirs", "log_dir"))
         if self.init_training_step < 0:
             raise ConfigError(
                 f"tensor_inspect.init_training_step={self.init_training_step!r}: "
@@ -223,6 +224,7 @@ class MetricsConfig:
             raise ConfigError(_not_a_section(self.tensor_inspect))
         paths_as_text(self, ("output_dir", "tensorboard_dir", "wandb_save_dir"))
         check_types(self, "", _ACCEPTED)
+        paths_without_nul(self, "", ("output_dir", "tensorboard_dir", "wandb_save_dir"))
         _require(self, "log_interval", self.log_interval >= 1, "integers >= 1")
         _require(self, "verbosity", self.verbosity in (-1, 0, 1), "-1, 0 or 1")
         _require(self, "timing_log_level", self.timing_log_level in (-1, 0, 1, 2), "-1, 0, 1 or 2")

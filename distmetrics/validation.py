@@ -96,6 +96,18 @@ def paths_as_text(obj: Any, keys: tuple[str, ...]) -> None:
         object.__setattr__(obj, key, value)
 
 
+def paths_without_nul(obj: Any, prefix: str, keys: tuple[str, ...]) -> None:
+    """Refuse a path key (or an item of a list of them) holding a NUL character, which no file system
+    takes: it passed every check and failed where the writer opened the path, with a bare ``ValueError:
+    embedded null byte`` naming no key (on the writer rank alone, the others waiting)."""
+    for key in keys:
+        value = getattr(obj, key)
+        for item in value if isinstance(value, list) else (value,):
+            if isinstance(item, str) and "\0" in item:
+                raise ConfigError(f"{prefix}{key}={value!r}: a path holds no NUL character ('\\x00'); accepted values "
+                                  "are paths without one")
+
+
 def floats_of_ints(obj: Any) -> None:
     """An int given to a float field of a checked config dataclass becomes a float (``num_params=10**21``
     is ``1e21``). Done after every check, whose messages name the value as given."""

@@ -441,6 +441,30 @@ def test_a_blank_path_or_name_is_refused_naming_the_key_and_none_keeps_its_meani
         assert config.resolved_tensorboard_dir == "runs/default/tensorboard"
 
 
+def test_a_path_holding_a_nul_character_is_refused_naming_the_key(tmp_path, capsys):
+    """check-config said ok and Monitor() failed on the writer alone with a bare ``ValueError: embedded
+    null byte`` naming no key, the other ranks waiting (tensorboard_dir: after the start-up gather)."""
+    message = "a path holds no NUL character ('\\x00'); accepted values are paths without one"
+    for section, key, value in (("", "output_dir", "runs/a\0b"), ("", "tensorboard_dir", "tb\0"),
+                                ("", "wandb_save_dir", "\0"), ("tensor_inspect.", "log_dir", "x\0"),
+                                ("tensor_inspect.", "features", "f\0.yaml"),
+                                ("tensor_inspect.", "feature_dirs", ["ok", "a\0"])):
+        given = {key: value} if not section else {"tensor_inspect": {key: value}}
+        with pytest.raises(ConfigError, match=re.escape(f"{section}{key}={value!r}: {message}")):
+            dm.MetricsConfig(**given)
+    config = dm.MetricsConfig(output_dir=str(tmp_path))
+    config.output_dir = f"{tmp_path}/a\0b"  # set after construction: checked by the Monitor
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        dm.Monitor(config)
+    from distmetrics.cli import main  # check-config, with the value in a file
+
+    path = tmp_path / "nul.yaml"
+    path.write_text('output_dir: "runs/a\\0b"\n')  # YAML's escape of NUL in a double-quoted string
+    capsys.readouterr()
+    assert main(["check-config", str(path)]) == 2
+    assert f"output_dir={'runs/a' + chr(0) + 'b'!r}: {message}" in capsys.readouterr().err
+
+
 def test_a_blank_tensor_inspect_log_dir_is_refused_and_none_keeps_the_default(tmp_path):
     """tensor_inspect.log_dir="  " made nvdlfw-inspect's log folder a folder named by two spaces;
     like the other text keys whose None means something, a blank one is refused naming the key."""
