@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 
 def checked_keywords(prefix: str):
     """Make unknown keyword arguments a :class:`ConfigError` naming the closest key (the
-    dataclass's own ``__init__`` would raise a bare ``TypeError``)."""
+    dataclass's own ``__init__`` would raise a bare ``TypeError``), and so an attribute set that is not a
+    field (``config.log_intervall = 2``)."""
     def wrap(cls: type) -> type:
         generated = cls.__init__
 
@@ -39,7 +40,14 @@ def checked_keywords(prefix: str):
                     raise ConfigError(unknown_key(prefix, key, known, values[key]))
             generated(self, **values)
 
+        def __setattr__(self, key: str, value: Any) -> None:  # a misspelt field set after construction
+            if key not in fields:  # was an attribute the Monitor never read, without a word
+                raise ConfigError(unknown_key(prefix, key, fields, value))
+            object.__setattr__(self, key, value)
+
+        fields = frozenset(f.name for f in dataclasses.fields(cls))
         cls.__init__ = __init__
+        cls.__setattr__ = __setattr__
         return cls
     return wrap
 

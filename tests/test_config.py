@@ -396,6 +396,20 @@ def test_a_config_file_not_found_by_a_relative_path_names_the_working_directory(
         dm.MetricsConfig.from_yaml("configs/metrics.yaml")
 
 
+def test_a_misspelt_key_set_on_a_config_after_it_was_made_is_refused_at_once(tmp_path):
+    """``config.log_intervall = 2`` made an attribute no one read: the Monitor logged every 10 steps,
+    without a word."""
+    config = dm.MetricsConfig(output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'log_intervall' (value 2); did you mean "
+                                                    "'log_interval'?")):
+        config.log_intervall = 2
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'tensor_inspect.enabeld' (value True); did "
+                                                    "you mean 'tensor_inspect.enabled'?")):
+        config.tensor_inspect.enabeld = True
+    config.log_interval = 2  # a field: set, and checked by the Monitor
+    assert not hasattr(config, "log_intervall") and config.log_interval == 2
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("log_interval", 0, "log_interval=0: accepted values are integers >= 1"),
     ("log_interval", 2.5, "log_interval=2.5 has type float; accepted: int"),
