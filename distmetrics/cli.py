@@ -22,6 +22,7 @@ from typing import Optional
 
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
 from .output_claim import output_dir_problem
+from .overrides import source_of
 from .report import MissingExtra
 from .runlog import TRAINING_KINDS, Records, end_note, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
@@ -122,10 +123,10 @@ def run_check_config(args: argparse.Namespace) -> str:
     config = MetricsConfig.from_yaml(args.path, args.overrides)
     try:
         return _checked_beyond_the_file(args, config)
-    except (ValueError, OSError) as err:  # what the file's values lead to: said with the file, as its own checks are
-        if str(args.path) in str(err):
+    except (ValueError, OSError) as err:  # what the values lead to: said with the override or the file that set
+        if str(args.path) in str(err):  # them, as the config's own checks say them
             raise
-        raise ConfigError(f"{args.path}: {err}") from err
+        raise ConfigError(source_of(str(err), args.overrides, Path(args.path))) from err
 
 
 def _checked_beyond_the_file(args: argparse.Namespace, config: MetricsConfig) -> str:

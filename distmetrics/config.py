@@ -325,6 +325,11 @@ class MetricsConfig:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
+        if not isinstance(overrides, (str, bytes, list)):  # a generator or a tuple: read once, then named from
+            try:
+                overrides = list(overrides)
+            except TypeError:
+                raise ConfigError(f"overrides are a list of 'key=value' strings, got {overrides!r:.100}") from None
         # the sections copied: overrides go into nested ones, and the config keeps what it was built from
         merged = apply_overrides(cls, _copy_sections(values), overrides)
         try:

@@ -88,11 +88,13 @@ def apply_overrides(root: type, values: dict, items: list[str]) -> dict:
 
 
 def source_of(message: str, overrides: list[str], path: Optional[Path]) -> str:
-    """``message`` (which names the keys at fault as ``key=value``, the first at its start) led by
-    where a value came from: the last override that set one of them or a section holding it
-    (``enabled=true`` given by an override makes the file's missing ``features`` an error), else
-    the file."""
-    for key in re.findall(r"(?:^|(?<=\s))([\w.]+)(?==)", message):
+    """``message`` (which names the keys at fault as ``key=value``, the first at its start, or leads with
+    ``key:``) led by where a value came from: the last override that set one of them or a section holding
+    it (``enabled=true`` given by an override makes the file's missing ``features`` an error), else the
+    file."""
+    keys = re.findall(r"(?:^|(?<=\s))([\w.]+)(?==)", message)
+    lead = re.match(r"([\w.]+):", message)  # 'tensor_inspect.features: file ... does not exist'
+    for key in ([lead.group(1)] if lead else []) + keys:
         for item in reversed(overrides):
             set_key = item.split("=", 1)[0].strip()
             if key == set_key or key.startswith(set_key + "."):

@@ -242,10 +242,20 @@ def test_check_config_applies_the_monitors_tensor_inspection_checks(tmp_path):
     assert refused.returncode == 2 and "allow_custom_feature_dirs" in refused.stderr
     missing = _run("check-config", "configs/metrics.yaml", "tensor_inspect.enabled=true",
                    f"tensor_inspect.features={tmp_path / 'nope.yaml'}")
-    # named with the config file, as the file's own values are (it was the features file alone)
+    # named with the override that set it, as the config's own checks name a value (it named the config file,
+    # and before that the features file alone)
     assert missing.returncode == 2
-    assert missing.stderr.startswith("error: configs/metrics.yaml: tensor_inspect.features: "), missing.stderr
+    assert missing.stderr.startswith(f"error: override 'tensor_inspect.features={tmp_path / 'nope.yaml'}': "
+                                     "tensor_inspect.features: "), missing.stderr
     assert "does not exist" in missing.stderr
+    config = tmp_path / "config.yaml"  # set by the file: named with the file
+    config.write_text(f"tensor_inspect: {{enabled: true, features: {tmp_path / 'nope.yaml'}}}\noutput_dir: /proc/x\n")
+    for extra, lead in (((), f"error: {config}: tensor_inspect.features: "),
+                        (("tensor_inspect.enabled=false",), f"error: {config}: output_dir='/proc/x' cannot be written"),
+                        (("tensor_inspect.enabled=false", "output_dir=/proc/y"),
+                         "error: override 'output_dir=/proc/y': output_dir='/proc/y' cannot be written")):
+        said = _run("check-config", config, *extra)
+        assert said.returncode == 2 and said.stderr.startswith(lead), (extra, said.stderr)
     ok = _run("check-config", "configs/metrics.yaml", *inspect)
     assert ok.returncode == 0 and "tensor_inspect: 1 section(s)" in ok.stdout, ok.stderr
 

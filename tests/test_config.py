@@ -707,3 +707,15 @@ def test_path_keys_take_path_objects_as_their_text(tmp_path):
     with dm.Monitor(config) as monitor:
         monitor.step(1, loss=2.0)
     assert [r["train/loss"] for r in dm.read_jsonl(tmp_path / "later" / "metrics.jsonl") if "train/loss" in r] == [2.0]
+
+
+def test_overrides_given_as_any_iterable_are_read_once_and_name_themselves():
+    """A generator of overrides failed with ``TypeError: 'generator' object is not reversible`` where
+    one of them was refused (the error looked for the override that set the value)."""
+    path = ROOT / "configs" / "metrics.yaml"
+    with pytest.raises(ConfigError, match=re.escape("override 'log_interval=0': log_interval=0: accepted values")):
+        dm.MetricsConfig.from_yaml(path, (item for item in ["log_interval=0"]))
+    assert dm.MetricsConfig.from_yaml(path, iter(["log_interval=3"])).log_interval == 3
+    assert dm.MetricsConfig.from_dict({}, ("log_interval=4",)).log_interval == 4
+    with pytest.raises(ConfigError, match="overrides are a list of 'key=value' strings, got 5"):
+        dm.MetricsConfig.from_yaml(path, 5)
