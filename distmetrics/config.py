@@ -262,6 +262,9 @@ class MetricsConfig:
         term needs all of num_layers, hidden_size and seq_length (with one missing it would be left
         out without a word, and MFU read low), and every part needs num_params, which the FLOPs
         start from."""
+        if self.num_params is not None and self.num_active_params is not None:  # with flops_per_token too
+            _require(self, "num_active_params", self.num_active_params <= self.num_params,
+                     f"at most num_params ({self.num_params!r}): the parameters one token uses are some of the model's")
         if self.flops_per_token is not None:
             return
         attention = {name: getattr(self, name) for name in ("num_layers", "hidden_size", "seq_length")}
@@ -271,9 +274,6 @@ class MetricsConfig:
             raise ConfigError(f"{', '.join(given)} without {' and '.join(missing)}: the attention term "
                               "of flops_per_token (L·h·s) needs num_layers, hidden_size and seq_length together; "
                               "give all three, or none for 6·N alone")
-        if self.num_params is not None and self.num_active_params is not None:
-            _require(self, "num_active_params", self.num_active_params <= self.num_params,
-                     f"at most num_params ({self.num_params!r}): the parameters one token uses are some of the model's")
         if self.num_params is None:
             parts = given + ([f"num_active_params={self.num_active_params!r}"]
                              if self.num_active_params is not None else [])

@@ -302,6 +302,10 @@ def test_a_partial_model_description_is_refused_not_left_out_of_mfu(keys, messag
     whole = dm.MetricsConfig(num_params=7e9, num_layers=32, hidden_size=4096, seq_length=4096, num_active_params=1e9)
     assert whole.resolved_flops_per_token == 6 * 1e9 + 6 * 32 * 4096 * 4096
     assert dm.MetricsConfig(num_params=7e9).resolved_flops_per_token == 6 * 7e9  # 6·N alone
+    if keys.get("num_active_params", 0) > keys.get("num_params", math.inf):  # refused beside flops_per_token too,
+        with pytest.raises(ConfigError, match=message):  # as the README says (it was accepted there)
+            dm.MetricsConfig(flops_per_token=5e10, **keys)
+        return
     given = dm.MetricsConfig(flops_per_token=5e10, **keys)  # flops_per_token given: the description is not used
     assert given.resolved_flops_per_token == 5e10
 
