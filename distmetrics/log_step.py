@@ -39,7 +39,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
     try:
         ctx.reduced = monitor._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
-        failed = left_out_failed(metrics, ctx.reduced, monitor.collectors, monitor._foreign.checked)
+        failed = left_out_failed(metrics, ctx.reduced, monitor.collectors, monitor._foreign.checked,
+                                 monitor._reducer.writers)
         misnamed = misnamed_elsewhere(metrics, misnamed, failed)
         train = monitor._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx

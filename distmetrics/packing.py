@@ -17,8 +17,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest", "value_device",
-           "mean_parts", "decode_sum", "decode_all", "host_number", "host_values", "tuple_getter",
+__all__ = ["PackLayout", "Pieces", "entries_of", "written_entries", "encode_entries", "decode_entries", "digest",
+           "value_device", "mean_parts", "decode_sum", "decode_all", "host_number", "host_values", "tuple_getter",
            "gather_single", "global_rank", "CONTROL_LANES"]
 
 Number = Union[int, float, torch.Tensor]
@@ -233,6 +233,19 @@ def entries_of(samples: list) -> list[tuple[str, str]]:
             out.append((s.name, s.reduce))
         else:
             out.extend((name, s.reduce) for name in s.names)
+    return out
+
+
+def written_entries(samples: list) -> list[tuple]:
+    """(name, reduce) of every element of the samples, and the writer where a user's collector handed it
+    over: (name, reduce, writer) — what ranks negotiate."""
+    out: list[tuple] = []
+    for s in samples:
+        tail = (s.writer,) if s.writer else ()
+        if s.names is None:
+            out.append((s.name, s.reduce, *tail))
+        else:
+            out.extend((name, s.reduce, *tail) for name in s.names)
     return out
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .maxkeys import HOST_DECODE_LANES, decode_max
 from .packing import (CONTROL_LANES, PackLayout, collective_device, decode_all, decode_entries, decode_sum, digest,
-                      encode_entries, entries_of, gather_single, global_rank, value_device)
+                      encode_entries, entries_of, gather_single, global_rank, value_device, written_entries)
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
 from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
@@ -62,6 +62,11 @@ KEPT_NEGOTIATIONS = 4
 """A name of the agreed layout that no rank sends at a negotiation stays in the layout (absent: its
 reduction's identity, never written) through this many negotiations in a row: name sets that take
 turns between log steps settle on their union instead of negotiating again at every log step."""
+
+
+def _writer(name: str) -> str:
+    """Who sent a name, for a message: a user's collector, or the Monitor."""
+    return f"the {name!r} collector" if name else "the Monitor (monitor.record, monitor.step or its own collectors)"
 
 
 def _written_clashes(union: dict[str, str], origin: Optional[dict[str, int]] = None) -> dict[str, str]:
@@ -119,6 +124,9 @@ class Reducer:
         self.kinds = self._kinds
         """Every name's reduce kind on this rank so far (read only: a collector's samples checked ahead)."""
         self._agreed: dict[str, str] = {}  # every name's kind in any agreed layout: the same on every rank
+        self.writers: dict[str, str] = {}
+        """The names of the agreed layout that a user's collector sends, and its name (the same on every rank):
+        a rank that sends one from another writer negotiates again, and is refused."""
         self.refused: Optional[ValueError] = None
         """Names whose reduce kind differs between ranks (or from an earlier log step), or that would
         write one key, found by the last negotiation: left out of this reduction (the rest of a vector
@@ -195,7 +203,8 @@ class Reducer:
                     self._layout = None
             if self._layout is None or not self._fits(samples):
                 union = dict(entries_of(samples))
-                samples = self._settle(samples, union, {}, dict.fromkeys(union, 0))
+                writers = {entry[0]: entry[2] for entry in written_entries(samples) if len(entry) > 2}
+                samples = self._settle(samples, union, {}, dict.fromkeys(union, 0), writers)
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
             if self._refusals is not None:  # the rest is written, then the caller raises
                 self.refused = self._refusals.error()
@@ -280,13 +289,20 @@ class Reducer:
         return list(samples)
 
     def _fits(self, samples: list[Sample]) -> bool:
-        """Are all of this rank's names in the cached layout with their kinds?"""
-        kinds = self._layout.kinds
+        """Are all of this rank's names in the cached layout with their kinds and writers?"""
+        kinds, writers = self._layout.kinds, self.writers
         for s in samples:
             if s.names is None:
                 if kinds.get(s.name) != s.reduce:
                     return False
+                name = s.name
             elif self._layout.vector_base(s.names, s.reduce) is None:
+                return False
+            elif not s.names:
+                continue
+            else:
+                name = s.names[0]  # a vector's elements are one writer's
+            if (writers.get(name, "") if writers else "") != s.writer:  # and from the writer agreed
                 return False
         return True
 
@@ -297,7 +313,7 @@ class Reducer:
         kind differs between ranks, or from an earlier log step, and two names that would write one
         key, are left out (every rank sees the same payloads, so every rank leaves them out) and kept
         for later log steps; returns ``samples`` without those names (a vector keeps its other elements)."""
-        payload = encode_entries(sorted(entries_of(samples)))
+        payload = encode_entries(sorted(written_entries(samples)))
         world = dist.get_world_size(self.group)
         device = self.device
         head = torch.tensor([digest(payload), len(payload)], dtype=torch.int64, device=device)
@@ -313,6 +329,7 @@ class Reducer:
         refused: dict[str, str] = {}  # name -> why
         origin: dict[str, int] = {}  # name -> the (global) rank that sent it first, for messages
         senders: dict[int, tuple[int, int]] = {}
+        writers: dict[str, str] = {}  # name -> the user's collector that sent it first ('' for the Monitor's)
         for r, (name_set, size) in enumerate(rows):
             senders.setdefault(name_set, (r, size))
         for sender, size in sorted(senders.values()):
@@ -327,15 +344,20 @@ class Reducer:
                 self.collectives += 1
                 self.negotiation_bytes += size
             rank = global_rank(self.group, sender)
-            for name, kind in decode_entries(bytes(buffer.cpu().numpy()) if sender != me else payload):
+            for name, kind, *writer in decode_entries(bytes(buffer.cpu().numpy()) if sender != me else payload):
                 origin.setdefault(name, rank)
                 if union.setdefault(name, kind) != kind and name not in refused:
                     refused[name] = (f"metric {name!r} is reduced as {union[name]!r} on rank {origin[name]} and "
                                      f"{kind!r} on rank {rank}; every rank must use the same reduce kind for a name")
-        return self._settle(samples, union, refused, origin)
+                by = writer[0] if writer else ""
+                if writers.setdefault(name, by) != by and name not in refused:
+                    refused[name] = (f"metric {name!r} is sent by {_writer(writers[name])} on rank {origin[name]} "
+                                     f"and by {_writer(by)} on rank {rank}: a name is one writer's (the two writers' "
+                                     "values would be reduced as one metric); give one of them another name")
+        return self._settle(samples, union, refused, origin, writers)
 
     def _settle(self, samples: list[Sample], union: dict[str, str], refused: dict[str, str],
-                origin: dict[str, int]) -> list[Sample]:
+                origin: dict[str, int], writers: dict[str, str]) -> list[Sample]:
         """The layout of the names sent (``union``: the same on every rank), less those refused (``refused``,
         found while the ranks' names were joined, and those refused here), and the refusals; returns
         ``samples`` without the refused names. A single process settles its own names here too: two of them
@@ -368,6 +390,8 @@ class Reducer:
         for name in _written_clashes({**union, **kept}) if kept else ():  # with a name sent now: not kept
             kept.pop(name, None)
         self._layout = PackLayout([*union.items(), *kept.items()])
+        self.writers = {name: by for name in (*union, *kept)
+                        if (by := writers.get(name) if name in union else self.writers.get(name))}
         self._refusals = Refusals(refused) if refused else None
         return samples if self._refusals is None else self._refusals.first(samples)
 

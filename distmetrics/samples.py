@@ -43,6 +43,9 @@ class Sample:
     """For ``minmax``: the value for the min lane when it differs (an interval's minimum)."""
     names: Optional[tuple] = None
     """Element names of a vector sample."""
+    writer: str = field(default="", repr=False, compare=False)
+    """The user's collector that handed it over ('' for the Monitor's own samples and ``monitor.record``'s),
+    set by the log step: ranks that send one name from two writers are refused (:mod:`distmetrics.reduce`)."""
 
     def __post_init__(self) -> None:
         # Refused here, in the collector's take_samples, not in a pack after some collective:

@@ -294,6 +294,68 @@ def test_names_that_collide_only_across_ranks_raise_on_every_rank(tmp_path):
             assert message.endswith("(left out of this record)"), message
 
 
+class _Sends:
+    """A collector of the user's that hands over one sum on its rank only."""
+
+    after, writes = (), ()
+
+    def __init__(self, name: str, metric: str, value: float, rank: int, on: int) -> None:
+        self.name, self.metric, self.value, self.rank, self.on = name, metric, value, rank, on
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        return [dm.Sample(self.metric, self.value, "sum")] if self.rank == self.on else []
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _one_name_two_writers(rank: int, world: int, root: str) -> dict:
+    import distmetrics as dm
+
+    collectors = [_Sends("mine", "foo", 5.0, rank, 0), _Sends("a", "bar", 2.0, rank, 0),
+                  _Sends("b", "bar", 3.0, rank, 1)]
+    monitor = dm.Monitor(quiet_config(log_interval=1, hang_timeout_s=TIMEOUT_S, json_log=True, output_dir=root),
+                         collectors=collectors)
+    out = {}
+    for step in (1, 2, 3):
+        if rank == 1 and step < 3:
+            monitor.record("foo", 7.0, reduce="sum")
+        if step == 3:
+            collectors[2].on = -1  # 'b' sends nothing more
+        monitor.record("ok", 1.0, reduce="sum")
+        out[str(step)] = _outcome(lambda: monitor.step(step))
+    monitor.close()
+    return out
+
+
+def test_one_name_from_two_writers_on_different_ranks_is_refused_on_every_rank(tmp_path):
+    """A collector's ``foo`` on rank 0 and ``monitor.record("foo")`` on rank 1 (or two collectors' ``bar``)
+    were summed into one value, 12.0, without a word; on one rank the same is refused. The ranks agree each
+    name with its writer: both names are left out and raised on every rank while both writers send them,
+    and written again once one stops."""
+    import distmetrics as dm
+
+    results = run_ranks(_one_name_two_writers, 2, str(tmp_path), timeout=120)
+    for result in results:
+        for step in "12":
+            kind, message, _ = result[step]
+            assert kind == "ValueError", (step, result[step])
+            assert ("metric 'foo' is sent by the 'mine' collector on rank 0 and by the Monitor (monitor.record, "
+                    "monitor.step or its own collectors) on rank 1: a name is one writer's") in message, message
+            assert "metric 'bar' is sent by the 'a' collector on rank 0 and by the 'b' collector on rank 1" in message
+        assert result["3"][0] == "ok", result["3"]
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records[:2]:
+        assert record["ok"] == 2.0 and "foo" not in record and "bar" not in record, record
+    assert records[2]["ok"] == 2.0 and records[2]["bar"] == 2.0, records[2]
+
+
 def test_names_that_collide_in_a_single_process_are_refused_as_across_ranks(tmp_path):
     """A single process (no process group) settles its names as a negotiation does: a collector's ``y``
     as ``minmax`` beside its ``y/max`` (and ``w`` as ``all`` beside ``w/rank0``) wrote the second value

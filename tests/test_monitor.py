@@ -749,7 +749,7 @@ class _Undeclared(_Flaky):
 
         if ctx.step == 4 and self.rank == 0:
             raise RuntimeError("a failure on the writer")
-        return [dm.Sample("und/ranks", 1.0, "sum")]
+        return [dm.Sample("und/ranks", 1.0, "sum")] + ([dm.Sample("und/rank1", 5.0, "sum")] if self.rank else [])
 
     def finalize(self, metrics, ctx):
         return []
@@ -777,7 +777,8 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     without that collector's samples and its error raised after it, on every rank, naming it. Its values
     from the ranks where it did not raise were written under its names (rank 0's alone: a sum of part of
     the ranks, with no mark) and its finalize read them: now they are left out on every rank, where it
-    declares them in writes and where it has handed them over on the writer before."""
+    declares them in writes, where it has handed them over on the writer before, and where another rank
+    sent them alone (``und/rank1``: the ranks agree each name with its writer)."""
     import distmetrics as dm
 
     results = run_ranks(_collector_raises, 2, str(tmp_path), timeout=120)
@@ -799,6 +800,7 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     assert not any(key.startswith("flaky/") for key in records[2]), records[2]  # rank 0's alone is not the metric
     assert records[4]["flaky/steps"] == 2.0 and records[4]["flaky/seen"] == 2.0
     assert records[2]["und/ranks"] == 2.0 and "und/ranks" not in records[4] and records[6]["und/ranks"] == 2.0
+    assert records[2]["und/rank1"] == records[6]["und/rank1"] == 5.0 and "und/rank1" not in records[4], records[4]
     assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
 
 

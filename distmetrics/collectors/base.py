@@ -212,9 +212,12 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
             continue
         if taken:
             elsewhere += taken.values()
+        writer = collector.name if foreign is not None and foreign.users(collector) else ""
         for sample in got:
             key = _record_key(sample)
             if key is None:
+                if writer:  # a user's: ranks that send one name from two writers are refused (the reduction's)
+                    sample.writer = writer
                 samples.append(sample)
             else:
                 what = f"a vector sample {sample.name!r} with an element" if sample.names is not None else "a sample"
@@ -314,14 +317,16 @@ _ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.jo
               FOREIGN: "a sample named as a name another writer writes"}
 
 
-def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[Any], memo: dict[str, tuple]) -> tuple:
+def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[Any], memo: dict[str, tuple],
+                    writers: Optional[dict[str, str]] = None) -> tuple:
     """The names of the user's collectors whose ``take_samples`` raised on some rank at this log step
     (the reduced :data:`FAILED_BY` lanes, taken out of ``metrics``), and their values taken out of
     ``metrics`` on every rank: reduced from the ranks where it did not raise, a value was part of
     the metric under its full name (a sum over some ranks). Its values: the names it declares in
-    ``writes``, its own lanes ``_<name>/``, and the names it handed over on this rank at this log
+    ``writes``, its own lanes ``_<name>/``, the names it handed over on this rank at this log
     step or, where it raised here, at the last one it handed over any (``memo``, of
-    :func:`take_samples`'s checks)."""
+    :func:`take_samples`'s checks), and the names of the agreed layout that it sent on any rank
+    (``writers``, the reducer's: a name only other ranks handed over)."""
     lanes = reduced.keys_under((FAILED_BY,)) if reduced is not None else ()
     failed = []
     for key in lanes:
@@ -335,7 +340,8 @@ def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[
         writes = tuple(getattr(collector, "writes", ()))
         keys = set(reduced.keys_under(tuple(w for w in writes if w.endswith("/")) + (f"_{collector.name}/",)))
         sent = memo.get(collector.name, ((), {}))[1]
-        for name in (*(w for w in writes if not w.endswith("/")), *sent):
+        elsewhere = [name for name, by in (writers or {}).items() if by == collector.name]
+        for name in (*(w for w in writes if not w.endswith("/")), *sent, *elsewhere):
             kind = reduced.kinds.get(name)
             if kind is not None:
                 keys.update(written_names(name, kind))
