@@ -3,11 +3,12 @@
 ``monitor.clip_grad_norm_`` and ``monitor.measure_grad_norms`` make their all-reduce at every step
 without the arrival check (its store round trips would cost every step). A rank that skips one clip
 (a condition on a rank's own data) meets the others' next clip with its own, and the total mixes two
-steps' gradients. Where the gradients and the all-reduce are on the CPU (gloo), two lanes ride it carrying the
-Monitor's step on each rank, and every rank raises :class:`~distmetrics.guard.HangError` at the first
-all-reduce the ranks made at different steps, naming each rank's step, before any gradient is scaled.
-On a GPU the lanes would cost a copy to the device and a device sync per call: there the next log
-step's arrival check names the rank (see the README's Limitations).
+steps' gradients. Where the all-reduce runs on the host (gloo: decided by the process group, the same on
+every rank), two lanes ride it carrying the Monitor's step on each rank, and every rank raises
+:class:`~distmetrics.guard.HangError` at the first all-reduce the ranks made at different steps, naming
+each rank's step, before any gradient is scaled. Under NCCL the lanes would cost a copy to the device
+and a device sync per call: there the next log step's arrival check names the rank (see the README's
+Limitations).
 
 The lanes hold ``x``, the step modulo :data:`MODULUS`: ``(x, x²)`` summed (p-norms, p = 0), equal on
 every rank exactly where the sum is ``world`` times an integer ``m`` and the sum of squares ``world·m²``
@@ -40,11 +41,11 @@ def _position(after_step: Optional[int]) -> int:
     return 0 if after_step is None else (int(after_step) + 1) % MODULUS
 
 
-def step_lanes(after_step: Optional[int], kind: str) -> torch.Tensor:
-    """This rank's two lanes for an all-reduce of ``kind`` (see the module docstring), on the host."""
+def step_lanes(after_step: Optional[int], kind: str, device: torch.device) -> torch.Tensor:
+    """This rank's two lanes for an all-reduce of ``kind`` (see the module docstring), on ``device``."""
     x = float(_position(after_step))
     second = x * x if kind in ("sum", "count") else -x
-    return torch.tensor([x, second], dtype=torch.float64)
+    return torch.tensor([x, second], dtype=torch.float64, device=device)
 
 
 def check_steps(reduced: torch.Tensor, kind: str, group: Any, after_step: Optional[int], call: str) -> None:

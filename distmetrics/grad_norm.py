@@ -221,21 +221,21 @@ class GradientNorms:
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
                                route.replica_presence) if replicas.carried(self.layout, self.group) else None
         dtypes, carried = {dtype for _, dtype in groups}, GradDtypes.carried(self.group)
-        # a Monitor's step, where the norms are on the host (read there, they wait for no device)
-        steps = carried and after_step is not NO_STEP and device.type == "cpu"
+        # a Monitor's step, where the collective runs on the host (gloo: decided by the group alone, so every rank
+        # carries the lanes and reads them; gradients on a GPU are copied to the host for it already)
+        steps = carried and after_step is not NO_STEP
         lanes = extra
         if carried:  # the dtypes' lanes after the replica check's, then the steps'
             lanes = self.dtypes.beside(extra, dtypes, kind, device)
             if steps:
-                lanes = torch.cat([lanes, step_lanes(after_step, kind)])
+                lanes = torch.cat([lanes, step_lanes(after_step, kind, device)])
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, lanes,
                             tensors=measured_locals if device.type == "cpu" else None)
         if carried:
-            if steps:
+            if steps:  # before any gradient is scaled: every rank raises
                 measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
-                if measured.on_host:  # before any gradient is scaled: every rank raises
-                    check_steps(reduced, kind, self.group, after_step, call)
+                check_steps(reduced, kind, self.group, after_step, call)
             self.dtypes.take(measured, plan, dtypes)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only

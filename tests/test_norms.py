@@ -312,14 +312,16 @@ def _refused_at_the_call(blocks_only, case: str, rank: int, data) -> dict:
 
 def _host_reads_at_the_clips(model, data) -> dict:
     """Reads of a tensor's value on the host during each of three Monitor clips of averaged (agreeing)
-    plain gradients beside FSDP2 shards, with the measurements taken as on a GPU (``on_host`` False: a CPU
-    measurement may read its values, which waits for nothing), and the record ``close()`` writes."""
+    plain gradients beside FSDP2 shards, with the measurements taken as on a GPU under NCCL (``on_host``
+    False: a CPU measurement may read its values, which waits for nothing; and no lanes of a collective on
+    the host, gloo's, which the dtypes' and the steps' ride), and the record ``close()`` writes."""
     from distmetrics import grad_norm
+    from distmetrics.grad_dtypes import GradDtypes
     from tests.dist_utils import HostReads
 
     import distmetrics as dm
 
-    combine = grad_norm._combine
+    combine, carried = grad_norm._combine, GradDtypes.carried
 
     def as_on_a_gpu(*args, **kwargs):
         kwargs["tensors"] = None  # given on the CPU only, where reading a count waits for nothing
@@ -327,7 +329,7 @@ def _host_reads_at_the_clips(model, data) -> dict:
         measured.on_host = False
         return measured
 
-    reads, grad_norm._combine = [], as_on_a_gpu
+    reads, grad_norm._combine, GradDtypes.carried = [], as_on_a_gpu, staticmethod(lambda group: False)
     try:
         with dm.Monitor(quiet_config(log_interval=10), model=model) as monitor:
             for step in (1, 2, 3):
@@ -341,7 +343,7 @@ def _host_reads_at_the_clips(model, data) -> dict:
     except ValueError as err:
         return {"reads": reads, "error": str(err)}
     finally:
-        grad_norm._combine = combine
+        grad_norm._combine, GradDtypes.carried = combine, carried
 
 
 @pytest.fixture(scope="module")
