@@ -195,16 +195,17 @@ class Reducer:
         if distributed and self.guard is not None:
             self.guard.enter(self.call, tag)
         if not distributed:
+            given = samples
             if self._refusals is not None:  # as between ranks: a clash that lasts is left out again
                 kept, sent = self._refusals.leave_out(samples)
                 if sent == self._refusals.sent:
                     samples = kept
                 else:  # the names refused changed: the clash may be over
                     self._layout = None
-            if self._layout is None or not self._fits(samples):
-                union = dict(entries_of(samples))
-                writers = {entry[0]: entry[2] for entry in written_entries(samples) if len(entry) > 2}
-                samples = self._settle(samples, union, {}, dict.fromkeys(union, 0), writers)
+            if self._layout is None or not self._fits(samples):  # settled as given: a clash that lasts stays
+                union = dict(entries_of(given))
+                writers = {entry[0]: entry[2] for entry in written_entries(given) if len(entry) > 2}
+                samples = self._settle(given, union, {}, dict.fromkeys(union, 0), writers)
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
             if self._refusals is not None:  # the rest is written, then the caller raises
                 self.refused = self._refusals.error()

@@ -32,8 +32,8 @@ class Refusals:
         self.why = why
         self.message = "; ".join(dict.fromkeys(why.values())) + " (left out of this record)"
         self.sent: frozenset = frozenset()
-        """The refused names this rank sent to the negotiation, with their reduce kinds: another set
-        at a later log step (a kind changed back too) raises the stale flag."""
+        """The refused names this rank sent to the negotiation, with their reduce kinds and writers: another
+        set at a later log step (a kind or a writer changed back too) raises the stale flag."""
         self._vectors: dict[tuple, tuple] = {}  # (id(names), reduce) → (names, refused among them, kept names, index)
 
     def error(self) -> ValueError:
@@ -48,13 +48,13 @@ class Refusals:
 
     def leave_out(self, samples: Sequence[Any]) -> tuple[list, frozenset]:
         """``samples`` without the refused names (a vector keeps its other elements, as a vector),
-        and the refused names among them, as (name, reduce kind) pairs."""
+        and the refused names among them, as (name, reduce kind, writer) triples."""
         kept: list = []
         sent: set = set()
         for s in samples:
             if s.names is None:
                 if s.name in self.why:
-                    sent.add((s.name, s.reduce))
+                    sent.add((s.name, s.reduce, s.writer))
                 else:
                     kept.append(s)
                 continue
@@ -62,7 +62,7 @@ class Refusals:
             if not refused:
                 kept.append(s)
                 continue
-            sent.update((name, s.reduce) for name in refused)
+            sent.update((name, s.reduce, s.writer) for name in refused)
             if names:
                 kept.append(_part(s, names, index))
         return kept, frozenset(sent)
