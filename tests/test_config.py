@@ -723,3 +723,5 @@ def test_overrides_given_as_any_iterable_are_read_once_and_name_themselves():
     assert dm.MetricsConfig.from_dict({}, ("log_interval=4",)).log_interval == 4
     with pytest.raises(ConfigError, match="overrides are a list of 'key=value' strings, got 5"):
         dm.MetricsConfig.from_yaml(path, 5)
+    with pytest.raises(ConfigError, match="in order, got a set"):  # two of one key would win by the hash seed
+        dm.MetricsConfig.from_yaml(path, {"log_interval=3", "log_interval=4"})
