@@ -326,7 +326,8 @@ class MetricsConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"metrics config must be a mapping of keys to values, got {type(values).__name__}")
         if isinstance(overrides, (set, frozenset, dict)):  # no order: two of one key would win by chance
-            raise ConfigError(f"overrides are a list of 'key=value' strings, in order, got a {type(overrides).__name__}")
+            raise ConfigError("overrides are a list of 'key=value' strings, in order, got a "
+                              f"{type(overrides).__name__}")
         if not isinstance(overrides, (str, bytes, list)):  # a generator or a tuple: read once, then named from
             try:
                 overrides = list(overrides)

@@ -45,7 +45,8 @@ class OutputClaim:
         path = Path(config.output_dir)
         odd = not_files(config, path)
         if odd:
-            self.problem = f"output_dir={str(path)!r} cannot be written on the writer rank ({socket.gethostname()}): {odd}"
+            self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank ({socket.gethostname()}): "
+                            f"{odd}")
             return
         for _ in range(_LOCK_TRIES):
             if not self._lock(path) or self._held is not None or self.problem is not None:

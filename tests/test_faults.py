@@ -375,7 +375,8 @@ def test_names_that_collide_in_a_single_process_are_refused_as_across_ranks(tmp_
             samples = [dm.Sample("y", 1.0, "minmax"), dm.Sample("w", 3.0, "all"), dm.Sample("ok", 2.0, "sum")]
             if ctx.step == 2:  # a new name while the clash lasts: said all the same
                 samples.append(dm.Sample("z", 1.0, "sum"))
-            return samples + ([dm.Sample("y/max", 99.0, "max"), dm.Sample("w/rank0", 98.0, "sum")] if self.clash else [])
+            clashing = [dm.Sample("y/max", 99.0, "max"), dm.Sample("w/rank0", 98.0, "sum")]
+            return samples + (clashing if self.clash else [])
 
         def finalize(self, metrics, ctx):
             return []
