@@ -228,14 +228,14 @@ class GradientNorms:
         if carried:  # the dtypes' lanes after the replica check's, then the steps'
             lanes = self.dtypes.beside(extra, dtypes, kind, device)
             if steps:
-                lanes = torch.cat([lanes, step_lanes(after_step, kind, device)])
+                lanes = torch.cat([lanes, step_lanes(after_step, kind, device, p, max_norm)])
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, lanes,
                             tensors=measured_locals if device.type == "cpu" else None)
         if carried:
             if steps:  # before any gradient is scaled: every rank raises
                 measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
-                check_steps(reduced, kind, self.group, after_step, call)
+                check_steps(reduced, kind, self.group, after_step, call, p, max_norm)
             self.dtypes.take(measured, plan, dtypes)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only
