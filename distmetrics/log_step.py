@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from .collectors import LogContext
-from .collectors.base import left_out_failed, misnamed_elsewhere, of_ours, take_samples
+from .collectors.base import bad_weights, left_out_failed, misnamed_elsewhere, of_ours, take_samples
 from .collectors.norms import FIRST_STEP
 from .exits import say_log_step_lost
 
@@ -39,13 +39,15 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
     try:
         ctx.reduced = monitor._reducer.reduce(samples, tag=step, steps=steps)
         metrics = ctx.reduced.to_metrics(take=True)  # the Monitor's own dict from here on
+        weighted, weights_refused = bad_weights(metrics, ctx.reduced, step)
         failed = left_out_failed(metrics, ctx.reduced, monitor.collectors, monitor._foreign.checked,
-                                 monitor._reducer.writers)
+                                 monitor._reducer.writers, weighted)
         misnamed = misnamed_elsewhere(metrics, misnamed, failed)
         train = monitor._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
         # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample
-        failure, *said = [e for e in (train.refused, monitor._reducer.refused, misnamed) if e is not None] or [None]
+        failure, *said = [e for e in (train.refused, monitor._reducer.refused, misnamed, weights_refused)
+                          if e is not None] or [None]
         train.refused = monitor._reducer.refused = None
         for other in said:  # one error is raised: the others are said
             logger.warning("distmetrics: step %d: %s", step, other)

@@ -804,6 +804,66 @@ def test_a_collector_whose_take_samples_raises_leaves_the_record_written_without
     assert records[4]["train/consumed_tokens"] == 2 * (10 + 100 + 1000 + 10000)
 
 
+class _Weighted:
+    """A collector of the user's whose means carry tensor weights: at step 2 rank 1's hold a negative one (or NaN)."""
+
+    name, after, writes = "weighted", (), ("w/",)
+
+    def __init__(self, rank: int, bad: float) -> None:
+        self.rank, self.bad = rank, bad
+
+    def take_samples(self, ctx):
+        import torch
+
+        import distmetrics as dm
+
+        weights = torch.tensor([1.0, 3.0])
+        if ctx.step == 2 and self.rank == 1:
+            weights = torch.tensor([1.0, self.bad])
+        return [dm.Sample("w/v", torch.tensor([2.0, 4.0]) + self.rank, "mean", weight=weights, names=("w/a", "w/b")),
+                dm.Sample("w/s", 1.0 + self.rank, "mean", weight=weights[1])]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _bad_tensor_weights(rank: int, world: int, root: str, bad: float) -> list:
+    import distmetrics as dm
+
+    said = []
+    config = quiet_config(output_dir=root, log_interval=1, json_log=True, hang_timeout_s=20.0)
+    with dm.Monitor(config, collectors=[_Weighted(rank, bad)]) as monitor:
+        for step in (1, 2, 3):
+            try:
+                monitor.step(step, loss=1.0)
+                said.append(None)
+            except dm.CollectorFailed as err:
+                said.append(str(err))
+    return said
+
+
+@pytest.mark.parametrize("bad", [-3.0, math.nan])
+def test_a_collectors_tensor_weight_that_is_negative_or_nan_on_one_rank_is_refused_on_every_rank(tmp_path, bad):
+    """A mean's weight given as a tensor is not read at the call (a device sync): rank 1's -3 made w/b's mean
+    (4·3 + 5·(-3)) / 0, and its NaN a NaN, written without a word. Flagged on the device, in a MAX lane of the
+    log step: the record is written without the collector's samples, and every rank raises naming it and the rank."""
+    import distmetrics as dm
+
+    root = tmp_path / "run"
+    for rank, said in enumerate(run_ranks(_bad_tensor_weights, 2, str(root), bad, timeout=120)):
+        assert said[0] is None and said[2] is None, (rank, said)
+        assert said[1] is not None and said[1].startswith(
+            "the 'weighted' collector on rank 1 gave a mean's weight as a tensor holding NaN, inf or a negative "
+            "value in the samples of step 2"), (rank, said)
+    records = [r for r in dm.read_jsonl(root / "metrics.jsonl") if r["kind"] == "train"]
+    for record in (records[0], records[2]):  # (2·1 + 3·1) / 2, (4·3 + 5·3) / 6, (1·3 + 2·3) / 6
+        assert (record["w/a"], record["w/b"], record["w/s"]) == (2.5, 4.5, 1.5), record
+    assert records[1]["train/loss"] == 1.0 and not [key for key in records[1] if key.startswith("w/")], records[1]
+
+
 class _Refused(_Flaky):
     """A collector of the user's that hands over, on rank 1 at log steps 4-14, one sample each that the
     reduction refuses (on rank 0, and at steps 2 and 16, it is well)."""

@@ -36,6 +36,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_checkable
 
+import torch
+
 from ..guard import HangError
 from ..names import RECORD_KEYS, check_name, name_problem, written_names
 from ..reduce import Sample
@@ -185,7 +187,7 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
     elsewhere: list[str] = []  # what each sample under another writer's name was
     failed: Optional[Exception] = None
     for collector in collectors:
-        taken = None
+        taken = weights = None
         try:
             got = collector.take_samples(ctx)
             if foreign is not None and foreign.users(collector):
@@ -195,6 +197,7 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
                     got = [sample for index, sample in enumerate(got) if index not in taken]
                 # what the reducer would refuse before its collectives, on this rank alone (the others waiting)
                 got = _checked(got, seen, kinds or {}, foreign.checked, collector)
+                weights = _weights_lane(collector, got)
         except Exception as err:  # noqa: BLE001 - raised once the record is written, without this collector's
             # samples: raised here, it lost the samples the collectors before it had taken (their intervals begun
             # again), and the record with them, counted nowhere
@@ -212,6 +215,8 @@ def take_samples(collectors: Sequence[Any], ctx: LogContext, foreign: Optional[F
             continue
         if taken:
             elsewhere += taken.values()
+        if weights is not None:
+            samples.append(weights)
         writer = collector.name if foreign is not None and foreign.users(collector) else ""
         for sample in got:
             key = _record_key(sample)
@@ -304,6 +309,41 @@ class CollectorFailed(RuntimeError):
     """A collector's ``take_samples`` raised at a log step: the record was written without its samples."""
 
 
+BAD_WEIGHTS_BY = "_monitor/bad_weights/"
+"""Internal lanes: ``BAD_WEIGHTS_BY + name``, 1 where a mean's weight the collector ``name`` gave as a tensor
+held NaN, inf or a negative value on a rank (a max: the rank in ``/max_rank``), read on the device."""
+
+
+def _weights_lane(collector: Any, got: list) -> Optional[Sample]:
+    """The :data:`BAD_WEIGHTS_BY` lane of a user's collector whose means carry tensor weights, flagged on their
+    device (no sync; a scalar weight is checked when its Sample is made), or None where none does."""
+    flags = [~(torch.isfinite(s.weight) & (s.weight >= 0)).any() for s in got
+             if s.reduce == "mean" and isinstance(s.weight, torch.Tensor)]
+    if not flags:
+        return None
+    flag = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+    return Sample(BAD_WEIGHTS_BY + collector.name, flag.to(torch.float64), "max")
+
+
+def bad_weights(metrics: dict[str, Any], reduced: Any, step: int) -> tuple[tuple, Optional[Exception]]:
+    """The user's collectors some rank flagged in a :data:`BAD_WEIGHTS_BY` lane (taken out of ``metrics``),
+    to be left out as failed ones are (:func:`left_out_failed`), and the error every rank raises for them."""
+    said = []
+    for key in reduced.keys_under((BAD_WEIGHTS_BY,)) if reduced is not None else ():
+        flag = metrics.pop(key, None)
+        if flag and reduced.kinds.get(key) == "max":  # not its /max_rank
+            rank = metrics.get(f"{key}/max_rank")
+            said.append((key[len(BAD_WEIGHTS_BY):], "some rank" if rank is None else f"rank {int(rank)}"))
+        metrics.pop(f"{key}/max_rank", None)
+    if not said:
+        return (), None
+    return tuple(name for name, _ in said), CollectorFailed(
+        f"{'; '.join(f'the {name!r} collector on {where}' for name, where in said)} gave a mean's weight as a tensor "
+        f"holding NaN, inf or a negative value in the samples of step {step}: accepted weights are finite numbers "
+        ">= 0 (a mean weighted by it is NaN or outside its values' range). The record was written without its "
+        "samples")
+
+
 MISNAMED = "_monitor/misnamed"
 """Internal lane: a rank's collector handed over a sample named as a record key (a max: 1 there)."""
 FOREIGN = "_monitor/foreign_name"
@@ -318,7 +358,7 @@ _ELSEWHERE = {MISNAMED: f"a sample named as one of a record's own keys ({', '.jo
 
 
 def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[Any], memo: dict[str, tuple],
-                    writers: Optional[dict[str, str]] = None) -> tuple:
+                    writers: Optional[dict[str, str]] = None, also: tuple = ()) -> tuple:
     """The names of the user's collectors whose ``take_samples`` raised on some rank at this log step
     (the reduced :data:`FAILED_BY` lanes, taken out of ``metrics``), and their values taken out of
     ``metrics`` on every rank: reduced from the ranks where it did not raise, a value was part of
@@ -326,9 +366,10 @@ def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[
     ``writes``, its own lanes ``_<name>/``, the names it handed over on this rank at this log
     step or, where it raised here, at the last one it handed over any (``memo``, of
     :func:`take_samples`'s checks), and the names of the agreed layout that it sent on any rank
-    (``writers``, the reducer's: a name only other ranks handed over)."""
+    (``writers``, the reducer's: a name only other ranks handed over). ``also``: collectors to leave out as
+    failed ones (:func:`bad_weights`)."""
     lanes = reduced.keys_under((FAILED_BY,)) if reduced is not None else ()
-    failed = []
+    failed = list(also)
     for key in lanes:
         flag = metrics.pop(key, None)
         if flag and reduced.kinds.get(key) == "max":  # not its /max_rank
@@ -347,7 +388,7 @@ def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[
                 keys.update(written_names(name, kind))
         for key in keys:
             metrics.pop(key, None)
-    return tuple(failed)
+    return tuple(dict.fromkeys(failed))
 
 
 def misnamed_elsewhere(metrics: dict[str, Any], error: Optional[Exception], failed: tuple = ()) -> Optional[Exception]:
