@@ -199,6 +199,12 @@ def check_count(value: Any, what: str, *args: Any) -> None:
                          "numbers >= 0")
 
 
+def unfit_counts(value: torch.Tensor) -> torch.Tensor:
+    """Where a count or a weight given as a tensor is not a finite number >= 0 (:func:`check_count`'s rule),
+    computed on its device: read later, with the log step's values (reading it here would wait for the device)."""
+    return ~(torch.isfinite(value) & (value >= 0))
+
+
 def check_spellings(scalars: dict[str, Any], split: str, call: str) -> None:
     """Refuse keyword values of one call that name one metric (``acc=`` and ``**{"train/acc": ...}``:
     a name without ``/`` is written under ``split/``): their values were merged into one mean."""

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["PackLayout", "Pieces", "entries_of", "written_entries", "encode_entries", "decode_entries", "digest",
+__all__ = ["PackLayout", "Pieces", "entries_of", "encode_entries", "decode_entries", "digest",
            "value_device", "mean_parts", "decode_sum", "decode_all", "host_number", "host_values", "tuple_getter",
            "gather_single", "global_rank", "CONTROL_LANES"]
 
@@ -225,19 +225,8 @@ def host_values(value: Number, n: int) -> Optional[list[float]]:
     return None
 
 
-def entries_of(samples: list) -> list[tuple[str, str]]:
-    """(name, reduce) of every element of the samples."""
-    out = []
-    for s in samples:
-        if s.names is None:
-            out.append((s.name, s.reduce))
-        else:
-            out.extend((name, s.reduce) for name in s.names)
-    return out
-
-
-def written_entries(samples: list) -> list[tuple]:
-    """(name, reduce) of every element of the samples, and the writer where a user's collector handed it
+def entries_of(samples: list) -> list[tuple]:
+    """(name, reduce) of every element of the samples, and its writer where a user's collector handed it
     over: (name, reduce, writer) — what ranks negotiate."""
     out: list[tuple] = []
     for s in samples:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .maxkeys import HOST_DECODE_LANES, decode_max
 from .packing import (CONTROL_LANES, PackLayout, collective_device, decode_all, decode_entries, decode_sum, digest,
-                      encode_entries, entries_of, gather_single, global_rank, value_device, written_entries)
+                      encode_entries, entries_of, gather_single, global_rank, value_device)
 from .packs import (all_row_on_host, all_row_tensor, interleave, max_lanes_on_host, max_pack,
                     sum_lanes_on_host, sum_pack_tensor)
 from .names import REDUCE_KINDS, NameClash, NameRegistry, check_reduce
@@ -203,8 +203,9 @@ class Reducer:
                 else:  # the names refused changed: the clash may be over
                     self._layout = None
             if self._layout is None or not self._fits(samples):  # settled as given: a clash that lasts stays
-                union = dict(entries_of(given))
-                writers = {entry[0]: entry[2] for entry in written_entries(given) if len(entry) > 2}
+                entries = entries_of(given)
+                union = {entry[0]: entry[1] for entry in entries}
+                writers = {entry[0]: entry[2] for entry in entries if len(entry) > 2}
                 samples = self._settle(given, union, {}, dict.fromkeys(union, 0), writers)
             lanes = self._max_pack(samples, tag, stale=False)[CONTROL_LANES:]
             if self._refusals is not None:  # the rest is written, then the caller raises
@@ -314,7 +315,7 @@ class Reducer:
         kind differs between ranks, or from an earlier log step, and two names that would write one
         key, are left out (every rank sees the same payloads, so every rank leaves them out) and kept
         for later log steps; returns ``samples`` without those names (a vector keeps its other elements)."""
-        payload = encode_entries(sorted(written_entries(samples)))
+        payload = encode_entries(sorted(entries_of(samples)))
         world = dist.get_world_size(self.group)
         device = self.device
         head = torch.tensor([digest(payload), len(payload)], dtype=torch.int64, device=device)

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .names import check_count, check_reduce, check_value
+from .names import check_count, check_reduce, check_value, user_tensor
 from .packing import PackLayout
 from .per_rank import PerRank
 
@@ -96,15 +96,14 @@ class Sample:
 
 
 def check_tensors(sample: Sample) -> None:
-    """Refuse a sample of a user's collector holding a tensor on the meta device or a sparse one (as
-    ``monitor.record`` refuses one): it failed inside the packs, after the log step's first collective, the
-    other ranks waiting. (The Monitor's own measurements may run on the meta device in tests standing in for
-    a GPU: checked at :func:`distmetrics.collectors.base.take_samples`, not when a Sample is made.)"""
+    """Refuse a sample of a user's collector holding a tensor no pack can read, as ``monitor.record`` refuses
+    one (:func:`~distmetrics.names.user_tensor`: on the meta device, sparse, a DTensor whose piece is not the
+    value): it failed inside the packs, after the log step's first collective, the other ranks waiting. (The
+    Monitor's own measurements may run on the meta device in tests standing in for a GPU: checked at
+    :func:`distmetrics.collectors.base.take_samples`, not when a Sample is made.)"""
     for part, given in (("value", sample.value), ("weight", sample.weight), ("low", sample.low)):
-        if isinstance(given, torch.Tensor) and (given.is_meta or given.layout is not torch.strided):
-            what = "tensor on the meta device, which holds no value" if given.is_meta else f"{given.layout} tensor"
-            raise ValueError(f"Sample {sample.name!r}: its {part} is a {what}; a sample's values are numbers or "
-                             "dense tensors")
+        if isinstance(given, torch.Tensor):
+            user_tensor(given, f"Sample {sample.name!r} {part}")
 
 
 @dataclass

@@ -866,9 +866,9 @@ class _UnreadableAtStep2:
 
 
 @pytest.mark.parametrize("case,said", [
-    ("value", "Sample 'm/x': its value is a tensor on the meta device, which holds no value"),
-    ("weight", "Sample 'm/x': its weight is a tensor on the meta device"),
-    ("sparse vector", "Sample 'm/v': its value is a torch.sparse_coo tensor")])
+    ("value", "Sample 'm/x' value: a tensor on the meta device holds no value"),
+    ("weight", "Sample 'm/x' weight: a tensor on the meta device holds no value"),
+    ("sparse vector", "Sample 'm/v' value: expected a dense tensor, got a torch.sparse_coo one")])
 def test_a_user_sample_holding_a_tensor_no_pack_can_read_fails_its_collector_before_any_collective(tmp_path, case,
                                                                                                    said):
     """A tensor on the meta device (or a sparse one) failed inside the packs with a bare NotImplementedError,

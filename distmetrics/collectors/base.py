@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 import torch
 
 from ..guard import HangError
-from ..names import RECORD_KEYS, check_name, name_problem, written_names
+from ..names import RECORD_KEYS, check_name, name_problem, unfit_counts, written_names
 from ..reduce import Sample
 from ..samples import check_tensors
 from .writes import ForeignNames, check_after, check_declared, check_writes
@@ -317,8 +317,7 @@ held NaN, inf or a negative value on a rank (a max: the rank in ``/max_rank``), 
 def _weights_lane(collector: Any, got: list) -> Optional[Sample]:
     """The :data:`BAD_WEIGHTS_BY` lane of a user's collector whose means carry tensor weights, flagged on their
     device (no sync; a scalar weight is checked when its Sample is made), or None where none does."""
-    flags = [~(torch.isfinite(s.weight) & (s.weight >= 0)).any() for s in got
-             if s.reduce == "mean" and isinstance(s.weight, torch.Tensor)]
+    flags = [unfit_counts(s.weight).any() for s in got if s.reduce == "mean" and isinstance(s.weight, torch.Tensor)]
     if not flags:
         return None
     flag = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()

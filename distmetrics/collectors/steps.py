@@ -21,7 +21,8 @@ from typing import Any, Optional, Union
 import torch
 
 from ..interval import IntervalClock, IntervalStats, as_number, now
-from ..names import NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value
+from ..names import (NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value,
+                     unfit_counts)
 from ..parallel import counts_batch_tokens
 from ..reduce import check_reduce
 from .base import Alert, LogContext, Sample
@@ -219,7 +220,7 @@ class StepValues:
             self.weightless.means.add(name)  # left out where its weights sum to 0: said at the log step
         if reduce == "mean" and isinstance(weight, torch.Tensor):  # not read here (a device sync): flagged on
             # its device, the flag kept in a MAX lane (1 where NaN, inf or < 0), checked at the log step
-            flag = ~(torch.isfinite(weight) & (weight >= 0))
+            flag = unfit_counts(weight)
             self.stats.record(BAD_WEIGHT + name, flag.to(torch.float64), "max")
 
     def pause(self) -> None:
