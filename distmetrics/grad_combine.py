@@ -70,27 +70,25 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
         # (x * 0 is 0 exactly where x is finite: two kernels where ~isfinite takes five)
     if held is not None:  # with no gradient on any rank torch's total is 0: the root of an empty sum of
         held = torch.as_tensor(held, dtype=torch.float64, device=device).reshape(1)  # n^p (p < 0) is inf
-    if kind == "sum":
-        contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
+    sharded_count = None
+    if kind in ("sum", "count"):  # one layout of lanes for every finite p: ranks passing different ones (which the
+        # clip's argument lanes name, under gloo) reduce tensors of one size, where gloo ended the process
+        if kind == "sum":
+            contrib = norms.pow(p) if every else torch.where(owned, norms.pow(p), torch.zeros_like(norms))
+        else:  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
+            counted = (norms > 0).to(torch.float64)
+            contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        lanes = [local.reshape(1), bad, *(() if held is None else (held,)), *tail]
-        reduced = all_reduce(torch.cat(lanes), kind, group)
-        total, extra = reduced[0].pow(1.0 / p), reduced[1 + bad.numel() + (held is not None):]
-        bad, nan = reduced[1], reduced[2] if p < 0 else None
+        none = torch.zeros(2, dtype=torch.float64, device=device)  # a NaN count and held, for p >= 0 (kernels: no copy)
+        flag = torch.full((1,), float(sharded and kind == "count"), dtype=torch.float64, device=device)
+        lanes = [local.reshape(1), bad, none[:2 - bad.numel()], none[1:] if held is None else held, flag, *tail]
+        reduced = all_reduce(torch.cat(lanes), "sum", group)
+        bad, nan, extra = reduced[1], reduced[2] if p < 0 else None, reduced[5:]
+        total = reduced[0] if kind == "count" else reduced[0].pow(1.0 / p)
         if held is not None:
             total = torch.where(reduced[3] > 0, total, torch.zeros_like(total))
-    elif kind == "count":  # p = 0: the owned tensors with a non-zero element, and "I hold a shard"
-        counted = (norms > 0).to(torch.float64)
-        contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
-        buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        flag = torch.tensor([float(sharded)], dtype=torch.float64, device=device)
-        reduced = all_reduce(torch.cat([local.reshape(1), flag, bad, *tail]), kind, group)
-        total, flag, bad, extra = reduced[0], reduced[1], reduced[2], reduced[3:]
-        if flag > 0:
-            raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for "
-                             "tensors sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a "
-                             "norm_type other than 0")
-        kind = "sum"
+        if kind == "count":
+            kind, sharded_count = "sum", reduced[4]
     else:
         fill = 0.0 if kind == "max" else math.inf  # the identities (norms are >= 0)
         contrib = norms if every else torch.where(owned, norms, torch.full_like(norms, fill))
@@ -109,8 +107,17 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
     measured.on_host = device.type == "cpu"
     measured.total = total
     measured.local_nonfinite, measured.bad_anywhere, measured.nan_anywhere = local_bad, bad, nan
-    measured.replicas, measured.held = extra, held
+    measured.replicas, measured.held, measured.sharded_count = extra, held, sharded_count
     return measured
+
+
+def refuse_sharded_count(measured: GradMeasurement) -> None:
+    """p = 0 where some rank's gradients are sharded: raised after the clip's step lanes were read (a rank that
+    passed another norm type reads its own lanes there, and every rank raises the same error)."""
+    if measured.sharded_count is not None and measured.sharded_count > 0:
+        raise ValueError("norm_type=0 counts the tensors with a non-zero gradient, which is not defined for tensors "
+                         "sharded over ranks (FSDP2, tensor parallel, the distributed optimizer); use a norm_type "
+                         "other than 0")
 
 
 _CALL = "the gradient norm (clip_grad_norm_ or measure_grad_norms)"  # how a lost peer's error names it

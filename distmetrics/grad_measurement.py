@@ -38,6 +38,7 @@ class GradMeasurement:
     bad_anywhere: Optional[torch.Tensor] = None  # > 0 where some rank's local gradients hold NaN or inf (every rank)
     nan_anywhere: Optional[torch.Tensor] = None  # p < 0: > 0 where some rank's hold NaN (every rank; None for p >= 0)
     held: Optional[torch.Tensor] = None  # p < 0: 1.0 where this rank owns a gradient (none anywhere: torch's total 0)
+    sharded_count: Optional[torch.Tensor] = None  # p = 0: > 0 where some rank's gradients are sharded (refused)
     plan: Optional[Plan] = None  # the parameters measured
     partial: bool = False  # made after another over other parameters in the same step: not the step's gradient
     locals: Optional[list] = None  # the local gradients, until clipping scaled them

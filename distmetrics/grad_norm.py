@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .clip_steps import LANES as STEP_LANES, NO_STEP, check_steps, step_lanes
-from .grad_combine import combine as _combine, norm_kind
+from .grad_combine import combine as _combine, norm_kind, refuse_sharded_count
 from .grad_dtypes import GradDtypes
 from .eager import eager
 from .grad_measurement import GradMeasurement, clip_coefficient, note_clip
@@ -232,10 +232,11 @@ class GradientNorms:
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, lanes,
                             tensors=measured_locals if device.type == "cpu" else None)
+        if steps:  # before any gradient is scaled: every rank raises
+            measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
+            check_steps(reduced, kind, self.group, after_step, call, p, max_norm)
+        refuse_sharded_count(measured)
         if carried:
-            if steps:  # before any gradient is scaled: every rank raises
-                measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
-                check_steps(reduced, kind, self.group, after_step, call, p, max_norm)
             self.dtypes.take(measured, plan, dtypes)
         if extra is not None:
             positions = route.replica_positions  # their names are looked up on a refusal only

@@ -706,7 +706,9 @@ def test_clips_made_at_different_steps_raise_on_every_rank_naming_each_ranks_ste
 
 def _clips_with_other_arguments(rank: int, world: int) -> list:
     """Both ranks clip with p = 1, then p = 2 (each agreed at its first call); then rank 1 passes p = 1 where
-    rank 0 passes 2 (two sums of different powers, added), then max_norm 0.25 where rank 0 passes 0.5."""
+    rank 0 passes 2 (two sums of different powers, added), then max_norm 0.25 where rank 0 passes 0.5; then,
+    with p = 0 and p = -1 agreed, p = 0 where rank 0 passes 2 and -1 where it passes 0 (their all-reduces
+    held 3, 2 and 4 lanes: gloo ended both processes)."""
     import torch
 
     import distmetrics as dm
@@ -715,7 +717,8 @@ def _clips_with_other_arguments(rank: int, world: int) -> list:
     monitor = dm.Monitor(quiet_config(log_interval=5, hang_timeout_s=TIMEOUT_S), model=model)
     said = []
     for step, p, max_norm in ((1, 1.0, 0.5), (2, 2.0, 0.5), (3, 1.0 if rank else 2.0, 0.5),
-                              (4, 2.0, 0.25 if rank else 0.5)):
+                              (4, 2.0, 0.25 if rank else 0.5), (5, 0.0, 0.5), (6, -1.0, 0.5),
+                              (7, 0.0 if rank else 2.0, 0.5), (8, -1.0 if rank else 0.0, 0.5)):
         for param in model.parameters():
             param.grad = torch.full_like(param, float(step))
         kind, message, _ = _outcome(lambda: monitor.clip_grad_norm_(max_norm, p))
@@ -731,13 +734,19 @@ def test_clips_with_other_arguments_on_one_rank_raise_on_every_rank_after_their_
     grad_norm and every shard scaled by its own coefficient, unsaid), and a max_norm changed on one rank
     clipped to a norm no one asked for. The clip's lanes carry both at every call (gloo)."""
     for rank, said in enumerate(run_ranks(_clips_with_other_arguments, 2, timeout=120)):
-        assert [kind for kind, _, _ in said] == ["ok", "ok", "HangError", "HangError"], (rank, said)
+        assert [kind for kind, _, _ in said] == ["ok", "ok", "HangError", "HangError", "ok", "ok", "HangError",
+                                                 "HangError"], (rank, said)
         lead = "monitor.clip_grad_norm_: the ranks made this gradient norm's all-reduce with different arguments"
         assert said[2][1].startswith(f"{lead} (monitor.clip_grad_norm_(max_norm=0.5, norm_type=2) on rank 0; "
                                      "monitor.clip_grad_norm_(max_norm=0.5, norm_type=1) on rank 1)"), said[2][1]
         assert said[3][1].startswith(f"{lead} (monitor.clip_grad_norm_(max_norm=0.5, norm_type=2) on rank 0; "
                                      "monitor.clip_grad_norm_(max_norm=0.25, norm_type=2) on rank 1)"), said[3][1]
-        assert said[2][2] == [[3.0], [3.0]] and said[3][2] == [[4.0], [4.0]], "a gradient was scaled"
+        for step, (given, other) in ((7, ("2", "0")), (8, ("0", "-1"))):
+            assert said[step - 1][1].startswith(
+                f"{lead} (monitor.clip_grad_norm_(max_norm=0.5, norm_type={given}) on rank 0; "
+                f"monitor.clip_grad_norm_(max_norm=0.5, norm_type={other}) on rank 1)"), said[step - 1][1]
+        assert [said[step - 1][2] for step in (3, 4, 7, 8)] == [[[float(step)]] * 2 for step in (3, 4, 7, 8)], \
+            "a gradient was scaled"
 
 
 def _killed(rank: int, world: int) -> tuple:
