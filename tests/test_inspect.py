@@ -758,6 +758,49 @@ def test_a_tensor_name_holding_an_underscore_is_kept_whole(tmp_path):
         {"tensor_stats/attn/attn_scores/max": 5.0}
 
 
+def test_a_complex_tensor_is_named_once_not_measured_by_its_real_part(tmp_path, caplog):
+    """A spectral layer's output (torch.fft) was measured as its real part: an l2_norm of 10.73 where
+    |z|'s is 12.40, said only by torch's own warning naming no layer."""
+    import torch
+
+    import distmetrics as dm
+
+    class Spectral(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(5, dtype=torch.cfloat))
+
+        def forward(self, x):
+            return torch.fft.rfft(x) * self.w
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.spec, self.fc = Spectral(), torch.nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.fc(self.spec(x).abs())
+
+    model, outs = Net(), []
+    model.fc.register_forward_hook(lambda module, args, out: outs.append(out.detach().double()))
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "spec|fc"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"],
+                                                         "stats": ["l2_norm"], "freq": 1}}}}
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    caplog.set_level("WARNING", logger="distmetrics")
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2):
+            model(torch.randn(3, 8))
+            monitor.step(step)
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert [sorted(k for k in r if k.startswith("tensor_stats/")) for r in records] == \
+        [["tensor_stats/fc/activation/l2_norm"]] * 2
+    assert records[-1]["tensor_stats/fc/activation/l2_norm"] == pytest.approx(float(outs[-1].norm()))
+    said = [r.getMessage() for r in caplog.records if "complex" in r.getMessage()]
+    assert len(said) == 1 and "tensor 'activation' on layer 'model.spec'" in said[0] and "torch.complex64" in said[0], said
+
+
 def test_a_model_given_to_initialize_and_to_the_monitor_is_hooked_once(tmp_path):
     """Hooked twice, every activation would count twice and the std would come out wrong."""
     import torch

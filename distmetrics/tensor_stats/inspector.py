@@ -244,6 +244,10 @@ class TensorInspector:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
         if layer in self._shadowed:
             return
+        if tensor.is_complex():  # as real values its imaginary part would be dropped (nvdlfw-inspect's min and max
+            self.unreadable(layer, tensor_name, f"it is complex ({tensor.dtype}), and the statistics are of real "
+                            "values")  # raise on it; its norms are of |z|): named, not measured
+            return
         if tensor_name == "weight":
             if plain_replica(tensor, self.layout):  # every rank that ran the layer sends it: one is written
                 tensor_name = REPLICA + tensor_name
