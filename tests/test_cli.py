@@ -338,7 +338,8 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, ca
          "unknown key(s) ['stat'] in a distmetrics.LogTensorStats.tensors_struct entry"),
         ("\n      enabled: true\n      tensors: [activation]\n      stats: []\n", "stats must be a non-empty list"),
         ("\n      enabled: true\n      tensors: [activation]\n      stats: [L2_NORM]\n",
-         "stat 'L2_NORM' is not one of"),  # our statistics are named as listed (nvdlfw's own: any case)
+         # our statistics are named as listed (nvdlfw's own: any case)
+         "distmetrics.LogTensorStats stat 'L2_NORM' for tensor 'activation' is not one of"),
         ("\n      enabled: true\n      tensors_struct:\n        - {tensor: activation, stats: [max], freqq: 3}\n",
          "unknown key(s) ['freqq']"),
         ("\n      enabled: true\n      tensors: [activation]\n      stats: [max]\n      start_step: '2'\n",
@@ -350,7 +351,8 @@ def test_a_malformed_features_file_is_a_config_error_naming_the_key(tmp_path, ca
     for body, message in (("      tensors: [activation]\n      stats: [max]\n      freq: 0\n",
                            "freq must be a whole number of steps >= 1, got 0"),
                           ("      tensors: [activation]\n      stats: [median]\n",
-                           "stat 'median' is not one of min, max, mean, std, l1_norm, l2_norm")):
+                           "LogTensorStats stat 'median' for tensor 'activation' is not one of min, max, mean, std, "
+                           "l1_norm, l2_norm")):
         cases.append((None, base + body, message))
     for number, case in enumerate(cases):  # the first as a command, the rest through the same main() in-process
         text, message = (case[1], case[2]) if len(case) == 3 else (section + case[0], case[1])

@@ -309,7 +309,7 @@ def _section(layers: Optional[dict] = None, feature: Optional[dict] = None, name
             "distmetrics": {"LogHistogram": {"enabled": True}}}}, "unknown feature 'distmetrics.LogHistogram'"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
             "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["median"]}}}},
-     "stat 'median' is not one of"),
+     "distmetrics.LogTensorStats stat 'median' for tensor 'activation' is not one of"),
     ({"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1"},
             "transformer_engine": {"LogFp8TensorStats": {"enabled": True}}}},
      "key 'transformer_engine' needs TransformerEngine"),

@@ -268,7 +268,8 @@ def _check_feature(where: str, feature: str, cfg: dict, supported: Optional[tupl
                                   "name (text, such as max, or a mapping of one to its settings)")  # its settings)
             if supported is not None and (not isinstance(stat, str) or
                                           (stat if strict else stat.lower()) not in supported):
-                raise ConfigError(f"{where}: stat {stat!r} is not one of {', '.join(supported)}")
+                raise ConfigError(f"{where}: {feature} stat {stat!r} for tensor {tensor!r} is not one of "
+                                  f"{', '.join(supported)}")
         for key in _SCHEDULE_KEYS:  # read as given where the schedule is applied: a TypeError mid-training
             if inclusive and key != "freq":  # TE reads None as its default: start 0, no end, no list
                 continue
