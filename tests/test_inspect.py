@@ -655,6 +655,40 @@ def test_values_logged_on_an_unselected_step_are_the_lowest_ranks_not_a_max_of_e
                          "tensor_stats/fc2/probe/mean": 395.0}, probe
 
 
+def _user_calls_on_plain_ranks(rank: int, world: int, root: str) -> dict:
+    import nvdlfw_inspect.api as debug_api
+    import torch
+    import torch.distributed as dist
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "LogTensorStats": {"enabled": True, "tensors": ["custom"], "stats": ["min", "l2_norm"]}}}
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    with dm.Monitor(cfg, model=_model()) as monitor:
+        group = debug_api.get_tensor_reduction_group()
+        mine = torch.arange(6.0).reshape(2, 3) - 10.0 * rank
+        debug_api.log_tensor_stats("model.fc1", tensor=mine, tensor_name="custom")
+        monitor.step(1)
+    records = dm.read_jsonl(Path(root) / "metrics.jsonl") if rank == 0 else [{"kind": "tensor_stats"}]
+    [record] = [r for r in records if r["kind"] == "tensor_stats"]
+    return {"group": None if group is None else dist.get_process_group_ranks(group),
+            "written": {k: v for k, v in record.items() if "custom" in k}}
+
+
+def test_user_calls_on_a_plain_layout_reduce_over_the_monitors_ranks(tmp_path):
+    """On a plain (DDP-like) layout no reduction group was set: nvdlfw-inspect warned at every call
+    that it had none, and gathered on its last rank alone."""
+    import torch
+
+    full = torch.cat([torch.arange(6.0) - 10.0 * rank for rank in range(2)]).double()
+    results = run_ranks(_user_calls_on_plain_ranks, 2, str(tmp_path))
+    assert [result["group"] for result in results] == [[0, 1], [0, 1]]
+    assert results[0]["written"] == pytest.approx({"tensor_stats/fc1/custom/min": float(full.min()),
+                                                   "tensor_stats/fc1/custom/l2_norm": float(full.norm())})
+
+
 def test_transformer_engine_metric_names_map_to_ours():
     from distmetrics.tensor_stats.te_names import metric_name as _metric_name
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError
 from ..eager import eager
@@ -141,7 +142,9 @@ class TensorInspector:
         self._leader = tp_cp_leader(layout)  # the same on TP/CP peers: their copies are told apart at the merge
         self.unreadable.says = holds_first_replica(layout)
         group = data_parallel_group(layout)
-        if group is not None:
+        if group is None and dist.is_available() and dist.is_initialized():  # a plain layout (DDP): the Monitor's
+            group = layout.group if layout.group is not None else dist.group.WORLD  # ranks are the peers
+        if group is not None:  # (none: nvdlfw-inspect warned at every call that it had no group)
             self.debug_api.set_tensor_reduction_group(group)
 
     # --- model ---------------------------------------------------------------------------
