@@ -737,6 +737,50 @@ def test_a_report_of_names_one_rank_did_not_ask_for_holds_that_ranks_time():
     assert [bwd(texts[r][3]) for r in (0, 1)] == [["(5.00, 6.00)"]] * 2
 
 
+def _running_timer_read_for_another_rank(rank, world):
+    import distmetrics as dm
+    from distmetrics.collectors import timer_reports
+
+    gather = timer_reports._all_gather_rows
+    with FakeClock() as clock:
+        def waited(*args, **kwargs):  # rank 0 waits 300 ms in the gather for rank 1
+            clock.advance(300 if rank == 0 else 0)
+            return gather(*args, **kwargs)
+
+        timer_reports._all_gather_rows = waited
+        try:
+            monitor = dm.Monitor(quiet_config(log_interval=100, timing_log_level=1))
+            timers = monitor.timers
+            timers("fwd", log_level=1).start()
+            timers("fwd").stop()
+            timers.get_all_timers_string(["fwd", "bwd"] if rank else ["fwd"])  # the names agreed: bwd is known
+            bwd = timers("bwd", log_level=1)
+            bwd.start()
+            clock.advance(40)
+            texts = [timers.get_all_timers_string(["fwd"] if rank == 0 else ["bwd"])]
+            clock.advance(100)
+            texts.append(timers.get_all_timers_string(["bwd"]))
+            bwd.stop()
+            active_ms, left_ms = bwd.active_time() * 1e3, bwd.elapsed(reset=False) * 1e3
+            monitor.close()
+        finally:
+            timer_reports._all_gather_rows = gather
+    return texts, active_ms, left_ms
+
+
+def test_a_running_timer_read_for_another_rank_keeps_the_time_after_its_reading():
+    """A running timer this rank did not ask for was read before the gather and reset after it: the time
+    between (the gather's wait: 300 ms) was counted in no report: rank 0's second report said 100 ms, not 400.
+    Its reports and what it holds now add up to its time."""
+    for rank, (texts, active_ms, left_ms) in enumerate(run_ranks(_running_timer_read_for_another_rank, 2,
+                                                                 timeout=120)):
+        bwd = [[line.split(":", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("bwd")]
+               for text in texts]
+        assert bwd == [["(40.00, 40.00)"], ["(100.00, 400.00)"]], (rank, texts)
+        if rank == 0:  # 40 ms, 300 in the gather, 100, and 300 in the second gather (for a next report)
+            assert (active_ms, left_ms) == (740.0, 300.0)
+
+
 UNION_S = {"fwd": (0.010, 0.020), "bwd": (0.030, 0.045)}  # seconds on rank 0, rank 1
 
 

@@ -186,17 +186,19 @@ class MegatronReports:
             agreed = self._agreed
             flag = 0.0 if asked <= set(agreed) else 1.0
             mine = [float(n in asked) for n in agreed]
-            values = [float(seconds[n] if n in seconds else self._peek(n)) for n in agreed]
+            peeked = {n: self._peek(n) for n in agreed if n not in seconds}
+            values = [float(seconds[n] if n in seconds else peeked[n]) for n in agreed]
             table = _all_gather_rows(torch.tensor([flag] + mine + values, dtype=torch.float32), world, self._group)
             if not bool((table[:, 0] > 0).any()):
                 break
             self._negotiate(names)
         wanted = (table[:, 1:1 + len(agreed)].amax(0) > 0).tolist()
         others = [n for i, n in enumerate(agreed) if wanted[i] and n not in asked]
-        if reset:
+        if reset:  # reset as read: the time a running one ran since (the gather's wait too) goes to the next report
             for name in others:
                 if name in self._timers:
-                    self._timers[name].elapsed(reset=True)
+                    timer = self._timers[name]
+                    timer.set_elapsed(timer.elapsed(reset=True) - peeked[name])
         return table[:, 1 + len(agreed):], others
 
     def _peek(self, name: str) -> float:
