@@ -409,6 +409,24 @@ def test_a_user_timer_named_step_is_refused_with_the_reason_and_the_step_timer_k
             clock.advance(30.0)
 
 
+def test_a_reset_of_the_step_timer_keeps_it_timing_the_steps(clock):
+    """Megatron's ``reset()`` stops a timer: on the step timer (code that resets every timer after each step)
+    it stopped timing, and the records at steps 4, 8 and 12 had no timers/step (one reset: the interval
+    was averaged over fewer steps). It forgets the time since the last reset and keeps running."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=4, timing_log_level=1, log_throughput=False)) as monitor:
+        records = []
+        for step in range(1, 9):
+            clock.advance(10.0 * step)
+            records.append(monitor.step(step))
+            clock.advance(1.0)
+            monitor.timers("step").reset()
+            assert monitor.timers("step").elapsed(reset=False) == 0.0
+    assert [r["timers/step"] for r in records if r is not None] == [pytest.approx((20 + 30 + 40 + 3) / 3),
+                                                                      pytest.approx((50 + 60 + 70 + 80 + 4) / 4)]
+
+
 def test_timing_log_level_minus_1_turns_every_timer_off_a_negative_levels_too(clock):
     """At -1 ("off") a timer of a level below 0 was a real one: timers/<name>, straggler scores and the
     console block came back, and a user's timer named 'step' (the Monitor makes none at -1) filled

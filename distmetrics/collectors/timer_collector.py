@@ -26,7 +26,7 @@ _ORDER = operator.attrgetter("order")
 class StepTimer(Timer):
     """The Monitor's step timer (``timers/step``): every ``monitor.step`` laps it. It can be read
     like any timer (``elapsed()``, a report), but starting or stopping it by hand would cut the
-    steps it times, so both raise :class:`TimerError` saying so. ``monitor.pause()`` and
+    steps it times, so both raise :class:`TimerError` saying so, and ``reset()`` does not stop it. ``monitor.pause()`` and
     ``resume()`` leave evaluation and checkpoint saves out of it, as Megatron stops its
     interval timer around them: a pause ends no step. The log step is left out too, from the
     lap that begins it to the end of its reduction (:meth:`hold`, :meth:`release`): a fast rank
@@ -106,6 +106,11 @@ class StepTimer(Timer):
     def owned(self) -> str:
         """Why a user's timer of this name is refused (any level asked for)."""
         return _OWNED.format(name=self.name, what="started or stopped")
+
+    def reset(self) -> None:
+        """Forget the time since the last reset, and keep running: a stop here (Megatron's reset stops a
+        timer) would lose the steps it times until the next log step (no ``timers/step`` there)."""
+        self.elapsed(reset=True)
 
     def start(self, barrier: bool = False) -> None:
         raise TimerError(_OWNED.format(name=self.name, what="started"))
