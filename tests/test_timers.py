@@ -960,6 +960,31 @@ def test_a_pause_a_log_step_ended_then_resumed_is_said_once_as_the_evaluation_be
             assert record["train/step_time_ms"] == pytest.approx(100.0) and said == [], (order, said)
 
 
+def test_steps_made_in_a_pause_never_resumed_are_said_once(caplog, clock):
+    """pause() after step 5 and no resume(): steps 6 to 8 were counted with no time (timers/step 2.7 ms
+    for 10, tokens/s twice the truth) without a word. A second monitor.step in one pause says so, once;
+    one monitor.step in a pause (an evaluation before it, the pause ended by the step) says nothing."""
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(quiet_config(log_interval=4, timing_log_level=0)) as monitor:
+        for step in range(1, 13):
+            clock.advance(10.0)
+            if step in (3, 11):  # a pause over one monitor.step, resumed after it
+                monitor.pause()
+                clock.advance(50.0)
+            metrics = monitor.step(step, loss=1.0, tokens=100)
+            if step in (3, 11):
+                monitor.resume()
+            if step == 5:
+                monitor.pause()
+            if step == 8:
+                record = metrics
+    said = [r.getMessage() for r in caplog.records if "came twice in one pause" in r.getMessage()]
+    assert len(said) == 1 and "monitor.resume()" in said[0], said
+    assert record["timers/step"] < 10.0  # as the README says: a pause lasts to the log step
+
+
 def test_a_step_timer_paused_at_the_log_step_is_read_once_and_kept_once():
     """``monitor.pause()`` before ``monitor.step`` (an evaluation at the end of the loop body, resumed
     by the log step): the log step's resume of the step timer noted it among the timers in use while

@@ -103,6 +103,8 @@ class StepValues:
         # the log step (since the last monitor.step) that ended a pause, when, and how long after it a resume()
         # says that the pause was meant to last (half a step of the interval: a resume() at once ends nothing)
         self._ended_pause: Optional[tuple[int, int, int]] = None
+        self._paused_steps = 0  # monitor.step calls in the pause open now: a second says resume() was forgotten
+        self._says_unresumed = layout.says_once
         self._starting = False
         self._timed = 0
         self._tokenless = 0  # the interval's timed steps given tokens=None on this rank, which counts tokens
@@ -159,6 +161,14 @@ class StepValues:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
         :func:`loss_weight`, ``tokens`` counted for the throughput."""
         self._ended_pause = None  # a resume() from here on ends a pause of its own, or none
+        if self.clock.paused:
+            self._paused_steps += 1
+            if self._paused_steps == 2 and self._says_unresumed:  # one may end inside a pause (an evaluation before it)
+                self._says_unresumed = False
+                logger.warning(
+                    "distmetrics: monitor.step() came twice in one pause (monitor.pause() without monitor.resume()): "
+                    "the training between was not counted (step time, tokens/s, MFU, ETA, timers/step) until the "
+                    "log step, which ends the pause. Call monitor.resume() after the evaluation or save. Said once.")
         if isinstance(tokens, torch.Tensor):  # float64 once: each lane below takes the tensor as it is
             tokens = as_number(tokens)
         if isinstance(loss_tokens, torch.Tensor):
@@ -225,6 +235,8 @@ class StepValues:
 
     def pause(self) -> None:
         """Stop the interval clock (evaluation, checkpointing)."""
+        if not self.clock.paused:
+            self._paused_steps = 0
         self.clock.pause()
 
     def resume(self) -> None:
