@@ -894,6 +894,25 @@ def test_a_tie_for_the_slowest_rank_names_the_lowest_under_every_option():
     assert metrics["stragglers/fwd/rank"] == 0
 
 
+def test_a_name_asked_at_a_disabled_level_then_an_enabled_one_counts_once_toward_the_warning(caplog):
+    """600 names asked at a disabled level, then the same 600 at an enabled one, said "1000 timer names
+    so far": each name counted twice. Distinct names are counted, and the warning comes once."""
+    from distmetrics.collectors.timers import MANY_TIMERS, Timers
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    timers = Timers(1, "minmax")
+    half = MANY_TIMERS // 2 + 100
+    for level in (2, 1):
+        for i in range(half):
+            timers(f"x_{i}", level)
+    assert not [r for r in caplog.records if "timer names so far" in r.getMessage()]
+    for i in range(half, MANY_TIMERS + 10):  # one at a disabled level, the next at an enabled one
+        timers(f"x_{i}", 1 + i % 2)
+        timers(f"x_{i}", 1)
+    said = [r.getMessage() for r in caplog.records if "timer names so far" in r.getMessage()]
+    assert len(said) == 1 and f"'x_{MANY_TIMERS - 1}'" in said[0], said
+
+
 def test_a_timer_named_per_step_is_said_once_and_the_log_step_reads_only_the_timers_used(caplog):
     """``timers(f"fwd_{step}")`` (a name made per step by mistake) kept a timer per name, and every
     log step went through every timer ever made: its cost grew with the run, with no word. The log

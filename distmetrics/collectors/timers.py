@@ -65,7 +65,8 @@ class Timers(MegatronReports):
         self._timers: dict[str, Timer] = {}
         self._log_levels: dict[str, int] = {}
         self._dummy_timer = DummyTimer()
-        self._dummy_names: set[str] = set()  # names given to disabled levels, found good
+        self._dummy_names: set[str] = set()  # names given to disabled levels, found good (no timer's)
+        self._said_many = False
         self._max_log_level = _MAX_LOG_LEVEL
         self._own = 0  # timers the Monitor made for itself (its step timer): not the user's names
         self.in_use: list[Timer] = []  # the timers started since the last log step, or still running
@@ -127,6 +128,7 @@ class Timers(MegatronReports):
         timer.in_use, timer.order = self.in_use, len(self._timers)
         self._log_levels[name] = log_level
         self._own += own
+        self._dummy_names.discard(name)  # asked at a disabled level before: one name, counted once
         if not own:
             self._say_many(name)
         return timer
@@ -134,7 +136,8 @@ class Timers(MegatronReports):
     def _say_many(self, name: str) -> None:
         """Warn once where the user's timer names reach :data:`MANY_TIMERS`: a name made per step or per
         event (``timers(f"fwd_{step}")``) keeps a timer, and a straggler series, per name for the run."""
-        if len(self._timers) - self._own + len(self._dummy_names) == MANY_TIMERS:
+        if len(self._timers) - self._own + len(self._dummy_names) >= MANY_TIMERS and not self._said_many:
+            self._said_many = True
             logger.warning("distmetrics: %d timer names so far (yours: the Monitor's step timer is not counted; "
                            "the latest %r): is a timer named per step or per event (an f-string)? Each name is a "
                            "timer kept for the run, and a metric of its own; name the work, and record what varies "
