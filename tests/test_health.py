@@ -202,6 +202,47 @@ def test_non_finite_gradients_between_log_steps_are_counted_and_said(tmp_path):
     assert "non-finite gradients in 1 step(s) since the last log step" in alerts[0]["message"]
 
 
+@pytest.mark.parametrize("form", ["ignore_index", "boolean_index", "masked_sum"])
+def test_a_micro_batch_without_tokens_as_the_readme_says(tmp_path, form):
+    """README, gradient accumulation: a micro-batch whose tokens are all masked runs its backward; its
+    gradients are 0 for cross_entropy's ignore_index and a boolean-indexed mean, NaN for a masked sum over
+    its count (0 * 0/0), and the nonfinite_grad alert names that step."""
+    import torch
+    import torch.nn.functional as F
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with dm.Monitor(_config(tmp_path, console=False), model=model) as monitor:
+        for step in (1, 2):
+            x, labels = torch.randn(2, 5, 4), torch.randint(0, 3, (2, 5))
+            labels[1] = -100  # the second micro-batch: every token masked (at step 2 only)
+            if step == 1:
+                labels[1, 0] = 1
+            masks = labels != -100
+            tokens = int(masks.sum())
+            loss_sum = 0.0
+            for mb in range(2):
+                logits, mask = model(x[mb]), masks[mb]
+                if form == "ignore_index":
+                    loss = F.cross_entropy(logits, labels[mb], ignore_index=-100)
+                else:
+                    per_token = F.cross_entropy(logits, labels[mb].clamp(min=0), reduction="none")
+                    loss = per_token[mask].mean() if form == "boolean_index" else \
+                        (per_token * mask).sum() / mask.sum()
+                (loss * (int(mask.sum()) / max(tokens, 1))).backward()
+                if mask.any():
+                    loss_sum = loss_sum + loss.detach() * int(mask.sum())
+            finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+            monitor.clip_grad_norm_(1.0)
+            model.zero_grad()
+            monitor.step(step, loss=loss_sum / max(tokens, 1), tokens=tokens)
+            assert finite == (form != "masked_sum" or step == 1), (form, step)
+    alerts = [(r["step"], r["alert"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "alert"]
+    assert alerts == ([(2, "nonfinite_grad")] if form == "masked_sum" else []), alerts
+
+
 def _nan_on_one_replica(rank: int, world: int, root: str) -> dict:
     import torch
 
