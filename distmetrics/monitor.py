@@ -22,6 +22,7 @@ import torch
 from .checkpoints import CheckpointLog
 from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
+from .collectors.weightless import WeightlessSamples
 from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
 from .evaluation import EvalLog
@@ -136,6 +137,7 @@ class Monitor:
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors + idle))
             self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
+            self._weightless = WeightlessSamples()  # their means left out for a total weight of 0: said
             self.timers = self._by_name["timers"].timers
             self._module_order, stage = job_module_order(self.layout, module_order(model), self._guard,
                                                          chunked=isinstance(model, torch.nn.ModuleList),

@@ -864,6 +864,64 @@ def test_a_collectors_tensor_weight_that_is_negative_or_nan_on_one_rank_is_refus
     assert records[1]["train/loss"] == 1.0 and not [key for key in records[1] if key.startswith("w/")], records[1]
 
 
+class _Weightless:
+    """A collector of the user's whose means weigh 0 on every rank: a scalar at steps 2 and 3, a vector's first
+    element at step 3, and on rank 1 alone a name no other rank sends (at step 3)."""
+
+    name, after, writes = "weightless", (), ("z/",)
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def take_samples(self, ctx):
+        import torch
+
+        import distmetrics as dm
+
+        none = ctx.step >= 2
+        samples = [dm.Sample("z/s", 2.0 + self.rank, "mean", weight=0.0 if none else 1.0),
+                   dm.Sample("z/v", torch.tensor([1.0, 3.0]), "mean", names=("z/a", "z/b"),
+                             weight=torch.tensor([0.0 if ctx.step == 3 else 1.0, 1.0]))]
+        if self.rank == 1 and ctx.step == 3:
+            samples.append(dm.Sample("z/one", 7.0, "mean", weight=0))
+        return samples
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+def _weightless_samples(rank: int, world: int) -> tuple:
+    import logging
+
+    import distmetrics as dm
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    try:
+        with dm.Monitor(quiet_config(log_interval=1), collectors=[_Weightless(rank)]) as monitor:
+            keys = [sorted(k for k in monitor.step(step) if k.startswith("z/")) for step in (1, 2, 3, 4)]
+    finally:
+        logging.getLogger("distmetrics").removeHandler(handler)
+    return keys, [message for message in said if "weightless" in message]
+
+
+def test_a_collectors_mean_whose_weights_sum_to_0_is_left_out_and_said_once_per_name():
+    """A user's collector's mean weighing 0 on every rank was left out of the record without a word (the
+    README said so for monitor.record alone). Said once per name, by each rank that sent it."""
+    for rank, (keys, said) in enumerate(run_ranks(_weightless_samples, 2, timeout=120)):
+        assert keys == [["z/a", "z/b", "z/s"], ["z/a", "z/b"], ["z/b"], ["z/a", "z/b"]], (rank, keys)
+        lead = "distmetrics: the 'weightless' collector's mean"
+        expected = [f"{lead} 'z/s' is left out of the record of step 2", f"{lead} 'z/a' is left out of the record "
+                    "of step 3"] if rank == 0 else [f"{lead} 'z/s' is left out of the record of step 2",
+                                                    f"{lead} values 'z/a', 'z/one' are left out of the record of step 3"]
+        assert [message.split(", and of every")[0] for message in said] == expected, (rank, said)
+
+
 class _Refused(_Flaky):
     """A collector of the user's that hands over, on rank 1 at log steps 4-14, one sample each that the
     reduction refuses (on rank 0, and at steps 2 and 16, it is well)."""

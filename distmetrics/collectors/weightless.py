@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import LogContext
 
-__all__ = ["WeightlessMeans"]
+__all__ = ["WeightlessMeans", "WeightlessSamples"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -44,3 +44,31 @@ class WeightlessMeans:
             logger.warning("distmetrics: monitor.record(%r) is left out of the record of step %d, and of every "
                            "record where this recurs: its weights summed to 0 over every rank and step of the "
                            "interval, and a mean over no weight is not defined. Said once", name, ctx.step)
+
+
+class WeightlessSamples:
+    """The same for the user's collectors' ``mean`` samples (a vector's elements too): left out where their
+    weights summed to 0 over every rank, said once per name by each rank that sent it, one line per collector
+    and log step."""
+
+    def __init__(self) -> None:
+        self._said: set = set()
+
+    def say(self, samples: list, metrics: dict[str, Any], reduced: Any, step: int) -> None:
+        if reduced is None or 0.0 not in reduced.sum_weights:
+            return
+        fresh: dict[str, list] = {}
+        for sample in samples:
+            if not sample.writer or sample.reduce != "mean":  # the user's collectors' samples carry their writer
+                continue
+            for name in sample.names or (sample.name,):
+                if name in metrics or name in self._said or reduced.weight(name) != 0.0:
+                    continue
+                self._said.add(name)
+                fresh.setdefault(sample.writer, []).append(name)
+        for writer, names in fresh.items():
+            shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            logger.warning("distmetrics: the %r collector's mean %s left out of the record of step %d, and of every "
+                           "record where this recurs: the weights of each summed to 0 over every rank, and a mean "
+                           "over no weight is not defined. Said once per name", writer,
+                           f"{shown} is" if len(names) == 1 else f"values {shown} are", step)
