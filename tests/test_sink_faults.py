@@ -968,6 +968,34 @@ def test_a_restart_on_a_full_disk_keeps_its_job_header_and_tensorboards_purge_un
     assert len(_warnings(result, "jsonl", "cannot write")) == 1
 
 
+def test_a_resumed_jobs_event_file_removed_is_made_again_with_its_drop_of_the_earlier_steps(tmp_path, monkeypatch):
+    """Job B resumes at step 6 of job A's 10 (TensorBoard drops A's events from 6 on), and B's event file is
+    removed at step 8: the file made again began with the file's first event alone, so A's steps 6-10 showed
+    again, beside B's at 9 and 10. The drop is written again with it; B's steps 6-8 went with the file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+    from distmetrics.sinks import appendfile
+
+    monkeypatch.setattr(appendfile, "CHECK_EVERY_S", 0.0)  # each write looks whether its file is in place
+    out, board = tmp_path / "run", tmp_path / "run" / "tensorboard"
+    cfg = dm.MetricsConfig(output_dir=str(out), log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0, log_progress=False)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 11):
+            monitor.step(step, loss=1.0)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(6, 13):
+            monitor.step(step, loss=2.0)
+            if step == 8:
+                monitor.sinks.flush()
+                os.remove(board / sorted(os.listdir(board))[-1])  # job B's own file
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
+        [(s, 1.0) for s in range(1, 6)] + [(s, 2.0) for s in range(9, 13)]
+
+
 def run_python_summary(folder: Path) -> str:
     return dist_utils.run_python("-m", "distmetrics.cli", "summary", folder).stdout
 

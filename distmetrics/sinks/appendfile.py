@@ -82,7 +82,8 @@ class AppendFile:
         self._lines = lines
         self._held: list = []  # pieces of a header not written yet (append_header), and its step
         self._held_step = 0
-        self._first: Optional[list] = None  # the first header: what a file made again starts with
+        self._headers: list = []  # every header's pieces (append_header): what a file made again starts with
+        self._headers_written = 0  # how many of them were written (the others are held)
         self._cut_at: Optional[int] = None  # where a partial record could not be cut off yet
         self._fd, self._end = self._open()  # the file's size, as far as this process knows
         self.check_at = time.monotonic() + CHECK_EVERY_S
@@ -105,9 +106,8 @@ class AppendFile:
         file's first event, a job's ``run`` record or "Starting job" line, TensorBoard's order to
         drop an earlier job's steps). If it cannot be written it is held, not counted as lost,
         and written ahead of the next record, or at ``close()``; True if written now. The first
-        header is written again at the start of a file made again after it was removed."""
-        if self._first is None:
-            self._first = list(_pieces(data))
+        headers written are written again at the start of a file made again after it was removed."""
+        self._headers.append(list(_pieces(data)))
         self.hold(data, step)
         return self.append((), step, counts=False)
 
@@ -162,7 +162,7 @@ class AppendFile:
                 self._count_lost(err, step)
             return False
         self._end += size
-        self._held = []
+        self._held, self._headers_written = [], len(self._headers)
         if counts:
             if not self._since:
                 self._since_first = step
@@ -281,7 +281,7 @@ class AppendFile:
 
     def _open_again(self) -> None:
         """Open the path anew (the folder made again, the writer's lock taken again), starting with
-        the first header where it was written; the file removed is let go."""
+        the headers written to the file removed; the file removed is let go."""
         if self.reclaim is not None:
             self.reclaim()
         fd, end = self._open()
@@ -290,11 +290,12 @@ class AppendFile:
         except OSError:
             pass
         self._fd, self._end, self._cut_at = fd, end, None  # a partial record left was in the file removed
-        first = self._first
-        if first and not (self._held and self._held[0] is first[0]):  # not still held: written, so again
-            if not self._held:
+        written = [piece for header in self._headers[:self._headers_written] for piece in header]
+        if written:  # again, ahead of those still held (TensorBoard's drop of an earlier job's steps too, which,
+            if not self._held:  # lost with the file, let that job's values at them show again)
                 self._held_step = self.last_step
-            self._held = [*first, *self._held]
+            self._held = [*written, *self._held]
+            self._headers_written = 0
 
     def _open(self) -> tuple[int, int]:
         """The file opened for appending (its folder made), and its size once a torn last line is cut off."""
