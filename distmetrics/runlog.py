@@ -255,12 +255,13 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     """The last step the dashboards show from a metrics.jsonl: the highest step of a train, eval or
-    tensor_stats record of the latest job that trained (wrote a train or tensor_stats record: a job
-    that only evaluated dropped nothing from TensorBoard: the steps after its evaluation are still
-    the job before's), or of the last
-    such record where no job trained; None (no file, no such record). Read from the end, a block
-    at a time, up to the job's train record before its last (an evaluation numbered ahead of
-    training is written before the record close() writes) or its start: cheap on a long file."""
+    tensor_stats record, of a gap record's lost records (a full disk lost them from metrics.jsonl, not
+    from TensorBoard on another) or of the end record, of the latest job that trained (wrote a train or
+    tensor_stats record, or lost one: a job that only evaluated dropped nothing from TensorBoard: the
+    steps after its evaluation are still the job before's), or of the last such record where no job
+    trained; None (no file, no such record). Read from the end, a block at a time, up to the job's
+    train record before its last (an evaluation numbered ahead of training is written before the
+    record close() writes) or its start: cheap on a long file."""
     highest: list = [None]  # of the job read so far, from its end
     trains, since = [0], [0]  # train records read; records read since the first
 
@@ -274,8 +275,13 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
         elif kind in DASHBOARD_KINDS and isinstance(step, int):
             highest[0] = step if highest[0] is None else max(highest[0], step)
             trains[0] += kind in TRAINING_KINDS
-            if trains[0] == 2:
+            if trains[0] >= 2:
                 return True
+        elif kind in ("gap", "end"):  # steps whose records metrics.jsonl lost (a full disk) may be on TensorBoard's
+            last = record.get("last_step") if kind == "gap" else step
+            if isinstance(last, int):
+                highest[0] = last if highest[0] is None else max(highest[0], last)
+                trains[0] += kind == "gap"  # records lost: the job trained (an evaluation's are rarely lost alone)
         return since[0] >= _READ_PAST_LAST_TRAIN  # a job of one train record: not the whole of a long one
 
     if last_record(path, latest_training_job) is not None or trains[0]:  # or a file that starts in that job

@@ -499,6 +499,31 @@ def test_a_negative_tensor_count_that_the_others_outweigh_is_refused():
                                        "up to step 8 held a negative count"), out["close"]
 
 
+@pytest.mark.parametrize("tail", ["gap", "end", "gap alone"])
+def test_steps_metrics_jsonl_lost_count_as_logged_for_a_restart(tmp_path, tail):
+    """metrics.jsonl on a disk that filled at step 17, TensorBoard on another that logged to 30: the job ended
+    with a gap record (steps 18-30) and an end record at 30. The last step logged was read as 17, so a restart
+    from checkpoint 20 dropped nothing, and TensorBoard showed two jobs' values at steps 21-30. A job whose
+    train records were all lost (a gap alone) trained too."""
+    import json
+
+    from distmetrics.runlog import last_logged_step
+
+    lines = [{"kind": "run", "step": 0}, {"kind": "train", "step": 10, "train/loss": 1.0}]
+    if tail != "gap alone":
+        lines += [{"kind": "run", "step": 0}, {"kind": "train", "step": 17, "train/loss": 1.0}]
+    else:
+        lines += [{"kind": "run", "step": 0}]
+    if tail in ("gap", "gap alone"):
+        lines.append({"kind": "gap", "step": 30, "first_step": 18, "last_step": 30 if tail == "gap" else 25,
+                      "lost_records": 13, "error": "[Errno 28] No space left on device (ENOSPC)"})
+    lines.append({"kind": "end", "step": 30 if tail != "gap alone" else 25, "how": "close()"})
+    if tail == "gap":
+        lines.pop()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert last_logged_step(tmp_path / "metrics.jsonl") == (25 if tail == "gap alone" else 30)
+
+
 def test_a_job_that_wrote_tensor_statistics_and_crashed_before_its_first_log_step_counts_as_trained(tmp_path):
     """Job 2 resumed at 11, wrote tensor statistics at step 15 and crashed before its first log
     step: taken for a job that did not train, job 3 (from checkpoint 14) was no restart, and
