@@ -359,3 +359,6 @@ def resumed_at(first: int, sinks: SinkSet) -> None:
     sinks.purge_from(first)
     sinks.log({"message": message, "last_logged_step": last, "from_step": first,
                "tensorboard_dropped": "tensorboard" in names}, first, "resume")
+    if "tensorboard" in names:  # the drop on disk before the job's first step returns (once per resumed job): a
+        sinks.flush(timeout=1.0)  # job killed before the writer thread wrote it kept the earlier job's steps
+        # on TensorBoard while its own train record, in metrics.jsonl, said the drop was made

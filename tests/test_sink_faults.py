@@ -996,6 +996,35 @@ def test_a_resumed_jobs_event_file_removed_is_made_again_with_its_drop_of_the_ea
         [(s, 1.0) for s in range(1, 6)] + [(s, 2.0) for s in range(9, 13)]
 
 
+def _killed_after_resuming_child(folder: str, job: str) -> None:
+    """Job "a" logs steps 1-10; job "b" resumes at 6 and is killed as its first monitor.step returns."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0, log_progress=False)
+    monitor = dm.Monitor(cfg)
+    for step in range(1, 11) if job == "a" else (6,):
+        monitor.step(step, loss=1.0)
+    if job == "b":
+        os.kill(os.getpid(), signal.SIGKILL)
+    monitor.close()
+
+
+def test_a_resumed_job_killed_at_its_first_step_has_written_its_drop_of_the_earlier_steps(tmp_path):
+    """Killed as its first monitor.step returned, a resumed job had its train record in metrics.jsonl and
+    nothing in TensorBoard (the drop was queued for the writer thread): the next job, from a later
+    checkpoint, read the last step logged as that record's and dropped nothing, and TensorBoard showed two
+    jobs' values at each step. The drop is on disk before that monitor.step returns."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    assert run_child("_killed_after_resuming_child", str(tmp_path), "a").returncode == 0
+    assert run_child("_killed_after_resuming_child", str(tmp_path), "b").returncode == -signal.SIGKILL
+    board = tmp_path / "tensorboard"
+    files = sorted(os.listdir(board))
+    drops = [event.step for event in EventFileLoader(str(board / files[-1])).Load() if event.HasField("session_log")]
+    assert len(files) == 2 and drops == [6], (files, drops)
+
+
 def run_python_summary(folder: Path) -> str:
     return dist_utils.run_python("-m", "distmetrics.cli", "summary", folder).stdout
 
