@@ -309,7 +309,8 @@ def checkpoint_record(step: int, resumed: dict, job_start: float, job_tokens: fl
     job_tflops = job_flops / max(time.time() - job_start, 1e-9) / 1e12 / world_size
     first_start, first_flops = resumed.get("start_time"), resumed.get("start_flops")
     if first_start is None:
-        first_start, first_flops = _dt.datetime.fromtimestamp(job_start), start_flops
+        # Megatron reads it from this job's "Starting job" line, to the second, as a later job reads it here
+        first_start, first_flops = _dt.datetime.fromtimestamp(job_start).replace(microsecond=0), start_flops
     elapsed = max((_dt.datetime.now() - first_start).total_seconds(), 1e-9)
     cumulative_tflops = (flops - first_flops) / elapsed / 1e12 / world_size
     tokens = resumed.get("last_tokens", 0.0) + job_tokens
