@@ -300,6 +300,19 @@ def test_summary_and_report_read_odd_lines_by_one_rule(tmp_path, capsys):
     assert "6 lines, 2 unreadable" in page and "2 metric records (train, eval, tensor_stats), 1 job(s)" in page
 
 
+def test_a_report_the_disk_has_no_room_for_names_its_file_and_leaves_no_part(tmp_path):
+    """On a full disk the report's write failed with `error: [Errno 28] No space left on device`, naming no
+    file. Here a file size limit (ulimit -f: EFBIG) stands in for the full disk."""
+    lines = ['{"kind": "run", "step": 0, "world_size": 1, "hosts": ["n0"]}', '{"kind": "train", "step": 1, "x": 2.0}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    code = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); ")
+    done = _report_cli(str(tmp_path), code=code)
+    assert done.returncode == 2 and done.stderr.startswith("error: [Errno 27] File too large: ")
+    assert str(tmp_path / "report.html") in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl_does(tmp_path, capsys):
     """read_jsonl read a copy saved with \r line endings, while summary and report, splitting at \n
     only, refused it as holding no record (or read its first record alone)."""

@@ -69,8 +69,10 @@ def render_report(data: RunData, out: Union[str, os.PathLike]) -> str:
     try:  # a path that is not UTF-8 (bytes the file system allows) shows "?" for those bytes
         partial.write_bytes(page.encode("utf-8", "replace"))
         os.replace(partial, path)
-    except BaseException:
+    except BaseException as err:
         partial.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a full disk's write names no file: the report's
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     return str(path)
 
