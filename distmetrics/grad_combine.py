@@ -79,9 +79,11 @@ def combine(norms: torch.Tensor, owned: torch.Tensor, bucket_idx: torch.Tensor, 
             counted = (norms > 0).to(torch.float64)
             contrib = counted if every else torch.where(owned, counted, torch.zeros_like(norms))
         buckets, local = zeros.index_add(0, bucket_idx, contrib), contrib.sum()
-        none = torch.zeros(2, dtype=torch.float64, device=device)  # a NaN count and held, for p >= 0 (kernels: no copy)
-        flag = torch.full((1,), float(sharded and kind == "count"), dtype=torch.float64, device=device)
-        lanes = [local.reshape(1), bad, none[:2 - bad.numel()], none[1:] if held is None else held, flag, *tail]
+        # [total, non-finite count, NaN count, held, sharded]: p < 0 gives the NaN count and held, p = 0 sharded
+        pad = torch.zeros(1 if held is not None else 3, dtype=torch.float64, device=device)  # a kernel, no copy
+        if sharded and kind == "count":
+            pad[2] = 1.0
+        lanes = [local.reshape(1), bad, *(() if held is None else (held,)), pad, *tail]
         reduced = all_reduce(torch.cat(lanes), "sum", group)
         bad, nan, extra = reduced[1], reduced[2] if p < 0 else None, reduced[5:]
         total = reduced[0] if kind == "count" else reduced[0].pow(1.0 / p)
