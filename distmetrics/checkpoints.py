@@ -43,18 +43,19 @@ class CheckpointLog:
         self._said_unknown = False  # a checkpoint of a job that counted no token was said
         self._said_number = False  # a checkpoint numbered neither the last step nor the next was said
 
-    def start_at(self, step: int) -> None:
-        """Where this job's checkpoints count on from (:meth:`_resumed_from`); a job that loaded a
+    def start_at(self, step: int, loaded: bool = False) -> None:
+        """Where this job's checkpoints count on from (:meth:`_resumed_from`; ``loaded``: the job saved
+        checkpoint ``step`` before its first step, the one it loaded, whatever the numbering); a job that loaded a
         checkpoint older than its streak's start (a start from scratch, a rollback past the streak's
         first job) starts a streak of its own, as a job of another world size does: the streak's
         FLOPs counted from its start would leave this job's out, and its cumulative throughput was
         negative. A later job reads that streak back from this job's first save (:func:`read_progress`)."""
-        self._resumed_from(step)
+        self._resumed_from(step, loaded)
         start, origin = self.resumed.get("start_flops"), self.resumed.get("last_flops", 0.0)
         if start is not None and origin < start:
             self.resumed["start_time"] = self.resumed["start_flops"] = None
 
-    def _resumed_from(self, step: int) -> None:
+    def _resumed_from(self, step: int, loaded: bool = False) -> None:
         """This job's first step is ``step`` (its first ``monitor.step``, the step after an
         evaluation or a checkpoint saved first): it resumed from the checkpoint saved just before
         it, numbered ``step - 1`` where steps count from 1 (Megatron's and torchtitan's numbering)
@@ -65,11 +66,14 @@ class CheckpointLog:
         this job's start, which counts on from the line before. After a rollback (a restart from
         an older checkpoint than the last one saved) that is not the last "Saved checkpoint" line:
         the job's FLOPs and tokens count on from that checkpoint's, as Megatron's count on from the
-        checkpoint they load, not from the last line's."""
+        checkpoint they load, not from the last line's. ``loaded``: it resumed from the checkpoint at ``step``
+        (its first step is the next)."""
         saved = self.resumed.get("saved") or []
         base = _latest_up_to(saved, step)
         record = self._record_up_to(step, base)
-        if self._saved_after(step, base, record):
+        if loaded:
+            step += 1
+        elif self._saved_after(step, base, record):
             base = _latest_up_to(saved, step - 1)
             record = self._record_up_to(step - 1, base)
         known = max((c.iteration for c in (base, record) if c is not None), default=None)

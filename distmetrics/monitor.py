@@ -280,9 +280,9 @@ class Monitor:
         as in :meth:`step`), ``eval/ppl`` = exp(loss), ``eval/gap`` = eval loss − train loss since the
         last eval."""
         self._check_open(collective=True)
-        metrics = self._eval.log(step, loss, tokens, scalars, loss_tokens)
-        if self._last_step is None:  # an evaluation first: of the checkpoint of this step (a resumed job's)
-            self._counts_from(step + 1)
+        metrics = self._eval.log(step, loss, tokens, scalars, loss_tokens)  # an evaluation first (a resumed job's
+        # of the checkpoint it loaded) tells not where checkpoints count on from: the checkpoint of this step is
+        # the one loaded where steps count from 0, the one before the first step where they count from 1
         self._write(metrics, step, "eval")
         refused, self._eval.refused = self._eval.refused, None
         if refused is not None:  # bad tokens or time_ms in tensors: the record without them is written
@@ -315,8 +315,8 @@ class Monitor:
         check_step(step, "monitor.checkpoint_saved")
         self._checkpoints.say_number(step, self._last_step, self._stride if self._strided else None,
                                      self.layout.says_once)
-        if self._last_step is None:  # a checkpoint saved first: the job resumed from this step's
-            self._counts_from(step + 1)
+        if self._last_step is None:  # a checkpoint saved first: the one the job loaded (whatever the numbering)
+            self._counts_from(step, loaded=True)
         self._reducer.check_world("monitor.checkpoint_saved")
         self._guard.enter("monitor.checkpoint_saved", step)
         train = self._by_name["train"]  # None: its steps counted no token (before any step the job's are 0)
@@ -372,14 +372,15 @@ class Monitor:
     _log_step_ahead = log_step_ahead
     _is_log_step = is_log_step
 
-    def _counts_from(self, first: int) -> None:
-        """The job's own steps start at ``first``, as its first step, evaluation or checkpoint tells
-        (once): checkpoints count on from the one it resumed from. Which of an earlier job's
+    def _counts_from(self, first: int, loaded: bool = False) -> None:
+        """The job's own steps start at ``first``, as its first step tells, or after checkpoint ``first``, which
+        it saves before its first step (``loaded``), once: checkpoints count on from the one it resumed from.
+        Which of an earlier job's
         TensorBoard events this job replaces is known at its first ``monitor.step`` only
         (:func:`~distmetrics.runinfo.resumed_at`): a job that only evaluates replaces none."""
         if not self._counts_known:
             self._counts_known = True
-            self._checkpoints.start_at(first)
+            self._checkpoints.start_at(first, loaded)
 
     def _write(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         if self.is_writer and not self._closed:  # closed: by a signal handler, inside this log step

@@ -1511,6 +1511,34 @@ def test_a_job_behind_its_streaks_start_starts_a_streak_of_its_own(tmp_path, fir
     assert 0 < record["checkpoint/cumulative_tflops_per_gpu"] <= record["checkpoint/job_tflops_per_gpu"]
 
 
+@pytest.mark.parametrize("first_call", ["log_eval", "checkpoint_saved", None])
+@pytest.mark.parametrize("origin", [0, 1], ids=["steps from 0", "steps from 1"])
+def test_a_rollback_past_consecutive_checkpoints_counts_on_from_the_one_loaded(tmp_path, origin, first_call):
+    """Job A saved a checkpoint at every step; job B rolls back to checkpoint 10 and evaluates it (or saves it
+    again) before its first step. Where steps count from 0 (checkpoint s + 1 saved after step s) its checkpoints
+    counted on from checkpoint 11, one step's tokens and FLOPs too many (1200 at checkpoint 11); the evaluation
+    or save was taken for the step before a first step at 11."""
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, flops_per_token=1.0, console=False,
+                           tensorboard=False, timing_log_level=-1)
+    for first, last, call in ((origin, 11 + origin, None), (10 + origin, 12 + origin, first_call)):
+        with dm.Monitor(cfg) as monitor:
+            if call == "log_eval":
+                monitor.log_eval(10, loss=1.0, tokens=1)
+            elif call == "checkpoint_saved":
+                monitor.checkpoint_saved(10)
+            for step in range(first, last + 1):
+                monitor.step(step, loss=1.0, tokens=100)
+                monitor.checkpoint_saved(step + 1 - origin)  # the steps done
+    records = list(dm.read_jsonl(tmp_path / "metrics.jsonl"))
+    job_b = records[[i for i, r in enumerate(records) if r["kind"] == "run"][1]:]
+    saved = [(r["step"], r["checkpoint/tokens"], r["checkpoint/floating_point_operations"]) for r in job_b
+             if r["kind"] == "progress"]
+    assert saved == [(c, 100.0 * c, 100.0 * c) for c in ([10] if first_call == "checkpoint_saved" else []) +
+                     [11, 12, 13]], saved
+
+
 def _job_saving_checkpoints(rank: int, world: int, root: str, steps: list, saves: list) -> dict:
     """One job of ``steps`` (1,000 tokens a step on each rank) in ``root``, saving a checkpoint after
     each step in ``saves``: on the writer rank, the wall-clock times just before and after each save."""
