@@ -569,9 +569,9 @@ def _interleaved_schedule(rank: int, world: int, out: str) -> dict:
     def forward_step(data_iterator, model):
         tokens, labels = next(data_iterator)
 
-        def loss_func(per_token):  # the schedule divides it by the micro-batches for the backward
-            loss = per_token.float().mean()
-            return loss, {"lm loss": loss.detach()}
+        def loss_func(per_token):  # the schedule divides it by the micro-batches for the backward, in place: a
+            loss = per_token.float().mean()  # copy is reported (detach() alone shares it: a quarter of the loss)
+            return loss, {"lm loss": loss.clone().detach()}
 
         return model(tokens, position_ids, mask, labels=labels), loss_func
 
@@ -626,6 +626,7 @@ def test_megatrons_interleaved_pipeline_schedule_is_measured_in_model_order(tmp_
         assert layers == {"0.decoder.layers.0", "0.decoder.layers.1", "1.decoder.layers.2", "1.decoder.layers.3"}
         micro_losses = [x for rank_result in results for x in rank_result["steps"][step - 1]["losses"]]
         assert len(micro_losses) == 2 * 4  # two last-stage replicas, four micro-batches each
+        assert all(abs(x - math.log(64)) < 0.5 for x in micro_losses), micro_losses  # near chance at 64 tokens
         assert m["train/loss"] == pytest.approx(math.fsum(micro_losses) / len(micro_losses), rel=REL)
         assert m["train/consumed_tokens"] == step * 2 * 4 * 2 * 16  # replicas × micro-batches × batch × seq
     [run] = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "run"]
