@@ -37,7 +37,8 @@ from .per_rank import some_ranks
 __all__ = ["NO_STEP", "step_lanes", "check_steps"]
 
 NO_STEP: Any = object()
-"""A measurement made outside a Monitor (``dm.clip_grad_norm_``): it knows no step, carries no lanes."""
+"""A measurement made outside a Monitor (``dm.clip_grad_norm_``): it knows no step (its lanes hold 0 on every
+rank), only its arguments."""
 
 MODULUS = 2 ** 16
 """``world · MODULUS²`` stays below 2**53 up to 2**21 ranks."""
@@ -45,8 +46,8 @@ MODULUS = 2 ** 16
 LANES = 4
 
 
-def _position(after_step: Optional[int]) -> int:
-    return 0 if after_step is None else (int(after_step) + 1) % MODULUS
+def _position(after_step: Any) -> int:
+    return 0 if after_step is None or after_step is NO_STEP else (int(after_step) + 1) % MODULUS
 
 
 def _arguments(p: float, max_norm: Optional[float]) -> int:
@@ -71,7 +72,7 @@ def _same(first: float, second: float, kind: str, world: int) -> bool:
     return first + second == 0
 
 
-def check_steps(reduced: torch.Tensor, kind: str, group: Any, after_step: Optional[int], call: str,
+def check_steps(reduced: torch.Tensor, kind: str, group: Any, after_step: Any, call: str,
                 p: float = 2.0, max_norm: Optional[float] = None) -> None:
     """Raise :class:`HangError` on every rank where the reduced lanes say the ranks' steps, or their norm
     types or max_norms, differ (the same lanes on every rank: every rank raises), after one gather of
@@ -81,7 +82,7 @@ def check_steps(reduced: torch.Tensor, kind: str, group: Any, after_step: Option
     steps_alike = _same(step_sum, step_squares, kind, world)
     if steps_alike and _same(given_sum, given_squares, kind, world):
         return
-    mine = torch.tensor([-1.0 if after_step is None else float(after_step), float(p),
+    mine = torch.tensor([-1.0 if after_step is None or after_step is NO_STEP else float(after_step), float(p),
                          math.nan if max_norm is None else float(max_norm)], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world)]
     with InCollective("the gather of the ranks' steps and arguments at a gradient norm whose ranks differ", call):
@@ -99,10 +100,11 @@ def check_steps(reduced: torch.Tensor, kind: str, group: Any, after_step: Option
                         "would mix two steps' gradients (no gradient was scaled). Every rank calls "
                         "monitor.clip_grad_norm_ and monitor.measure_grad_norms at the same steps")
     by_call: dict[str, list[int]] = {}
+    who = "dm." if after_step is NO_STEP else "monitor."
     for rank, row in zip(ranks, rows):
         given = row.tolist()
-        what = (f"monitor.measure_grad_norms(norm_type={given[1]:g})" if math.isnan(given[2]) else
-                f"monitor.clip_grad_norm_(max_norm={given[2]!r}, norm_type={given[1]:g})")
+        what = (f"{who}measure_grad_norms(norm_type={given[1]:g})" if math.isnan(given[2]) else
+                f"{who}clip_grad_norm_(max_norm={given[2]!r}, norm_type={given[1]:g})")
         by_call.setdefault(what, []).append(rank)
     said = "; ".join(f"{what} on {some_ranks(held)}" for what, held in by_call.items())
     raise HangError(f"{call}: the ranks made this gradient norm's all-reduce with different arguments ({said}): "

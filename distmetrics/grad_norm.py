@@ -221,9 +221,10 @@ class GradientNorms:
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
                                route.replica_presence) if replicas.carried(self.layout, self.group) else None
         dtypes, carried = {dtype for _, dtype in groups}, GradDtypes.carried(self.group)
-        # a Monitor's step, where the collective runs on the host (gloo: decided by the group alone, so every rank
-        # carries the lanes and reads them; gradients on a GPU are copied to the host for it already)
-        steps = carried and after_step is not NO_STEP
+        # a Monitor's step and the call's arguments (dm.clip_grad_norm_: its arguments), where the collective runs on
+        # the host (gloo: decided by the group alone, so every rank carries the lanes and reads them; gradients on a
+        # GPU are copied to the host for it already)
+        steps = carried
         lanes = extra
         if carried:  # the dtypes' lanes after the replica check's, then the steps'
             lanes = self.dtypes.beside(extra, dtypes, kind, device)

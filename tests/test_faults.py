@@ -749,6 +749,39 @@ def test_clips_with_other_arguments_on_one_rank_raise_on_every_rank_after_their_
             "a gradient was scaled"
 
 
+def _bare_clips_with_other_arguments(rank: int, world: int) -> list:
+    """dm.clip_grad_norm_ without a Monitor: p = 2, 0 and 1 agreed, then 0 on rank 1 where rank 0 passes 2 (rank 1
+    read rank 0's sum of squares as its count), 1 where it passes 2, and another max_norm."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 4)
+    said = []
+    for step, p, max_norm in ((1, 2.0, 0.5), (2, 0.0, 0.5), (3, 1.0, 0.5), (4, 0.0 if rank else 2.0, 0.5),
+                              (5, 1.0 if rank else 2.0, 0.5), (6, 2.0, 0.25 if rank else 0.5)):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, float(step))
+        kind, message, _ = _outcome(lambda: dm.clip_grad_norm_(model.parameters(), max_norm, p))
+        said.append((kind, message, [param.grad.unique().tolist() for param in model.parameters()]))
+    return said
+
+
+def test_clips_outside_a_monitor_with_other_arguments_on_one_rank_raise_on_every_rank():
+    """Without a Monitor the argument lanes were not carried: ranks passing 2 and 0, or 2 and -1, each agreed
+    before, returned totals of the other rank's powers (0.786 where torch gives 4.0) and clipped by their own
+    coefficients, without a word (2 and 1 too). Under gloo they ride the all-reduce as a Monitor's do."""
+    for rank, said in enumerate(run_ranks(_bare_clips_with_other_arguments, 2, timeout=120)):
+        assert [kind for kind, _, _ in said] == ["ok"] * 3 + ["HangError"] * 3, (rank, said)
+        lead = "clip_grad_norm_: the ranks made this gradient norm's all-reduce with different arguments"
+        for step, rank0, rank1 in ((4, "max_norm=0.5, norm_type=2", "max_norm=0.5, norm_type=0"),
+                                   (5, "max_norm=0.5, norm_type=2", "max_norm=0.5, norm_type=1"),
+                                   (6, "max_norm=0.5, norm_type=2", "max_norm=0.25, norm_type=2")):
+            assert said[step - 1][1].startswith(f"{lead} (dm.clip_grad_norm_({rank0}) on rank 0; "
+                                                f"dm.clip_grad_norm_({rank1}) on rank 1)"), said[step - 1][1]
+            assert said[step - 1][2] == [[float(step)]] * 2, "a gradient was scaled"
+
+
 def _killed(rank: int, world: int) -> tuple:
     import distmetrics as dm
 

@@ -735,15 +735,17 @@ def test_a_monitor_clip_of_plain_gradients_beside_fsdp2_shards_reads_nothing_bac
 
 def _plain_clips_read_nothing(rank: int, world: int, how: str) -> list:
     """``distmetrics.clip_grad_norm_`` of plain replicated gradients (DDP's) or of FSDP2's DTensors
-    (``how``), measured as on a GPU: the host reads of each of three calls."""
+    (``how``), measured as on a GPU under NCCL (no host lanes: those gloo carries are read on the host): the
+    host reads of each of three calls."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
     import distmetrics as dm
     from distmetrics import grad_norm
+    from distmetrics.grad_dtypes import GradDtypes
     from tests.dist_utils import HostReads
 
-    combine = grad_norm._combine
+    combine, carried = grad_norm._combine, GradDtypes.carried
 
     def as_on_a_gpu(*args, **kwargs):
         kwargs["tensors"] = None  # given on the CPU only, where reading a count waits for nothing
@@ -756,7 +758,7 @@ def _plain_clips_read_nothing(rank: int, world: int, how: str) -> list:
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
-    reads, grad_norm._combine = [], as_on_a_gpu
+    reads, grad_norm._combine, GradDtypes.carried = [], as_on_a_gpu, staticmethod(lambda group: False)
     try:
         for _ in range(3):
             model.zero_grad()
@@ -765,7 +767,7 @@ def _plain_clips_read_nothing(rank: int, world: int, how: str) -> list:
                 dm.clip_grad_norm_(model.parameters(), MAX_NORM)
             reads.append(counted.reads)
     finally:
-        grad_norm._combine = combine
+        grad_norm._combine, GradDtypes.carried = combine, carried
     return reads
 
 
