@@ -1025,6 +1025,33 @@ def test_a_resumed_job_killed_at_its_first_step_has_written_its_drop_of_the_earl
     assert len(files) == 2 and drops == [6], (files, drops)
 
 
+def test_a_resumed_job_whose_writer_thread_is_slow_says_its_drop_is_not_written_yet(tmp_path, caplog):
+    """A sink on the writer thread slower than a second (a slow W&B or network disk) ahead of TensorBoard's drop:
+    the first monitor.step waited a second and went on, the drop not on disk, without a word."""
+    import distmetrics as dm
+
+    class Slow:
+        name, fix = "slow", "none"
+
+        def log(self, metrics, step, kind):
+            if kind == "run":
+                time.sleep(1.5)
+
+        def close(self):
+            pass
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, timing_log_level=-1,
+                           log_throughput=False, log_memory=False, straggler_window=0, log_progress=False)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 11):
+            monitor.step(step, loss=1.0)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(cfg, sinks=[Slow()]) as monitor:
+        monitor.step(6, loss=2.0)
+    said = [r.getMessage() for r in caplog.records if "has not written TensorBoard's drop" in r.getMessage()]
+    assert len(said) == 1 and "from step 6 within a second" in said[0], said
+
+
 def run_python_summary(folder: Path) -> str:
     return dist_utils.run_python("-m", "distmetrics.cli", "summary", folder).stdout
 
