@@ -50,7 +50,7 @@ def write_end(monitor: "Monitor", how: str) -> None:
     if monitor.is_writer:
         step = monitor._last_step
         lost = getattr(monitor, "_lost_steps", 0)  # the steps of log steps that did not complete
-        fields = {"how": how, "unwritten_steps": monitor._steps_in_interval + lost}
+        fields = {"how": how, "unwritten_steps": monitor._steps_in_interval + lost, "stepped": step is not None}
         if lost:  # said apart: they may be any interval's, not the last
             fields["lost_in_log_steps"] = lost
         monitor.sinks.log_inline(fields, 0 if step is None else step, "end")

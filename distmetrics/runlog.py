@@ -264,6 +264,7 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     record close() writes) or its start: cheap on a long file."""
     highest: list = [None]  # of the job read so far, from its end
     trains, since = [0], [0]  # train records read; records read since the first
+    unstepped = [False]  # the job read so far ended before any monitor.step (its end record says so)
 
     def latest_training_job(record: dict) -> bool:
         kind, step = record.get("kind"), record.get("step")
@@ -271,17 +272,19 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
         if kind == "run":  # a job's start: of the job that trained, or of one that did not (the one before counts)
             if trains[0]:
                 return True
-            highest[0] = None
+            highest[0], unstepped[0] = None, False
         elif kind in DASHBOARD_KINDS and isinstance(step, int):
             highest[0] = step if highest[0] is None else max(highest[0], step)
             trains[0] += kind in TRAINING_KINDS
             if trains[0] >= 2:
                 return True
-        elif kind in ("gap", "end"):  # steps whose records metrics.jsonl lost (a full disk) may be on TensorBoard's
-            last = record.get("last_step") if kind == "gap" else step
+        elif kind == "end":
+            unstepped[0] = record.get("stepped") is False  # an evaluation-only job's: its lost records are no steps
+        if kind in ("gap", "end") and not unstepped[0]:  # steps whose records metrics.jsonl lost (a full disk) may be
+            last = record.get("last_step") if kind == "gap" else step  # on TensorBoard's
             if isinstance(last, int):
                 highest[0] = last if highest[0] is None else max(highest[0], last)
-                trains[0] += kind == "gap"  # records lost: the job trained (an evaluation's are rarely lost alone)
+                trains[0] += kind == "gap"  # records lost by a job that stepped: it trained
         return since[0] >= _READ_PAST_LAST_TRAIN  # a job of one train record: not the whole of a long one
 
     if last_record(path, latest_training_job) is not None or trains[0]:  # or a file that starts in that job

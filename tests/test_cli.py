@@ -535,7 +535,7 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
             "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")
         return
     end = records[-1]
-    assert end["kind"] == "end" and end["step"] == 5, records
+    assert end["kind"] == "end" and end["step"] == 5 and end["stepped"] is True, records
     if how == "closed in a later exit hook":
         assert end["how"] == ("its process ended with the Monitor open, on an uncaught RuntimeError; then closed "
                               "its Monitor, in an exit hook"), end

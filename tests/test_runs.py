@@ -499,17 +499,25 @@ def test_a_negative_tensor_count_that_the_others_outweigh_is_refused():
                                        "up to step 8 held a negative count"), out["close"]
 
 
-@pytest.mark.parametrize("tail", ["gap", "end", "gap alone"])
+@pytest.mark.parametrize("tail", ["gap", "end", "gap alone", "evaluation alone"])
 def test_steps_metrics_jsonl_lost_count_as_logged_for_a_restart(tmp_path, tail):
     """metrics.jsonl on a disk that filled at step 17, TensorBoard on another that logged to 30: the job ended
     with a gap record (steps 18-30) and an end record at 30. The last step logged was read as 17, so a restart
     from checkpoint 20 dropped nothing, and TensorBoard showed two jobs' values at steps 21-30. A job whose
-    train records were all lost (a gap alone) trained too."""
+    train records were all lost (a gap alone) trained too; one that only evaluated (its end record: it made no
+    monitor.step) did not."""
     import json
 
     from distmetrics.runlog import last_logged_step
 
     lines = [{"kind": "run", "step": 0}, {"kind": "train", "step": 10, "train/loss": 1.0}]
+    if tail == "evaluation alone":  # a job that only evaluated, its eval record lost: no restart of training
+        lines += [{"kind": "run", "step": 0}, {"kind": "gap", "step": 0, "first_step": 5, "last_step": 5,
+                                               "lost_records": 1, "error": "ENOSPC"},
+                  {"kind": "end", "step": 0, "how": "closed its Monitor", "stepped": False}]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        assert last_logged_step(tmp_path / "metrics.jsonl") == 10
+        return
     if tail != "gap alone":
         lines += [{"kind": "run", "step": 0}, {"kind": "train", "step": 17, "train/loss": 1.0}]
     else:
