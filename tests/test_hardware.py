@@ -312,6 +312,22 @@ def test_a_gpu_without_the_counter_on_one_rank_is_not_counted_as_drawing_nothing
     assert not [k for k in m if k in ("energy/total_j", "energy/job_total_j", "energy/j_per_token")]
 
 
+def test_energy_of_every_gpu_lost_mid_run_is_said_in_the_record_as_none_measured(monkeypatch):
+    """NVML failing on the only GPU at step 2: the records from there held no energy key at all, where one GPU
+    of two lost writes energy/gpus_measured: 1. They write energy/gpus_measured: 0 (pynvml faked: no GPU here)."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml.make(devices={
+        "GPU-0": [0, 0, 5000, fake_pynvml.NVMLError(15)]}))
+    from distmetrics.collectors.nvml import EnergyCollector
+
+    monitor = _monitor(log_interval=1, collectors=[EnergyCollector(world_size=1, uuid="GPU-0")])
+    records = [monitor.step(step, tokens=1) for step in (1, 2, 3, 4)]
+    monitor.close()
+    assert "energy/total_j" in records[0] and "energy/gpus_measured" not in records[0], records[0]
+    for record in records[1:]:
+        assert {k: v for k, v in record.items() if k.startswith(("energy/", "power/"))} == \
+            {"energy/gpus_measured": 0}, record
+
+
 def _gpus_not_opened_on_some_ranks(rank: int, world: int, steps: tuple = (1, 2, 3)) -> dict:
     # rank 0's GPU has an energy counter; no rank's GPU is found for telemetry, rank 1's for nothing
     sys.modules["pynvml"] = fake_pynvml.make(devices={"GPU-0": [0, 0, 10_000, 20_000, 30_000]})
@@ -409,7 +425,8 @@ def test_the_first_record_at_log_interval_1_has_no_power_over_no_time(nvml):
 
 def test_an_nvml_error_mid_run_turns_energy_off_with_a_warning(nvml, caplog):
     """An NVMLError at a log step's read raised out of monitor.step (on many ranks the others
-    would wait at the next collective). One warning; no energy metrics from then on."""
+    would wait at the next collective). One warning; no energy metrics from then on but the count of GPUs
+    measured, none."""
     fake = nvml(devices={"GPU-0000": [0, 0, 10_000]})
     from distmetrics.collectors.nvml import EnergyCollector
 
@@ -420,7 +437,7 @@ def test_an_nvml_error_mid_run_turns_energy_off_with_a_warning(nvml, caplog):
     fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: (_ for _ in ()).throw(fake_pynvml.NVMLError(15))
     for step in (3, 4, 5, 6):
         m = monitor.step(step, tokens=10)
-    assert not [k for k in m if k.startswith(("energy/", "power/"))]
+    assert {k: v for k, v in m.items() if k.startswith(("energy/", "power/"))} == {"energy/gpus_measured": 0}
     said = [r.getMessage() for r in caplog.records if "not measured from here on" in r.getMessage()]
     assert len(said) == 1 and "NVML error 15" in said[0]
     monitor.close()

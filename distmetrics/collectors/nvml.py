@@ -106,6 +106,7 @@ class EnergyCollector:
         self.world_size = world_size
         self.enabled = False
         self.job_mj = 0.0  # this rank's energy since the start, pauses excluded
+        self._written = False  # a record held energy (the same on every rank: read from the reduced metrics)
         self._counted_mj = 0  # this interval's energy up to the last pause (counted span by span)
         self._paused_s = 0.0
         self._pause_start: Optional[float] = None  # when the pause began
@@ -215,7 +216,10 @@ class EnergyCollector:
         self.not_opened.say(metrics, ctx)
         gpus, power = metrics.pop(_GPUS, None), metrics.pop(_POWER, None)
         if "energy/total_j" not in metrics:
+            if self._written:  # every rank's NVML failed since: none measured, said as where some are not
+                metrics["energy/gpus_measured"] = 0
             return []
+        self._written = True
         total = metrics["energy/total_j"]
         gpus = int(round(gpus)) if gpus else self.world_size
         if gpus < self.world_size:
