@@ -916,9 +916,8 @@ def test_a_collectors_mean_whose_weights_sum_to_0_is_left_out_and_said_once_per_
     for rank, (keys, said) in enumerate(run_ranks(_weightless_samples, 2, timeout=120)):
         assert keys == [["z/a", "z/b", "z/s"], ["z/a", "z/b"], ["z/b"], ["z/a", "z/b"]], (rank, keys)
         lead = "distmetrics: the 'weightless' collector's mean"
-        expected = [f"{lead} 'z/s' is left out of the record of step 2", f"{lead} 'z/a' is left out of the record "
-                    "of step 3"] if rank == 0 else [f"{lead} 'z/s' is left out of the record of step 2",
-                                                    f"{lead} values 'z/a', 'z/one' are left out of the record of step 3"]
+        third = f"{lead} 'z/a' is left out" if rank == 0 else f"{lead} values 'z/a', 'z/one' are left out"
+        expected = [f"{lead} 'z/s' is left out of the record of step 2", f"{third} of the record of step 3"]
         assert [message.split(", and of every")[0] for message in said] == expected, (rank, said)
 
 

@@ -26,8 +26,8 @@ _ORDER = operator.attrgetter("order")
 class StepTimer(Timer):
     """The Monitor's step timer (``timers/step``): every ``monitor.step`` laps it. It can be read
     like any timer (``elapsed()``, a report), but starting or stopping it by hand would cut the
-    steps it times, so both raise :class:`TimerError` saying so, and ``reset()`` does not stop it. ``monitor.pause()`` and
-    ``resume()`` leave evaluation and checkpoint saves out of it, as Megatron stops its
+    steps it times, so both raise :class:`TimerError` saying so, and ``reset()`` does not stop it.
+    ``monitor.pause()`` and ``resume()`` leave evaluation and checkpoint saves out of it, as Megatron stops its
     interval timer around them: a pause ends no step. The log step is left out too, from the
     lap that begins it to the end of its reduction (:meth:`hold`, :meth:`release`): a fast rank
     waits there for the slowest, and that wait is not its own work."""
