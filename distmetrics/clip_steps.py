@@ -52,7 +52,8 @@ def _position(after_step: Any) -> int:
 
 def _arguments(p: float, max_norm: Optional[float]) -> int:
     """The call's norm type and max_norm as an integer below :data:`MODULUS` (a measurement: no max_norm)."""
-    return zlib.crc32(f"{float(p)!r} {max_norm!r}".encode()) % MODULUS
+    # + 0.0: -0.0 and 0.0 are one argument (their reprs differ)
+    return zlib.crc32(f"{float(p) + 0.0!r} {None if max_norm is None else max_norm + 0.0!r}".encode()) % MODULUS
 
 
 def step_lanes(after_step: Optional[int], kind: str, device: torch.device, p: float = 2.0,

@@ -240,7 +240,8 @@ class Monitor:
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the same arguments and return value, exact under
         every parallel layout; also ``clip_grad_norm_(max_norm)`` for the model's parameters. One
-        all-reduce of five numbers (4 or 6 for ±inf); per-module norms ride the log step's pack.
+        all-reduce of five numbers (4 for inf, 8 for -inf; and the checks' lanes); per-module norms ride the
+        log step's pack.
         Refused inside a gradient-accumulation window (:mod:`distmetrics.grad_sync`)."""
         norms = self._norms("clip_grad_norm_")
         norms.sync.check("monitor.clip_grad_norm_")  # before any collective: not inside no_sync()

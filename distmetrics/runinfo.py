@@ -357,8 +357,6 @@ def resumed_at(first: int, sinks: SinkSet) -> None:
                f"here" + (f": {'; '.join(said)}" if said else ""))
     logger.warning("distmetrics: %s", message)
     sinks.purge_from(first)
-    sinks.log({"message": message, "last_logged_step": last, "from_step": first,
-               "tensorboard_dropped": "tensorboard" in names}, first, "resume")
     # the drop on disk before the job's first step returns (once per resumed job): a job killed before the writer
     # thread wrote it kept the earlier job's steps on TensorBoard while its train record, in metrics.jsonl, said
     # the drop was made; waited for a second at most (a slow sink ahead of it: said)
@@ -366,3 +364,5 @@ def resumed_at(first: int, sinks: SinkSet) -> None:
         logger.warning("distmetrics: the writer thread has not written TensorBoard's drop of the earlier job's steps "
                        "from step %d within a second (a sink is slow): it is written in order, but a job killed "
                        "before then leaves TensorBoard showing both jobs' values at those steps", first)
+    sinks.log({"message": message, "last_logged_step": last, "from_step": first,
+               "tensorboard_dropped": "tensorboard" in names}, first, "resume")
