@@ -14,6 +14,7 @@ from .collectors import LogContext
 from .collectors.base import bad_weights, left_out_failed, misnamed_elsewhere, of_ours, take_samples
 from .collectors.norms import FIRST_STEP
 from .exits import say_log_step_lost
+from .names import RECORD_KEYS
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -107,18 +108,31 @@ def _own_kinds(collector: Any, got: list, monitor: "Monitor") -> list:
 
     bad = [item for item in got if not isinstance(item, (Alert, Record)) or
            isinstance(item, Record) and (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS)]
-    if not bad:
+    keyed = [item for item in got if not any(item is b for b in bad) and _record_keys_in(item)]
+    if not bad and not keyed:
         return got
+    said = monitor._foreign.said
     shown = ", ".join(f"Record({item.kind!r}, ...)" if isinstance(item, Record) else f"a {type(item).__name__}"
                       for item in bad[:3])
-    said = monitor._foreign.said
-    if (collector.name, shown) not in said:
+    if bad and (collector.name, shown) not in said:
         said.add((collector.name, shown))
         logger.warning("distmetrics: rank %d: the %r collector's finalize returned %s, which are not written: it "
                        "returns Alerts, and Records of kinds of its own, not %s (the Monitor's); the rest of what it "
                        "returned is written. Said once", monitor.rank, collector.name, shown,
                        ", ".join(sorted(WRITERS_KINDS)))
-    return [item for item in got if not any(item is b for b in bad)]
+    keys = sorted({key for item in keyed for key in _record_keys_in(item)})
+    if keyed and (collector.name, tuple(keys)) not in said:  # written, they replaced the line's own keys: a train
+        said.add((collector.name, tuple(keys)))  # record at a step never logged, a line readers skip
+        logger.warning("distmetrics: rank %d: the %r collector's finalize returned a Record or Alert with the "
+                       "field(s) %s, which every record holds already (%s): not written. Said once", monitor.rank,
+                       collector.name, ", ".join(map(repr, keys)), ", ".join(RECORD_KEYS))
+    return [item for item in got if not any(item is b for b in bad) and not any(item is k for k in keyed)]
+
+
+def _record_keys_in(item: Any) -> list:
+    """The keys of every record (kind, step, time) among an Alert's details or a Record's fields."""
+    fields = item.details if hasattr(item, "details") else getattr(item, "fields", None)
+    return [key for key in RECORD_KEYS if isinstance(fields, dict) and key in fields]
 
 
 def _written_order(monitor: "Monitor", metrics: dict[str, Any]) -> list[str]:

@@ -2318,6 +2318,37 @@ def test_a_finalize_returning_a_record_of_the_monitors_kinds_is_left_out_and_sai
                      ("end", 4)], kinds
 
 
+class _WritesRecordKeys(_Flaky):
+    """A collector of the user's whose Records and Alerts hold the fields every record holds already."""
+
+    def finalize(self, metrics, ctx):
+        import distmetrics as dm
+        from distmetrics.collectors import Record
+
+        return [Record("mine", {"kind": "train", "step": ctx.step + 1000, "train/loss": 99.0}),
+                Record("mine2", {"step": "not-a-step", "v": 1.0}), dm.Alert("odd", "look", {"time": 0}),
+                Record("mine3", {"v": 2.0})]
+
+
+def test_a_finalize_returning_fields_named_as_a_records_own_keys_is_left_out_and_said(tmp_path, caplog):
+    """A Record's fields were written over the line's own keys: Record("mine", {"kind": "train", "step": 1002})
+    landed as a train record at a step never logged (summary: "last step 1004: loss=99"), and a text step made
+    a line summary skipped as unreadable, without a word. Left out and said once, as a Record of the Monitor's
+    kinds is."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
+    with caplog.at_level("WARNING", logger="distmetrics"), dm.Monitor(config, collectors=[_WritesRecordKeys(0)]) as m:
+        for step in range(1, 5):
+            m.step(step, loss=1.0)
+    said = [r.getMessage() for r in caplog.records if "finalize returned" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        "distmetrics: rank 0: the 'flaky' collector's finalize returned a Record or Alert with the field(s) 'kind', "
+        "'step', 'time', which every record holds already"), said
+    kinds = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
+    assert kinds == [("run", 0), ("train", 2), ("mine3", 2), ("train", 4), ("mine3", 4), ("end", 4)], kinds
+
+
 def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_up(tmp_path):
     """The interval's first record_losses or record_moe made under torch.inference_mode() (an evaluation's
     forward) made its accumulators inference tensors: the next call outside it raised torch's "Inplace
