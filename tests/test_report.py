@@ -313,6 +313,23 @@ def test_a_report_the_disk_has_no_room_for_names_its_file_and_leaves_no_part(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def test_a_metric_named_with_dollar_signs_is_drawn_as_text(tmp_path):
+    """matplotlib read a title holding "$...$" as mathtext: a name it could not parse ("u/$\\frac{a$") left the
+    whole "Other metrics" figure undrawn (every other metric in it), and one it could was drawn as math."""
+    import distmetrics as dm
+    from distmetrics.report import write_report
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1)
+    with dm.Monitor(cfg) as monitor:
+        for step in range(1, 4):
+            monitor.record("u/$\\frac{a$", float(step))
+            monitor.record("u/plain", 2.0 * step)
+            monitor.step(step, loss=1.0)
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    assert "not drawn" not in page, re.findall(r"not drawn[^<]*", page)
+
+
 def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl_does(tmp_path, capsys):
     """read_jsonl read a copy saved with \r line endings, while summary and report, splitting at \n
     only, refused it as holding no record (or read its first record alone)."""

@@ -52,8 +52,11 @@ def render_report(data: RunData, out: Union[str, os.PathLike]) -> str:
                 ("tensors", "Tensor statistics", tensor_section),
                 ("other", "Other metrics", other_section))
     body, links = [], []
+    from matplotlib import rc_context
+
     for anchor, title, section in sections:
-        content = section(figs)
+        with rc_context({"text.parse_math": False}):  # a metric named "u/$x$" is text, not mathtext to parse
+            content = section(figs)
         if content:
             links.append(f'<a href="#{anchor}">{escape(title)}</a>')
             body.append(f'<section id="{anchor}"><h2>{escape(title)}</h2>{content}</section>')
