@@ -330,6 +330,23 @@ def test_a_metric_named_with_dollar_signs_is_drawn_as_text(tmp_path):
     assert "not drawn" not in page, re.findall(r"not drawn[^<]*", page)
 
 
+def test_the_timer_tables_last_values_are_those_of_the_last_record(tmp_path):
+    """Job 1 (2 ranks, minmax) then job 2 (1 rank, max) in one folder: the table paired job 2's last max with
+    job 1's last min and slowest rank (rank 1, at a step job 2 never logged)."""
+    from distmetrics import cli
+
+    lines = [{"kind": "run", "step": 0, "world_size": 2, "hosts": ["n0", "n1"]},
+             {"kind": "train", "step": 3, "timers/a": 2.0, "timers/a/min": 1.0, "timers/a/max_rank": 1,
+              "stragglers/a/rank": 1},
+             {"kind": "run", "step": 0, "world_size": 1, "hosts": ["n0"]},
+             {"kind": "train", "step": 4, "timers/a": 1.5, "timers/a/max_rank": 0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    row = re.search(r"<tr><td>timers/a</td>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td>(.*?)</td>", row)[:4] == ["1.75", "1.5", "", "0"], row  # median, last max, min, rank
+
+
 def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl_does(tmp_path, capsys):
     """read_jsonl read a copy saved with \r line endings, while summary and report, splitting at \n
     only, refused it as holding no record (or read its first record alone)."""

@@ -9,6 +9,7 @@ and the straggler's rank. The straggler scores (``stragglers/score_min``, per ti
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -168,12 +169,18 @@ def _timer_table(figs: Figures) -> str:
             spread = grid.spread_arrays()
             sources.append((spread["step"][-1], spread["max"], spread["min"][-1], int(spread["slowest"][-1])))
         if table.has(key):
-            steps, _, slowest = table.series(key)
-            fastest = table.series(f"{key}/min")[2] if table.has(f"{key}/min") else np.full(1, np.nan)
-            ranks = next((table.series(k)[2] for k in (f"stragglers/{name}/rank", f"{key}/max_rank")
-                          if table.has(k)), None)
-            rank = int(ranks[-1]) if ranks is not None and ranks.size and np.isfinite(ranks[-1]) else -1
-            sources.append((steps[-1], slowest, fastest[-1], rank))
+            steps, jobs, slowest = table.series(key)
+
+            def at_last(name_: str) -> float:  # its value in the record of the last max (same job, same step):
+                if not table.has(name_):  # another series may end at another step or job (a restart under
+                    return math.nan  # another timing_log_option, or on fewer ranks)
+                their_steps, their_jobs, values = table.series(name_)
+                held = (their_steps == steps[-1]) & (their_jobs == jobs[-1])
+                return float(values[held][-1]) if held.any() else math.nan
+
+            rank_of = next((at_last(k) for k in (f"stragglers/{name}/rank", f"{key}/max_rank") if table.has(k)
+                            and math.isfinite(at_last(k))), math.nan)
+            sources.append((steps[-1], slowest, at_last(f"{key}/min"), int(rank_of) if math.isfinite(rank_of) else -1))
         if not sources:
             continue
         # jobs of one file logging it both ways: the median over both, the last values the later one's
@@ -181,7 +188,8 @@ def _timer_table(figs: Figures) -> str:
         slowest, last_max = np.concatenate([source[1] for source in sources]), latest[-1]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(last_max)), fmt(float(last_min)),
+            cells = (key, fmt(float(np.nanmedian(slowest))), fmt(float(last_max)),
+                     fmt(float(last_min)) if math.isfinite(last_min) else "",  # none (timing_log_option: max)
                      "" if rank < 0 else rank, data.rank_hosts.get(rank, ""))
         rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     if not rows:
