@@ -512,6 +512,27 @@ def test_a_finite_value_beyond_float32_is_skipped_by_tensorboard_with_one_warnin
     assert all("beyond float32's range" in m for m in skipped), skipped
 
 
+def test_an_all_histogram_beyond_the_default_bins_is_skipped_by_tensorboard_with_one_warning(tmp_path, caplog):
+    """README: an `all` metric whose every value lies beyond 1e20 (TensorBoard's default bins end there, as
+    SummaryWriter's) has no histogram, with one warning naming it; one within them is written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, timing_log_level=-1)
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    with dm.Monitor(cfg) as monitor:
+        for step in (1, 2):
+            monitor.record("u/big", 1e25, "all")
+            monitor.record("u/ok", 5.0, "all")
+            monitor.step(step, loss=1.0)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert "u/ok" in acc.Tags()["histograms"] and "u/big" not in acc.Tags()["histograms"], acc.Tags()
+    said = [r.getMessage() for r in caplog.records if "tensorboard sink skipped 'u/big'" in r.getMessage()]
+    assert len(said) == 1 and "The histogram is empty" in said[0], said
+
+
 @pytest.mark.parametrize("unreadable", ["metrics.jsonl", "progress.txt"])
 def test_a_folder_where_a_metrics_file_belongs_turns_that_sink_off_with_a_warning(tmp_path, caplog, unreadable):
     """The writer rank reads metrics.jsonl and progress.txt back at start (a restart's last step,
