@@ -347,6 +347,22 @@ def test_the_timer_tables_last_values_are_those_of_the_last_record(tmp_path):
     assert re.findall(r"<td>(.*?)</td>", row)[:4] == ["1.75", "1.5", "", "0"], row  # median, last max, min, rank
 
 
+def test_the_report_says_how_many_per_rank_metrics_it_leaves_undrawn(tmp_path):
+    """14 metrics reduced as `all`: 12 heatmaps were drawn and nothing said of the other two."""
+    from distmetrics import cli
+
+    record = {"kind": "train", "step": 1}
+    for i in range(14):
+        record.update({f"u/m{i:02d}/rank0": 1.0, f"u/m{i:02d}/rank1": 2.0, f"u/m{i:02d}/max": 2.0,
+                       f"u/m{i:02d}/min": 1.0, f"u/m{i:02d}/mean": 1.5})
+    lines = [{"kind": "run", "step": 0, "world_size": 2}, record, dict(record, step=2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "14 other per-rank metrics; the first 12 are drawn." in page
+    assert page.count("(per rank)</h3>") == 12
+
+
 def test_summary_and_report_read_a_file_saved_with_cr_line_endings_as_read_jsonl_does(tmp_path, capsys):
     """read_jsonl read a copy saved with \r line endings, while summary and report, splitting at \n
     only, refused it as holding no record (or read its first record alone)."""

@@ -39,6 +39,9 @@ def timer_section(figs: Figures) -> str:
         out.insert(0, panel_figure(figs, minmax_panels, "timers (min/max over ranks)"))
     out.append(_straggler_scores(figs))
     others = [g for (kind, name), g in data.grids.items() if kind == "rank" and not name.startswith("timers/")]
+    if len(others) > MAX_OTHER_PER_RANK:
+        out.append(f"<p class=note>{len(others)} other per-rank metrics; the first {MAX_OTHER_PER_RANK} are "
+                   "drawn.</p>")
     for grid in others[:MAX_OTHER_PER_RANK]:  # other per-rank ('all') metrics
         out.append(f"<h3>{escape(grid.name)} (per rank)</h3>")
         out.append(heatmap(figs, grid, f"{grid.name}: ranks x steps (merged ranks show their max)",
