@@ -2303,19 +2303,25 @@ def test_a_finalize_returning_a_record_of_the_monitors_kinds_is_left_out_and_sai
     in the write loop after the record. Now they are left out and said once by the rank (not raised: what
     a finalize returns may differ by rank, and a raise on one would leave the others waiting), and the
     record, the collector's own Record and its Alert are written."""
-    import distmetrics as dm
-
-    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
-    with caplog.at_level("WARNING", logger="distmetrics"), dm.Monitor(config, collectors=[_WritesKinds(0)]) as monitor:
-        for step in range(1, 5):
-            monitor.step(step, loss=1.0)
-    said = [r.getMessage() for r in caplog.records if "finalize returned" in r.getMessage()]
+    said, kinds = _finalize_four_steps(tmp_path, caplog, _WritesKinds(0))
     assert len(said) == 1 and said[0].startswith(
         "distmetrics: rank 0: the 'flaky' collector's finalize returned Record('train', ...), Record('end', ...), "
         "a dict, which are not written: it returns Alerts, and Records of kinds"), said
-    kinds = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
     assert kinds == [("run", 0), ("train", 2), ("mine", 2), ("alert", 2), ("train", 4), ("mine", 4), ("alert", 4),
                      ("end", 4)], kinds
+
+
+def _finalize_four_steps(tmp_path, caplog, collector) -> tuple:
+    """Four steps logged every second with ``collector``: (the warnings of what its finalize returned, the
+    (kind, step) of every line of metrics.jsonl)."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
+    with caplog.at_level("WARNING", logger="distmetrics"), dm.Monitor(config, collectors=[collector]) as monitor:
+        for step in range(1, 5):
+            monitor.step(step, loss=1.0)
+    said = [r.getMessage() for r in caplog.records if "finalize returned" in r.getMessage()]
+    return said, [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
 
 
 class _WritesRecordKeys(_Flaky):
@@ -2335,17 +2341,10 @@ def test_a_finalize_returning_fields_named_as_a_records_own_keys_is_left_out_and
     landed as a train record at a step never logged (summary: "last step 1004: loss=99"), and a text step made
     a line summary skipped as unreadable, without a word. Left out and said once, as a Record of the Monitor's
     kinds is."""
-    import distmetrics as dm
-
-    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
-    with caplog.at_level("WARNING", logger="distmetrics"), dm.Monitor(config, collectors=[_WritesRecordKeys(0)]) as m:
-        for step in range(1, 5):
-            m.step(step, loss=1.0)
-    said = [r.getMessage() for r in caplog.records if "finalize returned" in r.getMessage()]
+    said, kinds = _finalize_four_steps(tmp_path, caplog, _WritesRecordKeys(0))
     assert len(said) == 1 and said[0].startswith(
         "distmetrics: rank 0: the 'flaky' collector's finalize returned a Record or Alert with the field(s) 'kind', "
         "'step', 'time', which every record holds already"), said
-    kinds = [(r["kind"], r["step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")]
     assert kinds == [("run", 0), ("train", 2), ("mine3", 2), ("train", 4), ("mine3", 4), ("end", 4)], kinds
 
 
