@@ -221,19 +221,15 @@ class GradientNorms:
         extra = replicas.lanes(norms, route.replica_weights, route.replica_owner, self.layout, kind,
                                route.replica_presence) if replicas.carried(self.layout, self.group) else None
         dtypes, carried = {dtype for _, dtype in groups}, GradDtypes.carried(self.group)
-        # a Monitor's step and the call's arguments (dm.clip_grad_norm_: its arguments), where the collective runs on
-        # the host (gloo: decided by the group alone, so every rank carries the lanes and reads them; gradients on a
-        # GPU are copied to the host for it already)
-        steps = carried
-        lanes = extra
-        if carried:  # the dtypes' lanes after the replica check's, then the steps'
-            lanes = self.dtypes.beside(extra, dtypes, kind, device)
-            if steps:
-                lanes = torch.cat([lanes, step_lanes(after_step, kind, device, p, max_norm)])
+        # where the collective runs on the host (gloo: decided by the group alone, so every rank carries the lanes and
+        # reads them; gradients on a GPU are copied to the host for it already): the dtypes' lanes after the replica
+        # check's, then a Monitor's step and the call's arguments (dm.clip_grad_norm_: its arguments alone)
+        lanes = torch.cat([self.dtypes.beside(extra, dtypes, kind, device),
+                           step_lanes(after_step, kind, device, p, max_norm)]) if carried else extra
         measured = _combine(norms, route.owned, route.bucket_idx, len(plan.buckets), p, self.group, device,
                             p == 0 and route.partial, route.every, finite_check, lanes,
                             tensors=measured_locals if device.type == "cpu" else None)
-        if steps:  # before any gradient is scaled: every rank raises
+        if carried:  # before any gradient is scaled: every rank raises
             measured.replicas, reduced = measured.replicas[:-STEP_LANES], measured.replicas[-STEP_LANES:]
             check_steps(reduced, kind, self.group, after_step, call, p, max_norm)
         refuse_sharded_count(measured)
