@@ -306,3 +306,16 @@ def test_the_trend_mark_skips_a_non_finite_loss_and_moe_fields_are_named(caplog)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(":: step")]
     assert [line.split(" loss ")[0] for line in lines] == [":: step 1  ", ":: step 2  ", ":: step 3 /"]
     assert lines[0].endswith("| aux 0.0123 | imbal 1.46")
+
+
+def test_the_console_line_never_shows_100_percent_early_nor_units_on_nan_or_inf():
+    """Step 7,999 of 8,000 read "[100.0%]", inf tokens/s "infG tok/s", a NaN gap "+nan" and a
+    40 ns timer "4e-05 ms"."""
+    from distmetrics.sinks.console import format_eval_line, format_train_line
+
+    line = format_train_line({"train/tokens_per_sec": math.inf, "train/step_time_ms": 0.00004}, 7999, 8000)
+    assert "[99.9%]" in line and " inf tok/s | 0.00 ms" in line, line
+    assert "[100.0%]" in format_train_line({}, 8000, 8000)
+    assert "| nan tok/s" in format_train_line({"train/loss": 1.0, "train/tokens_per_sec": math.nan}, 2)
+    assert format_eval_line({"eval/gap": math.nan}, 3) == ">> eval step 3 | gap nan"
+    assert format_eval_line({"eval/gap": -0.5}, 3) == ">> eval step 3 | gap -0.5000"

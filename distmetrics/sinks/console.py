@@ -262,7 +262,9 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
     """The one-line summary of a train record; past ``total_steps``, the step alone (no fraction above 100%)."""
     head = f":: step {step}"
     if total_steps and step <= total_steps:
-        head += f"/{total_steps} [{100.0 * step / total_steps:4.1f}%]"
+        # 100.0% is the last step's alone (7,999 of 8,000 is 99.9%)
+        share = min(100.0 * step / total_steps, 99.9) if step < total_steps else 100.0
+        head += f"/{total_steps} [{share:4.1f}%]"
     loss = m.get("train/loss")
     trend = " "
     if isinstance(loss, float) and last_loss is not None and math.isfinite(loss):
@@ -301,7 +303,8 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
     if "eval/loss" in m:
         fields.append(f"loss {_num(m['eval/loss'], '.4f')}")
     if "eval/gap" in m:
-        fields.append(f"gap {m['eval/gap']:+.4f}")
+        gap = m["eval/gap"]
+        fields.append(f"gap {gap:+.4f}" if isinstance(gap, (int, float)) and math.isfinite(gap) else f"gap {gap}")
     if "eval/ppl" in m:
         fields.append(f"ppl {_num(m['eval/ppl'], '.2f')}")
     if "eval/tokens_per_sec" in m:
@@ -356,7 +359,10 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _si(v: float) -> str:
-    """One decimal and a unit; a value that rounds up to the next unit takes it (999,960: 1.0M)."""
+    """One decimal and a unit; a value that rounds up to the next unit takes it (999,960: 1.0M); NaN and
+    inf as they are."""
+    if not math.isfinite(v):
+        return f"{v}"
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(v) >= scale * 0.99995 and (unit == "G" or abs(v) < scale * 999.95):
             return f"{v / scale:.1f}{unit}"
@@ -365,4 +371,6 @@ def _si(v: float) -> str:
 
 def _ms(v: float) -> str:
     """Milliseconds to the millisecond; below 10, with the digits that say something (0.42 ms)."""
-    return f"{v:.0f} ms" if abs(v) >= 9.5 or not math.isfinite(v) else f"{v:.2g} ms"
+    if abs(v) >= 9.5 or not math.isfinite(v):
+        return f"{v:.0f} ms"
+    return f"{v:.2g} ms" if abs(v) >= 0.0095 else f"{v:.2f} ms"  # not 4.2e-05 ms
