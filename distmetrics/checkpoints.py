@@ -71,7 +71,9 @@ class CheckpointLog:
         saved = self.resumed.get("saved") or []
         base = _latest_up_to(saved, step)
         record = self._record_up_to(step, base)
-        if loaded:
+        started, looked = f"started at step {step}", step
+        if loaded:  # its first step's number is step + 1, or step in a loop counting from 0: the checkpoint's is known
+            started = f"saved checkpoint {step}, the one it loaded, before its first step"
             step += 1
         elif self._saved_after(step, base, record):
             base = _latest_up_to(saved, step - 1)
@@ -80,7 +82,7 @@ class CheckpointLog:
         if known is not None and known < step - 1:  # under either numbering a checkpoint lies between
             files = " and ".join(name for name, on in (("progress.txt", self._progress),
                                                        ("metrics.jsonl", self._metrics_file is not None)) if on)
-            self._short = (f"{files} have no checkpoint after iteration {known}, and this job started at step {step}: "
+            self._short = (f"{files} have no checkpoint after iteration {known}, and this job {started}: "
                            f"its checkpoints' FLOPs and tokens count on from iteration {known}'s and leave out the "
                            "steps after it (a checkpoint between was saved without monitor.checkpoint_saved, or its "
                            "line and record were lost, e.g. to a full disk)")
@@ -91,8 +93,8 @@ class CheckpointLog:
             # no earlier job's files at all: the earlier run's are elsewhere (another output_dir), or lost
             fresh = "" if self._earlier else (", in an output_dir holding no earlier job's files: an earlier run's "
                                               "files elsewhere are not read")
-            self._short = (f"no checkpoint up to iteration {step} was found in {where} (this job started at step "
-                           f"{step}, a resume{fresh}): its checkpoints' FLOPs and tokens count from this job on")
+            self._short = (f"no checkpoint up to iteration {looked} was found in {where} (this job {started}, a "
+                           f"resume{fresh}): its checkpoints' FLOPs and tokens count from this job on")
         later = record is not None and base is not None and record.iteration == base.iteration and \
             not _rounds_alike(record, base) and _has_record_of(self._metrics_file, base)
         if record is not None and (base is None or record.iteration > base.iteration or later):

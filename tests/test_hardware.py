@@ -1334,6 +1334,13 @@ def test_a_resume_that_finds_no_earlier_checkpoint_says_so_at_its_first(tmp_path
         monitor.step(1001, loss=1.0, tokens=1000)
         monitor.checkpoint_saved(1001)
     assert "(this job started at step 1001, a resume, in an output_dir holding no earlier job's files" in caplog.text
+    caplog.clear()  # one that saves the checkpoint it loaded first (a loop counting from 0 steps from 1000 next):
+    with dm.Monitor(cfg.replace(output_dir=str(tmp_path / "fresher"))) as monitor:  # not told it started at 1001
+        monitor.checkpoint_saved(1000)
+        monitor.step(1000, loss=1.0, tokens=1000)
+        monitor.checkpoint_saved(1001)
+    assert "no checkpoint up to iteration 1000 was found in the last 1 MiB of metrics.jsonl (this job saved " \
+        "checkpoint 1000, the one it loaded, before its first step, a resume, in an output_dir" in caplog.text
 
 
 def _resumes_in_a_fresh_folder(rank: int, world: int, root: str) -> dict:
