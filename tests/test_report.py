@@ -904,7 +904,8 @@ def test_heatmap_rows_beyond_max_rows_merge_neighbours_as_the_readme_says(how):
     flags = np.zeros((bins, n), dtype=bool)
     flags[2, 1000] = True
     row_name = "rank" if how == "max" else "module"
-    merged, merged_flags, names, k = heatmap._merge_rows(values, flags, [f"m{i}" for i in range(n)], how, row_name)
+    labels = [f"rank {i}" if row_name == "rank" else f"m{i}" for i in range(n)]
+    merged, merged_flags, names, k = heatmap._merge_rows(values, flags, labels, how, row_name)
     assert k == 3 and merged.shape == (bins, 334) and merged.shape[1] <= heatmap.MAX_ROWS
     for b in range(bins):
         for g in range(334):
@@ -961,6 +962,18 @@ def test_a_group_jobs_rank_values_are_read_per_rank_by_their_global_ranks(tmp_pa
     assert [name for kind, name in data.grids if kind == "rank"] == ["x"]
     steps, values = data.grids[("rank", "x")].logged()
     assert steps.tolist() == [1] and np.nanmax(values) == 3.0 and np.nanmin(values) == 1.0
+
+
+def test_a_group_jobs_report_draws_and_counts_its_own_ranks_alone(tmp_path):
+    """The same job's report said "world size 2 (4 ranks with per-rank values)" and drew rows for
+    ranks 0 and 1, which hold nothing. Truth: the file's x/rank<r> keys, ranks 2 and 3."""
+    _write(tmp_path / "metrics.jsonl", [
+        {"kind": "run", "step": 0, "world_size": 2, "ranks": [{"rank": 2, "host": "a"}, {"rank": 3, "host": "a"}]},
+        *({"kind": "train", "step": step, "x/rank2": 1.0 * step, "x/rank3": 3.0, "x/max": 3.0, "x/min": 1.0,
+           "x/mean": 2.0} for step in range(1, 5))])
+    page = Path(write_report(tmp_path, tmp_path / "report.html")).read_text(encoding="utf-8")
+    assert "<td>world size</td><td>2 (2 ranks with per-rank values)</td>" in page
+    assert "x: ranks x steps" in page and "2 rows x 4 columns" in page and "4 rows x" not in page
 
 
 def test_heatmap_steps_lost_or_never_logged_are_grey_and_gaps_are_marked(tmp_path):

@@ -86,7 +86,7 @@ def _ordered(values: np.ndarray, nonfinite: np.ndarray, labels: list, order: Opt
         pad = order.size - values.shape[1]
         values = np.concatenate([values, np.full((values.shape[0], pad), np.nan)], axis=1)
         nonfinite = np.concatenate([nonfinite, np.zeros((nonfinite.shape[0], pad), dtype=bool)], axis=1)
-    if order is not None and order.size == values.shape[1]:
+    if order is not None and (order.size == values.shape[1] or row_name == "rank"):  # ranks: those holding a value
         values, nonfinite, labels = values[:, order], nonfinite[:, order], [labels[i] for i in order]
     labels = labels + [f"{row_name} {i}" for i in range(len(labels), values.shape[1])]
     return values, nonfinite, labels
@@ -115,8 +115,8 @@ def _merge_rows(values: np.ndarray, nonfinite: np.ndarray, labels: list, how: st
         else:
             merged = np.nanmean(groups, axis=2)
     flags = nonfinite.reshape(nonfinite.shape[0], -1, k).any(axis=2)
-    if row_name == "rank":
-        names = [f"ranks {i}-{min(i + k, n) - 1}" for i in range(0, n, k)]
+    if row_name == "rank":  # labels "rank <r>"
+        names = [f"ranks {labels[i][5:]}-{labels[min(i + k, n) - 1][5:]}" for i in range(0, n, k)]
     else:
         names = [f"{labels[i]} (+{min(k, n - i) - 1})" for i in range(0, n, k)]
     return merged, flags, names, k

@@ -155,6 +155,12 @@ class StepGrid:
         if self.kind == "rank":
             self._add_spread(step, job, rows, values, finite)
 
+    def held_rows(self) -> np.ndarray:
+        """The rows that hold a value (finite or not) in some bin, ascending: a Monitor on ranks 2 and 3
+        of a world of 4 holds rows 2 and 3 of a per-rank grid, whose rows are global ranks."""
+        rows = self.count[:, : self.rows].any(axis=0) | self.nonfinite[:, : self.rows].any(axis=0)
+        return np.flatnonzero(rows)
+
     def restart(self, step: int) -> None:
         """A job resumed at ``step``: the bins from there on start over (the new job replaces them),
         the bin holding ``step`` too. That one loses the earlier job's steps before ``step`` (its

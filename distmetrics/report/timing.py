@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from typing import Optional
 
 import numpy as np
 
@@ -45,10 +46,17 @@ def timer_section(figs: Figures) -> str:
     for grid in others[:MAX_OTHER_PER_RANK]:  # other per-rank ('all') metrics
         out.append(f"<h3>{escape(grid.name)} (per rank)</h3>")
         out.append(heatmap(figs, grid, f"{grid.name}: ranks x steps (merged ranks show their max)",
-                           [f"rank {r}" for r in range(grid.rows)], None, "max", log=False, cmap="magma",
+                           *_rank_rows(grid), "max", log=False, cmap="magma",
                            colour_label=grid.name.rsplit("/", 1)[-1], row_name="rank"))
     body = "".join(out)
     return _timer_table(figs) + body if body else ""
+
+
+def _rank_rows(grid) -> tuple[list, Optional[np.ndarray]]:
+    """A per-rank heatmap's row labels and the rows drawn: the ranks that hold a value (a Monitor on
+    ranks 2 and 3 draws no empty rows for ranks 0 and 1), all where every rank does."""
+    held = grid.held_rows()
+    return [f"rank {r}" for r in range(grid.rows)], (None if held.size == grid.rows else held)
 
 
 def _timer_names(figs: Figures) -> list[str]:
@@ -63,7 +71,7 @@ def _timer_names(figs: Figures) -> list[str]:
 def _per_rank_timer(figs: Figures, key: str, grid) -> str:
     parts = [f"<h3>{escape(key)} (per rank)</h3>",
              heatmap(figs, grid, f"{key}: ranks x steps (ms; merged ranks show their max)",
-                     [f"rank {r}" for r in range(grid.rows)], None, "max", log=False, cmap="magma",
+                     *_rank_rows(grid), "max", log=False, cmap="magma",
                      colour_label="ms", row_name="rank")]
     spread = grid.spread_arrays()
     if spread:
