@@ -12,7 +12,7 @@ import pytest
 
 import distmetrics as dm
 from distmetrics.sinks import writer as writer_module
-from tests.dist_utils import run_child, run_python
+from tests.dist_utils import run_child, run_python, run_ranks
 
 STEPS = 300
 
@@ -730,3 +730,47 @@ def test_close_says_what_a_stuck_sink_holds_when_nothing_is_queued(caplog, stuck
         "written when the process exits is lost." if stuck == "record" else
         "every record is written, and the sinks are still closing."), said
     writer._thread.join(60)
+
+
+def _what_a_users_sink_receives(rank: int, world: int, out: str) -> dict:
+    """A sink with ``log`` and one with ``log_view`` on 2 ranks, an ``all`` metric of 1.0 on rank 0
+    and 3.0 on rank 1 and a ``mean`` of 5.0 and 7.0."""
+    import distmetrics as dm
+
+    class Raw:
+        name, got = "raw", []
+
+        def log(self, metrics, step, kind):
+            self.got.append((kind, dict(metrics)))
+
+        def close(self):
+            pass
+
+    class Viewed(Raw):
+        name, got = "viewed", []
+
+        def log_view(self, view, step):
+            self.got.append((step, view.scalars, view.histograms))
+
+    raw, viewed = Raw(), Viewed()
+    with dm.Monitor(_config(out), sinks=[raw, viewed]) as monitor:
+        monitor.record("u/x", 1.0 + 2 * rank, reduce="all")
+        monitor.record("u/m", 5.0 + 2 * rank)
+        monitor.step(1, loss=1.0)
+    if rank != 0:  # the writer's sinks alone are handed records
+        return {"raw": raw.got, "viewed": viewed.got}
+    (train,) = [metrics for kind, metrics in raw.got if kind == "train"]
+    x = train["u/x"]
+    return {"x": (type(x).__name__, list(x), list(x.rank_ids())), "summary": [train[f"u/x/{s}"] for s in
+            ("max", "min", "mean")], "m": train["u/m"], "view": [(s, h.get("u/x"), "u/x" in v) for s, v, h in
+                                                                  viewed.got]}
+
+
+def test_a_users_sink_receives_every_ranks_values_of_an_all_metric_as_the_readme_says(tmp_path):
+    """The README's own-sink paragraph: ``log`` gets ``dm.PerRank`` (a list in rank order, with the
+    global ranks) beside ``/max``, ``/min`` and ``/mean``; ``log_view`` gets them as a histogram.
+    Truth: what each rank recorded."""
+    got, other = run_ranks(_what_a_users_sink_receives, 2, str(tmp_path), timeout=120)
+    assert other == {"raw": [], "viewed": []}
+    assert got["x"] == ("PerRank", [1.0, 3.0], [0, 1]) and got["summary"] == [3.0, 1.0, 2.0] and got["m"] == 6.0
+    assert got["view"] == [(1, [1.0, 3.0], False)]
