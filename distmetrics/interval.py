@@ -213,9 +213,11 @@ class IntervalStats:
 
 def as_number(v: Number) -> Number:
     """A number or a 1-element tensor (see :func:`distmetrics.names.check_value`) as a float, or
-    as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact)."""
+    as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact),
+    always a copy: a float64 tensor the caller changes in place after the call (a token counter
+    zeroed and added to every step) was kept as its own storage, and read changed at the log step."""
     if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(torch.float64)
+        return v.detach().reshape(()).to(torch.float64, copy=True)
     return float(v)
 
 

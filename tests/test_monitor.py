@@ -2489,3 +2489,30 @@ def test_numpy_and_tensor_values_a_collector_sets_reach_every_dashboard_as_in_me
     assert {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("npv/")} == expected
     (row,) = [r for r in read_offline_run(str(tmp_path))["history"] if "train/loss" in r]
     assert {k: float(v) for k, v in row.items() if k.startswith("npv/")} == expected
+
+
+def test_a_float64_tensor_changed_in_place_after_the_call_counts_as_it_was_at_the_call(tmp_path):
+    """A token counter reused every step (``tok.zero_()``, ``tok += n``) and passed as
+    ``tokens=`` and to ``monitor.record``: float64 was kept as the caller's own storage, so the
+    interval's first value was read changed (consumed tokens 224 for 204, a sum of 143 for 123);
+    other dtypes were copied. Truth: the counts added up in Python."""
+    import torch
+
+    import distmetrics as dm
+
+    tok = torch.zeros((), dtype=torch.float64)
+    with dm.Monitor(quiet_config(output_dir=str(tmp_path), log_interval=4, log_throughput=True)) as monitor:
+        consumed, records = 0, []
+        for step in range(1, 9):
+            tok.zero_()
+            for micro in range(2):
+                tok += 10 * step + micro
+            consumed += 20 * step + 1
+            records.append(monitor.step(step, loss=1.0, tokens=tok))
+            for reduce in ("sum", "max", "min"):
+                monitor.record(f"u/{reduce}", tok, reduce=reduce)
+    four, eight = records[3], records[7]
+    assert four["train/consumed_tokens"] == 204.0 and eight["train/consumed_tokens"] == consumed == 728.0
+    # records made after step s's monitor.step are in the next interval: steps 1-3, then 4-7
+    assert (four["u/sum"], four["u/max"], four["u/min"]) == (123.0, 61.0, 21.0)
+    assert (eight["u/sum"], eight["u/max"], eight["u/min"]) == (sum(20 * s + 1 for s in range(4, 8)), 141.0, 81.0)
