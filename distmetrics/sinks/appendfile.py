@@ -67,14 +67,17 @@ class AppendFile:
 
     ``lines=True``: the records are text lines; a torn last line left by a crash (a process
     killed in the middle of a write) is cut off when the file is opened, so the file reads
-    whole. ``sink`` names the sink in warnings; ``on_loss`` names what marks lost records
+    whole; ``whole``: where given, a last line that lacks only its newline (a copy or an edit by
+    another tool) and that ``whole`` takes for a record is kept, its newline added. ``sink`` names
+    the sink in warnings; ``on_loss`` names what marks lost records
     (e.g. ``a "gap" record``). ``reclaim``: called before a removed file is made again (the
     writer's lock on its folder taken again); an OSError it raises counts the record as lost.
     """
 
     def __init__(self, path: Union[str, Path], sink: str, lines: bool = True, on_loss: str = "",
-                 reclaim: Optional[Callable[[], None]] = None) -> None:
+                 reclaim: Optional[Callable[[], None]] = None, whole: Optional[Callable[[bytes], bool]] = None) -> None:
         self.path = Path(path)
+        self._whole = whole
         self.sink = sink
         self.on_loss = on_loss
         self.reclaim = reclaim
@@ -367,10 +370,23 @@ class AppendFile:
                 pos = start
         if pos == size:
             return size
+        if self._whole is not None and size - pos <= _WHOLE_LINE_LIMIT:
+            with open(self.path, "rb") as f:
+                f.seek(pos)
+                if self._whole(f.read(size - pos)):
+                    os.write(fd, b"\n")
+                    logger.warning("distmetrics: the last line of %s, a whole record, had no newline (the file was "
+                                   "copied or edited since it was written?): the %s sink added one before appending.",
+                                   self.path, self.sink)
+                    return size + 1
         os.ftruncate(fd, pos)
         logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
                        "before appending.", self.sink, size - pos, self.path)
         return pos
+
+
+_WHOLE_LINE_LIMIT = 128 << 20
+"""A last line longer than this is not read to tell whether it is whole: it is cut off as torn."""
 
 
 def _pieces(data: Union[bytes, Sequence[bytes]]) -> Sequence[bytes]:

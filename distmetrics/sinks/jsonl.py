@@ -66,7 +66,8 @@ class JsonlSink:
 
     def __init__(self, path: Union[str, Path], reclaim: Optional[Callable[[], None]] = None) -> None:
         self.path = Path(path)
-        self._file = AppendFile(self.path, self.name, lines=True, on_loss='a "gap" record', reclaim=reclaim)
+        self._file = AppendFile(self.path, self.name, lines=True, on_loss='a "gap" record', reclaim=reclaim,
+                                whole=_is_record)
         self._finite = FiniteCheck()
         self._end: Optional[tuple[tuple, int]] = None  # the end record, held while records are lost
 
@@ -120,6 +121,13 @@ class JsonlSink:
         lost = self._file.lost
         return _line("gap", step, {"first_step": lost.first_step, "last_step": lost.last_step,
                                    "lost_records": lost.records, "error": lost.error})
+
+
+def _is_record(line: bytes) -> bool:
+    """Whether a line is a record as ``summary`` and ``report`` read them."""
+    from ..runlog import decode_record  # runlog reads this module's files
+
+    return decode_record(line) is not None
 
 
 def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
