@@ -26,6 +26,7 @@ from .overrides import source_of
 from .report import MissingExtra
 from .runlog import TRAINING_KINDS, Records, end_note, metrics_files, split_jobs
 from .sinks import DASHBOARD_KINDS
+from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import NONFINITE
 
 __all__ = ["main", "check_features", "summarise"]
@@ -53,8 +54,13 @@ def main(argv=None) -> int:
         return 2
     try:
         _print(text)
+        sys.stdout.flush()
     except BrokenPipeError:  # a reader that stopped reading (| head): the command did its work
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail flushing at exit
+    except OSError as err:  # a full disk under `> file`: said, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: the output could not be written to stdout: {describe_os_error(err)}", file=sys.stderr)
+        return 2
     return status
 
 

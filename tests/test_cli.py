@@ -72,6 +72,19 @@ def test_summary_accepts_a_run_folder_and_a_folder_of_runs(tmp_path):
     assert "not-a-run" not in every.stdout
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_summary_to_a_full_disk_says_so_with_status_2_not_a_traceback(tmp_path):
+    """``distmetrics summary run > file`` on a full disk (/dev/full: every write ENOSPC) ended in a
+    traceback with status 1."""
+    _write_run(tmp_path / "run", [[10, 20]])
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "distmetrics.cli", "summary", str(tmp_path / "run")],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "error: the output could not be written to stdout: [Errno 28] No space left on " \
+        "device (ENOSPC)", done.stderr
+
+
 def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
     binary = tmp_path / "blob.jsonl"
     binary.write_bytes(bytes(range(256)) * 4)

@@ -1271,3 +1271,15 @@ def test_hand_made_odd_records_are_read_and_a_bug_in_one_run_leaves_the_others_d
                       timeout=300)
     assert made.returncode == 1 and "TypeError: a bug" in made.stderr and "Traceback" in made.stderr, made.stderr
     assert made.stdout.count(": 1 job(s)") == 3, made.stdout
+
+
+def test_a_run_record_whose_world_size_is_no_number_is_shown_as_it_is(tmp_path):
+    """A hand-edited file's ``"world_size": [2]`` ended ``distmetrics report`` in a TypeError
+    traceback (summary read it); a value that is not a number is read as it is."""
+    _write(tmp_path / "metrics.jsonl", [
+        {"kind": "run", "step": 0, "world_size": [2]},
+        {"kind": "train", "step": 1, "train/loss": 1.0},
+        {"kind": "run", "step": 0, "world_size": {"dp": 2}},
+        {"kind": "train", "step": 2, "train/loss": 1.0}])
+    page = Path(write_report(tmp_path, tmp_path / "report.html")).read_text(encoding="utf-8")
+    assert "<td>world size</td><td>[2], {&#x27;dp&#x27;: 2} (the jobs ran on different world sizes)</td>" in page

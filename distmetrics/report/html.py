@@ -82,7 +82,7 @@ def render_report(data: RunData, out: Union[str, os.PathLike]) -> str:
 
 def _summary(data: RunData, figs: Figures, drawn_s: float) -> str:
     ranks = max([g.held_rows().size for (kind, _), g in data.grids.items() if kind == "rank"] + [0])
-    sizes = list(dict.fromkeys(j["world_size"] for j in data.jobs if j.get("world_size")))
+    sizes = list(dict.fromkeys(str(j["world_size"]) for j in data.jobs if j.get("world_size")))  # a list's too
     world = ", ".join(map(str, sizes)) + (" (the jobs ran on different world sizes)" if len(sizes) > 1 else "")
     others = "".join(f", {n} {kind} record(s)" for kind, n in data.kinds.items() if kind not in DASHBOARD_KINDS)
     rows = (("file", f"{data.path} ({data.path.stat().st_size / 2**20:.1f} MiB, {data.lines} lines, "
