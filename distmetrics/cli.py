@@ -381,7 +381,7 @@ def _job_lines(number: int, job: _JobSummary, previous: Optional[tuple], next_jo
     lines += job.alerts
     lines += [f"{text} (written again from step {step})" if resumed else f"{text} (marked at the end of the job: no "
               "record written after it)" for text, resumed, step in job.gaps]
-    if job.started:
+    if job.started or job.end is not None:  # records before any run record (its line lost): its end record told
         lines.append("  " + end_note(job.end, last=next_job is None, expected=job.run.get("end_record", False)))
     return lines
 

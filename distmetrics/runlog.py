@@ -250,7 +250,8 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
         said.append(f"the {failed} step(s) of failed log steps")
     if isinstance(unwritten, int) and unwritten > failed:
         said.append(f"the {unwritten - failed} step(s) since its last log step")
-    return f"ended at step {end['step']}: {end.get('how')}" + (f", {' and '.join(said)} not written" if said else "")
+    at = "before any monitor.step" if end.get("stepped") is False else f"at step {end['step']}"  # 0: no step's
+    return f"ended {at}: {end.get('how')}" + (f", {' and '.join(said)} not written" if said else "")
 
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:

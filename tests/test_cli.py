@@ -85,6 +85,24 @@ def test_summary_to_a_full_disk_says_so_with_status_2_not_a_traceback(tmp_path):
         "device (ENOSPC)", done.stderr
 
 
+def test_summary_tells_how_a_job_without_steps_or_without_its_run_line_ended(tmp_path):
+    """A job that only evaluated "ended at step 0" (its end record's step, where no monitor.step
+    came); a file whose first line (the run record) was cut off lost its job's end note."""
+    folder = tmp_path / "run"
+    path = _write_run(folder, [[10, 20], []])
+    lines = path.read_text().splitlines(keepends=True)
+    ends = [{"kind": "end", "step": 20, "how": "closed its Monitor", "unwritten_steps": 0, "stepped": True},
+            {"kind": "end", "step": 0, "how": "closed its Monitor", "unwritten_steps": 0, "stepped": False}]
+    lines.insert(3, json.dumps(ends[0]) + "\n")
+    lines += [json.dumps({"kind": "eval", "step": 20, "eval/loss": 1.5}) + "\n", json.dumps(ends[1]) + "\n"]
+    path.write_text("".join(lines[1:]))  # the first job's run line lost
+    done = _run("summary", folder)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.split("job 2:")
+    assert "records before any run record" in first and "  ended at step 20: closed its Monitor" in first, first
+    assert "  ended before any monitor.step: closed its Monitor" in second and "step 0" not in second, second
+
+
 def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
     binary = tmp_path / "blob.jsonl"
     binary.write_bytes(bytes(range(256)) * 4)
