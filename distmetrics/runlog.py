@@ -108,7 +108,8 @@ class Records:
         self.lines = self.blank = self.unreadable = 0
         found, limit = False, LINE_LIMIT
         if os.path.exists(self.path) and not os.path.isfile(self.path):  # a FIFO's read would wait for a writer
-            raise ValueError(f"{str(self.path)!r} is no regular file (a device, a FIFO or a socket)")
+            what = "a folder" if os.path.isdir(self.path) else "a device, a FIFO or a socket"
+            raise ValueError(f"{str(self.path)!r} is no regular file ({what})")
         with open(self.path, "rb") as f:  # lines end at \n only, as written
             for whole in _lines(f, limit):
                 for line, record in [(None, None)] if whole is None else decode_pieces(whole):

@@ -111,13 +111,16 @@ def test_summary_refuses_what_is_not_a_metrics_jsonl(tmp_path):
     fifo_run = tmp_path / "fifo_run"  # a FIFO read waits for a writer: summary hung without a word
     fifo_run.mkdir()
     os.mkfifo(fifo_run / "metrics.jsonl")
+    dir_run = tmp_path / "dir_run"  # was said to be "a device, a FIFO or a socket"
+    (dir_run / "metrics.jsonl").mkdir(parents=True)
     for path, message in ((ROOT / "README.md", "is not a distmetrics metrics.jsonl"),
                           (binary, "is not a distmetrics metrics.jsonl"),
                           (empty, "is a folder without metrics.jsonl"),
                           (tmp_path / "missing", "does not exist"),
                           ("/dev/null", "'/dev/null' is no regular file (a device, a FIFO or a socket)"),
                           (fifo_run, "metrics.jsonl' is no regular file (a device, a FIFO or a socket)"),
-                          (fifo_run / "metrics.jsonl", "metrics.jsonl' is no regular file")):
+                          (fifo_run / "metrics.jsonl", "metrics.jsonl' is no regular file"),
+                          (dir_run, "metrics.jsonl' is no regular file (a folder)")):
         out = _run("summary", path)
         assert out.returncode == 2 and message in out.stderr, (path, out.stdout, out.stderr)
     _write_run(tmp_path / "runs" / "a", [[1, 2]])  # in a folder of runs: said, the others summarised, status 1
