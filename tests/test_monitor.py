@@ -2516,3 +2516,24 @@ def test_a_float64_tensor_changed_in_place_after_the_call_counts_as_it_was_at_th
     # records made after step s's monitor.step are in the next interval: steps 1-3, then 4-7
     assert (four["u/sum"], four["u/max"], four["u/min"]) == (123.0, 61.0, 21.0)
     assert (eight["u/sum"], eight["u/max"], eight["u/min"]) == (sum(20 * s + 1 for s in range(4, 8)), 141.0, 81.0)
+
+
+def _lr_changed_in_place(rank: int, world: int, out: str) -> list:
+    import torch
+
+    import distmetrics as dm
+
+    lr = torch.zeros((), dtype=torch.float64)
+    with dm.Monitor(quiet_config(output_dir=out, log_interval=4, json_log=True)) as monitor:
+        for step in range(1, 7):
+            lr.fill_(step / 10)
+            monitor.step(step, loss=1.0, lr=lr if rank == 1 else None)
+            lr.fill_(99.0)  # the scheduler's step, in place
+    return [(r["step"], r["train/lr"]) for r in dm.read_jsonl(f"{out}/metrics.jsonl") if r["kind"] == "train"] \
+        if rank == 0 else []
+
+
+def test_an_lr_tensor_changed_in_place_after_the_call_is_written_as_it_was_at_close(tmp_path):
+    """The writer rank passes no lr, rank 1 a float64 tensor its scheduler fills in place after
+    each step: the record close() writes took rank 1's lr as changed (99.0), not step 6's 0.6."""
+    assert run_ranks(_lr_changed_in_place, 2, str(tmp_path), timeout=120)[0] == [(4, 0.4), (6, 0.6)]

@@ -200,7 +200,9 @@ class StepValues:
             self._uncounted = True
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
-            self._lr = lr  # its lane is made at the log step: a step between them pays one assignment
+            # its lane is made at the log step: a step between them pays one assignment (a tensor's copy: a
+            # scheduler's tensor changed in place after the call is read at close() as it was)
+            self._lr = as_number(lr) if isinstance(lr, torch.Tensor) else lr
             if self.learning_rates is not None:  # a NaN at a step between log steps is said too
                 if isinstance(lr, torch.Tensor):
                     self._lr_nan = self._lr_nan | torch.isnan(lr)  # on its device, unread
