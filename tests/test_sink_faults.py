@@ -467,12 +467,58 @@ def test_a_last_record_without_its_newline_is_kept_by_the_next_job_not_cut_as_to
     sink.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert [r["step"] for r in dm.read_jsonl(path)] == [1, 2, 3]
-    assert "a whole record, had no newline" in caplog.text and "torn" not in caplog.text
+    assert "holds records but had no newline" in caplog.text and "torn" not in caplog.text
     path.write_bytes(path.read_bytes()[:-2])  # "}" gone too: torn, cut off
     sink = JsonlSink(path)
     sink.log({"train/loss": 4.0}, 4, "train")
     sink.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 4]
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r"))  # a copy saved with \r endings: no \n at all
+    sink = JsonlSink(path)  # its whole history was cut off as one torn line
+    sink.log({"train/loss": 5.0}, 5, "train")
+    sink.close()
+    assert [r["step"] for r in dm.read_jsonl(path)] == [1, 2, 4, 5]
+
+
+def _newline_on_a_full_disk_child(folder: str, result: str) -> None:
+    """Two records whose last lacks its newline, on a disk full at the next job's start (no byte
+    more may be written: RLIMIT_FSIZE); room comes back after its first record."""
+    import resource
+
+    from distmetrics.sinks.jsonl import JsonlSink
+
+    path = Path(folder) / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (1, 2):
+        sink.log({"train/loss": float(step)}, step, "train")
+    sink.close()
+    path.write_bytes(path.read_bytes()[:-1])
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size, hard))
+    capture = Capture()
+    logging.getLogger("distmetrics").addHandler(capture)
+    sink = JsonlSink(path)
+    sink.log({"train/loss": 3.0}, 3, "train")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    sink.log({"train/loss": 4.0}, 4, "train")
+    sink.close()
+    Path(result).write_text(json.dumps({"warnings": capture.messages, "text": path.read_text()}))
+
+
+def test_a_last_record_without_its_newline_on_a_full_disk_keeps_the_sink_and_the_record(tmp_path):
+    """Where the next job starts on a full disk, adding the newline fails (cutting needed no room):
+    the JSONL sink was turned off for the whole job. The newline is written ahead of the first
+    record once there is room; the record lost meanwhile is a gap record's. Truth: the file read
+    back with json."""
+    (tmp_path / "disk").mkdir()  # ulimit -f at the file's size (a tmpfs leaves room in its last page)
+    child = run_child("_newline_on_a_full_disk_child", str(tmp_path / "disk"), str(tmp_path / "r.json"))
+    assert child.returncode == 0, child.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    records = [json.loads(line) for line in result["text"].splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("gap", 4), ("train", 4)]
+    assert records[2]["first_step"] == records[2]["last_step"] == 3
+    assert not [w for w in result["warnings"] if "is off" in w or "failed" in w], result["warnings"]
 
 
 # --- values TensorBoard cannot store ----------------------------------------------------------

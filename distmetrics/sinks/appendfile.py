@@ -67,8 +67,9 @@ class AppendFile:
 
     ``lines=True``: the records are text lines; a torn last line left by a crash (a process
     killed in the middle of a write) is cut off when the file is opened, so the file reads
-    whole; ``whole``: where given, a last line that lacks only its newline (a copy or an edit by
-    another tool) and that ``whole`` takes for a record is kept, its newline added. ``sink`` names
+    whole; ``whole(head, complete)``: where given, a last line without its newline that it takes for
+    records (``head``: its first :data:`_WHOLE_LINE_LIMIT` bytes, ``complete``: all of it) is kept,
+    its newline added (a copy or an edit by another tool, ``\r`` line endings too). ``sink`` names
     the sink in warnings; ``on_loss`` names what marks lost records
     (e.g. ``a "gap" record``). ``reclaim``: called before a removed file is made again (the
     writer's lock on its folder taken again); an OSError it raises counts the record as lost.
@@ -370,15 +371,19 @@ class AppendFile:
                 pos = start
         if pos == size:
             return size
-        if self._whole is not None and size - pos <= _WHOLE_LINE_LIMIT:
+        if self._whole is not None:
             with open(self.path, "rb") as f:
                 f.seek(pos)
-                if self._whole(f.read(size - pos)):
-                    os.write(fd, b"\n")
-                    logger.warning("distmetrics: the last line of %s, a whole record, had no newline (the file was "
-                                   "copied or edited since it was written?): the %s sink added one before appending.",
-                                   self.path, self.sink)
-                    return size + 1
+                head = f.read(min(size - pos, _WHOLE_LINE_LIMIT))
+            if self._whole(head, pos + len(head) == size):
+                try:
+                    size += os.write(fd, b"\n")
+                except OSError:  # a full disk: written ahead of the first record (cutting needs no room, this does)
+                    self._held.insert(0, b"\n")
+                logger.warning("distmetrics: the last line of %s holds records but had no newline (a copy or an edit "
+                               "by another tool, or a write that stopped just before it): the %s sink keeps it and "
+                               "adds one before appending.", self.path, self.sink)
+                return size
         os.ftruncate(fd, pos)
         logger.warning("distmetrics: the %s sink cut %d bytes of a torn last line (a crash during a write) off %s "
                        "before appending.", self.sink, size - pos, self.path)
@@ -386,7 +391,7 @@ class AppendFile:
 
 
 _WHOLE_LINE_LIMIT = 128 << 20
-"""A last line longer than this is not read to tell whether it is whole: it is cut off as torn."""
+"""The most of a last line without its newline read to tell whether it holds records."""
 
 
 def _pieces(data: Union[bytes, Sequence[bytes]]) -> Sequence[bytes]:

@@ -123,11 +123,15 @@ class JsonlSink:
                                    "lost_records": lost.records, "error": lost.error})
 
 
-def _is_record(line: bytes) -> bool:
-    """Whether a line is a record as ``summary`` and ``report`` read them."""
-    from ..runlog import decode_record  # runlog reads this module's files
+def _is_record(head: bytes, complete: bool) -> bool:
+    """Whether a last line without its newline (``head``, all of it where ``complete``) holds records
+    as ``summary`` and ``report`` read them: one, or, in a copy saved with ``\r`` line endings, the
+    first of its pieces (a piece torn after them is skipped by the readers, as any unreadable line)."""
+    from ..runlog import decode_pieces, decode_record  # runlog reads this module's files
 
-    return decode_record(line) is not None
+    if complete:
+        return any(record is not None for _, record in decode_pieces(head))
+    return b"\r" in head and decode_record(head.split(b"\r", 1)[0]) is not None
 
 
 def _line(kind: str, step: int, metrics: dict[str, Any]) -> bytes:
