@@ -916,6 +916,9 @@ def test_heatmap_rows_beyond_max_rows_merge_neighbours_as_the_readme_says(how):
             assert (math.isnan(truth) and math.isnan(got)) or abs(got - truth) <= 1e-12 * truth, (b, g, got, truth)
     assert merged_flags[2, 333] and merged_flags.sum() == 1
     assert names[0] == ("ranks 0-2" if how == "max" else "m0 (+2)")
+    if how == "max":  # a group's job on the even ranks: a row of ranks 0, 2 and 4 says so
+        even = heatmap._merge_rows(values, flags, [f"rank {2 * i}" for i in range(n)], how, row_name)[2]
+        assert even[:2] == ["ranks 0-4 (3 of them)", "ranks 6-10 (3 of them)"]
     assert names[-1] == ("ranks 999-1000" if how == "max" else "m999 (+1)")
 
 

@@ -115,11 +115,18 @@ def _merge_rows(values: np.ndarray, nonfinite: np.ndarray, labels: list, how: st
         else:
             merged = np.nanmean(groups, axis=2)
     flags = nonfinite.reshape(nonfinite.shape[0], -1, k).any(axis=2)
-    if row_name == "rank":  # labels "rank <r>"
-        names = [f"ranks {labels[i][5:]}-{labels[min(i + k, n) - 1][5:]}" for i in range(0, n, k)]
+    if row_name == "rank":  # labels "rank <r>": only the ranks holding a value may be drawn (a group's job)
+        names = [_ranks_of(labels[i: i + k]) for i in range(0, n, k)]
     else:
         names = [f"{labels[i]} (+{min(k, n - i) - 1})" for i in range(0, n, k)]
     return merged, flags, names, k
+
+
+def _ranks_of(labels: list) -> str:
+    """``ranks 4-7``, or ``ranks 0-6 (4 of them)`` where the ranks between hold no value."""
+    first, last = labels[0][len("rank "):], labels[-1][len("rank "):]
+    gaps = first.isdigit() and last.isdigit() and int(last) - int(first) + 1 != len(labels)
+    return f"ranks {first}-{last}" + (f" ({len(labels)} of them)" if gaps else "")
 
 
 def _inside_an_ancestor(values: np.ndarray, labels: list, k: int) -> np.ndarray:
