@@ -25,7 +25,7 @@ from .names import check_value
 from .packing import weighted
 from .reduce import Sample, check_reduce
 
-__all__ = ["IntervalStats", "IntervalClock", "as_number", "now"]
+__all__ = ["IntervalStats", "IntervalClock", "as_number", "kept", "now"]
 
 Number = Union[int, float, torch.Tensor]
 
@@ -136,7 +136,8 @@ class IntervalStats:
         if self._before_step is not None and name not in self._before_step:
             self._before_step[name] = (slot.value, slot.weight, slot.low)
         if slot.last:
-            slot.value, slot.weight, slot.low = value, weight, value
+            slot.value, slot.weight = kept(value), kept(weight)
+            slot.low = slot.value
             return
         if reduce == "mean":
             slot.value = _add(slot.value, weighted(value, weight))
@@ -213,21 +214,28 @@ class IntervalStats:
 
 def as_number(v: Number) -> Number:
     """A number or a 1-element tensor (see :func:`distmetrics.names.check_value`) as a float, or
-    as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact),
-    always a copy: a float64 tensor the caller changes in place after the call (a token counter
-    zeroed and added to every step) was kept as its own storage, and read changed at the log step."""
+    as a detached 0-d float64 tensor on its device (float64: token counts and long sums stay exact).
+    A float64 tensor's is its own storage: one kept past the call is copied (:func:`kept`)."""
     if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(torch.float64, copy=True)
+        return v.detach().reshape(()).to(torch.float64)
     return float(v)
 
 
+def kept(v: Number) -> Number:
+    """``v`` to keep past the call: a tensor copied (on its device, no sync). A tensor the caller
+    changes in place after the call (a token counter zeroed and added to every step) was kept as
+    its own storage and read changed at the log step. Sums and extremes make new tensors: only
+    an interval's first value, and a ``last`` one, is kept as given."""
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
 def _add(total: Optional[Number], v: Number) -> Number:
-    return v if total is None else total + v
+    return kept(v) if total is None else total + v
 
 
 def _extreme(current: Optional[Number], v: Number, tensor_op, number_op) -> Number:
     if current is None:
-        return v
+        return kept(v)
     if isinstance(current, torch.Tensor) or isinstance(v, torch.Tensor):
         a = current if isinstance(current, torch.Tensor) else torch.full_like(v, current)
         b = v if isinstance(v, torch.Tensor) else torch.full_like(a, v)

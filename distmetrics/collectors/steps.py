@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..interval import IntervalClock, IntervalStats, as_number, now
+from ..interval import IntervalClock, IntervalStats, as_number, kept, now
 from ..names import (NameRegistry, check_count, check_spellings, check_step, check_user_value, local_value,
                      unfit_counts)
 from ..parallel import counts_batch_tokens
@@ -177,7 +177,7 @@ class StepValues:
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False
             if tokens is not None and self.counts_tokens:
-                self._untimed_tokens = as_number(tokens)
+                self._untimed_tokens = kept(as_number(tokens))
         else:
             self._timed += 1
             if tokens is None and self.counts_tokens:
@@ -202,7 +202,7 @@ class StepValues:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
             # its lane is made at the log step: a step between them pays one assignment (a tensor's copy: a
             # scheduler's tensor changed in place after the call is read at close() as it was)
-            self._lr = as_number(lr) if isinstance(lr, torch.Tensor) else lr
+            self._lr = kept(as_number(lr)) if isinstance(lr, torch.Tensor) else lr
             if self.learning_rates is not None:  # a NaN at a step between log steps is said too
                 if isinstance(lr, torch.Tensor):
                     self._lr_nan = self._lr_nan | torch.isnan(lr)  # on its device, unread
