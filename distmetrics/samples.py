@@ -100,10 +100,18 @@ def check_tensors(sample: Sample) -> None:
     one (:func:`~distmetrics.names.user_tensor`: on the meta device, sparse, a DTensor whose piece is not the
     value): it failed inside the packs, after the log step's first collective, the other ranks waiting. (The
     Monitor's own measurements may run on the meta device in tests standing in for a GPU: checked at
-    :func:`distmetrics.collectors.base.take_samples`, not when a Sample is made.)"""
-    for part, given in (("value", sample.value), ("weight", sample.weight), ("low", sample.low)):
+    :func:`distmetrics.collectors.base.take_samples`, not when a Sample is made.) A Replicate DTensor is
+    replaced by this rank's copy (a vector one failed in the packs, every record lost), and a vector of
+    complex values is refused as a complex number is (its imaginary part was dropped in the pack)."""
+    for part in ("value", "weight", "low"):
+        given = getattr(sample, part)
         if isinstance(given, torch.Tensor):
-            user_tensor(given, f"Sample {sample.name!r} {part}")
+            local = user_tensor(given, f"Sample {sample.name!r} {part}")
+            if local.is_complex():
+                raise TypeError(f"Sample {sample.name!r} {part}: expected real numbers, got a tensor of {local.dtype} "
+                                "(pass .real, .abs() or the values you mean)")
+            if local is not given:
+                setattr(sample, part, local)
 
 
 @dataclass

@@ -1552,6 +1552,57 @@ def test_a_replicate_dtensor_loss_is_the_loss_and_a_partial_one_is_refused(devic
         assert "a DTensor with placements (Partial(sum),)" in out["partial"]
 
 
+def _vector_samples_of_dtensors_and_complex_values(rank: int, world: int, root: str) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    class PerLayer:
+        name, after, writes = "per_layer", (), ("layer/",)
+        complex = False
+
+        def take_samples(self, ctx):
+            if self.complex:
+                return [dm.Sample("layer/c", torch.tensor([3 + 4j, -1j]), "sum", names=("layer/c0", "layer/c1"))]
+            # each rank's own copy (from_local, not distribute_tensor, which sends rank 0's to every rank)
+            value = DTensor.from_local(torch.tensor([1.0, 2.0, 3.0]) * (rank + 1), mesh, [Replicate()])
+            weight = DTensor.from_local(torch.tensor([1.0, 1.0, 2.0]), mesh, [Replicate()])
+            return [dm.Sample("layer/x", value, "max", names=("layer/0", "layer/1", "layer/2")),
+                    dm.Sample("layer/m", value, "mean", weight=weight, names=("layer/m0", "layer/m1", "layer/m2"))]
+
+        def finalize(self, metrics, ctx):
+            return []
+
+        def close(self):
+            pass
+
+    collector = PerLayer()
+    out = {}
+    with dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=root), collectors=[collector]) as monitor:
+        got = monitor.step(1, loss=1.0)
+        out["x"] = [got[f"layer/{i}"] for i in range(3)] + [got[f"layer/m{i}"] for i in range(3)]
+        collector.complex = True
+        try:
+            monitor.step(2, loss=1.0)
+        except Exception as err:  # noqa: BLE001 - what each rank raised
+            out["complex"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_a_vector_sample_of_replicate_dtensors_is_each_ranks_copy_and_a_complex_one_is_refused(tmp_path):
+    """A Replicate DTensor as a vector sample's value or weight failed in the packs (`.tolist()` of
+    a tensor subclass) at every log step, and no train record was written; a complex vector was
+    written as its real parts. Truth: rank r's copy is [1, 2, 3]·(r+1): the max over 2 ranks
+    [2, 4, 6], the mean [1.5, 3, 4.5]."""
+    for out in run_ranks(_vector_samples_of_dtensors_and_complex_values, 2, str(tmp_path), timeout=120):
+        assert out["x"] == [2.0, 4.0, 6.0, 1.5, 3.0, 4.5]
+        assert "Sample 'layer/c' value: expected real numbers, got a tensor of torch.complex64" in out["complex"], out
+
+
 def test_a_second_collectors_finalize_error_is_said_and_the_first_raised_after_the_record(tmp_path, caplog):
     """The first error comes out of monitor.step once the record is written; a later collector's
     error in the same log step was dropped without a word."""
