@@ -68,7 +68,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
                                    collector.name, step, type(err).__name__, err)
                 failure = failure or err
-            said = monitor._foreign.written_elsewhere(collector, before, metrics) if before is not None else None
+            said = monitor._foreign.written_elsewhere(collector, before, metrics, monitor._reducer.writers,
+                                                      ctx.reduced.kinds) if before is not None else None
             if said:  # every rank's finalize reads the same values: every rank raises this
                 refused = ValueError(
                     f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the "

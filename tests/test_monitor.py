@@ -2399,6 +2399,68 @@ def test_a_finalize_returning_fields_named_as_a_records_own_keys_is_left_out_and
     assert kinds == [("run", 0), ("train", 2), ("mine3", 2), ("train", 4), ("mine3", 4), ("end", 4)], kinds
 
 
+class _Sends:
+    """Hands over ``queue/depth`` = 3.0 (max), a name it does not declare (no one does)."""
+
+    name, after, writes = "sends", (), ()
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        return [dm.Sample("queue/depth", 3.0, "max")]
+
+    def finalize(self, metrics, ctx):
+        return []
+
+    def close(self):
+        pass
+
+
+class _Rewrites:
+    """A finalize that sets what ``changes`` says in the reduced metrics (None: removes the key)."""
+
+    name, after, writes = "rewrites", (), ("rw/",)
+
+    def __init__(self, changes):
+        self.changes = changes
+
+    def take_samples(self, ctx):
+        return []
+
+    def finalize(self, metrics, ctx):
+        for key, value in self.changes.items():
+            if value is None:
+                metrics.pop(key, None)
+            else:
+                metrics[key] = value
+        metrics["rw/own"] = 1.0
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"kind": "eval", "step": 99, "time": 5}, "wrote 'kind', which the record itself"),
+    ({"queue/depth": -1.0}, "wrote 'queue/depth', which the 'sends' collector writes"),
+    ({"queue/depth": None, "queue/depth/max_rank": None}, "wrote 'queue/depth', which the 'sends' collector writes")],
+    ids=["record keys", "another's value replaced", "another's value removed"])
+def test_a_finalize_cannot_set_a_records_own_keys_nor_another_collectors_value(tmp_path, changes, said):
+    """A finalize setting kind/step/time wrote every train record as ('eval', 99) (summary: "0 train");
+    one replacing or removing a value another collector handed over under a name none declares wrote
+    -1.0 for its 3.0, or nothing. Put back, the record written, then a ValueError on every rank. Truth:
+    the values handed over."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)
+    with dm.Monitor(config, collectors=[_Sends(), _Rewrites(changes)]) as monitor:
+        with pytest.raises(ValueError, match="the 'rewrites' collector's finalize " + said):
+            monitor.step(1, loss=1.0)
+    (train,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] not in ("run", "end")]
+    assert (train["kind"], train["step"], train["queue/depth"], train["rw/own"]) == ("train", 1, 3.0, 1.0), train
+    assert isinstance(train["time"], str)
+
+
 def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_up(tmp_path):
     """The interval's first record_losses or record_moe made under torch.inference_mode() (an evaluation's
     forward) made its accumulators inference tensors: the next call outside it raised torch's "Inplace

@@ -22,7 +22,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any, Iterable, Optional, Sequence
 
-from ..names import REDUCE_KINDS, NameRegistry, collector_label, written_names
+from ..names import RECORD_KEYS, REDUCE_KINDS, NameRegistry, collector_label, written_names
 from ..reduce import Sample
 
 __all__ = ["check_writes", "check_declared", "check_after", "ForeignNames"]
@@ -128,17 +128,31 @@ class ForeignNames:
         own collectors, which are not checked): :meth:`written_elsewhere` compares with it."""
         return dict(metrics) if self.users(collector) else None
 
-    def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+    def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any],
+                          senders: Optional[dict[str, str]] = None, kinds: Optional[dict[str, str]] = None) -> list[str]:
         """The names another writer holds (not one ``collector`` names in its ``after``) that its
-        ``finalize`` set, replaced or removed in ``metrics``, each put back as it was, with who writes it."""
+        ``finalize`` set, replaced or removed in ``metrics``, each put back as it was, with who writes it:
+        a declared writer's (the registry's), a record's own keys (``kind``, ``step``, ``time``: set, they
+        replaced the record's in metrics.jsonl), and a value another collector handed over under a name
+        no one declares (``senders``: the reducer's name → the user's collector that sent it, whose
+        reduce ``kinds`` give the names it writes)."""
         own = collector_label(collector.name)
         allowed = {collector_label(name) for name in getattr(collector, "after", ())}
         missing = object()
         changed = [key for key, value in metrics.items() if before.get(key, missing) is not value]
-        changed += [key for key in before.keys() - metrics.keys()]
-        said = []
+        changed += [key for key in before if key not in metrics]  # in the record's order: said alike each time
+        said, sent_by = [], None
         for key in changed:
             who = None if key[:1] == "_" else self._registry.writer_of(key)
+            if who is None and key in RECORD_KEYS:
+                who = "the record itself (its own keys are 'kind', 'step' and 'time')"
+            elif who is None and key in before and senders and key[:1] != "_":  # handed over by another collector
+                # (not an internal lane: one that reads another's lanes takes them out of the record)
+                if sent_by is None:
+                    sent_by = {written: by for name, by in senders.items() if by
+                               for written in written_names(name, (kinds or {}).get(name, "mean"))}
+                by = sent_by.get(key)
+                who = None if by is None else collector_label(by)
             if who is None or who == own or who in allowed:
                 continue
             if key in before:
