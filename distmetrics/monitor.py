@@ -22,6 +22,8 @@ import torch
 from .checkpoints import CheckpointLog
 from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
 from .collectors.base import ForeignNames, check_collectors
+from .collectors.norms import NormCollector
+from .collectors.stragglers import StragglerCollector
 from .collectors.weightless import WeightlessSamples
 from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
@@ -121,7 +123,8 @@ class Monitor:
             built_in = [kind for kind, _ in planned_collectors(config, self.layout, model)] + planned_for(config)
             idle = idle_collectors(built_in, collectors)
             sinks, problem = check_sinks(sinks), self.layout.problem
-            collectors = check_collectors(collectors, built_in + idle, others=[("monitor.log_eval", EvalLog.writes)])
+            collectors = check_collectors(collectors, built_in + idle, others=[("monitor.log_eval", EvalLog.writes)],
+                                          reserved=(NormCollector, StragglerCollector))
         except (TypeError, ValueError) as err:  # said on every rank by the start-up gather: no rank waits alone
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,

@@ -2561,6 +2561,18 @@ def test_a_collector_named_as_a_built_in_is_refused_saying_what_runs_in_its_plac
         "own class (an EnergyCollector for one GPU) runs in its place where its switch is off")
 
 
+@pytest.mark.parametrize("name", ["norms", "stragglers"])
+def test_a_collector_named_as_a_built_in_the_monitor_does_not_make_is_refused(tmp_path, name):
+    """'norms' on a Monitor without model=, 'stragglers' on one rank: accepted, then taken for the
+    built-in by its name, so every monitor.step raised AttributeError naming neither."""
+    import distmetrics as dm
+
+    collector = _Named(0)
+    collector.name = name
+    with pytest.raises(ValueError, match=f"a collector of yours is named '{name}', the name of a built-in collector"):
+        dm.Monitor(quiet_config(output_dir=str(tmp_path)), collectors=[collector])
+
+
 class _NumpyValues:
     """A collector of the user's whose finalize sets numpy scalars, a 0-d array and a 0-d tensor."""
 

@@ -459,11 +459,15 @@ def finalize_order(collectors: Sequence[Any]) -> list[Any]:
     return ordered
 
 
-def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequence[tuple] = ()) -> tuple:
+def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequence[tuple] = (),
+                     reserved: Sequence[type] = ()) -> tuple:
     """The user's extra collectors as a tuple; raises ``TypeError`` naming one that is not a collector
     (a ``name``, callable ``take_samples``, ``finalize`` and ``close``, and ``writes``, if any, a tuple
     of names), and ``ValueError`` where its name or its ``writes`` are another's (one of the ``built_in``
-    collectors or their classes, or another of the user's; ``others``: see :func:`.writes.check_writes`)."""
+    collectors or their classes, or another of the user's; ``others``: see :func:`.writes.check_writes`).
+    ``reserved``: built-in classes not made (the norms' without a model, the stragglers' on one rank)
+    whose names the Monitor looks up all the same: a collector of the user's under one, not of that
+    class, was taken for it (every monitor.step raised AttributeError)."""
     if collectors is None:
         collectors = ()
     if isinstance(collectors, (str, bytes)) or not isinstance(collectors, (list, tuple)):
@@ -483,6 +487,12 @@ def check_collectors(collectors: Any, built_in: Sequence[Any] = (), others: Sequ
                             "(see distmetrics.collectors.base.Collector)")
         check_declared(collector)
         check_after(collector)
+    for collector in collectors:
+        kind = next((kind for kind in reserved if kind.name == collector.name), None)
+        if kind is not None and not isinstance(collector, kind):
+            raise ValueError(f"a collector of yours is named {collector.name!r}, the name of a built-in collector "
+                             f"({kind.__name__}, which the Monitor looks up by that name whether it makes one or "
+                             "not); collector names must be unique: give it another")
     names = [c.name for c in built_in] + [c.name for c in collectors]
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:  # before its writes: they would seem to overlap another's
