@@ -2662,3 +2662,45 @@ def test_an_lr_tensor_changed_in_place_after_the_call_is_written_as_it_was_at_cl
     """The writer rank passes no lr, rank 1 a float64 tensor its scheduler fills in place after
     each step: the record close() writes took rank 1's lr as changed (99.0), not step 6's 0.6."""
     assert run_ranks(_lr_changed_in_place, 2, str(tmp_path), timeout=120)[0] == [(4, 0.4), (6, 0.6)]
+
+
+def _prefix_shared_with_a_failing_collector(rank: int, world: int, root: str) -> list:
+    import distmetrics as dm
+
+    class A:
+        name, after, writes = "a", (), ("d/",)
+        calls = 0
+
+        def take_samples(self, ctx):
+            self.calls += 1
+            if self.calls == 2 and rank == 1:
+                raise RuntimeError("A fails on rank 1")
+            return [dm.Sample("d/a", 1.0, "sum")]
+
+        def finalize(self, metrics, ctx):
+            return []
+
+        def close(self):
+            pass
+
+    class B(A):
+        name, after, writes = "b", ("a",), ("d/b_only",)
+
+        def take_samples(self, ctx):
+            return [dm.Sample("d/b_only", 10.0, "sum")]
+
+    with dm.Monitor(quiet_config(output_dir=root, log_interval=2, json_log=True), collectors=[A(), B()]) as monitor:
+        for step in range(1, 7):
+            try:
+                monitor.step(step)
+            except dm.CollectorFailed:
+                pass
+    return [(r["step"], r.get("d/a"), r.get("d/b_only")) for r in dm.read_jsonl(f"{root}/metrics.jsonl")
+            if r["kind"] == "train"] if rank == 0 else []
+
+
+def test_a_failing_collector_leaves_out_its_own_values_not_those_of_one_sharing_its_prefix(tmp_path):
+    """A writes 'd/', B names A in after and writes 'd/b_only': when A's take_samples raised on rank 1,
+    B's healthy d/b_only (2 ranks x 10.0) went with A's values. Truth: the values each rank sent."""
+    got = run_ranks(_prefix_shared_with_a_failing_collector, 2, str(tmp_path), timeout=120)[0]
+    assert got == [(2, 2.0, 20.0), (4, None, 20.0), (6, 2.0, 20.0)]

@@ -385,7 +385,10 @@ def left_out_failed(metrics: dict[str, Any], reduced: Any, collectors: Sequence[
             kind = reduced.kinds.get(name)
             if kind is not None:
                 keys.update(written_names(name, kind))
-        for key in keys:
+        # a collector sharing its prefix (one naming it in after) lost its values with it
+        others = {written for name, by in (writers or {}).items() if by and by != collector.name
+                  for written in written_names(name, reduced.kinds.get(name, "mean"))}
+        for key in keys - others:
             metrics.pop(key, None)
     return tuple(dict.fromkeys(failed))
 
