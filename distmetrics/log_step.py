@@ -44,7 +44,7 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
         failed = left_out_failed(metrics, ctx.reduced, monitor.collectors, monitor._foreign.checked,
                                  monitor._reducer.writers, weighted)
         misnamed = misnamed_elsewhere(metrics, misnamed, failed)
-        monitor._weightless.say(samples, metrics, ctx.reduced, step)
+        monitor._weightless.say(samples, metrics, ctx.reduced, step, failed)
         train = monitor._by_name["train"]
         train.to_context(metrics, ctx)  # wall time and tokens move into ctx
         # raised once the record is written: tokens found bad, names the ranks disagree on, a misnamed sample

@@ -54,12 +54,15 @@ class WeightlessSamples:
     def __init__(self) -> None:
         self._said: set = set()
 
-    def say(self, samples: list, metrics: dict[str, Any], reduced: Any, step: int) -> None:
+    def say(self, samples: list, metrics: dict[str, Any], reduced: Any, step: int, failed: tuple = ()) -> None:
+        """``failed``: collectors whose values are out of this record (bad weights, a take_samples that
+        raised): their means are no weightless ones, and a later real one is still said."""
         if reduced is None or 0.0 not in reduced.sum_weights:
             return
         fresh: dict[str, list] = {}
         for sample in samples:
-            if not sample.writer or sample.reduce != "mean":  # the user's collectors' samples carry their writer
+            # the user's collectors' samples carry their writer
+            if not sample.writer or sample.reduce != "mean" or sample.writer in failed:
                 continue
             for name in sample.names or (sample.name,):
                 if name in metrics or name in self._said or reduced.weight(name) != 0.0:
