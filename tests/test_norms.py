@@ -2769,7 +2769,9 @@ def _three_linears():
 def test_parameters_frozen_or_unfrozen_after_the_optimizer_step_keep_its_update_under_their_names(change):
     """Gradual unfreezing at the end of a step (after ``optimizer.step()``, before ``monitor.step``):
     the update, bucketed by the step's parameters, was named by the log step's: mid's update
-    written as update_norm/enc (swap), or the log step raised on a vector of the wrong length."""
+    written as update_norm/enc (swap), or the log step raised on a vector of the wrong length.
+    param_norm was over the log step's set: relative_update_norm the ratio of two sets (35 % low),
+    param_norm/enc written for a layer frozen at the step."""
     import torch
 
     import distmetrics as dm
@@ -2778,9 +2780,11 @@ def test_parameters_frozen_or_unfrozen_after_the_optimizer_step_keep_its_update_
     if change in ("unfreeze", "swap"):
         model.enc.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizer)
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True, log_params_norm=True), model=model,
+                         optimizer=optimizer)
     for step in (1, 2, 3):
         model(torch.randn(3, 4)).pow(2).mean().backward()
+        trains = {name for name, p in model.named_parameters() if p.requires_grad}  # at the step
         before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
         monitor.clip_grad_norm_(1.0)
         optimizer.step()
@@ -2795,6 +2799,15 @@ def test_parameters_frozen_or_unfrozen_after_the_optimizer_step_keep_its_update_
         metrics = monitor.step(step)
         logged = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("update_norm/")}
         assert logged == pytest.approx({m: math.sqrt(v) for m, v in truth.items() if v > 0}, rel=1e-6), (step, change)
+        squares = {}
+        for name, p in model.named_parameters():
+            module = name.split(".")[0]
+            if name in trains:
+                squares[module] = squares.get(module, 0.0) + float(p.detach().double().pow(2).sum())
+        params = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("param_norm/")}
+        assert params == pytest.approx({m: math.sqrt(v) for m, v in squares.items()}, rel=1e-6), (step, change)
+        relative = math.sqrt(sum(truth.values())) / math.sqrt(sum(squares.values()))
+        assert metrics["relative_update_norm"] == pytest.approx(relative, rel=1e-6), (step, change)
     monitor.close()
 
 
