@@ -4,6 +4,7 @@ cached plan that is rebuilt only when the model's parameters change."""
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import warnings
 from collections import OrderedDict
@@ -191,7 +192,14 @@ class ParamPlans:
             return [f"{UNNAMED}.{i}" for i in range(len(params))]
         rename = module_name_map(self.model)
         known = {id(q): global_param_name(n, rename) for n, q in self.model.named_parameters()}
-        return [known.get(id(q), f"{UNNAMED}.{i}") for i, q in enumerate(params)]
+        if all(id(q) in known for q in params):
+            return [known[id(q)] for q in params]
+        # not the model's: under "unnamed", or "unnamed_2", ... where a top-level module has that name (its
+        # norm and theirs were merged into one, without a word)
+        top = {name.split(".", 1)[0] for name in known.values()}
+        label = next(name for name in itertools.chain((UNNAMED,), (f"{UNNAMED}_{n}" for n in itertools.count(2)))
+                     if name not in top)
+        return [known.get(id(q), f"{label}.{i}") for i, q in enumerate(params)]
 
     def _build(self, named: list, signature: tuple) -> Plan:
         names, buckets, bucket_ids = [], [], []

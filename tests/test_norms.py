@@ -2832,6 +2832,31 @@ def test_two_clips_in_one_step_over_different_parameters_are_said_once(caplog):
     assert len(said) == 1 and "(2, then 4: one call per parameter group?)" in said[0], said
 
 
+@pytest.mark.parametrize("child", ["other", "unnamed"])
+def test_parameters_not_the_models_are_named_unnamed_apart_from_a_module_of_that_name(child):
+    """A loss temperature given to the clip is grad_norm/unnamed (README); beside a top-level module
+    named 'unnamed' the two were one value, the norm of both (7.87 for 3.46 and 7.07), without a word.
+    Truth: float64 norms of the gradients."""
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    model = nn.Module()
+    setattr(model, child, nn.Linear(3, 3))
+    model.last = nn.Linear(3, 3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # 12 ones a module: sqrt(12)
+    temperature = nn.Parameter(torch.ones(2))
+    temperature.grad = torch.full((2,), 5.0)  # sqrt(50)
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        monitor.clip_grad_norm_(list(model.parameters()) + [temperature], 1e9)
+        metrics = monitor.step(1)
+    foreign = "unnamed" if child == "other" else "unnamed_2"
+    assert {k: v for k, v in metrics.items() if k.startswith("grad_norm/")} == pytest.approx(
+        {f"grad_norm/{child}": math.sqrt(12), "grad_norm/last": math.sqrt(12), f"grad_norm/{foreign}": math.sqrt(50)})
+
+
 @pytest.mark.parametrize("extra", [False, True], ids=["model's parameters", "and one from the loss"])
 def test_a_tied_weight_listed_twice_counts_once_and_is_scaled_once(extra):
     """Parameters listed per module, the tied embedding/head weight twice (torch's clip counts it
