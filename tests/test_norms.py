@@ -3879,3 +3879,33 @@ def test_an_infinity_norm_of_float64_gradients_is_written_as_the_clip_returns_it
         truth = float(torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), p))
         assert returned == truth and record["grad_norm"] == truth, (p, values, returned, record["grad_norm"])
         assert record["grad_clip_ratio"] == truth / 1e-3
+
+
+@pytest.mark.parametrize("case", ["per module off", "norm_type 1", "max_norm inf"])
+def test_the_ratios_and_per_module_norms_left_out_as_the_readme_says(case):
+    """README: log_grad_norm_per_module false leaves out every per-module norm, not grad_norm's alone;
+    no effective_lr_ratio for a clip of norm_type other than 2; no grad_clip_ratio for an inf max_norm.
+    (These back README sentences: the behaviour did not change.)"""
+    import torch
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(log_interval=1, log_update_norm=True, log_params_norm=True,
+                          log_grad_norm_per_module=case != "per module off")
+    with dm.Monitor(config, model=model, optimizer=optimizer) as monitor:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        max_norm = math.inf if case == "max_norm inf" else 0.01
+        monitor.clip_grad_norm_(max_norm, norm_type=1 if case == "norm_type 1" else 2)
+        optimizer.step()
+        metrics = monitor.step(1)
+    families = ("grad_norm", "param_norm", "update_norm", "relative_update_norm", "effective_lr_ratio")
+    per_module = sorted({key.split("/")[0] for key in metrics if key.split("/")[0] in families and "/" in key})
+    totals = sorted(key for key in metrics if key in families + ("grad_clip_ratio",))
+    if case == "per module off":
+        assert per_module == [] and totals == sorted(families + ("grad_clip_ratio",))
+    elif case == "norm_type 1":
+        assert "effective_lr_ratio" not in per_module + totals and "grad_clip_ratio" in totals
+    else:
+        assert "grad_clip_ratio" not in totals and "effective_lr_ratio" in totals
