@@ -3909,3 +3909,24 @@ def test_the_ratios_and_per_module_norms_left_out_as_the_readme_says(case):
         assert "effective_lr_ratio" not in per_module + totals and "grad_clip_ratio" in totals
     else:
         assert "grad_clip_ratio" not in totals and "effective_lr_ratio" in totals
+
+
+@pytest.mark.parametrize("first, second, call", [(math.inf, -math.inf, "clip_grad_norm_"),
+                                                 (-math.inf, 2.0, "clip_grad_norm_"),
+                                                 (2.0, math.inf, "measure_grad_norms")])
+def test_a_norm_type_of_another_family_is_refused_naming_the_monitors_call(first, second, call):
+    """README: one family of norm types per run (p-norms, inf, -inf), refused before the gradients
+    change; the message named a bare clip_grad_norm_ for the Monitor's. Truth: the gradients set."""
+    import torch
+    from torch import nn
+
+    import distmetrics as dm
+
+    model = nn.Linear(3, 3)
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 2.0)
+        monitor.clip_grad_norm_(1e9, norm_type=first)
+        with pytest.raises(ValueError, match=rf"^monitor\.{call}\(norm_type={second:g}\): grad_norm is reduced"):
+            getattr(monitor, call)(*(() if call == "measure_grad_norms" else (1e-3,)), norm_type=second)
+        assert all(bool((p.grad == 2.0).all()) for p in model.parameters())

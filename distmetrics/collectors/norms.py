@@ -220,7 +220,7 @@ class NormCollector(ParamSide):
             parameters, max_norm = None, parameters
         if max_norm is None:
             raise TypeError("clip_grad_norm_() missing 1 required argument: 'max_norm'")
-        self._check_norm_type(norm_type, "clip_grad_norm_")
+        self._check_norm_type(norm_type, "monitor.clip_grad_norm_")
         try:
             result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                                                self._scale_now(), "monitor.clip_grad_norm_", after_step)
@@ -234,7 +234,7 @@ class NormCollector(ParamSide):
     def measure(self, norm_type: Any = 2.0, after_step: Any = None) -> torch.Tensor:
         """Measure without clipping (an attached Megatron optimizer clips in its step); returns the
         total norm (float64, the same on every rank)."""
-        self._check_norm_type(norm_type, "measure_grad_norms")
+        self._check_norm_type(norm_type, "monitor.measure_grad_norms")
         result, measured = self.grads.measure(None, norm_type, loss_scale=self._scale_now(),
                                               call="monitor.measure_grad_norms", after_step=after_step)
         if measured is not None and self._optimizer_clip > 0 and measured.norm_type == 2.0:  # Megatron's is a 2-norm
