@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from .collectors import LogContext
-from .collectors.base import bad_weights, left_out_failed, misnamed_elsewhere, of_ours, take_samples
+from .collectors.base import Alert, Record, bad_weights, left_out_failed, misnamed_elsewhere, of_ours, take_samples
 from .collectors.norms import FIRST_STEP
 from .exits import say_log_step_lost
 from .names import RECORD_KEYS
@@ -59,7 +59,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                 continue
             before = monitor._foreign.before_finalize(collector, metrics)  # a user's: kept to its own names
             try:
-                got = list(collector.finalize(metrics, ctx) or ())  # None: no alert (a finalize that returns nothing)
+                got = collector.finalize(metrics, ctx) or ()  # None: no alert (a finalize that returns nothing)
+                got = [got] if isinstance(got, (Alert, Record)) else list(got)  # one, not in a list: taken as it is
                 if before is not None and not of_ours(collector):  # a user's: Records of its own kinds (said, not
                     got = _own_kinds(collector, got, monitor)  # raised: what finalize returns may differ by rank)
                 alerts += got
@@ -105,10 +106,10 @@ step, an ``end`` mid-file that readers take for the job's end) is refused (an ``
 def _own_kinds(collector: Any, got: list, monitor: "Monitor") -> list:
     """What a user's collector's ``finalize`` returned, less any ``Record`` of the Monitor's kinds or
     anything neither an Alert nor a Record, which are said once per collector and kind by the rank."""
-    from .collectors.base import Alert, Record
-
     bad = [item for item in got if not isinstance(item, (Alert, Record)) or
-           isinstance(item, Record) and (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS)]
+           isinstance(item, Record) and (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS) or
+           isinstance(item, Alert) and item.kind != "alert" and  # a subclass's kind "train": a second train record
+           (not isinstance(item.kind, str) or item.kind in WRITERS_KINDS)]
     keyed = [item for item in got if not any(item is b for b in bad) and _record_keys_in(item)]
     if not bad and not keyed:
         return got

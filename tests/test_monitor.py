@@ -2393,6 +2393,28 @@ class _WritesRecordKeys(_Flaky):
                 Record("mine3", {"v": 2.0})]
 
 
+class _ReturnsOne(_Flaky):
+    """A finalize returning one Alert, not in a list, at step 2, and at step 4 a list holding an Alert
+    whose subclass names the train kind."""
+
+    def finalize(self, metrics, ctx):
+        import distmetrics as dm
+
+        class TrainAlert(dm.Alert):
+            kind = "train"
+
+        return dm.Alert("odd", "look", {"v": 1.0}) if ctx.step == 2 else [TrainAlert("odd", "again", {"v": 2.0})]
+
+
+def test_a_finalize_returning_one_alert_writes_it_and_an_alert_of_a_monitors_kind_is_left_out(tmp_path, caplog):
+    """One Alert returned as it is raised "TypeError: 'Alert' object is not iterable" at every log step,
+    naming no collector; an Alert subclass of kind "train" wrote a second train record at its step."""
+    said, kinds = _finalize_four_steps(tmp_path, caplog, _ReturnsOne(0))
+    assert kinds == [("run", 0), ("train", 2), ("alert", 2), ("train", 4), ("end", 4)], kinds
+    assert len(said) == 1 and "the 'flaky' collector's finalize returned a TrainAlert, which are not written" in \
+        said[0], said
+
+
 def test_a_finalize_returning_fields_named_as_a_records_own_keys_is_left_out_and_said(tmp_path, caplog):
     """A Record's fields were written over the line's own keys: Record("mine", {"kind": "train", "step": 1002})
     landed as a train record at a step never logged (summary: "last step 1004: loss=99"), and a text step made
