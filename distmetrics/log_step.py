@@ -69,9 +69,17 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
                                    collector.name, step, type(err).__name__, err)
                 failure = failure or err
+            unfit = monitor._foreign.unfit(before, metrics) if before is not None else None
+            if unfit:  # every rank's finalize reads the same values: every rank raises this
+                refused = ValueError(f"the {collector.name!r} collector's finalize set {'; '.join(unfit)}. A value "
+                                     "finalize sets is a number or a 0-d tensor, under a name every sink can store: "
+                                     "the record was written without them")
+                if failure is not None:
+                    logger.warning("distmetrics: step %d: %s", step, refused)
+                failure = failure or refused
             said = monitor._foreign.written_elsewhere(collector, before, metrics, monitor._reducer.writers,
                                                       ctx.reduced.kinds) if before is not None else None
-            if said:  # every rank's finalize reads the same values: every rank raises this
+            if said:  # the same on every rank, as above
                 refused = ValueError(
                     f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the "
                     "names it declares in its writes, or names no other writer declares, and one that derives values "

@@ -2489,6 +2489,36 @@ def test_a_finalize_cannot_set_a_records_own_keys_nor_another_collectors_value(t
     assert isinstance(train["time"], str)
 
 
+def test_a_finalize_setting_a_name_or_value_no_sink_can_store_is_refused_after_the_record(tmp_path):
+    """A name holding a newline became a TensorBoard tag and a JSONL key, a 1-D tensor was written as
+    the text "tensor([4.5000])" (a complex number as "1j"), and a key that is no str failed the log
+    step's sort: left out, the record written, then a ValueError on every rank naming each. A tensor
+    of one element is its number; a lane of the collector's own is not checked."""
+    import torch
+
+    import distmetrics as dm
+
+    import numpy as np
+
+    changes = {"rw/x\ny": 1.0, "rw/v": torch.tensor([4.5, 1.0]), 7: 1.0, "rw/c": torch.tensor(1j), "rw/j": 1j,
+               "rw/a": np.array([1.0, 2.0]), "rw/ok": torch.tensor(3.0), "rw/one": torch.tensor([[4.5]]),
+               "rw/np1": np.array([2.5]), np.str_("rw/npname"): 5.0, "_rw/lane": torch.tensor([1.0, 2.0])}
+    config = quiet_config(output_dir=str(tmp_path), log_interval=1, json_log=True)
+    with dm.Monitor(config, collectors=[_Rewrites(changes)]) as monitor:
+        with pytest.raises(ValueError) as raised:
+            monitor.step(1, loss=1.0)
+    message = str(raised.value)
+    assert message.startswith("the 'rewrites' collector's finalize set 'rw/x\\ny': it holds a control character")
+    for said in ("'rw/v': a Tensor of shape (2,) and torch.float32, not a number", "7: a int, not a str",
+                 "'rw/c': a Tensor of shape () and torch.complex64", "'rw/j': 1j, a complex number",
+                 "'rw/a': a ndarray of shape (2,) and float64"):
+        assert said in message, (said, message)
+    assert message.count("; ") == 5 and "lane" not in message, message  # one element, a str of numpy's: taken
+    (train,) = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert {k: v for k, v in train.items() if k.startswith("rw/")} == {"rw/ok": 3.0, "rw/own": 1.0, "rw/one": 4.5,
+                                                                        "rw/np1": 2.5, "rw/npname": 5.0}
+
+
 def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_up(tmp_path):
     """The interval's first record_losses or record_moe made under torch.inference_mode() (an evaluation's
     forward) made its accumulators inference tensors: the next call outside it raised torch's "Inplace

@@ -19,10 +19,13 @@ overwritten there, leaving its own ``/max_rank`` behind. So:
 
 from __future__ import annotations
 
+import numbers
 from operator import attrgetter
 from typing import Any, Iterable, Optional, Sequence
 
-from ..names import RECORD_KEYS, REDUCE_KINDS, NameRegistry, collector_label, written_names
+import torch
+
+from ..names import RECORD_KEYS, REDUCE_KINDS, NameRegistry, collector_label, name_problem, written_names
 from ..reduce import Sample
 
 __all__ = ["check_writes", "check_declared", "check_after", "ForeignNames"]
@@ -160,6 +163,32 @@ class ForeignNames:
             else:
                 del metrics[key]
             said.append(f"{key!r}, which {who} writes")
+        return said
+
+    def unfit(self, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+        """The names a user's collector's ``finalize`` set (added or replaced) that no sink can store (a
+        name :func:`~distmetrics.names.name_problem` refuses, or no str), or whose value is a tensor of more
+        or less than one element or a complex one (written as the text ``"tensor([4.5, 1.])"``): each
+        put back as it was (removed where it is new), with what it is."""
+        missing, said = object(), []
+        for key, value in list(metrics.items()):
+            if before.get(key, missing) is value or key in RECORD_KEYS or isinstance(key, str) and key[:1] == "_":
+                continue  # an internal lane: for a later collector, never written
+            why = f"a {type(key).__name__}, not a str" if not isinstance(key, str) else name_problem(key)
+            array = type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"  # numpy not imported
+            if not why and (array or isinstance(value, torch.Tensor)):
+                if (value.size if array else value.numel()) == 1:
+                    value = metrics[key] = value.reshape(())  # one element: the 0-d value the sinks write as a number
+                if value.ndim != 0 or (value.dtype.kind == "c" if array else value.is_complex()):
+                    why = f"a {type(value).__name__} of shape {tuple(value.shape)} and {value.dtype}, not a number"
+            elif not why and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+                why = f"{value!r}, a complex number"  # written as the text "1j"
+            if why:
+                if key in before:
+                    metrics[key] = before[key]
+                else:
+                    del metrics[key]
+                said.append(f"{key!r}: {why}")
         return said
 
     def _foreign(self, sample: Any, own: str) -> Optional[str]:
