@@ -139,7 +139,8 @@ class Monitor:
             for collector in (c for c in self.collectors if hasattr(c, "use_guard")):
                 collector.use_guard(self._guard)  # their own collectives (timer reports, tensor statistics)
             self._eval.use_names(self._by_name["train"].names.reserve_writers(self.collectors + idle))
-            self._foreign = ForeignNames(self._eval.names, collectors)  # the names the user's collectors may send
+            self._foreign = ForeignNames(self._eval.names, collectors, self._reducer)  # the names the user's
+            # collectors may send
             self._weightless = WeightlessSamples()  # their means left out for a total weight of 0: said
             self.timers = self._by_name["timers"].timers
             self._module_order, stage = job_module_order(self.layout, module_order(model), self._guard,

@@ -264,6 +264,10 @@ class NameRegistry:
             elif name not in self._writers:
                 self._write(name, who)
 
+    def record_of(self, name: str) -> Optional[str]:
+        """The record kind a user's name is written in (``eval``: a ``log_eval`` name), None where unclaimed."""
+        return self._records.get(name)
+
     def reserve_writers(self, writers: Iterable[Any]) -> "NameRegistry":
         """Reserve what each collector declares in its ``writes`` (a user's collector may
         declare nothing); returns the registry."""

@@ -2519,6 +2519,34 @@ def test_a_finalize_setting_a_name_or_value_no_sink_can_store_is_refused_after_t
                                                                         "rw/np1": 2.5, "rw/npname": 5.0}
 
 
+class _SendsEvalAcc(_Sends):
+    name = "acc"
+
+    def take_samples(self, ctx):
+        import distmetrics as dm
+
+        return [dm.Sample("eval/acc", 0.25, "mean")]
+
+
+def test_a_collectors_name_agreed_first_stays_its_own_after_log_eval_clashes_with_it(tmp_path):
+    """README: the kind of record whose names were agreed with it first keeps it, and each later
+    log_eval that sends it is written without it, then raises. The refused log_eval kept its claim,
+    so the collector's eval/acc was refused from the next train log step on: written nowhere."""
+    import distmetrics as dm
+
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True)
+    with dm.Monitor(config, collectors=[_SendsEvalAcc()]) as monitor:
+        for step in range(1, 7):
+            monitor.step(step, loss=1.0)
+            if step % 2 == 0:
+                with pytest.raises(ValueError, match="in eval records .monitor.log_eval. would write 'eval/acc'"):
+                    monitor.log_eval(step, loss=2.0, acc=0.75)
+    records = [(r["kind"], r["step"], r.get("eval/acc")) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
+               if r["kind"] in ("train", "eval")]
+    assert records == [(kind, step, 0.25 if kind == "train" else None) for step in (2, 4, 6)
+                       for kind in ("train", "eval")], records
+
+
 def test_losses_and_router_statistics_recorded_in_and_out_of_inference_mode_add_up(tmp_path):
     """The interval's first record_losses or record_moe made under torch.inference_mode() (an evaluation's
     forward) made its accumulators inference tensors: the next call outside it raised torch's "Inplace

@@ -97,8 +97,9 @@ class ForeignNames:
     (one tuple, built in C) are compared with those found clean at the last log step, while nothing
     has joined the registry: the names themselves are looked up only when one of the two changed."""
 
-    def __init__(self, registry: NameRegistry, collectors: Iterable[Any]) -> None:
+    def __init__(self, registry: NameRegistry, collectors: Iterable[Any], reducer: Any = None) -> None:
         self._registry = registry
+        self._reducer = reducer  # its writers: who sent each name the ranks agreed on (a name's first sender)
         self._clean: dict[str, Optional[tuple]] = {c.name: None for c in collectors}  # (registry size, names)
         self.checked: dict[str, tuple] = {}
         """Per collector, its samples' (names, reduce kinds) and names last found well (collectors.base._checked)."""
@@ -116,8 +117,10 @@ class ForeignNames:
         if names == self._clean[collector.name]:
             return {}
         own = collector_label(collector.name)
+        first = getattr(self._reducer, "writers", None) or {}
         refused = {index: f"{own} handed over {said}" for index, said in
-                   ((index, self._foreign(sample, own)) for index, sample in enumerate(samples)) if said}
+                   ((index, self._foreign(sample, own, collector.name, first)) for index, sample in enumerate(samples))
+                   if said}
         if not refused:
             self._clean[collector.name] = names
         return refused
@@ -191,8 +194,11 @@ class ForeignNames:
                 said.append(f"{key!r}: {why}")
         return said
 
-    def _foreign(self, sample: Any, own: str) -> Optional[str]:
-        """What ``sample`` is, where it writes a name another writer declares, else None."""
+    def _foreign(self, sample: Any, own: str, name: str = "", first: Optional[dict] = None) -> Optional[str]:
+        """What ``sample`` is, where it writes a name another writer declares, else None. A name of
+        ``log_eval``'s that this collector (``name``) sent into train records first (``first``: the
+        reducer's writers) stays its own: the kind of record agreed first keeps a name (a log_eval that
+        clashed kept its claim, and the name went into neither kind of record from then on)."""
         if not isinstance(sample, Sample) or sample.reduce not in REDUCE_KINDS:
             return None  # the reducer refuses it, naming it
         for element in sample.names if sample.names is not None else (sample.name,):
@@ -200,7 +206,8 @@ class ForeignNames:
                 continue
             for written in written_names(element, sample.reduce):
                 who = self._registry.writer_of(written)
-                if who is None or who == own:
+                if who is None or who == own or (first and first.get(element) == name
+                                                 and self._registry.record_of(element) == "eval"):
                     continue
                 what = f"a vector sample {sample.name!r} with an element {element!r}" if sample.names is not None \
                     else f"a sample {element!r}"
