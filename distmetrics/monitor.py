@@ -35,6 +35,7 @@ from .eager import eager
 from .log_step import is_log_step, log_step, log_step_ahead
 from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
+from .recompute import recomputing
 from .naming import module_order, owner_names
 from .parallel import Layout, detect_layout, model_parallel_mesh
 from .reduce import Reducer
@@ -206,6 +207,8 @@ class Monitor:
         averaged. Only a mean takes a ``weight`` (another kind refuses one); a mean whose weights sum to
         0 over every rank and step of the interval is left out of that record, said once per name."""
         self._check_open()
+        if recomputing(self):
+            return
         with self._records:
             self._check_closing()
             self._by_name["train"].record(name, value, reduce, weight)
@@ -218,6 +221,8 @@ class Monitor:
         Written as ``<split>/loss/<category>`` (the mean per sample, or per token when ``weights``
         are token counts) at the log step (``train``) or :meth:`log_eval` (``eval``)."""
         self._check_open()
+        if recomputing(self):
+            return
         with self._records:
             self._check_closing()
             self._by_name["losses"].split(split, self._eval.categories).record(per_sample_loss, categories, weights,
@@ -235,6 +240,8 @@ class Monitor:
         them): TP/CP rank 0's are used. Negative, NaN or infinite counts (not read here: that waits
         for the device) raise a ``ValueError`` on every rank at the log step."""
         self._check_open()
+        if recomputing(self):
+            return
         with self._records:
             self._check_closing()
             self._by_name["moe"].record(aux_loss, z_loss, tokens_per_expert, layer_numbers)

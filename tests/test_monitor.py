@@ -2790,3 +2790,47 @@ def test_a_failing_collector_leaves_out_its_own_values_not_those_of_one_sharing_
     B's healthy d/b_only (2 ranks x 10.0) went with A's values. Truth: the values each rank sent."""
     got = run_ranks(_prefix_shared_with_a_failing_collector, 2, str(tmp_path), timeout=120)[0]
     assert got == [(2, 2.0, 20.0), (4, None, 20.0), (6, 2.0, 20.0)]
+
+
+@pytest.mark.parametrize("how", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper"])
+def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(how, caplog):
+    """A block's forward that records a count and a router's aux loss and counts, checkpointed: the
+    forward run again inside backward counted each twice (a sum 8 for 4; a mean weighing the
+    checkpointed block twice: 1.67 for 2.0). A record from a backward hook still counts. Truth: one
+    call per block per step."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=2))
+
+    class Block(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.fc, self.value = torch.nn.Linear(4, 4), value
+
+        def forward(self, x):
+            monitor.record("calls", 1.0, reduce="sum")
+            monitor.record("router/entropy", self.value)
+            monitor.record_moe(aux_loss=self.value, tokens_per_expert=torch.tensor([[3.0, 1.0]]))
+            return torch.relu(self.fc(x))
+
+    torch.manual_seed(0)
+    blocks = [Block(1.0), Block(3.0)]  # the first checkpointed (selective), the second not
+    first = checkpoint_wrapper(blocks[0]) if how == "checkpoint_wrapper" else blocks[0]
+    hooked = blocks[1].fc.weight.register_hook(lambda grad: monitor.record("hook/calls", 1.0, reduce="sum"))
+    for step in (1, 2):
+        x = torch.randn(2, 4, requires_grad=True)
+        if how in ("non-reentrant", "reentrant"):
+            y = checkpoint(first, x, use_reentrant=how == "reentrant")
+        else:
+            y = first(x)
+        blocks[1](y).sum().backward()
+        metrics = monitor.step(step)
+    hooked.remove()
+    monitor.close()
+    assert (metrics["calls"], metrics["hook/calls"]) == (4.0, 2.0)
+    assert metrics["router/entropy"] == metrics["moe/aux_loss"] == 2.0
+    assert ("came from a forward that activation checkpointing runs again" in caplog.text) == (how != "none")
