@@ -132,26 +132,29 @@ class IntervalStats:
             )
         check_value(value, "metric %r", name)
         check_value(weight, "metric %r weight", name)
+        given, given_weight = value, weight
         value, weight = as_number(value), as_number(weight)
+        # the caller's own storage (a float64 tensor): copied where it is kept past the call
+        copy, copy_weight = _aliases(value, given), _aliases(weight, given_weight)
         if self._before_step is not None and name not in self._before_step:
             self._before_step[name] = (slot.value, slot.weight, slot.low)
         if slot.last:
-            slot.value, slot.weight = kept(value), kept(weight)
-            slot.low = slot.value
+            slot.value = value.clone() if copy else value
+            slot.weight, slot.low = weight.clone() if copy_weight else weight, slot.value
             return
         if reduce == "mean":
             slot.value = _add(slot.value, weighted(value, weight))
-            slot.weight = _add(slot.weight, weight)
+            slot.weight = _add(slot.weight, weight, copy_weight)
         elif reduce == "all":
-            slot.value = _add(slot.value, value)
+            slot.value = _add(slot.value, value, copy)
             slot.weight = _add(slot.weight, 1.0)
         elif reduce == "sum":
-            slot.value = _add(slot.value, value)
+            slot.value = _add(slot.value, value, copy)
         else:
             if reduce in ("max", "minmax"):
-                slot.value = _extreme(slot.value, value, torch.maximum, max)
+                slot.value = _extreme(slot.value, value, torch.maximum, max, copy)
             if reduce in ("min", "minmax"):
-                slot.low = _extreme(slot.low, value, torch.minimum, min)
+                slot.low = _extreme(slot.low, value, torch.minimum, min, copy)
                 if reduce == "min":
                     slot.value = slot.low
 
@@ -222,20 +225,29 @@ def as_number(v: Number) -> Number:
 
 
 def kept(v: Number) -> Number:
-    """``v`` to keep past the call: a tensor copied (on its device, no sync). A tensor the caller
-    changes in place after the call (a token counter zeroed and added to every step) was kept as
-    its own storage and read changed at the log step. Sums and extremes make new tensors: only
-    an interval's first value, and a ``last`` one, is kept as given."""
-    return v.clone() if isinstance(v, torch.Tensor) else v
+    """:func:`as_number` of ``v`` to keep past the call: a copy where that is ``v``'s own storage (a
+    float64 tensor; another dtype's conversion is one already), on its device, no sync. A tensor the
+    caller changes in place after the call (a token counter zeroed and added to every step) was kept
+    as its own storage and read changed at the log step."""
+    number = as_number(v)
+    return number.clone() if _aliases(number, v) else number
 
 
-def _add(total: Optional[Number], v: Number) -> Number:
-    return kept(v) if total is None else total + v
+def _aliases(number: Number, given: Number) -> bool:
+    """Whether ``number`` (:func:`as_number` of ``given``) is ``given``'s own storage. Sums, products
+    and extremes make new tensors: only an interval's first value and a ``last`` one are kept as given."""
+    return isinstance(given, torch.Tensor) and number.data_ptr() == given.data_ptr()
 
 
-def _extreme(current: Optional[Number], v: Number, tensor_op, number_op) -> Number:
+def _add(total: Optional[Number], v: Number, copy: bool = False) -> Number:
+    if total is None:
+        return v.clone() if copy else v
+    return total + v
+
+
+def _extreme(current: Optional[Number], v: Number, tensor_op, number_op, copy: bool = False) -> Number:
     if current is None:
-        return kept(v)
+        return v.clone() if copy else v
     if isinstance(current, torch.Tensor) or isinstance(v, torch.Tensor):
         a = current if isinstance(current, torch.Tensor) else torch.full_like(v, current)
         b = v if isinstance(v, torch.Tensor) else torch.full_like(a, v)

@@ -177,7 +177,7 @@ class StepValues:
         if self._starting:  # the step whose call started the clock: its own time was not measured
             self._starting = False
             if tokens is not None and self.counts_tokens:
-                self._untimed_tokens = kept(as_number(tokens))
+                self._untimed_tokens = kept(tokens)
         else:
             self._timed += 1
             if tokens is None and self.counts_tokens:
@@ -200,9 +200,9 @@ class StepValues:
             self._uncounted = True
         if lr is not None:
             self.stats.record("train/lr", lr, "mean", weight=self._lr_weight, last=True)
-            # its lane is made at the log step: a step between them pays one assignment (a tensor's copy: a
-            # scheduler's tensor changed in place after the call is read at close() as it was)
-            self._lr = kept(as_number(lr)) if isinstance(lr, torch.Tensor) else lr
+            # its lane is made at the log step: a step between them pays one assignment (a tensor: its float64
+            # conversion or copy, so a scheduler's tensor changed in place after the call is read as it was)
+            self._lr = kept(lr) if isinstance(lr, torch.Tensor) else lr
             if self.learning_rates is not None:  # a NaN at a step between log steps is said too
                 if isinstance(lr, torch.Tensor):
                     self._lr_nan = self._lr_nan | torch.isnan(lr)  # on its device, unread
