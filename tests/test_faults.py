@@ -2053,6 +2053,48 @@ def test_a_process_ending_with_its_monitor_open_says_what_is_not_written(tmp_pat
     assert "failed to close" not in run.stderr, run.stderr  # not closed again as the interpreter ends
 
 
+def test_a_monitor_left_open_in_a_function_is_collected_while_its_optimizer_lives(tmp_path):
+    """README: a Monitor left open in a function that returned is collected, closing its files and
+    letting go of output_dir. With update norms on, the optimizer's step hooks held it (through the
+    norms collector's log_step_ahead) for as long as the optimizer lived: output_dir stayed taken,
+    and its hooks copied the parameters at every later step."""
+    import gc
+    import weakref
+
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.param_norms import ParamSide
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(output_dir=str(tmp_path), log_interval=2, json_log=True, log_update_norm=True)
+
+    def train():
+        monitor = dm.Monitor(config, model=model, optimizer=optimizer)
+        for step in (1, 2, 3):
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(step)
+        return weakref.ref(monitor)
+
+    left = train()
+    gc.collect()
+    assert left() is None and not optimizer._optimizer_step_pre_hooks
+    snapshots = []
+    original = ParamSide.snapshot
+    ParamSide.snapshot = lambda self, step: snapshots.append(step) or original(self, step)
+    try:
+        with dm.Monitor(config, model=model, optimizer=optimizer) as monitor:  # output_dir let go
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+            monitor.step(4)
+    finally:
+        ParamSide.snapshot = original
+    assert len(snapshots) == 1  # the new Monitor's alone (its first step, whose number it does not know yet)
+
+
 # --- a Monitor's lifecycle: errors, exits, threads, the process group -----------------------------
 
 def _rendezvous(tmp_path) -> str:

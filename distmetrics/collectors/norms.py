@@ -13,9 +13,11 @@ of non-finite tensors is not 0 (one more reduction, then).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -85,7 +87,7 @@ class NormCollector(ParamSide):
         self._repeats_seen = False  # an optimizer stepped twice in one step once: copies are kept until monitor.step
         self._dropped_step: Any = None  # a step whose update was left out (the copy went before its second step)
         self._said_dropped = False
-        self._log_step_ahead: Callable[[], Optional[int]] = lambda: None
+        self._log_step_ahead: Callable[[], Any] = lambda: None  # the Monitor's log_step_ahead, held weakly
         self._warned_update = False  # update_norm missing from a record was said
         self._warned_skipped_update = False  # ... from a step reported skipped was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
@@ -167,13 +169,17 @@ class NormCollector(ParamSide):
             targets = [hooked_optimizer(optimizer, "monitor.attach_megatron_optimizer(optimizer)")]
         if not self.log_update_norm:
             return
-        self._log_step_ahead = log_step_ahead
+        # weakly: the optimizer's hooks hold this collector, which held the Monitor, never collected while the
+        # optimizer lived (its files and output_dir held, its hooks copying the parameters at every step)
+        self._log_step_ahead = weakref.WeakMethod(log_step_ahead) if inspect.ismethod(log_step_ahead) \
+            else lambda: log_step_ahead
         for target in targets:
             self._steps.attach(target)
 
     def _before_step(self) -> None:
         """An optimizer step starts, none under way: snapshot where its step will be logged."""
-        step = self._log_step_ahead()
+        ahead = self._log_step_ahead()
+        step = ahead() if ahead is not None else None  # None: the Monitor was collected
         if step is not None:
             self.snapshot(step)
 
