@@ -41,6 +41,7 @@ class GradMeasurement:
     sharded_count: Optional[torch.Tensor] = None  # p = 0: > 0 where some rank's gradients are sharded (refused)
     plan: Optional[Plan] = None  # the parameters measured
     partial: bool = False  # made after another over other parameters in the same step: not the step's gradient
+    inside_step: bool = False  # made while an optimizer step ran (LBFGS's closure): a gradient inside its update
     locals: Optional[list] = None  # the local gradients, until clipping scaled them
     groups: Optional[dict] = None  # their positions by (device, dtype), until then too
     replicas: Optional[torch.Tensor] = None  # the reduced lanes of the replica check (distmetrics.replicas)

@@ -70,6 +70,12 @@ class StepHooks:
         return bool(self._handles)
 
     @property
+    def in_flight(self) -> bool:
+        """Whether an attached optimizer's step is under way (a measurement now is one inside it: LBFGS's
+        closure, after some of the step's update)."""
+        return bool(self._in_flight)
+
+    @property
     def count(self) -> int:
         """How many optimizers are attached."""
         return len(self._handles) // 2

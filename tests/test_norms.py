@@ -3930,3 +3930,55 @@ def test_a_norm_type_of_another_family_is_refused_naming_the_monitors_call(first
         with pytest.raises(ValueError, match=rf"^monitor\.{call}\(norm_type={second:g}\): grad_norm is reduced"):
             getattr(monitor, call)(*(() if call == "measure_grad_norms" else (1e-3,)), norm_type=second)
         assert all(bool((p.grad == 2.0).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("case", ["a clip per group", "a clip of a part", "lbfgs", "log_grad_norm off"])
+def test_effective_lr_ratio_only_where_the_gradient_measured_is_the_whole_updates(case):
+    """Plain SGD moves each parameter by lr x its clipped gradient: the true ratio is lr (0.1). A
+    clip per parameter group (weights, then biases) wrote effective_lr_ratio/enc as enc's whole
+    update over its bias's gradient (5x), a clip of enc alone the total over enc's gradient (1.9x),
+    LBFGS the update of its 5 inner iterations over the last closure's gradient (15x); each is left
+    out. A module the last clip measured whole keeps its ratio. log_grad_norm off: none (README)."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    if case == "lbfgs":
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    elif case == "a clip per group":
+        optimizer = torch.optim.SGD([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=0.1)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(log_interval=1, log_update_norm=True, log_params_norm=True,
+                          log_grad_norm=case != "log_grad_norm off")
+    x = torch.randn(8, 4)
+    with dm.Monitor(config, model=model, optimizer=optimizer) as monitor:
+        def closure():
+            optimizer.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            monitor.clip_grad_norm_(1e6)
+            return loss
+
+        if case == "lbfgs":
+            optimizer.step(closure)
+        else:
+            model(x).pow(2).mean().backward()
+            if case == "a clip per group":
+                monitor.clip_grad_norm_(weights, 1e6)
+                monitor.clip_grad_norm_(biases, 1e6)
+            elif case == "a clip of a part":
+                monitor.clip_grad_norm_(list(model.enc.parameters()) + list(model.mid.parameters()), 1e6)
+            else:
+                monitor.clip_grad_norm_(1e6)
+            optimizer.step()
+        metrics = monitor.step(1)
+    ratios = {k: v for k, v in metrics.items() if k.startswith("effective_lr_ratio")}
+    assert "update_norm" in metrics
+    if case == "a clip of a part":
+        assert ratios == pytest.approx({"effective_lr_ratio/enc": 0.1, "effective_lr_ratio/mid": 0.1}, rel=1e-5)
+    else:
+        assert ratios == {}, ratios

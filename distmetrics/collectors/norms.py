@@ -84,6 +84,7 @@ class NormCollector(ParamSide):
         self._stepped = False  # some attached optimizer stepped between the last two monitor.step calls
         self._skipped_step = False  # the last monitor.step was given skipped=True
         self._repeated = False  # ... one of them more than once (the update then spans several gradients)
+        self._coverage: tuple = (None, frozenset())  # (plans' signatures, the modules a measurement left out)
         self._repeats_seen = False  # an optimizer stepped twice in one step once: copies are kept until monitor.step
         self._dropped_step: Any = None  # a step whose update was left out (the copy went before its second step)
         self._said_dropped = False
@@ -276,6 +277,7 @@ class NormCollector(ParamSide):
         record has no total ``effective_lr_ratio`` (the whole step's update over a part's norm)."""
         if measured is not None:
             measured.locals = measured.groups = None
+            measured.inside_step = self._steps.in_flight
             kept = self._grad
             if kept is not None and self._grad_after == after_step and (kept.plan is not measured.plan or kept.partial):
                 measured.partial = True
@@ -287,8 +289,9 @@ class NormCollector(ParamSide):
                             "parameters (%d, then %d: one call per parameter group?); grad_norm, its per-module "
                             "values and grad_clip_ratio are the last call's parameters' only, not the step's, and "
                             "such a record has no effective_lr_ratio (the step's whole update over a part's "
-                            "gradient norm). Measure all parameters in one call (monitor.clip_grad_norm_ takes a "
-                            "list), or record each group's returned norm with monitor.record(name, norm).", caller,
+                            "gradient norm) but for the modules the last call measured whole. Measure all "
+                            "parameters in one call (monitor.clip_grad_norm_ takes a list), or record each group's "
+                            "returned norm with monitor.record(name, norm).", caller,
                             len(kept.plan.params), len(measured.plan.params))
             self._nonfinite_steps.measured(measured, same_step=kept is not None and self._grad_after == after_step)
             self._replicas.note(measured, caller)

@@ -167,6 +167,7 @@ class ParamSide:
             else:
                 coef = float(grad.coef)
         same_norm = grad is None or grad.norm_type == 2.0
+        uncovered = self._uncovered(grad)
         for key in keys:
             suffix = key[len("update_norm"):]
             param = metrics.get(f"param_norm{suffix}")
@@ -174,11 +175,31 @@ class ParamSide:
                 metrics[f"relative_update_norm{suffix}"] = metrics[key] / param
             clipped = (metrics.get(f"grad_norm{suffix}") or 0.0) * abs(coef)  # max_norm < 0 flips the sign
             # none where the update holds several steps of one optimizer (n_critic) but the gradient is the last's
-            whole = not self._repeated and (suffix or grad is None or not grad.partial) and self._last_grad_own
+            whole = not self._repeated and (suffix or grad is None or not grad.partial) and self._last_grad_own \
+                and suffix[1:] not in uncovered and not (grad is not None and grad.inside_step)
             # none where the clip zeroed the gradient (max_norm 0) or the norm is not finite (inf x a coefficient
             # of 0 is NaN; an inf norm, by a sum of squares past float32 too, leaves no ratio to tell)
             if clipped and math.isfinite(clipped) and same_norm and whole:
                 metrics[f"effective_lr_ratio{suffix}"] = metrics[key] / clipped
+
+    def _uncovered(self, grad: Optional[GradMeasurement]) -> frozenset:
+        """The modules (and ``""``, the whole model) whose update holds parameters the last measurement
+        did not measure (a clip of a part, or one per parameter group): their ratio would be a whole
+        update over a part's gradient (5x too high for a decay group's module over its bias group's).
+        Worked out once per pair of plans."""
+        update = self._update_plan
+        if grad is None or grad.plan is None or update is None or grad.plan is update:
+            return frozenset()
+        key = (grad.plan.signature, update.signature)
+        if self._coverage[0] != key:
+            measured = {id(p) for p in grad.plan.params}
+            out: set = set()
+            for p, bucket in zip(update.params, update.bucket_of.tolist()):
+                if id(p) not in measured:
+                    parts = update.buckets[bucket].split(".")
+                    out.update(".".join(parts[:depth]) for depth in range(len(parts) + 1))  # "" and each ancestor
+            self._coverage = (key, frozenset(out))
+        return self._coverage[1]
 
     def _param_pieces(self, plan: Plan) -> list[torch.Tensor]:
         """This rank's piece of every parameter: the distributed optimizer's fp32 main shard,
