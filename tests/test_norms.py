@@ -3982,3 +3982,31 @@ def test_effective_lr_ratio_only_where_the_gradient_measured_is_the_whole_update
         assert ratios == pytest.approx({"effective_lr_ratio/enc": 0.1, "effective_lr_ratio/mid": 0.1}, rel=1e-5)
     else:
         assert ratios == {}, ratios
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["AdamW", "fused AdamW"])
+def test_a_skipped_log_step_has_no_update_norm_with_a_fused_optimizer_too(fused, caplog):
+    """GradScaler steps a fused optimizer on an overflow too (found_inf): its hooks ran and the
+    skipped log step wrote update_norm 0.0, where the same loop with AdamW writes none, said as a
+    skipped step's (README). Truth: the scaler skipped step 2, the parameters did not move."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _three_linears()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with dm.Monitor(quiet_config(log_interval=2, log_update_norm=True), model=model, optimizer=optimizer) as monitor:
+        for step in (1, 2, 3, 4):
+            loss = model(torch.randn(3, 4)).pow(2).mean() * (math.inf if step == 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norm = monitor.clip_grad_norm_(1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            metrics = monitor.step(step, loss=loss.detach(), skipped=not bool(norm.isfinite()))
+            if step == 2:
+                assert "update_norm" not in metrics and metrics["health/skipped_steps"] == 1.0, metrics
+    assert metrics["update_norm"] > 0
+    assert "the record of step 2 has no update_norm: its monitor.step was given skipped=True" in caplog.text

@@ -327,6 +327,8 @@ class NormCollector(ParamSide):
         update, self._update = self._update, None
         if update is not None and self._update_step != ctx.step:
             update = None  # measured for a predicted log step that was not one (steps skipped numbers)
+        if self._skipped_step:  # a fused optimizer steps on an overflow too (GradScaler passes found_inf): its
+            update = None  # 0.0 is no update, and another optimizer's skipped step has none: alike, said as skipped
         if self.log_update_norm:  # a rank holding parameters without an update: the sum would be a part
             lacks = self._lacks_update(update is None)
             out.append(Sample(_LACKS_UPDATE, lacks, "max"))

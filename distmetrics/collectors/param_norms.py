@@ -110,8 +110,8 @@ class ParamSide:
         or raised): 2.0; 1.0 where that ``monitor.step`` was given ``skipped=True`` (the lack is
         explained); else 0.0. An update measured for a predicted log step that was not one is no
         lack: every rank missed it alike."""
-        if not missing or (self._steps.attached and self._stepped):
-            return 0.0
+        if not missing or (self._steps.attached and self._stepped and not self._skipped_step):
+            return 0.0  # (a fused optimizer steps on a skipped step too: its update left out is said as skipped)
         plan = self.grads.plans.model_plan()
         pieces = self._param_pieces(plan)
         if not pieces:
