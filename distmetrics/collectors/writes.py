@@ -91,6 +91,14 @@ def _overlapping(mine: str, held: dict[str, list[int]]) -> list[str]:
 _KEYS = attrgetter("names", "name", "reduce")
 
 
+def _put_back(metrics: dict[str, Any], before: dict[str, Any], key: Any) -> None:
+    """``key`` in ``metrics`` as it was ``before`` a finalize (removed where it was not there)."""
+    if key in before:
+        metrics[key] = before[key]
+    else:
+        del metrics[key]
+
+
 class ForeignNames:
     """Keeps the user's ``collectors`` to the names they may send (see the module docstring),
     against ``registry``, the Monitor's record of who writes what. The names of a collector's samples
@@ -135,7 +143,8 @@ class ForeignNames:
         return dict(metrics) if self.users(collector) else None
 
     def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any],
-                          senders: Optional[dict[str, str]] = None, kinds: Optional[dict[str, str]] = None) -> list[str]:
+                          senders: Optional[dict[str, str]] = None,
+                          kinds: Optional[dict[str, str]] = None) -> list[str]:
         """The names another writer holds (not one ``collector`` names in its ``after``) that its
         ``finalize`` set, replaced or removed in ``metrics``, each put back as it was, with who writes it:
         a declared writer's (the registry's), a record's own keys (``kind``, ``step``, ``time``: set, they
@@ -161,18 +170,15 @@ class ForeignNames:
                 who = None if by is None else collector_label(by)
             if who is None or who == own or who in allowed:
                 continue
-            if key in before:
-                metrics[key] = before[key]
-            else:
-                del metrics[key]
+            _put_back(metrics, before, key)
             said.append(f"{key!r}, which {who} writes")
         return said
 
     def unfit(self, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
         """The names a user's collector's ``finalize`` set (added or replaced) that no sink can store (a
-        name :func:`~distmetrics.names.name_problem` refuses, or no str), or whose value is a tensor of more
-        or less than one element or a complex one (written as the text ``"tensor([4.5, 1.])"``): each
-        put back as it was (removed where it is new), with what it is."""
+        name :func:`~distmetrics.names.name_problem` refuses, or no str), or whose value is a tensor or numpy
+        array of other than one element (one of one is made 0-d: its number) or complex (written as the text
+        ``"tensor([4.5, 1.])"``, ``"1j"``): each put back as it was (removed where it is new), with what it is."""
         missing, said = object(), []
         for key, value in list(metrics.items()):
             if before.get(key, missing) is value or key in RECORD_KEYS or isinstance(key, str) and key[:1] == "_":
@@ -187,10 +193,7 @@ class ForeignNames:
             elif not why and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
                 why = f"{value!r}, a complex number"  # written as the text "1j"
             if why:
-                if key in before:
-                    metrics[key] = before[key]
-                else:
-                    del metrics[key]
+                _put_back(metrics, before, key)
                 said.append(f"{key!r}: {why}")
         return said
 
