@@ -1,17 +1,22 @@
 """Records made in a forward that activation checkpointing runs again inside backward.
 
 ``torch.utils.checkpoint`` (both kinds), ``checkpoint_wrapper`` and Megatron's recompute run a block's
-forward a second time during backward, with grad enabled, to remake what it saved: a
-``monitor.record`` or ``record_moe`` in that forward (a router's aux loss) was counted twice (a
-sum doubled; a mean weighing the checkpointed layers twice against the others). Backward itself runs
-with grad disabled (but under ``create_graph=True``), so a call made while a backward runs with grad
-enabled is a recomputation's, left out: the forward's own call counted it (Megatron's reentrant
-recompute runs the first forward without grad: that one is counted, as no backward runs then).
-Said once per Monitor. Two C calls per record."""
+forward a second time during backward to remake what it saved: a ``monitor.record`` or ``record_moe``
+in that forward (a router's aux loss) was counted twice (a sum doubled; a mean weighing the
+checkpointed layers twice against the others). Such a call is left out: the forward's own call
+counted it. Told apart from a call a backward hook makes, only while a backward runs (a graph task
+is under way): the non-reentrant kind recomputes under its own saved-tensor hooks (the top ones are
+``torch.utils.checkpoint``'s ``_recomputation_hook``'s), the reentrant kind (torch's, Megatron's
+``CheckpointFunction``) inside the ``backward`` of a Function whose context holds the
+``run_function`` it runs again (a frame of the stack; nested checkpoints too), and Megatron's
+``CheckpointWithoutOutput`` in its ``_recompute`` hook. A forward's own call
+(no backward under way) costs one C call. Megatron's reentrant recompute runs the first forward without
+grad: that one is counted, the one inside backward left out. Said once per Monitor."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -20,15 +25,39 @@ __all__ = ["recomputing"]
 
 logger = logging.getLogger("distmetrics")
 
+_DEPTH = 200
+"""The most frames looked through for a reentrant checkpoint's backward."""
+_RERUNS = {"backward": "ctx", "_recompute": "self"}
+"""Functions that run a forward again, by name, and the local holding its ``run_function``: a reentrant
+checkpoint's ``backward``, Megatron's ``CheckpointWithoutOutput._recompute`` (a gradient hook)."""
+
 
 def recomputing(monitor: Any) -> bool:
     """Whether this call comes from a forward recomputed inside backward (left out, said once)."""
-    if torch._C._current_graph_task_id() == -1 or not torch.is_grad_enabled():
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    if not (_under_recomputation_hooks() or _in_reentrant_backward()):
         return False
     if not getattr(monitor, "_said_recompute", False):
         monitor._said_recompute = True
         logger.warning("distmetrics: a monitor.record, record_losses or record_moe call came from a forward that "
-                       "activation checkpointing runs again inside backward: it is left out (the forward's own call "
-                       "counted it), here and from now on. A call made in a backward run with create_graph=True "
-                       "is taken for one too. Said once")
+                       "activation checkpointing runs again inside backward: left out, as every such call is (the "
+                       "forward's own call counted it). Said once")
     return True
+
+
+def _under_recomputation_hooks() -> bool:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
+
+
+def _in_reentrant_backward() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(_DEPTH):
+        if frame is None:
+            return False
+        name = frame.f_code.co_name
+        if name in _RERUNS and hasattr(frame.f_locals.get(_RERUNS[name]), "run_function"):
+            return True
+        frame = frame.f_back
+    return False

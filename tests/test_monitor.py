@@ -2792,12 +2792,13 @@ def test_a_failing_collector_leaves_out_its_own_values_not_those_of_one_sharing_
     assert got == [(2, 2.0, 20.0), (4, None, 20.0), (6, 2.0, 20.0)]
 
 
-@pytest.mark.parametrize("how", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper"])
+@pytest.mark.parametrize("how", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper", "nested reentrant",
+                                 "create_graph"])
 def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(how, caplog):
     """A block's forward that records a count and a router's aux loss and counts, checkpointed: the
     forward run again inside backward counted each twice (a sum 8 for 4; a mean weighing the
-    checkpointed block twice: 1.67 for 2.0). A record from a backward hook still counts. Truth: one
-    call per block per step."""
+    checkpointed block twice: 1.67 for 2.0), also under no_grad there. A record from a backward hook
+    still counts, under create_graph=True too. Truth: one call per block per step."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import checkpoint
@@ -2813,6 +2814,8 @@ def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(
 
         def forward(self, x):
             monitor.record("calls", 1.0, reduce="sum")
+            with torch.no_grad():  # router statistics are often counted so
+                monitor.record("calls/no_grad", 1.0, reduce="sum")
             monitor.record("router/entropy", self.value)
             monitor.record_moe(aux_loss=self.value, tokens_per_expert=torch.tensor([[3.0, 1.0]]))
             return torch.relu(self.fc(x))
@@ -2825,12 +2828,15 @@ def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(
         x = torch.randn(2, 4, requires_grad=True)
         if how in ("non-reentrant", "reentrant"):
             y = checkpoint(first, x, use_reentrant=how == "reentrant")
+        elif how == "nested reentrant":  # the inner checkpoint's forward runs under the outer one's recompute
+            y = checkpoint(lambda h: checkpoint(first, h, use_reentrant=True), x, use_reentrant=True)
         else:
             y = first(x)
-        blocks[1](y).sum().backward()
+        blocks[1](y).sum().backward(create_graph=how == "create_graph")
         metrics = monitor.step(step)
     hooked.remove()
     monitor.close()
-    assert (metrics["calls"], metrics["hook/calls"]) == (4.0, 2.0)
+    assert (metrics["calls"], metrics["calls/no_grad"], metrics["hook/calls"]) == (4.0, 4.0, 2.0)
     assert metrics["router/entropy"] == metrics["moe/aux_loss"] == 2.0
-    assert ("came from a forward that activation checkpointing runs again" in caplog.text) == (how != "none")
+    said = "came from a forward that activation checkpointing runs again" in caplog.text
+    assert said == (how not in ("none", "create_graph"))
