@@ -3932,13 +3932,14 @@ def test_a_norm_type_of_another_family_is_refused_naming_the_monitors_call(first
         assert all(bool((p.grad == 2.0).all()) for p in model.parameters())
 
 
-@pytest.mark.parametrize("case", ["a clip per group", "a clip of a part", "lbfgs", "log_grad_norm off"])
+@pytest.mark.parametrize("case", ["a clip per group", "a clip of a part", "lbfgs", "a closure", "log_grad_norm off"])
 def test_effective_lr_ratio_only_where_the_gradient_measured_is_the_whole_updates(case):
     """Plain SGD moves each parameter by lr x its clipped gradient: the true ratio is lr (0.1). A
     clip per parameter group (weights, then biases) wrote effective_lr_ratio/enc as enc's whole
     update over its bias's gradient (5x), a clip of enc alone the total over enc's gradient (1.9x),
     LBFGS the update of its 5 inner iterations over the last closure's gradient (15x); each is left
-    out. A module the last clip measured whole keeps its ratio. log_grad_norm off: none (README)."""
+    out. A module the last clip measured whole keeps its ratio, and a clip inside a step(closure) that
+    runs it once (Lightning's) is the step's gradient. log_grad_norm off: none (README)."""
     import torch
 
     import distmetrics as dm
@@ -3963,7 +3964,7 @@ def test_effective_lr_ratio_only_where_the_gradient_measured_is_the_whole_update
             monitor.clip_grad_norm_(1e6)
             return loss
 
-        if case == "lbfgs":
+        if case in ("lbfgs", "a closure"):
             optimizer.step(closure)
         else:
             model(x).pow(2).mean().backward()
@@ -3980,6 +3981,8 @@ def test_effective_lr_ratio_only_where_the_gradient_measured_is_the_whole_update
     assert "update_norm" in metrics
     if case == "a clip of a part":
         assert ratios == pytest.approx({"effective_lr_ratio/enc": 0.1, "effective_lr_ratio/mid": 0.1}, rel=1e-5)
+    elif case == "a closure":
+        assert ratios == pytest.approx({f"effective_lr_ratio{m}": 0.1 for m in ("", "/enc", "/mid", "/dec")}, rel=1e-5)
     else:
         assert ratios == {}, ratios
 

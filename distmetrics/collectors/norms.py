@@ -85,6 +85,7 @@ class NormCollector(ParamSide):
         self._skipped_step = False  # the last monitor.step was given skipped=True
         self._repeated = False  # ... one of them more than once (the update then spans several gradients)
         self._coverage: tuple = (None, frozenset())  # (plans' signatures, the modules a measurement left out)
+        self._in_step_measured = 0  # measurements made inside the optimizer step under way
         self._repeats_seen = False  # an optimizer stepped twice in one step once: copies are kept until monitor.step
         self._dropped_step: Any = None  # a step whose update was left out (the copy went before its second step)
         self._said_dropped = False
@@ -179,6 +180,7 @@ class NormCollector(ParamSide):
 
     def _before_step(self) -> None:
         """An optimizer step starts, none under way: snapshot where its step will be logged."""
+        self._in_step_measured = 0
         ahead = self._log_step_ahead()
         step = ahead() if ahead is not None else None  # None: the Monitor was collected
         if step is not None:
@@ -277,7 +279,10 @@ class NormCollector(ParamSide):
         record has no total ``effective_lr_ratio`` (the whole step's update over a part's norm)."""
         if measured is not None:
             measured.locals = measured.groups = None
-            measured.inside_step = self._steps.in_flight
+            # a second measurement inside one optimizer step (LBFGS's closure, called again after part of the
+            # update): not the step's gradient. The first (Lightning clips inside step(closure)) is
+            self._in_step_measured = self._in_step_measured + 1 if self._steps.in_flight else 0
+            measured.inside_step = self._in_step_measured > 1
             kept = self._grad
             if kept is not None and self._grad_after == after_step and (kept.plan is not measured.plan or kept.partial):
                 measured.partial = True
