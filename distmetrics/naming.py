@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["WRAPPER_PREFIXES", "module_name_map", "module_order", "strip_wrappers", "global_param_name",
-           "ROOT_MODULE", "root_name", "is_wrapper_level", "owner_names", "merged_across_stages"]
+           "ROOT_MODULE", "root_name", "free_name", "is_wrapper_level", "owner_names", "merged_across_stages"]
 
 WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_forward_module.")
 _WRAPPER_LEVELS = frozenset(prefix[:-1] for prefix in WRAPPER_PREFIXES)
@@ -103,9 +103,14 @@ def root_name(model: Optional[torch.nn.Module], rename: Optional[dict] = None) -
     if model is None:
         return ROOT_MODULE
     rename = module_name_map(model) if rename is None else rename
-    top = {name.split(".", 1)[0] for name in rename.values() if name}
-    candidates = itertools.chain((ROOT_MODULE, "root"), (f"root_{n}" for n in itertools.count(2)))
-    return next(name for name in candidates if name not in top)
+    return free_name({name.split(".", 1)[0] for name in rename.values() if name}, ROOT_MODULE, "root")
+
+
+def free_name(taken: set, first: str, stem: str) -> str:
+    """``first``, else ``stem``, ``stem_2``, ``stem_3``, ...: the first not ``taken`` (a top-level
+    module's name), so a label of the Monitor's is never merged with a module of that name."""
+    candidates = itertools.chain((first, stem), (f"{stem}_{n}" for n in itertools.count(2)))
+    return next(name for name in candidates if name not in taken)
 
 
 def module_order(model: Optional[torch.nn.Module]) -> list[str]:

@@ -4,7 +4,6 @@ cached plan that is rebuilt only when the model's parameters change."""
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import warnings
 from collections import OrderedDict
@@ -14,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .fsdp_state import sharded_params
-from .naming import global_param_name, module_name_map, root_name
+from .naming import free_name, global_param_name, module_name_map, root_name
 from .parallel import is_dtensor
 
 __all__ = ["Plan", "Buckets", "Route", "ParamPlans", "buckets_of", "route_of", "grad_of", "UNNAMED"]
@@ -196,9 +195,7 @@ class ParamPlans:
             return [known[id(q)] for q in params]
         # not the model's: under "unnamed", or "unnamed_2", ... where a top-level module has that name (its
         # norm and theirs were merged into one, without a word)
-        top = {name.split(".", 1)[0] for name in known.values()}
-        label = next(name for name in itertools.chain((UNNAMED,), (f"{UNNAMED}_{n}" for n in itertools.count(2)))
-                     if name not in top)
+        label = free_name({name.split(".", 1)[0] for name in known.values()}, UNNAMED, UNNAMED)
         return [known.get(id(q), f"{label}.{i}") for i, q in enumerate(params)]
 
     def _build(self, named: list, signature: tuple) -> Plan:

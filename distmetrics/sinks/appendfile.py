@@ -76,7 +76,8 @@ class AppendFile:
     """
 
     def __init__(self, path: Union[str, Path], sink: str, lines: bool = True, on_loss: str = "",
-                 reclaim: Optional[Callable[[], None]] = None, whole: Optional[Callable[[bytes], bool]] = None) -> None:
+                 reclaim: Optional[Callable[[], None]] = None,
+                 whole: Optional[Callable[[bytes, bool], bool]] = None) -> None:
         self.path = Path(path)
         self._whole = whole
         self.sink = sink
