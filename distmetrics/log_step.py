@@ -69,7 +69,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                     logger.warning("distmetrics: the %s collector's finalize also failed at step %d: %s: %s",
                                    collector.name, step, type(err).__name__, err)
                 failure = failure or err
-            unfit = monitor._foreign.unfit(before, metrics) if before is not None else None
+            unfit, said = monitor._foreign.after_finalize(collector, before, metrics, monitor._reducer.writers,
+                                                          ctx.reduced.kinds) if before is not None else ((), ())
             if unfit:  # every rank's finalize reads the same values: every rank raises this
                 refused = ValueError(f"the {collector.name!r} collector's finalize set {'; '.join(unfit)}. A value "
                                      "finalize sets is a number or a 0-d tensor, under a name every sink can store: "
@@ -77,8 +78,6 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                 if failure is not None:
                     logger.warning("distmetrics: step %d: %s", step, refused)
                 failure = failure or refused
-            said = monitor._foreign.written_elsewhere(collector, before, metrics, monitor._reducer.writers,
-                                                      ctx.reduced.kinds) if before is not None else None
             if said:  # the same on every rank, as above
                 refused = ValueError(
                     f"the {collector.name!r} collector's finalize wrote {'; '.join(said)}: a collector writes the "

@@ -91,6 +91,23 @@ def _overlapping(mine: str, held: dict[str, list[int]]) -> list[str]:
 _KEYS = attrgetter("names", "name", "reduce")
 
 
+def _unfit(key: Any, metrics: dict[str, Any]) -> str:
+    """Why no sink can store ``metrics[key]`` under ``key`` ('' where one can); a value of one element in
+    a tensor or numpy array is made the 0-d value the sinks write as a number."""
+    if not isinstance(key, str):
+        return f"a {type(key).__name__}, not a str"
+    why, value = name_problem(key), metrics[key]
+    array = type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"  # numpy is not imported
+    if not why and (array or isinstance(value, torch.Tensor)):
+        if (value.size if array else value.numel()) == 1:
+            value = metrics[key] = value.reshape(())
+        if value.ndim != 0 or (value.dtype.kind == "c" if array else value.is_complex()):
+            why = f"a {type(value).__name__} of shape {tuple(value.shape)} and {value.dtype}, not a number"
+    elif not why and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        why = f"{value!r}, a complex number"
+    return why
+
+
 def _put_back(metrics: dict[str, Any], before: dict[str, Any], key: Any) -> None:
     """``key`` in ``metrics`` as it was ``before`` a finalize (removed where it was not there)."""
     if key in before:
@@ -139,30 +156,42 @@ class ForeignNames:
 
     def before_finalize(self, collector: Any, metrics: dict[str, Any]) -> Optional[dict[str, Any]]:
         """A copy of ``metrics`` before the ``finalize`` of a user's ``collector`` (None for the Monitor's
-        own collectors, which are not checked): :meth:`written_elsewhere` compares with it."""
+        own collectors, which are not checked): :meth:`after_finalize` compares with it."""
         return dict(metrics) if self.users(collector) else None
 
-    def written_elsewhere(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any],
-                          senders: Optional[dict[str, str]] = None,
-                          kinds: Optional[dict[str, str]] = None) -> list[str]:
-        """The names another writer holds (not one ``collector`` names in its ``after``) that its
-        ``finalize`` set, replaced or removed in ``metrics``, each put back as it was, with who writes it:
-        a declared writer's (the registry's), a record's own keys (``kind``, ``step``, ``time``: set, they
-        replaced the record's in metrics.jsonl), and a value another collector handed over under a name
-        no one declares (``senders``: the reducer's name → the user's collector that sent it, whose
-        reduce ``kinds`` give the names it writes)."""
+    def after_finalize(self, collector: Any, before: dict[str, Any], metrics: dict[str, Any],
+                       senders: Optional[dict[str, str]] = None,
+                       kinds: Optional[dict[str, str]] = None) -> tuple[list[str], list[str]]:
+        """What a user's ``collector``'s ``finalize`` set, replaced or removed in ``metrics`` that it may not,
+        each put back as it was (removed where it is new), in one pass over the record: (what no sink can
+        store, what another writer writes).
+
+        No sink can store a name :func:`~distmetrics.names.name_problem` refuses, or no str, nor a tensor or
+        numpy array of other than one element (one of one is made 0-d: its number) or a complex value
+        (written as the text ``"tensor([4.5, 1.])"``, ``"1j"``). Another writer writes: a declared writer's
+        name (the registry's; not one ``collector`` names in its ``after``), a record's own keys (``kind``,
+        ``step``, ``time``: set, they replaced the record's in metrics.jsonl), and a value another collector
+        handed over under a name no one declares (``senders``: the reducer's name → the user's collector
+        that sent it, whose reduce ``kinds`` give the names it writes). Internal ``_`` lanes are neither's:
+        a collector that reads another's lanes takes them out of the record."""
         own = collector_label(collector.name)
         allowed = {collector_label(name) for name in getattr(collector, "after", ())}
         missing = object()
         changed = [key for key, value in metrics.items() if before.get(key, missing) is not value]
         changed += [key for key in before if key not in metrics]  # in the record's order: said alike each time
-        said, sent_by = [], None
+        unfit, elsewhere, sent_by = [], [], None
         for key in changed:
-            who = None if key[:1] == "_" else self._registry.writer_of(key)
+            if isinstance(key, str) and key[:1] == "_":
+                continue
+            why = _unfit(key, metrics) if key in metrics and key not in RECORD_KEYS else ""
+            if why:
+                _put_back(metrics, before, key)
+                unfit.append(f"{key!r}: {why}")
+                continue
+            who = self._registry.writer_of(key)
             if who is None and key in RECORD_KEYS:
                 who = "the record itself (its own keys are 'kind', 'step' and 'time')"
-            elif who is None and key in before and senders and key[:1] != "_":  # handed over by another collector
-                # (not an internal lane: one that reads another's lanes takes them out of the record)
+            elif who is None and key in before and senders:  # handed over by another collector
                 if sent_by is None:
                     sent_by = {written: by for name, by in senders.items() if by
                                for written in written_names(name, (kinds or {}).get(name, "mean"))}
@@ -171,31 +200,8 @@ class ForeignNames:
             if who is None or who == own or who in allowed:
                 continue
             _put_back(metrics, before, key)
-            said.append(f"{key!r}, which {who} writes")
-        return said
-
-    def unfit(self, before: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
-        """The names a user's collector's ``finalize`` set (added or replaced) that no sink can store (a
-        name :func:`~distmetrics.names.name_problem` refuses, or no str), or whose value is a tensor or numpy
-        array of other than one element (one of one is made 0-d: its number) or complex (written as the text
-        ``"tensor([4.5, 1.])"``, ``"1j"``): each put back as it was (removed where it is new), with what it is."""
-        missing, said = object(), []
-        for key, value in list(metrics.items()):
-            if before.get(key, missing) is value or key in RECORD_KEYS or isinstance(key, str) and key[:1] == "_":
-                continue  # an internal lane: for a later collector, never written
-            why = f"a {type(key).__name__}, not a str" if not isinstance(key, str) else name_problem(key)
-            array = type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"  # numpy not imported
-            if not why and (array or isinstance(value, torch.Tensor)):
-                if (value.size if array else value.numel()) == 1:
-                    value = metrics[key] = value.reshape(())  # one element: the 0-d value the sinks write as a number
-                if value.ndim != 0 or (value.dtype.kind == "c" if array else value.is_complex()):
-                    why = f"a {type(value).__name__} of shape {tuple(value.shape)} and {value.dtype}, not a number"
-            elif not why and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
-                why = f"{value!r}, a complex number"  # written as the text "1j"
-            if why:
-                _put_back(metrics, before, key)
-                said.append(f"{key!r}: {why}")
-        return said
+            elsewhere.append(f"{key!r}, which {who} writes")
+        return unfit, elsewhere
 
     def _foreign(self, sample: Any, own: str, name: str = "", first: Optional[dict] = None) -> Optional[str]:
         """What ``sample`` is, where it writes a name another writer declares, else None. A name of
