@@ -9,7 +9,10 @@ is under way): the non-reentrant kind recomputes under its own saved-tensor hook
 ``torch.utils.checkpoint``'s ``_recomputation_hook``'s), the reentrant kind (torch's, Megatron's
 ``CheckpointFunction``) inside the ``backward`` of a Function whose context holds the
 ``run_function`` it runs again (a frame of the stack; nested checkpoints too), and Megatron's
-``CheckpointWithoutOutput`` in its ``_recompute`` hook. A forward's own call
+``CheckpointWithoutOutput`` in its ``_recompute`` hook. A reentrant checkpoint's ``backward`` also runs
+the backward of the graph it remade (``torch.autograd.backward`` inside it): a hook that backward
+calls has autograd's entry below it on the stack before the checkpoint's ``backward``, and counts
+(the first forward ran without grad, so that is the hooks' only call). A forward's own call
 (no backward under way) costs one C call. Megatron's reentrant recompute runs the first forward without
 grad: that one is counted, the one inside backward left out. Said once per Monitor."""
 
@@ -25,8 +28,6 @@ __all__ = ["recomputing"]
 
 logger = logging.getLogger("distmetrics")
 
-_DEPTH = 200
-"""The most frames looked through for a reentrant checkpoint's backward."""
 _RERUNS = {"backward": "ctx", "_recompute": "self"}
 """Functions that run a forward again, by name, and the local holding its ``run_function``: a reentrant
 checkpoint's ``backward``, Megatron's ``CheckpointWithoutOutput._recompute`` (a gradient hook)."""
@@ -51,12 +52,18 @@ def _under_recomputation_hooks() -> bool:
     return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
 
 
+_ENGINE = frozenset(f.__code__ for f in (torch.autograd.backward, torch.autograd.grad,
+                                          getattr(torch.autograd.graph, "_engine_run_backward", torch.autograd.grad)))
+"""Autograd's entries: a backward hook runs above one, a recomputed forward above a checkpoint's ``backward``."""
+
+
 def _in_reentrant_backward() -> bool:
     frame = sys._getframe(2)
-    for _ in range(_DEPTH):
-        if frame is None:
+    while frame is not None:  # the whole stack: a record made 100 modules deep in a checkpointed block
+        code = frame.f_code
+        if code in _ENGINE:  # a hook of a backward (a checkpoint's own included), not a forward run again
             return False
-        name = frame.f_code.co_name
+        name = code.co_name
         if name in _RERUNS and hasattr(frame.f_locals.get(_RERUNS[name]), "run_function"):
             return True
         frame = frame.f_back

@@ -2793,12 +2793,15 @@ def test_a_failing_collector_leaves_out_its_own_values_not_those_of_one_sharing_
 
 
 @pytest.mark.parametrize("how", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper", "nested reentrant",
-                                 "create_graph"])
+                                 "deep reentrant", "create_graph"])
 def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(how, caplog):
     """A block's forward that records a count and a router's aux loss and counts, checkpointed: the
     forward run again inside backward counted each twice (a sum 8 for 4; a mean weighing the
-    checkpointed block twice: 1.67 for 2.0), also under no_grad there. A record from a backward hook
-    still counts, under create_graph=True too. Truth: one call per block per step."""
+    checkpointed block twice: 1.67 for 2.0), also under no_grad there; one 80 modules deep counted
+    twice (the stack was looked through 200 frames up). A record from a backward hook still counts,
+    under create_graph=True too, and so does one from a hook inside a reentrant checkpoint, which
+    runs in the checkpoint's own backward (it was left out: not counted at all). Truth: one call per
+    block per step."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import checkpoint
@@ -2823,20 +2826,25 @@ def test_records_in_a_forward_recomputed_by_activation_checkpointing_count_once(
     torch.manual_seed(0)
     blocks = [Block(1.0), Block(3.0)]  # the first checkpointed (selective), the second not
     first = checkpoint_wrapper(blocks[0]) if how == "checkpoint_wrapper" else blocks[0]
-    hooked = blocks[1].fc.weight.register_hook(lambda grad: monitor.record("hook/calls", 1.0, reduce="sum"))
+    if how == "deep reentrant":
+        for _ in range(80):
+            first = torch.nn.Sequential(first)
+    hooked = [block.fc.weight.register_hook(lambda grad: monitor.record("hook/calls", 1.0, reduce="sum"))
+              for block in blocks]  # the first's fires in a reentrant checkpoint's backward
     for step in (1, 2):
         x = torch.randn(2, 4, requires_grad=True)
-        if how in ("non-reentrant", "reentrant"):
-            y = checkpoint(first, x, use_reentrant=how == "reentrant")
+        if how in ("non-reentrant", "reentrant", "deep reentrant"):
+            y = checkpoint(first, x, use_reentrant=how != "non-reentrant")
         elif how == "nested reentrant":  # the inner checkpoint's forward runs under the outer one's recompute
             y = checkpoint(lambda h: checkpoint(first, h, use_reentrant=True), x, use_reentrant=True)
         else:
             y = first(x)
         blocks[1](y).sum().backward(create_graph=how == "create_graph")
         metrics = monitor.step(step)
-    hooked.remove()
+    for hook in hooked:
+        hook.remove()
     monitor.close()
-    assert (metrics["calls"], metrics["calls/no_grad"], metrics["hook/calls"]) == (4.0, 4.0, 2.0)
+    assert (metrics["calls"], metrics["calls/no_grad"], metrics["hook/calls"]) == (4.0, 4.0, 4.0)
     assert metrics["router/entropy"] == metrics["moe/aux_loss"] == 2.0
     said = "came from a forward that activation checkpointing runs again" in caplog.text
     assert said == (how not in ("none", "create_graph"))
