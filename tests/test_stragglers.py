@@ -724,3 +724,22 @@ def test_a_timer_that_measured_nothing_is_left_out_of_the_minimum_and_equal_rank
     assert m["timers/x"] == pytest.approx(5.0) and m["timers/x/min"] == pytest.approx(5.0)
     assert m["timers/x/min_rank"] == 0
     assert m["stragglers/y/max_over_mean"] >= 1.0 and m["stragglers/y/max_over_mean"] == pytest.approx(1.0)
+
+
+def test_a_gpu_reading_that_fails_once_comes_back_and_one_not_supported_is_not_asked_again(monkeypatch, caplog):
+    """One NVML error on the power reading (not NOT_SUPPORTED) left the stragglers record's power out
+    for the rest of the job, unsaid; the telemetry collector reads such a reading again. NVML is the
+    fake module (tests/fake_pynvml.py): no GPU here."""
+    from distmetrics.collectors.stragglers import POWER_W, _GpuReadings
+
+    fake = fake_pynvml.make(devices={"GPU-0": [0]}, unsupported={"nvmlDeviceGetClockInfo"})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gpu = _GpuReadings.open("GPU-0")
+    assert gpu.read(1) == {POWER_W: 250.0}  # the clock is not supported: never asked again
+    fake.failing["nvmlDeviceGetPowerUsage"] = 999  # NVML_ERROR_UNKNOWN
+    assert gpu.read(2) == {} and gpu.read(3) == {}
+    fake.failing.clear()
+    assert gpu.read(4) == {POWER_W: 250.0}
+    assert sum(call[0] == "nvmlDeviceGetClockInfo" for call in fake.calls) == 1
+    said = [r.getMessage() for r in caplog.records if "stragglers record" in r.getMessage()]
+    assert len(said) == 1 and "failed at step 2" in said[0] and "999" in said[0], said

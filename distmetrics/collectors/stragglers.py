@@ -25,6 +25,7 @@ whose steps synchronise the step scores come out close to 1 everywhere; the per-
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional, Sequence
 
@@ -36,6 +37,8 @@ from .straggler_scores import (HostWindows, Windows, fastest_ranks, relative_sco
 
 __all__ = ["StragglerCollector", "window_medians", "window_scores", "relative_scores", "slowest_ranks", "fastest_ranks",
            "STEP_MS", "RANK_TIMERS_PREFIX"]
+
+logger = logging.getLogger("distmetrics")
 
 STEP_MS = "_stragglers/step_ms"
 """Internal lane: this rank's milliseconds per step over the interval (gathered from every rank)."""
@@ -92,7 +95,7 @@ class StragglerCollector:
         ms = self.clock.take_ns(until=ctx.ended_at) / 1e6 / timed if timed > 0 else math.nan
         samples = [Sample(STEP_MS, ms, "all")]
         if self._gpu is not None:
-            samples += [Sample(name, value, "all") for name, value in self._gpu.read().items()]
+            samples += [Sample(name, value, "all") for name, value in self._gpu.read(ctx.step).items()]
         return samples
 
     def finalize(self, metrics: dict[str, Any], ctx: LogContext) -> list[Any]:
@@ -238,7 +241,8 @@ class _GpuReadings:
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         self._nvml, self._handle = nvml, handle
-        self._broken: set[str] = set()
+        self._broken: set[str] = set()  # readings the GPU does not support
+        self._said = False
 
     @classmethod
     def open(cls, uuid: Optional[str]) -> Optional["_GpuReadings"]:
@@ -251,8 +255,12 @@ class _GpuReadings:
         except Exception:  # noqa: BLE001 - no GPU, no NVML: the record leaves power and clock out
             return None
 
-    def read(self) -> dict[str, float]:
-        """The readings this GPU supports (one that fails is not asked again)."""
+    def read(self, step: int) -> dict[str, float]:
+        """The readings this GPU supports: one it does not support is not asked again; one that fails
+        otherwise (an NVML error, a GPU lost) is left out of this record, said once, and read again
+        at the next log step (as the telemetry collector does)."""
+        from .nvml import _unsupported
+
         n, h = self._nvml, self._handle
         readers = {POWER_W: lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0,
                    SM_CLOCK_MHZ: lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)}
@@ -262,8 +270,14 @@ class _GpuReadings:
                 continue
             try:
                 out[name] = float(read())
-            except Exception:  # noqa: BLE001 - not supported on this board
-                self._broken.add(name)
+            except Exception as err:  # noqa: BLE001 - the record leaves it out
+                if _unsupported(n, err):
+                    self._broken.add(name)
+                elif not self._said:
+                    self._said = True
+                    logger.warning("distmetrics: the stragglers record's %s of this rank's GPU failed at step %d "
+                                   "(%s: %s): left out of that record, read again at every log step; said once",
+                                   name, step, type(err).__name__, err)
         return out
 
 
