@@ -395,7 +395,7 @@ def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
                              text=True, timeout=30)
         assert run.returncode == 0, run.stderr
         calls[args] = [line for line in run.stdout.splitlines() if line.startswith(("venv python -m pytest", "GPU"))]
-    assert calls[()] == ["venv python -m pytest tests -q", "venv python -m pytest tests/test_cuda.py -q"]
+    assert calls[()] == ["venv python -m pytest tests -q --durations=20", "venv python -m pytest tests/test_cuda.py -q"]
     assert calls[("tests/test_timers.py",)] == [
         "venv python -m pytest -q tests/test_timers.py",
         "GPU tests not run with arguments; run them on their own: .venv/bin/python -m pytest tests/test_cuda.py"]
