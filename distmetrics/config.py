@@ -132,8 +132,9 @@ class MetricsConfig:
     """W&B entity (team or user)."""
     wandb_save_dir: Optional[str] = None
     """Folder for W&B files; default ``{output_dir}``."""
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    """W&B mode; ``offline`` writes a local run that ``wandb sync`` uploads later."""
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """W&B mode; ``offline`` writes a local run that ``wandb sync`` uploads later; None: W&B's own
+    choice (the ``WANDB_MODE`` environment variable, else online), as ``wandb.init`` makes it."""
 
     hang_timeout_s: float = 300.0
     """Seconds a rank waits at a collective monitor call for the others before raising an error

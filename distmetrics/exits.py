@@ -36,6 +36,7 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
               (f", on an uncaught {type(error).__name__}" if error is not None else ", never closed"))
     if error is not None:  # only then: a close() in an exit hook of the user's may still come, and would
         # meet its own mark (every rank's, where each made one)
+        monitor.sinks.ended(1)  # before the writer's exit hook closes W&B (which said the job finished)
         monitor._guard.leave(f"its process ended on an uncaught {type(error).__name__} with the Monitor open")
 
 
@@ -131,9 +132,19 @@ def _thread_name(ident: int) -> str:
     return f"a thread that has ended (id {ident})"
 
 
-def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
+def exit_code_of(error: Optional[BaseException]) -> int:
+    """The exit code a job ending on ``error`` has: ``sys.exit``'s (0 for ``sys.exit()``, 1 for a
+    message), else 1."""
+    if isinstance(error, SystemExit):
+        code = error.code
+        return 0 if code is None else code if isinstance(code, int) else 1
+    return 1
+
+
+def close_parts(collectors: list, sinks: Any, quiet: bool, exit_code: Optional[int] = None) -> None:
     """Close every collector, then the sinks, always: a collector that fails to close is said, and
-    its error raised once the sinks are closed, unless ``quiet`` (another error is on its way)."""
+    its error raised once the sinks are closed, unless ``quiet`` (another error is on its way).
+    ``exit_code``: how the job ended, where the Monitor knows (the sinks are told first)."""
     failure: Optional[BaseException] = None
     try:
         for collector in collectors:
@@ -144,6 +155,8 @@ def close_parts(collectors: list, sinks: Any, quiet: bool) -> None:
                                type(err).__name__, err)
                 failure = failure or err
     finally:
+        if exit_code is not None:
+            sinks.ended(exit_code)
         sinks.close()
     if failure is not None and not quiet:
         raise failure

@@ -28,7 +28,8 @@ from .collectors.weightless import WeightlessSamples
 from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import OneThread, close_parts, open_at_exit, say_log_step_lost, say_pending, say_unwritten, write_end
+from .exits import (OneThread, close_parts, exit_code_of, open_at_exit, say_log_step_lost, say_pending, say_unwritten,
+                    write_end)
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
@@ -364,9 +365,10 @@ class Monitor:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
                 self._log(self._last_step, ended_at=self._stepped_at)
         except BaseException as err:
-            self._shutdown(f"closed its Monitor, which raised {type(err).__name__}", quiet=True)  # that error is raised
+            self._shutdown(f"closed its Monitor, which raised {type(err).__name__}", quiet=True,  # that error is
+                           exit_code=exit_code_of(err))  # raised
             raise
-        self._shutdown()
+        self._shutdown(exit_code=0)
 
     def __enter__(self) -> "Monitor":
         return self
@@ -377,7 +379,7 @@ class Monitor:
         else:  # another rank may be gone: no collective, just close the files (the caller's error goes on)
             how = f"left its Monitor on {exc_type.__name__}"
             say_unwritten(self, how, "no collective is made after an error: another rank may be gone")
-            self._shutdown(how, quiet=True)
+            self._shutdown(how, quiet=True, exit_code=exit_code_of(exc))
 
     # --- the log step (:mod:`distmetrics.log_step`) ------------------------------------------
     _log = log_step
@@ -423,10 +425,11 @@ class Monitor:
     def _forked(self) -> bool:
         return os.getpid() != self._pid  # a forked child (a DataLoader worker, an uploader of yours)
 
-    def _shutdown(self, how: str = "closed its Monitor", quiet: bool = False) -> None:
+    def _shutdown(self, how: str = "closed its Monitor", quiet: bool = False, exit_code: Optional[int] = None) -> None:
         """Leave the arrival check, close every collector, then the sinks (always: a collector that
         fails to close is said, and its error raised once the sinks are closed, unless ``quiet``:
-        another error is on its way)."""
+        another error is on its way). ``exit_code``: how the job ended, where that is known (the
+        sinks are told: W&B marks the run failed by it)."""
         if self._closed:
             return
         self._guard.leave(how)  # a rank still waiting for this one says so
@@ -436,7 +439,7 @@ class Monitor:
         try:
             write_end(self, how)
         finally:  # a signal's exception inside it leaves no part open
-            close_parts(self.collectors, self.sinks, quiet)
+            close_parts(self.collectors, self.sinks, quiet, exit_code)
 
     def _check_closing(self) -> None:
         """Refuse a value that waited for the lock while close() began (it takes the interval)."""

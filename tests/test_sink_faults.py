@@ -1531,3 +1531,86 @@ def test_a_wandb_start_failure_counts_the_rows_logged_while_it_started(tmp_path,
     failed = [r.getMessage() for r in caplog.records if "the wandb sink failed" in r.getMessage()]
     assert len(failed) == 1 and "no server; 3 rows logged meanwhile not sent" in failed[0], failed
     assert [r["step"] for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def _wandb_job_ending_child(folder: str, how: str) -> None:
+    """Three steps logged to W&B, offline by W&B's own switch (WANDB_MODE, no wandb_mode), then the job
+    ends: leaving a ``with`` block on ``sys.exit(3)``, or on an uncaught error (closed: 0, as before)."""
+    import os
+
+    os.environ["WANDB_MODE"] = "offline"
+    import distmetrics as dm
+
+    cfg = dm.MetricsConfig(output_dir=folder, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                           straggler_window=0, wandb_project="ending")
+    monitor = dm.Monitor(cfg)
+    if how == "sys.exit":
+        with monitor:
+            for step in (1, 2, 3):
+                monitor.step(step, loss=1.0)
+            sys.exit(3)
+    for step in (1, 2, 3):
+        monitor.step(step, loss=1.0)
+    if how == "uncaught":
+        raise KeyError("the data loader died")
+    monitor.close()
+
+
+def test_wandb_takes_wandb_mode_from_the_environment_and_the_way_the_job_ended(tmp_path, monkeypatch):
+    """WANDB_MODE=offline was overruled by wandb_mode's default (online): no run at all without an API
+    key (with one, rows uploaded from a cluster told to stay offline); WANDB_MODE=disabled made a run
+    too. And the run was finished with exit code 0 however the job ended: W&B showed a crashed job
+    as finished (its own exit hook, which knows the code, came after the sink had finished it)."""
+    pytest.importorskip("wandb")
+    import distmetrics as dm
+    from tests.wandb_reader import read_offline_run
+
+    for how, code in (("sys.exit", 3), ("uncaught", 1)):
+        child = run_child("_wandb_job_ending_child", str(tmp_path / how), how)
+        assert child.returncode == code, child.stderr
+        assert "wandb sink failed" not in child.stderr, child.stderr
+        run = read_offline_run(str(tmp_path / how))
+        assert [row["step"] for row in run["history"]] == [1, 2, 3] and run["exit_code"] == code, (how, run)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "disabled"), console=False, tensorboard=False,
+                                     wandb_project="off")) as monitor:
+        assert "wandb" not in [sink.name for sink in monitor.sinks.sinks]
+
+
+def test_a_sink_of_ones_own_hears_how_the_job_ended_before_it_closes(tmp_path):
+    """``ended(exit_code)`` before ``close()``: 0 closed, 1 leaving a ``with`` block on an error,
+    ``sys.exit``'s code on SystemExit; a sink whose ``ended`` raises is said and closed all the same."""
+    import distmetrics as dm
+
+    class Heard:
+        name, fix = "heard", "nothing"
+
+        def __init__(self, broken=False):
+            self.calls, self.broken = [], broken
+
+        def log(self, metrics, step, kind):
+            pass
+
+        def ended(self, exit_code):
+            self.calls.append(("ended", exit_code))
+            if self.broken:
+                raise RuntimeError("no")
+
+        def close(self):
+            self.calls.append(("close",))
+
+    heard = {}
+    for how, error in (("closed", None), ("error", ValueError("x")), ("exit", SystemExit(4)),
+                       ("message", SystemExit("m"))):
+        sinks = [Heard(), Heard(broken=True)]
+        try:
+            with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / how), console=False, tensorboard=False,
+                                             timing_log_level=-1), sinks=sinks) as monitor:
+                monitor.step(1, loss=1.0)
+                if error is not None:
+                    raise error
+        except (ValueError, SystemExit):
+            pass
+        heard[how] = [sink.calls for sink in sinks]
+    assert heard == {how: [[("ended", code), ("close",)]] * 2
+                     for how, code in (("closed", 0), ("error", 1), ("exit", 4), ("message", 1))}

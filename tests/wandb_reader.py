@@ -43,12 +43,13 @@ def _payloads(path: str):
 
 
 def read_offline_run(save_dir: str) -> dict:
-    """{"history": [row, ...], "config": {...}, "run_name": str} of the one offline run in save_dir."""
+    """{"history": [row, ...], "config": {...}, "run_name": str, "exit_code": int or None (no exit record)}
+    of the one offline run in save_dir."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     files = glob.glob(os.path.join(save_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1, f"expected one offline run under {save_dir}, found {files}"
-    out = {"history": [], "config": {}, "run_name": None}
+    out = {"history": [], "config": {}, "run_name": None, "exit_code": None}
     for payload in _payloads(files[0]):
         record = pb.Record()
         record.ParseFromString(payload)
@@ -63,6 +64,8 @@ def read_offline_run(save_dir: str) -> dict:
             for item in record.config.update:
                 key = item.key or "/".join(item.nested_key)
                 out["config"][key] = json.loads(item.value_json)
+        elif kind == "exit":
+            out["exit_code"] = record.exit.exit_code
         elif kind == "run":
             out["run_name"] = record.run.display_name
             for item in record.run.config.update:

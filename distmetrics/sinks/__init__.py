@@ -21,6 +21,7 @@ record (train, eval and tensor_stats records; without ``timers/*`` where
 from __future__ import annotations
 
 import logging
+import os
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
@@ -48,8 +49,10 @@ class Sink(Protocol):
     """What to do when it fails (shown with failures other than a missing package or an OSError).
     Optional attributes: ``install`` (the ``pip install`` shown when its package is missing),
     ``on_training_thread`` (True: written before ``monitor.step`` returns; default: on the
-    writer thread) and ``kinds`` (the record kinds it takes, e.g. ``("progress",)``; default:
-    every kind; one kind may be given as a string; the others are not handed to it)."""
+    writer thread), ``kinds`` (the record kinds it takes, e.g. ``("progress",)``; default:
+    every kind; one kind may be given as a string; the others are not handed to it) and
+    ``ended(exit_code)`` (called before ``close`` where the Monitor knows how the job ended: 0
+    closed, 1 on an error, ``sys.exit``'s code)."""
 
     def log(self, metrics: dict[str, Any], step: int, kind: str) -> None:
         """Write one record (``kind``: train, eval, run, alert, tensor_stats, progress, ...)."""
@@ -187,6 +190,18 @@ class SinkSet:
         """Wait until the writer thread has written every queued record (at most ``timeout``
         seconds; True if it has). Training never needs this; a test or a checkpoint may."""
         return self.writer.flush(timeout) if self.writer is not None else True
+
+    def ended(self, exit_code: int) -> None:
+        """Tell the sinks with ``ended(exit_code)`` how the job ended, before they close (W&B marks a
+        run failed by it); one that raises is said, and closed all the same."""
+        for sink in self.sinks:
+            ended = getattr(sink, "ended", None)
+            if callable(ended):
+                try:
+                    ended(exit_code)
+                except Exception as err:  # noqa: BLE001 - its close() comes all the same
+                    logger.warning("distmetrics: the %s sink's ended(%d) raised %s: %s; it is closed all the same",
+                                   sink_name(sink), exit_code, type(err).__name__, err)
 
     def close(self) -> None:
         """Close the training-thread sinks; drain the queue and close the others (bounded). Called on
@@ -329,7 +344,7 @@ def open_sinks(config: Any, world_size: int, extra: Iterable[Sink] = (), reclaim
 
         sinks.add(lambda: TensorBoardSink(cfg.resolved_tensorboard_dir, reclaim), TensorBoardSink.name,
                   TensorBoardSink.fix, TensorBoardSink.install)
-    if cfg.wandb_project and cfg.wandb_mode != "disabled":
+    if cfg.wandb_project and (cfg.wandb_mode or os.environ.get("WANDB_MODE")) != "disabled":
         from .wandb import WandbSink
 
         sinks.add(lambda: WandbSink(cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_entity,

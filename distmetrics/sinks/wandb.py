@@ -54,7 +54,7 @@ class WandbSink:
     install = 'pip install wandb (the "wandb" extra), or leave wandb_project unset'
 
     def __init__(self, project: str, name: Optional[str], entity: Optional[str], save_dir: str,
-                 mode: str, config: dict) -> None:
+                 mode: Optional[str], config: dict) -> None:
         import wandb  # optional dependency, imported only when W&B is asked for
 
         self._wandb = wandb
@@ -69,6 +69,7 @@ class WandbSink:
         self._problem_reported = False
         self._skipped: set[str] = set()  # histograms W&B could not bin, warned about once each
         self._log_offset = 0
+        self._exit_code: Optional[int] = None  # how the Monitor ended, where it knows (ended())
         settings: dict[str, Any] = {"init_timeout": START_TIMEOUT_S}
         argv = redact_argv(sys.argv)
         if argv != sys.argv:
@@ -111,13 +112,19 @@ class WandbSink:
             self._send_pending()
             self._check_for_problems(step)
 
+    def ended(self, exit_code: int) -> None:
+        """How the Monitor ended: 0 closed, else the job's error (1) or ``sys.exit``'s code. The run
+        is finished with it: W&B marks a run whose code is not 0 failed (it said a crashed job
+        finished: its own exit hook, which knows the code, comes after this sink has finished the run)."""
+        self._exit_code = exit_code
+
     def close(self) -> None:
         """Send what is kept, finish the run, and say if W&B reported a failure."""
         while not self._ready(wait_s=max(0.05, self._deadline - time.monotonic())):
             pass  # returns once started; raises on failure or at the deadline
         self._send_pending()
         try:
-            self.run.finish()
+            self.run.finish(exit_code=self._exit_code)
         except OSError:
             if not self._problem_reported:  # the failure W&B reported is already said: not twice
                 raise
