@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -1614,3 +1615,18 @@ def test_a_sink_of_ones_own_hears_how_the_job_ended_before_it_closes(tmp_path):
         heard[how] = [sink.calls for sink in sinks]
     assert heard == {how: [[("ended", code), ("close",)]] * 2
                      for how, code in (("closed", 0), ("error", 1), ("exit", 4), ("message", 1))}
+
+
+def test_a_wandb_run_made_before_the_monitor_is_said_and_a_disabled_run_reports_no_failure(tmp_path, caplog,
+                                                                                           monkeypatch):
+    """A job whose own wandb.init (or a Trainer's W&B callback) came first got a second run, unsaid.
+    And a run W&B's settings made disabled (a NoopRun, no folder) was reported as a failure at close
+    ('its run folder ... was removed'). W&B's run of the user's stands in as ``wandb.run``."""
+    wandb = pytest.importorskip("wandb")
+    from distmetrics.sinks.wandb import WandbSink
+
+    monkeypatch.setattr(wandb, "run", types.SimpleNamespace(name="theirs"))
+    sink = WandbSink("p", None, None, str(tmp_path), "disabled", {})
+    sink.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "distmetrics"]
+    assert len(said) == 1 and "W&B has a run in this process already ('theirs'" in said[0], said

@@ -82,6 +82,12 @@ class WandbSink:
                         "command line in its config (argv) and no W&B environment metadata.")
         kwargs = dict(project=project, name=name, entity=entity, dir=save_dir, mode=mode, config=config,
                       reinit="create_new", settings=wandb.Settings(**settings))
+        theirs = getattr(wandb, "run", None)
+        if theirs is not None:  # the user's own run (or a library's: a Trainer's W&B callback) is left alone
+            logger.warning("distmetrics: W&B has a run in this process already (%r, made by wandb.init before the "
+                           "Monitor): the Monitor writes its metrics to a run of its own beside it, which it "
+                           "finishes at close; yours is left as it is. To keep W&B to your run, leave "
+                           "wandb_project unset", getattr(theirs, "name", None) or getattr(theirs, "id", "?"))
         thread = threading.Thread(target=self._start, args=(kwargs,), name="distmetrics-wandb-start", daemon=True)
         thread.start()
         _STARTS[:] = [(t, d) for t, d in _STARTS if t.is_alive()] + [(thread, self._deadline)]
@@ -185,8 +191,8 @@ class WandbSink:
 
     def _check_for_problems(self, step: Optional[int]) -> None:
         """Warn once if W&B logged an error (its service writes the run and reports only there),
-        or the disk holding the run is full."""
-        if self._problem_reported:
+        or the disk holding the run is full. A disabled run (W&B's settings chose it) writes nothing."""
+        if self._problem_reported or getattr(self.run, "disabled", False):
             return
         problem = self._logged_error() or self._disk_full() or self._removed()
         if problem:
