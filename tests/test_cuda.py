@@ -100,6 +100,42 @@ def test_cuda_timer_agrees_with_megatron_cores_timers_on_the_same_work():
     assert totals["ours"] == pytest.approx(0.075, rel=0.10), totals
 
 
+
+@pytest.mark.parametrize("form", ["with", "start/stop"])
+def test_a_cuda_timer_inside_compiled_code_times_every_call_and_compiles_each_graph_once(form):
+    """Dynamo traces CUDA events: a timer's start/stop traced into the graph would replay the events
+    made while tracing, and its state be guarded on (a recompile per call). Each is a graph break,
+    run eagerly: 6 calls of 10 ms of GPU work time 60 ms, and no graph is compiled twice."""
+    from distmetrics.collectors.timers import Timers
+    from tests.test_compile import _counting_backend
+
+    cycles = _cycles_per_ms()
+    torch._dynamo.reset()
+    timers = Timers(log_level=2, log_option="minmax")
+    backend, graphs = _counting_backend()
+
+    @torch.compile(backend=backend)
+    def block(x):
+        y = x.sin()
+        if form == "with":
+            with timers("work", log_level=1):
+                torch.cuda._sleep(int(10 * cycles))
+                y = y * 2
+        else:
+            timers("work", log_level=1).start()
+            torch.cuda._sleep(int(10 * cycles))
+            y = y * 2
+            timers("work").stop()
+        return y.cos()
+
+    x = torch.randn(8, device="cuda")
+    for _ in range(6):
+        block(x)
+    torch.cuda.synchronize()
+    assert len(graphs) <= 3, graphs  # before the timer, inside it, after it: none compiled twice
+    assert timers("work").elapsed(reset=True) == pytest.approx(0.060, rel=0.10)
+
+
 def test_timers_at_a_log_step_on_cuda_match_a_synchronised_clock(tmp_path):
     import distmetrics as dm
 

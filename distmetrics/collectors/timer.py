@@ -13,9 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..eager import eager
 from .timer_reports import TimerError
 
-__all__ = ["TimerBase", "Timer", "DummyTimer"]
+__all__ = ["TimerBase", "Timer", "CudaTimer", "DummyTimer"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -280,3 +281,16 @@ class Timer(TimerBase):
             self._elapsed += seconds
             self._active += seconds
             self._pending.clear()
+
+
+class CudaTimer(Timer):
+    """A user's timer on CUDA: ``start`` and ``stop`` are each one graph break where compiled code
+    calls them, run eagerly (:func:`~distmetrics.eager.eager`), as on the host, where the clock they
+    read breaks the graph itself. Dynamo traces CUDA events: traced, the events made while tracing
+    would stand in the graph for every call's, and the timer's state be guarded on. The check costs
+    0.1-0.3 µs a call outside compiled code, beside the event's own record."""
+
+    __slots__ = ()
+
+    start = eager(Timer.start)
+    stop = eager(Timer.stop)

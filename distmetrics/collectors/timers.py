@@ -28,7 +28,7 @@ import torch
 
 from ..eager import tracing
 from ..names import name_problem
-from .timer import DummyTimer, Timer, TimerBase
+from .timer import CudaTimer, DummyTimer, Timer, TimerBase
 from .timer_reports import MegatronReports, TimerError
 
 __all__ = ["TimerBase", "Timer", "DummyTimer", "Timers", "TimerError"]
@@ -103,7 +103,7 @@ class Timers(MegatronReports):
             raise _bad_level(name, log_level)
         if log_level > self._log_level or self._off:  # off: a timer of a level below 0 too (it filled timers/...,
             return self._dummy_for(name)  # and a 'step' of the user's train/step_time_ms)
-        return self._make(name, log_level, Timer)
+        return self._make(name, log_level, CudaTimer if self._use_cuda else Timer)
 
     def _dummy_for(self, name: Any) -> TimerBase:
         """The dummy timer of a disabled level, for a name that would be refused at an enabled one
