@@ -255,10 +255,20 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
     return f"ended {at}: {end.get('how')}" + (f", {' and '.join(said)} not written" if said else "")
 
 
+def _last_log_step(end: dict) -> Any:
+    """The step of an end record's job's last log step: its last ``monitor.step`` less the steps
+    after that log step, which no sink has (its ``unwritten_steps``, less those of log steps that did
+    not complete, ``lost_in_log_steps``: a signal may have cut one short after some sink took it)."""
+    step, unwritten, lost = end.get("step"), end.get("unwritten_steps", 0), end.get("lost_in_log_steps", 0)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (step, unwritten, lost)):
+        return step
+    return step - max(0, unwritten - lost)
+
+
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:
     """The last step the dashboards show from a metrics.jsonl: the highest step of a train, eval or
     tensor_stats record, of a gap record's lost records (a full disk lost them from metrics.jsonl, not
-    from TensorBoard on another) or of the end record, of the latest job that trained (wrote a train or
+    from TensorBoard on another) or of the end record's last log step, of the latest job that trained (wrote a train or
     tensor_stats record, or lost one: a job that only evaluated dropped nothing from TensorBoard: the
     steps after its evaluation are still the job before's), or of the last such record where no job
     trained; None (no file, no such record). Read from the end, a block at a time, up to the job's
@@ -283,7 +293,7 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
         elif kind == "end":
             unstepped[0] = record.get("stepped") is False  # an evaluation-only job's: its lost records are no steps
         if kind in ("gap", "end") and not unstepped[0]:  # steps whose records metrics.jsonl lost (a full disk) may be
-            last = record.get("last_step") if kind == "gap" else step  # on TensorBoard's
+            last = record.get("last_step") if kind == "gap" else _last_log_step(record)  # on TensorBoard's
             if isinstance(last, int):
                 highest[0] = last if highest[0] is None else max(highest[0], last)
                 trains[0] += kind == "gap"  # records lost by a job that stepped: it trained

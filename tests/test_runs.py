@@ -551,3 +551,25 @@ def test_a_job_that_wrote_tensor_statistics_and_crashed_before_its_first_log_ste
     resume = [(r["from_step"], r["last_logged_step"]) for r in dm.read_jsonl(tmp_path / "metrics.jsonl")
               if r["kind"] == "resume"]
     assert resume == [(15, 15)]
+
+
+def test_a_job_that_ended_with_steps_unwritten_is_not_said_to_have_logged_them(tmp_path, caplog):
+    """Job A logs steps 10..40 and leaves its Monitor on an error at step 46 (its end record: step 46,
+    6 steps unwritten). Job B resuming from checkpoint 40 was said to resume at or before step 46
+    'the last step an earlier job logged here' (a resume record, a warning, summary's 'resumed'): no
+    sink had 41-46. Resuming from 30 it does, at 40."""
+    import distmetrics as dm
+
+    for out, first in ((tmp_path / "after", 41), (tmp_path / "before", 31)):
+        with pytest.raises(KeyError), dm.Monitor(_config(out, log_interval=10)) as monitor:
+            for step in range(1, 47):
+                monitor.step(step, loss=1.0, tokens=100)
+            raise KeyError("the data loader died")
+        [end] = [r for r in dm.read_jsonl(out / "metrics.jsonl") if r["kind"] == "end"]
+        assert (end["step"], end["unwritten_steps"]) == (46, 6)
+        caplog.clear()
+        _job(out, range(first, 61), loss=2.0)
+        resume = [(r["from_step"], r["last_logged_step"]) for r in dm.read_jsonl(out / "metrics.jsonl")
+                  if r["kind"] == "resume"]
+        assert resume == ([] if first == 41 else [(31, 40)]), (first, resume)
+        assert ("at or before step" in caplog.text) == (first == 31), caplog.text
