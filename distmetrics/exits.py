@@ -43,8 +43,8 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
 def write_end(monitor: "Monitor", how: str) -> None:
     """The job's ``end`` record, on the writer rank: ``how`` its Monitor ended, at the last
     ``monitor.step`` (0 before any) and with how many steps since the last log step unwritten. A
-    job killed (SIGKILL, an out-of-memory kill, a node lost) writes none, which is how ``distmetrics
-    summary`` and ``report`` tell it from one that ended."""
+    job killed (SIGKILL, an out-of-memory kill, a node lost, a SIGTERM with no handler) writes none,
+    which is how ``distmetrics summary`` and ``report`` tell it from one that ended."""
     earlier, monitor._ended = getattr(monitor, "_ended", None), how
     if earlier is not None:  # the exit hook wrote one, and a close() in a later exit hook of the user's came
         how = f"{earlier}; then {how}, in an exit hook"  # the last end record says both

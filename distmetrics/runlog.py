@@ -242,7 +242,8 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
     if end is None and not expected:
         return "no end record (written by a version without them): how the job ended is not known"
     if end is None:
-        return ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)"
+        return ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost, a SIGTERM with no "
+                "handler: Slurm, torchrun)"
                 + (" or is still running" if last else ""))
     unwritten, failed = end.get("unwritten_steps"), end.get("lost_in_log_steps")
     failed = failed if isinstance(failed, int) and isinstance(unwritten, int) and 0 < failed <= unwritten else 0

@@ -12,6 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+KILLED = ("no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost, a SIGTERM with no handler: "
+          "Slurm, torchrun)")
+
 
 def _run(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "distmetrics.cli", *map(str, args)], capture_output=True, text=True,
@@ -510,7 +513,7 @@ def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
                     "its last log step not written",
                     "ended at step 11: its process ended with the Monitor open, on an uncaught RuntimeError, the 1 "
                     "step(s) since its last log step not written",
-                    "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost)",
+                    KILLED,
                     "ended at step 19: closed its Monitor"], summary.stdout
     report = _run("report", tmp_path, "--out", tmp_path / "report.html")
     assert report.returncode == 0, report.stderr
@@ -520,7 +523,7 @@ def test_summary_and_report_tell_a_killed_job_from_one_that_ended(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text("".join(lines[:-1]))
     assert _run("summary", tmp_path).stdout.rstrip().endswith(
-        "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")
+        KILLED + " or is still running")
 
 
 _ENDS_AT_EXIT = """
@@ -566,7 +569,7 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
                 + " (a full disk, or a file size limit?): distmetrics summary and report will read this job as "
                 "killed") in job.stderr, job.stderr
         assert _run("summary", tmp_path).stdout.rstrip().endswith(
-            "no end record: the job was killed (SIGKILL, an out-of-memory kill, a node lost) or is still running")
+            KILLED + " or is still running")
         return
     end = records[-1]
     assert end["kind"] == "end" and end["step"] == 5 and end["stepped"] is True, records
