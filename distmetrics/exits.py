@@ -16,7 +16,8 @@ from .sinks.writer import forget_exit_hook
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["open_at_exit", "say_unwritten", "say_log_step_lost", "say_pending", "close_parts", "OneThread"]
+__all__ = ["open_at_exit", "say_unwritten", "say_log_step_lost", "say_pending", "close_parts", "exit_code_of",
+           "closed_code", "OneThread"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -36,8 +37,8 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
               (f", on an uncaught {type(error).__name__}" if error is not None else ", never closed"))
     if error is not None:  # only then: a close() in an exit hook of the user's may still come, and would
         # meet its own mark (every rank's, where each made one)
-        monitor.sinks.ended(1)  # before the writer's exit hook closes W&B (which said the job finished)
         monitor._guard.leave(f"its process ended on an uncaught {type(error).__name__} with the Monitor open")
+        monitor.sinks.ended(1)  # before the writer's exit hook closes W&B (which said the job finished)
 
 
 def write_end(monitor: "Monitor", how: str) -> None:
@@ -133,12 +134,19 @@ def _thread_name(ident: int) -> str:
 
 
 def exit_code_of(error: Optional[BaseException]) -> int:
-    """The exit code a job ending on ``error`` has: ``sys.exit``'s (0 for ``sys.exit()``, 1 for a
-    message), else 1."""
+    """The exit status a process ending on ``error`` has: ``sys.exit``'s (0 for ``sys.exit()``, 1 for
+    a message; a number as the system keeps it, its low 8 bits: 256 is 0, -1 is 255), else 1."""
     if isinstance(error, SystemExit):
         code = error.code
-        return 0 if code is None else code if isinstance(code, int) else 1
+        return 0 if code is None else int(code) & 0xFF if isinstance(code, int) else 1
     return 1
+
+
+def closed_code() -> int:
+    """The exit code a ``close()`` tells the sinks: 1 in an exit hook of a process ending on an
+    uncaught error (its traceback printed, ``sys.last_value``; the main thread has ended), else 0."""
+    at_exit = not threading.main_thread().is_alive()
+    return 1 if at_exit and getattr(sys, "last_value", None) is not None else 0
 
 
 def close_parts(collectors: list, sinks: Any, quiet: bool, exit_code: Optional[int] = None) -> None:
@@ -155,9 +163,11 @@ def close_parts(collectors: list, sinks: Any, quiet: bool, exit_code: Optional[i
                                type(err).__name__, err)
                 failure = failure or err
     finally:
-        if exit_code is not None:
-            sinks.ended(exit_code)
-        sinks.close()
+        try:
+            if exit_code is not None:
+                sinks.ended(exit_code)
+        finally:  # an ended() that raised a KeyboardInterrupt: the sinks are closed all the same
+            sinks.close()
     if failure is not None and not quiet:
         raise failure
 

@@ -28,8 +28,8 @@ from .collectors.weightless import WeightlessSamples
 from .collectors.throughput import shared_throughput
 from .config import MetricsConfig
 from .evaluation import EvalLog
-from .exits import (OneThread, close_parts, exit_code_of, open_at_exit, say_log_step_lost, say_pending, say_unwritten,
-                    write_end)
+from .exits import (OneThread, close_parts, closed_code, exit_code_of, open_at_exit, say_log_step_lost, say_pending,
+                    say_unwritten, write_end)
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
@@ -368,7 +368,7 @@ class Monitor:
             self._shutdown(f"closed its Monitor, which raised {type(err).__name__}", quiet=True,  # that error is
                            exit_code=exit_code_of(err))  # raised
             raise
-        self._shutdown(exit_code=0)
+        self._shutdown(exit_code=closed_code())
 
     def __enter__(self) -> "Monitor":
         return self

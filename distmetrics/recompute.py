@@ -53,7 +53,7 @@ def _under_recomputation_hooks() -> bool:
 
 
 _ENGINE = frozenset(f.__code__ for f in (torch.autograd.backward, torch.autograd.grad,
-                                          getattr(torch.autograd.graph, "_engine_run_backward", torch.autograd.grad)))
+                                          *filter(None, [getattr(torch.autograd.graph, "_engine_run_backward", None)])))
 """Autograd's entries: a backward hook runs above one, a recomputed forward above a checkpoint's ``backward``."""
 
 

@@ -263,7 +263,8 @@ def _last_log_step(end: dict) -> Any:
     step, unwritten, lost = end.get("step"), end.get("unwritten_steps", 0), end.get("lost_in_log_steps", 0)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in (step, unwritten, lost)):
         return step
-    return step - max(0, unwritten - lost)
+    last = step - max(0, unwritten - lost)
+    return last if last >= 0 else None  # a record no Monitor writes: no step of it
 
 
 def last_logged_step(path: Union[str, Path]) -> Optional[int]:

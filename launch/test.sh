@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 VENV=${DISTMETRICS_VENV:-.venv}
 if [ $# -eq 0 ]; then
-  "$VENV/bin/python" -m pytest tests -q --durations=20  # the slowest 20 listed: the suite keeps to ~8 min on 2 cores
+  "$VENV/bin/python" -m pytest tests -q --durations=20  # the 20 slowest listed: where the suite's time goes
 else  # only what was asked: a test file or id, or options alone (pyproject's testpaths: tests)
   "$VENV/bin/python" -m pytest -q "$@"
 fi

@@ -292,20 +292,13 @@ def test_a_call_inside_a_fullgraph_function_is_refused_naming_the_call():
             torch.compile(forward, backend="eager", fullgraph=True)(torch.randn(3))
 
 
-
-def _timed_block_graphs(cls: type, form: str) -> tuple:
-    """The graphs of 6 calls of a compiled block timed by a timer of class ``cls`` (host clock), and
-    the spans it counted."""
-    import torch
-
+def _timed_block(cls: type, form: str) -> tuple:
+    """(a block timed by a timer of class ``cls`` on the host clock, the timer)."""
     from distmetrics.collectors.timers import Timers
 
-    torch._dynamo.reset()
     timers = Timers(log_level=2, log_option="minmax", use_cuda=False)
     timer = timers._make("attn", 1, cls)
-    backend, graphs = _counting_backend()
 
-    @torch.compile(backend=backend)
     def block(x):
         y = x.sin()
         if form == "with":
@@ -316,23 +309,37 @@ def _timed_block_graphs(cls: type, form: str) -> tuple:
             y = y @ y.T
             timers("attn").stop()
         return y.cos()
-
-    for _ in range(6):
-        block(torch.randn(64, 64))
-    return graphs, timer.spans
+    return block, timer
 
 
 @pytest.mark.parametrize("form", ["with", "start/stop"])
 def test_a_cuda_timer_runs_its_start_and_stop_eagerly_inside_compiled_code(form):
     """On CUDA a timer records events, which Dynamo traces: traced into the graph, the events made while
     tracing would stand for every call's and the timer's state be guarded on. The CUDA timer's start
-    and stop are each a graph break, run eagerly, as the host timer's clock is. No GPU here: the CUDA
-    timer's class, timing with the host clock (its CUDA path is tests/test_cuda.py's), compiles the
-    graphs the host timer does, each once for 6 calls, and counts every span."""
+    and stop are each a graph break of their own, run eagerly (tests/test_cuda.py times it on a GPU).
+    Here its class times with the host clock: its breaks are the library's (the host timer's are its
+    clock's), it compiles the graphs the host timer does, each once for 6 calls, and counts every
+    span; a ``with`` block of it, which Dynamo cannot resume in, runs the function's own code eagerly."""
+    import torch
+
     from distmetrics.collectors.timer import CudaTimer, Timer
 
-    host, cuda = _timed_block_graphs(Timer, form), _timed_block_graphs(CudaTimer, form)
-    assert cuda == host and cuda[1] == 6, (host, cuda)
-    assert len(cuda[0]) <= 3, cuda  # before the timer, inside it, after it: none compiled twice
-    if form == "with":  # Dynamo cannot resume inside the block: the function's own code runs eagerly (README)
-        assert cuda[0] == [], cuda
+    runs = {}
+    for cls in (Timer, CudaTimer):
+        torch._dynamo.reset()
+        block, timer = _timed_block(cls, form)
+        backend, graphs = _counting_backend()
+        compiled = torch.compile(block, backend=backend)
+        for _ in range(6):
+            compiled(torch.randn(64, 64))
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(_timed_block(cls, form)[0])(torch.randn(4, 4))
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        runs[cls] = graphs, timer.spans, reasons
+    (host, host_spans, _), (cuda, cuda_spans, reasons) = runs[Timer], runs[CudaTimer]
+    assert cuda == host and len(cuda) <= 3 and cuda_spans == host_spans == 6, runs
+    if form == "with":
+        assert cuda == [], cuda
+    else:
+        assert [("Timer.start" in r, "Timer.stop" in r, "runs eagerly" in r) for r in reasons] == \
+            [(True, False, True), (False, True, True)], reasons

@@ -100,7 +100,6 @@ def test_cuda_timer_agrees_with_megatron_cores_timers_on_the_same_work():
     assert totals["ours"] == pytest.approx(0.075, rel=0.10), totals
 
 
-
 @pytest.mark.parametrize("form", ["with", "start/stop"])
 def test_a_cuda_timer_inside_compiled_code_times_every_call_and_compiles_each_graph_once(form):
     """Dynamo traces CUDA events: a timer's start/stop traced into the graph would replay the events
@@ -362,7 +361,6 @@ def _nccl_child(port: str) -> None:
 def test_nccl_world_of_one_builds_and_reduces_packs_on_the_gpu():
     done = run_child("tests.test_cuda._nccl_child", str(free_port()), timeout=300)
     assert done.returncode == 0 and "nccl ok" in done.stdout, done.stdout + done.stderr
-
 
 
 def test_the_recording_api_on_cuda_tensors_waits_for_no_device_between_log_steps_and_matches_float64():

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from contextlib import contextmanager
@@ -1578,43 +1579,80 @@ def test_wandb_takes_wandb_mode_from_the_environment_and_the_way_the_job_ended(t
         assert "wandb" not in [sink.name for sink in monitor.sinks.sinks]
 
 
-def test_a_sink_of_ones_own_hears_how_the_job_ended_before_it_closes(tmp_path):
-    """``ended(exit_code)`` before ``close()``: 0 closed, 1 leaving a ``with`` block on an error,
-    ``sys.exit``'s code on SystemExit; a sink whose ``ended`` raises is said and closed all the same."""
+class _Heard:
+    """A sink noting, with the thread of each, the records it takes, ``ended`` and ``close``."""
+
+    name, fix = "heard", "nothing"
+
+    def __init__(self, inline=False, broken=False, path=None):
+        self.on_training_thread, self.broken, self.path, self.calls = inline, broken, path, []
+
+    def log(self, metrics, step, kind):
+        self.calls.append((kind, step, threading.current_thread().name))
+
+    def ended(self, exit_code):
+        self.calls.append(("ended", exit_code, threading.current_thread().name))
+        if self.broken:
+            raise self.broken
+
+    def close(self):
+        self.calls.append(("close",))
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.calls))
+
+
+def _closed_in_an_exit_hook_child(path: str) -> None:
+    """``atexit.register(monitor.close)`` after the Monitor, and an uncaught error."""
+    import atexit
+
     import distmetrics as dm
 
-    class Heard:
-        name, fix = "heard", "nothing"
+    monitor = dm.Monitor(dm.MetricsConfig(output_dir=str(Path(path).parent / "out"), console=False, tensorboard=False,
+                                          timing_log_level=-1), sinks=[_Heard(path=path)])
+    atexit.register(monitor.close)
+    monitor.step(1, loss=1.0)
+    raise KeyError("the data loader died")
 
-        def __init__(self, broken=False):
-            self.calls, self.broken = [], broken
 
-        def log(self, metrics, step, kind):
-            pass
+def test_a_sink_of_ones_own_hears_how_the_job_ended_after_its_records_and_before_it_closes(tmp_path, caplog):
+    """``ended(exit_code)``: 0 closed, 1 leaving a ``with`` block on an error, ``sys.exit``'s code as the
+    process gets it (256 is 0, -1 is 255); on the writer thread after the records queued before it
+    (it came from the closing thread while the writer still wrote them); a sink whose ``ended``
+    raises, a KeyboardInterrupt too, is said and closed all the same (the interrupt left every sink
+    open); a close() in an exit hook after an uncaught error tells 1, not 0."""
+    import distmetrics as dm
 
-        def ended(self, exit_code):
-            self.calls.append(("ended", exit_code))
-            if self.broken:
-                raise RuntimeError("no")
-
-        def close(self):
-            self.calls.append(("close",))
-
-    heard = {}
-    for how, error in (("closed", None), ("error", ValueError("x")), ("exit", SystemExit(4)),
-                       ("message", SystemExit("m"))):
-        sinks = [Heard(), Heard(broken=True)]
+    cases = [("closed", None, 0), ("error", ValueError("x"), 1), ("exit", SystemExit(4), 4),
+             ("wraps", SystemExit(256), 0), ("negative", SystemExit(-1), 255), ("message", SystemExit("m"), 1)]
+    for how, error, code in cases:
+        sinks = [_Heard(), _Heard(inline=True), _Heard(broken=RuntimeError("no"))]
+        caplog.clear()
         try:
             with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / how), console=False, tensorboard=False,
-                                             timing_log_level=-1), sinks=sinks) as monitor:
-                monitor.step(1, loss=1.0)
+                                             timing_log_level=-1, log_interval=1), sinks=sinks) as monitor:
+                for step in (1, 2, 3):
+                    monitor.step(step, loss=1.0)
                 if error is not None:
                     raise error
         except (ValueError, SystemExit):
             pass
-        heard[how] = [sink.calls for sink in sinks]
-    assert heard == {how: [[("ended", code), ("close",)]] * 2
-                     for how, code in (("closed", 0), ("error", 1), ("exit", 4), ("message", 1))}
+        queued, inline, broken = (sink.calls for sink in sinks)
+        assert queued[-2:] == [("ended", code, "distmetrics-writer"), ("close",)], (how, queued)
+        assert [c[:2] for c in queued if c[0] == "train"] == [("train", 1), ("train", 2), ("train", 3)], queued
+        assert inline[-2:] == [("ended", code, "MainThread"), ("close",)], (how, inline)
+        assert broken[-1] == ("close",), broken
+        said = [r.getMessage() for r in caplog.records if "sink's ended" in r.getMessage()]
+        assert len(said) == 1 and f"ended({code}) raised RuntimeError: no" in said[0], said
+    sinks = [_Heard(inline=True, broken=KeyboardInterrupt()), _Heard()]
+    with pytest.raises(KeyboardInterrupt):
+        with dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "interrupt"), console=False, tensorboard=False,
+                                         timing_log_level=-1), sinks=sinks) as monitor:
+            monitor.step(1, loss=1.0)
+    assert [sink.calls[-1] for sink in sinks] == [("close",), ("close",)], [sink.calls for sink in sinks]
+    child = run_child("_closed_in_an_exit_hook_child", str(tmp_path / "calls.json"))
+    assert child.returncode == 1 and "KeyError" in child.stderr, child.stderr
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert [c for c in calls if c[0] == "ended"] == [["ended", 1, "distmetrics-writer"]], calls
 
 
 def test_a_wandb_run_made_before_the_monitor_is_said_and_a_disabled_run_reports_no_failure(tmp_path, caplog,

@@ -648,7 +648,6 @@ def test_the_list_windows_give_the_tensor_windows_numbers_bit_for_bit(world):
         assert lists.filled == tensors.filled
 
 
-
 @pytest.mark.parametrize("world", [3, 40])
 def test_a_series_absent_for_a_whole_window_is_forgotten_and_changes_no_number(world):
     """A timer named once per step by mistake (f"fwd_{step}"), or once per checkpoint: every series

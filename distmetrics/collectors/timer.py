@@ -288,7 +288,8 @@ class CudaTimer(Timer):
     calls them, run eagerly (:func:`~distmetrics.eager.eager`), as on the host, where the clock they
     read breaks the graph itself. Dynamo traces CUDA events: traced, the events made while tracing
     would stand in the graph for every call's, and the timer's state be guarded on. The check costs
-    0.1-0.3 µs a call outside compiled code, beside the event's own record."""
+    0.1-0.3 µs a call outside compiled code, beside the event's own record. Its readings
+    (``elapsed``, ``active_time``) wait for the device: they are for outside compiled code."""
 
     __slots__ = ()
 

@@ -21,8 +21,8 @@ record (train, eval and tensor_stats records; without ``timers/*`` where
 from __future__ import annotations
 
 import logging
-import os
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
@@ -110,6 +110,7 @@ class SinkSet:
         self._release_when_queued_closed = False  # close() came on the writer thread, which releases
         self._took: dict[int, tuple] = {}  # id(sink) -> (step, kind) of the last record a training-thread sink took
         self._routes: dict[int, tuple] = {}  # id(sink) -> (sink, kinds or None, takes a view, keeps a timeline)
+        self._ended: Optional[int] = None  # the exit code the sinks were told (ended())
         for sink in sinks:
             self.attach(sink)
 
@@ -193,13 +194,22 @@ class SinkSet:
 
     def ended(self, exit_code: int) -> None:
         """Tell the sinks with ``ended(exit_code)`` how the job ended, before they close (W&B marks a
-        run failed by it); one that raises is said, and closed all the same."""
-        for sink in self.sinks:
+        run failed by it): the training-thread sinks now, the others on the writer thread once it has
+        written every record queued, as it closes them (no place in a full queue). The first word is
+        kept: a ``close()`` in an exit hook after the job ended on an error says nothing more. One that
+        raises is said, and closed all the same."""
+        if self._ended is not None:
+            return
+        self._ended = exit_code
+        self._tell_ended(self.inline, exit_code, (Exception,))
+
+    def _tell_ended(self, sinks: list, exit_code: int, caught: tuple) -> None:
+        for sink in sinks:
             ended = getattr(sink, "ended", None)
             if callable(ended):
                 try:
                     ended(exit_code)
-                except Exception as err:  # noqa: BLE001 - its close() comes all the same
+                except caught as err:  # its close() comes all the same
                     logger.warning("distmetrics: the %s sink's ended(%d) raised %s: %s; it is closed all the same",
                                    sink_name(sink), exit_code, type(err).__name__, err)
 
@@ -254,6 +264,8 @@ class SinkSet:
         self._deliver(self.queued, metrics, step, kind, caught=(BaseException,))
 
     def _close_queued(self) -> None:
+        if self._ended is not None:
+            self._tell_ended(self.queued, self._ended, (BaseException,))
         for sink in self.queued:
             self._close(sink, caught=(BaseException,))
         self.queued = []

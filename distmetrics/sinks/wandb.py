@@ -120,8 +120,9 @@ class WandbSink:
 
     def ended(self, exit_code: int) -> None:
         """How the Monitor ended: 0 closed, else the job's error (1) or ``sys.exit``'s code. The run
-        is finished with it: W&B marks a run whose code is not 0 failed (it said a crashed job
-        finished: its own exit hook, which knows the code, comes after this sink has finished the run)."""
+        is finished with it: W&B marks a run whose code is not 0 failed (finished with none, a crashed
+        job's run read finished: W&B's own exit hook, which marks a run that ends on an uncaught error
+        failed, comes after this sink has finished it)."""
         self._exit_code = exit_code
 
     def close(self) -> None:
