@@ -803,3 +803,22 @@ def test_an_inf_gradient_under_a_float64_infinity_norm_is_an_inf_total_on_every_
         for p, returned, record, torchs, grads, torch_grads in out:
             assert returned == torchs == record == math.inf, (rank, p, returned, record, torchs)
             assert str(grads) == str(torch_grads), (rank, p, grads, torch_grads)  # inf x 0 is NaN: as torch's
+
+
+def test_the_module_level_clip_keeps_the_last_four_parameter_lists_it_clipped_and_no_more():
+    """README, Limitations: dm.clip_grad_norm_ without a Monitor holds the plans, and with them the
+    parameters, of the last 4 lists it clipped; a fifth lets the oldest go."""
+    import gc
+    import weakref
+
+    import distmetrics as dm
+
+    refs = []
+    for i in range(6):
+        model = torch.nn.Linear(4, 4)
+        model(torch.randn(2, 4)).sum().backward()
+        dm.clip_grad_norm_(model.parameters(), 1.0)
+        refs.append(weakref.ref(model.weight))
+        del model
+        gc.collect()
+        assert [r() is not None for r in refs] == [j > i - 4 for j in range(i + 1)], i
