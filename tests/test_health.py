@@ -1201,3 +1201,31 @@ def test_a_non_finite_loss_or_norm_is_no_spike_judgement(tmp_path):
     assert [(r.get("health/loss_spike"), r.get("health/grad_spike")) for r in records[10:]] == [
         (0, 0), (None, 0), (None, None), (None, 0)]
     assert [r["health/nonfinite_loss"] for r in records[10:]] == [0, 1, 1, 1]
+
+
+def test_loss_categories_that_come_and_go_leave_the_vector_and_come_back_exact():
+    """A category per data shard (a new one each step) made every log step's vector hold every
+    category the run had named: 2,012 lanes in the SUM pack at step 1,000, and the log step 5x
+    slower by step 3,000. Categories with no sample since the last log step now leave it once they
+    are more than half (and more than 64). Values against a float64 mean by hand, one rank, the
+    Monitor's own calls: 'rare' comes back every 100 steps, 'skipped' only in skipped steps."""
+    import torch
+
+    import distmetrics as dm
+    from distmetrics.collectors.losses import _SLACK
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    sizes = []
+    for step in range(1, 301):
+        categories = ["a", "b", f"shard{step}"] + (["rare"] if step % 100 == 0 else [])
+        losses = torch.arange(1, len(categories) + 1, dtype=torch.float64) * step
+        monitor.record_losses(losses, categories, weights=torch.full((len(categories),), 2.0))
+        if step % 7 == 0:  # a skipped step's category counts in no record
+            monitor.record_losses(torch.tensor([5.0]), ["skipped"])
+        metrics = monitor.step(step, loss=1.0, skipped=step % 7 == 0)
+        sizes.append(len(monitor._by_name["losses"].train.names))
+        written = sorted(name for name in metrics if name.startswith("train/loss/"))
+        want = {} if step % 7 == 0 else {f"train/loss/{c}": float((i + 1) * step) for i, c in enumerate(categories)}
+        assert written == sorted(want) and all(metrics[k] == want[k] for k in want), (step, metrics)
+    monitor.close()
+    assert max(sizes) <= _SLACK + 8 and any(b < a for a, b in zip(sizes, sizes[1:])), sizes

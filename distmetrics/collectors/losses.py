@@ -29,6 +29,10 @@ holds its key, the contents, so a ``names=`` that grows by an id per call (ids n
 holds four copies of a million-entry map at most, not sixteen; a few maps used in turn stay made."""
 
 
+_SLACK = 64
+"""Categories with no sample since the last log step kept beside the others (see ``take_samples``)."""
+
+
 class CategoryLosses:
     """Per-category sums and weights of per-sample losses, on device, for one split."""
 
@@ -47,6 +51,9 @@ class CategoryLosses:
         self.bad_lane = f"_{prefix}/bad_weights"
         """Internal lane: that count, summed over ranks."""
         self._lookups: dict[Any, dict] = {}  # names= contents -> {device: (its ids sorted, their slots)}
+        self._touched: set[int] = set()  # the slots the interval's samples went to (on the host: no device read)
+        self._step_touched: set[int] = set()  # ... and those of the step under way (per_step)
+        self._slot_sets: dict[int, tuple] = {}  # id(a lookup's host slots) -> (them, as a set)
 
     @outside_inference
     def record(self, losses: torch.Tensor, categories: Union[Sequence, torch.Tensor],
@@ -83,6 +90,7 @@ class CategoryLosses:
             # an id names= does not name (an ignore index such as -1 or -100, padding) counts in no
             # category: its loss and weight are zeroed in slot 0 (no host sync here)
             index, named = _slots_of(ids, *self._lookup(names, losses.device))
+            used = self._named_slots(names)
             losses = torch.where(named, losses, 0.0)
             w = torch.where(named, w, 0.0)
             weights = w
@@ -93,6 +101,7 @@ class CategoryLosses:
             if names is None:  # each distinct category checked, named and given its slot once, not per sample
                 slot = {label: self._slot(name) for label, name in _labels(categories).items()}
                 slots = [slot[c] for c in categories]
+                used = slot.values()
             else:
                 self._lookup(names)  # checked, and every category it names known, as for a tensor of ids
                 labels = [_named(names, c) for c in categories]
@@ -102,7 +111,9 @@ class CategoryLosses:
                     losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
                     weights = None if weights is None else w
                 slots = [self._slot(c) for c in labels]
+                used = set(slots)
             index = _to_device(torch.tensor(slots, dtype=torch.long), losses.device)
+        (self._step_touched if self.per_step else self._touched).update(used)
         if self.per_step:
             self._step_sums, self._step_weights = sums, totals = _grown(self._step_sums, self._step_weights,
                                                                         len(self.names), losses.device)
@@ -126,8 +137,10 @@ class CategoryLosses:
         or are dropped where the step was ``skipped`` (on device: no host sync)."""
         sums, weights, self._step_sums, self._step_weights = self._step_sums, self._step_weights, None, None
         bad, self._step_bad = self._step_bad, None
+        touched, self._step_touched = self._step_touched, set()
         if sums is None or skipped:
             return
+        self._touched |= touched
         self._bad = _plus(self._bad, bad)
         if self._sums is None:
             self._sums, self._weights = sums, weights
@@ -139,11 +152,19 @@ class CategoryLosses:
         self._weights += weights
 
     def take_samples(self) -> list[Sample]:
-        """One vector sample of every category's (Σ loss·w, Σ w); then start again."""
+        """One vector sample of the categories' (Σ loss·w, Σ w); then start again. Categories no sample
+        went to since the last log step are let go once they are more than half of those named (and
+        more than ``_SLACK``): a category per data shard or checkpoint made every log step's vector,
+        its pack and its host work grow with every category the run ever named."""
         if self._sums is None:
+            self._touched = set()
             return []
         # a category named in a skipped step only has no slot yet: it gets one of weight 0
         self._sums, self._weights = _grown(self._sums, self._weights, len(self.names), self._sums.device)
+        keep = self._touched | self._step_touched
+        if len(self.names) - len(keep) > max(_SLACK, len(self.names) // 2):
+            self._keep_only(sorted(keep))
+        self._touched = set()
         if self._names_made[0] != len(self.names):  # the same tuple while no category is added: the pack's
             # layout knows a vector by its names' tuple, and a new one each log step rebuilt its positions
             self._names_made = (len(self.names), tuple(f"{self.prefix}/{name}" for name in self.names))
@@ -200,6 +221,35 @@ class CategoryLosses:
         slots = {key: self._slot(labels[name]) for key, name in table.items()}
         ids = sorted(slots)
         return torch.tensor(ids, dtype=torch.long), torch.tensor([slots[i] for i in ids], dtype=torch.long)
+
+    def _named_slots(self, names: Union[Sequence[str], dict]) -> frozenset:
+        """The slots of the categories ``names`` names (the host table :meth:`_lookup` made), as a set."""
+        slots = self._lookup(names)[1]
+        cached = self._slot_sets.get(id(slots))
+        if cached is None or cached[0] is not slots:
+            cached = self._slot_sets[id(slots)] = (slots, frozenset(slots.tolist()))
+            if len(self._slot_sets) > _LOOKUPS_KEPT:
+                del self._slot_sets[next(iter(self._slot_sets))]
+        return cached[1]
+
+    def _keep_only(self, order: list[int]) -> None:
+        """Keep the slots ``order`` lists, in that order (their sums, the step's too); the others'
+        categories are named again, as new ones, when a sample goes to them."""
+        new = {old: slot for slot, old in enumerate(order)}
+        where = torch.tensor(order, dtype=torch.long, device=self._sums.device)
+        self._sums, self._weights = self._sums[where], self._weights[where]
+        if self._step_sums is not None:
+            step_sums, step_weights = _grown(self._step_sums, self._step_weights, len(self.names),
+                                             self._step_sums.device)
+            where = where.to(step_sums.device)
+            self._step_sums, self._step_weights = step_sums[where], step_weights[where]
+        self.names = [self.names[i] for i in order]
+        self._index = {name: slot for slot, name in enumerate(self.names)}
+        self._touched = {new[s] for s in self._touched}
+        self._step_touched = {new[s] for s in self._step_touched}
+        self._lookups.clear()  # their slot tables name the old slots
+        self._slot_sets.clear()
+        self._names_made = (-1, ())
 
     def _slot(self, name: str) -> int:
         if name not in self._index:
