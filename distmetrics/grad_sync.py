@@ -108,7 +108,7 @@ class GradSync:
         self._replicated: list = []  # ... of them, those with a replicate dimension (HSDP)
         self._names: dict[int, str] = {}  # id of a module or group → the model's name for its module
         self._unsynced: set[int] = set()  # DDP modules whose last forward with grad ran inside no_sync()
-        self._hooks: dict[int, Any] = {}  # id of a DDP module → its forward pre-hook's handle
+        self._hooks: dict[int, tuple] = {}  # id of a DDP module → (a weak reference to it, its forward pre-hook)
         self._said_join = False  # a DDP module's forward inside join() was warned about
         self._say_window = say  # a monitor.step inside an accumulation window is still to be said
         self._window_checks = 0  # log steps checked for it
@@ -194,7 +194,10 @@ class GradSync:
                         "(set_requires_all_reduce(False))", "its reduce-scattered gradients wait for a backward that "
                         "all-reduces them and are not in .grad yet, so the norm would leave them out. Measure or clip "
                         f"the gradients {_AFTER}, made with set_requires_all_reduce(True)")
-        group = next(filter(_held_back, self._groups))
+        group = next(filter(_held_back, self._groups), None)
+        if group is None:  # none of the above: no wrapper of the model's holds its gradients back now
+            return ("wrappers changed while gradients were held back", "measure or clip the gradients "
+                    f"{_AFTER}")
         kind = "HSDP" if group in self._replicated else "FSDP2"
         return (f"{kind} module {self._names[id(group)]} holds gradients that its last backward did not reduce",
                 "that backward ran with set_requires_gradient_sync(False) or set_requires_all_reduce(False), set back "
@@ -218,8 +221,11 @@ class GradSync:
             if isinstance(module, torch.nn.parallel.DistributedDataParallel):
                 self._ddp.append(module)
                 self._names[id(module)] = label
-                if id(module) not in self._hooks:
-                    self._hooks[id(module)] = module.register_forward_pre_hook(self._note_forward)
+                hooked = self._hooks.get(id(module))
+                if hooked is None or hooked[0]() is not module:  # a new module (one at a gone one's address too)
+                    self._unsynced.discard(id(module))  # its forwards are yet to be seen
+                    hook = module.register_forward_pre_hook(self._note_forward)
+                    self._hooks[id(module)] = (weakref.ref(module), hook)
             for group in fsdp_groups(module):  # none found would pass every window: every torch's layout read
                 if id(group) in seen or not hasattr(group, "reduce_grads"):  # one state may manage several modules
                     continue
@@ -228,6 +234,10 @@ class GradSync:
                 self._names[id(group)] = label
                 if getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None:
                     self._replicated.append(group)  # all-reduced over replicas (HSDP)
+        live = set(map(id, self._ddp))  # a DDP module no longer in the model (wrapped anew after an unfreeze):
+        for key in [key for key in self._hooks if key not in live]:  # its window and hook go (its state had
+            self._hooks.pop(key)[1].remove()  # refused every later clip, with a bare StopIteration)
+        self._unsynced &= live
         self._found_at = self._changes()
         searched, self._searched = self._searched, True
         if self._say_ddp and not self._ddp and _ddp_around(self.model, not searched):
@@ -258,7 +268,7 @@ class GradSync:
 
     def close(self) -> None:
         """Remove the forward hooks from the model's DDP modules."""
-        for handle in self._hooks.values():
+        for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
 

@@ -4013,3 +4013,44 @@ def test_a_skipped_log_step_has_no_update_norm_with_a_fused_optimizer_too(fused,
                 assert "update_norm" not in metrics and metrics["health/skipped_steps"] == 1.0, metrics
     assert metrics["update_norm"] > 0
     assert "the record of step 2 has no update_norm: its monitor.step was given skipped=True" in caplog.text
+
+
+def _ddp_wrapped_anew(rank: int, world: int) -> dict:
+    """A DDP submodule whose last forward ran inside no_sync(), then wrapped anew (an unfrozen layer)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("body", DDP(torch.nn.Linear(4, 4)))
+    monitor = dm.Monitor(quiet_config(log_interval=1), model=model)
+    out = {}
+    with model.body.no_sync():
+        model(torch.randn(2, 4) + rank).sum().backward()
+    old = model.body
+    model.body = DDP(model.body.module)
+    model.zero_grad()
+    model(torch.randn(2, 4) + rank).sum().backward()  # outside no_sync(): all-reduced
+    out["exact"] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+    out["clip"] = float(monitor.clip_grad_norm_(1.0))
+    out["old hooks"] = len(old._forward_pre_hooks)
+    monitor.step(1, loss=1.0)
+    with model.body.no_sync():  # the new module's forwards are seen
+        model(torch.randn(2, 4) + rank).sum().backward()
+    try:
+        monitor.clip_grad_norm_(1.0)
+    except ValueError as err:
+        out["refused"] = str(err)
+    monitor.close()
+    return out
+
+
+def test_a_ddp_module_wrapped_anew_leaves_no_window_open_and_its_successor_is_watched():
+    """A DDP submodule whose last forward ran in no_sync(), wrapped anew: its id stayed among the open
+    windows, and every later clip raised a bare StopIteration on every rank. Truth: float64 norm of
+    the all-reduced gradients; the old module's hook is removed, and the new one's window refused."""
+    for rank, out in enumerate(run_ranks(_ddp_wrapped_anew, 2)):
+        assert out["clip"] == pytest.approx(out["exact"], rel=1e-6) and out["old hooks"] == 0, (rank, out)
+        assert "DistributedDataParallel module 'body' ran its last forward inside no_sync()" in out["refused"], out
