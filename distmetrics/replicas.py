@@ -125,8 +125,8 @@ def _placing(stage: int, stages: int, kind: str, owner: Optional[bool], device: 
             mark, n = held
             base[stage] = torch.tensor([0.0, 0.0, 1.0, counts * _COUNTS - 1.0, mark, counts * mark, n, counts * n]
                                        if summed else [0.0, 0.0, -counts if kind == "min" else counts, mark, -mark, n,
-                                                       -n])
-            scale[stage, :2] = torch.tensor([1.0, counts if summed else -1.0])
+                                                       -n], dtype=torch.float64)  # float32 rounded a presence of 2**31
+            scale[stage, :2] = torch.tensor([1.0, counts if summed else -1.0], dtype=torch.float64)
         cached = _PLACINGS[key] = (base.reshape(-1).to(device), scale.reshape(-1).to(device))
     return cached
 

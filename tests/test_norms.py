@@ -4054,3 +4054,18 @@ def test_a_ddp_module_wrapped_anew_leaves_no_window_open_and_its_successor_is_wa
     for rank, out in enumerate(run_ranks(_ddp_wrapped_anew, 2)):
         assert out["clip"] == pytest.approx(out["exact"], rel=1e-6) and out["old hooks"] == 0, (rank, out)
         assert "DistributedDataParallel module 'body' ran its last forward inside no_sync()" in out["refused"], out
+
+
+def test_the_replica_checks_lanes_hold_a_presence_fingerprint_exactly():
+    """The lanes were made in float32 before the float64 pack: a presence fingerprint (up to 2**31)
+    lost its low bits (2**31 - 3 became 2**31), and two gradient sets whose fingerprints round alike
+    could not be told apart; 2**30 - 1 became 2**30. Truth: the numbers themselves."""
+    import torch
+
+    from distmetrics.replicas import _COUNTS, _placing
+
+    mark = float(2 ** 31 - 3)
+    base, _ = _placing(0, 1, "sum", True, torch.device("cpu"), (mark, 7.0))
+    assert base.tolist() == [0.0, 0.0, 1.0, _COUNTS - 1.0, mark, mark, 7.0, 7.0]
+    base, _ = _placing(0, 1, "max", True, torch.device("cpu"), (mark, 7.0))
+    assert base.tolist() == [0.0, 0.0, 1.0, mark, -mark, 7.0, -7.0]
