@@ -1229,3 +1229,22 @@ def test_loss_categories_that_come_and_go_leave_the_vector_and_come_back_exact()
         assert written == sorted(want) and all(metrics[k] == want[k] for k in want), (step, metrics)
     monitor.close()
     assert max(sizes) <= _SLACK + 8 and any(b < a for a, b in zip(sizes, sizes[1:])), sizes
+
+
+def test_loss_category_weights_given_as_python_floats_keep_float64():
+    """torch.as_tensor made a list of Python floats float32 before the float64 sums: a relative error
+    of about 1e-8 in every weighted category mean. Truth: the float64 weighted mean by hand."""
+    import numpy
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    weights = [1.1, 2.3, 0.7000000001]
+    monitor.record_losses(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), ["a", "a", "b"], weights=weights)
+    monitor.record_losses(torch.tensor([4.0], dtype=torch.float64), ["a"], weights=numpy.array([0.1]))
+    metrics = monitor.step(1, loss=1.0)
+    monitor.close()
+    want = (1.1 * 1.0 + 2.3 * 2.0 + 0.1 * 4.0) / (1.1 + 2.3 + 0.1)
+    assert metrics["train/loss/a"] == pytest.approx(want, rel=1e-15)
+    assert metrics["train/loss/b"] == pytest.approx(3.0, rel=1e-15)

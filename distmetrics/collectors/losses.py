@@ -69,7 +69,9 @@ class CategoryLosses:
         n = losses.numel()
         w, bad = torch.ones_like(losses), None
         if weights is not None:
-            w = torch.as_tensor(weights).detach().reshape(-1).to(torch.float64)
+            # host values (Python floats, a numpy array) straight to float64: torch.as_tensor made floats float32
+            w = (weights if isinstance(weights, torch.Tensor) else torch.as_tensor(weights, dtype=torch.float64))
+            w = w.detach().reshape(-1).to(torch.float64)
             if not isinstance(weights, torch.Tensor):  # host values (a list, a numpy array): read now
                 _check_weights(w)
             w = w.to(losses.device)
@@ -103,7 +105,8 @@ class CategoryLosses:
                 slots = [slot[c] for c in categories]
                 used = slot.values()
             else:
-                self._lookup(names)  # checked, and every category it names known, as for a tensor of ids
+                used = self._named_slots(names)  # checked, and every category it names known (and kept in the
+                # vector), as for a tensor of ids
                 labels = [_named(names, c) for c in categories]
                 if None in labels:  # an id names= does not name (-100, -1: an ignore index) counts in no category
                     kept = [i for i, label in enumerate(labels) if label is not None]
@@ -111,7 +114,6 @@ class CategoryLosses:
                     losses, w, labels = losses[where], w[where], [labels[i] for i in kept]
                     weights = None if weights is None else w
                 slots = [self._slot(c) for c in labels]
-                used = set(slots)
             index = _to_device(torch.tensor(slots, dtype=torch.long), losses.device)
         (self._step_touched if self.per_step else self._touched).update(used)
         if self.per_step:
@@ -236,7 +238,7 @@ class CategoryLosses:
         """Keep the slots ``order`` lists, in that order (their sums, the step's too); the others'
         categories are named again, as new ones, when a sample goes to them."""
         new = {old: slot for slot, old in enumerate(order)}
-        where = torch.tensor(order, dtype=torch.long, device=self._sums.device)
+        where = _to_device(torch.tensor(order, dtype=torch.long), self._sums.device)
         self._sums, self._weights = self._sums[where], self._weights[where]
         if self._step_sums is not None:
             step_sums, step_weights = _grown(self._step_sums, self._step_weights, len(self.names),
