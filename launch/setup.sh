@@ -14,7 +14,7 @@ PY="$VENV/bin/python"
 # Found, not imported (importing them all took about 9 s, on every demo and test run): the line that
 # ends this script imports torch and distmetrics, and a module found but broken fails where it is used
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
-    torch distmetrics tensorboard wandb megatron.core nvdlfw_inspect pytest matplotlib PIL orjson \
+    torch distmetrics tensorboard wandb megatron.core nvdlfw_inspect pytest xdist matplotlib PIL orjson \
     lightning accelerate transformers 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_SPEC"

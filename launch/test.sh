@@ -5,7 +5,11 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 VENV=${DISTMETRICS_VENV:-.venv}
 if [ $# -eq 0 ]; then
-  "$VENV/bin/python" -m pytest tests -q --durations=20  # the 20 slowest listed: where the suite's time goes
+  # Test files share out over one pytest worker per core, at most 4 (DISTMETRICS_TEST_WORKERS sets it): one
+  # worker alone left a third of 2 cores idle (ranks waiting on each other, sinks, timeouts, fresh interpreters).
+  CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)  # nproc reads OMP_NUM_THREADS
+  WORKERS=${DISTMETRICS_TEST_WORKERS:-$(( CORES < 4 ? CORES : 4 ))}
+  "$VENV/bin/python" -m pytest tests -q -n "$WORKERS" --dist loadfile --durations=20  # 20 slowest: where time goes
 else  # only what was asked: a test file or id, or options alone (pyproject's testpaths: tests)
   "$VENV/bin/python" -m pytest -q "$@"
 fi

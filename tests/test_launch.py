@@ -379,7 +379,8 @@ def test_a_second_job_on_a_node_starts_on_its_own_port_or_fails_at_once(tmp_path
 
 def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     """launch/test.sh on a machine where torch sees a GPU (the stand-in interpreter answers yes to
-    every check): with no argument the whole suite, then tests/test_cuda.py alone; given a test
+    every check): with no argument the whole suite (its files shared out over one pytest worker per core, at
+    most 4, or DISTMETRICS_TEST_WORKERS), then tests/test_cuda.py alone; given a test
     file, only that file (not the whole suite as well) and the command for the GPU tests (passed the file too, the conftest hid
     the GPU and the GPU tests skipped without a word)."""
     project = tmp_path / "project"
@@ -395,11 +396,16 @@ def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
                              text=True, timeout=30)
         assert run.returncode == 0, run.stderr
         calls[args] = [line for line in run.stdout.splitlines() if line.startswith(("venv python -m pytest", "GPU"))]
-    assert calls[()] == ["venv python -m pytest tests -q --durations=20", "venv python -m pytest tests/test_cuda.py -q"]
+    workers = min(len(os.sched_getaffinity(0)), 4)  # the cores this process may run on, as nproc counts them
+    assert calls[()] == [f"venv python -m pytest tests -q -n {workers} --dist loadfile --durations=20",
+                         "venv python -m pytest tests/test_cuda.py -q"]
     assert calls[("tests/test_timers.py",)] == [
         "venv python -m pytest -q tests/test_timers.py",
         "GPU tests not run with arguments; run them on their own: .venv/bin/python -m pytest tests/test_cuda.py"]
     assert calls[("-x",)][0] == "venv python -m pytest -q -x"  # pytest's testpaths (tests) then
+    run = subprocess.run(["bash", "launch/test.sh"], env=dict(env, DISTMETRICS_TEST_WORKERS="3", OMP_NUM_THREADS="1"),
+                         cwd=project, capture_output=True, text=True, timeout=30)
+    assert "venv python -m pytest tests -q -n 3 --dist loadfile --durations=20" in run.stdout.splitlines()
 
 
 def _intra_op_threads(rank: int, world: int) -> int:
