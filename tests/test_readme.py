@@ -269,3 +269,33 @@ def test_the_grad_scaler_example_measures_the_gradients_without_the_loss_scale(t
         for module, value in truth["modules"].items():
             assert record[f"grad_norm/{module}"] == pytest.approx(value, rel=1e-6), module
         assert record["loss_scale"] == 2.0 ** 16 and record["update_norm"] > 0  # no step skipped
+
+
+def test_the_config_reference_has_one_one_line_row_per_key_with_the_configs_default():
+    """The README's config table against ``MetricsConfig``'s own fields: each row one line (a row's text
+    broken over two lines renders as two rows, the second a key that does not exist), every field named,
+    no key the config lacks, each default as the dataclass gives it."""
+    import dataclasses
+
+    from distmetrics.config import MetricsConfig
+
+    text = README.read_text()
+    section = text[text.index("## Configuration reference"):text.index("## Metric names")]
+    table = section[section.index("| key | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    assert table and all(line.startswith("| `") and line.endswith(" |") for line in table), [
+        line[:80] for line in table if not (line.startswith("| `") and line.endswith(" |"))]
+    documented = {}
+    for line in table:
+        keys, default = (cell.strip() for cell in line.split(" | ")[:2])
+        for key in re.findall(r"`([^`]+)`", keys):
+            documented[key] = default.strip("`")
+    fields = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+              for f in dataclasses.fields(MetricsConfig)}
+    assert set(documented) - {"tensor_inspect.*"} == set(fields) - {"tensor_inspect"}
+    for key, default in documented.items():
+        if key != "tensor_inspect.*":
+            given = fields[key]
+            expected = {None: "null", True: "true", False: "false"}.get(given, given) if not isinstance(
+                given, (int, float)) or isinstance(given, bool) else given
+            written = default if isinstance(expected, str) else float(default)
+            assert written == expected, (key, default, given)
