@@ -20,9 +20,10 @@ class NVMLError(Exception):
 
 
 def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
-         unsupported: Optional[set] = None) -> types.ModuleType:
+         unsupported: Optional[set] = None, throttle: Optional[dict] = None) -> types.ModuleType:
     """devices: UUID → successive readings of its energy counter (mJ; an exception instance is
-    raised when its turn comes), in enumeration order."""
+    raised when its turn comes), in enumeration order; throttle: UUID → its clocks event reasons
+    bitmask (else GPU idle, and SW thermal slowdown on the fourth GPU)."""
     m = types.ModuleType("pynvml")
     m.calls = []
     m.NVMLError = NVMLError
@@ -86,6 +87,7 @@ def make(devices: dict[str, list[int]], unsupported_energy: bool = False,
                                              lambda i: types.SimpleNamespace(gpu=90 + i, memory=40))
     m.nvmlDeviceGetPcieThroughput = reader("nvmlDeviceGetPcieThroughput", 2048)
     m.nvmlDeviceGetFanSpeed = reader("nvmlDeviceGetFanSpeed", 30)
-    m.nvmlDeviceGetCurrentClocksEventReasons = reader("nvmlDeviceGetCurrentClocksEventReasons", lambda i: 0x1 | (0x20 if i == 3 else 0))
+    m.nvmlDeviceGetCurrentClocksEventReasons = reader("nvmlDeviceGetCurrentClocksEventReasons", lambda i: (
+        throttle[uuids[i]] if throttle else 0x1 | (0x20 if i == 3 else 0)))
     m.nvmlSystemGetDriverVersion = lambda: "999.99"
     return m

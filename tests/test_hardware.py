@@ -191,6 +191,28 @@ def test_telemetry_min_max_with_ranks_and_unsupported_fields_skipped(nvml):
     assert not any(k.startswith("gpu/fan_pct") for k in m)
 
 
+def _throttled(rank: int, world: int) -> dict:
+    masks = {"GPU-0": 0x1 | 0x4 | 0x20, "GPU-1": 0x20 | 0x40 | 0x1000}  # rank 1: one bit NVML's table lacks
+    sys.modules["pynvml"] = fake_pynvml.make(devices={uuid: [] for uuid in masks}, throttle=masks)
+    import distmetrics as dm
+    from distmetrics.collectors.nvml import TelemetryCollector
+
+    with dm.Monitor(quiet_config(log_interval=1), collectors=[TelemetryCollector(uuid=f"GPU-{rank}")]) as monitor:
+        record = monitor.step(1)
+    return {key: value for key, value in record.items() if key.startswith(("gpu/throttle", "gpu/throttled"))}
+
+
+def test_each_throttle_reason_counts_the_ranks_it_slows():
+    """``gpu/throttle_reasons/max`` is one rank's bitmask: a power cap on one rank hid behind a thermal
+    slowdown on another. Each reason's ranks are counted (truth: the two bitmasks, bit by bit)."""
+    record = run_ranks(_throttled, 2, timeout=120)[0]
+    counts = {key.rsplit("/", 1)[1]: value for key, value in record.items() if key.startswith("gpu/throttled_ranks/")}
+    assert counts == {"applications_clocks": 0, "sw_power_cap": 1, "hw_slowdown": 0, "sync_boost": 0,
+                      "sw_thermal": 2, "hw_thermal": 1, "hw_power_brake": 0, "display_clocks": 0, "other": 1}, record
+    assert record["gpu/throttle_reasons/max"] == 0x1060 and record["gpu/throttle_reasons/max_rank"] == 1
+    assert record["gpu/throttle_reasons/min"] == 0x24 and record["gpu/throttle_reasons/min_rank"] == 0
+
+
 def test_a_telemetry_reading_that_fails_is_said_once_and_tried_again(nvml, caplog):
     """A GPU lost mid-run (NVML_ERROR_GPU_IS_LOST, 15, from every reading) was taken for a reading the GPU
     does not support: left out for good, without a word, so gpu/ min and max named another rank's GPU."""

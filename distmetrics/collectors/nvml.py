@@ -301,7 +301,11 @@ class TelemetryCollector:
             if name in self._broken:
                 continue
             try:
-                out.append(Sample(name, float(read()), "minmax"))
+                value = read()
+                out.append(Sample(name, float(value), "minmax"))
+                if name == "gpu/throttle_reasons":  # the max of a bitmask hides other ranks' reasons: count them
+                    out += [Sample(f"gpu/throttled_ranks/{reason}", float(bool(value & bits)), "sum")
+                            for bits, reason in THROTTLE_REASONS]
             except Exception as err:  # noqa: BLE001 - e.g. no fan on a passively cooled board
                 if _unsupported(n, err):
                     self._broken.add(name)  # not supported here: stop asking, report nothing
@@ -334,6 +338,13 @@ def _unsupported(n: Any, err: BaseException) -> bool:
     value = getattr(err, "value", None)
     return value is not None and value in (getattr(n, "NVML_ERROR_NOT_SUPPORTED", 3),
                                            getattr(n, "NVML_ERROR_FUNCTION_NOT_FOUND", 13))
+
+
+THROTTLE_REASONS = ((0x2, "applications_clocks"), (0x4, "sw_power_cap"), (0x8, "hw_slowdown"), (0x10, "sync_boost"),
+                    (0x20, "sw_thermal"), (0x40, "hw_thermal"), (0x80, "hw_power_brake"), (0x100, "display_clocks"),
+                    (~0x1FF, "other"))
+"""NVML's clocks event reason bits (``nvmlClocksEventReason*``; GPU idle, 0x1, is no slowdown) and the name of
+each one's ``gpu/throttled_ranks/`` count; ``other``: a bit this table does not know."""
 
 
 def _throttle_reasons(n: Any, h: Any) -> int:
