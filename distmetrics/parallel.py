@@ -351,9 +351,11 @@ def owns_local_piece(t: torch.Tensor, param: Any, name: str, layout: Layout, gro
 
 
 def plain_replica(t: torch.Tensor, layout: Optional[Layout]) -> bool:
-    """Is ``t`` a plain tensor copied on every rank (DDP, no wrapper: the last rule of
-    :func:`owns_local_piece`), not a DTensor, a Megatron-Core parameter or a pipeline stage's?"""
-    return not is_dtensor(t) and (layout is None or layout.source not in ("megatron", "device_mesh"))
+    """Is ``t`` a plain tensor copied on every rank that holds its layer (DDP, no wrapper, a plain
+    tensor on a DeviceMesh: the last two rules of :func:`owns_local_piece`), not a DTensor or a
+    Megatron-Core parameter (whose tensor-parallel pieces differ)? On a mesh with pipeline stages
+    each stage holds its own layers, named apart, so the lowest rank sending one is of its stage."""
+    return not is_dtensor(t) and (layout is None or layout.source != "megatron")
 
 
 def owns_shard_piece(param: Any, layout: Layout) -> bool:

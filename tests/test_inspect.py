@@ -2223,7 +2223,8 @@ def test_a_section_whose_tensors_were_empty_on_every_rank_says_so(unmeasured):
 
 def _replicated_weights(rank: int, world: int, root: str) -> dict:
     """A DDP model's fc2 (weight and activation statistics, every step): rank 0 skips fc2 at step 1
-    (layer drop); then a Monitor per rank, each on its own group of itself. Truth:
+    (layer drop), also with the Monitor given a data-parallel DeviceMesh; then a Monitor per rank, each on
+    its own group of itself. Truth:
     float64 of the weight and of every rank's fc2 output, captured by the test's own hook."""
     import torch
     import torch.distributed as dist
@@ -2268,6 +2269,15 @@ def _replicated_weights(rank: int, world: int, root: str) -> dict:
                               "activation/max": float(torch.cat(parts).max())}
         monitor.step(step)
     monitor.close()
+    from torch.distributed.device_mesh import init_device_mesh  # the same skip, the Monitor given a data-parallel mesh
+
+    monitor = dm.Monitor(config(f"{root}/mesh"), model=net, device_mesh=init_device_mesh("cpu", (world,),
+                                                                                         mesh_dim_names=("dp",)))
+    net.skip = rank == 0
+    net(torch.randn(3, 4)).sum().backward()
+    truth["mesh"] = {"weight/l2_norm": float(net.fc2.weight.detach().double().norm())}
+    monitor.step(1)
+    monitor.close()
     groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     net.skip = False
     monitor = dm.Monitor(config(f"{root}/own{rank}"), model=net, group=groups[rank])
@@ -2283,7 +2293,8 @@ def _replicated_weights(rank: int, world: int, root: str) -> dict:
 def test_a_replicated_weight_is_written_once_whichever_rank_runs_its_layer(tmp_path):
     """Only global rank 0's copy of a DDP weight was measured: a layer rank 0 skipped in a step (layer
     drop, an expert no token reached) had no weight statistics, and a Monitor on a group without global
-    rank 0 (a Monitor per rank) never wrote one, all without a word. Now the lowest rank that ran the
+    rank 0 (a Monitor per rank) never wrote one, all without a word; on a DeviceMesh, where the weights are
+    plain copies too, data-parallel rank 0's copy alone was still measured. Now the lowest rank that ran the
     layer gives the weight, counted once."""
     truth = run_ranks(_replicated_weights, 2, str(tmp_path), timeout=240)
     written = _tensor_stats_by_step(tmp_path / "ddp")
@@ -2291,6 +2302,8 @@ def test_a_replicated_weight_is_written_once_whichever_rank_runs_its_layer(tmp_p
     for step, expected in truth[0]["ddp"].items():
         got = {k.split("/", 2)[2]: v for k, v in written[step].items() if k.split("/", 2)[2] in expected}
         assert got == pytest.approx(expected, rel=1e-6), (step, got, expected)
+    got = _tensor_stats_by_step(tmp_path / "mesh")[1]  # plain weights on a mesh: rank 0's copy alone was measured
+    assert got.get("tensor_stats/fc2/weight/l2_norm") == pytest.approx(truth[0]["mesh"]["weight/l2_norm"]), got
     for rank in (0, 1):
         got = _tensor_stats_by_step(tmp_path / f"own{rank}")[1]
         assert got["tensor_stats/fc2/weight/l2_norm"] == pytest.approx(truth[rank]["own group"]["weight/l2_norm"],
