@@ -689,6 +689,37 @@ def test_user_calls_on_a_plain_layout_reduce_over_the_monitors_ranks(tmp_path):
                                                    "tensor_stats/fc1/custom/l2_norm": float(full.norm())})
 
 
+def test_a_users_call_under_a_name_the_hooks_measure_is_said_once(tmp_path, caplog):
+    """A ``debug_api.log_tensor_stats`` call of the user's (as nvdlfw-inspect's docs place it, in the forward)
+    for the tensor the features file's hooks measure: the hooks' value overwrote the call's without a word.
+    The hooks' value is written (truth: the layer's output, taken by the test's own hook) and the clash
+    named once."""
+    import logging
+
+    import nvdlfw_inspect.api as debug_api
+    import torch
+
+    import distmetrics as dm
+
+    caplog.set_level(logging.WARNING, logger="distmetrics")
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc1$"},
+                      "LogTensorStats": {"enabled": True, "tensors": ["activation"], "stats": ["max"]}}}
+    model = _model()
+    outputs = []
+    model.fc1.register_forward_hook(lambda m, i, o: outputs.append(float(o.detach().double().max())))
+    cfg = dm.MetricsConfig(output_dir=str(tmp_path), log_interval=1, console=False, tensorboard=False,
+                           timing_log_level=-1, tensor_inspect={"enabled": True, "features": features})
+    with dm.Monitor(cfg, model=model) as monitor:
+        for step in (1, 2):
+            model(torch.randn(4, 6))
+            debug_api.log_tensor_stats("model.fc1", tensor=torch.full((3,), 100.0), tensor_name="activation")
+            monitor.step(step)
+    records = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "tensor_stats"]
+    assert [r["tensor_stats/fc1/activation/max"] for r in records] == pytest.approx(outputs, rel=1e-6)
+    said = [r.getMessage() for r in caplog.records if "log_tensor_stats call logged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("distmetrics: tensor_stats/fc1/activation/max at step 1:"), said
+
+
 def test_transformer_engine_metric_names_map_to_ours():
     from distmetrics.tensor_stats.te_names import metric_name as _metric_name
 

@@ -37,6 +37,7 @@ those of the lowest rank of its TP x CP group holds a copy and is left out; piec
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -60,6 +61,8 @@ from .te_names import metric_layers, metric_name, shadowed_layers, strip_model
 from .unmeasured import SilentSections, no_gradient_reason
 
 __all__ = ["TensorInspector", "ForwardingLogger"]
+
+logger = logging.getLogger("distmetrics")
 
 _UNSELECTED = "_tensor_stats/"
 """Lanes of values logged at steps the YAML does not select (``_`` + the metric's name), for the log step."""
@@ -95,6 +98,7 @@ class TensorInspector:
         self.debug_api = debug_api
         self.spec = spec
         self.forwarded: dict[str, Any] = {}
+        self._clashes_said: set = set()  # forwarded names the hooks measured too, named once each
         self.unselected: dict[str, Any] = {}  # forwarded at steps the YAML does not select: the next log step's
         self.partials: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self.requested: dict[tuple[str, str], list] = {}
@@ -287,7 +291,9 @@ class TensorInspector:
             samples += [Sample(f"{FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
             samples.append(Sample(PEERS, float(self._leader), "all"))
             empty: set = set()
-            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank, empty)
+            clashes: set = set()
+            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank, empty, clashes)
+            self._say_clashes(clashes - self._clashes_said, step)
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
@@ -304,6 +310,17 @@ class TensorInspector:
         self.iteration += 1
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
+
+    def _say_clashes(self, clashes: set, step: int) -> None:
+        """Name, once each, the statistics a ``debug_api.log_tensor_stats`` call logged under a name the
+        features file's hooks also measure (found alike on every rank: the first rank says it)."""
+        if clashes:
+            self._clashes_said |= clashes
+            if self.layout is None or self.layout.says_once:
+                logger.warning("distmetrics: %s at step %d: a debug_api.log_tensor_stats call logged a value under "
+                               "the name of a statistic the features file's hooks measure; the hooks' value is "
+                               "written, the call's is not: give the call another tensor_name (said once per name)",
+                               ", ".join(sorted(clashes)), step)
 
     def _name_missing_gradients(self, step: int) -> None:
         """Name a selected gradient no training forward of step ``step`` gave (its layer's output

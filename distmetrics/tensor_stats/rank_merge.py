@@ -24,10 +24,12 @@ skipped (layer drop, an expert no token reached), and a Monitor on a group witho
 wrote one."""
 
 
-def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
+def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None, clashes: Optional[set] = None) -> dict:
     """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
     rank's tensor left out); forwarded values → the lowest rank's. ``empty`` gets the
-    ``(layer, tensor)`` that ran but held no element on any rank: no statistic is written for them."""
+    ``(layer, tensor)`` that ran but held no element on any rank: no statistic is written for them.
+    ``clashes`` gets the names both measured by the hooks and forwarded (a user's own
+    ``log_tensor_stats`` of a hooked layer's tensor): the hooks' value is written."""
     groups: dict[tuple, dict[str, list]] = {}
     replicas: set = set()
     out = {}
@@ -65,6 +67,8 @@ def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None) -> dict:
         values = {part: columns[part][i] for part in PARTS}
         prefix = f"tensor_stats/{layer}/{tensor_name}"
         for stat in stats.split(","):
+            if clashes is not None and f"{prefix}/{stat}" in out:
+                clashes.add(f"{prefix}/{stat}")
             out[f"{prefix}/{stat}"] = stat_value(stat, values)
     return out
 
