@@ -31,10 +31,10 @@ def open_at_exit(ref: "weakref.ref[Monitor]") -> None:
     monitor = ref()
     if monitor is None or monitor._closed or monitor._pid != os.getpid():
         return
-    say_unwritten(monitor, "the process ends with a Monitor open, never closed")
     error = getattr(sys, "last_value", None)  # set where the interpreter printed an uncaught error
-    write_end(monitor, "its process ended with the Monitor open" +
-              (f", on an uncaught {type(error).__name__}" if error is not None else ", never closed"))
+    how = f", on an uncaught {type(error).__name__}" if error is not None else ", never closed"
+    say_unwritten(monitor, "the process ends with a Monitor open" + how)  # as the end record says it
+    write_end(monitor, "its process ended with the Monitor open" + how)
     if error is not None:  # only then: a close() in an exit hook of the user's may still come, and would
         # meet its own mark (every rank's, where each made one)
         monitor._guard.leave(f"its process ended on an uncaught {type(error).__name__} with the Monitor open")

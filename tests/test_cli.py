@@ -581,6 +581,8 @@ def test_the_end_record_is_the_last_line_when_a_later_exit_hook_closes_or_record
         assert records[-2]["kind"] == "gap" and records[-2]["lost_records"] == 1, records
         assert end["how"] == "its process ended with the Monitor open, on an uncaught RuntimeError", end
         assert end["unwritten_steps"] == 1, end
+        assert ("the process ends with a Monitor open, on an uncaught RuntimeError: the 1 step(s) up to step 5 since "
+                "the last log step are not written") in job.stderr, job.stderr  # it said "never closed"
     assert _run("summary", tmp_path).stdout.rstrip().endswith(f"ended at step 5: {end['how']}" + (
         ", the 1 step(s) since its last log step not written" if end["unwritten_steps"] else ""))
 
