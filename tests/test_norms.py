@@ -2288,8 +2288,12 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
               "fsdp2": "FSDP2 module (the model itself) has gradient sync off (set_requires_gradient_sync(False))"}
     for rank, out in enumerate(run_ranks(_monitor_step_per_micro_batch, 2, timeout=240)):
         for kind, state in states.items():
-            for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window"):
+            for per in ("optimizer step", "optimizer step, sync off after"):
                 assert out.get(f"{kind} per {per}", []) == [], (rank, kind, per)
+            assert out[f"{kind} per optimizer step, closed in a window"] == ([] if rank else [  # no window named
+                "distmetrics: the record of step 2 has no update_norm: it is the record close() writes, of the steps "
+                "after the last log step, and its step was not known ahead to be logged (total_steps names the job's "
+                "last step). Said once"]), (rank, kind)
             heard = out[f"{kind} per micro-batch"]
             if rank == 1:  # the job's warnings are said by its first rank
                 assert heard == [], heard
@@ -2490,6 +2494,44 @@ def test_step_numbers_that_advance_by_two_get_their_update_and_grad_norms(caplog
     said = [r.getMessage() for r in caplog.records if "was not known to be a log step" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("distmetrics: the record of step 4 has no update_norm nor grad_norm "
                                                  "(monitor.measure_grad_norms() measured nothing: pass step=)"), said
+
+
+@pytest.mark.parametrize("total_steps", [None, 5])
+def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its_step(tmp_path, caplog, total_steps):
+    """A loop over a dataloader ending between log steps (Accelerate's, with measure_grad_norms()): the record
+    close() writes had no grad_norm nor update_norm, without a word. Said once now; with total_steps the
+    step is measured (truth: float64 of the gradients and of the parameters' change)."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = quiet_config(output_dir=str(tmp_path), json_log=True, log_interval=2, log_update_norm=True,
+                          total_steps=total_steps)
+    with dm.Monitor(config, model=model, optimizer=opt) as monitor:
+        for step in range(1, 6):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).sum().backward()
+            grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+            monitor.measure_grad_norms()
+            before = [p.detach().double().clone() for p in model.parameters()]
+            opt.step()
+            update = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum())
+                                   for p, b in zip(model.parameters(), before)))
+            monitor.step(step)
+    last = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][-1]
+    said = [r.getMessage() for r in caplog.records if "record of step 5 has no" in r.getMessage()]
+    assert last["step"] == 5
+    if total_steps is None:
+        assert "grad_norm" not in last and "update_norm" not in last, last
+        assert said == ["distmetrics: the record of step 5 has no update_norm nor grad_norm (monitor.measure_grad_norms() "
+                        "measured nothing: pass step=): it is the record close() writes, of the steps after the last "
+                        "log step, and its step was not known ahead to be logged (total_steps names the job's last "
+                        "step). Said once"], said
+    else:
+        assert (last["grad_norm"], last["update_norm"]) == pytest.approx((grad, update), rel=1e-6) and not said
 
 
 def test_the_roots_own_parameters_beside_a_child_named_model_are_not_merged_with_it():

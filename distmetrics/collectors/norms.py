@@ -94,6 +94,7 @@ class NormCollector(ParamSide):
         self._warned_skipped_update = False  # ... from a step reported skipped was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
+        self._closing = False  # the unpredicted record is close()'s
         self._skipped_after: Any = False  # measure_grad_norms() left out, predicted not logged: the step before
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
@@ -140,14 +141,17 @@ class NormCollector(ParamSide):
         if not lacks or self._unpredicted != step or self._warned_unpredicted or not self.layout.says_once:
             return
         self._warned_unpredicted = True
-        logger.warning("distmetrics: the record of step %d has no %s: the step was not known to be a log step (the "
-                       "next step is predicted as the last plus the stride between the last two, so the first log "
-                       "step after a change of stride misses it). Said once", step, " nor ".join(lacks))
+        why = ("it is the record close() writes, of the steps after the last log step, and its step was not known "
+               "ahead to be logged (total_steps names the job's last step)" if self._closing else "the step was not known to be a log step (the next step is predicted as "
+               "the last plus the stride between the last two, so the first log step after a change of stride "
+               "misses it)")
+        logger.warning("distmetrics: the record of step %d has no %s: %s. Said once", step, " nor ".join(lacks), why)
 
-    def unpredicted(self, step: int) -> None:
+    def unpredicted(self, step: int, closing: bool = False) -> None:
         """``step``, a log step, is not the step predicted before its optimizer step: its update, if
-        one is wanted, was not snapshotted (said once at its record)."""
-        self._unpredicted = step
+        one is wanted, was not snapshotted (said once at its record); ``closing``: the record close()
+        writes, of a step no log step ended."""
+        self._unpredicted, self._closing = step, closing
 
     def attach_optimizer(self, optimizer: Any, log_step_ahead: Callable[[], Optional[int]]) -> None:
         """Learn from the optimizer: with Megatron's distributed optimizer, which gradient slices
