@@ -148,8 +148,9 @@ class Monitor:
             self._module_order, stage = job_module_order(self.layout, module_order(model), self._guard,
                                                          chunked=isinstance(model, torch.nn.ModuleList),
                                                          owners=owner_names(model) if self.layout.pp_size > 1 else ())
-            if stage and "norms" in self._by_name:  # stages' modules of one name: each named with its stage
-                self._by_name["norms"].name_stage(stage)
+            for name in ("norms", "tensor_stats") if stage else ():  # stages' modules of one name: each named
+                if name in self._by_name:  # with its stage
+                    self._by_name[name].name_stage(stage)
             if optimizer is not None and "norms" in self._by_name:
                 self.attach_megatron_optimizer(optimizer)
             self._checkpoints = CheckpointLog(config, self.world_size, self.is_writer)

@@ -2341,6 +2341,46 @@ def test_a_replicated_weight_is_written_once_whichever_rank_runs_its_layer(tmp_p
                                                                        rel=1e-6), (rank, got)
 
 
+def _stages_named_alike(rank: int, world: int, root: str) -> dict:
+    """Two pipeline stages on a (pp, dp) = (2, 1) mesh, each building its own ``fc1``, ``fc2``: names collide
+    across stages. Truth: float64 of each stage's own weight and fc2 output, taken by the test's own hook."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distmetrics as dm
+
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "fc2$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["weight", "activation"],
+                                                         "stats": ["l2_norm", "max"]}}}}
+    torch.manual_seed(100 + rank)  # each stage its own weights
+    net = nn.Sequential()
+    net.add_module("fc1", nn.Linear(4, 4))
+    net.add_module("fc2", nn.Linear(4, 4))
+    outputs = []
+    net.fc2.register_forward_hook(lambda m, i, o: outputs.append(o.detach().double()))
+    cfg = dm.MetricsConfig(output_dir=root, console=False, tensorboard=False, log_progress=False,
+                           timing_log_level=-1, log_interval=100, tensor_inspect={"enabled": True, "features": features})
+    monitor = dm.Monitor(cfg, model=net, device_mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp")))
+    net(torch.randn(3, 4)).sum().backward()
+    monitor.step(1)
+    monitor.close()
+    weight = net.fc2.weight.detach().double()
+    return {f"tensor_stats/stage{rank}.fc2/weight/l2_norm": float(weight.norm()),
+            f"tensor_stats/stage{rank}.fc2/weight/max": float(weight.max()),
+            f"tensor_stats/stage{rank}.fc2/activation/l2_norm": float(outputs[0].norm()),
+            f"tensor_stats/stage{rank}.fc2/activation/max": float(outputs[0].max())}
+
+
+def test_pipeline_stages_whose_module_names_collide_each_get_their_own_statistics(tmp_path):
+    """Stages naming their modules alike (a model split by hand): the norms name each stage's modules with
+    its stage, but tensor statistics merged both stages' activations under one name and wrote the first
+    stage's weight alone. They take the stage prefix the norms take."""
+    truth = run_ranks(_stages_named_alike, 2, str(tmp_path), timeout=180)
+    written = _tensor_stats_by_step(tmp_path)[1]
+    assert written == pytest.approx({**truth[0], **truth[1]}, rel=1e-6), written
+
+
 def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statistics(tmp_path):
     """copy.deepcopy of a hooked model (an EMA or teacher made after the Monitor) copies its forward
     hooks: the teacher's training-mode forwards, under torch.no_grad(), went into the student's

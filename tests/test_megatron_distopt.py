@@ -387,7 +387,7 @@ def test_p0_is_refused_on_every_rank_when_the_distributed_optimizer_splits_a_ten
 def _moe_update(rank: int, world: int, distributed: bool) -> dict:
     """A MoE GPTModel (4 experts over 2 expert-parallel ranks) under Megatron's DDP: its optimizer
     is a ChainedOptimizer of a dense and an expert part. Gradients are written into main_grad (the
-    MoE forward needs CUDA): the same on both ranks for the dense (replicated) parameters."""
+    MoE forward needs patches on CPU): the same on both ranks for the dense (replicated) parameters."""
     import zlib
 
     import torch
@@ -439,7 +439,7 @@ def _moe_parts_attached(rank: int, world: int, attach: str) -> dict:
     """The distributed ChainedOptimizer of a MoE GPTModel (4 experts over 2 expert-parallel ranks: a
     dense part sharded over DP=2 and an expert part) attached part by part: ``both`` (the dense part
     given to the Monitor and attached again, then the expert part attached), ``dense`` or ``expert``
-    alone. Each rank writes gradients of its own into main_grad (the MoE forward needs CUDA). Truth
+    alone. Each rank writes gradients of its own into main_grad (the MoE forward needs patches on CPU). Truth
     in float64: the local gradients summed over the data-parallel (expert: expert-data-parallel)
     group, divided by the data-parallel size, as Megatron's DDP reduces them; and the norm
     Megatron's optimizer reports."""

@@ -1068,7 +1068,7 @@ def _megatron_layouts(rank: int, world: int) -> dict:
 
     # --- mixture of experts: 4 experts per layer over EP=2, (a) TP=1, so each expert has two
     # expert-data-parallel replicas, (b) TP=2 with experts split over expert-TP=2 (no expert
-    # replica). Megatron's MoE forward needs CUDA, so gradients are set per layout rules: a
+    # replica). Megatron's MoE forward needs patches on CPU, so gradients are set per layout rules: a
     # dense parameter's are equal on its data-parallel replicas, an expert's depend on its
     # global expert index (equal on its expert-data-parallel replicas), and a TP-partitioned
     # piece's on its partition. The truth counts each (global name, partition) once.

@@ -117,6 +117,7 @@ class TensorInspector:
         self._shadowed: set = set()  # wrappers whose values are their wrapped layer's (see attach)
         self._models: list = []
         self._vector_names: dict[tuple, tuple] = {}
+        self._stage = ""  # this rank's stage prefix where pipeline stages hold modules of one name (name_stage)
         self._silent_sections = SilentSections(spec)  # names a section that yields no value, once
         self.weights_done: set = set()  # (layer, feature) whose weight was logged this step
         self.optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
@@ -168,7 +169,7 @@ class TensorInspector:
         self.debug_api.infer_and_assign_layer_names(model)
         modules = named_layers(model)
         fullgraph = fullgraph_owner(model)
-        self.layer_names.update(metric_layers(model))
+        self.layer_names.update((layer, self._stage + name) for layer, name in metric_layers(model).items())
         self._silent_sections.names_changed()
         sections = [name for name, body in self.spec.items() if body.get("enabled")]
         matched = [any(numbered(is_layer_in_cfg, name, spec) for _, name in modules) for spec in ConfigManager.configs]
@@ -244,7 +245,15 @@ class TensorInspector:
     def _metric_layer(self, layer: str) -> str:
         """Our name for nvdlfw-inspect's layer ``layer`` (as norm names name its module)."""
         name = self.layer_names.get(layer)
-        return name if name is not None else strip_model(layer)
+        return name if name is not None else self._stage + strip_model(layer)
+
+    def name_stage(self, prefix: str) -> None:
+        """Start every layer's name with this rank's pipeline stage (``stage1.``), as norm names do where
+        stages hold modules of one name: their statistics were merged (a weight: the first stage's alone)."""
+        self._stage = prefix
+        self.layer_names = {layer: prefix + name for layer, name in self.layer_names.items()}
+        self._vector_names = {}
+        self._silent_sections.names_changed()
 
     # --- accumulation (called through the feature) ----------------------------------------
     def add(self, layer: str, tensor_name: str, tensor: torch.Tensor, stats: list) -> None:
