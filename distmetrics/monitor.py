@@ -364,8 +364,8 @@ class Monitor:
             say_pending(self, writes_record)
             if writes_record:
                 self._reducer.call = "monitor.close"  # a hang report names the call the rank is in
-                if "norms" in self._by_name:  # its last step was measured ahead only where total_steps names it
-                    self._by_name["norms"].unpredicted(self._last_step, closing=True)
+                if "norms" in self._by_name and not self._is_log_step(self._last_step):  # measured ahead only
+                    self._by_name["norms"].unpredicted(self._last_step, closing=True)  # where total_steps names it
                 self._log(self._last_step, ended_at=self._stepped_at)
         except BaseException as err:
             self._shutdown(f"closed its Monitor, which raised {type(err).__name__}", quiet=True,  # that error is

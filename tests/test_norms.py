@@ -2534,6 +2534,35 @@ def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its
         assert (last["grad_norm"], last["update_norm"]) == pytest.approx((grad, update), rel=1e-6) and not said
 
 
+def test_the_record_close_writes_is_said_apart_from_a_change_of_stride_and_not_where_total_steps_named_it(tmp_path,
+                                                                                                    caplog):
+    """Steps 2, 4, ... 10 with log_interval 4: step 4's record misses its update (the stride changed), said
+    once; the record close() writes, step 10, missed its own without a word (one flag for both). And with
+    total_steps naming the last step, skipped by the optimizer: only the skipped step is said, not a step
+    "not known ahead"."""
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for steps, total, folder in ((range(2, 11, 2), None, "stride"), (range(1, 6), 5, "skipped")):
+        with dm.Monitor(quiet_config(output_dir=str(tmp_path / folder), log_interval=4, log_update_norm=True,
+                                     total_steps=total), model=model, optimizer=opt) as monitor:
+            for step in steps:
+                opt.zero_grad()
+                model(torch.randn(4, 3)).pow(2).sum().backward()
+                skipped = folder == "skipped" and step == 5
+                if not skipped:
+                    opt.step()
+                monitor.step(step, skipped=skipped)
+    said = [r.getMessage() for r in caplog.records if "has no update_norm" in r.getMessage()]
+    assert [line.split(":")[1] for line in said] == [" the record of step 4 has no update_norm",
+                                                     " the record of step 10 has no update_norm",
+                                                     " the record of step 5 has no update_norm"], said
+    assert "a change of stride" in said[0] and "close() writes" in said[1] and "close()" not in said[2], said
+
+
 def test_the_roots_own_parameters_beside_a_child_named_model_are_not_merged_with_it():
     """A wrapper with its own parameter and a child ``self.model`` (Hugging Face's layout):
     the child is ``grad_norm/model``, the root's own parameters ``grad_norm/root``, each equal

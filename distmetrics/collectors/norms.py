@@ -94,7 +94,7 @@ class NormCollector(ParamSide):
         self._warned_skipped_update = False  # ... from a step reported skipped was said
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
-        self._closing = False  # the unpredicted record is close()'s
+        self._closing = self._warned_closing = False  # the unpredicted record is close()'s (said apart)
         self._skipped_after: Any = False  # measure_grad_norms() left out, predicted not logged: the step before
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
@@ -138,9 +138,13 @@ class NormCollector(ParamSide):
         lacks = ["update_norm"] if lacks_update else []
         if self._skipped_after is not False and lacks_grad:
             lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: pass step=)")
-        if not lacks or self._unpredicted != step or self._warned_unpredicted or not self.layout.says_once:
+        said = self._warned_closing if self._closing else self._warned_unpredicted  # each cause said once
+        if not lacks or self._unpredicted != step or said or not self.layout.says_once:
             return
-        self._warned_unpredicted = True
+        if self._closing:
+            self._warned_closing = True
+        else:
+            self._warned_unpredicted = True
         why = ("it is the record close() writes, of the steps after the last log step, and its step was not known "
                "ahead to be logged (total_steps names the job's last step)" if self._closing else "the step was not known to be a log step (the next step is predicted as "
                "the last plus the stride between the last two, so the first log step after a change of stride "
