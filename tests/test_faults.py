@@ -2897,7 +2897,7 @@ def test_a_sigterm_ends_a_rank_waiting_at_the_arrival_check_at_once_and_its_peer
         for proc in procs:
             proc.kill()
     handled = float(out.split("HANDLED ")[1].split()[0])
-    assert handled - sent < 3, (handled - sent, err[-3000:])  # not at hang_timeout_s (20 s)
+    assert handled - sent < 10, (handled - sent, err[-3000:])  # not at hang_timeout_s (20 s); ~1 s when idle
     assert procs[1].returncode == (0 if handler == "raise" else 143), err[-3000:]  # the script catches the error
     # the handler's own error is the one raised (not a HangError from a store failure it was taken for)
     assert err.count(f"distmetrics: {said}") == 1 and ("RuntimeError preempted" in out) == (handler == "raise"), err
