@@ -1286,3 +1286,63 @@ def test_a_run_record_whose_world_size_is_no_number_is_shown_as_it_is(tmp_path):
         {"kind": "train", "step": 2, "train/loss": 1.0}])
     page = Path(write_report(tmp_path, tmp_path / "report.html")).read_text(encoding="utf-8")
     assert "<td>world size</td><td>[2], {&#x27;dp&#x27;: 2} (the jobs ran on different world sizes)</td>" in page
+
+
+def _timed_job(rank: int, world: int, out: str, option: str, start: int, steps: int) -> None:
+    """Steps ``start`` on, a ``data`` timer the slow rank sleeps in: rank 1 in the first job, rank 0 in the
+    job that resumes at an earlier step (another timing_log_option)."""
+    import time
+
+    import torch
+
+    import distmetrics as dm
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = dm.MetricsConfig(output_dir=out, tensorboard=False, console=False, log_interval=2, timing_log_level=0,
+                           timing_log_option=option, straggler_window=3)
+    with dm.Monitor(cfg, model=model, optimizer=opt) as monitor:
+        for step in range(start, start + steps):
+            with monitor.timers("data", log_level=0):
+                time.sleep(0.02 * (rank if start == 1 else 1 - rank))
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            monitor.step(step, loss=2.0, tokens=100)
+
+
+def test_a_job_resumed_at_an_earlier_step_replaces_the_timer_tables_last_values_and_the_slowest_rank(tmp_path,
+                                                                                                     monkeypatch):
+    """Job 1 (timing_log_option all) logs steps 2..20, job 2 (minmax) resumes at 11 and logs 12..16. The timer
+    table's 'last' values were job 1's step 20 (the highest step, though job 2 replaced it); the min..max band
+    was one polygon going back from 20 to 12; the slowest-rank dots showed both jobs' ranks at 12..16; and the
+    last stragglers record's per-timer rows were left out. Truth: the JSONL, read here."""
+    from matplotlib.axes import Axes
+
+    run_ranks(_timed_job, 2, str(tmp_path), "all", 1, 20, timeout=180)
+    run_ranks(_timed_job, 2, str(tmp_path), "minmax", 11, 6, timeout=180)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "train"][-1]
+    straggled = [r for r in records if r["kind"] == "stragglers"][-1]
+    drawn: dict = {"fill": [], "scatter": []}
+    fill, scatter = Axes.fill_between, Axes.scatter
+    monkeypatch.setattr(Axes, "fill_between", lambda ax, x, *a, **k: (
+        drawn["fill"].append((ax.get_title(), list(x))), fill(ax, x, *a, **k))[1])
+    monkeypatch.setattr(Axes, "scatter", lambda ax, x, y, *a, **k: (
+        drawn["scatter"].append((ax.get_title(), list(x), list(y))), scatter(ax, x, y, *a, **k))[1])
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    row = re.search(r"<tr><td>timers/step</td>(.*?)</tr>", page).group(1)
+    cells = [html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", row)]
+    assert float(cells[1]) == pytest.approx(last["timers/step"], rel=1e-3, abs=0.01), (cells, last)
+    assert int(cells[3]) == last["timers/step/max_rank"], (cells, last)
+    bands = [x for title, x in drawn["fill"] if title.startswith("timers/")]
+    assert bands and all(x == sorted(x) for x in bands), bands
+    dots = [(x, y) for title, x, y in drawn["scatter"] if title == "timers/data: the slowest rank at each log step"]
+    assert dots and all(x.count(step) <= 1 for x, _ in dots for step in x), dots
+    assert max(dots[0][0]) < 11, dots  # job 2 logged no rank's values (minmax): steps from 11 on are its
+    minmax = [(x, y) for title, x, y in drawn["scatter"] if title.startswith("timers/data: the straggler")]
+    assert minmax and [(int(x), int(y)) for x, y in zip(*minmax[0])] == [  # job 1's up to 10, then job 2's
+        (2, 1), (4, 1), (6, 1), (8, 1), (10, 1), (12, 0), (14, 0), (16, 0)], minmax
+    slow = [row["rank"] for row in straggled["timers"]["data"]]
+    shown = re.findall(r"<tr><td>slowest in data</td><td>(\d+)</td>", page)
+    assert slow and [int(rank) for rank in shown] == slow, (shown, straggled)

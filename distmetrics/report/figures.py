@@ -18,7 +18,7 @@ import numpy as np
 from .read import RunData
 
 __all__ = ["HEALTHY_BANDS", "EVENT_COLOURS", "Figures", "plot_series", "panel_figure", "series_panel",
-           "escape", "fmt", "auto_log", "mark_band", "margins"]
+           "escape", "fmt", "auto_log", "mark_band", "margins", "segments"]
 
 HEALTHY_BANDS: dict[str, tuple[float, float, str]] = {
     "relative_update_norm": (1e-4, 1e-2, "|dP| / |P| per step: below 1e-4 the weights barely move, "
@@ -164,7 +164,7 @@ def series_panel(figs: Figures, names: list, title: str, ylabel: str = "", log: 
 def plot_series(ax, steps, jobs, values, label, color=None, marker=None, ls="-", lw=1.2, alpha=1.0):
     """One series, one line segment per job; non-finite values as red crosses at the top."""
     handle = None
-    for a, b in _segments(jobs):
+    for a, b in segments(jobs):
         y = values[a:b]
         (line,) = ax.plot(steps[a:b], np.where(np.isfinite(y), y, np.nan), label=label if handle is None else None,
                           color=color if handle is None else handle.get_color(), ls=ls, lw=lw, alpha=alpha,
@@ -223,7 +223,7 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def _segments(jobs: np.ndarray) -> list[tuple[int, int]]:
+def segments(jobs: np.ndarray) -> list[tuple[int, int]]:
     """Index ranges of consecutive records of one job (lines break at restarts)."""
     if jobs.size == 0:
         return []

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .figures import Figures, escape, fmt, job_number, panel_figure, plot_series
+from .figures import Figures, escape, fmt, job_number, panel_figure, plot_series, segments
 from .heatmap import heatmap
 
 __all__ = ["timer_section"]
@@ -76,19 +76,37 @@ def _per_rank_timer(figs: Figures, key: str, grid) -> str:
     spread = grid.spread_arrays()
     if spread:
         def draw_spread(ax) -> None:
-            ax.fill_between(spread["step"], spread["min"], spread["max"], color="C0", alpha=0.2,
-                            label="min..max over ranks")
+            fill_by_job(ax, spread["step"], spread["job"], spread["min"], spread["max"])
             plot_series(ax, spread["step"], spread["job"], spread["median"], "median over ranks", color="C0")
             plot_series(ax, spread["step"], spread["job"], spread["max"], "max (the slowest rank)", color="C3", lw=0.8)
 
         def draw_slowest(ax) -> None:
-            ok = spread["slowest"] >= 0
+            ok = (spread["slowest"] >= 0) & not_replaced(spread["step"], spread["job"], figs.data.jobs)
             ax.scatter(spread["step"][ok], spread["slowest"][ok], s=4, color="C3")
             ax.yaxis.get_major_locator().set_params(integer=True)
         parts.append(panel_figure(figs, [(f"{key} over ranks", "ms", draw_spread),
                                          (f"{key}: the slowest rank at each log step", "rank", draw_slowest)],
                                   f"{key} spread"))
     return "".join(parts)
+
+
+def not_replaced(steps: np.ndarray, jobs: np.ndarray, meta: list) -> np.ndarray:
+    """The records no later job replaced: a job resumed at step s (``meta``: the jobs as read, with
+    ``resumed_at``) replaces the earlier jobs' steps from s on, whatever it logs itself (one slowest rank
+    per log step, as the heatmaps hold only the new job's values there)."""
+    keep = np.ones(steps.size, dtype=bool)
+    for later, job in enumerate(meta):
+        if job.get("resumed_at") is not None:
+            keep &= ~((jobs < later) & (steps >= job["resumed_at"]))
+    return keep
+
+
+def fill_by_job(ax, steps: np.ndarray, jobs: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+    """The min..max band, one piece per job's run of records: a job resumed at an earlier step starts
+    its own (one band over both went back in steps, a polygon crossing itself)."""
+    for i, (a, b) in enumerate(segments(jobs)):
+        ax.fill_between(steps[a:b], low[a:b], high[a:b], color="C0", alpha=0.2,
+                        label="min..max over ranks" if i == 0 else None)
 
 
 def _minmax_timer(figs: Figures, name: str) -> list:
@@ -99,7 +117,7 @@ def _minmax_timer(figs: Figures, name: str) -> list:
         if table.has(f"{key}/min"):
             steps_min, jobs_min, fastest = table.series(f"{key}/min")
             if steps_min.size == steps.size:
-                ax.fill_between(steps, fastest, slowest, color="C0", alpha=0.2, label="min..max over ranks")
+                fill_by_job(ax, steps, jobs, fastest, slowest)
             plot_series(ax, steps_min, jobs_min, fastest, "min", color="C2", lw=0.8)
         plot_series(ax, steps, jobs, slowest, "max", color="C3", lw=1.0)
         if table.has(f"{key}/mean"):
@@ -111,8 +129,9 @@ def _minmax_timer(figs: Figures, name: str) -> list:
     if rank_key or ratio_key:
         def draw_straggler(ax) -> None:
             if rank_key:
-                steps, _, ranks = table.series(rank_key)
-                ax.scatter(steps, ranks, s=8, color="C3", label="the slowest rank", zorder=3)
+                steps, jobs, ranks = table.series(rank_key)
+                kept = not_replaced(steps, jobs, figs.data.jobs)
+                ax.scatter(steps[kept], ranks[kept], s=8, color="C3", label="the slowest rank", zorder=3)
                 ax.yaxis.get_major_locator().set_params(integer=True)
             if ratio_key:
                 other = ax.twinx() if rank_key else ax
@@ -157,11 +176,13 @@ def _straggler_record(figs: Figures) -> str:
     step, job, record = figs.data.straggler_reports[-1]
     columns = ("rank", "host", "local_rank", "score", "ms", "power_w", "sm_clock_mhz")
     rows = []
-    for side in ("slowest", "fastest"):
-        for row in record.get(side) or []:
+    timers = record.get("timers") if isinstance(record.get("timers"), dict) else {}
+    sides = [(side, record.get(side)) for side in ("slowest", "fastest")]
+    for side, held in sides + [(f"slowest in {name}", held) for name, held in timers.items()]:
+        for row in held if isinstance(held, list) else []:
             if isinstance(row, dict):
-                rows.append(f"<tr><td>{side}</td>" + "".join(f"<td>{escape(fmt(row.get(c)))}</td>" for c in columns)
-                            + "</tr>")
+                rows.append(f"<tr><td>{escape(side)}</td>" + "".join(f"<td>{escape(fmt(row.get(c)))}</td>"
+                                                                     for c in columns) + "</tr>")
     return (f"<p>The last <code>stragglers</code> record (step {step}, job {job_number(job)}; score over the last "
             f"{escape(record.get('window'))} log steps: the fastest rank's median ms per step / the rank's):</p>"
             "<table><tr><th>side</th>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows)
@@ -175,10 +196,11 @@ def _timer_table(figs: Figures) -> str:
     for name in _timer_names(figs):
         key = f"timers/{name}"
         grid = data.grids.get(("rank", key))
-        sources = []  # (last step, max values, last min, slowest rank at the last step) per way of logging
+        sources = []  # ((last job, its last step), max values, last min, slowest rank there) per way of logging
         if grid is not None and grid.spread:
             spread = grid.spread_arrays()
-            sources.append((spread["step"][-1], spread["max"], spread["min"][-1], int(spread["slowest"][-1])))
+            sources.append(((spread["job"][-1], spread["step"][-1]), spread["max"], spread["min"][-1],
+                            int(spread["slowest"][-1])))
         if table.has(key):
             steps, jobs, slowest = table.series(key)
 
@@ -191,10 +213,12 @@ def _timer_table(figs: Figures) -> str:
 
             rank_of = next((at_last(k) for k in (f"stragglers/{name}/rank", f"{key}/max_rank") if table.has(k)
                             and math.isfinite(at_last(k))), math.nan)
-            sources.append((steps[-1], slowest, at_last(f"{key}/min"), int(rank_of) if math.isfinite(rank_of) else -1))
+            sources.append(((jobs[-1], steps[-1]), slowest, at_last(f"{key}/min"),
+                            int(rank_of) if math.isfinite(rank_of) else -1))
         if not sources:
             continue
-        # jobs of one file logging it both ways: the median over both, the last values the later one's
+        # jobs of one file logging it both ways: the median over both, the last values the later job's (a
+        # resume at an earlier step is later, though the rolled-back job logged higher steps)
         _, latest, last_min, rank = max(sources, key=lambda source: source[0])
         slowest, last_max = np.concatenate([source[1] for source in sources]), latest[-1]
         with warnings.catch_warnings():
