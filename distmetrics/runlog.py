@@ -18,7 +18,7 @@ from .sinks.jsonl import METRICS_FILE, NONFINITE, decode_line
 
 __all__ = ["METRICS_FILE", "LINE_LIMIT", "TRAINING_KINDS", "end_note", "Job", "Records", "NotAMetricsFile",
            "EmptyMetricsFile", "decode_record", "metrics_files", "read_jobs", "split_jobs", "last_logged_step",
-           "last_record"]
+           "last_record", "last_log_step_of_end"]
 
 LINE_LIMIT = 64 * 2**20
 """The longest line read as a record whatever it holds, in bytes (64 MiB; a record of 100,000 names
@@ -256,7 +256,7 @@ def end_note(end: Optional[dict[str, Any]], last: bool, expected: bool = True) -
     return f"ended {at}: {end.get('how')}" + (f", {' and '.join(said)} not written" if said else "")
 
 
-def _last_log_step(end: dict) -> Any:
+def last_log_step_of_end(end: dict) -> Any:
     """The step of an end record's job's last log step: its last ``monitor.step`` less the steps
     after that log step, which no sink has (its ``unwritten_steps``, less those of log steps that did
     not complete, ``lost_in_log_steps``: a signal may have cut one short after some sink took it)."""
@@ -295,7 +295,7 @@ def last_logged_step(path: Union[str, Path]) -> Optional[int]:
         elif kind == "end":
             unstepped[0] = record.get("stepped") is False  # an evaluation-only job's: its lost records are no steps
         if kind in ("gap", "end") and not unstepped[0]:  # steps whose records metrics.jsonl lost (a full disk) may be
-            last = record.get("last_step") if kind == "gap" else _last_log_step(record)  # on TensorBoard's
+            last = record.get("last_step") if kind == "gap" else last_log_step_of_end(record)  # on TensorBoard's
             if isinstance(last, int):
                 highest[0] = last if highest[0] is None else max(highest[0], last)
                 trains[0] += kind == "gap"  # records lost by a job that stepped: it trained

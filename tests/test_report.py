@@ -1346,3 +1346,34 @@ def test_a_job_resumed_at_an_earlier_step_replaces_the_timer_tables_last_values_
     slow = [row["rank"] for row in straggled["timers"]["data"]]
     shown = re.findall(r"<tr><td>slowest in data</td><td>(\d+)</td>", page)
     assert slow and [int(rank) for rank in shown] == slow, (shown, straggled)
+
+
+@pytest.mark.parametrize("lost_by", ["gap", "end"])
+def test_a_job_resumed_over_steps_a_full_disk_lost_is_a_resume_in_the_report_as_in_summary(tmp_path, lost_by):
+    """Job 1 logs steps 2..16 in the file; a full disk lost steps 18..20 from it (a gap record; or an end
+    record whose last log step is 20, the records after 16 lost with no room for a gap record), which
+    TensorBoard has. Job 2 starts at 20: the Monitor and summary read a resume over step 20, the report
+    said 'restart' and left the lost steps from 19 on marked lost. Truth: runlog.last_logged_step, as
+    the Monitor reads it, and the summary's line."""
+    from distmetrics.runlog import last_logged_step
+
+    run = {"kind": "run", "step": 0, "world_size": 1, "end_record": True, "ranks": [{"rank": 0, "host": "h"}]}
+    first = [run] + [{"kind": "train", "step": s, "train/loss": 3.0 - 0.01 * s} for s in range(2, 17, 2)]
+    if lost_by == "gap":
+        first += [{"kind": "gap", "step": 20, "first_step": 18, "last_step": 20, "lost_records": 2},
+                  {"kind": "end", "step": 20, "how": "closed its Monitor", "stepped": True, "unwritten_steps": 0}]
+    else:
+        first += [{"kind": "end", "step": 21, "how": "closed its Monitor", "stepped": True, "unwritten_steps": 1}]
+    _write(tmp_path / "metrics.jsonl", first)
+    assert last_logged_step(tmp_path / "metrics.jsonl") == 20
+    resume = {"kind": "resume", "step": 20, "from_step": 20, "last_logged_step": 20, "tensorboard_dropped": True,
+              "message": "this job starts at step 20, at or before step 20"}  # as the Monitor writes it
+    _write(tmp_path / "metrics.jsonl", first + [run, resume] + [{"kind": "train", "step": s, "train/loss": 5.0}
+                                                                for s in range(20, 25, 2)])
+    said = run_python("-m", "distmetrics", "summary", str(tmp_path)).stdout
+    assert "resumed at step 20 (step 20 was logged before" in said, said
+    page = Path(write_report(tmp_path)).read_text(encoding="utf-8")
+    job2 = [html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", re.findall(r"<tr><td>2</td>.*?</tr>", page)[0])]
+    assert job2[-1] == "resumed at step 20 <= last logged 20", job2
+    lost = load_metrics(tmp_path).lost
+    assert lost == ([(18, 19)] if lost_by == "gap" else []), lost  # step 20 is job 2's

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..runlog import TRAINING_KINDS as _TRAINING_KINDS, Records, metrics_files
+from ..runlog import TRAINING_KINDS as _TRAINING_KINDS, Records, last_log_step_of_end, metrics_files
 from ..sinks import DASHBOARD_KINDS
 from ..sinks.jsonl import NONFINITE
 from .store import ScalarTable, StepGrid
@@ -118,6 +118,8 @@ class RunData:
                 self.jobs.append(_job_meta({}, 0))  # as summary numbers them (a job 1 here is its job 1)
                 self._job = 0
             self.jobs[self._job]["end"] = record
+            if record.get("stepped") is not False:  # its last log step: logged, as runlog.last_logged_step reads it
+                self._logged(last_log_step_of_end(record))
             return
         if kind == "gpu_model":  # once per job at start: not on the step axis
             for gpu in record.get("ranks", [record]):
@@ -137,10 +139,17 @@ class RunData:
             lost = _lost_steps(record) if kind == "gap" else None
             if lost is not None:
                 self.lost.append(lost)
+                self._logged(lost[1])  # lost from this file, not from TensorBoard: logged, as the Monitor reads it
         else:
             self.records += kind in DASHBOARD_KINDS
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             self._take_values(record, step)
+
+    def _logged(self, step: Any) -> None:
+        """``step`` was logged by the current job (a record, or one a full disk lost from this file only)."""
+        if isinstance(step, int) and not isinstance(step, bool) and self._job >= 0:
+            meta = self.jobs[self._job]
+            meta["last_logged"] = step if meta.get("last_logged") is None else max(meta["last_logged"], step)
 
     def _count_step(self, step: int, kind: Any = None, record: Optional[dict] = None) -> None:
         if self._job < 0:  # a file without a run record
@@ -173,7 +182,7 @@ class RunData:
             self._restart_pending = None
         meta["last_step"] = step if meta["last_step"] is None else max(meta["last_step"], step)
         if kind in DASHBOARD_KINDS:  # what the Monitor reads as the last step logged (runlog.last_logged_step)
-            meta["last_logged"] = step if meta.get("last_logged") is None else max(meta["last_logged"], step)
+            self._logged(step)
         if kind == "train":  # the job's first and last train record, as summary shows them
             if meta["first_train_step"] is None:
                 meta["first_train_step"] = step
