@@ -50,9 +50,9 @@ def job_module_order(layout: Layout, local: Sequence[str], guard: Any = None, ch
         logger.warning("distmetrics: pipeline stages %d and %d both hold a module named %r (different modules: each "
                        "stage names its own from its root, and a ModuleList made per stage numbers its layers from 0 "
                        "on every stage), so every module's name starts with its pipeline stage ('stage%d.%s', "
-                       "'stage%d.%s') in grad_norm/, param_norm/, update_norm/, tensor_stats/ and the run record's modules. Name "
-                       "the stages' modules apart (Megatron's layer_number gives a layer its global index) to keep "
-                       "them unprefixed", a, b, name, a, name, b, name)
+                       "'stage%d.%s') in grad_norm/, param_norm/, update_norm/, tensor_stats/ and the run record's "
+                       "modules. Name the stages' modules apart (Megatron's layer_number gives a layer its global "
+                       "index) to keep them unprefixed", a, b, name, a, name, b, name)
     named = [(rank, ([""] if merged else []) + list(names)) for rank, names, _, _ in stages]
     if all(chunks for _, _, chunks, _ in stages):
         keyed = sorted((_stage_of(_chunk_index(name), rank, layout), rank, at, name)

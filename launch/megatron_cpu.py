@@ -68,8 +68,8 @@ def build_gpt(num_layers: int = 4, hidden: int = 32, heads: int = 4, vocab: int 
     SequentialMLP), split over ``ep`` expert-parallel ranks and ``etp`` expert-tensor-parallel
     ranks (default: ``tp``). On CPU such a model builds, but its forward runs only with more patches
     than this module applies (megatron-core 0.16 leaves TE's GEMM name unbound, and its backward
-    allocates on ``torch.cuda.current_device()``). ``fp8`` (``e4m3``/``hybrid``, with ``use_te``) trains the TE layers in FP8
-    with ``fp8_recipe``."""
+    allocates on ``torch.cuda.current_device()``). ``fp8`` (``e4m3``/``hybrid``, with ``use_te``) trains
+    the TE layers in FP8 with ``fp8_recipe``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig

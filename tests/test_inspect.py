@@ -2360,7 +2360,8 @@ def _stages_named_alike(rank: int, world: int, root: str) -> dict:
     outputs = []
     net.fc2.register_forward_hook(lambda m, i, o: outputs.append(o.detach().double()))
     cfg = dm.MetricsConfig(output_dir=root, console=False, tensorboard=False, log_progress=False,
-                           timing_log_level=-1, log_interval=100, tensor_inspect={"enabled": True, "features": features})
+                           timing_log_level=-1, log_interval=100,
+                           tensor_inspect={"enabled": True, "features": features})
     monitor = dm.Monitor(cfg, model=net, device_mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp")))
     net(torch.randn(3, 4)).sum().backward()
     monitor.step(1)

@@ -2526,7 +2526,8 @@ def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its
     assert last["step"] == 5
     if total_steps is None:
         assert "grad_norm" not in last and "update_norm" not in last, last
-        assert said == ["distmetrics: the record of step 5 has no update_norm nor grad_norm (monitor.measure_grad_norms() "
+        assert said == ["distmetrics: the record of step 5 has no update_norm nor grad_norm ("
+                        "monitor.measure_grad_norms() "
                         "measured nothing: pass step=): it is the record close() writes, of the steps after the last "
                         "log step, and its step was not known ahead to be logged (total_steps names the job's last "
                         "step). Said once"], said

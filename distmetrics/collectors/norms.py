@@ -146,9 +146,9 @@ class NormCollector(ParamSide):
         else:
             self._warned_unpredicted = True
         why = ("it is the record close() writes, of the steps after the last log step, and its step was not known "
-               "ahead to be logged (total_steps names the job's last step)" if self._closing else "the step was not known to be a log step (the next step is predicted as "
-               "the last plus the stride between the last two, so the first log step after a change of stride "
-               "misses it)")
+               "ahead to be logged (total_steps names the job's last step)" if self._closing else
+               "the step was not known to be a log step (the next step is predicted as the last plus the stride "
+               "between the last two, so the first log step after a change of stride misses it)")
         logger.warning("distmetrics: the record of step %d has no %s: %s. Said once", step, " nor ".join(lacks), why)
 
     def unpredicted(self, step: int, closing: bool = False) -> None:
