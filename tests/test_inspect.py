@@ -2382,6 +2382,84 @@ def test_pipeline_stages_whose_module_names_collide_each_get_their_own_statistic
     assert written == pytest.approx({**truth[0], **truth[1]}, rel=1e-6), written
 
 
+def _sharded_layer_dropped(rank: int, world: int, root: str) -> dict:
+    """FSDP2 on 2 ranks; rank 1 skips fc_b at step 2 (layer drop; the usual zero term keeps FSDP2's
+    gradients in step). Truth: full_tensor() of the sharded weight before each step, and the fc_b output
+    of each rank that ran it, both float64."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distmetrics as dm
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc_a, self.fc_b, self.skip = nn.Linear(8, 8), nn.Linear(8, 8), False
+
+        def forward(self, x):
+            h = self.fc_a(x)
+            if self.skip:
+                return h + 0 * (self.fc_b.weight.sum() + self.fc_b.bias.sum())
+            return h + self.fc_b(h)
+
+    torch.manual_seed(0)
+    model = Net()
+    outputs: list = []
+    model.fc_b.register_forward_hook(lambda m, i, o: outputs.append(o.detach().double()))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fully_shard(model, mesh=mesh)
+    features = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": r"fc_b$"},
+                      "distmetrics": {"LogTensorStats": {"enabled": True, "tensors": ["weight", "activation"],
+                                                         "stats": ["l1_norm"]}}}}
+    cfg = dm.MetricsConfig(output_dir=root, log_interval=1, console=False, tensorboard=False, timing_log_level=-1,
+                           tensor_inspect={"enabled": True, "features": features})
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("distmetrics").addHandler(handler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    truth: dict = {}
+    with dm.Monitor(cfg, model=model, optimizer=opt, device_mesh=mesh) as monitor:
+        for step in (1, 2, 3):
+            weight = model.fc_b.weight.full_tensor().double()
+            model.skip = step == 2 and rank == 1
+            outputs.clear()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))).pow(2).mean().backward()
+            parts = [None] * world
+            dist.all_gather_object(parts, torch.cat([o.reshape(-1) for o in outputs]) if outputs else torch.zeros(0))
+            truth[step] = {"weight/l1_norm": float(weight.abs().sum()),
+                           "activation/l1_norm": float(torch.cat(parts).abs().sum())}
+            opt.step()
+            opt.zero_grad()
+            monitor.step(step)
+    logging.getLogger("distmetrics").removeHandler(handler)
+    return {"truth": truth, "said": [line for line in said if "tensor_stats" in line or "no value came" in line]}
+
+
+def test_a_sharded_weight_a_rank_did_not_measure_is_left_out_and_said_not_written_from_the_other_shards(tmp_path):
+    """FSDP2 measures a weight in its layer's forward: at a step where a rank skipped the layer (layer drop),
+    its shard was missing and the weight's statistics were the other shards' (half the l1_norm), unsaid.
+    Such a weight is now left out of that step's record and named once; the other steps and the
+    activations are exact."""
+    out = run_ranks(_sharded_layer_dropped, 2, str(tmp_path), timeout=240)
+    written = _tensor_stats_by_step(tmp_path)
+    truth = out[0]["truth"]
+    for step in (1, 3):
+        assert written[step] == pytest.approx({f"tensor_stats/fc_b/{k}": v for k, v in truth[step].items()},
+                                              rel=1e-6), (step, written[step])
+    assert written[2] == pytest.approx({"tensor_stats/fc_b/activation/l1_norm": truth[2]["activation/l1_norm"]},
+                                       rel=1e-6), written[2]
+    assert out[0]["said"] == ["distmetrics: tensor_stats/<layer>/weight at step 2 is left out for fc_b (rank 1): the "
+                              "rank(s) holding a shard of it that did not run the layer in the step (layer drop) "
+                              "measured no shard, and the others' shards are not the weight (said once per layer)"]
+    assert out[1]["said"] == [], out[1]
+
+
 def test_a_copy_of_the_model_made_after_the_monitor_adds_nothing_to_its_statistics(tmp_path):
     """copy.deepcopy of a hooked model (an EMA or teacher made after the Monitor) copies its forward
     hooks: the teacher's training-mode forwards, under torch.no_grad(), went into the student's

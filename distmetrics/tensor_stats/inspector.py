@@ -47,7 +47,7 @@ from ..config import ConfigError
 from ..eager import eager
 from ..parallel import (data_parallel_group, holds_first_replica, local_tensor, owns_local_piece, plain_replica,
                         tp_cp_leader)
-from ..per_rank import PerRank
+from ..per_rank import PerRank, some_ranks
 from ..reduce import Reducer
 from ..collectors.base import Alert, LogContext, Sample
 from .compiled import fullgraph_error, fullgraph_owner, hold_hook_guards, named_layers, release_hook_guards
@@ -55,7 +55,7 @@ from .schedule import stats_step, tensor_names
 from .layer_hooks import StandIns, base_feature, forward_hook
 from .layer_tensors import OptimizerWeights, Unreadable
 from .selection import config_for_layer, example_names, numbered
-from .rank_merge import FORWARDED, PEERS, REPLICA, combine
+from .rank_merge import FORWARDED, OWED, PEERS, REPLICA, combine
 from .statistics import PARTS, merge, partials
 from .te_names import metric_layers, metric_name, shadowed_layers, strip_model
 from .unmeasured import SilentSections, no_gradient_reason
@@ -120,6 +120,10 @@ class TensorInspector:
         self._stage = ""  # this rank's stage prefix where pipeline stages hold modules of one name (name_stage)
         self._silent_sections = SilentSections(spec)  # names a section that yields no value, once
         self.weights_done: set = set()  # (layer, feature) whose weight was logged this step
+        self._weight_calls: list = []  # (layer, feature, module, call) of each hook measuring a weight
+        self._owing = False  # add() marks a weight owed instead of measuring it (end_step)
+        self.owed: set = set()  # layers whose counted weight shard this rank did not measure this step
+        self._owed_said: set = set()
         self.optimizer_weights = OptimizerWeights()  # a layer's weight -> the parameter the optimizer steps
         self.unreadable = Unreadable()  # names a selected tensor a layer cannot give, once
         # layer -> forwards of this step run without grad whose gradient is owed: reentrant activation
@@ -235,6 +239,8 @@ class TensorInspector:
                 log(name, tensor_name=tensor_name, tensor=tensor, iteration=self.iteration)
         else:
             call = base_feature(self, name, feature)
+        if "weight" in tensors:
+            self._weight_calls.append((name, namespace, module, call))
         hook = eager(forward_hook(self, module, name, tensors, namespace, feature, call, place))
         self._hooks.append(module.register_forward_hook(hook, with_kwargs=True))  # under compile, run as it is
 
@@ -260,6 +266,11 @@ class TensorInspector:
         """Merge one tensor's statistics into this step's partials for (layer, tensor)."""
         if layer in self._shadowed:
             return
+        if self._owing:  # a weight due at this step whose layer did not run here: owed where its shard counts
+            if not plain_replica(tensor, self.layout) and owns_local_piece(tensor, tensor, layer, self.layout, getattr(
+                    self.layout, "group", None)):
+                self.owed.add(layer)
+            return
         if tensor.is_complex():  # as real values its imaginary part would be dropped (nvdlfw-inspect's min and max
             self.unreadable(layer, tensor_name, f"it is complex ({tensor.dtype}), and the statistics are of real "
                             "values")  # raise on it; its norms are of |z|): named, not measured
@@ -282,6 +293,8 @@ class TensorInspector:
         ``tensor_stats/...`` metrics."""
         gather = stats_step(self.spec, self.iteration)
         self._name_missing_gradients(step)
+        if gather:
+            self._owe_weights()
         # TE's features log (and reduce among themselves) inside step(): run it first so their
         # values of this step travel with ours.
         self.debug_api.step()
@@ -298,15 +311,19 @@ class TensorInspector:
                 values = torch.stack([self.partials[key][part] for key in keys for part in PARTS])
                 samples.append(Sample("tensor_stats", values, "all", names=names))
             samples += [Sample(f"{FORWARDED}{name}", value, "all") for name, value in self.forwarded.items()]
+            samples += [Sample(f"{OWED}{self._metric_layer(layer)}", 1.0, "all") for layer in sorted(self.owed)]
             samples.append(Sample(PEERS, float(self._leader), "all"))
             empty: set = set()
             clashes: set = set()
-            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank, empty, clashes)
+            owed: dict = {}
+            metrics = combine(self.reducer.reduce(samples, tag=step).per_rank, empty, clashes, owed)
             self._say_clashes(clashes - self._clashes_said, step)
+            self._say_owed(owed, step)
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
-            self._silent_sections(metrics, empty, self.layer_names, step, self.iteration,
+            came = {**metrics, **{f"tensor_stats/{layer}/weight/owed": None for layer in owed}}  # said above
+            self._silent_sections(came, empty, self.layer_names, step, self.iteration,
                                   self.layout is None or self.layout.says_once, self.paused_forwards)
             self.partials = {}
             self.forwarded = {}
@@ -314,11 +331,35 @@ class TensorInspector:
             self.unselected.update(self.forwarded)  # not the next selected step's tensor_stats record
             self.forwarded = {}
         self.weights_done = set()
+        self.owed = set()
         self.gradient_owed = {}
         self.paused_forwards = False
         self.iteration += 1
         self.active = stats_step(self.spec, self.iteration, hooked_only=True)
         return metrics
+
+    def _owe_weights(self) -> None:
+        """Before a selected step's reduction: each hooked layer whose weight is due at this step (the
+        feature decides, as in its forward) but that did not run on this rank marks its counted shard
+        owed (:data:`~.rank_merge.OWED`): the other ranks' shards alone are not the weight's statistics."""
+        self._owing = True
+        try:
+            for name, namespace, module, call in self._weight_calls:
+                weight = getattr(module, "weight", None)
+                if (name, namespace) not in self.weights_done and module.training and isinstance(weight, torch.Tensor):
+                    call("weight", self.optimizer_weights(weight))
+        finally:
+            self._owing = False
+
+    def _say_owed(self, owed: dict, step: int) -> None:
+        """Name, once per layer, a weight left out because a rank holding a shard of it did not run its layer."""
+        new = {layer: ranks for layer, ranks in owed.items() if layer not in self._owed_said}
+        self._owed_said.update(new)
+        if new and (self.layout is None or self.layout.says_once):
+            logger.warning("distmetrics: tensor_stats/<layer>/weight at step %d is left out for %s: the rank(s) "
+                           "holding a shard of it that did not run the layer in the step (layer drop) measured no "
+                           "shard, and the others' shards are not the weight (said once per layer)", step,
+                           "; ".join(f"{layer} ({some_ranks(ranks)})" for layer, ranks in sorted(new.items())))
 
     def _say_clashes(self, clashes: set, step: int) -> None:
         """Name, once each, the statistics a ``debug_api.log_tensor_stats`` call logged under a name the

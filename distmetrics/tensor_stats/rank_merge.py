@@ -12,10 +12,13 @@ import torch
 from ..reduce import PerRank
 from .statistics import PARTS, merge_ranks, stat_value
 
-__all__ = ["FORWARDED", "PEERS", "REPLICA", "combine"]
+__all__ = ["FORWARDED", "PEERS", "REPLICA", "OWED", "combine"]
 
 FORWARDED = "fwd|"  # reducer names of values logged through nvdlfw-inspect's MetricLogger
 PEERS = "tp_cp_peers"  # reducer name of the rank's TP x CP group (the same number on its peers)
+OWED = "owed|"
+"""Opens the reducer name of a layer whose weight shard this rank holds, due at the step, but did not
+measure: it did not run the layer (layer drop). The weight's statistics would be the other shards'."""
 REPLICA = "="
 """Opens the tensor name of a plain tensor every rank holds a copy of (a DDP model's weight): every
 rank that ran the layer in the step sends its copy, and the lowest of them is written, not their
@@ -24,17 +27,23 @@ skipped (layer drop, an expert no token reached), and a Monitor on a group witho
 wrote one."""
 
 
-def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None, clashes: Optional[set] = None) -> dict:
+def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None, clashes: Optional[set] = None,
+            owed: Optional[dict] = None) -> dict:
     """Every rank's partials → merged statistics (a TP/CP peer's copy of its group's first
     rank's tensor left out); forwarded values → the lowest rank's. ``empty`` gets the
     ``(layer, tensor)`` that ran but held no element on any rank: no statistic is written for them.
     ``clashes`` gets the names both measured by the hooks and forwarded (a user's own
-    ``log_tensor_stats`` of a hooked layer's tensor): the hooks' value is written."""
+    ``log_tensor_stats`` of a hooked layer's tensor): the hooks' value is written. ``owed`` gets each
+    layer a rank owed its weight shard (:data:`OWED`) → those global ranks: its weight is not written."""
     groups: dict[tuple, dict[str, list]] = {}
     replicas: set = set()
     out = {}
     peers = per_rank.pop(PEERS, None)
+    missing: dict = {}
     for name, values in per_rank.items():
+        if name.startswith(OWED):
+            missing[name[len(OWED):]] = [r for r, v in zip(values.rank_ids(), values) if v is not None]
+            continue
         if name.startswith(FORWARDED):
             # Reduced by TE over its group already; where ranks still differ (weights, which
             # TE reports per rank; tensor-parallel shards) the lowest rank's value is written.
@@ -63,6 +72,10 @@ def combine(per_rank: dict[str, PerRank], empty: Optional[set] = None, clashes: 
         if columns["n"][i] == 0:  # the ranks that sent this key measured empty tensors
             if empty is not None:
                 empty.add((layer, tensor_name))
+            continue
+        if tensor_name == "weight" and layer in missing:  # some shard unmeasured: not the whole weight's
+            if owed is not None:
+                owed[layer] = missing[layer]
             continue
         values = {part: columns[part][i] for part in PARTS}
         prefix = f"tensor_stats/{layer}/{tensor_name}"
