@@ -848,7 +848,9 @@ def test_wandb_on_a_full_disk_warns_once_with_the_cause(tmp_path):
                           str(tmp_path / "result.json"))
     assert child.returncode == 0, child.stderr
     warnings = json.loads((tmp_path / "result.json").read_text())["warnings"]
-    reported = [w for w in warnings if "the wandb sink failed" in w]
+    # one warning with the cause: W&B's call raising, or, where its service met the full disk first (a busy
+    # machine), the error W&B logged, read from its log
+    reported = [w for w in warnings if "the wandb sink failed" in w or "the wandb sink: W&B reported a failure" in w]
     cause = "no space left on device" if disk == "tmpfs" else "file too large"
     assert len(reported) == 1 and cause in reported[0].lower(), warnings
     assert "pip install" not in reported[0]
