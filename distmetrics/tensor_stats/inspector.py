@@ -322,7 +322,8 @@ class TensorInspector:
             refused, self.reducer.refused = self.reducer.refused, None
             if refused is not None:  # names the ranks disagree on, found alike on every rank: every rank raises
                 raise refused
-            came = {**metrics, **{f"tensor_stats/{layer}/weight/owed": None for layer in owed}}  # said above
+            # the owed weights count as come for the sections' check: said above
+            came = {**metrics, **{f"tensor_stats/{layer}/weight/owed": None for layer in owed}} if owed else metrics
             self._silent_sections(came, empty, self.layer_names, step, self.iteration,
                                   self.layout is None or self.layout.says_once, self.paused_forwards)
             self.partials = {}
