@@ -25,15 +25,20 @@ _FLOAT32, _INT32 = struct.Struct("<f"), struct.Struct("<i")
 
 
 def decode_max(layout: PackLayout, lanes: Union[torch.Tensor, list[int]], result: Any) -> None:
-    """MAX-pack lanes (a tensor, or a list of keys) → ``result.maxima``/``minima`` as (value, rank)."""
-    if isinstance(lanes, list):
-        values, ranks, present = _decode_keys_on_host(lanes)
-    elif layout.n_max <= HOST_DECODE_LANES:
-        values, ranks, present = _decode_keys_on_host(lanes.cpu().tolist())
-    else:
-        values, ranks, present = _decode_keys(lanes.cpu())
+    """MAX-pack lanes (a tensor, or a list of keys) → ``result.maxima``/``minima`` as (value, rank);
+    an ``imax``/``imin`` lane's int as (int, None)."""
+    if not isinstance(lanes, list):
+        lanes = lanes.cpu()
+        if layout.n_max <= HOST_DECODE_LANES:
+            lanes = lanes.tolist()
+    values, ranks, present = _decode_keys_on_host(lanes) if isinstance(lanes, list) else _decode_keys(lanes)
     for name, base in layout.max_index.items():
         kind = layout.kinds[name]
+        if kind in ("imax", "imin"):  # the int itself (names.EXACT_KINDS)
+            if present[base]:
+                exact = int(lanes[base])
+                (result.maxima if kind == "imax" else result.minima)[name] = (exact if kind == "imax" else -exact, None)
+            continue
         if kind != "min" and present[base]:
             result.maxima[name] = (values[base], ranks[base])
         low = base + 1 if kind == "minmax" else base

@@ -22,10 +22,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "check_reduce", "check_name", "name_problem", "check_value",
+__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "EXACT_KINDS", "check_reduce", "check_name", "name_problem", "check_value",
            "check_step", "check_spellings", "written_names", "collector_label"]
 
 REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
+EXACT_KINDS = ("imax", "imin")
+"""Internal lanes' (names starting with ``_``) exact integer max and min: the int64 itself in the MAX
+pack, no rank beside it (an interval's wall time in ns, past float32's 7 digits)."""
 
 _RANK = re.compile(r"^(.*)/rank\d+$")
 
@@ -34,7 +37,7 @@ def written_names(name: str, kind: str) -> list[str]:
     """Every name a value of this reduce kind writes (JSONL's per-rank names excepted)."""
     return {"sum": [name], "mean": [name], "max": [name, f"{name}/max_rank"], "min": [name, f"{name}/min_rank"],
             "minmax": [f"{name}/max", f"{name}/min", f"{name}/max_rank", f"{name}/min_rank"],
-            "all": [name, f"{name}/max", f"{name}/min", f"{name}/mean"]}[kind]
+            "all": [name, f"{name}/max", f"{name}/min", f"{name}/mean"], "imax": [name], "imin": [name]}[kind]
 
 
 def check_reduce(name: str, reduce: str) -> None:

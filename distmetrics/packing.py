@@ -31,7 +31,7 @@ _METRIC_KEYS = {  # reduce kind → the keys ``Reduced.to_metrics`` writes for a
     "sum": lambda n: (n,), "mean": lambda n: (n,), "max": lambda n: (n, f"{n}/max_rank"),
     "min": lambda n: (n, f"{n}/min_rank"),
     "minmax": lambda n: (f"{n}/max", f"{n}/max_rank", f"{n}/min", f"{n}/min_rank"),
-    "all": lambda n: (n, f"{n}/max", f"{n}/min", f"{n}/mean"),
+    "all": lambda n: (n, f"{n}/max", f"{n}/min", f"{n}/mean"), "imax": lambda n: (n,), "imin": lambda n: (n,),
 }
 
 
@@ -49,7 +49,7 @@ class PackLayout:
             if kind in ("sum", "mean"):
                 self.sum_index[name] = self.n_sum
                 self.n_sum += 2
-            elif kind in ("max", "min", "minmax"):
+            elif kind in ("max", "min", "minmax", "imax", "imin"):
                 self.max_index[name] = self.n_max
                 self.n_max += 2 if kind == "minmax" else 1
             else:

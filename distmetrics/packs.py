@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .maxkeys import INT64_MIN, encode_key, encode_keys
+from .names import EXACT_KINDS
 from .packing import (CONTROL_LANES, PackLayout, Pieces, host_number, host_values, masked, masked_host, mean_parts,
                       tuple_getter, weighted, weighted_host)
 
@@ -28,6 +29,10 @@ def max_pack(layout: PackLayout, samples: list, tag: int, stale: bool, rank: int
     keys, positions = control_lanes(layout, tag, stale, call, steps), list(range(CONTROL_LANES))
     pieces = Pieces(layout, device, torch.float32)
     for s in samples if not stale else ():
+        if s.reduce in EXACT_KINDS:
+            keys.append(s.value if s.reduce == "imax" else -s.value)
+            positions.append(CONTROL_LANES + layout.max_index[s.name])
+            continue
         if s.reduce not in ("max", "min", "minmax"):
             continue
         low = s.value if s.low is None else s.low
@@ -68,6 +73,9 @@ def max_lanes_on_host(layout: PackLayout, samples: list, tag: int, stale: bool, 
     (None: a vector or a value on a device)."""
     lanes = control_lanes(layout, tag, stale, call, steps) + [INT64_MIN] * layout.n_max
     for s in samples if not stale else ():
+        if s.reduce in EXACT_KINDS:
+            lanes[CONTROL_LANES + layout.max_index[s.name]] = s.value if s.reduce == "imax" else -s.value
+            continue
         if s.reduce not in ("max", "min", "minmax"):
             continue
         if s.names is not None:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .names import check_count, check_reduce, check_value, user_tensor
+from .names import EXACT_KINDS, check_count, check_reduce, check_value, user_tensor
 from .packing import PackLayout
 from .per_rank import PerRank
 
@@ -52,6 +52,11 @@ class Sample:
         # a rank that fails there leaves the others waiting in the next one.
         if not isinstance(self.name, str):
             raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
+        if self.reduce in EXACT_KINDS:  # an internal lane's int (see EXACT_KINDS)
+            if self.name[:1] != "_" or type(self.value) is not int or self.names is not None:
+                raise ValueError(f"Sample {self.name!r}: reduce={self.reduce!r} takes one int of an internal lane "
+                                 f"(a name starting with '_'), got {type(self.value).__name__}")
+            return
         check_reduce(self.name, self.reduce)
         if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given
             raise ValueError(f"Sample {self.name!r}: low is the min lane of a minmax, not used by {self.reduce!r}; "
@@ -120,10 +125,10 @@ class Reduced:
 
     values: dict[str, float] = field(default_factory=dict)
     """``sum`` and ``mean`` results."""
-    maxima: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """``max``/``minmax`` results: (value, global rank holding it)."""
-    minima: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """``min``/``minmax`` results: (value, global rank holding it)."""
+    maxima: dict[str, tuple[float, Optional[int]]] = field(default_factory=dict)
+    """``max``/``minmax`` results: (value, global rank holding it); ``imax``: (the int, None)."""
+    minima: dict[str, tuple[float, Optional[int]]] = field(default_factory=dict)
+    """``min``/``minmax`` results: (value, global rank holding it); ``imin``: (the int, None)."""
     per_rank: dict[str, PerRank] = field(default_factory=dict)
     """``all`` results."""
     kinds: dict[str, str] = field(default_factory=dict)
@@ -156,11 +161,13 @@ class Reduced:
         if take:
             self.values = {}
         for name, (value, rank) in self.maxima.items():
-            key = name if self.kinds[name] == "max" else f"{name}/max"
-            out[key], out[f"{name}/max_rank"] = value, rank
+            out[name if self.kinds[name] != "minmax" else f"{name}/max"] = value
+            if rank is not None:
+                out[f"{name}/max_rank"] = rank
         for name, (value, rank) in self.minima.items():
-            key = name if self.kinds[name] == "min" else f"{name}/min"
-            out[key], out[f"{name}/min_rank"] = value, rank
+            out[name if self.kinds[name] != "minmax" else f"{name}/min"] = value
+            if rank is not None:
+                out[f"{name}/min_rank"] = rank
         for name, values in self.per_rank.items():
             out[name] = values
             out.update({f"{name}/{stat}": v for stat, v in _summary(values).items()})

@@ -363,6 +363,37 @@ def test_tokens_per_second_counts_every_rank_once(run):
     assert logs[8]["train/consumed_tokens"] == sum(tokens_of(r, s) for r in range(WORLD) for s in range(1, 9))
 
 
+def _fine_step_times(rank: int, world: int, root: str, maxima: int) -> None:
+    """Steps of 1234.567891 ms on rank 0 and 1 ns longer on rank 1 (a fake clock); ``maxima`` user ``max``
+    metrics beside them (past 256, the MAX pack is decoded with tensor operations, not in Python)."""
+    import distmetrics as dm
+
+    cfg = quiet_config(log_interval=10, json_log=True, output_dir=root, log_throughput=True, total_steps=10**7)
+    with FakeClock() as clock, dm.Monitor(cfg) as monitor:
+        for step in range(1, 21):
+            if step > 1:
+                clock.advance(1234.567891 + rank * 1e-6)
+            for i in range(maxima):
+                monitor.record(f"extra/m{i}", float(i), "max")
+            monitor.step(step, loss=1.0, tokens=1000 + rank)
+
+
+@pytest.mark.parametrize("maxima", [0, 300])
+def test_step_time_throughput_and_eta_keep_the_slowest_ranks_nanoseconds(tmp_path, maxima):
+    """The interval's wall time reaches the record to the nanosecond (an int64 lane of the MAX pack): as a
+    float32 max, 1234.567891 ms steps were written 1234.56787109375 (7 digits), and tokens/s and the ETA
+    with them. Truth: the fake clock's nanoseconds, in float64."""
+    run_ranks(_fine_step_times, 2, str(tmp_path), maxima)
+    record = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"][-1]
+    interval_s = 10 * round(1234.567892 * 1e6) / 1e9  # the slower rank's steps 11..20
+    assert record["step"] == 20 and record["extra/m299" if maxima else "step"] == (299.0 if maxima else 20)
+    assert record["train/step_time_ms"] == pytest.approx(interval_s / 10 * 1e3, rel=1e-13)
+    assert record["train/tokens_per_sec"] == pytest.approx(10 * 2001 / interval_s, rel=1e-13)
+    assert record["train/eta_s"] == pytest.approx((10**7 - 20) * interval_s / 10, rel=1e-13)
+    assert not any(key.startswith("_") for key in record), record
+
+
 def test_no_collective_and_no_item_on_non_log_steps(run):
     _, results = run
     for r in results:

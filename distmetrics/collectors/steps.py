@@ -3,7 +3,7 @@ scalars, a user's own values; and the interval's wall-time clock.
 
 Between log steps values are only added into device tensors (:class:`IntervalStats`). Internal
 lanes travel with them: the interval's wall time (``max`` across ranks: the job goes at its
-slowest rank's pace; see :data:`LOG_SPAN_S` for where it starts), its tokens (``sum``, counted once
+slowest rank's pace; see :data:`LOG_SPAN_NS` for where it starts), its tokens (``sum``, counted once
 per data-parallel replica) and the tokens of the step that started the clock;
 :meth:`StepValues.to_context` moves them into :class:`LogContext` after the reduction.
 
@@ -29,11 +29,12 @@ from .base import Alert, LogContext, Sample
 from .loss_checks import LearningRates, MixedWeights, StageLoss, loss_weight, loss_weights
 from .weightless import WeightlessMeans
 
-__all__ = ["StepValues", "INTERVAL_S", "LOG_SPAN_S", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS"]
+__all__ = ["StepValues", "INTERVAL_NS", "LOG_SPAN_NS", "TOKENS", "UNTIMED_TOKENS", "LOSS_TOKENS"]
 
-INTERVAL_S = "_train/interval_s"
-"""Internal lane: the interval's wall time in seconds on this rank, less :data:`LOG_SPAN_S` (max across ranks)."""
-LOG_SPAN_S = "_train/log_span_s"
+INTERVAL_NS = "_train/interval_ns"
+"""Internal lane: the interval's wall time in ns on this rank, less :data:`LOG_SPAN_NS` (max across ranks, as the
+int itself: a float32 max's 7 digits made 1234.567891 ms steps 1234.56787109375, and the throughput with it)."""
+LOG_SPAN_NS = "_train/log_span_ns"
 """Internal lane: this rank's time from the taking of the last log step's samples to the end of its reduction
 (min across ranks). Each rank's clock starts the next interval as it takes its samples, before the reduction,
 where a rank that arrived first waits for the last: that wait, counted in its next interval, made the max of
@@ -98,7 +99,7 @@ class StepValues:
         self.refused: Optional[ValueError] = None  # tokens found bad at a log step, raised after its record
         self.timed_steps = 0  # the last interval's steps that the clock measured
         self.clock = IntervalClock()  # restarted by start(), at the first monitor.step
-        self._log_span_ns = 0  # the last log step's LOG_SPAN_S on this rank, in ns (0: none since the clock started)
+        self._log_span_ns = 0  # the last log step's LOG_SPAN_NS on this rank, in ns (0: none since the clock started)
         self._says_pause = layout.says_once  # a pause a log step ended, then resumed: said once, by the first rank
         # the log step (since the last monitor.step) that ended a pause, when, and how long after it a resume()
         # says that the pause was meant to last (half a step of the interval: a resume() at once ends nothing)
@@ -271,7 +272,7 @@ class StepValues:
         lr, self._lr = self._lr, None
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
-        lanes = [Sample(INTERVAL_S, (counted_ns - span_ns) / 1e9, "max"), Sample(LOG_SPAN_S, span_ns / 1e9, "min"),
+        lanes = [Sample(INTERVAL_NS, int(counted_ns - span_ns), "imax"), Sample(LOG_SPAN_NS, int(span_ns), "imin"),
                  Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
             lanes.append(Sample(TOKENLESS_STEPS, float(tokenless), "max"))
@@ -293,14 +294,14 @@ class StepValues:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
         the steps the clock measured and their tokens)."""
         self.mixed.check_weightless(metrics, ctx.step)  # before a refusal below takes train/loss out
-        over = now()  # the reduction is over (see LOG_SPAN_S)
+        over = now()  # the reduction is over (see LOG_SPAN_NS)
         self._log_span_ns = over - self.clock.started
         if self._ended_pause is not None:  # a resume() is timed from here: the log step's own time is none of it
             self._ended_pause = (self._ended_pause[0], over, self._ended_pause[2])
-        ctx.interval_s, ctx.tokens = metrics.pop(INTERVAL_S, None), metrics.pop(TOKENS, None)
-        span, _ = metrics.pop(LOG_SPAN_S, None), metrics.pop(LOG_SPAN_S + "/min_rank", None)
-        if ctx.interval_s is not None and span is not None:
-            ctx.interval_s += span
+        interval_ns, ctx.tokens = metrics.pop(INTERVAL_NS, None), metrics.pop(TOKENS, None)
+        span = metrics.pop(LOG_SPAN_NS, None)
+        if interval_ns is not None:
+            ctx.interval_s = (interval_ns + (span or 0)) / 1e9
         bad = _bad_count(metrics, "tokens", ctx.tokens, ctx.step)
         if bad:  # a tensor count is not read at the call (a device sync): a bad one shows here
             self.refused = ValueError(
@@ -315,7 +316,6 @@ class StepValues:
         self._check_loss_tokens(metrics, ctx.step)
         self.weightless.say(metrics, ctx, refused=self._check_weights(metrics, ctx))
         self._check_uncounted(metrics.pop(UNCOUNTED_TOKENS, None), ctx)
-        metrics.pop(INTERVAL_S + "/max_rank", None)
         untimed = metrics.pop(UNTIMED_TOKENS, None) or 0.0
         ctx.timed_steps = self.timed_steps  # equal on every rank: all call monitor.step alike
         ctx.timed_tokens = None if ctx.tokens is None else ctx.tokens - untimed
