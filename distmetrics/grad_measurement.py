@@ -12,7 +12,7 @@ import torch
 
 from .plans import Buckets, Plan
 
-__all__ = ["GradMeasurement", "note_clip", "clip_coefficient"]
+__all__ = ["GradMeasurement", "note_clip", "clip_coefficient", "coefficient_value"]
 
 
 @dataclass
@@ -90,8 +90,12 @@ def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: floa
                      megatron: bool = False) -> torch.Tensor:
     """torch's ``min(1, max_norm / (total + 1e-6))`` of the total it returns, in that total's dtype;
     where that total overflowed its dtype (fp16 gradients of total above 65504) but the float64
-    ``exact`` total is finite, of the exact one, in the same dtype: torch's would be 0, every
-    gradient zeroed while the record says the total was finite. ``megatron``: Megatron's
+    ``exact`` total is finite, of the exact one: torch's would be 0, every gradient zeroed while the
+    record says the total was finite. fp16 totals give two fp16 factors (a 1-D tensor) whose product
+    is the coefficient, applied one after the other (:func:`~distmetrics.tensor_norms.scale_`): one
+    fp16 number holds a coefficient below 2**-14 in few bits and one below 2**-25 not at all (a total
+    of 4.5e7 clipped at 1 zeroed every gradient), so the exact total's is a power of two times the
+    rest; torch's own coefficient (the total not overflowed) is the first factor, the second 1. ``megatron``: Megatron's
     (``clip_grad_by_total_norm_fp32``), of the ``exact`` total in float64, then float32, as its
     Python-float coefficient multiplies its float32 gradients; a coefficient in the bf16 of
     Megatron's default gradient buffers is off by up to 0.4%. Host tensors give the same."""
@@ -105,6 +109,14 @@ def clip_coefficient(returned: torch.Tensor, exact: torch.Tensor, max_norm: floa
     # device ops per clip less)
     if returned.dtype != torch.float16:
         return coef
-    exact = exact.to(coef.device)
+    exact = exact.to(device=coef.device, dtype=torch.float64)
     overflowed = torch.isinf(returned) & torch.isfinite(exact)
-    return torch.where(overflowed, torch.clamp(max_norm / (exact + 1e-6), max=1.0).to(coef.dtype), coef)
+    wanted = torch.clamp(max_norm / (exact + 1e-6), max=1.0)
+    power = torch.exp2(torch.clamp(torch.floor(torch.log2(wanted.abs())) + 14, min=-24, max=0))  # fp16 holds it
+    first = torch.where(overflowed, wanted / power, coef.to(torch.float64))
+    return torch.stack([first, torch.where(overflowed, power, torch.ones_like(power))]).to(torch.float16)
+
+
+def coefficient_value(coef: torch.Tensor) -> float:
+    """The number a clip's coefficient (:func:`clip_coefficient`) stands for: a pair of factors' product."""
+    return float(coef.to(torch.float64).prod())

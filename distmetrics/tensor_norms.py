@@ -211,12 +211,14 @@ def _use_foreach(foreach: Optional[bool], device: torch.device, tensors: list) -
 
 def scale_(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool],
            groups: Optional[dict] = None) -> None:
-    """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group."""
+    """Multiply every tensor in place by ``coef`` (in its dtype, as torch), per (device, dtype) group; a 1-D
+    ``coef`` by each of its factors in turn (fp16's: see :func:`~distmetrics.grad_measurement.clip_coefficient`)."""
     for (dev, dtype), positions in (groups_of(tensors) if groups is None else groups).items():
         group = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]  # one group: all
-        factor = coef.to(device=dev)
-        if _use_foreach(foreach, dev, group):
-            torch._foreach_mul_(group, factor)
-        else:
-            for t in group:
-                t.mul_(factor)
+        on = coef.to(device=dev)
+        for factor in on.unbind() if on.dim() else (on,):
+            if _use_foreach(foreach, dev, group):
+                torch._foreach_mul_(group, factor)
+            else:
+                for t in group:
+                    t.mul_(factor)

@@ -481,6 +481,29 @@ def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm(edges):
         assert "max_norm=nan" in out["nan"] and "accepted values" in out["nan"]
 
 
+@pytest.mark.parametrize("n, value, p", [(60, 3000.0, 2.0), (1000, 6000.0, 2.0), (1500, 30000.0, 2.0), (60, 3000.0, 1.0)])
+def test_fp16_gradients_past_65504_are_clipped_to_max_norm_however_small_the_coefficient(n, value, p):
+    """fp16 gradients whose total (1.8e5 .. 4.5e7) fp16 cannot hold are clipped by the float64 total's
+    coefficient, which fp16 held in few bits below 2**-14 and not at all below 2**-25: the clipped 2-norm was
+    0.998 and 1.07, and 0 (every gradient zeroed, the record's grad_norm finite and no alert). Truth: the
+    float64 norm of the gradients after the clip, which is max_norm within fp16's rounding (2**-11) where the
+    clipped elements are normal fp16 numbers (each is ±value/total here; a 1-norm's of 1e-6 would be subnormal,
+    held by fp16 to a few percent whatever the clip does)."""
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(n, n, bias=False).half()
+    model.weight.grad = (torch.randn(n, n).sign() * value).half()
+    total = float(torch.linalg.vector_norm(model.weight.grad.double(), p))
+    with dm.Monitor(quiet_config(log_interval=1), model=model) as monitor:
+        returned = monitor.clip_grad_norm_(1.0, p)
+        record = monitor.step(1)
+    assert returned.dtype == torch.float16 and float(returned) == math.inf  # torch's dtype kept
+    assert record["grad_norm"] == pytest.approx(total, rel=1e-5) and record["grad_nonfinite"] == 0  # float32 sums
+    assert float(torch.linalg.vector_norm(model.weight.grad.double(), p)) == pytest.approx(1.0, rel=2**-11)
+
+
 def test_error_if_nonfinite_below_norm_type_0_raises_on_every_rank_where_torch_would_on_one(edges):
     """A NaN in rank 1's copy alone: torch's total of norm type -inf, -1 or -0.5 on that rank is NaN and
     its clip raises, but ours returned rank 0's finite total on both ranks (the NaN stayed in rank 1's

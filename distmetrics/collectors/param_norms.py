@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..grad_measurement import GradMeasurement, clip_coefficient
+from ..grad_measurement import GradMeasurement, clip_coefficient, coefficient_value
 from ..parallel import local_tensor
 from ..plans import Plan, route_of
 from ..tensor_norms import LOW_PRECISION, groups_of, per_tensor_norms
@@ -163,9 +163,9 @@ class ParamSide:
             if isinstance(total, float) and grad.max_norm is not None:
                 exact = torch.tensor(total, dtype=torch.float64)  # host tensors: no device sync
                 returned = exact.to(grad.coef.dtype)
-                coef = clip_coefficient(returned, exact, grad.max_norm, grad.megatron).item()  # as the clip's
+                coef = coefficient_value(clip_coefficient(returned, exact, grad.max_norm, grad.megatron))  # the clip's
             else:
-                coef = float(grad.coef)
+                coef = coefficient_value(grad.coef)
         same_norm = grad is None or grad.norm_type == 2.0
         uncovered = self._uncovered(grad)
         for key in keys:
