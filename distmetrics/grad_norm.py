@@ -106,9 +106,11 @@ _ALONE: list = [None]  # the measurer of calls with no process group
 class NonfiniteNormError(RuntimeError):
     """``error_if_nonfinite=True`` and the total is not finite (torch raises a RuntimeError with
     this message; every rank raises this one, none waits). ``held``: some rank's gradients hold
-    NaN or inf; False where finite gradients gave a total past the float range."""
+    NaN or inf; False where finite gradients gave a total past the float range. ``measured``: the
+    measurement that found it (its gradients unscaled), which the Monitor's record shows."""
 
     held = True
+    measured: Optional[GradMeasurement] = None
 
 
 class GradientNorms:
@@ -273,7 +275,7 @@ class GradientNorms:
                 f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
-            error.held = bool(measured.bad_anywhere > 0)
+            error.held, error.measured = bool(measured.bad_anywhere > 0), measured
             raise error
         measured.locals, measured.groups = locals_, groups
         return _as_torch_returns(measured.total, grads, self.dtypes.returned(dtypes, plan)), measured

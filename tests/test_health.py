@@ -278,6 +278,40 @@ def test_non_finite_gradients_on_one_replica_are_counted_and_raised_on_every_ran
         assert out["raised"] == [(5, "The total norm of order 2.0 for gradients")], out
 
 
+def test_a_log_steps_clip_that_raised_for_error_if_nonfinite_is_the_records_gradient(tmp_path):
+    """torch's use of error_if_nonfinite: the loop skips the step whose clip raised. At a log step, the
+    record showed the step before's norm (finite: 0.74 here, not this step's inf), grad_clip_ratio and
+    no module, and its alert said the gradients were non-finite "not in this one's". Truth: the inf set
+    by hand, float64 norms of the other module's gradient."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    records = {}
+    with dm.Monitor(_config(tmp_path, log_interval=2, console=False), model=model) as monitor:
+        for step in range(1, 5):
+            model.zero_grad()
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            if step == 4:
+                model[1].weight.grad[0, 0] = math.inf
+            try:
+                monitor.clip_grad_norm_(1.0, error_if_nonfinite=True)
+                skipped = False
+            except RuntimeError:
+                skipped = True
+            records[step] = monitor.step(step, loss=1.0, skipped=skipped)
+    record = records[4]
+    assert skipped and record["grad_norm"] == math.inf and record["grad_norm/1"] == math.inf
+    module_0 = torch.cat([p.grad.double().flatten() for p in model[0].parameters()])  # unscaled: the clip raised
+    assert record["grad_norm/0"] == pytest.approx(float(torch.linalg.vector_norm(module_0)), rel=1e-6)
+    assert record["grad_nonfinite_modules"] == ["1"] and "grad_clip_ratio" not in record
+    alerts = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "alert"]
+    assert [(a["step"], a["alert"], a["modules"]) for a in alerts] == [(4, "nonfinite_grad", ["1"])], alerts
+    assert "not in this one's" not in alerts[0]["message"]
+
+
 def test_a_nan_on_one_rank_names_the_module_at_the_writer(tmp_path):
     import distmetrics as dm
 
