@@ -271,6 +271,38 @@ def test_the_grad_scaler_example_measures_the_gradients_without_the_loss_scale(t
         assert record["loss_scale"] == 2.0 ** 16 and record["update_norm"] > 0  # no step skipped
 
 
+def test_without_a_clip_the_scalers_scale_says_which_steps_it_skipped(tmp_path):
+    """README (GradScaler): measure_grad_norms() returns None at steps it does not log, so its norm cannot
+    say skipped= there; the scale dropping at scaler.update() can. Step 3 (not logged at log_interval 2)
+    overflows; truth: its loss left out of train/loss (steps 3 and 4's mean would hold 1e8 times more)."""
+    import torch
+
+    import distmetrics as dm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    losses, norms = {}, {}
+    with dm.Monitor(quiet_config(log_interval=2, json_log=True, output_dir=str(tmp_path)), model=model) as monitor:
+        for step in range(1, 5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(6, 8) * (1e4 if step == 3 else 1.0)).float().pow(2).mean()
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norms[step] = monitor.measure_grad_norms()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            losses[step] = float(loss)
+            monitor.step(step, loss=loss.detach(), skipped=scaler.get_scale() < before)
+    assert norms[3] is None and norms[4] is not None  # no norm at step 3 to read the skip from
+    record = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert record["step"] == 4 and record["health/skipped_steps"] == 1
+    assert record["train/loss"] == pytest.approx(losses[4], rel=1e-6)
+
+
 def test_the_config_reference_has_one_one_line_row_per_key_with_the_configs_default():
     """The README's config table against ``MetricsConfig``'s own fields: each row one line (a row's text
     broken over two lines renders as two rows, the second a key that does not exist), every field named,
