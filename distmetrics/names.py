@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "EXACT_KINDS", "check_reduce", "check_name", "name_problem", "check_value",
+__all__ = ["NameRegistry", "NameClash", "REDUCE_KINDS", "EXACT_KINDS", "check_reduce", "check_name", "name_problem",
+           "check_value",
            "check_step", "check_spellings", "written_names", "collector_label"]
 
 REDUCE_KINDS = ("sum", "mean", "max", "min", "minmax", "all")
@@ -131,7 +132,7 @@ def _shown(value: Any) -> str:
 
 def check_user_value(value: Any, what: str, *args: Any) -> None:
     """:func:`check_value` for a value a user hands over (``monitor.step``, ``record``,
-    ``log_eval``, ``record_moe``): also no bool tensor (as no Python bool), no tensor on the meta
+    ``log_eval``, ``record_moe``): also no bool tensor (as no Python bool), no quantized tensor, no tensor on the meta
     device (it failed inside the reduction, after the other ranks had entered it) and no DTensor whose
     piece on this rank is not the value (a Replicate DTensor, ``loss_parallel``'s loss, is this rank's
     copy)."""
@@ -140,6 +141,9 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
         # result, counted as 0 or 1 without a word (tokens=mask.any() for mask.sum())
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a bool "
                         "tensor (convert a flag with .float(), or pass the count you mean)")
+    if isinstance(value, torch.Tensor) and value.is_quantized:  # it raised torch's error mid-call, its step taken
+        raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a quantized "
+                        f"tensor ({value.dtype}); pass value.dequantize()")
     if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta
                                             or value.layout is not torch.strided):
         user_tensor(value, what % args if args else what)

@@ -2410,6 +2410,35 @@ def test_a_bool_tensor_is_refused_at_the_call_as_a_bool_is(tmp_path, call):
     monitor.close()
 
 
+@pytest.mark.parametrize("call", ["loss", "tokens", "scalar", "record", "weight", "eval"])
+def test_a_quantized_tensor_is_refused_at_the_call_and_the_step_is_retried(call):
+    """A quantized 1-element tensor passed the value check and raised torch's own error inside the step,
+    its step number taken: the retry was refused ("does not increase") and the step's record lost, unsaid
+    (a record() of it kept its name as a sum). Now refused at the call, naming the argument."""
+    import warnings
+
+    import torch
+
+    import distmetrics as dm
+
+    monitor = dm.Monitor(quiet_config(log_interval=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of quantized tensors
+        value = torch.quantize_per_tensor(torch.tensor([2.0]), 0.5, 0, torch.quint8)
+    with pytest.raises(TypeError, match=r"got a quantized tensor \(torch.quint8\); pass value.dequantize\(\)"):
+        if call in ("loss", "tokens"):
+            monitor.step(1, **{"loss": 1.0, "tokens": 4, call: value})
+        elif call == "scalar":
+            monitor.step(1, loss=1.0, c=value)
+        elif call in ("record", "weight"):
+            monitor.record("c", value if call == "record" else 1.0, weight=value if call == "weight" else None)
+        else:
+            monitor.log_eval(1, loss=value)
+    monitor.record("c", 3.0, "max")  # the name was not claimed as a mean
+    assert monitor.step(1, loss=1.0, tokens=4)["train/loss"] == 1.0  # nothing was recorded: the step is retried
+    monitor.close()
+
+
 def _inside_ddp_join(rank: int, world: int) -> dict:
     """Two steps inside DDP's join() with even inputs (which works), the warnings caught."""
     import logging
