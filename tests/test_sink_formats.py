@@ -308,6 +308,18 @@ def test_the_trend_mark_skips_a_non_finite_loss_and_moe_fields_are_named(caplog)
     assert lines[0].endswith("| aux 0.0123 | imbal 1.46")
 
 
+def test_the_console_shows_a_small_loss_norm_or_gap_in_exponent_form_not_as_zero():
+    """4 decimals showed a loss of 1e-8 and a norm of 3e-9 as "loss 0.0000 | norm 0.0000" (a run that
+    converged, or one whose gradients vanished, read as exact zeros)."""
+    from distmetrics.sinks.console import format_eval_line, format_train_line
+
+    line = format_train_line({"train/loss": 1e-8, "grad_norm": 3e-9, "moe/aux_loss": 2.5e-4, "train/lr": 1e-9}, 5)
+    assert line.endswith("loss 1.000e-08 | norm 3.000e-09 | lr 1.00e-09 | aux 2.500e-04"), line
+    assert "loss 0.0012 | norm 0.0000" in format_train_line({"train/loss": 0.00123, "grad_norm": 0.0}, 5)
+    eval_line = format_eval_line({"eval/loss": 9.99e-4, "eval/gap": -2e-7}, 3)
+    assert eval_line == ">> eval step 3 | loss 9.990e-04 | gap -2.000e-07", eval_line
+
+
 def test_the_console_line_never_shows_100_percent_early_nor_units_on_nan_or_inf():
     """Step 7,999 of 8,000 read "[100.0%]", inf tokens/s "infG tok/s", a NaN gap "+nan" and a
     40 ns timer "4e-05 ms"."""

@@ -271,10 +271,10 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
         trend = "\\" if loss < last_loss else ("/" if loss > last_loss else "=")
     fields = []
     if loss is not None:
-        fields.append(f"loss {_num(loss, '.4f')}")
+        fields.append(f"loss {_small(loss)}")
     if "grad_norm" in m:
         spike = "!" if m.get("health/grad_spike") else ""
-        fields.append(f"norm {spike}{_num(m['grad_norm'], '.4f')}")
+        fields.append(f"norm {spike}{_small(m['grad_norm'])}")
     if "train/lr" in m:
         fields.append(f"lr {_num(m['train/lr'], '.2e')}")
     if "train/tokens_per_sec" in m:
@@ -284,7 +284,7 @@ def format_train_line(m: dict[str, Any], step: int, total_steps: Optional[int] =
     if "train/mfu_pct" in m:
         fields.append(f"mfu {m['train/mfu_pct']:.1f}")
     if "moe/aux_loss" in m:
-        fields.append(f"aux {_num(m['moe/aux_loss'], '.4f')}")
+        fields.append(f"aux {_small(m['moe/aux_loss'])}")
     if "moe/load_imbalance" in m:
         fields.append(f"imbal {_num(m['moe/load_imbalance'], '.2f')}")
     if "train/eta_s" in m:
@@ -301,10 +301,10 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
     """The one-line summary of an eval record."""
     fields = [f">> eval step {step}"]
     if "eval/loss" in m:
-        fields.append(f"loss {_num(m['eval/loss'], '.4f')}")
+        fields.append(f"loss {_small(m['eval/loss'])}")
     if "eval/gap" in m:
         gap = m["eval/gap"]
-        fields.append(f"gap {gap:+.4f}" if isinstance(gap, (int, float)) and math.isfinite(gap) else f"gap {gap}")
+        fields.append(f"gap {_small(gap, '+.4f')}" if isinstance(gap, (int, float)) and math.isfinite(gap) else f"gap {gap}")
     if "eval/ppl" in m:
         fields.append(f"ppl {_num(m['eval/ppl'], '.2f')}")
     if "eval/tokens_per_sec" in m:
@@ -356,6 +356,14 @@ def format_duration(seconds: float) -> str:
 
 def _num(v: Any, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) else str(v)
+
+
+def _small(v: Any, fmt: str = ".4f") -> str:
+    """``fmt`` (4 decimals), or 4 significant digits in exponent form where those decimals would show a
+    non-zero value as 0 (a loss of 1e-8 read "loss 0.0000"; Megatron prints its loss as ``.6E``)."""
+    if isinstance(v, (int, float)) and v != 0 and abs(v) < 1e-3:
+        return format(v, fmt[:fmt.index(".")] + ".3e")
+    return _num(v, fmt)
 
 
 def _si(v: float) -> str:
