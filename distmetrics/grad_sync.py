@@ -50,8 +50,9 @@ logger = logging.getLogger("distmetrics")
 _DDP_SYNC = operator.attrgetter("require_backward_grad_sync")
 _AFTER = "after the last micro-batch's backward"
 WINDOW_CHECKS = 5
-"""Log steps at which a ``monitor.step`` inside an accumulation window is looked for (a loop that
-steps per micro-batch does so from its first step): a pass over every FSDP2 parameter at each."""
+"""The job's first ``monitor.step`` calls at which an open accumulation window is looked for (a loop that
+steps per micro-batch does so from its first call; log steps alone missed it where each came after the
+last micro-batch, ``log_interval`` a multiple of the micro-batches): a pass over every FSDP2 parameter at each."""
 
 _IN_DDP: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 """A module → a weak reference to the DistributedDataParallel module made around it."""
@@ -111,8 +112,8 @@ class GradSync:
         self._hooks: dict[int, tuple] = {}  # id of a DDP module → (a weak reference to it, its forward pre-hook)
         self._said_join = False  # a DDP module's forward inside join() was warned about
         self._say_window = say  # a monitor.step inside an accumulation window is still to be said
-        self._window_checks = 0  # log steps checked for it
-        self.open_at: Optional[int] = None  # the log step it was said at
+        self._window_checks = 0  # monitor.step calls checked for it
+        self.open_at: Optional[int] = None  # the step it was found at
         if model is not None:  # now: the hooks see the first step's forwards
             self._find()
 
@@ -124,7 +125,7 @@ class GradSync:
             raise ValueError(f"{call}: the model's {state[0]}: {state[1]}")
 
     def say_open_window(self, step: int) -> None:
-        """At one of the job's first :data:`WINDOW_CHECKS` log steps: where this rank's model holds
+        """At one of the job's first :data:`WINDOW_CHECKS` ``monitor.step`` calls: where this rank's model holds
         gradients a backward left unreduced (DDP's last forward inside ``no_sync()``, FSDP2's or HSDP's
         held back), say so, once: ``monitor.step`` came per micro-batch, so its record and its step count
         are a micro-batch's, and no optimizer stepped. Nothing is refused (a rank may train on its own

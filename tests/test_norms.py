@@ -2233,7 +2233,7 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
     out: dict = {}
     for kind in ("ddp", "fsdp2"):
         for per in ("optimizer step", "optimizer step, sync off after", "optimizer step, closed in a window",
-                    "micro-batch", "micro-batch, Monitor made first"):
+                    "micro-batch", "micro-batch, Monitor made first", "micro-batch, logged after the last"):
             if kind == "ddp" and ("sync off after" in per or "made first" in per):  # FSDP2's own cases
                 continue
             model = _net()
@@ -2254,9 +2254,10 @@ def _monitor_step_per_micro_batch(rank: int, world: int) -> dict:
             logging.getLogger("distmetrics").addHandler(handler)
             step = 0
             closed = per.endswith("in a window")
-            if monitor is None:
-                monitor = dm.Monitor(quiet_config(log_interval=3 if closed else 1, log_update_norm=True),
-                                     model=model, optimizer=optimizer)
+            if monitor is None:  # logged after the last: every log step after the synced micro-batch
+                every = 3 if closed else 2 if per.endswith("after the last") else 1
+                monitor = dm.Monitor(quiet_config(log_interval=every, log_update_norm=True), model=model,
+                                     optimizer=optimizer)
             with monitor:
                 for _ in range(2):
                     for last in (False, True):
@@ -2283,7 +2284,9 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
     FSDP2 with gradient sync off) was accepted with one warning only, which blamed a missing or
     skipped optimizer for the record's missing update_norm. The first rank now says, once, that
     monitor.step came inside the window, naming the module and its state, and the update-norm warning
-    points to it; the README's loop (one monitor.step per optimizer step) says nothing."""
+    points to it; the README's loop (one monitor.step per optimizer step) says nothing. Looked for at the
+    first monitor.step calls, not at log steps alone: with each log step after the last micro-batch
+    (log_interval 2, 2 micro-batches) it went unsaid."""
     states = {"ddp": "DistributedDataParallel module (the model itself) ran its last forward inside no_sync()",
               "fsdp2": "FSDP2 module (the model itself) has gradient sync off (set_requires_gradient_sync(False))"}
     for rank, out in enumerate(run_ranks(_monitor_step_per_micro_batch, 2, timeout=240)):
@@ -2294,6 +2297,10 @@ def test_monitor_step_per_micro_batch_is_said_once_naming_the_open_window_not_a_
                 "distmetrics: the record of step 2 has no update_norm: it is the record close() writes, of the steps "
                 "after the last log step, and its step was not known ahead to be logged (total_steps names the job's "
                 "last step). Said once"]), (rank, kind)
+            # each log step after the last micro-batch: the window is found at the first monitor.step all the same
+            heard = out[f"{kind} per micro-batch, logged after the last"]
+            assert len(heard) == (0 if rank else 1) and all(h.startswith(
+                "distmetrics: monitor.step(1) came inside a gradient-accumulation window") for h in heard), heard
             heard = out[f"{kind} per micro-batch"]
             if rank == 1:  # the job's warnings are said by its first rank
                 assert heard == [], heard

@@ -205,6 +205,7 @@ class NormCollector(ParamSide):
         ``previous``: the ``monitor.step`` number before it (None: none), after which a measurement
         made in this step was made; ``skipped``: the step was reported skipped (no update is expected)."""
         self._step_before, self._skipped_step = previous, skipped
+        self.sync.say_open_window(step)  # at the job's first calls (a close() inside a window, a preemption, is none)
         self._stepped, self._repeated = self._steps.end_step()
         self._snapshot = self._snapshot_plan = None
         if self._update is not None and self._update_step != step:
@@ -318,8 +319,6 @@ class NormCollector(ParamSide):
     def take_samples(self, ctx: LogContext) -> list[Sample]:
         """The latest gradient measurement (then forgotten), param and update norms when asked for."""
         out: list[Sample] = []
-        if ctx.ended_at is None:  # not close()'s record: a close inside a window (a preemption) is no such step
-            self.sync.say_open_window(ctx.step)
         grad, plan, self._grad = self._grad, self._grad_plan, None
         self._last_grad = grad
         # an earlier step's (a log step that did not clip): its grad_norm is the last measured, as documented,
