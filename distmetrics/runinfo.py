@@ -51,7 +51,7 @@ def coerced_config(given: Any, device_mesh: Any = None, group: Any = None) -> Me
     ``group`` or ``device_mesh`` that cannot be read is raised on this rank alone: which ranks to tell
     is then unknown (the world may hold other jobs, which never come)."""
     try:
-        return MetricsConfig.coerce(given)
+        return _anchored(MetricsConfig.coerce(given))
     except ConfigError as err:
         error = err
     layout = detect_layout(device_mesh, group)
@@ -66,6 +66,16 @@ def coerced_config(given: Any, device_mesh: Any = None, group: Any = None) -> Me
     except Exception as failure:  # noqa: BLE001 - the gather failed (the others never came): this rank's own error
         raise error from failure
     raise error
+
+
+def _anchored(config: MetricsConfig) -> MetricsConfig:
+    """The Monitor's copy with its folders made absolute where given relative, from the working directory at
+    ``Monitor()``: a loop that changes directory later (a Hydra-style run folder) had its ``close()`` unlink
+    another job's lock there, and a reopened file or progress.txt would be another folder's."""
+    keys = ("output_dir", "tensorboard_dir", "wandb_save_dir")
+    moved = {key: os.path.abspath(getattr(config, key)) for key in keys
+             if getattr(config, key) and not os.path.isabs(getattr(config, key))}
+    return config.replace(**moved) if moved else config
 
 
 def _hang_timeout_given(given: Any) -> float:

@@ -1320,6 +1320,28 @@ def test_two_monitors_on_one_output_dir_are_refused_until_the_first_closes(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def test_a_relative_output_dir_stays_the_folder_it_named_when_the_loop_changes_directory(tmp_path, monkeypatch):
+    """output_dir="rel" from A, then a chdir to B (a Hydra-style run folder): close() unlinked B/rel's
+    lock, held by another running Monitor, and left its own behind; a third Monitor was then let into
+    B/rel beside the running one (two writers in one metrics.jsonl). Truth: the folders' listings."""
+    import distmetrics as dm
+
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    running = dm.Monitor(quiet_config(output_dir=str(tmp_path / "B" / "rel"), json_log=True))
+    monkeypatch.chdir(tmp_path / "A")
+    moved = dm.Monitor(quiet_config(output_dir="rel", json_log=True, log_interval=1))
+    monkeypatch.chdir(tmp_path / "B")
+    moved.step(1, loss=1.0)
+    moved.close()
+    assert sorted(p.name for p in (tmp_path / "A" / "rel").iterdir()) == ["metrics.jsonl"]  # its lock let go
+    with pytest.raises(ValueError, match="is in use by another Monitor \\(pid"):
+        dm.Monitor(quiet_config(output_dir=str(tmp_path / "B" / "rel"), json_log=True))
+    running.close()
+    assert [r["kind"] for r in dm.read_jsonl(tmp_path / "A" / "rel" / "metrics.jsonl")] == ["run", "train", "end"]
+    assert [r["kind"] for r in dm.read_jsonl(tmp_path / "B" / "rel" / "metrics.jsonl")] == ["run", "end"]
+
+
 @pytest.mark.parametrize("launcher", [{"WORLD_SIZE": "2", "RANK": "1"},
                                       {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}],
                          ids=["torchrun", "srun"])
