@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Optional, Union
@@ -208,8 +209,17 @@ def _representable(value: Any, expected: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+    """``repr(value)`` cut to 40 characters; a container's made no longer than that first (nested YAML
+    aliases made one of gigabytes)."""
+    whole = not isinstance(value, (dict, list, tuple, set))
+    text = repr(value) if whole else _LIMITED.repr(value)
+    if len(text) <= 40:
+        return text
+    return f"{text[:20]}...({len(text)} characters)" if whole else f"{text[:20]}..."
+
+
+_LIMITED = reprlib.Repr()
+_LIMITED.maxlevel, _LIMITED.maxstring, _LIMITED.maxother = 3, 40, 40
 
 
 def _matches(value: Any, expected: Any) -> bool:

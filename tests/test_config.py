@@ -32,6 +32,27 @@ def test_unknown_key_names_it_and_suggests_the_closest():
         dm.MetricsConfig.from_dict({"LOG_INTERVAL": 5})  # any letter case, as a choice's value is matched
 
 
+def _nested_aliases(depth: int) -> str:
+    """A YAML mapping of ``depth`` lists, each holding the one before ten times (10**depth items expanded)."""
+    lines = ["x0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"x{i}: &x{i} [" + ", ".join([f"*x{i - 1}"] * 10) + "]" for i in range(1, depth)]
+    return "\n".join("    " + line for line in lines) + "\n"
+
+
+def test_a_yaml_file_of_nested_aliases_is_read_without_expanding_them(tmp_path):
+    """A 450-byte file of nested aliases (a "billion laughs") took its unknown key's message to 80 million
+    characters, and its features to a copy 10**7 items long (check-config ran minutes, more with depth).
+    Each shared list is copied once, and the message holds the start of the value."""
+    unknown, features = tmp_path / "unknown.yaml", tmp_path / "features.yaml"
+    unknown.write_text("bogus_key:\n" + _nested_aliases(7))
+    features.write_text("tensor_inspect:\n  features:\n" + _nested_aliases(7))
+    with pytest.raises(ConfigError, match=r"unknown config key 'bogus_key' \(value \{'x0': \['lol'") as err:
+        dm.MetricsConfig.from_yaml(unknown)
+    assert len(str(err.value)) < 1500, len(str(err.value))
+    copied = dm.MetricsConfig.from_yaml(features).tensor_inspect.features
+    assert copied["x6"][0] is copied["x6"][9] and copied["x6"][0] is copied["x5"]  # shared, as YAML made them
+
+
 def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'log_intervall' \(value 5\); did you mean 'log_interval'\?"):
         dm.MetricsConfig(log_intervall=5)
