@@ -141,11 +141,8 @@ def check_user_value(value: Any, what: str, *args: Any) -> None:
         # result, counted as 0 or 1 without a word (tokens=mask.any() for mask.sum())
         raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a bool "
                         "tensor (convert a flag with .float(), or pass the count you mean)")
-    if isinstance(value, torch.Tensor) and value.is_quantized:  # it raised torch's error mid-call, its step taken
-        raise TypeError(f"{what % args if args else what}: expected a number or a 1-element tensor, got a quantized "
-                        f"tensor ({value.dtype}); pass value.dequantize()")
     if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta
-                                            or value.layout is not torch.strided):
+                                            or value.layout is not torch.strided or value.is_quantized):
         user_tensor(value, what % args if args else what)
 
 
@@ -165,13 +162,17 @@ def outside_inference(method: Callable) -> Callable:
 
 def user_tensor(value: Any, what: str) -> Any:
     """A tensor a user hands over whole (per-sample losses, counts per expert) as this rank's
-    copy: refused on the meta device (no value), sparse, or as a DTensor whose piece is not the
-    whole (Partial, Shard); a Replicate DTensor is this rank's copy."""
+    copy: refused on the meta device (no value), sparse, quantized (it raised torch's own error in the
+    step, or in a GPU job's packs on that rank alone, after a collective), or as a DTensor whose piece is
+    not the whole (Partial, Shard); a Replicate DTensor is this rank's copy."""
     if not isinstance(value, torch.Tensor) or (type(value) is torch.Tensor and not value.is_meta
-                                               and value.layout is torch.strided):
+                                               and value.layout is torch.strided and not value.is_quantized):
         return value
     if value.is_meta:
         raise ValueError(f"{what}: a tensor on the meta device holds no value")
+    if value.is_quantized:
+        raise TypeError(f"{what}: expected a number or a tensor of numbers, got a quantized tensor ({value.dtype}); "
+                        "pass value.dequantize()")
     if value.layout is not torch.strided:
         raise ValueError(f"{what}: expected a dense tensor, got a {value.layout} one; pass value.to_dense()")
     if is_dtensor(value):

@@ -52,10 +52,11 @@ class Sample:
         # a rank that fails there leaves the others waiting in the next one.
         if not isinstance(self.name, str):
             raise TypeError(f"Sample name: a metric name is a str, got {type(self.name).__name__} {self.name!r}")
-        if self.reduce in EXACT_KINDS:  # an internal lane's int (see EXACT_KINDS)
-            if self.name[:1] != "_" or type(self.value) is not int or self.names is not None:
-                raise ValueError(f"Sample {self.name!r}: reduce={self.reduce!r} takes one int of an internal lane "
-                                 f"(a name starting with '_'), got {type(self.value).__name__}")
+        if self.reduce in EXACT_KINDS:  # an internal lane's int (see EXACT_KINDS); refused in a user's collector
+            if self.name[:1] != "_" or type(self.value) is not int or not -2**63 < self.value < 2**63 \
+                    or self.names is not None:
+                raise ValueError(f"Sample {self.name!r}: reduce={self.reduce!r} takes one int64 of an internal "
+                                 f"lane (a name starting with '_'), got {type(self.value).__name__} {self.value!r:.40}")
             return
         check_reduce(self.name, self.reduce)
         if self.low is not None and self.reduce != "minmax":  # a min's pack reads low where it is given

@@ -2432,7 +2432,7 @@ def test_a_bool_tensor_is_refused_at_the_call_as_a_bool_is(tmp_path, call):
     monitor.close()
 
 
-@pytest.mark.parametrize("call", ["loss", "tokens", "scalar", "record", "weight", "eval"])
+@pytest.mark.parametrize("call", ["loss", "tokens", "scalar", "record", "weight", "eval", "losses", "experts"])
 def test_a_quantized_tensor_is_refused_at_the_call_and_the_step_is_retried(call):
     """A quantized 1-element tensor passed the value check and raised torch's own error inside the step,
     its step number taken: the retry was refused ("does not increase") and the step's record lost, unsaid
@@ -2454,11 +2454,50 @@ def test_a_quantized_tensor_is_refused_at_the_call_and_the_step_is_retried(call)
             monitor.step(1, loss=1.0, c=value)
         elif call in ("record", "weight"):
             monitor.record("c", value if call == "record" else 1.0, weight=value if call == "weight" else None)
+        elif call == "losses":
+            monitor.record_losses(value, ["code"])
+        elif call == "experts":
+            monitor.record_moe(tokens_per_expert=value.reshape(1, 1))
         else:
             monitor.log_eval(1, loss=value)
     monitor.record("c", 3.0, "max")  # the name was not claimed as a mean
     assert monitor.step(1, loss=1.0, tokens=4)["train/loss"] == 1.0  # nothing was recorded: the step is retried
     monitor.close()
+
+
+@pytest.mark.parametrize("bad", ["quantized", "exact kind"])
+def test_a_collectors_quantized_sample_or_internal_kind_fails_that_collector_on_every_rank(tmp_path, bad):
+    """A user's collector handing over a quantized tensor failed in a GPU job's packs on its rank alone, after
+    the MAX all-reduce (the other rank lost the record, then both hung); one using the Monitor's internal
+    reduce kind 'imax' with an int past int64 raised there too. Both now fail the collector at the check
+    the Monitor makes before the reduction (said as CollectorFailed, the record written without it)."""
+    import warnings
+
+    import torch
+
+    import distmetrics as dm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of quantized tensors
+        value = torch.quantize_per_tensor(torch.tensor([2.0]), 0.5, 0, torch.quint8)
+
+    class Odd:
+        name, after, writes = "odd", (), ("odd/",)
+
+        def take_samples(self, ctx):
+            return [dm.Sample("odd/q", value, "mean") if bad == "quantized" else dm.Sample("_odd/n", 5, "imax")]
+
+        def finalize(self, metrics, ctx):
+            return []
+
+        def close(self):
+            pass
+
+    said = "got a quantized tensor (torch.quint8)" if bad == "quantized" else "reduce='imax' is the Monitor's own"
+    with dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path)), collectors=[Odd()]) as monitor:
+        with pytest.raises(dm.CollectorFailed, match=re.escape(said)):
+            monitor.step(1, loss=1.0)
+    assert [r.get("train/loss") for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1.0]
 
 
 def _inside_ddp_join(rank: int, world: int) -> dict:

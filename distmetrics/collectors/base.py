@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, Union, runtime_c
 import torch
 
 from ..guard import HangError
-from ..names import RECORD_KEYS, check_name, name_problem, unfit_counts, written_names
+from ..names import EXACT_KINDS, RECORD_KEYS, REDUCE_KINDS, check_name, name_problem, unfit_counts, written_names
 from ..reduce import Sample
 from ..samples import check_tensors
 from .writes import ForeignNames, check_after, check_declared, check_writes
@@ -282,6 +282,9 @@ def _checked(got: Any, seen: dict[str, str], kinds: dict[str, str], memo: dict[s
         names = sample.names if sample.names is not None else (sample.name,)
         if sample.names is not None and len(set(names)) != len(names):
             raise ValueError(f"the vector sample {sample.name!r} names an element twice")
+        if sample.reduce in EXACT_KINDS and not ours:  # the Monitor's own lanes' kinds
+            raise ValueError(f"the sample {sample.name!r}: reduce={sample.reduce!r} is the Monitor's own; accepted: "
+                             f"{', '.join(REDUCE_KINDS)}")
         for name in names:
             known = kinds.get(name)
             if ours or known is not None and name[:1] != "_" or name in RECORD_KEYS:  # passed once: passes

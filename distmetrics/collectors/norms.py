@@ -242,12 +242,9 @@ class NormCollector(ParamSide):
         try:
             result, measured = self.grads.clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                                                self._scale_now(), "monitor.clip_grad_norm_", after_step)
-        except NonfiniteNormError as error:  # every rank: the step's gradients measured, NaN or inf, not clipped
-            if error.measured is None:
-                self._nonfinite_steps.count(1.0 if error.held else 0.0,
-                                            self._grad is not None and self._grad_after == after_step)
-            else:  # the record shows it as it shows a clip that scaled by it (an earlier step's norm was written)
-                self._keep(error.measured, after_step, "monitor.clip_grad_norm_")
+        except NonfiniteNormError as error:  # every rank: the step's gradients measured, NaN or inf, not clipped;
+            # the record shows it as it shows a clip that scaled by it (an earlier step's norm was written)
+            self._keep(error.measured, after_step, "monitor.clip_grad_norm_")
             raise
         self._keep(measured, after_step, "monitor.clip_grad_norm_")
         return result
