@@ -35,13 +35,15 @@ MAX_FLOPS_PER_TOKEN, MAX_SOL_STEP_TIME_MS = 1e30, 1e12
 """The most FLOPs per token (given or derived: 1.7e29 parameters at 6·N, beyond any model) and the longest
 speed-of-light step time (31 years) accepted: TFLOP/s, the checkpoints' FLOP counts and ``train/sol_pct``,
 computed from them, stay finite (``1e308`` times a token count, or over a step time, is inf)."""
+MIN_PEAK_TFLOPS = 1e-9
+"""The least peak accepted: ``train/mfu_pct`` over it stays finite (over 1e-300 it was 9e303, below that inf)."""
 
 _ACCEPTED = {
     "spike_factor": "finite numbers > 1",
     "hang_timeout_s": "numbers from 0 to 1e9 (0 turns the check off; a longer wait does not fit the store's timeout)",
     "straggler_threshold": "numbers in (0, 1]",
     "flops_per_token": "None or numbers > 0 up to 1e30 (TFLOP/s and the checkpoints' FLOP counts stay finite)",
-    "peak_tflops": "None or finite numbers > 0",
+    "peak_tflops": "None or finite numbers >= 1e-9 (train/mfu_pct stays finite)",
     "num_params": "None or finite numbers > 0",
     "num_active_params": "None or finite numbers > 0",
     "sol_step_time_ms": "None or numbers > 0 up to 1e12 (about 31 years; train/sol_pct stays finite)",
@@ -247,6 +249,8 @@ class MetricsConfig:
             _require(self, name, value is None or value > 0, _ACCEPTED.get(name, "None or numbers > 0"))
         _require(self, "flops_per_token", self.flops_per_token is None or self.flops_per_token <= MAX_FLOPS_PER_TOKEN,
                  _ACCEPTED["flops_per_token"])
+        _require(self, "peak_tflops", self.peak_tflops is None or self.peak_tflops >= MIN_PEAK_TFLOPS,
+                 _ACCEPTED["peak_tflops"])
         sol = self.sol_step_time_ms
         _require(self, "sol_step_time_ms", sol is None or sol <= MAX_SOL_STEP_TIME_MS, _ACCEPTED["sol_step_time_ms"])
         self._check_model_description()
