@@ -53,6 +53,16 @@ def test_a_yaml_file_of_nested_aliases_is_read_without_expanding_them(tmp_path):
     assert copied["x6"][0] is copied["x6"][9] and copied["x6"][0] is copied["x5"]  # shared, as YAML made them
 
 
+def test_a_numpy_value_of_the_wrong_type_is_named_by_its_numpy_type():
+    """np.bool_ given for a bool key read "json_log=np.True_ has type bool; accepted: bool"."""
+    import numpy as np
+
+    with pytest.raises(ConfigError, match=r"^json_log=np.True_ has type numpy.bool_?; accepted: bool$"):
+        dm.MetricsConfig(json_log=np.bool_(True))
+    with pytest.raises(ConfigError, match=r"^log_interval=np.int64\(3\) has type numpy.int64; accepted: int"):
+        dm.MetricsConfig(log_interval=np.int64(3))
+
+
 def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'log_intervall' \(value 5\); did you mean 'log_interval'\?"):
         dm.MetricsConfig(log_intervall=5)
