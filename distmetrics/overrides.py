@@ -94,7 +94,8 @@ def source_of(message: str, overrides: list[str], path: Optional[Path]) -> str:
     file."""
     keys = re.findall(r"(?:^|(?<=\s))([\w.]+)(?==)", message)
     lead = re.match(r"([\w.]+):", message)  # 'tensor_inspect.features: file ... does not exist'
-    for key in ([lead.group(1)] if lead else []) + keys:
+    inline = ["tensor_inspect.features"] if message.startswith("<inline features>:") else []  # a mapping's errors
+    for key in inline + ([lead.group(1)] if lead else []) + keys:
         for item in reversed(overrides):
             set_key = item.split("=", 1)[0].strip()
             if key == set_key or key.startswith(set_key + "."):

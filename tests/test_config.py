@@ -63,6 +63,17 @@ def test_a_numpy_value_of_the_wrong_type_is_named_by_its_numpy_type():
         dm.MetricsConfig(log_interval=np.int64(3))
 
 
+def test_an_inline_features_error_is_led_by_the_override_that_gave_the_features():
+    """check-config blamed the config file (which held no tensor_inspect) for an error in inline features an
+    override set: the '<inline features>:' lead named no key."""
+    from distmetrics.overrides import source_of
+
+    message = "<inline features>: section 'a': freq must be a whole number of steps >= 1, got 0"
+    given = ["tensor_inspect.enabled=true", "tensor_inspect.features={a: {enabled: true}}"]
+    assert source_of(message, given, Path("plain.yaml")) == f"override {given[1]!r}: {message}"
+    assert source_of(message, given[:1], Path("plain.yaml")) == f"plain.yaml: {message}"  # the file's features
+
+
 def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'log_intervall' \(value 5\); did you mean 'log_interval'\?"):
         dm.MetricsConfig(log_intervall=5)
