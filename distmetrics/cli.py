@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import ConfigError, MetricsConfig, TensorInspectConfig
-from .output_claim import output_dir_problem
+from .output_claim import file_notes, output_dir_problem
 from .overrides import source_of
 from .report import MissingExtra
 from .runlog import TRAINING_KINDS, Records, end_note, metrics_files, split_jobs
@@ -150,6 +150,8 @@ def _checked_beyond_the_file(args: argparse.Namespace, config: MetricsConfig) ->
     problem = None if "output_dir" in elsewhere else output_dir_problem(config)
     if problem:
         raise ConfigError(problem)
+    if "output_dir" not in elsewhere:
+        note += "".join(f"\nnote: {line}" for line in file_notes(config, Path(config.output_dir)))
     for key, top in elsewhere.items():
         if key == "output_dir" or config.tensor_inspect.enabled:
             note += f"\nnote: {key} is not checked: {top} does not exist on this machine (the job's, where it runs)"

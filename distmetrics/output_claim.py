@@ -18,7 +18,7 @@ from typing import Any, Optional
 from .sinks.appendfile import describe_os_error
 from .sinks.jsonl import METRICS_FILE
 
-__all__ = ["OutputClaim", "output_dir_problem", "unmakeable", "not_files"]
+__all__ = ["OutputClaim", "output_dir_problem", "unmakeable", "not_files", "file_notes"]
 
 logger = logging.getLogger("distmetrics")
 _LOCK_TRIES = 5
@@ -48,6 +48,9 @@ class OutputClaim:
             self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank ({socket.gethostname()}): "
                             f"{odd}")
             return
+        for note in file_notes(config, path):
+            if "is no regular file" in note:  # the others: its sink fails at start, and says so
+                logger.warning("distmetrics: %s", note)
         for _ in range(_LOCK_TRIES):
             if not self._lock(path) or self._held is not None or self.problem is not None:
                 return
@@ -190,6 +193,30 @@ def not_files(config: Any, folder: Path) -> str:
         if pipe:
             return f"{path} is a named pipe (FIFO), not a file: the writer would wait on it forever"
     return ""
+
+
+def file_notes(config: Any, folder: Path) -> list[str]:
+    """What stands in place of the run's own files in ``folder`` that keeps no record, said but not refused
+    (a sink there is turned off with a warning, or writes into nothing): a folder, a link to a path that
+    does not exist, something that is not a regular file (a link to /dev/null took every record unsaid)."""
+    notes = []
+    for name, on in ((METRICS_FILE, config.json_log), ("progress.txt", config.log_progress)):
+        path = folder / name
+        if not on or not os.path.lexists(path):
+            continue
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:  # a link to nothing: writing makes the file, where its folder is there
+            if not os.path.isdir(os.path.dirname(os.path.realpath(path))):
+                notes.append(f"{path} is a link to {os.readlink(path)!r}, whose folder does not exist: its sink is "
+                             "turned off with a warning")
+            continue
+        if stat.S_ISDIR(mode):
+            notes.append(f"{path} is a folder: its sink is turned off with a warning")
+        elif not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):  # (a named pipe is refused: not_files)
+            target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+            notes.append(f"{path} is no regular file{target}: what is written there is not kept")
+    return notes
 
 
 def _writes_there(config: Any) -> bool:

@@ -248,6 +248,38 @@ def test_check_config_without_a_path_names_the_path_alone(capsys):
     assert capsys.readouterr().err.strip().endswith("the following arguments are required: path")
 
 
+def test_check_config_notes_what_stands_in_place_of_the_run_files_and_the_monitor_says_a_device(tmp_path, capsys,
+                                                                                                  caplog):
+    """check-config said "ok" where metrics.jsonl was a link to /dev/null (the Monitor then wrote every record into
+    it, unsaid), a link into a folder that does not exist, or progress.txt a folder (both sinks turned off at
+    start). It now notes each; the Monitor warns of the device. A link whose folder is there is fine."""
+    import logging
+
+    import distmetrics as dm
+    from distmetrics.cli import main
+
+    for name, target in (("device", "/dev/null"), ("nowhere", str(tmp_path / "gone" / "x")),
+                         ("fine", str(tmp_path / "real.jsonl"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").symlink_to(target)
+    (tmp_path / "folder" / "progress.txt").mkdir(parents=True)
+    said = {}
+    for name in ("device", "nowhere", "fine", "folder"):
+        (tmp_path / f"{name}.yaml").write_text(f"output_dir: {tmp_path / name}\n")
+        assert main(["check-config", str(tmp_path / f"{name}.yaml")]) in (0, None)
+        said[name] = capsys.readouterr().out.strip().splitlines()[1:]
+    assert said == {
+        "device": [f"note: {tmp_path}/device/metrics.jsonl is no regular file (a link to /dev/null): what is written "
+                   "there is not kept"],
+        "nowhere": [f"note: {tmp_path}/nowhere/metrics.jsonl is a link to '{tmp_path}/gone/x', whose folder does not "
+                    "exist: its sink is turned off with a warning"],
+        "fine": [],
+        "folder": [f"note: {tmp_path}/folder/progress.txt is a folder: its sink is turned off with a warning"]}
+    with caplog.at_level(logging.WARNING, logger="distmetrics"):
+        dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "device"), console=False, tensorboard=False)).close()
+    assert f"{tmp_path}/device/metrics.jsonl is no regular file (a link to /dev/null)" in caplog.text
+
+
 def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(bytes(range(256)))
