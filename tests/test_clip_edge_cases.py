@@ -481,7 +481,8 @@ def test_clips_at_the_edges_of_the_gradients_dtype_and_of_max_norm(edges):
         assert "max_norm=nan" in out["nan"] and "accepted values" in out["nan"]
 
 
-@pytest.mark.parametrize("n, value, p", [(60, 3000.0, 2.0), (1000, 6000.0, 2.0), (1500, 30000.0, 2.0), (60, 3000.0, 1.0)])
+@pytest.mark.parametrize("n, value, p", [(60, 3000.0, 2.0), (1000, 6000.0, 2.0), (1500, 30000.0, 2.0),
+                                         (60, 3000.0, 1.0)])
 def test_fp16_gradients_past_65504_are_clipped_to_max_norm_however_small_the_coefficient(n, value, p):
     """fp16 gradients whose total (1.8e5 .. 4.5e7) fp16 cannot hold are clipped by the float64 total's
     coefficient, which fp16 held in few bits below 2**-14 and not at all below 2**-25: the clipped 2-norm was

@@ -324,7 +324,7 @@ def test_large_finite_values_whose_metrics_stay_finite_are_accepted():
     tokens, seconds = 2.0 ** 63, 1e-9  # a count beyond any interval's, over a nanosecond
     assert math.isfinite(tokens * MAX_FLOPS_PER_TOKEN / seconds / 1e12)  # TFLOP/s, as the throughput computes it
     assert math.isfinite(100.0 * MAX_SOL_STEP_TIME_MS / (seconds * 1000.0))  # train/sol_pct
-    assert math.isfinite(100.0 * tokens * MAX_FLOPS_PER_TOKEN / seconds / 1e12 / 1e-9)  # train/mfu_pct at the least peak
+    assert math.isfinite(100.0 * tokens * MAX_FLOPS_PER_TOKEN / seconds / 1e12 / 1e-9)  # train/mfu_pct, least peak
     with pytest.raises(ConfigError, match=r"^peak_tflops=1e-300: accepted values are None or finite numbers >= 1e-9"):
         dm.MetricsConfig(peak_tflops=1e-300)
 

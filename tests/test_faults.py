@@ -2494,7 +2494,8 @@ def test_a_collectors_quantized_sample_or_internal_kind_fails_that_collector_on_
             pass
 
     said = "got a quantized tensor (torch.quint8)" if bad == "quantized" else "reduce='imax' is the Monitor's own"
-    with dm.Monitor(quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path)), collectors=[Odd()]) as monitor:
+    config = quiet_config(log_interval=1, json_log=True, output_dir=str(tmp_path))
+    with dm.Monitor(config, collectors=[Odd()]) as monitor:
         with pytest.raises(dm.CollectorFailed, match=re.escape(said)):
             monitor.step(1, loss=1.0)
     assert [r.get("train/loss") for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1.0]

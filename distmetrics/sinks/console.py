@@ -304,7 +304,8 @@ def format_eval_line(m: dict[str, Any], step: int) -> str:
         fields.append(f"loss {_small(m['eval/loss'])}")
     if "eval/gap" in m:
         gap = m["eval/gap"]
-        fields.append(f"gap {_small(gap, '+.4f')}" if isinstance(gap, (int, float)) and math.isfinite(gap) else f"gap {gap}")
+        finite = isinstance(gap, (int, float)) and math.isfinite(gap)
+        fields.append(f"gap {_small(gap, '+.4f')}" if finite else f"gap {gap}")
     if "eval/ppl" in m:
         fields.append(f"ppl {_num(m['eval/ppl'], '.2f')}")
     if "eval/tokens_per_sec" in m:
