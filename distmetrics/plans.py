@@ -254,18 +254,20 @@ _CLASS_GRADS: dict[type, bool] = {}  # parameter class → it defines main_grad 
 
 
 class Slots:
-    """Where each parameter of a model lives (its module's ``_parameters`` dict and key, in
-    ``named_parameters`` order, shared ones once) and whether it requires a gradient, and where
-    each module lives (its parent's ``_modules`` dict and key), checked at every clip in a few
-    C-level passes (no Python step per parameter or module). A parameter replaced or set to None
-    in its module, frozen or unfrozen, is seen; so is a module inserted, replaced or removed in
-    place (``ModuleList.insert``, ``del model.layers[0]``, ``parent._modules[k] = m``: torch's
-    registration hooks do not fire for those), and a parameter registered anywhere, by torch's
-    registration hooks (:data:`_REGISTRATIONS`)."""
+    """Where each parameter of a model lives (every slot of every module's ``_parameters`` dict: a
+    shared parameter's each, and the empty ones) and whether it requires a gradient (each parameter
+    once), and where each module lives (its parent's ``_modules`` dict and key), checked at every
+    clip in a few C-level passes (no Python step per parameter or module). A parameter replaced or
+    set to None in its module, frozen or unfrozen, is seen; so is a module inserted, replaced or
+    removed in place (``ModuleList.insert``, ``del model.layers[0]``, ``parent._modules[k] = m``:
+    torch's registration hooks do not fire for those), a parameter written into a module's
+    ``_parameters`` (a new slot, or a tied weight's second slot untied, as Accelerate's
+    ``set_module_tensor_to_device`` writes: missed, it was in no norm and no clip), and a parameter
+    registered anywhere, by torch's registration hooks (:data:`_REGISTRATIONS`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         seen: set = set()
-        self.dicts, self.keys, self.params = [], [], []
+        self.dicts, self.keys, self.values, self.params = [], [], [], []
         self.parents: list = []  # one per module edge (parent, key, child), in three lists
         self.edge_keys: list = []
         self.children: list = []
@@ -276,22 +278,26 @@ class Slots:
                 self.edge_keys.append(key)
                 self.children.append(child)
             for key, param in module._parameters.items():
+                self.dicts.append(module._parameters)
+                self.keys.append(key)
+                self.values.append(param)
                 if param is not None and id(param) not in seen:
                     seen.add(id(param))
-                    self.dicts.append(module._parameters)
-                    self.keys.append(key)
                     self.params.append(param)
-        self.sizes = list(map(len, map(_MODULES, self.modules)))
+        # how many child and parameter slots there are in all: one added anywhere shows (one taken away
+        # shows in its own slot's check)
+        self.sizes = sum(map(len, map(_MODULES, self.modules))), sum(map(len, map(_PARAMETERS, self.modules)))
         self.requires_grad = list(map(_REQUIRES_GRAD, self.params))
 
     def intact(self) -> bool:
-        """Is every parameter still in its slot, with the same ``requires_grad``, and every module
-        in its place in its parent's ``_modules`` now, none added to one?"""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.params)) and \
+        """Is every parameter slot as it was, every parameter with the same ``requires_grad``, and every
+        module in its place in its parent's ``_modules`` now, none added to one or to a ``_parameters``?"""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.values)) and \
             list(map(_REQUIRES_GRAD, self.params)) == self.requires_grad and \
             all(map(operator.is_, map(dict.get, map(_MODULES, self.parents), self.edge_keys), self.children)) and \
-            list(map(len, map(_MODULES, self.modules))) == self.sizes
+            (sum(map(len, map(_MODULES, self.modules))), sum(map(len, map(_PARAMETERS, self.modules)))) == self.sizes
 
 
 _MODULES = operator.attrgetter("_modules")
+_PARAMETERS = operator.attrgetter("_parameters")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -1358,12 +1358,15 @@ def test_measure_grad_norms_does_nothing_on_steps_that_are_not_logged():
     assert monitor.measure_grad_norms(step=5) is not None
 
 
-@pytest.mark.parametrize("change", ["insert", "_modules", "del attribute", "pop", "del item"])
+@pytest.mark.parametrize("change", ["insert", "_modules", "del attribute", "pop", "del item", "_parameters",
+                                    "untie"])
 def test_a_module_inserted_replaced_or_removed_in_place_is_measured_as_it_now_is(change):
     """ModuleList.insert, ``parent._modules[k] = m`` of a module built earlier, ``del model.a``,
     ``layers.pop()`` and ``del layers[0]`` fire none of torch's registration hooks: the plan kept
     the old parameters, so the short-form clip returned 5.12 for torch's 6.43 and left the new
-    module's gradients unclipped, and per-module names and param_norm held removed modules."""
+    module's gradients unclipped, and per-module names and param_norm held removed modules. So did a
+    parameter written into a module's ``_parameters`` (a new slot; a tied weight's second slot untied,
+    as Accelerate's ``set_module_tensor_to_device`` writes)."""
     import torch
     from torch import nn
 
@@ -1372,13 +1375,17 @@ def test_a_module_inserted_replaced_or_removed_in_place_is_measured_as_it_now_is
     model = nn.Module()
     model.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
     model.a = nn.Linear(4, 4)
+    if change == "untie":
+        model.a.weight = model.layers[0].weight  # tied: counted once, under layers.0
     monitor = _plain_monitor(model, log_params_norm=True)
 
     def step(number):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(number))
         for layer in model.layers:
             x = layer(x)
-        (x.pow(2).sum() + (model.a(x).sum() if hasattr(model, "a") else 0)).backward()
+        scale = model.a._parameters.get("scale") if hasattr(model, "a") else None
+        (x.pow(2).sum() + (model.a(x).sum() if hasattr(model, "a") else 0) +
+         ((x * scale).sum() if scale is not None else 0)).backward()
         copies = [p.grad.clone() for p in model.parameters()]
         total = float(monitor.clip_grad_norm_(0.1))
         reference = [nn.Parameter(torch.zeros_like(g)) for g in copies]
@@ -1400,6 +1407,10 @@ def test_a_module_inserted_replaced_or_removed_in_place_is_measured_as_it_now_is
         del model.a
     elif change == "pop":
         model.layers.pop(2)
+    elif change == "_parameters":
+        model.a._parameters["scale"] = nn.Parameter(torch.ones(4))
+    elif change == "untie":
+        model.a._parameters["weight"] = nn.Parameter(model.layers[0].weight.detach().clone())
     else:
         del model.layers[0]
     metrics = step(2)
