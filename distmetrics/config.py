@@ -339,7 +339,11 @@ class MetricsConfig:
             except TypeError:
                 raise ConfigError(f"overrides are a list of 'key=value' strings, got {overrides!r:.100}") from None
         # the sections copied: overrides go into nested ones, and the config keeps what it was built from
-        merged = apply_overrides(cls, _copy_sections(values), overrides)
+        try:
+            copied = _copy_sections(values)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}" if path is not None else str(err)) from None
+        merged = apply_overrides(cls, copied, overrides)
         try:
             return _build(cls, exponent_numbers(cls, merged), "")
         except ConfigError as err:
@@ -418,22 +422,33 @@ def _require(obj: Any, name: str, ok: bool, accepted: str) -> None:
         raise ConfigError(f"{name}={getattr(obj, name)!r}: accepted values are {accepted}")
 
 
-def _copy_sections(value: Any, memo: Optional[dict] = None) -> Any:
+MAX_CONFIG_ITEMS = 1_000_000
+"""The most mappings' and lists' items a config may hold once YAML's aliases are expanded: a 450-byte file of
+nested aliases expands to 10**7 (check-config ran for minutes; a few more levels take all memory)."""
+
+
+def _copy_sections(value: Any, state: Optional[dict] = None, where: str = "") -> Any:
     """``value`` with every mapping, list and section given as a config object in it copied (the values
-    themselves are not: one that cannot be copied is refused by the checks, naming its key). A mapping or
-    list met twice (a YAML alias) is copied once: a 400-byte file of nested aliases took minutes."""
-    memo = {} if memo is None else memo
+    themselves are not: one that cannot be copied is refused by the checks, naming its key). A YAML alias's
+    mapping or list is copied at each place apart, as written out (an override of one section changes that
+    one alone); one holding itself (a recursive alias), or aliases expanding past :data:`MAX_CONFIG_ITEMS`
+    items, is refused, naming the key."""
+    state = {"items": 0, "open": set()} if state is None else state
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if not isinstance(value, (dict, list)):
         return value
-    known = memo.get(id(value))
-    if known is not None:
-        return known[1]
-    copied: Any = {} if isinstance(value, dict) else []
-    memo[id(value)] = (value, copied)  # the original kept alive: its id is not reused while copying
-    if isinstance(value, dict):
-        copied.update((key, _copy_sections(item, memo)) for key, item in value.items())
-    else:
-        copied.extend(_copy_sections(item, memo) for item in value)
-    return copied
+    if id(value) in state["open"]:
+        raise ConfigError(f"{where or 'the config'} holds itself (a recursive YAML alias)")
+    state["items"] += len(value)
+    if state["items"] > MAX_CONFIG_ITEMS:
+        raise ConfigError(f"{where or 'the config'}: its YAML aliases expand the config past {MAX_CONFIG_ITEMS:,} "
+                          "items")
+    state["open"].add(id(value))  # (value is alive while its items are copied: its id is not reused)
+    try:
+        if isinstance(value, dict):
+            return {key: _copy_sections(item, state, f"{where}.{key}" if where else str(key))
+                    for key, item in value.items()}
+        return [_copy_sections(item, state, f"{where}[{i}]") for i, item in enumerate(value)]
+    finally:
+        state["open"].discard(id(value))

@@ -140,7 +140,7 @@ class GradSync:
             self._find()  # every rank alike, as check() does: a Monitor made before fully_shard finds the groups
         if not self._say_window:
             return
-        if not any(id(module) in self._unsynced for module in self._ddp) and not any(map(_held_back, self._groups)):
+        if not self.held_open():
             return
         self._say_window, self.open_at = False, step
         logger.warning("distmetrics: monitor.step(%s) came inside a gradient-accumulation window: the model's %s. "
@@ -149,6 +149,11 @@ class GradSync:
                        "\"Gradient accumulation\"); called per micro-batch, its records, step counts and rates are "
                        "the micro-batches'. Said once (where every rank trains on its own gradients on purpose, as "
                        "in local SGD, ignore it)", step, self._refusal()[0])
+
+    def held_open(self) -> bool:
+        """Whether the wrappers found last hold gradients a backward left unreduced now (no refresh: the
+        rank that says the job's warnings asks, alone)."""
+        return any(id(module) in self._unsynced for module in self._ddp) or any(map(_held_back, self._groups))
 
     def open_window(self) -> Optional[tuple[str, str]]:
         """None where every wrapper's gradients are synchronised, else (what is not, why that matters

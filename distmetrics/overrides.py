@@ -98,7 +98,7 @@ def source_of(message: str, overrides: list[str], path: Optional[Path]) -> str:
     for key in inline + ([lead.group(1)] if lead else []) + keys:
         for item in reversed(overrides):
             set_key = item.split("=", 1)[0].strip()
-            if key == set_key or key.startswith(set_key + "."):
+            if key == set_key or key.startswith(set_key + ".") or (inline and set_key.startswith(key + ".")):
                 return f"override {item!r}: {message}"
     return f"{path}: {message}" if path is not None else message
 

@@ -263,7 +263,8 @@ class Slots:
     torch's registration hooks do not fire for those), a parameter written into a module's
     ``_parameters`` (a new slot, or a tied weight's second slot untied, as Accelerate's
     ``set_module_tensor_to_device`` writes: missed, it was in no norm and no clip), and a parameter
-    registered anywhere, by torch's registration hooks (:data:`_REGISTRATIONS`)."""
+    registered anywhere, by torch's registration hooks (:data:`_REGISTRATIONS`). A module's ``_parameters``
+    dict replaced whole by another of as many slots is not (the old dict's slots are checked)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         seen: set = set()

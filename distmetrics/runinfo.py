@@ -73,8 +73,11 @@ def _anchored(config: MetricsConfig) -> MetricsConfig:
     ``Monitor()``: a loop that changes directory later (a Hydra-style run folder) had its ``close()`` unlink
     another job's lock there, and a reopened file or progress.txt would be another folder's."""
     keys = ("output_dir", "tensorboard_dir", "wandb_save_dir")
-    moved = {key: os.path.abspath(getattr(config, key)) for key in keys
-             if getattr(config, key) and not os.path.isabs(getattr(config, key))}
+    try:
+        moved = {key: os.path.abspath(getattr(config, key)) for key in keys
+                 if getattr(config, key) and not os.path.isabs(getattr(config, key))}
+    except OSError:  # the working directory is gone (removed under this rank): kept as given, where a rank that
+        return config  # writes nothing there never looks, and the writer's sinks say what they cannot open
     return config.replace(**moved) if moved else config
 
 

@@ -39,18 +39,35 @@ def _nested_aliases(depth: int) -> str:
     return "\n".join("    " + line for line in lines) + "\n"
 
 
-def test_a_yaml_file_of_nested_aliases_is_read_without_expanding_them(tmp_path):
+def test_a_yaml_file_of_nested_aliases_past_a_million_items_or_holding_itself_is_refused_at_once(tmp_path):
     """A 450-byte file of nested aliases (a "billion laughs") took its unknown key's message to 80 million
-    characters, and its features to a copy 10**7 items long (check-config ran minutes, more with depth).
-    Each shared list is copied once, and the message holds the start of the value."""
-    unknown, features = tmp_path / "unknown.yaml", tmp_path / "features.yaml"
-    unknown.write_text("bogus_key:\n" + _nested_aliases(7))
-    features.write_text("tensor_inspect:\n  features:\n" + _nested_aliases(7))
+    characters, and its features to a copy 10**7 items long (check-config ran minutes, more with depth);
+    a recursive alias raised a RecursionError. Both are refused naming the key; an unknown key's message
+    holds the start of its value."""
+    unknown, bomb, itself = tmp_path / "unknown.yaml", tmp_path / "features.yaml", tmp_path / "itself.yaml"
+    unknown.write_text("bogus_key:\n" + _nested_aliases(4))
+    bomb.write_text("tensor_inspect:\n  features:\n" + _nested_aliases(7))
+    itself.write_text("tensor_inspect:\n  features:\n    s: &s [min, *s]\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'bogus_key' \(value \{'x0': \['lol'") as err:
         dm.MetricsConfig.from_yaml(unknown)
     assert len(str(err.value)) < 1500, len(str(err.value))
-    copied = dm.MetricsConfig.from_yaml(features).tensor_inspect.features
-    assert copied["x6"][0] is copied["x6"][9] and copied["x6"][0] is copied["x5"]  # shared, as YAML made them
+    with pytest.raises(ConfigError, match=rf"^{bomb}: tensor_inspect.features.x[0-9](\[[0-9]\])+: its YAML "
+                                          r"aliases expand the config past 1,000,000 items"):
+        dm.MetricsConfig.from_yaml(bomb)
+    with pytest.raises(ConfigError, match=rf"^{itself}: tensor_inspect.features.s\[1\] holds itself"):
+        dm.MetricsConfig.from_yaml(itself)
+
+
+def test_an_override_of_one_aliased_section_changes_that_section_alone(tmp_path):
+    """Two features sections written as one YAML anchor and its alias: an override of one section's layers
+    changed the other's too where the copy kept them one object."""
+    path = tmp_path / "c.yaml"
+    path.write_text("tensor_inspect:\n  features:\n    fc1_stats: &feat\n      enabled: true\n      layers:\n"
+                    "        layer_name_regex_pattern: .*fc1$\n    fc2_stats: *feat\n")
+    features = dm.MetricsConfig.from_yaml(path, [
+        "tensor_inspect.features.fc2_stats.layers.layer_name_regex_pattern=.*fc2$"]).tensor_inspect.features
+    assert features["fc1_stats"]["layers"]["layer_name_regex_pattern"] == ".*fc1$"
+    assert features["fc2_stats"]["layers"]["layer_name_regex_pattern"] == ".*fc2$"
 
 
 def test_a_numpy_value_of_the_wrong_type_is_named_by_its_numpy_type():
@@ -72,6 +89,8 @@ def test_an_inline_features_error_is_led_by_the_override_that_gave_the_features(
     given = ["tensor_inspect.enabled=true", "tensor_inspect.features={a: {enabled: true}}"]
     assert source_of(message, given, Path("plain.yaml")) == f"override {given[1]!r}: {message}"
     assert source_of(message, given[:1], Path("plain.yaml")) == f"plain.yaml: {message}"  # the file's features
+    deeper = ["tensor_inspect.features.a.distmetrics.LogTensorStats.freq=0"]  # one key inside the file's features
+    assert source_of(message, deeper, Path("plain.yaml")) == f"override {deeper[0]!r}: {message}"
 
 
 def test_unknown_keyword_argument_is_a_config_error_with_the_closest_key():

@@ -1342,6 +1342,31 @@ def test_a_relative_output_dir_stays_the_folder_it_named_when_the_loop_changes_d
     assert [r["kind"] for r in dm.read_jsonl(tmp_path / "B" / "rel" / "metrics.jsonl")] == ["run", "end"]
 
 
+def _relative_output_dir_where_a_ranks_cwd_is_gone(rank: int, world: int, root: str) -> list:
+    import os
+
+    import distmetrics as dm
+
+    os.makedirs(f"{root}/cwd{rank}")
+    os.chdir(f"{root}/cwd{rank}")
+    if rank == 1:
+        os.rmdir(f"{root}/cwd1")  # this rank's working directory, removed under it
+    with dm.Monitor(quiet_config(output_dir="rel", json_log=True, log_interval=1, hang_timeout_s=30)) as monitor:
+        monitor.step(1, loss=1.0)
+    return []
+
+
+def test_a_rank_whose_working_directory_is_gone_still_starts_with_a_relative_output_dir(tmp_path):
+    """Making a relative output_dir absolute read the working directory on every rank: where a non-writer
+    rank's was removed, getcwd raised a bare FileNotFoundError there alone and the writer waited out
+    hang_timeout_s. The folder is kept as given there (that rank writes nothing in it)."""
+    import distmetrics as dm
+
+    run_ranks(_relative_output_dir_where_a_ranks_cwd_is_gone, 2, str(tmp_path), timeout=120)
+    records = dm.read_jsonl(tmp_path / "cwd0" / "rel" / "metrics.jsonl")
+    assert [r["kind"] for r in records] == ["run", "train", "end"]
+
+
 @pytest.mark.parametrize("launcher", [{"WORLD_SIZE": "2", "RANK": "1"},
                                       {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}],
                          ids=["torchrun", "srun"])

@@ -145,7 +145,7 @@ class ParamSide:
                "monitor.attach_megatron_optimizer(optimizer), on every rank that holds parameters), or none "
                "given stepped between this monitor.step and the one before (skipped by a GradScaler, raised, "
                "or replaced: attach the new one)")
-        if self.sync.open_at is not None and self.sync.open_at <= step:
+        if self.sync.open_at is not None and self.sync.held_open():  # the window said, and open at this step
             window = "monitor.step came inside a gradient-accumulation window, before the optimizer's step (said above)"
             why = window if self._steps.attached else f"{window}. {why}"
         logger.warning("distmetrics: the record of step %d has no update_norm (nor any later record where it is so): "
