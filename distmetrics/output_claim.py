@@ -206,10 +206,12 @@ def file_notes(config: Any, folder: Path) -> list[str]:
             continue
         try:
             mode = os.stat(path).st_mode
-        except OSError:  # a link to nothing: writing makes the file, where its folder is there
-            if not os.path.isdir(os.path.dirname(os.path.realpath(path))):
-                notes.append(f"{path} is a link to {os.readlink(path)!r}, whose folder does not exist: its sink is "
-                             "turned off with a warning")
+        except OSError as err:  # a link to nothing: writing makes the file, where its folder is there
+            if err.errno == errno.ELOOP:
+                notes.append(f"{path} is a link that leads back to itself: its sink is turned off with a warning")
+            elif not os.path.isdir(os.path.dirname(os.path.realpath(path))):
+                notes.append(f"{path} is a link to {os.readlink(path)!r}, whose folder is missing or no folder: its "
+                             "sink is turned off with a warning")
             continue
         if stat.S_ISDIR(mode):
             notes.append(f"{path} is a folder: its sink is turned off with a warning")

@@ -312,7 +312,8 @@ def refusal(call: str, names: list[str], codes: list[float], stage: int, stages:
             "without one, every rank is taken for a replica of one model; where each rank trains a model of its "
             "own, give each rank a Monitor of its own (Monitor(group=...)). DDP all-reduces only the parameters that "
             "required a gradient when it was made: one frozen then and unfrozen since keeps each rank's gradient "
-            "(wrap the model in DDP again after unfreezing it). A DDP communication hook that does not "
+            "(wrap the model in DDP again after unfreezing it), and so does one of a module added since (an "
+            "adapter). A DDP communication hook that does not "
             "all-reduce every step (post-local SGD averages parameters now and then) leaves each rank's gradients "
             "its own: their norm is each rank's, which no one number of the job is" + tail)
 

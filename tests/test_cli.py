@@ -259,20 +259,22 @@ def test_check_config_notes_what_stands_in_place_of_the_run_files_and_the_monito
     from distmetrics.cli import main
 
     for name, target in (("device", "/dev/null"), ("nowhere", str(tmp_path / "gone" / "x")),
-                         ("fine", str(tmp_path / "real.jsonl"))):
+                         ("fine", str(tmp_path / "real.jsonl")), ("loop", str(tmp_path / "loop" / "metrics.jsonl"))):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").symlink_to(target)
     (tmp_path / "folder" / "progress.txt").mkdir(parents=True)
     said = {}
-    for name in ("device", "nowhere", "fine", "folder"):
+    for name in ("device", "nowhere", "fine", "loop", "folder"):
         (tmp_path / f"{name}.yaml").write_text(f"output_dir: {tmp_path / name}\n")
         assert main(["check-config", str(tmp_path / f"{name}.yaml")]) in (0, None)
         said[name] = capsys.readouterr().out.strip().splitlines()[1:]
     assert said == {
         "device": [f"note: {tmp_path}/device/metrics.jsonl is no regular file (a link to /dev/null): what is written "
                    "there is not kept"],
-        "nowhere": [f"note: {tmp_path}/nowhere/metrics.jsonl is a link to '{tmp_path}/gone/x', whose folder does not "
-                    "exist: its sink is turned off with a warning"],
+        "nowhere": [f"note: {tmp_path}/nowhere/metrics.jsonl is a link to '{tmp_path}/gone/x', whose folder is "
+                    "missing or no folder: its sink is turned off with a warning"],
+        "loop": [f"note: {tmp_path}/loop/metrics.jsonl is a link that leads back to itself: its sink is turned off "
+                 "with a warning"],
         "fine": [],
         "folder": [f"note: {tmp_path}/folder/progress.txt is a folder: its sink is turned off with a warning"]}
     with caplog.at_level(logging.WARNING, logger="distmetrics"):

@@ -626,6 +626,7 @@ def test_plain_gradients_that_differ_across_ranks_of_a_plain_model_are_refused_a
         assert "Found at the log step of step 2" in out["error"], out
         # the cause, where the model was unfrozen under DDP, is said (the message named fully_shard and hooks)
         assert "one frozen then and unfrozen since keeps each rank's gradient" in out["error"], out
+        assert "and so does one of a module added since (an adapter)" in out["error"], out  # a LoRA added after DDP
     record = [json.loads(line) for line in (tmp_path / case / "metrics.jsonl").read_text().splitlines()][-2]
     assert record["step"] == 2 and record["train/loss"] == 1.0 and "grad_norm" not in record, record
 
