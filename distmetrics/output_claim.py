@@ -48,9 +48,8 @@ class OutputClaim:
             self.problem = (f"output_dir={str(path)!r} cannot be written on the writer rank ({socket.gethostname()}): "
                             f"{odd}")
             return
-        for note in file_notes(config, path):
-            if "is no regular file" in note:  # the others: its sink fails at start, and says so
-                logger.warning("distmetrics: %s", note)
+        for note in file_notes(config, path, unsaid=True):  # the others: their sink fails at start, and says so
+            logger.warning("distmetrics: %s", note)
         for _ in range(_LOCK_TRIES):
             if not self._lock(path) or self._held is not None or self.problem is not None:
                 return
@@ -195,11 +194,12 @@ def not_files(config: Any, folder: Path) -> str:
     return ""
 
 
-def file_notes(config: Any, folder: Path) -> list[str]:
+def file_notes(config: Any, folder: Path, unsaid: bool = False) -> list[str]:
     """What stands in place of the run's own files in ``folder`` that keeps no record, said but not refused
     (a sink there is turned off with a warning, or writes into nothing): a folder, a link to a path that
-    does not exist, something that is not a regular file (a link to /dev/null took every record unsaid)."""
-    notes = []
+    does not exist, something that is not a regular file (a link to /dev/null took every record unsaid).
+    ``unsaid``: only what no sink says (the last kind), for the Monitor to warn of."""
+    notes: list[str] = []
     for name, on in ((METRICS_FILE, config.json_log), ("progress.txt", config.log_progress)):
         path = folder / name
         if not on or not os.path.lexists(path):
@@ -207,6 +207,8 @@ def file_notes(config: Any, folder: Path) -> list[str]:
         try:
             mode = os.stat(path).st_mode
         except OSError as err:  # a link to nothing: writing makes the file, where its folder is there
+            if unsaid:
+                continue
             if err.errno == errno.ELOOP:
                 notes.append(f"{path} is a link that leads back to itself: its sink is turned off with a warning")
             elif not os.path.isdir(os.path.dirname(os.path.realpath(path))):
@@ -214,7 +216,7 @@ def file_notes(config: Any, folder: Path) -> list[str]:
                              "sink is turned off with a warning")
             continue
         if stat.S_ISDIR(mode):
-            notes.append(f"{path} is a folder: its sink is turned off with a warning")
+            notes += [] if unsaid else [f"{path} is a folder: its sink is turned off with a warning"]
         elif not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):  # (a named pipe is refused: not_files)
             target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
             notes.append(f"{path} is no regular file{target}: what is written there is not kept")

@@ -157,8 +157,9 @@ def check_value(key: str, value: Any, expected: Any, accepted: Optional[str] = N
         hint = f"; write {int(value)}"  # 1e5 where an int belongs
     elif isinstance(value, str) and re.fullmatch(r"[-+]?0[0-9][0-9_]*", value) and _matches(0, expected):
         hint = "; write it without the leading 0"  # YAML 1.1 reads 08 and 09 as text, 010 as octal
-    kind = type(value).__name__ if type(value).__module__ == "builtins" else type(value).__qualname__
-    kind = kind if type(value).__module__ in ("builtins", "__main__") else f"{type(value).__module__}.{kind}"
+    given = type(value)  # a foreign type by its module: np.bool_ read "has type bool; accepted: bool"
+    kind = given.__qualname__ if given.__module__ in ("builtins", "__main__") else \
+        f"{given.__module__}.{given.__qualname__}"
     raise ConfigError(f"{key}={_short(value)} has type {kind}; accepted: {_describe(expected)}{hint}")
 
 

@@ -280,6 +280,10 @@ def test_check_config_notes_what_stands_in_place_of_the_run_files_and_the_monito
     with caplog.at_level(logging.WARNING, logger="distmetrics"):
         dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "device"), console=False, tensorboard=False)).close()
     assert f"{tmp_path}/device/metrics.jsonl is no regular file (a link to /dev/null)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distmetrics"):  # a folder: its sink says so, the claim nothing
+        dm.Monitor(dm.MetricsConfig(output_dir=str(tmp_path / "folder"), console=False, tensorboard=False)).close()
+    assert "no regular file" not in caplog.text and "progress.txt" in caplog.text, caplog.text
 
 
 def test_check_config_refuses_bad_input_with_exit_status_2(tmp_path):
