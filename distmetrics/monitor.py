@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .checkpoints import CheckpointLog
-from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors
+from .collectors import build_collectors, finalize_order, idle_collectors, planned_collectors, telemetry_setting
 from .collectors.base import ForeignNames, check_collectors
 from .collectors.norms import NormCollector
 from .collectors.stragglers import StragglerCollector
@@ -131,7 +131,8 @@ class Monitor:
             problem = str(err)
         self.hosts, claim = start_up(config, self.layout, self._guard, self.is_writer, problem or inspection,
                                      config_problem=problem is None and inspection is not None,
-                                     derived={"tensor_inspect.features": features, **shared_throughput(config)})
+                                     derived={"tensor_inspect.features": features, **shared_throughput(config),
+                                              "log_gpu_telemetry": telemetry_setting(config)})
         built: list = []  # closed, and output_dir let go, if the Monitor cannot be made
         try:
             built += build_collectors(config, self.layout, model, optimizer, group) + collectors_for(

@@ -1119,6 +1119,28 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank_naming_key
     assert not any(tmp_path.iterdir())  # the claim on output_dir was let go
 
 
+def _verbosity_on_the_writer_alone(rank: int, world: int, telemetry: bool) -> tuple:
+    """Every rank sees a GPU: ``sees_gpu``, the one place the collectors ask torch, answers True (no GPU
+    here; the start-up gather that refuses is reached before anything reads the GPU)."""
+    import distmetrics as dm
+    import distmetrics.collectors as collectors
+
+    collectors.sees_gpu = lambda: True
+    config = quiet_config(verbosity=1 if rank == 0 else 0, log_gpu_telemetry=telemetry, log_energy=False)
+    return _outcome(lambda: dm.Monitor(config).close())
+
+
+def test_a_verbosity_that_turns_gpu_telemetry_on_some_ranks_only_is_refused_on_every_rank():
+    """verbosity 1 (the console's memory, power and temperature) makes the telemetry collector on a rank
+    that sees a GPU: given on the writer alone, gpu/* were the writer's GPU written as the job's hottest."""
+    for kind, message, _ in run_ranks(_verbosity_on_the_writer_alone, 2, False, timeout=60):
+        assert kind == "ValueError", message
+        assert ("config key log_gpu_telemetry differs between ranks ('on: verbosity 1 on a rank that sees a GPU' "
+                "on rank 0; False on rank 1)") in message, message
+    # log_gpu_telemetry on every rank: verbosity is the writer's console alone again
+    assert [kind for kind, _, _ in run_ranks(_verbosity_on_the_writer_alone, 2, True, timeout=60)] == ["ok", "ok"]
+
+
 def _spike_factor_as_int_or_float(rank: int, world: int) -> float:
     import distmetrics as dm
 

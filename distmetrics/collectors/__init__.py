@@ -28,8 +28,6 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
     """The built-in collectors :func:`build_collectors` makes, each as its class and how it is made:
     a class holds the collector's ``name``, ``after`` and ``writes``, which ``Monitor()`` checks
     against a user's collectors before any collective (nothing is made, hooked or started here)."""
-    import torch
-
     from ..parallel import sees_distinct_tokens
     from .health import HealthCollector
     from .losses import LossCollector
@@ -64,7 +62,7 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
         out.append((MemoryCollector, MemoryCollector))
     if config.log_energy:
         out.append((EnergyCollector, lambda: EnergyCollector(ranks)))  # the GPUs its reduction sums over
-    if config.log_gpu_telemetry or (config.verbosity >= 1 and torch.cuda.is_available()):
+    if telemetry_setting(config):
         out.append((TelemetryCollector, TelemetryCollector))
     if model is not None:
         out.append((NormCollector, lambda: NormCollector(
@@ -78,6 +76,28 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
             config.straggler_window, config.straggler_report_every, config.straggler_report_ranks,
             config.straggler_threshold, nvml=config.log_energy or config.log_gpu_telemetry)))
     return out
+
+
+VERBOSE_TELEMETRY = "on: verbosity 1 on a rank that sees a GPU"
+"""How :func:`telemetry_setting` says telemetry that ``verbosity`` turned on (the start-up check names it)."""
+
+
+def sees_gpu() -> bool:
+    """Whether this rank sees a GPU (``torch.cuda.is_available()``)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def telemetry_setting(config: Any) -> Any:
+    """Whether this rank runs the telemetry collector, as start-up compares it between ranks: True for
+    ``log_gpu_telemetry``, :data:`VERBOSE_TELEMETRY` where ``verbosity`` 1 turned it on (the console's
+    memory, power and temperature, on a rank that sees a GPU), else False. ``verbosity`` alone matters on
+    the writer only, but a rank without the collector adds nothing to ``gpu/*``: ranks given another
+    ``verbosity`` would write the hottest GPU of some ranks as the job's, so the difference is refused."""
+    if config.log_gpu_telemetry:
+        return True
+    return VERBOSE_TELEMETRY if config.verbosity >= 1 and sees_gpu() else False
 
 
 def idle_collectors(planned: list, given: Any = ()) -> list[type]:
