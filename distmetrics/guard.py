@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime as _dt
 import itertools
 import logging
+import math
 import random
 import time
 import zlib
@@ -293,7 +294,7 @@ class CollectiveGuard:
             raw = found.get(key)
             head, stamp, left_in, left = raw.decode().rsplit("|", 3) if raw else (
                 "0|nothing published (it has not reached Monitor(), died before, or runs with hang_timeout_s 0)",
-                str(time.time()), "0", "")
+                "nan", "0", "")  # no time: nothing was published
             seq, call = head.split("|", 1)
             rows.append(_Row(int(seq), call, left, float(stamp), int(left_in)))
         return rows
@@ -322,8 +323,8 @@ class CollectiveGuard:
         left, missing = [], []  # a rank that left will not come; one that has not arrived yet may be on its way
         for r, row in enumerate(rows):  # one that arrived and left inside this call (a signal's) will not go on
             if not self._arrived(row, call, step) or row.left_in == self._seq:
-                (left if row.left else missing).append(f"rank {r}: last call {row.last} "
-                                                       f"(published {now - row.stamp:.1f} s ago)")
+                ago = "" if math.isnan(row.stamp) else f" (published {now - row.stamp:.1f} s ago)"
+                (left if row.left else missing).append(f"rank {r}: last call {row.last}{ago}")
         if isinstance(err, _Late) and not left and not missing:  # every other rank had come: this one was late
             return (f"distmetrics: rank {self.rank} arrived at {waiting}, guarded call #{self._seq}, "
                     f"{waited:.1f} s after it started the call, but another rank had given up waiting there after "
@@ -360,7 +361,7 @@ class CollectiveGuard:
 
 class _Row(NamedTuple):
     """One rank's published state: its guarded call number, its last monitor call, how it left its
-    Monitor ("" while it has not), when it published, and the guarded call it left inside (0: none)."""
+    Monitor ("" while it has not), when it published (NaN: nothing), and the guarded call it left inside (0: none)."""
 
     seq: int
     call: str
