@@ -558,7 +558,8 @@ def _interleaved_schedule(rank: int, world: int, out: str) -> dict:
     for ddp in ddps:
         ddp.broadcast_params()
     monitor = dm.Monitor(quiet_config(log_interval=1, log_throughput=True, json_log=True, output_dir=out,
-                                      writer_rank="last"), model=torch.nn.ModuleList(ddps), optimizer=optimizer)
+                                      writer_rank="last", timing_log_level=1),
+                         model=torch.nn.ModuleList(ddps), optimizer=optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [ddp.no_sync for ddp in ddps]
     config.grad_scale_func = optimizer.scale_loss
@@ -629,6 +630,7 @@ def test_megatrons_interleaved_pipeline_schedule_is_measured_in_model_order(tmp_
         assert all(abs(x - math.log(64)) < 0.5 for x in micro_losses), micro_losses  # near chance at 64 tokens
         assert m["train/loss"] == pytest.approx(math.fsum(micro_losses) / len(micro_losses), rel=REL)
         assert m["train/consumed_tokens"] == step * 2 * 4 * 2 * 16  # replicas × micro-batches × batch × seq
+        assert m["timers/forward-backward"] > 0, m  # the schedule times itself on the timers it was given
     [run] = [r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "run"]
     top = [n for n in run["modules"] if re.fullmatch(r"\d+\.(embedding|decoder\.layers\.\d+|output_layer)", n)]
     assert top == ["0.embedding", "0.decoder.layers.0", "0.decoder.layers.1", "1.decoder.layers.2",

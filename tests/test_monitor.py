@@ -2095,6 +2095,57 @@ def test_a_bad_loss_tokens_is_refused_naming_it(context_parallel):
             and not has_loss, out["tensor refused"]
 
 
+MEGATRON_LOSSES = {1: [(40.0, 10), (90.0, 30)], 2: [(300.0, 100), (10.0, 5)], 3: [(9.0, 3), (2.0, 1)],
+                   4: [(5.0, 1), (8.0, 2)], 5: [(0.0, 0), (12.0, 4)]}
+"""Per step, each data-parallel rank's (loss sum, loss tokens) over its micro-batches, as Megatron's ``loss_func``
+gives them: step 4 skipped (its update failed), rank 0's every token masked at step 5."""
+
+
+def _megatron_losses(rank: int, world: int, out: str) -> dict:
+    """The README's Megatron-Core call, ``loss=loss_sum / loss_tokens, loss_tokens=loss_tokens`` (tensors, as the
+    schedule's losses are), at ``log_interval`` 1 and 5, and at 1 given ``tokens`` alone."""
+    import torch
+
+    import distmetrics as dm
+
+    written = {}
+    for name, interval, counted in (("each", 1, True), ("interval", 5, True), ("tokens", 1, False)):
+        config = quiet_config(log_interval=interval, output_dir=f"{out}/{name}", json_log=True, log_throughput=True)
+        with dm.Monitor(config) as monitor:
+            for step, per_rank in MEGATRON_LOSSES.items():
+                loss_sum, loss_tokens = torch.tensor(per_rank[rank], dtype=torch.float32)
+                monitor.step(step, loss=loss_sum / loss_tokens, tokens=256, skipped=step == 4,
+                             **({"loss_tokens": loss_tokens} if counted else {}))
+        written[name] = [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")
+                         if '"kind":"train"' in line]
+    return written
+
+
+def test_the_megatron_call_gives_each_iterations_lm_loss_and_the_interval_pools_its_loss_tokens(tmp_path):
+    """Megatron-LM's ``train_step`` reduces an iteration's loss as the loss sums over micro-batches and
+    data-parallel ranks over their loss tokens; ``training_log`` prints the plain mean of the interval's
+    non-skipped iterations' losses (its formulas, computed here in float64). Given ``loss_tokens`` the
+    README's call writes each iteration's at ``log_interval: 1`` (a replica with every token masked counts
+    for nothing); over 5 steps ``train/loss`` pools the loss tokens instead (1.3 % apart here, as the README
+    says); given ``tokens`` alone, the masked replica's NaN is the step's loss."""
+    records = run_ranks(_megatron_losses, 2, str(tmp_path), timeout=120)[0]
+    each = {step: math.fsum(s for s, _ in ranks) / math.fsum(n for _, n in ranks)
+            for step, ranks in MEGATRON_LOSSES.items()}
+    advanced = [step for step in MEGATRON_LOSSES if step != 4]
+    megatron_interval = math.fsum(each[step] for step in advanced) / len(advanced)
+    pooled = math.fsum(s for step in advanced for s, _ in MEGATRON_LOSSES[step]) / math.fsum(
+        n for step in advanced for _, n in MEGATRON_LOSSES[step])
+    by_step = {record["step"]: record for record in records["each"]}
+    for step in advanced:
+        assert by_step[step]["train/loss"] == pytest.approx(each[step], rel=1e-6), (step, by_step[step])
+    assert "train/loss" not in by_step[4]  # skipped: no loss, as Megatron leaves it out
+    [interval] = records["interval"]
+    assert interval["train/loss"] == pytest.approx(pooled, rel=1e-6), interval
+    assert abs(interval["train/loss"] / megatron_interval - 1) == pytest.approx(0.0127, abs=5e-4)
+    by_step = {record["step"]: record for record in records["tokens"]}
+    assert math.isnan(float(by_step[5]["train/loss"])) and by_step[1]["train/loss"] != pytest.approx(each[1], rel=1e-3)
+
+
 def _stages_on_an_unflattened_mesh(rank: int, world: int) -> dict:
     """A pp × dp = 2 × 1 mesh unflattened from the 1-D world mesh (current torchtitan's way), each
     stage's layer under FSDP2 over its dp mesh (one rank), the Monitor given no device_mesh."""
