@@ -101,6 +101,10 @@ class MetricsConfig:
     # --- where and how often -------------------------------------------------------------
     log_interval: int = 10
     """Reduce and write every this many optimizer steps (Megatron's ``log_interval``)."""
+    loss_average: Literal["tokens", "steps", "last"] = "tokens"
+    """What ``train/loss`` is over a log interval: ``tokens``, its losses weighed by their tokens over
+    every step; ``steps``, the plain mean of each step's loss (Megatron's ``lm loss``); ``last``, the
+    last step's loss (torchtitan's). Each step's loss is token-weighted across ranks alike."""
     output_dir: str = "runs/default"
     """Folder for ``metrics.jsonl``, ``progress.txt`` and (by default) TensorBoard events."""
     writer_rank: Literal["first", "last"] = "first"

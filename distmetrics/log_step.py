@@ -87,8 +87,9 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                 if failure is not None:
                     logger.warning("distmetrics: step %d: %s", step, refused)
                 failure = failure or refused
-        monitor._eval.note_train_loss(metrics.get("train/loss"), ctx.reduced.weight("train/loss"),
-                                      monitor._by_name["train"].mixed.by)
+        loss = metrics.get("train/loss")  # the token-weighted one where loss_average writes another
+        monitor._eval.note_train_loss(loss if loss is None or train.loss_average == "tokens" else train.pooled_loss,
+                                      ctx.reduced.weight("train/loss"), train.mixed.by)
         written = _written_order(monitor, metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
         monitor._write(metrics, step, "train")

@@ -179,7 +179,7 @@ def _by_problem(problems: Iterable[tuple[int, str]]) -> list[str]:
     return [f"{some_ranks(held)}: {problem}" for problem, held in ranks.items()]
 
 
-SHARED_KEYS = ("log_interval", "writer_rank", "pipeline_style", "timing_log_level", "timing_log_option",
+SHARED_KEYS = ("log_interval", "loss_average", "writer_rank", "pipeline_style", "timing_log_level", "timing_log_option",
                "barrier_with_L1_time", "log_grad_norm", "log_grad_norm_per_module",
                "module_norm_depth", "log_params_norm", "log_update_norm", "log_throughput", "log_memory",
                "log_energy", "log_gpu_telemetry", "straggler_window", "straggler_report_every", "total_steps",

@@ -2103,31 +2103,39 @@ gives them: step 4 skipped (its update failed), rank 0's every token masked at s
 
 def _megatron_losses(rank: int, world: int, out: str) -> dict:
     """The README's Megatron-Core call, ``loss=loss_sum / loss_tokens, loss_tokens=loss_tokens`` (tensors, as the
-    schedule's losses are), at ``log_interval`` 1 and 5, and at 1 given ``tokens`` alone."""
+    schedule's losses are), at ``log_interval`` 1 and 5 (each ``loss_average``), and at 1 given ``tokens`` alone;
+    then ``loss_average: steps`` over 3 steps and a ``close()`` after 2 more."""
     import torch
 
     import distmetrics as dm
 
     written = {}
-    for name, interval, counted in (("each", 1, True), ("interval", 5, True), ("tokens", 1, False)):
-        config = quiet_config(log_interval=interval, output_dir=f"{out}/{name}", json_log=True, log_throughput=True)
+    for name, interval, counted, average in (
+            ("each", 1, True, "tokens"), ("interval", 5, True, "tokens"), ("tokens", 1, False, "tokens"),
+            ("steps", 5, True, "steps"), ("last", 5, True, "last"), ("closed", 3, True, "steps")):
+        config = quiet_config(log_interval=interval, output_dir=f"{out}/{name}", json_log=True, log_throughput=True,
+                              loss_average=average)
         with dm.Monitor(config) as monitor:
             for step, per_rank in MEGATRON_LOSSES.items():
                 loss_sum, loss_tokens = torch.tensor(per_rank[rank], dtype=torch.float32)
                 monitor.step(step, loss=loss_sum / loss_tokens, tokens=256, skipped=step == 4,
                              **({"loss_tokens": loss_tokens} if counted else {}))
+            if name == "steps":
+                monitor.log_eval(5, loss=3.0, tokens=256)
         written[name] = [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")
-                         if '"kind":"train"' in line]
+                         if '"kind":"train"' in line or '"kind":"eval"' in line]
     return written
 
 
-def test_the_megatron_call_gives_each_iterations_lm_loss_and_the_interval_pools_its_loss_tokens(tmp_path):
+def test_the_megatron_call_gives_each_iterations_lm_loss_and_loss_average_megatrons_or_torchtitans(tmp_path):
     """Megatron-LM's ``train_step`` reduces an iteration's loss as the loss sums over micro-batches and
     data-parallel ranks over their loss tokens; ``training_log`` prints the plain mean of the interval's
     non-skipped iterations' losses (its formulas, computed here in float64). Given ``loss_tokens`` the
     README's call writes each iteration's at ``log_interval: 1`` (a replica with every token masked counts
     for nothing); over 5 steps ``train/loss`` pools the loss tokens instead (1.3 % apart here, as the README
-    says); given ``tokens`` alone, the masked replica's NaN is the step's loss."""
+    says); given ``tokens`` alone, the masked replica's NaN is the step's loss. ``loss_average: steps`` gives
+    Megatron's interval mean, ``last`` the log step's own loss (torchtitan's); ``eval/gap`` stays over the
+    token-weighted training loss."""
     records = run_ranks(_megatron_losses, 2, str(tmp_path), timeout=120)[0]
     each = {step: math.fsum(s for s, _ in ranks) / math.fsum(n for _, n in ranks)
             for step, ranks in MEGATRON_LOSSES.items()}
@@ -2144,6 +2152,15 @@ def test_the_megatron_call_gives_each_iterations_lm_loss_and_the_interval_pools_
     assert abs(interval["train/loss"] / megatron_interval - 1) == pytest.approx(0.0127, abs=5e-4)
     by_step = {record["step"]: record for record in records["tokens"]}
     assert math.isnan(float(by_step[5]["train/loss"])) and by_step[1]["train/loss"] != pytest.approx(each[1], rel=1e-3)
+    # loss_average: steps is Megatron's lm loss; last, the log step's own, torchtitan's
+    train, evaluation = records.pop("steps")
+    assert train["train/loss"] == pytest.approx(megatron_interval, rel=1e-6), train
+    assert evaluation["eval/gap"] == pytest.approx(3.0 - pooled, rel=1e-6), evaluation  # the token-weighted one
+    assert [r["train/loss"] for r in records["last"]] == [pytest.approx(each[5], rel=1e-6)]
+    first, closed = records["closed"]  # steps 1-3 and close()'s 4-5 (4 skipped)
+    assert first["train/loss"] == pytest.approx(math.fsum(each[step] for step in (1, 2, 3)) / 3, rel=1e-6)
+    assert closed["step"] == 5 and closed["train/loss"] == pytest.approx(each[5], rel=1e-6)
+    assert not [k for r in (train, *records["closed"]) for k in r if k.startswith("_")]
 
 
 def _stages_on_an_unflattened_mesh(rank: int, world: int) -> dict:

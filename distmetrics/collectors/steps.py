@@ -70,6 +70,10 @@ LEARNING_RATES = "_train/lr"
 """Internal lanes: each rank's learning rate (minmax, float32), and their mean (``<lane>/mean``), with two
 ranks or more: ``train/lr`` is the writer rank's, so ranks that differ, or a writer rank that gives none
 (then ``train/lr`` is the mean), are said."""
+STEP_LOSS = "_train/loss/step"
+"""Internal lanes: ``STEP_LOSS + str(i)``, the loss of the interval's ``i``-th ``monitor.step`` (from 0) weighed as
+``train/loss`` is, across ranks (a mean), made only where ``loss_average`` is ``steps`` or ``last``. A step whose
+losses all weighed 0 (or none was given) has none: it is no step of the average."""
 BAD_WEIGHT = "_record/bad_weight/"
 """Internal lanes: ``BAD_WEIGHT + name``, 1 where a tensor given as a ``monitor.record`` mean's weight held
 NaN, inf or a negative value on this rank in the interval (max, with the lowest rank holding it)."""
@@ -86,7 +90,7 @@ class StepValues:
     after = ()
     writes = ("train/loss", "train/lr")
 
-    def __init__(self, layout: Any, writer: int) -> None:
+    def __init__(self, layout: Any, writer: int, loss_average: str = "tokens") -> None:
         self.stats = IntervalStats(by_step=True)  # a value recorded after the last step: taken back at close()
         self.names = NameRegistry()  # the Monitor adds what its other collectors write
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
@@ -126,6 +130,9 @@ class StepValues:
         self._uncounted = False  # tokens given in the interval on this rank, which does not count them
         self._says_uncounted = layout.says_once
         self.weightless = WeightlessMeans()  # monitor.record means left out for a total weight of 0: said
+        self.loss_average = loss_average  # "tokens": train/loss is the interval's SUM lanes as they are
+        self._step_index = 0  # the interval's monitor.step calls so far (STEP_LOSS lanes)
+        self.pooled_loss: Optional[float] = None  # the last record's train/loss as loss_average "tokens" makes it
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
                    scalars: dict[str, Any], loss_tokens: Any = None) -> None:
@@ -185,7 +192,10 @@ class StepValues:
                 self._tokenless += 1
         if loss is not None and not self.stage_loss.drops(loss):
             weight = loss_weight(tokens, loss_tokens)
-            self.stats.record("train/loss", loss, "mean", weight=1.0 if weight is None else weight)
+            weighs = 1.0 if weight is None else weight
+            self.stats.record("train/loss", loss, "mean", weight=weighs)
+            if self.loss_average != "tokens":  # this step's own loss across ranks, in lanes of its own
+                self.stats.record(f"{STEP_LOSS}{self._step_index}", loss, "mean", weight=weighs)
             self._loss_weights |= loss_weights(weight)
             if loss_tokens is not None:
                 self.stats.record(LOSS_TOKENS, loss_tokens, "sum")
@@ -212,6 +222,7 @@ class StepValues:
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
+        self._step_index += 1
         self.stats.end_step()  # what was recorded up to here is this step's
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
@@ -272,6 +283,7 @@ class StepValues:
         lr, self._lr = self._lr, None
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
+        self._step_index = 0
         lanes = [Sample(INTERVAL_NS, int(counted_ns - span_ns), "imax"), Sample(LOG_SPAN_NS, int(span_ns), "imin"),
                  Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
@@ -325,6 +337,22 @@ class StepValues:
         self.mixed.check(metrics, ctx.step)
         if self.learning_rates is not None:
             self.learning_rates.check(metrics, ctx.step)
+        self._average_steps(metrics)
+
+    def _average_steps(self, metrics: dict[str, Any]) -> None:
+        """``train/loss`` from the interval's :data:`STEP_LOSS` lanes (taken out of ``metrics`` whatever the
+        setting): the plain mean of its steps' losses (``steps``) or the last one's (``last``), where the
+        interval's ``train/loss`` is written at all (a refusal or a mix of weights above leaves it out). The
+        token-weighted one is kept as :attr:`pooled_loss` (``eval/gap`` weighs the intervals' by their tokens)."""
+        self.pooled_loss = metrics.get("train/loss")
+        if self.loss_average == "tokens":
+            return
+        steps = sorted((int(name[len(STEP_LOSS):]), metrics.pop(name)) for name in
+                       [name for name in metrics if name.startswith(STEP_LOSS)])
+        if "train/loss" in metrics and steps:
+            losses = [loss for _, loss in steps]
+            mean = math.fsum(losses) if all(map(math.isfinite, losses)) else sum(losses)  # fsum refuses inf - inf
+            metrics["train/loss"] = losses[-1] if self.loss_average == "last" else mean / len(losses)
 
     def _check_uncounted(self, uncounted: Optional[float], ctx: LogContext) -> None:
         """Say once where tokens were given in the interval only on ranks that do not count them: the
