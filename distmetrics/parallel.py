@@ -422,7 +422,9 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                            "%s) and no mesh names a tensor-, context- or pipeline-parallel dimension, so which of the "
                            "other ranks are data-parallel copies and which pipeline stages or tensor-parallel peers "
                            "cannot be told: every rank counts its batch's tokens (a mesh unflattened from a 1-D world "
-                           "mesh names nothing above its own dimensions). Pass device_mesh= (the whole job's mesh)",
+                           "mesh names nothing above its own dimensions), and where ranks outside that mesh hold "
+                           "copies of its parameters (experts sharded over an ep mesh alone) the gradient, parameter "
+                           "and update norms count every copy. Pass device_mesh= (the whole job's mesh)",
                            loose.size(), layout.world_size, loose.mesh_dim_names)
     return mesh
 

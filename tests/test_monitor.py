@@ -2190,9 +2190,11 @@ def _stages_on_an_unflattened_mesh(rank: int, world: int) -> dict:
 def test_a_models_mesh_short_of_the_ranks_naming_nothing_above_it_is_said():
     """FSDP2 over the dp mesh of a pp × dp mesh unflattened from the world's: that mesh's root names
     nothing, so no mesh says the other rank is a pipeline stage, and each stage counted its tokens
-    (consumed tokens × pp), unsaid, where the README says it is said once. Now it is (the writer)."""
+    (consumed tokens × pp), unsaid, where the README says it is said once. Now it is (the writer), with
+    what it does to norms where the other ranks hold copies (the README's experts sharded over ep alone)."""
     results = run_ranks(_stages_on_an_unflattened_mesh, 2, timeout=120)
     assert len(results[0]["said"]) == 1 and "Pass device_mesh=" in results[0]["said"][0], results[0]
+    assert "the gradient, parameter and update norms count every copy" in results[0]["said"][0]  # experts on ep alone
 
 
 def _eval_time_under_its_written_name(rank: int, world: int, root: str) -> dict:
