@@ -577,6 +577,7 @@ def test_peak_lookup_by_gpu_name_and_dtype():
     assert peak_tflops_for("NVIDIA H100 PCIe", "bf16") == 756.0
     assert peak_tflops_for("NVIDIA H100 NVL", "bf16") == 835.5  # it matched "H100": the SXM board's 989
     assert peak_tflops_for("NVIDIA H200 NVL", "fp8") == 1670.5
+    assert peak_tflops_for("NVIDIA H200 NVL", "bf16") == 835.5  # torchtitan matches "H200": the SXM board's 989
     assert peak_tflops_for("NVIDIA H200", "fp8") == 1979.0
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
     assert peak_tflops_for("Some Future GPU", "bf16") is None
