@@ -88,7 +88,7 @@ def _record_train(monitor: "Monitor", call: StepCall) -> None:
     # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
     with monitor._records:
         monitor._by_name["train"].record_step(None if call.skipped else call.loss, call.tokens, call.lr,
-                                              call.scalars, call.loss_tokens)
+                                              call.scalars, call.loss_tokens, call.step)
 
 
 def _record_health(monitor: "Monitor", call: StepCall) -> None:

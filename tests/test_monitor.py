@@ -2163,6 +2163,34 @@ def test_the_megatron_call_gives_each_iterations_lm_loss_and_loss_average_megatr
     assert not [k for r in (train, *records["closed"]) for k in r if k.startswith("_")]
 
 
+@pytest.mark.parametrize("average", ["steps", "last"])
+def test_loss_average_of_losses_whose_sum_passes_float64_is_their_mean(average, tmp_path):
+    """Two steps' losses of 1e308 (no tokens: each weighs 1): their sum overflowed in fsum, so the log step raised
+    and lost its record."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=2, output_dir=str(tmp_path), json_log=True, loss_average=average)) as m:
+        m.step(1, loss=1e308)
+        assert m.step(2, loss=1e308)["train/loss"] == 1e308
+
+
+@pytest.mark.parametrize("first, stride, said", [(1, 2, 9), (2, 2, None), (3, 3, None), (7, 1, None)])
+def test_steps_numbered_so_that_no_log_step_comes_are_said_once(first, stride, said, tmp_path, caplog):
+    """Odd steps with log_interval 4 never reach a multiple of 4: no record came until close(), unsaid. Steps
+    first + k·stride reach one within log_interval calls or never, so the (log_interval + 1)-th call says so."""
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=4, output_dir=str(tmp_path), json_log=True)) as monitor:
+        logged = [step for step in range(first, first + 12 * stride, stride) if monitor.step(step, loss=1.0)]
+    warned = [r.getMessage() for r in caplog.records if "none of them was a log step" in r.getMessage()]
+    if said is None:
+        assert logged and not warned, (logged, warned)
+        return
+    assert not logged and len(warned) == 1, (logged, warned)
+    assert warned[0].startswith(f"distmetrics: 5 monitor.step calls since the last log step (or the first step), up "
+                                f"to step {said}, and none of them was a log step"), warned
+
+
 def _stages_on_an_unflattened_mesh(rank: int, world: int) -> dict:
     """A pp × dp = 2 × 1 mesh unflattened from the 1-D world mesh (current torchtitan's way), each
     stage's layer under FSDP2 over its dp mesh (one rank), the Monitor given no device_mesh."""

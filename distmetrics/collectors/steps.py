@@ -72,8 +72,10 @@ ranks or more: ``train/lr`` is the writer rank's, so ranks that differ, or a wri
 (then ``train/lr`` is the mean), are said."""
 STEP_LOSS = "_train/loss/step"
 """Internal lanes: ``STEP_LOSS + str(i)``, the loss of the interval's ``i``-th ``monitor.step`` (from 0) weighed as
-``train/loss`` is, across ranks (a mean), made only where ``loss_average`` is ``steps`` or ``last``. A step whose
-losses all weighed 0 (or none was given) has none: it is no step of the average."""
+``train/loss`` is, across ranks (a mean), made only where ``loss_average`` is ``steps`` or ``last``: one vector
+sample of as many elements as the interval's steps (a step without a loss weighs 0 there, so the names stay those
+of the last interval of as many steps). A step whose losses all weighed 0 (or none was given) has none: it is no
+step of the average."""
 BAD_WEIGHT = "_record/bad_weight/"
 """Internal lanes: ``BAD_WEIGHT + name``, 1 where a tensor given as a ``monitor.record`` mean's weight held
 NaN, inf or a negative value on this rank in the interval (max, with the lowest rank holding it)."""
@@ -90,7 +92,7 @@ class StepValues:
     after = ()
     writes = ("train/loss", "train/lr")
 
-    def __init__(self, layout: Any, writer: int, loss_average: str = "tokens") -> None:
+    def __init__(self, layout: Any, writer: int, loss_average: str = "tokens", log_interval: int = 0) -> None:
         self.stats = IntervalStats(by_step=True)  # a value recorded after the last step: taken back at close()
         self.names = NameRegistry()  # the Monitor adds what its other collectors write
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
@@ -132,6 +134,10 @@ class StepValues:
         self.weightless = WeightlessMeans()  # monitor.record means left out for a total weight of 0: said
         self.loss_average = loss_average  # "tokens": train/loss is the interval's SUM lanes as they are
         self._step_index = 0  # the interval's monitor.step calls so far (STEP_LOSS lanes)
+        self._step_losses: list[tuple[int, Number, Number]] = []  # (step index, loss, weight) of the interval
+        self._step_names: dict[int, tuple[str, ...]] = {}  # the STEP_LOSS names of an interval of n steps
+        self._log_interval = log_interval  # more monitor.step calls than this without a log step: none will come
+        self._says_no_log_step = layout.says_once
         self.pooled_loss: Optional[float] = None  # the last record's train/loss as loss_average "tokens" makes it
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
@@ -165,10 +171,18 @@ class StepValues:
         self._starting = True
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
-                    scalars: dict[str, Number], loss_tokens: Optional[Number] = None) -> None:
+                    scalars: dict[str, Number], loss_tokens: Optional[Number] = None, step: int = 0) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
-        :func:`loss_weight`, ``tokens`` counted for the throughput."""
+        :func:`loss_weight`, ``tokens`` counted for the throughput; ``step``: its number."""
         self._ended_pause = None  # a resume() from here on ends a pause of its own, or none
+        if self._step_index == self._log_interval and self._log_interval and self._says_no_log_step:
+            self._says_no_log_step = False  # steps a + k·s reach a multiple of L within L calls, or never
+            logger.warning(
+                "distmetrics: %d monitor.step calls since the last log step (or the first step), up to step %d, "
+                "and none of them was a log step: a log step is a step whose number is a multiple of log_interval "
+                "(%d), so steps numbered as these never reach one, and every record waits for close(). Number the "
+                "steps 1, 2, 3, ... (or by a stride whose multiples meet log_interval's). Said once.",
+                self._step_index + 1, step, self._log_interval)
         if self.clock.paused:
             self._paused_steps += 1
             if self._paused_steps == 2 and self._says_unresumed:  # one may end inside a pause (an evaluation before it)
@@ -194,8 +208,8 @@ class StepValues:
             weight = loss_weight(tokens, loss_tokens)
             weighs = 1.0 if weight is None else weight
             self.stats.record("train/loss", loss, "mean", weight=weighs)
-            if self.loss_average != "tokens":  # this step's own loss across ranks, in lanes of its own
-                self.stats.record(f"{STEP_LOSS}{self._step_index}", loss, "mean", weight=weighs)
+            if self.loss_average != "tokens":  # this step's own loss across ranks, in a lane of its own
+                self._step_losses.append((self._step_index, kept(loss), kept(weighs)))
             self._loss_weights |= loss_weights(weight)
             if loss_tokens is not None:
                 self.stats.record(LOSS_TOKENS, loss_tokens, "sum")
@@ -283,7 +297,7 @@ class StepValues:
         lr, self._lr = self._lr, None
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
-        self._step_index = 0
+        steps, self._step_index = self._step_index, 0
         lanes = [Sample(INTERVAL_NS, int(counted_ns - span_ns), "imax"), Sample(LOG_SPAN_NS, int(span_ns), "imin"),
                  Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
@@ -299,8 +313,23 @@ class StepValues:
             # writer rank gives none, as a loop passing lr beside the loss on the last pipeline stage does)
             lanes += [Sample(LEARNING_RATES, _nan_where(nan, lr), "minmax"),
                       Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
+        if self._step_losses:
+            lanes.append(self._step_loss_sample(steps))
         self.weightless.sent = self.stats.take_samples()
         return self.weightless.sent + lanes
+
+    def _step_loss_sample(self, steps: int) -> Sample:
+        """The interval's :data:`STEP_LOSS` lanes as one vector of ``steps`` elements, a step without a loss
+        weighing 0: built once per log step (no tensor operation at a step but a tensor's copy)."""
+        held, self._step_losses = self._step_losses, []
+        values, weights = [0.0] * steps, [0.0] * steps
+        for index, loss, weight in held:
+            values[index], weights[index] = loss, weight
+        names = self._step_names.get(steps)
+        if names is None:
+            names = self._step_names[steps] = tuple(f"{STEP_LOSS}{i}" for i in range(steps))
+        device = next((v.device for v in values + weights if isinstance(v, torch.Tensor) and not v.is_cpu), None)
+        return Sample(STEP_LOSS, _vector(values, device), "mean", weight=_vector(weights, device), names=names)
 
     def to_context(self, metrics: dict[str, Any], ctx: LogContext) -> None:
         """Move the internal lanes out of the reduced metrics into ``ctx`` (wall time, tokens,
@@ -351,8 +380,7 @@ class StepValues:
                        [name for name in metrics if name.startswith(STEP_LOSS)])
         if "train/loss" in metrics and steps:
             losses = [loss for _, loss in steps]
-            mean = math.fsum(losses) if all(map(math.isfinite, losses)) else sum(losses)  # fsum refuses inf - inf
-            metrics["train/loss"] = losses[-1] if self.loss_average == "last" else mean / len(losses)
+            metrics["train/loss"] = losses[-1] if self.loss_average == "last" else _mean(losses)
 
     def _check_uncounted(self, uncounted: Optional[float], ctx: LogContext) -> None:
         """Say once where tokens were given in the interval only on ranks that do not count them: the
@@ -437,3 +465,21 @@ def _nan_where(nan: Any, lr: Any) -> Any:
         last = torch.as_tensor(lr, dtype=torch.float64, device=nan.device)
         return torch.where(nan, torch.full_like(last, math.nan), last)
     return math.nan if nan else lr
+
+
+def _mean(values: list[float]) -> float:
+    """The plain mean of ``values``: each divided first, so finite ones whose sum would pass float64's
+    largest (1e308 twice) give their mean, not an overflow; with NaN or inf, as a sum gives it."""
+    n = len(values)
+    if all(map(math.isfinite, values)):
+        return math.fsum(value / n for value in values)
+    return sum(values) / n  # fsum refuses inf - inf
+
+
+def _vector(values: list[Number], device: Optional[torch.device]) -> Any:
+    """Numbers and 0-d tensors as one float64 vector: on the host for ``device`` None (numbers and host
+    tensors only), else on ``device`` (each moved there: no host read)."""
+    if device is None:
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return torch.stack([v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
