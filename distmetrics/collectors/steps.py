@@ -73,9 +73,9 @@ ranks or more: ``train/lr`` is the writer rank's, so ranks that differ, or a wri
 STEP_LOSS = "_train/loss/step"
 """Internal lanes: ``STEP_LOSS + str(i)``, the loss of the interval's ``i``-th ``monitor.step`` (from 0) weighed as
 ``train/loss`` is, across ranks (a mean), made only where ``loss_average`` is ``steps`` or ``last``: one vector
-sample of as many elements as the interval's steps (a step without a loss weighs 0 there, so the names stay those
-of the last interval of as many steps). A step whose losses all weighed 0 (or none was given) has none: it is no
-step of the average."""
+sample of as many elements as the interval's steps, so the names stay those of the last interval of as many
+steps. A step without a loss on this rank weighs 0 in it; one whose losses weighed 0 on every rank (or where
+none was given) has no reduced value: it is no step of the average."""
 BAD_WEIGHT = "_record/bad_weight/"
 """Internal lanes: ``BAD_WEIGHT + name``, 1 where a tensor given as a ``monitor.record`` mean's weight held
 NaN, inf or a negative value on this rank in the interval (max, with the lowest rank holding it)."""
@@ -136,8 +136,10 @@ class StepValues:
         self._step_index = 0  # the interval's monitor.step calls so far (STEP_LOSS lanes)
         self._step_losses: list[tuple[int, Number, Number]] = []  # (step index, loss, weight) of the interval
         self._step_names: dict[int, tuple[str, ...]] = {}  # the STEP_LOSS names of an interval of n steps
+        self._step_lanes: tuple[str, ...] = ()  # the STEP_LOSS names of the last log step's interval
         self._log_interval = log_interval  # more monitor.step calls than this without a log step: none will come
         self._says_no_log_step = layout.says_once
+        self._first_step, self._stride = 0, 0  # the interval's first step, and its stride (-1: not one stride)
         self.pooled_loss: Optional[float] = None  # the last record's train/loss as loss_average "tokens" makes it
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
@@ -175,14 +177,8 @@ class StepValues:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
         :func:`loss_weight`, ``tokens`` counted for the throughput; ``step``: its number."""
         self._ended_pause = None  # a resume() from here on ends a pause of its own, or none
-        if self._step_index == self._log_interval and self._log_interval and self._says_no_log_step:
-            self._says_no_log_step = False  # steps a + k·s reach a multiple of L within L calls, or never
-            logger.warning(
-                "distmetrics: %d monitor.step calls since the last log step (or the first step), up to step %d, "
-                "and none of them was a log step: a log step is a step whose number is a multiple of log_interval "
-                "(%d), so steps numbered as these never reach one, and every record waits for close(). Number the "
-                "steps 1, 2, 3, ... (or by a stride whose multiples meet log_interval's). Said once.",
-                self._step_index + 1, step, self._log_interval)
+        if self._log_interval:
+            self._look_for_log_steps(step)
         if self.clock.paused:
             self._paused_steps += 1
             if self._paused_steps == 2 and self._says_unresumed:  # one may end inside a pause (an evaluation before it)
@@ -238,6 +234,28 @@ class StepValues:
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
         self._step_index += 1
         self.stats.end_step()  # what was recorded up to here is this step's
+
+    def _look_for_log_steps(self, step: int) -> None:
+        """Say once where the steps go by one stride from the interval's first and ``log_interval`` of them
+        passed without a log step: steps a + k·s reach a multiple of L within L calls, or never (odd steps
+        with an even L). A stride that changed (a step number left out) says nothing: a multiple may come."""
+        index = self._step_index
+        if index == 0:
+            self._first_step, self._stride = step, 0
+        elif index == 1:
+            self._stride = step - self._first_step
+        elif self._stride != -1 and step - self._first_step != index * self._stride:
+            self._stride = -1
+        if index < self._log_interval or self._stride == -1 or step % self._log_interval == 0 \
+                or not self._says_no_log_step:
+            return
+        self._says_no_log_step = False
+        logger.warning(
+            "distmetrics: %d monitor.step calls since the last log step (or the first step), steps %d to %d by %d, "
+            "and none of them was a log step: a log step is a step whose number is a multiple of log_interval "
+            "(%d), so steps numbered this way never reach one, and every record waits for close(). Number the "
+            "steps 1, 2, 3, ... (or by a stride whose multiples meet log_interval's). Said once.",
+            index + 1, self._first_step, step, self._stride, self._log_interval)
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
         """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
@@ -298,6 +316,7 @@ class StepValues:
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
         steps, self._step_index = self._step_index, 0
+        held, self._step_losses = self._step_losses, []
         lanes = [Sample(INTERVAL_NS, int(counted_ns - span_ns), "imax"), Sample(LOG_SPAN_NS, int(span_ns), "imin"),
                  Sample(UNTIMED_TOKENS, untimed, "sum")]
         if tokenless and self._gives_tokens:
@@ -313,21 +332,22 @@ class StepValues:
             # writer rank gives none, as a loop passing lr beside the loss on the last pipeline stage does)
             lanes += [Sample(LEARNING_RATES, _nan_where(nan, lr), "minmax"),
                       Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
-        if self._step_losses:
-            lanes.append(self._step_loss_sample(steps))
+        if self.loss_average != "tokens":  # the names every rank reads, whether it holds a loss or not
+            self._step_lanes = self._step_names.get(steps) or self._step_names.setdefault(
+                steps, tuple(f"{STEP_LOSS}{i}" for i in range(steps)))
+            if held:
+                lanes.append(self._step_loss_sample(held))
         self.weightless.sent = self.stats.take_samples()
         return self.weightless.sent + lanes
 
-    def _step_loss_sample(self, steps: int) -> Sample:
-        """The interval's :data:`STEP_LOSS` lanes as one vector of ``steps`` elements, a step without a loss
-        weighing 0: built once per log step (no tensor operation at a step but a tensor's copy)."""
-        held, self._step_losses = self._step_losses, []
-        values, weights = [0.0] * steps, [0.0] * steps
+    def _step_loss_sample(self, held: list) -> Sample:
+        """The interval's :data:`STEP_LOSS` lanes as one vector, one element per step, from its ``held``
+        (index, loss, weight), a step without a loss weighing 0: built once per log step (no tensor
+        operation at a step but a tensor's copy)."""
+        names = self._step_lanes
+        values, weights = [0.0] * len(names), [0.0] * len(names)
         for index, loss, weight in held:
             values[index], weights[index] = loss, weight
-        names = self._step_names.get(steps)
-        if names is None:
-            names = self._step_names[steps] = tuple(f"{STEP_LOSS}{i}" for i in range(steps))
         device = next((v.device for v in values + weights if isinstance(v, torch.Tensor) and not v.is_cpu), None)
         return Sample(STEP_LOSS, _vector(values, device), "mean", weight=_vector(weights, device), names=names)
 
@@ -376,10 +396,8 @@ class StepValues:
         self.pooled_loss = metrics.get("train/loss")
         if self.loss_average == "tokens":
             return
-        steps = sorted((int(name[len(STEP_LOSS):]), metrics.pop(name)) for name in
-                       [name for name in metrics if name.startswith(STEP_LOSS)])
-        if "train/loss" in metrics and steps:
-            losses = [loss for _, loss in steps]
+        losses = [metrics.pop(name) for name in self._step_lanes if name in metrics]  # in step order
+        if "train/loss" in metrics and losses:
             metrics["train/loss"] = losses[-1] if self.loss_average == "last" else _mean(losses)
 
     def _check_uncounted(self, uncounted: Optional[float], ctx: LogContext) -> None:
@@ -478,8 +496,11 @@ def _mean(values: list[float]) -> float:
 
 def _vector(values: list[Number], device: Optional[torch.device]) -> Any:
     """Numbers and 0-d tensors as one float64 vector: on the host for ``device`` None (numbers and host
-    tensors only), else on ``device`` (each moved there: no host read)."""
+    tensors only), else on ``device``, where the numbers go in one copy and the tensors are stacked
+    with them (no host read)."""
     if device is None:
         return torch.tensor([float(v) for v in values], dtype=torch.float64)
-    return torch.stack([v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
+    numbers = [float(v) for v in values if not isinstance(v, torch.Tensor)]
+    moved = iter(torch.tensor(numbers, dtype=torch.float64).to(device).unbind() if numbers else ())
+    return torch.stack([v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor) else next(moved)
+                        for v in values])
