@@ -139,7 +139,8 @@ class StepValues:
         self._step_lanes: tuple[str, ...] = ()  # the STEP_LOSS names of the last log step's interval
         self._log_interval = log_interval  # more monitor.step calls than this without a log step: none will come
         self._says_no_log_step = layout.says_once
-        self._first_step, self._stride = 0, 0  # the interval's first step, and its stride (-1: not one stride)
+        self._run = (0, 0, 0)  # the interval's steps of one stride: (first, stride, calls)
+        self._previous_step = 0
         self.pooled_loss: Optional[float] = None  # the last record's train/loss as loss_average "tokens" makes it
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
@@ -236,26 +237,27 @@ class StepValues:
         self.stats.end_step()  # what was recorded up to here is this step's
 
     def _look_for_log_steps(self, step: int) -> None:
-        """Say once where the steps go by one stride from the interval's first and ``log_interval`` of them
-        passed without a log step: steps a + k·s reach a multiple of L within L calls, or never (odd steps
-        with an even L). A stride that changed (a step number left out) says nothing: a multiple may come."""
-        index = self._step_index
-        if index == 0:
-            self._first_step, self._stride = step, 0
-        elif index == 1:
-            self._stride = step - self._first_step
-        elif self._stride != -1 and step - self._first_step != index * self._stride:
-            self._stride = -1
-        if index < self._log_interval or self._stride == -1 or step % self._log_interval == 0 \
-                or not self._says_no_log_step:
+        """Say once where the interval's last ``log_interval`` + 1 calls or more went by one stride s from a
+        step a that is no multiple of gcd(s, L): steps a + k·s never reach a multiple of L (odd steps with an
+        even L), so every record waits for ``close()``. A stride that changes (a ramp-up of steps counted in
+        samples, a step number left out) starts a new run from the step before."""
+        if self._step_index == 0:
+            self._run, self._previous_step = (step, 0, 1), step
+            return
+        first, stride, calls = self._run
+        if calls == 1 or step - self._previous_step != stride:
+            first, stride, calls = self._previous_step, step - self._previous_step, 1
+        self._run, self._previous_step = (first, stride, calls + 1), step
+        every = math.gcd(stride, self._log_interval)
+        if calls + 1 <= self._log_interval or first % every == 0 or not self._says_no_log_step:
             return
         self._says_no_log_step = False
         logger.warning(
-            "distmetrics: %d monitor.step calls since the last log step (or the first step), steps %d to %d by %d, "
-            "and none of them was a log step: a log step is a step whose number is a multiple of log_interval "
-            "(%d), so steps numbered this way never reach one, and every record waits for close(). Number the "
-            "steps 1, 2, 3, ... (or by a stride whose multiples meet log_interval's). Said once.",
-            index + 1, self._first_step, step, self._stride, self._log_interval)
+            "distmetrics: %d monitor.step calls by a stride of %d from step %d (to step %d) and no log step: a log "
+            "step is a step whose number is a multiple of log_interval (%d), and steps %d + k·%d never reach one "
+            "(%d is no multiple of %d), so every record waits for close(). Number the steps 1, 2, 3, ..., or from "
+            "a multiple of %d. Said once.", calls + 1, stride, first, step, self._log_interval, first, stride, first,
+            every, every)
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
         """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
