@@ -498,11 +498,12 @@ def _mean(values: list[float]) -> float:
 
 def _vector(values: list[Number], device: Optional[torch.device]) -> Any:
     """Numbers and 0-d tensors as one float64 vector: on the host for ``device`` None (numbers and host
-    tensors only), else on ``device``, where the numbers go in one copy and the tensors are stacked
-    with them (no host read)."""
+    tensors only), else on ``device``, where the numbers and host tensors go in one copy and the device
+    tensors are stacked with them (no read of a device tensor)."""
     if device is None:
         return torch.tensor([float(v) for v in values], dtype=torch.float64)
-    numbers = [float(v) for v in values if not isinstance(v, torch.Tensor)]
+    on_device = [isinstance(v, torch.Tensor) and not v.is_cpu for v in values]
+    numbers = [float(v) for v, there in zip(values, on_device) if not there]
     moved = iter(torch.tensor(numbers, dtype=torch.float64).to(device).unbind() if numbers else ())
-    return torch.stack([v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor) else next(moved)
-                        for v in values])
+    return torch.stack([v.to(device, torch.float64).reshape(()) if there else next(moved)
+                        for v, there in zip(values, on_device)])
