@@ -2167,14 +2167,18 @@ def _a_rank_without_losses(rank: int, world: int) -> list:
     import distmetrics as dm
 
     with dm.Monitor(quiet_config(log_interval=3, loss_average="steps")) as monitor:
-        return [monitor.step(step, loss=float(step) if rank == 0 else None, tokens=step) for step in range(1, 7)]
+        # step 5's every loss token masked (the only loss, rank 0's, weighs 0): no step of the mean
+        return [monitor.step(step, loss=float(step * step) if rank == 0 else None, tokens=0 if step == 5 else step)
+                for step in range(1, 7)]
 
 
 def test_loss_average_is_the_same_on_a_rank_that_gave_no_loss():
     """A rank with no loss in the interval (a stage without it) sent no step losses: it read no step names and
-    returned the token-weighted loss, with the others' internal lanes in its dict, where rank 0 returned the mean."""
+    returned the token-weighted loss, with the others' internal lanes in its dict, where rank 0 returned the mean.
+    A step whose losses all weigh 0 is left out of the mean (Megatron's would be NaN)."""
     first, second = run_ranks(_a_rank_without_losses, 2, timeout=120)
-    assert first == second and first[2]["train/loss"] == 2.0 and first[5]["train/loss"] == 5.0, (first, second)
+    assert first == second and first[2]["train/loss"] == pytest.approx(14 / 3), (first, second)
+    assert first[5]["train/loss"] == pytest.approx((16 + 36) / 2), first[5]  # step 5 left out
     assert not [k for record in first if record for k in record if k.startswith("_")]
 
 
