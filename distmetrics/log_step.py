@@ -8,6 +8,7 @@ reads as its API."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from .collectors import LogContext
@@ -19,7 +20,7 @@ from .names import RECORD_KEYS
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["log_step", "log_step_ahead", "is_log_step"]
+__all__ = ["log_step", "log_step_ahead", "is_log_step", "UnreachedLogSteps"]
 
 logger = logging.getLogger("distmetrics")
 
@@ -87,9 +88,8 @@ def log_step(monitor: "Monitor", step: int, ended_at: Optional[int] = None) -> d
                 if failure is not None:
                     logger.warning("distmetrics: step %d: %s", step, refused)
                 failure = failure or refused
-        loss = metrics.get("train/loss")  # the token-weighted one where loss_average writes another
-        monitor._eval.note_train_loss(loss if loss is None or train.loss_average == "tokens" else train.pooled_loss,
-                                      ctx.reduced.weight("train/loss"), train.mixed.by)
+        pooled = train.pooled_loss if "train/loss" in metrics else None  # token-weighted, whatever loss_average
+        monitor._eval.note_train_loss(pooled, ctx.reduced.weight("train/loss"), train.mixed.by)
         written = _written_order(monitor, metrics)
         metrics = dict(zip(written, map(metrics.__getitem__, written)))
         monitor._write(metrics, step, "train")
@@ -176,3 +176,38 @@ def is_log_step(monitor: "Monitor", step: Optional[int] = None) -> bool:
             return True
         step = monitor._last_step + monitor._stride
     return step % monitor.config.log_interval == 0 or step == monitor.config.total_steps
+
+
+class UnreachedLogSteps:
+    """Says once where ``monitor.step`` calls went by one stride s from a step a that is no multiple of
+    gcd(s, L), ``log_interval`` + 1 calls or more without a log step: steps a + k·s never reach a multiple of L
+    (odd steps with an even L), so every record waits for ``close()``. A stride that changes (a ramp-up of
+    steps counted in samples, a step number left out) starts a new run from the step before; a log step ends
+    the run."""
+
+    def __init__(self, log_interval: int, says: bool) -> None:
+        self.log_interval, self.says = log_interval, says
+        self.first, self.stride, self.calls = 0, 0, 0  # the run: its first step, its stride, its calls (0: none)
+
+    def see(self, step: int, previous: Optional[int]) -> None:
+        """``step``, the call's, after ``previous`` (None: the job's first)."""
+        interval = self.log_interval
+        if step % interval == 0:
+            self.calls = 0
+            return
+        if previous is None or self.calls == 0:
+            self.first, self.stride, self.calls = step, 0, 1
+            return
+        if self.calls == 1 or step - previous != self.stride:
+            self.first, self.stride, self.calls = previous, step - previous, 1
+        self.calls += 1
+        every = math.gcd(self.stride, interval)
+        if self.calls <= interval or self.first % every == 0 or not self.says:
+            return
+        self.says = False
+        logger.warning(
+            "distmetrics: %d monitor.step calls by a stride of %d from step %d (to step %d) and no log step: a log "
+            "step is a step whose number is a multiple of log_interval (%d), and steps %d + k·%d never reach one "
+            "(%d is no multiple of %d), so every record waits for close(). Number the steps 1, 2, 3, ..., or from "
+            "a multiple of %d. Said once.", self.calls, self.stride, self.first, step, interval, self.first,
+            self.stride, self.first, every, every)

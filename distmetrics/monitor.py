@@ -33,7 +33,7 @@ from .exits import (OneThread, close_parts, closed_code, exit_code_of, open_at_e
 from .sinks.writer import exit_hook_before_writers, forget_exit_hook
 from .guard import CollectiveGuard
 from .eager import eager
-from .log_step import is_log_step, log_step, log_step_ahead
+from .log_step import UnreachedLogSteps, is_log_step, log_step, log_step_ahead
 from .megatron_optimizer import is_megatron_optimizer
 from .names import check_step, local_value
 from .recompute import recomputing
@@ -114,6 +114,7 @@ class Monitor:
         self._counting: Optional[StepCall] = None  # the step monitor.step is counting (:mod:`distmetrics.step_count`)
         self._stride = 1  # the last step's number less the one before: the next is predicted that far on
         self._strided = False  # two steps seen: _stride is the loop's
+        self._log_steps_seen = UnreachedLogSteps(config.log_interval, self.layout.says_once)
         self._unwritten: Optional[tuple] = None  # (step, steps, close()'s) of a log step whose record is unwritten
         self._pid = os.getpid()  # a forked child's copy (its hooks, files, the store's socket) never closes
         self._stepped_at: Optional[int] = None  # when the last monitor.step returned (ns)

@@ -66,7 +66,8 @@ def step_under_way(monitor: "Monitor") -> bool:
 
 
 def _start(monitor: "Monitor", call: StepCall) -> None:
-    """The clocks start at the job's first step; the stride to the next step; the norms' step ends."""
+    """The clocks start at the job's first step; the stride to the next step (and steps that reach no log step);
+    the norms' step ends."""
     step, norms = call.step, monitor._by_name.get("norms")
     if monitor._last_step is None:  # the clocks start; a job resuming at a step logged before says so
         monitor._counts_from(step)  # reads the earlier job's files back: not this step's time
@@ -78,6 +79,7 @@ def _start(monitor: "Monitor", call: StepCall) -> None:
         if step != monitor._last_step + monitor._stride and norms is not None and monitor._is_log_step(step):
             norms.unpredicted(step)  # its optimizer step was not snapshotted: said
         monitor._stride, monitor._strided = step - monitor._last_step, True  # steps 2, 4, 6...: the next is predicted
+    monitor._log_steps_seen.see(step, monitor._last_step)  # a loop whose steps never reach a log step: said
     if norms is not None:  # the step's optimizer steps are over: their update is the step's
         norms.end_step(step, monitor._last_step, bool(call.skipped))
     monitor._last_step = step
@@ -88,7 +90,7 @@ def _record_train(monitor: "Monitor", call: StepCall) -> None:
     # a skipped step's loss is left out of train/loss, as Megatron leaves skipped iterations out
     with monitor._records:
         monitor._by_name["train"].record_step(None if call.skipped else call.loss, call.tokens, call.lr,
-                                              call.scalars, call.loss_tokens, call.step)
+                                              call.scalars, call.loss_tokens, monitor._steps_in_interval)
 
 
 def _record_health(monitor: "Monitor", call: StepCall) -> None:

@@ -53,8 +53,8 @@ def planned_collectors(config: Any, layout: Any, model: Optional[Any] = None,
                       off=config.timing_log_level < 0)
         return TimerCollector(made, config.timing_log_option, per_rank=scores, stragglers=ranks > 1)
 
-    out: list = [(StepValues, lambda: StepValues(layout, layout.writer(config.writer_rank), config.loss_average,
-                                                 config.log_interval)), (TimerCollector, timers)]
+    out: list = [(StepValues, lambda: StepValues(layout, layout.writer(config.writer_rank), config.loss_average)),
+                 (TimerCollector, timers)]
     if config.log_throughput:
         out.append((ThroughputCollector, lambda: ThroughputCollector(
             ranks, config.resolved_flops_per_token, resolve_peak_tflops(config, warns=layout.says_once),

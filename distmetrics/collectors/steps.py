@@ -92,7 +92,7 @@ class StepValues:
     after = ()
     writes = ("train/loss", "train/lr")
 
-    def __init__(self, layout: Any, writer: int, loss_average: str = "tokens", log_interval: int = 0) -> None:
+    def __init__(self, layout: Any, writer: int, loss_average: str = "tokens") -> None:
         self.stats = IntervalStats(by_step=True)  # a value recorded after the last step: taken back at close()
         self.names = NameRegistry()  # the Monitor adds what its other collectors write
         self.names.reserve(["train/loss"], "monitor.step(loss=...)")
@@ -133,14 +133,9 @@ class StepValues:
         self._says_uncounted = layout.says_once
         self.weightless = WeightlessMeans()  # monitor.record means left out for a total weight of 0: said
         self.loss_average = loss_average  # "tokens": train/loss is the interval's SUM lanes as they are
-        self._step_index = 0  # the interval's monitor.step calls so far (STEP_LOSS lanes)
         self._step_losses: list[tuple[int, Number, Number]] = []  # (step index, loss, weight) of the interval
         self._step_names: dict[int, tuple[str, ...]] = {}  # the STEP_LOSS names of an interval of n steps
         self._step_lanes: tuple[str, ...] = ()  # the STEP_LOSS names of the last log step's interval
-        self._log_interval = log_interval  # more monitor.step calls than this without a log step: none will come
-        self._says_no_log_step = layout.says_once
-        self._run = (0, 0, 0)  # the interval's steps of one stride: (first, stride, calls)
-        self._previous_step = 0
         self.pooled_loss: Optional[float] = None  # the last record's train/loss as loss_average "tokens" makes it
 
     def check_step(self, step: Any, last: Optional[int], loss: Any, tokens: Any, lr: Any, skipped: Any,
@@ -174,12 +169,11 @@ class StepValues:
         self._starting = True
 
     def record_step(self, loss: Optional[Number], tokens: Optional[Number], lr: Optional[Number],
-                    scalars: dict[str, Number], loss_tokens: Optional[Number] = None, step: int = 0) -> None:
+                    scalars: dict[str, Number], loss_tokens: Optional[Number] = None, index: int = 0) -> None:
         """One optimizer step's values (checked by :meth:`check_step` first): ``loss`` weighted by
-        :func:`loss_weight`, ``tokens`` counted for the throughput; ``step``: its number."""
+        :func:`loss_weight`, ``tokens`` counted for the throughput; ``index``: the step's place in its interval
+        (from 0, as the log step's ``ctx.steps`` counts them)."""
         self._ended_pause = None  # a resume() from here on ends a pause of its own, or none
-        if self._log_interval:
-            self._look_for_log_steps(step)
         if self.clock.paused:
             self._paused_steps += 1
             if self._paused_steps == 2 and self._says_unresumed:  # one may end inside a pause (an evaluation before it)
@@ -206,7 +200,7 @@ class StepValues:
             weighs = 1.0 if weight is None else weight
             self.stats.record("train/loss", loss, "mean", weight=weighs)
             if self.loss_average != "tokens":  # this step's own loss across ranks, in a lane of its own
-                self._step_losses.append((self._step_index, kept(loss), kept(weighs)))
+                self._step_losses.append((index, kept(loss), kept(weighs)))
             self._loss_weights |= loss_weights(weight)
             if loss_tokens is not None:
                 self.stats.record(LOSS_TOKENS, loss_tokens, "sum")
@@ -233,31 +227,7 @@ class StepValues:
         for name, value in scalars.items():
             if value is not None:  # like loss=None: this rank has no value this step
                 self.stats.record(name if "/" in name else f"train/{name}", value, "mean")
-        self._step_index += 1
         self.stats.end_step()  # what was recorded up to here is this step's
-
-    def _look_for_log_steps(self, step: int) -> None:
-        """Say once where the interval's last ``log_interval`` + 1 calls or more went by one stride s from a
-        step a that is no multiple of gcd(s, L): steps a + k·s never reach a multiple of L (odd steps with an
-        even L), so every record waits for ``close()``. A stride that changes (a ramp-up of steps counted in
-        samples, a step number left out) starts a new run from the step before."""
-        if self._step_index == 0:
-            self._run, self._previous_step = (step, 0, 1), step
-            return
-        first, stride, calls = self._run
-        if calls == 1 or step - self._previous_step != stride:
-            first, stride, calls = self._previous_step, step - self._previous_step, 1
-        self._run, self._previous_step = (first, stride, calls + 1), step
-        every = math.gcd(stride, self._log_interval)
-        if calls + 1 <= self._log_interval or first % every == 0 or not self._says_no_log_step:
-            return
-        self._says_no_log_step = False
-        logger.warning(
-            "distmetrics: %d monitor.step calls by a stride of %d from step %d (to step %d) and no log step: a log "
-            "step is a step whose number is a multiple of log_interval (%d), and steps %d + k·%d never reach one "
-            "(%d is no multiple of %d), so every record waits for close(). Number the steps 1, 2, 3, ..., or from "
-            "a multiple of %d. Said once.", calls + 1, stride, first, step, self._log_interval, first, stride, first,
-            every, every)
 
     def record(self, name: str, value: Number, reduce: str = "mean", weight: Optional[Number] = None) -> None:
         """A user's own value for this interval (see ``Monitor.record``). The name is claimed last:
@@ -317,7 +287,6 @@ class StepValues:
         lr, self._lr = self._lr, None
         nan, self._lr_nan = self._lr_nan, False
         tokenless, self._tokenless = self._tokenless, 0
-        steps, self._step_index = self._step_index, 0
         held, self._step_losses = self._step_losses, []
         lanes = [Sample(INTERVAL_NS, int(counted_ns - span_ns), "imax"), Sample(LOG_SPAN_NS, int(span_ns), "imin"),
                  Sample(UNTIMED_TOKENS, untimed, "sum")]
@@ -335,8 +304,8 @@ class StepValues:
             lanes += [Sample(LEARNING_RATES, _nan_where(nan, lr), "minmax"),
                       Sample(f"{LEARNING_RATES}/mean", lr, "mean")]
         if self.loss_average != "tokens":  # the names every rank reads, whether it holds a loss or not
-            self._step_lanes = self._step_names.get(steps) or self._step_names.setdefault(
-                steps, tuple(f"{STEP_LOSS}{i}" for i in range(steps)))
+            self._step_lanes = self._step_names.get(ctx.steps) or self._step_names.setdefault(
+                ctx.steps, tuple(f"{STEP_LOSS}{i}" for i in range(ctx.steps)))
             if held:
                 lanes.append(self._step_loss_sample(held))
         self.weightless.sent = self.stats.take_samples()
