@@ -1357,8 +1357,9 @@ def test_a_features_file_a_rank_cannot_read_is_raised_on_every_rank(tmp_path, mi
 
 def _initialize_with_features_missing_on(rank: int, world: int, root: str, case: str) -> tuple:
     """The README's TransformerEngine order on each rank: ``initialize``, the model, ``Monitor``. ``case``:
-    the features file missing on rank 1 ("missing"; "missing, model": ``initialize`` given the model), or
-    rank 1 leaving ``initialize(..., model=)`` out ("skipped")."""
+    the features file missing on rank 1 ("missing"; "missing, model": ``initialize`` given the model),
+    rank 1 leaving ``initialize(..., model=)`` out ("skipped"), or ``enabled: false`` on every rank ("disabled";
+    "disabled, model")."""
     import time
 
     import torch.distributed as dist
@@ -1372,12 +1373,12 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
     missing = case.startswith("missing") and rank == 1  # a path rank 1's host does not have
     path = str(Path(root) / "elsewhere" / "features.yaml") if missing else str(features)
     cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=20,
-                           tensor_inspect={"enabled": True, "features": path})
+                           tensor_inspect={"enabled": not case.startswith("disabled"), "features": path})
     started = time.monotonic()
     try:
         model = _model()
-        if case.startswith("missing") or rank == 0:
-            dm.tensor_stats.initialize(cfg, model=model if case != "missing" else None)
+        if case.startswith(("missing", "disabled")) or rank == 0:
+            dm.tensor_stats.initialize(cfg, model=model if case.endswith("model") or case == "skipped" else None)
         dm.Monitor(cfg, model=model).close()
         return "no error", "", time.monotonic() - started
     except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
@@ -1432,6 +1433,20 @@ def test_initialize_says_a_features_file_one_rank_cannot_read_on_every_rank(tmp_
     assert kind == "HangError" and waited < 15, (kind, message, waited)
     assert "rank 1: last call raised ConfigError in tensor_stats.initialize: tensor_inspect.features: file '" \
         in message and "does not exist" in message, message
+
+
+def test_initialize_with_tensor_inspect_disabled_says_there_is_nothing_to_initialise(tmp_path):
+    """The shipped ``configs/metrics.yaml`` has ``enabled: false``: ``initialize`` refuses it, with the README's
+    words, on each rank alone without ``model=`` and after the every-rank prefix with it."""
+    import distmetrics as dm
+    from distmetrics.config import ConfigError
+
+    said = "tensor_inspect.enabled is false: nothing to initialise"
+    for case, prefix in (("disabled", ""), ("disabled, model", "distmetrics cannot start: ranks 0, 1: ")):
+        for kind, message, _ in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), case, timeout=120):
+            assert (kind, message) == ("ConfigError", prefix + said), case
+    with pytest.raises(ConfigError, match=f"^{said}$"):  # without a process group
+        dm.tensor_stats.initialize(dm.MetricsConfig.from_yaml(str(Path(__file__).parents[1] / "configs" / "metrics.yaml")))
 
 
 def test_a_rank_that_leaves_initialize_out_is_named_at_once_rather_than_waited_for(tmp_path):

@@ -709,3 +709,52 @@ def test_megatrons_dynamic_loss_scale_and_its_skipped_steps(distributed):
             assert "train/loss" not in m and "update_norm" not in m
     assert len(said) == 1 and said[0].startswith("distmetrics: the record of step 3 has no update_norm: its "
                                                  "monitor.step was given skipped=True"), said
+
+
+def _layer_names(rank: int, world: int, root: str) -> dict:
+    """A Megatron-Core GPT with tensor statistics of its MLP layers and per-module norms: the names each
+    is written under, the selected layers' weight statistic, and each layer's weight norm in float64."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    import distmetrics as dm
+    from launch.megatron_cpu import apply_cpu_adaptations, build_gpt
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    apply_cpu_adaptations(seed=1234)
+    model = build_gpt(num_layers=2, hidden=32, heads=4, vocab=64, seq=16, tp=1, tied=True)
+    stats = {"enabled": True, "tensors": ["weight"], "stats": ["l2_norm"], "freq": 1}
+    features = {"fc1": {"enabled": True, "layers": {"layer_name_regex_pattern": r".*linear_fc1$"},
+                        "distmetrics": {"LogTensorStats": stats}},
+                "first": {"enabled": True, "layers": {"layer_numbers": [1], "layer_types": ["linear_fc2"]},
+                          "distmetrics": {"LogTensorStats": stats}}}
+    cfg = quiet_config(output_dir=f"{root}/out", json_log=True, log_interval=1, log_grad_norm_per_module=True,
+                       module_norm_depth=6, tensor_inspect={"enabled": True, "features": features})
+    monitor = dm.Monitor(cfg, model=model)
+    tokens, position_ids, mask, labels = _batch(1, 0)
+    model(tokens, position_ids, mask, labels=labels).mean().backward()
+    monitor.measure_grad_norms()
+    monitor.step(1)
+    monitor.close()
+    ps.destroy_model_parallel()
+    records = list(dm.read_jsonl(f"{root}/out/metrics.jsonl"))
+    return {"stats": {k: v for r in records for k, v in r.items() if k.startswith("tensor_stats/")},
+            "norms": sorted({k for r in records for k in r if k.startswith("grad_norm/decoder.layers.")
+                             and k.endswith(".mlp.linear_fc1")}),
+            "weights": {n: float(p.detach().double().norm()) for n, p in model.named_parameters()
+                        if n.endswith(("linear_fc1.weight", "linear_fc2.weight"))}}
+
+
+def test_megatron_layers_are_numbered_from_1_in_tensor_statistics_and_from_0_in_norm_names(tmp_path):
+    """The README's naming: Megatron-Core's ``layer_number`` starts at 1 (nvdlfw-inspect's layer names and
+    its ``layer_numbers`` selector), its parameter names at 0 (the norms'): the statistics written under
+    ``decoder.layers.1`` are those of ``decoder.layers.0``'s weight, in float64 from the model."""
+    got = run_ranks(_layer_names, 1, str(tmp_path), timeout=240)[0]
+    weights = got["weights"]
+    assert got["norms"] == ["grad_norm/decoder.layers.0.mlp.linear_fc1", "grad_norm/decoder.layers.1.mlp.linear_fc1"]
+    assert sorted(got["stats"]) == sorted([f"tensor_stats/decoder.layers.{n}.mlp.linear_fc1/weight/l2_norm"
+                                           for n in (1, 2)] + ["tensor_stats/decoder.layers.1.mlp.linear_fc2/weight/l2_norm"])
+    for number in (1, 2):
+        for layer in ("linear_fc1", "linear_fc2") if number == 1 else ("linear_fc1",):
+            assert got["stats"][f"tensor_stats/decoder.layers.{number}.mlp.{layer}/weight/l2_norm"] == \
+                pytest.approx(weights[f"decoder.layers.{number - 1}.mlp.{layer}.weight"], rel=1e-6)
