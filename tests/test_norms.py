@@ -2515,10 +2515,13 @@ def test_step_numbers_that_advance_by_two_get_their_update_and_grad_norms(caplog
                                                  "(monitor.measure_grad_norms() measured nothing: pass step=)"), said
 
 
-@pytest.mark.parametrize("total_steps", [None, 5])
-def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its_step(tmp_path, caplog, total_steps):
+@pytest.mark.parametrize("total_steps, given", [(None, False), (None, True), (5, False)],
+                         ids=["predicted", "step= given", "total_steps"])
+def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its_step(tmp_path, caplog, total_steps,
+                                                                                       given):
     """A loop over a dataloader ending between log steps (Accelerate's, with measure_grad_norms()): the record
-    close() writes had no grad_norm nor update_norm, without a word. Said once now; with total_steps the
+    close() writes had no grad_norm nor update_norm, without a word. Said once now, also where each call was
+    given its step (which only total_steps tells to be logged: that call said nothing); with total_steps the
     step is measured (truth: float64 of the gradients and of the parameters' change)."""
     import torch
 
@@ -2534,7 +2537,7 @@ def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its
             opt.zero_grad()
             model(torch.randn(4, 3)).pow(2).sum().backward()
             grad = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
-            monitor.measure_grad_norms()
+            monitor.measure_grad_norms(step=step if given else None)
             before = [p.detach().double().clone() for p in model.parameters()]
             opt.step()
             update = math.sqrt(sum(float((p.detach().double() - b).pow(2).sum())
@@ -2547,7 +2550,7 @@ def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its
         assert "grad_norm" not in last and "update_norm" not in last, last
         assert said == ["distmetrics: the record of step 5 has no update_norm nor grad_norm ("
                         "monitor.measure_grad_norms() "
-                        "measured nothing: pass step=): it is the record close() writes, of the steps after the last "
+                        "measured nothing: set total_steps): it is the record close() writes, of the steps after the last "
                         "log step, and its step was not known ahead to be logged (total_steps names the job's last "
                         "step). Said once"], said
     else:

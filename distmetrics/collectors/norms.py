@@ -137,7 +137,8 @@ class NormCollector(ParamSide):
         ``grad_norm`` where ``measure_grad_norms()`` was left out for it; said once."""
         lacks = ["update_norm"] if lacks_update else []
         if self._skipped_after is not False and lacks_grad:
-            lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: pass step=)")
+            lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: "
+                         + ("set total_steps)" if self._closing else "pass step=)"))
         said = self._warned_closing if self._closing else self._warned_unpredicted  # each cause said once
         if not lacks or self._unpredicted != step or said or not self.layout.says_once:
             return
