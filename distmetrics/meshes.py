@@ -18,11 +18,15 @@ logger = logging.getLogger("distmetrics")
 __all__ = ["MODEL_DIMS_BY_KIND", "dim_kind", "dim_name", "folds", "say_names", "layout_mesh", "spans", "named_mesh_of",
            "layout_meshes_of", "first_copy_outside"]
 
-MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "etp"}),
+MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "tensor_model_parallel", "etp",
+                                        "expert_tensor_parallel"}),
                        "cp": frozenset({"cp", "context_parallel", "sp"}),
-                       "pp": frozenset({"pp", "pipeline", "pipeline_parallel"})}
-"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel), context (``sp``: Ulysses
-sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other dimension is data parallel."""
+                       "pp": frozenset({"pp", "pipeline", "pipeline_parallel", "pipeline_model_parallel"})}
+"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel; Megatron's long names too),
+context (``sp``: Ulysses sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other
+dimension is data parallel."""
+_LONG_ALIASES = tuple(sorted(alias for aliases in MODEL_DIMS_BY_KIND.values() for alias in aliases if "_" in alias))
+"""The aliases of more than one ``_``-separated word, found whole inside a longer name (``dp_context_parallel``)."""
 _DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world", "expert")
 """Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, torchtitan's batch and
 world, ...); a ``_``-separated part ``ep`` too (expert parallel: its ranks see different batches)."""
@@ -36,13 +40,14 @@ def dim_kind(name: str) -> Optional[str]:
 
 def folds(name: str) -> bool:
     """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
-    ``dp_cp``), or expert parallelism's ``ep`` (torchtitan's borrows all of cp, and of tp where etp is
+    ``dp_cp``, ``dp_context_parallel``), or expert parallelism's ``ep`` (``expert_model_parallel``) (torchtitan's borrows all of cp, and of tp where etp is
     1): its ranks may share a batch, which its one coordinate cannot tell."""
     low = name.lower()
-    return dim_kind(name) is None and (low in _BORROWING or any(dim_kind(part) for part in low.split("_")))
+    return dim_kind(name) is None and (low in _BORROWING or any(dim_kind(part) for part in low.split("_"))
+                                       or any(f"_{alias}_" in f"_{low}_" for alias in _LONG_ALIASES))
 
 
-_BORROWING = frozenset({"ep", "expert_parallel"})
+_BORROWING = frozenset({"ep", "expert_parallel", "expert_model_parallel"})
 """Names of dimensions that may hold context- or tensor-parallel ranks whole (see :func:`folds`)."""
 
 

@@ -557,7 +557,8 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
     world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
     unflattened = world_mesh._unflatten(0, (1, world), ("dp", "tp"))  # torchtitan's: its root is the world mesh
     meshes = {names: init_device_mesh("cpu", (1, world)[-len(names):], mesh_dim_names=names)
-              for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("efsdp", "ep"), ("dp_shard_cp",))}
+              for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("efsdp", "ep"), ("dp_shard_cp",),
+                            ("dp", "expert_tensor_parallel"), ("dp", "tensor_model_parallel"), ("dp_context_parallel",))}
     meshes.update({("world",): world_mesh, ("unflattened",): unflattened, ("unflattened['dp']",): unflattened["dp"]})
     for names, mesh in meshes.items():
         seen.clear()
@@ -592,13 +593,15 @@ def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_
     torchtitan's meshes, unflattened from a 1-D world mesh, are read as they are (before, through that
     root: 80 tokens); a sub-mesh of one that spans part of the job is said and not read."""
     result = mesh_names
-    for names in (("dp", "TP"), ("dp", "sp"), ("unflattened",)):
+    for names in (("dp", "TP"), ("dp", "sp"), ("unflattened",), ("dp", "expert_tensor_parallel"),
+                  ("dp", "tensor_model_parallel")):  # Megatron's long names: expert TP was taken for data parallel
         assert result[names] == (40.0, []), names
     assert result[("world",)] == (80.0, [])
-    for names, tokens in ((("dp_shard_cp",), 80.0), (("efsdp", "ep"), 80.0), (("ep", "etp"), 40.0)):
+    for names, tokens in ((("dp_shard_cp",), 80.0), (("efsdp", "ep"), 80.0), (("ep", "etp"), 40.0),
+                          (("dp_context_parallel",), 80.0)):  # a long name's fold was not said
         got, warned = result[names]
         assert got == tokens and len(warned) == 1, (names, got, warned)
-        folded = "'dp_shard_cp'" if names == ("dp_shard_cp",) else "'ep'"
+        folded = repr(names[0]) if len(names) == 1 else "'ep'"
         assert f"DeviceMesh dimension(s) {folded} may hold context-, tensor- or pipeline-parallel ranks" in warned[0]
         assert "then pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
     tokens, warned = result[("unflattened['dp']",)]
