@@ -714,7 +714,6 @@ def test_megatrons_dynamic_loss_scale_and_its_skipped_steps(distributed):
 def _layer_names(rank: int, world: int, root: str) -> dict:
     """A Megatron-Core GPT with tensor statistics of its MLP layers and per-module norms: the names each
     is written under, the selected layers' weight statistic, and each layer's weight norm in float64."""
-    import torch
     from megatron.core import parallel_state as ps
 
     import distmetrics as dm
