@@ -5,7 +5,7 @@ A name is secret when it names a credential as a word of its own, not when a sec
 merely occurs inside it: ``hf_token``, ``--api-key``, ``client_secret``, ``DB_PASSWORD`` are
 secret; ``flops_per_token``, ``num_tokens``, ``tokenizer_model``, ``num_key_value_heads``,
 ``log_timers_to_tensorboard`` are not. URLs keep their host and path but lose the password of
-``user:password@`` and the values of secret query parameters.
+``user:password@`` and the values of secret query parameters, the signatures of pre-signed URLs among them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ _ALWAYS_SECRET = frozenset({"password", "passwd", "passphrase", "secret", "secre
 _SECRET_LAST = frozenset({"token", "key"})
 """Words that make a name secret as its last word (``hf_token``, ``api_key``; not
 ``token_budget`` or ``num_key_value_heads``), unless a quantity per token is meant."""
+_QUERY_SECRET = frozenset({"signature", "sig"})
+"""Words that make a URL's query parameter secret besides: the signatures of pre-signed URLs (S3's and GCS's
+``X-Amz-Signature``, ``X-Goog-Signature``; an Azure SAS's ``sig``), which grant access until they expire."""
 _OPTION_NAME = re.compile(r"-{0,2}[A-Za-z_][\w.-]*")
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]*)@")
@@ -41,11 +44,16 @@ def is_secret_name(name: str) -> bool:
     return False
 
 
+def _secret_query_name(name: str) -> bool:
+    """Does this URL query parameter name a secret: a secret name, or a signature (:data:`_QUERY_SECRET`)?"""
+    return is_secret_name(name) or any(w.lower() in _QUERY_SECRET for w in _WORD.findall(name))
+
+
 def redact_text(text: str) -> str:
-    """``text`` with URL passwords and secret query parameter values replaced by ``***``."""
+    """``text`` with URL passwords and secret query parameter values (signatures too) replaced by ``***``."""
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
     return _QUERY_PARAM.sub(
-        lambda m: f"{m['sep']}{m['name']}={REDACTED if is_secret_name(m['name']) else m['value']}", text)
+        lambda m: f"{m['sep']}{m['name']}={REDACTED if _secret_query_name(m['name']) else m['value']}", text)
 
 
 def redact_argv(argv: list) -> list:

@@ -50,6 +50,20 @@ def test_config_mappings_hide_only_secret_keys():
     assert redact_text("no secret here: https://example.com/a?b=c") == "no secret here: https://example.com/a?b=c"
 
 
+def test_the_signatures_of_pre_signed_urls_are_hidden():
+    """An S3, GCS or Azure pre-signed URL's signature grants access until it expires: it was written whole."""
+    urls = ["https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA123&X-Amz-Signature=DEADBEEF&X-Amz-Expires=3600",
+            "https://a.blob.core.windows.net/c/f?sv=2022-11-02&sig=SASSIG&se=2026-12-01",
+            "https://storage.googleapis.com/b/o?X-Goog-Signature=GSIG&X-Goog-SignedHeaders=host"]
+    assert redact_argv(["--data", *urls]) == [
+        "--data", "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=3600",
+        "https://a.blob.core.windows.net/c/f?sv=2022-11-02&sig=***&se=2026-12-01",
+        "https://storage.googleapis.com/b/o?X-Goog-Signature=***&X-Goog-SignedHeaders=host"]
+    assert redact_mapping({"data_url": urls[1], "signature_version": "v4"}) == {
+        "data_url": "https://a.blob.core.windows.net/c/f?sv=2022-11-02&sig=***&se=2026-12-01",
+        "signature_version": "v4"}  # a config key is no query parameter
+
+
 SCRIPT = """
 import sys
 import distmetrics as dm
