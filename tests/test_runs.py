@@ -426,7 +426,8 @@ def test_bad_tokens_in_a_tensor_are_refused_at_the_log_step_and_the_checkpoint(t
             monitor.checkpoint_saved(5)
 
     with pytest.raises(ValueError, match=r"monitor.step\(tokens=...\): the tokens of the steps up to step 5, summed "
-                                         r"over ranks, are (nan|-99\d000.0): a tensor given as tokens held NaN"):
+                                         r"over ranks, are (nan|-99\d000.0): a tensor given as tokens held "
+                                         r"(NaN|a negative count) on rank 0"):
         job(tmp_path / "log", 5)
     [record] = [r for r in dm.read_jsonl(tmp_path / "log" / "metrics.jsonl") if r["kind"] == "train"]
     assert record["step"] == 5
@@ -475,6 +476,34 @@ def _outweighed_negative_counts(rank: int, world: int) -> dict:
         except ValueError as err:
             out[name] = str(err)
     return out
+
+
+def _nan_or_inf_tensor_count(rank: int, world: int, bad: float) -> list:
+    """Rank 1 gives a tensor count of ``bad`` at step 1 of 2 (log_interval 2); every other count is 10."""
+    import torch
+
+    import distmetrics as dm
+    from tests.dist_utils import quiet_config
+
+    said = []
+    with dm.Monitor(quiet_config(log_interval=2)) as monitor:
+        for step in (1, 2):
+            try:
+                monitor.step(step, loss=1.0, tokens=torch.tensor(bad if rank == 1 and step == 1 else 10.0))
+            except ValueError as err:
+                said.append(str(err))
+    return said
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_nan_tensor_count_names_its_rank_and_an_inf_says_it_cannot(bad):
+    """A NaN count on one of 3 ranks was said as held "on some rank" though the least count's lane (NaN wins)
+    carries its rank; an inf cannot be placed by that lane and is said so."""
+    for said in run_ranks(_nan_or_inf_tensor_count, 3, bad, timeout=120):
+        where = "NaN on rank 1" if math.isnan(bad) else "inf on some rank"
+        assert len(said) == 1 and said[0].startswith(
+            f"monitor.step(tokens=...): the tokens of the steps up to step 2, summed over ranks, are {bad!r}: a "
+            f"tensor given as tokens held {where}; accepted values"), said
 
 
 def test_a_negative_tensor_count_that_the_others_outweigh_is_refused():
