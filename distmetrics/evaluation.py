@@ -73,21 +73,25 @@ class EvalLog:
         NaN, inf or a negative count on some rank shows here, in the least any rank gave and in the
         sum or max. What they weigh or divide is left out of the record, which is written, and
         :attr:`refused` is raised after it (on every rank: every rank sees the same values)."""
-        bad = []
-        for key, total_key, drop in (("tokens", _TOKENS, ("eval/loss", _TOKENS)),
-                                     ("loss_tokens", _LOSS_TOKENS, ("eval/loss",)),
-                                     ("time_ms", "eval/time_ms", ("eval/time_ms", "eval/time_ms/max_rank"))):
+        bad, unwritten = [], []
+        loss = ("eval/loss", "eval/ppl", "eval/gap")
+        for key, total_key, drop, written in (
+                ("tokens", _TOKENS, ("eval/loss", _TOKENS), loss + ("eval/tokens_per_sec",)),
+                ("loss_tokens", _LOSS_TOKENS, ("eval/loss",), loss),
+                ("time_ms", "eval/time_ms", ("eval/time_ms", "eval/time_ms/max_rank"),
+                 ("eval/time_ms", "eval/tokens_per_sec"))):
             least, total = metrics.get(_LEAST[key]), metrics.get(total_key)
             if any(v is not None and not (v >= 0 and math.isfinite(v)) for v in (least, total)):
                 summed = "the slowest rank's" if key == "time_ms" else "summed over ranks"
                 bad.append(f"{key}: {summed} {total!r}, the least a rank gave {least!r}")
+                unwritten += [name for name in written if name not in unwritten]
                 for name in drop:
                     metrics.pop(name, None)
         if bad and self.refused is None:
             self.refused = ValueError(
                 f"monitor.log_eval(step={step}): {'; '.join(bad)}: a tensor given held NaN, inf or a negative value on "
-                "some rank; accepted values are finite numbers >= 0. The eval record was written without what they "
-                "weigh or divide (eval/loss, eval/ppl, eval/gap, eval/tokens_per_sec; eval/time_ms)")
+                "some rank; accepted values are finite numbers >= 0. The eval record was written without what it "
+                f"weighs or divides ({', '.join(unwritten)})")
 
     def note_train_loss(self, loss: Any, weight: Optional[float], by: Optional[int] = None) -> None:
         """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the
