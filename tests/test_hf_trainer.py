@@ -112,7 +112,8 @@ def trainer_run(tmp_path_factory):
 
 def test_the_trainer_recipe_writes_the_token_weighted_loss_and_the_unclipped_norm(trainer_run):
     """train/loss was 5-6x too small (about micro-batches x ranks) where the hook weighed Trainer's loss by the
-    micro-batch's tokens: a causal LM given num_items_in_batch returns its sum over the whole step's tokens (both ranks')."""
+    micro-batch's tokens: a causal LM given num_items_in_batch returns its sum over the whole step's tokens
+    (both ranks')."""
     truth, records = trainer_run["truth"], trainer_run["records"]
     assert [r["step"] for r in records] == [2, 4]  # 12 micro-batches a rank: 4 steps
     for record in records:
