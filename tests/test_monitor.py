@@ -2196,6 +2196,28 @@ def test_loss_average_of_losses_whose_sum_passes_float64_is_their_mean(average, 
         assert m.step(2, loss=1e308)["train/loss"] == 1e308
 
 
+GAP_LOSSES, GAP_TOKENS = {1: (2.0, 4.0), 2: (3.0, 1.0)}, {1: (10, 30), 2: (20, 5)}  # step: (rank 0's, rank 1's)
+
+
+def _train_then_eval(rank: int, world: int, average: str) -> tuple:
+    import distmetrics as dm
+
+    with dm.Monitor(quiet_config(log_interval=2, loss_average=average)) as monitor:
+        for step in (1, 2):
+            written = monitor.step(step, loss=GAP_LOSSES[step][rank], tokens=GAP_TOKENS[step][rank])
+        return written["train/loss"], monitor.log_eval(2, loss=1.5, tokens=10)["eval/gap"]
+
+
+@pytest.mark.parametrize("average", ["tokens", "steps", "last"])
+def test_eval_gap_takes_the_token_weighted_training_loss_whatever_loss_average_writes(average):
+    """The README's eval/gap: eval/loss minus the token-weighted training loss of the intervals since the last
+    evaluation, whatever loss_average writes as train/loss (float64 by hand over both ranks and steps)."""
+    pooled = sum(GAP_LOSSES[s][r] * GAP_TOKENS[s][r] for s in (1, 2) for r in (0, 1)) / 65
+    for train, gap in run_ranks(_train_then_eval, 2, average, timeout=120):
+        assert gap == pytest.approx(1.5 - pooled, rel=1e-12)
+        assert train == pytest.approx({"tokens": pooled, "steps": (140 / 40 + 65 / 25) / 2, "last": 65 / 25}[average])
+
+
 @pytest.mark.parametrize("steps, said", [
     (range(1, 25, 2), "5 monitor.step calls by a stride of 2 from step 1 (to step 9)"), (range(2, 25, 2), None),
     (range(3, 37, 3), None), (range(7, 19), None), ([1, 2, 3, 5, 6, 7, 8, 12], None), ([1, 2, 3, 5, 8], None),
@@ -2473,6 +2495,35 @@ def test_a_weight_given_to_a_record_of_another_kind_than_mean_is_refused_at_the_
         first = out["records"][2]
         assert (first["k/sum"], first["k/max"], first["k/min"]) == (3.0, 2.0, 1.0), first
         assert first["k/all"] == [1.0, 2.0], first
+
+
+def _float32_extremes(rank: int, world: int) -> dict:
+    import distmetrics as dm
+
+    out = {}
+    with dm.Monitor(quiet_config(log_interval=1)) as monitor:
+        try:
+            monitor.record("q", 10 ** 400, "max")
+        except ValueError as err:
+            out["refused"] = str(err)
+        monitor.record("q", 2.0, "sum")  # the refused call claimed no name: another kind may take it
+        monitor.record("x/max", 1e300 if rank else 1.0, "max")
+        monitor.record("x/min", 123456789.0, "min")
+        monitor.record("x/sum", 123456789.0 if rank else 0.0, "sum")
+        out["record"] = monitor.step(1)
+    return out
+
+
+def test_max_and_min_keep_float32s_range_and_digits_and_a_value_refused_claims_no_name():
+    """The README's float32 claims of max/min (1e300 written inf, 123456789 as 123456792; sum keeps float64),
+    and that a value refused at the call (beyond float64) leaves its name to a later call of another kind."""
+    for out in run_ranks(_float32_extremes, 2, timeout=120):
+        assert out["refused"].startswith("monitor.record('q'): 100000000000... (401 digits) is beyond float64's "
+                                         "range"), out["refused"]
+        record = out["record"]
+        assert record["q"] == 4.0
+        assert record["x/max"] == math.inf and record["x/max/max_rank"] == 1
+        assert record["x/min"] == 123456792.0 and record["x/sum"] == 123456789.0
 
 
 def test_a_record_mean_weighing_0_on_every_rank_is_left_out_and_said_once_per_name():
