@@ -1412,6 +1412,25 @@ def test_a_monitor_before_init_process_group_under_a_launcher_is_refused_or_said
                           timeout=120, cwd=Path(__file__).resolve().parents[1]).returncode == 0
 
 
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_a_monitor_before_init_process_group_under_mpirun_is_said(tmp_path, monkeypatch, caplog, variable):
+    """Open MPI's and MPICH's process counts are read as srun's is: said (they also start sweeps of separate
+    jobs), not refused; a count of 1 says nothing. In this process, which has no process group."""
+    import distmetrics as dm
+
+    for name in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for count, said in (("4", 1), ("1", 0)):
+        monkeypatch.setenv(variable, count)
+        caplog.clear()
+        dm.Monitor(quiet_config(output_dir=str(tmp_path / count))).close()
+        warned = [r.getMessage() for r in caplog.records if "torch.distributed is not initialised" in r.getMessage()]
+        assert len(warned) == said, warned
+        if said:
+            assert warned[0].startswith(f"distmetrics: {variable}=4 in the environment but torch.distributed is not "
+                                        "initialised") and "give each its own output_dir" in warned[0], warned
+
+
 # --- bad arguments: refused before anything is recorded ------------------------------------------
 
 def _monitor(tmp_path, **extra):

@@ -1742,6 +1742,49 @@ def test_fsdp1_flat_parameters_are_refused_naming_the_parameter():
         assert "belongs to an FSDP1 module" in messages["params", True], (rank, messages)
 
 
+def _zero_partitioned(rank: int, world: int) -> dict:
+    """A parameter marked as DeepSpeed ZeRO marks its partitioned ones (``ds_id``; ``ds_tensor`` alike, the
+    shard it holds): each way the norms are read, with no gradient measured for the parameter norms."""
+    import torch
+
+    import distmetrics as dm
+
+    out = {}
+    for way, extra in (("clip", {}), ("measure", {}), ("params", {"log_params_norm": True}),
+                       ("update", {"log_update_norm": True})):
+        model = _net()
+        model.inp.weight.ds_id = 3
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = dm.Monitor(quiet_config(log_interval=1, **extra), model=model, optimizer=optimizer)
+        model(torch.randn(4, 8)).sum().backward()
+        try:
+            if way == "clip":
+                monitor.clip_grad_norm_(1.0)
+            elif way == "measure":
+                monitor.measure_grad_norms()
+            optimizer.step()
+            monitor.step(1)
+            out[way] = "no error"
+        except ValueError as err:
+            out[way] = f"{type(err).__name__}: {err}"
+        try:
+            monitor.close()
+        except ValueError:
+            pass  # the interval's record is still the same layout's
+    return out
+
+
+def test_deepspeed_zero_partitioned_parameters_are_refused_naming_the_parameter():
+    """The README's refusal of DeepSpeed ZeRO's partitioned parameters (each rank holds a part the ownership
+    rule does not describe): a LayoutError naming the parameter on every rank, at the clip, at
+    measure_grad_norms, and at the log step that measures param_norm or update_norm."""
+    for messages in run_ranks(_zero_partitioned, 2, timeout=120):
+        assert sorted(messages) == ["clip", "measure", "params", "update"], messages
+        for way, message in messages.items():
+            assert message == ("LayoutError: parameter 'inp.weight' is partitioned by DeepSpeed ZeRO, which this "
+                               "library's ownership rule does not describe"), (way, message)
+
+
 def _micro_batches_and_truth(rank: int, world: int) -> tuple:
     """This rank's two micro-batches, and the norm of every rank's accumulated float64 gradients of
     an unwrapped copy, averaged over the ranks."""

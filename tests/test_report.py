@@ -421,6 +421,21 @@ def test_out_naming_a_folder_is_refused_before_the_run_is_read(tmp_path, monkeyp
     assert not any((tmp_path / "out").iterdir())
 
 
+def test_out_given_a_folder_of_several_runs_is_refused_and_writes_nothing(tmp_path):
+    """``--out`` names one file, so it takes one run: a folder of runs is refused naming their number, and no
+    page is written anywhere."""
+    for run in ("a", "b", "c"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        _write(tmp_path / "runs" / run / "metrics.jsonl", [{"kind": "run", "step": 0, "world_size": 1},
+                                                          {"kind": "train", "step": 1, "train/loss": 1.0}])
+    made = _report_cli(str(tmp_path / "runs"), "--out", str(tmp_path / "report.html"))
+    assert made.returncode == 2 and "Traceback" not in made.stderr, made.stderr
+    assert made.stderr.strip() == (f"error: --out names one file but {str(tmp_path / 'runs')!r} holds 3 runs: give one "
+                                   "run folder with --out, or leave --out out for one report beside each run's "
+                                   "metrics.jsonl"), made.stderr
+    assert not list(tmp_path.rglob("*.html"))
+
+
 def test_out_naming_the_runs_metrics_file_or_another_file_not_a_page_is_refused(tmp_path):
     """``--out RUN/metrics.jsonl`` replaced the run's metrics with the page (and --out progress.txt its
     progress log), without a word. A file there that is not an HTML page is refused before the run is
