@@ -846,3 +846,52 @@ def test_the_module_level_clip_keeps_the_last_four_parameter_lists_it_clipped_an
         del model
         gc.collect()
         assert [r() is not None for r in refs] == [j > i - 4 for j in range(i + 1)], i
+
+
+@pytest.mark.parametrize("n", [300_000, 1_000])
+def test_a_long_fp32_cpu_tensor_keeps_a_norm_whose_float32_sum_of_squares_overflows(n):
+    """The README's CPU claim: over 262,144 elements an fp32 gradient's squares are summed by rows, so four
+    values of 1e19 in separate rows give the float64 norm 2e19 and clip to max_norm, where torch's clip returns
+    inf and zeroes the gradient; a shorter tensor is torch's (inf, zeroed)."""
+    import distmetrics as dm
+
+    grad = torch.zeros(n)
+    grad[[0, 300, 600, 900]] = 1e19
+    ours, theirs = (torch.nn.Parameter(torch.zeros(n)) for _ in range(2))
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    total = float(dm.clip_grad_norm_([ours], 1.0))
+    torch_total = float(torch.nn.utils.clip_grad_norm_([theirs], 1.0))
+    assert torch_total == math.inf and float(theirs.grad.double().norm()) == 0.0
+    if n > 262_144:
+        assert total == pytest.approx(float(grad.double().norm()), rel=1e-6)
+        assert float(ours.grad.double().norm()) == pytest.approx(1.0, rel=1e-5)
+    else:
+        assert total == math.inf and float(ours.grad.double().norm()) == 0.0
+
+
+def _sharded_overflow(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import distmetrics as dm
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.full((4,), 1.2e19)  # each rank's squares sum to 2.9e38, within float32; the whole to 5.8e38
+    out = {}
+    for who, clip in (("ours", dm.clip_grad_norm_), ("torch", torch.nn.utils.clip_grad_norm_)):
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        total = clip([param], 1.0)
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        out[who] = (float(total), float(param.grad.full_tensor().double().norm()))
+    return out
+
+
+def test_a_sharded_dtensors_norm_stays_finite_where_torchs_clip_returns_inf():
+    """The README's DTensor claim: each shard's sum of squares is finite and they are summed in float64, so
+    the total is the float64 norm (2.4e19) and the gradient clips to max_norm, where torch's clip of the same
+    DTensor returns inf."""
+    truth = float(torch.full((4,), 1.2e19, dtype=torch.float64).norm())
+    for out in run_ranks(_sharded_overflow, 2, timeout=120):
+        assert out["ours"][0] == pytest.approx(truth, rel=1e-6) and out["ours"][1] == pytest.approx(1.0, rel=1e-5)
+        assert out["torch"][0] == math.inf, out
