@@ -3592,6 +3592,44 @@ def test_an_update_is_the_whole_steps_whatever_optimizers_step_in_it_and_their_o
                 assert got[f"update_norm/{module}"] == pytest.approx(value, rel=1e-6), (order, step, module)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "mixed"])
+def test_a_weight_clamp_between_critic_steps_is_left_out_of_fp32_updates_and_counted_in_bf16_ones(dtype):
+    """The README's WGAN claim: a clamp of the critic's weights after each of its two steps is left out of an
+    fp32 critic's update (the sum of the optimizer steps' moves), counted in a bf16 one's where it comes between
+    two steps (P after the last optimizer step - P before the first), and the clamp after the last is in
+    neither. Truth in float64 from the parameters around each step; one process."""
+    import torch
+
+    import distmetrics as dm
+
+    model = _gan(None if dtype == "fp32" else "mixed")
+    optimizers = {"G": torch.optim.Adam(model.G.parameters(), lr=1e-2),
+                  "D": torch.optim.Adam(model.D.parameters(), lr=3e-2)}
+    monitor = dm.Monitor(quiet_config(log_interval=1, log_update_norm=True), model=model, optimizer=optimizers["G"])
+    monitor.attach_megatron_optimizer(optimizers["D"])
+    generator = torch.Generator().manual_seed(0)
+
+    def critic() -> torch.Tensor:
+        return torch.cat([p.detach().to(torch.float64).reshape(-1) for p in model.D.parameters()])
+
+    for step in (1, 2):
+        first, moves = critic(), 0.0
+        _gan_step(model, "G", generator, optimizers)
+        for _ in range(2):  # n_critic 2, each step clamped as a WGAN clamps
+            before = critic()
+            _gan_step(model, "D", generator, optimizers)
+            last = critic()
+            moves = moves + (last - before)
+            with torch.no_grad():
+                for p in model.D.parameters():
+                    p.clamp_(-0.01, 0.01)
+        got = monitor.step(step)["update_norm/D"]
+        summed, spanned = float(moves.norm()), float((last - first).norm())
+        assert abs(summed - spanned) > 0.1 * spanned  # the clamp moved the critic
+        assert got == pytest.approx(summed if dtype == "fp32" else spanned, rel=1e-5), (step, got, summed, spanned)
+    monitor.close()
+
+
 def test_an_optimizer_whose_step_runs_no_hooks_is_refused_on_every_rank_before_any_collective(
         several_optimizer_steps):
     """A wrapper that is no torch optimizer and holds none in .optimizer: a bare AttributeError
