@@ -47,6 +47,19 @@ def _model_with_grad_norm(model, norm):
         p.grad = torch.full_like(p, norm / math.sqrt(total))
 
 
+@pytest.mark.parametrize("level", [-1.0, 0.0])
+def test_a_loss_whose_mean_is_not_positive_has_no_spike_nor_factor(tmp_path, level):
+    """The README's spike_factor: where the moving mean is 0 or below (a reward or DPO loss), a value far above
+    it is no spike and has no _factor (a ratio to a mean <= 0 means nothing); one process."""
+    import distmetrics as dm
+
+    monitor = dm.Monitor(_config(tmp_path, spike_factor=5.0))
+    records = [monitor.step(step, loss=level if step <= 11 else 10.0, tokens=10) for step in range(1, 13)]
+    monitor.close()
+    assert [r["health/loss_spike"] for r in records] == [0] * 12
+    assert not any("health/loss_spike_factor" in r for r in records), records[-1]
+
+
 def test_spikes_and_trend_on_scripted_sequences(tmp_path):
     import torch
 
