@@ -2199,23 +2199,27 @@ def test_loss_average_of_losses_whose_sum_passes_float64_is_their_mean(average, 
 GAP_LOSSES, GAP_TOKENS = {1: (2.0, 4.0), 2: (3.0, 1.0)}, {1: (10, 30), 2: (20, 5)}  # step: (rank 0's, rank 1's)
 
 
-def _train_then_eval(rank: int, world: int, average: str) -> tuple:
+def _train_then_eval(rank: int, world: int) -> dict:
     import distmetrics as dm
 
-    with dm.Monitor(quiet_config(log_interval=2, loss_average=average)) as monitor:
-        for step in (1, 2):
-            written = monitor.step(step, loss=GAP_LOSSES[step][rank], tokens=GAP_TOKENS[step][rank])
-        return written["train/loss"], monitor.log_eval(2, loss=1.5, tokens=10)["eval/gap"]
+    out = {}
+    for average in ("tokens", "steps", "last"):
+        with dm.Monitor(quiet_config(log_interval=2, loss_average=average)) as monitor:
+            for step in (1, 2):
+                written = monitor.step(step, loss=GAP_LOSSES[step][rank], tokens=GAP_TOKENS[step][rank])
+            out[average] = written["train/loss"], monitor.log_eval(2, loss=1.5, tokens=10)["eval/gap"]
+    return out
 
 
-@pytest.mark.parametrize("average", ["tokens", "steps", "last"])
-def test_eval_gap_takes_the_token_weighted_training_loss_whatever_loss_average_writes(average):
+def test_eval_gap_takes_the_token_weighted_training_loss_whatever_loss_average_writes():
     """The README's eval/gap: eval/loss minus the token-weighted training loss of the intervals since the last
     evaluation, whatever loss_average writes as train/loss (float64 by hand over both ranks and steps)."""
     pooled = sum(GAP_LOSSES[s][r] * GAP_TOKENS[s][r] for s in (1, 2) for r in (0, 1)) / 65
-    for train, gap in run_ranks(_train_then_eval, 2, average, timeout=120):
-        assert gap == pytest.approx(1.5 - pooled, rel=1e-12)
-        assert train == pytest.approx({"tokens": pooled, "steps": (140 / 40 + 65 / 25) / 2, "last": 65 / 25}[average])
+    for out in run_ranks(_train_then_eval, 2, timeout=120):
+        for average, (train, gap) in out.items():
+            assert gap == pytest.approx(1.5 - pooled, rel=1e-12), average
+            assert train == pytest.approx({"tokens": pooled, "steps": (140 / 40 + 65 / 25) / 2,
+                                           "last": 65 / 25}[average]), average
 
 
 @pytest.mark.parametrize("steps, said", [
