@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from .redaction import redact_argv
 from .validation import ConfigError, text_read_as, unknown_key
 from .yamlfile import OverrideLoader, StrictLoader
 
@@ -57,7 +58,7 @@ def apply_overrides(root: type, values: dict, items: list[str]) -> dict:
         raise ConfigError(f"overrides are a list of 'key=value' strings, got the string {items!r}: pass [{items!r}]")
     for item in items:
         if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
+            raise ConfigError(f"override {_shown(item)} is not of the form key=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         hint = _check_override_key(root, item, parts)
@@ -67,21 +68,21 @@ def apply_overrides(root: type, values: dict, items: list[str]) -> dict:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             quote = f"quote it inside the value: {key}=\"{_quoted(raw)}\""
             if isinstance(err, OverrideLoader.Quoted):
-                raise ConfigError(f"override {item!r}: {problem}; to pass the text, {quote}") from None
+                raise ConfigError(f"override {_shown(item)}: {problem}; to pass the text, {quote}") from None
             if isinstance(err, StrictLoader.Refused):  # read, but as YAML would read it wrongly: the fix is named
-                raise ConfigError(f"override {item!r}: {problem}") from None
-            raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); "
+                raise ConfigError(f"override {_shown(item)}: {problem}") from None
+            raise ConfigError(f"override {_shown(item)}: the value {raw!r} is not valid YAML ({problem}); "
                               f"to pass it as a string, {quote}") from None
         message = text_read_as(".".join(parts), value, hint, raw.strip()) if hint is not None else None
         if message:
-            raise ConfigError(f"override {item!r}: {message}")
+            raise ConfigError(f"override {_shown(item)}: {message}")
         target = values
         for part in parts[:-1]:
             existing = target.get(part)
             if existing is None:
                 existing = target[part] = {}
             elif not isinstance(existing, dict):  # a section given as a config object is a copy's mapping by now
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+                raise ConfigError(f"override {_shown(item)}: {part!r} is not a section")
             target = existing
         target[parts[-1]] = value
     return values
@@ -99,8 +100,13 @@ def source_of(message: str, overrides: list[str], path: Optional[Path]) -> str:
         for item in reversed(overrides):
             set_key = item.split("=", 1)[0].strip()
             if key == set_key or key.startswith(set_key + ".") or (inline and set_key.startswith(key + ".")):
-                return f"override {item!r}: {message}"
+                return f"override {_shown(item)}: {message}"
     return f"{path}: {message}" if path is not None else message
+
+
+def _shown(item: Any) -> str:
+    """An override as an error names it: quoted, a secret's value hidden (``'hf_token=***'``, an unknown key)."""
+    return repr(redact_argv([item])[0] if isinstance(item, str) else item)
 
 
 def _quoted(raw: str) -> str:
@@ -118,12 +124,12 @@ def _check_override_key(root: type, item: str, parts: list[str]) -> Any:
             return None
         prefix = "".join(p + "." for p in parts[:depth])
         if not part:
-            raise ConfigError(f"override {item!r}: empty key")
+            raise ConfigError(f"override {_shown(item)}: empty key")
         fields = {f.name: f for f in dataclasses.fields(section)}
         if part not in fields:
-            raise ConfigError(f"override {item!r}: {unknown_key(prefix, part, fields)}")
+            raise ConfigError(f"override {_shown(item)}: {unknown_key(prefix, part, fields)}")
         hint = typing.get_type_hints(section)[part]
         section = hint if dataclasses.is_dataclass(hint) else None
         if section is None and depth < len(parts) - 1 and typing.get_origin(hint) not in (Union, types.UnionType):
-            raise ConfigError(f"override {item!r}: {prefix}{part} is not a section")
+            raise ConfigError(f"override {_shown(item)}: {prefix}{part} is not a section")
     return hint

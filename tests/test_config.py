@@ -45,10 +45,10 @@ def test_a_yaml_file_of_nested_aliases_past_a_million_items_or_holding_itself_is
     a recursive alias raised a RecursionError. Both are refused naming the key; an unknown key's message
     holds the start of its value."""
     unknown, bomb, itself = tmp_path / "unknown.yaml", tmp_path / "features.yaml", tmp_path / "itself.yaml"
-    unknown.write_text("bogus_key:\n" + _nested_aliases(4))
+    unknown.write_text("bogus_entry:\n" + _nested_aliases(4))
     bomb.write_text("tensor_inspect:\n  features:\n" + _nested_aliases(7))
     itself.write_text("tensor_inspect:\n  features:\n    s: &s [min, *s]\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'bogus_key' \(value \{'x0': \['lol'") as err:
+    with pytest.raises(ConfigError, match=r"unknown config key 'bogus_entry' \(value \{'x0': \['lol'") as err:
         dm.MetricsConfig.from_yaml(unknown)
     assert len(str(err.value)) < 1500, len(str(err.value))
     with pytest.raises(ConfigError, match=rf"^{bomb}: tensor_inspect.features.x[0-9](\[[0-9]\])+: its YAML "

@@ -16,7 +16,8 @@ SECRETS = ("hf_SECRET1234", "sk-SECRET5678", "pw-SECRET9012", "gh-SECRET3456", "
 @pytest.mark.parametrize("name", ["hf_token", "token", "--hf-token", "access_token", "HF_TOKEN", "api_key",
                                   "apiKey", "wandb_api_key", "WANDB_API_KEY", "private_key", "secret",
                                   "client_secret", "aws_secret_access_key", "password", "db_password",
-                                  "--api-key", "apikey", "credentials"])
+                                  "--api-key", "apikey", "credentials", "--authtoken", "--hftoken", "--auth",
+                                  "authorization", "--pwd", "--api_keys", "secretkey", "+hf_token"])
 def test_secret_names(name):
     assert is_secret_name(name)
 
@@ -24,7 +25,8 @@ def test_secret_names(name):
 @pytest.mark.parametrize("name", ["flops_per_token", "num_tokens", "tokens_per_sec", "log_timers_to_tensorboard",
                                   "tokenizer_model", "--tokenizer-type", "max_tokens", "num_key_value_heads",
                                   "key_value_channels", "log_interval", "wandb_project", "monkey", "keyboard",
-                                  "private_key_path", "--seq-length", "tensorboard_dir"])
+                                  "private_key_path", "--seq-length", "tensorboard_dir", "--eos-token", "pad_token",
+                                  "--password-file", "hf_token_env", "auth_type", "--num-keys"])
 def test_ordinary_names(name):
     assert not is_secret_name(name)
 
@@ -48,6 +50,39 @@ def test_config_mappings_hide_only_secret_keys():
         "flops_per_token": 6e9, "num_tokens": 10, "log_timers_to_tensorboard": True, "api_key": "***",
         "nested": {"hf_token": "***", "n": 1, "url": "s3://k:***@bucket/p"}, "token": None}
     assert redact_text("no secret here: https://example.com/a?b=c") == "no secret here: https://example.com/a?b=c"
+
+
+def test_secrets_inside_other_arguments_are_hidden_and_what_surrounds_them_kept():
+    """Forms the command line carries secrets in that were written whole: a header, JSON, a connection string,
+    Hydra's +key=, a nested --env=KEY=value, several pairs in one argument, a clone URL's token, a password
+    holding '@', a fragment's token, and one-word option names."""
+    argv = ["--header", "Authorization: Bearer S1", "Authorization=Bearer S2",
+            "--extra", '{"api_key": "S3", "lr": 0.1}',
+            "+hf_token=S4", "++hf_token=S4", "--env=HF_TOKEN=S5", "--overrides", "hf_token=S6 lr=1",
+            "--conn", "AccountName=a;AccountKey=S7;EndpointSuffix=core", "--repo", "https://ghp_S8@github.com/o/r.git",
+            "--db", "postgres://u:S9@x@host/db", "--u", "https://h/p#access_token=S10", "--hftoken", "S11",
+            "--eos-token", "</s>", "ssh://git@github.com/o/r", "https://example.com/a?sigma=2&design=b"]
+    assert redact_argv(argv) == [
+        "--header", "Authorization: ***", "Authorization=***", "--extra", '{"api_key": "***", "lr": 0.1}',
+        "+hf_token=***", "++hf_token=***", "--env=HF_TOKEN=***", "--overrides", "hf_token=*** lr=1",
+        "--conn", "AccountName=a;AccountKey=***;EndpointSuffix=core", "--repo", "https://***@github.com/o/r.git",
+        "--db", "postgres://u:***@host/db", "--u", "https://h/p#access_token=***", "--hftoken", "***",
+        "--eos-token", "</s>", "ssh://git@github.com/o/r", "https://example.com/a?sigma=2&design=b"]
+
+
+def test_a_config_error_hides_the_value_of_an_unknown_secret_key(tmp_path):
+    """A shared config holding hf_token or wandb_api_key (keys the Monitor does not know) was refused quoting
+    the value, on every rank's console; by keyword, in a file and as an override."""
+    import distmetrics as dm
+
+    (tmp_path / "c.yaml").write_text("log_interval: 5\nwandb_api_key: S1\n")
+    for make in (lambda: dm.MetricsConfig(hf_token="S1"), lambda: dm.MetricsConfig.from_yaml(str(tmp_path / "c.yaml")),
+                 lambda: dm.MetricsConfig.from_yaml(str(tmp_path / "c.yaml"), ["hf_token=S1"])):
+        with pytest.raises(dm.ConfigError) as info:
+            make()
+        assert "S1" not in str(info.value) and "unknown config key" in str(info.value), info.value
+    with pytest.raises(dm.ConfigError, match=r"^override 'hf_token=\*\*\*': unknown config key 'hf_token';"):
+        dm.MetricsConfig.from_yaml(str(ROOT / "configs" / "metrics.yaml"), ["hf_token=S1"])
 
 
 def test_the_signatures_of_pre_signed_urls_are_hidden():
