@@ -75,6 +75,11 @@ class EvalLog:
         :attr:`refused` is raised after it (on every rank: every rank sees the same values)."""
         bad, unwritten = [], []
         loss = ("eval/loss", "eval/ppl", "eval/gap")
+        # what this call writes that a bad count drops: the loss where some rank gave one (weighed by 0 tokens
+        # in all, eval/loss is absent already), the time where given, and tokens/s where both came
+        given = set(loss) if any(key.startswith(_LOSS_WEIGHTS) for key in metrics) else set()
+        if "eval/time_ms" in metrics:
+            given |= {"eval/time_ms", "eval/tokens_per_sec"} if _TOKENS in metrics else {"eval/time_ms"}
         for key, total_key, drop, written in (
                 ("tokens", _TOKENS, ("eval/loss", _TOKENS), loss + ("eval/tokens_per_sec",)),
                 ("loss_tokens", _LOSS_TOKENS, ("eval/loss",), loss),
@@ -84,14 +89,15 @@ class EvalLog:
             if any(v is not None and not (v >= 0 and math.isfinite(v)) for v in (least, total)):
                 summed = "the slowest rank's" if key == "time_ms" else "summed over ranks"
                 bad.append(f"{key}: {summed} {total!r}, the least a rank gave {least!r}")
-                unwritten += [name for name in written if name not in unwritten]
+                unwritten += [name for name in written if name in given and name not in unwritten]
                 for name in drop:
                     metrics.pop(name, None)
         if bad and self.refused is None:
             self.refused = ValueError(
                 f"monitor.log_eval(step={step}): {'; '.join(bad)}: a tensor given held NaN, inf or a negative value on "
-                "some rank; accepted values are finite numbers >= 0. The eval record was written without what it "
-                f"weighs or divides ({', '.join(unwritten)})")
+                "some rank; accepted values are finite numbers >= 0. The eval record was written "
+                + (f"without what they weigh or divide ({', '.join(unwritten)})" if unwritten else
+                   "whole (they weigh or divide nothing it holds)"))
 
     def note_train_loss(self, loss: Any, weight: Optional[float], by: Optional[int] = None) -> None:
         """A train record's loss and the weight it is the mean over (Σ tokens, or steps, of the

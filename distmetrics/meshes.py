@@ -7,6 +7,7 @@ ownership rule."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Iterator, Optional
 
 import torch
@@ -15,53 +16,73 @@ from .names import is_dtensor
 
 logger = logging.getLogger("distmetrics")
 
-__all__ = ["MODEL_DIMS_BY_KIND", "dim_kind", "dim_name", "folds", "say_names", "layout_mesh", "spans", "named_mesh_of",
-           "layout_meshes_of", "first_copy_outside"]
+__all__ = ["MODEL_DIMS_BY_KIND", "dim_kind", "dim_name", "folds", "borrows", "unknown_names", "say_names",
+           "layout_mesh", "spans", "named_mesh_of", "layout_meshes_of", "first_copy_outside"]
 
 MODEL_DIMS_BY_KIND = {"tp": frozenset({"tp", "tensor_parallel", "tensor_model_parallel", "etp",
                                         "expert_tensor_parallel"}),
-                       "cp": frozenset({"cp", "context_parallel", "sp"}),
+                       "cp": frozenset({"cp", "context_parallel", "sp", "sequence_parallel", "ulysses"}),
                        "pp": frozenset({"pp", "pipeline", "pipeline_parallel", "pipeline_model_parallel"})}
-"""Mesh dimension names (in any case) of tensor (``etp``: expert tensor parallel; Megatron's long names too),
-context (``sp``: Ulysses sequence parallel, whose ranks share a batch too) and pipeline parallelism; every other
-dimension is data parallel."""
+"""Mesh dimension names (in any case, words joined by ``_``, ``-`` or ``.``) of tensor (``etp``: expert tensor
+parallel; Megatron's long names too), context (``sp``, ``sequence_parallel``, ``ulysses``: Ulysses sequence
+parallel, whose ranks share a batch too) and pipeline parallelism; every other dimension is data parallel."""
 _LONG_ALIASES = tuple(sorted(alias for aliases in MODEL_DIMS_BY_KIND.values() for alias in aliases if "_" in alias))
-"""The aliases of more than one ``_``-separated word, found whole inside a longer name (``dp_context_parallel``)."""
-_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world", "expert")
-"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, torchtitan's batch and
-world, ...); a ``_``-separated part ``ep`` too (expert parallel: its ranks see different batches)."""
+"""The aliases of more than one word, found whole inside a longer name (``dp_context_parallel``)."""
+_DATA_HINTS = ("dp", "data", "replicate", "shard", "fsdp", "ddp", "batch", "world")
+"""Parts of the names of data-parallel dimensions (dp, dp_shard, dp_replicate, hsdp, efsdp, torchtitan's batch
+and world, ...)."""
+_EXPERT_PARTS = frozenset({"ep", "expert", "experts"})
+"""Words of an expert-parallel dimension's name (``ep``, ``moe_ep``, ``expert_model_parallel``): where no data-parallel
+word is beside them (``efsdp``, ``expert_data_parallel``, ``ep_shard`` are the experts' data parallelism), its
+ranks see different batches but may hold context- or tensor-parallel ranks whole (torchtitan's ep borrows all of
+cp, and of tp where etp is 1)."""
+
+
+def _words(name: str) -> list[str]:
+    """The lowercase words of a dimension's name, split at ``_``, ``-``, ``.`` and any other non-alphanumeric."""
+    return [word for word in re.split(r"[^a-z0-9]+", name.lower()) if word]
 
 
 def dim_kind(name: str) -> Optional[str]:
     """``tp``, ``cp`` or ``pp`` for a model-parallel mesh dimension's name, else None (data parallel)."""
-    low = name.lower()
+    low = "_".join(_words(name))
     return next((kind for kind, aliases in MODEL_DIMS_BY_KIND.items() if low in aliases), None)
 
 
+def borrows(name: str) -> bool:
+    """An expert-parallel dimension's name (see :data:`_EXPERT_PARTS`)."""
+    words = _words(name)
+    return (dim_kind(name) is None and any(word in _EXPERT_PARTS for word in words)
+            and not any(hint in word for word in words for hint in _DATA_HINTS))
+
+
 def folds(name: str) -> bool:
-    """A data-parallel name with a ``_``-separated model-parallel part (torchtitan's ``dp_shard_cp``,
-    ``dp_cp``, ``dp_context_parallel``), or expert parallelism's ``ep`` (``expert_model_parallel``) (torchtitan's borrows all of cp, and of tp where etp is
-    1): its ranks may share a batch, which its one coordinate cannot tell."""
-    low = name.lower()
-    return dim_kind(name) is None and (low in _BORROWING or any(dim_kind(part) for part in low.split("_"))
-                                       or any(f"_{alias}_" in f"_{low}_" for alias in _LONG_ALIASES))
-
-
-_BORROWING = frozenset({"ep", "expert_parallel", "expert_model_parallel"})
-"""Names of dimensions that may hold context- or tensor-parallel ranks whole (see :func:`folds`)."""
+    """A data-parallel name with a model-parallel word (torchtitan's ``dp_shard_cp``, ``dp_cp``, ``dp-cp``,
+    ``dp_context_parallel``), or an expert-parallel one (:func:`borrows`): its ranks may share a batch, which
+    its one coordinate cannot tell."""
+    if dim_kind(name) is not None:
+        return False
+    words = _words(name)
+    joined = "_" + "_".join(words) + "_"
+    return (borrows(name) or any(dim_kind(word) for word in words)
+            or any(f"_{alias}_" in joined for alias in _LONG_ALIASES))
 
 
 def _looks_data_parallel(name: str) -> bool:
     """A name of a data-parallel dimension, not to be warned of (see :data:`_DATA_HINTS`)."""
-    low = name.lower()
-    return any(hint in low for hint in _DATA_HINTS) or "ep" in low.split("_")
+    return any(hint in word for word in _words(name) for hint in _DATA_HINTS)
+
+
+def unknown_names(names: tuple) -> list:
+    """The names taken for data parallel that neither look it nor fold a model-parallel dimension (``model``)."""
+    return [name for name in names if dim_kind(name) is None and not folds(name) and not _looks_data_parallel(name)]
 
 
 def say_names(names: tuple) -> None:
     """Warn of the layout mesh's dimensions taken for data parallel that may not be: an unknown name, or
     one that folds a model-parallel dimension into data parallel (their ranks would each count a batch)."""
     folded = [name for name in names if folds(name)]
-    unknown = [name for name in names if dim_kind(name) is None and not folds(name) and not _looks_data_parallel(name)]
+    unknown = unknown_names(names)
     if folded:
         logger.warning("distmetrics: DeviceMesh dimension(s) %s may hold context-, tensor- or pipeline-parallel "
                        "ranks (torchtitan's dp_shard_cp holds cp, its ep cp and, where etp is 1, tp): where they do "
@@ -72,7 +93,9 @@ def say_names(names: tuple) -> None:
     if unknown:
         logger.warning("distmetrics: DeviceMesh dimension(s) %s are taken for data parallel (their ranks count "
                        "tokens and hold replicas); name tensor-, context- and pipeline-parallel dimensions "
-                       "tp, cp and pp (or tensor_parallel, etp, context_parallel, sp, pipeline, pipeline_parallel).",
+                       "tp, cp and pp (or tensor_parallel, tensor_model_parallel, etp, expert_tensor_parallel, "
+                       "context_parallel, sp, sequence_parallel, ulysses, pipeline, pipeline_parallel, "
+                       "pipeline_model_parallel).",
                        ", ".join(map(repr, unknown)))
 
 
@@ -105,7 +128,7 @@ def named_mesh_of(tensors: Any, ranks: tuple) -> tuple[Any, Any]:
     for mesh in layout_meshes_of(tensors):
         # an expert mesh's ep alone does not make it the job's (it may borrow cp and tp: see folds)
         names = mesh.mesh_dim_names or ()
-        if any(dim_kind(name) or (folds(name) and name.lower() not in _BORROWING) for name in names):
+        if any(dim_kind(name) or (folds(name) and not borrows(name)) for name in names):
             if spans(mesh, ranks):
                 return mesh, part
             if part is None:

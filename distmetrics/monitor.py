@@ -273,8 +273,8 @@ class Monitor:
         norms.sync.check("monitor.measure_grad_norms")  # on every step: a call inside no_sync() is said at once
         if step is not None:
             check_step(step, "monitor.measure_grad_norms")
-        if not self._is_log_step(step):  # not logged as far as is known: said at its record if it is (a change of
-            norms.skipped_measure(self._last_step)  # stride; the record close() writes, even for a step= given)
+        if not self._is_log_step(step):  # not logged as far as is known: said at its record if it is (a change
+            norms.skipped_measure(self._last_step, step is not None)  # of stride; close()'s, step= given or not)
             return None
         self._guard.note("monitor.measure_grad_norms")  # a collective not guarded: named if it hangs
         return norms.measure(norm_type, self._last_step)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .meshes import (MODEL_DIMS_BY_KIND, dim_kind, dim_name, first_copy_outside, layout_mesh, layout_meshes_of,
-                     named_mesh_of, say_names, spans)
+                     named_mesh_of, say_names, spans, unknown_names)
 from .names import is_dtensor, local_value as local_tensor  # local_tensor: this rank's piece of a DTensor
 
 __all__ = ["Layout", "detect_layout", "monitor_ranks", "RankInfo", "data_parallel_group", "sees_distinct_tokens",
@@ -185,12 +185,16 @@ def _read_mesh(layout: Layout, given: Any) -> None:
     if layout.says_once:
         say_names(names)
     for attr in MODEL_DIMS_BY_KIND:
-        named = next((name for name in names if dim_kind(name) == attr), None)
-        if named is not None:
-            setattr(layout, f"{attr}_rank", mesh.get_local_rank(named))
+        named = [name for name in names if dim_kind(name) == attr]  # two of one kind: ring cp x Ulysses sp, tp x etp
+        if named:  # a rank's place over all of them (0 only where every one is 0), their sizes' product
+            rank, size = 0, 1
+            for name in named:
+                dim = names.index(name)
+                rank, size = rank * mesh.size(dim) + mesh.get_local_rank(name), size * mesh.size(dim)
+            setattr(layout, f"{attr}_rank", rank)
             if attr in ("tp", "pp"):
-                setattr(layout, f"{attr}_size", mesh.size(names.index(named)))
-                setattr(layout, f"{attr}_group", mesh.get_group(named))
+                setattr(layout, f"{attr}_size", size)
+                setattr(layout, f"{attr}_group", mesh.get_group(named[0]) if len(named) == 1 else None)
 
 
 def _outside(layout: Layout, groups: dict) -> Optional[str]:
@@ -416,7 +420,11 @@ def model_parallel_mesh(model: Any, layout: Optional[Layout] = None) -> Any:
                        "stage other than the last is averaged in)",
                        part.mesh_dim_names, part.size(), layout.world_size)
     elif mesh is None and part is None and layout.says_once:
-        loose = next((m for m in layout_meshes_of(model.parameters()) if not spans(m, layout.ranks)), None)
+        meshes = list(layout_meshes_of(model.parameters()))
+        loose = next((m for m in meshes if not spans(m, layout.ranks)), None)
+        unknown = sorted({name for m in meshes for name in unknown_names(tuple(m.mesh_dim_names or ()))})
+        if loose is None and unknown:  # a model parallelized over ("dp", "model"): said as with device_mesh=
+            say_names(tuple(unknown))
         if loose is not None:
             logger.warning("distmetrics: the model's DTensors sit on a DeviceMesh of %d of the %d ranks (dimensions "
                            "%s) and no mesh names a tensor-, context- or pipeline-parallel dimension, so which of the "

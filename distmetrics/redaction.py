@@ -62,8 +62,10 @@ def is_secret_name(name: str) -> bool:
 
 
 def _secret_query_name(name: str) -> bool:
-    """Does this URL query parameter name a secret: a secret name, or a signature (:data:`_QUERY_SECRET`)?"""
-    return is_secret_name(name) or any(w.lower() in _QUERY_SECRET for w in _WORD.findall(name))
+    """Does this URL query parameter name a secret: a secret name, or a signature (its last word in
+    :data:`_QUERY_SECRET`; not ``SignatureVersion`` nor ``sig_level``)?"""
+    words = _WORD.findall(name)
+    return is_secret_name(name) or bool(words) and words[-1].lower() in _QUERY_SECRET
 
 
 def _hidden_value(match: re.Match) -> str:

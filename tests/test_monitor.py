@@ -527,7 +527,9 @@ def test_an_expert_meshs_ep_alone_does_not_make_it_the_jobs_mesh():
 def _mesh_dim_names(rank: int, world: int) -> dict:
     import logging
 
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     import distmetrics as dm
 
@@ -558,7 +560,8 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
     unflattened = world_mesh._unflatten(0, (1, world), ("dp", "tp"))  # torchtitan's: its root is the world mesh
     meshes = {names: init_device_mesh("cpu", (1, world)[-len(names):], mesh_dim_names=names)
               for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("efsdp", "ep"), ("dp_shard_cp",),
-                            ("dp", "expert_tensor_parallel"), ("dp", "tensor_model_parallel"), ("dp_context_parallel",))}
+                            ("dp", "expert_tensor_parallel"), ("dp", "tensor_model_parallel"), ("dp_context_parallel",),
+                            ("cp", "sp"), ("dp", "sequence_parallel"), ("dp-cp",), ("dp", "moe_ep"))}
     meshes.update({("world",): world_mesh, ("unflattened",): unflattened, ("unflattened['dp']",): unflattened["dp"]})
     for names, mesh in meshes.items():
         seen.clear()
@@ -566,6 +569,14 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
             for step in range(1, 6):
                 metrics = monitor.step(step, loss=1.0, tokens=8)
         out[names] = (metrics["train/consumed_tokens"], list(seen))
+    model = torch.nn.Linear(2, 2)  # a model on a ("dp", "model") mesh, no device_mesh= given
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "model"))
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate(), Replicate()]))
+    seen.clear()
+    with dm.Monitor(quiet_config(log_interval=5, log_throughput=True), model=model) as monitor:
+        for step in range(1, 6):
+            metrics = monitor.step(step, loss=1.0, tokens=8)
+    out["model="] = (metrics["train/consumed_tokens"], list(seen))
     return out
 
 
@@ -594,16 +605,20 @@ def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_
     root: 80 tokens); a sub-mesh of one that spans part of the job is said and not read."""
     result = mesh_names
     for names in (("dp", "TP"), ("dp", "sp"), ("unflattened",), ("dp", "expert_tensor_parallel"),
-                  ("dp", "tensor_model_parallel")):  # Megatron's long names: expert TP was taken for data parallel
+                  ("dp", "tensor_model_parallel"),  # Megatron's long names: expert TP was taken for data parallel
+                  ("cp", "sp"), ("dp", "sequence_parallel")):  # a second cp dimension was taken for data parallel
         assert result[names] == (40.0, []), names
     assert result[("world",)] == (80.0, [])
     for names, tokens in ((("dp_shard_cp",), 80.0), (("efsdp", "ep"), 80.0), (("ep", "etp"), 40.0),
-                          (("dp_context_parallel",), 80.0)):  # a long name's fold was not said
-        got, warned = result[names]
+                          (("dp_context_parallel",), 80.0), (("dp-cp",), 80.0), (("dp", "moe_ep"), 80.0)):
+        got, warned = result[names]  # a long name's, a hyphen's and an ep variant's fold was not said
         assert got == tokens and len(warned) == 1, (names, got, warned)
-        folded = repr(names[0]) if len(names) == 1 else "'ep'"
+        folded = repr(names[0]) if len(names) == 1 else f"{names[1]!r}" if names[1] == "moe_ep" else "'ep'"
         assert f"DeviceMesh dimension(s) {folded} may hold context-, tensor- or pipeline-parallel ranks" in warned[0]
         assert "then pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
+    tokens, warned = result["model="]  # a model parallelized over an unknown name, no device_mesh=: not said
+    assert tokens == 80.0 and len(warned) == 1, warned
+    assert "DeviceMesh dimension(s) 'model' are taken for data parallel" in warned[0], warned
     tokens, warned = result[("unflattened['dp']",)]
     assert tokens == 80.0 and len(warned) == 1 and "spans 1 of the Monitor's 2 ranks" in warned[0], warned
 

@@ -2593,7 +2593,7 @@ def test_the_record_close_writes_says_what_it_lacks_unless_total_steps_names_its
         assert "grad_norm" not in last and "update_norm" not in last, last
         assert said == ["distmetrics: the record of step 5 has no update_norm nor grad_norm ("
                         "monitor.measure_grad_norms() "
-                        "measured nothing: set total_steps): it is the record close() writes, of the steps after the last "
+                        "measured nothing): it is the record close() writes, of the steps after the last "
                         "log step, and its step was not known ahead to be logged (total_steps names the job's last "
                         "step). Said once"], said
     else:

@@ -395,11 +395,11 @@ def test_bad_eval_tokens_in_a_tensor_are_refused_after_the_record_on_every_rank(
                         ("cancel", "summed over ranks 0.0, the least a rank gave -10.0"), ("nan", "nan")):
         assert out[case].startswith(f"monitor.log_eval(step={list(EVAL_CASES).index(case) + 1}): tokens: "), out[case]
         assert shown in out[case] and "held NaN, inf or a negative value on some rank" in out[case]
-        assert out[case].endswith("written without what it weighs or divides (eval/loss, eval/ppl, eval/gap, "
+        assert out[case].endswith("written without what they weigh or divide (eval/loss, eval/ppl, eval/gap, "
                                   "eval/tokens_per_sec)"), out[case]
     assert out["time_ms"].startswith("monitor.log_eval(step=9): time_ms: the slowest rank's")
     # the record keeps its loss: the message named eval/loss, eval/ppl and eval/gap among what was left out
-    assert out["time_ms"].endswith("what it weighs or divides (eval/time_ms, eval/tokens_per_sec)"), out["time_ms"]
+    assert out["time_ms"].endswith("what they weigh or divide (eval/time_ms, eval/tokens_per_sec)"), out["time_ms"]
     records = {r["step"]: r for r in dm.read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"}
     assert sorted(records) == [1, 2, 3, 4, 9]  # every record written
     assert records[4]["eval/loss"] == pytest.approx(1.5) and records[4]["eval/tokens_per_sec"] == pytest.approx(200.0)

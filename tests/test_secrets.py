@@ -61,13 +61,15 @@ def test_secrets_inside_other_arguments_are_hidden_and_what_surrounds_them_kept(
             "+hf_token=S4", "++hf_token=S4", "--env=HF_TOKEN=S5", "--overrides", "hf_token=S6 lr=1",
             "--conn", "AccountName=a;AccountKey=S7;EndpointSuffix=core", "--repo", "https://ghp_S8@github.com/o/r.git",
             "--db", "postgres://u:S9@x@host/db", "--u", "https://h/p#access_token=S10", "--hftoken", "S11",
-            "--eos-token", "</s>", "ssh://git@github.com/o/r", "https://example.com/a?sigma=2&design=b"]
+            "--eos-token", "</s>", "ssh://git@github.com/o/r",
+            "https://example.com/a?sigma=2&design=b&SignatureVersion=4&sig_level=3&oauth_signature=S12"]
     assert redact_argv(argv) == [
         "--header", "Authorization: ***", "Authorization=***", "--extra", '{"api_key": "***", "lr": 0.1}',
         "+hf_token=***", "++hf_token=***", "--env=HF_TOKEN=***", "--overrides", "hf_token=*** lr=1",
         "--conn", "AccountName=a;AccountKey=***;EndpointSuffix=core", "--repo", "https://***@github.com/o/r.git",
         "--db", "postgres://u:***@host/db", "--u", "https://h/p#access_token=***", "--hftoken", "***",
-        "--eos-token", "</s>", "ssh://git@github.com/o/r", "https://example.com/a?sigma=2&design=b"]
+        "--eos-token", "</s>", "ssh://git@github.com/o/r",
+        "https://example.com/a?sigma=2&design=b&SignatureVersion=4&sig_level=3&oauth_signature=***"]
 
 
 def test_a_config_error_hides_the_value_of_an_unknown_secret_key(tmp_path):

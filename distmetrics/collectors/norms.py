@@ -95,7 +95,8 @@ class NormCollector(ParamSide):
         self._unpredicted: Optional[int] = None  # a log step not predicted (its update was not snapshotted)
         self._warned_unpredicted = False
         self._closing = self._warned_closing = False  # the unpredicted record is close()'s (said apart)
-        self._skipped_after: Any = False  # measure_grad_norms() left out, predicted not logged: the step before
+        self._skipped_after: Any = False  # measure_grad_norms() measured nothing, not known to be logged: the step
+        self._skipped_given = False  # before; and whether that call was given its step
         self._norm_family: Optional[tuple[str, float]] = None  # ("sum" | "max" | "min", the first norm_type)
         self._update: Optional[torch.Tensor] = None
         self._update_plan: Optional[Plan] = None  # the plan the update was bucketed with (the step's)
@@ -127,18 +128,18 @@ class NormCollector(ParamSide):
         """How often the model's parameters changed and the plan was rebuilt."""
         return self.grads.plans.replans
 
-    def skipped_measure(self, last_step: Any) -> None:
-        """``measure_grad_norms()`` measured nothing after ``last_step``: the next step was predicted
-        not to be logged."""
-        self._skipped_after = last_step
+    def skipped_measure(self, last_step: Any, given: bool = False) -> None:
+        """``measure_grad_norms()`` measured nothing after ``last_step``: the next step (``given``: the step the
+        call named) was not known to be logged."""
+        self._skipped_after, self._skipped_given = last_step, given
 
     def _say_unpredicted(self, step: int, lacks_update: bool, lacks_grad: bool) -> None:
         """A log step that was not predicted lacks what is measured ahead of it: its update norm, and
         ``grad_norm`` where ``measure_grad_norms()`` was left out for it; said once."""
         lacks = ["update_norm"] if lacks_update else []
         if self._skipped_after is not False and lacks_grad:
-            lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing: "
-                         + ("set total_steps)" if self._closing else "pass step=)"))
+            lacks.append("grad_norm (monitor.measure_grad_norms() measured nothing" + (
+                ")" if self._closing or self._skipped_given else ": pass step=)"))  # close()'s: the why says
         said = self._warned_closing if self._closing else self._warned_unpredicted  # each cause said once
         if not lacks or self._unpredicted != step or said or not self.layout.says_once:
             return

@@ -437,12 +437,17 @@ def _bad_count(metrics: dict[str, Any], what: str, total: Optional[float], step:
     ``step``, None where nothing: their sum over ranks and steps (``total``) is NaN, inf or negative, or
     the least a tensor gave on some rank (its :data:`LEAST` lane, taken out of ``metrics``) is negative."""
     low, rank = metrics.pop(LEAST + what, None), metrics.pop(f"{LEAST}{what}/min_rank", None)
-    where = "" if rank is None else f" on rank {int(rank)}"  # the lowest rank of a NaN (NaN wins) or the least
+    where = "" if rank is None else f" on rank {int(rank)}"  # NaN wins: its lowest rank; else the least count's
     if total is not None and not (total >= 0 and math.isfinite(total)):
-        held = (f"held NaN{where}" if low is not None and math.isnan(low) else
-                f"held a negative count{where}, {low!r}" if low is not None and low < 0 else
-                "held inf on some rank")  # the least count's lane: no rank of the greatest
-        return f"the {what} of the steps up to step {step}, summed over ranks, are {total!r}: a tensor given as {what} {held}"
+        if low is not None and math.isnan(low):
+            held = [f"NaN{where}"]
+        else:  # an inf and a negative count may both be there: each is said
+            held = ["inf on some rank"] if total == math.inf or math.isnan(total) else []  # nan: inf - inf
+            if low is not None and low < 0:
+                held.append(f"a negative count{where}, {low!r}")
+            held = held or ["a negative count on some rank"]  # one too small for the least count's float32 lane
+        return (f"the {what} of the steps up to step {step}, summed over ranks, are {total!r}: a tensor given as "
+                f"{what} held {' and '.join(held)}")
     if low is not None and low < 0:
         return (f"a tensor given as {what}{where} in the steps up to step {step} held a negative count, {low!r}, "
                 f"which the other counts outweigh in their sum over ranks and steps ({total!r})")
