@@ -561,7 +561,8 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
     meshes = {names: init_device_mesh("cpu", (1, world)[-len(names):], mesh_dim_names=names)
               for names in (("dp", "TP"), ("dp", "sp"), ("ep", "etp"), ("efsdp", "ep"), ("dp_shard_cp",),
                             ("dp", "expert_tensor_parallel"), ("dp", "tensor_model_parallel"), ("dp_context_parallel",),
-                            ("cp", "sp"), ("dp", "sequence_parallel"), ("dp-cp",), ("dp", "moe_ep"))}
+                            ("cp", "sp"), ("dp", "sequence_parallel"), ("dp-cp",), ("dp", "moe_ep"),
+                            ("dp", "pipeline_model_parallel"), ("dp", "expert_model_parallel"))}
     meshes.update({("world",): world_mesh, ("unflattened",): unflattened, ("unflattened['dp']",): unflattened["dp"]})
     for names, mesh in meshes.items():
         seen.clear()
@@ -608,12 +609,15 @@ def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_
                   ("dp", "tensor_model_parallel"),  # Megatron's long names: expert TP was taken for data parallel
                   ("cp", "sp"), ("dp", "sequence_parallel")):  # a second cp dimension was taken for data parallel
         assert result[names] == (40.0, []), names
+    tokens, warned = result[("dp", "pipeline_model_parallel")]  # the last stage counts; stage 0's loss is said
+    assert tokens == 40.0 and len(warned) == 1 and "on pipeline rank 0 of 2 is left out" in warned[0], warned
     assert result[("world",)] == (80.0, [])
     for names, tokens in ((("dp_shard_cp",), 80.0), (("efsdp", "ep"), 80.0), (("ep", "etp"), 40.0),
-                          (("dp_context_parallel",), 80.0), (("dp-cp",), 80.0), (("dp", "moe_ep"), 80.0)):
+                          (("dp_context_parallel",), 80.0), (("dp-cp",), 80.0), (("dp", "moe_ep"), 80.0),
+                          (("dp", "expert_model_parallel"), 80.0)):
         got, warned = result[names]  # a long name's, a hyphen's and an ep variant's fold was not said
         assert got == tokens and len(warned) == 1, (names, got, warned)
-        folded = repr(names[0]) if len(names) == 1 else f"{names[1]!r}" if names[1] == "moe_ep" else "'ep'"
+        folded = repr(names[0]) if len(names) == 1 else repr(names[1]) if names[1] != "etp" else "'ep'"
         assert f"DeviceMesh dimension(s) {folded} may hold context-, tensor- or pipeline-parallel ranks" in warned[0]
         assert "then pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
     tokens, warned = result["model="]  # a model parallelized over an unknown name, no device_mesh=: not said

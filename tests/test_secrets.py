@@ -135,3 +135,21 @@ def test_no_secret_reaches_any_file_of_the_run_and_ordinary_keys_stay(tmp_path):
     from tests.wandb_reader import read_offline_run
 
     assert read_offline_run(str(out))["config"]["flops_per_token"] == 6e9
+
+
+def test_an_error_w_and_b_logged_is_said_without_the_secrets_in_it(tmp_path):
+    """The wandb sink repeats the error W&B's service logged: an upload's pre-signed URL in it was said whole.
+    The sink is made without W&B (its run stood in for by the two attributes read: the narrowest boundary)."""
+    import json
+    from types import SimpleNamespace
+
+    from distmetrics.sinks.wandb import WandbSink
+
+    log = tmp_path / "debug-internal.log"
+    url = "https://b.s3.amazonaws.com/f?X-Amz-Credential=AKIA1&X-Amz-Signature=S1&X-Amz-Expires=60"
+    line = {"level": "ERROR", "msg": f"upload failed: PUT {url}: 403"}
+    log.write_text(json.dumps(line, separators=(",", ":")) + "\n")  # compact, as W&B writes its log
+    sink = object.__new__(WandbSink)
+    sink.run, sink._log_offset = SimpleNamespace(settings=SimpleNamespace(log_internal=str(log))), 0
+    said = sink._logged_error()
+    assert "S1" not in said and "AKIA1" not in said and "X-Amz-Signature=***" in said and "403" in said, said

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..redaction import redact_argv
+from ..redaction import redact_argv, redact_text
 from . import ScalarView
 from .writer import exit_hooks_last
 
@@ -221,7 +221,7 @@ class WandbSink:
                     message = json.loads(line).get("msg", "")
                 except ValueError:
                     message = line.decode("utf-8", "replace")
-                return f"{message!r} (W&B's log: {path})"
+                return f"{redact_text(str(message))!r} (W&B's log: {path})"  # an upload's pre-signed URL, say
         return ""
 
     def _removed(self) -> str:
