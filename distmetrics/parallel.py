@@ -186,13 +186,16 @@ def _read_mesh(layout: Layout, given: Any) -> None:
         say_names(names)
     for attr in MODEL_DIMS_BY_KIND:
         named = [name for name in names if dim_kind(name) == attr]  # two of one kind: ring cp x Ulysses sp, tp x etp
+        if attr == "pp" and len(named) > 1:  # stages are ordered and named over one pipeline group
+            raise ValueError(f"device_mesh: dimensions {tuple(named)} are each a pipeline-parallel dimension; a "
+                             "pipeline has one: give the mesh one pp dimension (flatten the two)")
         if named:  # a rank's place over all of them (0 only where every one is 0), their sizes' product
             rank, size = 0, 1
             for name in named:
                 dim = names.index(name)
                 rank, size = rank * mesh.size(dim) + mesh.get_local_rank(name), size * mesh.size(dim)
             setattr(layout, f"{attr}_rank", rank)
-            if attr in ("tp", "pp"):
+            if attr in ("tp", "pp"):  # two tp dimensions have no group of their own (only Megatron's is read)
                 setattr(layout, f"{attr}_size", size)
                 setattr(layout, f"{attr}_group", mesh.get_group(named[0]) if len(named) == 1 else None)
 

@@ -27,8 +27,12 @@ _SECRET_LAST = frozenset({"token", "key", "auth", "pwd", "authtoken", "accesstok
                           "sessiontoken", "secretkey", "accesskey", "privatekey"})
 """Words that make a name secret as its last word (``hf_token``, ``api_key``, ``--auth``; not ``token_budget``,
 ``num_key_value_heads`` or ``auth_type``), unless a quantity per token or a tokenizer's token is meant."""
-_NOT_SECRET_BEFORE = frozenset({"per", "eos", "bos", "pad", "unk", "sep", "cls", "mask", "special"})
-"""Words before a last ``token``/``key`` that make the name ordinary: ``flops_per_token``, ``eos_token``."""
+_NOT_SECRET_BEFORE = frozenset({"per", "max", "min", "num", "total", "eos", "bos", "pad", "unk", "sep", "cls",
+                                "mask", "special", "eot", "eod", "boi", "eoi", "image", "video", "audio", "stop",
+                                "start", "end", "begin", "think", "tool", "chat", "placeholder", "additional",
+                                "text", "sort", "dataset"})
+"""Words before a last ``token``/``key`` that make the name ordinary: a quantity (``flops_per_token``,
+``max_token``), a tokenizer's token (``eos_token``, ``image_token``), a dataset's field (``text_key``)."""
 _SECRET_PLURAL = frozenset({("api", "keys"), ("api", "tokens"), ("access", "keys"), ("secret", "keys")})
 """Two last words that name several secrets (``--api-keys``)."""
 _WHERE = frozenset({"file", "path", "dir", "env", "var", "name"})
@@ -38,15 +42,25 @@ _QUERY_SECRET = frozenset({"signature", "sig"})
 ``X-Amz-Signature``, ``X-Goog-Signature``; an Azure SAS's ``sig``), which grant access until they expire."""
 _OPTION_NAME = re.compile(r"[-+~]{0,2}[A-Za-z_][\w.-]*")  # --name, Hydra's +name, ++name, ~name
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^/\s]*)@")
+_URL_USERINFO = re.compile(r"(?P<scheme>(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://)"
+                           r"(?P<user>[^:/@\s]*):(?P<password>[^/\s]*)@")
 """A URL's ``user:password@`` (the password up to the authority's last ``@``, as ``urllib`` splits it)."""
-_URL_USER_ONLY = re.compile(r"(?P<scheme>https?://)(?P<user>[^:/@\s]+)@")
+_URL_USER_ONLY = re.compile(r"(?P<scheme>(?<![a-zA-Z0-9+.-])(?:[a-zA-Z][a-zA-Z0-9.-]*\+)?(?i:https?)://)"
+                            r"(?P<user>[^:/@\s]+)@")
 """An http(s) URL's bare ``user@``: a token in a clone URL (``https://ghp_...@github.com``)."""
 _QUERY_PARAM = re.compile(r"(?P<sep>[?&#])(?P<name>[^=&#\s]+)=(?P<value>[^&#\s]*)")
-_KEY_VALUE = re.compile(r"(?P<q>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*[=:]\s*)"
-                        r"(?P<value>(?i:(?:bearer|basic|token)\s+)?(?:\"[^\"]*\"|'[^']*'|[^\s;&,#=\"'}\]]+))")
-"""``name=value``, ``name: value`` or JSON's ``"name": "value"`` inside text (a header's ``Authorization: Bearer
-...``, a connection string's ``;AccountKey=...``, a JSON argument), the value quoted or up to a separator."""
+_HEADER = re.compile(r"(?i)(?<![\w?&#-])(?P<name>(?:proxy-)?authorization|x-api-key|api-key)(?P<sep>\s*:\s*)"
+                     r"(?P<value>[^\"'\n]+)")
+"""An HTTP header that carries a credential, its value to the end of the text or a quote (``Authorization: Bearer
+...``, an AWS signature's ``Credential=..., Signature=...``)."""
+_JSON_PAIR = re.compile(r'"(?P<name>[^"\\\n]{1,200})"(?P<sep>\s*:\s*)'
+                        r'(?P<value>"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^{}]*\}|[^\s,}\]]+)')
+"""A JSON (or Python dict) member ``"name": value`` in text: a string (escapes read), a flat list or object, or
+a bare value."""
+_SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>\s*[A-Za-z_][\w. -]{0,100}?)=(?P<value>[^;]*)")
+"""A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``)."""
+_NESTING = 8
+"""How deep ``--env=KEY=value`` and words inside words are read (a chain of ``=`` a thousand long is text)."""
 
 
 def is_secret_name(name: str) -> bool:
@@ -68,27 +82,29 @@ def _secret_query_name(name: str) -> bool:
     return is_secret_name(name) or bool(words) and words[-1].lower() in _QUERY_SECRET
 
 
-def _hidden_value(match: re.Match) -> str:
-    value = match["value"]
-    if not is_secret_name(match["name"]):
-        return match[0]
-    quote = value[0] if value[:1] in "\"'" and value[:1] else ""
-    return f"{match['q']}{match['name']}{match['q']}{match['sep']}{quote}{REDACTED}{quote}"
-
-
 def redact_text(text: str) -> str:
     """``text`` with URL passwords (and an http(s) URL's bare user), secret query parameter values (signatures
-    too) and the values of secret ``name=value`` / ``name: value`` pairs in it replaced by ``***``."""
+    too), the values of credential headers, of secret JSON members and of a connection string's secret pairs
+    replaced by ``***``."""
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
     text = _URL_USER_ONLY.sub(lambda m: f"{m['scheme']}{REDACTED}@", text)
     text = _QUERY_PARAM.sub(
         lambda m: f"{m['sep']}{m['name']}={REDACTED if _secret_query_name(m['name']) else m['value']}", text)
-    return _KEY_VALUE.sub(_hidden_value, text)
+    text = _HEADER.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
+    if '"' in text:
+        text = _JSON_PAIR.sub(lambda m: f'"{m["name"]}"{m["sep"]}'
+                              + (('"***"' if m["value"].startswith('"') else REDACTED) if is_secret_name(m["name"])
+                                 else m["value"]), text)
+    if ";" in text and "=" in text:
+        text = _SEMICOLON_PAIR.sub(lambda m: f"{m['name']}={REDACTED if is_secret_name(m['name']) else m['value']}",
+                                   text)
+    return text
 
 
-def redact_argv(argv: list) -> list:
+def redact_argv(argv: list, _depth: int = 0) -> list:
     """A command line with the values of secret options (``--hf-token v``, ``--api-key=v``, Hydra's
-    ``+hf_token=v``, ``WANDB_API_KEY=v``, ``--env=HF_TOKEN=v``) and the credentials in URLs, headers, JSON and
+    ``+hf_token=v``, ``WANDB_API_KEY=v``, ``--env=HF_TOKEN=v``; the words of an argument holding a command,
+    ``bash -c "HF_TOKEN=v torchrun ... --hf-token v"``, alike) and the credentials in URLs, headers, JSON and
     connection strings replaced by ``***``."""
     out: list = []
     hide_next = False
@@ -100,15 +116,20 @@ def redact_argv(argv: list) -> list:
         hide_next = False
         name, eq, value = arg.partition("=")
         option = bool(eq and value and _OPTION_NAME.fullmatch(name))
-        if option and is_secret_name(name.lstrip("-+~")) and not any(c.isspace() for c in value):
-            out.append(f"{name}={REDACTED}")
-        elif option and "=" in value and not any(c.isspace() for c in value):  # --env=HF_TOKEN=v, --set=k=v
-            out.append(f"{name}={redact_argv([value])[0]}")
+        if option and is_secret_name(name.lstrip("-+~")):
+            out.append(f"{name}={REDACTED}")  # the whole value, spaces and all
+        elif option and "=" in value and _depth < _NESTING and not any(c.isspace() for c in name):
+            out.append(f"{name}={redact_argv([value], _depth + 1)[0]}")  # --env=HF_TOKEN=v, --set=k=v
         elif arg.startswith("-") and not eq and is_secret_name(arg.lstrip("-")):
             out.append(arg)
             hide_next = True  # the value is the next argument
         else:
-            out.append(redact_text(arg))  # 'hf_token=v lr=1' (one argument): each pair on its own
+            arg = redact_text(arg)
+            if _depth < _NESTING and any(c.isspace() for c in arg):  # a command in one argument: its words
+                parts = re.split(r"(\s+)", arg)
+                parts[::2] = redact_argv(parts[::2], _depth + 1)
+                arg = "".join(parts)
+            out.append(arg)
     return out
 
 

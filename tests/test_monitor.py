@@ -570,6 +570,11 @@ def _mesh_dim_names(rank: int, world: int) -> dict:
             for step in range(1, 6):
                 metrics = monitor.step(step, loss=1.0, tokens=8)
         out[names] = (metrics["train/consumed_tokens"], list(seen))
+    try:  # two pipeline dimensions: stages named over one of them summed different modules under one name
+        dm.Monitor(quiet_config(), device_mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "pipeline")))
+        out["two pp"] = "no error"
+    except ValueError as err:
+        out["two pp"] = str(err)
     model = torch.nn.Linear(2, 2)  # a model on a ("dp", "model") mesh, no device_mesh= given
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "model"))
     model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate(), Replicate()]))
@@ -620,6 +625,7 @@ def test_mesh_dimension_names_are_read_in_any_case_and_folded_or_partial_meshes_
         folded = repr(names[0]) if len(names) == 1 else repr(names[1]) if names[1] != "etp" else "'ep'"
         assert f"DeviceMesh dimension(s) {folded} may hold context-, tensor- or pipeline-parallel ranks" in warned[0]
         assert "then pass the mesh with cp, tp and pp as dimensions of their own" in warned[0]
+    assert result["two pp"].startswith("device_mesh: dimensions ('pp', 'pipeline') are each a pipeline-parallel")
     tokens, warned = result["model="]  # a model parallelized over an unknown name, no device_mesh=: not said
     assert tokens == 80.0 and len(warned) == 1, warned
     assert "DeviceMesh dimension(s) 'model' are taken for data parallel" in warned[0], warned

@@ -58,18 +58,40 @@ def test_secrets_inside_other_arguments_are_hidden_and_what_surrounds_them_kept(
     holding '@', a fragment's token, and one-word option names."""
     argv = ["--header", "Authorization: Bearer S1", "Authorization=Bearer S2",
             "--extra", '{"api_key": "S3", "lr": 0.1}',
-            "+hf_token=S4", "++hf_token=S4", "--env=HF_TOKEN=S5", "--overrides", "hf_token=S6 lr=1",
+            "+hf_token=S4", "++hf_token=S4", "--env=HF_TOKEN=S5", "--overrides", "lr=1 hf_token=S6",
             "--conn", "AccountName=a;AccountKey=S7;EndpointSuffix=core", "--repo", "https://ghp_S8@github.com/o/r.git",
             "--db", "postgres://u:S9@x@host/db", "--u", "https://h/p#access_token=S10", "--hftoken", "S11",
             "--eos-token", "</s>", "ssh://git@github.com/o/r",
             "https://example.com/a?sigma=2&design=b&SignatureVersion=4&sig_level=3&oauth_signature=S12"]
     assert redact_argv(argv) == [
         "--header", "Authorization: ***", "Authorization=***", "--extra", '{"api_key": "***", "lr": 0.1}',
-        "+hf_token=***", "++hf_token=***", "--env=HF_TOKEN=***", "--overrides", "hf_token=*** lr=1",
+        "+hf_token=***", "++hf_token=***", "--env=HF_TOKEN=***", "--overrides", "lr=1 hf_token=***",
         "--conn", "AccountName=a;AccountKey=***;EndpointSuffix=core", "--repo", "https://***@github.com/o/r.git",
         "--db", "postgres://u:***@host/db", "--u", "https://h/p#access_token=***", "--hftoken", "***",
         "--eos-token", "</s>", "ssh://git@github.com/o/r",
         "https://example.com/a?sigma=2&design=b&SignatureVersion=4&sig_level=3&oauth_signature=***"]
+
+
+def test_a_secret_value_with_spaces_is_hidden_whole_and_a_command_in_one_argument_word_by_word():
+    """A first form of the text reading hid only a value's first word; a command in one argument (bash -c)
+    hid its first secret only; a chain of = a thousand long raised RecursionError."""
+    argv = ["--password=correct horse battery staple", "-c",
+            "env HF_TOKEN=S1 torchrun train.py --hf_token S2 --wandb_api_key S3 --lr 1",
+            "--json", '{"api_key": "S\\"4", "api_keys": ["S5", "S6"], "n": 1}', "-H", "X-Api-Key: S7",
+            "https://host/p?api-key=S8&x=1", "--set=" + "k=" * 1000 + "v"]
+    assert redact_argv(argv)[:8] == [
+        "--password=***", "-c", "env HF_TOKEN=*** torchrun train.py --hf_token *** --wandb_api_key *** --lr 1",
+        "--json", '{"api_key": "***", "api_keys": ***, "n": 1}', "-H", "X-Api-Key: ***",
+        "https://host/p?api-key=***&x=1"]
+
+
+@pytest.mark.parametrize("arg", ["1.0 /data/key:value_text_document 0.5 /data/b", "/data/token=abc/shard_text_document",
+                                 "/out/key=3", "token:a", "Answer with key: value format. token: 5",
+                                 "+data.path=/a/token=1", "--stop_token=</s>", "--image_token=<image>",
+                                 "--sort-key=seq_len", "--text_key=text", "sigma=2;design=b"])
+def test_ordinary_text_that_looks_like_pairs_is_kept(arg):
+    """Paths, prompts and tokenizer options a reading of every name: value pair in every argument destroyed."""
+    assert redact_argv([arg]) == [arg]
 
 
 def test_a_config_error_hides_the_value_of_an_unknown_secret_key(tmp_path):
