@@ -7,8 +7,8 @@ secret; ``flops_per_token``, ``num_tokens``, ``tokenizer_model``, ``num_key_valu
 ``log_timers_to_tensorboard`` are not, nor are a tokenizer's (``eos_token``) and a name of where a secret is
 (``--password-file``). URLs keep their host and path but lose the password of ``user:password@`` (an http(s)
 URL its bare user: a token) and the values of secret query parameters, the signatures of pre-signed URLs among
-them; in other text, the values of secret ``name=value`` and ``name: value`` pairs (headers, JSON, connection
-strings) go too.
+them; in other text, credential headers, secret JSON (or Python dict) members, a connection string's secret
+pairs, and the secret options among the words of a command held in one argument go too.
 """
 
 from __future__ import annotations
@@ -23,20 +23,26 @@ REDACTED = "***"
 _ALWAYS_SECRET = frozenset({"password", "passwd", "passphrase", "secret", "secrets", "credential",
                             "credentials", "apikey", "authorization"})
 """Words that make a name secret wherever they stand in it (but before :data:`_WHERE`)."""
-_SECRET_LAST = frozenset({"token", "key", "auth", "pwd", "authtoken", "accesstoken", "apitoken", "hftoken",
+_SECRET_LAST = frozenset({"token", "key", "auth", "authtoken", "accesstoken", "apitoken", "hftoken",
                           "sessiontoken", "secretkey", "accesskey", "privatekey"})
 """Words that make a name secret as its last word (``hf_token``, ``api_key``, ``--auth``; not ``token_budget``,
 ``num_key_value_heads`` or ``auth_type``), unless a quantity per token or a tokenizer's token is meant."""
-_NOT_SECRET_BEFORE = frozenset({"per", "max", "min", "num", "total", "eos", "bos", "pad", "unk", "sep", "cls",
-                                "mask", "special", "eot", "eod", "boi", "eoi", "image", "video", "audio", "stop",
-                                "start", "end", "begin", "think", "tool", "chat", "placeholder", "additional",
-                                "text", "sort", "dataset"})
-"""Words before a last ``token``/``key`` that make the name ordinary: a quantity (``flops_per_token``,
-``max_token``), a tokenizer's token (``eos_token``, ``image_token``), a dataset's field (``text_key``)."""
+_NOT_SECRET_BEFORE = frozenset({
+    "per", "max", "min", "num", "total",  # quantities: flops_per_token, max_token
+    "eos", "bos", "pad", "unk", "sep", "cls", "mask", "special", "eot", "eod", "boi", "eoi", "image", "video", "audio",
+    "stop", "start", "end", "begin", "think", "tool", "chat", "placeholder", "additional", "patch", "assistant", "user",
+    "system",  # a tokenizer's tokens: eos_token, image_token, mm_use_im_patch_token
+    "text", "sort", "dataset", "prompt", "chosen", "rejected", "input", "output", "label", "context", "response",
+    "caption", "instruction", "metric", "checkpoint", "query", "answer", "question", "reward", "target", "source",
+    "primary", "group", "length", "rng", "seed", "kv", "cache", "lang", "value"})  # a dataset's or a dict's fields
+"""Words before a last ``token``/``key`` that make the name ordinary: a quantity, a tokenizer's token, a
+dataset's field (``prompt_key``, verl's and OpenRLHF's), a random generator's key."""
 _SECRET_PLURAL = frozenset({("api", "keys"), ("api", "tokens"), ("access", "keys"), ("secret", "keys")})
 """Two last words that name several secrets (``--api-keys``)."""
-_WHERE = frozenset({"file", "path", "dir", "env", "var", "name"})
-"""Last words of a name that says where a secret is, not the secret (``--password-file``, ``hf_token_path``)."""
+_WHERE = frozenset({"file", "path", "dir", "env", "var", "name", "version", "type", "size", "length", "len",
+                    "count", "mode", "format", "id", "ids", "enabled"})
+"""Last words of a name that says where a secret is or what kind, not the secret (``--password-file``,
+``hf_token_path``, ``auth_type``, ``secret_sauce_version``)."""
 _QUERY_SECRET = frozenset({"signature", "sig"})
 """Words that make a URL's query parameter secret besides: the signatures of pre-signed URLs (S3's and GCS's
 ``X-Amz-Signature``, ``X-Goog-Signature``; an Azure SAS's ``sig``), which grant access until they expire."""
@@ -48,17 +54,19 @@ _URL_USERINFO = re.compile(r"(?P<scheme>(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-
 _URL_USER_ONLY = re.compile(r"(?P<scheme>(?<![a-zA-Z0-9+.-])(?:[a-zA-Z][a-zA-Z0-9.-]*\+)?(?i:https?)://)"
                             r"(?P<user>[^:/@\s]+)@")
 """An http(s) URL's bare ``user@``: a token in a clone URL (``https://ghp_...@github.com``)."""
-_QUERY_PARAM = re.compile(r"(?P<sep>[?&#])(?P<name>[^=&#\s]+)=(?P<value>[^&#\s]*)")
-_HEADER = re.compile(r"(?i)(?<![\w?&#-])(?P<name>(?:proxy-)?authorization|x-api-key|api-key)(?P<sep>\s*:\s*)"
-                     r"(?P<value>[^\"'\n]+)")
+_QUERY_PARAM = re.compile(r"(?P<sep>[?&#])(?P<name>[^=&#?\s]+)=(?P<value>[^&#\s]*)")
+_HEADER = re.compile(r"(?i)(?<![\w?&#-])(?P<name>(?:proxy-)?authorization|(?:x-)?(?:goog-)?api-key|"
+                     r"x-(?:auth|access|api)-token|private-token|cookie)(?P<sep>\s*:\s*)(?P<value>[^\"'\n]+)")
 """An HTTP header that carries a credential, its value to the end of the text or a quote (``Authorization: Bearer
 ...``, an AWS signature's ``Credential=..., Signature=...``)."""
-_JSON_PAIR = re.compile(r'"(?P<name>[^"\\\n]{1,200})"(?P<sep>\s*:\s*)'
-                        r'(?P<value>"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^{}]*\}|[^\s,}\]]+)')
-"""A JSON (or Python dict) member ``"name": value`` in text: a string (escapes read), a flat list or object, or
-a bare value."""
-_SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>\s*[A-Za-z_][\w. -]{0,100}?)=(?P<value>[^;]*)")
-"""A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``)."""
+_DICT_PAIR = re.compile(r'(?P<q>["\'])(?P<name>[^"\'\\\n]{1,200})(?P=q)(?P<sep>\s*:\s*)'
+                        r'(?P<value>"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|\[|[^\s,}\]\[{]+)')
+"""A JSON (or Python dict) member ``"name": value`` in text: a string (escapes read), the start of a list (its end
+found apart), or a bare value; an object's members are read on their own."""
+_SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>[A-Za-z_][\w.-]{0,100})=(?P<value>[^;]*)")
+"""A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``), in text with no spaces."""
+_WORDS = re.compile(r"""(?:"(?:[^"\\]|\\.)*"?|'[^']*'?|[^\s"']+)+""")
+"""The words of a command held in one argument, a quoted part within a word (``--password "a b c"``)."""
 _NESTING = 8
 """How deep ``--env=KEY=value`` and words inside words are read (a chain of ``=`` a thousand long is text)."""
 
@@ -91,14 +99,32 @@ def redact_text(text: str) -> str:
     text = _QUERY_PARAM.sub(
         lambda m: f"{m['sep']}{m['name']}={REDACTED if _secret_query_name(m['name']) else m['value']}", text)
     text = _HEADER.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
-    if '"' in text:
-        text = _JSON_PAIR.sub(lambda m: f'"{m["name"]}"{m["sep"]}'
-                              + (('"***"' if m["value"].startswith('"') else REDACTED) if is_secret_name(m["name"])
-                                 else m["value"]), text)
-    if ";" in text and "=" in text:
+    if '"' in text or "'" in text:
+        text = _dict_members(text)
+    if ";" in text and "=" in text and not any(c.isspace() for c in text):
         text = _SEMICOLON_PAIR.sub(lambda m: f"{m['name']}={REDACTED if is_secret_name(m['name']) else m['value']}",
                                    text)
     return text
+
+
+def _dict_members(text: str) -> str:
+    """``text`` with the values of its secret JSON or Python dict members hidden: a string or bare value, or a
+    list to its closing bracket (one pass: a search for it that fails hides the rest)."""
+    out, at = [], 0
+    for m in _DICT_PAIR.finditer(text):
+        if m.start() < at or not is_secret_name(m["name"]):
+            continue
+        value = m["value"]
+        end = m.end()
+        if value == "[":
+            close = text.find("]", end)
+            end = len(text) if close < 0 else close + 1
+            hidden = REDACTED
+        else:
+            hidden = f"{value[0]}{REDACTED}{value[0]}" if value[0] in "\"'" else REDACTED
+        out += [text[at:m.start("value")], hidden]
+        at = end
+    return "".join(out) + text[at:] if out else text
 
 
 def redact_argv(argv: list, _depth: int = 0) -> list:
@@ -126,19 +152,29 @@ def redact_argv(argv: list, _depth: int = 0) -> list:
         else:
             arg = redact_text(arg)
             if _depth < _NESTING and any(c.isspace() for c in arg):  # a command in one argument: its words
-                parts = re.split(r"(\s+)", arg)
-                parts[::2] = redact_argv(parts[::2], _depth + 1)
-                arg = "".join(parts)
+                words = list(_WORDS.finditer(arg))
+                arg = _rejoin(arg, words, redact_argv([w[0] for w in words], _depth + 1))
+            elif _depth < _NESTING and "," in arg and "=" in arg:  # sbatch's --export=ALL,HF_TOKEN=v; k=v,token=v
+                arg = ",".join(redact_argv(arg.split(","), _depth + 1))
             out.append(arg)
     return out
+
+
+def _rejoin(text: str, words: list, said: list) -> str:
+    """``text`` with its ``words`` (matches) replaced by ``said``, the spaces between kept."""
+    out, at = [], 0
+    for word, new in zip(words, said):
+        out += [text[at:word.start()], new]
+        at = word.end()
+    return "".join(out) + text[at:]
 
 
 def redact_mapping(values: Any) -> Any:
     """A copy of a (nested) mapping with secret keys' values and URL credentials hidden."""
     if isinstance(values, dict):
-        return {k: (REDACTED if is_secret_name(str(k)) and v is not None and not isinstance(v, dict)
-                    else redact_mapping(v)) for k, v in values.items()}
-    if isinstance(values, list):
+        return {k: (REDACTED if is_secret_name(str(k)) and v is not None else redact_mapping(v))
+                for k, v in values.items()}
+    if isinstance(values, (list, tuple, set, frozenset)):
         return [redact_mapping(v) for v in values]
     if isinstance(values, str):
         return redact_text(values)

@@ -17,7 +17,7 @@ SECRETS = ("hf_SECRET1234", "sk-SECRET5678", "pw-SECRET9012", "gh-SECRET3456", "
                                   "apiKey", "wandb_api_key", "WANDB_API_KEY", "private_key", "secret",
                                   "client_secret", "aws_secret_access_key", "password", "db_password",
                                   "--api-key", "apikey", "credentials", "--authtoken", "--hftoken", "--auth",
-                                  "authorization", "--pwd", "--api_keys", "secretkey", "+hf_token"])
+                                  "authorization", "--api_keys", "secretkey", "+hf_token"])
 def test_secret_names(name):
     assert is_secret_name(name)
 
@@ -26,7 +26,8 @@ def test_secret_names(name):
                                   "tokenizer_model", "--tokenizer-type", "max_tokens", "num_key_value_heads",
                                   "key_value_channels", "log_interval", "wandb_project", "monkey", "keyboard",
                                   "private_key_path", "--seq-length", "tensorboard_dir", "--eos-token", "pad_token",
-                                  "--password-file", "hf_token_env", "auth_type", "--num-keys"])
+                                  "--password-file", "hf_token_env", "auth_type", "--num-keys", "PWD", "--prompt_key",
+                                  "--chosen_key", "--mm_use_im_patch_token", "--secret_sauce_version"])
 def test_ordinary_names(name):
     assert not is_secret_name(name)
 
@@ -78,8 +79,17 @@ def test_a_secret_value_with_spaces_is_hidden_whole_and_a_command_in_one_argumen
     argv = ["--password=correct horse battery staple", "-c",
             "env HF_TOKEN=S1 torchrun train.py --hf_token S2 --wandb_api_key S3 --lr 1",
             "--json", '{"api_key": "S\\"4", "api_keys": ["S5", "S6"], "n": 1}', "-H", "X-Api-Key: S7",
-            "https://host/p?api-key=S8&x=1", "--set=" + "k=" * 1000 + "v"]
-    assert redact_argv(argv)[:8] == [
+            "https://host/p?api-key=S8&x=1", "--set=" + "k=" * 1000 + "v",
+            "--json", '{"wandb": {"api_key": "S9"}, "eps": [{"name": "a", "token": "S10"}]}',
+            "-H", "X-Goog-Api-Key: S11",
+            "--export=ALL,HF_TOKEN=S12", "pretrained=x,token=S13", "-c", 'torchrun t.py --password "a b c" --lr 1',
+            "--json", "{'api_key': 'S14'}", "-c", "cd /w; env HF_TOKEN=S15 torchrun t.py --lr 3e-4; echo done"]
+    redacted = redact_argv(argv)
+    assert redacted[9:] == [
+        "--json", '{"wandb": {"api_key": "***"}, "eps": [{"name": "a", "token": "***"}]}', "-H", "X-Goog-Api-Key: ***",
+        "--export=ALL,HF_TOKEN=***", "pretrained=x,token=***", "-c", "torchrun t.py --password *** --lr 1",
+        "--json", "{'api_key': '***'}", "-c", "cd /w; env HF_TOKEN=*** torchrun t.py --lr 3e-4; echo done"]
+    assert redacted[:8] == [
         "--password=***", "-c", "env HF_TOKEN=*** torchrun train.py --hf_token *** --wandb_api_key *** --lr 1",
         "--json", '{"api_key": "***", "api_keys": ***, "n": 1}', "-H", "X-Api-Key: ***",
         "https://host/p?api-key=***&x=1"]
@@ -88,7 +98,9 @@ def test_a_secret_value_with_spaces_is_hidden_whole_and_a_command_in_one_argumen
 @pytest.mark.parametrize("arg", ["1.0 /data/key:value_text_document 0.5 /data/b", "/data/token=abc/shard_text_document",
                                  "/out/key=3", "token:a", "Answer with key: value format. token: 5",
                                  "+data.path=/a/token=1", "--stop_token=</s>", "--image_token=<image>",
-                                 "--sort-key=seq_len", "--text_key=text", "sigma=2;design=b"])
+                                 "--sort-key=seq_len", "--text_key=text", "sigma=2;design=b", "PWD=/home/u/run",
+                                 "data.prompt_key=prompt", "--chosen_key=chosen", "--rng_key=0",
+                                 "cd /w; torchrun train.py --nproc-per-node 8 --lr 3e-4; echo done"])
 def test_ordinary_text_that_looks_like_pairs_is_kept(arg):
     """Paths, prompts and tokenizer options a reading of every name: value pair in every argument destroyed."""
     assert redact_argv([arg]) == [arg]
