@@ -23,20 +23,23 @@ REDACTED = "***"
 _ALWAYS_SECRET = frozenset({"password", "passwd", "passphrase", "secret", "secrets", "credential",
                             "credentials", "apikey", "authorization"})
 """Words that make a name secret wherever they stand in it (but before :data:`_WHERE`)."""
-_SECRET_LAST = frozenset({"token", "key", "auth", "authtoken", "accesstoken", "apitoken", "hftoken",
+_SECRET_LAST = frozenset({"token", "key", "auth", "pwd", "authtoken", "accesstoken", "apitoken", "hftoken",
                           "sessiontoken", "secretkey", "accesskey", "privatekey"})
-"""Words that make a name secret as its last word (``hf_token``, ``api_key``, ``--auth``; not ``token_budget``,
-``num_key_value_heads`` or ``auth_type``), unless a quantity per token or a tokenizer's token is meant."""
-_NOT_SECRET_BEFORE = frozenset({
-    "per", "max", "min", "num", "total",  # quantities: flops_per_token, max_token
-    "eos", "bos", "pad", "unk", "sep", "cls", "mask", "special", "eot", "eod", "boi", "eoi", "image", "video", "audio",
-    "stop", "start", "end", "begin", "think", "tool", "chat", "placeholder", "additional", "patch", "assistant", "user",
-    "system",  # a tokenizer's tokens: eos_token, image_token, mm_use_im_patch_token
-    "text", "sort", "dataset", "prompt", "chosen", "rejected", "input", "output", "label", "context", "response",
-    "caption", "instruction", "metric", "checkpoint", "query", "answer", "question", "reward", "target", "source",
-    "primary", "group", "length", "rng", "seed", "kv", "cache", "lang", "value"})  # a dataset's or a dict's fields
-"""Words before a last ``token``/``key`` that make the name ordinary: a quantity, a tokenizer's token, a
-dataset's field (``prompt_key``, verl's and OpenRLHF's), a random generator's key."""
+"""Words that make a name secret as its last word (``hf_token``, ``api_key``, ``--auth``, ``MYSQL_PWD``; not
+``token_budget``, ``num_key_value_heads`` or ``auth_type``), unless a quantity or a tokenizer's token is meant
+(:data:`_ORDINARY_BEFORE`)."""
+_QUANTITIES = frozenset({"per", "max", "min", "num", "total"})
+_ORDINARY_BEFORE = {
+    "token": _QUANTITIES | {  # a tokenizer's tokens: eos_token, image_token, mm_use_im_patch_token
+        "eos", "bos", "pad", "unk", "sep", "cls", "mask", "special", "eot", "eod", "boi", "eoi", "image", "video",
+        "audio", "stop", "start", "end", "begin", "think", "tool", "chat", "placeholder", "additional", "patch",
+        "assistant"},
+    "key": _QUANTITIES | {  # a dataset's or a dict's fields (verl's and OpenRLHF's prompt_key), a generator's key
+        "text", "sort", "dataset", "prompt", "chosen", "rejected", "input", "output", "label", "context", "response",
+        "caption", "instruction", "metric", "checkpoint", "answer", "question", "reward", "target", "source",
+        "group", "length", "rng", "seed", "kv", "cache", "lang", "value", "image", "video", "audio"}}
+"""Words before a last ``token`` or ``key`` that make the name ordinary (not ``user_token``, ``primary_key``,
+``query_key``: Slack's, Azure's secrets)."""
 _SECRET_PLURAL = frozenset({("api", "keys"), ("api", "tokens"), ("access", "keys"), ("secret", "keys")})
 """Two last words that name several secrets (``--api-keys``)."""
 _WHERE = frozenset({"file", "path", "dir", "env", "var", "name", "version", "type", "size", "length", "len",
@@ -60,13 +63,19 @@ _HEADER = re.compile(r"(?i)(?<![\w?&#-])(?P<name>(?:proxy-)?authorization|(?:x-)
 """An HTTP header that carries a credential, its value to the end of the text or a quote (``Authorization: Bearer
 ...``, an AWS signature's ``Credential=..., Signature=...``)."""
 _DICT_PAIR = re.compile(r'(?P<q>["\'])(?P<name>[^"\'\\\n]{1,200})(?P=q)(?P<sep>\s*:\s*)'
-                        r'(?P<value>"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|\[|[^\s,}\]\[{]+)')
-"""A JSON (or Python dict) member ``"name": value`` in text: a string (escapes read), the start of a list (its end
-found apart), or a bare value; an object's members are read on their own."""
-_SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>[A-Za-z_][\w.-]{0,100})=(?P<value>[^;]*)")
-"""A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``), in text with no spaces."""
-_WORDS = re.compile(r"""(?:"(?:[^"\\]|\\.)*"?|'[^']*'?|[^\s"']+)+""")
-"""The words of a command held in one argument, a quoted part within a word (``--password "a b c"``)."""
+                        r'(?P<value>"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[\[{]|[^\s,}\]\[{]+)')
+"""A JSON (or Python dict) member ``"name": value`` in text: a string (escapes read), the start of a list or
+object (its end found apart, by depth; a non-secret one's members are read on their own), or a bare value."""
+_SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>\s*[A-Za-z_][\w.-]{0,100})=(?P<value>[^;]*)")
+"""A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``, SQL Server's
+``...;Password=...;``)."""
+_CONNECTION_STRING = re.compile(r"\s*[A-Za-z_][\w .-]{0,100}=[^;]*;")
+"""How a connection string starts: a ``name=value;`` (``Server=...;``, ``Host=db; Port=5432``), not a command."""
+_WORDS = re.compile(r"""(?:"(?:[^"\\]|\\.)*"|'[^']*'|\\.|[^\s"'\\]+|["'\\])+""")
+"""The words of a command held in one argument, a closed quote within a word (``--password "a b c"``); a quote
+never closed (an apostrophe) is a character of its word."""
+_QUOTED = re.compile(r""""(?P<d>(?:[^"\\]|\\.)*\s(?:[^"\\]|\\.)*)"|'(?P<s>[^']*\s[^']*)'""")
+"""A quoted part holding a space: a command within the command (``bash -c "torchrun ... --hf_token v"``)."""
 _NESTING = 8
 """How deep ``--env=KEY=value`` and words inside words are read (a chain of ``=`` a thousand long is text)."""
 
@@ -78,8 +87,9 @@ def is_secret_name(name: str) -> bool:
         return False
     if any(w in _ALWAYS_SECRET for w in words) or tuple(words[-2:]) in _SECRET_PLURAL:
         return True
-    if words[-1] in _SECRET_LAST:
-        return not (len(words) >= 2 and words[-2] in _NOT_SECRET_BEFORE)  # flops_per_token, eos_token
+    if words[-1] in _SECRET_LAST:  # flops_per_token, eos_token, prompt_key; the working directory's PWD
+        ordinary = len(words) >= 2 and words[-2] in _ORDINARY_BEFORE.get(words[-1], ())
+        return not ordinary and str(name).strip("-+~") != "PWD"
     return False
 
 
@@ -101,7 +111,7 @@ def redact_text(text: str) -> str:
     text = _HEADER.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
     if '"' in text or "'" in text:
         text = _dict_members(text)
-    if ";" in text and "=" in text and not any(c.isspace() for c in text):
+    if ";" in text and "=" in text and _CONNECTION_STRING.match(text):
         text = _SEMICOLON_PAIR.sub(lambda m: f"{m['name']}={REDACTED if is_secret_name(m['name']) else m['value']}",
                                    text)
     return text
@@ -116,15 +126,35 @@ def _dict_members(text: str) -> str:
             continue
         value = m["value"]
         end = m.end()
-        if value == "[":
-            close = text.find("]", end)
-            end = len(text) if close < 0 else close + 1
+        if value in "[{":
+            end = _closing(text, m.start("value"))
             hidden = REDACTED
         else:
             hidden = f"{value[0]}{REDACTED}{value[0]}" if value[0] in "\"'" else REDACTED
         out += [text[at:m.start("value")], hidden]
         at = end
     return "".join(out) + text[at:] if out else text
+
+
+def _closing(text: str, start: int) -> int:
+    """Where the list or object opening at ``start`` ends (past its closing bracket, counted by depth, strings
+    skipped), or the end of ``text`` where it never closes."""
+    depth, at, n = 0, start, len(text)
+    while at < n:
+        c = text[at]
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+        elif c in "\"'":
+            close = at + 1
+            while close < n and text[close] != c:
+                close += 2 if text[close] == "\\" else 1
+            at = close
+        at += 1
+    return n
 
 
 def redact_argv(argv: list, _depth: int = 0) -> list:
@@ -144,20 +174,28 @@ def redact_argv(argv: list, _depth: int = 0) -> list:
         option = bool(eq and value and _OPTION_NAME.fullmatch(name))
         if option and is_secret_name(name.lstrip("-+~")):
             out.append(f"{name}={REDACTED}")  # the whole value, spaces and all
-        elif option and "=" in value and _depth < _NESTING and not any(c.isspace() for c in name):
+        elif option and "=" in value and _depth < _NESTING and not _CONNECTION_STRING.match(arg):
             out.append(f"{name}={redact_argv([value], _depth + 1)[0]}")  # --env=HF_TOKEN=v, --set=k=v
         elif arg.startswith("-") and not eq and is_secret_name(arg.lstrip("-")):
             out.append(arg)
             hide_next = True  # the value is the next argument
         else:
             arg = redact_text(arg)
-            if _depth < _NESTING and any(c.isspace() for c in arg):  # a command in one argument: its words
+            if _depth < _NESTING and any(c.isspace() for c in arg):  # a command in one argument: its words,
+                arg = _QUOTED.sub(lambda m: _requoted(m, _depth + 1), arg)  # and the commands quoted in it
                 words = list(_WORDS.finditer(arg))
-                arg = _rejoin(arg, words, redact_argv([w[0] for w in words], _depth + 1))
+                if len(words) > 1:
+                    arg = _rejoin(arg, words, redact_argv([w[0] for w in words], _depth + 1))
             elif _depth < _NESTING and "," in arg and "=" in arg:  # sbatch's --export=ALL,HF_TOKEN=v; k=v,token=v
                 arg = ",".join(redact_argv(arg.split(","), _depth + 1))
             out.append(arg)
     return out
+
+
+def _requoted(match: re.Match, depth: int) -> str:
+    """A quoted part holding a space, its content read as a command (:func:`redact_argv`), quoted again."""
+    quote, inner = ('"', match["d"]) if match["d"] is not None else ("'", match["s"])
+    return quote + redact_argv([inner], depth)[0] + quote
 
 
 def _rejoin(text: str, words: list, said: list) -> str:

@@ -95,6 +95,22 @@ def test_a_secret_value_with_spaces_is_hidden_whole_and_a_command_in_one_argumen
         "https://host/p?api-key=***&x=1"]
 
 
+def test_commands_quoted_in_commands_connection_strings_with_spaces_and_secret_objects_are_hidden():
+    """A third reading's leaks: a command quoted inside a command, text after an apostrophe, a connection
+    string with spaces, a secret member whose value is an object or a nested list, names Slack's, Azure's and
+    MySQL's secrets have."""
+    argv = ["-c", 'docker run img bash -c "torchrun t.py --hf_token S1 --lr 1"', "ssh n1 'torchrun t.py --api-key S2'",
+            "--note", "user's run, --hf_token S3", "Server=tcp:x,1433;Initial Catalog=db;User ID=u;Password=S4;",
+            '{"hf_token": {"value": "S5"}, "api_keys": [["S6"], ["S7"]], "n": 1}', "SLACK_USER_TOKEN=S8",
+            "AZURE_PRIMARY_KEY=S9", "MYSQL_PWD=S10", "PWD=/home/u/run"]
+    assert redact_argv(argv) == [
+        "-c", 'docker run img bash -c "torchrun t.py --hf_token *** --lr 1"', "ssh n1 'torchrun t.py --api-key ***'",
+        "--note", "user's run, --hf_token ***", "Server=tcp:x,1433;Initial Catalog=db;User ID=u;Password=***;",
+        '{"hf_token": ***, "api_keys": ***, "n": 1}', "SLACK_USER_TOKEN=***", "AZURE_PRIMARY_KEY=***",
+        "MYSQL_PWD=***", "PWD=/home/u/run"]
+    assert redact_mapping({"sql": "Host=db; Port=5432; Password=S1"}) == {"sql": "Host=db; Port=5432; Password=***"}
+
+
 @pytest.mark.parametrize("arg", ["1.0 /data/key:value_text_document 0.5 /data/b", "/data/token=abc/shard_text_document",
                                  "/out/key=3", "token:a", "Answer with key: value format. token: 5",
                                  "+data.path=/a/token=1", "--stop_token=</s>", "--image_token=<image>",
