@@ -69,13 +69,15 @@ object (its end found apart, by depth; a non-secret one's members are read on th
 _SEMICOLON_PAIR = re.compile(r"(?:^|(?<=;))(?P<name>\s*[A-Za-z_][\w.-]{0,100})=(?P<value>[^;]*)")
 """A connection string's ``name=value`` between ``;`` (Azure's ``...;AccountKey=...;``, SQL Server's
 ``...;Password=...;``)."""
-_CONNECTION_STRING = re.compile(r"\s*[A-Za-z_][\w .-]{0,100}=[^;]*;")
-"""How a connection string starts: a ``name=value;`` (``Server=...;``, ``Host=db; Port=5432``), not a command."""
-_WORDS = re.compile(r"""(?:"(?:[^"\\]|\\.)*"|'[^']*'|\\.|[^\s"'\\]+|["'\\])+""")
+_CONNECTION_STRING = re.compile(r"\s*(?:[A-Z][\w.-]{0,50} [A-Z][\w.-]{0,50}|[A-Za-z_][\w.-]{0,100})=[^;]*;")
+"""How a connection string starts: a ``name=value;`` (``Server=...;``, ``Data Source=...;``, ``Host=db; Port=5432``),
+not a command (``export NCCL_DEBUG=INFO; ...``)."""
+_WORDS = re.compile(r"""(?:"(?:[^"\\]++|\\.)*+"|'[^']*+'|\\.|[^\s"'\\]++|["'\\])+""")
 """The words of a command held in one argument, a closed quote within a word (``--password "a b c"``); a quote
 never closed (an apostrophe) is a character of its word."""
-_QUOTED = re.compile(r""""(?P<d>(?:[^"\\]|\\.)*\s(?:[^"\\]|\\.)*)"|'(?P<s>[^']*\s[^']*)'""")
-"""A quoted part holding a space: a command within the command (``bash -c "torchrun ... --hf_token v"``)."""
+_QUOTE = re.compile(r"[\"']")
+_QUOTED_REST = {'"': re.compile(r'(?:[^"\\]++|\\.)*+"'), "'": re.compile(r"[^']*+'")}
+"""The rest of a quoted part, to its closing quote (possessive: one pass however it ends)."""
 _NESTING = 8
 """How deep ``--env=KEY=value`` and words inside words are read (a chain of ``=`` a thousand long is text)."""
 
@@ -111,7 +113,7 @@ def redact_text(text: str) -> str:
     text = _HEADER.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
     if '"' in text or "'" in text:
         text = _dict_members(text)
-    if ";" in text and "=" in text and _CONNECTION_STRING.match(text):
+    if ";" in text and "=" in text and _CONNECTION_STRING.match(text) and " -" not in text:
         text = _SEMICOLON_PAIR.sub(lambda m: f"{m['name']}={REDACTED if is_secret_name(m['name']) else m['value']}",
                                    text)
     return text
@@ -174,28 +176,49 @@ def redact_argv(argv: list, _depth: int = 0) -> list:
         option = bool(eq and value and _OPTION_NAME.fullmatch(name))
         if option and is_secret_name(name.lstrip("-+~")):
             out.append(f"{name}={REDACTED}")  # the whole value, spaces and all
-        elif option and "=" in value and _depth < _NESTING and not _CONNECTION_STRING.match(arg):
-            out.append(f"{name}={redact_argv([value], _depth + 1)[0]}")  # --env=HF_TOKEN=v, --set=k=v
+        elif option and "=" in value and _depth < _NESTING:  # --env=HF_TOKEN=v, --set=k=v; a connection string
+            name, _, value = redact_text(arg).partition("=")  # whole (ENV=HF_TOKEN=v;KEY=v)
+            out.append(f"{name}={redact_argv([value], _depth + 1)[0]}")
         elif arg.startswith("-") and not eq and is_secret_name(arg.lstrip("-")):
             out.append(arg)
             hide_next = True  # the value is the next argument
         else:
-            arg = redact_text(arg)
-            if _depth < _NESTING and any(c.isspace() for c in arg):  # a command in one argument: its words,
-                arg = _QUOTED.sub(lambda m: _requoted(m, _depth + 1), arg)  # and the commands quoted in it
-                words = list(_WORDS.finditer(arg))
-                if len(words) > 1:
-                    arg = _rejoin(arg, words, redact_argv([w[0] for w in words], _depth + 1))
-            elif _depth < _NESTING and "," in arg and "=" in arg:  # sbatch's --export=ALL,HF_TOKEN=v; k=v,token=v
-                arg = ",".join(redact_argv(arg.split(","), _depth + 1))
-            out.append(arg)
+            out.append(_command(arg, _depth))
     return out
 
 
-def _requoted(match: re.Match, depth: int) -> str:
-    """A quoted part holding a space, its content read as a command (:func:`redact_argv`), quoted again."""
-    quote, inner = ('"', match["d"]) if match["d"] is not None else ("'", match["s"])
-    return quote + redact_argv([inner], depth)[0] + quote
+def _command(text: str, depth: int) -> str:
+    """An argument that is no option of its own: its text read (:func:`redact_text`); holding spaces, a command
+    (``bash -c``'s), its quoted parts holding spaces commands of their own and its words an argv; else a list of
+    ``k=v`` after commas (sbatch's ``--export=ALL,HF_TOKEN=v``, ``k=v,token=v``)."""
+    text = redact_text(text)
+    if depth < _NESTING and any(c.isspace() for c in text):
+        text = _requoted(text, depth + 1)
+        words = list(_WORDS.finditer(text))
+        if len(words) > 1:
+            text = _rejoin(text, words, redact_argv([w[0] for w in words], depth + 1))
+    elif depth < _NESTING and "," in text and "=" in text:
+        text = ",".join(redact_argv(text.split(","), depth + 1))
+    return text
+
+
+def _requoted(text: str, depth: int) -> str:
+    """``text`` with each quoted part holding a space read as a command (:func:`_command`), in one pass: a quote
+    that never closes is a character, and so is every later one like it."""
+    out, at, search, unclosed = [], 0, 0, set()
+    while (found := _QUOTE.search(text, search)) is not None:
+        quote, start = found[0], found.start()
+        rest = None if quote in unclosed else _QUOTED_REST[quote].match(text, start + 1)
+        if rest is None:
+            unclosed.add(quote)
+            search = start + 1
+            continue
+        inner = text[start + 1:rest.end() - 1]
+        if any(c.isspace() for c in inner):
+            out += [text[at:start + 1], _command(inner, depth)]
+            at = rest.end() - 1  # the closing quote on
+        search = rest.end()
+    return "".join(out) + text[at:] if out else text
 
 
 def _rejoin(text: str, words: list, said: list) -> str:

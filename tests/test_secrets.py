@@ -109,6 +109,11 @@ def test_commands_quoted_in_commands_connection_strings_with_spaces_and_secret_o
         '{"hf_token": ***, "api_keys": ***, "n": 1}', "SLACK_USER_TOKEN=***", "AZURE_PRIMARY_KEY=***",
         "MYSQL_PWD=***", "PWD=/home/u/run"]
     assert redact_mapping({"sql": "Host=db; Port=5432; Password=S1"}) == {"sql": "Host=db; Port=5432; Password=***"}
+    assert redact_argv(["ENV=HF_TOKEN=S1;WANDB_API_KEY=S2",
+                        "-c", "export NCCL_DEBUG=INFO; HF_TOKEN=S3 torchrun t.py --lr 1",
+                        'ssh n1 "HF_TOKEN=S4 torchrun t.py --lr 1"']) == [
+        "ENV=HF_TOKEN=***", "-c", "export NCCL_DEBUG=INFO; HF_TOKEN=*** torchrun t.py --lr 1",
+        'ssh n1 "HF_TOKEN=*** torchrun t.py --lr 1"']  # a command's ; is no connection string's
 
 
 @pytest.mark.parametrize("arg", ["1.0 /data/key:value_text_document 0.5 /data/b", "/data/token=abc/shard_text_document",
