@@ -1446,7 +1446,8 @@ def test_initialize_with_tensor_inspect_disabled_says_there_is_nothing_to_initia
         for kind, message, _ in run_ranks(_initialize_with_features_missing_on, 2, str(tmp_path), case, timeout=120):
             assert (kind, message) == ("ConfigError", prefix + said), case
     with pytest.raises(ConfigError, match=f"^{said}$"):  # without a process group
-        dm.tensor_stats.initialize(dm.MetricsConfig.from_yaml(str(Path(__file__).parents[1] / "configs" / "metrics.yaml")))
+        shipped = Path(__file__).parents[1] / "configs" / "metrics.yaml"
+        dm.tensor_stats.initialize(dm.MetricsConfig.from_yaml(str(shipped)))
 
 
 def test_a_rank_that_leaves_initialize_out_is_named_at_once_rather_than_waited_for(tmp_path):
