@@ -162,7 +162,7 @@ def _closing(text: str, start: int) -> int:
 def redact_argv(argv: list, _depth: int = 0) -> list:
     """A command line with the values of secret options (``--hf-token v``, ``--api-key=v``, Hydra's
     ``+hf_token=v``, ``WANDB_API_KEY=v``, ``--env=HF_TOKEN=v``; the words of an argument holding a command,
-    ``bash -c "HF_TOKEN=v torchrun ... --hf-token v"``, alike) and the credentials in URLs, headers, JSON and
+    ``bash -c "env HF_TOKEN=v torchrun ... --hf-token v"``, alike) and the credentials in URLs, headers, JSON and
     connection strings replaced by ``***``."""
     out: list = []
     hide_next = False

@@ -133,7 +133,8 @@ def test_a_config_error_hides_the_value_of_an_unknown_secret_key(tmp_path):
     import distmetrics as dm
 
     (tmp_path / "c.yaml").write_text("log_interval: 5\nwandb_api_key: S1\n")
-    for make in (lambda: dm.MetricsConfig(hf_token="S1"), lambda: dm.MetricsConfig.from_yaml(str(tmp_path / "c.yaml")),
+    for make in (lambda: dm.MetricsConfig(hf_token="S1"), lambda: dm.MetricsConfig(wandb={"api_key": "S1"}),
+                 lambda: dm.MetricsConfig.from_yaml(str(tmp_path / "c.yaml")),
                  lambda: dm.MetricsConfig.from_yaml(str(tmp_path / "c.yaml"), ["hf_token=S1"])):
         with pytest.raises(dm.ConfigError) as info:
             make()
