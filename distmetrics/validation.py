@@ -79,7 +79,8 @@ def unknown_key(prefix: str, key: Any, known: Any, value: Any = ...) -> str:
     """``unknown config key 'k' (value v); did you mean 'key'? Accepted keys: ...``."""
     by_lower = {str(k).lower(): k for k in sorted(known)}  # LOG_INTERVAL: log_interval
     close = [by_lower[k] for k in difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)]
-    given = "" if value is ... else f" (value {REDACTED if is_secret_name(str(key)) else _short(redact_mapping(value))})"
+    shown = REDACTED if is_secret_name(str(key)) else _short(redact_mapping(value))  # a secret nested in it too
+    given = "" if value is ... else f" (value {shown})"
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
     accepted = ", ".join(prefix + k for k in sorted(known))
     return f"unknown config key '{prefix}{key}'{given}{hint} Accepted keys: {accepted}"
