@@ -189,18 +189,14 @@ def run_check_features(args: argparse.Namespace) -> str:
     return f"ok: {args.path} ({len(spec)} section(s): {names}){_unchecked_by_nvdlfw()}"
 
 
-def _nvdlfw_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("nvdlfw_inspect") is not None
-
-
 def _unchecked_by_nvdlfw() -> str:
     """What an "ok" did not cover where nvdlfw-inspect is missing ("" where it ran)."""
-    if _nvdlfw_installed():
+    from .tensor_stats.features import NVDLFW_INSTALL, nvdlfw_installed
+
+    if nvdlfw_installed():
         return ""
     return ("; our checks only: nvdlfw-inspect is not installed, so its own check (every feature registered "
-            "by a folder that would load) did not run: pip install nvdlfw-inspect==0.2.2")
+            f"by a folder that would load) did not run: {NVDLFW_INSTALL}")
 
 
 # --- report ------------------------------------------------------------------------------
@@ -256,10 +252,10 @@ def _check_inspection(config: TensorInspectConfig, source: str,
                       dirs_option: str = "tensor_inspect.feature_dirs") -> dict:
     import tempfile
 
-    from .tensor_stats.features import check_inspect_config
+    from .tensor_stats.features import check_inspect_config, nvdlfw_installed
 
     spec, dirs = check_inspect_config(config, dirs_option)
-    if not _nvdlfw_installed():
+    if not nvdlfw_installed():
         return spec  # the "ok" line says what did not run
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 

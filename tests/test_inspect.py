@@ -1416,6 +1416,42 @@ def test_any_error_reading_the_features_on_one_rank_is_raised_on_every_rank_at_o
         assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect: RuntimeError: the reader broke")
 
 
+def _without_nvdlfw_on_rank_1(rank: int, world: int, root: str, call: str) -> tuple:
+    import sys
+    import time
+
+    import distmetrics as dm
+
+    if rank == 1:
+        sys.modules["nvdlfw_inspect"] = None  # as on a host where the package is missing (its import raises)
+    features = Path(root) / f"features{rank}.yaml"
+    features.parent.mkdir(parents=True, exist_ok=True)
+    features.write_text(FEATURES)
+    cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=60,
+                           tensor_inspect={"enabled": True, "features": str(features)})
+    started = time.monotonic()
+    try:
+        if call == "initialize":
+            dm.tensor_stats.initialize(cfg, model=_model())
+        else:
+            dm.Monitor(cfg, model=_model()).close()
+        return "no error", "", 0.0
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
+        return type(err).__name__, str(err), time.monotonic() - started
+
+
+def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extra_on_every_rank(tmp_path):
+    """Without nvdlfw-inspect, turning inspection on raised a bare ModuleNotFoundError from deep inside the
+    inspector's start, naming neither the pip package nor the extra, on that rank alone. It is now a
+    ConfigError checked with the features file, before any collective: every rank raises it at once."""
+    said = ('rank 1: tensor_inspect.enabled is true but nvdlfw-inspect is not installed: pip install '
+            'nvdlfw-inspect==0.2.2 (the "inspect" extra), or set tensor_inspect.enabled: false')
+    for call in ("Monitor", "initialize"):
+        for kind, message, waited in run_ranks(_without_nvdlfw_on_rank_1, 2, str(tmp_path / call), call, timeout=120):
+            assert kind == "ConfigError" and message == f"distmetrics cannot start: {said}", (call, kind, message)
+            assert waited < 30, (call, waited)
+
+
 def test_initialize_says_a_features_file_one_rank_cannot_read_on_every_rank(tmp_path):
     """``initialize`` checked the features file on its own rank: rank 1 raised, rank 0 went on into
     ``Monitor()`` and waited there hang_timeout_s (20 s) for a rank that never came. Given the model

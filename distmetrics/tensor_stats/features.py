@@ -20,7 +20,8 @@ from ..config import ConfigError, TensorInspectConfig
 from ..yamlfile import read_yaml
 from .statistics import SUPPORTED_STATS
 
-__all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "FEATURES_DIR", "TENSORS"]
+__all__ = ["check_inspect_config", "load_features", "feature_dirs_for", "check_custom_dirs", "FEATURES_DIR", "TENSORS",
+           "NVDLFW_INSTALL", "nvdlfw_installed", "require_nvdlfw"]
 
 TENSORS = ("activation", "input", "weight", "gradient")
 FEATURES_DIR = str(Path(__file__).resolve().parent / "nvdlfw_features")
@@ -33,6 +34,21 @@ _SCHEDULE_KEYS = ("freq", "start_step", "end_step", "start_end_list")
 """The keys of a tensor's schedule."""
 _BASE_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm")
 """nvdlfw-inspect's own ``LogTensorStats`` statistics."""
+NVDLFW_INSTALL = 'pip install nvdlfw-inspect==0.2.2 (the "inspect" extra)'
+
+
+def nvdlfw_installed() -> bool:
+    """Whether nvdlfw-inspect can be imported (found, not imported: it imports torch)."""
+    return importlib.util.find_spec("nvdlfw_inspect") is not None
+
+
+def require_nvdlfw() -> None:
+    """A ConfigError naming the package and its extra where tensor inspection is on without
+    nvdlfw-inspect: checked with the features file, before any rank starts it (a bare
+    ``ModuleNotFoundError`` from deep inside the start named neither)."""
+    if not nvdlfw_installed():
+        raise ConfigError(f"tensor_inspect.enabled is true but nvdlfw-inspect is not installed: {NVDLFW_INSTALL}, "
+                          "or set tensor_inspect.enabled: false")
 
 
 def check_inspect_config(config: TensorInspectConfig,

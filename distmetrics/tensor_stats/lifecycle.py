@@ -17,7 +17,7 @@ from ..config import ConfigError, MetricsConfig, TensorInspectConfig
 from ..output_claim import unmakeable
 from ..packing import digest
 from ..runinfo import NOT_READ, left_at_start, said_on_every_rank
-from .features import check_inspect_config
+from .features import check_inspect_config, require_nvdlfw
 
 __all__ = ["initialize", "current", "shutdown", "start_for_monitor", "collectors_for", "build_model", "start_nvdlfw", "reset_nvdlfw",
            "accumulate", "check_log_dir"]
@@ -82,6 +82,7 @@ def _checked(config: Union[MetricsConfig, TensorInspectConfig], output_dir: Opti
     if not inspect.enabled:
         raise ConfigError("tensor_inspect.enabled is false: nothing to initialise")
     spec, dirs = check_inspect_config(inspect)
+    require_nvdlfw()
     return spec, dirs, _checked_log_dir(inspect, output_dir)
 
 
@@ -132,6 +133,7 @@ def check_inspection(config: MetricsConfig, world_size: int) -> tuple[Optional[s
         return None, _digest(current().spec)
     try:
         spec, _ = check_inspect_config(config.tensor_inspect)
+        require_nvdlfw()
         check_log_dir(config)
     except Exception as err:  # noqa: BLE001 - any error on one rank is every rank's, before the first collective
         if world_size == 1:
