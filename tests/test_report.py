@@ -37,9 +37,23 @@ from tests.synthetic_run import generate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 INSTALL = "apt-get install -y chromium"
-if CHROMIUM is None and os.environ.get("DISTMETRICS_REQUIRE_CHROMIUM"):
-    raise RuntimeError(f"DISTMETRICS_REQUIRE_CHROMIUM is set but no chromium binary is on PATH ({INSTALL})")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason=f"no chromium binary on PATH; install it: {INSTALL}")
+
+
+def needs_chromium(test):
+    """A browser test: run where Chromium is on PATH; else skipped, saying so, or where
+    DISTMETRICS_REQUIRE_CHROMIUM is set (CI), failed without its fixtures: raising at import stopped
+    the whole run at collection, every other test of the run unrun."""
+    if CHROMIUM is not None:
+        return test
+    if not os.environ.get("DISTMETRICS_REQUIRE_CHROMIUM"):
+        return pytest.mark.skip(reason=f"no chromium binary on PATH; install it: {INSTALL}")(test)
+
+    def fail() -> None:
+        pytest.fail(f"DISTMETRICS_REQUIRE_CHROMIUM is set but no chromium binary is on PATH ({INSTALL})")
+
+    fail.__name__, fail.__qualname__, fail.__doc__ = test.__name__, test.__qualname__, test.__doc__
+    return fail
+
 
 PROBE = r"""
 (function () {
@@ -217,6 +231,21 @@ def test_demo_report_screenshot(demo_report, tmp_path):
     assert colours(pixels) > 100
     top = pixels[:1500, :, :3].astype(int)
     assert (top.sum(axis=2) < 600).mean() > 0.01, "the top of the page has (almost) no ink"
+
+
+def test_without_chromium_the_browser_tests_skip_saying_so_or_fail_where_it_is_required(tmp_path):
+    """Without Chromium on PATH the browser tests skip with the install line; with
+    DISTMETRICS_REQUIRE_CHROMIUM set (CI) they fail, and only they: the run's other tests still run (the
+    check used to raise at import, which stopped the whole run at collection)."""
+    chosen = ["-k", "browser_check_sees or test_a_missing_extra_is_named"]
+    for required, said in (("", "1 passed, 1 skipped"), ("1", "1 failed, 1 passed")):
+        env = {k: v for k, v in os.environ.items() if k != "DISTMETRICS_REQUIRE_CHROMIUM"}
+        env.update(PATH=str(tmp_path), DISTMETRICS_REQUIRE_CHROMIUM=required)  # a PATH holding no browser
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              "tests/test_report.py", *chosen], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=240)
+        assert said in run.stdout, (required, run.stdout[-2000:])
+        assert INSTALL in run.stdout, run.stdout[-2000:]
 
 
 @needs_chromium
