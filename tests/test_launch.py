@@ -270,6 +270,41 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
     assert missing.returncode == 2 and "has no bin/python" in missing.stderr
 
 
+def test_setup_sh_installs_again_where_the_torch_spec_or_pyproject_changed(tmp_path):
+    """setup.sh checked only that the modules exist: DISTMETRICS_TORCH set on an existing .venv kept the
+    old torch, and a dependency a pull added to pyproject.toml was never installed. The venv's interpreter
+    is a stand-in that runs the real one but records its pip calls instead of making them."""
+    project = tmp_path / "project"
+    (project / "launch").mkdir(parents=True)
+    shutil.copy(ROOT / "launch" / "setup.sh", project / "launch" / "setup.sh")
+    shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")
+    calls = tmp_path / "pip-calls"
+    stub = project / ".venv" / "bin" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m pip" ]; then echo "$*" >> {calls}; exit 0; fi\n'
+                    'case "$2" in *"import torch, distmetrics"*) echo "distmetrics, torch"; exit 0;; esac\n'
+                    f'exec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTMETRICS_VENV", "DISTMETRICS_TORCH")}
+
+    def setup(**extra) -> list:
+        calls.write_text("")
+        run = subprocess.run(["bash", "launch/setup.sh"], cwd=project, env=dict(env, **extra), capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0 and run.stdout.strip() == "distmetrics, torch", run.stdout + run.stderr
+        return calls.read_text().splitlines()
+
+    installs = ["-m pip install -q --upgrade pip", "-m pip install -q torch==2.13.0", '-m pip install -q -e .[all,dev]']
+    assert setup() == installs  # a venv set up before the record of what it was set up for
+    assert setup() == []  # nothing changed: only checked
+    assert setup(DISTMETRICS_TORCH="torch==2.4.0") == [installs[0], "-m pip install -q torch==2.4.0", installs[2]]
+    assert setup(DISTMETRICS_TORCH="torch==2.4.0") == []
+    with open(project / "pyproject.toml", "a") as f:
+        f.write("\n# a dependency added\n")
+    assert setup() == installs
+    assert setup() == []
+
+
 @pytest.mark.parametrize("extra, expected", [
     ({}, "--nproc-per-node 8 --standalone x.py"),
     ({"MASTER_PORT": "1234"}, "--nproc-per-node 8 --master-addr 127.0.0.1 --master-port 1234 x.py"),
