@@ -500,6 +500,10 @@ def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
     records = list(dm.read_jsonl(fresh / "metrics.jsonl"))
     assert [r["kind"] for r in records] == ["run", "train", "train", "end"]
     assert (earlier / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'
+    # the README's list of what the folder holds
+    assert sorted(p.name for p in fresh.iterdir()) == ["metrics.jsonl", "progress.txt", "report.html", "tensorboard"]
+    assert list((fresh / "tensorboard").glob("events.out.tfevents.*")) and (fresh / "progress.txt").read_text()
+    assert (fresh / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
 @pytest.mark.parametrize("script,args,said", [
