@@ -1385,45 +1385,22 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
         return type(err).__name__, str(err), time.monotonic() - started
 
 
-def _features_reader_raising_on_rank_1(rank: int, world: int, root: str) -> tuple:
+def _start_with_a_fault_on_rank_1(rank: int, world: int, root: str, fault: str, call: str = "Monitor") -> tuple:
+    """``Monitor()`` (or ``tensor_stats.initialize(model=)``) with inspection on, rank 1 given ``fault``:
+    "reader" (an error of another kind than ConfigError: the file's reader failing on this rank alone)
+    or "no nvdlfw" (the package missing, as on a host without it: its import raises)."""
+    import sys
     import time
 
     import distmetrics as dm
     from distmetrics.tensor_stats import lifecycle
 
-    if rank == 1:  # an error of another kind than ConfigError (the file's reader failing on this rank alone)
+    if rank == 1 and fault == "reader":
         def broken(config):
             raise RuntimeError("the reader broke")
         lifecycle.check_inspect_config = broken
-    features = Path(root) / f"features{rank}.yaml"
-    features.write_text(FEATURES)
-    cfg = dm.MetricsConfig(output_dir=f"{root}/out{rank}", tensorboard=False, console=False, hang_timeout_s=60,
-                           tensor_inspect={"enabled": True, "features": str(features)})
-    started = time.monotonic()
-    try:
-        dm.Monitor(cfg, model=_model()).close()
-        return "no error", "", 0.0
-    except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
-        return type(err).__name__, str(err), time.monotonic() - started
-
-
-def test_any_error_reading_the_features_on_one_rank_is_raised_on_every_rank_at_once(tmp_path):
-    """Only a ConfigError was shared at start-up: another error on one rank (a TypeError from a tensor
-    name nvdlfw-inspect could not hash) raised there alone while the others waited hang_timeout_s
-    and named the wrong cause. The failure is stood in for by replacing the features check on rank 1."""
-    for kind, message, waited in run_ranks(_features_reader_raising_on_rank_1, 2, str(tmp_path), timeout=120):
-        assert kind == "ConfigError" and waited < 30, (kind, message, waited)
-        assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect: RuntimeError: the reader broke")
-
-
-def _without_nvdlfw_on_rank_1(rank: int, world: int, root: str, call: str) -> tuple:
-    import sys
-    import time
-
-    import distmetrics as dm
-
-    if rank == 1:
-        sys.modules["nvdlfw_inspect"] = None  # as on a host where the package is missing (its import raises)
+    if rank == 1 and fault == "no nvdlfw":
+        sys.modules["nvdlfw_inspect"] = None
     features = Path(root) / f"features{rank}.yaml"
     features.parent.mkdir(parents=True, exist_ok=True)
     features.write_text(FEATURES)
@@ -1440,6 +1417,15 @@ def _without_nvdlfw_on_rank_1(rank: int, world: int, root: str, call: str) -> tu
         return type(err).__name__, str(err), time.monotonic() - started
 
 
+def test_any_error_reading_the_features_on_one_rank_is_raised_on_every_rank_at_once(tmp_path):
+    """Only a ConfigError was shared at start-up: another error on one rank (a TypeError from a tensor
+    name nvdlfw-inspect could not hash) raised there alone while the others waited hang_timeout_s
+    and named the wrong cause. The failure is stood in for by replacing the features check on rank 1."""
+    for kind, message, waited in run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path), "reader", timeout=120):
+        assert kind == "ConfigError" and waited < 30, (kind, message, waited)
+        assert message.startswith("distmetrics cannot start: rank 1: tensor_inspect: RuntimeError: the reader broke")
+
+
 def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extra_on_every_rank(tmp_path):
     """Without nvdlfw-inspect, turning inspection on raised a bare ModuleNotFoundError from deep inside the
     inspector's start, naming neither the pip package nor the extra, on that rank alone. It is now a
@@ -1447,7 +1433,8 @@ def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extr
     said = ('rank 1: tensor_inspect.enabled is true but nvdlfw-inspect is not installed: pip install '
             'nvdlfw-inspect==0.2.2 (the "inspect" extra), or set tensor_inspect.enabled: false')
     for call in ("Monitor", "initialize"):
-        for kind, message, waited in run_ranks(_without_nvdlfw_on_rank_1, 2, str(tmp_path / call), call, timeout=120):
+        ranks = run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path / call), "no nvdlfw", call, timeout=120)
+        for kind, message, waited in ranks:
             assert kind == "ConfigError" and message == f"distmetrics cannot start: {said}", (call, kind, message)
             assert waited < 30, (call, waited)
 
