@@ -252,11 +252,12 @@ def _check_inspection(config: TensorInspectConfig, source: str,
                       dirs_option: str = "tensor_inspect.feature_dirs") -> dict:
     import tempfile
 
-    from .tensor_stats.features import check_inspect_config, nvdlfw_installed
+    from .tensor_stats.features import check_inspect_config, nvdlfw_installed, require_nvdlfw
 
     spec, dirs = check_inspect_config(config, dirs_option)
     if not nvdlfw_installed():
         return spec  # the "ok" line says what did not run
+    require_nvdlfw()  # installed but not importable: said as an error, not a traceback
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     with tempfile.TemporaryDirectory() as log_dir:

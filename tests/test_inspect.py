@@ -1387,8 +1387,9 @@ def _initialize_with_features_missing_on(rank: int, world: int, root: str, case:
 
 def _start_with_a_fault_on_rank_1(rank: int, world: int, root: str, fault: str, call: str = "Monitor") -> tuple:
     """``Monitor()`` (or ``tensor_stats.initialize(model=)``) with inspection on, rank 1 given ``fault``:
-    "reader" (an error of another kind than ConfigError: the file's reader failing on this rank alone)
-    or "no nvdlfw" (the package missing, as on a host without it: its import raises)."""
+    "reader" (an error of another kind than ConfigError: the file's reader failing on this rank alone),
+    "no nvdlfw" (the package missing, as on a host without it: its import raises) or "broken nvdlfw" (the
+    package found, the module the start imports not importable)."""
     import sys
     import time
 
@@ -1399,8 +1400,8 @@ def _start_with_a_fault_on_rank_1(rank: int, world: int, root: str, fault: str, 
         def broken(config):
             raise RuntimeError("the reader broke")
         lifecycle.check_inspect_config = broken
-    if rank == 1 and fault == "no nvdlfw":
-        sys.modules["nvdlfw_inspect"] = None
+    if rank == 1 and fault in ("no nvdlfw", "broken nvdlfw"):
+        sys.modules["nvdlfw_inspect" if fault == "no nvdlfw" else "nvdlfw_inspect.api"] = None
     features = Path(root) / f"features{rank}.yaml"
     features.parent.mkdir(parents=True, exist_ok=True)
     features.write_text(FEATURES)
@@ -1427,15 +1428,21 @@ def test_any_error_reading_the_features_on_one_rank_is_raised_on_every_rank_at_o
 
 
 def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extra_on_every_rank(tmp_path):
-    """Without nvdlfw-inspect, turning inspection on raised a bare ModuleNotFoundError from deep inside the
-    inspector's start, naming neither the pip package nor the extra, on that rank alone. It is now a
-    ConfigError checked with the features file, before any collective: every rank raises it at once."""
-    said = ('rank 1: tensor_inspect.enabled is true but nvdlfw-inspect is not installed: pip install '
-            'nvdlfw-inspect==0.2.2 (the "inspect" extra), or set tensor_inspect.enabled: false')
-    for call in ("Monitor", "initialize"):
-        ranks = run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path / call), "no nvdlfw", call, timeout=120)
+    """Without nvdlfw-inspect, or with one whose module the start imports cannot be imported, turning
+    inspection on raised a bare ModuleNotFoundError from deep inside the inspector's start, naming neither
+    the pip package nor the extra, on that rank alone (the other saw gloo's connection closed). It is now
+    a ConfigError checked with the features file, before any collective: every rank raises it at once."""
+    said = {"no nvdlfw": "rank 1: tensor_inspect.enabled is true but nvdlfw-inspect is not installed: pip install "
+                         'nvdlfw-inspect==0.2.2 (the "inspect" extra), or set tensor_inspect.enabled: false',
+            "broken nvdlfw": "rank 1: tensor_inspect.enabled is true but nvdlfw-inspect cannot be imported "
+                             "(ModuleNotFoundError: import of nvdlfw_inspect.api halted; None in sys.modules): pip "
+                             'install nvdlfw-inspect==0.2.2 (the "inspect" extra) again, or set tensor_inspect.enabled: '
+                             "false"}
+    for fault, call in (("no nvdlfw", "Monitor"), ("no nvdlfw", "initialize"), ("broken nvdlfw", "Monitor"),
+                        ("broken nvdlfw", "initialize")):
+        ranks = run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path / fault / call), fault, call, timeout=120)
         for kind, message, waited in ranks:
-            assert kind == "ConfigError" and message == f"distmetrics cannot start: {said}", (call, kind, message)
+            assert kind == "ConfigError" and message == f"distmetrics cannot start: {said[fault]}", (call, kind, message)
             assert waited < 30, (call, waited)
 
 

@@ -10,6 +10,7 @@ feature's unknown key or a schedule that selects no step, custom feature folders
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
 import os
 import re
@@ -44,11 +45,18 @@ def nvdlfw_installed() -> bool:
 
 def require_nvdlfw() -> None:
     """A ConfigError naming the package and its extra where tensor inspection is on without
-    nvdlfw-inspect: checked with the features file, before any rank starts it (a bare
-    ``ModuleNotFoundError`` from deep inside the start named neither)."""
+    nvdlfw-inspect, or with one that cannot be imported (a part missing, a dependency broken):
+    checked with the features file, before any rank starts it (a bare ``ModuleNotFoundError``
+    from deep inside the start named neither, on that rank alone). Imports what the start imports."""
     if not nvdlfw_installed():
         raise ConfigError(f"tensor_inspect.enabled is true but nvdlfw-inspect is not installed: {NVDLFW_INSTALL}, "
                           "or set tensor_inspect.enabled: false")
+    try:
+        importlib.import_module("nvdlfw_inspect.api")
+    except Exception as err:  # noqa: BLE001 - whatever its import raises is the cause to name
+        raise ConfigError(f"tensor_inspect.enabled is true but nvdlfw-inspect cannot be imported "
+                          f"({type(err).__name__}: {err}): {NVDLFW_INSTALL} again, or set tensor_inspect.enabled: "
+                          "false") from err
 
 
 def check_inspect_config(config: TensorInspectConfig,
