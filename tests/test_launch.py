@@ -272,37 +272,53 @@ def test_torchrun_sh_uses_the_projects_venv_when_python_is_not_set(tmp_path):
 
 def test_setup_sh_installs_again_where_the_torch_spec_or_pyproject_changed(tmp_path):
     """setup.sh checked only that the modules exist: DISTMETRICS_TORCH set on an existing .venv kept the
-    old torch, and a dependency a pull added to pyproject.toml was never installed. The venv's interpreter
-    is a stand-in that runs the real one but records its pip calls instead of making them."""
+    old torch, and a dependency a pull added to pyproject.toml was never installed. Now it installs the
+    project again where pyproject.toml changed, and torch where DISTMETRICS_TORCH names another spec than
+    the one it installed; unset, the torch present is kept (a GPU build installed with the variable is not
+    swapped for the CPU pin by a later run without it). ``--check`` says what a run would install and
+    installs nothing. The venv's interpreter is a stand-in that runs the real one but records its pip
+    calls instead of making them, and finds every module but the one ``MISSING`` names."""
     project = tmp_path / "project"
     (project / "launch").mkdir(parents=True)
     shutil.copy(ROOT / "launch" / "setup.sh", project / "launch" / "setup.sh")
     shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")
     calls = tmp_path / "pip-calls"
-    stub = project / ".venv" / "bin" / "python"
+    stub = project / "a venv" / "bin" / "python"
     stub.parent.mkdir(parents=True)
-    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m pip" ]; then echo "$*" >> {calls}; exit 0; fi\n'
-                    'case "$2" in *"import torch, distmetrics"*) echo "distmetrics, torch"; exit 0;; esac\n'
-                    f'exec {sys.executable} "$@"\n')
+    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m pip" ]; then echo "$*" >> "{calls}"; exit 0; fi\n'
+                    'case "$2" in\n'
+                    '  *"import torch, distmetrics"*) echo "distmetrics, torch"; exit 0;;\n'
+                    '  *find_spec*) for m in "${@:3}"; do [ "$m" = "${MISSING:-}" ] && exit 1; done; exit 0;;\n'
+                    'esac\n'
+                    f'exec "{sys.executable}" "$@"\n')
     stub.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("DISTMETRICS_VENV", "DISTMETRICS_TORCH")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTMETRICS_TORCH", "MISSING")}
+    env["DISTMETRICS_VENV"] = str(project / "a venv")
 
-    def setup(**extra) -> list:
+    def setup(*args, status=0, **extra) -> tuple:
         calls.write_text("")
-        run = subprocess.run(["bash", "launch/setup.sh"], cwd=project, env=dict(env, **extra), capture_output=True,
-                             text=True, timeout=60)
-        assert run.returncode == 0 and run.stdout.strip() == "distmetrics, torch", run.stdout + run.stderr
-        return calls.read_text().splitlines()
+        run = subprocess.run(["bash", "launch/setup.sh", *args], cwd=project, env=dict(env, **extra),
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == status, run.stdout + run.stderr
+        return calls.read_text().splitlines(), run.stdout.strip()
 
-    installs = ["-m pip install -q --upgrade pip", "-m pip install -q torch==2.13.0", '-m pip install -q -e .[all,dev]']
-    assert setup() == installs  # a venv set up before the record of what it was set up for
-    assert setup() == []  # nothing changed: only checked
-    assert setup(DISTMETRICS_TORCH="torch==2.4.0") == [installs[0], "-m pip install -q torch==2.4.0", installs[2]]
-    assert setup(DISTMETRICS_TORCH="torch==2.4.0") == []
+    pip, project_install = "-m pip install -q --upgrade pip", '-m pip install -q -e .[all,dev]'
+    assert setup("--check", status=1)[1].endswith("the project (pyproject.toml is not the one it installed)")
+    assert setup("--check", status=1)[0] == []
+    assert setup() == ([pip, project_install], "distmetrics, torch")  # a venv from before: torch kept
+    assert setup() == ([], "distmetrics, torch")  # nothing changed: only checked
+    assert setup("--check")[1].startswith("setup has nothing to install into ")
+    assert setup(DISTMETRICS_TORCH="torch==2.4.0")[0] == [pip, "-m pip install -q torch==2.4.0"]
+    assert setup(DISTMETRICS_TORCH="torch==2.4.0")[0] == []
+    assert setup()[0] == []  # the variable unset on a later run: the torch it installed is kept
     with open(project / "pyproject.toml", "a") as f:
         f.write("\n# a dependency added\n")
-    assert setup() == installs
-    assert setup() == []
+    assert setup()[0] == [pip, project_install]
+    assert setup()[0] == []
+    assert setup(MISSING="torch")[0] == [pip, "-m pip install -q torch==2.13.0"]
+    assert setup(MISSING="wandb")[0] == [pip, project_install]
+    said = setup("--check", status=1, MISSING="torch", DISTMETRICS_TORCH="torch==2.5.0")[1]
+    assert said.endswith("install into " + env["DISTMETRICS_VENV"] + ": torch==2.5.0 (torch is missing)"), said
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -475,15 +491,15 @@ def test_the_suites_objects_are_out_of_the_collectors_reach_once_collected():
 
 
 def test_the_demo_writes_a_fresh_run_folder_each_time(tmp_path):
-    """launch/demo.sh as the README runs it (set-up check included; the venv is this one, so
-    set-up finds everything installed), two steps: a new folder beside an earlier demo's."""
-    import importlib.util
-
+    """launch/demo.sh as the README runs it (set-up check included; the venv is this one, skipped
+    where set-up would install into it: never into the suite's running environment), two steps: a new
+    folder beside an earlier demo's."""
     if sys.prefix == sys.base_prefix:
         pytest.skip("the demo's set-up needs a virtual environment to check")
-    missing = [m for m in ("tensorboard", "wandb", "megatron.core", "nvdlfw_inspect") if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"set-up would install {missing} into this environment")
+    check = subprocess.run(["bash", str(ROOT / "launch" / "setup.sh"), "--check"], capture_output=True, text=True,
+                           env=dict(_env(DISTMETRICS_VENV=sys.prefix)), timeout=60)
+    if check.returncode != 0:
+        pytest.skip(check.stdout.strip() or check.stderr.strip())
     earlier = tmp_path / "demo" / "20250101-000000"
     earlier.mkdir(parents=True)
     (earlier / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
