@@ -257,7 +257,10 @@ def _check_inspection(config: TensorInspectConfig, source: str,
     spec, dirs = check_inspect_config(config, dirs_option)
     if not nvdlfw_installed():
         return spec  # the "ok" line says what did not run
-    require_nvdlfw()  # installed but not importable: said as an error, not a traceback
+    if dirs_option == "--feature-dir":  # installed but not importable: said as an error, not a traceback
+        require_nvdlfw("checking the features file runs nvdlfw-inspect's own check", "uninstall it (our checks only)")
+    else:
+        require_nvdlfw()
     from .tensor_stats.lifecycle import reset_nvdlfw, start_nvdlfw
 
     with tempfile.TemporaryDirectory() as log_dir:

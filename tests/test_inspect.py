@@ -1389,7 +1389,7 @@ def _start_with_a_fault_on_rank_1(rank: int, world: int, root: str, fault: str, 
     """``Monitor()`` (or ``tensor_stats.initialize(model=)``) with inspection on, rank 1 given ``fault``:
     "reader" (an error of another kind than ConfigError: the file's reader failing on this rank alone),
     "no nvdlfw" (the package missing, as on a host without it: its import raises) or "broken nvdlfw" (the
-    package found, the module the start imports not importable)."""
+    package found, a module the start imports after the start-up gather not importable)."""
     import sys
     import time
 
@@ -1401,7 +1401,7 @@ def _start_with_a_fault_on_rank_1(rank: int, world: int, root: str, fault: str, 
             raise RuntimeError("the reader broke")
         lifecycle.check_inspect_config = broken
     if rank == 1 and fault in ("no nvdlfw", "broken nvdlfw"):
-        sys.modules["nvdlfw_inspect" if fault == "no nvdlfw" else "nvdlfw_inspect.api"] = None
+        sys.modules["nvdlfw_inspect" if fault == "no nvdlfw" else "nvdlfw_inspect.config_manager"] = None
     features = Path(root) / f"features{rank}.yaml"
     features.parent.mkdir(parents=True, exist_ok=True)
     features.write_text(FEATURES)
@@ -1435,9 +1435,9 @@ def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extr
     said = {"no nvdlfw": "rank 1: tensor_inspect.enabled is true but nvdlfw-inspect is not installed: pip install "
                          'nvdlfw-inspect==0.2.2 (the "inspect" extra), or set tensor_inspect.enabled: false',
             "broken nvdlfw": "rank 1: tensor_inspect.enabled is true but nvdlfw-inspect cannot be imported "
-                             "(ModuleNotFoundError: import of nvdlfw_inspect.api halted; None in sys.modules): pip "
-                             'install nvdlfw-inspect==0.2.2 (the "inspect" extra) again, or set tensor_inspect.enabled: '
-                             "false"}
+                             "(nvdlfw_inspect.base: ModuleNotFoundError: import of "
+                             "nvdlfw_inspect.config_manager halted; None in sys.modules): pip install "
+                             'nvdlfw-inspect==0.2.2 (the "inspect" extra) again, or set tensor_inspect.enabled: false'}
     for fault, call in (("no nvdlfw", "Monitor"), ("no nvdlfw", "initialize"), ("broken nvdlfw", "Monitor"),
                         ("broken nvdlfw", "initialize")):
         ranks = run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path / fault / call), fault, call, timeout=120)

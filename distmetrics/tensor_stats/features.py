@@ -43,20 +43,28 @@ def nvdlfw_installed() -> bool:
     return importlib.util.find_spec("nvdlfw_inspect") is not None
 
 
-def require_nvdlfw() -> None:
+_NVDLFW_MODULES = ("nvdlfw_inspect.api", "nvdlfw_inspect.base", "nvdlfw_inspect.config_manager",
+                   "nvdlfw_inspect.debug_features.generic_feature_api", "nvdlfw_inspect.debug_manager",
+                   "nvdlfw_inspect.logging", "nvdlfw_inspect.registry")
+"""The modules of nvdlfw-inspect the start, our feature folder and the hooks import."""
+
+
+def require_nvdlfw(need: str = "tensor_inspect.enabled is true",
+                   instead: str = "set tensor_inspect.enabled: false") -> None:
     """A ConfigError naming the package and its extra where tensor inspection is on without
-    nvdlfw-inspect, or with one that cannot be imported (a part missing, a dependency broken):
-    checked with the features file, before any rank starts it (a bare ``ModuleNotFoundError``
-    from deep inside the start named neither, on that rank alone). Imports what the start imports."""
+    nvdlfw-inspect, or with one a module of which cannot be imported (a part missing, a dependency
+    broken): checked with the features file, before any rank starts it (a bare
+    ``ModuleNotFoundError`` from deep inside the start named neither, on that rank alone). Imports
+    every module the start imports (none of them sets up logging or other state on import).
+    ``need`` says what needs it, ``instead`` the other way out."""
     if not nvdlfw_installed():
-        raise ConfigError(f"tensor_inspect.enabled is true but nvdlfw-inspect is not installed: {NVDLFW_INSTALL}, "
-                          "or set tensor_inspect.enabled: false")
-    try:
-        importlib.import_module("nvdlfw_inspect.api")
-    except Exception as err:  # noqa: BLE001 - whatever its import raises is the cause to name
-        raise ConfigError(f"tensor_inspect.enabled is true but nvdlfw-inspect cannot be imported "
-                          f"({type(err).__name__}: {err}): {NVDLFW_INSTALL} again, or set tensor_inspect.enabled: "
-                          "false") from err
+        raise ConfigError(f"{need} but nvdlfw-inspect is not installed: {NVDLFW_INSTALL}, or {instead}")
+    for module in _NVDLFW_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - whatever its import raises is the cause to name
+            raise ConfigError(f"{need} but nvdlfw-inspect cannot be imported ({module}: {type(err).__name__}: "
+                              f"{err}): {NVDLFW_INSTALL} again, or {instead}") from err
 
 
 def check_inspect_config(config: TensorInspectConfig,
