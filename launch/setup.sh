@@ -12,25 +12,30 @@ cd "$(dirname "$0")/.."
 CHECK=$([ "${1:-}" = "--check" ] && echo 1 || echo 0)
 VENV=${DISTMETRICS_VENV:-.venv}
 TORCH_SPEC=${DISTMETRICS_TORCH:-torch==2.13.0}
+if [ "$CHECK" = 1 ] && [ ! -x "$VENV/bin/python" ]; then
+  echo "setup would make $VENV and install everything into it"
+  exit 1
+fi
+if [ "$CHECK" = 0 ] && command -v flock >/dev/null; then  # a second set-up at once (a demo beside the tests)
+  mkdir -p "$VENV"                                          # waits for this one, then finds it done; taken
+  exec 9>>"$VENV/.distmetrics-setup.lock"                   # before the venv is made, whose bin/python is
+  flock 9                                                   # there seconds before its pip
+fi
 if [ ! -x "$VENV/bin/python" ]; then
-  if [ "$CHECK" = 1 ]; then
-    echo "setup would make $VENV and install everything into it"
-    exit 1
-  fi
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if [ "$CHECK" = 0 ] && command -v flock >/dev/null; then  # a second set-up at once (a demo beside the tests)
-  exec 9>>"$VENV/.distmetrics-setup.lock"                   # waits for this one, then finds it done
-  flock 9
-fi
 # What this script last installed, two lines: the torch spec and pyproject.toml's sha256. Checking only
 # that the modules exist kept an old torch where DISTMETRICS_TORCH changed and never installed a
 # dependency a pull added.
 STAMP="$VENV/.distmetrics-setup"
 PROJECT=$("$PY" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")
 HAD_TORCH="" HAD_PROJECT=""
-{ read -r HAD_TORCH; read -r HAD_PROJECT; } < "$STAMP" 2>/dev/null || true
+if [ -f "$STAMP" ]; then
+  { read -r HAD_TORCH; read -r HAD_PROJECT; } < "$STAMP" || true
+fi
+HAD_TORCH=${HAD_TORCH%$'\r'} HAD_PROJECT=${HAD_PROJECT%$'\r'}
+case $HAD_TORCH in *" "*) HAD_TORCH="" ;; esac  # the one-line "spec sha" of an earlier version: not known
 found() {  # found, not imported (importing them all took about 9 s, on every demo and test run); the line
   # that ends this script imports torch and distmetrics, and a module found but broken fails where it is used
   "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
