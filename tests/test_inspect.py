@@ -1442,7 +1442,7 @@ def test_tensor_inspection_without_nvdlfw_inspect_names_the_package_and_its_extr
                         ("broken nvdlfw", "initialize")):
         ranks = run_ranks(_start_with_a_fault_on_rank_1, 2, str(tmp_path / fault / call), fault, call, timeout=120)
         for kind, message, waited in ranks:
-            assert kind == "ConfigError" and message == f"distmetrics cannot start: {said[fault]}", (call, kind, message)
+            assert (kind, message) == ("ConfigError", f"distmetrics cannot start: {said[fault]}"), call
             assert waited < 30, (call, waited)
 
 

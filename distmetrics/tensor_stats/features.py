@@ -39,7 +39,7 @@ NVDLFW_INSTALL = 'pip install nvdlfw-inspect==0.2.2 (the "inspect" extra)'
 
 
 def nvdlfw_installed() -> bool:
-    """Whether nvdlfw-inspect can be imported (found, not imported: it imports torch)."""
+    """Whether nvdlfw-inspect is installed (found, not imported: importing it imports torch)."""
     return importlib.util.find_spec("nvdlfw_inspect") is not None
 
 
