@@ -24,10 +24,48 @@ ROOT = Path(__file__).resolve().parents[1]
 """The project folder (what a child interpreter imports ``distmetrics`` and ``tests`` from)."""
 
 
+_PORTS: list = []
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to a socket bound to port 0 or connecting out."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152  # IANA's dynamic range, as macOS and Windows use
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a rendezvous (``MASTER_PORT``), below the kernel's ephemeral range.
+
+    A port taken from that range (bind to port 0, then closed) could be handed to another socket,
+    an outgoing connection or gloo's listener in another test worker's ranks, before rank 0's store
+    bound it: rank 0 failed with EADDRINUSE and the other ranks connected to that stranger and waited
+    (a 180 s timeout and every test of a module in error, with 3 pytest workers on 2 cores). Below the
+    range only a process that names a port takes it; each pytest worker walks a slice of its own, so
+    two workers never pick the same port, and a port in use (or held in TIME_WAIT) is skipped."""
+    low = _ephemeral_low()
+    first, span = 20000, low - 20000
+    if span < 800:  # a machine whose ephemeral range starts low: take one from it, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    slices = 8
+    width = span // slices
+    index = int(worker[2:]) % slices if worker[2:].isdigit() else 0
+    if not _PORTS:
+        _PORTS.append(os.getpid() % width)  # where this process starts in its slice: runs of the suite apart
+    for _ in range(width):
+        port = first + index * width + _PORTS[0] % width
+        _PORTS[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first + index * width}-{first + (index + 1) * width - 1}")
 
 
 _CONTEXT: list = []

@@ -501,6 +501,30 @@ def test_test_sh_runs_the_gpu_suite_only_when_given_no_arguments(tmp_path):
     assert "venv python -m pytest tests -q -n 3 --dist loadfile --durations=20" in run.stdout.splitlines()
 
 
+def test_the_suites_rendezvous_ports_are_below_the_ephemeral_range_one_slice_per_worker(monkeypatch):
+    """``free_port`` took a port from the kernel's ephemeral range, which another socket (an outgoing
+    connection, another worker's gloo listener) could be handed before rank 0's store bound it: EADDRINUSE
+    on rank 0, the other ranks connected to a stranger's store, a 180 s timeout and a module's tests in
+    error (seen with 3 pytest workers). Truth: the kernel's range as /proc gives it."""
+    import socket
+
+    from tests import dist_utils
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    seen = {}
+    for worker in ("gw0", "gw1", "gw7"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        seen[worker] = {dist_utils.free_port() for _ in range(3)}
+        assert len(seen[worker]) == 3 and max(seen[worker]) < low, (worker, seen[worker], low)
+    assert not (seen["gw0"] & seen["gw1"]) and not (seen["gw1"] & seen["gw7"]) and not (seen["gw0"] & seen["gw7"])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    with socket.socket() as held:  # a port some process listens on is skipped
+        nxt = dist_utils.free_port() + 1
+        held.bind(("127.0.0.1", nxt))
+        held.listen()
+        assert dist_utils.free_port() == nxt + 1
+
+
 def _intra_op_threads(rank: int, world: int) -> int:
     import torch
 
